@@ -1,0 +1,32 @@
+from archon.lora.config import LoRAConfig
+from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, linear
+from archon.lora.utils import (
+    adapter_disabled,
+    is_lora_param,
+    lora_modules,
+    lora_parameters,
+    lora_state_dict,
+    mark_only_lora_trainable,
+    merge_lora,
+    reset_lora_parameters,
+    set_adapter_enabled,
+    unmerge_lora,
+)
+
+__all__ = [
+    "ExpertLoRA",
+    "LoRAConfig",
+    "LoRALinear",
+    "LoRAModule",
+    "adapter_disabled",
+    "is_lora_param",
+    "linear",
+    "lora_modules",
+    "lora_parameters",
+    "lora_state_dict",
+    "mark_only_lora_trainable",
+    "merge_lora",
+    "reset_lora_parameters",
+    "set_adapter_enabled",
+    "unmerge_lora",
+]

@@ -1,0 +1,77 @@
+"""Whole-model LoRA utilities: trainability, adapter parameters, on/off, merge/unmerge."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from archon.lora.layers import LoRAModule
+
+LORA_PARAM_MARKERS = ("lora_a", "lora_b")
+
+
+def is_lora_param(name: str) -> bool:
+    return any(part in LORA_PARAM_MARKERS for part in name.split("."))
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAModule]]:
+    for name, module in model.named_modules():
+        if isinstance(module, LoRAModule):
+            yield name, module
+
+
+def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Adapter parameters by archon FQN."""
+    return {n: p for n, p in model.named_parameters() if is_lora_param(n)}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in lora_parameters(model).items()}
+
+
+def mark_only_lora_trainable(model: nn.Module) -> int:
+    """Freeze every base parameter; return the number of trainable (adapter) elements."""
+    trainable = 0
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_lora_param(name))
+        if param.requires_grad:
+            trainable += param.numel()
+    if trainable == 0:
+        raise ValueError("model has no LoRA parameters to train; was it built with a LoRAConfig?")
+    return trainable
+
+
+def reset_lora_parameters(model: nn.Module) -> None:
+    for _, module in lora_modules(model):
+        module.reset_lora_parameters()
+
+
+def set_adapter_enabled(model: nn.Module, enabled: bool) -> None:
+    for _, module in lora_modules(model):
+        module.lora_enabled = enabled
+
+
+@contextlib.contextmanager
+def adapter_disabled(model: nn.Module):
+    """Run the base model (the reference policy) without keeping a second copy."""
+    previous = {name: module.lora_enabled for name, module in lora_modules(model)}
+    set_adapter_enabled(model, False)
+    try:
+        yield model
+    finally:
+        for name, module in lora_modules(model):
+            module.lora_enabled = previous[name]
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold s*B@A into the base weights (in fp32). `unmerge_lora` restores them bit-exactly."""
+    for _, module in lora_modules(model):
+        module.merge_lora()
+
+
+def unmerge_lora(model: nn.Module) -> None:
+    for _, module in lora_modules(model):
+        module.unmerge_lora()

@@ -1,0 +1,3 @@
+"""Model families. Each import registers a family with archon.spec."""
+
+from models import qwen3  # noqa: F401

@@ -1,0 +1,117 @@
+"""Mixture-of-experts pieces: routers and stacked SwiGLU experts with grouped-expert LoRA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """softmax(x W^T) in fp32, top-k, optionally renormalised over the chosen k (`norm_topk_prob`)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_weights, top_indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return top_weights.to(logits.dtype), top_indices
+
+
+class GroupedExperts(nn.Module, LoRAModule):
+    """SwiGLU experts stored stacked, in HF's in-memory layout.
+
+    gate_up_proj: [E, 2*hidden, dim] (gate rows, then up rows); down_proj: [E, dim, hidden].
+    With LoRA on "experts", each stacked weight gets an ExpertLoRA (per-expert A and B).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, lora: LoRAConfig | None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        if lora is not None and lora.targets("experts"):
+            self.gate_up_proj_lora = ExpertLoRA(num_experts, dim, 2 * hidden_dim, lora)
+            self.down_proj_lora = ExpertLoRA(num_experts, hidden_dim, dim, lora)
+        else:
+            self.gate_up_proj_lora = self.down_proj_lora = None
+        self.lora_enabled = True
+        self.merged = False
+        self._weights_before_merge: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def _lora_active(self) -> bool:
+        return self.gate_up_proj_lora is not None and self.lora_enabled and not self.merged
+
+    def _expert_forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj[expert].t()
+        if self._lora_active:
+            gate_up = gate_up + self.gate_up_proj_lora(x, expert).to(gate_up.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        out = h @ self.down_proj[expert].t()
+        if self._lora_active:
+            out = out + self.down_proj_lora(h, expert).to(out.dtype)
+        return out
+
+    def forward(self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
+        """x: [T, dim], top_weights/top_indices: [T, k] -> [T, dim]."""
+        k = top_indices.shape[1]
+        flat_experts = top_indices.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token_of_slot = order // k
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        x_sorted = x[token_of_slot]
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                outputs.append(self._expert_forward(x_sorted[start : start + count], expert))
+                start += count
+        y_sorted = torch.cat(outputs, dim=0) * top_weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token_of_slot, y_sorted.to(x.dtype))
+
+    def reset_lora_parameters(self) -> None:
+        if self.gate_up_proj_lora is not None:
+            self.gate_up_proj_lora.reset_parameters()
+            self.down_proj_lora.reset_parameters()
+
+    @torch.no_grad()
+    def merge_lora(self) -> None:
+        if self.gate_up_proj_lora is None or self.merged:
+            return
+        self._weights_before_merge = (self.gate_up_proj.detach().clone(), self.down_proj.detach().clone())
+        for weight, lora in ((self.gate_up_proj, self.gate_up_proj_lora), (self.down_proj, self.down_proj_lora)):
+            weight.copy_((weight.float() + lora.delta_weight()).to(weight.dtype))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge_lora(self) -> None:
+        if not self.merged:
+            return
+        self.gate_up_proj.copy_(self._weights_before_merge[0])
+        self.down_proj.copy_(self._weights_before_merge[1])
+        self._weights_before_merge = None
+        self.merged = False
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`, HF's name) plus stacked experts."""
+
+    def __init__(self, router: nn.Module, experts: GroupedExperts) -> None:
+        super().__init__()
+        self.gate = router
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_weights, top_indices = self.gate(x)
+        return self.experts(x, top_weights, top_indices)

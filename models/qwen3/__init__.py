@@ -1,0 +1,1 @@
+from models.qwen3 import spec  # noqa: F401  (registers the family)
