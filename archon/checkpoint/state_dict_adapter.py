@@ -18,6 +18,7 @@ PEFT_PREFIX = "base_model.model."
 
 class StateDictAdapter:
     hf_prefix = "model."
+    peft_reserved_module_names: tuple[str, ...] = ()
     top_level = ("lm_head.",)
     # HF keys that some checkpoints carry and that archon recomputes.
     ignored_hf_keys: tuple[str, ...] = (r"(^|\.)rotary_emb\.inv_freq$",)

@@ -38,6 +38,13 @@ def peft_adapter_config(
 ) -> dict:
     target_modules = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)})
     target_parameters = adapter.peft_target_parameters(lora_parameters(model).keys())
+    clashing = sorted(set(target_modules) & set(adapter.peft_reserved_module_names))
+    if target_parameters and clashing:
+        raise ValueError(
+            f"cannot export a PEFT adapter with LoRA on both MoE experts and dense module(s) {clashing}: PEFT "
+            "would read those names as expert projections. Leave them out of LoRAConfig.target_modules, or set "
+            "LoRAConfig.experts=False"
+        )
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

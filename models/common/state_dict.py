@@ -23,6 +23,10 @@ _PEFT_WRAPPER = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
 class StackedExpertsAdapter(StateDictAdapter):
+    # With expert LoRA present, PEFT (under transformers v5) reads these target_modules names as
+    # per-expert projections and refolds them into the stacked experts.
+    peft_reserved_module_names = ("gate_proj", "up_proj", "down_proj", "gate")
+
     def _num_experts(self) -> int:
         return self.args.num_experts
 

@@ -33,7 +33,7 @@ spec = register(
                 num_experts_per_tok=2,
                 norm_topk_prob=True,
                 decoder_sparse_step=1,
-                mlp_only_layers=[0],
+                mlp_only_layers=[],
             ),
         },
     )

@@ -1,0 +1,258 @@
+"""HF parity report: does an archon model family match HF transformers (and PEFT) in fp32?
+
+    python -m archon.tools.align --model-type qwen3 [--hf-path DIR] [--lora-rank 8] [--seed 0]
+
+Without --hf-path a tiny random-weight HF model is built from the transformers config class of
+the type (sizes from the family's ModelSpec.tiny_hf_config) and saved to a temp dir. Both models
+run a packed batch of several sequences of different lengths; HF runs each sequence on its own.
+The last line printed is JSON; the exit code is non-zero when a tolerance is exceeded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MAX_ABS_LOGITS_DIFF = 1e-4
+MAX_MEAN_KL = 1e-8
+MAX_LORA_GRAD_REL_ERR = 1e-4
+
+
+@dataclass
+class AlignArgs:
+    model_type: str
+    """HF model_type to check, e.g. qwen3, qwen3_moe."""
+    hf_path: str | None = None
+    """An HF checkpoint directory; default: a tiny random model built for the type."""
+    lora_rank: int | None = None
+    """Also compare a random LoRA of this rank against PEFT on the HF model."""
+    seed: int = 0
+    seq_lens: tuple[int, ...] = (7, 1, 13, 33)
+    """Lengths of the packed sequences."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """Extra kwargs for the tiny HF config (ignored with --hf-path)."""
+
+
+def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archon.spec import get_spec
+
+    spec = get_spec(model_type)
+    kwargs = {**spec.tiny_hf_config.get(model_type, {}), **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:  # O(1) activations, so routing and attention are far from ties
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
+            else:  # norms and biases off their init values, so they are exercised
+                param.add_(0.1 * torch.randn_like(param))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def packed_batch(seq_lens, vocab_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab_size, (n,), generator=g) for n in seq_lens]
+    tokens = torch.cat(seqs)
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    cu_seqlens = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
+    return seqs, tokens, positions, cu_seqlens
+
+
+def label_logprobs(logits: torch.Tensor, seqs: list[torch.Tensor]) -> torch.Tensor:
+    """Log-prob of each next token within each sequence, packed: [sum(len-1)]."""
+    out, start = [], 0
+    for seq in seqs:
+        n = len(seq)
+        lp = torch.log_softmax(logits[start : start + n - 1].double(), dim=-1)
+        out.append(lp.gather(-1, seq[1:, None])[:, 0])
+        start += n
+    return torch.cat(out)
+
+
+def _compare_logits(a: torch.Tensor, h: torch.Tensor) -> tuple[float, float]:
+    log_p_hf = torch.log_softmax(h.double(), -1)
+    log_p_archon = torch.log_softmax(a.double(), -1)
+    kl = (log_p_hf.exp() * (log_p_hf - log_p_archon)).sum(-1).mean().item()
+    return (a - h).abs().max().item(), max(kl, 0.0)
+
+
+def _hf_forward(hf_model, seqs):
+    return torch.cat([hf_model(seq[None]).logits[0] for seq in seqs])
+
+
+def run_alignment(args: AlignArgs) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from archon.engine import build_model
+    from archon.lora import LoRAConfig, lora_parameters
+    from archon.lora.peft import save_peft_adapter
+
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.hf_path is None:
+            hf_path = make_tiny_hf_checkpoint(args.model_type, Path(tmp) / "hf", args.seed, **args.config_overrides)
+        else:
+            hf_path = Path(args.hf_path)
+
+        def load_hf():
+            return AutoModelForCausalLM.from_pretrained(
+                hf_path, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+
+        hf_model = load_hf()
+        if hf_model.config.model_type != args.model_type:
+            raise ValueError(f"{hf_path} holds model_type {hf_model.config.model_type!r}, not {args.model_type!r}")
+        loaded = build_model(hf_path)
+        model = loaded.model.eval()
+        seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.vocab_size, args.seed)
+        max_seqlen = max(args.seq_lens)
+        with torch.no_grad():
+            archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
+            hf_logits = _hf_forward(hf_model, seqs)
+        max_diff, mean_kl = _compare_logits(archon_logits, hf_logits)
+        logprob_diff = (label_logprobs(archon_logits, seqs) - label_logprobs(hf_logits, seqs)).abs().max().item()
+        report: dict[str, Any] = {
+            "model_type": args.model_type,
+            "hf_path": None if args.hf_path is None else str(hf_path),
+            "tokens": int(tokens.numel()),
+            "sequences": len(seqs),
+            "max_abs_logits_diff": max_diff,
+            "mean_kl": mean_kl,
+            "max_abs_logprob_diff": logprob_diff,
+            "lora_max_abs_logits_diff": None,
+            "lora_grad_max_rel_err": None,
+        }
+        checks = [("max_abs_logits_diff", MAX_ABS_LOGITS_DIFF), ("mean_kl", MAX_MEAN_KL)]
+        del model, loaded
+
+        if args.lora_rank is not None:
+            lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules="all-linear")
+            loaded = build_model(hf_path, lora=lora)
+            model = loaded.model.eval()
+            g = torch.Generator().manual_seed(args.seed + 1)
+            with torch.no_grad():
+                for name, p in lora_parameters(model).items():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            adapter_dir = Path(tmp) / "adapter"
+            save_peft_adapter(model, loaded.adapter, lora, adapter_dir, str(hf_path))
+            peft_model, keys_report = _load_peft(load_hf(), adapter_dir)
+            report.update(keys_report)
+
+            archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
+            peft_logits = _hf_forward(peft_model, seqs)
+            lora_diff, lora_kl = _compare_logits(archon_logits.detach(), peft_logits.detach())
+            report["lora_max_abs_logits_diff"] = lora_diff
+            report["lora_mean_kl"] = lora_kl
+            report["lora_effect_max_abs"] = (peft_logits.detach() - hf_logits).abs().max().item()
+
+            (-label_logprobs(archon_logits, seqs).sum()).backward()
+            (-label_logprobs(peft_logits, seqs).sum()).backward()
+            report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.adapter, peft_model)
+            checks += [
+                ("lora_max_abs_logits_diff", MAX_ABS_LOGITS_DIFF),
+                ("lora_grad_max_rel_err", MAX_LORA_GRAD_REL_ERR),
+            ]
+    failures = [name for name, tol in checks if not report[name] <= tol]
+    if args.lora_rank is not None:
+        if report["peft_missing_keys"] or report["peft_unexpected_keys"]:
+            failures.append("peft_keys")
+        if not report["lora_effect_max_abs"] > 1e-3:
+            failures.append("lora_effect_max_abs")  # the adapter must change the outputs
+    report["tolerances"] = {name: tol for name, tol in checks}
+    report["failures"] = failures
+    report["pass"] = not failures
+    return report
+
+
+def _load_peft(hf_model, adapter_dir: Path):
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    peft_model = PeftModel.from_pretrained(hf_model, str(adapter_dir), is_trainable=True).eval()
+    in_model = {n.replace(".default", "") for n, _ in peft_model.named_parameters() if "lora_" in n}
+    with safe_open(str(adapter_dir / "adapter_model.safetensors"), "pt") as f:
+        in_file = set(f.keys())
+    return peft_model, {
+        "peft_missing_keys": sorted(in_model - in_file),
+        "peft_unexpected_keys": sorted(in_file - in_model),
+    }
+
+
+def _grad_rel_err(model, adapter, peft_model) -> float:
+    from archon.lora import lora_parameters
+
+    peft_grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if "lora_" in n}
+    worst = 0.0
+    for name, param in lora_parameters(model).items():
+        for peft_key, grad in adapter.lora_to_peft(name, param.grad):
+            ref = peft_grads[peft_key]
+            if ref is None:
+                ref = torch.zeros_like(grad)
+            scale = ref.abs().max().item()
+            err = (grad - ref).abs().max().item()
+            if scale == 0.0:
+                rel = 0.0 if err == 0.0 else math.inf
+            else:
+                rel = err / scale
+            worst = max(worst, rel)
+    return worst
+
+
+def format_report(report: dict[str, Any]) -> str:
+    rows = [("metric", "value", "tolerance", "ok")]
+    tolerances = report["tolerances"]
+    for key in (
+        "max_abs_logits_diff",
+        "mean_kl",
+        "max_abs_logprob_diff",
+        "lora_max_abs_logits_diff",
+        "lora_mean_kl",
+        "lora_effect_max_abs",
+        "lora_grad_max_rel_err",
+    ):
+        value = report.get(key)
+        if value is None:
+            continue
+        tol = tolerances.get(key)
+        ok = "" if tol is None else ("yes" if value <= tol else "NO")
+        rows.append((key, f"{value:.3e}", "" if tol is None else f"{tol:.0e}", ok))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"archon vs HF transformers: {report['model_type']} ({report['sequences']} packed sequences, "
+             f"{report['tokens']} tokens, fp32)"]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if "peft_missing_keys" in report:
+        lines.append(f"PEFT load: {len(report['peft_missing_keys'])} missing, "
+                     f"{len(report['peft_unexpected_keys'])} unexpected adapter keys")
+    lines.append("PASS" if report["pass"] else f"FAIL: {', '.join(report['failures'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+
+    args = tyro.cli(AlignArgs, args=argv)
+    report = run_alignment(args)
+    print(format_report(report))
+    print(json.dumps(report))
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
