@@ -1,0 +1,98 @@
+"""Bad checkpoints and configs fail with errors that name the problem."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from archon.checkpoint.atomic import atomic_directory, atomic_file
+from archon.engine import build_model
+from archon.lora import LoRAConfig
+from archon.spec import get_spec
+
+
+def _rewrite(path, edit):
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    edit(tensors)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def test_missing_key(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(KeyError, match=r"missing 1 key.*model\.layers\.1\.self_attn\.k_norm\.weight"):
+        build_model(path)
+
+
+def test_missing_expert(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    _rewrite(path, lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight"):
+        build_model(path)
+
+
+def test_unexpected_key(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    _rewrite(path, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(2, 2)))
+    with pytest.raises(KeyError, match=r"unexpected 1 key.*model\.layers\.0\.mlp\.extra_proj\.weight"):
+        build_model(path)
+
+
+def test_wrong_shape(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    _rewrite(path, lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 32)))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(128, 32\).*\(128, 64\)"):
+        build_model(path)
+
+
+def test_unknown_model_type(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    config = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*supported:.*qwen3"):
+        get_spec("gpt2")
+    config["model_type"] = "gpt2"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        build_model(path)
+
+
+def test_unknown_lora_target(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    with pytest.raises(ValueError, match=r"\['qkv_proj'\] do not exist in model family 'qwen3'.*q_proj"):
+        build_model(path, lora=LoRAConfig(target_modules=("q_proj", "qkv_proj")))
+
+
+def test_bad_lora_config():
+    with pytest.raises(ValueError, match="rank"):
+        LoRAConfig(rank=0)
+    with pytest.raises(ValueError, match="target_modules"):
+        LoRAConfig(target_modules="all")
+
+
+def test_missing_directory_and_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        build_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        build_model(tmp_path)
+
+
+def test_atomic_writes_leave_nothing_on_failure(tmp_path):
+    target = tmp_path / "file.bin"
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as f:
+            f.write(b"partial")
+            raise RuntimeError("interrupted")
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+    directory = tmp_path / "ckpt"
+    with atomic_directory(directory) as tmp:
+        (tmp / "a").write_text("first")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(directory) as tmp:
+            (tmp / "a").write_text("second, unfinished")
+            raise RuntimeError("interrupted")
+    assert (directory / "a").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
