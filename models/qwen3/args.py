@@ -1,24 +1,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from models.common.args import DecoderArgs, decoder_fields_from_hf
 
 
 @dataclass
-class Qwen3Args:
+class Qwen3Args(DecoderArgs):
     """Qwen3 (dense) and Qwen3-MoE hyper-parameters, named as in the HF config."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_parameters: dict[str, Any]
-    max_position_embeddings: int
-    tie_word_embeddings: bool
     attention_bias: bool = False
     # MoE (num_experts == 0 means dense)
     num_experts: int = 0
@@ -39,19 +29,8 @@ class Qwen3Args:
     def from_hf_config(cls, config) -> "Qwen3Args":
         if getattr(config, "use_sliding_window", False):
             raise ValueError("Qwen3 with use_sliding_window=True is not supported")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            rope_parameters=dict(config.rope_parameters),
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(config.tie_word_embeddings),
+            **decoder_fields_from_hf(config),
             attention_bias=bool(getattr(config, "attention_bias", False)),
             num_experts=getattr(config, "num_experts", 0) or 0,
             num_experts_per_tok=getattr(config, "num_experts_per_tok", 0) or 0,

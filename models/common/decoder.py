@@ -1,0 +1,73 @@
+"""The pre-norm decoder skeleton shared by the Llama-style families, on packed sequences.
+
+Module names follow HF (`embed_tokens`, `layers.<i>.self_attn`, `layers.<i>.mlp`, `norm`, `lm_head`)
+without the `model.` prefix, so a family's state-dict adapter is mostly a rename.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.norms import RMSNorm
+from models.common.rope import RotaryEmbedding
+
+
+class PreNormDecoderLayer(nn.Module):
+    """h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)).
+
+    self_attn is called as `self_attn(x, cos, sin, cu_seqlens, max_seqlen)`, mlp as `mlp(x)`.
+    """
+
+    def __init__(self, dim: int, norm_eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dim, norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(dim, norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class PackedDecoderLM(nn.Module):
+    """embed_tokens -> rotary -> layers -> norm -> lm_head (or the tied embedding).
+
+    `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings.
+    """
+
+    def __init__(self, args, rotary: RotaryEmbedding, layers: Iterable[nn.Module]) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The [V, dim] unembedding (the embedding itself when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """tokens, positions: [T]; cu_seqlens: [N+1]. Returns logits [T, V] or final hidden states [T, dim]."""
+        h = self.embed_tokens(tokens)
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cu_seqlens, max_seqlen)
+        h = self.norm(h)
+        if return_hidden:
+            return h
+        return F.linear(h, self.output_weight)
