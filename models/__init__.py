@@ -1,3 +1,4 @@
 """Model families. Each import registers a family with archon.spec."""
 
 from models import qwen3  # noqa: F401
+from models import llama  # noqa: F401

@@ -1,0 +1,1 @@
+from models.llama import spec  # noqa: F401  (registers the family)
