@@ -22,37 +22,89 @@ def packed_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence, never across boundaries.
 
     q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, Dv], cu_seqlens: [N+1] -> [T, H, Dv].
+    sinks: [H], a learned logit per head that joins every softmax denominator and attends to
+        nothing (GPT-OSS attention sinks), or None.
+    sliding_window: each query sees itself and the `sliding_window - 1` tokens before it (the HF
+        convention), or None for full causal attention.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
-    if _flash_varlen_usable(q):
+    # The flash kernel has no sink term, and its log-sum-exp output carries no gradient.
+    if sinks is None and _flash_varlen_usable(q):
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(torch.int32)
+        window_size = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
         return varlen_attn(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0),
+            q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
             enable_gqa=n_heads != n_kv_heads,
         )
     bounds = cu_seqlens.tolist()
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        out = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),
-            k[start:end].transpose(0, 1),
-            v[start:end].transpose(0, 1),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=n_heads != n_kv_heads,
-        )
+        q_seq, k_seq, v_seq = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        if sinks is not None:
+            out = _attention_with_sinks(q_seq, k_seq, v_seq, scale, sinks, sliding_window)
+        elif sliding_window is not None:
+            out = F.scaled_dot_product_attention(
+                q_seq, k_seq, v_seq, attn_mask=_causal_mask(end - start, sliding_window, q.device),
+                scale=scale, enable_gqa=n_heads != n_kv_heads,
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=n_heads != n_kv_heads
+            )
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
 
+def _causal_mask(seqlen: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[L, L] bool, True where query i may attend to key j."""
+    i = torch.arange(seqlen, device=device)[:, None]
+    j = torch.arange(seqlen, device=device)[None, :]
+    allowed = j <= i
+    if sliding_window is not None:
+        allowed &= j > i - sliding_window
+    return allowed
+
+
+def _attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One sequence, q: [H, L, D], k: [Hkv, L, D], v: [Hkv, L, Dv] -> [H, L, Dv].
+
+    softmax over [scores, sink] per query row, then the sink column is dropped, so the sink only
+    takes probability mass away from the real keys.
+    """
+    n_heads, seqlen = q.shape[0], q.shape[1]
+    group = n_heads // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+    v = v.repeat_interleave(group, dim=0)
+    scores = (q @ k.transpose(1, 2)).float() * scale
+    scores = scores.masked_fill(~_causal_mask(seqlen, sliding_window, q.device), float("-inf"))
+    sink_logits = sinks.float()[:, None, None].expand(n_heads, seqlen, 1)
+    probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 class Attention(nn.Module):
-    """Grouped-query attention with optional per-head QK RMSNorm (Qwen3) and q/k/v/o bias."""
+    """Grouped-query attention with optional per-head QK RMSNorm (Qwen3) and q/k/v/o bias.
+
+    attention_sinks: a learned per-head sink logit, `sinks` [H] (GPT-OSS).
+    sliding_window: attend only to the last `sliding_window` tokens (this one included).
+    """
 
     def __init__(
         self,
@@ -64,6 +116,8 @@ class Attention(nn.Module):
         o_bias: bool,
         qk_norm_eps: float | None,
         lora: LoRAConfig | None,
+        attention_sinks: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -79,6 +133,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if attention_sinks else None
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -87,8 +143,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
+        cache=None,
     ) -> torch.Tensor:
-        """x: [T, dim] -> [T, dim]."""
+        """x: [T, dim] -> [T, dim]. `cache`: a layer's KV cache during generation (see
+        archon/rollout/kv_cache.py), or None."""
         T = x.shape[0]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_proj(x).view(T, -1, self.head_dim)
@@ -97,5 +155,46 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+        context = cache.update(k, v) if cache is not None else None
+        if context is None:
+            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, self.sinks, self.sliding_window)
+        else:
+            out = cached_attention(q, *context, self.scale, self.sinks, self.sliding_window)
         return self.o_proj(out.reshape(T, -1))
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k_context: torch.Tensor,
+    v_context: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of each query token over its own sequence's cached keys (generation).
+
+    q: [T, H, D]; k_context: [T, S, Hkv, D]; v_context: [T, S, Hkv, Dv]; q_positions: [T].
+    Key j of row t sits at position j and is visible iff j <= q_positions[t] (and, with a
+    window, j > q_positions[t] - sliding_window). Returns [T, H, Dv].
+    """
+    key_positions = torch.arange(k_context.shape[1], device=q.device)
+    allowed = key_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= key_positions[None, :] > q_positions[:, None] - sliding_window
+    q4 = q[:, :, None, :]  # [T, H, 1, D]
+    k4, v4 = k_context.transpose(1, 2), v_context.transpose(1, 2)  # [T, Hkv, S, D]
+    n_heads, n_kv_heads = q.shape[1], k_context.shape[2]
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=n_heads != n_kv_heads
+        )
+    else:
+        groups = n_heads // n_kv_heads
+        k4, v4 = k4.repeat_interleave(groups, dim=1), v4.repeat_interleave(groups, dim=1)
+        scores = (q4 @ k4.transpose(-1, -2)).float() * scale  # [T, H, 1, S]
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        sink_logits = sinks.float().view(1, n_heads, 1, 1).expand(scores.shape[0], n_heads, 1, 1)
+        probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]
+        out = probs.to(v4.dtype) @ v4
+    return out[:, :, 0, :]

@@ -29,8 +29,8 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -61,12 +61,16 @@ class PackedDecoderLM(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         return_hidden: bool = False,
+        cache=None,
     ) -> torch.Tensor:
-        """tokens, positions: [T]; cu_seqlens: [N+1]. Returns logits [T, V] or final hidden states [T, dim]."""
+        """tokens, positions: [T]; cu_seqlens: [N+1]. Returns logits [T, V] or final hidden states [T, dim].
+
+        cache: a KVCache (archon/rollout/kv_cache.py) during generation; each layer gets its own slice.
+        """
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, cu_seqlens, max_seqlen)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i))
         h = self.norm(h)
         if return_hidden:
             return h

@@ -1,0 +1,55 @@
+"""The rollout-engine contract: prompts in, sampled token ids + log-probs + finish reasons out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 means no top-k cut."""
+    n: int = 1
+    """Samples per prompt."""
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.n < 1:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 and n >= 1, got top_k={self.top_k}, n={self.n}")
+
+
+@dataclass
+class Sample:
+    """One completion. `logprobs[i]` is log π(completion_ids[i]) at the sampling temperature
+    (before top-p/top-k truncation), under the adapter `adapter_version`."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+    adapter_version: int
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """`sampling.n` samples per prompt, ordered prompt by prompt."""
+
+    def update(self, version: int, **weights) -> None:
+        """Make adapter `version` the one later samples come from."""
+
+    def health(self) -> dict:
+        """Liveness and the adapter version in use."""

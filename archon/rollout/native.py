@@ -1,0 +1,128 @@
+"""The embedded rollout engine: batched generation with a KV cache on the archon model itself.
+
+The engine shares the trainer's model, so an adapter update is in-process: the next `generate`
+samples from the weights as they are, and every sample is tagged with the version it used.
+Under FSDP/TP every rank of a model-parallel group must call `generate` with the same number of
+decode steps; data-parallel ranks generate their own share of the prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archon.rollout.base import Sample, SamplingParams
+from archon.rollout.kv_cache import KVCache
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens [B], logprobs [B]).
+
+    The log-prob is that of the temperature-scaled distribution before top-k/top-p truncation
+    (temperature 1 for greedy), which is what the trainer recomputes.
+    """
+    logits = logits.float()
+    if sampling.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)
+    else:
+        scaled = logits / sampling.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        filtered = scaled
+        if sampling.top_k:
+            kth = torch.topk(filtered, min(sampling.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            # drop a token once the mass before it already reaches top_p (the first token always stays)
+            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            filtered = filtered.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(filtered, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+class NativeRolloutEngine:
+    def __init__(self, model: nn.Module, device: torch.device | str = "cpu", max_batch_sequences: int = 256) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.max_batch_sequences = max_batch_sequences
+        self.version = 0
+
+    def update(self, version: int, **_) -> None:
+        """The model is the trainer's, so its weights are already current; record the version."""
+        self.version = version
+
+    def health(self) -> dict:
+        return {"engine": "native", "alive": True, "adapter_version": self.version}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        requests = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            samples: list[Sample] = []
+            for start in range(0, len(requests), self.max_batch_sequences):
+                samples += self._generate_batch(requests[start : start + self.max_batch_sequences], sampling, generator)
+        finally:
+            self.model.train(was_training)
+        return samples
+
+    def _generate_batch(self, requests, sampling: SamplingParams, generator) -> list[Sample]:
+        device = self.device
+        prompt_lens = torch.tensor([len(p) for _, p in requests])
+        batch = len(requests)
+        cache = KVCache(len(self.model.layers), batch, int(prompt_lens.max()) + sampling.max_new_tokens, device)
+
+        tokens = torch.tensor([t for _, p in requests for t in p], device=device)
+        positions = torch.cat([torch.arange(n) for n in prompt_lens.tolist()]).to(device)
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), prompt_lens.cumsum(0)]).to(device)
+        cache.set_step(torch.repeat_interleave(torch.arange(batch), prompt_lens), positions, prefill_from_empty=True)
+        logits = self.model(tokens, positions, cu_seqlens, int(prompt_lens.max()), cache=cache)
+        last_logits = logits[cu_seqlens[1:] - 1]
+
+        completions: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        lengths = prompt_lens.clone()
+        active = torch.arange(batch)
+        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
+        for step in range(sampling.max_new_tokens):
+            next_tokens, next_logprobs = sample_next_tokens(last_logits, sampling, generator)
+            next_tokens, next_logprobs = next_tokens.cpu(), next_logprobs.cpu()
+            for slot, token, logprob in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
+                completions[slot].append(token)
+                logprobs[slot].append(logprob)
+            stopped = torch.isin(next_tokens, stop_ids)
+            for slot in active[stopped].tolist():
+                finish[slot] = "stop"
+            active, next_tokens = active[~stopped], next_tokens[~stopped]
+            if len(active) == 0 or step == sampling.max_new_tokens - 1:
+                break
+            positions = lengths[active]
+            cache.set_step(active, positions, prefill_from_empty=False)
+            cu_seqlens = torch.arange(len(active) + 1, device=device)
+            last_logits = self.model(next_tokens.to(device), positions.to(device), cu_seqlens, 1, cache=cache)
+            lengths[active] += 1
+        return [
+            Sample(
+                prompt_index=prompt_index,
+                prompt_ids=prompt,
+                completion_ids=completions[slot],
+                logprobs=logprobs[slot],
+                finish_reason=finish[slot],
+                adapter_version=self.version,
+            )
+            for slot, (prompt_index, prompt) in enumerate(requests)
+        ]

@@ -1,0 +1,85 @@
+"""The embedded rollout engine against step-by-step decoding through the full forward."""
+
+import pytest
+import torch
+
+from archon.engine import build_model
+from archon.lora import LoRAConfig, lora_parameters
+from archon.rollout.base import SamplingParams
+from archon.rollout.native import NativeRolloutEngine, sample_next_tokens
+
+PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+
+
+def _full_forward_logits(model, ids):
+    ids = torch.tensor(ids)
+    return model(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)]), len(ids))
+
+
+def _lora_model(path):
+    model = build_model(path, lora=LoRAConfig(rank=4, alpha=8)).model.eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora_parameters(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
+    model = _lora_model(tiny_checkpoint(model_type))
+    engine = NativeRolloutEngine(model)
+    samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, n=2))
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+    with torch.no_grad():
+        for sample in samples:
+            ids = list(sample.prompt_ids)
+            for token, logprob in zip(sample.completion_ids, sample.logprobs):
+                logits = _full_forward_logits(model, ids)[-1]
+                assert token == int(logits.argmax())
+                assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
+                ids.append(token)
+            assert sample.finish_reason == "length" and len(sample.completion_ids) == 8
+
+
+def test_sampled_logprobs_match_full_forward_at_temperature(tiny_checkpoint):
+    model = _lora_model(tiny_checkpoint("qwen3"))
+    engine = NativeRolloutEngine(model)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=50, n=3, seed=1)
+    samples = engine.generate(PROMPTS, sampling)
+    with torch.no_grad():
+        for sample in samples:
+            ids = sample.prompt_ids + sample.completion_ids
+            logits = _full_forward_logits(model, ids)[len(sample.prompt_ids) - 1 : -1]
+            expected = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, rtol=0, atol=1e-5)
+    again = engine.generate(PROMPTS, sampling)
+    assert [s.completion_ids for s in again] == [s.completion_ids for s in samples]
+
+
+def test_stop_tokens_and_versions(tiny_checkpoint):
+    model = _lora_model(tiny_checkpoint("qwen3"))
+    engine = NativeRolloutEngine(model)
+    greedy = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0))[0]
+    stop = greedy.completion_ids[2]
+    engine.update(version=3)
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(stop,)))[0]
+    first_stop = greedy.completion_ids.index(stop)
+    assert stopped.completion_ids == greedy.completion_ids[: first_stop + 1]
+    assert stopped.finish_reason == "stop"
+    assert stopped.adapter_version == 3 and greedy.adapter_version == 0
+    assert engine.health()["adapter_version"] == 3
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1], []], SamplingParams())
+
+
+def test_top_k_and_top_p_truncate():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next_tokens(logits, SamplingParams(top_k=2), g)[0]) for _ in range(200)}
+    assert draws == {0, 1}
+    # softmax([2, 1, .5, -1]) = [.61, .22, .14, .03]: top_p 0.7 keeps the first two tokens
+    draws = {int(sample_next_tokens(logits, SamplingParams(top_p=0.7), g)[0]) for _ in range(200)}
+    assert draws == {0, 1}
+    token, logprob = sample_next_tokens(logits, SamplingParams(temperature=0), g)
+    assert int(token) == 0 and float(logprob) == pytest.approx(float(torch.log_softmax(logits, -1)[0, 0]))
