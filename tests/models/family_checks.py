@@ -1,0 +1,86 @@
+"""Checks every model family's test file runs: HF parity, LoRA vs PEFT, state-dict round trip and
+weight completeness on the meta device. Each takes an HF model_type and tiny-config overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from archon.tools.align import MAX_ABS_LOGITS_DIFF, MAX_LORA_GRAD_REL_ERR, MAX_MEAN_KL, AlignArgs, run_alignment
+
+# Odd lengths, one of a single token, the longest above any tiny sliding window.
+SEQ_LENS = (7, 1, 13, 33)
+
+
+def assert_aligned(model_type: str, overrides: dict, lora_rank: int | None = 8, seq_lens=SEQ_LENS) -> dict:
+    """archon vs HF (and, with lora_rank, vs PEFT on HF) on a packed batch, within the contract."""
+    report = run_alignment(
+        AlignArgs(model_type=model_type, config_overrides=overrides, lora_rank=lora_rank, seq_lens=seq_lens)
+    )
+    assert report["max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
+    assert report["mean_kl"] <= MAX_MEAN_KL, report
+    if lora_rank is not None:
+        assert report["lora_max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
+        assert report["lora_grad_max_rel_err"] <= MAX_LORA_GRAD_REL_ERR, report
+        assert report["peft_missing_keys"] == [], report
+        assert report["peft_unexpected_keys"] == [], report
+        assert report["lora_effect_max_abs"] > 1e-3, report  # the adapter really acts
+    assert report["pass"], report
+    return report
+
+
+def assert_state_dict_round_trip(hf_dir: Path) -> None:
+    """archon -> HF keys gives the checkpoint's tensors under its own keys, and HF -> archon gives
+    back the archon state dict."""
+    from safetensors.torch import load_file
+
+    from archon.checkpoint.hf import expected_base_params
+    from archon.engine import build_model
+
+    loaded = build_model(hf_dir)
+    adapter = loaded.adapter
+    archon_state = {k: v.detach().clone() for k, v in expected_base_params(loaded.model).items()}
+    checkpoint = load_file(str(Path(hf_dir) / "model.safetensors"))
+
+    hf_state = adapter.state_dict_to_hf(archon_state)
+    wanted = {k for k in checkpoint if not adapter.is_ignored(k)}
+    assert set(hf_state) == wanted, (sorted(set(hf_state) - wanted), sorted(wanted - set(hf_state)))
+    for key, tensor in hf_state.items():
+        assert torch.equal(tensor, checkpoint[key]), key
+
+    hf_keys = set(hf_state)
+    back = {key: adapter.combine(key, [hf_state[s] for s in adapter.hf_sources(key, hf_keys)]) for key in archon_state}
+    assert set(back) == set(archon_state)
+    for key, tensor in back.items():
+        assert torch.equal(tensor, archon_state[key]), key
+
+
+def assert_meta_weights_complete(model_type: str, overrides: dict) -> None:
+    """On the meta device: every archon base weight has HF source key(s) of the right shape, and
+    every HF weight is used (or deliberately ignored), so loading can neither miss nor drop one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archon.checkpoint.hf import expected_base_params
+    from archon.spec import get_spec
+
+    spec = get_spec(model_type)
+    config = AutoConfig.for_model(model_type, **{**spec.tiny_hf_config.get(model_type, {}), **overrides})
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+        args = spec.args_cls.from_hf_config(config)
+        model = spec.model_cls(args, None)
+    adapter = spec.state_dict_adapter_cls(args)
+    hf_state = hf_model.state_dict()
+    hf_keys = {k for k in hf_state if not adapter.is_ignored(k)}
+
+    used: set[str] = set()
+    for key, param in expected_base_params(model).items():
+        sources = adapter.hf_sources(key, hf_keys)
+        absent = [s for s in sources if s not in hf_keys]
+        assert not absent, f"archon {key!r} needs HF key(s) {absent} that the HF model lacks"
+        combined = adapter.combine(key, [hf_state[s] for s in sources])
+        assert combined.shape == param.shape, (key, tuple(combined.shape), tuple(param.shape))
+        used.update(sources)
+    assert hf_keys == used, f"HF weights archon does not load: {sorted(hf_keys - used)}"
+    assert all(p.is_meta for p in model.parameters())
