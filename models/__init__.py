@@ -3,3 +3,4 @@
 from models import qwen3  # noqa: F401
 from models import llama  # noqa: F401
 from models import qwen2  # noqa: F401
+from models import gpt_oss  # noqa: F401

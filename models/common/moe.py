@@ -28,18 +28,45 @@ class SoftmaxTopKRouter(nn.Module):
         return top_weights.to(logits.dtype), top_indices
 
 
+class TopKSoftmaxRouter(nn.Module):
+    """Top-k of the router logits (x W^T, plus a bias when `bias`), then softmax over those k (GPT-OSS).
+
+    The weights of the chosen experts sum to one, as with `SoftmaxTopKRouter(norm_topk_prob=True)`,
+    but an expert's weight depends only on the k chosen logits.
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, bias: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
+        logits = F.linear(x, self.weight, self.bias)
+        top_logits, top_indices = torch.topk(logits, self.top_k, dim=-1)
+        top_weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+        return top_weights.to(logits.dtype), top_indices
+
+
 class GroupedExperts(nn.Module, LoRAModule):
     """SwiGLU experts stored stacked, in HF's in-memory layout.
 
     gate_up_proj: [E, 2*hidden, dim] (gate rows, then up rows); down_proj: [E, dim, hidden].
     With LoRA on "experts", each stacked weight gets an ExpertLoRA (per-expert A and B).
+
+    Subclasses change the layout with `input_major` (weights stored [E, in, out]), add
+    `gate_up_proj_bias` / `down_proj_bias`, and override `_activation`.
     """
+
+    input_major = False
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, lora: LoRAConfig | None) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, *self._stacked_shape(dim, 2 * hidden_dim)))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, *self._stacked_shape(hidden_dim, dim)))
+        self.gate_up_proj_bias = self.down_proj_bias = None
         if lora is not None and lora.targets("experts"):
             self.gate_up_proj_lora = ExpertLoRA(num_experts, dim, 2 * hidden_dim, lora)
             self.down_proj_lora = ExpertLoRA(num_experts, hidden_dim, dim, lora)
@@ -49,20 +76,38 @@ class GroupedExperts(nn.Module, LoRAModule):
         self.merged = False
         self._weights_before_merge: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _stacked_shape(self, in_features: int, out_features: int) -> tuple[int, int]:
+        return (in_features, out_features) if self.input_major else (out_features, in_features)
+
     @property
     def _lora_active(self) -> bool:
         return self.gate_up_proj_lora is not None and self.lora_enabled and not self.merged
 
-    def _expert_forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        gate_up = x @ self.gate_up_proj[expert].t()
+    def _project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora: ExpertLoRA | None,
+        expert: int,
+    ) -> torch.Tensor:
+        """x[n, in] through expert `expert`'s slice of a stacked weight (plus bias and LoRA): [n, out]."""
+        out = x @ (weight[expert] if self.input_major else weight[expert].t())
+        if bias is not None:
+            out = out + bias[expert]
         if self._lora_active:
-            gate_up = gate_up + self.gate_up_proj_lora(x, expert).to(gate_up.dtype)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-        out = h @ self.down_proj[expert].t()
-        if self._lora_active:
-            out = out + self.down_proj_lora(h, expert).to(out.dtype)
+            out = out + lora(x, expert).to(out.dtype)
         return out
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2*hidden] -> [n, hidden]: silu(gate) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _expert_forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up = self._project(x, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, expert)
+        h = self._activation(gate_up)
+        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, expert)
 
     def forward(self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
         """x: [T, dim], top_weights/top_indices: [T, k] -> [T, dim]."""
@@ -91,7 +136,10 @@ class GroupedExperts(nn.Module, LoRAModule):
             return
         self._weights_before_merge = (self.gate_up_proj.detach().clone(), self.down_proj.detach().clone())
         for weight, lora in ((self.gate_up_proj, self.gate_up_proj_lora), (self.down_proj, self.down_proj_lora)):
-            weight.copy_((weight.float() + lora.delta_weight()).to(weight.dtype))
+            delta = lora.delta_weight()  # [E, out, in]
+            if self.input_major:
+                delta = delta.transpose(1, 2)
+            weight.copy_((weight.float() + delta).to(weight.dtype))
         self.merged = True
 
     @torch.no_grad()
@@ -102,6 +150,31 @@ class GroupedExperts(nn.Module, LoRAModule):
         self.down_proj.copy_(self._weights_before_merge[1])
         self._weights_before_merge = None
         self.merged = False
+
+
+class ClampedSwiGLUExperts(GroupedExperts):
+    """GPT-OSS experts, stored as HF stores them:
+
+    gate_up_proj: [E, dim, 2*hidden] (input-major; gate and up interleaved, gate in the even
+    columns), gate_up_proj_bias: [E, 2*hidden], down_proj: [E, hidden, dim], down_proj_bias: [E, dim].
+    Activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    """
+
+    input_major = True
+
+    def __init__(
+        self, num_experts: int, dim: int, hidden_dim: int, alpha: float, limit: float, lora: LoRAConfig | None
+    ) -> None:
+        super().__init__(num_experts, dim, hidden_dim, lora)
+        self.alpha = alpha
+        self.limit = limit
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, dim))
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[:, 0::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class SparseMoE(nn.Module):

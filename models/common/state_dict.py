@@ -1,11 +1,14 @@
 """State-dict mapping for stacked MoE experts (`GroupedExperts`), shared by the MoE families.
 
-HF checkpoints store experts one by one (`mlp.experts.<e>.gate_proj.weight`, ...); archon and HF's
-in-memory model stack them (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]).
-Expert LoRA is exported in PEFT's `target_parameters` layout: with both stacked weights targeted,
-PEFT nests the wrappers, so gate_up_proj's factors live at `experts.base_layer.lora_*` and
-down_proj's at `experts.lora_*`; lora_A is [E*r, in] (expert-major rows) and lora_B is [out, r*E]
-(expert-minor columns).
+Expert LoRA is exported in PEFT's `target_parameters` layout (`StackedExpertLoRAAdapter`): with both
+stacked weights targeted, PEFT nests the wrappers, so gate_up_proj's factors live at
+`experts.base_layer.lora_*` and down_proj's at `experts.lora_*`; lora_A is [E*r, in] (expert-major
+rows) and lora_B is [out, r*E] (expert-minor columns). `in`/`out` are the projection's input and
+output sizes whichever way the base weight is stored.
+
+Some HF checkpoints store experts one by one (`mlp.experts.<e>.gate_proj.weight`, ...) while archon
+and HF's in-memory model stack them (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`
+[E, D, I]); `StackedExpertsAdapter` also maps those.
 """
 
 from __future__ import annotations
@@ -22,7 +25,46 @@ _HF_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("dow
 _PEFT_WRAPPER = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
-class StackedExpertsAdapter(StateDictAdapter):
+class StackedExpertLoRAAdapter(StateDictAdapter):
+    """LoRA on stacked experts <-> PEFT `target_parameters`; base weights keep the default mapping."""
+
+    def lora_to_peft(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        match = _EXPERT_LORA.fullmatch(archon_key)
+        if match is None:
+            return super().lora_to_peft(archon_key, tensor)
+        prefix, which, factor = match.groups()
+        layer = self.hf_name(prefix.rsplit(".experts", 1)[0])
+        key = f"{PEFT_PREFIX}{layer}.{_PEFT_WRAPPER[which]}.lora_{factor.upper()}.weight"
+        if factor == "a":  # [E, r, in] -> [E*r, in]
+            return [(key, tensor.reshape(-1, tensor.shape[-1]))]
+        # [E, out, r] -> [out, r*E], column index = rank_index * E + expert
+        return [(key, tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1))]
+
+    def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        match = _EXPERT_LORA.fullmatch(archon_key)
+        if match is None:
+            return super().lora_from_peft(archon_key, tensors, shape)
+        (tensor,) = tensors
+        n_experts = shape[0]
+        if tensor.numel() != torch.Size(shape).numel():
+            raise ValueError(
+                f"adapter tensor for {archon_key!r} has shape {tuple(tensor.shape)}, which does not hold "
+                f"{n_experts} experts of {tuple(shape[1:])}"
+            )
+        if match.group(3) == "a":
+            return tensor.reshape(shape)
+        out_features, rank = shape[1], shape[2]
+        return tensor.reshape(out_features, rank, n_experts).permute(2, 0, 1).contiguous()
+
+    def peft_target_parameters(self, lora_keys) -> list[str]:
+        if any(_EXPERT_LORA.fullmatch(k) for k in lora_keys):
+            return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        return []
+
+
+class StackedExpertsAdapter(StackedExpertLoRAAdapter):
+    """Stacked-expert LoRA, plus base experts read from (and written as) per-expert HF tensors."""
+
     # With expert LoRA present, PEFT (under transformers v5) reads these target_modules names as
     # per-expert projections and refolds them into the stacked experts.
     peft_reserved_module_names = ("gate_proj", "up_proj", "down_proj", "gate")
@@ -67,36 +109,3 @@ class StackedExpertsAdapter(StateDictAdapter):
             for part, chunk in zip(parts, tensor[e].chunk(len(parts), dim=0)):
                 out.append((f"{self.hf_name(prefix)}.{e}.{part}.weight", chunk))
         return out
-
-    def lora_to_peft(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        match = _EXPERT_LORA.fullmatch(archon_key)
-        if match is None:
-            return super().lora_to_peft(archon_key, tensor)
-        prefix, which, factor = match.groups()
-        layer = self.hf_name(prefix.rsplit(".experts", 1)[0])
-        key = f"{PEFT_PREFIX}{layer}.{_PEFT_WRAPPER[which]}.lora_{factor.upper()}.weight"
-        if factor == "a":  # [E, r, in] -> [E*r, in]
-            return [(key, tensor.reshape(-1, tensor.shape[-1]))]
-        # [E, out, r] -> [out, r*E], column index = rank_index * E + expert
-        return [(key, tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1))]
-
-    def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-        match = _EXPERT_LORA.fullmatch(archon_key)
-        if match is None:
-            return super().lora_from_peft(archon_key, tensors, shape)
-        (tensor,) = tensors
-        n_experts = shape[0]
-        if tensor.numel() != torch.Size(shape).numel():
-            raise ValueError(
-                f"adapter tensor for {archon_key!r} has shape {tuple(tensor.shape)}, which does not hold "
-                f"{n_experts} experts of {tuple(shape[1:])}"
-            )
-        if match.group(3) == "a":
-            return tensor.reshape(shape)
-        out_features, rank = shape[1], shape[2]
-        return tensor.reshape(out_features, rank, n_experts).permute(2, 0, 1).contiguous()
-
-    def peft_target_parameters(self, lora_keys) -> list[str]:
-        if any(_EXPERT_LORA.fullmatch(k) for k in lora_keys):
-            return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        return []

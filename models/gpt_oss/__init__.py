@@ -1,0 +1,1 @@
+from models.gpt_oss import spec  # noqa: F401  (registers the family)
