@@ -1,0 +1,107 @@
+"""Advantage estimators for the GRPO family: pure functions on tensors.
+
+Layout: a rollout batch holds `num_groups` prompts with `group_size` (G) samples each, stored
+group by group, so sample `i` belongs to group `i // G`. Per-sample tensors have shape [B] with
+B = num_groups * G. Per-token tensors are packed: shape [T], with sequence boundaries given by
+`cu_seqlens` [N+1] (the layout of the model forward, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards has {rewards.numel()} samples, not a multiple of group_size={group_size}")
+    return rewards.reshape(-1, group_size)
+
+
+def group_mean_std(rewards: torch.Tensor, group_size: int, unbiased: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample group mean and standard deviation of the rewards, each of shape [B].
+
+    unbiased=True divides by G-1 (Bessel's correction), as verl (`torch.std`) and TRL (`nanstd`) do;
+    unbiased=False divides by G. A group of one sample has std 0.
+    """
+    grouped = _grouped(rewards.float(), group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    if group_size == 1:
+        std = torch.zeros_like(mean)
+    else:
+        std = grouped.std(dim=1, keepdim=True, correction=1 if unbiased else 0)
+    return mean.expand_as(grouped).reshape(-1), std.expand_as(grouped).reshape(-1)
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, unbiased_std: bool = True
+) -> torch.Tensor:
+    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps).  rewards [B] -> advantages [B] (fp32).
+
+    A group whose rewards are all equal gets advantage 0 for every sample. The std is unbiased
+    (divide by G-1) by default, matching verl and TRL; see `group_mean_std`.
+    """
+    mean, std = group_mean_std(rewards, group_size, unbiased=unbiased_std)
+    return (rewards.float() - mean) / (std + eps)
+
+
+def drgrpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr.GRPO: A_i = R_i - mean_g R, with no std normalisation.  rewards [B] -> advantages [B] (fp32)."""
+    mean, _ = group_mean_std(rewards, group_size)
+    return rewards.float() - mean
+
+
+def groups_with_reward_variance(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups to keep.  rewards [B] -> keep [num_groups] (bool).
+
+    A group is kept when its rewards are not all equal; for 0/1 rewards that is 0 < #correct < G.
+    Such groups are the only ones with a non-zero GRPO advantage. To get a per-sample mask, use
+    `keep.repeat_interleave(group_size)`.
+    """
+    grouped = _grouped(rewards, group_size)
+    return grouped.amax(dim=1) > grouped.amin(dim=1)
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_response_length: int, buffer_length: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO soft overlong punishment, to be added to the rewards.  response_lengths [B] -> penalty [B] (fp32).
+
+    With L = max_response_length and C = buffer_length:
+        0                         if |y| <= L - C
+        ((L - C) - |y|) / C       if L - C < |y| <= L     (falls linearly from 0 to -1)
+        -1                        if |y| > L
+    all multiplied by penalty_factor.
+    """
+    if not 0 < buffer_length <= max_response_length:
+        raise ValueError(f"need 0 < buffer_length <= max_response_length, got {buffer_length}, {max_response_length}")
+    lengths = response_lengths.float()
+    expected = max_response_length - buffer_length
+    penalty = ((expected - lengths) / buffer_length).clamp(min=-1.0, max=0.0)
+    return penalty * penalty_factor
+
+
+def distillation_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """On-policy distillation: per-token advantage -(log pi_student - log pi_teacher), detached.
+
+    student_logprobs [T], teacher_logprobs [T] -> advantages [T] (fp32). Both are log-probs of the
+    tokens the student sampled; the student's are the ones it sampled with (rollout or old log-probs).
+    Maximising the advantage-weighted log-likelihood then minimises the per-token reverse KL.
+    """
+    if student_logprobs.shape != teacher_logprobs.shape:
+        raise ValueError(f"shape mismatch: student {tuple(student_logprobs.shape)} vs teacher {tuple(teacher_logprobs.shape)}")
+    return (teacher_logprobs.float() - student_logprobs.float()).detach()
+
+
+def sequence_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens [N+1] -> per-sequence token counts [N]."""
+    return cu_seqlens[1:] - cu_seqlens[:-1]
+
+
+def expand_to_tokens(per_sequence: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Broadcast a per-sequence value to every token of its packed sequence.  [N], cu_seqlens [N+1] -> [T]."""
+    lengths = sequence_lengths(cu_seqlens).to(per_sequence.device)
+    if lengths.numel() != per_sequence.numel():
+        raise ValueError(f"{per_sequence.numel()} values for {lengths.numel()} sequences")
+    return per_sequence.repeat_interleave(lengths)
