@@ -1,0 +1,104 @@
+"""`python -m archon.tools.new_model`: scaffolds into a temp copy of models/ and tests/models/."""
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from archon.tools.new_model import NewModelArgs, main, scaffold
+
+REPO = Path(__file__).resolve().parents[1]
+REGISTRY = '"""Model families."""\n\nfrom models import llama  # noqa: F401\nfrom models import qwen3  # noqa: F401\n'
+
+
+@pytest.fixture
+def root(tmp_path):
+    """A repository root with only common/, llama/ and qwen3/ registered (other families stay out)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for family in ("common", "llama", "qwen3"):
+        shutil.copytree(REPO / "models" / family, tmp_path / "models" / family, ignore=ignore)
+    (tmp_path / "models" / "__init__.py").write_text(REGISTRY)
+    (tmp_path / "tests" / "models").mkdir(parents=True)
+    for name in ("family_checks.py", "test_llama.py"):
+        shutil.copy(REPO / "tests" / "models" / name, tmp_path / "tests" / "models" / name)
+    return tmp_path
+
+
+def test_scaffold_of_an_identical_architecture_passes_alignment(root):
+    """Mistral without a window is Llama: the scaffold imports and aligns with HF + PEFT as written."""
+    assert main(["mistral", "--like", "llama", "--root", str(root)]) == 0
+    family = root / "models" / "mistral"
+    assert sorted(p.name for p in family.glob("*.py")) == sorted(p.name for p in (root / "models" / "llama").glob("*.py"))
+    code = "\n".join(p.read_text() for p in family.glob("*.py"))
+    assert "LlamaArgs" not in code and "models.llama" not in code
+    assert "class MistralArgs" in code and "class MistralModel" in code and "class MistralStateDictAdapter" in code
+    registry = (root / "models" / "__init__.py").read_text()
+    assert registry == REGISTRY + "from models import mistral  # noqa: F401\n"
+    test_file = (root / "tests" / "models" / "test_mistral.py").read_text()
+    assert 'MODEL_TYPE = "mistral"' in test_file and "from models.mistral.args import MistralArgs" in test_file
+
+    script = (
+        "import json\n"
+        "from archon.spec import get_spec\n"
+        "from archon.tools.align import AlignArgs, run_alignment\n"
+        "spec = get_spec('mistral')\n"
+        "report = run_alignment(AlignArgs(model_type='mistral', config_overrides={'sliding_window': None}, lora_rank=4))\n"
+        "print(json.dumps({'family': spec.name, 'module': spec.model_cls.__module__, 'file': __import__('models').__file__,"
+        " 'pass': report['pass'], 'failures': report['failures']}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["file"] == str(root / "models" / "__init__.py")
+    assert (result["family"], result["module"]) == ("mistral", "models.mistral.model")
+    assert result["pass"], result["failures"]
+
+
+def test_refuses_to_overwrite(root):
+    scaffold(NewModelArgs(name="mistral", like="llama", root=root))
+    args_file = root / "models" / "mistral" / "args.py"
+    args_file.write_text("# edited by hand\n")
+    with pytest.raises(FileExistsError, match="models/mistral already exists"):
+        scaffold(NewModelArgs(name="mistral", like="llama", root=root))
+    assert args_file.read_text() == "# edited by hand\n"
+    assert (root / "models" / "__init__.py").read_text().count("from models import mistral") == 1
+
+    shutil.rmtree(root / "models" / "mistral")  # the test file alone also blocks
+    with pytest.raises(FileExistsError, match="test_mistral.py already exists"):
+        scaffold(NewModelArgs(name="mistral", like="llama", root=root))
+    assert not (root / "models" / "mistral").exists()
+
+
+def test_bad_arguments_name_the_problem(root):
+    with pytest.raises(FileNotFoundError, match=r"no family 'falcon'.*families: llama, qwen3"):
+        scaffold(NewModelArgs(name="x", like="falcon", root=root))
+    with pytest.raises(ValueError, match="lower_snake_case"):
+        scaffold(NewModelArgs(name="Mistral", like="llama", root=root))
+    with pytest.raises(ValueError, match=r"--like-type 'llama_moe' is not served by 'llama'"):
+        scaffold(NewModelArgs(name="x", like="llama", like_type="llama_moe", root=root))
+    assert main(["mistral", "--like", "falcon", "--root", str(root)]) == 1
+    assert not (root / "models" / "x").exists() and not (root / "models" / "mistral").exists()
+
+
+def test_multi_type_family_keeps_only_the_chosen_type(root):
+    """From qwen3 (qwen3 + qwen3_moe) with --like-type qwen3_moe: one type, the MoE tiny config."""
+    scaffold(NewModelArgs(name="mymoe", like="qwen3", like_type="qwen3_moe", model_type="mymoe_hf", root=root))
+    spec_source = (root / "models" / "mymoe" / "spec.py").read_text()
+    call = next(n for n in ast.walk(ast.parse(spec_source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelSpec")
+    keywords = {k.arg: k.value for k in call.keywords}
+    assert ast.literal_eval(keywords["name"]) == "mymoe"
+    assert ast.literal_eval(keywords["hf_model_types"]) == ("mymoe_hf",)
+    tiny = keywords["tiny_hf_config"]
+    assert [ast.literal_eval(k) for k in tiny.keys] == ["mymoe_hf"]
+    assert "num_experts=8" in ast.get_source_segment(spec_source, tiny.values[0])
+    assert "Qwen3" not in "".join(l for l in spec_source.splitlines() if not l.lstrip().startswith(("#", '"')))
+    # qwen3 has no tests/models/test_qwen3.py here, so the generic family test is written.
+    test_source = (root / "tests" / "models" / "test_mymoe.py").read_text()
+    assert 'MODEL_TYPE = "mymoe_hf"' in test_source and "assert_meta_weights_complete" in test_source
+    compile(test_source, "test_mymoe.py", "exec")
