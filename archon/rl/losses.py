@@ -57,7 +57,7 @@ def _as_mask(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # where() rather than a product, so NaN/inf on prompt tokens cannot leak into the sum.
+    # where() rather than a product: an inf on a masked-out token would turn 0 * inf into NaN.
     return torch.where(mask, values, torch.zeros_like(values)).sum()
 
 

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from archon.rl.advantages import (
+    distillation_advantages,
+    drgrpo_advantages,
+    expand_to_tokens,
+    group_mean_std,
+    grpo_advantages,
+    groups_with_reward_variance,
+    overlong_penalty,
+    sequence_lengths,
+)
+
+# Three groups of G=4: one correct of four, all equal, a spread.
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 3.0, 1.0, 2.0, 2.0])
+
+
+def test_grpo_advantages_unbiased_std():
+    # group 1: mean 0.25, unbiased std sqrt(0.75 / 3) = 0.5; group 3: mean 2, std sqrt(2 / 3) = 0.8164966
+    expected = [1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 1.2247449, -1.2247449, 0.0, 0.0]
+    adv = grpo_advantages(REWARDS, group_size=4, eps=1e-6)
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_grpo_advantages_biased_std():
+    # group 1: population std sqrt(0.75 / 4) = 0.4330127
+    adv = grpo_advantages(REWARDS[:4], group_size=4, eps=0.0, unbiased_std=False)
+    torch.testing.assert_close(adv, torch.tensor([1.7320508, -0.5773503, -0.5773503, -0.5773503]))
+
+
+def test_grpo_all_equal_rewards_give_zero_not_nan():
+    adv = grpo_advantages(torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0]), group_size=3)
+    assert torch.equal(adv, torch.zeros(6))
+
+
+def test_group_of_one_has_zero_std_and_advantage():
+    mean, std = group_mean_std(torch.tensor([0.3, 0.9]), group_size=1)
+    torch.testing.assert_close(mean, torch.tensor([0.3, 0.9]))
+    assert torch.equal(std, torch.zeros(2))
+    assert torch.equal(grpo_advantages(torch.tensor([0.3, 0.9]), group_size=1), torch.zeros(2))
+
+
+def test_rewards_not_divisible_by_group_size():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        grpo_advantages(torch.ones(5), group_size=2)
+
+
+def test_drgrpo_advantages_have_no_std():
+    expected = [0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 0.0, 0.0]
+    torch.testing.assert_close(drgrpo_advantages(REWARDS, group_size=4), torch.tensor(expected))
+
+
+def test_dynamic_sampling_keeps_groups_with_mixed_rewards():
+    rewards = torch.tensor([1, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1.0])
+    keep = groups_with_reward_variance(rewards, group_size=4)
+    assert keep.tolist() == [True, False, False, True]
+    assert keep.repeat_interleave(4).sum().item() == 8
+    assert groups_with_reward_variance(REWARDS, group_size=4).tolist() == [True, False, True]
+
+
+def test_overlong_penalty():
+    lengths = torch.tensor([0, 15, 16, 18, 20, 25])
+    # L=20, buffer 5: no penalty up to 15 tokens, then -(|y| - 15) / 5, and -1 past 20
+    torch.testing.assert_close(
+        overlong_penalty(lengths, max_response_length=20, buffer_length=5),
+        torch.tensor([0.0, 0.0, -0.2, -0.6, -1.0, -1.0]),
+    )
+    torch.testing.assert_close(
+        overlong_penalty(lengths, max_response_length=20, buffer_length=5, penalty_factor=0.5),
+        torch.tensor([0.0, 0.0, -0.1, -0.3, -0.5, -0.5]),
+    )
+    with pytest.raises(ValueError):
+        overlong_penalty(lengths, max_response_length=20, buffer_length=0)
+
+
+def test_distillation_advantages_are_reverse_kl_and_detached():
+    student = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    teacher = torch.tensor([-1.5, -1.0, -0.5])
+    adv = distillation_advantages(student, teacher)
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 1.0, 0.0]))
+    assert not adv.requires_grad
+
+
+def test_expand_to_tokens_with_an_empty_sequence():
+    cu_seqlens = torch.tensor([0, 2, 2, 5])
+    assert sequence_lengths(cu_seqlens).tolist() == [2, 0, 3]
+    expanded = expand_to_tokens(torch.tensor([0.5, -1.0, 2.0]), cu_seqlens)
+    assert expanded.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
+    with pytest.raises(ValueError):
+        expand_to_tokens(torch.tensor([1.0, 2.0]), cu_seqlens)
