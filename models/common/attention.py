@@ -136,6 +136,31 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(n_heads)) if attention_sinks else None
         self.sliding_window = sliding_window
 
+    @classmethod
+    def from_args(
+        cls,
+        args,
+        lora: LoRAConfig | None,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm_eps: float | None = None,
+        attention_sinks: bool = False,
+        sliding_window: int | None = None,
+    ) -> "Attention":
+        """Sized by the DecoderArgs fields hidden_size, num_attention_heads, num_key_value_heads, head_dim."""
+        return cls(
+            dim=args.hidden_size,
+            n_heads=args.num_attention_heads,
+            n_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm_eps=qk_norm_eps,
+            lora=lora,
+            attention_sinks=attention_sinks,
+            sliding_window=sliding_window,
+        )
+
     def forward(
         self,
         x: torch.Tensor,

@@ -41,15 +41,11 @@ class GptOssMoE(nn.Module):
 
 class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: GptOssArgs, layer_idx: int, lora: LoRAConfig | None) -> None:
-        self_attn = Attention(
-            dim=args.hidden_size,
-            n_heads=args.num_attention_heads,
-            n_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
+        self_attn = Attention.from_args(
+            args,
+            lora,
             qkv_bias=args.attention_bias,
             o_bias=args.attention_bias,
-            qk_norm_eps=None,
-            lora=lora,
             attention_sinks=True,
             sliding_window=args.layer_sliding_window(layer_idx),
         )
