@@ -1,0 +1,95 @@
+"""Built-in reward functions and the lookup of user ones ("module:function").
+
+A reward function is `fn(prompt: str, completion: str, reference) -> float` (bool and int are
+accepted). It sees the prompt text as given to the model, the decoded completion and the reference
+answer from the dataset. This module does not import torch: reward worker processes load it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import math
+import numbers
+from typing import Any, Callable
+
+RewardFn = Callable[[str, str, Any], float]
+
+
+class _DropMathVerifyTimeoutWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+@functools.cache
+def _math_verify():
+    """Import math-verify (about a second: it loads sympy) and return (parse, verify)."""
+    from math_verify import parse, verify
+
+    # math-verify warns once when its own signal.alarm timeouts are off; ours replace them.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropMathVerifyTimeoutWarning())
+    return parse, verify
+
+
+def math_verify_reward(prompt: str, completion: str, reference: Any) -> float:
+    """1.0 when math-verify finds the completion's answer equal to the reference, else 0.0.
+
+    math-verify's own timeouts use signal.alarm, which only works on the main thread and would
+    cancel the scorer's timer, so they are switched off here; the scorer enforces the time limit.
+    """
+    parse, verify = _math_verify()
+    reference = str(reference)
+    gold = parse(reference, parsing_timeout=None) or parse(f"${reference}$", parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math-verify could not parse the reference answer {reference!r}")
+    answer = parse(completion, parsing_timeout=None)
+    if not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+def exact_match_reward(prompt: str, completion: str, reference: Any) -> float:
+    """1.0 when the completion equals the reference after stripping surrounding whitespace."""
+    return 1.0 if completion.strip() == str(reference).strip() else 0.0
+
+
+BUILTIN_REWARDS: dict[str, str] = {
+    "math": "archon.rl.reward_fns:math_verify_reward",
+    "exact": "archon.rl.reward_fns:exact_match_reward",
+}
+
+
+def resolve_reward_function(spec: str) -> RewardFn:
+    """"math", "exact" or "package.module:function" -> the callable. Fails clearly on a bad spec."""
+    target = BUILTIN_REWARDS.get(spec, spec)
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"reward function {spec!r} must be one of {', '.join(BUILTIN_REWARDS)} or 'module:function'"
+        )
+    module = importlib.import_module(module_name)
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    if fn is math_verify_reward:
+        _math_verify()  # import now, so the first sample's time limit does not include it
+    return fn
+
+
+def call_reward(fn: RewardFn, prompt: str, completion: str, reference: Any) -> float:
+    """Call a reward function and check that it returned a finite number."""
+    value = fn(prompt, completion, reference)
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward function returned {type(value).__name__}, expected a float")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"reward function returned {value}")
+    return value
