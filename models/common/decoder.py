@@ -12,8 +12,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archon.lora import LoRAConfig
+from models.common.args import DecoderArgs
+from models.common.attention import Attention
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding
+
+# The linear layers of attention and the SwiGLU MLP, by their HF names: a dense family's LoRA targets.
+DENSE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Sizes of the tiny random-weight models the alignment tool and tests build (ModelSpec.tiny_hf_config).
+TINY_DECODER_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def decoder_attention(
+    args: DecoderArgs,
+    lora: LoRAConfig | None,
+    *,
+    qkv_bias: bool = False,
+    o_bias: bool = False,
+    qk_norm: bool = False,
+    sliding_window: int | None = None,
+) -> Attention:
+    """GQA sized by the HF fields (hidden_size, heads, KV heads, head_dim); QK-norm uses rms_norm_eps."""
+    return Attention(
+        dim=args.hidden_size,
+        n_heads=args.num_attention_heads,
+        n_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm_eps=args.rms_norm_eps if qk_norm else None,
+        lora=lora,
+        sliding_window=sliding_window,
+    )
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from archon.lora import LoRAConfig
-from models.common.attention import Attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer, decoder_attention
 from models.common.mlp import SwiGLUMLP
 from models.common.rope import RotaryEmbedding
 from models.llama.args import LlamaArgs
@@ -12,16 +11,7 @@ from models.llama.args import LlamaArgs
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: LlamaArgs, layer_idx: int, lora: LoRAConfig | None) -> None:
-        self_attn = Attention(
-            dim=args.hidden_size,
-            n_heads=args.num_attention_heads,
-            n_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            qkv_bias=args.attention_bias,
-            o_bias=args.attention_bias,
-            qk_norm_eps=None,
-            lora=lora,
-        )
+        self_attn = decoder_attention(args, lora, qkv_bias=args.attention_bias, o_bias=args.attention_bias)
         mlp = SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, lora=lora)
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, mlp)
 

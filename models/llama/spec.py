@@ -1,7 +1,19 @@
 from archon.spec import ModelSpec, register
+from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
 from models.llama.args import LlamaArgs
 from models.llama.model import LlamaModel
 from models.llama.state_dict_adapter import LlamaStateDictAdapter
+
+# Scaling reaches the tiny model's wavelengths: with head_dim 24 and theta 1e4 they run from 6 to
+# 3e4 tokens; llama3 smooths those of 16..64 tokens and divides longer ones by factor.
+TINY_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 spec = register(
     ModelSpec(
@@ -11,28 +23,10 @@ spec = register(
         model_cls=LlamaModel,
         state_dict_adapter_cls=LlamaStateDictAdapter,
         parallelize_fn=None,
-        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        lora_targets=DENSE_LORA_TARGETS,
         tiny_hf_config={
-            # head_dim 24 != hidden/heads, llama3 RoPE whose scaling reaches the wavelengths used.
-            "llama": dict(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=24,
-                max_position_embeddings=512,
-                tie_word_embeddings=False,
-                rope_parameters={
-                    "rope_type": "llama3",
-                    "rope_theta": 10000.0,
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 64,
-                },
-            ),
+            # head_dim 24 != hidden_size / heads = 16.
+            "llama": dict(TINY_DECODER_CONFIG, head_dim=24, rope_parameters=TINY_LLAMA3_ROPE),
         },
     )
 )

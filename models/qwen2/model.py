@@ -4,8 +4,7 @@ window, SwiGLU MLP without bias."""
 from __future__ import annotations
 
 from archon.lora import LoRAConfig
-from models.common.attention import Attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer, decoder_attention
 from models.common.mlp import SwiGLUMLP
 from models.common.rope import RotaryEmbedding
 from models.qwen2.args import Qwen2Args
@@ -13,16 +12,8 @@ from models.qwen2.args import Qwen2Args
 
 class Qwen2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: Qwen2Args, layer_idx: int, lora: LoRAConfig | None) -> None:
-        self_attn = Attention(
-            dim=args.hidden_size,
-            n_heads=args.num_attention_heads,
-            n_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            qkv_bias=True,
-            o_bias=False,
-            qk_norm_eps=None,
-            lora=lora,
-            sliding_window=args.layer_sliding_window(layer_idx),
+        self_attn = decoder_attention(
+            args, lora, qkv_bias=True, o_bias=False, sliding_window=args.layer_sliding_window(layer_idx)
         )
         mlp = SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=False, lora=lora)
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, mlp)

@@ -5,19 +5,13 @@ import pytest
 import torch
 from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
 
+from models.llama.spec import TINY_LLAMA3_ROPE
+
 MODEL_TYPE = "llama"
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 CASES = {
     # llama3 RoPE, head_dim 24 with hidden 64 / 4 heads, biases everywhere, untied head.
-    "llama3-rope-bias-headdim": dict(rope_parameters=LLAMA3_ROPE, head_dim=24, attention_bias=True, mlp_bias=True),
+    "llama3-rope-bias-headdim": dict(rope_parameters=TINY_LLAMA3_ROPE, head_dim=24, attention_bias=True, mlp_bias=True),
     # Tied head, multi-head (no GQA), plain RoPE, head_dim derived from hidden/heads.
     "tied-mha-default-rope": dict(
         tie_word_embeddings=True,
