@@ -151,7 +151,9 @@ def test_policy_loss_combines_algorithm_kl_and_tis():
     ref = logprobs.detach() - 0.1
     rollout = old + torch.tensor([0.0, 0.3, -0.2, 1.0, 0.0, 0.1, -0.9])
     config = LossConfig(algorithm="dapo", kl_coef=0.1, kl_estimator="k2", tis_cap=2.0)
-    loss, metrics = policy_loss(config, logprobs, old, ADVANTAGES, MASK, CU_SEQLENS, ref_logprobs=ref, rollout_logprobs=rollout)
+    loss, metrics = policy_loss(
+        config, logprobs, old, ADVANTAGES, MASK, CU_SEQLENS, ref_logprobs=ref, rollout_logprobs=rollout
+    )
     weights, _ = truncated_importance_weights(old, rollout, 2.0)
     pg, _ = dapo_loss(logprobs, old, ADVANTAGES, MASK, CU_SEQLENS, tis_weights=weights)
     kl, _ = kl_loss(logprobs, ref, MASK, CU_SEQLENS, estimator="k2")
@@ -219,12 +221,16 @@ def test_micro_batches_with_global_normalizer_sum_to_full_batch(algorithm):
     normalizer = sum(loss_normalizer(mask[s], c, aggregation) for s, c in parts)
     total = 0.0
     for s, c in parts:
-        loss, _ = policy_loss(config, logprobs[s], old[s], advantages[s], mask[s], c, normalizer=normalizer, ref_logprobs=ref[s])
+        loss, _ = policy_loss(
+            config, logprobs[s], old[s], advantages[s], mask[s], c, normalizer=normalizer, ref_logprobs=ref[s]
+        )
         total = total + loss
     assert total.item() == pytest.approx(full.item(), abs=1e-6)
     torch.testing.assert_close(grad_of(total, logprobs), full_grad)
     # without the global normaliser each micro-batch would be normalised on its own: a different loss
-    local = sum(policy_loss(config, logprobs[s], old[s], advantages[s], mask[s], c, ref_logprobs=ref[s])[0] for s, c in parts)
+    local = sum(
+        policy_loss(config, logprobs[s], old[s], advantages[s], mask[s], c, ref_logprobs=ref[s])[0] for s, c in parts
+    )
     assert abs(local.item() - full.item()) > 1e-3
 
 

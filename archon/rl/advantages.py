@@ -90,7 +90,9 @@ def distillation_advantages(student_logprobs: torch.Tensor, teacher_logprobs: to
     Maximising the advantage-weighted log-likelihood then minimises the per-token reverse KL.
     """
     if student_logprobs.shape != teacher_logprobs.shape:
-        raise ValueError(f"shape mismatch: student {tuple(student_logprobs.shape)} vs teacher {tuple(teacher_logprobs.shape)}")
+        raise ValueError(
+            f"shape mismatch: student {tuple(student_logprobs.shape)} vs teacher {tuple(teacher_logprobs.shape)}"
+        )
     return (teacher_logprobs.float() - student_logprobs.float()).detach()
 
 

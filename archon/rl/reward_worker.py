@@ -1,4 +1,4 @@
-"""A reward worker process: `python -m archon.rl.reward_worker`, driven by `archon.rl.rewards`.
+"""A reward worker process: `python -m archon.rl.reward_worker PARENT_PID`, driven by `archon.rl.rewards`.
 
 Messages are length-prefixed pickles (8-byte big-endian length, then the payload), requests on
 stdin and replies on the process's original stdout. Anything the reward function prints goes to
@@ -7,11 +7,13 @@ stderr, so it cannot corrupt the replies.
     ("init", spec, sys_path)                 -> ("ready", None) | ("init_error", message)
     ("score", prompt, completion, reference) -> ("ok", float) | ("error", message)
 
-The worker exits when stdin closes. The parent enforces the time limit by killing the process.
+The worker exits when stdin closes, and on Linux is killed when its parent dies. The parent
+enforces the time limit by killing the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
@@ -46,7 +48,22 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGKILL when the parent dies, so a worker stuck in a reward function is not orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent is already gone
+        os._exit(1)
+
+
 def main() -> None:
+    if len(sys.argv) > 1:
+        _exit_with_parent(int(sys.argv[1]))
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     requests = sys.stdin.buffer

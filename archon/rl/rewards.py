@@ -72,7 +72,9 @@ class RewardTimeout(BaseException):
 @contextlib.contextmanager
 def _alarm(seconds: float):
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("in-process rewards (num_workers=0) need the main thread for their timer; use num_workers >= 1")
+        raise RuntimeError(
+            "in-process rewards (num_workers=0) need the main thread for their timer; use num_workers >= 1"
+        )
 
     def on_alarm(signum, frame):
         raise RewardTimeout()
@@ -102,7 +104,9 @@ class _WorkerProcess:
         """Start the process and load the reward function; raises RuntimeError on failure."""
         self.stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "archon.rl.reward_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, "-m", "archon.rl.reward_worker", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         )
         self._buffer = b""
         self.send(("init", self.spec, list(sys.path)))
@@ -189,7 +193,8 @@ class RewardScorer:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):
+            self.close()
 
     def close(self) -> None:
         for worker in getattr(self, "_workers", []):
@@ -217,7 +222,8 @@ class RewardScorer:
         for kind, index, message in failures[:MAX_LOGGED_FAILURES_PER_BATCH]:
             logger.warning("reward %s for sample %d (reward 0): %s", kind, index, message)
         if len(failures) > MAX_LOGGED_FAILURES_PER_BATCH:
-            logger.warning("... and %d more reward failures in this batch", len(failures) - MAX_LOGGED_FAILURES_PER_BATCH)
+            unlogged = len(failures) - MAX_LOGGED_FAILURES_PER_BATCH
+            logger.warning("... and %d more reward failures in this batch", unlogged)
         self.totals["samples"] += len(samples)
         self.totals["errors"] += errors
         self.totals["timeouts"] += timeouts
