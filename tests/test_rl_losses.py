@@ -165,7 +165,9 @@ def test_policy_loss_combines_algorithm_kl_and_tis():
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(config, logprobs, old, ADVANTAGES, MASK, CU_SEQLENS, rollout_logprobs=rollout)
     with pytest.raises(ValueError, match="max_response_length"):
-        LossConfig(algorithm="drgrpo")
+        policy_loss(LossConfig(algorithm="drgrpo"), logprobs, old, ADVANTAGES, MASK, CU_SEQLENS)
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        LossConfig(algorithm="ppo")
     assert LossConfig(algorithm="dapo").resolved_clip() == (0.2, 0.28)
     assert LossConfig(algorithm="gspo", clip_high=1e-3).resolved_clip() == (3e-4, 1e-3)
 

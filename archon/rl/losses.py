@@ -429,7 +429,8 @@ class LossConfig:
     aggregation: Aggregation | None = None
     """token_mean, seq_mean_token_mean or seq_mean_token_sum_norm. None: the algorithm's default."""
     max_response_length: int | None = None
-    """Constant length divisor for seq_mean_token_sum_norm (Dr.GRPO): the generation limit."""
+    """Constant length divisor for seq_mean_token_sum_norm (Dr.GRPO): the generation limit. The
+    recipe may fill it in from the rollout settings; the loss raises if it is still unset."""
     kl_coef: float = 0.0
     """Weight of the KL penalty against the reference policy; 0 disables it."""
     kl_estimator: KLEstimator = "k3"
@@ -439,8 +440,6 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHM_DEFAULTS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; expected one of {', '.join(ALGORITHM_DEFAULTS)}")
-        if self.resolved_aggregation() == "seq_mean_token_sum_norm" and not self.max_response_length:
-            raise ValueError("aggregation seq_mean_token_sum_norm (Dr.GRPO) needs max_response_length")
 
     def resolved_clip(self) -> tuple[float, float]:
         low, high, _ = ALGORITHM_DEFAULTS[self.algorithm]
