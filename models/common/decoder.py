@@ -12,9 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archon.lora import LoRAConfig
-from models.common.args import DecoderArgs
-from models.common.attention import Attention
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding
 
@@ -32,29 +29,6 @@ TINY_DECODER_CONFIG = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
-
-
-def decoder_attention(
-    args: DecoderArgs,
-    lora: LoRAConfig | None,
-    *,
-    qkv_bias: bool = False,
-    o_bias: bool = False,
-    qk_norm: bool = False,
-    sliding_window: int | None = None,
-) -> Attention:
-    """GQA sized by the HF fields (hidden_size, heads, KV heads, head_dim); QK-norm uses rms_norm_eps."""
-    return Attention(
-        dim=args.hidden_size,
-        n_heads=args.num_attention_heads,
-        n_kv_heads=args.num_key_value_heads,
-        head_dim=args.head_dim,
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        qk_norm_eps=args.rms_norm_eps if qk_norm else None,
-        lora=lora,
-        sliding_window=sliding_window,
-    )
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from archon.lora import LoRAConfig
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer, decoder_attention
+from models.common.attention import Attention
+from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from models.common.mlp import SwiGLUMLP
 from models.common.rope import RotaryEmbedding
 from models.llama.args import LlamaArgs
@@ -11,7 +12,7 @@ from models.llama.args import LlamaArgs
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: LlamaArgs, layer_idx: int, lora: LoRAConfig | None) -> None:
-        self_attn = decoder_attention(args, lora, qkv_bias=args.attention_bias, o_bias=args.attention_bias)
+        self_attn = Attention.from_args(args, lora, qkv_bias=args.attention_bias, o_bias=args.attention_bias)
         mlp = SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, lora=lora)
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, mlp)
 

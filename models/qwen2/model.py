@@ -4,7 +4,8 @@ window, SwiGLU MLP without bias."""
 from __future__ import annotations
 
 from archon.lora import LoRAConfig
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer, decoder_attention
+from models.common.attention import Attention
+from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from models.common.mlp import SwiGLUMLP
 from models.common.rope import RotaryEmbedding
 from models.qwen2.args import Qwen2Args
@@ -12,7 +13,7 @@ from models.qwen2.args import Qwen2Args
 
 class Qwen2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: Qwen2Args, layer_idx: int, lora: LoRAConfig | None) -> None:
-        self_attn = decoder_attention(
+        self_attn = Attention.from_args(
             args, lora, qkv_bias=True, o_bias=False, sliding_window=args.layer_sliding_window(layer_idx)
         )
         mlp = SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=False, lora=lora)

@@ -7,7 +7,8 @@ Module names follow HF (`layers.0.self_attn.q_proj`, `mlp.experts.gate_up_proj`,
 from __future__ import annotations
 
 from archon.lora import LoRAConfig
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer, decoder_attention
+from models.common.attention import Attention
+from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from models.common.mlp import SwiGLUMLP
 from models.common.moe import GroupedExperts, SoftmaxTopKRouter, SparseMoE
 from models.common.rope import RotaryEmbedding
@@ -16,8 +17,8 @@ from models.qwen3.args import Qwen3Args
 
 class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: Qwen3Args, layer_idx: int, lora: LoRAConfig | None) -> None:
-        self_attn = decoder_attention(
-            args, lora, qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm=True
+        self_attn = Attention.from_args(
+            args, lora, qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm_eps=args.rms_norm_eps
         )
         if args.is_moe_layer(layer_idx):
             mlp = SparseMoE(
