@@ -106,3 +106,8 @@ class StateDictAdapter:
     def peft_target_parameters(self, lora_keys: Iterable[str]) -> list[str]:
         """PEFT `target_parameters` for LoRA on raw (e.g. stacked expert) parameters; none by default."""
         return []
+
+    def peft_targets(self, module_names: Iterable[str], lora_keys: Iterable[str]) -> tuple[list[str], list[str]]:
+        """PEFT (`target_modules`, `target_parameters`) for an adapter on the LoRALinear modules with
+        these HF leaf names and with these archon LoRA parameter keys."""
+        return sorted(set(module_names)), self.peft_target_parameters(lora_keys)

@@ -36,8 +36,10 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def peft_adapter_config(
     model: nn.Module, adapter: StateDictAdapter, lora: LoRAConfig, base_model_name_or_path: str
 ) -> dict:
-    target_modules = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)})
-    target_parameters = adapter.peft_target_parameters(lora_parameters(model).keys())
+    target_modules, target_parameters = adapter.peft_targets(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)},
+        lora_parameters(model).keys(),
+    )
     clashing = sorted(set(target_modules) & set(adapter.peft_reserved_module_names))
     if target_parameters and clashing:
         raise ValueError(
@@ -109,9 +111,14 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike) -> LoRAConfig:
     targets = config["target_modules"]
     if isinstance(targets, str):
         raise ValueError(f"adapter_config.json target_modules is a regex ({targets!r}); archon needs a list")
+    targets = list(targets)
+    for name in config.get("target_parameters") or []:
+        # "<module>.weight" is a dense module's weight; anything else is a stacked expert weight
+        module, _, param = name.rpartition(".")
+        target = module.rsplit(".", 1)[-1] if param == "weight" else "experts"
+        if target not in targets:
+            targets.append(target)
     targets = tuple(targets)
-    if config.get("target_parameters"):
-        targets = targets + ("experts",)
     return LoRAConfig(
         rank=config["r"],
         alpha=config["lora_alpha"],

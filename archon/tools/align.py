@@ -58,6 +58,10 @@ def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0,
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
             else:  # norms and biases off their init values, so they are exercised
                 param.add_(0.1 * torch.randn_like(param))
+        persistent = model.state_dict().keys()
+        for name, buffer in model.named_buffers():
+            if name in persistent and buffer.is_floating_point():  # e.g. a router's score-correction bias
+                buffer.add_(0.1 * torch.randn_like(buffer))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     return out_dir

@@ -46,3 +46,49 @@ def decoder_fields_from_hf(config) -> dict[str, Any]:
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(config.tie_word_embeddings),
     )
+
+
+@dataclass
+class GroupLimitedMoEArgs(DecoderArgs):
+    """DeepSeek-V3-style MoE fields (DeepSeek-V3, Kimi K2, GLM-4.5), named as in the HF config.
+
+    The first `first_k_dense_replace` layers have a dense MLP (`intermediate_size`); the others have
+    `n_routed_experts` experts of `moe_intermediate_size` behind a sigmoid, group-limited router,
+    plus `n_shared_experts` always-on experts fused into one MLP.
+    """
+
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace
+
+
+def group_limited_moe_fields_from_hf(config) -> dict[str, Any]:
+    """The GroupLimitedMoEArgs fields of an HF config (DecoderArgs fields included)."""
+    n_shared_experts = getattr(config, "n_shared_experts", None)
+    if not n_shared_experts:
+        raise ValueError(f"config.n_shared_experts={n_shared_experts!r} is not supported; it must be at least 1")
+    return dict(
+        decoder_fields_from_hf(config),
+        n_routed_experts=config.n_routed_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        n_shared_experts=n_shared_experts,
+        n_group=config.n_group or 1,
+        topk_group=config.topk_group or 1,
+        norm_topk_prob=bool(config.norm_topk_prob),
+        routed_scaling_factor=float(config.routed_scaling_factor),
+        first_k_dense_replace=config.first_k_dense_replace or 0,
+    )

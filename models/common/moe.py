@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule
+from models.common.args import GroupLimitedMoEArgs
+from models.common.mlp import SwiGLUMLP
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -188,3 +190,102 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_weights, top_indices = self.gate(x)
         return self.experts(x, top_weights, top_indices)
+
+
+class SigmoidGroupTopKRouter(nn.Module):
+    """Group-limited sigmoid routing (DeepSeek-V3, Kimi K2, GLM-4.5), in fp32.
+
+    scores = sigmoid(x W^T). The choice uses scores + e_score_correction_bias: the experts form
+    `n_group` equal groups, each scored by the sum of its two best biased scores; only experts in the
+    `topk_group` best groups compete for the top k. The weights are the unbiased scores of the chosen
+    experts, renormalised to sum to one when `norm_topk_prob`, times `routed_scaling_factor`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        if n_group < 1 or num_experts % n_group:
+            raise ValueError(f"n_group ({n_group}) must divide the number of routed experts ({num_experts})")
+        if num_experts // n_group < 2:
+            raise ValueError(
+                f"n_group ({n_group}) leaves fewer than 2 experts per group; a group is scored by its two best experts"
+            )
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group ({topk_group}) must be between 1 and n_group ({n_group})")
+        if not 1 <= top_k <= topk_group * (num_experts // n_group):
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) must be between 1 and the {topk_group * (num_experts // n_group)} "
+                f"experts that topk_group ({topk_group}) groups hold"
+            )
+        self.top_k = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # HF keeps e_score_correction_bias in fp32 whatever the model dtype: the expert choice turns on
+        # differences in it that bf16 would round away. Device moves still apply.
+        bias = self._buffers.pop("e_score_correction_bias")
+        super()._apply(fn, recurse)
+        moved = fn(bias)
+        if moved.dtype != torch.float32:
+            moved = bias.to(device=moved.device, dtype=torch.float32)
+        self._buffers["e_score_correction_bias"] = moved
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> (weights [T, k] in fp32, expert indices [T, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        per_group = biased.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        top_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        expert_mask = group_mask.repeat_interleave(per_group.shape[-1], dim=1)  # [T, E]
+        candidates = biased.masked_fill(~expert_mask, float("-inf"))
+        top_indices = candidates.topk(self.top_k, dim=-1, sorted=False).indices
+        top_weights = scores.gather(1, top_indices)
+        if self.norm_topk_prob:
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_weights * self.routed_scaling_factor, top_indices
+
+
+class SharedExpertsMoE(SparseMoE):
+    """Routed experts plus `shared_experts`, an MLP every token goes through, added to their output."""
+
+    def __init__(self, router: nn.Module, experts: GroupedExperts, shared_experts: nn.Module) -> None:
+        super().__init__(router, experts)
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shared_experts(x)
+
+
+def group_limited_moe_mlp(args: GroupLimitedMoEArgs, layer_idx: int, lora: LoRAConfig | None) -> nn.Module:
+    """Layer `layer_idx`'s MLP: dense for the first `first_k_dense_replace` layers, else routed + shared experts."""
+    if not args.is_moe_layer(layer_idx):
+        return SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=False, lora=lora)
+    return SharedExpertsMoE(
+        SigmoidGroupTopKRouter(
+            args.hidden_size,
+            args.n_routed_experts,
+            args.num_experts_per_tok,
+            args.n_group,
+            args.topk_group,
+            args.norm_topk_prob,
+            args.routed_scaling_factor,
+        ),
+        GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, lora),
+        SwiGLUMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, bias=False, lora=lora),
+    )

@@ -64,6 +64,14 @@ def _yarn_inv_freq(
     return inv_freq, attention_factor
 
 
+def yarn_softmax_mscale(rope_parameters: dict[str, Any]) -> float:
+    """The factor DeepSeek's MLA multiplies its softmax scale by under scaled RoPE:
+    mscale(factor, mscale_all_dim)**2, or 1.0 for rope_type default or without mscale_all_dim."""
+    if rope_parameters.get("rope_type", "default") == "default" or not rope_parameters.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(rope_parameters["factor"], rope_parameters["mscale_all_dim"]) ** 2
+
+
 def rope_inv_freq(
     rope_parameters: dict[str, Any], rotary_dim: int, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
@@ -113,7 +121,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x[T, H, D] with cos/sin [T, D] (half-split layout, as HF's rotate_half)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x[T, H, D] with cos/sin [T, R], R <= D (half-split layout, as HF's rotate_half).
+
+    With R < D only the first R features of each head rotate and the rest pass through (partial
+    rotary, e.g. GLM-4.5). `interleaved`: the R rotary features are stored as pairs (x0, x1),
+    (x2, x3), ... (DeepSeek's rope_interleave); they come out in half-split order, as HF returns them.
+    """
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+    rot = rot * cos + rotate_half(rot) * sin
+    return rot if rest.shape[-1] == 0 else torch.cat((rot, rest), dim=-1)

@@ -65,12 +65,23 @@ class StackedExpertLoRAAdapter(StateDictAdapter):
 class StackedExpertsAdapter(StackedExpertLoRAAdapter):
     """Stacked-expert LoRA, plus base experts read from (and written as) per-expert HF tensors."""
 
-    # With expert LoRA present, PEFT (under transformers v5) reads these target_modules names as
-    # per-expert projections and refolds them into the stacked experts.
+    # In an MoE model PEFT (under transformers v5) reads these target_modules names as per-expert
+    # projections and refolds them into the stacked experts.
     peft_reserved_module_names = ("gate_proj", "up_proj", "down_proj", "gate")
 
     def _num_experts(self) -> int:
         return self.args.num_experts
+
+    def peft_targets(self, module_names, lora_keys) -> tuple[list[str], list[str]]:
+        """Dense modules with a reserved name (a dense MLP layer, shared experts) are exported as
+        `target_parameters` "<name>.weight" in an MoE model: as target_modules PEFT would turn them into
+        expert LoRA. Their adapter keys are the same either way (`<module>.lora_A.weight`)."""
+        target_modules, target_parameters = super().peft_targets(module_names, lora_keys)
+        if self._num_experts() == 0:
+            return target_modules, target_parameters
+        reserved = [name for name in target_modules if name in self.peft_reserved_module_names]
+        kept = [name for name in target_modules if name not in reserved]
+        return kept, target_parameters + [f"{name}.weight" for name in reserved]
 
     def hf_sources(self, archon_key: str, hf_keys: set[str]) -> list[str]:
         match = _EXPERT_WEIGHT.fullmatch(archon_key)
@@ -109,3 +120,17 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
             for part, chunk in zip(parts, tensor[e].chunk(len(parts), dim=0)):
                 out.append((f"{self.hf_name(prefix)}.{e}.{part}.weight", chunk))
         return out
+
+
+class MultiTokenPredictionCheckpointAdapter(StackedExpertsAdapter):
+    """For checkpoints that carry multi-token-prediction layers (`num_nextn_predict_layers`,
+    GLM-4.5 and DeepSeek-V3): decoder layers numbered from `num_hidden_layers` on, which HF's causal
+    LM (and archon) do not build, are skipped when loading."""
+
+    _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+    def is_ignored(self, hf_key: str) -> bool:
+        match = self._LAYER_INDEX.match(hf_key)
+        if match is not None and int(match.group(1)) >= self.args.num_hidden_layers:
+            return True
+        return super().is_ignored(hf_key)

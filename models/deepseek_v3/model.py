@@ -1,0 +1,97 @@
+"""DeepSeek-V3 / Kimi K2 (deepseek_v3) on packed sequences.
+
+Multi-head latent attention (MLA) computed in its expanded form (every head's keys and values made
+from the latent), dense MLP in the first `first_k_dense_replace` layers, then group-limited sigmoid
+routing over stacked experts plus shared experts. Module names follow HF.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archon.lora import LoRAConfig, linear
+from models.common.attention import cached_attention, packed_attention
+from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from models.common.moe import group_limited_moe_mlp
+from models.common.norms import RMSNorm
+from models.common.rope import RotaryEmbedding, apply_rotary, yarn_softmax_mscale
+from models.deepseek_v3.args import DeepseekV3Args
+
+# HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, args: DeepseekV3Args, lora: LoRAConfig | None) -> None:
+        super().__init__()
+        dim, n_heads = args.hidden_size, args.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_head_dim = args.qk_head_dim
+        self.interleaved = args.rope_interleave
+        self.scale = self.qk_head_dim**-0.5 * yarn_softmax_mscale(args.rope_parameters)
+        if args.q_lora_rank is None:
+            self.q_proj = linear(dim, n_heads * self.qk_head_dim, False, "q_proj", lora)
+        else:
+            self.q_proj = None
+            self.q_a_proj = linear(dim, args.q_lora_rank, args.attention_bias, "q_a_proj", lora)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = linear(args.q_lora_rank, n_heads * self.qk_head_dim, False, "q_b_proj", lora)
+        self.kv_a_proj_with_mqa = linear(
+            dim, self.kv_lora_rank + self.rope_dim, args.attention_bias, "kv_a_proj_with_mqa", lora
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = linear(self.kv_lora_rank, n_heads * (self.nope_dim + self.v_dim), False, "kv_b_proj", lora)
+        self.o_proj = linear(n_heads * self.v_dim, dim, args.attention_bias, "o_proj", lora)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        cache=None,
+    ) -> torch.Tensor:
+        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> [T, dim]. `cache`: a layer's KV cache during
+        generation (archon/rollout/kv_cache.py), which holds the expanded per-head keys and values."""
+        T = x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q_nope, q_rot = q.view(T, -1, self.qk_head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, nope], [T, H, v]
+        q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
+        k_rot = apply_rotary(k_rot[:, None, :], cos, sin, self.interleaved)  # [T, 1, rope], one for all heads
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1)), dim=-1)
+        context = cache.update(k, v) if cache is not None else None
+        if context is None:
+            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)  # [T, H, v]
+        else:
+            out = cached_attention(q, *context, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
+    def __init__(self, args: DeepseekV3Args, layer_idx: int, lora: LoRAConfig | None) -> None:
+        super().__init__(
+            args.hidden_size,
+            args.rms_norm_eps,
+            MultiHeadLatentAttention(args, lora),
+            group_limited_moe_mlp(args, layer_idx, lora),
+        )
+
+
+class DeepseekV3Model(PackedDecoderLM):
+    def __init__(self, args: DeepseekV3Args, lora: LoRAConfig | None = None) -> None:
+        super().__init__(
+            args,
+            RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings),
+            (DeepseekV3DecoderLayer(args, i, lora) for i in range(args.num_hidden_layers)),
+        )

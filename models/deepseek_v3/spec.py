@@ -1,0 +1,66 @@
+from archon.spec import ModelSpec, register
+from models.deepseek_v3.args import DeepseekV3Args
+from models.deepseek_v3.model import DeepseekV3Model
+from models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
+
+spec = register(
+    ModelSpec(
+        name="deepseek_v3",
+        hf_model_types=("deepseek_v3",),
+        args_cls=DeepseekV3Args,
+        model_cls=DeepseekV3Model,
+        state_dict_adapter_cls=DeepseekV3StateDictAdapter,
+        parallelize_fn=None,
+        lora_targets=(
+            "q_proj",
+            "q_a_proj",
+            "q_b_proj",
+            "kv_a_proj_with_mqa",
+            "kv_b_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "experts",
+        ),
+        tiny_hf_config={
+            # One dense layer, then MoE layers with 4 groups of 2 experts (2 groups allowed per token);
+            # MLA with a query bottleneck; interleaved YaRN RoPE whose mscale_all_dim scales the softmax.
+            "deepseek_v3": dict(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                moe_intermediate_size=32,
+                num_hidden_layers=3,
+                first_k_dense_replace=1,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                q_lora_rank=32,
+                kv_lora_rank=24,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=12,
+                n_routed_experts=8,
+                num_experts_per_tok=3,
+                n_group=4,
+                topk_group=2,
+                n_shared_experts=1,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+                rope_interleave=True,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 128,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 0.8,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                },
+                max_position_embeddings=512,
+                tie_word_embeddings=False,
+            ),
+        },
+    )
+)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.common.args import GroupLimitedMoEArgs, group_limited_moe_fields_from_hf
+
+
+@dataclass
+class Glm4MoeArgs(GroupLimitedMoEArgs):
+    """GLM-4.5 / GLM-4.6 (MoE) hyper-parameters, named as in the HF config.
+
+    partial_rotary_factor: the share of each head's features that RoPE rotates (the first ones);
+    HF reads it from rope_parameters.
+    """
+
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf_config(cls, config) -> "Glm4MoeArgs":
+        fields = group_limited_moe_fields_from_hf(config)
+        partial_rotary_factor = float(fields["rope_parameters"].get("partial_rotary_factor", 1.0))
+        args = cls(
+            **fields,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            use_qk_norm=bool(getattr(config, "use_qk_norm", False)),
+            partial_rotary_factor=partial_rotary_factor,
+        )
+        if args.rotary_dim < 2 or args.rotary_dim % 2:
+            raise ValueError(
+                f"rope_parameters.partial_rotary_factor={partial_rotary_factor} with head_dim={args.head_dim} gives "
+                f"{args.rotary_dim} rotary features; it must be a positive even number"
+            )
+        return args

@@ -1,0 +1,39 @@
+"""GLM-4.5 (glm4_moe) on packed sequences.
+
+GQA with optional q/k/v bias (o_proj has none) and optional per-head QK RMSNorm; RoPE on the first
+`partial_rotary_factor` of each head; dense MLP in the first `first_k_dense_replace` layers, then
+group-limited sigmoid routing over stacked experts plus shared experts. Module names follow HF.
+"""
+
+from __future__ import annotations
+
+from archon.lora import LoRAConfig
+from models.common.attention import Attention
+from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from models.common.moe import group_limited_moe_mlp
+from models.common.rope import RotaryEmbedding
+from models.glm4_moe.args import Glm4MoeArgs
+
+
+class Glm4MoeDecoderLayer(PreNormDecoderLayer):
+    def __init__(self, args: Glm4MoeArgs, layer_idx: int, lora: LoRAConfig | None) -> None:
+        self_attn = Attention(
+            dim=args.hidden_size,
+            n_heads=args.num_attention_heads,
+            n_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            qkv_bias=args.attention_bias,
+            o_bias=False,
+            qk_norm_eps=args.rms_norm_eps if args.use_qk_norm else None,
+            lora=lora,
+        )
+        super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, group_limited_moe_mlp(args, layer_idx, lora))
+
+
+class Glm4MoeModel(PackedDecoderLM):
+    def __init__(self, args: Glm4MoeArgs, lora: LoRAConfig | None = None) -> None:
+        super().__init__(
+            args,
+            RotaryEmbedding(args.rope_parameters, args.rotary_dim, args.max_position_embeddings),
+            (Glm4MoeDecoderLayer(args, i, lora) for i in range(args.num_hidden_layers)),
+        )
