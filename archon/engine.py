@@ -1,19 +1,62 @@
-"""Model building: meta device -> LoRA built in -> (parallelize) -> materialize -> load HF weights."""
+"""Building and training a model.
+
+Build flow (`build_model`): the model is created on the meta device with LoRA in place, parallelized
+by its family's parallelize function (TP -> activation checkpointing -> compile -> FSDP2),
+materialised with `to_empty`, filled from the HF checkpoint (each rank reads only the slices it
+holds), and its LoRA factors are initialised (A kaiming-uniform, B zeros) from a seeded generator,
+so every layout starts from the same adapter.
+
+`Engine` adds what the RL loop uses: `logprobs` (policy, or reference with the adapter off) and
+`train_step` (micro-batches by token budget, accumulation, clipping, AdamW, LR schedule), plus
+resume checkpoints and PEFT export.
+
+Data layout: every data-parallel rank passes its own PackedBatch; the ranks of one tensor-parallel
+group pass the same one.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from archon.checkpoint.hf import HFCheckpoint, load_hf_weights
+from archon import device as devices
+from archon.batch import PackedBatch
+from archon.checkpoint.hf import HFCheckpoint, copy_local_into, load_hf_weights, local_region
 from archon.checkpoint.state_dict_adapter import StateDictAdapter
-from archon.lora import LoRAConfig, is_lora_param, mark_only_lora_trainable, reset_lora_parameters
+from archon.head import DEFAULT_CHUNK_SIZE, label_logprobs
+from archon.lora import LoRAConfig, adapter_disabled, is_lora_param, lora_parameters, mark_only_lora_trainable
+from archon.parallel import ParallelConfig, ParallelDims, init_distributed, reduce_partial_grads
+from archon.parallel.grad import clip_grad_norm
+from archon.parallel.parallelize import DTYPES, DTypeName
 from archon.spec import ModelSpec, get_spec
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "LoadedModel",
+    "LogprobOutput",
+    "LossContext",
+    "OptimConfig",
+    "PackedBatch",
+    "build_model",
+    "init_lora_weights",
+    "load_hf_config",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -25,6 +68,7 @@ class LoadedModel:
     hf_config: Any
     path: Path
     lora: LoRAConfig | None
+    dims: ParallelDims | None = None
 
 
 def load_hf_config(path: str | os.PathLike):
@@ -36,19 +80,43 @@ def load_hf_config(path: str | os.PathLike):
     return AutoConfig.from_pretrained(path)
 
 
+@torch.no_grad()
+def init_lora_weights(model: nn.Module, seed: int = 0) -> None:
+    """A kaiming-uniform (bound 1/sqrt(fan_in), fan_in = the last dim, as PEFT), B zeros.
+
+    Each full factor is drawn from one seeded generator in parameter order and every rank copies
+    the part it holds, so sharded and single-process models start from the same adapter.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not is_lora_param(name):
+            continue
+        parts = name.split(".")
+        if "lora_b" in parts:
+            full = torch.zeros(param.shape)
+        else:
+            bound = 1.0 / math.sqrt(param.shape[-1])
+            full = torch.empty(param.shape).uniform_(-bound, bound, generator=generator)
+        region = local_region(param)
+        copy_local_into(param, full if region is None else full[region], name)
+
+
 def build_model(
     path: str | os.PathLike,
     lora: LoRAConfig | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     parallelize: Callable[[nn.Module], nn.Module] | None = None,
+    *,
+    parallel: ParallelConfig | None = None,
+    dims: ParallelDims | None = None,
+    seed: int = 0,
 ) -> LoadedModel:
     """Build the archon model for the HF checkpoint at `path` and load its weights.
 
-    The model is created on the meta device with LoRA in place, optionally parallelized, then
-    materialized on `device`; base weights come from the checkpoint, LoRA A/B are initialised
-    afterwards (A kaiming-uniform, B zeros) and kept in fp32. With LoRA, only adapter parameters
-    are trainable.
+    Base weights take `dtype`; LoRA factors stay fp32. With LoRA only the adapter is trainable,
+    without it every parameter is. Parallelism: pass `dims` (and `parallel` for AC/compile/FSDP
+    options) to use the family's parallelize function, or `parallelize` for a custom callable.
     """
     path = Path(path)
     hf_config = load_hf_config(path)
@@ -64,12 +132,397 @@ def build_model(
     for name, param in model.named_parameters():
         if is_lora_param(name):
             param.data = param.data.float()
+    if lora is not None:
+        mark_only_lora_trainable(model)
+
     if parallelize is not None:
         model = parallelize(model)
+    elif dims is not None:
+        parallel = parallel or ParallelConfig()
+        needs_pipeline = dims.distributed or parallel.activation_checkpoint != "none" or parallel.compile
+        if needs_pipeline:
+            if spec.parallelize_fn is None:
+                raise ValueError(f"model family {spec.name!r} has no parallelize function (ModelSpec.parallelize_fn)")
+            model = spec.parallelize_fn(model, dims, parallel)
     model.to_empty(device=device)
     adapter = spec.state_dict_adapter_cls(args)
     load_hf_weights(model, adapter, checkpoint)
     if lora is not None:
-        reset_lora_parameters(model)
-        mark_only_lora_trainable(model)
-    return LoadedModel(model, spec, args, adapter, hf_config, path, lora)
+        init_lora_weights(model, seed)
+    return LoadedModel(model, spec, args, adapter, hf_config, path, lora, dims)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (fp32 states for the fp32 LoRA factors) with warm-up and decay."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None or 0 only measures it."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    """Linear warm-up from lr/(warmup_steps+1) to lr."""
+    total_steps: int = 0
+    """Steps over which linear/cosine decay to min_lr_ratio * lr (required for those schedules)."""
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"OptimConfig.schedule={self.schedule!r} needs total_steps > warmup_steps "
+                f"(got total_steps={self.total_steps}, warmup_steps={self.warmup_steps})"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+def lr_multiplier(step: int, config: OptimConfig) -> float:
+    """Multiplier of config.lr for optimizer step `step` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / (config.warmup_steps + 1)
+    if config.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
+    if config.schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
+
+
+class _LRLambda:
+    def __init__(self, config: OptimConfig) -> None:
+        self.config = config
+
+    def __call__(self, step: int) -> float:
+        return lr_multiplier(step, self.config)
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    """HF checkpoint directory (config.json + safetensors)."""
+    lora: LoRAConfig | None = field(default_factory=LoRAConfig)
+    """The adapter to train; None trains every parameter (full fine-tuning)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dtype: DTypeName = "float32"
+    """Base-weight dtype (LoRA factors are always fp32). Use float32 on CPU."""
+    device: str = "auto"
+    micro_batch_tokens: int = 8192
+    """Token budget of one forward/backward; whole sequences are packed up to it."""
+    head_chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Rows of logits computed at a time by the log-prob head."""
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LogprobOutput:
+    logprobs: torch.Tensor
+    """[T] fp32: log p(labels[t]) at loss_mask positions, 0 elsewhere."""
+    entropy: torch.Tensor | None = None
+    """[T] fp32 entropy of the next-token distribution at loss_mask positions, 0 elsewhere."""
+
+
+@dataclass
+class LossContext:
+    """What a loss function needs beyond its micro-batch and log-probs.
+
+    A loss function returns its micro-batch's *share* of the whole batch's loss: numerators summed
+    over the micro-batch, divided by a count over the whole batch (all micro-batches, all
+    data-parallel ranks). The engine sums gradients over micro-batches and ranks.
+    """
+
+    global_tokens: torch.Tensor
+    """0-dim fp32: loss-mask tokens in the whole batch."""
+    global_sequences: torch.Tensor
+    """0-dim fp32: sequences with at least one loss-mask token in the whole batch."""
+    temperature: float = 1.0
+    entropy: torch.Tensor | None = None
+    """[T] entropy (with gradient) when train_step was asked for it."""
+    dp_size: int = 1
+
+    def normalizer(self, aggregation: str) -> torch.Tensor:
+        """The global count for an aggregation mode: token-level modes divide by tokens, sequence-level
+        modes ("seq_mean_...", "sequence...") by sequences."""
+        if aggregation.startswith("token"):
+            return self.global_tokens
+        if aggregation.startswith(("seq", "sequence")):
+            return self.global_sequences
+        raise ValueError(f"unknown aggregation {aggregation!r}; expected a token_* or seq_* mode")
+
+
+LossFn = Callable[[PackedBatch, torch.Tensor, LossContext], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+class Engine:
+    """A model ready to score and train, on this rank's share of the devices.
+
+    Under torchrun the process group is started from the environment; a plain process runs alone.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device, self.rank, self.world_size = init_distributed(config.device)
+        self.dims = config.parallel.dims(self.world_size, self.device.type)
+        devices.manual_seed_all(config.seed + 1000 * self.dims.dp_rank)
+        loaded = build_model(
+            config.model_path,
+            lora=config.lora,
+            dtype=DTYPES[config.dtype],
+            device=self.device,
+            parallel=config.parallel,
+            dims=self.dims,
+            seed=config.seed,
+        )
+        self.loaded = loaded
+        self.model = loaded.model
+        self.adapter = loaded.adapter
+        self.lora = config.lora
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _LRLambda(optim))
+        self.step = 0
+
+    # ---- helpers ------------------------------------------------------------------------------
+    @property
+    def fsdp(self) -> bool:
+        return self.dims.fsdp_enabled
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if self.dims.dp > 1:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.dims.dp_group)
+        return t
+
+    def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], int]:
+        """This rank's micro-batches, and how many forward passes every data-parallel rank runs (FSDP
+        needs the same number of collectives on each)."""
+        micro = batch.to(self.device).split_by_tokens(self.config.micro_batch_tokens)
+        count = torch.tensor(len(micro), device=self.device)
+        if self.fsdp:
+            self._all_reduce(count, dist.ReduceOp.MAX)
+        return micro, int(count)
+
+    def _forward_logprobs(self, batch: PackedBatch, temperature: float, with_entropy: bool):
+        hidden = self.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
+        index = batch.loss_mask.nonzero()[:, 0]
+        lp, ent = label_logprobs(
+            hidden[index], self.model.output_weight, batch.labels[index], temperature,
+            self.config.head_chunk_size, with_entropy,
+        )
+        T = batch.num_tokens
+        logprobs = torch.zeros(T, dtype=torch.float32, device=hidden.device).index_copy(0, index, lp)
+        entropy = None
+        if with_entropy:
+            entropy = torch.zeros(T, dtype=torch.float32, device=hidden.device).index_copy(0, index, ent)
+        return logprobs, entropy
+
+    # ---- scoring ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(
+        self,
+        batch: PackedBatch,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        use_adapter: bool = True,
+    ) -> LogprobOutput:
+        """Log-probs (and entropy) of `batch.labels` at the loss-mask positions, in eval mode.
+
+        use_adapter=False scores with the LoRA switched off: the reference (base) policy.
+        """
+        if not use_adapter and self.lora is None:
+            raise ValueError("use_adapter=False needs a LoRA model; this engine trains every parameter")
+        micro, count = self._micro_batches(batch)
+        was_training = self.model.training
+        self.model.eval()
+        lps, ents = [], []
+        try:
+            with contextlib.nullcontext() if use_adapter else adapter_disabled(self.model):
+                for i in range(count):
+                    lp, ent = self._forward_logprobs(micro[min(i, len(micro) - 1)], temperature, with_entropy)
+                    if i < len(micro):
+                        lps.append(lp)
+                        ents.append(ent)
+        finally:
+            self.model.train(was_training)
+            if self.fsdp:
+                self.model.reshard()
+        return LogprobOutput(torch.cat(lps).cpu(), torch.cat(ents).cpu() if with_entropy else None)
+
+    # ---- training -----------------------------------------------------------------------------
+    def forward_backward(
+        self,
+        batch: PackedBatch,
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        """Accumulate the gradient of the whole batch's loss (no optimizer step)."""
+        self.model.train()
+        micro, count = self._micro_batches(batch)
+        host = batch.to("cpu")
+        per_seq = torch.zeros(host.num_sequences).index_add(0, host.sequence_index(), host.loss_mask.float())
+        counts = torch.tensor(
+            [float(host.loss_mask.sum()), float((per_seq > 0).sum()), float(host.num_tokens)], device=self.device
+        )
+        self._all_reduce(counts)
+        global_tokens, global_sequences = counts[0].clone(), counts[1].clone()
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        sums: dict[str, torch.Tensor] = {}
+        maxima: dict[str, torch.Tensor] = {}
+        minima: dict[str, torch.Tensor] = {}
+        for i in range(count):
+            real = i < len(micro)
+            mb = micro[i] if real else min(micro, key=lambda b: b.num_tokens)
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(i == count - 1)
+            logprobs, entropy = self._forward_logprobs(mb, temperature, with_entropy)
+            ctx = LossContext(global_tokens, global_sequences, temperature, entropy, self.dims.dp)
+            loss, metrics = loss_fn(mb, logprobs, ctx)
+            if not real:
+                # Keeps this rank's collectives in step with ranks that have more micro-batches.
+                loss = loss * 0.0
+            loss.backward()
+            if not real:
+                continue
+            loss_sum += loss.detach().float()
+            weight = float(mb.loss_mask.sum())
+            for key, value in metrics.items():
+                value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
+                if key == "num_tokens":
+                    sums[key] = sums.get(key, 0) + value
+                elif key.endswith("_max"):
+                    maxima[key] = torch.maximum(maxima[key], value) if key in maxima else value
+                elif key.endswith("_min"):
+                    minima[key] = torch.minimum(minima[key], value) if key in minima else value
+                else:
+                    sums[key] = sums.get(key, 0) + value * weight
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(True)
+        reduce_partial_grads(self.model)
+
+        out: dict[str, float] = {}
+        self._all_reduce(loss_sum)
+        out["loss"] = loss_sum.item()
+        for key, value in sums.items():
+            value = self._all_reduce(value.clone())
+            out[key] = value.item() if key == "num_tokens" else value.item() / max(global_tokens.item(), 1.0)
+        for key, value in maxima.items():
+            out[key] = self._all_reduce(value.clone(), dist.ReduceOp.MAX).item()
+        for key, value in minima.items():
+            out[key] = self._all_reduce(value.clone(), dist.ReduceOp.MIN).item()
+        out.update(
+            tokens=global_tokens.item(),
+            sequences=global_sequences.item(),
+            total_tokens=counts[2].item(),
+            micro_batches=count,
+        )
+        return out
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step AdamW and the LR schedule. Returns grad_norm (before clipping) and the lr used."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        norm = clip_grad_norm(self.trainable, self.config.optim.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm": norm.item(), "lr": lr}
+
+    def train_step(
+        self,
+        batch: PackedBatch,
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step on `batch` (this rank's share).
+
+        loss_fn(micro_batch, logprobs[T], ctx) -> (loss, metrics): logprobs carry the gradient and
+        are 0 outside micro_batch.loss_mask; the loss is the micro-batch's share of the batch loss
+        (see LossContext). Metrics are per-micro-batch token means (weighted by loss tokens in the
+        report), `*_max` / `*_min` extremes, or `num_tokens` (summed).
+
+        Returns loss, grad_norm, lr, tokens (loss tokens), sequences, total_tokens, micro_batches,
+        step, time_s and the loss function's metrics, all over the global batch.
+        """
+        start = time.perf_counter()
+        metrics = self.forward_backward(batch, loss_fn, temperature, with_entropy)
+        metrics.update(self.optimizer_step())
+        metrics["step"] = self.step
+        metrics["time_s"] = time.perf_counter() - start
+        return metrics
+
+    # ---- adapters and checkpoints ---------------------------------------------------------------
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) LoRA factors by archon name; every rank must call it."""
+        from archon.lora.peft import full_tensor
+
+        return {k: full_tensor(p.detach()).cpu() for k, p in lora_parameters(self.model).items()}
+
+    def export_peft(self, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
+        """Write the adapter in PEFT format (gathered from all shards; rank 0 writes)."""
+        from archon.lora.peft import save_peft_adapter
+
+        if self.lora is None:
+            raise ValueError("export_peft needs a LoRA model; this engine trains every parameter")
+        path = save_peft_adapter(
+            self.model, self.adapter, self.lora, out_dir,
+            base_model_name_or_path or str(self.loaded.path), write=self.rank == 0,
+        )
+        if dist.is_initialized():
+            dist.barrier()
+        return path
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The trainable parameters and optimizer state, as DCP state dicts (sharded where the model is)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, optim_state = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True)
+        )
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=True),
+        )
+
+    def save_checkpoint(self, manager, data_state: dict | None = None) -> Path:
+        """Save a resume checkpoint for the current step through a CheckpointManager."""
+        trainer_state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": data_state or {}}
+        return manager.save(self.step, self.checkpoint_state(), trainer_state)
+
+    def load_checkpoint(self, manager, path: str | os.PathLike | None = None) -> dict | None:
+        """Resume from `path` (default: the manager's latest). Returns the saved data-loader state,
+        or None when there is no checkpoint."""
+        path = manager.latest() if path is None else Path(path)
+        if path is None:
+            return None
+        state = self.checkpoint_state()
+        trainer_state = manager.load(path, state)
+        self.load_checkpoint_state(state)
+        self.step = trainer_state["step"]
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        return trainer_state["data"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -59,6 +60,13 @@ class HFCheckpoint:
     def shape(self, key: str) -> list[int]:
         return self._handle(key).get_slice(key).get_shape()
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self.get_slice(key, tuple(slice(0, 0) for _ in self.shape(key))).dtype
+
+    def get_slice(self, key: str, region: tuple[slice, ...]) -> torch.Tensor:
+        """Read only `region` (one slice per dimension) of tensor `key`."""
+        return self._handle(key).get_slice(key)[region]
+
     def config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())
 
@@ -96,24 +104,112 @@ def load_hf_weights(model: nn.Module, adapter: StateDictAdapter, checkpoint: HFC
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     for key, sources in plan.items():
-        tensor = adapter.combine(key, [checkpoint.get(s) for s in sources])
         target = params[key]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"checkpoint tensor {sources[0]!r} gives {key!r} shape {tuple(tensor.shape)}, "
-                f"but the model expects {tuple(target.shape)}"
-            )
-        _copy_into(target, tensor)
+        local = read_local(adapter, checkpoint, key, sources, target)
+        copy_local_into(target, local, key)
 
 
-def _copy_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+def local_region(target: torch.Tensor) -> tuple[slice, ...] | None:
+    """The box of the global tensor this rank holds (DTensor shards), or None for the whole tensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if isinstance(target, DTensor):
-        local = distribute_tensor(tensor.to(target.device, target.dtype), target.device_mesh, target.placements)
-        target.to_local().copy_(local.to_local())
-    else:
-        target.copy_(tensor.to(target.dtype))
+    if not isinstance(target, DTensor):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _probe_shape(ndim: int) -> tuple[int, ...]:
+    return (2, 3, 5, 7, 11)[:ndim]
+
+
+def _combine_is_identity(adapter: StateDictAdapter, key: str, ndim: int) -> bool:
+    probe = torch.arange(math.prod(_probe_shape(ndim)), dtype=torch.float32).reshape(_probe_shape(ndim))
+    try:
+        out = adapter.combine(key, [probe])
+    except Exception:
+        return False
+    return out.shape == probe.shape and torch.equal(out, probe)
+
+
+def _combine_is_stack_of_cat(adapter: StateDictAdapter, key: str, n_sources: int, n_stacked: int) -> bool:
+    """Whether combine(sources) == stack over dim 0 of n_stacked groups, each a cat over dim 0 of
+    consecutive sources (how stacked MoE experts are built from per-expert HF tensors)."""
+    if n_stacked == 0 or n_sources % n_stacked:
+        return False
+    probes = [torch.full((1, 1), float(i)) for i in range(n_sources)]
+    try:
+        out = adapter.combine(key, probes)
+    except Exception:
+        return False
+    expected = torch.arange(n_sources, dtype=torch.float32).reshape(n_stacked, n_sources // n_stacked, 1)
+    return out.shape == expected.shape and torch.equal(out, expected)
+
+
+def _shape_error(key: str, sources: list[str], got, want) -> ValueError:
+    return ValueError(
+        f"checkpoint tensor {sources[0]!r} gives {key!r} shape {tuple(got)}, but the model expects {tuple(want)}"
+    )
+
+
+def read_local(
+    adapter: StateDictAdapter, checkpoint: HFCheckpoint, key: str, sources: list[str], target: torch.Tensor
+) -> torch.Tensor:
+    """The part of archon tensor `key` that `target` holds on this rank, reading no more of the
+    checkpoint than needed when the adapter maps the key one to one or stacks per-expert tensors."""
+    region = local_region(target)
+    want = tuple(target.shape)
+    if region is not None and len(sources) == 1 and _combine_is_identity(adapter, key, len(want)):
+        got = tuple(checkpoint.shape(sources[0]))
+        if got != want:
+            raise _shape_error(key, sources, got, want)
+        return checkpoint.get_slice(sources[0], region)
+    if (
+        region is not None
+        and len(sources) > 1
+        and len(want) >= 2
+        and _combine_is_stack_of_cat(adapter, key, len(sources), want[0])
+    ):
+        return _read_stacked_region(checkpoint, key, sources, want, region)
+    tensor = adapter.combine(key, [checkpoint.get(s) for s in sources])
+    if tuple(tensor.shape) != want:
+        raise _shape_error(key, sources, tensor.shape, want)
+    return tensor if region is None else tensor[region]
+
+
+def _read_stacked_region(checkpoint, key, sources, want, region) -> torch.Tensor:
+    n_stacked = want[0]
+    per_group = len(sources) // n_stacked
+    groups = [sources[i * per_group : (i + 1) * per_group] for i in range(n_stacked)]
+    part_shapes = [[tuple(checkpoint.shape(s)) for s in group] for group in groups]
+    for group, shapes in zip(groups, part_shapes):
+        got = (n_stacked, sum(s[0] for s in shapes), *shapes[0][1:])
+        if got != want or any(s[1:] != shapes[0][1:] for s in shapes):
+            raise _shape_error(key, group, got, want)
+    rows, rest = region[1], region[2:]
+    stacked = []
+    for index in range(region[0].start, region[0].stop):
+        pieces, offset = [], 0
+        for source, shape in zip(groups[index], part_shapes[index]):
+            lo, hi = max(rows.start, offset), min(rows.stop, offset + shape[0])
+            if lo < hi:
+                pieces.append(checkpoint.get_slice(source, (slice(lo - offset, hi - offset), *rest)))
+            offset += shape[0]
+        stacked.append(torch.cat(pieces, dim=0))
+    if not stacked:
+        dtype = checkpoint.dtype(sources[0])
+        return torch.empty([s.stop - s.start for s in region], dtype=dtype)
+    return torch.stack(stacked)
+
+
+def copy_local_into(target: torch.Tensor, local: torch.Tensor, key: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    dest = target.to_local() if isinstance(target, DTensor) else target
+    if tuple(local.shape) != tuple(dest.shape):
+        raise ValueError(f"{key!r}: this rank holds a shard of shape {tuple(dest.shape)} but read {tuple(local.shape)}")
+    dest.copy_(local.to(dest.device, dest.dtype))
 
 
 def save_hf_checkpoint(

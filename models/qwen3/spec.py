@@ -1,6 +1,7 @@
 from archon.spec import ModelSpec, register
 from models.qwen3.args import Qwen3Args
 from models.qwen3.model import Qwen3Model
+from models.qwen3.parallelize import parallelize_qwen3
 from models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 _TINY_COMMON = dict(
@@ -22,7 +23,7 @@ spec = register(
         args_cls=Qwen3Args,
         model_cls=Qwen3Model,
         state_dict_adapter_cls=Qwen3StateDictAdapter,
-        parallelize_fn=None,
+        parallelize_fn=parallelize_qwen3,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"),
         tiny_hf_config={
             "qwen3": dict(_TINY_COMMON),

@@ -1,0 +1,47 @@
+"""Parallelism: degrees and mesh, LoRA-aware tensor parallelism, activation checkpointing, FSDP2."""
+
+from archon.parallel.activation_checkpoint import AC_MODES, apply_activation_checkpointing, checkpoint_module
+from archon.parallel.dims import ParallelDims, init_distributed, require_divisible
+from archon.parallel.parallelize import ParallelConfig, apply_fsdp, parallelize_decoder
+from archon.parallel.tensor_parallel import (
+    ColwiseLoRAParallel,
+    ReplicatedParallel,
+    RowwiseLoRAParallel,
+    ShardedParameters,
+    apply_tp_plan,
+    attention_plan,
+    colwise,
+    head_sharded_qk_norm,
+    local_tensor,
+    reduce_partial_grads,
+    rowwise,
+    swiglu_plan,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
+
+__all__ = [
+    "AC_MODES",
+    "ColwiseLoRAParallel",
+    "ParallelConfig",
+    "ParallelDims",
+    "ReplicatedParallel",
+    "RowwiseLoRAParallel",
+    "ShardedParameters",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "apply_tp_plan",
+    "attention_plan",
+    "checkpoint_module",
+    "colwise",
+    "head_sharded_qk_norm",
+    "init_distributed",
+    "local_tensor",
+    "parallelize_decoder",
+    "reduce_partial_grads",
+    "require_divisible",
+    "rowwise",
+    "swiglu_plan",
+    "vocab_parallel_embedding",
+    "vocab_parallel_head",
+]

@@ -1,0 +1,154 @@
+"""Parallel degrees, the DeviceMesh they make, and process-group start-up.
+
+Mesh dimensions, outermost first: dp_replicate, dp_shard, tp. Data-parallel ranks (dp_replicate x
+dp_shard) see different data; the ranks of one tensor-parallel group see the same data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from archon import device as devices
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of a run. `dp_shard=-1` takes whatever the other degrees leave of the world.
+
+    dp_replicate: replicas of the sharded model (HSDP when dp_shard > 1 too).
+    dp_shard: FSDP2 sharding degree.
+    tp: tensor-parallel degree.
+    ep: expert-parallel degree (reserved; only 1 is supported).
+    """
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    ep: int = 1
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "dp_replicate", "tp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel degree {name}={value!r} must be a positive integer")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.tp
+            if self.world_size % rest:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by dp_replicate*tp = "
+                    f"{self.dp_replicate}*{self.tp} = {rest}, so dp_shard=-1 cannot fill it; "
+                    f"choose degrees whose product is {self.world_size}"
+                )
+            self.dp_shard = self.world_size // rest
+        if not isinstance(self.dp_shard, int) or self.dp_shard < 1:
+            raise ValueError(f"parallel degree dp_shard={self.dp_shard!r} must be a positive integer or -1")
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ValueError(
+                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"= {product}, but the world size is {self.world_size}; their product must equal the world size "
+                f"(set dp_shard=-1 to let it take the remainder)"
+            )
+        if self.ep != 1:
+            raise NotImplementedError(
+                f"expert parallelism (ep={self.ep}) is not implemented; MoE experts are sharded by FSDP "
+                "(dp_shard) and replicated across tp. Use ep=1"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel ranks (ranks that see different data)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1 or self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @cached_property
+    def mesh(self):
+        """The 3-D DeviceMesh (dp_replicate, dp_shard, tp); None for a single process."""
+        if not self.distributed:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            self.device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+    @property
+    def tp_mesh(self):
+        return None if self.mesh is None else self.mesh["tp"]
+
+    @property
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over: 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) for HSDP."""
+        if self.mesh is None:
+            return None
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]
+
+    @property
+    def dp_mesh(self):
+        """All data-parallel ranks of this rank's tp coordinate, flattened to 1-D."""
+        return None if self.mesh is None else self.mesh["dp"]
+
+    @property
+    def dp_group(self):
+        return None if self.mesh is None else self.dp_mesh.get_group()
+
+    @property
+    def tp_group(self):
+        return None if self.mesh is None or not self.tp_enabled else self.tp_mesh.get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.mesh is None else self.dp_mesh.get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.mesh is None else self.tp_mesh.get_local_rank()
+
+
+def init_distributed(device_kind: str = "auto") -> tuple[torch.device, int, int]:
+    """Start the default process group when launched by torchrun (WORLD_SIZE > 1).
+
+    Returns (this rank's device, rank, world size); a plain single process gets (device, 0, 1).
+    """
+    device = devices.local_device(device_kind)
+    devices.set_local_device(device)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=devices.collective_backend(device.type))
+    if dist.is_initialized():
+        return device, dist.get_rank(), dist.get_world_size()
+    return device, 0, 1
+
+
+def require_divisible(degree_name: str, degree: int, family: str, **sizes: int) -> None:
+    """Fail naming every model size (a config field) that `degree` does not divide."""
+    bad = [f"{name}={size}" for name, size in sizes.items() if size % degree]
+    if bad:
+        raise ValueError(
+            f"{degree_name}={degree} does not divide {', '.join(bad)} of this {family} model; "
+            f"choose a {degree_name} degree that divides each of them"
+        )

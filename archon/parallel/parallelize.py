@@ -1,0 +1,119 @@
+"""The generic parallelize pipeline a model family calls from its own `parallelize.py`.
+
+Order: tensor parallelism, then activation checkpointing, then torch.compile, then FSDP2 per block
+and at the root. Every step keeps parameter names unchanged, so HF loading, LoRA export and
+checkpoints see the same names with or without parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from archon.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing
+from archon.parallel.dims import ParallelDims
+from archon.parallel.tensor_parallel import apply_tp_plan
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ParallelConfig:
+    """How to lay a model out over the ranks and how to run its blocks."""
+
+    dp_replicate: int = 1
+    """Replicas of the sharded model (HSDP when dp_shard > 1 too)."""
+    dp_shard: int = -1
+    """FSDP2 sharding degree; -1 takes what dp_replicate and tp leave of the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (heads and MLP intermediate sharded, vocabulary-parallel head)."""
+    ep: int = 1
+    """Expert-parallel degree; reserved, only 1 is supported."""
+    activation_checkpoint: ACMode = "none"
+    """Per-block activation checkpointing: none, full or selective."""
+    compile: bool = False
+    """torch.compile each block."""
+    compile_backend: str = "inductor"
+    param_dtype: DTypeName | None = None
+    """FSDP2 compute dtype for parameters; None keeps each parameter's own dtype."""
+    reduce_dtype: DTypeName = "float32"
+    """FSDP2 gradient reduce-scatter dtype."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (re-gathered for backward)."""
+
+    def dims(self, world_size: int, device_type: str) -> ParallelDims:
+        return ParallelDims(
+            world_size=world_size,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            ep=self.ep,
+            device_type=device_type,
+        )
+
+
+def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], dims: ParallelDims, config: ParallelConfig) -> None:
+    """fully_shard each block, then the root (embedding, final norm, unembedding).
+
+    Stacked MoE expert weights [E, ...] are sharded on dim 0 like any parameter, so they stay
+    stacked. Gradients are summed over data-parallel ranks, not averaged: the engine normalises
+    the loss over the global batch itself.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[config.param_dtype] if config.param_dtype else None,
+        reduce_dtype=DTYPES[config.reduce_dtype],
+    )
+    mesh = dims.fsdp_mesh
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=config.reshard_after_forward)
+    # The root keeps its parameters gathered after forward (FSDP2's default for the root): the
+    # engine reads the unembedding right after the forward for its chunked head.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM reduce-scatter (gloo has no pre-multiplied sum).
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize_decoder(
+    model: nn.Module,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    *,
+    blocks: Sequence[nn.Module],
+    model_tp_plan: Mapping[str, ParallelStyle] | None = None,
+    block_tp_plan: Callable[[int, nn.Module], Mapping[str, ParallelStyle]] | None = None,
+) -> nn.Module:
+    """Apply TP -> activation checkpointing -> compile -> FSDP2 to a decoder-only model.
+
+    blocks: the transformer blocks, each becomes one FSDP unit (and one checkpoint/compile unit).
+    model_tp_plan: styles for modules outside the blocks, names relative to `model`.
+    block_tp_plan(index, block): styles for one block, names relative to the block (MoE and dense
+        blocks may differ). Modules left out stay replicated across the tensor-parallel group.
+    """
+    if dims.ep != 1:
+        raise NotImplementedError(f"expert parallelism (ep={dims.ep}) is not implemented")
+    if dims.tp_enabled:
+        if block_tp_plan is None:
+            raise ValueError(f"tp={dims.tp} requested but {type(model).__name__} has no tensor-parallel plan")
+        tp_mesh = dims.tp_mesh
+        if model_tp_plan:
+            apply_tp_plan(model, tp_mesh, model_tp_plan)
+        for index, block in enumerate(blocks):
+            apply_tp_plan(block, tp_mesh, block_tp_plan(index, block))
+    apply_activation_checkpointing(blocks, config.activation_checkpoint)
+    if config.compile:
+        for block in blocks:
+            block.compile(backend=config.compile_backend, fullgraph=False)
+    if dims.fsdp_enabled:
+        apply_fsdp(model, blocks, dims, config)
+    return model

@@ -1,0 +1,121 @@
+"""Shared by the single-process reference (in pytest) and the torchrun workers (parallel_worker.py):
+the batch, the loss, the engine settings and the measurements compared between layouts."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from archon.batch import PackedBatch
+from archon.checkpoint.hf import copy_local_into, local_region
+from archon.engine import Engine, EngineConfig, OptimConfig
+from archon.lora import LoRAConfig, is_lora_param
+from archon.parallel import ParallelConfig
+from archon.rl.losses import aggregate_token_losses, grpo_loss
+
+SEQ_LENS = (30, 13, 30, 20, 30, 5)
+PROMPT_LENS = (10, 4, 12, 6, 3, 2)
+MICRO_BATCH_TOKENS = 40
+TRAIN_STEPS = 4  # the last step's loss is measured after 3 optimizer steps
+
+LAYOUTS = {
+    # name: (world size, ParallelConfig kwargs)
+    "fsdp2": (2, dict(dp_shard=2, tp=1, activation_checkpoint="full")),
+    "tp2": (2, dict(dp_shard=1, tp=2, activation_checkpoint="selective")),
+    "fsdp2_tp2": (4, dict(dp_shard=2, tp=2)),
+}
+
+
+def make_batch(vocab_size: int, seed: int = 0) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab_size, (n,), generator=g) for n in SEQ_LENS]
+    advantages = torch.randn(len(SEQ_LENS), generator=g).tolist()
+    return PackedBatch.from_sequences(seqs, prompt_lens=PROMPT_LENS, advantages=advantages)
+
+
+def engine_config(hf_path, parallel: ParallelConfig | None = None, lora_dropout: float = 0.0, **kw) -> EngineConfig:
+    return EngineConfig(
+        model_path=str(hf_path),
+        lora=LoRAConfig(rank=4, alpha=8.0, dropout=lora_dropout),
+        parallel=parallel or ParallelConfig(),
+        optim=OptimConfig(lr=2e-2, max_grad_norm=0.5, schedule="cosine", warmup_steps=1, total_steps=10),
+        device="cpu",
+        micro_batch_tokens=MICRO_BATCH_TOKENS,
+        head_chunk_size=16,
+        **kw,
+    )
+
+
+def loss_fn(batch: PackedBatch, logprobs: torch.Tensor, ctx):
+    """GRPO (sequence-level mean) plus a token-mean entropy bonus, so both normalisations and the
+    entropy gradient are exercised."""
+    loss, metrics = grpo_loss(
+        logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
+        aggregation="seq_mean_token_mean", normalizer=ctx.normalizer("seq_mean_token_mean"),
+    )  # fmt: skip
+    bonus = aggregate_token_losses(
+        ctx.entropy, batch.loss_mask, batch.cu_seqlens, "token_mean", normalizer=ctx.normalizer("token_mean")
+    )
+    return loss - 0.01 * bonus, metrics
+
+
+@torch.no_grad()
+def set_lora_values(engine: Engine, seed: int) -> None:
+    """Deterministic non-zero LoRA factors (each rank copies its part of the same full tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, param in engine.model.named_parameters():
+        if is_lora_param(name):
+            full = torch.randn(param.shape, generator=g) * 0.2
+            region = local_region(param)
+            copy_local_into(param, full if region is None else full[region], name)
+
+
+def _gather_per_sequence(engine: Engine, indices: list[int], values: torch.Tensor, batch: PackedBatch):
+    """Per-sequence slices of a [T_local] tensor, gathered from all ranks into global order."""
+    bounds = batch.cu_seqlens.tolist()
+    local = {i: values[bounds[k] : bounds[k + 1]].clone() for k, i in enumerate(indices)}
+    if dist.is_initialized():
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, local)
+        for part in everything:
+            local.update(part)
+    return torch.cat([local[i] for i in sorted(local)])
+
+
+def run_case(engine: Engine, vocab_size: int, export_dir=None) -> dict:
+    """Everything compared across layouts: log-probs (policy, reference, entropy), the first
+    step's loss and LoRA gradients, the loss curve, and an exported adapter."""
+    full = make_batch(vocab_size)
+    dp, dp_rank = engine.dims.dp, engine.dims.dp_rank
+    indices = list(range(dp_rank, full.num_sequences, dp))
+    batch = full.select(indices)
+    set_lora_values(engine, seed=1)
+
+    policy = engine.logprobs(batch, with_entropy=True)
+    reference = engine.logprobs(batch, use_adapter=False)
+    batch.old_logprobs = policy.logprobs
+    result = {
+        "logprobs": _gather_per_sequence(engine, indices, policy.logprobs, batch),
+        "entropy": _gather_per_sequence(engine, indices, policy.entropy, batch),
+        "ref_logprobs": _gather_per_sequence(engine, indices, reference.logprobs, batch),
+    }
+    first = engine.forward_backward(batch, loss_fn, with_entropy=True)
+    result["first_loss"] = first["loss"]
+    result["micro_batches"] = first["micro_batches"]
+    result["grads"] = {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for name, p in engine.model.named_parameters()
+        if is_lora_param(name)
+    }
+    step = engine.optimizer_step()
+    losses, norms = [first["loss"]], [step["grad_norm"]]
+    for _ in range(TRAIN_STEPS - 1):
+        metrics = engine.train_step(batch, loss_fn, with_entropy=True)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+    result["losses"] = losses
+    result["grad_norms"] = norms
+    if export_dir is not None:
+        set_lora_values(engine, seed=2)
+        engine.export_peft(export_dir)
+    return result

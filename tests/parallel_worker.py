@@ -1,0 +1,143 @@
+"""torchrun worker for the multi-process tests (not collected by pytest).
+
+    python -m torch.distributed.run --nproc_per_node N tests/parallel_worker.py parity \
+        --out OUT --layouts fsdp2 tp2 --ckpt qwen3=DIR qwen3_moe=DIR
+    ... tests/parallel_worker.py resume --out OUT --ckpt qwen3=DIR --phase first|second
+
+Rank 0 writes its results with torch.save to OUT (a file for parity, a directory for resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# The script's own folder (tests/) comes first on sys.path, where tests/models would shadow the
+# real `models` package: import the project first, then add the folder back for parallel_cases.
+_TESTS_DIR = sys.path.pop(0)
+
+import models  # noqa: E402,F401  (registers the model families)
+from archon.checkpoint.hf import HFCheckpoint  # noqa: E402
+from archon.checkpoint.resume import CheckpointManager  # noqa: E402
+from archon.engine import Engine  # noqa: E402
+from archon.parallel import ParallelConfig  # noqa: E402
+
+sys.path.append(_TESTS_DIR)
+import parallel_cases as cases  # noqa: E402
+
+
+def count_reads():
+    """Count the checkpoint elements this process reads."""
+    counter = {"elements": 0}
+    get, get_slice = HFCheckpoint.get, HFCheckpoint.get_slice
+
+    def counted_get(self, key):
+        t = get(self, key)
+        counter["elements"] += t.numel()
+        return t
+
+    def counted_get_slice(self, key, region):
+        t = get_slice(self, key, region)
+        counter["elements"] += t.numel()
+        return t
+
+    HFCheckpoint.get, HFCheckpoint.get_slice = counted_get, counted_get_slice
+    return counter
+
+
+def parity(args) -> None:
+    ckpts = dict(item.split("=", 1) for item in args.ckpt)
+    counter = count_reads()
+    results = {}
+    for model_type, path in ckpts.items():
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+        total = sum(torch.Size(HFCheckpoint(path).shape(k)).numel() for k in HFCheckpoint(path).keys())
+        for layout in args.layouts:
+            world, kwargs = cases.LAYOUTS[layout]
+            assert world == int(os.environ["WORLD_SIZE"]), (layout, world)
+            counter["elements"] = 0
+            engine = Engine(cases.engine_config(path, ParallelConfig(**kwargs)))
+            read = torch.tensor([counter["elements"]])
+            gathered = [torch.zeros_like(read) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, read)
+            export_dir = Path(args.out).parent / f"peft-{model_type}-{layout}"
+            result = cases.run_case(engine, vocab, export_dir=export_dir)
+            result["read_elements"] = [int(t) for t in gathered]
+            result["checkpoint_elements"] = total
+            result["export_dir"] = str(export_dir)
+            results[(model_type, layout)] = result
+            del engine
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+
+
+def resume(args) -> None:
+    """first: 8 uninterrupted steps, then a fresh run of 4 steps that checkpoints and is killed.
+    second: resume that checkpoint and run the last 4 steps."""
+    (path,) = [item.split("=", 1)[1] for item in args.ckpt]
+    vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+    parallel = ParallelConfig(dp_shard=int(os.environ["WORLD_SIZE"]))
+    out = Path(args.out)
+    manager = CheckpointManager(out / "checkpoints", keep_last=2)
+
+    def run(engine, first_step, last_step, save=False):
+        losses = []
+        for step in range(first_step, last_step):
+            batch = resume_batch(engine, vocab, step)
+            losses.append(engine.train_step(batch, cases.loss_fn, with_entropy=True)["loss"])
+            if save:
+                engine.save_checkpoint(manager, data_state={"next_step": step + 1})
+        return losses
+
+    if args.phase == "first":
+        uninterrupted = run(Engine(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 8)
+        first_half = run(Engine(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 4, save=True)
+        if dist.get_rank() == 0:
+            torch.save({"uninterrupted": uninterrupted, "first_half": first_half}, out / "first.pt")
+        dist.barrier()
+        # Killed: no clean shutdown, nothing after the checkpoint survives.
+        os._exit(0)
+    # Another seed: everything that matters must come from the checkpoint.
+    engine = Engine(cases.engine_config(path, parallel, lora_dropout=0.1, seed=123))
+    data_state = engine.load_checkpoint(manager)
+    second_half = run(engine, data_state["next_step"], 8)
+    if dist.get_rank() == 0:
+        torch.save(
+            {"second_half": second_half, "resumed_step": data_state["next_step"],
+             "checkpoints": [p.name for p in manager.checkpoints()]},
+            out / "second.pt",
+        )  # fmt: skip
+
+
+def resume_batch(engine: Engine, vocab: int, step: int):
+    """Step-dependent data (the data-loader position is the step), on-policy old log-probs."""
+    full = cases.make_batch(vocab, seed=100 + step)
+    batch = full.shard(engine.dims.dp_rank, engine.dims.dp)
+    batch.old_logprobs = engine.logprobs(batch).logprobs
+    return batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["parity", "resume"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", nargs="+", required=True)
+    parser.add_argument("--layouts", nargs="*", default=[])
+    parser.add_argument("--phase", choices=["first", "second"], default="first")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.scenario == "parity":
+        parity(args)
+    else:
+        resume(args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
