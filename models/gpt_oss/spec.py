@@ -1,4 +1,5 @@
 from archon.spec import ModelSpec, register
+from models.common.decoder import TINY_DECODER_CONFIG
 from models.gpt_oss.args import GptOssArgs
 from models.gpt_oss.model import GptOssModel
 from models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
@@ -18,18 +19,13 @@ spec = register(
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"),
         tiny_hf_config={
             "gpt_oss": dict(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
+                TINY_DECODER_CONFIG,
+                intermediate_size=32,  # per expert
                 head_dim=16,
                 num_local_experts=8,
                 num_experts_per_tok=2,
                 sliding_window=TINY_SLIDING_WINDOW,
                 max_position_embeddings=131072,  # = factor * original_max_position_embeddings
-                tie_word_embeddings=False,
                 # GPT-OSS's own YaRN settings (no truncation of the correction range).
                 rope_parameters=dict(
                     rope_type="yarn",

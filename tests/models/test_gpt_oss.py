@@ -12,6 +12,7 @@ from archon.engine import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter, save_merged_hf, save_peft_adapter
 from archon.tools.align import packed_batch
+from models.common.rope import RotaryEmbedding
 
 MODEL_TYPE = "gpt_oss"
 
@@ -65,8 +66,9 @@ def test_state_dict_round_trip_and_meta_completeness(case, tiny_checkpoint):
     assert_meta_weights_complete(MODEL_TYPE, CASES[case])
 
 
-def test_parity_cases_exercise_sinks_window_and_clamp(tiny_checkpoint):
-    """Each special feature moves the logits of the parity batch, so parity depends on it."""
+def test_parity_cases_exercise_sinks_window_clamp_and_yarn(tiny_checkpoint):
+    """Each feature a tiny config might not reach moves the logits of the parity batch, so parity
+    depends on it."""
     model = build_model(tiny_checkpoint(MODEL_TYPE, **CASES["mqa-window3-clamped"])).model.eval()
     assert [layer.self_attn.sliding_window for layer in model.layers] == [None, 3, 3]
     assert model.layers[0].self_attn.q_proj.bias is None and model.lm_head is None
@@ -92,6 +94,10 @@ def test_parity_cases_exercise_sinks_window_and_clamp(tiny_checkpoint):
         layer.self_attn.sliding_window = 3 if layer is not model.layers[0] else None
         layer.mlp.experts.limit = float("inf")
     changes["clamp"] = (logits() - reference).abs().max().item()
+    for layer in model.layers:
+        layer.mlp.experts.limit = 1.0
+    model.rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, 16, 64)
+    changes["yarn"] = (logits() - reference).abs().max().item()
     assert all(change > 1e-3 for change in changes.values()), changes
 
 
