@@ -1,4 +1,5 @@
 from archon.spec import ModelSpec, register
+from models.common.decoder import TINY_DECODER_CONFIG
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3Model
 from models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
@@ -27,14 +28,11 @@ spec = register(
             # One dense layer, then MoE layers with 4 groups of 2 experts (2 groups allowed per token);
             # MLA with a query bottleneck; interleaved YaRN RoPE whose mscale_all_dim scales the softmax.
             "deepseek_v3": dict(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
+                TINY_DECODER_CONFIG,
                 moe_intermediate_size=32,
                 num_hidden_layers=3,
                 first_k_dense_replace=1,
-                num_attention_heads=4,
-                num_key_value_heads=4,
+                num_key_value_heads=4,  # MLA: every head has its own keys and values
                 q_lora_rank=32,
                 kv_lora_rank=24,
                 qk_nope_head_dim=16,
@@ -58,8 +56,6 @@ spec = register(
                     "beta_fast": 32,
                     "beta_slow": 1,
                 },
-                max_position_embeddings=512,
-                tie_word_embeddings=False,
             ),
         },
     )

@@ -17,15 +17,9 @@ from models.glm4_moe.args import Glm4MoeArgs
 
 class Glm4MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: Glm4MoeArgs, layer_idx: int, lora: LoRAConfig | None) -> None:
-        self_attn = Attention(
-            dim=args.hidden_size,
-            n_heads=args.num_attention_heads,
-            n_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            qkv_bias=args.attention_bias,
-            o_bias=False,
+        self_attn = Attention.from_args(
+            args, lora, qkv_bias=args.attention_bias, o_bias=False,
             qk_norm_eps=args.rms_norm_eps if args.use_qk_norm else None,
-            lora=lora,
         )
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, group_limited_moe_mlp(args, layer_idx, lora))
 

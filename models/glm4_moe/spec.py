@@ -1,4 +1,5 @@
 from archon.spec import ModelSpec, register
+from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
 from models.glm4_moe.args import Glm4MoeArgs
 from models.glm4_moe.model import Glm4MoeModel
 from models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
@@ -11,19 +12,15 @@ spec = register(
         model_cls=Glm4MoeModel,
         state_dict_adapter_cls=Glm4MoeStateDictAdapter,
         parallelize_fn=None,
-        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"),
+        lora_targets=(*DENSE_LORA_TARGETS, "experts"),
         tiny_hf_config={
             # One dense layer, then MoE layers with 2 groups of 4 experts (one group allowed per token),
             # QK-norm, q/k/v bias and RoPE on half of each head.
             "glm4_moe": dict(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
+                TINY_DECODER_CONFIG,
                 moe_intermediate_size=32,
                 num_hidden_layers=3,
                 first_k_dense_replace=1,
-                num_attention_heads=4,
-                num_key_value_heads=2,
                 head_dim=16,
                 n_routed_experts=8,
                 num_experts_per_tok=2,
@@ -35,8 +32,6 @@ spec = register(
                 use_qk_norm=True,
                 attention_bias=True,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-                max_position_embeddings=512,
-                tie_word_embeddings=False,
             ),
         },
     )
