@@ -46,15 +46,17 @@ def packed_attention(
             q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
             enable_gqa=n_heads != n_kv_heads,
         )
-    bounds = cu_seqlens.tolist()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q_seq, k_seq, v_seq = (t[start:end].transpose(0, 1) for t in (q, k, v))
+    # split (not per-sequence slicing): its backward is one concatenation rather than a
+    # zero-filled [T, ...] gradient per sequence.
+    for q_seq, k_seq, v_seq in zip(*(t.split(lengths) for t in (q, k, v))):
+        q_seq, k_seq, v_seq = q_seq.transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1)
         if sinks is not None:
             out = _attention_with_sinks(q_seq, k_seq, v_seq, scale, sinks, sliding_window)
         elif sliding_window is not None:
             out = F.scaled_dot_product_attention(
-                q_seq, k_seq, v_seq, attn_mask=_causal_mask(end - start, sliding_window, q.device),
+                q_seq, k_seq, v_seq, attn_mask=_causal_mask(q_seq.shape[1], sliding_window, q.device),
                 scale=scale, enable_gqa=n_heads != n_kv_heads,
             )
         else:
