@@ -2,6 +2,7 @@ from archon.spec import ModelSpec, register
 from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
 from models.llama.args import LlamaArgs
 from models.llama.model import LlamaModel
+from models.llama.parallelize import parallelize_llama
 from models.llama.state_dict_adapter import LlamaStateDictAdapter
 
 # Scaling reaches the tiny model's wavelengths: with head_dim 24 and theta 1e4 they run from 6 to
@@ -22,7 +23,7 @@ spec = register(
         args_cls=LlamaArgs,
         model_cls=LlamaModel,
         state_dict_adapter_cls=LlamaStateDictAdapter,
-        parallelize_fn=None,
+        parallelize_fn=parallelize_llama,
         lora_targets=DENSE_LORA_TARGETS,
         tiny_hf_config={
             # head_dim 24 != hidden_size / heads = 16.

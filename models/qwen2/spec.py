@@ -2,6 +2,7 @@ from archon.spec import ModelSpec, register
 from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
 from models.qwen2.args import Qwen2Args
 from models.qwen2.model import Qwen2Model
+from models.qwen2.parallelize import parallelize_qwen2
 from models.qwen2.state_dict_adapter import Qwen2StateDictAdapter
 
 spec = register(
@@ -11,7 +12,7 @@ spec = register(
         args_cls=Qwen2Args,
         model_cls=Qwen2Model,
         state_dict_adapter_cls=Qwen2StateDictAdapter,
-        parallelize_fn=None,
+        parallelize_fn=parallelize_qwen2,
         lora_targets=DENSE_LORA_TARGETS,
         tiny_hf_config={
             # The second layer slides over 8 tokens, fewer than the longest aligned sequence has.

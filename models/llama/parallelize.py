@@ -1,0 +1,11 @@
+"""Llama: the dense-decoder TP plan (heads, MLP intermediate, vocabulary), then AC / compile / FSDP2."""
+
+from __future__ import annotations
+
+from archon.parallel import ParallelConfig, ParallelDims
+from models.common.dense_parallel import parallelize_dense_decoder
+from models.llama.model import LlamaModel
+
+
+def parallelize_llama(model: LlamaModel, dims: ParallelDims, config: ParallelConfig) -> LlamaModel:
+    return parallelize_dense_decoder(model, dims, config)

@@ -1,0 +1,40 @@
+"""TP x2 (gloo, two processes) gives the single-process hidden states and LoRA gradients with the
+dense families' TP plan: llama with attention and MLP biases (column- and row-parallel biases),
+qwen2 with a sliding window. FSDP2 is the families' shared pipeline and is tested with it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("dense_parallel_worker.py")
+TOLERANCE = 1e-5
+CASES = {
+    "llama": dict(attention_bias=True, mlp_bias=True),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_tp2_matches_one_process(tiny_checkpoint, tmp_path):
+    dirs = {model_type: str(tiny_checkpoint(model_type, **overrides)) for model_type, overrides in CASES.items()}
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), str(WORKER), str(out), *dirs.values()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for model_type, hf_dir in dirs.items():
+        figures = results[hf_dir]["tp2"]
+        assert figures["hidden_max_abs"] <= TOLERANCE, (model_type, figures)
+        assert figures["grad_max_rel"] <= TOLERANCE, (model_type, figures)
