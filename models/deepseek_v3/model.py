@@ -8,6 +8,7 @@ routing over stacked experts plus shared experts. Module names follow HF.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from archon.lora import LoRAConfig, linear
@@ -44,6 +45,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = linear(self.kv_lora_rank, n_heads * (self.nope_dim + self.v_dim), False, "kv_b_proj", lora)
         self.o_proj = linear(n_heads * self.v_dim, dim, args.attention_bias, "o_proj", lora)
+        # Identity on the rotary key that all heads share. Under tensor parallelism each rank uses
+        # it for its own heads only; the TP plan makes this module sum those gradient shares.
+        self.shared_rope_key = nn.Identity()
 
     def forward(
         self,
@@ -67,12 +71,15 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, nope], [T, H, v]
         q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
-        k_rot = apply_rotary(k_rot[:, None, :], cos, sin, self.interleaved)  # [T, 1, rope], one for all heads
+        k_rot = self.shared_rope_key(apply_rotary(k_rot[:, None, :], cos, sin, self.interleaved))  # [T, 1, rope]
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1)), dim=-1)
         context = cache.update(k, v) if cache is not None else None
         if context is None:
-            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)  # [T, H, v]
+            # The flash varlen kernel takes one head size for q, k and v: values are zero-padded up
+            # to the query/key size and the padding is cut from the output.
+            pad = max(self.qk_head_dim - self.v_dim, 0)
+            out = packed_attention(q, k, F.pad(v, (0, pad)), cu_seqlens, max_seqlen, self.scale)[..., : self.v_dim]
         else:
             out = cached_attention(q, *context, self.scale)
         return self.o_proj(out.reshape(T, -1))

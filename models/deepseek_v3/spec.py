@@ -2,6 +2,7 @@ from archon.spec import ModelSpec, register
 from models.common.decoder import TINY_DECODER_CONFIG
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3Model
+from models.deepseek_v3.parallelize import parallelize_deepseek_v3
 from models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
 
 spec = register(
@@ -11,7 +12,7 @@ spec = register(
         args_cls=DeepseekV3Args,
         model_cls=DeepseekV3Model,
         state_dict_adapter_cls=DeepseekV3StateDictAdapter,
-        parallelize_fn=None,
+        parallelize_fn=parallelize_deepseek_v3,
         lora_targets=(
             "q_proj",
             "q_a_proj",

@@ -2,6 +2,7 @@ from archon.spec import ModelSpec, register
 from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
 from models.glm4_moe.args import Glm4MoeArgs
 from models.glm4_moe.model import Glm4MoeModel
+from models.glm4_moe.parallelize import parallelize_glm4_moe
 from models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
 
 spec = register(
@@ -11,7 +12,7 @@ spec = register(
         args_cls=Glm4MoeArgs,
         model_cls=Glm4MoeModel,
         state_dict_adapter_cls=Glm4MoeStateDictAdapter,
-        parallelize_fn=None,
+        parallelize_fn=parallelize_glm4_moe,
         lora_targets=(*DENSE_LORA_TARGETS, "experts"),
         tiny_hf_config={
             # One dense layer, then MoE layers with 2 groups of 4 experts (one group allowed per token),

@@ -167,3 +167,36 @@ def test_missing_latent_rank_is_refused():
     config = AutoConfig.for_model(MODEL_TYPE, hidden_size=64, kv_lora_rank=0)
     with pytest.raises(ValueError, match="config.kv_lora_rank=0"):
         DeepseekV3Args.from_hf_config(config)
+
+
+def test_flash_path_gets_one_head_size(tiny_checkpoint, monkeypatch):
+    """On CUDA, packed attention runs torch's varlen flash kernel, which takes one head size for q, k
+    and v. MLA's values (12) are narrower than its queries/keys (24): a stand-in kernel that
+    enforces that contract must give the same logits as the CPU path."""
+    import torch.nn.attention.varlen as varlen
+    import torch.nn.functional as F
+
+    import models.common.attention as attention
+
+    calls = []
+
+    def one_head_size_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size, enable_gqa):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, k.shape, v.shape)
+        calls.append(v.shape)
+        bounds = cu_q.tolist()
+        return torch.cat([
+            F.scaled_dot_product_attention(
+                *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale
+            ).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])
+        ])
+
+    model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
+    _, tokens, positions, cu_seqlens = packed_batch((7, 1, 13), 256, seed=0)
+    with torch.no_grad():
+        reference = model(tokens, positions, cu_seqlens, 13)
+        monkeypatch.setattr(attention, "_flash_varlen_usable", lambda q: True)
+        monkeypatch.setattr(varlen, "varlen_attn", one_head_size_kernel)
+        flash = model(tokens, positions, cu_seqlens, 13)
+    assert len(calls) == 3 and calls[0][-1] == 24
+    torch.testing.assert_close(flash, reference, rtol=0, atol=1e-5)
