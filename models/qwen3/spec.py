@@ -1,20 +1,12 @@
 from archon.spec import ModelSpec, register
+from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
 from models.qwen3.args import Qwen3Args
 from models.qwen3.model import Qwen3Model
 from models.qwen3.parallelize import parallelize_qwen3
 from models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-_TINY_COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+# Qwen3Config's head_dim defaults to 128, not hidden_size / heads.
+_TINY_COMMON = dict(TINY_DECODER_CONFIG, head_dim=16)
 
 spec = register(
     ModelSpec(
@@ -24,7 +16,7 @@ spec = register(
         model_cls=Qwen3Model,
         state_dict_adapter_cls=Qwen3StateDictAdapter,
         parallelize_fn=parallelize_qwen3,
-        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"),
+        lora_targets=(*DENSE_LORA_TARGETS, "experts"),
         tiny_hf_config={
             "qwen3": dict(_TINY_COMMON),
             "qwen3_moe": dict(
