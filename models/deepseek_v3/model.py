@@ -24,6 +24,14 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek's MLA. Per token, H heads:
+
+    q = q_proj(x), or q_b_proj(q_a_layernorm(q_a_proj(x))) with the query bottleneck: [H, nope + rope]
+    [latent | k_rot] = kv_a_proj_with_mqa(x): [kv_lora_rank | rope]; k_rot is one key for all heads
+    [k_nope | v] = kv_b_proj(kv_a_layernorm(latent)): [H, nope + v]
+    k = [k_nope | RoPE(k_rot)], q = [q_nope | RoPE(q_rot)]; softmax scale qk_head_dim^-0.5 * YaRN mscale.
+    """
+
     def __init__(self, args: DeepseekV3Args, lora: LoRAConfig | None) -> None:
         super().__init__()
         dim, n_heads = args.hidden_size, args.num_attention_heads
