@@ -506,12 +506,16 @@ class Engine:
 
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-            options=StateDictOptions(ignore_frozen_params=True, strict=True),
+            # Frozen base weights are not in the checkpoint; dcp.load has already failed on any
+            # trainable key missing from it.
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
         )
 
     def save_checkpoint(self, manager, data_state: dict | None = None) -> Path:
         """Save a resume checkpoint for the current step through a CheckpointManager."""
-        trainer_state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": data_state or {}}
+        # The schedule itself comes from the config; only its position is state.
+        scheduler = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        trainer_state = {"step": self.step, "scheduler": scheduler, "data": data_state or {}}
         return manager.save(self.step, self.checkpoint_state(), trainer_state)
 
     def load_checkpoint(self, manager, path: str | os.PathLike | None = None) -> dict | None:
@@ -524,5 +528,5 @@ class Engine:
         trainer_state = manager.load(path, state)
         self.load_checkpoint_state(state)
         self.step = trainer_state["step"]
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.scheduler.load_state_dict({**trainer_state["scheduler"], "lr_lambdas": [None]})
         return trainer_state["data"]

@@ -32,32 +32,30 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_temp: float) -> tor
     """[c, D] x [V_local, D] -> fp32 [c, V_local] scaled logits."""
     logits = F.linear(h, weight).float()
     if inv_temp != 1.0:
-        logits = logits * inv_temp
+        logits.mul_(inv_temp)
     return logits
 
 
 def _chunk_stats(logits, labels, vocab_start, group, with_entropy):
-    """Per-row logsumexp, label logit and (optionally) sum_v p_v z_v, reduced over the vocab shards."""
+    """Per-row logsumexp, label logit and (optionally) entropy, reduced over the vocab shards.
+    Allocates one more [c, V_local] buffer besides `logits`."""
     row_max = logits.max(dim=-1).values
     _all_reduce(row_max, dist.ReduceOp.MAX, group)
-    exp = torch.exp(logits - row_max[:, None])
+    exp = torch.sub(logits, row_max[:, None]).exp_()
     sum_exp = exp.sum(dim=-1)
     local_labels = labels - vocab_start
     in_shard = (local_labels >= 0) & (local_labels < logits.shape[-1])
     label_logit = logits.gather(-1, local_labels.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0]
     label_logit = torch.where(in_shard, label_logit, torch.zeros_like(label_logit))
+    stats = [sum_exp, label_logit]
     if with_entropy:
-        weighted = (exp * logits).sum(dim=-1)
-        packed = torch.stack([sum_exp, label_logit, weighted])
-        _all_reduce(packed, dist.ReduceOp.SUM, group)
-        sum_exp, label_logit, weighted = packed
-    else:
-        packed = torch.stack([sum_exp, label_logit])
-        _all_reduce(packed, dist.ReduceOp.SUM, group)
-        sum_exp, label_logit = packed
-        weighted = None
+        stats.append(torch.einsum("cv,cv->c", exp, logits))  # sum_v exp_v z_v, no [c, V] temporary
+    del exp
+    packed = torch.stack(stats)
+    _all_reduce(packed, dist.ReduceOp.SUM, group)
+    sum_exp, label_logit = packed[0], packed[1]
     lse = row_max + torch.log(sum_exp)
-    entropy = None if weighted is None else lse - weighted / sum_exp
+    entropy = lse - packed[2] / sum_exp if with_entropy else None
     return lse, label_logit, entropy
 
 
@@ -95,26 +93,28 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            logits = _chunk_logits(h, weight, inv_temp)
-            log_p = logits - lse_all[start:end, None]
-            p = torch.exp(log_p)
-            # d logprob / d z_v = 1[v = y] - p_v ; d entropy / d z_v = -p_v (log p_v + H)
             g_lp = grad_logprobs[start:end] if grad_logprobs is not None else torch.zeros(end - start, device=h.device)
-            grad_z = -p * g_lp[:, None]
-            local_labels = labels[start:end] - vocab_start
-            in_shard = (local_labels >= 0) & (local_labels < V_local)
-            rows = torch.nonzero(in_shard)[:, 0]
-            grad_z[rows, local_labels[rows]] += g_lp[rows]
+            # With log p_v = z_v - lse:  d logprob/d z_v = 1[v = y] - p_v,
+            # d entropy/d z_v = -p_v (log p_v + H). Two [c, V_local] buffers in all.
+            log_p = _chunk_logits(h, weight, inv_temp).sub_(lse_all[start:end, None])
+            grad_z = log_p.exp()
             if use_entropy:
-                grad_z -= grad_entropy[start:end, None] * p * (log_p + entropy[start:end, None])
+                coef = log_p.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None])
+                grad_z.mul_(coef.add_(g_lp[:, None])).neg_()
+            else:
+                grad_z.mul_(-g_lp[:, None])
+            del log_p
+            local_labels = labels[start:end] - vocab_start
+            rows = torch.nonzero((local_labels >= 0) & (local_labels < V_local))[:, 0]
+            grad_z[rows, local_labels[rows]] += g_lp[rows]
             if inv_temp != 1.0:
-                grad_z = grad_z * inv_temp
+                grad_z.mul_(inv_temp)
             grad_z = grad_z.to(weight.dtype)
             if need_h:
                 grad_hidden[start:end] = grad_z @ weight
             if need_w:
                 grad_weight += grad_z.t().float() @ h.float()
-            del logits, log_p, p, grad_z
+            del grad_z
         if need_h:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, group)
             grad_hidden = grad_hidden.to(hidden.dtype)

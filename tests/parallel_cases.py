@@ -119,3 +119,19 @@ def run_case(engine: Engine, vocab_size: int, export_dir=None) -> dict:
         set_lora_values(engine, seed=2)
         engine.export_peft(export_dir)
     return result
+
+
+def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:
+    """Run tests/parallel_worker.py under torchrun (standalone rendezvous on a free port)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("parallel_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(worker), *worker_args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -17,7 +17,9 @@ def _sharded_mesh_dims(grad: DTensor) -> tuple[int, ...]:
                 "a gradient is still a partial sum (placements "
                 f"{grad.placements}); reduce it (archon.parallel.reduce_partial_grads) before taking its norm"
             )
-        if placement.is_shard():
+        # Any non-replicated placement splits the tensor across this mesh dim (FSDP under TP uses
+        # _StridedShard, which is not a Shard subclass).
+        if not placement.is_replicate():
             dims.append(i)
     return tuple(dims)
 

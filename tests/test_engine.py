@@ -1,0 +1,277 @@
+"""Single-process engine tests: the chunked log-prob head, scoring, micro-batch normalisation,
+full-parameter training, LR schedule, packed batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from archon.batch import PackedBatch
+from archon.engine import Engine, EngineConfig, OptimConfig, build_model, lr_multiplier
+from archon.head import label_logprobs
+from archon.lora import LoRAConfig, is_lora_param
+from archon.parallel.grad import clip_grad_norm, grad_norm
+from archon.rl.losses import aggregate_token_losses
+from memory_tracking import PeakAllocated
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint("qwen3", tmp_path_factory.mktemp("engine") / "qwen3", seed=0)
+
+
+def _batch(vocab: int, lens=(9, 17, 4, 23, 12), prompt_lens=(3, 5, 1, 8, 2), seed: int = 0) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+    adv = torch.randn(len(lens), generator=g).tolist()
+    return PackedBatch.from_sequences(seqs, prompt_lens=prompt_lens, advantages=adv)
+
+
+def _engine(path, lora=LoRAConfig(rank=4, alpha=8.0), **kw) -> Engine:
+    kw.setdefault("optim", OptimConfig(lr=1e-2))
+    return Engine(EngineConfig(str(path), lora=lora, device="cpu", **kw))
+
+
+def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
+    lp = log_p.gather(-1, labels[:, None])[:, 0]
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return lp, entropy
+
+
+# ---- chunked head -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_head_matches_full_logits(temperature):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = (torch.randn(50, 16, generator=g) / 2).requires_grad_()
+    labels = torch.randint(0, 50, (37,), generator=g)
+    w_lp, w_ent = torch.randn(37, generator=g), torch.randn(37, generator=g)
+
+    lp, ent = label_logprobs(hidden, weight, labels, temperature, chunk_size=8, with_entropy=True)
+    (lp * w_lp + ent * w_ent).sum().backward()
+
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_lp, ref_ent = _reference_logprobs(h64 @ w64.t(), labels, temperature)
+    (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=0)
+    for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+def _peak_bytes(T: int, V: int, D: int, chunked: bool) -> int:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(T, D, generator=g, requires_grad=True)
+    weight = torch.randn(V, D, generator=g) / math.sqrt(D)
+    labels = torch.randint(0, V, (T,), generator=g)
+    with PeakAllocated() as tracker:
+        if chunked:
+            lp, _ = label_logprobs(hidden, weight, labels, chunk_size=256)
+        else:
+            lp = torch.log_softmax((hidden @ weight.t()).float(), -1).gather(-1, labels[:, None])[:, 0]
+        lp.sum().backward()
+    return tracker.peak
+
+
+def test_chunked_head_peak_memory_is_bounded_as_tokens_grow():
+    V, D = 4096, 32
+    small, large = _peak_bytes(512, V, D, True), _peak_bytes(4096, V, D, True)
+    full_logits_bytes = 4096 * V * 4
+    # What grows with T is O(T x D) (the hidden-state gradient, per-token vectors), not O(T x V).
+    assert large <= small + 4096 * D * 4 * 4, (small, large)
+    assert large < full_logits_bytes / 4, (large, full_logits_bytes)
+    # The tracker does see a full [T, V] logits tensor when one is made.
+    assert _peak_bytes(4096, V, D, False) >= full_logits_bytes
+
+
+def test_head_rejects_bad_arguments():
+    h, w, y = torch.zeros(2, 4), torch.zeros(8, 4), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature"):
+        label_logprobs(h, w, y, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        label_logprobs(h, w, y, chunk_size=0)
+
+
+# ---- scoring --------------------------------------------------------------------------------------
+
+
+def test_logprobs_match_full_forward(qwen3_path):
+    engine = _engine(qwen3_path, micro_batch_tokens=30, head_chunk_size=7)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if is_lora_param(name):
+                p.normal_(0, 0.2)
+    batch = _batch(engine.loaded.args.vocab_size)
+    out = engine.logprobs(batch, temperature=0.8, with_entropy=True)
+    with torch.no_grad():
+        logits = engine.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+    ref_lp, ref_ent = _reference_logprobs(logits, batch.labels, 0.8)
+    mask = batch.loss_mask
+    torch.testing.assert_close(out.logprobs[mask].double(), ref_lp[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.entropy[mask].double(), ref_ent[mask], atol=1e-5, rtol=0)
+    assert bool((out.logprobs[~mask] == 0).all()) and bool((out.entropy[~mask] == 0).all())
+
+
+def test_adapter_off_scores_the_base_model(qwen3_path):
+    engine = _engine(qwen3_path)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if is_lora_param(name):
+                p.normal_(0, 0.2)
+    base = _engine(qwen3_path, lora=None)
+    batch = _batch(engine.loaded.args.vocab_size)
+    reference = engine.logprobs(batch, use_adapter=False).logprobs
+    policy = engine.logprobs(batch).logprobs
+    torch.testing.assert_close(reference, base.logprobs(batch).logprobs, atol=1e-6, rtol=0)
+    assert (policy - reference).abs().max() > 1e-3  # the adapter is back on afterwards
+    with pytest.raises(ValueError, match="use_adapter=False needs a LoRA model"):
+        base.logprobs(batch, use_adapter=False)
+
+
+# ---- training -------------------------------------------------------------------------------------
+
+
+def _aggregation_loss(aggregation: str):
+    def loss_fn(batch, logprobs, ctx):
+        loss = aggregate_token_losses(
+            -logprobs * batch.advantages, batch.loss_mask, batch.cu_seqlens, aggregation,
+            normalizer=ctx.normalizer(aggregation), max_response_length=20,
+        )  # fmt: skip
+        return loss, {"lp_mean": logprobs.detach().sum() / batch.loss_mask.sum()}
+
+    return loss_fn
+
+
+@pytest.fixture(scope="module")
+def engines_by_budget(qwen3_path):
+    """Engines with the same non-zero adapter: one micro-batch per batch, and many."""
+    engines = {}
+    for budget in (10_000, 24):
+        engine = _engine(qwen3_path, micro_batch_tokens=budget)
+        with torch.no_grad():
+            for name, p in engine.model.named_parameters():
+                if "lora_b" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        engines[budget] = engine
+    return engines
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batches_accumulate_to_the_whole_batch_loss(engines_by_budget, aggregation):
+    batch = _batch(256)
+    loss_fn = _aggregation_loss(aggregation)
+    results = []
+    for budget, engine in engines_by_budget.items():
+        metrics = engine.forward_backward(batch, loss_fn)
+        grads = {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+        results.append((metrics, grads))
+    (one, grads_one), (many, grads_many) = results
+    assert one["micro_batches"] == 1 and many["micro_batches"] == len(batch.split_by_tokens(24)) > 2
+    assert one["loss"] == pytest.approx(many["loss"], abs=1e-6)
+    for name, g in grads_one.items():
+        torch.testing.assert_close(grads_many[name], g, atol=1e-6, rtol=1e-5)
+    assert one["lp_mean"] == pytest.approx(many["lp_mean"], abs=1e-5)
+    # The whole-batch value is what the aggregation means: recompute it in one go, with the
+    # batch's own counts as normaliser.
+    lp = engines_by_budget[10_000].logprobs(batch).logprobs
+    direct = aggregate_token_losses(
+        -lp * batch.advantages, batch.loss_mask, batch.cu_seqlens, aggregation, max_response_length=20
+    )
+    assert one["loss"] == pytest.approx(direct.item(), abs=1e-5)
+
+
+def test_train_step_reports_and_updates_only_the_adapter(qwen3_path):
+    engine = _engine(qwen3_path, optim=OptimConfig(lr=5e-2, max_grad_norm=1.0))
+    base_before = {n: p.detach().clone() for n, p in engine.model.named_parameters() if not is_lora_param(n)}
+    batch = _batch(256)
+    loss_fn = _aggregation_loss("token_mean")
+    metrics = [engine.train_step(batch, loss_fn) for _ in range(3)]
+    for key in ("loss", "grad_norm", "lr", "tokens", "sequences", "total_tokens", "micro_batches", "step", "lp_mean"):
+        assert key in metrics[-1], key
+    assert metrics[-1]["step"] == 3 and engine.step == 3
+    assert metrics[0]["tokens"] == batch.num_loss_tokens and metrics[0]["total_tokens"] == batch.num_tokens
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert all(p.dtype == torch.float32 for p in engine.trainable)
+    assert {id(p) for g in engine.optimizer.param_groups for p in g["params"]} == {id(p) for p in engine.trainable}
+    for name, p in engine.model.named_parameters():
+        if not is_lora_param(name):
+            assert torch.equal(p, base_before[name]), name
+
+
+def test_full_parameter_training(qwen3_path):
+    engine = _engine(qwen3_path, lora=None, optim=OptimConfig(lr=1e-3))
+    assert len(engine.trainable) == len(list(engine.model.parameters()))
+    batch = _batch(256)
+    before = engine.model.output_weight.detach().clone()
+    losses = [engine.train_step(batch, _aggregation_loss("token_mean"))["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert not torch.equal(engine.model.output_weight, before)
+
+
+def test_gradient_clipping():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    assert grad_norm(params).item() == pytest.approx(5.0)
+    assert clip_grad_norm(params, 1.0).item() == pytest.approx(5.0)
+    assert grad_norm(params).item() == pytest.approx(1.0, rel=1e-5)
+    assert clip_grad_norm(params, None).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_lr_schedule():
+    warm = OptimConfig(lr=1.0, warmup_steps=3)
+    assert [lr_multiplier(s, warm) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    cosine = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=0, total_steps=10, min_lr_ratio=0.1)
+    assert lr_multiplier(0, cosine) == pytest.approx(1.0)
+    assert lr_multiplier(5, cosine) == pytest.approx(0.55)
+    assert lr_multiplier(10, cosine) == pytest.approx(0.1)
+    linear = OptimConfig(lr=1.0, schedule="linear", total_steps=4)
+    assert [lr_multiplier(s, linear) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    with pytest.raises(ValueError, match="total_steps"):
+        OptimConfig(schedule="cosine", total_steps=0)
+
+
+# ---- build and batches ----------------------------------------------------------------------------
+
+
+def test_build_model_single_process_contract(qwen3_path):
+    plain = build_model(qwen3_path)
+    assert all(p.requires_grad for p in plain.model.parameters())
+    lora = build_model(qwen3_path, lora=LoRAConfig(rank=4))
+    for name, p in lora.model.named_parameters():
+        assert p.requires_grad == is_lora_param(name), name
+        if name.endswith("lora_b.weight"):
+            assert bool((p == 0).all()), name
+        elif name.endswith("lora_a.weight"):
+            bound = 1 / math.sqrt(p.shape[-1])
+            assert 0 < p.abs().max() <= bound, name
+    torch.testing.assert_close(plain.model.output_weight, lora.model.output_weight, atol=0, rtol=0)
+
+
+def test_packed_batch_layout():
+    batch = PackedBatch.from_sequences([[5, 6, 7, 8], [9, 10, 11]], prompt_lens=[2, 1], advantages=[1.0, -2.0])
+    assert batch.cu_seqlens.tolist() == [0, 4, 7]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert batch.labels[batch.loss_mask].tolist() == [7, 8, 10, 11]
+    assert batch.loss_mask.tolist() == [False, True, True, False, True, True, False]
+    assert batch.advantages.tolist() == [1.0] * 4 + [-2.0] * 3
+    parts = PackedBatch.from_sequences([[1] * 5, [2] * 3, [3] * 9, [4] * 2]).split_by_tokens(8)
+    assert [p.seq_lens for p in parts] == [[5, 3], [9], [2]]
+    assert parts[1].tokens.tolist() == [3] * 9
+
+
+def test_packed_batch_errors_name_the_field():
+    good = PackedBatch.from_sequences([[1, 2, 3]])
+    with pytest.raises(ValueError, match="PackedBatch.labels"):
+        PackedBatch(good.tokens, good.positions, good.cu_seqlens, good.labels[:2], good.loss_mask)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        PackedBatch(good.tokens, good.positions, torch.tensor([0, 2]), good.labels, good.loss_mask)
+    with pytest.raises(ValueError, match="advantages"):
+        PackedBatch.from_sequences([[1, 2]], advantages=[1.0, 2.0])

@@ -1,0 +1,198 @@
+"""FSDP2 and tensor parallelism (gloo, CPU) against a single process, plus configuration errors.
+
+The multi-process tests launch tests/parallel_worker.py under torchrun once per world size and
+compare what it measured with the same measurements made here in one process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import parallel_cases as cases
+from archon.checkpoint.hf import HFCheckpoint
+from archon.engine import Engine
+from archon.parallel import ParallelConfig, ParallelDims, apply_tp_plan, colwise
+
+MODEL_TYPES = ("qwen3", "qwen3_moe")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("parallel")
+    return {t: make_tiny_hf_checkpoint(t, root / t, seed=0) for t in MODEL_TYPES}
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoints, tmp_path_factory):
+    out = {}
+    for model_type, path in checkpoints.items():
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+        export_dir = tmp_path_factory.mktemp("single") / model_type
+        result = cases.run_case(Engine(cases.engine_config(path)), vocab, export_dir=export_dir)
+        result["export_dir"] = str(export_dir)
+        out[model_type] = result
+    return out
+
+
+def _run_layouts(checkpoints, tmp_path_factory, nproc, layouts):
+    out = tmp_path_factory.mktemp(f"world{nproc}") / "results.pt"
+    ckpts = [f"{t}={p}" for t, p in checkpoints.items()]
+    cases.launch(nproc, "parity", "--out", str(out), "--layouts", *layouts, "--ckpt", *ckpts)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def two_process(checkpoints, tmp_path_factory):
+    return _run_layouts(checkpoints, tmp_path_factory, 2, ["fsdp2", "tp2"])
+
+
+@pytest.fixture(scope="module")
+def four_process(checkpoints, tmp_path_factory):
+    return _run_layouts(checkpoints, tmp_path_factory, 4, ["fsdp2_tp2"])
+
+
+def _check_against_single_process(result, reference):
+    for key in ("logprobs", "entropy", "ref_logprobs"):
+        torch.testing.assert_close(result[key], reference[key], atol=TOL, rtol=0, msg=key)
+    assert result["first_loss"] == pytest.approx(reference["first_loss"], abs=TOL)
+    assert result["grads"].keys() == reference["grads"].keys()
+    for name, ref in reference["grads"].items():
+        scale = ref.abs().max().item()
+        assert scale > 0, f"reference gradient of {name} is zero: the comparison would be empty"
+        err = (result["grads"][name] - ref).abs().max().item() / scale
+        assert err <= TOL, f"LoRA gradient {name}: relative error {err:.2e}"
+    assert result["losses"] == pytest.approx(reference["losses"], abs=TOL)
+    assert result["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=TOL)
+    # Later norms (clipped with max_grad_norm=0.5, so they steer the updates) follow the parameters'
+    # 1e-7-level differences and are reported, not the contract: compare them loosely.
+    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+
+
+def _check_export(result, reference):
+    got = load_file(f"{result['export_dir']}/adapter_model.safetensors")
+    want = load_file(f"{reference['export_dir']}/adapter_model.safetensors")
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    configs = [json.loads(open(f"{r['export_dir']}/adapter_config.json").read()) for r in (result, reference)]
+    assert configs[0] == configs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_two_process_matches_single_process(two_process, single_process, model_type, layout):
+    _check_against_single_process(two_process[(model_type, layout)], single_process[model_type])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_sharded_peft_export_equals_single_process(two_process, single_process, model_type, layout):
+    _check_export(two_process[(model_type, layout)], single_process[model_type])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fsdp_ranks_read_only_their_shards(two_process, model_type):
+    result = two_process[(model_type, "fsdp2")]
+    # Each rank reads its half of every sharded tensor (dense weights and stacked experts alike).
+    assert all(n <= 0.55 * result["checkpoint_elements"] for n in result["read_elements"]), result["read_elements"]
+    # Uneven micro-batch counts across data-parallel ranks were kept in step.
+    assert result["micro_batches"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fsdp_x_tp_four_process_matches_single_process(four_process, single_process, model_type):
+    result = four_process[(model_type, "fsdp2_tp2")]
+    _check_against_single_process(result, single_process[model_type])
+    _check_export(result, single_process[model_type])
+    assert all(n <= 0.55 * result["checkpoint_elements"] for n in result["read_elements"])
+
+
+# ---- configuration errors -------------------------------------------------------------------------
+
+
+def test_degrees_must_multiply_to_world_size():
+    with pytest.raises(ValueError, match=r"dp_replicate=1 x dp_shard=2 x tp=2 = 4, but the world size is 8"):
+        ParallelDims(world_size=8, dp_shard=2, tp=2)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by dp_replicate\*tp = 1\*4"):
+        ParallelDims(world_size=6, tp=4)
+    with pytest.raises(ValueError, match="tp=0"):
+        ParallelDims(world_size=2, tp=0)
+    with pytest.raises(NotImplementedError, match="ep=2"):
+        ParallelDims(world_size=2, ep=2)
+    dims = ParallelDims(world_size=8, dp_replicate=2, tp=2)
+    assert (dims.dp_shard, dims.dp, dims.fsdp_enabled, dims.tp_enabled) == (2, 4, True, True)
+    single = ParallelDims(world_size=1)
+    assert (single.dp_shard, single.mesh, single.fsdp_enabled) == (1, None, False)
+
+
+def test_tp_degree_must_divide_heads(checkpoints):
+    from archon.engine import load_hf_config
+    from archon.spec import get_spec
+
+    config = load_hf_config(checkpoints["qwen3"])
+    spec = get_spec("qwen3")
+    args = spec.args_cls.from_hf_config(config)
+    with torch.device("meta"):
+        model = spec.model_cls(args, None)
+    dims = ParallelDims(world_size=3, dp_shard=1, tp=3)  # its mesh is never built
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4, num_key_value_heads=2"):
+        spec.parallelize_fn(model, dims, ParallelConfig(tp=3))
+
+
+def test_tp_plan_entry_must_name_a_module():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(KeyError, match="'1.q_proj' matches no submodule"):
+        apply_tp_plan(model, None, {"1.q_proj": colwise()})
+
+
+def test_activation_checkpoint_mode_is_checked():
+    from archon.parallel import checkpoint_module
+
+    with pytest.raises(ValueError, match="activation_checkpoint='some'"):
+        checkpoint_module(torch.nn.Linear(2, 2), "some")
+
+
+@pytest.mark.parametrize("mode, model_type", [("full", "qwen3_moe"), ("selective", "qwen3")])
+def test_activation_checkpointing_keeps_names_and_gradients(checkpoints, mode, model_type):
+    from archon.engine import build_model
+    from archon.lora import LoRAConfig
+
+    batch = cases.make_batch(256)
+    grads = {}
+    for ac in ("none", mode):
+        loaded = build_model(
+            checkpoints[model_type], lora=LoRAConfig(rank=4), parallel=ParallelConfig(activation_checkpoint=ac),
+            dims=ParallelDims(world_size=1),
+        )  # fmt: skip
+        with torch.no_grad():
+            for name, p in loaded.model.named_parameters():
+                if "lora_b" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+        hidden = loaded.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
+        hidden.pow(2).mean().backward()
+        grads[ac] = {n: p.grad for n, p in loaded.model.named_parameters() if p.grad is not None}
+    assert grads[mode].keys() == grads["none"].keys() and len(grads["none"]) > 0
+    for name, g in grads["none"].items():
+        assert torch.equal(grads[mode][name], g), name
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(checkpoints):
+    engines = [
+        Engine(cases.engine_config(checkpoints["qwen3"], ParallelConfig(compile=compile, compile_backend="aot_eager")))
+        for compile in (False, True)
+    ]
+    batch = cases.make_batch(256)
+    eager, compiled = (e.logprobs(batch).logprobs for e in engines)
+    torch.testing.assert_close(compiled, eager, atol=TOL, rtol=0)
