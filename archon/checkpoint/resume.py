@@ -101,7 +101,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
             (tmp / "rng").mkdir()
         _barrier()
-        dcp.save(app_state, checkpoint_id=str(tmp))
+        dcp.save(app_state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         torch.save(rng_state(), tmp / "rng" / f"rank-{_rank()}.pt")
         _barrier()
         if _rank() == 0:
@@ -128,7 +128,7 @@ class CheckpointManager:
         state_file = path / TRAINER_STATE
         if not state_file.exists():
             raise FileNotFoundError(f"{str(state_file)!r} does not exist; is {str(path)!r} a complete checkpoint?")
-        dcp.load(app_state, checkpoint_id=str(path))
+        dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         rng_file = path / "rng" / f"rank-{_rank()}.pt"
         if not rng_file.exists():
             raise FileNotFoundError(
