@@ -6,11 +6,21 @@ For N positions with hidden states h[N, D], unembedding W[V, D] and labels y[N],
     logprob[n] = z[n, y[n]] - logsumexp(z[n])
     entropy[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v z[n, v]
 
-The backward pass recomputes each chunk's logits, so neither pass holds more than one chunk of
-[chunk_size, V] fp32 logits. Under tensor parallelism W is sharded on V (vocab-parallel): each rank
-works on its own vocabulary slice and the max, the sum of exponentials, the label logit and the
-entropy sum are all-reduced over the tensor-parallel group; the gradient with respect to h is
-all-reduced too, since h is replicated there.
+Neither pass holds more than a chunk of [chunk_size, V] fp32 logits (two such buffers at most).
+
+Gradients: d logprob[n]/d z[n] = onehot(y[n]) - p[n] and d entropy[n]/d z[n] = -p[n] (log p[n] + H[n])
+do not depend on the incoming gradient, which only scales each row. So when W is frozen (LoRA),
+the forward pass also computes the two [N, D] directions
+
+    u[n] = (onehot(y[n]) - p[n]) W,    e[n] = -(p[n] (log p[n] + H[n])) W
+
+and the backward pass is just grad_h = (g_logprob * u + g_entropy * e) / tau, with no second pass
+over the vocabulary. When W is trained (full fine-tuning) the backward pass recomputes each chunk's
+logits to form grad_W as well.
+
+Under tensor parallelism W is sharded on V (vocab-parallel): each rank works on its own vocabulary
+slice; the max, the sum of exponentials, the label logit, the entropy sum and u, e (or grad_h) are
+all-reduced over the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -36,9 +46,10 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_temp: float) -> tor
     return logits
 
 
-def _chunk_stats(logits, labels, vocab_start, group, with_entropy):
+def _chunk_stats(logits, labels, vocab_start, group, with_entropy, keep_probs=False):
     """Per-row logsumexp, label logit and (optionally) entropy, reduced over the vocab shards.
-    Allocates one more [c, V_local] buffer besides `logits`."""
+    Allocates one more [c, V_local] buffer besides `logits`; with keep_probs it is returned as
+    this shard's softmax probabilities p [c, V_local] (else None)."""
     row_max = logits.max(dim=-1).values
     _all_reduce(row_max, dist.ReduceOp.MAX, group)
     exp = torch.sub(logits, row_max[:, None]).exp_()
@@ -50,45 +61,81 @@ def _chunk_stats(logits, labels, vocab_start, group, with_entropy):
     stats = [sum_exp, label_logit]
     if with_entropy:
         stats.append(torch.einsum("cv,cv->c", exp, logits))  # sum_v exp_v z_v, no [c, V] temporary
-    del exp
     packed = torch.stack(stats)
     _all_reduce(packed, dist.ReduceOp.SUM, group)
     sum_exp, label_logit = packed[0], packed[1]
     lse = row_max + torch.log(sum_exp)
     entropy = lse - packed[2] / sum_exp if with_entropy else None
-    return lse, label_logit, entropy
+    probs = exp.div_(sum_exp[:, None]) if keep_probs else None
+    return lse, label_logit, entropy, probs
+
+
+def _label_rows(labels, vocab_start, V_local):
+    """(rows whose label is in this vocab shard, those labels as local indices)."""
+    local = labels - vocab_start
+    rows = torch.nonzero((local >= 0) & (local < V_local))[:, 0]
+    return rows, local[rows]
 
 
 class _ChunkedLabelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, inv_temp, chunk_size, vocab_start, group, with_entropy):
+    def forward(ctx, hidden, weight, labels, inv_temp, chunk_size, vocab_start, group, with_entropy,
+                directions):  # fmt: skip
         N = hidden.shape[0]
-        logprobs = torch.empty(N, dtype=torch.float32, device=hidden.device)
-        lse_all = torch.empty(N, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(N, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        logprobs = torch.empty(N, **f32)
+        lse_all = torch.empty(N, **f32)
+        entropy = torch.empty(N, **f32) if with_entropy else None
+        u = torch.empty(N, hidden.shape[1], **f32) if directions else None
+        e = torch.empty(N, hidden.shape[1], **f32) if directions and with_entropy else None
         for start in range(0, N, chunk_size):
             end = min(start + chunk_size, N)
             logits = _chunk_logits(hidden[start:end], weight, inv_temp)
-            lse, label_logit, ent = _chunk_stats(logits, labels[start:end], vocab_start, group, with_entropy)
+            lse, label_logit, ent, probs = _chunk_stats(
+                logits, labels[start:end], vocab_start, group, with_entropy, keep_probs=directions
+            )
             logprobs[start:end] = label_logit - lse
             lse_all[start:end] = lse
             if with_entropy:
                 entropy[start:end] = ent
-            del logits
-        ctx.save_for_backward(hidden, weight, labels, lse_all, entropy if with_entropy else lse_all)
-        ctx.config = (inv_temp, chunk_size, vocab_start, group, with_entropy)
+            if directions:
+                rows, cols = _label_rows(labels[start:end], vocab_start, weight.shape[0])
+                # u = (onehot - p) W ; e = -(p (log p + H)) W, with log p = z - lse (in place on z)
+                u_chunk = -(probs.to(weight.dtype) @ weight).float()
+                u_chunk[rows] += weight[cols].float()
+                if with_entropy:
+                    coef = logits.sub_(lse[:, None]).add_(ent[:, None]).mul_(probs)
+                    e_chunk = -(coef.to(weight.dtype) @ weight).float()
+                    packed = _all_reduce(torch.stack([u_chunk, e_chunk]), dist.ReduceOp.SUM, group)
+                    u[start:end], e[start:end] = packed[0], packed[1]
+                else:
+                    u[start:end] = _all_reduce(u_chunk, dist.ReduceOp.SUM, group)
+            del logits, probs
+        if directions:
+            ctx.save_for_backward(u, e if with_entropy else u)
+        else:
+            ctx.save_for_backward(hidden, weight, labels, lse_all, entropy if with_entropy else lse_all)
+        ctx.config = (inv_temp, chunk_size, vocab_start, group, with_entropy, directions, hidden.dtype)
         if with_entropy:
             return logprobs, entropy
         return logprobs, torch.zeros(0, device=hidden.device)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
+        inv_temp, chunk_size, vocab_start, group, with_entropy, directions, hidden_dtype = ctx.config
+        use_entropy = with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
+        if directions:
+            u, e = ctx.saved_tensors
+            grad = torch.zeros_like(u) if grad_logprobs is None else u * grad_logprobs[:, None]
+            if use_entropy:
+                grad += e * grad_entropy[:, None]
+            if inv_temp != 1.0:
+                grad.mul_(inv_temp)
+            return grad.to(hidden_dtype), None, None, None, None, None, None, None, None
         hidden, weight, labels, lse_all, entropy = ctx.saved_tensors
-        inv_temp, chunk_size, vocab_start, group, with_entropy = ctx.config
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        use_entropy = with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
         V_local = weight.shape[0]
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
@@ -104,9 +151,8 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
             else:
                 grad_z.mul_(-g_lp[:, None])
             del log_p
-            local_labels = labels[start:end] - vocab_start
-            rows = torch.nonzero((local_labels >= 0) & (local_labels < V_local))[:, 0]
-            grad_z[rows, local_labels[rows]] += g_lp[rows]
+            rows, cols = _label_rows(labels[start:end], vocab_start, V_local)
+            grad_z[rows, cols] += g_lp[rows]
             if inv_temp != 1.0:
                 grad_z.mul_(inv_temp)
             grad_z = grad_z.to(weight.dtype)
@@ -120,7 +166,7 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
             grad_hidden = grad_hidden.to(hidden.dtype)
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, int, object]:
@@ -157,7 +203,9 @@ def label_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     local_weight, vocab_start, group = vocab_shard(weight)
+    grad_enabled = torch.is_grad_enabled()
+    directions = grad_enabled and hidden.requires_grad and not local_weight.requires_grad
     logprobs, entropy = _ChunkedLabelLogprobs.apply(
-        hidden, local_weight, labels, 1.0 / temperature, chunk_size, vocab_start, group, with_entropy
+        hidden, local_weight, labels, 1.0 / temperature, chunk_size, vocab_start, group, with_entropy, directions
     )
     return logprobs, (entropy if with_entropy else None)

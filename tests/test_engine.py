@@ -56,11 +56,12 @@ def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature:
 # ---- chunked head -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("train_weight", [False, True], ids=["frozen-unembedding", "trained-unembedding"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_head_matches_full_logits(temperature):
+def test_chunked_head_matches_full_logits(temperature, train_weight):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, requires_grad=True)
-    weight = (torch.randn(50, 16, generator=g) / 2).requires_grad_()
+    weight = (torch.randn(50, 16, generator=g) / 2).requires_grad_(train_weight)
     labels = torch.randint(0, 50, (37,), generator=g)
     w_lp, w_ent = torch.randn(37, generator=g), torch.randn(37, generator=g)
 
@@ -72,8 +73,10 @@ def test_chunked_head_matches_full_logits(temperature):
     (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
     torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=0)
-    for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+    pairs = [(hidden.grad, h64.grad)] + ([(weight.grad, w64.grad)] if train_weight else [])
+    for got, want in pairs:
         torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+    assert train_weight or weight.grad is None
 
 
 def _peak_bytes(T: int, V: int, D: int, chunked: bool) -> int:

@@ -13,11 +13,13 @@ kept. All ranks must see the same `root` (a shared file system when ranks span m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,14 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes a single process when there is no process group; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def rng_state() -> dict[str, Any]:
@@ -101,7 +111,8 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
             (tmp / "rng").mkdir()
         _barrier()
-        dcp.save(app_state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.save(app_state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         torch.save(rng_state(), tmp / "rng" / f"rank-{_rank()}.pt")
         _barrier()
         if _rank() == 0:
@@ -128,7 +139,8 @@ class CheckpointManager:
         state_file = path / TRAINER_STATE
         if not state_file.exists():
             raise FileNotFoundError(f"{str(state_file)!r} does not exist; is {str(path)!r} a complete checkpoint?")
-        dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         rng_file = path / "rng" / f"rank-{_rank()}.pt"
         if not rng_file.exists():
             raise FileNotFoundError(
