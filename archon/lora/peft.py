@@ -150,17 +150,23 @@ def save_merged_hf(
     out_dir: str | os.PathLike,
     hf_config: dict,
     source_dir: str | os.PathLike | None = None,
+    write: bool = True,
 ) -> Path:
-    """Write base + s*B@A as a plain HF checkpoint (merged in fp32), leaving the model unmerged."""
+    """Write base + s*B@A as a plain HF checkpoint (merged in fp32), leaving the model unmerged.
+
+    Without LoRA this writes the model as it is (e.g. after full fine-tuning). Under FSDP/TP every
+    rank calls this (shards are gathered); only `write=True` ranks write."""
     merge_lora(model)
     try:
         base = {k: full_tensor(v) for k, v in model.state_dict().items() if not is_lora_param(k)}
         extra = {}
         if source_dir is not None:
             for f in Path(source_dir).iterdir():
-                if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+                if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
                     extra[f.name] = f.read_bytes()
-        path = save_hf_checkpoint(adapter.iter_to_hf(base.items()), out_dir, hf_config, extra_files=extra)
+        path = Path(out_dir)
+        if write:
+            save_hf_checkpoint(adapter.iter_to_hf(base.items()), out_dir, hf_config, extra_files=extra)
     finally:
         unmerge_lora(model)
     return path

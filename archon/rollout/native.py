@@ -9,6 +9,7 @@ decode steps; data-parallel ranks generate their own share of the prompts.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from archon.rollout.base import Sample, SamplingParams
@@ -47,11 +48,37 @@ def sample_next_tokens(
 
 
 class NativeRolloutEngine:
-    def __init__(self, model: nn.Module, device: torch.device | str = "cpu", max_batch_sequences: int = 256) -> None:
+    """sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it
+    runs the same number of forwards, padding with a one-token forward once its own sequences are
+    done. Default: the whole default process group when one is running."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device | str = "cpu",
+        max_batch_sequences: int = 256,
+        sync_group=None,
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
         self.version = 0
+        self.sync_group = sync_group
+        if sync_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self.sync_group = dist.group.WORLD
+
+    def _any_rank(self, flag: bool | int) -> int:
+        """Max of `flag` over the sync group (the value itself when running alone)."""
+        if self.sync_group is None:
+            return int(flag)
+        t = torch.tensor(int(flag), device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
+        return int(t)
+
+    def _idle_forward(self) -> None:
+        """A one-token forward that keeps this rank's collectives in step with busier ranks."""
+        one = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.model(one, one, torch.tensor([0, 1], device=self.device), 1)
 
     def update(self, version: int, **_) -> None:
         """The model is the trainer's, so its weights are already current; record the version."""
@@ -73,8 +100,16 @@ class NativeRolloutEngine:
         self.model.eval()
         try:
             samples: list[Sample] = []
-            for start in range(0, len(requests), self.max_batch_sequences):
-                samples += self._generate_batch(requests[start : start + self.max_batch_sequences], sampling, generator)
+            chunks = [requests[i : i + self.max_batch_sequences] for i in range(0, len(requests), self.max_batch_sequences)]
+            for i in range(self._any_rank(len(chunks))):
+                if i < len(chunks):
+                    samples += self._generate_batch(chunks[i], sampling, generator)
+                else:  # no prompts left here: mirror the prefill and decode steps of busier ranks
+                    self._idle_forward()
+                    for step in range(sampling.max_new_tokens - 1):
+                        if not self._any_rank(False):
+                            break
+                        self._idle_forward()
         finally:
             self.model.train(was_training)
         return samples
@@ -99,17 +134,21 @@ class NativeRolloutEngine:
         active = torch.arange(batch)
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
         for step in range(sampling.max_new_tokens):
-            next_tokens, next_logprobs = sample_next_tokens(last_logits, sampling, generator)
-            next_tokens, next_logprobs = next_tokens.cpu(), next_logprobs.cpu()
-            for slot, token, logprob in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
-                completions[slot].append(token)
-                logprobs[slot].append(logprob)
-            stopped = torch.isin(next_tokens, stop_ids)
-            for slot in active[stopped].tolist():
-                finish[slot] = "stop"
-            active, next_tokens = active[~stopped], next_tokens[~stopped]
-            if len(active) == 0 or step == sampling.max_new_tokens - 1:
+            if len(active):
+                next_tokens, next_logprobs = sample_next_tokens(last_logits, sampling, generator)
+                next_tokens, next_logprobs = next_tokens.cpu(), next_logprobs.cpu()
+                for slot, token, logprob in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
+                    completions[slot].append(token)
+                    logprobs[slot].append(logprob)
+                stopped = torch.isin(next_tokens, stop_ids)
+                for slot in active[stopped].tolist():
+                    finish[slot] = "stop"
+                active, next_tokens = active[~stopped], next_tokens[~stopped]
+            if step == sampling.max_new_tokens - 1 or not self._any_rank(len(active) > 0):
                 break
+            if len(active) == 0:
+                self._idle_forward()
+                continue
             positions = lengths[active]
             cache.set_step(active, positions, prefill_from_empty=False)
             cu_seqlens = torch.arange(len(active) + 1, device=device)

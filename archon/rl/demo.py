@@ -1,0 +1,137 @@
+"""The built-in demo's warm start: a small Qwen3 model taught the arithmetic task by a short SFT.
+
+Everything is made locally (character tokenizer, random-init model, task data), trained with the
+same Engine the RL loop uses (full fine-tuning, FSDP over the ranks), and cached by its settings so
+later runs skip it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from archon.batch import PackedBatch
+from archon.engine import Engine, EngineConfig, LossContext, OptimConfig
+from archon.lora.peft import save_merged_hf
+from archon.rl.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
+
+SFT_MODEL = "sft"
+TRAIN_FILE = "train.jsonl"
+HELD_OUT_FILE = "held_out.jsonl"
+
+
+@dataclasses.dataclass
+class DemoFiles:
+    model_dir: Path
+    train_path: Path
+    held_out_path: Path
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _cache_key(demo, parallel_seed: int) -> str:
+    settings = json.dumps({"demo": dataclasses.asdict(demo), "seed": parallel_seed}, sort_keys=True, default=str)
+    return hashlib.sha256(settings.encode()).hexdigest()[:12]
+
+
+def _write_init_model(demo, out_dir: Path, seed: int) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=demo.hidden_size,
+        intermediate_size=demo.intermediate_size,
+        num_hidden_layers=demo.num_hidden_layers,
+        num_attention_heads=demo.num_attention_heads,
+        num_key_value_heads=demo.num_key_value_heads,
+        head_dim=demo.hidden_size // demo.num_attention_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _sft_loss(batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
+    nll = -(logprobs * batch.loss_mask).sum() / ctx.global_tokens
+    return nll, {"nll": nll.detach() * ctx.global_tokens / batch.loss_mask.sum().clamp(min=1)}
+
+
+def _greedy_accuracy(engine: Engine, examples, eos: int) -> float:
+    """Greedy exact-match accuracy on (prompt ids, answer ids + eos) pairs, over all ranks."""
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+
+    mine = examples[engine.dims.dp_rank :: engine.dims.dp]
+    sampling = SamplingParams(max_new_tokens=max(len(a) for _, a in examples), temperature=0, stop_token_ids=(eos,))
+    samples = NativeRolloutEngine(engine.model, engine.device).generate([p for p, _ in mine], sampling)
+    correct = torch.tensor([float(sum(s.completion_ids == a for s, (_, a) in zip(samples, mine))), float(len(mine))])
+    if dist.is_initialized():
+        dist.all_reduce(correct)
+    return (correct[0] / correct[1].clamp(min=1)).item()
+
+
+def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
+    """Make (or reuse from the cache) the warm-started demo model and its task data."""
+    root = Path(demo.cache_dir) / _cache_key(demo, seed)
+    files = DemoFiles(root / SFT_MODEL, root / TRAIN_FILE, root / HELD_OUT_FILE)
+    if (files.model_dir / "config.json").exists():
+        log(f"demo: using the cached warm start in {files.model_dir}")
+        return files
+    if rank == 0:
+        train_rows, held_out_rows = arithmetic_splits(demo.task)
+        write_jsonl(train_rows, files.train_path)
+        write_jsonl(held_out_rows, files.held_out_path)
+        _write_init_model(demo, root / "init", seed)
+    _barrier()
+    log(f"demo: warm-starting a {demo.num_hidden_layers}-layer Qwen3 by SFT ({demo.sft_steps} steps)")
+    engine = Engine(
+        EngineConfig(
+            model_path=str(root / "init"),
+            lora=None,
+            parallel=parallel,
+            optim=OptimConfig(lr=demo.sft_lr, weight_decay=0.0, max_grad_norm=1.0),
+            seed=seed,
+        )
+    )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "init")
+    rows = [json.loads(line) for line in files.train_path.read_text().splitlines()]
+    examples = [
+        (tokenizer.encode(r["prompt"], add_special_tokens=False),
+         tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id])
+        for r in rows
+    ]  # fmt: skip
+    rng = random.Random(seed)
+    dp_rank, dp = engine.dims.dp_rank, engine.dims.dp
+    dev = examples[: demo.sft_dev_examples]
+    for step in range(demo.sft_steps):
+        chosen = rng.sample(examples, demo.sft_batch_size)[dp_rank::dp]
+        batch = PackedBatch.from_sequences([p + a for p, a in chosen], prompt_lens=[len(p) for p, _ in chosen])
+        metrics = engine.train_step(batch, _sft_loss)
+        if (step + 1) % demo.sft_check_every == 0 or step + 1 == demo.sft_steps:
+            accuracy = _greedy_accuracy(engine, dev, tokenizer.eos_token_id)
+            log(f"demo SFT step {step + 1}/{demo.sft_steps}: nll {metrics['loss']:.3f}, greedy accuracy {accuracy:.2f}")
+            if accuracy >= demo.sft_target_accuracy:
+                break
+    save_merged_hf(
+        engine.model, engine.adapter, files.model_dir, engine.loaded.hf_config.to_dict(), root / "init",
+        write=rank == 0,
+    )  # fmt: skip
+    _barrier()
+    del engine
+    return files

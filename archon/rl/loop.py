@@ -1,0 +1,316 @@
+"""The GRPO-family RL loop: rollout -> reward -> advantages -> (old log-probs) -> PPO epochs ->
+adapter update -> evaluation -> logging -> checkpoints.
+
+Every rank runs this; data-parallel ranks take their own share of each step's prompts, and the
+metrics are reduced over them before rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from archon.batch import PackedBatch
+from archon.checkpoint.resume import CheckpointManager
+from archon.engine import Engine, EngineConfig, LossContext
+from archon.rl.advantages import (
+    distillation_advantages,
+    drgrpo_advantages,
+    groups_with_reward_variance,
+    grpo_advantages,
+    overlong_penalty,
+)
+from archon.rl.config import GRPOConfig
+from archon.rl.data import DataConfig, PromptBatchIterator, load_prompt_dataset, tokenize_prompt
+from archon.rl.losses import policy_loss
+from archon.rl.metrics import MetricsLogger
+from archon.rl.rewards import RewardConfig, RewardScorer
+from archon.rollout.base import Sample, SamplingParams
+from archon.rollout.native import NativeRolloutEngine
+
+logger = logging.getLogger("archon.rl")
+
+
+class RLRun:
+    def __init__(self, config: GRPOConfig) -> None:
+        self.config = config
+        self.engine = Engine(
+            EngineConfig(
+                model_path=config.model.path,
+                lora=config.lora,
+                parallel=config.parallel,
+                optim=config.optim,
+                dtype=config.model.dtype,
+                device=config.model.device,
+                micro_batch_tokens=config.micro_batch_tokens,
+                seed=config.seed,
+            )
+        )
+        self.rank = self.engine.rank
+        self.dp_rank, self.dp = self.engine.dims.dp_rank, self.engine.dims.dp
+        self.device = self.engine.device
+        self.run_dir = Path(config.logging.run_dir)
+
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
+        self.stop_token_ids = self._stop_token_ids()
+        self.train_set = load_prompt_dataset(config.data, self.tokenizer)
+        self._report_dataset("train", self.train_set)
+        self.iterator = PromptBatchIterator(
+            self.train_set.examples, batch_size=config.rollout.prompts_per_step, seed=config.data.seed,
+            shuffle=config.data.shuffle, drop_last=config.data.drop_last,
+        )  # fmt: skip
+        self.eval_set = None
+        if config.eval.path and config.eval.every:
+            eval_data = DataConfig(**{**asdict(config.data), "path": config.eval.path})
+            self.eval_set = load_prompt_dataset(eval_data, self.tokenizer)
+            self._report_dataset("held-out", self.eval_set)
+        self.scorer = RewardScorer(config.reward)
+        self.rollout = NativeRolloutEngine(
+            self.engine.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
+        )
+        self.teacher = None
+        if config.algorithm.teacher_path:
+            from archon.engine import build_model
+
+            self.teacher = build_model(config.algorithm.teacher_path, device=self.device).model.eval()
+            self.teacher.requires_grad_(False)
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        eos = getattr(self.engine.loaded.hf_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        return tuple(sorted(ids))
+
+    def _report_dataset(self, name: str, dataset) -> None:
+        if (dataset.malformed or dataset.too_long) and self.rank == 0:
+            logger.warning("%s data: %s", name, dataset.report())
+
+    def _sum(self, *values: float) -> list[float]:
+        """Sum over the data-parallel ranks."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.dp > 1:
+            dist.all_reduce(t, group=self.engine.dims.dp_group)
+        return t.tolist()
+
+    def _max(self, value: float) -> float:
+        t = torch.tensor(value, dtype=torch.float64, device=self.device)
+        if self.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.engine.dims.dp_group)
+        return t.item()
+
+    def _prompt_ids(self, examples) -> list[list[int]]:
+        return [tokenize_prompt(self.tokenizer, ex.prompt, self.config.data.apply_chat_template) for ex in examples]
+
+    def _completions(self, samples: list[Sample]) -> list[str]:
+        return self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def _score(self, examples, samples):
+        completions = self._completions(samples)
+        prompts = [examples[s.prompt_index].prompt for s in samples]
+        references = [examples[s.prompt_index].reference for s in samples]
+        return self.scorer.score(prompts, completions, references)
+
+    def _rollout_batch(self, samples: list[Sample], advantages: torch.Tensor) -> PackedBatch:
+        batch = PackedBatch.from_sequences(
+            [s.prompt_ids + s.completion_ids for s in samples],
+            prompt_lens=[len(s.prompt_ids) for s in samples],
+            advantages=advantages.tolist(),
+        )
+        rollout_lp = torch.zeros(batch.num_tokens)
+        for i, s in enumerate(samples):
+            start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
+            rollout_lp[start : start + len(s.completion_ids)] = torch.tensor(s.logprobs)
+        batch.rollout_logprobs = rollout_lp
+        return batch
+
+    def _loss_fn(self, batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
+        loss_config = self.config.algorithm.loss
+        loss, metrics = policy_loss(
+            loss_config, logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
+            normalizer=ctx.normalizer(loss_config.resolved_aggregation()),
+            ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
+        )  # fmt: skip
+        if ctx.entropy is not None:
+            metrics["entropy"] = (ctx.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
+        return loss, metrics
+
+    def _teacher_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        from archon.head import label_logprobs
+
+        with torch.no_grad():
+            b = batch.to(self.device)
+            hidden = self.teacher(b.tokens, b.positions, b.cu_seqlens, b.max_seqlen, return_hidden=True)
+            lp, _ = label_logprobs(hidden, self.teacher.output_weight, b.labels, self.config.rollout.temperature)
+        return (lp.float().cpu() * batch.loss_mask)
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg, algo = self.config, self.config.algorithm
+        start = time.perf_counter()
+        examples = next(self.iterator)[self.dp_rank :: self.dp]
+        G = cfg.rollout.group_size
+        sampling = SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k, n=G, stop_token_ids=self.stop_token_ids,
+            seed=cfg.seed * 1_000_003 + step * 1009 + self.dp_rank,
+        )  # fmt: skip
+        samples = self.rollout.generate(self._prompt_ids(examples), sampling)
+        rollout_s = time.perf_counter() - start
+
+        rewards, reward_metrics = self._score(examples, samples)
+        correct = (rewards >= 1.0).float()
+        lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
+        if algo.overlong_buffer:
+            rewards = rewards + overlong_penalty(
+                lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor
+            )
+        if algo.loss.algorithm == "drgrpo":
+            advantages = drgrpo_advantages(rewards, G)
+        else:
+            advantages = grpo_advantages(rewards, G)
+        keep = torch.ones(len(samples), dtype=torch.bool)
+        if algo.dynamic_sampling:
+            keep = groups_with_reward_variance(rewards, G).repeat_interleave(G)
+            if not keep.any():  # nothing to learn from here; train on the step with zero advantages
+                keep[:] = True
+                advantages = torch.zeros_like(advantages)
+        kept = [s for s, k in zip(samples, keep.tolist()) if k]
+        batch = self._rollout_batch(kept, advantages[keep])
+
+        score_start = time.perf_counter()
+        if algo.recompute_old_logprobs:
+            batch.old_logprobs = self.engine.logprobs(batch, cfg.rollout.temperature).logprobs
+        else:
+            batch.old_logprobs = batch.rollout_logprobs.clone()
+        mask = batch.loss_mask
+        gap = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+        if algo.loss.kl_coef > 0:
+            batch.ref_logprobs = self.engine.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
+        if self.teacher is not None:
+            batch.advantages = distillation_advantages(batch.old_logprobs, self._teacher_logprobs(batch)) * mask
+        score_s = time.perf_counter() - score_start
+
+        train_start = time.perf_counter()
+        train_metrics: dict[str, float] = {}
+        groups = list(range(batch.num_sequences))
+        per_minibatch = -(-len(groups) // algo.minibatches)
+        for _ in range(algo.ppo_epochs):
+            for m in range(algo.minibatches):
+                chosen = groups[m * per_minibatch : (m + 1) * per_minibatch] or groups[-1:]
+                train_metrics = self.engine.train_step(
+                    batch.select(chosen), self._loss_fn, cfg.rollout.temperature, with_entropy=True
+                )
+        train_s = time.perf_counter() - train_start
+        sync_start = time.perf_counter()
+        self.rollout.update(version=self.engine.step)
+        sync_s = time.perf_counter() - sync_start
+
+        n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts = self._sum(
+            len(samples), float(rewards.sum()), float((rewards**2).sum()), float(correct.sum()),
+            float(lengths.sum()), float(gap.sum()), float(gap.numel()), float(keep.sum()) / G,
+            reward_metrics["reward_errors"], reward_metrics["reward_timeouts"],
+        )  # fmt: skip
+        reward_mean = reward_sum / n
+        step_s = time.perf_counter() - start
+        metrics = {
+            "reward_mean": reward_mean,
+            "reward_std": max(reward_sq / n - reward_mean**2, 0.0) ** 0.5,
+            "accuracy": correct_sum / n,
+            "response_length": length_sum / n,
+            "logprob_abs_diff_mean": gap_sum / max(gap_n, 1.0),
+            "logprob_abs_diff_max": self._max(float(gap.max()) if gap.numel() else 0.0),
+            "groups_kept": kept_groups,
+            "reward_errors": errors,
+            "reward_timeouts": timeouts,
+            "rollout_s": rollout_s,
+            "score_s": score_s,
+            "train_s": train_s,
+            "sync_s": sync_s,
+            "step_s": step_s,
+            "tokens_per_s": train_metrics.get("total_tokens", 0.0) / step_s,
+            "adapter_version": float(self.rollout.version),
+        }
+        for key in ("loss", "grad_norm", "lr", "clip_fraction", "approx_kl", "kl", "entropy", "ratio_max"):
+            if key in train_metrics:
+                metrics[key] = train_metrics[key]
+        return metrics
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        cfg = self.config
+        examples = self.eval_set.examples[: cfg.eval.max_prompts][self.dp_rank :: self.dp]
+        sampling = SamplingParams(
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, temperature=0,
+            stop_token_ids=self.stop_token_ids,
+        )  # fmt: skip
+        samples = self.rollout.generate(self._prompt_ids(examples), sampling) if examples else []
+        if not examples:  # keep the collectives of the generation in step with the other ranks
+            self.rollout.generate([[self.stop_token_ids[0] if self.stop_token_ids else 0]], sampling)
+        rewards = self._score(examples, samples)[0] if samples else torch.zeros(0)
+        correct, total = self._sum(float((rewards >= 1.0).sum()), float(len(samples)))
+        return correct / max(total, 1.0)
+
+    # ---- the run --------------------------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        cfg = self.config
+        first = 0
+        if cfg.checkpoint.resume:
+            data_state = self.engine.load_checkpoint(self.checkpoints)
+            if data_state:
+                self.iterator.load_state_dict(data_state["iterator"])
+                first = self.engine.step
+                self.rollout.update(version=self.engine.step)
+                if self.rank == 0:
+                    print(f"resumed from step {first}")
+        progress = None
+        if self.rank == 0 and cfg.logging.progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=cfg.steps, initial=first, desc="grpo", unit="step", dynamic_ncols=True)
+        last: dict[str, float] = {}
+        eval_every = cfg.eval.every if self.eval_set is not None else 0
+        if eval_every and first == 0:
+            last["eval_accuracy"] = self.evaluate()
+            self.metrics.log(0, {"eval_accuracy": last["eval_accuracy"]})
+        for step in range(first, cfg.steps):
+            metrics = self.step(step)
+            done = step + 1
+            if eval_every and (done % eval_every == 0 or done == cfg.steps):
+                metrics["eval_accuracy"] = self.evaluate()
+            self.metrics.log(done, metrics)
+            last.update(metrics)
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
+                self.save(done)
+            if progress is not None:
+                postfix = {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}"}
+                if "eval_accuracy" in metrics:
+                    postfix["eval"] = f"{metrics['eval_accuracy']:.2f}"
+                progress.set_postfix(postfix)
+                progress.update(1)
+        if progress is not None:
+            progress.close()
+        self.save(cfg.steps, final=True)
+        self.metrics.close()
+        self.scorer.close()
+        return last
+
+    def save(self, step: int, final: bool = False) -> None:
+        self.engine.save_checkpoint(self.checkpoints, {"iterator": self.iterator.state_dict()})
+        out = self.run_dir / ("adapter" if final else f"adapters/step_{step:06d}")
+        self.engine.export_peft(out, base_model_name_or_path=self.config.model.path)
+
+
+def reward_config_for_demo(reward: RewardConfig) -> RewardConfig:
+    return RewardConfig(function="exact", timeout_s=reward.timeout_s, num_workers=reward.num_workers)
