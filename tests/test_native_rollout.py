@@ -83,3 +83,22 @@ def test_top_k_and_top_p_truncate():
     assert draws == {0, 1}
     token, logprob = sample_next_tokens(logits, SamplingParams(temperature=0), g)
     assert int(token) == 0 and float(logprob) == pytest.approx(float(torch.log_softmax(logits, -1)[0, 0]))
+
+
+def test_logprobs_equal_the_trainers(tiny_checkpoint):
+    """Rollout log-probs equal Engine.logprobs on the same tokens (the old-policy recomputation)."""
+    from archon.batch import PackedBatch
+    from archon.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model_path=str(tiny_checkpoint("qwen3_moe")), lora=LoRAConfig(rank=4, alpha=8)))
+    with torch.no_grad():
+        for p in lora_parameters(engine.model).values():
+            p.normal_(0, 0.1)
+    rollout = NativeRolloutEngine(engine.model)
+    samples = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.8, n=2, seed=3))
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
+    )
+    trainer = engine.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
+    torch.testing.assert_close(rollout_lp, trainer, rtol=0, atol=1e-5)
