@@ -91,7 +91,7 @@ class ParallelDims:
         mesh = init_device_mesh(
             self.device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES
         )
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self._flat_dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
 
     @property
@@ -110,7 +110,7 @@ class ParallelDims:
     @property
     def dp_mesh(self):
         """All data-parallel ranks of this rank's tp coordinate, flattened to 1-D."""
-        return None if self.mesh is None else self.mesh["dp"]
+        return None if self.mesh is None else self._flat_dp_mesh
 
     @property
     def dp_group(self):

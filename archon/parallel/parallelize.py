@@ -3,6 +3,34 @@
 Order: tensor parallelism, then activation checkpointing, then torch.compile, then FSDP2 per block
 and at the root. Every step keeps parameter names unchanged, so HF loading, LoRA export and
 checkpoints see the same names with or without parallelism.
+
+A family's `models/<family>/parallelize.py` is usually a dozen lines (see models/qwen3):
+
+    def parallelize_<family>(model, dims, config):
+        if dims.tp_enabled:
+            require_divisible("tp", dims.tp, "<family>", num_attention_heads=..., num_key_value_heads=...,
+                              intermediate_size=..., vocab_size=...)
+        model_plan = {"embed_tokens": vocab_parallel_embedding()}
+        if model.lm_head is not None:
+            model_plan["lm_head"] = vocab_parallel_head()
+        def block_plan(index, block):
+            plan = attention_plan(qk_norm=("q_norm", "k_norm") or None)
+            if <block has a dense MLP>:
+                plan.update(swiglu_plan())
+            return plan
+        return parallelize_decoder(model, dims, config, blocks=list(model.layers),
+                                   model_tp_plan=model_plan, block_tp_plan=block_plan)
+
+and `parallelize_fn=parallelize_<family>` in its ModelSpec. Rules for the plan:
+- output-sharded linears (q/k/v, gate/up, MLA's q_b/kv_b) take `colwise()`, the linear that
+  consumes their sharded output (o_proj, down_proj) takes `rowwise()`; LoRA needs nothing more.
+- the attention must read its head count from the tensor (`view(T, -1, head_dim)`), since each
+  rank holds heads / tp of them.
+- parameters applied per head to head-sharded activations (QK norms over [T, H, D]) take
+  `head_sharded_qk_norm()`; per-head vectors used directly in the forward (attention sinks) take
+  `ShardedParameters({"sinks": Shard(0)})` and the forward reads them through `local_tensor`.
+- modules left out (routers, stacked MoE experts, norms on the replicated residual stream) stay
+  whole on every tensor-parallel rank; FSDP2 still shards them across data-parallel ranks.
 """
 
 from __future__ import annotations

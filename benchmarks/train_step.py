@@ -1,0 +1,359 @@
+"""Training-step benchmark: archon LoRA on packed sequences vs HF transformers + PEFT on padded ones.
+
+    python benchmarks/train_step.py [--steps 3] [--threads 2]
+
+Both train the same random-weight Qwen3 (hidden 512, 4 layers, 8 heads, 4 KV heads, intermediate
+1536, vocab 32000, fp32) with LoRA r=16 on all linear layers, on the same RL-shaped batch: 16
+sequences of 64-256 tokens (log-spaced), a 32-token prompt and a completion each, a token-level policy-gradient loss on
+the completions. HF needs the batch padded to the longest sequence; archon packs it.
+
+Each measurement runs in its own process (so peak RSS is its own):
+    archon_lora    archon LoRA train steps (timed), peak RSS
+    hf_peft        HF + PEFT LoRA train steps (timed), peak RSS
+    archon_full    one archon full-parameter step on the same batch and settings, peak RSS
+    *_mem          LoRA and full-parameter steps in a weights-dominated setting (activation
+                   checkpointing, 512-token micro-batches): the LoRA/full memory ratio
+Useful FLOPs count real (non-pad) tokens only and are compared with the fp32 matmul peak measured
+in the same run. The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+NUM_SEQUENCES = 16
+MIN_LEN, MAX_LEN = 64, 256
+PROMPT_LEN = 32
+LORA_RANK, LORA_ALPHA = 16, 32.0
+LR = 1e-4
+
+
+@dataclass
+class BenchArgs:
+    steps: int = 3
+    """Timed train steps per framework (after one warm-up step)."""
+    threads: int = 2
+    """Intra-op threads for every measurement."""
+    seed: int = 0
+    role: str = "main"
+    """Internal: which measurement this process makes."""
+    checkpoint: str = ""
+    """Internal: the HF checkpoint directory."""
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def sequence_lengths(seed: int) -> list[int]:
+    """Lengths spread evenly on a log scale from MIN_LEN to MAX_LEN (RL responses skew short),
+    shuffled; the longest is MAX_LEN, so HF pads everything to it."""
+    import torch
+
+    ratio = MAX_LEN / MIN_LEN
+    lengths = [round(MIN_LEN * ratio ** (i / (NUM_SEQUENCES - 1))) for i in range(NUM_SEQUENCES)]
+    order = torch.randperm(NUM_SEQUENCES, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [lengths[i] for i in order]
+
+
+def make_sequences(seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = sequence_lengths(seed)
+    seqs = [torch.randint(0, MODEL_CONFIG["vocab_size"], (n,), generator=g) for n in lengths]
+    advantages = torch.randn(NUM_SEQUENCES, generator=g).tolist()
+    return seqs, advantages
+
+
+def useful_flops(lengths: list[int], lora: bool) -> float:
+    """FLOPs of one training step on the real tokens only (matmuls and attention).
+
+    Frozen base weights cost forward + input-gradient (4 per weight per token); trained weights
+    also their weight gradient (6). Attention is causal: 2*L^2*H*hd per layer forward, x3 with
+    backward. The head runs on loss tokens only.
+    """
+    c = MODEL_CONFIG
+    D, I, H, KV, hd, L, V = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
+                             c["num_key_value_heads"], c["head_dim"], c["num_hidden_layers"], c["vocab_size"])  # fmt: skip
+    layer_linear = D * H * hd * 2 + D * KV * hd * 2 + 3 * D * I
+    lora_params = LORA_RANK * ((D + H * hd) * 2 + (D + KV * hd) * 2 + 3 * (D + I))
+    tokens = sum(lengths)
+    loss_tokens = sum(n - PROMPT_LEN for n in lengths)
+    base_factor = 4 if lora else 6
+    flops = tokens * L * (base_factor * layer_linear + (6 * lora_params if lora else 0))
+    flops += 3 * sum(2 * n * n * H * hd for n in lengths) * L
+    flops += loss_tokens * base_factor * D * V
+    return float(flops)
+
+
+def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+# ---- one process per measurement -------------------------------------------------------------------
+
+
+def _archon_engine(args: BenchArgs, lora: bool, activation_checkpoint: str = "none", micro_tokens: int = 8192,
+                   head_chunk: int = 1024):
+    from archon.engine import Engine, EngineConfig, OptimConfig
+    from archon.lora import LoRAConfig
+    from archon.parallel import ParallelConfig
+
+    return Engine(EngineConfig(
+        model_path=args.checkpoint,
+        lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear") if lora else None,
+        parallel=ParallelConfig(activation_checkpoint=activation_checkpoint),
+        optim=OptimConfig(lr=LR, max_grad_norm=1.0),
+        device="cpu",
+        micro_batch_tokens=micro_tokens,
+        head_chunk_size=head_chunk,
+        seed=args.seed,
+    ))  # fmt: skip
+
+
+def _pg_loss(batch, logprobs, ctx):
+    """Token-level policy gradient: -sum(A * log p) / #completion tokens."""
+    loss = -(logprobs * batch.advantages * batch.loss_mask).sum() / ctx.normalizer("token_mean")
+    return loss, {}
+
+
+def _profile_breakdown(step) -> dict[str, float]:
+    """Share of CPU self time by op kind in one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    kinds = {"matmul": 0.0, "attention": 0.0, "softmax/exp (head)": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        name, t = event.key, event.self_cpu_time_total
+        if any(k in name for k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")):
+            kinds["matmul"] += t
+        elif "attention" in name:
+            kinds["attention"] += t
+        elif any(k in name for k in ("aten::exp", "softmax", "aten::logsumexp")):
+            kinds["softmax/exp (head)"] += t
+        else:
+            kinds["other"] += t
+    total = sum(kinds.values()) or 1.0
+    return {k: round(v / total, 3) for k, v in kinds.items()}
+
+
+def run_archon(args: BenchArgs, lora: bool, timed: bool, **engine_kw) -> dict:
+    import torch
+
+    import archon.engine  # noqa: F401  (imported before the baseline RSS is taken)
+    from archon.batch import PackedBatch
+
+    torch.set_num_threads(args.threads)
+    seqs, advantages = make_sequences(args.seed)
+    baseline = _peak_rss_mb()
+    engine = _archon_engine(args, lora, **engine_kw)
+    batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
+    engine.train_step(batch, _pg_loss)  # warm-up
+    steps = args.steps if timed else 1
+    start = time.perf_counter()
+    losses = [engine.train_step(batch, _pg_loss)["loss"] for _ in range(steps)]
+    elapsed = time.perf_counter() - start
+    out = {
+        "tokens_per_step": batch.num_tokens,
+        "step_s": elapsed / steps,
+        "tok_s": batch.num_tokens * steps / elapsed,
+        "losses": losses,
+        "baseline_rss_mb": baseline,
+        "peak_rss_mb": _peak_rss_mb(),
+        "trainable_params": sum(p.numel() for p in engine.trainable),
+    }
+    if timed:
+        out["time_by_op"] = _profile_breakdown(lambda: engine.train_step(batch, _pg_loss))
+    return out
+
+
+def run_hf_peft(args: BenchArgs) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    seqs, advantages = make_sequences(args.seed)
+    baseline = _peak_rss_mb()
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear",
+                                             lora_dropout=0.0))  # fmt: skip
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR)
+
+    # Right-padded [B, L] batch with the attention mask HF needs; the loss covers completion tokens.
+    B, L = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.zeros(B, L, dtype=torch.long)
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s)] = s
+        attention_mask[i, : len(s)] = 1
+    labels = input_ids[:, 1:]
+    loss_mask = attention_mask[:, 1:].bool().clone()
+    loss_mask[:, : PROMPT_LEN - 1] = False
+    adv = torch.tensor(advantages)[:, None].expand(B, L - 1)
+
+    def step() -> float:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[..., None])[..., 0]
+        loss = -(logprobs * adv * loss_mask).sum() / loss_mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step()
+    start = time.perf_counter()
+    losses = [step() for _ in range(args.steps)]
+    elapsed = time.perf_counter() - start
+    real_tokens = sum(len(s) for s in seqs)
+    return {
+        "tokens_per_step": real_tokens,
+        "padded_tokens_per_step": B * L,
+        "step_s": elapsed / args.steps,
+        "tok_s": real_tokens * args.steps / elapsed,
+        "losses": losses,
+        "baseline_rss_mb": baseline,
+        "peak_rss_mb": _peak_rss_mb(),
+        "trainable_params": sum(p.numel() for p in trainable),
+        "time_by_op": _profile_breakdown(step),
+    }
+
+
+MEMORY_SETTINGS = dict(activation_checkpoint="full", micro_tokens=512, head_chunk=128)
+ROLES = {
+    "archon_lora": lambda a: run_archon(a, lora=True, timed=True),
+    "hf_peft": run_hf_peft,
+    "archon_full": lambda a: run_archon(a, lora=False, timed=False),
+    "archon_lora_mem": lambda a: run_archon(a, lora=True, timed=False, **MEMORY_SETTINGS),
+    "archon_full_mem": lambda a: run_archon(a, lora=False, timed=False, **MEMORY_SETTINGS),
+}
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+
+
+def _measure(role: str, args: BenchArgs) -> dict:
+    cmd = [sys.executable, __file__, "--role", role, "--checkpoint", args.checkpoint,
+           "--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{role} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def make_checkpoint(out_dir: Path, seed: int) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", **MODEL_CONFIG)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(args: BenchArgs) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        args.checkpoint = str(make_checkpoint(Path(tmp) / "qwen3", args.seed))
+        peak = matmul_peak_flops(args.threads)
+        results = {role: _measure(role, args) for role in ROLES}
+    seqs, _ = make_sequences(args.seed)
+    lengths = [len(s) for s in seqs]
+    archon, hf = results["archon_lora"], results["hf_peft"]
+    flops = useful_flops(lengths, lora=True)
+    lora_mem = results["archon_lora_mem"]
+    full_mem = results["archon_full_mem"]
+
+    def above_baseline(r):
+        return r["peak_rss_mb"] - r["baseline_rss_mb"]
+
+    summary = {
+        "config": {**MODEL_CONFIG, "lora_rank": LORA_RANK, "threads": args.threads, "steps": args.steps,
+                   "sequences": NUM_SEQUENCES, "real_tokens": sum(lengths),
+                   "padded_tokens": hf["padded_tokens_per_step"]},  # fmt: skip
+        "packing_bound": hf["padded_tokens_per_step"] / sum(lengths),
+        "matmul_peak_gflop_s": peak / 1e9,
+        "useful_gflop_per_step": flops / 1e9,
+        "archon_useful_gflop_s": flops / archon["step_s"] / 1e9,
+        "hf_peft_useful_gflop_s": flops / hf["step_s"] / 1e9,
+        "archon_fraction_of_peak": flops / archon["step_s"] / peak,
+        "hf_peft_fraction_of_peak": flops / hf["step_s"] / peak,
+        "archon_time_by_op": archon["time_by_op"],
+        "hf_peft_time_by_op": hf["time_by_op"],
+        "archon_step_s": archon["step_s"],
+        "hf_peft_step_s": hf["step_s"],
+        "memory_setting": MEMORY_SETTINGS,
+        "lora_mem_peak_rss_mb": lora_mem["peak_rss_mb"],
+        "full_mem_peak_rss_mb": full_mem["peak_rss_mb"],
+        "lora_over_full_peak_rss": lora_mem["peak_rss_mb"] / full_mem["peak_rss_mb"],
+        "lora_over_full_above_baseline": above_baseline(lora_mem) / above_baseline(full_mem),
+        "process_baseline_rss_mb": lora_mem["baseline_rss_mb"],
+        "archon_tok_s": archon["tok_s"],
+        "hf_peft_tok_s": hf["tok_s"],
+        "ratio": archon["tok_s"] / hf["tok_s"],
+        "archon_peak_rss_mb": archon["peak_rss_mb"],
+        "hf_peft_peak_rss_mb": hf["peak_rss_mb"],
+        "full_ft_peak_rss_mb": results["archon_full"]["peak_rss_mb"],
+    }
+    return summary
+
+
+def _cli() -> None:
+    import tyro
+
+    args = tyro.cli(BenchArgs)
+    if args.role != "main":
+        print(json.dumps(ROLES[args.role](args)))
+        return
+    summary = main(args)
+    print(f"real tokens/s: archon LoRA {summary['archon_tok_s']:.0f}, HF+PEFT {summary['hf_peft_tok_s']:.0f}, "
+          f"ratio {summary['ratio']:.2f} (packing alone bounds it near {summary['packing_bound']:.2f})")  # fmt: skip
+    print(f"useful GFLOP/s: archon {summary['archon_useful_gflop_s']:.1f}, HF+PEFT "
+          f"{summary['hf_peft_useful_gflop_s']:.1f}; fp32 matmul peak {summary['matmul_peak_gflop_s']:.1f}")
+    print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
+    print(f"peak RSS MB: archon LoRA {summary['archon_peak_rss_mb']:.0f}, HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}, "
+          f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}")  # fmt: skip
+    print(f"weights-dominated setting {summary['memory_setting']}: LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
+          f"full {summary['full_mem_peak_rss_mb']:.0f} MB = {summary['lora_over_full_peak_rss']:.2f} "
+          f"({summary['lora_over_full_above_baseline']:.2f} above the {summary['process_baseline_rss_mb']:.0f} MB "
+          "process baseline)")  # fmt: skip
+    print(json.dumps({k: v for k, v in summary.items()}))
+
+
+if __name__ == "__main__":
+    _cli()
