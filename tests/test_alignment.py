@@ -42,14 +42,12 @@ def test_qwen3_parity(case):
 
 @pytest.mark.parametrize("case", sorted(QWEN3_MOE_CASES))
 def test_qwen3_moe_parity(case):
-    # PEFT cannot hold LoRA on dense MLP layers beside expert LoRA in an MoE model, so the
-    # cases with dense layers check the base model only.
-    lora = case == "topk-norm"
+    # Dense MLP layers beside stacked experts: their LoRA is exported as PEFT target_parameters.
     report = run_alignment(
-        AlignArgs(model_type="qwen3_moe", config_overrides=QWEN3_MOE_CASES[case], lora_rank=8 if lora else None,
+        AlignArgs(model_type="qwen3_moe", config_overrides=QWEN3_MOE_CASES[case], lora_rank=8,
                   seq_lens=(5, 12, 1, 23))
     )
-    _check(report, lora=lora)
+    _check(report, lora=True)
 
 
 def test_packed_equals_separate_archon_forwards(tiny_checkpoint):
