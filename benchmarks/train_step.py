@@ -11,8 +11,8 @@ Each measurement runs in its own process (so peak RSS is its own):
     archon_lora    archon LoRA train steps (timed), peak RSS
     hf_peft        HF + PEFT LoRA train steps (timed), peak RSS
     archon_full    one archon full-parameter step on the same batch and settings, peak RSS
-    *_mem          LoRA and full-parameter steps in a weights-dominated setting (activation
-                   checkpointing, 512-token micro-batches): the LoRA/full memory ratio
+    *_mem          LoRA and full-parameter steps on a wider model whose weights dominate memory
+                   (~1 GB fp32; 4 x 128 tokens, activation checkpointing): the LoRA/full ratio
 Useful FLOPs count real (non-pad) tokens only and are compared with the fp32 matmul peak measured
 in the same run. The last line printed is JSON.
 """
@@ -40,6 +40,12 @@ MODEL_CONFIG = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
+# Weights-dominated model for the LoRA / full fine-tuning memory ratio (254M parameters).
+MEMORY_MODEL_CONFIG = dict(
+    MODEL_CONFIG, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+    num_key_value_heads=8,
+)
+MEMORY_BATCH = dict(sequences=2, length=128)
 NUM_SEQUENCES = 16
 MIN_LEN, MAX_LEN = 64, 256
 PROMPT_LEN = 32
@@ -58,10 +64,43 @@ class BenchArgs:
     """Internal: which measurement this process makes."""
     checkpoint: str = ""
     """Internal: the HF checkpoint directory."""
+    memory_checkpoint: str = ""
+    """Internal: the HF checkpoint of the weights-dominated model."""
 
 
 def _peak_rss_mb() -> float:
+    """Peak RSS of this process over its whole life (model loading included)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS counter (VmHWM), so the train steps are measured on their own:
+    loading reads the checkpoint through mmap, and the mapped file pages count as resident. Heap
+    memory freed during loading is first handed back to the OS (glibc keeps it otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _step_peak_rss_mb() -> float:
+    """Peak RSS since _reset_peak_rss (Linux VmHWM); the lifetime peak elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return _peak_rss_mb()
 
 
 def sequence_lengths(seed: int) -> list[int]:
@@ -124,13 +163,13 @@ def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
 
 
 def _archon_engine(args: BenchArgs, lora: bool, activation_checkpoint: str = "none", micro_tokens: int = 8192,
-                   head_chunk: int = 1024):
+                   head_chunk: int = 1024, checkpoint: str | None = None):
     from archon.engine import Engine, EngineConfig, OptimConfig
     from archon.lora import LoRAConfig
     from archon.parallel import ParallelConfig
 
     return Engine(EngineConfig(
-        model_path=args.checkpoint,
+        model_path=checkpoint or args.checkpoint,
         lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear") if lora else None,
         parallel=ParallelConfig(activation_checkpoint=activation_checkpoint),
         optim=OptimConfig(lr=LR, max_grad_norm=1.0),
@@ -168,7 +207,7 @@ def _profile_breakdown(step) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in kinds.items()}
 
 
-def run_archon(args: BenchArgs, lora: bool, timed: bool, **engine_kw) -> dict:
+def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = False, **engine_kw) -> dict:
     import torch
 
     import archon.engine  # noqa: F401  (imported before the baseline RSS is taken)
@@ -176,10 +215,16 @@ def run_archon(args: BenchArgs, lora: bool, timed: bool, **engine_kw) -> dict:
 
     torch.set_num_threads(args.threads)
     seqs, advantages = make_sequences(args.seed)
+    if memory_model:
+        seqs = [s[: MEMORY_BATCH["length"]] for s in seqs if len(s) >= MEMORY_BATCH["length"]]
+        seqs, advantages = seqs[: MEMORY_BATCH["sequences"]], advantages[: MEMORY_BATCH["sequences"]]
+        engine_kw["checkpoint"] = args.memory_checkpoint
     baseline = _peak_rss_mb()
     engine = _archon_engine(args, lora, **engine_kw)
     batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
-    engine.train_step(batch, _pg_loss)  # warm-up
+    _reset_peak_rss()
+    if timed:
+        engine.train_step(batch, _pg_loss)  # warm-up
     steps = args.steps if timed else 1
     start = time.perf_counter()
     losses = [engine.train_step(batch, _pg_loss)["loss"] for _ in range(steps)]
@@ -190,7 +235,8 @@ def run_archon(args: BenchArgs, lora: bool, timed: bool, **engine_kw) -> dict:
         "tok_s": batch.num_tokens * steps / elapsed,
         "losses": losses,
         "baseline_rss_mb": baseline,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": _step_peak_rss_mb(),
+        "lifetime_peak_rss_mb": _peak_rss_mb(),
         "trainable_params": sum(p.numel() for p in engine.trainable),
     }
     if timed:
@@ -224,6 +270,7 @@ def run_hf_peft(args: BenchArgs) -> dict:
     loss_mask = attention_mask[:, 1:].bool().clone()
     loss_mask[:, : PROMPT_LEN - 1] = False
     adv = torch.tensor(advantages)[:, None].expand(B, L - 1)
+    _reset_peak_rss()
 
     def step() -> float:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
@@ -247,7 +294,8 @@ def run_hf_peft(args: BenchArgs) -> dict:
         "tok_s": real_tokens * args.steps / elapsed,
         "losses": losses,
         "baseline_rss_mb": baseline,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": _step_peak_rss_mb(),
+        "lifetime_peak_rss_mb": _peak_rss_mb(),
         "trainable_params": sum(p.numel() for p in trainable),
         "time_by_op": _profile_breakdown(step),
     }
@@ -258,8 +306,8 @@ ROLES = {
     "archon_lora": lambda a: run_archon(a, lora=True, timed=True),
     "hf_peft": run_hf_peft,
     "archon_full": lambda a: run_archon(a, lora=False, timed=False),
-    "archon_lora_mem": lambda a: run_archon(a, lora=True, timed=False, **MEMORY_SETTINGS),
-    "archon_full_mem": lambda a: run_archon(a, lora=False, timed=False, **MEMORY_SETTINGS),
+    "archon_lora_mem": lambda a: run_archon(a, lora=True, timed=False, memory_model=True, **MEMORY_SETTINGS),
+    "archon_full_mem": lambda a: run_archon(a, lora=False, timed=False, memory_model=True, **MEMORY_SETTINGS),
 }
 
 
@@ -268,6 +316,7 @@ ROLES = {
 
 def _measure(role: str, args: BenchArgs) -> dict:
     cmd = [sys.executable, __file__, "--role", role, "--checkpoint", args.checkpoint,
+           "--memory-checkpoint", args.memory_checkpoint,
            "--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -276,11 +325,11 @@ def _measure(role: str, args: BenchArgs) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def make_checkpoint(out_dir: Path, seed: int) -> Path:
+def make_checkpoint(out_dir: Path, seed: int, model_config: dict = MODEL_CONFIG) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3", **MODEL_CONFIG)
+    config = AutoConfig.for_model("qwen3", **model_config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
@@ -288,8 +337,10 @@ def make_checkpoint(out_dir: Path, seed: int) -> Path:
 
 
 def main(args: BenchArgs) -> dict:
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint = str(make_checkpoint(Path(tmp) / "qwen3", args.seed))
+        args.memory_checkpoint = str(make_checkpoint(Path(tmp) / "qwen3-wide", args.seed, MEMORY_MODEL_CONFIG))
         peak = matmul_peak_flops(args.threads)
         results = {role: _measure(role, args) for role in ROLES}
     seqs, _ = make_sequences(args.seed)
@@ -317,12 +368,14 @@ def main(args: BenchArgs) -> dict:
         "hf_peft_time_by_op": hf["time_by_op"],
         "archon_step_s": archon["step_s"],
         "hf_peft_step_s": hf["step_s"],
-        "memory_setting": MEMORY_SETTINGS,
+        "memory_setting": {**MEMORY_SETTINGS, **MEMORY_BATCH, "model": MEMORY_MODEL_CONFIG,
+                           "params": full_mem["trainable_params"]},
         "lora_mem_peak_rss_mb": lora_mem["peak_rss_mb"],
         "full_mem_peak_rss_mb": full_mem["peak_rss_mb"],
         "lora_over_full_peak_rss": lora_mem["peak_rss_mb"] / full_mem["peak_rss_mb"],
         "lora_over_full_above_baseline": above_baseline(lora_mem) / above_baseline(full_mem),
         "process_baseline_rss_mb": lora_mem["baseline_rss_mb"],
+        "load_average_1m_start_end": [load_start, os.getloadavg()[0]],
         "archon_tok_s": archon["tok_s"],
         "hf_peft_tok_s": hf["tok_s"],
         "ratio": archon["tok_s"] / hf["tok_s"],
@@ -348,11 +401,12 @@ def _cli() -> None:
     print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
     print(f"peak RSS MB: archon LoRA {summary['archon_peak_rss_mb']:.0f}, HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}, "
           f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}")  # fmt: skip
-    print(f"weights-dominated setting {summary['memory_setting']}: LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
+    print(f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
           f"full {summary['full_mem_peak_rss_mb']:.0f} MB = {summary['lora_over_full_peak_rss']:.2f} "
           f"({summary['lora_over_full_above_baseline']:.2f} above the {summary['process_baseline_rss_mb']:.0f} MB "
           "process baseline)")  # fmt: skip
-    print(json.dumps({k: v for k, v in summary.items()}))
+    print(f"1-minute load average at start and end: {summary['load_average_1m_start_end']}")
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

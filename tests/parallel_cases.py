@@ -23,6 +23,7 @@ LAYOUTS = {
     "fsdp2": (2, dict(dp_shard=2, tp=1, activation_checkpoint="full")),
     "tp2": (2, dict(dp_shard=1, tp=2, activation_checkpoint="selective")),
     "fsdp2_tp2": (4, dict(dp_shard=2, tp=2)),
+    "hsdp2x2": (4, dict(dp_replicate=2, dp_shard=2)),
 }
 
 
@@ -34,14 +35,14 @@ def make_batch(vocab_size: int, seed: int = 0) -> PackedBatch:
 
 
 def engine_config(hf_path, parallel: ParallelConfig | None = None, lora_dropout: float = 0.0, **kw) -> EngineConfig:
+    kw.setdefault("micro_batch_tokens", MICRO_BATCH_TOKENS)
+    kw.setdefault("head_chunk_size", 16)
     return EngineConfig(
         model_path=str(hf_path),
         lora=LoRAConfig(rank=4, alpha=8.0, dropout=lora_dropout),
         parallel=parallel or ParallelConfig(),
         optim=OptimConfig(lr=2e-2, max_grad_norm=0.5, schedule="cosine", warmup_steps=1, total_steps=10),
         device="cpu",
-        micro_batch_tokens=MICRO_BATCH_TOKENS,
-        head_chunk_size=16,
         **kw,
     )
 

@@ -65,7 +65,7 @@ def two_process(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_process(checkpoints, tmp_path_factory):
-    return _run_layouts(checkpoints, tmp_path_factory, 4, ["fsdp2_tp2"])
+    return _run_layouts(checkpoints, tmp_path_factory, 4, ["fsdp2_tp2", "hsdp2x2"])
 
 
 def _check_against_single_process(result, reference):
@@ -120,9 +120,11 @@ def test_fsdp_ranks_read_only_their_shards(two_process, model_type):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "hsdp2x2"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_fsdp_x_tp_four_process_matches_single_process(four_process, single_process, model_type):
-    result = four_process[(model_type, "fsdp2_tp2")]
+def test_four_process_matches_single_process(four_process, single_process, model_type, layout):
+    """FSDP x TP (2 x 2), and HSDP (2 replicas of a 2-way sharded model)."""
+    result = four_process[(model_type, layout)]
     _check_against_single_process(result, single_process[model_type])
     _check_export(result, single_process[model_type])
     assert all(n <= 0.55 * result["checkpoint_elements"] for n in result["read_elements"])
@@ -200,7 +202,8 @@ def test_activation_checkpointing_keeps_names_and_gradients(checkpoints, mode, m
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(checkpoints):
     engines = [
-        Engine(cases.engine_config(checkpoints["qwen3"], ParallelConfig(compile=compile, compile_backend="aot_eager")))
+        Engine(cases.engine_config(checkpoints["qwen3"], ParallelConfig(compile=compile, compile_backend="aot_eager"),
+                                   micro_batch_tokens=10_000))  # one shape to compile for
         for compile in (False, True)
     ]
     batch = cases.make_batch(256)
