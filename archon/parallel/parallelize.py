@@ -28,7 +28,8 @@ and `parallelize_fn=parallelize_<family>` in its ModelSpec. Rules for the plan:
   rank holds heads / tp of them.
 - parameters applied per head to head-sharded activations (QK norms over [T, H, D]) take
   `head_sharded_qk_norm()`; per-head vectors used directly in the forward (attention sinks) take
-  `ShardedParameters({"sinks": Shard(0)})` and the forward reads them through `local_tensor`.
+  `ShardedParameters({"sinks": Shard(0)})` (`attention_plan(sinks="sinks")`) and the forward reads
+  them through `local_tensor`.
 - modules left out (routers, stacked MoE experts, norms on the replicated residual stream) stay
   whole on every tensor-parallel rank; FSDP2 still shards them across data-parallel ranks.
 """

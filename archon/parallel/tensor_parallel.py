@@ -187,13 +187,20 @@ def head_sharded_qk_norm() -> ParallelStyle:
 
 
 def attention_plan(prefix: str = "self_attn", q: str = "q_proj", k: str = "k_proj", v: str = "v_proj",
-                   o: str = "o_proj", qk_norm: tuple[str, str] | None = None) -> dict[str, ParallelStyle]:
-    """Heads sharded: q/k/v column-parallel, o row-parallel, optional per-head q/k norms replicated."""
+                   o: str = "o_proj", qk_norm: tuple[str, str] | None = None,
+                   sinks: str | None = None) -> dict[str, ParallelStyle]:
+    """Heads sharded: q/k/v column-parallel, o row-parallel, optional per-head q/k norms replicated.
+
+    sinks: the name of a per-head parameter [H] of the attention module itself (GPT-OSS's
+    attention sinks), sharded with the q heads; the forward reads it through `local_tensor`.
+    """
     plan = {f"{prefix}.{q}": colwise(), f"{prefix}.{k}": colwise(), f"{prefix}.{v}": colwise(),
             f"{prefix}.{o}": rowwise()}
     if qk_norm is not None:
         for name in qk_norm:
             plan[f"{prefix}.{name}"] = head_sharded_qk_norm()
+    if sinks is not None:
+        plan[prefix] = ShardedParameters({sinks: Shard(0)})
     return plan
 
 

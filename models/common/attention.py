@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archon.lora import LoRAConfig, linear
+from archon.parallel.tensor_parallel import local_tensor
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rotary
 
@@ -183,10 +184,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         context = cache.update(k, v) if cache is not None else None
+        # Under tensor parallelism the sinks are sharded with the q heads; this rank's shard matches its heads.
+        sinks = None if self.sinks is None else local_tensor(self.sinks)
         if context is None:
-            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, self.sinks, self.sliding_window)
+            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, sinks, self.sliding_window)
         else:
-            out = cached_attention(q, *context, self.scale, self.sinks, self.sliding_window)
+            out = cached_attention(q, *context, self.scale, sinks, self.sliding_window)
         return self.o_proj(out.reshape(T, -1))
 
 

@@ -1,9 +1,9 @@
-"""The TP plan of a decoder whose MLPs come from `group_limited_moe_mlp` (DeepSeek-V3, GLM-4.5),
-then the generic activation-checkpointing / compile / FSDP2 pipeline.
+"""The TP plan of an MoE decoder, then the generic activation-checkpointing / compile / FSDP2 pipeline.
 
-TP shards the family's attention (its own plan), the intermediate dimension of the dense MLPs and
-of the shared experts, and the vocabulary of the embedding and unembedding. Router and routed
-experts stay whole on every tensor-parallel rank; FSDP2 shards the stacked experts on dim 0.
+TP shards the family's attention (its own plan) and the vocabulary of the embedding and
+unembedding. Router and routed experts stay whole on every tensor-parallel rank; FSDP2 shards the
+stacked experts on dim 0. Families whose MLPs come from `group_limited_moe_mlp` (DeepSeek-V3,
+GLM-4.5) also have the intermediate dimension of their dense MLPs and shared experts sharded.
 """
 
 from __future__ import annotations
@@ -25,27 +25,35 @@ from archon.parallel import (
 from models.common.moe import SharedExpertsMoE
 
 
-def parallelize_group_limited_moe_decoder(
+def parallelize_moe_decoder(
     model: nn.Module,
     dims: ParallelDims,
     config: ParallelConfig,
     family: str,
     attention_plan: Mapping[str, ParallelStyle],
     attention_sizes: Mapping[str, int],
+    dense_and_shared_experts: bool = True,
 ) -> nn.Module:
     """attention_plan: styles for one block's attention (names relative to the block);
-    attention_sizes: the config fields that plan shards, which the TP degree must divide."""
+    attention_sizes: the config fields that plan shards, which the TP degree must divide;
+    dense_and_shared_experts: the model has leading dense MLPs (`first_k_dense_replace`) and
+        shared experts (`SharedExpertsMoE`, `moe_intermediate_size`), both sharded. False for a
+        family whose every MLP is a router plus routed experts (GPT-OSS): TP leaves MLPs whole."""
     args = model.args
     if dims.tp_enabled:
-        sizes = dict(attention_sizes, vocab_size=args.vocab_size, moe_intermediate_size=args.moe_intermediate_size)
-        if args.first_k_dense_replace > 0:
-            sizes["intermediate_size"] = args.intermediate_size
+        sizes = dict(attention_sizes, vocab_size=args.vocab_size)
+        if dense_and_shared_experts:
+            sizes["moe_intermediate_size"] = args.moe_intermediate_size
+            if args.first_k_dense_replace > 0:
+                sizes["intermediate_size"] = args.intermediate_size
         require_divisible("tp", dims.tp, family, **sizes)
     model_plan = {"embed_tokens": vocab_parallel_embedding()}
     if model.lm_head is not None:
         model_plan["lm_head"] = vocab_parallel_head()
 
     def block_plan(index: int, block: nn.Module) -> dict[str, ParallelStyle]:
+        if not dense_and_shared_experts:
+            return dict(attention_plan)
         is_moe = isinstance(block.mlp, SharedExpertsMoE)
         return {**attention_plan, **swiglu_plan("mlp.shared_experts" if is_moe else "mlp")}
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3: MLA heads sharded, then the group-limited MoE decoder plan (dense MLPs and shared
+"""DeepSeek-V3: MLA heads sharded, then the shared MoE decoder plan (dense MLPs and shared
 experts sharded, routed experts whole).
 
 The per-head projections are column-parallel (q_proj, or q_b_proj after the query bottleneck, and
@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_mod
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel import ParallelConfig, ParallelDims, colwise, rowwise
-from models.common.moe_parallel import parallelize_group_limited_moe_decoder
+from models.common.moe_parallel import parallelize_moe_decoder
 from models.deepseek_v3.model import DeepseekV3Model
 
 
@@ -43,6 +43,6 @@ def parallelize_deepseek_v3(model: DeepseekV3Model, dims: ParallelDims, config: 
         "self_attn.shared_rope_key": SharedAcrossHeads(),
         "self_attn.o_proj": rowwise(),
     }
-    return parallelize_group_limited_moe_decoder(
+    return parallelize_moe_decoder(
         model, dims, config, "deepseek_v3", plan, dict(num_attention_heads=args.num_attention_heads)
     )

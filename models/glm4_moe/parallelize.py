@@ -1,17 +1,17 @@
 """GLM-4.5: heads sharded (q/k/v column-parallel with their biases, o row-parallel, per-head QK
-norms replicated), then the group-limited MoE decoder plan (dense MLPs and shared experts sharded,
+norms replicated), then the shared MoE decoder plan (dense MLPs and shared experts sharded,
 routed experts whole)."""
 
 from __future__ import annotations
 
 from archon.parallel import ParallelConfig, ParallelDims, attention_plan
-from models.common.moe_parallel import parallelize_group_limited_moe_decoder
+from models.common.moe_parallel import parallelize_moe_decoder
 from models.glm4_moe.model import Glm4MoeModel
 
 
 def parallelize_glm4_moe(model: Glm4MoeModel, dims: ParallelDims, config: ParallelConfig) -> Glm4MoeModel:
     args = model.args
-    return parallelize_group_limited_moe_decoder(
+    return parallelize_moe_decoder(
         model,
         dims,
         config,

@@ -2,6 +2,7 @@ from archon.spec import ModelSpec, register
 from models.common.decoder import TINY_DECODER_CONFIG
 from models.gpt_oss.args import GptOssArgs
 from models.gpt_oss.model import GptOssModel
+from models.gpt_oss.parallelize import parallelize_gpt_oss
 from models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 
 # Layers alternate sliding (even) and full (odd) attention; the window is shorter than the longest
@@ -15,7 +16,7 @@ spec = register(
         args_cls=GptOssArgs,
         model_cls=GptOssModel,
         state_dict_adapter_cls=GptOssStateDictAdapter,
-        parallelize_fn=None,
+        parallelize_fn=parallelize_gpt_oss,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"),
         tiny_hf_config={
             "gpt_oss": dict(

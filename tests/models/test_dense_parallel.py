@@ -37,4 +37,5 @@ def test_tp2_matches_one_process(tiny_checkpoint, tmp_path):
     for model_type, hf_dir in dirs.items():
         figures = results[hf_dir]["tp2"]
         assert figures["hidden_max_abs"] <= TOLERANCE, (model_type, figures)
+        assert figures["logprob_max_abs"] <= TOLERANCE, (model_type, figures)
         assert figures["grad_max_rel"] <= TOLERANCE, (model_type, figures)

@@ -173,3 +173,19 @@ def test_config_errors_name_the_field():
     config = AutoConfig.for_model(MODEL_TYPE, num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(ValueError, match="chunked_attention"):
         GptOssArgs.from_hf_config(config)
+
+
+def test_tp_degree_must_divide_the_heads():
+    """The TP plan shards q heads (with their sinks) and kv heads; an MQA model cannot take tp=2."""
+    from transformers import AutoConfig
+
+    from archon.parallel import ParallelConfig, ParallelDims
+    from archon.spec import get_spec
+
+    spec = get_spec(MODEL_TYPE)
+    config = AutoConfig.for_model(MODEL_TYPE, **dict(spec.tiny_hf_config[MODEL_TYPE], num_key_value_heads=1))
+    with torch.device("meta"):
+        model = spec.model_cls(spec.args_cls.from_hf_config(config), None)
+    dims = ParallelDims(world_size=2, dp_shard=1, tp=2)  # its mesh is never built
+    with pytest.raises(ValueError, match=r"tp=2 does not divide num_key_value_heads=1 of this gpt_oss model"):
+        spec.parallelize_fn(model, dims, ParallelConfig(tp=2))
