@@ -19,6 +19,7 @@ from archon.rl.data import DataConfig
 from archon.rl.losses import LossConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
+from archon.rollout.vllm import VLLMConfig
 
 
 @dataclass
@@ -35,8 +36,9 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["native"] = "native"
-    """native: the embedded engine on the training model."""
+    engine: Literal["native", "vllm"] = "native"
+    """native: the embedded engine on the training model; vllm: vLLM servers (launched or given by
+    URL), synced every step (see rollout.vllm)."""
     group_size: int = 8
     """Samples per prompt (G)."""
     prompts_per_step: int = 32
@@ -47,6 +49,8 @@ class RolloutConfig:
     top_k: int = 0
     max_batch_sequences: int = 512
     """Sequences generated together by the native engine."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM servers, transport (disk, collective) and mode (adapter, merged); used with engine=vllm."""
 
 
 @dataclass

@@ -72,9 +72,12 @@ class RLRun:
             self.eval_set = load_prompt_dataset(eval_data, self.tokenizer)
             self._report_dataset("held-out", self.eval_set)
         self.scorer = RewardScorer(config.reward)
-        self.rollout = NativeRolloutEngine(
-            self.engine.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
-        )
+        if config.rollout.engine == "vllm":
+            self.rollout = self._vllm_rollout()
+        else:
+            self.rollout = NativeRolloutEngine(
+                self.engine.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
+            )
         self.teacher = None
         if config.algorithm.teacher_path:
             from archon.engine import build_model
@@ -83,6 +86,26 @@ class RLRun:
             self.teacher.requires_grad_(False)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
+
+    def _vllm_rollout(self):
+        """Rank 0 launches (or connects to) the servers; the other ranks connect to the same URLs
+        for their share of the generation. Only rank 0 sends adapters."""
+        import dataclasses
+
+        from archon.rollout.vllm import VLLMRolloutEngine
+
+        vllm_config = self.config.rollout.vllm
+        kwargs = dict(
+            model_path=self.config.model.path, lora_rank=self.config.lora.rank if self.config.lora else None,
+            log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
+        )  # fmt: skip
+        rollout = VLLMRolloutEngine(vllm_config, rank=self.rank, **kwargs) if self.rank == 0 else None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            urls = [[s.url for s in rollout.servers] if rollout is not None else None]
+            dist.broadcast_object_list(urls, src=0)
+            if rollout is None:
+                rollout = VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(urls[0])), rank=self.rank, **kwargs)
+        return rollout
 
     # ---- helpers ------------------------------------------------------------------------------
     def _stop_token_ids(self) -> tuple[int, ...]:
@@ -214,7 +237,7 @@ class RLRun:
                 )
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        self.rollout.update(version=self.engine.step)
+        self.rollout.update(version=self.engine.step, engine=self.engine)
         sync_s = time.perf_counter() - sync_start
 
         n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts = self._sum(
@@ -271,7 +294,7 @@ class RLRun:
             if data_state:
                 self.iterator.load_state_dict(data_state["iterator"])
                 first = self.engine.step
-                self.rollout.update(version=self.engine.step)
+                self.rollout.update(version=self.engine.step, engine=self.engine)
                 if self.rank == 0:
                     print(f"resumed from step {first}")
         progress = None
@@ -304,6 +327,8 @@ class RLRun:
         self.save(cfg.steps, final=True)
         self.metrics.close()
         self.scorer.close()
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
         return last
 
     def save(self, step: int, final: bool = False) -> None:

@@ -1,0 +1,137 @@
+"""vLLM worker extension: receives adapters and merged weights from the trainer over a stateless
+process group, with no disk in between.
+
+Start vLLM with `--worker-extension-cls archon.rollout.vllm_worker.ArchonWorkerExtension` (and, for
+a server, VLLM_SERVER_DEV_MODE=1 so that `/collective_rpc` reaches these methods). Arguments come
+as JSON strings because the server's RPC route passes only strings.
+
+Adapter path: `archon_receive_adapter` builds the adapter's tensors in memory; the server is then
+told to load it under its versioned name with the path `archon-collective://<name>`, which this
+extension serves from memory instead of the filesystem (vLLM's worker LoRA manager otherwise reads
+adapters from disk). `archon_remove_adapter` drops an old version from the worker's cache.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+COLLECTIVE_PATH_PREFIX = "archon-collective://"
+
+
+class ArchonWorkerExtension:
+    # ---- group ----------------------------------------------------------------------------------
+    def archon_worker_info(self) -> dict:
+        lora_manager = getattr(self.model_runner, "lora_manager", None)
+        return {"rank": int(self.rank), "lora_enabled": lora_manager is not None, "device": str(self.device)}
+
+    def archon_init_sync_group(self, spec: str) -> dict:
+        from archon.sync.process_group import StatelessGroup
+
+        spec = json.loads(spec)
+        rank = spec["rank_offset"] + int(self.rank)
+        self._archon_group = StatelessGroup(
+            spec["host"], spec["port"], rank, spec["world_size"], spec["backend"], device=self.device,
+            timeout_s=spec.get("timeout_s", 300.0),
+        )  # fmt: skip
+        return {"rank": rank}
+
+    def _archon_sync_group(self):
+        group = getattr(self, "_archon_group", None)
+        if group is None:
+            raise RuntimeError("archon sync group is not set up; call archon_init_sync_group first")
+        return group
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def _archon_lora_manager(self):
+        manager = getattr(self.model_runner, "lora_manager", None)
+        if manager is None:
+            raise RuntimeError("this vLLM server runs without LoRA (--enable-lora); use merged mode instead")
+        if not getattr(manager, "_archon_wrapped", False):
+            disk_loader = manager._load_adapter
+
+            def load_adapter(lora_request):
+                if str(lora_request.lora_path).startswith(COLLECTIVE_PATH_PREFIX):
+                    return self._archon_build_adapter(lora_request)
+                return disk_loader(lora_request)
+
+            manager._load_adapter = load_adapter
+            manager._archon_wrapped = True
+            self._archon_pending: dict[str, tuple[dict, dict]] = {}
+            self._archon_ids: dict[str, int] = {}
+        return manager
+
+    def _archon_build_adapter(self, lora_request):
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager
+        name = lora_request.lora_path[len(COLLECTIVE_PATH_PREFIX) :]
+        if name not in self._archon_pending:
+            raise FileNotFoundError(f"no adapter {name!r} was received over the sync group")
+        # kept until the version is removed: vLLM drops cached adapters when base weights are
+        # reloaded, and then builds this one again on its next request
+        peft_config, tensors = self._archon_pending[name]
+        helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        model = manager._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora_cls = getattr(manager, "_lora_model_cls", LoRAModel)
+        lora = lora_cls.from_lora_tensors(
+            lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )  # fmt: skip
+        lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
+        manager._adapter_manager._validate_moe_lora_format(lora)
+        self._archon_ids[name] = lora_request.lora_int_id
+        return lora
+
+    def archon_receive_adapter(self, spec: str) -> dict:
+        """Receive the adapter tensors (PEFT keys) broadcast by the trainer and hold them for the
+        server's load of `archon-collective://<name>`."""
+        from archon.sync.buckets import receive_tensors
+
+        spec = json.loads(spec)
+        self._archon_lora_manager()
+        tensors = {key: tensor.cpu() for key, tensor in receive_tensors(self._archon_sync_group())}
+        self._archon_pending[spec["name"]] = (spec["peft_config"], tensors)
+        return {"tensors": len(tensors), "elements": sum(t.numel() for t in tensors.values())}
+
+    def archon_remove_adapter(self, name: str) -> bool:
+        manager = self._archon_lora_manager()
+        self._archon_pending.pop(name, None)
+        lora_id = self._archon_ids.pop(name, None)
+        return bool(lora_id is not None and manager.remove_adapter(lora_id))
+
+    def archon_list_adapters(self) -> dict:
+        manager = self._archon_lora_manager()
+        loaded = set(manager.list_adapters())
+        return {name: lora_id for name, lora_id in self._archon_ids.items() if lora_id in loaded}
+
+    # ---- merged weights -------------------------------------------------------------------------
+    def archon_receive_weights(self, spec: str = "{}") -> dict:
+        """Receive HF-named base weights and reload them in place through vLLM's own loader (it
+        fuses qkv/gate-up and experts and redoes any post-load repacking). Partial sets are fine."""
+        from archon.sync.buckets import receive_tensors
+
+        stream = receive_tensors(self._archon_sync_group())
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in stream:
+                count += 1
+                yield item
+
+        try:
+            self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        except BaseException:
+            for _ in stream:  # drain, so the sender finishes and hears about the failure
+                pass
+            raise
+        for _ in stream:
+            pass
+        return {"tensors": count}

