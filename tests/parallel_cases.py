@@ -122,6 +122,20 @@ def run_case(engine: Engine, vocab_size: int, export_dir=None) -> dict:
     return result
 
 
+
+def run_full_finetune(hf_path, vocab_size: int, parallel: ParallelConfig | None = None, steps: int = 2) -> list[float]:
+    """Losses of a few full-parameter steps (no LoRA): the embedding and unembedding, which live in
+    the FSDP root and are read by the head outside the model's forward, are trained too."""
+    config = engine_config(hf_path, parallel)
+    config.lora = None
+    config.optim = OptimConfig(lr=1e-3, max_grad_norm=0.5)
+    engine = Engine(config)
+    full = make_batch(vocab_size)
+    batch = full.select(list(range(engine.dims.dp_rank, full.num_sequences, engine.dims.dp)))
+    batch.old_logprobs = engine.logprobs(batch).logprobs
+    return [engine.train_step(batch, loss_fn, with_entropy=True)["loss"] for _ in range(steps + 1)]
+
+
 def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:
     """Run tests/parallel_worker.py under torchrun (standalone rendezvous on a free port)."""
     import os

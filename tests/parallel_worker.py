@@ -70,8 +70,10 @@ def parity(args) -> None:
             result["read_elements"] = [int(t) for t in gathered]
             result["checkpoint_elements"] = total
             result["export_dir"] = str(export_dir)
-            results[(model_type, layout)] = result
             del engine
+            if layout == "fsdp2" and model_type == "qwen3":
+                result["full_ft_losses"] = cases.run_full_finetune(path, vocab, ParallelConfig(**kwargs))
+            results[(model_type, layout)] = result
     if dist.get_rank() == 0:
         torch.save(results, args.out)
 

@@ -110,6 +110,13 @@ def test_sharded_peft_export_equals_single_process(two_process, single_process, 
 
 
 @pytest.mark.slow
+def test_fsdp_full_parameter_training_matches_single_process(two_process, checkpoints):
+    reference = cases.run_full_finetune(checkpoints["qwen3"], 256)
+    assert two_process[("qwen3", "fsdp2")]["full_ft_losses"] == pytest.approx(reference, abs=TOL)
+    assert reference[-1] < reference[0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_fsdp_ranks_read_only_their_shards(two_process, model_type):
     result = two_process[(model_type, "fsdp2")]
