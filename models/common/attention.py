@@ -61,9 +61,12 @@ def packed_attention(
                 scale=scale, enable_gqa=n_heads != n_kv_heads,
             )
         else:
+            # With a batch dimension CPU runs its fused (flash) kernel, forward and backward; 3-D
+            # inputs fall back to the unfused math path (about 2x slower).
             out = F.scaled_dot_product_attention(
-                q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=n_heads != n_kv_heads
-            )
+                q_seq[None], k_seq[None], v_seq[None], is_causal=True, scale=scale,
+                enable_gqa=n_heads != n_kv_heads,
+            )[0]
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
