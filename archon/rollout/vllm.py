@@ -62,6 +62,8 @@ class VLLMConfig:
     cpu_kv_cache_gb: float = 1.0
     """VLLM_CPU_KVCACHE_SPACE for CPU servers."""
     enforce_eager: bool = True
+    enable_prefix_caching: bool = False
+    """Off by default: merged and full-weight syncs change the base weights under cached KV blocks."""
     extra_args: tuple[str, ...] = ()
     """More `vllm serve` arguments, passed as they are."""
     transport: Literal["disk", "collective"] = "disk"
@@ -195,6 +197,7 @@ class VLLMRolloutEngine:
         ]  # fmt: skip
         if cfg.enforce_eager:
             args.append("--enforce-eager")
+        args.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.lora_enabled:
             args += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
             args += ["--max-cpu-loras", str(max(cfg.max_loras, 2))]
