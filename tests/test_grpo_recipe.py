@@ -130,3 +130,22 @@ def test_config_file_and_overrides(tmp_path):
         merge_into(GRPOConfig(), {"algorithm": {"loss": {"algorithm": "ppo2"}}})
     assert load_config_file(REPO / "recipes" / "configs" / "qwen3_math.yaml").algorithm.dynamic_sampling
     assert load_config_file(REPO / "recipes" / "configs" / "demo.yaml").model.path is None
+
+
+@pytest.mark.slow
+def test_shortened_demo_improves_held_out_accuracy(tmp_path):
+    """The demo's own settings (recipes/configs/demo.yaml), cut to 30 RL steps on one process."""
+    from recipes import grpo_lora
+
+    config = parse_config([
+        "--config", str(grpo_lora.DEMO_CONFIG), "--steps", "30", "--eval.every", "30",
+        "--logging.run-dir", str(tmp_path / "run"), "--demo.cache-dir", str(tmp_path / "cache"),
+        "--logging.no-progress", "--logging.no-tensorboard", "--checkpoint.every", "0",
+    ])  # fmt: skip
+    grpo_lora.run(config)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    (first_step, before), (last_step, after) = evals[0], evals[-1]
+    assert (first_step, last_step) == (0, 30)
+    assert before < 0.4, evals
+    assert after >= before + 0.1, evals
