@@ -105,13 +105,24 @@ def test_two_process_run_and_resume(tiny_setup, tmp_path):
     assert (run_dir / "curves.png").exists()
     first = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
-    out = torchrun(*_args(tiny_setup, run_dir, steps=3), "--checkpoint.resume")
+    out = torchrun(*_args(tiny_setup, run_dir, steps=3), "--resume")
     assert "resumed from step 2" in out
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for record in records[1:]:
+        assert STEP_FIELDS <= record.keys(), STEP_FIELDS - record.keys()
     after = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert first.keys() == after.keys()
     assert any(not torch.equal(first[k], after[k]) for k in first)
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_setup / "model", dtype=torch.float32), str(run_dir / "adapter")
+    )
+    loaded = {n.replace(".default", "") for n, _ in peft_model.named_parameters() if "lora_" in n}
+    assert loaded == set(after)
 
 
 def test_config_file_and_overrides(tmp_path):

@@ -88,8 +88,6 @@ class CheckpointConfig:
     every: int = 0
     """Resume checkpoint and PEFT adapter export every N steps (0: only at the end)."""
     keep_last: int = 2
-    resume: bool = False
-    """Continue from the newest checkpoint in RUN_DIR/checkpoints."""
 
 
 @dataclass
@@ -144,6 +142,9 @@ class GRPOConfig:
     demo: DemoConfig = field(default_factory=DemoConfig)
     micro_batch_tokens: int = 8192
     """Token budget of one forward/backward in training and scoring."""
+    resume: bool = False
+    """Continue from the newest checkpoint in RUN_DIR/checkpoints (adapter, optimizer, step, RNG,
+    data position)."""
 
 
 def _is_dataclass_type(tp: Any) -> bool:

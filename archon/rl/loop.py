@@ -289,7 +289,7 @@ class RLRun:
     def run(self) -> dict[str, float]:
         cfg = self.config
         first = 0
-        if cfg.checkpoint.resume:
+        if cfg.resume:
             data_state = self.engine.load_checkpoint(self.checkpoints)
             if data_state:
                 self.iterator.load_state_dict(data_state["iterator"])
