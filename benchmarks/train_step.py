@@ -4,17 +4,20 @@
 
 Both train the same random-weight Qwen3 (hidden 512, 4 layers, 8 heads, 4 KV heads, intermediate
 1536, vocab 32000, fp32) with LoRA r=16 on all linear layers, on the same RL-shaped batch: 16
-sequences of 64-256 tokens (log-spaced), a 32-token prompt and a completion each, a token-level policy-gradient loss on
-the completions. HF needs the batch padded to the longest sequence; archon packs it.
+sequences of 64-256 tokens (log-spaced), each a 32-token prompt and a completion, with a
+token-level policy-gradient loss on the completions. HF needs the batch padded to the longest
+sequence; archon packs it.
 
-Each measurement runs in its own process (so peak RSS is its own):
-    archon_lora    archon LoRA train steps (timed), peak RSS
-    hf_peft        HF + PEFT LoRA train steps (timed), peak RSS
-    archon_full    one archon full-parameter step on the same batch and settings, peak RSS
+Each measurement runs in its own process, so each peak RSS is its own:
+    archon_lora    archon LoRA: one warm-up and `steps` timed train steps, then one profiled step
+    hf_peft        HF + PEFT LoRA: the same
+    archon_full    archon full-parameter training on the same batch and settings (no profile)
     *_mem          LoRA and full-parameter steps on a wider model whose weights dominate memory
-                   (~1 GB fp32; 4 x 128 tokens, activation checkpointing): the LoRA/full ratio
-Useful FLOPs count real (non-pad) tokens only and are compared with the fp32 matmul peak measured
-in the same run. The last line printed is JSON.
+                   (254M parameters, ~1 GB fp32; 2 x 128 tokens, activation checkpointing)
+Peak RSS is sampled during the train steps (loading excluded). Useful FLOPs count real (non-pad)
+tokens only and are compared with the fp32 matmul peak measured in the same run. The 1-minute
+load average at start and end is reported: on a shared machine other work perturbs the timings.
+The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# Measure the checkout this script belongs to, whatever an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODEL_CONFIG = dict(
     vocab_size=32000,
@@ -68,39 +74,61 @@ class BenchArgs:
     """Internal: the HF checkpoint of the weights-dominated model."""
 
 
-def _peak_rss_mb() -> float:
-    """Peak RSS of this process over its whole life (model loading included)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _reset_peak_rss() -> bool:
-    """Restart the kernel's peak-RSS counter (VmHWM), so the train steps are measured on their own:
-    loading reads the checkpoint through mmap, and the mapped file pages count as resident. Heap
-    memory freed during loading is first handed back to the OS (glibc keeps it otherwise)."""
-    import ctypes
-    import gc
-
-    gc.collect()
+def _rss_mb() -> float:
+    """Current resident set size (Linux /proc; psutil elsewhere)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
-        pass
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
 
 
-def _step_peak_rss_mb() -> float:
-    """Peak RSS since _reset_peak_rss (Linux VmHWM); the lifetime peak elsewhere."""
+def _lifetime_peak_rss_mb() -> float:
+    """Peak RSS of this process image (VmHWM is per address space, so it starts afresh at exec;
+    ru_maxrss would include the parent's peak from before the exec)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return _peak_rss_mb()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class PeakRSS:
+    """Peak RSS while a block runs, sampled every 5 ms from a thread (the kernel's own
+    high-water mark is only updated lazily, so it can miss a peak that has been freed again).
+
+    Heap memory freed before the block (e.g. while loading, whose checkpoint reads go through mmap)
+    is first handed back to the OS, so the block is measured on its own."""
+
+    def __enter__(self) -> "PeakRSS":
+        import ctypes
+        import gc
+        import threading
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self.start_mb = self.peak_mb = _rss_mb()
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.005):
+                self.peak_mb = max(self.peak_mb, _rss_mb())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, _rss_mb())
 
 
 def sequence_lengths(seed: int) -> list[int]:
@@ -214,11 +242,17 @@ def _profile_breakdown(step) -> dict[str, float]:
     return shares
 
 
-def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = False, **engine_kw) -> dict:
+def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = False, profile: bool = True,
+               **engine_kw) -> dict:
     import torch
 
-    import archon.engine  # noqa: F401  (imported before the baseline RSS is taken)
+    import transformers  # noqa: F401  (libraries are imported before the baseline RSS is taken)
+
+    import archon.engine  # noqa: F401
     from archon.batch import PackedBatch
+    from archon.engine import load_hf_config
+
+    load_hf_config(args.checkpoint)
 
     torch.set_num_threads(args.threads)
     seqs, advantages = make_sequences(args.seed)
@@ -226,27 +260,28 @@ def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = Fa
         seqs = [s[: MEMORY_BATCH["length"]] for s in seqs if len(s) >= MEMORY_BATCH["length"]]
         seqs, advantages = seqs[: MEMORY_BATCH["sequences"]], advantages[: MEMORY_BATCH["sequences"]]
         engine_kw["checkpoint"] = args.memory_checkpoint
-    baseline = _peak_rss_mb()
+    baseline = _rss_mb()
     engine = _archon_engine(args, lora, **engine_kw)
     batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
-    _reset_peak_rss()
-    if timed:
-        engine.train_step(batch, _pg_loss)  # warm-up
-    steps = args.steps if timed else 1
-    start = time.perf_counter()
-    losses = [engine.train_step(batch, _pg_loss)["loss"] for _ in range(steps)]
-    elapsed = time.perf_counter() - start
+    with PeakRSS() as rss:
+        if timed:
+            engine.train_step(batch, _pg_loss)  # warm-up
+        steps = args.steps if timed else 1
+        start = time.perf_counter()
+        losses = [engine.train_step(batch, _pg_loss)["loss"] for _ in range(steps)]
+        elapsed = time.perf_counter() - start
     out = {
         "tokens_per_step": batch.num_tokens,
         "step_s": elapsed / steps,
         "tok_s": batch.num_tokens * steps / elapsed,
         "losses": losses,
         "baseline_rss_mb": baseline,
-        "peak_rss_mb": _step_peak_rss_mb(),
-        "lifetime_peak_rss_mb": _peak_rss_mb(),
+        "after_load_rss_mb": rss.start_mb,
+        "peak_rss_mb": rss.peak_mb,
+        "lifetime_peak_rss_mb": _lifetime_peak_rss_mb(),
         "trainable_params": sum(p.numel() for p in engine.trainable),
     }
-    if timed:
+    if timed and profile:
         out["time_by_op"] = _profile_breakdown(lambda: engine.train_step(batch, _pg_loss))
     return out
 
@@ -258,7 +293,7 @@ def run_hf_peft(args: BenchArgs) -> dict:
 
     torch.set_num_threads(args.threads)
     seqs, advantages = make_sequences(args.seed)
-    baseline = _peak_rss_mb()
+    baseline = _rss_mb()
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear",
                                              lora_dropout=0.0))  # fmt: skip
@@ -277,7 +312,6 @@ def run_hf_peft(args: BenchArgs) -> dict:
     loss_mask = attention_mask[:, 1:].bool().clone()
     loss_mask[:, : PROMPT_LEN - 1] = False
     adv = torch.tensor(advantages)[:, None].expand(B, L - 1)
-    _reset_peak_rss()
 
     def step() -> float:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
@@ -289,10 +323,11 @@ def run_hf_peft(args: BenchArgs) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    step()
-    start = time.perf_counter()
-    losses = [step() for _ in range(args.steps)]
-    elapsed = time.perf_counter() - start
+    with PeakRSS() as rss:
+        step()
+        start = time.perf_counter()
+        losses = [step() for _ in range(args.steps)]
+        elapsed = time.perf_counter() - start
     real_tokens = sum(len(s) for s in seqs)
     return {
         "tokens_per_step": real_tokens,
@@ -301,8 +336,9 @@ def run_hf_peft(args: BenchArgs) -> dict:
         "tok_s": real_tokens * args.steps / elapsed,
         "losses": losses,
         "baseline_rss_mb": baseline,
-        "peak_rss_mb": _step_peak_rss_mb(),
-        "lifetime_peak_rss_mb": _peak_rss_mb(),
+        "after_load_rss_mb": rss.start_mb,
+        "peak_rss_mb": rss.peak_mb,
+        "lifetime_peak_rss_mb": _lifetime_peak_rss_mb(),
         "trainable_params": sum(p.numel() for p in trainable),
         "time_by_op": _profile_breakdown(step),
     }
@@ -312,7 +348,7 @@ MEMORY_SETTINGS = dict(activation_checkpoint="full", micro_tokens=512, head_chun
 ROLES = {
     "archon_lora": lambda a: run_archon(a, lora=True, timed=True),
     "hf_peft": run_hf_peft,
-    "archon_full": lambda a: run_archon(a, lora=False, timed=False),
+    "archon_full": lambda a: run_archon(a, lora=False, timed=True, profile=False),
     "archon_lora_mem": lambda a: run_archon(a, lora=True, timed=False, memory_model=True, **MEMORY_SETTINGS),
     "archon_full_mem": lambda a: run_archon(a, lora=False, timed=False, memory_model=True, **MEMORY_SETTINGS),
 }
@@ -388,6 +424,7 @@ def main(args: BenchArgs) -> dict:
         "ratio": archon["tok_s"] / hf["tok_s"],
         "archon_peak_rss_mb": archon["peak_rss_mb"],
         "hf_peft_peak_rss_mb": hf["peak_rss_mb"],
+        "full_ft_tok_s": results["archon_full"]["tok_s"],
         "full_ft_peak_rss_mb": results["archon_full"]["peak_rss_mb"],
     }
     return summary

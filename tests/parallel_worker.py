@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 # The script's own folder (tests/) comes first on sys.path, where tests/models would shadow the
-# real `models` package: import the project first, then add the folder back for parallel_cases.
+# real `models` package: put the checkout this file belongs to first instead (whatever an editable
+# install points at), import the project, then add the folder back for parallel_cases.
 _TESTS_DIR = sys.path.pop(0)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import models  # noqa: E402,F401  (registers the model families)
 from archon.checkpoint.hf import HFCheckpoint  # noqa: E402

@@ -228,6 +228,17 @@ def test_full_parameter_training(qwen3_path):
     assert not torch.equal(engine.model.output_weight, before)
 
 
+def test_loss_context_normalizers():
+    from archon.engine import LossContext
+
+    ctx = LossContext(global_tokens=torch.tensor(40.0), global_sequences=torch.tensor(3.0))
+    assert ctx.normalizer("token_mean").item() == 40.0
+    assert ctx.normalizer("seq_mean_token_mean").item() == 3.0
+    assert ctx.normalizer("seq_mean_token_sum_norm").item() == 3.0
+    with pytest.raises(ValueError, match="unknown aggregation 'mean'"):
+        ctx.normalizer("mean")
+
+
 def test_gradient_clipping():
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
     params[0].grad = torch.tensor([3.0, 0.0, 0.0])

@@ -2,6 +2,7 @@
 
 from archon.parallel.activation_checkpoint import AC_MODES, apply_activation_checkpointing, checkpoint_module
 from archon.parallel.dims import ParallelDims, init_distributed, require_divisible
+from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.parallel.parallelize import ParallelConfig, apply_fsdp, parallelize_decoder
 from archon.parallel.tensor_parallel import (
     ColwiseLoRAParallel,
@@ -33,7 +34,9 @@ __all__ = [
     "apply_tp_plan",
     "attention_plan",
     "checkpoint_module",
+    "clip_grad_norm",
     "colwise",
+    "grad_norm",
     "head_sharded_qk_norm",
     "init_distributed",
     "local_tensor",
