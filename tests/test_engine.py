@@ -17,16 +17,6 @@ from archon.rl.losses import aggregate_token_losses
 from memory_tracking import PeakAllocated
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy machine intra-op threads spin
-    waiting for each other (100x slower steps)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def qwen3_path(tmp_path_factory):
     from archon.tools.align import make_tiny_hf_checkpoint

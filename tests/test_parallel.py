@@ -21,16 +21,6 @@ MODEL_TYPES = ("qwen3", "qwen3_moe")
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy machine intra-op threads spin
-    waiting for each other (100x slower steps)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from archon.tools.align import make_tiny_hf_checkpoint
