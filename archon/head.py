@@ -188,6 +188,19 @@ def vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, int, object]:
     return weight.to_local(), offset[0], weight.device_mesh.get_group(vocab_dims[0])
 
 
+def full_vocab_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [N, D] @ weight [V, D]^T -> logits [N, V] over the whole vocabulary, gathering the
+    vocabulary shards when `weight` is sharded (tensor parallelism). No gradient flows through the
+    gather: training scores labels with `label_logprobs` instead."""
+    local_weight, _, group = vocab_shard(weight)
+    logits = F.linear(hidden, local_weight)
+    if group is None:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
 def label_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

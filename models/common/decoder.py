@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from archon.head import full_vocab_logits
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding
 
@@ -89,4 +89,4 @@ class PackedDecoderLM(nn.Module):
         h = self.norm(h)
         if return_hidden:
             return h
-        return F.linear(h, self.output_weight)
+        return full_vocab_logits(h, self.output_weight)
