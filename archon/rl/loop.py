@@ -29,7 +29,7 @@ from archon.rl.config import GRPOConfig
 from archon.rl.data import DataConfig, PromptBatchIterator, load_prompt_dataset, tokenize_prompt
 from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
-from archon.rl.rewards import RewardConfig, RewardScorer
+from archon.rl.rewards import RewardScorer
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 
@@ -335,7 +335,3 @@ class RLRun:
         self.engine.save_checkpoint(self.checkpoints, {"iterator": self.iterator.state_dict()})
         out = self.run_dir / ("adapter" if final else f"adapters/step_{step:06d}")
         self.engine.export_peft(out, base_model_name_or_path=self.config.model.path)
-
-
-def reward_config_for_demo(reward: RewardConfig) -> RewardConfig:
-    return RewardConfig(function="exact", timeout_s=reward.timeout_s, num_workers=reward.num_workers)

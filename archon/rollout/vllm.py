@@ -24,7 +24,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -467,8 +466,6 @@ class VLLMRolloutEngine:
     def _broadcast_to_workers(self, engine, method: str, spec: dict, named_tensors) -> dict:
         """Rank 0: start `method` on every worker (which receives), then send. Other ranks only
         iterate `named_tensors` so that sharded tensors are gathered together."""
-        from archon.sync.buckets import send_tensors
-
         if self.rank != 0:
             for _ in named_tensors:
                 pass

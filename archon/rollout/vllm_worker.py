@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
 

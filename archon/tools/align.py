@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 MAX_ABS_LOGITS_DIFF = 1e-4
 MAX_MEAN_KL = 1e-8
