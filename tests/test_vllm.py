@@ -149,6 +149,32 @@ def test_merged_weights_give_the_adapter_tokens_and_full_weight_sync_loads(setup
     assert stats["tensors"] == len(full)
     restored = [s.completion_ids for s in server.generate(prompts, sampling)]
     assert restored != adapter_tokens
+    # the reload drops vLLM's adapter cache; the adapter is rebuilt from what was received, and
+    # applies its scaling once (vLLM folds it into lora_b in place)
+    server.adapter_name = adapter_name
+    assert [s.completion_ids for s in server.generate(prompts, sampling)] == adapter_tokens
+
+
+def test_merged_sync_of_some_targets_keeps_their_fused_siblings(setup):
+    """LoRA on q/v/gate only: vLLM fuses q/k/v and gate/up, so k and up must arrive too, unchanged."""
+    from safetensors.torch import load_file
+
+    from archon.engine import Engine, EngineConfig
+    from archon.lora import LoRAConfig
+
+    server, tokenizer = setup["server"], setup["tokenizer"]
+    lora = LoRAConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "gate_proj"))
+    partial = Engine(EngineConfig(model_path=str(setup["model_dir"]), lora=lora, device="cpu"))
+    _randomize_adapter(partial, seed=5)
+    prompts, sampling = _greedy(tokenizer)
+    adapter_name = server.adapter_name
+    server.config.mode = "merged"
+    try:
+        server.update(5, engine=partial)
+    finally:
+        server.config.mode = "adapter"
+    assert [s.completion_ids for s in server.generate(prompts, sampling)] == _native(partial, prompts, sampling)
+    server.send_weights(load_file(str(setup["model_dir"] / "model.safetensors")).items())  # base back
     server.adapter_name = adapter_name
 
 

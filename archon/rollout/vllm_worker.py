@@ -72,6 +72,9 @@ class ArchonWorkerExtension:
         # kept until the version is removed: vLLM drops cached adapters when base weights are
         # reloaded, and then builds this one again on its next request
         peft_config, tensors = self._archon_pending[name]
+        # vLLM folds the scaling into lora_b in place (LoRALayerWeights.optimize) and `.to()` keeps
+        # same-device same-dtype tensors as they are: build from copies so a rebuild scales once
+        tensors = {key: tensor.clone() for key, tensor in tensors.items()}
         helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
         helper.validate_legal(manager.lora_config)
         model = manager._adapter_manager.model

@@ -14,6 +14,7 @@ from torch import nn
 from archon.checkpoint.state_dict_adapter import StateDictAdapter
 from archon.lora.layers import ExpertLoRA, LoRALinear
 from archon.lora.peft import full_tensor, peft_state_dict
+from archon.lora.utils import is_lora_param
 
 
 def adapter_payload(model: nn.Module, adapter: StateDictAdapter) -> dict[str, torch.Tensor]:
@@ -21,25 +22,43 @@ def adapter_payload(model: nn.Module, adapter: StateDictAdapter) -> dict[str, to
     return peft_state_dict(model, adapter)
 
 
+def _block_component(path: str) -> str:
+    """`layers.3.self_attn.q_proj` -> `layers.3.self_attn`; paths outside the blocks stay as they are."""
+    parts = path.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 and parts[0] == "layers" and parts[1].isdigit() else path
+
+
+def _merged(model: nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (parameter `key`, gathered) plus its LoRA delta s*B@A when it carries one, in fp32."""
+    module_path, _, param_name = key.rpartition(".")
+    module = model.get_submodule(module_path)
+    if isinstance(module, LoRALinear) and param_name == "weight":
+        a, b = full_tensor(module.lora_a.weight.detach()), full_tensor(module.lora_b.weight.detach())
+        return (tensor.float() + (b.float() @ a.float()) * module.scaling).to(tensor.dtype)
+    lora = getattr(module, f"{param_name}_lora", None)
+    if isinstance(lora, ExpertLoRA):
+        a, b = full_tensor(lora.lora_a.detach()), full_tensor(lora.lora_b.detach())
+        delta = torch.bmm(b.float(), a.float()) * lora.scaling  # [E, out, in]
+        if getattr(module, "input_major", False):
+            delta = delta.transpose(1, 2)
+        return (tensor.float() + delta).to(tensor.dtype)
+    return tensor
+
+
 @torch.no_grad()
 def merged_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tuple[str, torch.Tensor]]:
-    """W + s*B@A (computed in fp32, cast to the base dtype) for every module that carries LoRA,
-    MoE experts included, under HF names. The model's own weights are not touched."""
-    for path, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            weight = full_tensor(module.weight.detach())
-            a, b = full_tensor(module.lora_a.weight.detach()), full_tensor(module.lora_b.weight.detach())
-            merged = weight.float() + (b.float() @ a.float()) * module.scaling
-            yield from adapter.to_hf(f"{path}.weight", merged.to(weight.dtype).cpu())
-        elif any(isinstance(child, ExpertLoRA) for child in module.children()):
-            for name, lora in module.named_children():
-                if not isinstance(lora, ExpertLoRA):
-                    continue
-                weight_name = name.removesuffix("_lora")
-                weight = full_tensor(getattr(module, weight_name).detach())
-                a, b = full_tensor(lora.lora_a.detach()), full_tensor(lora.lora_b.detach())
-                delta = torch.bmm(b.float(), a.float()) * lora.scaling  # [E, out, in]
-                if getattr(module, "input_major", False):
-                    delta = delta.transpose(1, 2)
-                merged = (weight.float() + delta).to(weight.dtype).cpu()
-                yield from adapter.to_hf(f"{path}.{weight_name}", merged)
+    """HF-named weights of every block component (attention, MLP or MoE) that carries LoRA, with
+    W + s*B@A (computed in fp32, cast to the base dtype) where a LoRA applies and the base weights
+    elsewhere. The model's own weights are not touched.
+
+    Whole components rather than the adapted tensors alone: servers fuse siblings (q/k/v, gate/up,
+    all experts with their biases and router terms) into one tensor, and vLLM's in-place reload
+    leaves the part of a fused tensor that was not sent uninitialised."""
+    components = list(dict.fromkeys(_block_component(path) for path, module in model.named_modules()
+                                    if isinstance(module, (LoRALinear, ExpertLoRA))))  # fmt: skip
+    for component in components:
+        for name, param in model.get_submodule(component).named_parameters(prefix=component):
+            if is_lora_param(name):
+                continue
+            tensor = _merged(model, name, full_tensor(param.detach()))
+            yield from adapter.to_hf(name, tensor.cpu())
