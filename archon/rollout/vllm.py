@@ -10,8 +10,9 @@ Sync (`update(version, engine=...)`), chosen by `transport` and `mode`:
 - collective + adapter: the adapter tensors are broadcast in buckets over a stateless group
   (TCPStore + the device's backend) to the workers' extension (archon.rollout.vllm_worker), which
   builds the adapter in memory; the server then registers it under the new name.
-- collective + merged: W + s*B@A for the LoRA-targeted modules (MoE experts included) in HF names,
-  loaded into the served base weights; requests then use the base model name.
+- collective + merged: the weights of every attention/MLP/MoE block part that carries LoRA, with
+  W + s*B@A where adapted (MoE experts included), in HF names, loaded into the served base weights;
+  requests then use the base model name. Without LoRA (full-parameter training) all weights go.
 Only trainer rank 0 talks to the servers; the other ranks take part in gathering sharded tensors.
 """
 
@@ -511,9 +512,10 @@ class VLLMRolloutEngine:
                           "load_s": time.perf_counter() - sent}  # fmt: skip
 
     def _sync_merged(self, engine) -> None:
-        from archon.sync.payload import merged_payload
+        from archon.sync.payload import full_payload, merged_payload
 
-        stats = self._broadcast_to_workers(engine, "archon_receive_weights", {}, merged_payload(engine.model, engine.adapter))
+        payload = merged_payload if engine.lora is not None else full_payload  # full-parameter training
+        stats = self._broadcast_to_workers(engine, "archon_receive_weights", {}, payload(engine.model, engine.adapter))
         if self.rank == 0:
             self.adapter_name = None
             self.last_sync = {"weight_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"])}

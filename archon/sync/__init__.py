@@ -7,7 +7,7 @@ merged (W + s*B@A for the targeted modules, loaded into the server's base weight
 """
 
 from archon.sync.buckets import receive_tensors, send_tensors
-from archon.sync.payload import adapter_payload, merged_payload
+from archon.sync.payload import adapter_payload, full_payload, merged_payload
 from archon.sync.process_group import StatelessGroup
 
-__all__ = ["StatelessGroup", "adapter_payload", "merged_payload", "receive_tensors", "send_tensors"]
+__all__ = ["StatelessGroup", "adapter_payload", "full_payload", "merged_payload", "receive_tensors", "send_tensors"]

@@ -1,4 +1,4 @@
-"""What the trainer sends: the adapter in PEFT naming, or merged weights in HF naming.
+"""What the trainer sends: the adapter in PEFT naming, or merged (or all) weights in HF naming.
 
 Both gather DTensor shards (FSDP/TP), so every trainer rank must iterate them together; only the
 rank that talks to the rollout servers needs the values.
@@ -62,3 +62,12 @@ def merged_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tupl
                 continue
             tensor = _merged(model, name, full_tensor(param.detach()))
             yield from adapter.to_hf(name, tensor.cpu())
+
+
+@torch.no_grad()
+def full_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the model in HF naming, LoRA merged in where there is one (full-weight sync,
+    and the merged mode of a model trained without LoRA)."""
+    for name, param in model.named_parameters():
+        if not is_lora_param(name):
+            yield from adapter.to_hf(name, _merged(model, name, full_tensor(param.detach())).cpu())
