@@ -203,6 +203,35 @@ def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_pat
     assert run.rollout.adapter_name.endswith("-v2")
 
 
+def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
+    """Under FSDP x2 both ranks gather the sharded weights; only rank 0 sends them to the server."""
+    import subprocess
+    import sys
+
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+
+    repo = Path(__file__).resolve().parents[1]
+    train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=2))
+    write_jsonl(train, tmp_path / "train.jsonl")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
+        "--model.path", str(setup["model_dir"]), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
+        "--eval.every", "0", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
+        "--rollout.max-new-tokens", "4", "--reward.num-workers", "0", "--optim.lr", "1e-2",
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.no-tensorboard",
+        "--lora.rank", "8", "--lora.alpha", "16",
+        "--rollout.engine", "vllm", "--rollout.vllm.urls", setup["server"].servers[0].url,
+        "--rollout.vllm.transport", "collective", "--rollout.vllm.mode", "merged",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["adapter_version"] for r in records] == [1, 2]
+    for r in records:  # the merged weights the server got are the (gathered) trainer's, LoRA included
+        assert r["logprob_abs_diff_mean"] <= 1e-3, r
+
+
 def test_killed_server_gives_a_clear_error(setup):
     server = setup["server"]
     prompts, sampling = _greedy(setup["tokenizer"])
