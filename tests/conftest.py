@@ -16,3 +16,20 @@ def tiny_checkpoint(tmp_path_factory):
         return make_tiny_hf_checkpoint(model_type, out, seed=seed, **overrides)
 
     return make
+
+
+@pytest.fixture
+def lora_model():
+    """Factory: build_model(path, lora) with every LoRA factor drawn from N(0, scale^2)."""
+    from archon.engine import build_model
+    from archon.lora import lora_parameters
+
+    def make(path, lora, seed: int = 7, scale: float = 0.1):
+        loaded = build_model(path, lora=lora)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in lora_parameters(loaded.model).values():
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+        return loaded
+
+    return make

@@ -17,23 +17,14 @@ from archon.lora.peft import (
 from archon.tools.align import packed_batch
 
 
-def _randomised_lora_model(path, lora):
-    loaded = build_model(path, lora=lora)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in lora_parameters(loaded.model).values():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return loaded
-
-
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_export_loads_in_peft_and_reproduces_logits(tiny_checkpoint, tmp_path, model_type):
+def test_export_loads_in_peft_and_reproduces_logits(lora_model, tiny_checkpoint, tmp_path, model_type):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint(model_type)
     lora = LoRAConfig(rank=4, alpha=16, target_modules=("q_proj", "v_proj", "o_proj"))
-    loaded = _randomised_lora_model(path, lora)
+    loaded = lora_model(path, lora)
     save_peft_adapter(loaded.model, loaded.adapter, lora, tmp_path / "adapter", str(path))
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 16 and config["peft_type"] == "LORA"
@@ -49,10 +40,10 @@ def test_export_loads_in_peft_and_reproduces_logits(tiny_checkpoint, tmp_path, m
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_import_round_trip(tiny_checkpoint, tmp_path, model_type):
+def test_import_round_trip(lora_model, tiny_checkpoint, tmp_path, model_type):
     path = tiny_checkpoint(model_type)
     lora = LoRAConfig(rank=4, alpha=8, use_rslora=True)
-    loaded = _randomised_lora_model(path, lora)
+    loaded = lora_model(path, lora)
     save_peft_adapter(loaded.model, loaded.adapter, lora, tmp_path / "adapter", str(path))
 
     imported_cfg = lora_config_from_peft(tmp_path / "adapter")
@@ -65,10 +56,10 @@ def test_import_round_trip(tiny_checkpoint, tmp_path, model_type):
         assert torch.equal(original[name], restored[name]), name
 
 
-def test_import_rejects_adapter_of_other_rank(tiny_checkpoint, tmp_path):
+def test_import_rejects_adapter_of_other_rank(lora_model, tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("qwen3")
     lora = LoRAConfig(rank=4)
-    loaded = _randomised_lora_model(path, lora)
+    loaded = lora_model(path, lora)
     save_peft_adapter(loaded.model, loaded.adapter, lora, tmp_path / "adapter", str(path))
     other = build_model(path, lora=LoRAConfig(rank=8))
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.lora_a\.weight.*shape"):
@@ -79,11 +70,11 @@ def test_import_rejects_adapter_of_other_rank(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_merged_export_round_trip(tiny_checkpoint, tmp_path, model_type):
+def test_merged_export_round_trip(lora_model, tiny_checkpoint, tmp_path, model_type):
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint(model_type)
-    loaded = _randomised_lora_model(path, LoRAConfig(rank=4, alpha=8))
+    loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
     before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
     out = save_merged_hf(loaded.model, loaded.adapter, tmp_path / "merged", loaded.hf_config.to_dict(), path)
     for name, param in loaded.model.named_parameters():

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from archon.engine import build_model
-from archon.lora import LoRAConfig, lora_parameters
+from archon.lora import LoRAConfig
 from archon.lora.peft import save_merged_hf
 from archon.sync import StatelessGroup, full_payload, merged_payload, receive_tensors, send_tensors
 
@@ -66,15 +66,6 @@ def test_buckets_carry_every_tensor_whole_in_order():
     assert stats["buckets"] >= stats["bytes"] // 1024
 
 
-def _randomised(path, lora):
-    loaded = build_model(path, lora=lora)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in lora_parameters(loaded.model).values():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return loaded
-
-
 @pytest.mark.parametrize(
     "model_type, targets, changed_names",
     [
@@ -82,9 +73,9 @@ def _randomised(path, lora):
         ("qwen3_moe", ("o_proj", "experts"), {"o_proj", "gate_proj", "up_proj", "down_proj"}),  # per-expert HF keys
     ],
 )
-def test_merged_payload_sends_whole_adapted_block_parts(tiny_checkpoint, tmp_path, model_type, targets, changed_names):
+def test_merged_payload_sends_whole_adapted_block_parts(tiny_checkpoint, lora_model, tmp_path, model_type, targets, changed_names):
     path = tiny_checkpoint(model_type)
-    loaded = _randomised(path, LoRAConfig(rank=4, alpha=8, target_modules=targets))
+    loaded = lora_model(path, LoRAConfig(rank=4, alpha=8, target_modules=targets))
     before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
     merged_dir = save_merged_hf(loaded.model, loaded.adapter, tmp_path / "merged", loaded.hf_config.to_dict())
     merged = load_file(str(merged_dir / "model.safetensors"))
@@ -104,9 +95,9 @@ def test_merged_payload_sends_whole_adapted_block_parts(tiny_checkpoint, tmp_pat
         assert torch.equal(param, before[name]), f"{name} changed by the merged payload"
 
 
-def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, tmp_path):
+def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_path):
     path = tiny_checkpoint("qwen3")
-    loaded = _randomised(path, LoRAConfig(rank=4, alpha=8))
+    loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
     merged = load_file(str(save_merged_hf(loaded.model, loaded.adapter, tmp_path / "m", loaded.hf_config.to_dict())
                            / "model.safetensors"))  # fmt: skip
     payload = dict(full_payload(loaded.model, loaded.adapter))

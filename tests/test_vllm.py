@@ -178,22 +178,28 @@ def test_merged_sync_of_some_targets_keeps_their_fused_siblings(setup):
     server.adapter_name = adapter_name
 
 
-def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_path):
-    from archon.rl.config import parse_config
-    from archon.rl.loop import RLRun
+def _grpo_args(setup, tmp_path) -> list[str]:
+    """A 2-step GRPO run on the module's model, rolling out on the module's server."""
     from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
     train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=2))
     write_jsonl(train, tmp_path / "train.jsonl")
-    args = [
+    return [
         "--model.path", str(setup["model_dir"]), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
         "--eval.every", "0", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
         "--rollout.max-new-tokens", "4", "--reward.num-workers", "0", "--optim.lr", "1e-2",
         "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.no-tensorboard",
         "--lora.rank", "8", "--lora.alpha", "16",
         "--rollout.engine", "vllm", "--rollout.vllm.urls", setup["server"].servers[0].url,
-        "--rollout.vllm.max-lora-rank", "8", "--rollout.vllm.transport", "collective",
+        "--rollout.vllm.transport", "collective",
     ]  # fmt: skip
+
+
+def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_path):
+    from archon.rl.config import parse_config
+    from archon.rl.loop import RLRun
+
+    args = _grpo_args(setup, tmp_path) + ["--rollout.vllm.max-lora-rank", "8"]
     run = RLRun(parse_config(args))
     run.run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -208,21 +214,9 @@ def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
     import subprocess
     import sys
 
-    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
-
     repo = Path(__file__).resolve().parents[1]
-    train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=2))
-    write_jsonl(train, tmp_path / "train.jsonl")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
-        "--model.path", str(setup["model_dir"]), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
-        "--eval.every", "0", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
-        "--rollout.max-new-tokens", "4", "--reward.num-workers", "0", "--optim.lr", "1e-2",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.no-tensorboard",
-        "--lora.rank", "8", "--lora.alpha", "16",
-        "--rollout.engine", "vllm", "--rollout.vllm.urls", setup["server"].servers[0].url,
-        "--rollout.vllm.transport", "collective", "--rollout.vllm.mode", "merged",
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
+           *_grpo_args(setup, tmp_path), "--rollout.vllm.mode", "merged"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
