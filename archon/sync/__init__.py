@@ -3,7 +3,8 @@
 Transports: in-process (the native engine shares the model), disk (a PEFT directory the server
 loads) and collective (a stateless process group between trainer rank 0 and the server's workers,
 tensors broadcast in size-bounded buckets). Modes: adapter (the server applies the LoRA) and
-merged (W + s*B@A for the targeted modules, loaded into the server's base weights).
+merged (the modules holding LoRA-adapted weights, W + s*B@A where adapted, loaded into the
+server's base weights); full (every weight).
 """
 
 from archon.sync.buckets import receive_tensors, send_tensors

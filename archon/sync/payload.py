@@ -22,10 +22,12 @@ def adapter_payload(model: nn.Module, adapter: StateDictAdapter) -> dict[str, to
     return peft_state_dict(model, adapter)
 
 
-def _block_component(path: str) -> str:
-    """`layers.3.self_attn.q_proj` -> `layers.3.self_attn`; paths outside the blocks stay as they are."""
-    parts = path.split(".")
-    return ".".join(parts[:3]) if len(parts) > 3 and parts[0] == "layers" and parts[1].isdigit() else path
+def _sync_unit(path: str) -> str:
+    """The module whose weights travel together when the LoRA module at `path` is merged: its
+    parent (`layers.3.self_attn.q_proj` -> `layers.3.self_attn`, an expert LoRA -> its experts
+    module), or the module itself at the top level (an adapted lm_head)."""
+    parent = path.rpartition(".")[0]
+    return parent or path
 
 
 def _merged(model: nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -47,17 +49,18 @@ def _merged(model: nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def merged_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named weights of every block component (attention, MLP or MoE) that carries LoRA, with
-    W + s*B@A (computed in fp32, cast to the base dtype) where a LoRA applies and the base weights
-    elsewhere. The model's own weights are not touched.
+    """HF-named weights of every module that holds LoRA-adapted weights (an attention, an MLP, a
+    shared-expert MLP, a stacked-experts module), with W + s*B@A (computed in fp32, cast to the base
+    dtype) where a LoRA applies and the base weights elsewhere. The model's own weights are not
+    touched.
 
-    Whole components rather than the adapted tensors alone: servers fuse siblings (q/k/v, gate/up,
-    all experts with their biases and router terms) into one tensor, and vLLM's in-place reload
-    leaves the part of a fused tensor that was not sent uninitialised."""
-    components = list(dict.fromkeys(_block_component(path) for path, module in model.named_modules()
-                                    if isinstance(module, (LoRALinear, ExpertLoRA))))  # fmt: skip
-    for component in components:
-        for name, param in model.get_submodule(component).named_parameters(prefix=component):
+    The holder's other weights go too, because servers fuse siblings (q/k/v, gate/up, all experts
+    and their biases) into one tensor, and vLLM's in-place reload leaves the part of a fused tensor
+    that was not sent uninitialised."""
+    units = list(dict.fromkeys(_sync_unit(path) for path, module in model.named_modules()
+                               if isinstance(module, (LoRALinear, ExpertLoRA))))  # fmt: skip
+    for unit in units:
+        for name, param in model.get_submodule(unit).named_parameters(prefix=unit):
             if is_lora_param(name):
                 continue
             tensor = _merged(model, name, full_tensor(param.detach()))
@@ -66,8 +69,10 @@ def merged_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tupl
 
 @torch.no_grad()
 def full_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the model in HF naming, LoRA merged in where there is one (full-weight sync,
-    and the merged mode of a model trained without LoRA)."""
+    """Every parameter of the model in HF naming, LoRA merged in where there is one (full-weight
+    sync, and the merged mode of a model trained without LoRA). Buffers stay as the server loaded
+    them: the persistent ones (a router's score-correction bias) are not trained by gradients, and
+    vLLM leaves them alone on a reload."""
     for name, param in model.named_parameters():
         if not is_lora_param(name):
             yield from adapter.to_hf(name, _merged(model, name, full_tensor(param.detach())).cpu())
