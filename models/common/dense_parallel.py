@@ -1,5 +1,5 @@
-"""The TP plan of a dense pre-norm decoder (`PackedDecoderLM` with `Attention` and `SwiGLUMLP`
-blocks), then the generic activation-checkpointing / compile / FSDP2 pipeline.
+"""The TP plan of a pre-norm decoder (`PackedDecoderLM` with `Attention` and `SwiGLUMLP` blocks,
+sparse MLPs kept whole), then the generic activation-checkpointing / compile / FSDP2 pipeline.
 
 TP shards attention heads (q/k/v column-parallel with their biases, o row-parallel), the MLP's
 intermediate dimension, and the vocabulary of the embedding and unembedding. Windows apply per
@@ -20,6 +20,15 @@ from archon.parallel import (
     vocab_parallel_embedding,
     vocab_parallel_head,
 )
+from models.common.mlp import SwiGLUMLP
+
+
+def vocab_parallel_plan(model: nn.Module) -> dict:
+    """The embedding and (when untied) the unembedding, sharded on the vocabulary."""
+    plan = {"embed_tokens": vocab_parallel_embedding()}
+    if model.lm_head is not None:
+        plan["lm_head"] = vocab_parallel_head()
+    return plan
 
 
 def parallelize_dense_decoder(
@@ -27,24 +36,21 @@ def parallelize_dense_decoder(
     dims: ParallelDims,
     config: ParallelConfig,
     qk_norm: tuple[str, str] | None = None,
+    family: str | None = None,
 ) -> nn.Module:
-    """qk_norm: the names of per-head q/k norms inside `self_attn`, replicated over head shards."""
+    """qk_norm: the names of per-head q/k norms inside `self_attn`, replicated over head shards.
+    Blocks whose MLP is not a `SwiGLUMLP` (Qwen3-MoE's sparse blocks) keep it whole on every
+    tensor-parallel rank; FSDP2 shards their stacked experts on the expert dimension."""
     args = model.args
+    dense = [isinstance(block.mlp, SwiGLUMLP) for block in model.layers]
     if dims.tp_enabled:
-        require_divisible(
-            "tp",
-            dims.tp,
-            type(model).__name__,
-            num_attention_heads=args.num_attention_heads,
-            num_key_value_heads=args.num_key_value_heads,
-            intermediate_size=args.intermediate_size,
-            vocab_size=args.vocab_size,
-        )
-    model_plan = {"embed_tokens": vocab_parallel_embedding()}
-    if model.lm_head is not None:
-        model_plan["lm_head"] = vocab_parallel_head()
-    block_plan = {**attention_plan(qk_norm=qk_norm), **swiglu_plan()}
+        sizes = dict(num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads)
+        if any(dense):
+            sizes["intermediate_size"] = args.intermediate_size
+        require_divisible("tp", dims.tp, family or type(model).__name__, **sizes, vocab_size=args.vocab_size)
+    attention = attention_plan(qk_norm=qk_norm)
+    dense_block = {**attention, **swiglu_plan()}
     return parallelize_decoder(
-        model, dims, config, blocks=list(model.layers), model_tp_plan=model_plan,
-        block_tp_plan=lambda index, block: block_plan,
+        model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
+        block_tp_plan=lambda index, block: dense_block if dense[index] else attention,
     )

@@ -19,9 +19,8 @@ from archon.parallel import (
     parallelize_decoder,
     require_divisible,
     swiglu_plan,
-    vocab_parallel_embedding,
-    vocab_parallel_head,
 )
+from models.common.dense_parallel import vocab_parallel_plan
 from models.common.moe import SharedExpertsMoE
 
 
@@ -47,9 +46,6 @@ def parallelize_moe_decoder(
             if args.first_k_dense_replace > 0:
                 sizes["intermediate_size"] = args.intermediate_size
         require_divisible("tp", dims.tp, family, **sizes)
-    model_plan = {"embed_tokens": vocab_parallel_embedding()}
-    if model.lm_head is not None:
-        model_plan["lm_head"] = vocab_parallel_head()
 
     def block_plan(index: int, block: nn.Module) -> dict[str, ParallelStyle]:
         if not dense_and_shared_experts:
@@ -58,5 +54,6 @@ def parallelize_moe_decoder(
         return {**attention_plan, **swiglu_plan("mlp.shared_experts" if is_moe else "mlp")}
 
     return parallelize_decoder(
-        model, dims, config, blocks=list(model.layers), model_tp_plan=model_plan, block_tp_plan=block_plan
+        model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
+        block_tp_plan=block_plan,
     )
