@@ -10,9 +10,10 @@ Sync (`update(version, engine=...)`), chosen by `transport` and `mode`:
 - collective + adapter: the adapter tensors are broadcast in buckets over a stateless group
   (TCPStore + the device's backend) to the workers' extension (archon.rollout.vllm_worker), which
   builds the adapter in memory; the server then registers it under the new name.
-- collective + merged: the weights of every attention/MLP/MoE block part that carries LoRA, with
-  W + s*B@A where adapted (MoE experts included), in HF names, loaded into the served base weights;
-  requests then use the base model name. Without LoRA (full-parameter training) all weights go.
+- collective + merged: the weights of every module that holds LoRA-adapted weights (attention,
+  MLP, shared or routed experts), with W + s*B@A where adapted, in HF names, loaded into the served
+  base weights; requests then use the base model name. Without LoRA (full-parameter training) all
+  weights go.
 Only trainer rank 0 talks to the servers; the other ranks take part in gathering sharded tensors.
 """
 

@@ -35,16 +35,14 @@ def _merged(model: nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
     module_path, _, param_name = key.rpartition(".")
     module = model.get_submodule(module_path)
     if isinstance(module, LoRALinear) and param_name == "weight":
-        a, b = full_tensor(module.lora_a.weight.detach()), full_tensor(module.lora_b.weight.detach())
-        return (tensor.float() + (b.float() @ a.float()) * module.scaling).to(tensor.dtype)
-    lora = getattr(module, f"{param_name}_lora", None)
-    if isinstance(lora, ExpertLoRA):
-        a, b = full_tensor(lora.lora_a.detach()), full_tensor(lora.lora_b.detach())
-        delta = torch.bmm(b.float(), a.float()) * lora.scaling  # [E, out, in]
+        delta = module.delta_weight()
+    elif isinstance(lora := getattr(module, f"{param_name}_lora", None), ExpertLoRA):
+        delta = lora.delta_weight()  # [E, out, in]
         if getattr(module, "input_major", False):
             delta = delta.transpose(1, 2)
-        return (tensor.float() + delta).to(tensor.dtype)
-    return tensor
+    else:
+        return tensor
+    return (tensor.float() + full_tensor(delta)).to(tensor.dtype)
 
 
 @torch.no_grad()
