@@ -95,7 +95,7 @@ def test_two_process_run_and_resume(tiny_setup, tmp_path):
     run_dir = tmp_path / "run"
 
     def torchrun(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(REPO / "recipes" / "grpo_lora.py"), *extra]  # fmt: skip
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -130,7 +130,7 @@ def test_tensor_parallel_run_generates_and_trains(tiny_setup, tmp_path):
     """Rollouts with the native engine on a model sharded over 2 ranks (vocabulary-parallel head)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "OMP_NUM_THREADS": "1"}
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "recipes" / "grpo_lora.py"), *_args(tiny_setup, run_dir, steps=2),
            "--parallel.tp", "2", "--parallel.dp-shard", "1"]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

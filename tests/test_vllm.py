@@ -218,7 +218,7 @@ def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
            *_grpo_args(setup, tmp_path), "--rollout.vllm.mode", "merged"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
