@@ -751,7 +751,11 @@ def main(argv: list[str] | None = None) -> int:
     handlers = [logging.FileHandler(out / "gpu_suite.log", mode="w"), logging.StreamHandler(sys.stderr)]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", handlers=handlers, force=True)
     log.info("gpu_suite %s", asdict(args))
-    result = run_suite(args)
+    try:
+        result = run_suite(args)
+    except (ValueError, RuntimeError) as exc:  # bad arguments, or no CUDA without --tiny
+        log.error("gpu_suite: %s", exc)
+        return 2
     line = json.dumps(result, default=_json_default)
     atomic_write_json(out / "gpu_suite.json", json.loads(line))
     log.info("wrote %s", out / "gpu_suite.json")
