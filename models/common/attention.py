@@ -21,8 +21,9 @@ def _flash_varlen_usable(q: torch.Tensor) -> bool:
 
 @functools.cache
 def _varlen_takes_enable_gqa() -> bool:
-    """torch >= 2.12 wants GQA asked for with `enable_gqa`; 2.10 and 2.11 have no such argument
-    and their flash kernel takes fewer key/value heads than query heads as they are."""
+    """torch 2.12 added `enable_gqa` to varlen_attn and wants GQA asked for with it; earlier
+    releases (2.11 among them) have no such argument, and their flash kernel takes fewer key/value
+    heads than query heads as they come."""
     from torch.nn.attention import varlen
 
     return "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
