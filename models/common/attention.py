@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +17,27 @@ from models.common.rope import apply_rotary
 
 def _flash_varlen_usable(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _varlen_takes_enable_gqa() -> bool:
+    """torch 2.12 added `enable_gqa` to varlen_attn and wants GQA asked for with it; earlier
+    releases (2.11 among them) have no such argument, and their flash kernel takes fewer key/value
+    heads than query heads as they come."""
+    from torch.nn.attention import varlen
+
+    return "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
+
+
+def _flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window_size):
+    """q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, Dv] -> [T, H, Dv] through the flash varlen kernel."""
+    from torch.nn.attention import varlen
+
+    cu = cu_seqlens.to(torch.int32)
+    gqa = {"enable_gqa": q.shape[1] != k.shape[1]} if _varlen_takes_enable_gqa() else {}
+    return varlen.varlen_attn(
+        q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **gqa
+    )
 
 
 def packed_attention(
@@ -39,14 +63,8 @@ def packed_attention(
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     # The flash kernel has no sink term, and its log-sum-exp output carries no gradient.
     if sinks is None and _flash_varlen_usable(q):
-        from torch.nn.attention.varlen import varlen_attn
-
-        cu = cu_seqlens.to(torch.int32)
         window_size = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
-        return varlen_attn(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
-            enable_gqa=n_heads != n_kv_heads,
-        )
+        return _flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window_size)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outputs = []
     # split (not per-sequence slicing): its backward is one concatenation rather than a

@@ -1,0 +1,767 @@
+"""GPU readiness suite: one command that checks archon on a CUDA device and measures it.
+
+    python benchmarks/gpu_suite.py --out DIR            # on a CUDA machine (bf16 where it says so)
+    python benchmarks/gpu_suite.py --tiny --out DIR     # the same checks at tiny sizes on CPU (CI)
+
+Checks (each runs on its own: a failure is recorded and the next check still runs):
+    alignment    every registered family against HF transformers on the same device: fp32 at the
+                 CPU tolerances, and bf16 judged against what bf16 costs HF itself (see BF16_*)
+    train        a LoRA train step in bf16 for a dense and an MoE family on packed sequences of
+                 varied length (on CUDA through the flash varlen attention kernel): the loss falls,
+                 gradients are finite, the first loss is within TRAIN_BF16_LOSS_RTOL of fp32
+    generation   native greedy decoding in fp32 gives HF `generate`'s tokens on the same device, and
+                 sampled log-probs equal Engine.logprobs on the same tokens
+    memory       the chunked log-prob head's peak memory grows with O(T x D), not O(T x V)
+    throughput   a dense LoRA train step at a realistic width in bf16: tokens/s, and model FLOPs
+                 utilisation against the bf16 matmul peak measured in the same run
+
+What --tiny changes: everything runs on the CPU at tiny sizes. bf16 runs where it checks numerics
+(alignment, train), but attention takes the per-sequence SDPA path, as the flash varlen kernel is
+CUDA-only; peak memory is the storage the head's tensors allocate (as tests/memory_tracking.py
+counts it), not torch.cuda.max_memory_allocated; throughput runs in fp32 against the fp32 matmul
+peak, and its figures say nothing about a GPU.
+
+The last line printed is JSON: {"pass": ..., "checks": {name: {"pass": ..., figures...}}, ...}.
+DIR gets gpu_suite.log (progress, figures, tracebacks) and gpu_suite.json (the same JSON).
+The exit code is 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import logging
+import math
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+# Measure the checkout this script belongs to, whatever an editable install points at.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+log = logging.getLogger("gpu_suite")
+
+CHECKS = ("alignment", "train", "generation", "memory", "throughput")
+
+# bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3), so a bf16 model is judged against the
+# error that HF itself makes in bf16, both measured against HF in fp32 on the same inputs. archon
+# reaches its bf16 logits by other, equally valid roundings (packed sequences, fused kernels,
+# different reduction orders), so it may err by a few times HF's amount, not by orders more:
+#     p90 over tokens of max_v |archon_bf16 - hf_fp32| <= BF16_FACTOR * (the same for hf_bf16) + BF16_ABS_LOGITS
+#     mean KL(hf_fp32 || archon_bf16)                  <= BF16_FACTOR**2 * KL(hf_fp32 || hf_bf16) + BF16_ABS_KL
+# (KL grows with the square of a logit perturbation, hence the squared factor). The 90th percentile
+# rather than the maximum: in MoE families a few tokens sit near a tie between experts, and bf16
+# rounding flips their expert choice in fp32's disfavour, moving those tokens' logits by O(1) in
+# HF and archon alike, but on different tokens (the maximum is reported too). The absolute terms
+# only matter when HF's bf16 error happens to be near zero.
+BF16_FACTOR = 4.0
+BF16_ABS_LOGITS = 1e-2
+BF16_ABS_KL = 1e-5
+# The first train step's loss (mean NLL, before any update) in bf16 against fp32 on the same
+# weights and tokens: a relative difference of a few bf16 roundoffs.
+TRAIN_BF16_LOSS_RTOL = 2e-2
+# Native rollout log-probs against Engine.logprobs, and greedy generation, in fp32: the CPU contract.
+LOGPROB_ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything that differs in size between the CUDA run and --tiny."""
+
+    align_seq_lens: tuple[int, ...]
+    train_overrides: dict[str, Any]
+    """HF config kwargs over each train family's tiny config."""
+    train_seq_lens: tuple[int, ...]
+    train_steps: int
+    train_lr: float
+    gen_max_new_tokens: int
+    memory_vocab: int
+    memory_dim: int
+    memory_tokens: tuple[int, int]
+    """(small, large) token counts for the head's peak-memory comparison."""
+    memory_chunk: int
+    memory_dtype: torch.dtype
+    throughput_config: dict[str, Any]
+    """A Qwen3 config (HF kwargs) for the throughput step."""
+    throughput_tokens: int
+    throughput_sequences: int
+    throughput_prompt_len: int
+    throughput_dtype: str
+    throughput_steps: int
+    lora_rank: int
+
+
+TINY = Sizes(
+    align_seq_lens=(7, 1, 13, 33),
+    train_overrides={},
+    train_seq_lens=(9, 17, 4, 23, 12, 1),
+    train_steps=5,
+    train_lr=1e-2,
+    gen_max_new_tokens=6,
+    memory_vocab=4096,
+    memory_dim=32,
+    memory_tokens=(512, 4096),
+    memory_chunk=256,
+    memory_dtype=torch.float32,
+    throughput_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                           tie_word_embeddings=False),  # fmt: skip
+    throughput_tokens=256,
+    throughput_sequences=4,
+    throughput_prompt_len=8,
+    throughput_dtype="float32",
+    throughput_steps=2,
+    lora_rank=4,
+)
+FULL = Sizes(
+    align_seq_lens=(9, 1, 16, 31, 64, 200),
+    # Heads of 64 and 128 dimensions, as real models have, so the flash kernel runs its usual tiles.
+    train_overrides=dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, moe_intermediate_size=128),  # fmt: skip
+    train_seq_lens=(37, 5, 128, 64, 300, 17, 1, 211),
+    train_steps=6,
+    train_lr=1e-2,
+    gen_max_new_tokens=16,
+    memory_vocab=151936,
+    memory_dim=4096,
+    memory_tokens=(4096, 32768),
+    memory_chunk=1024,
+    memory_dtype=torch.bfloat16,
+    throughput_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                           max_position_embeddings=32768, tie_word_embeddings=False),  # fmt: skip
+    throughput_tokens=16384,
+    throughput_sequences=16,
+    throughput_prompt_len=128,
+    throughput_dtype="bfloat16",
+    throughput_steps=3,
+    lora_rank=16,
+)
+TRAIN_FAMILIES = {"dense": "qwen3", "moe": "qwen3_moe"}
+GEN_FAMILIES = ("qwen3", "qwen3_moe")
+GEN_PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+
+
+@dataclass
+class SuiteArgs:
+    out: str = "gpu_suite_out"
+    """Directory for gpu_suite.log and gpu_suite.json (created if missing)."""
+    tiny: bool = False
+    """Tiny sizes on the CPU (what CI runs); without it the suite needs CUDA."""
+    only: tuple[str, ...] = ()
+    """Run just these checks (default: all of alignment, train, generation, memory, throughput)."""
+    seed: int = 0
+
+
+@dataclass
+class Context:
+    device: torch.device
+    sizes: Sizes
+    seed: int
+    workdir: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+# ---- shared helpers ----------------------------------------------------------------------------------
+
+
+def _hf_model(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to(device).eval()
+
+
+def _tiny_checkpoint(ctx: Context, model_type: str, name: str, **overrides) -> Path:
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(model_type, ctx.workdir / name, seed=ctx.seed, **overrides)
+
+
+@contextlib.contextmanager
+def count_varlen_calls():
+    """Counts calls of torch's flash varlen attention while the block runs: {"calls": n}."""
+    from torch.nn.attention import varlen
+
+    original = varlen.varlen_attn
+    counter = {"calls": 0}
+
+    @functools.wraps(original)  # keeps the signature that models/common/attention.py inspects
+    def counted(*args, **kwargs):
+        counter["calls"] += 1
+        return original(*args, **kwargs)
+
+    varlen.varlen_attn = counted
+    try:
+        yield counter
+    finally:
+        varlen.varlen_attn = original
+
+
+def _release(ctx: Context) -> None:
+    import gc
+
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+
+
+# ---- 1. alignment -----------------------------------------------------------------------------------
+
+
+def check_alignment(ctx: Context) -> dict[str, Any]:
+    from archon.spec import supported_model_types
+
+    families = {}
+    for model_type in supported_model_types():
+        try:
+            families[model_type] = _align_family(ctx, model_type)
+        except Exception as exc:  # one family's failure must not hide the others'
+            log.error("alignment %s failed:\n%s", model_type, traceback.format_exc())
+            families[model_type] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            _release(ctx)
+        log.info("alignment %s: %s", model_type, families[model_type])
+    return {
+        "pass": all(r["pass"] for r in families.values()),
+        "tolerances": {
+            "fp32_max_abs_logits_diff": _align_tolerances()[0],
+            "fp32_mean_kl": _align_tolerances()[1],
+            "bf16_p90_abs_logits_diff": f"{BF16_FACTOR} * hf_bf16 + {BF16_ABS_LOGITS}",
+            "bf16_mean_kl": f"{BF16_FACTOR**2} * hf_bf16 + {BF16_ABS_KL}",
+        },
+        "families": families,
+    }
+
+
+def _align_tolerances() -> tuple[float, float]:
+    from archon.tools.align import MAX_ABS_LOGITS_DIFF, MAX_MEAN_KL
+
+    return MAX_ABS_LOGITS_DIFF, MAX_MEAN_KL
+
+
+def _p90_token_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """90th percentile over tokens of each token's max |logit difference| ([T, V] inputs)."""
+    return torch.quantile((logits - reference).abs().amax(dim=-1).double(), 0.9).item()
+
+
+def _align_family(ctx: Context, model_type: str) -> dict[str, Any]:
+    """archon vs HF in fp32 and in bf16 on one packed batch, all logits against HF in fp32."""
+    from archon.engine import build_model
+    from archon.tools.align import _compare_logits, _hf_forward, packed_batch
+
+    device = ctx.device
+    path = _tiny_checkpoint(ctx, model_type, f"align-{model_type}")
+    seq_lens = ctx.sizes.align_seq_lens
+    hf32 = _hf_model(path, torch.float32, device)
+    seqs, tokens, positions, cu_seqlens = packed_batch(seq_lens, hf32.config.vocab_size, ctx.seed)
+    seqs = [s.to(device) for s in seqs]
+    packed = (tokens.to(device), positions.to(device), cu_seqlens.to(device), max(seq_lens))
+
+    def archon_logits(dtype: torch.dtype) -> torch.Tensor:
+        model = build_model(path, dtype=dtype, device=device).model.eval()
+        with torch.no_grad():
+            return model(*packed).float()
+
+    with torch.no_grad():
+        reference = _hf_forward(hf32, seqs)
+    del hf32
+    fp32_max, fp32_kl = _compare_logits(archon_logits(torch.float32), reference)
+    max_tol, kl_tol = _align_tolerances()
+    report: dict[str, Any] = {"tokens": int(tokens.numel()), "fp32_max_abs_logits_diff": fp32_max, "fp32_mean_kl": fp32_kl}
+    with torch.no_grad():
+        hf_bf16 = _hf_forward(_hf_model(path, torch.bfloat16, device), seqs).float()
+    archon_bf16 = archon_logits(torch.bfloat16)
+    hf_max, hf_kl = _compare_logits(hf_bf16, reference)
+    archon_max, archon_kl = _compare_logits(archon_bf16, reference)
+    hf_p90, archon_p90 = _p90_token_error(hf_bf16, reference), _p90_token_error(archon_bf16, reference)
+    report.update(
+        hf_bf16_max_abs_logits_diff=hf_max, hf_bf16_p90_abs_logits_diff=hf_p90, hf_bf16_mean_kl=hf_kl,
+        bf16_max_abs_logits_diff=archon_max, bf16_p90_abs_logits_diff=archon_p90, bf16_mean_kl=archon_kl,
+    )  # fmt: skip
+    report["pass"] = (
+        fp32_max <= max_tol and fp32_kl <= kl_tol
+        and archon_p90 <= BF16_FACTOR * hf_p90 + BF16_ABS_LOGITS
+        and archon_kl <= BF16_FACTOR**2 * hf_kl + BF16_ABS_KL
+    )
+    return report
+
+
+# ---- 2. LoRA train step ------------------------------------------------------------------------------
+
+
+def _nll_loss(batch, logprobs, ctx):
+    """Mean negative log-likelihood of the completion tokens."""
+    return -(logprobs * batch.loss_mask).sum() / ctx.normalizer("token_mean"), {}
+
+
+def _train_batch(vocab: int, seq_lens: tuple[int, ...], seed: int):
+    from archon.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in seq_lens]
+    return PackedBatch.from_sequences(seqs, prompt_lens=[max(1, n // 3) for n in seq_lens])
+
+
+def _engine(ctx: Context, path: Path, dtype: str, lora_rank: int, lr: float, micro_batch_tokens: int):
+    from archon.engine import Engine, EngineConfig, OptimConfig
+    from archon.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules="all-linear")
+    return Engine(EngineConfig(
+        model_path=str(path), lora=lora, dtype=dtype, device=ctx.device.type,
+        optim=OptimConfig(lr=lr, max_grad_norm=1.0), micro_batch_tokens=micro_batch_tokens, seed=ctx.seed,
+    ))  # fmt: skip
+
+
+def check_train(ctx: Context) -> dict[str, Any]:
+    families = {}
+    for kind, model_type in TRAIN_FAMILIES.items():
+        try:
+            families[kind] = _train_family(ctx, model_type)
+        except Exception as exc:
+            log.error("train %s failed:\n%s", model_type, traceback.format_exc())
+            families[kind] = {"model_type": model_type, "pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            _release(ctx)
+        log.info("train %s: %s", kind, families[kind])
+    return {"pass": all(r["pass"] for r in families.values()), "loss_rtol_bf16_vs_fp32": TRAIN_BF16_LOSS_RTOL,
+            "families": families}  # fmt: skip
+
+
+def _train_family(ctx: Context, model_type: str) -> dict[str, Any]:
+    sizes = ctx.sizes
+    path = _tiny_checkpoint(ctx, model_type, f"train-{model_type}", **_overrides_for(model_type, sizes.train_overrides))
+    batch = _train_batch(_vocab(path), sizes.train_seq_lens, ctx.seed)
+    dtype = "bfloat16"
+    engine = _engine(ctx, path, dtype, sizes.lora_rank, sizes.train_lr, batch.num_tokens)
+    losses, grad_norms, nonfinite = [], [], []
+    with count_varlen_calls() as varlen:
+        for step in range(sizes.train_steps):
+            metrics = engine.forward_backward(batch, _nll_loss)
+            bad = [n for n, p in engine.model.named_parameters()
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
+            nonfinite += [f"step {step}: {n}" for n in bad]
+            grad_norms.append(engine.optimizer_step()["grad_norm"])
+            losses.append(metrics["loss"])
+    del engine
+    _release(ctx)
+    fp32_first = _engine(ctx, path, "float32", sizes.lora_rank, sizes.train_lr, batch.num_tokens)
+    fp32_loss = fp32_first.forward_backward(batch, _nll_loss)["loss"]
+    del fp32_first
+
+    loss_rel_diff = abs(losses[0] - fp32_loss) / abs(fp32_loss)
+    falls = all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    varlen_ok = varlen["calls"] > 0 or not ctx.cuda  # CPU has no flash varlen kernel
+    return {
+        "model_type": model_type,
+        "dtype": dtype,
+        "tokens": batch.num_tokens,
+        "sequences": batch.num_sequences,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "fp32_first_loss": fp32_loss,
+        "first_loss_rel_diff": loss_rel_diff,
+        "nonfinite_grads": nonfinite[:10],
+        "varlen_attention_calls": varlen["calls"],
+        "loss_falls": falls,
+        "pass": falls and not nonfinite and loss_rel_diff <= TRAIN_BF16_LOSS_RTOL and varlen_ok
+                and all(math.isfinite(g) for g in grad_norms),
+    }  # fmt: skip
+
+
+def _overrides_for(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The size overrides that the family's HF config has fields for."""
+    from transformers import AutoConfig
+
+    known = AutoConfig.for_model(model_type).to_dict()
+    return {k: v for k, v in overrides.items() if k in known}
+
+
+def _vocab(path: Path) -> int:
+    return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+# ---- 3. generation -----------------------------------------------------------------------------------
+
+
+def check_generation(ctx: Context) -> dict[str, Any]:
+    families = {}
+    for model_type in GEN_FAMILIES:
+        try:
+            families[model_type] = _generation_family(ctx, model_type)
+        except Exception as exc:
+            log.error("generation %s failed:\n%s", model_type, traceback.format_exc())
+            families[model_type] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            _release(ctx)
+        log.info("generation %s: %s", model_type, families[model_type])
+    return {"pass": all(r["pass"] for r in families.values()), "logprob_atol": LOGPROB_ATOL, "families": families}
+
+
+def _generation_family(ctx: Context, model_type: str) -> dict[str, Any]:
+    from archon.batch import PackedBatch
+    from archon.engine import build_model
+    from archon.lora import lora_parameters
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+
+    device, new_tokens = ctx.device, ctx.sizes.gen_max_new_tokens
+    path = _tiny_checkpoint(ctx, model_type, f"gen-{model_type}")
+
+    # Greedy: archon's KV-cached decoding against HF generate, both fp32 on this device.
+    model = build_model(path, device=device).model.eval()
+    samples = NativeRolloutEngine(model, device).generate(GEN_PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=0))
+    del model
+    hf = _hf_model(path, torch.float32, device)
+    hf_tokens = []
+    with torch.no_grad():
+        for prompt in GEN_PROMPTS:
+            out = hf.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                              max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            hf_tokens.append(out[0, len(prompt):].tolist())
+    del hf
+    archon_tokens = [s.completion_ids for s in samples]
+    greedy_equal = archon_tokens == hf_tokens
+
+    # Sampled: the rollout's log-probs against the trainer's on the same tokens, with a live adapter.
+    engine = _engine(ctx, path, "float32", ctx.sizes.lora_rank, 1e-3, 1 << 20)
+    g = torch.Generator().manual_seed(ctx.seed)
+    with torch.no_grad():
+        for p in lora_parameters(engine.model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.8, n=2, seed=ctx.seed + 3)
+    sampled = NativeRolloutEngine(engine.model, device).generate(GEN_PROMPTS, sampling)
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in sampled], prompt_lens=[len(s.prompt_ids) for s in sampled]
+    )
+    trainer = engine.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    rollout = torch.tensor([lp for s in sampled for lp in s.logprobs])
+    logprob_diff = (trainer - rollout).abs().max().item()
+    return {
+        "greedy_tokens_equal_hf": greedy_equal,
+        "archon_greedy": archon_tokens,
+        "hf_greedy": hf_tokens,
+        "sampled_tokens": int(rollout.numel()),
+        "max_abs_logprob_diff_vs_engine": logprob_diff,
+        "pass": greedy_equal and logprob_diff <= LOGPROB_ATOL,
+    }
+
+
+# ---- 4. memory ---------------------------------------------------------------------------------------
+
+
+def _load_peak_allocated():
+    """tests/memory_tracking.py's PeakAllocated: storage bytes that tensors hold (CPU included)."""
+    spec = importlib.util.spec_from_file_location("memory_tracking", REPO_ROOT / "tests" / "memory_tracking.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PeakAllocated
+
+
+def _head_peak_bytes(ctx: Context, T: int, chunked: bool) -> int:
+    """Peak bytes allocated by one forward and backward of the label log-prob head over T tokens."""
+    from archon.head import label_logprobs
+
+    sizes, device = ctx.sizes, ctx.device
+    V, D, dtype = sizes.memory_vocab, sizes.memory_dim, sizes.memory_dtype
+    g = torch.Generator(device=device).manual_seed(ctx.seed)
+    hidden = torch.randn(T, D, generator=g, device=device, dtype=dtype).requires_grad_()
+    weight = torch.randn(V, D, generator=g, device=device, dtype=dtype) / math.sqrt(D)
+    labels = torch.randint(0, V, (T,), generator=g, device=device)
+
+    def run():
+        if chunked:
+            lp, _ = label_logprobs(hidden, weight, labels, chunk_size=sizes.memory_chunk)
+        else:
+            lp = torch.log_softmax((hidden @ weight.t()).float(), -1).gather(-1, labels[:, None])[:, 0]
+        lp.sum().backward()
+
+    if ctx.cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with _load_peak_allocated()() as tracker:
+        run()
+    return tracker.peak
+
+
+def check_memory(ctx: Context) -> dict[str, Any]:
+    sizes = ctx.sizes
+    small_T, large_T = sizes.memory_tokens
+    V, D = sizes.memory_vocab, sizes.memory_dim
+    _head_peak_bytes(ctx, small_T, True)  # warm-up: library workspaces are not the head's
+    small = _head_peak_bytes(ctx, small_T, True)
+    large = _head_peak_bytes(ctx, large_T, True)
+    unchunked_small = _head_peak_bytes(ctx, small_T, False)
+    _release(ctx)
+    full_logits_large = large_T * V * 4
+    # What may grow with T is O(T x D) (per-token fp32 directions and the hidden-state gradient):
+    # at most four fp32 [T, D] tensors, as the CPU test allows.
+    growth_bound = large_T * D * 4 * 4
+    meter_sees_logits = unchunked_small >= small_T * V * 4
+    return {
+        "meter": "torch.cuda.max_memory_allocated" if ctx.cuda else "storage bytes (tests/memory_tracking.py)",
+        "vocab": V, "dim": D, "dtype": str(sizes.memory_dtype), "chunk_size": sizes.memory_chunk,
+        "tokens": [small_T, large_T],
+        "peak_mb": [small / 2**20, large / 2**20],
+        "growth_mb": (large - small) / 2**20,
+        "growth_bound_mb": growth_bound / 2**20,
+        "full_fp32_logits_mb_at_large": full_logits_large / 2**20,
+        "unchunked_peak_mb_at_small": unchunked_small / 2**20,
+        "pass": large <= small + growth_bound and large < full_logits_large / 4 and meter_sees_logits,
+    }  # fmt: skip
+
+
+# ---- 5. throughput -----------------------------------------------------------------------------------
+
+
+def matmul_peak_flops(ctx: Context, dtype: torch.dtype) -> float:
+    """Best FLOP/s of a square matmul in `dtype` on this device (8192 on CUDA, 256 on CPU)."""
+    n = 8192 if ctx.cuda else 256
+    a = torch.randn(n, n, device=ctx.device, dtype=dtype)
+    b = torch.randn(n, n, device=ctx.device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    ctx.synchronize()
+    best = math.inf
+    for _ in range(10):
+        start = time.perf_counter()
+        a @ b
+        ctx.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def throughput_lengths(total: int, count: int, seed: int) -> list[int]:
+    """`count` lengths spread on a log scale over an 8x range, shuffled, summing to `total`."""
+    raw = [8 ** (i / (count - 1)) for i in range(count)]
+    lengths = [max(2, int(total * r / sum(raw))) for r in raw]
+    lengths[-1] += total - sum(lengths)
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [lengths[i] for i in order]
+
+
+def train_step_flops(config: dict[str, Any], lengths: list[int], loss_tokens: int, lora_rank: int) -> float:
+    """Model FLOPs of one LoRA train step (matmuls and attention; frozen base weights).
+
+    Frozen weights cost forward + input gradient (4 per weight per token), LoRA factors also their
+    weight gradient (6). Causal attention is 2*L^2*H*hd per layer forward, x3 with backward. The
+    head (frozen) runs on the loss tokens only.
+    """
+    D, I, H, KV, hd, layers, V = (config["hidden_size"], config["intermediate_size"], config["num_attention_heads"],
+                                  config["num_key_value_heads"], config["head_dim"], config["num_hidden_layers"],
+                                  config["vocab_size"])  # fmt: skip
+    linear = D * H * hd * 2 + D * KV * hd * 2 + 3 * D * I
+    lora = lora_rank * ((D + H * hd) * 2 + (D + KV * hd) * 2 + 3 * (D + I))
+    flops = sum(lengths) * layers * (4 * linear + 6 * lora)
+    flops += 3 * sum(2 * n * n * H * hd for n in lengths) * layers
+    flops += loss_tokens * 4 * D * V
+    return float(flops)
+
+
+def _random_checkpoint(ctx: Context, config_kwargs: dict[str, Any], dtype: torch.dtype, name: str) -> Path:
+    """An HF Qwen3 checkpoint with HF's own random init, made on this device (fast at 2B params)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", **config_kwargs)
+    torch.manual_seed(ctx.seed)
+    with torch.device(ctx.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    out = ctx.workdir / name
+    model.save_pretrained(out)
+    return out
+
+
+def check_throughput(ctx: Context) -> dict[str, Any]:
+    from archon.batch import PackedBatch
+
+    sizes = ctx.sizes
+    dtype = getattr(torch, sizes.throughput_dtype)
+    peak = matmul_peak_flops(ctx, dtype)
+    start = time.perf_counter()
+    path = _random_checkpoint(ctx, sizes.throughput_config, dtype, "throughput-qwen3")
+    _release(ctx)
+    checkpoint_s = time.perf_counter() - start
+    lengths = throughput_lengths(sizes.throughput_tokens, sizes.throughput_sequences, ctx.seed)
+    g = torch.Generator().manual_seed(ctx.seed)
+    vocab = sizes.throughput_config["vocab_size"]
+    batch = PackedBatch.from_sequences(
+        [torch.randint(0, vocab, (n,), generator=g) for n in lengths],
+        prompt_lens=[sizes.throughput_prompt_len] * len(lengths),
+        advantages=torch.randn(len(lengths), generator=g).tolist(),
+    )
+    start = time.perf_counter()
+    engine = _engine(ctx, path, sizes.throughput_dtype, sizes.lora_rank, 1e-5, batch.num_tokens)
+    load_s = time.perf_counter() - start
+
+    def pg_loss(mb, logprobs, lctx):
+        return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.normalizer("token_mean"), {}
+
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    with count_varlen_calls() as varlen:
+        engine.train_step(batch, pg_loss)  # warm-up
+        ctx.synchronize()
+        start = time.perf_counter()
+        losses = [engine.train_step(batch, pg_loss)["loss"] for _ in range(sizes.throughput_steps)]
+        ctx.synchronize()
+        step_s = (time.perf_counter() - start) / sizes.throughput_steps
+    flops = train_step_flops(sizes.throughput_config, lengths, batch.num_loss_tokens, sizes.lora_rank)
+    params = sum(p.numel() for p in engine.model.parameters())
+    trainable = sum(p.numel() for p in engine.trainable)
+    del engine
+    _release(ctx)
+    expect_varlen = ctx.cuda and dtype in (torch.bfloat16, torch.float16)
+    return {
+        "config": {**sizes.throughput_config, "lora_rank": sizes.lora_rank, "dtype": sizes.throughput_dtype},
+        "params": params,
+        "trainable_params": trainable,
+        "tokens_per_step": batch.num_tokens,
+        "sequences": len(lengths),
+        "max_seqlen": max(lengths),
+        "loss_tokens": batch.num_loss_tokens,
+        "step_s": step_s,
+        "tokens_per_s": batch.num_tokens / step_s,
+        "model_tflop_per_step": flops / 1e12,
+        "achieved_tflop_s": flops / step_s / 1e12,
+        "matmul_peak_tflop_s": peak / 1e12,
+        "mfu": flops / step_s / peak,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else None,
+        "checkpoint_s": checkpoint_s,
+        "load_s": load_s,
+        "losses": losses,
+        "varlen_attention_calls": varlen["calls"],
+        "pass": all(math.isfinite(x) for x in losses) and (varlen["calls"] > 0 or not expect_varlen),
+    }
+
+
+# ---- driver ------------------------------------------------------------------------------------------
+
+CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "alignment": check_alignment,
+    "train": check_train,
+    "generation": check_generation,
+    "memory": check_memory,
+    "throughput": check_throughput,
+}
+
+
+def environment(ctx: Context) -> dict[str, Any]:
+    import transformers
+
+    from models.common.attention import _varlen_takes_enable_gqa
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(ctx.device),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "varlen_takes_enable_gqa": _varlen_takes_enable_gqa(),
+    }
+    try:
+        import peft
+
+        env["peft"] = peft.__version__
+    except ImportError:
+        env["peft"] = None
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        env.update(gpu=props.name, gpu_memory_gb=props.total_memory / 2**30, cuda=torch.version.cuda,
+                   capability=f"{props.major}.{props.minor}")  # fmt: skip
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    return env
+
+
+def run_suite(args: SuiteArgs) -> dict[str, Any]:
+    unknown = [name for name in args.only if name not in CHECKS]
+    if unknown:
+        raise ValueError(f"--only names unknown check(s) {', '.join(unknown)}; expected some of {', '.join(CHECKS)}")
+    if args.tiny:
+        device, sizes = torch.device("cpu"), TINY
+    else:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the full suite needs a CUDA device (torch.cuda.is_available() is False); "
+                               "run with --tiny for the CPU-sized checks")  # fmt: skip
+        device, sizes = torch.device("cuda", 0), FULL
+        torch.cuda.set_device(device)
+        # fp32 means fp32 (no TF32), whatever the environment asks for: the fp32 checks hold
+        # archon to 1e-4 of HF.
+        torch.set_float32_matmul_precision("highest")
+    selected = args.only or CHECKS
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
+        ctx = Context(device=device, sizes=sizes, seed=args.seed, workdir=Path(tmp))
+        result: dict[str, Any] = {"mode": "tiny-cpu" if args.tiny else "cuda", "environment": environment(ctx)}
+        log.info("environment: %s", result["environment"])
+        checks: dict[str, Any] = {}
+        for name in selected:
+            log.info("---- %s", name)
+            start = time.perf_counter()
+            try:
+                checks[name] = CHECK_FNS[name](ctx)
+            except Exception as exc:
+                log.error("%s failed:\n%s", name, traceback.format_exc())
+                checks[name] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                _release(ctx)
+            checks[name]["seconds"] = round(time.perf_counter() - start, 2)
+            log.info("%s: %s", name, "PASS" if checks[name]["pass"] else "FAIL")
+    result["checks"] = checks
+    result["pass"] = all(c["pass"] for c in checks.values())
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+def _json_default(value):
+    if isinstance(value, (torch.dtype, torch.device, Path)):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+
+    from archon.checkpoint.atomic import atomic_write_json
+
+    args = tyro.cli(SuiteArgs, args=argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    handlers = [logging.FileHandler(out / "gpu_suite.log", mode="w"), logging.StreamHandler(sys.stderr)]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", handlers=handlers, force=True)
+    log.info("gpu_suite %s", asdict(args))
+    try:
+        result = run_suite(args)
+    except (ValueError, RuntimeError) as exc:  # bad arguments, or no CUDA without --tiny
+        log.error("gpu_suite: %s", exc)
+        return 2
+    line = json.dumps(result, default=_json_default)
+    atomic_write_json(out / "gpu_suite.json", json.loads(line))
+    log.info("wrote %s", out / "gpu_suite.json")
+    print(line, flush=True)
+    return 0 if result["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
