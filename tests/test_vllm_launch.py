@@ -113,6 +113,17 @@ def test_a_server_that_dies_at_start_reports_the_root_cause_first_then_the_log(t
     )
 
 
+def test_a_server_killed_by_a_signal_reports_the_signal_and_the_logs_end(tmp_path, monkeypatch):
+    """An exception in the log of a killed server is an older one it survived, not the cause."""
+    model = _model_dir(tmp_path, QWEN3_CONFIG)
+    _fake_launches(monkeypatch, WORKER_LOG + "(APIServer pid=9) INFO 200 OK\n", returncode=-9)
+    with pytest.raises(VLLMServerError) as failure:
+        VLLMRolloutEngine(VLLMConfig(max_model_len=64), model_path=str(model), log_dir=tmp_path)
+    message = str(failure.value)
+    assert "was killed by SIGKILL: the log's last lines:\n" in message
+    assert message.endswith("(APIServer pid=9) INFO 200 OK\nFull server log: " + str((tmp_path / "vllm_logs" / "server_0.log").resolve()))
+
+
 # ---- attention backend on CPUs with and without AMX ---------------------------------------------
 def test_mla_models_get_the_reference_cpu_backend_unless_bfloat16():
     assert cpu_mla_attention_backend(DEEPSEEK_CONFIG, "float32") == "CPU_MLA"
@@ -241,20 +252,21 @@ def _flag(args: list[str], name: str) -> str | None:
     return args[args.index(name) + 1] if name in args else None
 
 
-def _fake_launches(monkeypatch, log_text: str) -> list[dict]:
-    """Replace the server process with one that has written `log_text` and exited with code 1;
-    returns the list of launches (args and environment)."""
+def _fake_launches(monkeypatch, log_text: str, returncode: int = 1) -> list[dict]:
+    """Replace the server process with one that has written `log_text` and exited with
+    `returncode`; returns the list of launches (args and environment)."""
     launches = []
 
     class ExitedServer:
-        pid, returncode = -1, 1
+        pid = -1
 
         def __init__(self, args, env, stdout, **_):
             launches.append({"args": list(args), "env": dict(env)})
             stdout.write(log_text)
+            self.returncode = returncode
 
         def poll(self):
-            return 1
+            return self.returncode
 
     monkeypatch.setattr(vllm_rollout.subprocess, "Popen", ExitedServer)
     return launches

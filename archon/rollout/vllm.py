@@ -33,6 +33,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -271,21 +272,24 @@ class _Server:
         self.process = process
         self.log_path = log_path
 
-    def log_report(self, tail_lines: int = 10) -> str:
-        """Why the server failed, as its log says: the exception that ended it (else the last
-        lines), then where the whole log is."""
+    def log_report(self, tail_lines: int = 10, exception: bool = True) -> str:
+        """Why the server failed, as its log says: the exception that ended it (with `exception`;
+        else, or without one, the last lines), then where the whole log is."""
         if self.log_path is None or not self.log_path.exists():
-            return ""
+            return "(no server log)"
         text = self.log_path.read_text(errors="replace")
-        cause = log_root_cause(text)
+        cause = log_root_cause(text) if exception else None
         if cause is None:
-            cause = "no exception in the log; its last lines:\n" + "\n".join(text.splitlines()[-tail_lines:])
+            cause = "the log's last lines:\n" + "\n".join(text.splitlines()[-tail_lines:])
         return f"{cause}\nFull server log: {self.log_path.resolve()}"
 
     def died(self) -> str | None:
-        if self.process is not None and self.process.poll() is not None:
-            return f"vLLM server {self.url} exited with code {self.process.returncode}: {self.log_report()}"
-        return None
+        if self.process is None or self.process.poll() is None:
+            return None
+        code = self.process.returncode
+        if code < 0:  # killed by a signal: an exception in the log is an older one the server survived
+            return f"vLLM server {self.url} was killed by {signal.Signals(-code).name}: {self.log_report(exception=False)}"
+        return f"vLLM server {self.url} exited with code {code}: {self.log_report()}"
 
 
 class VLLMRolloutEngine:
@@ -756,8 +760,6 @@ class VLLMRolloutEngine:
     def close(self) -> None:
         for server in self.servers:
             if server.process is not None and server.process.poll() is None:
-                import signal
-
                 try:
                     os.killpg(server.process.pid, signal.SIGTERM)
                 except ProcessLookupError:
