@@ -120,6 +120,15 @@ def test_worker_rpc_without_the_runs_secret_is_refused(setup):
             with pytest.raises(VLLMServerError, match="HTTP 500") as refused:
                 server._request(first, "POST", "/collective_rpc", body, timeout=60)
             assert server.worker_secret not in str(refused.value)
+    # archon's own client, with a secret that is not the server's, names the reason
+    secret, server.worker_secret = server.worker_secret, "not-the-servers-secret"
+    try:
+        with pytest.raises(VLLMServerError, match="archon worker method archon_worker_info failed on vLLM server .*"
+                                                  "archon worker RPC refused: missing or wrong secret"):  # fmt: skip
+            server._rpc(first, "archon_worker_info")
+    finally:
+        server.worker_secret = secret
+    assert secret not in server.servers[0].log_path.read_text()
     assert [info["rank"] for info in server._rpc(first, "archon_worker_info")] == [0]
     prompts, sampling = _greedy(setup["tokenizer"])
     assert len(server.generate(prompts, sampling)) == len(prompts)

@@ -657,6 +657,14 @@ class VLLMRolloutEngine:
                     f"vLLM server {server.url} has no /collective_rpc route; start it with VLLM_SERVER_DEV_MODE=1 "
                     f"and --worker-extension-cls {WORKER_EXTENSION} for the collective transport"
                 ) from None
+            if "HTTP 500" in str(e):  # the route hides the worker's exception; its log has it
+                if server.log_path is not None:
+                    cause = log_root_cause(server.log_path.read_text(errors="replace")) or "see the server log"
+                    why = f"{cause}\nFull server log: {server.log_path.resolve()}"
+                else:
+                    why = (f"see the server's log; 'archon worker RPC refused' there means the trainer's "
+                           f"{WORKER_SECRET_ENV} is not the server's")  # fmt: skip
+                raise VLLMServerError(f"archon worker method {method} failed on vLLM server {server.url}: {why}") from None
             raise
         return result["results"] if isinstance(result, dict) else []
 
