@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import ipaddress
 import json
-import logging
 import os
 import re
 import secrets
@@ -47,8 +46,6 @@ from typing import Literal
 
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV
-
-logger = logging.getLogger("archon.rollout")
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 WORKER_EXTENSION = "archon.rollout.vllm_worker.ArchonWorkerExtension"
