@@ -88,6 +88,31 @@ def test_the_launch_passes_the_derived_max_model_len_and_refuses_one_that_cannot
     assert len(launches) == 1  # refused before anything started
 
 
+def test_a_run_whose_sequences_do_not_fit_the_model_is_refused_before_any_server_starts(tmp_path, monkeypatch):
+    """RLRun sizes the servers from its data (longest prompt) and max_new_tokens."""
+    from archon.rl.config import parse_config
+    from archon.rl.loop import RLRun
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    tokenizer = build_char_tokenizer()
+    model = make_tiny_hf_checkpoint("qwen3", tmp_path / "model", vocab_size=len(tokenizer), head_dim=32,
+                                    eos_token_id=tokenizer.eos_token_id, max_position_embeddings=64)  # fmt: skip
+    tokenizer.save_pretrained(model)
+    train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=2))
+    write_jsonl(train, tmp_path / "train.jsonl")
+    longest = max(len(tokenizer(row["prompt"])["input_ids"]) for row in train)
+    run_dir = tmp_path / "run"
+    launches = _fake_launches(monkeypatch, "")
+    args = ["--model.path", str(model), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
+            "--rollout.max-new-tokens", str(65 - longest), "--logging.run-dir", str(run_dir), "--lora.rank", "8",
+            "--logging.no-tensorboard", "--reward.num-workers", "0", "--rollout.prompts-per-step", "2"]  # fmt: skip
+    with pytest.raises(ValueError, match=rf"longest prompt has {longest} tokens and up to {65 - longest} new tokens "
+                                         rf"are generated \(65\), above its max_position_embeddings 64"):  # fmt: skip
+        RLRun(parse_config(args))
+    assert launches == [] and not run_dir.exists()
+
+
 # ---- a dead server's log ------------------------------------------------------------------------
 def test_root_cause_of_a_log_is_its_last_exception_with_its_detail():
     assert log_root_cause(API_SERVER_LOG) == (
