@@ -35,14 +35,16 @@ pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
   Value error, User-specified max_model_len (4096) is greater than the derived max_model_len (max_position_embeddings=128.0 or model_max_length=None in model's config.json). [type=value_error]
     For further information visit https://errors.pydantic.dev/2.13/v/value_error
 """
-# ... and a failure in a worker process ends with the API server's own error pointing back at it.
+# ... and a failure in a worker process ends with the engine's and the API server's errors
+# pointing back at it.
 WORKER_LOG = """\
 (Worker pid=10) INFO 12-02 20:38:52 [cpu.py:163] Using AMX_MLA backend.
 (Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953] Traceback (most recent call last):
 (Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953]   File "/venv/vllm/_ops.py", line 12, in __getattr__
 (Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953]     raise AttributeError(
 (Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953] AttributeError: '_OpNamespace' '_C' object has no attribute 'convert_weight_packed'
-(EngineCore pid=8) INFO 12-02 20:38:54 [core.py:1] shutting down
+(EngineCore pid=8) ERROR 12-02 20:38:55 [core.py:1510] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
+(EngineCore pid=8) INFO 12-02 20:38:55 [core.py:1] shutting down
 Traceback (most recent call last):
   File "/venv/vllm/v1/engine/utils.py", line 1431, in wait_for_engine_startup
     raise RuntimeError(
@@ -123,6 +125,8 @@ def test_root_cause_of_a_log_is_its_last_exception_with_its_detail():
     assert log_root_cause(WORKER_LOG) == (
         "AttributeError: '_OpNamespace' '_C' object has no attribute 'convert_weight_packed'"
     )
+    assert log_root_cause("Traceback (most recent call last):\nException: boom\n") == "Exception: boom"
+    assert log_root_cause("Traceback (most recent call last):\nKeyboardInterrupt\n") == "KeyboardInterrupt"
     assert log_root_cause("INFO starting\nINFO still starting\n") is None
 
 

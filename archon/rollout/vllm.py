@@ -214,19 +214,21 @@ def resolve_max_model_len(
 
 
 # A Python exception line ("ValueError: ...", "pydantic_core._pydantic_core.ValidationError: ...",
-# "AssertionError"), after the "(EngineCore pid=N) " or "(APIServer pid=N) ERROR ... [file.py:N] "
+# "Exception: ...", "AssertionError"), after the "(EngineCore pid=N) " or "(APIServer pid=N) ERROR ... [file.py:N] "
 # prefix vLLM puts on its processes' lines.
 _LOG_PREFIX = re.compile(r"^(?:\([\w ]+pid=\d+\)\s*)?(?:(?:ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?")
-_EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*)?")
+_EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*)?")
 
 
 def log_root_cause(log_text: str) -> str | None:
     """The line of a server log that says why it died: the last exception raised, with the indented
-    detail lines that follow it (pydantic puts the reason there). vLLM's API server ends a failed
-    engine start with its own "...See root cause above" error; the exception before it is the cause."""
+    detail lines that follow it (pydantic puts the reason there). vLLM's processes re-raise a
+    failure of another one with errors that point back at it ("See root cause above", "See stack
+    trace for root cause", "check the stack trace above for the root cause"); those are passed over
+    for the exception before them."""
     lines = [_LOG_PREFIX.sub("", line, count=1) for line in log_text.splitlines()]
     found = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.fullmatch(line.rstrip())]
-    while len(found) > 1 and "root cause above" in lines[found[-1]]:
+    while len(found) > 1 and "root cause" in lines[found[-1]].lower():
         found.pop()
     if not found:
         return None
