@@ -135,9 +135,10 @@ def test_worker_rpc_without_the_runs_secret_is_refused(setup):
 
 
 def test_server_that_dies_at_start_reports_vllms_reason_then_its_log(setup, tmp_path):
-    """A context longer than the model's (given to vLLM as it is) ends the server at start: the error
-    shows vLLM's reason, not the traceback frames around it."""
-    config = VLLMConfig(max_lora_rank=8, port=8132, extra_args=("--max-model-len", "100000"))
+    """A max_model_len set above the model's context is vLLM's to judge (RoPE scaling may allow it);
+    here it ends the server at start, and the error shows vLLM's reason, not the traceback frames
+    around it."""
+    config = VLLMConfig(max_lora_rank=8, port=8132, max_model_len=100000)
     with pytest.raises(VLLMServerError) as failure:
         VLLMRolloutEngine(config, model_path=str(setup["model_dir"]), lora_rank=8, log_dir=tmp_path)
     message = str(failure.value)

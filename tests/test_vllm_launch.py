@@ -62,6 +62,7 @@ def test_max_model_len_is_the_longest_prompt_plus_new_tokens():
     assert resolve_max_model_len(None, None, 3000, 1096) == 4096  # a hub model: no config to cap by
     assert resolve_max_model_len(None, QWEN3_CONFIG, None, None) is None  # vLLM's own default
     assert resolve_max_model_len(64, QWEN3_CONFIG, 12, 5) == 64  # set: kept
+    assert resolve_max_model_len(512, QWEN3_CONFIG, 12, 5) == 512  # vLLM judges it, RoPE scaling included
 
 
 @pytest.mark.parametrize(
@@ -69,7 +70,6 @@ def test_max_model_len_is_the_longest_prompt_plus_new_tokens():
     [
         (None, 124, 5, r"longest prompt has 124 tokens and up to 5 new tokens .*\(129\), above its "
                        r"max_position_embeddings 128; lower rollout.max_new_tokens"),
-        (4096, 12, 5, r"max_model_len 4096 is above max_position_embeddings 128 of MODEL"),
         (16, 12, 5, r"max_model_len 16 is below the run's longest sequence: .*12 tokens .*5 new tokens .*\(17\)"),
         (0, None, None, r"max_model_len must be positive, got 0"),
     ],

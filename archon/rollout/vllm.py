@@ -179,8 +179,8 @@ def resolve_max_model_len(
     configured: int | None, model_config: dict | None, longest_prompt_tokens: int | None,
     max_new_tokens: int | None, model: str = "the model",
 ) -> int | None:  # fmt: skip
-    """The --max-model-len for a launched server: `configured` when set, else the longest prompt
-    plus max_new_tokens; either must hold the run's sequences and fit in the model's
+    """The --max-model-len for a launched server: `configured` when set (it must hold the run's
+    sequences), else the longest prompt plus max_new_tokens, which must fit in the model's
     max_position_embeddings. None when nothing is known (vLLM then takes the model's own)."""
     limit = max_position_embeddings(model_config) if model_config else None
     needed = None
@@ -195,12 +195,7 @@ def resolve_max_model_len(
                 f"prompt has {longest_prompt_tokens} tokens and up to {max_new_tokens} new tokens are "
                 f"generated ({needed}); raise max_model_len or leave it unset to derive it"
             )
-        if limit is not None and configured > limit:
-            raise ValueError(
-                f"rollout.vllm.max_model_len {configured} is above max_position_embeddings {limit} of "
-                f"{model}; lower it or leave it unset to derive it"
-            )
-        return configured
+        return configured  # vLLM checks it against the context, RoPE scaling included
     if needed is None:
         return None
     if limit is not None and needed > limit:
@@ -208,7 +203,8 @@ def resolve_max_model_len(
             f"the run's longest sequence does not fit in {model}: the longest prompt has "
             f"{longest_prompt_tokens} tokens and up to {max_new_tokens} new tokens are generated "
             f"({needed}), above its max_position_embeddings {limit}; lower rollout.max_new_tokens (or "
-            f"eval.max_new_tokens), or drop long prompts with data.max_prompt_tokens"
+            f"eval.max_new_tokens), drop long prompts with data.max_prompt_tokens, or, if the model's RoPE "
+            f"scaling serves longer sequences, set rollout.vllm.max_model_len"
         )
     return needed
 
