@@ -109,7 +109,9 @@ def main(args: BenchArgs) -> dict:
 
     adapter_bytes = _tensor_bytes(adapter_payload(trainer.model, trainer.adapter).items())
     full_bytes = _tensor_bytes(full_payload(trainer.model, trainer.adapter))
-    config = VLLMConfig(max_lora_rank=LORA_RANK, max_model_len=256, port=args.port, bucket_mb=args.bucket_mb)
+    # launched for the collective transport (dev mode); the disk syncs below use the stock API routes
+    config = VLLMConfig(max_lora_rank=LORA_RANK, max_model_len=256, port=args.port, bucket_mb=args.bucket_mb,
+                        transport="collective")  # fmt: skip
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=root)
     times: dict[str, list[float]] = {}
     merged_stats: dict[str, float] = {}

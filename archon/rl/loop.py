@@ -99,7 +99,19 @@ class RLRun:
             model_path=self.config.model.path, lora_rank=self.config.lora.rank if self.config.lora else None,
             log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
         )  # fmt: skip
-        rollout = VLLMRolloutEngine(vllm_config, rank=self.rank, **kwargs) if self.rank == 0 else None
+        rollout = None
+        if self.rank == 0:
+            # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len)
+            examples = self.train_set.examples
+            if self.eval_set is not None:
+                examples = examples + self.eval_set.examples[: self.config.eval.max_prompts]
+            longest_prompt = max(len(ids) for ids in self._prompt_ids(examples))
+            max_new_tokens = self.config.rollout.max_new_tokens
+            if self.eval_set is not None:
+                max_new_tokens = max(max_new_tokens, self.config.eval.max_new_tokens or 0)
+            rollout = VLLMRolloutEngine(
+                vllm_config, rank=0, longest_prompt_tokens=longest_prompt, max_new_tokens=max_new_tokens, **kwargs
+            )
         if dist.is_initialized() and dist.get_world_size() > 1:
             urls = [[s.url for s in rollout.servers] if rollout is not None else None]
             dist.broadcast_object_list(urls, src=0)

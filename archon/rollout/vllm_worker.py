@@ -5,6 +5,10 @@ Start vLLM with `--worker-extension-cls archon.rollout.vllm_worker.ArchonWorkerE
 a server, VLLM_SERVER_DEV_MODE=1 so that `/collective_rpc` reaches these methods). Arguments come
 as JSON strings because the server's RPC route passes only strings.
 
+vLLM's `--api-key` does not guard `/collective_rpc`, so every archon method takes the run's secret
+as the keyword argument `secret` and refuses the call unless it equals the ARCHON_WORKER_SECRET of
+the server's environment (a server started without one refuses them all).
+
 Adapter path: `archon_receive_adapter` builds the adapter's tensors in memory; the server is then
 told to load it under its versioned name with the path `archon-collective://<name>`, which this
 extension serves from memory instead of the filesystem (vLLM's worker LoRA manager otherwise reads
@@ -14,11 +18,44 @@ adapters from disk). `archon_remove_adapter` drops an old version from the worke
 from __future__ import annotations
 
 import contextlib
+import functools
+import hmac
 import json
+import os
 import re
 
 
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
+WORKER_SECRET_ENV = "ARCHON_WORKER_SECRET"
+"""Environment variable of a vLLM server that holds the secret archon's worker methods require."""
+
+
+class WorkerSecretError(PermissionError):
+    pass
+
+
+def check_worker_secret(given: str | None) -> None:
+    """Raise unless `given` equals this process's ARCHON_WORKER_SECRET (constant-time compare; the
+    values are never put in the message)."""
+    expected = os.environ.get(WORKER_SECRET_ENV)
+    if not expected:
+        raise WorkerSecretError(
+            f"archon worker RPC refused: this vLLM server was started without {WORKER_SECRET_ENV} in its "
+            f"environment, so archon's worker methods are disabled"
+        )
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise WorkerSecretError(f"archon worker RPC refused: missing or wrong secret (the server's {WORKER_SECRET_ENV})")
+
+
+def _requires_secret(method):
+    """The method runs only when called with the server's secret (keyword argument `secret`)."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, secret: str | None = None, **kwargs):
+        check_worker_secret(secret)
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 def _vllm_skips_cpu_moe_prepack_on_reload() -> bool:
@@ -105,10 +142,12 @@ def _gpt_oss_reload_stream(weights, after_reload: list):
 
 class ArchonWorkerExtension:
     # ---- group ----------------------------------------------------------------------------------
+    @_requires_secret
     def archon_worker_info(self) -> dict:
         lora_manager = getattr(self.model_runner, "lora_manager", None)
         return {"rank": int(self.rank), "lora_enabled": lora_manager is not None, "device": str(self.device)}
 
+    @_requires_secret
     def archon_init_sync_group(self, spec: str) -> dict:
         from archon.sync.process_group import StatelessGroup
 
@@ -175,6 +214,7 @@ class ArchonWorkerExtension:
         self._archon_ids[name] = lora_request.lora_int_id
         return lora
 
+    @_requires_secret
     def archon_receive_adapter(self, spec: str) -> dict:
         """Receive the adapter tensors (PEFT keys) broadcast by the trainer and hold them for the
         server's load of `archon-collective://<name>`."""
@@ -186,18 +226,21 @@ class ArchonWorkerExtension:
         self._archon_pending[spec["name"]] = (spec["peft_config"], tensors)
         return {"tensors": len(tensors), "elements": sum(t.numel() for t in tensors.values())}
 
+    @_requires_secret
     def archon_remove_adapter(self, name: str) -> bool:
         manager = self._archon_lora_manager()
         self._archon_pending.pop(name, None)
         lora_id = self._archon_ids.pop(name, None)
         return bool(lora_id is not None and manager.remove_adapter(lora_id))
 
+    @_requires_secret
     def archon_list_adapters(self) -> dict:
         manager = self._archon_lora_manager()
         loaded = set(manager.list_adapters())
         return {name: lora_id for name, lora_id in self._archon_ids.items() if lora_id in loaded}
 
     # ---- merged weights -------------------------------------------------------------------------
+    @_requires_secret
     def archon_receive_weights(self, spec: str = "{}") -> dict:
         """Receive HF-named base weights and reload them in place through vLLM's own loader (it
         fuses qkv/gate-up and experts and redoes any post-load repacking). A partial set must hold
