@@ -1,14 +1,15 @@
-"""Whole-model LoRA utilities: trainability, adapter parameters, on/off, merge/unmerge."""
+"""Whole-model LoRA utilities: per-module settings, trainability, adapter parameters, on/off, merge/unmerge."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from archon.lora.layers import LoRAModule
+from archon.lora.config import LoRAConfig
+from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule
 
 LORA_PARAM_MARKERS = ("lora_a", "lora_b")
 
@@ -75,3 +76,29 @@ def merge_lora(model: nn.Module) -> None:
 def unmerge_lora(model: nn.Module) -> None:
     for _, module in lora_modules(model):
         module.unmerge_lora()
+
+
+def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: Callable[[str], str]) -> None:
+    """Give each LoRA module the rank and scaling `lora` assigns to its HF path, and turn the modules
+    it does not target back into plain linears. Call on the freshly built (meta) model, before it is
+    parallelized or materialised. `hf_module_name` maps an archon module FQN to its HF path."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            settings = lora.module_settings(hf_module_name(name))
+            if settings is None:
+                parent_name, _, child = name.rpartition(".")
+                plain = nn.Linear(
+                    module.in_features, module.out_features, bias=module.bias is not None,
+                    device=module.weight.device, dtype=module.weight.dtype,
+                )  # fmt: skip
+                setattr(model.get_submodule(parent_name), child, plain)
+            elif settings != (module.rank, module.scaling):
+                module.set_rank(*settings)
+        elif isinstance(module, ExpertLoRA):
+            experts_path = hf_module_name(name.rpartition(".")[0])
+            patterns = lora.pattern_keys_matching(experts_path)
+            if patterns:
+                raise ValueError(
+                    f"LoRA rank_pattern/alpha_pattern key(s) {patterns} match the MoE experts {experts_path!r}; "
+                    "per-module rank and alpha are supported on dense modules only"
+                )
