@@ -27,9 +27,11 @@ def _named(path: Path, option: str | None) -> str:
     return f"{str(path)!r} (from {option})" if option else repr(str(path))
 
 
-def check_model_dir(path: str | os.PathLike, option: str | None = None) -> Path:
+def check_model_dir(path: str | os.PathLike | None, option: str | None = None) -> Path:
     """`path` as a Path if it is an HF model directory with a config.json; otherwise an error that
     names the path and `option`, the setting it came from."""
+    if path is None:
+        raise ValueError(f"no model directory given{f' ({option} is not set)' if option else ''}")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory {_named(path, option)} does not exist")
