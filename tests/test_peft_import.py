@@ -99,3 +99,34 @@ def test_imported_patterns_set_per_module_rank_and_scaling(tiny_checkpoint, tmp_
     assert (modules["layers.0.mlp.down_proj"].rank, modules["layers.0.mlp.down_proj"].scaling) == (4, 2.0)
     assert modules["layers.1.self_attn.o_proj"].scaling == 8.0
     assert modules["layers.0.mlp.up_proj"].scaling == 5 / 4 and modules["layers.1.mlp.up_proj"].scaling == 2.0
+
+
+def test_literal_all_linear_config_loads_as_peft_resolves_it(tiny_checkpoint, tmp_path):
+    """An adapter_config.json that says target_modules "all-linear" (PEFT resolves it on load: every
+    linear but the output head) gives PEFT's logits in archon."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("qwen3")
+    _peft_adapter(path, tmp_path / "peft", target_modules="all-linear", alpha_pattern={"o_proj": 32})
+    config_path = tmp_path / "peft" / ADAPTER_CONFIG
+    config = json.loads(config_path.read_text())
+    config["target_modules"] = "all-linear"
+    config_path.write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    seqs, tokens, positions, cu = packed_batch((6, 11), 256, seed=0)
+
+    loaded = build_model(path, lora=lora_config_from_peft(tmp_path / "peft"))
+    load_peft_adapter(loaded.model, loaded.adapter, tmp_path / "peft")
+    with torch.no_grad():
+        ours = loaded.model.eval()(tokens, positions, cu, 11)
+    torch.testing.assert_close(ours, _peft_logits(peft_model, seqs), rtol=1e-4, atol=1e-4)
+
+
+def test_pattern_that_matches_no_module_warns(tiny_checkpoint):
+    from archon.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=("q_proj",), rank_pattern={"q_proj": 2, "v_pro": 8})
+    with pytest.warns(RuntimeWarning, match=r"\['v_pro'\] match no adapted module"):
+        build_model(tiny_checkpoint("qwen3"), lora=lora)

@@ -15,8 +15,6 @@ class LoRAConfig:
         ("model.layers.0.self_attn.q_proj") targets that one module. "experts" names the stacked MoE
         expert weights.
     experts: with "all-linear", also adapt MoE experts.
-    rank_pattern, alpha_pattern: per-module rank and alpha, as PEFT's: a key is a regular expression
-        that matches a module whose HF path ends in it (after a "."); the first matching key wins.
     """
 
     rank: int = 16
@@ -26,7 +24,10 @@ class LoRAConfig:
     use_rslora: bool = False
     experts: bool = True
     rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Per-module rank, as PEFT's: a key is a regular expression that matches a module whose HF path
+    ends in it (after a "."), e.g. "q_proj" or "layers\\.1\\.mlp\\.down_proj"; the first matching key wins."""
     alpha_pattern: dict[str, float] = field(default_factory=dict)
+    """Per-module alpha, matched like rank_pattern."""
 
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, list):

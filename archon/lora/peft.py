@@ -167,7 +167,12 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike) -> LoRAConfig:
     config = read_peft_config(adapter_dir)
     path = Path(adapter_dir) / ADAPTER_CONFIG
     targets = _field(config, path, "target_modules", (list, str), default=[])
-    if isinstance(targets, str):
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        # PEFT resolves this against the model it loads into: every nn.Linear but the output head.
+        # archon's "all-linear" without experts is the same set for the linears it can adapt; the key
+        # check in load_peft_adapter fails, naming the key, if the adapter covers a module it cannot.
+        targets = "all-linear"
+    elif isinstance(targets, str):
         raise ValueError(
             f"{str(path)!r} field 'target_modules' is a regular expression ({targets!r}); archon needs a list of "
             "module names"
@@ -182,7 +187,12 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike) -> LoRAConfig:
             f"{str(path)!r} sets rank_pattern/alpha_pattern together with target_parameters; archon supports "
             "per-module rank and alpha on target_modules only"
         )
-    targets = list(targets)
+    if targets == "all-linear":
+        if target_parameters:
+            raise ValueError(f"{str(path)!r} sets target_parameters with target_modules 'all-linear'; archon needs a list")
+        experts = False
+    else:
+        targets, experts = list(targets), True
     for name in target_parameters:
         # "<module>.weight" is a dense module's weight; anything else is a stacked expert weight
         module, _, param = name.rpartition(".")
@@ -194,7 +204,8 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike) -> LoRAConfig:
             rank=_field(config, path, "r", (int,), required=True),
             alpha=_field(config, path, "lora_alpha", (int, float), required=True),
             dropout=_field(config, path, "lora_dropout", (int, float), default=0.0),
-            target_modules=tuple(targets),
+            target_modules=targets if targets == "all-linear" else tuple(targets),
+            experts=experts,
             use_rslora=_field(config, path, "use_rslora", (bool,), default=False),
             rank_pattern=dict(rank_pattern),
             alpha_pattern=dict(alpha_pattern),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -82,9 +83,11 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
     """Give each LoRA module the rank and scaling `lora` assigns to its HF path, and turn the modules
     it does not target back into plain linears. Call on the freshly built (meta) model, before it is
     parallelized or materialised. `hf_module_name` maps an archon module FQN to its HF path."""
+    matched: set[str] = set()
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
-            settings = lora.module_settings(hf_module_name(name))
+            hf_path = hf_module_name(name)
+            settings = lora.module_settings(hf_path)
             if settings is None:
                 parent_name, _, child = name.rpartition(".")
                 plain = nn.Linear(
@@ -92,7 +95,9 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
                     device=module.weight.device, dtype=module.weight.dtype,
                 )  # fmt: skip
                 setattr(model.get_submodule(parent_name), child, plain)
-            elif settings != (module.rank, module.scaling):
+                continue
+            matched.update(lora.pattern_keys_matching(hf_path))
+            if settings != (module.rank, module.scaling):
                 module.set_rank(*settings)
         elif isinstance(module, ExpertLoRA):
             experts_path = hf_module_name(name.rpartition(".")[0])
@@ -102,3 +107,6 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
                     f"LoRA rank_pattern/alpha_pattern key(s) {patterns} match the MoE experts {experts_path!r}; "
                     "per-module rank and alpha are supported on dense modules only"
                 )
+    unmatched = sorted((set(lora.rank_pattern) | set(lora.alpha_pattern)) - matched)
+    if unmatched:
+        warnings.warn(f"LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module", RuntimeWarning)

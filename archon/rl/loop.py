@@ -100,7 +100,7 @@ class RLRun:
 
         vllm_config = self.config.rollout.vllm
         kwargs = dict(
-            model_path=self.config.model.path, lora_rank=self.config.lora.rank if self.config.lora else None,
+            model_path=self.config.model.path, lora_rank=self.config.lora.max_rank if self.config.lora else None,
             log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
         )  # fmt: skip
         rollout = VLLMRolloutEngine(vllm_config, rank=self.rank, **kwargs) if self.rank == 0 else None
