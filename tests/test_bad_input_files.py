@@ -225,3 +225,15 @@ def test_checkpoint_with_nan_weight_warns_naming_tensor_and_file(files, tmp_path
     assert any(
         "'model.layers.1.mlp.up_proj.weight'" in m and "model.safetensors" in m and "3 NaN/inf" in m for m in messages
     ), messages
+
+
+@pytest.mark.parametrize("option", ["model.path", "model.tokenizer"])
+def test_run_with_missing_path_names_path_and_option(files, tmp_path, option):
+    from archon.rl.config import GRPOConfig, ModelConfig
+    from archon.rl.loop import RLRun
+
+    missing = str(tmp_path / "no-such-dir")
+    model = ModelConfig(path=missing) if option == "model.path" else ModelConfig(path=str(files["single"]), tokenizer=missing)
+    with pytest.raises(FileNotFoundError, match=rf"'{missing}' \(from {option}\) does not exist"):
+        RLRun(GRPOConfig(model=model))
+    assert not (tmp_path / "no-such-dir").exists()

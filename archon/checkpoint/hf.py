@@ -43,22 +43,27 @@ def check_model_dir(path: str | os.PathLike | None, option: str | None = None) -
 
 
 def load_tokenizer(path: str | os.PathLike, option: str | None = None):
-    """The tokenizer saved in directory `path`; fails naming the directory when it holds none."""
+    """The tokenizer saved in directory `path`; fails naming the directory when it holds none (given a
+    model directory without one, AutoTokenizer may build an empty tokenizer that encodes text as nothing)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {_named(path, option)} does not exist")
-    if not any((path / name).exists() for name in TOKENIZER_VOCAB_FILES):
-        raise FileNotFoundError(
-            f"no tokenizer in {_named(path, option)}: none of {', '.join(TOKENIZER_VOCAB_FILES)} is there; "
-            "save the tokenizer with the model, or point model.tokenizer at a directory that has one"
-        )
+    missing = (
+        f"no tokenizer in {_named(path, option)}: none of {', '.join(TOKENIZER_VOCAB_FILES)} is there; save the "
+        "tokenizer with the model, or point model.tokenizer at a directory that has one"
+    )
+    has_vocab_file = any((path / name).exists() for name in TOKENIZER_VOCAB_FILES)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not has_vocab_file:
+            raise FileNotFoundError(missing) from e
         raise ValueError(f"cannot load the tokenizer in {_named(path, option)}: {e}") from e
     if not tokenizer.encode("a b", add_special_tokens=False):
+        if not has_vocab_file:
+            raise FileNotFoundError(missing)
         raise ValueError(f"the tokenizer in {_named(path, option)} encodes text as no tokens; its vocabulary is empty")
     return tokenizer
 
