@@ -142,7 +142,10 @@ def build_model(
     with torch.device("meta"):
         model = spec.model_cls(args, lora)
     if lora is not None:
+        from archon.lora.peft import peft_adapter_config
+
         configure_lora_modules(model, lora, adapter.hf_name)
+        peft_adapter_config(model, adapter, lora, str(path))  # fail now, not at the first export
     model.to(dtype)
     for name, param in model.named_parameters():
         if is_lora_param(name):

@@ -96,6 +96,8 @@ ADAPTER_CASES = [
     ("layers_pattern", _edit_config(layers_pattern="layers"), ValueError, r"adapter_config\.json.*layers_pattern"),
     ("fan_in_fan_out", _edit_config(fan_in_fan_out=True), ValueError, r"adapter_config\.json.*fan_in_fan_out"),
     ("exclude_modules", _edit_config(exclude_modules=["q_proj"]), ValueError, r"adapter_config\.json.*exclude_modules"),
+    ("alora", _edit_config(alora_invocation_tokens=[5, 6]), ValueError, r"adapter_config\.json.*alora_invocation_tokens=\[5, 6\]"),
+    ("patterns_with_target_parameters", _edit_config(target_parameters=["mlp.experts.gate_up_proj"], rank_pattern={"q_proj": 2}), ValueError, r"adapter_config\.json.*rank_pattern/alpha_pattern together with target_parameters"),
     ("peft_type", _edit_config(peft_type="IA3"), ValueError, r"adapter_config\.json.*peft_type 'IA3'"),
     ("regex_targets", _edit_config(target_modules=".*q_proj"), ValueError, r"adapter_config\.json.*'target_modules'.*regular"),
     ("missing_r", _edit_config(r=_DROP), KeyError, r"adapter_config\.json.*lacks the field 'r'"),

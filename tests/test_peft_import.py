@@ -130,3 +130,13 @@ def test_pattern_that_matches_no_module_warns(tiny_checkpoint):
     lora = LoRAConfig(rank=4, alpha=8, target_modules=("q_proj",), rank_pattern={"q_proj": 2, "v_pro": 8})
     with pytest.warns(RuntimeWarning, match=r"\['v_pro'\] match no adapted module"):
         build_model(tiny_checkpoint("qwen3"), lora=lora)
+
+
+def test_patterns_on_moe_adapter_with_target_parameters_are_refused_at_build(tiny_checkpoint):
+    """PEFT matches patterns against "<module>.<parameter>" for target_parameters and vLLM against the
+    module name, so such an adapter could not be exported faithfully: the build fails, not the export."""
+    from archon.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=("q_proj", "experts"), rank_pattern={"q_proj": 2})
+    with pytest.raises(ValueError, match=r"rank_pattern/alpha_pattern.*target_parameters.*mlp\.experts\.gate_up_proj"):
+        build_model(tiny_checkpoint("qwen3_moe"), lora=lora)

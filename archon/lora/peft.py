@@ -53,6 +53,7 @@ def peft_target_module_names(model: nn.Module, adapter: StateDictAdapter) -> lis
 def peft_adapter_config(
     model: nn.Module, adapter: StateDictAdapter, lora: LoRAConfig, base_model_name_or_path: str
 ) -> dict:
+    """adapter_config.json for the model's LoRA; an error if PEFT could not read it as archon computes it."""
     target_modules, target_parameters = adapter.peft_targets(
         peft_target_module_names(model, adapter), lora_parameters(model).keys()
     )
@@ -63,6 +64,13 @@ def peft_adapter_config(
             f"cannot export a PEFT adapter with LoRA on both MoE experts and dense module(s) {clashing}: PEFT "
             "would read those names as expert projections. Leave them out of LoRAConfig.target_modules, or set "
             "LoRAConfig.experts=False"
+        )
+    if target_parameters and (lora.rank_pattern or lora.alpha_pattern):
+        # PEFT matches patterns against "<module>.<parameter>" for these, vLLM against the module name.
+        raise ValueError(
+            "LoRAConfig.rank_pattern/alpha_pattern cannot be exported to PEFT for a model whose adapter has "
+            f"target_parameters ({', '.join(target_parameters)}: MoE experts, or dense MLPs in an MoE model); "
+            "leave the patterns out for this model"
         )
     return {
         "peft_type": "LORA",

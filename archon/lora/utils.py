@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from archon.lora.config import LoRAConfig
-from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule
+from archon.lora.layers import LoRALinear, LoRAModule
 
 LORA_PARAM_MARKERS = ("lora_a", "lora_b")
 
@@ -82,7 +82,9 @@ def unmerge_lora(model: nn.Module) -> None:
 def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: Callable[[str], str]) -> None:
     """Give each LoRA module the rank and scaling `lora` assigns to its HF path, and turn the modules
     it does not target back into plain linears. Call on the freshly built (meta) model, before it is
-    parallelized or materialised. `hf_module_name` maps an archon module FQN to its HF path."""
+    parallelized or materialised. `hf_module_name` maps an archon module FQN to its HF path.
+    MoE experts keep the config's rank and scaling (patterns that would reach them are refused at
+    build time, see `archon.lora.peft.peft_adapter_config`)."""
     matched: set[str] = set()
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
@@ -99,14 +101,6 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
             matched.update(lora.pattern_keys_matching(hf_path))
             if settings != (module.rank, module.scaling):
                 module.set_rank(*settings)
-        elif isinstance(module, ExpertLoRA):
-            experts_path = hf_module_name(name.rpartition(".")[0])
-            patterns = lora.pattern_keys_matching(experts_path)
-            if patterns:
-                raise ValueError(
-                    f"LoRA rank_pattern/alpha_pattern key(s) {patterns} match the MoE experts {experts_path!r}; "
-                    "per-module rank and alpha are supported on dense modules only"
-                )
     unmatched = sorted((set(lora.rank_pattern) | set(lora.alpha_pattern)) - matched)
     if unmatched:
         warnings.warn(f"LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module", RuntimeWarning)
