@@ -42,6 +42,7 @@ from archon.lora import (
     lora_parameters,
     mark_only_lora_trainable,
 )
+from archon.lora.peft import peft_adapter_config
 from archon.parallel import ParallelConfig, ParallelDims, init_distributed, reduce_partial_grads
 from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES, DTypeName
@@ -142,8 +143,6 @@ def build_model(
     with torch.device("meta"):
         model = spec.model_cls(args, lora)
     if lora is not None:
-        from archon.lora.peft import peft_adapter_config
-
         configure_lora_modules(model, lora, adapter.hf_name)
         peft_adapter_config(model, adapter, lora, str(path))  # fail now, not at the first export
     model.to(dtype)

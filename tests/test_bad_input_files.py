@@ -86,6 +86,7 @@ def _reshape_q_proj_a(adapter_dir: Path):
 
 
 # (id, edit of the adapter directory, error type, regex the message must match)
+# fmt: off
 ADAPTER_CASES = [
     ("use_dora", _edit_config(use_dora=True), ValueError, r"adapter_config\.json.*use_dora=True.*DoRA"),
     ("modules_to_save", _edit_config(modules_to_save=["lm_head"]), ValueError, r"adapter_config\.json.*modules_to_save"),
@@ -111,6 +112,7 @@ ADAPTER_CASES = [
     ("truncated_weights", _truncate(ADAPTER_WEIGHTS), ValueError, r"adapter_model\.safetensors.*truncated or corrupt"),
     ("misshaped_tensor", _reshape_q_proj_a, ValueError, r"adapter_model\.safetensors.*layers\.0\.self_attn\.q_proj\.lora_a\.weight.*shape \(3, 64\)"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("edit, error, message", [c[1:] for c in ADAPTER_CASES], ids=[c[0] for c in ADAPTER_CASES])
@@ -171,6 +173,7 @@ def _move_embedding_to_last_shard(index):
 
 
 # (id, which checkpoint, edit, error type, regex the message must match)
+# fmt: off
 CHECKPOINT_CASES = [
     ("truncated_single", "single", _truncate("model.safetensors"), ValueError, r"model\.safetensors.*truncated or corrupt"),
     ("garbage_single", "single", _write("model.safetensors", "not a tensor file"), ValueError, r"model\.safetensors.*truncated or corrupt"),
@@ -183,6 +186,7 @@ CHECKPOINT_CASES = [
     ("corrupt_config", "single", _truncate("config.json"), ValueError, r"config\.json"),
     ("no_weights", "single", _remove("model.safetensors"), FileNotFoundError, r"no model\.safetensors or model\.safetensors\.index\.json in .*hf"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize(
@@ -235,7 +239,10 @@ def test_run_with_missing_path_names_path_and_option(files, tmp_path, option):
     from archon.rl.loop import RLRun
 
     missing = str(tmp_path / "no-such-dir")
-    model = ModelConfig(path=missing) if option == "model.path" else ModelConfig(path=str(files["single"]), tokenizer=missing)
+    if option == "model.path":
+        model = ModelConfig(path=missing)
+    else:
+        model = ModelConfig(path=str(files["single"]), tokenizer=missing)
     with pytest.raises(FileNotFoundError, match=rf"'{missing}' \(from {option}\) does not exist"):
         RLRun(GRPOConfig(model=model))
     assert not (tmp_path / "no-such-dir").exists()

@@ -82,11 +82,8 @@ class LoRAConfig:
 
     def pattern_keys_matching(self, hf_path: str) -> list[str]:
         """The rank/alpha pattern keys that apply to the module at `hf_path`."""
-        return [
-            key
-            for key in (_first_pattern_match(self.rank_pattern, hf_path), _first_pattern_match(self.alpha_pattern, hf_path))
-            if key is not None
-        ]
+        keys = (_first_pattern_match(self.rank_pattern, hf_path), _first_pattern_match(self.alpha_pattern, hf_path))
+        return [key for key in keys if key is not None]
 
     def validate(self, available: tuple[str, ...], family: str) -> None:
         """Fail on a target the model family does not have."""

@@ -1,10 +1,12 @@
 """LoRA layers that are part of the model from construction on (meta device included).
 
 Numerics follow PEFT: y = W x + b + s * B(A(dropout(x))), s = alpha/r (or alpha/sqrt(r) with rsLoRA),
-A kaiming-uniform(a=sqrt(5)), B zeros. A layer is built with the config's default rank and scaling;
-`configure_lora_modules` (archon.lora.utils) then gives each module the rank and scaling that the
-config's patterns assign to its HF path, while the model is still on the meta device. Base parameters keep their names (`q_proj.weight`), so plain
+A kaiming-uniform(a=sqrt(5)), B zeros. Base parameters keep their names (`q_proj.weight`), so plain
 HF checkpoints load unchanged; adapter parameters are `lora_a` / `lora_b`.
+
+A layer is built with the config's default rank and scaling; `configure_lora_modules`
+(archon.lora.utils) then gives each module the rank and scaling that the config's patterns assign to
+its HF path, while the model is still on the meta device.
 """
 
 from __future__ import annotations

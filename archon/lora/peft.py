@@ -154,7 +154,9 @@ def read_peft_config(adapter_dir: str | os.PathLike) -> dict:
         unsupported["fan_in_fan_out"] = config["fan_in_fan_out"]
     if unsupported:
         fields = ", ".join(f"{k}={v!r}" for k, v in sorted(unsupported.items()))
-        hint = " (DoRA adapters cannot be imported; merge them into the base model first)" if "use_dora" in unsupported else ""
+        hint = ""
+        if "use_dora" in unsupported:
+            hint = " (DoRA adapters cannot be imported; merge them into the base model first)"
         raise ValueError(f"{str(path)!r} sets field(s) archon does not support: {fields}{hint}")
     return config
 
@@ -197,7 +199,9 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike) -> LoRAConfig:
         )
     if targets == "all-linear":
         if target_parameters:
-            raise ValueError(f"{str(path)!r} sets target_parameters with target_modules 'all-linear'; archon needs a list")
+            raise ValueError(
+                f"{str(path)!r} sets target_parameters with target_modules 'all-linear'; archon needs a list"
+            )
         experts = False
     else:
         targets, experts = list(targets), True

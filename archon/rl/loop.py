@@ -85,7 +85,8 @@ class RLRun:
         if config.algorithm.teacher_path:
             from archon.engine import build_model
 
-            teacher = build_model(config.algorithm.teacher_path, device=self.device, path_option="algorithm.teacher_path")
+            teacher_path = config.algorithm.teacher_path
+            teacher = build_model(teacher_path, device=self.device, path_option="algorithm.teacher_path")
             self.teacher = teacher.model.eval()
             self.teacher.requires_grad_(False)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
