@@ -19,7 +19,7 @@ from archon.lora.utils import is_lora_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
-# Files that hold a tokenizer's vocabulary; a directory with none of them has no tokenizer.
+# Files that hold a tokenizer's vocabulary in the common formats; named when a directory has no tokenizer.
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
 
 
@@ -91,8 +91,10 @@ def open_safetensors(file: Path):
 
 def warn_non_finite(name: str, tensor: torch.Tensor, file: Path) -> None:
     """Warn, naming the tensor and its file, when `tensor` holds NaN or infinite values."""
-    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-        bad = int((~torch.isfinite(tensor)).sum())
+    if not tensor.is_floating_point():
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
         warnings.warn(
             f"tensor {name!r} in {str(file)!r} holds {bad} NaN/inf value(s) of {tensor.numel()}", RuntimeWarning,
             stacklevel=2,
@@ -100,7 +102,7 @@ def warn_non_finite(name: str, tensor: torch.Tensor, file: Path) -> None:
 
 
 class HFCheckpoint:
-    """Lazy access to the tensors of an HF checkpoint directory."""
+    """The tensors of an HF checkpoint directory: every file's header is read at once, tensors when asked for."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
