@@ -31,10 +31,18 @@ from torch import nn
 
 from archon import device as devices
 from archon.batch import PackedBatch
-from archon.checkpoint.hf import HFCheckpoint, copy_local_into, load_hf_weights, local_region
+from archon.checkpoint.hf import HFCheckpoint, check_model_dir, copy_local_into, load_hf_weights, local_region
 from archon.checkpoint.state_dict_adapter import StateDictAdapter
 from archon.head import DEFAULT_CHUNK_SIZE, label_logprobs
-from archon.lora import LoRAConfig, adapter_disabled, is_lora_param, lora_parameters, mark_only_lora_trainable
+from archon.lora import (
+    LoRAConfig,
+    adapter_disabled,
+    configure_lora_modules,
+    is_lora_param,
+    lora_parameters,
+    mark_only_lora_trainable,
+)
+from archon.lora.peft import peft_adapter_config
 from archon.parallel import ParallelConfig, ParallelDims, init_distributed, reduce_partial_grads
 from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES, DTypeName
@@ -71,13 +79,16 @@ class LoadedModel:
     dims: ParallelDims | None = None
 
 
-def load_hf_config(path: str | os.PathLike):
+def load_hf_config(path: str | os.PathLike, option: str | None = None):
+    """The HF config of the model directory `path`; `option` names the setting the path came from."""
     from transformers import AutoConfig
 
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no config.json in {str(path)!r}; expected an HF model directory")
-    return AutoConfig.from_pretrained(path)
+    check_model_dir(path, option)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{str(path / 'config.json')!r} is not a usable HF model config: {e}") from e
 
 
 @torch.no_grad()
@@ -111,23 +122,29 @@ def build_model(
     parallel: ParallelConfig | None = None,
     dims: ParallelDims | None = None,
     seed: int = 0,
+    path_option: str | None = None,
 ) -> LoadedModel:
     """Build the archon model for the HF checkpoint at `path` and load its weights.
 
     Base weights take `dtype`; LoRA factors stay fp32. With LoRA only the adapter is trainable,
     without it every parameter is. Parallelism: pass `dims` (and `parallel` for AC/compile/FSDP
     options) to use the family's parallelize function, or `parallelize` for a custom callable.
+    `path_option` names the setting `path` came from, for error messages.
     """
     path = Path(path)
-    hf_config = load_hf_config(path)
+    hf_config = load_hf_config(path, path_option)
     spec = get_spec(hf_config.model_type)
     args = spec.args_cls.from_hf_config(hf_config)
     if lora is not None:
         lora.validate(spec.lora_targets, spec.name)
     checkpoint = HFCheckpoint(path)
 
+    adapter = spec.state_dict_adapter_cls(args)
     with torch.device("meta"):
         model = spec.model_cls(args, lora)
+    if lora is not None:
+        configure_lora_modules(model, lora, adapter.hf_name)
+        peft_adapter_config(model, adapter, lora, str(path))  # fail now, not at the first export
     model.to(dtype)
     for name, param in model.named_parameters():
         if is_lora_param(name):
@@ -145,7 +162,6 @@ def build_model(
                 raise ValueError(f"model family {spec.name!r} has no parallelize function (ModelSpec.parallelize_fn)")
             model = spec.parallelize_fn(model, dims, parallel)
     model.to_empty(device=device)
-    adapter = spec.state_dict_adapter_cls(args)
     load_hf_weights(model, adapter, checkpoint)
     if lora is not None:
         init_lora_weights(model, seed)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from archon.checkpoint.atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
@@ -18,10 +19,90 @@ from archon.lora.utils import is_lora_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+# Files that hold a tokenizer's vocabulary in the common formats; named when a directory has no tokenizer.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
+
+
+def _named(path: Path, option: str | None) -> str:
+    return f"{str(path)!r} (from {option})" if option else repr(str(path))
+
+
+def check_model_dir(path: str | os.PathLike | None, option: str | None = None) -> Path:
+    """`path` as a Path if it is an HF model directory with a config.json; otherwise an error that
+    names the path and `option`, the setting it came from."""
+    if path is None:
+        raise ValueError(f"no model directory given{f' ({option} is not set)' if option else ''}")
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {_named(path, option)} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {_named(path, option)} is a file; expected an HF model directory")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {_named(path, option)}; expected an HF model directory")
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike, option: str | None = None):
+    """The tokenizer saved in directory `path`; fails naming the directory when it holds none (given a
+    model directory without one, AutoTokenizer may build an empty tokenizer that encodes text as nothing)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {_named(path, option)} does not exist")
+    missing = (
+        f"no tokenizer in {_named(path, option)}: none of {', '.join(TOKENIZER_VOCAB_FILES)} is there; save the "
+        "tokenizer with the model, or point model.tokenizer at a directory that has one"
+    )
+    has_vocab_file = any((path / name).exists() for name in TOKENIZER_VOCAB_FILES)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not has_vocab_file:
+            raise FileNotFoundError(missing) from e
+        raise ValueError(f"cannot load the tokenizer in {_named(path, option)}: {e}") from e
+    if not tokenizer.encode("a b", add_special_tokens=False):
+        if not has_vocab_file:
+            raise FileNotFoundError(missing)
+        raise ValueError(f"the tokenizer in {_named(path, option)} encodes text as no tokens; its vocabulary is empty")
+    return tokenizer
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from `path`; an error naming the file when it is missing, not JSON or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON (corrupt or truncated?): {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} {str(path)!r} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def open_safetensors(file: Path):
+    """A safetensors handle; an error naming the file when its header or size is wrong (e.g. truncated)."""
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as e:
+        raise ValueError(f"{str(file)!r} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def warn_non_finite(name: str, tensor: torch.Tensor, file: Path) -> None:
+    """Warn, naming the tensor and its file, when `tensor` holds NaN or infinite values."""
+    if not tensor.is_floating_point():
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        warnings.warn(
+            f"tensor {name!r} in {str(file)!r} holds {bad} NaN/inf value(s) of {tensor.numel()}", RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 class HFCheckpoint:
-    """Lazy access to the tensors of an HF checkpoint directory."""
+    """The tensors of an HF checkpoint directory: every file's header is read at once, tensors when asked for."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -29,30 +110,41 @@ class HFCheckpoint:
             raise FileNotFoundError(f"HF checkpoint directory {str(self.path)!r} does not exist")
         index = self.path / SAFETENSORS_INDEX
         single = self.path / SAFETENSORS_SINGLE
+        self._handles: dict[Path, object] = {}
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json_file(index, "checkpoint index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(
+                    f"checkpoint index {str(index)!r} lacks a \"weight_map\" object of tensor name -> file name"
+                )
             self._file_of = {k: self.path / f for k, f in weight_map.items()}
         elif single.exists():
-            with safe_open(single, "pt") as f:
-                self._file_of = {k: single for k in f.keys()}
+            self._handles[single] = open_safetensors(single)
+            self._file_of = {k: single for k in self._handles[single].keys()}
         else:
             raise FileNotFoundError(
                 f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {str(self.path)!r}; "
                 "archon reads safetensors checkpoints only"
             )
-        for file in set(self._file_of.values()):
+        # Open every file now, so a missing, truncated or corrupt shard fails before any weight is read.
+        for file in sorted(set(self._file_of.values())):
             if not file.exists():
-                raise FileNotFoundError(f"checkpoint shard {str(file)!r} named in the index does not exist")
-        self._handles: dict[Path, object] = {}
+                raise FileNotFoundError(f"checkpoint shard {str(file)!r} named in {str(index)!r} does not exist")
+            if file not in self._handles:
+                self._handles[file] = open_safetensors(file)
+        keys_in = {file: set(handle.keys()) for file, handle in self._handles.items()}
+        for key, file in self._file_of.items():
+            if key not in keys_in[file]:
+                raise KeyError(f"{str(index)!r} puts tensor {key!r} in {str(file)!r}, which does not hold it")
 
     def keys(self) -> set[str]:
         return set(self._file_of)
 
+    def file_of(self, key: str) -> Path:
+        return self._file_of[key]
+
     def _handle(self, key: str):
-        file = self._file_of[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, "pt")
-        return self._handles[file]
+        return self._handles[self._file_of[key]]
 
     def get(self, key: str) -> torch.Tensor:
         return self._handle(key).get_tensor(key)
@@ -68,7 +160,7 @@ class HFCheckpoint:
         return self._handle(key).get_slice(key)[region]
 
     def config(self) -> dict:
-        return json.loads((self.path / "config.json").read_text())
+        return read_json_file(self.path / "config.json", "model config")
 
 
 def expected_base_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -106,6 +198,7 @@ def load_hf_weights(model: nn.Module, adapter: StateDictAdapter, checkpoint: HFC
     for key, sources in plan.items():
         target = params[key]
         local = read_local(adapter, checkpoint, key, sources, target)
+        warn_non_finite(sources[0] if len(sources) == 1 else key, local, checkpoint.file_of(sources[0]))
         copy_local_into(target, local, key)
 
 

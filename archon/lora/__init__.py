@@ -2,6 +2,7 @@ from archon.lora.config import LoRAConfig
 from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, linear
 from archon.lora.utils import (
     adapter_disabled,
+    configure_lora_modules,
     is_lora_param,
     lora_modules,
     lora_parameters,
@@ -19,6 +20,7 @@ __all__ = [
     "LoRALinear",
     "LoRAModule",
     "adapter_disabled",
+    "configure_lora_modules",
     "is_lora_param",
     "linear",
     "lora_modules",

@@ -3,6 +3,10 @@
 Numerics follow PEFT: y = W x + b + s * B(A(dropout(x))), s = alpha/r (or alpha/sqrt(r) with rsLoRA),
 A kaiming-uniform(a=sqrt(5)), B zeros. Base parameters keep their names (`q_proj.weight`), so plain
 HF checkpoints load unchanged; adapter parameters are `lora_a` / `lora_b`.
+
+A layer is built with the config's default rank and scaling; `configure_lora_modules`
+(archon.lora.utils) then gives each module the rank and scaling that the config's patterns assign to
+its HF path, while the model is still on the meta device.
 """
 
 from __future__ import annotations
@@ -54,6 +58,15 @@ class LoRALinear(nn.Linear, LoRAModule):
         self.merged = False
         self._weight_before_merge: torch.Tensor | None = None
         if self.weight.device.type != "meta":
+            self.reset_lora_parameters()
+
+    def set_rank(self, rank: int, scaling: float) -> None:
+        """Give this module its own rank and scaling (new, uninitialised factors on the same device)."""
+        device = self.lora_a.weight.device
+        self.lora_a = nn.Linear(self.in_features, rank, bias=False, device=device, dtype=self.lora_a.weight.dtype)
+        self.lora_b = nn.Linear(rank, self.out_features, bias=False, device=device, dtype=self.lora_b.weight.dtype)
+        self.rank, self.scaling = rank, scaling
+        if device.type != "meta":
             self.reset_lora_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

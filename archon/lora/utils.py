@@ -1,14 +1,16 @@
-"""Whole-model LoRA utilities: trainability, adapter parameters, on/off, merge/unmerge."""
+"""Whole-model LoRA utilities: per-module settings, trainability, adapter parameters, on/off, merge/unmerge."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from archon.lora.layers import LoRAModule
+from archon.lora.config import LoRAConfig
+from archon.lora.layers import LoRALinear, LoRAModule
 
 LORA_PARAM_MARKERS = ("lora_a", "lora_b")
 
@@ -75,3 +77,30 @@ def merge_lora(model: nn.Module) -> None:
 def unmerge_lora(model: nn.Module) -> None:
     for _, module in lora_modules(model):
         module.unmerge_lora()
+
+
+def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: Callable[[str], str]) -> None:
+    """Give each LoRA module the rank and scaling `lora` assigns to its HF path, and turn the modules
+    it does not target back into plain linears. Call on the freshly built (meta) model, before it is
+    parallelized or materialised. `hf_module_name` maps an archon module FQN to its HF path.
+    MoE experts keep the config's rank and scaling (patterns that would reach them are refused at
+    build time, see `archon.lora.peft.peft_adapter_config`)."""
+    matched: set[str] = set()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            hf_path = hf_module_name(name)
+            settings = lora.module_settings(hf_path)
+            if settings is None:
+                parent_name, _, child = name.rpartition(".")
+                plain = nn.Linear(
+                    module.in_features, module.out_features, bias=module.bias is not None,
+                    device=module.weight.device, dtype=module.weight.dtype,
+                )  # fmt: skip
+                setattr(model.get_submodule(parent_name), child, plain)
+                continue
+            matched.update(lora.pattern_keys_matching(hf_path))
+            if settings != (module.rank, module.scaling):
+                module.set_rank(*settings)
+    unmatched = sorted((set(lora.rank_pattern) | set(lora.alpha_pattern)) - matched)
+    if unmatched:
+        warnings.warn(f"LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module", RuntimeWarning)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from archon.batch import PackedBatch
+from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
 from archon.engine import Engine, EngineConfig, LossContext
 from archon.rl.advantages import (
@@ -39,6 +40,7 @@ logger = logging.getLogger("archon.rl")
 class RLRun:
     def __init__(self, config: GRPOConfig) -> None:
         self.config = config
+        check_model_dir(config.model.path, "model.path")
         self.engine = Engine(
             EngineConfig(
                 model_path=config.model.path,
@@ -56,9 +58,10 @@ class RLRun:
         self.device = self.engine.device
         self.run_dir = Path(config.logging.run_dir)
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
+        if config.model.tokenizer:
+            self.tokenizer = load_tokenizer(config.model.tokenizer, "model.tokenizer")
+        else:
+            self.tokenizer = load_tokenizer(config.model.path, "model.path")
         self.stop_token_ids = self._stop_token_ids()
         self.train_set = load_prompt_dataset(config.data, self.tokenizer)
         self._report_dataset("train", self.train_set)
@@ -82,7 +85,9 @@ class RLRun:
         if config.algorithm.teacher_path:
             from archon.engine import build_model
 
-            self.teacher = build_model(config.algorithm.teacher_path, device=self.device).model.eval()
+            teacher_path = config.algorithm.teacher_path
+            teacher = build_model(teacher_path, device=self.device, path_option="algorithm.teacher_path")
+            self.teacher = teacher.model.eval()
             self.teacher.requires_grad_(False)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
@@ -96,7 +101,7 @@ class RLRun:
 
         vllm_config = self.config.rollout.vllm
         kwargs = dict(
-            model_path=self.config.model.path, lora_rank=self.config.lora.rank if self.config.lora else None,
+            model_path=self.config.model.path, lora_rank=self.config.lora.max_rank if self.config.lora else None,
             log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
         )  # fmt: skip
         rollout = None
