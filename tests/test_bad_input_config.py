@@ -177,6 +177,7 @@ VALIDATION_CASES = {
     "lora-alpha-zero": ({"lora.alpha": 0.0}, "lora.alpha=0.0"),
     "lora-alpha-negative": ({"lora.alpha": -4.0}, "lora.alpha=-4.0"),
     "eval-every-negative": ({"eval.every": -1}, "eval.every=-1"),
+    "eval-max-prompts-negative": ({"eval.max_prompts": -1}, "eval.max_prompts=-1"),
     "checkpoint-every-negative": ({"checkpoint.every": -2}, "checkpoint.every=-2"),
     "tis-cap-zero": ({"algorithm.loss.tis_cap": 0.0}, "algorithm.loss.tis_cap=0.0"),
     "kl-coef-negative": ({"algorithm.loss.kl_coef": -0.1}, "algorithm.loss.kl_coef=-0.1"),
@@ -186,7 +187,7 @@ VALIDATION_CASES = {
     ),  # fmt: skip
     "lora-null-with-kl": ({"lora": None, "algorithm.loss.kl_coef": 0.1}, "algorithm.loss.kl_coef=0.1 (the reference"),
     "lora-null": ({"lora": None}, "lora=None"),
-    "reward-no-module": ({"reward.function": "no_such_module_here:score"}, "reward.function='no_such_module_here:score'"),
+    "reward-no-module": ({"reward.function": "no_such_module:score"}, "reward.function='no_such_module:score'"),
     "reward-bad-form": ({"reward.function": "score_it"}, "reward.function='score_it'"),
     "parallel-degrees": ({"parallel.tp": 3}, "parallel: "),
 }
@@ -275,7 +276,7 @@ DATA_CASES = {
     "not-an-object": (b'["2+2=", "4"]', "row is a JSON list"),
     "not-utf8": (b'{"prompt": "2+2=\xff\xfe", "answer": "4"}', "not valid UTF-8 (byte 0xff"),
     "latin1": ('{"prompt": "caf\u00e9 2+2=", "answer": "4"}'.encode("latin-1"), "not valid UTF-8 (byte 0xe9"),
-    "too-long-for-context": (json.dumps({"prompt": "1+" * 30 + "1=", "answer": "31"}).encode(), "model's context of 64"),
+    "too-long-for-context": (b'{"prompt": "' + b"1+" * 30 + b'1=", "answer": "31"}', "model's context of 64"),
 }
 
 
@@ -302,7 +303,7 @@ def test_a_prompt_longer_than_the_context_is_never_truncated(tmp_path):
     tokenizer = build_char_tokenizer()
     prompt = "12+34="
     path = tmp_path / "train.jsonl"
-    path.write_text(json.dumps({"prompt": prompt, "answer": "46"}) + "\n" + json.dumps({"prompt": "1=", "answer": "1"}) + "\n")
+    path.write_text(json.dumps({"prompt": prompt, "answer": "46"}) + "\n" + '{"prompt": "1=", "answer": "1"}\n')
     n = len(tokenizer(prompt)["input_ids"])
     fits = load_prompt_dataset(DataConfig(path=str(path)), tokenizer, context_length=n + 4, max_new_tokens=4)
     assert [e.prompt for e in fits.examples] == [prompt, "1="]

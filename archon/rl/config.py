@@ -1,5 +1,9 @@
 """The GRPO-LoRA recipe's configuration: one tree of dataclasses, exposed on the command line with
-tyro and loadable from a YAML or TOML file (`--config FILE`, then command-line overrides)."""
+tyro and loadable from a YAML or TOML file (`--config FILE`, then command-line overrides).
+
+A file's values are converted by each field's type as tyro converts a flag's text (merge_into), and
+validate() checks the settings together before anything is built; both name the field at fault.
+"""
 
 from __future__ import annotations
 
@@ -197,7 +201,7 @@ def _expected(tp: Any) -> str:
 
 
 class _WrongType(ValueError):
-    pass
+    """A value that does not fit its field's type (within a union, the next member is tried)."""
 
 
 def _convert(value: Any, tp: Any, where: str, current: Any = None) -> Any:
@@ -402,7 +406,8 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     require(algorithm.minibatches >= 1, "algorithm.minibatches", algorithm.minibatches, "must be at least 1")
     require(algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", algorithm.ppo_epochs, "must be at least 1")
     require(
-        0 <= algorithm.overlong_buffer <= rollout.max_new_tokens, "algorithm.overlong_buffer", algorithm.overlong_buffer,
+        0 <= algorithm.overlong_buffer <= rollout.max_new_tokens,
+        "algorithm.overlong_buffer", algorithm.overlong_buffer,
         f"must be between 0 and rollout.max_new_tokens={rollout.max_new_tokens}",
     )  # fmt: skip
     require(loss.kl_coef >= 0, "algorithm.loss.kl_coef", loss.kl_coef, "must be >= 0 (0 disables the KL penalty)")
@@ -413,6 +418,7 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     if config.lora is not None:
         require(config.lora.alpha > 0, "lora.alpha", config.lora.alpha, "must be > 0")
     require(config.eval.every >= 0, "eval.every", config.eval.every, "must be >= 0 (0 disables evaluation)")
+    require(config.eval.max_prompts >= 0, "eval.max_prompts", config.eval.max_prompts, "must be >= 0")
     require(
         config.eval.max_new_tokens is None or config.eval.max_new_tokens >= 1,
         "eval.max_new_tokens", config.eval.max_new_tokens, "must be at least 1 (None: rollout.max_new_tokens)",
@@ -425,10 +431,14 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     if config.lora is None:
         needs = ["the PEFT adapter written at each checkpoint and at the end"]
         if loss.kl_coef > 0:
-            needs.append(f"algorithm.loss.kl_coef={loss.kl_coef} (the reference policy is the model with its adapter off)")
+            needs.append(
+                f"algorithm.loss.kl_coef={loss.kl_coef} (the reference policy is the model with its adapter off)"
+            )
         if rollout.engine == "vllm" and rollout.vllm.mode == "adapter":
             needs.append("rollout.vllm.mode='adapter' (vLLM applies the trained adapter)")
-        problems.append(f"lora=None (every weight trained, no adapter), but the run needs an adapter for: {'; '.join(needs)}")
+        problems.append(
+            f"lora=None (every weight trained, no adapter), but the run needs an adapter for: {'; '.join(needs)}"
+        )
     if (problem := reward_function_problem(config.reward.function)) is not None:
         problems.append(f"reward.function={config.reward.function!r}: {problem}")
     return problems
@@ -483,7 +493,9 @@ def _model_problems(config: GRPOConfig) -> list[str]:
     if teacher_path is not None:
         teacher = _read_model_config(teacher_path, "algorithm.teacher_path")
         if teacher is None:
-            problems.append(f"algorithm.teacher_path={teacher_path!r}: no config.json there; expected an HF model directory")
+            problems.append(
+                f"algorithm.teacher_path={teacher_path!r}: no config.json there; expected an HF model directory"
+            )
         elif student is not None and teacher.get("vocab_size") != student.get("vocab_size"):
             problems.append(
                 f"algorithm.teacher_path={teacher_path!r}: the teacher's vocabulary has {teacher.get('vocab_size')} "

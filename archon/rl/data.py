@@ -8,9 +8,9 @@
 
 A malformed row (bad JSON, bytes that are not UTF-8, a missing field, a value of the wrong type)
 is skipped, counted and reported with its file and row number; it never stops loading. So is a
-prompt too long for the model's context (see load_prompt_dataset): prompts are never truncated or altered.
-Row numbers: JSONL rows are 1-based line numbers (as an editor shows them), Parquet and `datasets`
-rows are 0-based indices.
+prompt too long for the model's context (see load_prompt_dataset): prompts are never truncated
+or altered. Row numbers: JSONL rows are 1-based line numbers (as an editor shows them), Parquet
+and `datasets` rows are 0-based indices.
 """
 
 from __future__ import annotations
