@@ -29,7 +29,8 @@ MAX_REPORTED_ROWS = 10
 
 @dataclass
 class DataConfig:
-    """Where the prompts come from and how batches are drawn."""
+    """Where the prompts come from and how batches are drawn (the recipe takes rollout.prompts_per_step
+    prompts per batch)."""
 
     path: str = ""
     """A .jsonl file, a .parquet file, or a directory written by datasets' save_to_disk."""
@@ -46,13 +47,11 @@ class DataConfig:
     """A system message put before each prompt when the chat template is applied."""
     max_prompt_tokens: int | None = None
     """Skip (and count) prompts longer than this many tokens; needs a tokenizer."""
-    batch_size: int = 8
-    """Prompts per batch."""
     shuffle: bool = True
     seed: int = 0
     """Seed of the per-epoch shuffle: the same seed gives the same batches."""
     drop_last: bool = True
-    """Skip an epoch's last, incomplete batch, so every batch has batch_size prompts."""
+    """Skip an epoch's last, incomplete batch, so every batch is full."""
 
 
 @dataclass
@@ -314,10 +313,6 @@ class PromptBatchIterator:
         self.epoch = 0
         self.position = 0
         self._order = self._epoch_order(0)
-
-    @classmethod
-    def from_config(cls, dataset: PromptDataset, config: DataConfig) -> "PromptBatchIterator":
-        return cls(dataset.examples, config.batch_size, config.seed, config.shuffle, config.drop_last)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))
