@@ -1,5 +1,7 @@
 """archon vs HF transformers (and PEFT) in fp32, for Qwen3 and Qwen3-MoE configurations."""
 
+import json
+
 import pytest
 
 from archon.tools.align import MAX_ABS_LOGITS_DIFF, MAX_LORA_GRAD_REL_ERR, MAX_MEAN_KL, AlignArgs, run_alignment
@@ -65,3 +67,12 @@ def test_packed_equals_separate_archon_forwards(tiny_checkpoint):
             [model(s, torch.arange(len(s)), torch.tensor([0, len(s)]), len(s)) for s in seqs]
         )
     torch.testing.assert_close(packed, separate, rtol=0, atol=1e-5)
+
+
+def test_hf_path_alone_reads_the_model_type(tiny_checkpoint, capsys):
+    from archon.tools.align import main
+
+    path = tiny_checkpoint("qwen3")
+    assert main(["--hf-path", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["model_type"] == "qwen3" and report["hf_path"] == str(path) and report["pass"]

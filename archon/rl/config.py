@@ -1,9 +1,15 @@
 """The GRPO-LoRA recipe's configuration: one tree of dataclasses, exposed on the command line with
-tyro and loadable from a YAML or TOML file (`--config FILE`, then command-line overrides)."""
+tyro and loadable from a YAML or TOML file (`--config FILE`, then command-line overrides).
+
+A file's values are converted by each field's type as tyro converts a flag's text (merge_into), and
+validate() checks the settings together before anything is built; both name the field at fault.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 import types
 import typing
@@ -17,6 +23,7 @@ from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.data import DataConfig
 from archon.rl.losses import LossConfig
+from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
 from archon.rollout.vllm import VLLMConfig
@@ -147,66 +154,188 @@ class GRPOConfig:
     data position)."""
 
 
+# ---- typed values from config files -------------------------------------------------------------
+# A file's values are converted by the field's type hint with the rules tyro applies to a flag's
+# text, so `lr: 1e-3` (a string to PyYAML) is the float a flag would give, and anything a flag would
+# refuse is an error that names the field.
+
+
 def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _dataclass_in(tp: Any) -> type | None:
-    """The dataclass inside `tp` (itself, or the non-None member of `X | None`)."""
+def _is_none(value: Any) -> bool:
+    """None, or "None": tyro's spelling of None on the command line (TOML has no null)."""
+    return value is None or value == "None"
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def _expected(tp: Any) -> str:
+    """What a value of type `tp` looks like, for error messages."""
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list, each {_expected(args[0])}"
+        return f"a list of {len(args)} items ({', '.join(_expected(a) for a in args)})"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_expected(member) for member in typing.get_args(tp))
     if _is_dataclass_type(tp):
-        return tp
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        members = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(members) == 1 and _is_dataclass_type(members[0]):
-            return members[0]
-    return None
+        return f"a section (a mapping of {tp.__name__} fields)"
+    return repr(tp)
+
+
+class _WrongType(ValueError):
+    """A value that does not fit its field's type (within a union, the next member is tried)."""
+
+
+def _convert(value: Any, tp: Any, where: str, current: Any = None) -> Any:
+    """`value` (as read from a file) as type `tp`; raises ValueError naming `where`."""
+    origin = typing.get_origin(tp)
+
+    def wrong() -> _WrongType:
+        hint = " (quote it to make it a string)" if tp is str and value is not None else ""
+        return _WrongType(f"{where}: expected {_expected(tp)}, got {_shown(value)}{hint}")
+
+    if origin in (typing.Union, types.UnionType):
+        members = [member for member in typing.get_args(tp) if member is not type(None)]
+        if len(members) < len(typing.get_args(tp)) and _is_none(value):
+            return None
+        if len(members) == 1:
+            return _convert(value, members[0], where, current)
+        for member in members:
+            try:
+                return _convert(value, member, where, current)
+            except _WrongType:
+                continue
+        raise wrong()
+    if tp is type(None):
+        if _is_none(value):
+            return None
+        raise wrong()
+    if _is_dataclass_type(tp):
+        if not isinstance(value, dict):
+            raise wrong()
+        return merge_into(current if isinstance(current, tp) else tp(), value, where)
+    if origin is Literal:
+        for choice in typing.get_args(tp):
+            if type(value) is type(choice) and value == choice:
+                return choice
+            if isinstance(value, str) and not isinstance(choice, str) and value == str(choice):
+                return choice
+        raise wrong()
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise wrong()
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],) * len(value)
+        elif len(value) != len(args):
+            raise _WrongType(f"{where}: expected {_expected(tp)}, got {len(value)} items: {list(value)!r}")
+        return tuple(_convert(item, item_tp, f"{where}[{i}]") for i, (item, item_tp) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise wrong()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise wrong()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise wrong()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise wrong()
+    if tp is Any:
+        return value
+    raise TypeError(f"{where}: config files cannot set a field of type {tp!r}")
 
 
 def merge_into(instance: Any, values: dict[str, Any], where: str = "") -> Any:
-    """A copy of dataclass `instance` with `values` (nested dicts) applied; unknown keys are errors."""
+    """A copy of dataclass `instance` with `values` (nested mappings, as read from a file) applied.
+
+    Each value is converted to its field's type; an unknown key, a value of the wrong type, a
+    scalar given for a section or a mapping given for a plain field is a ValueError that names the
+    field (dotted path from the root).
+    """
     if not isinstance(values, dict):
-        raise ValueError(f"config section {where or '<root>'!r} must be a mapping, got {type(values).__name__}")
+        raise _WrongType(f"{where or 'the config'}: expected {_expected(type(instance))}, got {_shown(values)}")
     hints = typing.get_type_hints(type(instance))
-    names = {f.name for f in dataclasses.fields(instance)}
+    names = [f.name for f in dataclasses.fields(instance) if f.init]
     changes = {}
     for key, value in values.items():
-        path = f"{where}.{key}" if where else key
+        path = f"{where}.{key}" if where else str(key)
         if key not in names:
             raise ValueError(f"unknown config key {path!r}; valid keys here: {', '.join(sorted(names))}")
-        sub = _dataclass_in(hints[key])
-        current = getattr(instance, key)
-        if sub is not None and isinstance(value, dict):
-            changes[key] = merge_into(current if current is not None else sub(), value, path)
-        elif isinstance(value, list):
-            changes[key] = tuple(value)
-        else:
-            changes[key] = value
-    return dataclasses.replace(instance, **changes)
+        changes[key] = _convert(value, hints[key], path, getattr(instance, key))
+    try:
+        return dataclasses.replace(instance, **changes)
+    except (TypeError, ValueError) as e:  # the dataclass's own checks (__post_init__)
+        raise ValueError(f"{where or 'the config'}: {e}") from None
+
+
+def _read_values(path: Path) -> Any:
+    """The parsed contents of a YAML or TOML file; a syntax error is a ValueError (with its line)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".toml":
+        import tomllib
+
+        return tomllib.loads(text)  # TOMLDecodeError is a ValueError
+    import yaml
+
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"invalid YAML: {e}") from None
+    return {} if values is None else values
 
 
 def load_config_file(path: str | Path, base: GRPOConfig | None = None) -> GRPOConfig:
+    """`base` (default: GRPOConfig()) with the values of a YAML or TOML file; errors name the file."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        values = yaml.safe_load(text) or {}
-    elif path.suffix == ".toml":
-        import tomllib
-
-        values = tomllib.loads(text)
-    else:
+    if path.suffix not in (".yaml", ".yml", ".toml"):
         raise ValueError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
     try:
-        return merge_into(base or GRPOConfig(), values)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        return merge_into(base or GRPOConfig(), _read_values(path))
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ValueError(f"config file {path}: {e}") from None
 
 
 def parse_config(argv: list[str] | None = None) -> GRPOConfig:
-    """`--config FILE` (optional, first) supplies defaults; every other flag overrides them."""
+    """`--config FILE` (optional) supplies defaults; every other flag overrides them. The result is
+    checked with validate()."""
     import tyro
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -217,4 +346,160 @@ def parse_config(argv: list[str] | None = None) -> GRPOConfig:
             raise SystemExit("--config needs a file path")
         default = load_config_file(argv[i + 1])
         del argv[i : i + 2]
-    return tyro.cli(GRPOConfig, default=default, args=argv)
+    config = tyro.cli(GRPOConfig, default=default, args=argv)
+    validate(config)
+    return config
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+
+def validate(config: GRPOConfig, world_size: int | None = None) -> None:
+    """Fail now, naming each field, on settings that would otherwise fail or misbehave only once the
+    run is under way.
+
+    world_size: processes in the run; default: the process group's size, else torchrun's
+    WORLD_SIZE, else 1. Reads the config.json of model.path and algorithm.teacher_path (no weights).
+    """
+    problems = _setting_problems(config)
+    problems += _parallel_problems(config, _world_size() if world_size is None else world_size)
+    problems += _model_problems(config)
+    if problems:
+        raise ValueError("invalid configuration:\n" + "\n".join(f"  {problem}" for problem in problems))
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _setting_problems(config: GRPOConfig) -> list[str]:
+    rollout, algorithm, loss = config.rollout, config.algorithm, config.algorithm.loss
+    problems: list[str] = []
+
+    def require(ok: bool, name: str, value: Any, rule: str) -> None:
+        if not ok:
+            problems.append(f"{name}={value!r}: {rule}")
+
+    require(config.steps >= 1, "steps", config.steps, "must be at least 1")
+    require(config.micro_batch_tokens >= 1, "micro_batch_tokens", config.micro_batch_tokens, "must be at least 1")
+    require(rollout.prompts_per_step >= 1, "rollout.prompts_per_step", rollout.prompts_per_step, "must be at least 1")
+    if algorithm.teacher_path is None:
+        require(
+            rollout.group_size >= 2, "rollout.group_size", rollout.group_size,
+            f"algorithm {loss.algorithm!r} compares each sample with the other samples of its prompt's group, "
+            "so a group needs at least 2",
+        )  # fmt: skip
+    else:
+        require(rollout.group_size >= 1, "rollout.group_size", rollout.group_size, "must be at least 1")
+    require(rollout.max_new_tokens >= 1, "rollout.max_new_tokens", rollout.max_new_tokens, "must be at least 1")
+    require(
+        rollout.temperature > 0, "rollout.temperature", rollout.temperature,
+        "training rollouts sample at this temperature and their log-probs are taken at it, so it must be > 0 "
+        "(held-out evaluation is greedy regardless)",
+    )  # fmt: skip
+    require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
+    require(rollout.top_k >= 0, "rollout.top_k", rollout.top_k, "must be >= 0 (0 disables top-k)")
+    require(algorithm.minibatches >= 1, "algorithm.minibatches", algorithm.minibatches, "must be at least 1")
+    require(algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", algorithm.ppo_epochs, "must be at least 1")
+    require(
+        0 <= algorithm.overlong_buffer <= rollout.max_new_tokens,
+        "algorithm.overlong_buffer", algorithm.overlong_buffer,
+        f"must be between 0 and rollout.max_new_tokens={rollout.max_new_tokens}",
+    )  # fmt: skip
+    require(loss.kl_coef >= 0, "algorithm.loss.kl_coef", loss.kl_coef, "must be >= 0 (0 disables the KL penalty)")
+    require(
+        loss.tis_cap is None or loss.tis_cap > 0, "algorithm.loss.tis_cap", loss.tis_cap,
+        "must be > 0 (None disables truncated importance sampling)",
+    )  # fmt: skip
+    if config.lora is not None:
+        require(config.lora.alpha > 0, "lora.alpha", config.lora.alpha, "must be > 0")
+    require(config.eval.every >= 0, "eval.every", config.eval.every, "must be >= 0 (0 disables evaluation)")
+    require(config.eval.max_prompts >= 0, "eval.max_prompts", config.eval.max_prompts, "must be >= 0")
+    require(
+        config.eval.max_new_tokens is None or config.eval.max_new_tokens >= 1,
+        "eval.max_new_tokens", config.eval.max_new_tokens, "must be at least 1 (None: rollout.max_new_tokens)",
+    )  # fmt: skip
+    require(
+        config.checkpoint.every >= 0, "checkpoint.every", config.checkpoint.every,
+        "must be >= 0 (0 saves only at the end)",
+    )  # fmt: skip
+    require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last", config.checkpoint.keep_last, "must be at least 1")
+    if config.lora is None:
+        needs = ["the PEFT adapter written at each checkpoint and at the end"]
+        if loss.kl_coef > 0:
+            needs.append(
+                f"algorithm.loss.kl_coef={loss.kl_coef} (the reference policy is the model with its adapter off)"
+            )
+        if rollout.engine == "vllm" and rollout.vllm.mode == "adapter":
+            needs.append("rollout.vllm.mode='adapter' (vLLM applies the trained adapter)")
+        problems.append(
+            f"lora=None (every weight trained, no adapter), but the run needs an adapter for: {'; '.join(needs)}"
+        )
+    if (problem := reward_function_problem(config.reward.function)) is not None:
+        problems.append(f"reward.function={config.reward.function!r}: {problem}")
+    return problems
+
+
+def _parallel_problems(config: GRPOConfig, world_size: int) -> list[str]:
+    try:
+        dims = config.parallel.dims(world_size, "cpu")
+    except (ValueError, NotImplementedError) as e:
+        return [f"parallel: {e}"]
+    if config.rollout.prompts_per_step < dims.dp:
+        return [
+            f"rollout.prompts_per_step={config.rollout.prompts_per_step}: smaller than the data-parallel size "
+            f"{dims.dp} (world size {world_size}, parallel.tp={dims.tp}); every data-parallel rank needs at "
+            "least one prompt per step"
+        ]
+    return []
+
+
+def _read_model_config(directory: str, field_name: str) -> dict | None:
+    """The config.json of an HF checkpoint directory, or None when there is none (the model loader
+    reports a missing checkpoint); an unreadable file is an error naming it."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{field_name}: {path} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{field_name}: {path} holds a JSON {type(values).__name__}, not an object")
+    return values
+
+
+def _model_problems(config: GRPOConfig) -> list[str]:
+    if config.model.path is None:  # the demo builds its model later
+        return []
+    problems = []
+    student = _read_model_config(config.model.path, "model.path")
+    context = student.get("max_position_embeddings") if student else None
+    if isinstance(context, int):
+        for name, value in (
+            ("rollout.max_new_tokens", config.rollout.max_new_tokens),
+            ("eval.max_new_tokens", config.eval.max_new_tokens),
+        ):
+            if value is not None and value >= context:
+                problems.append(
+                    f"{name}={value}: the model's context is {context} tokens (max_position_embeddings in "
+                    f"{Path(config.model.path) / 'config.json'}), which leaves no room for a prompt"
+                )
+    teacher_path = config.algorithm.teacher_path
+    if teacher_path is not None:
+        teacher = _read_model_config(teacher_path, "algorithm.teacher_path")
+        if teacher is None:
+            problems.append(
+                f"algorithm.teacher_path={teacher_path!r}: no config.json there; expected an HF model directory"
+            )
+        elif student is not None and teacher.get("vocab_size") != student.get("vocab_size"):
+            problems.append(
+                f"algorithm.teacher_path={teacher_path!r}: the teacher's vocabulary has {teacher.get('vocab_size')} "
+                f"tokens and the student's (model.path={config.model.path!r}) {student.get('vocab_size')}; "
+                "distillation compares log-probs of the same token ids, so they must share a vocabulary"
+            )
+    return problems

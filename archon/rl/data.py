@@ -6,9 +6,11 @@
     state = batches.state_dict()               # save with the checkpoint ...
     batches.load_state_dict(state)             # ... and the next batch is the same after a resume
 
-A malformed row (bad JSON, a missing field, a value of the wrong type) is skipped, counted and
-reported with its file and row number; it never stops loading. Row numbers: JSONL rows are
-1-based line numbers (as an editor shows them), Parquet and `datasets` rows are 0-based indices.
+A malformed row (bad JSON, bytes that are not UTF-8, a missing field, a value of the wrong type)
+is skipped, counted and reported with its file and row number; it never stops loading. So is a
+prompt too long for the model's context (see load_prompt_dataset): prompts are never truncated
+or altered. Row numbers: JSONL rows are 1-based line numbers (as an editor shows them), Parquet
+and `datasets` rows are 0-based indices.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ MAX_REPORTED_ROWS = 10
 
 @dataclass
 class DataConfig:
-    """Where the prompts come from and how batches are drawn."""
+    """Where the prompts come from and how batches are drawn (the recipe takes rollout.prompts_per_step
+    prompts per batch)."""
 
     path: str = ""
     """A .jsonl file, a .parquet file, or a directory written by datasets' save_to_disk."""
@@ -44,13 +47,11 @@ class DataConfig:
     """A system message put before each prompt when the chat template is applied."""
     max_prompt_tokens: int | None = None
     """Skip (and count) prompts longer than this many tokens; needs a tokenizer."""
-    batch_size: int = 8
-    """Prompts per batch."""
     shuffle: bool = True
     seed: int = 0
     """Seed of the per-epoch shuffle: the same seed gives the same batches."""
     drop_last: bool = True
-    """Skip an epoch's last, incomplete batch, so every batch has batch_size prompts."""
+    """Skip an epoch's last, incomplete batch, so every batch is full."""
 
 
 @dataclass
@@ -85,7 +86,8 @@ class PromptDataset:
     malformed: list[MalformedRow] = field(default_factory=list)
     """Rows skipped because they were malformed."""
     too_long: list[MalformedRow] = field(default_factory=list)
-    """Rows skipped because the prompt had more than max_prompt_tokens tokens."""
+    """Rows skipped because the prompt had more tokens than max_prompt_tokens or than the model's
+    context leaves for it."""
     chat_template_applied: bool = False
 
     def __len__(self) -> int:
@@ -131,9 +133,16 @@ def _check_messages(value: list) -> str | None:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """(line number, row, problem) for each non-blank line."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_number, line in enumerate(f, start=1):
+    """(line number, row, problem) for each non-blank line. A line that is not valid UTF-8 is a
+    problem row, never decoded with replacement characters."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                # a byte-order mark may open the file
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                yield line_number, None, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte offset {exc.start})"
+                continue
             if not line.strip():
                 continue
             try:
@@ -182,14 +191,19 @@ def tokenize_prompt(tokenizer, text: str, chat_template_applied: bool) -> list[i
     return tokenizer(text, add_special_tokens=not chat_template_applied)["input_ids"]
 
 
-def load_prompt_dataset(config: DataConfig, tokenizer=None) -> PromptDataset:
+def load_prompt_dataset(
+    config: DataConfig, tokenizer=None, context_length: int | None = None, max_new_tokens: int = 0
+) -> PromptDataset:
     """Read every row of config.path, keep the valid ones and record the rest (see PromptDataset.report()).
 
-    The tokenizer is needed for apply_chat_template and max_prompt_tokens. Raises only for problems
-    with the whole dataset: a missing file, an unknown format, a missing tokenizer, or no valid row.
+    context_length: the model's context (max_position_embeddings). A prompt that leaves less than
+    max_new_tokens of it for the response is skipped and counted, like one over max_prompt_tokens.
+    The tokenizer is needed for apply_chat_template, max_prompt_tokens and context_length. Raises only
+    for problems with the whole dataset: a missing file, an unknown format, a missing tokenizer, or
+    no valid row.
     """
-    if (config.apply_chat_template or config.max_prompt_tokens) and tokenizer is None:
-        raise ValueError("apply_chat_template and max_prompt_tokens need a tokenizer")
+    if (config.apply_chat_template or config.max_prompt_tokens or context_length is not None) and tokenizer is None:
+        raise ValueError("apply_chat_template, max_prompt_tokens and context_length need a tokenizer")
     if config.apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("apply_chat_template is set but the tokenizer has no chat template")
     path = Path(config.path)
@@ -203,12 +217,9 @@ def load_prompt_dataset(config: DataConfig, tokenizer=None) -> PromptDataset:
         if problem is not None:
             dataset.malformed.append(MalformedRow(str(path), row_number, problem, line_numbered))
             continue
-        if config.max_prompt_tokens is not None:
-            num_tokens = len(tokenize_prompt(tokenizer, prompt, config.apply_chat_template))
-            if num_tokens > config.max_prompt_tokens:
-                reason = f"prompt has {num_tokens} tokens > max_prompt_tokens={config.max_prompt_tokens}"
-                dataset.too_long.append(MalformedRow(str(path), row_number, reason, line_numbered))
-                continue
+        if (problem := _length_problem(prompt, config, tokenizer, context_length, max_new_tokens)) is not None:
+            dataset.too_long.append(MalformedRow(str(path), row_number, problem, line_numbered))
+            continue
         dataset.examples.append(PromptExample(prompt, reference, location))
 
     if dataset.malformed or dataset.too_long:
@@ -216,6 +227,22 @@ def load_prompt_dataset(config: DataConfig, tokenizer=None) -> PromptDataset:
     if not dataset.examples:
         raise ValueError(f"prompt dataset {path} has no usable rows: {dataset.report()}")
     return dataset
+
+
+def _length_problem(
+    prompt: str, config: DataConfig, tokenizer, context_length: int | None, max_new_tokens: int
+) -> str | None:
+    if config.max_prompt_tokens is None and context_length is None:
+        return None
+    num_tokens = len(tokenize_prompt(tokenizer, prompt, config.apply_chat_template))
+    if config.max_prompt_tokens is not None and num_tokens > config.max_prompt_tokens:
+        return f"prompt has {num_tokens} tokens > max_prompt_tokens={config.max_prompt_tokens}"
+    if context_length is not None and num_tokens + max_new_tokens > context_length:
+        return (
+            f"prompt has {num_tokens} tokens; with {max_new_tokens} new tokens that is more than the "
+            f"model's context of {context_length}"
+        )
+    return None
 
 
 def _parse_row(row: Any, config: DataConfig, tokenizer) -> tuple[str, Any, str | None]:
@@ -286,10 +313,6 @@ class PromptBatchIterator:
         self.epoch = 0
         self.position = 0
         self._order = self._epoch_order(0)
-
-    @classmethod
-    def from_config(cls, dataset: PromptDataset, config: DataConfig) -> "PromptBatchIterator":
-        return cls(dataset.examples, config.batch_size, config.seed, config.shuffle, config.drop_last)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))

@@ -26,7 +26,7 @@ from archon.rl.advantages import (
     grpo_advantages,
     overlong_penalty,
 )
-from archon.rl.config import GRPOConfig
+from archon.rl.config import GRPOConfig, validate
 from archon.rl.data import DataConfig, PromptBatchIterator, load_prompt_dataset, tokenize_prompt
 from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
@@ -39,6 +39,7 @@ logger = logging.getLogger("archon.rl")
 
 class RLRun:
     def __init__(self, config: GRPOConfig) -> None:
+        validate(config)
         self.config = config
         check_model_dir(config.model.path, "model.path")
         self.engine = Engine(
@@ -63,7 +64,8 @@ class RLRun:
         else:
             self.tokenizer = load_tokenizer(config.model.path, "model.path")
         self.stop_token_ids = self._stop_token_ids()
-        self.train_set = load_prompt_dataset(config.data, self.tokenizer)
+        context = self.engine.loaded.hf_config.max_position_embeddings
+        self.train_set = load_prompt_dataset(config.data, self.tokenizer, context, config.rollout.max_new_tokens)
         self._report_dataset("train", self.train_set)
         self.iterator = PromptBatchIterator(
             self.train_set.examples, batch_size=config.rollout.prompts_per_step, seed=config.data.seed,
@@ -72,7 +74,8 @@ class RLRun:
         self.eval_set = None
         if config.eval.path and config.eval.every:
             eval_data = DataConfig(**{**asdict(config.data), "path": config.eval.path})
-            self.eval_set = load_prompt_dataset(eval_data, self.tokenizer)
+            eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
+            self.eval_set = load_prompt_dataset(eval_data, self.tokenizer, context, eval_new_tokens)
             self._report_dataset("held-out", self.eval_set)
         self.scorer = RewardScorer(config.reward)
         if config.rollout.engine == "vllm":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 import math
 import numbers
@@ -61,14 +62,36 @@ BUILTIN_REWARDS: dict[str, str] = {
 }
 
 
-def resolve_reward_function(spec: str) -> RewardFn:
-    """"math", "exact" or "package.module:function" -> the callable. Fails clearly on a bad spec."""
+def _split_spec(spec: str) -> tuple[str, str]:
+    """"math", "exact" or "package.module:function" -> (module name, attribute path)."""
     target = BUILTIN_REWARDS.get(spec, spec)
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
             f"reward function {spec!r} must be one of {', '.join(BUILTIN_REWARDS)} or 'module:function'"
         )
+    return module_name, attr
+
+
+def reward_function_problem(spec: str) -> str | None:
+    """What is wrong with a reward function spec that can be told without running user code (a bad
+    form, a module that cannot be found), or None. resolve_reward_function checks the rest."""
+    try:
+        module_name, _ = _split_spec(spec)
+    except ValueError as e:
+        return str(e)
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as e:  # a parent package that is missing or fails to import
+        return f"module {module_name!r} cannot be found: {type(e).__name__}: {e}"
+    if found is None:
+        return f"no module named {module_name!r} (looked on sys.path; add its directory to PYTHONPATH)"
+    return None
+
+
+def resolve_reward_function(spec: str) -> RewardFn:
+    """"math", "exact" or "package.module:function" -> the callable. Fails clearly on a bad spec."""
+    module_name, attr = _split_spec(spec)
     module = importlib.import_module(module_name)
     fn = module
     for part in attr.split("."):

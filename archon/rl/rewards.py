@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 WORKER_STARTUP_TIMEOUT_S = 120.0
 MAX_LOGGED_FAILURES_PER_BATCH = 3
+EXIT_WAIT_S = 5.0
+"""How long a worker whose output closed gets to finish exiting before it counts as hung."""
 
 
 @dataclass
@@ -112,9 +114,9 @@ class _WorkerProcess:
         self.send(("init", self.spec, list(sys.path)))
         reply = self.receive(time.monotonic() + WORKER_STARTUP_TIMEOUT_S)
         if reply is None or reply == "eof":
-            code = self.proc.poll()
+            reason = self.exit_reason() if reply == "eof" else f"no reply in {WORKER_STARTUP_TIMEOUT_S:.0f} s"
             self.stop()
-            raise RuntimeError(f"reward worker for {self.spec!r} did not start (exit code {code})")
+            raise RuntimeError(f"reward worker for {self.spec!r} did not start: {reason}")
         if reply[0] != "ready":
             self.stop()
             raise RuntimeError(f"reward function {self.spec!r} could not be loaded: {reply[1]}")
@@ -150,6 +152,22 @@ class _WorkerProcess:
             if readable and not self.read_available():
                 return "eof"
         return message
+
+    def exit_reason(self) -> str:
+        """Why the process ended, once its output has closed: its exit code or the signal that killed it."""
+        try:
+            code = self.proc.wait(timeout=EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return f"it closed its output but was still running {EXIT_WAIT_S:.0f} s later"
+        if code >= 0:
+            return f"it exited with code {code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a signal without a name (real-time signals)
+            name = f"signal {-code}"
+        if -code == signal.SIGKILL:
+            return f"it was killed by {name} (the kernel's out-of-memory killer sends SIGKILL; see dmesg)"
+        return f"it was killed by {name}"
 
     def stop(self) -> None:
         if self.proc is None:
@@ -285,9 +303,9 @@ class RewardScorer:
                         failures.append(("error", index, message[1]))
                 elif not open_:
                     del busy[worker]
-                    code = worker.proc.poll()
+                    reason = worker.exit_reason()
                     worker.stop()
-                    failures.append(("error", index, f"reward worker exited (code {code})"))
+                    failures.append(("error", index, f"reward worker died: {reason}"))
             now = time.monotonic()
             for worker, (index, deadline) in list(busy.items()):
                 if deadline <= now:

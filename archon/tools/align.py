@@ -1,15 +1,18 @@
 """HF parity report: does an archon model family match HF transformers (and PEFT) in fp32?
 
-    python -m archon.tools.align --model-type qwen3 [--hf-path DIR] [--lora-rank 8] [--seed 0]
+    python -m archon.tools.align --model-type qwen3 [--lora-rank 8] [--seed 0]
+    python -m archon.tools.align --hf-path DIR [--lora-rank 8]
 
 Without --hf-path a tiny random-weight HF model is built from the transformers config class of
-the type (sizes from the family's ModelSpec.tiny_hf_config) and saved to a temp dir. Both models
-run a packed batch of several sequences of different lengths; HF runs each sequence on its own.
+the type (sizes from the family's ModelSpec.tiny_hf_config) and saved to a temp dir; with it, the
+type is read from DIR/config.json. Both models run a packed batch of several sequences of
+different lengths; HF runs each sequence on its own.
 The last line printed is JSON; the exit code is non-zero when a tolerance is exceeded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -27,10 +30,10 @@ MAX_LORA_GRAD_REL_ERR = 1e-4
 
 @dataclass
 class AlignArgs:
-    model_type: str
-    """HF model_type to check, e.g. qwen3, qwen3_moe."""
+    model_type: str | None = None
+    """HF model_type to check, e.g. qwen3, qwen3_moe; default: the one in hf_path's config.json."""
     hf_path: str | None = None
-    """An HF checkpoint directory; default: a tiny random model built for the type."""
+    """An HF checkpoint directory; default: a tiny random model built for model_type."""
     lora_rank: int | None = None
     """Also compare a random LoRA of this rank against PEFT on the HF model."""
     seed: int = 0
@@ -64,6 +67,34 @@ def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0,
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def resolve_model_type(args: AlignArgs) -> str:
+    """args.model_type, else the model_type of args.hf_path/config.json; a supported type either way."""
+    from archon.spec import get_spec
+
+    if args.hf_path is None:
+        if args.model_type is None:
+            raise ValueError("give --model-type (to check a tiny random model of that type) or --hf-path DIR")
+        get_spec(args.model_type)
+        return args.model_type
+    config_path = Path(args.hf_path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist; --hf-path must be an HF model directory")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        raise ValueError(f"{config_path} has no \"model_type\" string, so it is not an HF transformers model config")
+    if args.model_type is not None and args.model_type != model_type:
+        raise ValueError(f"{config_path} holds model_type {model_type!r}, not {args.model_type!r}")
+    try:
+        get_spec(model_type)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
+    return model_type
 
 
 def packed_batch(seq_lens, vocab_size: int, seed: int):
@@ -104,10 +135,11 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
     from archon.lora import LoRAConfig, lora_parameters
     from archon.lora.peft import save_peft_adapter
 
+    model_type = resolve_model_type(args)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         if args.hf_path is None:
-            hf_path = make_tiny_hf_checkpoint(args.model_type, Path(tmp) / "hf", args.seed, **args.config_overrides)
+            hf_path = make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **args.config_overrides)
         else:
             hf_path = Path(args.hf_path)
 
@@ -117,8 +149,6 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
             ).eval()
 
         hf_model = load_hf()
-        if hf_model.config.model_type != args.model_type:
-            raise ValueError(f"{hf_path} holds model_type {hf_model.config.model_type!r}, not {args.model_type!r}")
         loaded = build_model(hf_path)
         model = loaded.model.eval()
         seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.vocab_size, args.seed)
@@ -129,7 +159,7 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
         max_diff, mean_kl = _compare_logits(archon_logits, hf_logits)
         logprob_diff = (label_logprobs(archon_logits, seqs) - label_logprobs(hf_logits, seqs)).abs().max().item()
         report: dict[str, Any] = {
-            "model_type": args.model_type,
+            "model_type": model_type,
             "hf_path": None if args.hf_path is None else str(hf_path),
             "tokens": int(tokens.numel()),
             "sequences": len(seqs),
@@ -251,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     args = tyro.cli(AlignArgs, args=argv)
+    try:
+        args = dataclasses.replace(args, model_type=resolve_model_type(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     report = run_alignment(args)
     print(format_report(report))
     print(json.dumps(report))

@@ -1,0 +1,457 @@
+"""Bad configuration, data and reward settings fail (or are skipped and reported) with a message
+that names the culprit: the field and the file, or the file:row. None of them touches a run directory."""
+
+import dataclasses
+import hashlib
+import json
+import logging
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from archon.rl.config import GRPOConfig, load_config_file, parse_config, validate
+from archon.rl.data import DataConfig, load_prompt_dataset
+from archon.rl.rewards import RewardConfig, RewardScorer
+from archon.rl.tasks import build_char_tokenizer
+
+
+def _snapshot(directory: Path) -> dict[str, str]:
+    """Every path under `directory` with a hash of its contents (directories: "dir")."""
+    return {
+        str(p.relative_to(directory)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory from an earlier run; every failure below must leave it as it is."""
+    root = tmp_path / "run"
+    (root / "checkpoints" / "step-000002").mkdir(parents=True)
+    (root / "checkpoints" / "step-000002" / "trainer_state.json").write_text('{"step": 2}')
+    (root / "adapter").mkdir()
+    (root / "adapter" / "adapter_model.safetensors").write_bytes(b"earlier adapter")
+    (root / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    return root
+
+
+def _replace(config, path: str, value):
+    """A copy of `config` with the dotted field `path` set to `value`."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return dataclasses.replace(config, **{head: value})
+    return dataclasses.replace(config, **{head: _replace(getattr(config, head), rest, value)})
+
+
+# ---- config files -------------------------------------------------------------------------------
+
+FILE_CASES = {
+    # name: (file name, contents, field the message must name)
+    "yaml-int-word": ("run.yaml", "steps: ten\n", "steps: expected an integer, got str 'ten'"),
+    "yaml-scalar-for-section": ("run.yaml", "rollout: 5\n", "rollout: expected a section"),
+    "yaml-null-section": ("run.yaml", "lora: null\n", "lora: expected a section"),
+    "yaml-mapping-for-scalar": ("run.yaml", "optim: {lr: {value: 1}}\n", "optim.lr: expected a number"),
+    "yaml-float-word": ("run.yaml", "optim: {lr: fast}\n", "optim.lr: expected a number, got str 'fast'"),
+    "yaml-fraction-for-int": ("run.yaml", "steps: 10.5\n", "steps: expected an integer, got float 10.5"),
+    "yaml-bad-choice": ("run.yaml", "rollout: {engine: vlm}\n", "rollout.engine: expected one of 'native', 'vllm'"),
+    "yaml-unknown-key": ("run.yaml", "rollout: {groupsize: 4}\n", "unknown config key 'rollout.groupsize'"),
+    "yaml-bool-for-str": ("run.yaml", "data: {answer_field: no}\n", "data.answer_field: expected a string"),
+    "yaml-bad-bool": ("run.yaml", "logging: {progress: maybe}\n", "logging.progress: expected true or false"),
+    "yaml-short-tuple": ("run.yaml", "optim: {betas: [0.9]}\n", "optim.betas: expected a list of 2 items"),
+    "yaml-str-for-list": ("run.yaml", "lora: {target_modules: q_proj}\n", "lora.target_modules: expected a list"),
+    "yaml-deep-bad-choice": (
+        "run.yaml", "algorithm: {loss: {algorithm: ppo2}}\n", "algorithm.loss.algorithm: expected one of 'grpo'",
+    ),  # fmt: skip
+    "yaml-dataclass-check": ("run.yaml", "lora: {rank: 0}\n", "lora: LoRAConfig.rank must be positive"),
+    "yaml-reward-timeout": ("run.yaml", "reward: {timeout_s: 0}\n", "reward: RewardConfig.timeout_s must be positive"),
+    "yaml-syntax": ("run.yaml", "steps: [1, 2\n", "invalid YAML"),
+    "yaml-top-level-list": ("run.yaml", "- steps\n- 3\n", "the config: expected a section"),
+    "toml-int-word": ("run.toml", "steps = 'ten'\n", "steps: expected an integer, got str 'ten'"),
+    "toml-scalar-for-section": ("run.toml", "[rollout]\nvllm = 3\n", "rollout.vllm: expected a section"),
+    "toml-bad-choice": ("run.toml", "[parallel]\nparam_dtype = 'bf16'\n", "parallel.param_dtype: expected one of"),
+    "toml-syntax": ("run.toml", "steps = \n", "Invalid value"),
+    "toml-unknown-section": ("run.toml", "[optimiser]\nlr = 1e-3\n", "unknown config key 'optimiser'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_config_file_errors_name_the_field_and_the_file(case, tmp_path):
+    name, text, culprit = FILE_CASES[case]
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as error:
+        load_config_file(path)
+    message = str(error.value)
+    assert str(path) in message and culprit in message, message
+    with pytest.raises(ValueError, match="config file"):  # the recipe's path to it says the same
+        parse_config(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "name, contents, error, culprit",
+    [
+        ("missing.yaml", None, FileNotFoundError, "missing.yaml"),
+        ("run.json", b"{}", ValueError, "run.json"),
+        ("latin1.yaml", "steps: 3\nseed: \xe9\n".encode("latin-1"), ValueError, "latin1.yaml"),
+    ],
+)
+def test_unreadable_config_files_are_named(name, contents, error, culprit, tmp_path):
+    path = tmp_path / name
+    if contents is not None:
+        path.write_bytes(contents)
+    with pytest.raises(error, match=culprit):
+        load_config_file(path)
+
+
+def test_file_values_take_the_typed_path_of_a_flag(tmp_path):
+    """PyYAML reads 1e-3 as a string; it is the float the flag --optim.lr 1e-3 gives."""
+    path = tmp_path / "run.yaml"
+    path.write_text("optim: {lr: 1e-3, betas: ['0.8', 1]}\nsteps: '12'\ndata: {answer_field: null}\n")
+    from_file = load_config_file(path)
+    from_flags = parse_config(
+        ["--optim.lr", "1e-3", "--optim.betas", "0.8", "1", "--steps", "12", "--data.answer-field", "None"]
+    )
+    assert from_file == from_flags
+    assert from_file.optim.lr == 1e-3 and isinstance(from_file.optim.lr, float)
+    toml = tmp_path / "run.toml"
+    toml.write_text("[data]\nanswer_field = 'None'\n[lora]\ntarget_modules = ['q_proj']\n")
+    config = load_config_file(toml)
+    assert config.data.answer_field is None and config.lora.target_modules == ("q_proj",)
+
+
+def test_every_field_loads_from_a_file():
+    """Each field of the tree (whatever its type) goes through the typed path: the defaults, written
+    out and read back, give the defaults."""
+
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    values = plain(dataclasses.asdict(GRPOConfig()))
+    from archon.rl.config import merge_into
+
+    assert merge_into(GRPOConfig(), yaml.safe_load(yaml.safe_dump(values))) == GRPOConfig()
+
+
+# ---- command-line flags -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [
+        (["--steps", "ten"], "--steps"),
+        (["--rollout.engine", "vlm"], "--rollout.engine"),
+        (["--optim.lr", "fast"], "--optim.lr"),
+        (["--rollout.grop-size", "4"], "--rollout.grop-size"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv, culprit, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    captured = capsys.readouterr()
+    assert culprit in captured.out + captured.err
+
+
+def test_config_flag_without_a_path():
+    with pytest.raises(SystemExit, match="--config needs a file path"):
+        parse_config(["--steps", "3", "--config"])
+
+
+# ---- up-front validation ------------------------------------------------------------------------
+
+VALIDATION_CASES = {
+    # name: (changes, culprit in the message)
+    "steps-zero": ({"steps": 0}, "steps=0"),
+    "steps-negative": ({"steps": -5}, "steps=-5"),
+    "minibatches-zero": ({"algorithm.minibatches": 0}, "algorithm.minibatches=0"),
+    "ppo-epochs-zero": ({"algorithm.ppo_epochs": 0}, "algorithm.ppo_epochs=0"),
+    "group-of-one": ({"rollout.group_size": 1}, "rollout.group_size=1"),
+    "group-of-one-drgrpo": (
+        {"rollout.group_size": 1, "algorithm.loss.algorithm": "drgrpo"}, "rollout.group_size=1: algorithm 'drgrpo'"
+    ),  # fmt: skip
+    "lora-alpha-zero": ({"lora.alpha": 0.0}, "lora.alpha=0.0"),
+    "lora-alpha-negative": ({"lora.alpha": -4.0}, "lora.alpha=-4.0"),
+    "eval-every-negative": ({"eval.every": -1}, "eval.every=-1"),
+    "eval-max-prompts-negative": ({"eval.max_prompts": -1}, "eval.max_prompts=-1"),
+    "checkpoint-every-negative": ({"checkpoint.every": -2}, "checkpoint.every=-2"),
+    "tis-cap-zero": ({"algorithm.loss.tis_cap": 0.0}, "algorithm.loss.tis_cap=0.0"),
+    "kl-coef-negative": ({"algorithm.loss.kl_coef": -0.1}, "algorithm.loss.kl_coef=-0.1"),
+    "temperature-zero": ({"rollout.temperature": 0.0}, "rollout.temperature=0.0"),
+    "overlong-buffer-too-big": (
+        {"algorithm.overlong_buffer": 300, "rollout.max_new_tokens": 256}, "algorithm.overlong_buffer=300"
+    ),  # fmt: skip
+    "lora-null-with-kl": ({"lora": None, "algorithm.loss.kl_coef": 0.1}, "algorithm.loss.kl_coef=0.1 (the reference"),
+    "lora-null": ({"lora": None}, "lora=None"),
+    "reward-no-module": ({"reward.function": "no_such_module:score"}, "reward.function='no_such_module:score'"),
+    "reward-bad-form": ({"reward.function": "score_it"}, "reward.function='score_it'"),
+    "parallel-degrees": ({"parallel.tp": 3}, "parallel: "),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALIDATION_CASES))
+def test_invalid_settings_fail_before_anything_is_built(case, run_dir):
+    from archon.rl.loop import RLRun
+
+    changes, culprit = VALIDATION_CASES[case]
+    config = _replace(GRPOConfig(), "logging.run_dir", str(run_dir))
+    for path, value in changes.items():
+        config = _replace(config, path, value)
+    before = _snapshot(run_dir)
+    with pytest.raises(ValueError) as error:
+        RLRun(config)  # validation is its first act: no model is built
+    assert culprit in str(error.value), str(error.value)
+    assert _snapshot(run_dir) == before
+
+
+def test_prompts_per_step_below_the_data_parallel_size(run_dir, monkeypatch):
+    from archon.rl.loop import RLRun
+
+    config = _replace(_replace(GRPOConfig(), "rollout.prompts_per_step", 2), "logging.run_dir", str(run_dir))
+    validate(config, world_size=2)
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2: smaller than the data-parallel size 4"):
+        validate(config, world_size=4)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # what torchrun sets
+    before = _snapshot(run_dir)
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2"):
+        RLRun(config)
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2"):
+        parse_config(["--rollout.prompts-per-step", "2"])
+    assert _snapshot(run_dir) == before
+
+
+def test_settings_from_a_file_are_validated_when_parsed(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 0\nalgorithm: {ppo_epochs: 0}\n")
+    with pytest.raises(ValueError, match=r"(?s)steps=0.*algorithm.ppo_epochs=0"):  # every problem at once
+        parse_config(["--config", str(path)])
+
+
+def _model_dir(root: Path, name: str, **config) -> Path:
+    """A model directory with only a config.json (validation never reads weights)."""
+    directory = root / name
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "teacher_vocab, max_new_tokens, culprit",
+    [
+        (1000, 16, "algorithm.teacher_path="),  # a teacher with another vocabulary
+        (512, 128, "rollout.max_new_tokens=128: the model's context is 128 tokens"),  # no room for a prompt
+    ],
+)
+def test_model_files_are_checked_before_loading(teacher_vocab, max_new_tokens, culprit, tmp_path, run_dir):
+    from archon.rl.loop import RLRun
+
+    student = _model_dir(tmp_path, "student", vocab_size=512, max_position_embeddings=128)
+    teacher = _model_dir(tmp_path, "teacher", vocab_size=teacher_vocab, max_position_embeddings=128)
+    config = GRPOConfig()
+    for path, value in {
+        "model.path": str(student), "algorithm.teacher_path": str(teacher), "logging.run_dir": str(run_dir),
+        "rollout.max_new_tokens": max_new_tokens,
+    }.items():  # fmt: skip
+        config = _replace(config, path, value)
+    before = _snapshot(run_dir)
+    with pytest.raises(ValueError) as error:
+        RLRun(config)
+    assert culprit in str(error.value) and str(student) in str(error.value), str(error.value)
+    assert _snapshot(run_dir) == before
+
+
+# ---- data files ---------------------------------------------------------------------------------
+
+GOOD_ROW = b'{"prompt": "1+1=", "answer": "2"}'
+DATA_CASES = {
+    # name: (line 2 of a JSONL file, reason in the report)
+    "bad-json": (b'{"prompt": "2+2=", "answer": ', "invalid JSON"),
+    "missing-prompt": (b'{"question": "2+2=", "answer": "4"}', "missing field 'prompt'"),
+    "missing-answer": (b'{"prompt": "2+2="}', "missing field 'answer'"),
+    "prompt-not-text": (b'{"prompt": 22, "answer": "4"}', "field 'prompt' is int"),
+    "not-an-object": (b'["2+2=", "4"]', "row is a JSON list"),
+    "not-utf8": (b'{"prompt": "2+2=\xff\xfe", "answer": "4"}', "not valid UTF-8 (byte 0xff"),
+    "latin1": ('{"prompt": "caf\u00e9 2+2=", "answer": "4"}'.encode("latin-1"), "not valid UTF-8 (byte 0xe9"),
+    "too-long-for-context": (b'{"prompt": "' + b"1+" * 30 + b'1=", "answer": "31"}', "model's context of 64"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_bad_rows_are_skipped_counted_and_reported_with_file_and_row(case, tmp_path, caplog):
+    line, reason = DATA_CASES[case]
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\n".join([GOOD_ROW, line, GOOD_ROW, GOOD_ROW]) + b"\n")
+    with caplog.at_level(logging.WARNING, logger="archon.rl.data"):
+        dataset = load_prompt_dataset(
+            DataConfig(path=str(path)), build_char_tokenizer(), context_length=64, max_new_tokens=8
+        )
+    assert [e.source for e in dataset.examples] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    assert [e.prompt for e in dataset.examples] == ["1+1="] * 3  # nothing altered
+    skipped = dataset.malformed + dataset.too_long
+    assert len(skipped) == 1 and str(skipped[0]).startswith(f"{path}:2: ") and reason in str(skipped[0])
+    report = dataset.report()
+    assert report.startswith("3 prompts, ") and f"{path}:2: " in report and reason in report
+    assert f"{path}:2: " in caplog.text
+
+
+def test_a_prompt_longer_than_the_context_is_never_truncated(tmp_path):
+    """The count is the tokens the rollout would see; nothing is cut to fit."""
+    tokenizer = build_char_tokenizer()
+    prompt = "12+34="
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "answer": "46"}) + "\n" + '{"prompt": "1=", "answer": "1"}\n')
+    n = len(tokenizer(prompt)["input_ids"])
+    fits = load_prompt_dataset(DataConfig(path=str(path)), tokenizer, context_length=n + 4, max_new_tokens=4)
+    assert [e.prompt for e in fits.examples] == [prompt, "1="]
+    skipped = load_prompt_dataset(DataConfig(path=str(path)), tokenizer, context_length=n + 3, max_new_tokens=4)
+    assert [e.prompt for e in skipped.examples] == ["1="]
+    assert [str(r) for r in skipped.too_long] == [
+        f"{path}:1: prompt has {n} tokens; with 4 new tokens that is more than the model's context of {n + 3}"
+    ]
+    assert skipped.report().startswith("1 prompts, 0 malformed rows, 1 too long")
+
+
+@pytest.mark.parametrize(
+    "name, contents, error, culprit",
+    [
+        ("missing.jsonl", None, FileNotFoundError, "missing.jsonl"),
+        ("train.csv", b"prompt,answer\n", ValueError, "train.csv: unknown dataset format"),
+        ("empty.jsonl", b"\n\n", ValueError, "empty.jsonl has no usable rows"),
+        ("all-bad.jsonl", b'{"q": 1}\n\xff\n', ValueError, r"all-bad.jsonl:2: not valid UTF-8"),
+    ],
+)
+def test_unusable_data_files_are_named(name, contents, error, culprit, tmp_path):
+    path = tmp_path / name
+    if contents is not None:
+        path.write_bytes(contents)
+    with pytest.raises(error, match=culprit):
+        load_prompt_dataset(DataConfig(path=str(path)))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny Qwen3 with a 64-token context and a character tokenizer."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_char_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    return root / "model"
+
+
+def test_run_skips_prompts_its_model_cannot_hold(tiny_model, tmp_path):
+    """The recipe passes the model's context (max_position_embeddings) and the response length to
+    the loader, for the training and the held-out data."""
+    from archon.rl.loop import RLRun
+
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
+    rows.insert(3, {"prompt": "1+" * 40 + "1=", "answer": "41"})  # 82 characters: over 64
+    rows.insert(5, {"prompt": "1+" * 28 + "1=", "answer": "29"})  # fits alone, not with 8 new tokens
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = parse_config([
+        "--model.path", str(tiny_model), "--data.path", str(path), "--eval.path", str(path),
+        "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--rollout.max-new-tokens", "8",
+        "--reward.function", "exact", "--reward.num-workers", "0", "--logging.run-dir", str(tmp_path / "run"),
+    ])  # fmt: skip
+    run = RLRun(config)
+    try:
+        assert [row.location for row in run.train_set.too_long] == [f"{path}:4", f"{path}:6"]
+        assert [row.location for row in run.eval_set.too_long] == [f"{path}:4", f"{path}:6"]
+        assert len(run.train_set.examples) == 8
+    finally:
+        run.scorer.close()
+        run.metrics.close()
+
+
+# ---- reward settings ----------------------------------------------------------------------------
+
+USER_REWARDS = textwrap.dedent(
+    """
+    import os
+    import signal
+
+    def reward(prompt, completion, reference):
+        if completion == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if completion == "exit":
+            os._exit(3)
+        return 1.0
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def user_rewards(tmp_path_factory):
+    import sys
+
+    directory = tmp_path_factory.mktemp("user_rewards")
+    (directory / "bad_input_rewards.py").write_text(USER_REWARDS)
+    sys.path.insert(0, str(directory))
+    yield "bad_input_rewards"
+    sys.path.remove(str(directory))
+    sys.modules.pop("bad_input_rewards", None)
+
+
+@pytest.mark.parametrize(
+    "function, num_workers, error, culprit",
+    [
+        ("bad_input_rewards:missing", 0, ValueError, "module 'bad_input_rewards' has no attribute 'missing'"),
+        ("bad_input_rewards:missing", 1, RuntimeError, "'bad_input_rewards:missing' could not be loaded"),
+        ("no_such_module_here:score", 1, RuntimeError, "No module named 'no_such_module_here'"),
+        ("score_it", 0, ValueError, "reward function 'score_it' must be one of"),
+    ],
+)
+def test_reward_functions_that_cannot_be_loaded(function, num_workers, error, culprit, user_rewards):
+    with pytest.raises(error, match=culprit):
+        RewardScorer(RewardConfig(function=function, num_workers=num_workers))
+
+
+@pytest.mark.parametrize(
+    "completion, cause",
+    [("kill", "it was killed by SIGKILL (the kernel's out-of-memory killer"), ("exit", "it exited with code 3")],
+)
+def test_a_dead_reward_worker_is_reported_with_its_cause(completion, cause, user_rewards, caplog):
+    with caplog.at_level(logging.WARNING, logger="archon.rl.rewards"):
+        with RewardScorer(RewardConfig(function=f"{user_rewards}:reward", num_workers=1)) as scorer:
+            rewards, metrics = scorer.score(["p", "p"], [completion, "ok"], ["", ""])
+    assert rewards.tolist() == [0.0, 1.0] and metrics["reward_errors"] == 1
+    assert f"reward worker died: {cause}" in caplog.text
+    assert "code None" not in caplog.text
+
+
+# ---- the alignment tool's model directory -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, model_type, error, culprit",
+    [
+        (None, None, FileNotFoundError, "config.json does not exist"),
+        ("{not json", None, ValueError, "config.json is not valid JSON"),
+        ({"vocab_size": 10}, None, ValueError, 'config.json has no "model_type"'),
+        ({"model_type": "gpt2"}, None, ValueError, "config.json: unsupported model_type 'gpt2'"),
+        ({"model_type": "qwen3"}, "llama", ValueError, "config.json holds model_type 'qwen3', not 'llama'"),
+    ],
+)
+def test_align_model_directory_errors_name_the_file(config, model_type, error, culprit, tmp_path, capsys):
+    from archon.tools.align import AlignArgs, main, resolve_model_type
+
+    if config is not None:
+        (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    with pytest.raises(error, match=culprit) as raised:
+        resolve_model_type(AlignArgs(model_type=model_type, hf_path=str(tmp_path)))
+    assert str(tmp_path / "config.json") in str(raised.value)
+    argv = ["--hf-path", str(tmp_path)] + (["--model-type", model_type] if model_type else [])
+    assert main(argv) == 2
+    assert culprit in capsys.readouterr().err
