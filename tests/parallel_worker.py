@@ -95,7 +95,7 @@ def resume(args) -> None:
             batch = resume_batch(engine, vocab, step)
             losses.append(engine.train_step(batch, cases.loss_fn, with_entropy=True)["loss"])
             if save:
-                engine.save_checkpoint(manager, data_state={"next_step": step + 1})
+                engine.save_checkpoint(manager, step + 1, data_state={"next_step": step + 1})
         return losses
 
     if args.phase == "first":
@@ -108,7 +108,7 @@ def resume(args) -> None:
         os._exit(0)
     # Another seed: everything that matters must come from the checkpoint.
     engine = Engine(cases.engine_config(path, parallel, lora_dropout=0.1, seed=123))
-    data_state = engine.load_checkpoint(manager)
+    data_state = engine.load_checkpoint(manager)["data"]
     second_half = run(engine, data_state["next_step"], 8)
     if dist.get_rank() == 0:
         torch.save(

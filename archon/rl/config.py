@@ -70,6 +70,10 @@ class AlgorithmConfig:
     teacher_path: str | None = None
     """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
     -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged."""
+    max_skipped_steps: int = 3
+    """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer left
+    as they were; counted in the metric skipped_steps). This many RL steps in a row with a skipped
+    update stop the run with an error."""
 
 
 @dataclass
@@ -88,6 +92,9 @@ class CheckpointConfig:
     every: int = 0
     """Resume checkpoint and PEFT adapter export every N steps (0: only at the end)."""
     keep_last: int = 2
+    """Resume checkpoints kept (the newest)."""
+    keep_last_adapters: int = 2
+    """PEFT exports kept in RUN_DIR/adapters (the newest); the final one, RUN_DIR/adapter, is separate."""
 
 
 @dataclass
