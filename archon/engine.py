@@ -440,6 +440,8 @@ class Engine:
             loss_sum += loss.detach().float()
             weight = float(mb.loss_mask.sum())
             for key, value in metrics.items():
+                if key == "loss":  # the batch loss is loss_sum below, exactly; a loss function's own report of it is not
+                    continue
                 value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
                 if key == "num_tokens":
                     sums[key] = sums.get(key, 0) + value
