@@ -106,9 +106,9 @@ class RLRun:
             self.teacher.requires_grad_(False)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
-        self.skipped_streak: list[int] = []
+        self._skipped_streak: list[int] = []
         """RL steps in a row (the latest last) with an update skipped for a non-finite loss or gradient."""
-        self.reward_failure_streak: list[int] = []
+        self._reward_failure_streak: list[int] = []
         """RL steps in a row on which the reward function failed on every sample."""
         self._step_extremes: dict[str, float] = {}
         self._reward_traceback: str | None = None
@@ -276,10 +276,11 @@ class RLRun:
         self.rollout.update(version=step + 1, engine=self.engine)
         sync_s = time.perf_counter() - sync_start
 
-        n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts = self._sum(
+        (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts,
+         tokens) = self._sum(
             len(samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()), float(correct.sum()),
             float(lengths.sum()), float(gap.sum()), float(gap.numel()), float(keep.sum()) / G,
-            reward_metrics["reward_errors"], reward_metrics["reward_timeouts"],
+            reward_metrics["reward_errors"], reward_metrics["reward_timeouts"], float(batch.num_tokens),
         )  # fmt: skip
         reward_mean = reward_sum / n
         step_s = time.perf_counter() - start
@@ -299,7 +300,7 @@ class RLRun:
             "train_s": train_s,
             "sync_s": sync_s,
             "step_s": step_s,
-            "tokens_per_s": sum(u["total_tokens"] for u in updates) / step_s,
+            "tokens_per_s": tokens / step_s,  # the step's training batch, all ranks
             "adapter_version": float(self.rollout.version),
             "skipped_steps": sum(u["skipped"] for u in updates),
         }
@@ -327,13 +328,13 @@ class RLRun:
         """Stop the run (the same decision on every rank: the counts are global) after
         algorithm.max_skipped_steps RL steps in a row with a skipped update, or
         reward.max_failed_steps steps in a row on which the reward function failed on every sample."""
-        self.skipped_streak = self.skipped_streak + [step] if metrics["skipped_steps"] else []
+        self._skipped_streak = self._skipped_streak + [step] if metrics["skipped_steps"] else []
         limit = self.config.algorithm.max_skipped_steps
-        if len(self.skipped_streak) >= limit:
+        if len(self._skipped_streak) >= limit:
             extremes = self._step_extremes
             raise NonFiniteError(
-                f"RL step {step}: the loss or gradient norm was NaN or inf on {len(self.skipped_streak)} RL steps "
-                f"in a row (steps {self.skipped_streak[0]}-{step}, algorithm.max_skipped_steps={limit}); those "
+                f"RL step {step}: the loss or gradient norm was NaN or inf on {len(self._skipped_streak)} RL steps "
+                f"in a row (steps {self._skipped_streak[0]}-{step}, algorithm.max_skipped_steps={limit}); those "
                 "updates were skipped and left the adapter and optimizer unchanged. Last step: "
                 f"loss {metrics.get('loss')}, grad_norm {metrics.get('grad_norm')}, lr {metrics.get('lr')}, "
                 f"largest |reward| {extremes.get('reward_abs_max')}, largest |advantage| "
@@ -343,13 +344,13 @@ class RLRun:
         failed = metrics["reward_samples"] > 0 and metrics["reward_errors"] + metrics["reward_timeouts"] >= (
             metrics["reward_samples"]
         )
-        self.reward_failure_streak = self.reward_failure_streak + [step] if failed else []
+        self._reward_failure_streak = self._reward_failure_streak + [step] if failed else []
         limit = self.config.reward.max_failed_steps
-        if len(self.reward_failure_streak) >= limit:
+        if len(self._reward_failure_streak) >= limit:
             cause = self._reward_traceback or "(every sample timed out, or failed on another rank)"
             raise RewardFunctionError(
                 f"RL step {step}: the reward function {self.config.reward.function!r} failed on every sample for "
-                f"{len(self.reward_failure_streak)} steps in a row (steps {self.reward_failure_streak[0]}-{step}, "
+                f"{len(self._reward_failure_streak)} steps in a row (steps {self._reward_failure_streak[0]}-{step}, "
                 f"reward.max_failed_steps={limit}). First failure of step {step}:\n{cause}"
             )
 
@@ -380,6 +381,14 @@ class RLRun:
                 self.rollout.update(version=first, engine=self.engine)
                 if self.rank == 0:
                     print(f"resumed from step {first}")
+        try:
+            return self._train(first)
+        finally:
+            self.close()
+
+    def _train(self, first: int) -> dict[str, float]:
+        """RL steps first+1 .. steps (1-based), then the final checkpoint and adapter."""
+        cfg = self.config
         progress = None
         if self.rank == 0 and cfg.logging.progress:
             from tqdm import tqdm
@@ -409,11 +418,14 @@ class RLRun:
         if progress is not None:
             progress.close()
         self.save(cfg.steps, final=True)
+        return last
+
+    def close(self) -> None:
+        """Close the metrics files, reward workers and rollout servers (also when a step fails)."""
         self.metrics.close()
         self.scorer.close()
         if hasattr(self.rollout, "close"):
             self.rollout.close()
-        return last
 
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,
