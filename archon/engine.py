@@ -440,7 +440,7 @@ class Engine:
             loss_sum += loss.detach().float()
             weight = float(mb.loss_mask.sum())
             for key, value in metrics.items():
-                if key == "loss":  # the batch loss is loss_sum below, exactly; a loss function's own report of it is not
+                if key == "loss":  # the batch loss is loss_sum, summed exactly; not a per-token mean of it
                     continue
                 value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
                 if key == "num_tokens":
@@ -548,26 +548,28 @@ class Engine:
 
         return {k: full_tensor(p.detach()).cpu() for k, p in lora_parameters(self.model).items()}
 
-    def check_finite(self, what: str, optimizer_state: bool = True) -> None:
-        """Raise NonFiniteError on every rank if any rank's trainable parameters (or, with
-        optimizer_state, their AdamW moments) hold NaN or inf, naming the first such tensor; `what`
-        says what was about to be written."""
-        bad = None
+    def _first_non_finite(self, optimizer_state: bool) -> str | None:
+        """This rank's first trainable parameter (or, with optimizer_state, AdamW state tensor of
+        one) that holds NaN or inf, by name; None when all are finite."""
         for name, param in self.model.named_parameters():
             if not param.requires_grad:
                 continue
-            tensors = {name: param}
+            tensors = [(name, param)]
             if optimizer_state:
-                for key, value in self.optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor) and value.is_floating_point():
-                        tensors[f"optimizer state {key!r} of {name}"] = value
-            for label, tensor in tensors.items():
+                state = self.optimizer.state.get(param, {})
+                tensors += [(f"optimizer state {key!r} of {name}", value) for key, value in state.items()]
+            for label, tensor in tensors:
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                if not bool(torch.isfinite(local.detach()).all()):
-                    bad = label
-                    break
-            if bad is not None:
-                break
+                if torch.is_tensor(local) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                    return label
+        return None
+
+    @torch.no_grad()
+    def check_finite(self, what: str, optimizer_state: bool = True) -> None:
+        """Raise NonFiniteError on every rank when any rank's trainable parameters (or, with
+        optimizer_state, their AdamW state) hold NaN or inf, naming the first such tensor. `what`
+        says what was about to be written."""
+        bad = self._first_non_finite(optimizer_state)
         if not self._same_on_every_rank(bad is not None):
             return
         found = [bad]

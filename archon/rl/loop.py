@@ -437,7 +437,7 @@ class RLRun:
             self._prune_adapter_exports()
 
     def _prune_adapter_exports(self) -> None:
-        exports = [p for p in (self.run_dir / "adapters").iterdir() if p.is_dir() and ADAPTER_EXPORT_DIR.fullmatch(p.name)]
+        exports = [p for p in (self.run_dir / "adapters").iterdir() if ADAPTER_EXPORT_DIR.fullmatch(p.name)]
         exports.sort(key=lambda p: int(ADAPTER_EXPORT_DIR.fullmatch(p.name).group(1)))
         for stale in exports[: -self.config.checkpoint.keep_last_adapters]:
             shutil.rmtree(stale)
