@@ -3,7 +3,7 @@
 Layout: a rollout batch holds `num_groups` prompts with `group_size` (G) samples each, stored
 group by group, so sample `i` belongs to group `i // G`. Per-sample tensors have shape [B] with
 B = num_groups * G. Per-token tensors are packed: shape [T], with sequence boundaries given by
-`cu_seqlens` [N+1] (the layout of the model forward, see DESIGN.md).
+`cu_seqlens` [N+1] (the layout of the model forward, see docs/architecture.md).
 """
 
 from __future__ import annotations
