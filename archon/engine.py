@@ -7,8 +7,9 @@ holds), and its LoRA factors are initialised (A kaiming-uniform, B zeros) from a
 so every layout starts from the same adapter.
 
 `Engine` adds what the RL loop uses: `logprobs` (policy, or reference with the adapter off) and
-`train_step` (micro-batches by token budget, accumulation, clipping, AdamW, LR schedule), plus
-resume checkpoints and PEFT export.
+`train_step` (micro-batches by token budget, accumulation, clipping, AdamW, LR schedule, and
+skipping any update whose loss or gradient is not finite), plus resume checkpoints and PEFT
+export, which refuse to write NaN or inf.
 
 Data layout: every data-parallel rank passes its own PackedBatch; the ranks of one tensor-parallel
 group pass the same one.

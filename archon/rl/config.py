@@ -71,9 +71,9 @@ class AlgorithmConfig:
     """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
     -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged."""
     max_skipped_steps: int = 3
-    """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer left
-    as they were; counted in the metric skipped_steps). This many RL steps in a row with a skipped
-    update stop the run with an error."""
+    """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
+    left as they were, the LR schedule still follows the RL step; counted in the metric
+    skipped_steps). This many RL steps in a row with a skipped update stop the run with an error."""
 
 
 @dataclass
