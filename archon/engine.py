@@ -7,8 +7,9 @@ holds), and its LoRA factors are initialised (A kaiming-uniform, B zeros) from a
 so every layout starts from the same adapter.
 
 `Engine` adds what the RL loop uses: `logprobs` (policy, or reference with the adapter off) and
-`train_step` (micro-batches by token budget, accumulation, clipping, AdamW, LR schedule), plus
-resume checkpoints and PEFT export.
+`train_step` (micro-batches by token budget, accumulation, clipping, AdamW, LR schedule, and
+skipping any update whose loss or gradient is not finite), plus resume checkpoints and PEFT
+export, which refuse to write NaN or inf.
 
 Data layout: every data-parallel rank passes its own PackedBatch; the ranks of one tensor-parallel
 group pass the same one.
@@ -20,14 +21,16 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from archon import device as devices
 from archon.batch import PackedBatch
@@ -54,6 +57,7 @@ __all__ = [
     "LoadedModel",
     "LogprobOutput",
     "LossContext",
+    "NonFiniteError",
     "OptimConfig",
     "PackedBatch",
     "build_model",
@@ -175,7 +179,11 @@ def build_model(
 
 @dataclass
 class OptimConfig:
-    """AdamW (fp32 states for the fp32 LoRA factors) with warm-up and decay."""
+    """AdamW (fp32 states for the fp32 LoRA factors) with warm-up and decay.
+
+    Schedule lengths count training steps: in the RL loop an RL step (all its minibatches and PPO
+    epochs take the same learning rate), for `Engine.train_step` on its own one call.
+    """
 
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
@@ -185,27 +193,45 @@ class OptimConfig:
     """Clip the global gradient norm to this; None or 0 only measures it."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
-    """Linear warm-up from lr/(warmup_steps+1) to lr."""
-    total_steps: int = 0
-    """Steps over which linear/cosine decay to min_lr_ratio * lr (required for those schedules)."""
+    """Linear warm-up from lr/(warmup_steps+1) to lr over the first warmup_steps steps."""
+    total_steps: int | None = None
+    """Steps over which linear/cosine decay to min_lr_ratio * lr. None: the run's length (the RL
+    recipe fills in `steps`); set it only to decay over a different length."""
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.total_steps is not None and self.schedule != "constant" and self.total_steps <= self.warmup_steps:
             raise ValueError(
                 f"OptimConfig.schedule={self.schedule!r} needs total_steps > warmup_steps "
                 f"(got total_steps={self.total_steps}, warmup_steps={self.warmup_steps})"
             )
-        if self.warmup_steps < 0:
-            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def for_run(self, steps: int) -> OptimConfig:
+        """This config with total_steps set to the run's `steps` when it is unset."""
+        if self.total_steps is not None:
+            return self
+        if self.schedule != "constant" and steps <= self.warmup_steps:
+            raise ValueError(
+                f"OptimConfig.schedule={self.schedule!r} decays over the run's {steps} steps, which must be "
+                f"more than optim.warmup_steps={self.warmup_steps}"
+            )
+        return replace(self, total_steps=steps)
 
 
 def lr_multiplier(step: int, config: OptimConfig) -> float:
-    """Multiplier of config.lr for optimizer step `step` (0-based)."""
+    """Multiplier of config.lr for training step `step` (0-based)."""
     if step < config.warmup_steps:
         return (step + 1) / (config.warmup_steps + 1)
     if config.schedule == "constant":
         return 1.0
+    if config.total_steps is None:
+        raise ValueError(
+            f"OptimConfig.schedule={config.schedule!r} needs total_steps; set it or fill it in with for_run(steps)"
+        )
     progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
     if config.schedule == "linear":
         decay = 1.0 - progress
@@ -216,6 +242,10 @@ def lr_multiplier(step: int, config: OptimConfig) -> float:
 
 class _LRLambda:
     def __init__(self, config: OptimConfig) -> None:
+        if config.schedule != "constant" and config.total_steps is None:
+            raise ValueError(
+                f"OptimConfig.schedule={config.schedule!r} needs total_steps; set it or fill it in with for_run(steps)"
+            )
         self.config = config
 
     def __call__(self, step: int) -> float:
@@ -281,6 +311,10 @@ class LossContext:
         raise ValueError(f"unknown aggregation {aggregation!r}; expected a token_* or seq_* mode")
 
 
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or trainable tensor is NaN or infinite where only a finite value will do."""
+
+
 LossFn = Callable[[PackedBatch, torch.Tensor, LossContext], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
@@ -314,7 +348,8 @@ class Engine:
             self.trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _LRLambda(optim))
-        self.step = 0
+        self.optimizer_steps = 0
+        """AdamW updates applied (skipped ones not counted); the schedule position is the scheduler's."""
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -422,6 +457,8 @@ class Engine:
             loss_sum += loss.detach().float()
             weight = float(mb.loss_mask.sum())
             for key, value in metrics.items():
+                if key == "loss":  # the batch loss is loss_sum, summed exactly; not a per-token mean of it
+                    continue
                 value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
                 if key == "num_tokens":
                     sums[key] = sums.get(key, 0) + value
@@ -453,15 +490,40 @@ class Engine:
         )
         return out
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step AdamW and the LR schedule. Returns grad_norm (before clipping) and the lr used."""
+    def _same_on_every_rank(self, flag: bool) -> bool:
+        """True when `flag` is true on any rank of the job."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def optimizer_step(self, loss: float | None = None) -> dict[str, float]:
+        """Clip and step AdamW, unless `loss` (the global batch loss) or the global gradient norm is
+        NaN or infinite: then the gradient is dropped and the parameters and the optimizer state
+        (moments and AdamW's step count) stay as they were. Every rank takes the same decision.
+        The LR schedule does not move here (see advance_schedule).
+
+        Returns grad_norm (before clipping), the lr and skipped (1.0 for a skipped update).
+        """
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = clip_grad_norm(self.trainable, self.config.optim.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        norm = clip_grad_norm(self.trainable, self.config.optim.max_grad_norm).item()
+        finite = math.isfinite(norm) and (loss is None or math.isfinite(loss))
+        skipped = self._same_on_every_rank(not finite)
+        if not skipped:
+            self.optimizer.step()
+            self.optimizer_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {"grad_norm": norm.item(), "lr": lr}
+        return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
+
+    def advance_schedule(self) -> None:
+        """Move the LR schedule on by one training step. It moves whether or not the step's updates
+        were skipped: the learning rate is a function of the step, so a skipped step does not shift
+        the rest of the schedule."""
+        with warnings.catch_warnings():
+            # Raised when the very first update was skipped; that order is intended.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
 
     def train_step(
         self,
@@ -469,21 +531,30 @@ class Engine:
         loss_fn: LossFn,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        advance_schedule: bool = True,
     ) -> dict[str, float]:
-        """One optimizer step on `batch` (this rank's share).
+        """One optimizer step on `batch` (this rank's share), skipped when the loss or the gradient
+        norm is not finite (see optimizer_step).
 
         loss_fn(micro_batch, logprobs[T], ctx) -> (loss, metrics): logprobs carry the gradient and
         are 0 outside micro_batch.loss_mask; the loss is the micro-batch's share of the batch loss
         (see LossContext). Metrics are per-micro-batch token means (weighted by loss tokens in the
         report), `*_max` / `*_min` extremes, or `num_tokens` (summed).
 
-        Returns loss, grad_norm, lr, tokens (loss tokens), sequences, total_tokens, micro_batches,
-        step, time_s and the loss function's metrics, all over the global batch.
+        advance_schedule=False leaves the LR schedule where it is, for a training step made of
+        several updates (the RL loop's minibatches and PPO epochs); call advance_schedule() after
+        the last one.
+
+        Returns loss, grad_norm, lr, skipped, tokens (loss tokens), sequences, total_tokens,
+        micro_batches, optimizer_steps, time_s and the loss function's metrics, all over the global
+        batch.
         """
         start = time.perf_counter()
         metrics = self.forward_backward(batch, loss_fn, temperature, with_entropy)
-        metrics.update(self.optimizer_step())
-        metrics["step"] = self.step
+        metrics.update(self.optimizer_step(metrics["loss"]))
+        if advance_schedule:
+            self.advance_schedule()
+        metrics["optimizer_steps"] = self.optimizer_steps
         metrics["time_s"] = time.perf_counter() - start
         return metrics
 
@@ -494,12 +565,48 @@ class Engine:
 
         return {k: full_tensor(p.detach()).cpu() for k, p in lora_parameters(self.model).items()}
 
+    def _first_non_finite(self, optimizer_state: bool) -> str | None:
+        """This rank's first trainable parameter (or, with optimizer_state, AdamW state tensor of
+        one) that holds NaN or inf, by name; None when all are finite."""
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
+            tensors = [(name, param)]
+            if optimizer_state:
+                state = self.optimizer.state.get(param, {})
+                tensors += [(f"optimizer state {key!r} of {name}", value) for key, value in state.items()]
+            for label, tensor in tensors:
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                if torch.is_tensor(local) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                    return label
+        return None
+
+    @torch.no_grad()
+    def check_finite(self, what: str, optimizer_state: bool = True) -> None:
+        """Raise NonFiniteError on every rank when any rank's trainable parameters (or, with
+        optimizer_state, their AdamW state) hold NaN or inf, naming the first such tensor. `what`
+        says what was about to be written."""
+        bad = self._first_non_finite(optimizer_state)
+        if not self._same_on_every_rank(bad is not None):
+            return
+        found = [bad]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            found = [None] * dist.get_world_size()
+            dist.all_gather_object(found, bad)
+        rank, label = next((r, b) for r, b in enumerate(found) if b is not None)
+        raise NonFiniteError(
+            f"refusing to write the {what}: {label!r} (rank {rank}) holds NaN or inf values; nothing was "
+            "written and the earlier checkpoints and adapters are as they were"
+        )
+
     def export_peft(self, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
-        """Write the adapter in PEFT format (gathered from all shards; rank 0 writes)."""
+        """Write the adapter in PEFT format (gathered from all shards; rank 0 writes). Refuses
+        (NonFiniteError) an adapter with NaN or inf values."""
         from archon.lora.peft import save_peft_adapter
 
         if self.lora is None:
             raise ValueError("export_peft needs a LoRA model; this engine trains every parameter")
+        self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False)
         path = save_peft_adapter(
             self.model, self.adapter, self.lora, out_dir,
             base_model_name_or_path or str(self.loaded.path), write=self.rank == 0,
@@ -527,22 +634,26 @@ class Engine:
             options=StateDictOptions(ignore_frozen_params=True, strict=False),
         )
 
-    def save_checkpoint(self, manager, data_state: dict | None = None) -> Path:
-        """Save a resume checkpoint for the current step through a CheckpointManager."""
+    def save_checkpoint(self, manager, step: int, data_state: dict | None = None) -> Path:
+        """Save a resume checkpoint for training step `step` (the RL step in the loop; it names the
+        checkpoint) through a CheckpointManager. Refuses (NonFiniteError) a state with NaN or inf."""
+        self.check_finite(f"checkpoint for step {step}")
         # The schedule itself comes from the config; only its position is state.
         scheduler = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-        trainer_state = {"step": self.step, "scheduler": scheduler, "data": data_state or {}}
-        return manager.save(self.step, self.checkpoint_state(), trainer_state)
+        trainer_state = {
+            "step": step, "optimizer_steps": self.optimizer_steps, "scheduler": scheduler, "data": data_state or {},
+        }  # fmt: skip
+        return manager.save(step, self.checkpoint_state(), trainer_state)
 
     def load_checkpoint(self, manager, path: str | os.PathLike | None = None) -> dict | None:
-        """Resume from `path` (default: the manager's latest). Returns the saved data-loader state,
-        or None when there is no checkpoint."""
+        """Resume from `path` (default: the manager's latest). Returns the saved trainer state
+        (`step`, `optimizer_steps`, `scheduler`, `data`), or None when there is no checkpoint."""
         path = manager.latest() if path is None else Path(path)
         if path is None:
             return None
         state = self.checkpoint_state()
         trainer_state = manager.load(path, state)
         self.load_checkpoint_state(state)
-        self.step = trainer_state["step"]
+        self.optimizer_steps = trainer_state["optimizer_steps"]
         self.scheduler.load_state_dict({**trainer_state["scheduler"], "lr_lambdas": [None]})
-        return trainer_state["data"]
+        return trainer_state

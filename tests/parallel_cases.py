@@ -109,6 +109,7 @@ def run_case(engine: Engine, vocab_size: int, export_dir=None) -> dict:
         if is_lora_param(name)
     }
     step = engine.optimizer_step()
+    engine.advance_schedule()
     losses, norms = [first["loss"]], [step["grad_norm"]]
     for _ in range(TRAIN_STEPS - 1):
         metrics = engine.train_step(batch, loss_fn, with_entropy=True)

@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nproc_per_node N tests/parallel_worker.py parity \
         --out OUT --layouts fsdp2 tp2 --ckpt qwen3=DIR qwen3_moe=DIR
     ... tests/parallel_worker.py resume --out OUT --ckpt qwen3=DIR --phase first|second
+    ... tests/parallel_worker.py skip --out OUT --ckpt qwen3=DIR --layouts fsdp2 tp2
 
 Rank 0 writes its results with torch.save to OUT (a file for parity, a directory for resume).
 """
@@ -95,7 +96,7 @@ def resume(args) -> None:
             batch = resume_batch(engine, vocab, step)
             losses.append(engine.train_step(batch, cases.loss_fn, with_entropy=True)["loss"])
             if save:
-                engine.save_checkpoint(manager, data_state={"next_step": step + 1})
+                engine.save_checkpoint(manager, step + 1, data_state={"next_step": step + 1})
         return losses
 
     if args.phase == "first":
@@ -108,7 +109,7 @@ def resume(args) -> None:
         os._exit(0)
     # Another seed: everything that matters must come from the checkpoint.
     engine = Engine(cases.engine_config(path, parallel, lora_dropout=0.1, seed=123))
-    data_state = engine.load_checkpoint(manager)
+    data_state = engine.load_checkpoint(manager)["data"]
     second_half = run(engine, data_state["next_step"], 8)
     if dist.get_rank() == 0:
         torch.save(
@@ -116,6 +117,45 @@ def resume(args) -> None:
              "checkpoints": [p.name for p in manager.checkpoints()]},
             out / "second.pt",
         )  # fmt: skip
+
+
+def skip(args) -> None:
+    """A NaN loss on rank 1 only: every rank skips the update and keeps its parameters and optimizer
+    state; the next update is taken everywhere."""
+    (path,) = [item.split("=", 1)[1] for item in args.ckpt]
+    vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+
+    def nan_on_rank_1(batch, logprobs, ctx):
+        loss, metrics = cases.loss_fn(batch, logprobs, ctx)
+        return (loss * float("nan") if dist.get_rank() == 1 else loss), metrics
+
+    def local_state(engine):
+        state = {}
+        for name, p in engine.model.named_parameters():
+            if p.requires_grad:
+                state[name] = p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
+                for key, value in engine.optimizer.state.get(p, {}).items():
+                    value = value.to_local() if hasattr(value, "to_local") else value
+                    state[f"{name}/{key}"] = torch.as_tensor(value).clone()
+        return state
+
+    results = {}
+    for layout in args.layouts:
+        engine = Engine(cases.engine_config(path, ParallelConfig(**cases.LAYOUTS[layout][1])))
+        batch = resume_batch(engine, vocab, 0)
+        engine.train_step(batch, cases.loss_fn, with_entropy=True)
+        before = local_state(engine)
+        bad = engine.train_step(batch, nan_on_rank_1, with_entropy=True)
+        after = local_state(engine)
+        unchanged = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+        good = engine.train_step(batch, cases.loss_fn, with_entropy=True)
+        mine = {"skipped": [bad["skipped"], good["skipped"]], "unchanged": unchanged,
+                "optimizer_steps": engine.optimizer_steps}  # fmt: skip
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        results[layout] = everyone
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
 
 
 def resume_batch(engine: Engine, vocab: int, step: int):
@@ -128,7 +168,7 @@ def resume_batch(engine: Engine, vocab: int, step: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["parity", "resume"])
+    parser.add_argument("scenario", choices=["parity", "resume", "skip"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", nargs="+", required=True)
     parser.add_argument("--layouts", nargs="*", default=[])
@@ -137,6 +177,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.scenario == "parity":
         parity(args)
+    elif args.scenario == "skip":
+        skip(args)
     else:
         resume(args)
     dist.barrier()

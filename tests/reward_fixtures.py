@@ -7,3 +7,8 @@ def digits_or_raise(prompt: str, completion: str, reference) -> float:
     if prompt.startswith("1"):
         raise RuntimeError("reward function failure on purpose")
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def always_raise(prompt: str, completion: str, reference) -> float:
+    """Fails on every sample, so a run must stop with this traceback."""
+    raise ZeroDivisionError("reward function that always fails")

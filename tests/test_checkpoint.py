@@ -29,7 +29,7 @@ def _train(engine, steps, manager=None):
     for step in steps:
         losses.append(engine.train_step(_step_batch(engine, step), cases.loss_fn, with_entropy=True)["loss"])
         if manager is not None:
-            engine.save_checkpoint(manager, data_state={"next_step": step + 1})
+            engine.save_checkpoint(manager, step + 1, data_state={"next_step": step + 1})
     return losses
 
 
@@ -40,9 +40,9 @@ def test_resume_continues_with_the_uninterrupted_losses(qwen3_path, tmp_path):
     manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
     first = _train(Engine(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(3), manager)
     resumed = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1, seed=7))
-    data = resumed.load_checkpoint(manager)
-    assert data == {"next_step": 3} and resumed.step == 3
-    second = _train(resumed, range(data["next_step"], 6))
+    state = resumed.load_checkpoint(manager)
+    assert state["data"] == {"next_step": 3} and state["step"] == 3 and resumed.optimizer_steps == 3
+    second = _train(resumed, range(state["data"]["next_step"], 6))
     assert first + second == uninterrupted
     assert [p.name for p in manager.checkpoints()] == ["step-00000002", "step-00000003"]
 
@@ -70,10 +70,10 @@ def test_failed_save_leaves_no_checkpoint(qwen3_path, tmp_path, monkeypatch):
 
     monkeypatch.setattr(dcp, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        engine.save_checkpoint(manager)
+        engine.save_checkpoint(manager, 0)
     assert manager.latest() is None and engine.load_checkpoint(manager) is None
     monkeypatch.undo()
-    path = engine.save_checkpoint(manager, data_state={"epoch": 1})
+    path = engine.save_checkpoint(manager, 0, data_state={"epoch": 1})
     assert path.name == "step-00000000" and (path / TRAINER_STATE).exists()
     assert manager.latest() == path
 

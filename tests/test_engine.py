@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from archon.batch import PackedBatch
-from archon.engine import Engine, EngineConfig, OptimConfig, build_model, lr_multiplier
+from archon.engine import Engine, EngineConfig, NonFiniteError, OptimConfig, build_model, lr_multiplier
 from archon.head import label_logprobs
 from archon.lora import LoRAConfig, is_lora_param
 from archon.parallel.grad import clip_grad_norm, grad_norm
@@ -196,9 +196,12 @@ def test_train_step_reports_and_updates_only_the_adapter(qwen3_path):
     batch = _batch(256)
     loss_fn = _aggregation_loss("token_mean")
     metrics = [engine.train_step(batch, loss_fn) for _ in range(3)]
-    for key in ("loss", "grad_norm", "lr", "tokens", "sequences", "total_tokens", "micro_batches", "step", "lp_mean"):
+    keys = ("loss", "grad_norm", "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches",
+            "optimizer_steps", "lp_mean")  # fmt: skip
+    for key in keys:
         assert key in metrics[-1], key
-    assert metrics[-1]["step"] == 3 and engine.step == 3
+    assert metrics[-1]["optimizer_steps"] == 3 and engine.optimizer_steps == 3
+    assert [m["skipped"] for m in metrics] == [0.0, 0.0, 0.0]
     assert metrics[0]["tokens"] == batch.num_loss_tokens and metrics[0]["total_tokens"] == batch.num_tokens
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     assert all(p.dtype == torch.float32 for p in engine.trainable)
@@ -206,6 +209,67 @@ def test_train_step_reports_and_updates_only_the_adapter(qwen3_path):
     for name, p in engine.model.named_parameters():
         if not is_lora_param(name):
             assert torch.equal(p, base_before[name]), name
+
+
+def _adapter_and_optimizer(engine: Engine) -> dict[str, torch.Tensor]:
+    state = {name: p.detach().clone() for name, p in engine.model.named_parameters() if p.requires_grad}
+    for name, p in engine.model.named_parameters():
+        for key, value in engine.optimizer.state.get(p, {}).items():
+            state[f"{name}/{key}"] = torch.as_tensor(value).clone()
+    return state
+
+
+@pytest.mark.parametrize("fault", ["nan_loss", "inf_loss", "nan_gradient"])
+def test_non_finite_update_is_skipped(qwen3_path, fault):
+    """A NaN/inf loss, or a finite loss with a NaN gradient: no AdamW update, no optimizer-state
+    change, counted as skipped; the next finite step trains as usual."""
+    engine = _engine(qwen3_path, optim=OptimConfig(lr=5e-2, max_grad_norm=1.0))
+    batch = _batch(256)
+    good = _aggregation_loss("token_mean")
+
+    def broken(mb, logprobs, ctx):
+        loss, metrics = good(mb, logprobs, ctx)
+        if fault == "nan_gradient":  # d/dx sqrt(0 * x) = inf * 0: the value stays finite
+            return loss + torch.sqrt(0.0 * logprobs.sum()), metrics
+        return loss * (float("nan") if fault == "nan_loss" else float("inf")), metrics
+
+    engine.train_step(batch, good)
+    before = _adapter_and_optimizer(engine)
+    metrics = engine.train_step(batch, broken)
+    assert metrics["skipped"] == 1.0 and engine.optimizer_steps == 1
+    assert not math.isfinite(metrics["loss"] if fault != "nan_gradient" else metrics["grad_norm"])
+    after = _adapter_and_optimizer(engine)
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), key
+    assert all(p.grad is None for p in engine.trainable)
+    metrics = engine.train_step(batch, good)
+    assert metrics["skipped"] == 0.0 and engine.optimizer_steps == 2 and math.isfinite(metrics["loss"])
+    assert any(not torch.equal(v, _adapter_and_optimizer(engine)[k]) for k, v in before.items())
+
+
+def test_checkpoint_and_export_refuse_non_finite_tensors(qwen3_path, tmp_path):
+    from archon.checkpoint.resume import CheckpointManager
+
+    engine = _engine(qwen3_path)
+    engine.train_step(_batch(256), _aggregation_loss("token_mean"))
+    manager = CheckpointManager(tmp_path / "ckpts")
+    engine.save_checkpoint(manager, 1)
+    listing = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    name, param = next((n, p) for n, p in engine.model.named_parameters() if n.endswith("lora_b.weight"))
+    with torch.no_grad():
+        param[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=f"checkpoint for step 2: '{name}'"):
+        engine.save_checkpoint(manager, 2)
+    with pytest.raises(NonFiniteError, match=f"PEFT adapter .*'{name}'"):
+        engine.export_peft(tmp_path / "adapter")
+    with torch.no_grad():
+        param[0, 0] = 0.0
+    state = next(iter(engine.optimizer.state.values()))
+    state["exp_avg"].view(-1)[0] = float("inf")
+    with pytest.raises(NonFiniteError, match="optimizer state 'exp_avg' of"):
+        engine.save_checkpoint(manager, 2)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == listing
 
 
 def test_full_parameter_training(qwen3_path):
@@ -250,6 +314,14 @@ def test_lr_schedule():
     assert [lr_multiplier(s, linear) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     with pytest.raises(ValueError, match="total_steps"):
         OptimConfig(schedule="cosine", total_steps=0)
+    # Unset total_steps is the run's length, filled in by for_run.
+    unset = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    assert unset.total_steps is None and unset.for_run(12).total_steps == 12
+    assert OptimConfig(total_steps=30, schedule="linear").for_run(12).total_steps == 30
+    with pytest.raises(ValueError, match="run's 2 steps.*warmup_steps=2"):
+        unset.for_run(2)
+    with pytest.raises(ValueError, match="total_steps"):
+        lr_multiplier(5, unset)
 
 
 # ---- build and batches ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEP_FIELDS = {
     "reward_mean", "reward_std", "accuracy", "response_length", "logprob_abs_diff_mean", "logprob_abs_diff_max",
     "rollout_s", "train_s", "sync_s", "tokens_per_s", "entropy", "clip_fraction", "approx_kl", "reward_errors",
-    "adapter_version", "grad_norm",
+    "adapter_version", "grad_norm", "skipped_steps", "lr", "loss",
 }  # fmt: skip
 
 
@@ -158,6 +158,194 @@ def test_config_file_and_overrides(tmp_path):
         merge_into(GRPOConfig(), {"algorithm": {"loss": {"algorithm": "ppo2"}}})
     assert load_config_file(REPO / "recipes" / "configs" / "qwen3_math.yaml").algorithm.dynamic_sampling
     assert load_config_file(REPO / "recipes" / "configs" / "demo.yaml").model.path is None
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# RL steps of 2 minibatches x 2 PPO epochs (4 updates each), a cosine schedule over the run.
+MULTI_UPDATE = [
+    "--algorithm.minibatches", "2", "--algorithm.ppo-epochs", "2", "--eval.every", "0",
+    "--optim.schedule", "cosine", "--optim.warmup-steps", "1", "--optim.min-lr-ratio", "0.1",
+]  # fmt: skip
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_resume_with_minibatches_and_epochs_matches_the_uninterrupted_run(tiny_setup, tmp_path, monkeypatch):
+    """4 RL steps in one go; then 4 RL steps with a checkpoint every 2, killed in step 3 and resumed
+    in a new RLRun: the same losses bit for bit, checkpoints and adapter versions in RL steps."""
+    from archon.rl.loop import RLRun
+
+    def args(run_dir, *extra):
+        return parse_config([*_args(tiny_setup, run_dir, steps=4), *MULTI_UPDATE, "--checkpoint.every", "2", *extra])
+
+    RLRun(args(tmp_path / "whole")).run()
+    whole = _records(tmp_path / "whole")
+
+    original_step = RLRun.step
+
+    def step_then_kill(self, step):
+        if step == 2:
+            raise _Killed()
+        return original_step(self, step)
+
+    monkeypatch.setattr(RLRun, "step", step_then_kill)
+    with pytest.raises(_Killed):
+        RLRun(args(tmp_path / "split")).run()
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "split" / "checkpoints").iterdir()] == ["step-00000002"]
+    state = json.loads((tmp_path / "split" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["optimizer_steps"] == 8
+    resumed = RLRun(args(tmp_path / "split", "--resume"))
+    assert resumed.config.optim.total_steps is None and resumed.engine.config.optim.total_steps == 4
+    resumed.run()
+    split = _records(tmp_path / "split")
+    assert [r["step"] for r in split] == [r["step"] for r in whole] == [1, 2, 3, 4]
+    assert [r["loss"] for r in split] == [r["loss"] for r in whole]
+    assert [r["lr"] for r in split] == [r["lr"] for r in whole]
+    assert [r["adapter_version"] for r in split] == [1, 2, 3, 4]
+    assert resumed.engine.optimizer_steps == 16
+    a = load_file(str(tmp_path / "whole" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, monkeypatch):
+    """Every update of RL step s uses lr * lr_multiplier(s) of a schedule as long as the run."""
+    from archon.engine import Engine, OptimConfig, lr_multiplier
+    from archon.rl.loop import RLRun
+
+    used: list[float] = []
+    original = Engine.optimizer_step
+
+    def recording(self, loss=None):
+        used.append(self.optimizer.param_groups[0]["lr"])
+        return original(self, loss)
+
+    monkeypatch.setattr(Engine, "optimizer_step", recording)
+    steps = 5
+    RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=steps), *MULTI_UPDATE])).run()
+    schedule = OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=1, min_lr_ratio=0.1, total_steps=steps)
+    expected = [1e-2 * lr_multiplier(s, schedule) for s in range(steps)]
+    assert used == pytest.approx([lr for lr in expected for _ in range(4)], rel=1e-12)
+    assert expected[-1] > 1e-2 * 0.1 * 1.01  # the floor is reached only after the last step
+    assert [r["lr"] for r in _records(tmp_path / "run")] == pytest.approx(expected, rel=1e-12)
+
+
+def _nan_loss_at(run, bad_steps: set[int]):
+    """Make the loss NaN during the given RL steps (1-based), through the loop's own loss function."""
+    current = {"step": 0}
+    loss_fn, step_fn = run._loss_fn, run.step
+
+    def nan_loss(batch, logprobs, ctx):
+        loss, metrics = loss_fn(batch, logprobs, ctx)
+        return (loss * float("nan"), metrics) if current["step"] in bad_steps else (loss, metrics)
+
+    def step(index):
+        current["step"] = index + 1
+        return step_fn(index)
+
+    run._loss_fn, run.step = nan_loss, step
+
+
+def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_path):
+    from archon.rl.loop import RLRun
+
+    run_dir = tmp_path / "run"
+    run = RLRun(parse_config([*_args(tiny_setup, run_dir, steps=4), *MULTI_UPDATE, "--checkpoint.every", "1",
+                              "--checkpoint.keep-last-adapters", "2"]))  # fmt: skip
+    _nan_loss_at(run, {2})
+    states = []
+    step_fn = run.step
+
+    def snapshot():
+        return {k: v.clone() for k, v in run.engine.lora_state().items()}, _optimizer_tensors(run.engine)
+
+    def snapshot_around(index):
+        before = snapshot()
+        metrics = step_fn(index)
+        states.append((before, snapshot()))
+        return metrics
+
+    run.step = snapshot_around
+    run.run()
+    records = _records(run_dir)
+    assert [r["skipped_steps"] for r in records] == [0, 4, 0, 0]
+    assert records[1]["loss"] is None and records[1]["grad_norm"] is None  # NaN is written as null
+    for index, ((lora_before, optim_before), (lora_after, optim_after)) in enumerate(states):
+        unchanged = all(torch.equal(lora_before[k], lora_after[k]) for k in lora_before) and all(
+            torch.equal(optim_before[k], optim_after[k]) for k in optim_before
+        )
+        assert unchanged == (index == 1), index
+    adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert all(bool(torch.isfinite(t).all()) for t in adapter.values())
+    # adapter exports after steps 1-3, the newest 2 kept; checkpoints likewise
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step_000002", "step_000003"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
+
+
+def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+    return {
+        f"{i}/{key}": torch.as_tensor(value).clone()
+        for i, state in enumerate(engine.optimizer.state.values())
+        for key, value in state.items()
+    }
+
+
+def test_nan_loss_steps_in_a_row_stop_the_run_naming_the_step(tiny_setup, tmp_path):
+    from archon.engine import NonFiniteError
+    from archon.rl.loop import RLRun
+
+    run_dir = tmp_path / "run"
+    run = RLRun(parse_config([*_args(tiny_setup, run_dir, steps=5), *MULTI_UPDATE, "--checkpoint.every", "1",
+                              "--algorithm.max-skipped-steps", "2"]))  # fmt: skip
+    _nan_loss_at(run, {2, 3, 4})
+    with pytest.raises(NonFiniteError, match=r"RL step 3: .* 2 RL steps in a row \(steps 2-3") as error:
+        run.run()
+    assert "lower optim.lr" in str(error.value) and "rewards" in str(error.value)
+    assert [r["skipped_steps"] for r in _records(run_dir)] == [0, 4, 4]
+    # the checkpoints of the skipped steps hold the adapter of step 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
+    from archon.batch import PackedBatch
+    from archon.engine import LossContext
+    from archon.rl.loop import RLRun
+
+    run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.loss.algorithm", "drgrpo",
+                              "--eval.every", "0"]))  # fmt: skip
+    assert run.config.algorithm.loss.max_response_length is None
+    assert run.loss_config.max_response_length == 4  # rollout.max_new_tokens
+    # Ratio 1, so each token's loss is -A; 3 and 1 response tokens, divided by 2 sequences * max_new_tokens.
+    batch = PackedBatch.from_sequences([[1, 2, 3, 4], [5, 6, 7]], prompt_lens=[1, 2], advantages=[0.5, -2.0])
+    assert batch.loss_mask.sum() == 4
+    batch.old_logprobs = torch.zeros(batch.num_tokens)
+    ctx = LossContext(global_tokens=torch.tensor(5.0), global_sequences=torch.tensor(2.0))
+    loss, _ = run._loss_fn(batch, torch.zeros(batch.num_tokens), ctx)
+    assert loss.item() == pytest.approx(-(3 * 0.5 + 1 * -2.0) / (2 * 4))
+    run.run()
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2] and all(r["skipped_steps"] == 0 for r in records)
+
+
+def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_setup, tmp_path):
+    from archon.rl.loop import RewardFunctionError, RLRun
+
+    args = [*_args(tiny_setup, tmp_path / "run", steps=5), "--reward.function", "reward_fixtures:always_raise",
+            "--reward.max-failed-steps", "2", "--eval.every", "0"]  # fmt: skip
+    with pytest.raises(RewardFunctionError, match=r"RL step 2: .*'reward_fixtures:always_raise' failed on every "
+                       r"sample for 2 steps in a row") as error:  # fmt: skip
+        RLRun(parse_config(args)).run()
+    assert "Traceback (most recent call last)" in str(error.value)
+    assert "reward_fixtures.py" in str(error.value) and "ZeroDivisionError: reward function that always fails" in (
+        str(error.value)
+    )
+    assert [r["reward_errors"] for r in _records(tmp_path / "run")] == [16, 16]
 
 
 @pytest.mark.slow

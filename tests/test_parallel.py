@@ -130,6 +130,16 @@ def test_four_process_matches_single_process(four_process, single_process, model
 # ---- configuration errors -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_rank_is_skipped_on_every_rank(checkpoints, tmp_path):
+    out = tmp_path / "skip.pt"
+    cases.launch(2, "skip", "--out", str(out), "--ckpt", f"qwen3={checkpoints['qwen3']}", "--layouts", "fsdp2", "tp2")
+    results = torch.load(out)
+    for layout in ("fsdp2", "tp2"):
+        for rank, result in enumerate(results[layout]):
+            assert result == {"skipped": [1.0, 0.0], "unchanged": True, "optimizer_steps": 2}, (layout, rank)
+
+
 def test_degrees_must_multiply_to_world_size():
     with pytest.raises(ValueError, match=r"dp_replicate=1 x dp_shard=2 x tp=2 = 4, but the world size is 8"):
         ParallelDims(world_size=8, dp_shard=2, tp=2)

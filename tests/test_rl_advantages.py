@@ -36,8 +36,8 @@ def test_grpo_all_equal_rewards_give_zero_not_nan():
 
 def test_group_of_one_has_zero_std_and_advantage():
     mean, std = group_mean_std(torch.tensor([0.3, 0.9]), group_size=1)
-    torch.testing.assert_close(mean, torch.tensor([0.3, 0.9]))
-    assert torch.equal(std, torch.zeros(2))
+    torch.testing.assert_close(mean, torch.tensor([0.3, 0.9]).double())
+    assert torch.equal(std, torch.zeros(2, dtype=torch.float64))
     assert torch.equal(grpo_advantages(torch.tensor([0.3, 0.9]), group_size=1), torch.zeros(2))
 
 
@@ -89,3 +89,19 @@ def test_expand_to_tokens_with_an_empty_sequence():
     assert expanded.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
     with pytest.raises(ValueError):
         expand_to_tokens(torch.tensor([1.0, 2.0]), cu_seqlens)
+
+
+def test_huge_finite_rewards_give_finite_advantages():
+    """Rewards up to the float32 limit: in float32 the squares (and a sum of opposite extremes)
+    overflow to inf and the advantages become NaN; the estimators compute in float64."""
+    big = torch.finfo(torch.float32).max
+    rewards = torch.tensor([1e38, 0.0, 0.0, 0.0, big, -big, big, -big, 1e38, 1e38, 1e38, 1e38])
+    adv = grpo_advantages(rewards, group_size=4)
+    assert adv.dtype == torch.float32 and bool(torch.isfinite(adv).all()), adv
+    # Scale-free: the same as for the rewards divided by 1e38 (group 1 is [1, 0, 0, 0]).
+    torch.testing.assert_close(adv[:4], grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(adv[4:8], torch.tensor([0.8660254, -0.8660254] * 2), atol=1e-5, rtol=0)
+    assert torch.equal(adv[8:], torch.zeros(4))
+    dr = drgrpo_advantages(rewards, group_size=4)
+    assert dr.dtype == torch.float32 and bool(torch.isfinite(dr).all()), dr
+    assert dr[0].item() == pytest.approx(7.5e37, rel=1e-6) and dr[4].item() == pytest.approx(big, rel=1e-6)

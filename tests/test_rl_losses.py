@@ -240,3 +240,10 @@ def test_shape_mismatch_is_an_error():
     logprobs, old = inputs()
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(logprobs, old, ADVANTAGES[:3], MASK, CU_SEQLENS)
+
+
+def test_max_response_length_defaults_to_the_generation_limit():
+    assert LossConfig(algorithm="drgrpo").for_rollout(256).max_response_length == 256
+    assert LossConfig(algorithm="drgrpo", max_response_length=100).for_rollout(256).max_response_length == 100
+    with pytest.raises(ValueError, match="LossConfig.max_response_length must be positive, got 0"):
+        LossConfig(max_response_length=0)

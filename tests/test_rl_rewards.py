@@ -28,6 +28,12 @@ USER_REWARDS = textwrap.dedent(
             os._exit(3)
         if completion == "none":
             return None
+        if completion == "nan":
+            return float("nan")
+        if completion == "inf":
+            return float("-inf")
+        if completion == "huge":
+            return 1e39  # finite in Python, beyond float32
         print("reward functions may print")
         return float(completion == reference)
     """
@@ -114,3 +120,21 @@ def test_mismatched_lengths_are_an_error():
         scorer.score(["a", "b"], ["a"], ["a", "b"])
     rewards, _ = scorer.score(["a"], ["a"], None)
     assert rewards.tolist() == [0.0]  # "a" != str(None)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1], ids=["in-process", "worker"])
+def test_non_finite_rewards_are_errors_and_the_first_traceback_is_kept(user_module, num_workers):
+    with RewardScorer(RewardConfig(function=user_module, timeout_s=5.0, num_workers=num_workers)) as scorer:
+        completions = ["7", "nan", "huge", "inf", "raise", "7"]
+        rewards, metrics = scorer.score(["p"] * 6, completions, ["7"] * 6)
+        assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        assert metrics["reward_errors"] == 4 and metrics["reward_mean"] == pytest.approx(2 / 6)
+        # the traceback of the first exception (the NaN check in call_reward), with its frames
+        assert scorer.last_traceback.startswith("Traceback (most recent call last)")
+        assert "call_reward" in scorer.last_traceback and "ValueError: reward function returned nan" in (
+            scorer.last_traceback
+        )
+        scorer.score(["p"], ["raise"], ["7"])
+        assert "my_rewards.py" in scorer.last_traceback and "RuntimeError: broken reward" in scorer.last_traceback
+        scorer.score(["p"], ["7"], ["7"])
+        assert scorer.last_traceback is None

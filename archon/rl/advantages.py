@@ -20,12 +20,13 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def group_mean_std(rewards: torch.Tensor, group_size: int, unbiased: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample group mean and standard deviation of the rewards, each of shape [B].
+    """Per-sample group mean and standard deviation of the rewards, each of shape [B], in float64.
 
     unbiased=True divides by G-1 (Bessel's correction), as verl (`torch.std`) and TRL (`nanstd`) do;
-    unbiased=False divides by G. A group of one sample has std 0.
+    unbiased=False divides by G. A group of one sample has std 0. float64, so that rewards up to
+    the float32 limit (about 3.4e38) square and sum without overflowing.
     """
-    grouped = _grouped(rewards.float(), group_size)
+    grouped = _grouped(rewards.double(), group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     if group_size == 1:
         std = torch.zeros_like(mean)
@@ -40,16 +41,22 @@ def grpo_advantages(
     """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps).  rewards [B] -> advantages [B] (fp32).
 
     A group whose rewards are all equal gets advantage 0 for every sample. The std is unbiased
-    (divide by G-1) by default, matching verl and TRL; see `group_mean_std`.
+    (divide by G-1) by default, matching verl and TRL; see `group_mean_std`. Computed in float64,
+    so any finite float32 rewards give finite advantages (at most sqrt(G-1) in magnitude).
     """
     mean, std = group_mean_std(rewards, group_size, unbiased=unbiased_std)
-    return (rewards.float() - mean) / (std + eps)
+    return ((rewards.double() - mean) / (std + eps)).float()
 
 
 def drgrpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Dr.GRPO: A_i = R_i - mean_g R, with no std normalisation.  rewards [B] -> advantages [B] (fp32)."""
+    """Dr.GRPO: A_i = R_i - mean_g R, with no std normalisation.  rewards [B] -> advantages [B] (fp32).
+
+    Computed in float64; a difference beyond the float32 range (rewards of opposite sign near it)
+    is clamped to the largest finite float32, so the advantages are always finite.
+    """
     mean, _ = group_mean_std(rewards, group_size)
-    return rewards.float() - mean
+    limit = torch.finfo(torch.float32).max
+    return (rewards.double() - mean).clamp(-limit, limit).float()
 
 
 def groups_with_reward_variance(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -77,6 +77,10 @@ class AlgorithmConfig:
     teacher_path: str | None = None
     """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
     -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged."""
+    max_skipped_steps: int = 3
+    """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
+    left as they were, the LR schedule still follows the RL step; counted in the metric
+    skipped_steps). This many RL steps in a row with a skipped update stop the run with an error."""
 
 
 @dataclass
@@ -95,6 +99,9 @@ class CheckpointConfig:
     every: int = 0
     """Resume checkpoint and PEFT adapter export every N steps (0: only at the end)."""
     keep_last: int = 2
+    """Resume checkpoints kept (the newest)."""
+    keep_last_adapters: int = 2
+    """PEFT exports kept in RUN_DIR/adapters (the newest); the final one, RUN_DIR/adapter, is separate."""
 
 
 @dataclass
@@ -428,6 +435,14 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
         "must be >= 0 (0 saves only at the end)",
     )  # fmt: skip
     require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last", config.checkpoint.keep_last, "must be at least 1")
+    require(
+        config.checkpoint.keep_last_adapters >= 1, "checkpoint.keep_last_adapters",
+        config.checkpoint.keep_last_adapters, "must be at least 1",
+    )  # fmt: skip
+    require(
+        algorithm.max_skipped_steps >= 1, "algorithm.max_skipped_steps", algorithm.max_skipped_steps,
+        "must be at least 1",
+    )  # fmt: skip
     if config.lora is None:
         needs = ["the PEFT adapter written at each checkpoint and at the end"]
         if loss.kl_coef > 0:

@@ -8,6 +8,8 @@ metrics are reduced over them before rank 0 logs.
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from archon.batch import PackedBatch
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
-from archon.engine import Engine, EngineConfig, LossContext
+from archon.engine import Engine, EngineConfig, LossContext, NonFiniteError
 from archon.rl.advantages import (
     distillation_advantages,
     drgrpo_advantages,
@@ -36,18 +38,28 @@ from archon.rollout.native import NativeRolloutEngine
 
 logger = logging.getLogger("archon.rl")
 
+ADAPTER_EXPORT_DIR = re.compile(r"step_(\d+)")
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function failed on every sample for too many steps in a row."""
+
 
 class RLRun:
     def __init__(self, config: GRPOConfig) -> None:
         validate(config)
         self.config = config
         check_model_dir(config.model.path, "model.path")
+        # Schedules count RL steps and last the run unless set; the Dr.GRPO length divisor is the
+        # generation limit unless set.
+        optim = config.optim.for_run(config.steps)
+        self.loss_config = config.algorithm.loss.for_rollout(config.rollout.max_new_tokens)
         self.engine = Engine(
             EngineConfig(
                 model_path=config.model.path,
                 lora=config.lora,
                 parallel=config.parallel,
-                optim=config.optim,
+                optim=optim,
                 dtype=config.model.dtype,
                 device=config.model.device,
                 micro_batch_tokens=config.micro_batch_tokens,
@@ -94,6 +106,12 @@ class RLRun:
             self.teacher.requires_grad_(False)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
+        self._skipped_streak: list[int] = []
+        """RL steps in a row (the latest last) with an update skipped for a non-finite loss or gradient."""
+        self._reward_failure_streak: list[int] = []
+        """RL steps in a row on which the reward function failed on every sample."""
+        self._step_extremes: dict[str, float] = {}
+        self._reward_traceback: str | None = None
 
     def _vllm_rollout(self):
         """Rank 0 launches (or connects to) the servers; the other ranks connect to the same URLs
@@ -180,7 +198,7 @@ class RLRun:
         return batch
 
     def _loss_fn(self, batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
-        loss_config = self.config.algorithm.loss
+        loss_config = self.loss_config
         loss, metrics = policy_loss(
             loss_config, logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
             normalizer=ctx.normalizer(loss_config.resolved_aggregation()),
@@ -213,6 +231,7 @@ class RLRun:
         rollout_s = time.perf_counter() - start
 
         rewards, reward_metrics = self._score(examples, samples)
+        self._reward_traceback = self.scorer.last_traceback
         correct = (rewards >= 1.0).float()
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
         if algo.overlong_buffer:
@@ -223,6 +242,10 @@ class RLRun:
             advantages = drgrpo_advantages(rewards, G)
         else:
             advantages = grpo_advantages(rewards, G)
+        self._step_extremes = {
+            "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
+            "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
+        }
         keep = torch.ones(len(samples), dtype=torch.bool)
         if algo.dynamic_sampling:
             keep = groups_with_reward_variance(rewards, G).repeat_interleave(G)
@@ -246,24 +269,30 @@ class RLRun:
         score_s = time.perf_counter() - score_start
 
         train_start = time.perf_counter()
-        train_metrics: dict[str, float] = {}
+        updates: list[dict[str, float]] = []
         groups = list(range(batch.num_sequences))
         per_minibatch = -(-len(groups) // algo.minibatches)
         for _ in range(algo.ppo_epochs):
             for m in range(algo.minibatches):
                 chosen = groups[m * per_minibatch : (m + 1) * per_minibatch] or groups[-1:]
-                train_metrics = self.engine.train_step(
-                    batch.select(chosen), self._loss_fn, cfg.rollout.temperature, with_entropy=True
+                updates.append(
+                    self.engine.train_step(
+                        batch.select(chosen), self._loss_fn, cfg.rollout.temperature, with_entropy=True,
+                        advance_schedule=False,
+                    )  # fmt: skip
                 )
+        # The learning rate is a function of the RL step: every update of this step used the same one.
+        self.engine.advance_schedule()
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        self.rollout.update(version=self.engine.step, engine=self.engine)
+        self.rollout.update(version=step + 1, engine=self.engine)
         sync_s = time.perf_counter() - sync_start
 
-        n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts = self._sum(
-            len(samples), float(rewards.sum()), float((rewards**2).sum()), float(correct.sum()),
+        (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts,
+         tokens) = self._sum(
+            len(samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()), float(correct.sum()),
             float(lengths.sum()), float(gap.sum()), float(gap.numel()), float(keep.sum()) / G,
-            reward_metrics["reward_errors"], reward_metrics["reward_timeouts"],
+            reward_metrics["reward_errors"], reward_metrics["reward_timeouts"], float(batch.num_tokens),
         )  # fmt: skip
         reward_mean = reward_sum / n
         step_s = time.perf_counter() - start
@@ -277,22 +306,65 @@ class RLRun:
             "groups_kept": kept_groups,
             "reward_errors": errors,
             "reward_timeouts": timeouts,
+            "reward_samples": n,
             "rollout_s": rollout_s,
             "score_s": score_s,
             "train_s": train_s,
             "sync_s": sync_s,
             "step_s": step_s,
-            "tokens_per_s": train_metrics.get("total_tokens", 0.0) / step_s,
+            "tokens_per_s": tokens / step_s,  # the step's training batch, all ranks
             "adapter_version": float(self.rollout.version),
+            "skipped_steps": sum(u["skipped"] for u in updates),
         }
         # what the last sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
         for key, value in getattr(self.rollout, "last_sync", {}).items():
             if key.endswith("_bytes"):
                 metrics[f"sync_{key}"] = value
-        for key in ("loss", "grad_norm", "lr", "clip_fraction", "approx_kl", "kl", "entropy", "ratio_max"):
-            if key in train_metrics:
-                metrics[key] = train_metrics[key]
+        metrics.update(self._update_summary(updates))
         return metrics
+
+    @staticmethod
+    def _update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
+        """The RL step's training metrics: means over its applied updates (ratio_max: the maximum);
+        with every update skipped, the last update's (non-finite) values."""
+        applied = [u for u in updates if not u["skipped"]] or updates[-1:]
+        summary = {"lr": updates[0]["lr"]}
+        for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "kl", "entropy"):
+            if key in applied[0]:
+                summary[key] = sum(u[key] for u in applied) / len(applied)
+        if "ratio_max" in applied[0]:
+            summary["ratio_max"] = max(u["ratio_max"] for u in applied)
+        return summary
+
+    def _check_progress(self, step: int, metrics: dict[str, float]) -> None:
+        """Stop the run (the same decision on every rank: the counts are global) after
+        algorithm.max_skipped_steps RL steps in a row with a skipped update, or
+        reward.max_failed_steps steps in a row on which the reward function failed on every sample."""
+        self._skipped_streak = self._skipped_streak + [step] if metrics["skipped_steps"] else []
+        limit = self.config.algorithm.max_skipped_steps
+        if len(self._skipped_streak) >= limit:
+            extremes = self._step_extremes
+            raise NonFiniteError(
+                f"RL step {step}: the loss or gradient norm was NaN or inf on {len(self._skipped_streak)} RL steps "
+                f"in a row (steps {self._skipped_streak[0]}-{step}, algorithm.max_skipped_steps={limit}); those "
+                "updates were skipped and left the adapter and optimizer unchanged. Last step: "
+                f"loss {metrics.get('loss')}, grad_norm {metrics.get('grad_norm')}, lr {metrics.get('lr')}, "
+                f"largest |reward| {extremes.get('reward_abs_max')}, largest |advantage| "
+                f"{extremes.get('advantage_abs_max')}. Likely causes: rewards so large that the loss overflows "
+                "(rescale the reward function), or a learning rate too high (lower optim.lr)."
+            )
+        failed = metrics["reward_samples"] > 0 and metrics["reward_errors"] + metrics["reward_timeouts"] >= (
+            metrics["reward_samples"]
+        )
+        self._reward_failure_streak = self._reward_failure_streak + [step] if failed else []
+        limit = self.config.reward.max_failed_steps
+        if len(self._reward_failure_streak) >= limit:
+            cause = self._reward_traceback or "(every sample timed out, or failed on another rank)"
+            raise RewardFunctionError(
+                f"RL step {step}: the reward function {self.config.reward.function!r} failed on every sample for "
+                f"{len(self._reward_failure_streak)} steps in a row (steps {self._reward_failure_streak[0]}-{step}, "
+                f"reward.max_failed_steps={limit}). First failure of step {step}:\n{cause}"
+            )
 
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -314,13 +386,21 @@ class RLRun:
         cfg = self.config
         first = 0
         if cfg.resume:
-            data_state = self.engine.load_checkpoint(self.checkpoints)
-            if data_state:
-                self.iterator.load_state_dict(data_state["iterator"])
-                first = self.engine.step
-                self.rollout.update(version=self.engine.step, engine=self.engine)
+            trainer_state = self.engine.load_checkpoint(self.checkpoints)
+            if trainer_state:
+                self.iterator.load_state_dict(trainer_state["data"]["iterator"])
+                first = trainer_state["step"]
+                self.rollout.update(version=first, engine=self.engine)
                 if self.rank == 0:
                     print(f"resumed from step {first}")
+        try:
+            return self._train(first)
+        finally:
+            self.close()
+
+    def _train(self, first: int) -> dict[str, float]:
+        """RL steps first+1 .. steps (1-based), then the final checkpoint and adapter."""
+        cfg = self.config
         progress = None
         if self.rank == 0 and cfg.logging.progress:
             from tqdm import tqdm
@@ -338,6 +418,7 @@ class RLRun:
                 metrics["eval_accuracy"] = self.evaluate()
             self.metrics.log(done, metrics)
             last.update(metrics)
+            self._check_progress(done, metrics)
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
                 self.save(done)
             if progress is not None:
@@ -349,13 +430,26 @@ class RLRun:
         if progress is not None:
             progress.close()
         self.save(cfg.steps, final=True)
+        return last
+
+    def close(self) -> None:
+        """Close the metrics files, reward workers and rollout servers (also when a step fails)."""
         self.metrics.close()
         self.scorer.close()
         if hasattr(self.rollout, "close"):
             self.rollout.close()
-        return last
 
     def save(self, step: int, final: bool = False) -> None:
-        self.engine.save_checkpoint(self.checkpoints, {"iterator": self.iterator.state_dict()})
+        """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,
+        RUN_DIR/adapters/step_NNNNNN before it (the newest checkpoint.keep_last_adapters kept)."""
+        self.engine.save_checkpoint(self.checkpoints, step, {"iterator": self.iterator.state_dict()})
         out = self.run_dir / ("adapter" if final else f"adapters/step_{step:06d}")
         self.engine.export_peft(out, base_model_name_or_path=self.config.model.path)
+        if not final and self.rank == 0:
+            self._prune_adapter_exports()
+
+    def _prune_adapter_exports(self) -> None:
+        exports = [p for p in (self.run_dir / "adapters").iterdir() if ADAPTER_EXPORT_DIR.fullmatch(p.name)]
+        exports.sort(key=lambda p: int(ADAPTER_EXPORT_DIR.fullmatch(p.name).group(1)))
+        for stale in exports[: -self.config.checkpoint.keep_last_adapters]:
+            shutil.rmtree(stale)

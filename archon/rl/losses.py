@@ -32,7 +32,7 @@ Normalisation across micro-batches (the contract train_step relies on):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -429,8 +429,8 @@ class LossConfig:
     aggregation: Aggregation | None = None
     """token_mean, seq_mean_token_mean or seq_mean_token_sum_norm. None: the algorithm's default."""
     max_response_length: int | None = None
-    """Constant length divisor for seq_mean_token_sum_norm (Dr.GRPO): the generation limit. The
-    recipe may fill it in from the rollout settings; the loss raises if it is still unset."""
+    """Constant length divisor for seq_mean_token_sum_norm (Dr.GRPO). None: the generation limit,
+    rollout.max_new_tokens (the RL recipe fills it in)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty against the reference policy; 0 disables it."""
     kl_estimator: KLEstimator = "k3"
@@ -440,6 +440,14 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHM_DEFAULTS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; expected one of {', '.join(ALGORITHM_DEFAULTS)}")
+        if self.max_response_length is not None and self.max_response_length <= 0:
+            raise ValueError(f"LossConfig.max_response_length must be positive, got {self.max_response_length}")
+
+    def for_rollout(self, max_new_tokens: int) -> "LossConfig":
+        """This config with max_response_length set to the generation limit when it is unset."""
+        if self.max_response_length is not None:
+            return self
+        return replace(self, max_response_length=max_new_tokens)
 
     def resolved_clip(self) -> tuple[float, float]:
         low, high, _ = ALGORITHM_DEFAULTS[self.algorithm]

@@ -5,7 +5,7 @@ stdin and replies on the process's original stdout. Anything the reward function
 stderr, so it cannot corrupt the replies.
 
     ("init", spec, sys_path)                 -> ("ready", None) | ("init_error", message)
-    ("score", prompt, completion, reference) -> ("ok", float) | ("error", message)
+    ("score", prompt, completion, reference) -> ("ok", float) | ("error", message, traceback text)
 
 The worker exits when stdin closes, and on Linux is killed when its parent dies. The parent
 enforces the time limit by killing the process.
@@ -89,7 +89,7 @@ def main() -> None:
             try:
                 write_message(replies, ("ok", call_reward(fn, prompt, completion, reference)))
             except Exception as exc:  # noqa: BLE001 - a failing reward is a counted error, not a crash
-                write_message(replies, ("error", _describe(exc)))
+                write_message(replies, ("error", _describe(exc), traceback.format_exc()))
         else:
             write_message(replies, ("error", f"unknown request {kind!r}"))
 

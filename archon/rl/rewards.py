@@ -4,10 +4,12 @@
     rewards, metrics = scorer.score(prompts, completions, references)   # rewards: [B] float32
     scorer.close()
 
-A reward function that raises, returns something that is not a finite number, kills its process
-or runs past `timeout_s` gives that sample reward 0 and is counted (metrics `reward_errors`,
-`reward_timeouts`); the run goes on. A reward function spec that cannot be loaded at all is a
-configuration error and raises when the scorer is built.
+A reward function that raises, returns something that is not a finite float32 number (NaN, inf,
+or beyond about 3.4e38), kills its process or runs past `timeout_s` gives that sample reward 0 and
+is counted (metrics `reward_errors`, `reward_timeouts`); the run goes on, and the RL loop stops it
+only when every sample fails for `max_failed_steps` steps in a row, showing `last_traceback`. A
+reward function spec that cannot be loaded at all is a configuration error and raises when the
+scorer is built.
 
 Time limits. By default (num_workers >= 1) reward functions run in persistent worker processes
 (`python -m archon.rl.reward_worker`, which does not import torch); a sample that overruns has its
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -59,12 +62,17 @@ class RewardConfig:
     num_workers: int = 1
     """Worker processes that run the reward function. 0 runs it in this process under a SIGALRM
     timer: main thread only, and a hang inside C code is not interrupted."""
+    max_failed_steps: int = 3
+    """Stop the run, showing the reward function's traceback, when it fails (raises or times out)
+    on every sample of this many steps in a row."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"RewardConfig.timeout_s must be positive, got {self.timeout_s}")
         if self.num_workers < 0:
             raise ValueError(f"RewardConfig.num_workers must be >= 0, got {self.num_workers}")
+        if self.max_failed_steps < 1:
+            raise ValueError(f"RewardConfig.max_failed_steps must be >= 1, got {self.max_failed_steps}")
 
 
 class RewardTimeout(BaseException):
@@ -184,13 +192,15 @@ class _WorkerProcess:
 class RewardScorer:
     """Scores batches with the configured reward function; see the module doc for the time limits.
 
-    Keeps running totals over its lifetime in `totals` (samples, errors, timeouts). Call close()
-    (or use it as a context manager) to stop the worker processes.
+    Keeps running totals over its lifetime in `totals` (samples, errors, timeouts), and in
+    `last_traceback` the traceback text of the first exception of the last batch (None when no
+    sample of it raised). Call close() (or use it as a context manager) to stop the worker processes.
     """
 
     def __init__(self, config: RewardConfig):
         self.config = config
         self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
+        self.last_traceback: str | None = None
         self._fn = None
         self._workers: list[_WorkerProcess] = []
         if config.num_workers == 0:
@@ -235,9 +245,16 @@ class RewardScorer:
             values, failures = self._score_in_process(samples)
         else:
             values, failures = self._score_in_workers(samples)
-        errors = sum(1 for kind, _, _ in failures if kind == "error")
+        rewards = torch.tensor(values, dtype=torch.float32)
+        # call_reward rejects NaN and inf; a value beyond the float32 range becomes inf here.
+        for index in (~torch.isfinite(rewards)).nonzero()[:, 0].tolist():
+            failures.append(("error", index, f"reward {values[index]!r} is not a finite float32 number", None))
+            rewards[index] = 0.0
+        failures.sort(key=lambda failure: failure[1])
+        self.last_traceback = next((tb for kind, _, _, tb in failures if tb is not None), None)
+        errors = sum(1 for kind, _, _, _ in failures if kind == "error")
         timeouts = len(failures) - errors
-        for kind, index, message in failures[:MAX_LOGGED_FAILURES_PER_BATCH]:
+        for kind, index, message, _ in failures[:MAX_LOGGED_FAILURES_PER_BATCH]:
             logger.warning("reward %s for sample %d (reward 0): %s", kind, index, message)
         if len(failures) > MAX_LOGGED_FAILURES_PER_BATCH:
             unlogged = len(failures) - MAX_LOGGED_FAILURES_PER_BATCH
@@ -245,10 +262,9 @@ class RewardScorer:
         self.totals["samples"] += len(samples)
         self.totals["errors"] += errors
         self.totals["timeouts"] += timeouts
-        rewards = torch.tensor(values, dtype=torch.float32)
         metrics = {
-            "reward_mean": rewards.mean().item() if len(values) else 0.0,
-            "reward_std": rewards.std(correction=0).item() if len(values) else 0.0,
+            "reward_mean": rewards.double().mean().item() if len(values) else 0.0,
+            "reward_std": rewards.double().std(correction=0).item() if len(values) else 0.0,
             "reward_errors": float(errors),
             "reward_timeouts": float(timeouts),
             "reward_seconds": time.monotonic() - start,
@@ -263,9 +279,9 @@ class RewardScorer:
                 with _alarm(self.config.timeout_s):
                     values[index] = call_reward(self._fn, prompt, completion, reference)
             except RewardTimeout:
-                failures.append(("timeout", index, f"over {self.config.timeout_s} s"))
+                failures.append(("timeout", index, f"over {self.config.timeout_s} s", None))
             except Exception as exc:  # noqa: BLE001 - a failing reward is counted, not fatal
-                failures.append(("error", index, f"{type(exc).__name__}: {exc}"))
+                failures.append(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return values, failures
 
     def _score_in_workers(self, samples):
@@ -284,7 +300,7 @@ class RewardScorer:
                     worker.send(("score", *samples[index]))
                 except (RuntimeError, OSError) as exc:
                     worker.stop()
-                    failures.append(("error", index, f"reward worker unavailable: {exc}"))
+                    failures.append(("error", index, f"reward worker unavailable: {exc}", None))
                     continue
                 busy[worker] = (index, time.monotonic() + self.config.timeout_s)
             if not busy:
@@ -300,17 +316,17 @@ class RewardScorer:
                     if message[0] == "ok":
                         values[index] = message[1]
                     else:
-                        failures.append(("error", index, message[1]))
+                        # ("error", description[, traceback text])
+                        failures.append(("error", index, message[1], message[2] if len(message) > 2 else None))
                 elif not open_:
                     del busy[worker]
                     reason = worker.exit_reason()
                     worker.stop()
-                    failures.append(("error", index, f"reward worker died: {reason}"))
+                    failures.append(("error", index, f"reward worker died: {reason}", None))
             now = time.monotonic()
             for worker, (index, deadline) in list(busy.items()):
                 if deadline <= now:
                     del busy[worker]
                     worker.stop()
-                    failures.append(("timeout", index, f"over {self.config.timeout_s} s; worker restarted"))
-        failures.sort(key=lambda failure: failure[1])
+                    failures.append(("timeout", index, f"over {self.config.timeout_s} s; worker restarted", None))
         return values, failures
