@@ -513,20 +513,29 @@ class Engine:
 
     def save_checkpoint(self, manager, data_state: dict | None = None) -> Path:
         """Save a resume checkpoint for the current step through a CheckpointManager."""
+        from archon.checkpoint.resume import lora_settings
+
         # The schedule itself comes from the config; only its position is state.
         scheduler = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-        trainer_state = {"step": self.step, "scheduler": scheduler, "data": data_state or {}}
+        trainer_state = {
+            "step": self.step, "scheduler": scheduler, "data": data_state or {},
+            "lora": lora_settings(self.lora),
+        }  # fmt: skip
         return manager.save(self.step, self.checkpoint_state(), trainer_state)
 
     def load_checkpoint(self, manager, path: str | os.PathLike | None = None) -> dict | None:
-        """Resume from `path` (default: the manager's latest). Returns the saved data-loader state,
-        or None when there is no checkpoint."""
+        """Resume from `path` (default: the manager's latest). Returns the whole trainer state
+        (step, data-loader position, ...), or None when there is no checkpoint. A checkpoint trained
+        with another LoRA config (rank, alpha, targets, ...) is refused, naming the differences;
+        dropout may change."""
+        from archon.checkpoint.resume import lora_settings
+
         path = manager.latest() if path is None else Path(path)
         if path is None:
             return None
         state = self.checkpoint_state()
-        trainer_state = manager.load(path, state)
+        trainer_state = manager.load(path, state, expected={"lora": lora_settings(self.lora)})
         self.load_checkpoint_state(state)
         self.step = trainer_state["step"]
         self.scheduler.load_state_dict({**trainer_state["scheduler"], "lr_lambdas": [None]})
-        return trainer_state["data"]
+        return trainer_state

@@ -108,7 +108,7 @@ def resume(args) -> None:
         os._exit(0)
     # Another seed: everything that matters must come from the checkpoint.
     engine = Engine(cases.engine_config(path, parallel, lora_dropout=0.1, seed=123))
-    data_state = engine.load_checkpoint(manager)
+    data_state = engine.load_checkpoint(manager)["data"]
     second_half = run(engine, data_state["next_step"], 8)
     if dist.get_rank() == 0:
         torch.save(

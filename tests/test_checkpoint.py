@@ -7,7 +7,7 @@ import torch
 
 import parallel_cases as cases
 from archon.checkpoint.hf import HFCheckpoint, read_local
-from archon.checkpoint.resume import TRAINER_STATE, CheckpointManager
+from archon.checkpoint.resume import TRAINER_STATE, CheckpointError, CheckpointManager
 from archon.engine import Engine
 
 
@@ -40,7 +40,7 @@ def test_resume_continues_with_the_uninterrupted_losses(qwen3_path, tmp_path):
     manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
     first = _train(Engine(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(3), manager)
     resumed = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1, seed=7))
-    data = resumed.load_checkpoint(manager)
+    data = resumed.load_checkpoint(manager)["data"]
     assert data == {"next_step": 3} and resumed.step == 3
     second = _train(resumed, range(data["next_step"], 6))
     assert first + second == uninterrupted
@@ -80,7 +80,7 @@ def test_failed_save_leaves_no_checkpoint(qwen3_path, tmp_path, monkeypatch):
 
 def test_incomplete_checkpoint_is_rejected(tmp_path):
     (tmp_path / "step-00000001").mkdir()
-    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+    with pytest.raises(CheckpointError, match="trainer_state.json"):
         CheckpointManager(tmp_path).load(tmp_path / "step-00000001", {})
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager(tmp_path, keep_last=0)

@@ -29,16 +29,24 @@ from archon.rl.config import GRPOConfig
 from archon.rl.data import DataConfig, PromptBatchIterator, load_prompt_dataset, tokenize_prompt
 from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
+from archon.rl.run_dir import prepare_run_dir
 from archon.rl.rewards import RewardScorer
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 
 logger = logging.getLogger("archon.rl")
+CHECK_RUN_DIR = object()
 
 
 class RLRun:
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOConfig, resume_from: Path | None | object = CHECK_RUN_DIR) -> None:
+        """`resume_from`: what `prepare_run_dir` returned, when the caller has checked the run
+        directory already (the recipe does, before it prepares the demo model); by default the
+        check is made here, before anything is built."""
         self.config = config
+        if resume_from is CHECK_RUN_DIR:
+            resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
+        self.resume_from = resume_from
         self.engine = Engine(
             EngineConfig(
                 model_path=config.model.path,
@@ -293,14 +301,13 @@ class RLRun:
     def run(self) -> dict[str, float]:
         cfg = self.config
         first = 0
-        if cfg.resume:
-            data_state = self.engine.load_checkpoint(self.checkpoints)
-            if data_state:
-                self.iterator.load_state_dict(data_state["iterator"])
-                first = self.engine.step
-                self.rollout.update(version=self.engine.step, engine=self.engine)
-                if self.rank == 0:
-                    print(f"resumed from step {first}")
+        if self.resume_from is not None:
+            trainer_state = self.engine.load_checkpoint(self.checkpoints, self.resume_from)
+            self.iterator.load_state_dict(trainer_state["data"]["iterator"])
+            first = trainer_state["step"]
+            self.rollout.update(version=self.engine.step, engine=self.engine)
+            if self.rank == 0:
+                print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         progress = None
         if self.rank == 0 and cfg.logging.progress:
             from tqdm import tqdm
