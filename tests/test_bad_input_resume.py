@@ -4,6 +4,7 @@ type that names the culprit, and leaves the run directory exactly as it was."""
 from __future__ import annotations
 
 import hashlib
+import pickle
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,12 @@ def _malicious_rng_pickle(run_dir):
     return ["--resume"], CheckpointError, [str(rng_file), "weights_only"]
 
 
+def _malicious_metadata(run_dir):
+    metadata = _newest(run_dir) / ".metadata"
+    metadata.write_bytes(pickle.dumps(Exploit(run_dir.parent / "exploit-ran")))
+    return ["--resume"], CheckpointError, [str(metadata), "not part of a checkpoint index"]
+
+
 def _every_checkpoint_damaged(run_dir):
     for step in (1, 2):
         (run_dir / CKPT / f"step-{step:08d}" / ".metadata").unlink()
@@ -156,7 +163,7 @@ def _run_dir_is_a_file(run_dir):
 CASES = [
     _resume_nothing_in_new_dir, _resume_nothing_in_empty_checkpoints, _resume_mistyped_path,
     _resume_run_dir_instead_of_checkpoint, _corrupt_trainer_state, _truncated_distcp, _garbled_distcp,
-    _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _every_checkpoint_damaged,
+    _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _malicious_metadata, _every_checkpoint_damaged,
     _named_checkpoint_damaged, _lora_rank_changed, _lora_alpha_changed, _lora_targets_changed,
     _lora_rslora_changed, _new_run_in_used_dir, _overwrite_with_foreign_files, _resume_and_overwrite,
     _run_dir_is_a_file,

@@ -99,6 +99,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.npu.set_rng_state_all(state["npu"])
 
 
+def _load_failure(e: Exception) -> str:
+    """The informative part of a torch.load error (the weights_only unpickler's own text is long)."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0]
+        return detail.split(". Please use")[0]
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
 def read_rng_state(path: Path) -> dict[str, Any]:
     """Load one rank's RNG file with weights_only=True; anything else in it is refused."""
     try:
@@ -106,7 +115,10 @@ def read_rng_state(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist; was the checkpoint written by a run with fewer ranks?") from None
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable RNG state file (only tensors and plain values are accepted): {e}") from None
+        raise CheckpointError(
+            f"{path} is not a readable RNG state file (loaded with weights_only=True: only tensors and plain "
+            f"values are accepted): {_load_failure(e)}"
+        ) from None
     if not (
         isinstance(state, dict)
         and isinstance(state.get("torch"), torch.Tensor)
@@ -133,25 +145,48 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; this reads it allowing only the classes such an index is made of,
+    so a hostile one cannot run code."""
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.filesystem as dcp_filesystem
+        import torch.distributed.checkpoint.metadata as dcp_metadata
+
+        allowed = {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
+            ("torch", "Size"): torch.Size,
+            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+            ("pathlib", "PosixPath"): Path().__class__,
+            ("pathlib", "WindowsPath"): Path().__class__,
+        }
+        if (module, name) in allowed:
+            return allowed[(module, name)]
+        value = getattr(dcp_metadata if module == dcp_metadata.__name__ else torch, name, None)
+        if module == dcp_metadata.__name__ and isinstance(value, type) and value.__module__ == module:
+            return value
+        if module == "torch" and isinstance(value, torch.dtype):
+            return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
 def read_metadata(path: Path):
     """The DCP index of the checkpoint at `path` (which tensors are in which .distcp file)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     metadata_file = Path(path) / METADATA
-    if not metadata_file.is_file():
-        raise CheckpointError(f"{metadata_file} does not exist; is {path} a complete checkpoint?")
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        with open(metadata_file, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{metadata_file} does not exist; is {path} a complete checkpoint?") from None
     except Exception as e:
         raise CheckpointError(f"{metadata_file} cannot be read: {e}") from None
 
 
 def _check_shards(path: Path, metadata) -> list[str]:
-    """Every stored item is inside its .distcp file and every tensor in it deserializes."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    """Every stored item is inside its .distcp file and deserializes with weights_only=True (DCP
+    itself loads the non-tensor items with weights_only=False, so this check is what keeps a hostile
+    file from running code)."""
     problems: list[str] = []
-    tensor_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     by_file: dict[str, list] = {}
     for index, info in metadata.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((index, info))
@@ -167,12 +202,10 @@ def _check_shards(path: Path, metadata) -> list[str]:
             problems.append(f"{shard} is truncated: {len(data)} bytes, its index in {METADATA} needs {needed}")
             continue
         for index, info in items:
-            if index.fqn not in tensor_keys:
-                continue
             try:
                 torch.load(io.BytesIO(data[info.offset : info.offset + info.length]), weights_only=True)
             except Exception as e:
-                problems.append(f"{shard} is corrupt: tensor {index.fqn!r} does not deserialize ({e})")
+                problems.append(f"{shard} is corrupt: {index.fqn!r} does not load with weights_only=True ({_load_failure(e)})")
                 break
     return problems
 

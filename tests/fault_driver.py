@@ -1,0 +1,51 @@
+"""Runs the GRPO recipe in this process and SIGKILLs it at a chosen point of a checkpoint or
+adapter write, for the fault tests (tests/test_checkpoint_faults.py).
+
+    python tests/fault_driver.py dcp-save .step-00000003.tmp RECIPE_ARGS...   # once DCP has written that checkpoint's shards
+    python tests/fault_driver.py rename .step-00000002.tmp RECIPE_ARGS...     # just before that directory is renamed into place
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    point, target, recipe_args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if point == "dcp-save":
+        import torch.distributed.checkpoint as dcp
+
+        original_save = dcp.save
+
+        def save(state_dict, *, checkpoint_id, **kwargs):
+            result = original_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+            if Path(checkpoint_id).name == target:
+                _die()
+            return result
+
+        dcp.save = save
+    elif point == "rename":
+        original_replace = os.replace
+
+        def replace(src, dst, **kwargs):
+            if Path(src).name == target:
+                _die()
+            return original_replace(src, dst, **kwargs)
+
+        os.replace = replace
+    else:
+        raise SystemExit(f"unknown kill point {point!r}")
+    from recipes.grpo_lora import main as recipe
+
+    recipe(recipe_args)
+
+
+if __name__ == "__main__":
+    main()
