@@ -4,6 +4,7 @@ type that names the culprit, and leaves the run directory exactly as it was."""
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -190,3 +191,21 @@ def test_the_malicious_rng_file_would_run_code_if_unpickled_freely(tmp_path):
     torch.save({"torch": Exploit(tmp_path / "exploit-ran")}, tmp_path / "rank-0.pt")
     torch.load(tmp_path / "rank-0.pt", weights_only=False)
     assert (tmp_path / "exploit-ran").exists()
+
+
+def test_overwrite_deletes_the_earlier_run_and_nothing_else(finished_run, tiny_setup, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    (run_dir / ".metrics.jsonl.abc123.tmp").write_text("left by a killed write")
+    RLRun(parse_config(_args(tiny_setup, run_dir, steps=1) + ["--overwrite"])).run()
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records] == [0, 1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000001"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["adapter", "checkpoints", "metrics.jsonl"]
+
+
+def test_a_bare_resume_means_the_newest_checkpoint():
+    assert parse_config(["--resume"]).resume == "latest"
+    assert parse_config(["--resume", "--steps", "3"]).resume == "latest"
+    assert parse_config(["--resume", "runs/x/checkpoints/step-00000002"]).resume == "runs/x/checkpoints/step-00000002"
+    assert parse_config([]).resume is None and not parse_config([]).overwrite

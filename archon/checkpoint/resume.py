@@ -271,16 +271,22 @@ def _check_keys(path: Path, metadata, model_state: dict[str, Any]) -> None:
         k[len("model."):]: v.size for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }  # fmt: skip
-    problems = [f"missing from the checkpoint: {k}" for k in sorted(model_state.keys() - stored.keys())]
-    problems += [f"in the checkpoint but not trainable in this run: {k}" for k in sorted(stored.keys() - model_state.keys())]
-    problems += [
-        f"{k}: checkpoint shape {tuple(stored[k])}, this run {tuple(t.shape)}"
+    shapes = [
+        f"{k} (checkpoint {tuple(stored[k])}, this run {tuple(t.shape)})"
         for k, t in sorted(model_state.items()) if k in stored and tuple(stored[k]) != tuple(t.shape)
     ]  # fmt: skip
+    groups = {
+        "missing from the checkpoint": sorted(model_state.keys() - stored.keys()),
+        "in the checkpoint but not trainable in this run": sorted(stored.keys() - model_state.keys()),
+        "other shape": shapes,
+    }
+    problems = [
+        f"{what} ({len(keys)}): {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+        for what, keys in groups.items() if keys
+    ]  # fmt: skip
     if problems:
-        shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
         raise CheckpointError(
-            f"checkpoint {path} does not fit this model's trainable parameters:\n  " + "\n  ".join(shown)
+            f"checkpoint {path} does not fit this model's trainable parameters:\n  " + "\n  ".join(problems)
         )
 
 
