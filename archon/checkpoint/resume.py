@@ -215,13 +215,14 @@ def checkpoint_problems(path: str | os.PathLike, world_size: int) -> list[str]:
     naming its file; empty when it is complete and readable."""
     path = Path(path)
     problems: list[str] = []
-    for read in (read_trainer_state, read_metadata):
-        try:
-            read(path)
-        except CheckpointError as e:
-            problems.append(str(e))
-    if not any(METADATA in p for p in problems):
+    try:
+        read_trainer_state(path)
+    except CheckpointError as e:
+        problems.append(str(e))
+    try:
         problems += _check_shards(path, read_metadata(path))
+    except CheckpointError as e:
+        problems.append(str(e))
     for rank in range(world_size):
         try:
             read_rng_state(path / "rng" / f"rank-{rank}.pt")

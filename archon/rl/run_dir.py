@@ -80,14 +80,19 @@ def _start_fresh(run_dir: Path, overwrite: bool) -> None:
         logger.warning("--overwrite: deleted the earlier run's outputs in %s: %s", run_dir, ", ".join(entries))
 
 
+def _recover(run_dir: Path, manager: CheckpointManager) -> None:
+    """Undo what writes killed in the earlier run left (see archon.checkpoint.atomic)."""
+    _check_writable(run_dir)
+    manager.recover()
+    recover_directories(run_dir)
+    recover_directories(run_dir / ADAPTERS)
+
+
 def _checkpoint_to_resume(run_dir: Path, resume: str, world_size: int, lora) -> Path:
     manager = CheckpointManager(run_dir / CHECKPOINTS)
     if resume == "latest":
         if manager.root.is_dir():
-            _check_writable(run_dir)
-            manager.recover()
-            recover_directories(run_dir)
-            recover_directories(run_dir / ADAPTERS)
+            _recover(run_dir, manager)
         path = manager.latest()
         if path is None:
             state = "is empty" if manager.root.is_dir() else "does not exist"
@@ -103,9 +108,7 @@ def _checkpoint_to_resume(run_dir: Path, resume: str, world_size: int, lora) -> 
                 f"--resume {resume}: {'no such directory' if not path.exists() else 'not a checkpoint directory'}; "
                 f"a checkpoint is a directory RUN_DIR/{CHECKPOINTS}/step-NNNNNNNN (a bare --resume takes the newest)"
             )
-        _check_writable(run_dir)
-        if path.parent.resolve() == manager.root.resolve():
-            manager.recover()
+        _recover(run_dir, manager)
     problems = checkpoint_problems(path, world_size)
     if problems:
         intact = CheckpointManager(path.parent).newest_intact(path, world_size)
@@ -116,7 +119,8 @@ def _checkpoint_to_resume(run_dir: Path, resume: str, world_size: int, lora) -> 
         )
         raise CheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(problems) + f"\n{advice}")
     check_same_settings(path, read_trainer_state(path), {"lora": lora_settings(lora)})
-    newer = [p.name for p in manager.checkpoints() if p.name > path.name and p.parent.resolve() == path.parent.resolve()]
+    in_this_run = path.parent.resolve() == manager.root.resolve()
+    newer = [p.name for p in manager.checkpoints() if p.name > path.name] if in_this_run else []
     if newer:
         logger.warning(
             "resuming from %s; the newer checkpoints %s belong to the earlier run and are replaced as this run "
