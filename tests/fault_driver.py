@@ -1,7 +1,7 @@
 """Runs the GRPO recipe in this process and SIGKILLs it at a chosen point of a checkpoint or
 adapter write, for the fault tests (tests/test_checkpoint_faults.py).
 
-    python tests/fault_driver.py dcp-save .step-00000003.tmp RECIPE_ARGS...   # once DCP has written that checkpoint's shards
+    python tests/fault_driver.py dcp-save .step-00000003.tmp RECIPE_ARGS...   # DCP has written its shards, not its index
     python tests/fault_driver.py rename .step-00000002.tmp RECIPE_ARGS...     # just before that directory is renamed into place
 """
 
@@ -20,17 +20,16 @@ def _die() -> None:
 def main() -> None:
     point, target, recipe_args = sys.argv[1], sys.argv[2], sys.argv[3:]
     if point == "dcp-save":
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
-        original_save = dcp.save
+        original_finish = _FileSystemWriter.finish
 
-        def save(state_dict, *, checkpoint_id, **kwargs):
-            result = original_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
-            if Path(checkpoint_id).name == target:
+        def finish(self, metadata, results):
+            if Path(self.path).name == target:  # the shards are written, the index (.metadata) is not
                 _die()
-            return result
+            return original_finish(self, metadata, results)
 
-        dcp.save = save
+        _FileSystemWriter.finish = finish
     elif point == "rename":
         original_replace = os.replace
 

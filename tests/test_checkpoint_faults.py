@@ -57,6 +57,8 @@ def test_kill_during_dcp_save(tiny_setup, uninterrupted, tmp_path):  # noqa: F81
     _run_until_killed("dcp-save", ".step-00000003.tmp", args)
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000003.tmp", "step-00000001", "step-00000002"]
+    assert list((checkpoints / ".step-00000003.tmp").glob("*.distcp"))
+    assert not (checkpoints / ".step-00000003.tmp" / ".metadata").exists()
 
     _run_in_process(args + ["--resume"])
     assert _losses(run_dir) == uninterrupted
