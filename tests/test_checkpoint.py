@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -189,3 +192,38 @@ def test_pruning_keeps_checkpoints_newer_than_the_one_saved(tmp_path):
     manager.save(4, {"model": {"w": torch.zeros(2)}}, {"step": 4})
     assert [p.name for p in manager.checkpoints()] == ["step-00000003", "step-00000004", "step-00000005", "step-00000006"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_hostile_non_tensor_item_is_refused_before_dcp_unpickles_it(tmp_path):
+    """DCP loads non-tensor items (optimizer settings) with weights_only=False; the manager checks
+    them with weights_only=True first, so a planted pickle never runs."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    manager = CheckpointManager(tmp_path / "ckpts")
+    path = manager.save(1, {"model": {"w": torch.zeros(2)}, "optimizer": {"lr": 0.5}}, {"step": 1})
+    info = next(v for k, v in FileSystemReader(str(path)).read_metadata().storage_data.items() if k.fqn == "optimizer.lr")
+    marker = tmp_path / "exploit-ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    shard = path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    payload = io.BytesIO()
+    torch.save(Exploit(), payload)
+    with open(shard, "wb") as f:  # the planted item replaces the stored one at the same place
+        f.write(bytes(data[: info.offset]) + payload.getvalue() + bytes(data[info.offset + info.length :]))
+    # the index must point at the planted bytes: rewrite its length
+    import pickle
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    for k, v in metadata.storage_data.items():
+        if k.fqn == "optimizer.lr":
+            v.length = len(payload.getvalue())
+        elif v.relative_path == info.relative_path and v.offset > info.offset:
+            v.offset += len(payload.getvalue()) - info.length
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=rf"{shard}.*'optimizer.lr' does not load with weights_only=True"):
+        manager.load(path, {"model": {"w": torch.zeros(2)}, "optimizer": {"lr": 0.0}})
+    assert not marker.exists()

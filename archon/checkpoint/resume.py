@@ -182,31 +182,39 @@ def read_metadata(path: Path):
         raise CheckpointError(f"{metadata_file} cannot be read: {e}") from None
 
 
-def _check_shards(path: Path, metadata) -> list[str]:
-    """Every stored item is inside its .distcp file and deserializes with weights_only=True (DCP
-    itself loads the non-tensor items with weights_only=False, so this check is what keeps a hostile
-    file from running code)."""
-    problems: list[str] = []
+def _check_shards(path: Path, metadata, tensors: bool = True) -> list[str]:
+    """Every stored item is inside its .distcp file and deserializes with weights_only=True; with
+    `tensors=False` only the non-tensor items are read. DCP itself loads the non-tensor items with
+    weights_only=False, so this check is what keeps a hostile file from running code."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensor_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     by_file: dict[str, list] = {}
     for index, info in metadata.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((index, info))
+    problems: list[str] = []
     for relative_path, items in sorted(by_file.items()):
         shard = path / relative_path
-        try:
-            data = shard.read_bytes()
-        except OSError as e:
-            problems.append(f"{shard} cannot be read: {e}")
-            continue
         needed = max(info.offset + info.length for _, info in items)
-        if len(data) < needed:
-            problems.append(f"{shard} is truncated: {len(data)} bytes, its index in {METADATA} needs {needed}")
-            continue
-        for index, info in items:
-            try:
-                torch.load(io.BytesIO(data[info.offset : info.offset + info.length]), weights_only=True)
-            except Exception as e:
-                problems.append(f"{shard} is corrupt: {index.fqn!r} does not load with weights_only=True ({_load_failure(e)})")
-                break
+        try:
+            size = shard.stat().st_size
+            if size < needed:
+                problems.append(f"{shard} is truncated: {size} bytes, its index in {METADATA} needs {needed}")
+                continue
+            with open(shard, "rb") as f:
+                for index, info in items:
+                    if not tensors and index.fqn in tensor_keys:
+                        continue
+                    f.seek(info.offset)
+                    try:
+                        torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+                    except Exception as e:
+                        problems.append(
+                            f"{shard} is corrupt: {index.fqn!r} does not load with weights_only=True ({_load_failure(e)})"
+                        )
+                        break
+        except OSError as e:
+            problems.append(f"{shard} cannot be read: {e.strerror or e}")
     return problems
 
 
@@ -365,6 +373,9 @@ class CheckpointManager:
         check_same_settings(path, trainer_state, expected or {})
         metadata = read_metadata(path)
         _check_keys(path, metadata, app_state.get("model", {}))
+        problems = _check_shards(path, metadata, tensors=False)
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(problems))
         rng = read_rng_state(path / "rng" / f"rank-{_rank()}.pt")
         try:
             with _single_process_quiet():
