@@ -1,8 +1,10 @@
 """Runs the GRPO recipe in this process and SIGKILLs it at a chosen point of a checkpoint or
 adapter write, for the fault tests (tests/test_checkpoint_faults.py).
 
-    python tests/fault_driver.py dcp-save .step-00000003.tmp RECIPE_ARGS...   # DCP has written its shards, not its index
-    python tests/fault_driver.py rename .step-00000002.tmp RECIPE_ARGS...     # just before that directory is renamed into place
+    # killed once DCP has written the shards of that checkpoint, before its index (.metadata)
+    python tests/fault_driver.py dcp-save .step-00000003.tmp RECIPE_ARGS...
+    # killed just before that directory is renamed into place
+    python tests/fault_driver.py rename .step-00000002.tmp RECIPE_ARGS...
 """
 
 from __future__ import annotations

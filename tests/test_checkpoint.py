@@ -157,10 +157,12 @@ def test_other_lora_settings_are_refused_before_any_tensor_is_read(qwen3_path, t
     (path / TRAINER_STATE).write_text(json.dumps(state))
     config = cases.engine_config(qwen3_path)
     config.lora = LoRAConfig(rank=8, alpha=8.0)
-    with pytest.raises(CheckpointError, match=r"other shape \(28\): layers.0.mlp.down_proj.lora_a.weight \(checkpoint \(4, 128\), this run \(8, 128\)\)"):
+    shape = r"other shape \(28\): layers.0.mlp.down_proj.lora_a.weight \(checkpoint \(4, 128\), this run \(8, 128\)\)"
+    with pytest.raises(CheckpointError, match=shape):
         Engine(config).load_checkpoint(manager)
     config.lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj",))
-    with pytest.raises(CheckpointError, match=r"in the checkpoint but not trainable in this run \(24\): layers.0.mlp.down_proj"):
+    extra = r"in the checkpoint but not trainable in this run \(24\): layers.0.mlp.down_proj"
+    with pytest.raises(CheckpointError, match=extra):
         Engine(config).load_checkpoint(manager)
 
 
