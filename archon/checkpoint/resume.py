@@ -115,9 +115,15 @@ def read_rng_state(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist; was the checkpoint written by a run with fewer ranks?") from None
     except Exception as e:
+        reason = _load_failure(e)
+        if "numpy" in reason:
+            reason += (
+                " (an RNG file holding NumPy arrays is in the format used before RNG states were stored "
+                "as tensors; such checkpoints cannot be resumed)"
+            )
         raise CheckpointError(
             f"{path} is not a readable RNG state file (loaded with weights_only=True: only tensors and plain "
-            f"values are accepted): {_load_failure(e)}"
+            f"values are accepted): {reason}"
         ) from None
     if not (
         isinstance(state, dict)
