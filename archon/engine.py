@@ -637,22 +637,29 @@ class Engine:
     def save_checkpoint(self, manager, step: int, data_state: dict | None = None) -> Path:
         """Save a resume checkpoint for training step `step` (the RL step in the loop; it names the
         checkpoint) through a CheckpointManager. Refuses (NonFiniteError) a state with NaN or inf."""
+        from archon.checkpoint.resume import lora_settings
+
         self.check_finite(f"checkpoint for step {step}")
         # The schedule itself comes from the config; only its position is state.
         scheduler = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
         trainer_state = {
             "step": step, "optimizer_steps": self.optimizer_steps, "scheduler": scheduler, "data": data_state or {},
+            "lora": lora_settings(self.lora),
         }  # fmt: skip
         return manager.save(step, self.checkpoint_state(), trainer_state)
 
     def load_checkpoint(self, manager, path: str | os.PathLike | None = None) -> dict | None:
-        """Resume from `path` (default: the manager's latest). Returns the saved trainer state
-        (`step`, `optimizer_steps`, `scheduler`, `data`), or None when there is no checkpoint."""
+        """Resume from `path` (default: the manager's latest). Returns the whole trainer state
+        (`step`, `optimizer_steps`, `scheduler`, `data`, `lora`), or None when there is no checkpoint.
+        A checkpoint trained with another LoRA config (rank, alpha, targets, ...) is refused, naming
+        the differences; dropout may change."""
+        from archon.checkpoint.resume import lora_settings
+
         path = manager.latest() if path is None else Path(path)
         if path is None:
             return None
         state = self.checkpoint_state()
-        trainer_state = manager.load(path, state)
+        trainer_state = manager.load(path, state, expected={"lora": lora_settings(self.lora)})
         self.load_checkpoint_state(state)
         self.optimizer_steps = trainer_state["optimizer_steps"]
         self.scheduler.load_state_dict({**trainer_state["scheduler"], "lr_lambdas": [None]})

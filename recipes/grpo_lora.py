@@ -26,9 +26,12 @@ def run(config) -> dict:
     from archon.parallel import init_distributed
     from archon.rl.demo import prepare_demo
     from archon.rl.loop import RLRun
+    from archon.rl.run_dir import prepare_run_dir
     from archon.tools.plot import plot_run
 
     _, rank, _ = init_distributed(config.model.device)
+    # Before the demo's warm start, so a run directory in use is reported at once.
+    resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
 
     def log(message: str) -> None:
         if rank == 0:
@@ -44,7 +47,7 @@ def run(config) -> dict:
         )
     elif not config.data.path:
         raise SystemExit("--data.path is required with --model.path (a .jsonl, .parquet or datasets directory)")
-    rl = RLRun(config)
+    rl = RLRun(config, resume_from=resume_from)
     last = rl.run()
     if rank == 0:
         run_dir = Path(config.logging.run_dir)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import pytest
 import torch
 
 import parallel_cases as cases
 from archon.checkpoint.hf import HFCheckpoint, read_local
-from archon.checkpoint.resume import TRAINER_STATE, CheckpointManager
+from archon.checkpoint.resume import TRAINER_STATE, CheckpointError, CheckpointManager
 from archon.engine import Engine
 
 
@@ -80,7 +83,7 @@ def test_failed_save_leaves_no_checkpoint(qwen3_path, tmp_path, monkeypatch):
 
 def test_incomplete_checkpoint_is_rejected(tmp_path):
     (tmp_path / "step-00000001").mkdir()
-    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+    with pytest.raises(CheckpointError, match="trainer_state.json"):
         CheckpointManager(tmp_path).load(tmp_path / "step-00000001", {})
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager(tmp_path, keep_last=0)
@@ -129,3 +132,100 @@ def test_loading_reads_only_the_region_a_shard_needs(qwen3_path):
         hf.local_region = original
     assert torch.equal(part, full[region])
     assert torch.equal(dense, checkpoint.get("model.layers.0.self_attn.q_proj.weight")[region[:2]])
+
+
+def test_other_lora_settings_are_refused_before_any_tensor_is_read(qwen3_path, tmp_path):
+    """Engine.load_checkpoint compares the stored LoRA settings; a checkpoint that did not record them
+    is still checked key for key and shape for shape, so trained weights are never dropped."""
+    import json
+
+    from archon.lora import LoRAConfig
+
+    manager = CheckpointManager(tmp_path / "ckpts")
+    path = Engine(cases.engine_config(qwen3_path)).save_checkpoint(manager)
+    assert json.loads((path / TRAINER_STATE).read_text())["lora"]["rank"] == 4
+
+    other_alpha = Engine(cases.engine_config(qwen3_path))
+    other_alpha.lora = LoRAConfig(rank=4, alpha=16.0)
+    with pytest.raises(CheckpointError, match=r"lora.alpha: checkpoint 8.0, this run 16.0"):
+        other_alpha.load_checkpoint(manager)
+    dropout_only = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1))
+    assert dropout_only.load_checkpoint(manager)["step"] == 0
+
+    state = json.loads((path / TRAINER_STATE).read_text())
+    del state["lora"]  # as written before the settings were recorded
+    (path / TRAINER_STATE).write_text(json.dumps(state))
+    config = cases.engine_config(qwen3_path)
+    config.lora = LoRAConfig(rank=8, alpha=8.0)
+    shape = r"other shape \(28\): layers.0.mlp.down_proj.lora_a.weight \(checkpoint \(4, 128\), this run \(8, 128\)\)"
+    with pytest.raises(CheckpointError, match=shape):
+        Engine(config).load_checkpoint(manager)
+    config.lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj",))
+    extra = r"in the checkpoint but not trainable in this run \(24\): layers.0.mlp.down_proj"
+    with pytest.raises(CheckpointError, match=extra):
+        Engine(config).load_checkpoint(manager)
+
+
+def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
+    import random
+
+    import numpy as np
+
+    from archon.checkpoint.resume import read_rng_state, rng_state, set_rng_state
+
+    torch.save(rng_state(), tmp_path / "rank-0.pt")
+    expected = (torch.rand(3), random.random(), np.random.rand(3), np.random.randn())
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    set_rng_state(read_rng_state(tmp_path / "rank-0.pt"))
+    again = (torch.rand(3), random.random(), np.random.rand(3), np.random.randn())
+    assert torch.equal(expected[0], again[0]) and expected[1] == again[1]
+    assert np.array_equal(expected[2], again[2]) and expected[3] == again[3]
+
+
+def test_pruning_keeps_checkpoints_newer_than_the_one_saved(tmp_path):
+    """A run resumed at an earlier checkpoint saves lower step numbers than the newest ones on disk;
+    keep-last counts back from the step just saved and never deletes the newer ones."""
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 5, 6):
+        manager.save(step, {"model": {"w": torch.full((2,), float(step))}}, {"step": step})
+    assert [p.name for p in manager.checkpoints()] == ["step-00000005", "step-00000006"]
+    manager.save(3, {"model": {"w": torch.zeros(2)}}, {"step": 3})
+    assert [p.name for p in manager.checkpoints()] == ["step-00000003", "step-00000005", "step-00000006"]
+    manager.save(4, {"model": {"w": torch.zeros(2)}}, {"step": 4})
+    assert [p.name for p in manager.checkpoints()] == ["step-00000003", "step-00000004", "step-00000005", "step-00000006"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_hostile_non_tensor_item_is_refused_before_dcp_unpickles_it(tmp_path):
+    """DCP loads non-tensor items (optimizer settings) with weights_only=False; the manager checks
+    them with weights_only=True first, so a planted pickle never runs."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    manager = CheckpointManager(tmp_path / "ckpts")
+    path = manager.save(1, {"model": {"w": torch.zeros(2)}, "optimizer": {"lr": 0.5}}, {"step": 1})
+    info = next(v for k, v in FileSystemReader(str(path)).read_metadata().storage_data.items() if k.fqn == "optimizer.lr")
+    marker = tmp_path / "exploit-ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    shard = path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    payload = io.BytesIO()
+    torch.save(Exploit(), payload)
+    with open(shard, "wb") as f:  # the planted item replaces the stored one at the same place
+        f.write(bytes(data[: info.offset]) + payload.getvalue() + bytes(data[info.offset + info.length :]))
+    # the index must point at the planted bytes: rewrite its length
+    import pickle
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    for k, v in metadata.storage_data.items():
+        if k.fqn == "optimizer.lr":
+            v.length = len(payload.getvalue())
+        elif v.relative_path == info.relative_path and v.offset > info.offset:
+            v.offset += len(payload.getvalue()) - info.length
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=rf"{shard}.*'optimizer.lr' does not load with weights_only=True"):
+        manager.load(path, {"model": {"w": torch.zeros(2)}, "optimizer": {"lr": 0.0}})
+    assert not marker.exists()

@@ -3,19 +3,25 @@
 Layout of one checkpoint, `<root>/step-<step:08d>/`:
 
     *.distcp, .metadata     DCP shards of the trainable parameters and the optimizer state
-    rng/rank-<r>.pt         each rank's RNG states (torch CPU and accelerator, Python, NumPy)
-    trainer_state.json      step, LR-schedule state, data-loader position (written by rank 0)
+    rng/rank-<r>.pt         each rank's RNG states (torch CPU and accelerator, Python, NumPy), as
+                            tensors and plain Python values, so they load with weights_only=True
+    trainer_state.json      step, LR-schedule state, data-loader position, LoRA config (rank 0)
 
-Everything is written into `<root>/.tmp-step-<step>` and renamed into place by rank 0 once every
-rank has finished, so a directory named `step-*` is always complete. The newest `keep_last` are
-kept. All ranks must see the same `root` (a shared file system when ranks span machines).
+Everything is written into `<root>/.step-<step>.tmp` and renamed into place by rank 0 once every
+rank has finished, so a directory named `step-*` is always complete. Re-saving a step moves the
+old copy aside first (archon.checkpoint.atomic.replace_directory); `recover` undoes what a kill
+between the renames left. The newest `keep_last` up to the saved step are kept; newer ones (from a
+run resumed at an earlier checkpoint) are left alone. All ranks must see the same `root` (a shared
+file system when ranks span machines).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -26,10 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from archon.checkpoint.atomic import atomic_write_json
+from archon.checkpoint.atomic import atomic_write_json, recover_directories, replace_directory, staging_path
 
 STEP_DIR = re.compile(r"step-(\d{8})")
 TRAINER_STATE = "trainer_state.json"
+METADATA = ".metadata"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: damaged files, or state that does not fit this run."""
 
 
 def _rank() -> int:
@@ -49,12 +60,19 @@ def _single_process_quiet():
         yield
 
 
+# ---- RNG state ------------------------------------------------------------------------------------
+# Stored as tensors, ints, floats and lists only, so `torch.load(weights_only=True)` reads it and a
+# checkpoint from elsewhere cannot run code when it is loaded.
+
+
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    version, mt_state, gauss_next = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(mt_state), gauss_next]}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian]
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -68,15 +86,223 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, mt_state, gauss_next = state["python"]
+    random.setstate((version, tuple(mt_state), gauss_next))
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "npu" in state:
         torch.npu.set_rng_state_all(state["npu"])
+
+
+def _load_failure(e: Exception) -> str:
+    """The informative part of a torch.load error (the weights_only unpickler's own text is long)."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0]
+        return detail.split(". Please use")[0]
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def read_rng_state(path: Path) -> dict[str, Any]:
+    """Load one rank's RNG file with weights_only=True; anything else in it is refused."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist; was the checkpoint written by a run with fewer ranks?") from None
+    except Exception as e:
+        reason = _load_failure(e)
+        if "numpy" in reason:
+            reason += (
+                " (an RNG file holding NumPy arrays is in the format used before RNG states were stored "
+                "as tensors; such checkpoints cannot be resumed)"
+            )
+        raise CheckpointError(
+            f"{path} is not a readable RNG state file (loaded with weights_only=True: only tensors and plain "
+            f"values are accepted): {reason}"
+        ) from None
+    if not (
+        isinstance(state, dict)
+        and isinstance(state.get("torch"), torch.Tensor)
+        and isinstance(state.get("python"), (list, tuple))
+        and len(state["python"]) == 3
+    ):
+        raise CheckpointError(f"{path} does not hold an RNG state (expected keys 'torch' and 'python')")
+    return state
+
+
+# ---- checking a checkpoint before loading it ------------------------------------------------------
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    state_file = Path(path) / TRAINER_STATE
+    try:
+        state = json.loads(state_file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{state_file} does not exist; is {path} a complete checkpoint?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{state_file} cannot be read: {e}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{state_file} is not a trainer state (a JSON object with an integer 'step')")
+    return state
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; this reads it allowing only the classes such an index is made of,
+    so a hostile one cannot run code."""
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.filesystem as dcp_filesystem
+        import torch.distributed.checkpoint.metadata as dcp_metadata
+
+        allowed = {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
+            ("torch", "Size"): torch.Size,
+            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+            ("pathlib", "PosixPath"): Path().__class__,
+            ("pathlib", "WindowsPath"): Path().__class__,
+        }
+        if (module, name) in allowed:
+            return allowed[(module, name)]
+        value = getattr(dcp_metadata if module == dcp_metadata.__name__ else torch, name, None)
+        if module == dcp_metadata.__name__ and isinstance(value, type) and value.__module__ == module:
+            return value
+        if module == "torch" and isinstance(value, torch.dtype):
+            return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+def read_metadata(path: Path):
+    """The DCP index of the checkpoint at `path` (which tensors are in which .distcp file)."""
+    metadata_file = Path(path) / METADATA
+    try:
+        with open(metadata_file, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{metadata_file} does not exist; is {path} a complete checkpoint?") from None
+    except Exception as e:
+        raise CheckpointError(f"{metadata_file} cannot be read: {e}") from None
+
+
+def _check_shards(path: Path, metadata, tensors: bool = True) -> list[str]:
+    """Every stored item is inside its .distcp file and deserializes with weights_only=True; with
+    `tensors=False` only the non-tensor items are read. DCP itself loads the non-tensor items with
+    weights_only=False, so this check is what keeps a hostile file from running code."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensor_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    by_file: dict[str, list] = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index, info))
+    problems: list[str] = []
+    for relative_path, items in sorted(by_file.items()):
+        shard = path / relative_path
+        needed = max(info.offset + info.length for _, info in items)
+        try:
+            size = shard.stat().st_size
+            if size < needed:
+                problems.append(f"{shard} is truncated: {size} bytes, its index in {METADATA} needs {needed}")
+                continue
+            with open(shard, "rb") as f:
+                for index, info in items:
+                    if not tensors and index.fqn in tensor_keys:
+                        continue
+                    f.seek(info.offset)
+                    try:
+                        torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+                    except Exception as e:
+                        problems.append(
+                            f"{shard} is corrupt: {index.fqn!r} does not load with weights_only=True ({_load_failure(e)})"
+                        )
+                        break
+        except OSError as e:
+            problems.append(f"{shard} cannot be read: {e.strerror or e}")
+    return problems
+
+
+def checkpoint_problems(path: str | os.PathLike, world_size: int) -> list[str]:
+    """What is wrong with the checkpoint at `path` for a run of `world_size` ranks, each problem
+    naming its file; empty when it is complete and readable."""
+    path = Path(path)
+    problems: list[str] = []
+    try:
+        read_trainer_state(path)
+    except CheckpointError as e:
+        problems.append(str(e))
+    try:
+        problems += _check_shards(path, read_metadata(path))
+    except CheckpointError as e:
+        problems.append(str(e))
+    for rank in range(world_size):
+        try:
+            read_rng_state(path / "rng" / f"rank-{rank}.pt")
+        except CheckpointError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _differences(saved: Any, current: Any, where: str) -> list[str]:
+    """The fields of `current` whose value in `saved` differs (fields `current` lacks are not compared)."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return [d for key in current for d in _differences(saved.get(key), current[key], f"{where}.{key}")]
+    return [] if saved == current else [f"{where}: checkpoint {saved!r}, this run {current!r}"]
+
+
+def lora_settings(lora) -> dict[str, Any] | None:
+    """The settings of a LoRAConfig that its trained weights depend on (all but dropout), as stored
+    under "lora" in trainer_state.json and compared when resuming."""
+    if lora is None:
+        return None
+    from dataclasses import asdict
+
+    settings = json.loads(json.dumps(asdict(lora)))
+    settings.pop("dropout")
+    return settings
+
+
+def check_same_settings(path: Path, trainer_state: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Each entry of `expected` equals the checkpoint's; entries the checkpoint did not record are
+    not compared."""
+    differences = [
+        d for key, value in expected.items() if key in trainer_state
+        for d in _differences(trainer_state[key], json.loads(json.dumps(value)), key)
+    ]  # fmt: skip
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with other settings than this run, so its weights do not fit "
+            "(resume with the checkpoint's settings, or start a new run):\n  " + "\n  ".join(differences)
+        )
+
+
+def _check_keys(path: Path, metadata, model_state: dict[str, Any]) -> None:
+    """The checkpoint holds exactly this model's trainable tensors, with the same shapes."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = {
+        k[len("model."):]: v.size for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }  # fmt: skip
+    shapes = [
+        f"{k} (checkpoint {tuple(stored[k])}, this run {tuple(t.shape)})"
+        for k, t in sorted(model_state.items()) if k in stored and tuple(stored[k]) != tuple(t.shape)
+    ]  # fmt: skip
+    groups = {
+        "missing from the checkpoint": sorted(model_state.keys() - stored.keys()),
+        "in the checkpoint but not trainable in this run": sorted(stored.keys() - model_state.keys()),
+        "other shape": shapes,
+    }
+    problems = [
+        f"{what} ({len(keys)}): {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+        for what, keys in groups.items() if keys
+    ]  # fmt: skip
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model's trainable parameters:\n  " + "\n  ".join(problems)
+        )
 
 
 class CheckpointManager:
@@ -100,15 +326,26 @@ class CheckpointManager:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def recover(self) -> None:
+        """Put back a checkpoint that a kill during its re-save left moved aside, and remove partly
+        written ones. One process (rank 0) calls it, before listing checkpoints to resume from."""
+        recover_directories(self.root)
+
+    def newest_intact(self, before: Path, world_size: int) -> Path | None:
+        """The newest checkpoint older than `before` that `checkpoint_problems` finds nothing wrong with."""
+        older = [p for p in self.checkpoints() if p.name < before.name]
+        return next((p for p in reversed(older) if not checkpoint_problems(p, world_size)), None)
+
     def save(self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
         """Write `app_state` (DCP state dicts) and `trainer_state` (JSON) for `step`; every rank calls it."""
         import torch.distributed.checkpoint as dcp
 
         final = self.step_dir(step)
-        tmp = self.root / f".tmp-step-{step:08d}"
+        tmp = staging_path(final)
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.recover()
+            tmp.mkdir()
             (tmp / "rng").mkdir()
         _barrier()
         with _single_process_quiet():
@@ -117,34 +354,40 @@ class CheckpointManager:
         _barrier()
         if _rank() == 0:
             atomic_write_json(tmp / TRAINER_STATE, trainer_state)
-            if final.exists():
-                old = self.root / f".old-step-{step:08d}"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            for stale in self.checkpoints()[: -self.keep_last]:
+            replace_directory(tmp, final)
+            up_to_this = [p for p in self.checkpoints() if p.name <= final.name]
+            for stale in up_to_this[: -self.keep_last]:
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
         return final
 
-    def load(self, path: str | os.PathLike, app_state: dict[str, Any]) -> dict[str, Any]:
+    def load(
+        self, path: str | os.PathLike, app_state: dict[str, Any], expected: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Fill `app_state` in place from the checkpoint at `path`, restore this rank's RNG states,
-        and return the trainer state."""
+        and return the trainer state.
+
+        `expected`: trainer-state entries that must equal this run's (the LoRA config); a difference
+        is an error naming each field, raised before any tensor is read. `app_state["model"]` must
+        match the stored tensors key for key and shape for shape.
+        """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         path = Path(path)
-        state_file = path / TRAINER_STATE
-        if not state_file.exists():
-            raise FileNotFoundError(f"{str(state_file)!r} does not exist; is {str(path)!r} a complete checkpoint?")
-        with _single_process_quiet():
-            dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        rng_file = path / "rng" / f"rank-{_rank()}.pt"
-        if not rng_file.exists():
-            raise FileNotFoundError(
-                f"{str(rng_file)!r} does not exist; was the checkpoint written by a run with fewer ranks?"
-            )
-        set_rng_state(torch.load(rng_file, weights_only=False))
-        return json.loads(state_file.read_text())
+        trainer_state = read_trainer_state(path)
+        check_same_settings(path, trainer_state, expected or {})
+        metadata = read_metadata(path)
+        _check_keys(path, metadata, app_state.get("model", {}))
+        problems = _check_shards(path, metadata, tensors=False)
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(problems))
+        rng = read_rng_state(path / "rng" / f"rank-{_rank()}.pt")
+        try:
+            with _single_process_quiet():
+                dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        except (CheckpointException, pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError) as e:
+            files = ", ".join(sorted(p.name for p in path.glob("*.distcp")))
+            raise CheckpointError(f"reading the tensors of checkpoint {path} ({files}) failed: {e}") from None
+        set_rng_state(rng)
+        return trainer_state

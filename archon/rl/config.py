@@ -156,9 +156,16 @@ class GRPOConfig:
     demo: DemoConfig = field(default_factory=DemoConfig)
     micro_batch_tokens: int = 8192
     """Token budget of one forward/backward in training and scoring."""
-    resume: bool = False
-    """Continue from the newest checkpoint in RUN_DIR/checkpoints (adapter, optimizer, step, RNG,
-    data position)."""
+    resume: str | None = None
+    """Continue a run from a checkpoint (adapter, optimizer, step, RNG, data position): "latest" (a
+    bare `--resume`) takes the newest in RUN_DIR/checkpoints, or give a checkpoint directory
+    (RUN_DIR/checkpoints/step-NNNNNNNN). It is an error when there is nothing to resume, or when the
+    checkpoint is damaged (the error names the newest intact one)."""
+    overwrite: bool = False
+    """Start a new run in a run directory that holds an earlier run: its outputs (checkpoints,
+    adapters, metrics, TensorBoard logs, plots, vLLM logs) are deleted first. Anything else in the
+    directory is never deleted; such a directory is refused. Without this flag or --resume, a
+    non-empty run directory is refused."""
 
 
 # ---- typed values from config files -------------------------------------------------------------
@@ -340,12 +347,22 @@ def load_config_file(path: str | Path, base: GRPOConfig | None = None) -> GRPOCo
         raise ValueError(f"config file {path}: {e}") from None
 
 
+def _bare_resume_means_latest(argv: list[str]) -> list[str]:
+    """`--resume` followed by nothing or by another flag is `--resume latest`."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            out.append("latest")
+    return out
+
+
 def parse_config(argv: list[str] | None = None) -> GRPOConfig:
     """`--config FILE` (optional) supplies defaults; every other flag overrides them. The result is
     checked with validate()."""
     import tyro
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _bare_resume_means_latest(list(sys.argv[1:] if argv is None else argv))
     default = GRPOConfig()
     if "--config" in argv:
         i = argv.index("--config")

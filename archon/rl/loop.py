@@ -32,11 +32,13 @@ from archon.rl.config import GRPOConfig, validate
 from archon.rl.data import DataConfig, PromptBatchIterator, load_prompt_dataset, tokenize_prompt
 from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
+from archon.rl.run_dir import prepare_run_dir
 from archon.rl.rewards import RewardScorer
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 
 logger = logging.getLogger("archon.rl")
+CHECK_RUN_DIR = object()
 
 ADAPTER_EXPORT_DIR = re.compile(r"step_(\d+)")
 
@@ -46,10 +48,16 @@ class RewardFunctionError(RuntimeError):
 
 
 class RLRun:
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOConfig, resume_from: Path | None | object = CHECK_RUN_DIR) -> None:
+        """`resume_from`: what `prepare_run_dir` returned, when the caller has checked the run
+        directory already (the recipe does, before it prepares the demo model); by default the
+        check is made here, before anything is built."""
         validate(config)
         self.config = config
         check_model_dir(config.model.path, "model.path")
+        if resume_from is CHECK_RUN_DIR:
+            resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
+        self.resume_from = resume_from
         # Schedules count RL steps and last the run unless set; the Dr.GRPO length divisor is the
         # generation limit unless set.
         optim = config.optim.for_run(config.steps)
@@ -385,14 +393,13 @@ class RLRun:
     def run(self) -> dict[str, float]:
         cfg = self.config
         first = 0
-        if cfg.resume:
-            trainer_state = self.engine.load_checkpoint(self.checkpoints)
-            if trainer_state:
-                self.iterator.load_state_dict(trainer_state["data"]["iterator"])
-                first = trainer_state["step"]
-                self.rollout.update(version=first, engine=self.engine)
-                if self.rank == 0:
-                    print(f"resumed from step {first}")
+        if self.resume_from is not None:
+            trainer_state = self.engine.load_checkpoint(self.checkpoints, self.resume_from)
+            self.iterator.load_state_dict(trainer_state["data"]["iterator"])
+            first = trainer_state["step"]
+            self.rollout.update(version=first, engine=self.engine)
+            if self.rank == 0:
+                print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         try:
             return self._train(first)
         finally:
