@@ -66,6 +66,10 @@ FILE_CASES = {
     ),  # fmt: skip
     "yaml-dataclass-check": ("run.yaml", "lora: {rank: 0}\n", "lora: LoRAConfig.rank must be positive"),
     "yaml-reward-timeout": ("run.yaml", "reward: {timeout_s: 0}\n", "reward: RewardConfig.timeout_s must be positive"),
+    "yaml-scalar-for-mapping": ("run.yaml", "lora: {rank_pattern: 8}\n", "lora.rank_pattern: expected a mapping"),
+    "yaml-bad-mapping-value": (
+        "run.yaml", "lora: {alpha_pattern: {q_proj: high}}\n", "lora.alpha_pattern['q_proj']: expected a number",
+    ),  # fmt: skip
     "yaml-syntax": ("run.yaml", "steps: [1, 2\n", "invalid YAML"),
     "yaml-top-level-list": ("run.yaml", "- steps\n- 3\n", "the config: expected a section"),
     "toml-int-word": ("run.toml", "steps = 'ten'\n", "steps: expected an integer, got str 'ten'"),

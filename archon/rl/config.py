@@ -211,6 +211,9 @@ def _expected(tp: Any) -> str:
         return " or ".join(_expected(member) for member in typing.get_args(tp))
     if _is_dataclass_type(tp):
         return f"a section (a mapping of {tp.__name__} fields)"
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        return f"a mapping of {_expected(key_tp)} to {_expected(value_tp)}"
     return repr(tp)
 
 
@@ -262,6 +265,14 @@ def _convert(value: Any, tp: Any, where: str, current: Any = None) -> Any:
         elif len(value) != len(args):
             raise _WrongType(f"{where}: expected {_expected(tp)}, got {len(value)} items: {list(value)!r}")
         return tuple(_convert(item, item_tp, f"{where}[{i}]") for i, (item, item_tp) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise wrong()
+        key_tp, value_tp = typing.get_args(tp)
+        return {
+            _convert(key, key_tp, f"{where} key {key!r}"): _convert(item, value_tp, f"{where}[{key!r}]")
+            for key, item in value.items()
+        }
     if tp is bool:
         if isinstance(value, bool):
             return value
