@@ -209,3 +209,35 @@ def test_a_bare_resume_means_the_newest_checkpoint():
     assert parse_config(["--resume", "--steps", "3"]).resume == "latest"
     assert parse_config(["--resume", "runs/x/checkpoints/step-00000002"]).resume == "runs/x/checkpoints/step-00000002"
     assert parse_config([]).resume is None and not parse_config([]).overwrite
+
+
+def test_resume_in_a_file_takes_true_and_false_as_the_flag_does(tmp_path):
+    (tmp_path / "on.yaml").write_text("resume: true\n")
+    (tmp_path / "off.yaml").write_text("resume: false\n")
+    assert parse_config(["--config", str(tmp_path / "on.yaml")]).resume == "latest"
+    assert parse_config(["--config", str(tmp_path / "off.yaml")]).resume is None
+
+
+def test_a_checkpoint_beyond_the_runs_steps_is_refused(finished_run, tiny_setup, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"step-00000002: the checkpoint is at step 2, beyond this run's steps=1"):
+        RLRun(parse_config(_args(tiny_setup, run_dir, steps=1) + ["--resume"])).run()
+    assert snapshot(tmp_path) == before
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_outputs_aside(finished_run, tiny_setup, tmp_path):  # noqa: F811
+    """The earlier run's newer checkpoints leave checkpoints/ (a later bare --resume cannot take
+    them, pruning cannot count them) without being deleted, and its metrics past the checkpoint
+    are dropped, since the resumed run logs those steps again."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    older = run_dir / CKPT / "step-00000001"
+    newer = snapshot(run_dir / CKPT / "step-00000002")
+    RLRun(parse_config(_args(tiny_setup, run_dir, steps=2) + ["--resume", str(older)])).run()
+    aside = run_dir / "superseded" / "after-step-00000001-0"
+    assert snapshot(aside / "checkpoints" / "step-00000002") == newer
+    assert sorted(p.name for p in (run_dir / CKPT).iterdir()) == ["step-00000001", "step-00000002"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]

@@ -142,7 +142,7 @@ def test_other_lora_settings_are_refused_before_any_tensor_is_read(qwen3_path, t
     from archon.lora import LoRAConfig
 
     manager = CheckpointManager(tmp_path / "ckpts")
-    path = Engine(cases.engine_config(qwen3_path)).save_checkpoint(manager)
+    path = Engine(cases.engine_config(qwen3_path)).save_checkpoint(manager, 1)
     assert json.loads((path / TRAINER_STATE).read_text())["lora"]["rank"] == 4
 
     other_alpha = Engine(cases.engine_config(qwen3_path))
@@ -150,7 +150,7 @@ def test_other_lora_settings_are_refused_before_any_tensor_is_read(qwen3_path, t
     with pytest.raises(CheckpointError, match=r"lora.alpha: checkpoint 8.0, this run 16.0"):
         other_alpha.load_checkpoint(manager)
     dropout_only = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1))
-    assert dropout_only.load_checkpoint(manager)["step"] == 0
+    assert dropout_only.load_checkpoint(manager)["step"] == 1
 
     state = json.loads((path / TRAINER_STATE).read_text())
     del state["lora"]  # as written before the settings were recorded
@@ -229,3 +229,14 @@ def test_a_hostile_non_tensor_item_is_refused_before_dcp_unpickles_it(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{shard}.*'optimizer.lr' does not load with weights_only=True"):
         manager.load(path, {"model": {"w": torch.zeros(2)}, "optimizer": {"lr": 0.0}})
     assert not marker.exists()
+
+
+def test_a_pattern_only_the_checkpoint_has_is_a_difference(tmp_path):
+    """Dropping an alpha_pattern changes no shape, so only the settings can tell."""
+    from archon.checkpoint.resume import check_same_settings, lora_settings
+    from archon.lora import LoRAConfig
+
+    saved = {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0, alpha_pattern={"q_proj": 64.0}))}
+    with pytest.raises(CheckpointError, match=r"lora.alpha_pattern.q_proj: checkpoint 64.0, this run None"):
+        check_same_settings(tmp_path, saved, {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0))})
+    check_same_settings(tmp_path, saved, {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0, alpha_pattern={"q_proj": 64.0}))})

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEP_FIELDS = {
     "reward_mean", "reward_std", "accuracy", "response_length", "logprob_abs_diff_mean", "logprob_abs_diff_max",
     "rollout_s", "train_s", "sync_s", "tokens_per_s", "entropy", "clip_fraction", "approx_kl", "reward_errors",
-    "adapter_version", "grad_norm", "skipped_steps", "lr", "loss",
+    "adapter_version", "grad_norm", "skipped_steps", "skipped_updates", "lr", "loss",
 }  # fmt: skip
 
 
@@ -274,7 +274,8 @@ def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_pa
     run.step = snapshot_around
     run.run()
     records = _records(run_dir)
-    assert [r["skipped_steps"] for r in records] == [0, 4, 0, 0]
+    assert [r["skipped_updates"] for r in records] == [0, 4, 0, 0]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
     assert records[1]["loss"] is None and records[1]["grad_norm"] is None  # NaN is written as null
     for index, ((lora_before, optim_before), (lora_after, optim_after)) in enumerate(states):
         unchanged = all(torch.equal(lora_before[k], lora_after[k]) for k in lora_before) and all(
@@ -307,7 +308,8 @@ def test_nan_loss_steps_in_a_row_stop_the_run_naming_the_step(tiny_setup, tmp_pa
     with pytest.raises(NonFiniteError, match=r"RL step 3: .* 2 RL steps in a row \(steps 2-3") as error:
         run.run()
     assert "lower optim.lr" in str(error.value) and "rewards" in str(error.value)
-    assert [r["skipped_steps"] for r in _records(run_dir)] == [0, 4, 4]
+    assert [r["skipped_updates"] for r in _records(run_dir)] == [0, 4, 4]
+    assert [r["skipped_steps"] for r in _records(run_dir)] == [0, 1, 2]
     # the checkpoints of the skipped steps hold the adapter of step 1
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
 

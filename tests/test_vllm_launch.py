@@ -90,8 +90,9 @@ def test_the_launch_passes_the_derived_max_model_len_and_refuses_one_that_cannot
     assert len(launches) == 1  # refused before anything started
 
 
-def test_a_run_whose_sequences_do_not_fit_the_model_is_refused_before_any_server_starts(tmp_path, monkeypatch):
-    """RLRun sizes the servers from its data (longest prompt) and max_new_tokens."""
+def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, monkeypatch):
+    """RLRun sizes the servers from its data (longest prompt) and max_new_tokens; a prompt that
+    cannot fit the model's context with them is skipped by the loader, so the size always fits."""
     from archon.rl.config import parse_config
     from archon.rl.loop import RLRun
     from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
@@ -101,18 +102,23 @@ def test_a_run_whose_sequences_do_not_fit_the_model_is_refused_before_any_server
     model = make_tiny_hf_checkpoint("qwen3", tmp_path / "model", vocab_size=len(tokenizer), head_dim=32,
                                     eos_token_id=tokenizer.eos_token_id, max_position_embeddings=64)  # fmt: skip
     tokenizer.save_pretrained(model)
-    train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=2))
+    train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=4))
     write_jsonl(train, tmp_path / "train.jsonl")
-    longest = max(len(tokenizer(row["prompt"])["input_ids"]) for row in train)
-    run_dir = tmp_path / "run"
+    write_jsonl(held_out, tmp_path / "held_out.jsonl")
+    lengths = sorted(len(tokenizer(row["prompt"])["input_ids"]) for row in train)
+    new_tokens = 64 - lengths[-1] + 1  # the longest training prompt no longer fits, the next one does
+    eval_longest = max(len(tokenizer(row["prompt"])["input_ids"]) for row in held_out)
+    kept_longest = max(n for n in lengths if n + new_tokens <= 64)
     launches = _fake_launches(monkeypatch, "")
     args = ["--model.path", str(model), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
-            "--rollout.max-new-tokens", str(65 - longest), "--logging.run-dir", str(run_dir), "--lora.rank", "8",
-            "--logging.no-tensorboard", "--reward.num-workers", "0", "--rollout.prompts-per-step", "2"]  # fmt: skip
-    with pytest.raises(ValueError, match=rf"longest prompt has {longest} tokens and up to {65 - longest} new tokens "
-                                         rf"are generated \(65\), above its max_position_embeddings 64"):  # fmt: skip
+            "--rollout.max-new-tokens", str(new_tokens), "--logging.run-dir", str(tmp_path / "run"),
+            "--lora.rank", "8", "--logging.no-tensorboard", "--reward.num-workers", "0",
+            "--rollout.prompts-per-step", "2", "--eval.path", str(tmp_path / "held_out.jsonl"),
+            "--eval.max-new-tokens", "3"]  # fmt: skip
+    with pytest.raises(VLLMServerError):
         RLRun(parse_config(args))
-    assert launches == [] and not run_dir.exists()
+    expected = max(kept_longest + new_tokens, eval_longest + 3)
+    assert _flag(launches[0]["args"], "--max-model-len") == str(expected) and expected <= 64
 
 
 # ---- a dead server's log ------------------------------------------------------------------------

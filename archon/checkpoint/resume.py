@@ -246,9 +246,12 @@ def checkpoint_problems(path: str | os.PathLike, world_size: int) -> list[str]:
 
 
 def _differences(saved: Any, current: Any, where: str) -> list[str]:
-    """The fields of `current` whose value in `saved` differs (fields `current` lacks are not compared)."""
+    """The fields of `current` whose value in `saved` differs. At the top level, fields `current`
+    lacks are not compared (settings recorded by other versions); below it (the entries of
+    rank_pattern / alpha_pattern, ...) every key of either side is."""
     if isinstance(saved, dict) and isinstance(current, dict):
-        return [d for key in current for d in _differences(saved.get(key), current[key], f"{where}.{key}")]
+        keys = list(current) + ([k for k in saved if k not in current] if where.count(".") >= 1 else [])
+        return [d for key in keys for d in _differences(saved.get(key), current.get(key), f"{where}.{key}")]
     return [] if saved == current else [f"{where}: checkpoint {saved!r}, this run {current!r}"]
 
 

@@ -59,7 +59,7 @@ class LoRAConfig:
     @property
     def max_rank(self) -> int:
         """The largest rank of any module (what a LoRA server must be sized for)."""
-        return max(self.rank, *self.rank_pattern.values())
+        return max([self.rank, *self.rank_pattern.values()])
 
     def targets(self, name: str) -> bool:
         """Whether modules with HF leaf name `name` may get LoRA; `module_settings` decides per module."""

@@ -322,6 +322,8 @@ def merge_into(instance: Any, values: dict[str, Any], where: str = "") -> Any:
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
             raise ValueError(f"unknown config key {path!r}; valid keys here: {', '.join(sorted(names))}")
+        if path == "resume" and isinstance(value, bool):  # as on the command line: a bare --resume is "latest"
+            value = "latest" if value else None
         changes[key] = _convert(value, hints[key], path, getattr(instance, key))
     try:
         return dataclasses.replace(instance, **changes)
@@ -452,6 +454,12 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     )  # fmt: skip
     if config.lora is not None:
         require(config.lora.alpha > 0, "lora.alpha", config.lora.alpha, "must be > 0")
+        for key, alpha in config.lora.alpha_pattern.items():
+            require(alpha > 0, f"lora.alpha_pattern[{key!r}]", alpha, "must be > 0")
+    try:
+        config.optim.for_run(config.steps)
+    except ValueError as e:
+        problems.append(f"optim.warmup_steps={config.optim.warmup_steps}: {e}")
     require(config.eval.every >= 0, "eval.every", config.eval.every, "must be >= 0 (0 disables evaluation)")
     require(config.eval.max_prompts >= 0, "eval.max_prompts", config.eval.max_prompts, "must be >= 0")
     require(
@@ -519,7 +527,17 @@ def _read_model_config(directory: str, field_name: str) -> dict | None:
 def _model_problems(config: GRPOConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         return []
+    from archon.checkpoint.hf import check_model_dir
+
     problems = []
+    try:
+        check_model_dir(config.model.path, "model.path")
+    except (OSError, ValueError) as e:
+        problems.append(str(e))
+    if not config.data.path:
+        problems.append("data.path is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)")
+    elif not Path(config.data.path).exists():
+        problems.append(f"data.path={config.data.path!r}: no such file or directory")
     student = _read_model_config(config.model.path, "model.path")
     context = student.get("max_position_embeddings") if student else None
     if isinstance(context, int):

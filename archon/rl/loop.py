@@ -8,7 +8,6 @@ metrics are reduced over them before rank 0 logs.
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 import time
 from dataclasses import asdict
@@ -32,7 +31,7 @@ from archon.rl.config import GRPOConfig, validate
 from archon.rl.data import DataConfig, PromptBatchIterator, load_prompt_dataset, tokenize_prompt
 from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
-from archon.rl.run_dir import prepare_run_dir
+from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rl.rewards import RewardScorer
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
@@ -40,7 +39,6 @@ from archon.rollout.native import NativeRolloutEngine
 logger = logging.getLogger("archon.rl")
 CHECK_RUN_DIR = object()
 
-ADAPTER_EXPORT_DIR = re.compile(r"step_(\d+)")
 
 
 class RewardFunctionError(RuntimeError):
@@ -97,13 +95,6 @@ class RLRun:
             eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
             self.eval_set = load_prompt_dataset(eval_data, self.tokenizer, context, eval_new_tokens)
             self._report_dataset("held-out", self.eval_set)
-        self.scorer = RewardScorer(config.reward)
-        if config.rollout.engine == "vllm":
-            self.rollout = self._vllm_rollout()
-        else:
-            self.rollout = NativeRolloutEngine(
-                self.engine.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
-            )
         self.teacher = None
         if config.algorithm.teacher_path:
             from archon.engine import build_model
@@ -112,10 +103,20 @@ class RLRun:
             teacher = build_model(teacher_path, device=self.device, path_option="algorithm.teacher_path")
             self.teacher = teacher.model.eval()
             self.teacher.requires_grad_(False)
+        # processes and servers last, so that a failure above leaves none running
+        self.scorer = RewardScorer(config.reward)
+        if config.rollout.engine == "vllm":
+            self.rollout = self._vllm_rollout()
+        else:
+            self.rollout = NativeRolloutEngine(
+                self.engine.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
+            )
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
         self._skipped_streak: list[int] = []
         """RL steps in a row (the latest last) with an update skipped for a non-finite loss or gradient."""
+        self._skipped_steps = 0
+        """RL steps of the run so far with a skipped update (the `skipped_steps` metric)."""
         self._reward_failure_streak: list[int] = []
         """RL steps in a row on which the reward function failed on every sample."""
         self._step_extremes: dict[str, float] = {}
@@ -133,27 +134,36 @@ class RLRun:
             model_path=self.config.model.path, lora_rank=self.config.lora.max_rank if self.config.lora else None,
             log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
         )  # fmt: skip
-        rollout = None
+        rollout, failure = None, None
         if self.rank == 0:
-            # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len)
-            examples = self.train_set.examples
+            # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len):
+            # the longer of (longest training prompt + rollout tokens) and (longest held-out prompt + eval tokens)
+            requests = [(self._longest_prompt(self.train_set.examples), self.config.rollout.max_new_tokens)]
             if self.eval_set is not None:
-                examples = examples + self.eval_set.examples[: self.config.eval.max_prompts]
-            longest_prompt = max(len(ids) for ids in self._prompt_ids(examples))
-            max_new_tokens = self.config.rollout.max_new_tokens
-            if self.eval_set is not None:
-                max_new_tokens = max(max_new_tokens, self.config.eval.max_new_tokens or 0)
-            rollout = VLLMRolloutEngine(
-                vllm_config, rank=0, longest_prompt_tokens=longest_prompt, max_new_tokens=max_new_tokens, **kwargs
-            )
+                eval_new_tokens = self.config.eval.max_new_tokens or self.config.rollout.max_new_tokens
+                requests.append((self._longest_prompt(self.eval_set.examples[: self.config.eval.max_prompts]), eval_new_tokens))
+            longest_prompt, max_new_tokens = max(requests, key=sum)
+            try:
+                rollout = VLLMRolloutEngine(
+                    vllm_config, rank=0, longest_prompt_tokens=longest_prompt, max_new_tokens=max_new_tokens, **kwargs
+                )
+            except Exception as e:  # the other ranks wait for the URLs: they must fail too
+                failure = e
         if dist.is_initialized() and dist.get_world_size() > 1:
-            urls = [[s.url for s in rollout.servers] if rollout is not None else None]
-            dist.broadcast_object_list(urls, src=0)
-            if rollout is None:
-                rollout = VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(urls[0])), rank=self.rank, **kwargs)
+            # rank 0's server URLs, or its error (so that every rank raises it instead of waiting)
+            shared = [failure if rollout is None else [s.url for s in rollout.servers]]
+            dist.broadcast_object_list(shared, src=0)
+            failure = shared[0] if isinstance(shared[0], BaseException) else None
+            if failure is None and rollout is None:
+                rollout = VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(shared[0])), rank=self.rank, **kwargs)
+        if failure is not None:
+            raise failure
         return rollout
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _longest_prompt(self, examples) -> int:
+        return max((len(ids) for ids in self._prompt_ids(examples)), default=0)
+
     def _stop_token_ids(self) -> tuple[int, ...]:
         ids = set()
         if self.tokenizer.eos_token_id is not None:
@@ -322,7 +332,7 @@ class RLRun:
             "step_s": step_s,
             "tokens_per_s": tokens / step_s,  # the step's training batch, all ranks
             "adapter_version": float(self.rollout.version),
-            "skipped_steps": sum(u["skipped"] for u in updates),
+            "skipped_updates": sum(u["skipped"] for u in updates),
         }
         # what the last sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
         for key, value in getattr(self.rollout, "last_sync", {}).items():
@@ -344,11 +354,17 @@ class RLRun:
             summary["ratio_max"] = max(u["ratio_max"] for u in applied)
         return summary
 
+    def _count_skipped(self, step: int, metrics: dict[str, float]) -> None:
+        """`skipped_steps`: RL steps of the run so far on which an update was skipped."""
+        skipped = metrics["skipped_updates"] > 0
+        self._skipped_steps += int(skipped)
+        metrics["skipped_steps"] = self._skipped_steps
+        self._skipped_streak = self._skipped_streak + [step] if skipped else []
+
     def _check_progress(self, step: int, metrics: dict[str, float]) -> None:
         """Stop the run (the same decision on every rank: the counts are global) after
         algorithm.max_skipped_steps RL steps in a row with a skipped update, or
         reward.max_failed_steps steps in a row on which the reward function failed on every sample."""
-        self._skipped_streak = self._skipped_streak + [step] if metrics["skipped_steps"] else []
         limit = self.config.algorithm.max_skipped_steps
         if len(self._skipped_streak) >= limit:
             extremes = self._step_extremes
@@ -391,19 +407,30 @@ class RLRun:
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
-        cfg = self.config
-        first = 0
-        if self.resume_from is not None:
-            trainer_state = self.engine.load_checkpoint(self.checkpoints, self.resume_from)
-            self.iterator.load_state_dict(trainer_state["data"]["iterator"])
-            first = trainer_state["step"]
-            self.rollout.update(version=first, engine=self.engine)
-            if self.rank == 0:
-                print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         try:
-            return self._train(first)
+            return self._train(self._resume() if self.resume_from is not None else 0)
         finally:
             self.close()
+
+    def _resume(self) -> int:
+        """Load the checkpoint chosen by prepare_run_dir; returns its RL step."""
+        trainer_state = self.engine.load_checkpoint(self.checkpoints, self.resume_from)
+        first = trainer_state["step"]
+        if first > self.config.steps:
+            raise ValueError(
+                f"--resume {self.resume_from}: the checkpoint is at step {first}, beyond this run's steps="
+                f"{self.config.steps}; raise --steps to continue it"
+            )
+        data = trainer_state["data"]
+        self.iterator.load_state_dict(data["iterator"])
+        self._skipped_streak = data.get("skipped_streak", [])
+        self._reward_failure_streak = data.get("reward_failure_streak", [])
+        self._skipped_steps = data.get("skipped_steps", 0)
+        self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
+        self.rollout.update(version=first, engine=self.engine)
+        if self.rank == 0:
+            print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
+        return first
 
     def _train(self, first: int) -> dict[str, float]:
         """RL steps first+1 .. steps (1-based), then the final checkpoint and adapter."""
@@ -421,6 +448,7 @@ class RLRun:
         for step in range(first, cfg.steps):
             metrics = self.step(step)
             done = step + 1
+            self._count_skipped(done, metrics)
             if eval_every and (done % eval_every == 0 or done == cfg.steps):
                 metrics["eval_accuracy"] = self.evaluate()
             self.metrics.log(done, metrics)
@@ -449,14 +477,18 @@ class RLRun:
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,
         RUN_DIR/adapters/step_NNNNNN before it (the newest checkpoint.keep_last_adapters kept)."""
-        self.engine.save_checkpoint(self.checkpoints, step, {"iterator": self.iterator.state_dict()})
+        data_state = {
+            "iterator": self.iterator.state_dict(), "skipped_steps": self._skipped_steps,
+            "skipped_streak": self._skipped_streak, "reward_failure_streak": self._reward_failure_streak,
+        }  # fmt: skip
+        self.engine.save_checkpoint(self.checkpoints, step, data_state)
         out = self.run_dir / ("adapter" if final else f"adapters/step_{step:06d}")
         self.engine.export_peft(out, base_model_name_or_path=self.config.model.path)
         if not final and self.rank == 0:
             self._prune_adapter_exports()
 
     def _prune_adapter_exports(self) -> None:
-        exports = [p for p in (self.run_dir / "adapters").iterdir() if ADAPTER_EXPORT_DIR.fullmatch(p.name)]
-        exports.sort(key=lambda p: int(ADAPTER_EXPORT_DIR.fullmatch(p.name).group(1)))
+        exports = [p for p in (self.run_dir / "adapters").iterdir() if ADAPTER_EXPORT.fullmatch(p.name)]
+        exports.sort(key=lambda p: int(ADAPTER_EXPORT.fullmatch(p.name).group(1)))
         for stale in exports[: -self.config.checkpoint.keep_last_adapters]:
             shutil.rmtree(stale)

@@ -47,6 +47,18 @@ class MetricsLogger:
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
 
+    def drop_after(self, step: int) -> None:
+        """Remove the records of steps after `step` (a resumed run logs them again)."""
+        if not self.enabled or not self.path.exists():
+            return
+        from archon.checkpoint.atomic import atomic_file
+
+        self._file.close()
+        lines = self.path.read_text().splitlines(keepends=True)
+        with atomic_file(self.path, "w") as f:
+            f.writelines(line for line in lines if json.loads(line)["step"] <= step)
+        self._file = open(self.path, "a")
+
     def close(self) -> None:
         if self.enabled:
             self._file.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from archon.checkpoint.atomic import recover_directories
 from archon.checkpoint.resume import (
+    STEP_DIR,
     TRAINER_STATE,
     CheckpointError,
     CheckpointManager,
@@ -31,9 +33,11 @@ logger = logging.getLogger("archon.rl")
 
 CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"
+SUPERSEDED = "superseded"
+ADAPTER_EXPORT = re.compile(r"step_(\d+)")
 # Everything a run writes into its directory; `--overwrite` deletes these and nothing else.
 RUN_OUTPUTS = (
-    CHECKPOINTS, "adapter", ADAPTERS, "metrics.jsonl", "tensorboard", "curves.png", "vllm_logs", "vllm_adapters",
+    CHECKPOINTS, "adapter", ADAPTERS, SUPERSEDED, "metrics.jsonl", "tensorboard", "curves.png", "vllm_logs", "vllm_adapters",
 )  # fmt: skip
 
 
@@ -120,13 +124,35 @@ def _checkpoint_to_resume(run_dir: Path, resume: str, world_size: int, lora) -> 
         raise CheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(problems) + f"\n{advice}")
     check_same_settings(path, read_trainer_state(path), {"lora": lora_settings(lora)})
     in_this_run = path.parent.resolve() == manager.root.resolve()
-    newer = [p.name for p in manager.checkpoints() if p.name > path.name] if in_this_run else []
-    if newer:
-        logger.warning(
-            "resuming from %s; the newer checkpoints %s belong to the earlier run and are replaced as this run "
-            "reaches their steps", path, ", ".join(newer),
-        )  # fmt: skip
+    if in_this_run:
+        _set_aside_newer_outputs(run_dir, manager, path)
     return path
+
+
+def _set_aside_newer_outputs(run_dir: Path, manager: CheckpointManager, path: Path) -> None:
+    """Resuming from an older checkpoint starts a new history from it: the newer checkpoints and
+    adapter exports of the earlier one move to RUN_DIR/superseded/after-<checkpoint>-<n>/, so that a
+    later bare --resume cannot pick them up and pruning cannot count them, and nothing is deleted."""
+    step = int(STEP_DIR.fullmatch(path.name).group(1))
+    newer = [p for p in manager.checkpoints() if int(STEP_DIR.fullmatch(p.name).group(1)) > step]
+    adapters = run_dir / ADAPTERS
+    if adapters.is_dir():
+        newer += [
+            p for p in adapters.iterdir()
+            if ADAPTER_EXPORT.fullmatch(p.name) and int(ADAPTER_EXPORT.fullmatch(p.name).group(1)) > step
+        ]  # fmt: skip
+    if not newer:
+        return
+    superseded = run_dir / SUPERSEDED
+    n = sum(1 for p in superseded.glob(f"after-{path.name}-*")) if superseded.is_dir() else 0
+    target = superseded / f"after-{path.name}-{n}"
+    for p in newer:
+        (target / p.parent.name).mkdir(parents=True, exist_ok=True)
+        os.replace(p, target / p.parent.name / p.name)
+    logger.warning(
+        "resuming from %s: the earlier run's newer outputs (%s) were moved to %s",
+        path, ", ".join(f"{p.parent.name}/{p.name}" for p in newer), target,
+    )  # fmt: skip
 
 
 def prepare_run_dir(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, lora=None) -> Path | None:
@@ -148,7 +174,7 @@ def prepare_run_dir(run_dir: str | os.PathLike, resume: str | None, overwrite: b
                 _start_fresh(run_dir, overwrite)
             else:
                 outcome[0] = _checkpoint_to_resume(run_dir, resume, world_size, lora)
-        except (OSError, ValueError, CheckpointError) as e:
+        except Exception as e:  # every rank must learn of it, or the others wait in the broadcast
             outcome[0] = e
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
