@@ -5,6 +5,8 @@ adapter write, for the fault tests (tests/test_checkpoint_faults.py).
     python tests/fault_driver.py dcp-save .step-00000003.tmp RECIPE_ARGS...
     # killed just before that directory is renamed into place
     python tests/fault_driver.py rename .step-00000002.tmp RECIPE_ARGS...
+    # resumes the newest checkpoint and saves it again (a re-save), killed at that rename
+    python tests/fault_driver.py resave .step-00000002.tmp RECIPE_ARGS... --resume
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def main() -> None:
             return original_finish(self, metadata, results)
 
         _FileSystemWriter.finish = finish
-    elif point == "rename":
+    elif point in ("rename", "resave"):
         original_replace = os.replace
 
         def replace(src, dst, **kwargs):
@@ -43,6 +45,13 @@ def main() -> None:
         os.replace = replace
     else:
         raise SystemExit(f"unknown kill point {point!r}")
+    if point == "resave":
+        from archon.rl.config import parse_config
+        from archon.rl.loop import RLRun
+
+        run = RLRun(parse_config(recipe_args))
+        run.save(run._resume())
+        return
     from recipes.grpo_lora import main as recipe
 
     recipe(recipe_args)

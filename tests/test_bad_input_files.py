@@ -1,6 +1,7 @@
 """Bad adapter and HF model files: each is refused (or, for NaN/inf values, warned about) with a
 message that names the culprit file, field or key, and the files and the model are left unchanged."""
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -243,6 +244,8 @@ def test_run_with_missing_path_names_path_and_option(files, tmp_path, option):
         model = ModelConfig(path=missing)
     else:
         model = ModelConfig(path=str(files["single"]), tokenizer=missing)
-    with pytest.raises(FileNotFoundError, match=rf"'{missing}' \(from {option}\) does not exist"):
-        RLRun(GRPOConfig(model=model))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=rf"'{missing}' \(from {option}\) does not exist"):
+        RLRun(GRPOConfig(model=model, data=dataclasses.replace(GRPOConfig().data, path=str(data))))
     assert not (tmp_path / "no-such-dir").exists()

@@ -66,13 +66,13 @@ def test_kill_during_dcp_save(tiny_setup, uninterrupted, tmp_path):  # noqa: F81
 
 
 def test_kill_between_the_renames_of_a_resave(tiny_setup, uninterrupted, tmp_path):  # noqa: F811
-    """A run resumed from step 1 re-saves step 2; killed after step-2 was moved aside and before the
-    new copy took its place. The next `--resume` finds step 2, not step 1."""
+    """Step 2 is saved again over itself; killed after step-2 was moved aside and before the new
+    copy took its place. The next `--resume` finds step 2, not step 1."""
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
     _run_in_process(_args(tiny_setup, run_dir, 2) + ["--checkpoint.every", "1"])
     args = _args(tiny_setup, run_dir, STEPS) + ["--checkpoint.every", "1"]
-    _run_until_killed("rename", ".step-00000002.tmp", args + ["--resume", str(checkpoints / "step-00000001")])
+    _run_until_killed("resave", ".step-00000002.tmp", args + ["--resume"])
     assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", ".step-00000002.tmp", "step-00000001"]
 
     result = RLRun(parse_config(args + ["--resume"]))

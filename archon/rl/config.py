@@ -538,6 +538,8 @@ def _model_problems(config: GRPOConfig) -> list[str]:
         problems.append("data.path is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)")
     elif not Path(config.data.path).exists():
         problems.append(f"data.path={config.data.path!r}: no such file or directory")
+    if config.model.tokenizer and not Path(config.model.tokenizer).is_dir():
+        problems.append(f"tokenizer directory '{config.model.tokenizer}' (from model.tokenizer) does not exist")
     student = _read_model_config(config.model.path, "model.path")
     context = student.get("max_position_embeddings") if student else None
     if isinstance(context, int):
