@@ -18,6 +18,27 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def importable_module(tmp_path_factory):
+    """Factory: write(name, source) puts module `name` in a directory on sys.path and returns the
+    name; both are removed again after the test module."""
+    import sys
+
+    added = []
+
+    def write(name: str, source: str) -> str:
+        directory = tmp_path_factory.mktemp(name)
+        (directory / f"{name}.py").write_text(source)
+        sys.path.insert(0, str(directory))
+        added.append((str(directory), name))
+        return name
+
+    yield write
+    for directory, name in added:
+        sys.path.remove(directory)
+        sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def lora_model():
     """Factory: build_model(path, lora) with every LoRA factor drawn from N(0, scale^2)."""

@@ -397,15 +397,8 @@ USER_REWARDS = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def user_rewards(tmp_path_factory):
-    import sys
-
-    directory = tmp_path_factory.mktemp("user_rewards")
-    (directory / "bad_input_rewards.py").write_text(USER_REWARDS)
-    sys.path.insert(0, str(directory))
-    yield "bad_input_rewards"
-    sys.path.remove(str(directory))
-    sys.modules.pop("bad_input_rewards", None)
+def user_rewards(importable_module):
+    return importable_module("bad_input_rewards", USER_REWARDS)
 
 
 @pytest.mark.parametrize(

@@ -41,15 +41,8 @@ USER_REWARDS = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def user_module(tmp_path_factory):
-    import sys
-
-    directory = tmp_path_factory.mktemp("user_rewards")
-    (directory / "my_rewards.py").write_text(USER_REWARDS)
-    sys.path.insert(0, str(directory))
-    yield "my_rewards:reward"
-    sys.path.remove(str(directory))
-    sys.modules.pop("my_rewards", None)
+def user_module(importable_module):
+    return importable_module("my_rewards", USER_REWARDS) + ":reward"
 
 
 def test_math_verify_reward_positive_and_negative():
