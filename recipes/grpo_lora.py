@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     if "--config" not in argv and not any(a.startswith("--model.path") for a in argv) and "--help" not in argv:
         argv = ["--config", str(DEMO_CONFIG), *argv]
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(parse_config(argv))
+    try:
+        config = parse_config(argv)
+    except (ValueError, FileNotFoundError) as e:  # the message names the field or file; no traceback needed
+        raise SystemExit(f"error: {e}") from None
+    run(config)
 
 
 if __name__ == "__main__":
