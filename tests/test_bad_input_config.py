@@ -435,7 +435,7 @@ def test_a_dead_reward_worker_is_reported_with_its_cause(completion, cause, user
     "config, model_type, error, culprit",
     [
         (None, None, FileNotFoundError, "config.json does not exist"),
-        ("{not json", None, ValueError, "config.json is not valid JSON"),
+        ("{not json", None, ValueError, "config.json' is not valid JSON"),
         ({"vocab_size": 10}, None, ValueError, 'config.json has no "model_type"'),
         ({"model_type": "gpt2"}, None, ValueError, "config.json: unsupported model_type 'gpt2'"),
         ({"model_type": "qwen3"}, "llama", ValueError, "config.json holds model_type 'qwen3', not 'llama'"),

@@ -8,7 +8,6 @@ validate() checks the settings together before anything is built; both name the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import types
@@ -26,7 +25,7 @@ from archon.rl.losses import LossConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
-from archon.rollout.vllm import VLLMConfig
+from archon.rollout.vllm import VLLMConfig, max_position_embeddings
 
 
 @dataclass
@@ -512,16 +511,15 @@ def _parallel_problems(config: GRPOConfig, world_size: int) -> list[str]:
 def _read_model_config(directory: str, field_name: str) -> dict | None:
     """The config.json of an HF checkpoint directory, or None when there is none (the model loader
     reports a missing checkpoint); an unreadable file is an error naming it."""
+    from archon.checkpoint.hf import read_json_file
+
     path = Path(directory) / "config.json"
     if not path.is_file():
         return None
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{field_name}: {path} is not valid JSON: {e}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{field_name}: {path} holds a JSON {type(values).__name__}, not an object")
-    return values
+        return read_json_file(path, "model config")
+    except ValueError as e:
+        raise ValueError(f"{field_name}: {e}") from None
 
 
 def _model_problems(config: GRPOConfig) -> list[str]:
@@ -541,7 +539,7 @@ def _model_problems(config: GRPOConfig) -> list[str]:
     if config.model.tokenizer and not Path(config.model.tokenizer).is_dir():
         problems.append(f"tokenizer directory '{config.model.tokenizer}' (from model.tokenizer) does not exist")
     student = _read_model_config(config.model.path, "model.path")
-    context = student.get("max_position_embeddings") if student else None
+    context = max_position_embeddings(student) if student else None
     if isinstance(context, int):
         for name, value in (
             ("rollout.max_new_tokens", config.rollout.max_new_tokens),

@@ -156,14 +156,10 @@ def is_loopback_host(host: str) -> bool:
 
 def read_model_config(model: str) -> dict | None:
     """The config.json of a local model directory (None for a hub name)."""
+    from archon.checkpoint.hf import read_json_file
+
     path = Path(model).expanduser() / "config.json"
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return read_json_file(path, "model config") if path.is_file() else None
 
 
 def max_position_embeddings(model_config: dict) -> int | None:

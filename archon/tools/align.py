@@ -81,11 +81,9 @@ def resolve_model_type(args: AlignArgs) -> str:
     config_path = Path(args.hf_path) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist; --hf-path must be an HF model directory")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    from archon.checkpoint.hf import read_json_file
+
+    model_type = read_json_file(config_path, "model config").get("model_type")
     if not isinstance(model_type, str):
         raise ValueError(f"{config_path} has no \"model_type\" string, so it is not an HF transformers model config")
     if args.model_type is not None and args.model_type != model_type:

@@ -10,7 +10,7 @@ import torch
 from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
 
 from archon.engine import build_model
-from archon.lora import LoRAConfig, lora_parameters
+from archon.lora import LoRAConfig
 from archon.lora.peft import ADAPTER_CONFIG, save_peft_adapter
 from archon.tools.align import packed_batch
 
