@@ -62,6 +62,8 @@ class PromptExample:
     """The reference answer (None without answer_field)."""
     source: str
     """Where the row came from, e.g. "data/train.jsonl:12" or "data/train.parquet row 11"."""
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids, when loading tokenized it (for a length limit)."""
 
 
 @dataclass
@@ -217,10 +219,13 @@ def load_prompt_dataset(
         if problem is not None:
             dataset.malformed.append(MalformedRow(str(path), row_number, problem, line_numbered))
             continue
-        if (problem := _length_problem(prompt, config, tokenizer, context_length, max_new_tokens)) is not None:
-            dataset.too_long.append(MalformedRow(str(path), row_number, problem, line_numbered))
-            continue
-        dataset.examples.append(PromptExample(prompt, reference, location))
+        prompt_ids = None
+        if config.max_prompt_tokens is not None or context_length is not None:
+            prompt_ids = tokenize_prompt(tokenizer, prompt, config.apply_chat_template)
+            if (problem := _length_problem(len(prompt_ids), config, context_length, max_new_tokens)) is not None:
+                dataset.too_long.append(MalformedRow(str(path), row_number, problem, line_numbered))
+                continue
+        dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids))
 
     if dataset.malformed or dataset.too_long:
         logger.warning("prompt dataset %s: %s", path, dataset.report())
@@ -229,12 +234,7 @@ def load_prompt_dataset(
     return dataset
 
 
-def _length_problem(
-    prompt: str, config: DataConfig, tokenizer, context_length: int | None, max_new_tokens: int
-) -> str | None:
-    if config.max_prompt_tokens is None and context_length is None:
-        return None
-    num_tokens = len(tokenize_prompt(tokenizer, prompt, config.apply_chat_template))
+def _length_problem(num_tokens: int, config: DataConfig, context_length: int | None, max_new_tokens: int) -> str | None:
     if config.max_prompt_tokens is not None and num_tokens > config.max_prompt_tokens:
         return f"prompt has {num_tokens} tokens > max_prompt_tokens={config.max_prompt_tokens}"
     if context_length is not None and num_tokens + max_new_tokens > context_length:

@@ -190,7 +190,11 @@ class RLRun:
         return t.item()
 
     def _prompt_ids(self, examples) -> list[list[int]]:
-        return [tokenize_prompt(self.tokenizer, ex.prompt, self.config.data.apply_chat_template) for ex in examples]
+        return [
+            ex.prompt_ids if ex.prompt_ids is not None
+            else tokenize_prompt(self.tokenizer, ex.prompt, self.config.data.apply_chat_template)
+            for ex in examples
+        ]  # fmt: skip
 
     def _completions(self, samples: list[Sample]) -> list[str]:
         return self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
