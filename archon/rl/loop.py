@@ -40,7 +40,6 @@ logger = logging.getLogger("archon.rl")
 CHECK_RUN_DIR = object()
 
 
-
 class RewardFunctionError(RuntimeError):
     """The reward function failed on every sample for too many steps in a row."""
 
@@ -76,6 +75,7 @@ class RLRun:
         self.dp_rank, self.dp = self.engine.dims.dp_rank, self.engine.dims.dp
         self.device = self.engine.device
         self.run_dir = Path(config.logging.run_dir)
+        self.eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
 
         if config.model.tokenizer:
             self.tokenizer = load_tokenizer(config.model.tokenizer, "model.tokenizer")
@@ -92,8 +92,7 @@ class RLRun:
         self.eval_set = None
         if config.eval.path and config.eval.every:
             eval_data = DataConfig(**{**asdict(config.data), "path": config.eval.path})
-            eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
-            self.eval_set = load_prompt_dataset(eval_data, self.tokenizer, context, eval_new_tokens)
+            self.eval_set = load_prompt_dataset(eval_data, self.tokenizer, context, self.eval_new_tokens)
             self._report_dataset("held-out", self.eval_set)
         self.teacher = None
         if config.algorithm.teacher_path:
@@ -140,8 +139,8 @@ class RLRun:
             # the longer of (longest training prompt + rollout tokens) and (longest held-out prompt + eval tokens)
             requests = [(self._longest_prompt(self.train_set.examples), self.config.rollout.max_new_tokens)]
             if self.eval_set is not None:
-                eval_new_tokens = self.config.eval.max_new_tokens or self.config.rollout.max_new_tokens
-                requests.append((self._longest_prompt(self.eval_set.examples[: self.config.eval.max_prompts]), eval_new_tokens))
+                eval_prompts = self.eval_set.examples[: self.config.eval.max_prompts]
+                requests.append((self._longest_prompt(eval_prompts), self.eval_new_tokens))
             longest_prompt, max_new_tokens = max(requests, key=sum)
             try:
                 rollout = VLLMRolloutEngine(
@@ -399,7 +398,7 @@ class RLRun:
         cfg = self.config
         examples = self.eval_set.examples[: cfg.eval.max_prompts][self.dp_rank :: self.dp]
         sampling = SamplingParams(
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, temperature=0,
+            max_new_tokens=self.eval_new_tokens, temperature=0,
             stop_token_ids=self.stop_token_ids,
         )  # fmt: skip
         samples = self.rollout.generate(self._prompt_ids(examples), sampling) if examples else []
