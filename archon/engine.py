@@ -228,10 +228,7 @@ def lr_multiplier(step: int, config: OptimConfig) -> float:
         return (step + 1) / (config.warmup_steps + 1)
     if config.schedule == "constant":
         return 1.0
-    if config.total_steps is None:
-        raise ValueError(
-            f"OptimConfig.schedule={config.schedule!r} needs total_steps; set it or fill it in with for_run(steps)"
-        )
+    _require_total_steps(config)
     progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
     if config.schedule == "linear":
         decay = 1.0 - progress
@@ -240,12 +237,16 @@ def lr_multiplier(step: int, config: OptimConfig) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
 
 
+def _require_total_steps(config: OptimConfig) -> None:
+    if config.schedule != "constant" and config.total_steps is None:
+        raise ValueError(
+            f"OptimConfig.schedule={config.schedule!r} needs total_steps; set it or fill it in with for_run(steps)"
+        )
+
+
 class _LRLambda:
     def __init__(self, config: OptimConfig) -> None:
-        if config.schedule != "constant" and config.total_steps is None:
-            raise ValueError(
-                f"OptimConfig.schedule={config.schedule!r} needs total_steps; set it or fill it in with for_run(steps)"
-            )
+        _require_total_steps(config)  # now, not at the first step past the warm-up
         self.config = config
 
     def __call__(self, step: int) -> float:
