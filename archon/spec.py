@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 _REGISTRY: dict[str, "ModelSpec"] = {}
-_FAMILIES_PACKAGE = "models"
+_FAMILIES_PACKAGE = "archon.models"
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ModelSpec:
     hf_model_types: the HF `config.model_type` values this family serves.
     args_cls: dataclass with `from_hf_config(hf_config) -> args`.
     model_cls: `model_cls(args, lora_config | None)`; forward takes packed input.
-    state_dict_adapter_cls: `state_dict_adapter_cls(args)`, maps HF <-> archon keys.
+    state_dict_converter_cls: `state_dict_converter_cls(args)`, maps HF <-> archon keys.
     parallelize_fn: `parallelize_fn(model, parallel_dims, config)`; applies TP/AC/compile/FSDP.
     lora_targets: HF leaf names of the modules LoRA may target, e.g. ("q_proj", ..., "experts").
     tiny_hf_config: kwargs for the transformers config class that make a tiny model of this
@@ -32,7 +32,7 @@ class ModelSpec:
     hf_model_types: tuple[str, ...]
     args_cls: type
     model_cls: type
-    state_dict_adapter_cls: type
+    state_dict_converter_cls: type
     parallelize_fn: Callable[..., Any] | None
     lora_targets: tuple[str, ...]
     tiny_hf_config: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -263,7 +263,7 @@ def _p90_token_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
 
 def _align_family(ctx: Context, model_type: str) -> dict[str, Any]:
     """archon vs HF in fp32 and in bf16 on one packed batch, all logits against HF in fp32."""
-    from archon.engine import build_model
+    from archon.build import build_model
     from archon.tools.align import _compare_logits, _hf_forward, packed_batch
 
     device = ctx.device
@@ -320,11 +320,11 @@ def _train_batch(vocab: int, seq_lens: tuple[int, ...], seed: int):
 
 
 def _engine(ctx: Context, path: Path, dtype: str, lora_rank: int, lr: float, micro_batch_tokens: int):
-    from archon.engine import Engine, EngineConfig, OptimConfig
     from archon.lora import LoRAConfig
+    from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
     lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules="all-linear")
-    return Engine(EngineConfig(
+    return Trainer(TrainerConfig(
         model_path=str(path), lora=lora, dtype=dtype, device=ctx.device.type,
         optim=OptimConfig(lr=lr, max_grad_norm=1.0), micro_batch_tokens=micro_batch_tokens, seed=ctx.seed,
     ))  # fmt: skip
@@ -350,17 +350,17 @@ def _train_family(ctx: Context, model_type: str) -> dict[str, Any]:
     path = _tiny_checkpoint(ctx, model_type, f"train-{model_type}", **_overrides_for(model_type, sizes.train_overrides))
     batch = _train_batch(_vocab(path), sizes.train_seq_lens, ctx.seed)
     dtype = "bfloat16"
-    engine = _engine(ctx, path, dtype, sizes.lora_rank, sizes.train_lr, batch.num_tokens)
+    trainer = _engine(ctx, path, dtype, sizes.lora_rank, sizes.train_lr, batch.num_tokens)
     losses, grad_norms, nonfinite = [], [], []
     with count_varlen_calls() as varlen:
         for step in range(sizes.train_steps):
-            metrics = engine.forward_backward(batch, _nll_loss)
-            bad = [n for n, p in engine.model.named_parameters()
+            metrics = trainer.forward_backward(batch, _nll_loss)
+            bad = [n for n, p in trainer.model.named_parameters()
                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
             nonfinite += [f"step {step}: {n}" for n in bad]
-            grad_norms.append(engine.optimizer_step()["grad_norm"])
+            grad_norms.append(trainer.optimizer_step()["grad_norm"])
             losses.append(metrics["loss"])
-    del engine
+    del trainer
     _release(ctx)
     fp32_first = _engine(ctx, path, "float32", sizes.lora_rank, sizes.train_lr, batch.num_tokens)
     fp32_loss = fp32_first.forward_backward(batch, _nll_loss)["loss"]
@@ -417,7 +417,7 @@ def check_generation(ctx: Context) -> dict[str, Any]:
 
 def _generation_family(ctx: Context, model_type: str) -> dict[str, Any]:
     from archon.batch import PackedBatch
-    from archon.engine import build_model
+    from archon.build import build_model
     from archon.lora import lora_parameters
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
@@ -441,17 +441,17 @@ def _generation_family(ctx: Context, model_type: str) -> dict[str, Any]:
     greedy_equal = archon_tokens == hf_tokens
 
     # Sampled: the rollout's log-probs against the trainer's on the same tokens, with a live adapter.
-    engine = _engine(ctx, path, "float32", ctx.sizes.lora_rank, 1e-3, 1 << 20)
+    trainer = _engine(ctx, path, "float32", ctx.sizes.lora_rank, 1e-3, 1 << 20)
     g = torch.Generator().manual_seed(ctx.seed)
     with torch.no_grad():
-        for p in lora_parameters(engine.model).values():
+        for p in lora_parameters(trainer.model).values():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.8, n=2, seed=ctx.seed + 3)
-    sampled = NativeRolloutEngine(engine.model, device).generate(GEN_PROMPTS, sampling)
+    sampled = NativeRolloutEngine(trainer.model, device).generate(GEN_PROMPTS, sampling)
     batch = PackedBatch.from_sequences(
         [s.prompt_ids + s.completion_ids for s in sampled], prompt_lens=[len(s.prompt_ids) for s in sampled]
     )
-    trainer = engine.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    trainer = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
     rollout = torch.tensor([lp for s in sampled for lp in s.logprobs])
     logprob_diff = (trainer - rollout).abs().max().item()
     return {
@@ -611,7 +611,7 @@ def check_throughput(ctx: Context) -> dict[str, Any]:
         advantages=torch.randn(len(lengths), generator=g).tolist(),
     )
     start = time.perf_counter()
-    engine = _engine(ctx, path, sizes.throughput_dtype, sizes.lora_rank, 1e-5, batch.num_tokens)
+    trainer = _engine(ctx, path, sizes.throughput_dtype, sizes.lora_rank, 1e-5, batch.num_tokens)
     load_s = time.perf_counter() - start
 
     def pg_loss(mb, logprobs, lctx):
@@ -620,16 +620,16 @@ def check_throughput(ctx: Context) -> dict[str, Any]:
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     with count_varlen_calls() as varlen:
-        engine.train_step(batch, pg_loss)  # warm-up
+        trainer.train_step(batch, pg_loss)  # warm-up
         ctx.synchronize()
         start = time.perf_counter()
-        losses = [engine.train_step(batch, pg_loss)["loss"] for _ in range(sizes.throughput_steps)]
+        losses = [trainer.train_step(batch, pg_loss)["loss"] for _ in range(sizes.throughput_steps)]
         ctx.synchronize()
         step_s = (time.perf_counter() - start) / sizes.throughput_steps
     flops = train_step_flops(sizes.throughput_config, lengths, batch.num_loss_tokens, sizes.lora_rank)
-    params = sum(p.numel() for p in engine.model.parameters())
-    trainable = sum(p.numel() for p in engine.trainable)
-    del engine
+    params = sum(p.numel() for p in trainer.model.parameters())
+    trainable = sum(p.numel() for p in trainer.trainable)
+    del trainer
     _release(ctx)
     expect_varlen = ctx.cuda and dtype in (torch.bfloat16, torch.float16)
     return {
@@ -668,8 +668,7 @@ CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
 
 def environment(ctx: Context) -> dict[str, Any]:
     import transformers
-
-    from models.common.attention import _varlen_takes_enable_gqa
+    from archon.models.common.attention import _varlen_takes_enable_gqa
 
     env = {
         "python": platform.python_version(),

@@ -82,7 +82,6 @@ def _tensor_bytes(named_tensors) -> int:
 def main(args: BenchArgs) -> dict:
     import torch
 
-    from archon.engine import Engine, EngineConfig
     from archon.lora import LoRAConfig
     from archon.rl.tasks import build_char_tokenizer
     from archon.rollout.base import SamplingParams
@@ -90,6 +89,7 @@ def main(args: BenchArgs) -> dict:
     from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
     from archon.sync import adapter_payload, full_payload
     from archon.tools.align import make_tiny_hf_checkpoint
+    from archon.trainer import Trainer, TrainerConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     load_start = os.getloadavg()[0]
@@ -99,7 +99,7 @@ def main(args: BenchArgs) -> dict:
         "qwen3", root / "model", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **MODEL_CONFIG
     )
     tokenizer.save_pretrained(model_dir)
-    trainer = Engine(EngineConfig(
+    trainer = Trainer(TrainerConfig(
         model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA), device="cpu"
     ))  # fmt: skip
     _randomize_adapter(trainer.model, seed=0)
@@ -107,8 +107,8 @@ def main(args: BenchArgs) -> dict:
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
     expected = [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
 
-    adapter_bytes = _tensor_bytes(adapter_payload(trainer.model, trainer.adapter).items())
-    full_bytes = _tensor_bytes(full_payload(trainer.model, trainer.adapter))
+    adapter_bytes = _tensor_bytes(adapter_payload(trainer.model, trainer.converter).items())
+    full_bytes = _tensor_bytes(full_payload(trainer.model, trainer.converter))
     # launched for the collective transport (dev mode); the disk syncs below use the stock API routes
     config = VLLMConfig(max_lora_rank=LORA_RANK, max_model_len=256, port=args.port, bucket_mb=args.bucket_mb,
                         transport="collective")  # fmt: skip
@@ -145,12 +145,12 @@ def main(args: BenchArgs) -> dict:
         def with_settings(transport: str, mode: str):
             def sync(v: int) -> None:
                 server.config.transport, server.config.mode = transport, mode
-                server.update(v, engine=trainer)
+                server.update(v, trainer=trainer)
 
             return sync
 
         def full_sync(v: int) -> None:
-            stats = server.send_weights(full_payload(trainer.model, trainer.adapter))
+            stats = server.send_weights(full_payload(trainer.model, trainer.converter))
             if stats["bytes"] != full_bytes:
                 raise RuntimeError(f"full sync sent {stats['bytes']} bytes, expected {full_bytes}")
             server.adapter_name = None  # the base model is now the merged one

@@ -190,13 +190,13 @@ def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
 # ---- one process per measurement -------------------------------------------------------------------
 
 
-def _archon_engine(args: BenchArgs, lora: bool, activation_checkpoint: str = "none", micro_tokens: int = 8192,
+def _archon_trainer(args: BenchArgs, lora: bool, activation_checkpoint: str = "none", micro_tokens: int = 8192,
                    head_chunk: int = 1024, checkpoint: str | None = None):
-    from archon.engine import Engine, EngineConfig, OptimConfig
     from archon.lora import LoRAConfig
     from archon.parallel import ParallelConfig
+    from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
-    return Engine(EngineConfig(
+    return Trainer(TrainerConfig(
         model_path=checkpoint or args.checkpoint,
         lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear") if lora else None,
         parallel=ParallelConfig(activation_checkpoint=activation_checkpoint),
@@ -243,14 +243,13 @@ def _profile_breakdown(step) -> dict[str, float]:
 
 
 def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = False, profile: bool = True,
-               **engine_kw) -> dict:
+               **trainer_kw) -> dict:
     import torch
-
     import transformers  # noqa: F401  (libraries are imported before the baseline RSS is taken)
 
-    import archon.engine  # noqa: F401
+    import archon.trainer  # noqa: F401
     from archon.batch import PackedBatch
-    from archon.engine import load_hf_config
+    from archon.build import load_hf_config
 
     load_hf_config(args.checkpoint)
 
@@ -259,16 +258,16 @@ def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = Fa
     if memory_model:
         seqs = [s[: MEMORY_BATCH["length"]] for s in seqs if len(s) >= MEMORY_BATCH["length"]]
         seqs, advantages = seqs[: MEMORY_BATCH["sequences"]], advantages[: MEMORY_BATCH["sequences"]]
-        engine_kw["checkpoint"] = args.memory_checkpoint
+        trainer_kw["checkpoint"] = args.memory_checkpoint
     baseline = _rss_mb()
-    engine = _archon_engine(args, lora, **engine_kw)
+    trainer = _archon_trainer(args, lora, **trainer_kw)
     batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
     with PeakRSS() as rss:
         if timed:
-            engine.train_step(batch, _pg_loss)  # warm-up
+            trainer.train_step(batch, _pg_loss)  # warm-up
         steps = args.steps if timed else 1
         start = time.perf_counter()
-        losses = [engine.train_step(batch, _pg_loss)["loss"] for _ in range(steps)]
+        losses = [trainer.train_step(batch, _pg_loss)["loss"] for _ in range(steps)]
         elapsed = time.perf_counter() - start
     out = {
         "tokens_per_step": batch.num_tokens,
@@ -279,10 +278,10 @@ def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = Fa
         "after_load_rss_mb": rss.start_mb,
         "peak_rss_mb": rss.peak_mb,
         "lifetime_peak_rss_mb": _lifetime_peak_rss_mb(),
-        "trainable_params": sum(p.numel() for p in engine.trainable),
+        "trainable_params": sum(p.numel() for p in trainer.trainable),
     }
     if timed and profile:
-        out["time_by_op"] = _profile_breakdown(lambda: engine.train_step(batch, _pg_loss))
+        out["time_by_op"] = _profile_breakdown(lambda: trainer.train_step(batch, _pg_loss))
     return out
 
 

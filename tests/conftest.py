@@ -42,7 +42,7 @@ def importable_module(tmp_path_factory):
 @pytest.fixture
 def lora_model():
     """Factory: build_model(path, lora) with every LoRA factor drawn from N(0, scale^2)."""
-    from archon.engine import build_model
+    from archon.build import build_model
     from archon.lora import lora_parameters
 
     def make(path, lora, seed: int = 7, scale: float = 0.1):

@@ -52,7 +52,7 @@ def main() -> None:
         run = RLRun(parse_config(recipe_args))
         run.save(run._resume())
         return
-    from recipes.grpo_lora import main as recipe
+    from archon.recipes.grpo_lora import main as recipe
 
     recipe(recipe_args)
 

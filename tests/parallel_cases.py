@@ -8,10 +8,10 @@ import torch.distributed as dist
 
 from archon.batch import PackedBatch
 from archon.checkpoint.hf import copy_local_into, local_region
-from archon.engine import Engine, EngineConfig, OptimConfig
 from archon.lora import LoRAConfig, is_lora_param
 from archon.parallel import ParallelConfig
 from archon.rl.losses import aggregate_token_losses, grpo_loss
+from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
 SEQ_LENS = (30, 13, 30, 20, 30, 5)
 PROMPT_LENS = (10, 4, 12, 6, 3, 2)
@@ -34,10 +34,10 @@ def make_batch(vocab_size: int, seed: int = 0) -> PackedBatch:
     return PackedBatch.from_sequences(seqs, prompt_lens=PROMPT_LENS, advantages=advantages)
 
 
-def engine_config(hf_path, parallel: ParallelConfig | None = None, lora_dropout: float = 0.0, **kw) -> EngineConfig:
+def engine_config(hf_path, parallel: ParallelConfig | None = None, lora_dropout: float = 0.0, **kw) -> TrainerConfig:
     kw.setdefault("micro_batch_tokens", MICRO_BATCH_TOKENS)
     kw.setdefault("head_chunk_size", 16)
-    return EngineConfig(
+    return TrainerConfig(
         model_path=str(hf_path),
         lora=LoRAConfig(rank=4, alpha=8.0, dropout=lora_dropout),
         parallel=parallel or ParallelConfig(),
@@ -61,17 +61,17 @@ def loss_fn(batch: PackedBatch, logprobs: torch.Tensor, ctx):
 
 
 @torch.no_grad()
-def set_lora_values(engine: Engine, seed: int) -> None:
+def set_lora_values(trainer: Trainer, seed: int) -> None:
     """Deterministic non-zero LoRA factors (each rank copies its part of the same full tensors)."""
     g = torch.Generator().manual_seed(seed)
-    for name, param in engine.model.named_parameters():
+    for name, param in trainer.model.named_parameters():
         if is_lora_param(name):
             full = torch.randn(param.shape, generator=g) * 0.2
             region = local_region(param)
             copy_local_into(param, full if region is None else full[region], name)
 
 
-def _gather_per_sequence(engine: Engine, indices: list[int], values: torch.Tensor, batch: PackedBatch):
+def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Tensor, batch: PackedBatch):
     """Per-sequence slices of a [T_local] tensor, gathered from all ranks into global order."""
     bounds = batch.cu_seqlens.tolist()
     local = {i: values[bounds[k] : bounds[k + 1]].clone() for k, i in enumerate(indices)}
@@ -83,43 +83,43 @@ def _gather_per_sequence(engine: Engine, indices: list[int], values: torch.Tenso
     return torch.cat([local[i] for i in sorted(local)])
 
 
-def run_case(engine: Engine, vocab_size: int, export_dir=None) -> dict:
+def run_case(trainer: Trainer, vocab_size: int, export_dir=None) -> dict:
     """Everything compared across layouts: log-probs (policy, reference, entropy), the first
     step's loss and LoRA gradients, the loss curve, and an exported adapter."""
     full = make_batch(vocab_size)
-    dp, dp_rank = engine.dims.dp, engine.dims.dp_rank
+    dp, dp_rank = trainer.dims.dp, trainer.dims.dp_rank
     indices = list(range(dp_rank, full.num_sequences, dp))
     batch = full.select(indices)
-    set_lora_values(engine, seed=1)
+    set_lora_values(trainer, seed=1)
 
-    policy = engine.logprobs(batch, with_entropy=True)
-    reference = engine.logprobs(batch, use_adapter=False)
+    policy = trainer.logprobs(batch, with_entropy=True)
+    reference = trainer.logprobs(batch, use_adapter=False)
     batch.old_logprobs = policy.logprobs
     result = {
-        "logprobs": _gather_per_sequence(engine, indices, policy.logprobs, batch),
-        "entropy": _gather_per_sequence(engine, indices, policy.entropy, batch),
-        "ref_logprobs": _gather_per_sequence(engine, indices, reference.logprobs, batch),
+        "logprobs": _gather_per_sequence(trainer, indices, policy.logprobs, batch),
+        "entropy": _gather_per_sequence(trainer, indices, policy.entropy, batch),
+        "ref_logprobs": _gather_per_sequence(trainer, indices, reference.logprobs, batch),
     }
-    first = engine.forward_backward(batch, loss_fn, with_entropy=True)
+    first = trainer.forward_backward(batch, loss_fn, with_entropy=True)
     result["first_loss"] = first["loss"]
     result["micro_batches"] = first["micro_batches"]
     result["grads"] = {
         name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-        for name, p in engine.model.named_parameters()
+        for name, p in trainer.model.named_parameters()
         if is_lora_param(name)
     }
-    step = engine.optimizer_step()
-    engine.advance_schedule()
+    step = trainer.optimizer_step()
+    trainer.advance_schedule()
     losses, norms = [first["loss"]], [step["grad_norm"]]
     for _ in range(TRAIN_STEPS - 1):
-        metrics = engine.train_step(batch, loss_fn, with_entropy=True)
+        metrics = trainer.train_step(batch, loss_fn, with_entropy=True)
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
     result["losses"] = losses
     result["grad_norms"] = norms
     if export_dir is not None:
-        set_lora_values(engine, seed=2)
-        engine.export_peft(export_dir)
+        set_lora_values(trainer, seed=2)
+        trainer.export_peft(export_dir)
     return result
 
 
@@ -130,11 +130,11 @@ def run_full_finetune(hf_path, vocab_size: int, parallel: ParallelConfig | None 
     config = engine_config(hf_path, parallel)
     config.lora = None
     config.optim = OptimConfig(lr=1e-3, max_grad_norm=0.5)
-    engine = Engine(config)
+    trainer = Trainer(config)
     full = make_batch(vocab_size)
-    batch = full.select(list(range(engine.dims.dp_rank, full.num_sequences, engine.dims.dp)))
-    batch.old_logprobs = engine.logprobs(batch).logprobs
-    return [engine.train_step(batch, loss_fn, with_entropy=True)["loss"] for _ in range(steps + 1)]
+    batch = full.select(list(range(trainer.dims.dp_rank, full.num_sequences, trainer.dims.dp)))
+    batch.old_logprobs = trainer.logprobs(batch).logprobs
+    return [trainer.train_step(batch, loss_fn, with_entropy=True)["loss"] for _ in range(steps + 1)]
 
 
 def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:

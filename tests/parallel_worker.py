@@ -18,17 +18,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# The script's own folder (tests/) comes first on sys.path, where tests/models would shadow the
-# real `models` package: put the checkout this file belongs to first instead (whatever an editable
-# install points at), import the project, then add the folder back for parallel_cases.
+# The script's own folder (tests/) comes first on sys.path: put the checkout this file belongs to
+# first instead (whatever an editable install points at), import the project, then add the folder
+# back for parallel_cases.
 _TESTS_DIR = sys.path.pop(0)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import models  # noqa: E402,F401  (registers the model families)
 from archon.checkpoint.hf import HFCheckpoint  # noqa: E402
 from archon.checkpoint.resume import CheckpointManager  # noqa: E402
-from archon.engine import Engine  # noqa: E402
 from archon.parallel import ParallelConfig  # noqa: E402
+from archon.trainer import Trainer  # noqa: E402
 
 sys.path.append(_TESTS_DIR)
 import parallel_cases as cases  # noqa: E402
@@ -64,16 +63,16 @@ def parity(args) -> None:
             world, kwargs = cases.LAYOUTS[layout]
             assert world == int(os.environ["WORLD_SIZE"]), (layout, world)
             counter["elements"] = 0
-            engine = Engine(cases.engine_config(path, ParallelConfig(**kwargs)))
+            trainer = Trainer(cases.engine_config(path, ParallelConfig(**kwargs)))
             read = torch.tensor([counter["elements"]])
             gathered = [torch.zeros_like(read) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, read)
             export_dir = Path(args.out).parent / f"peft-{model_type}-{layout}"
-            result = cases.run_case(engine, vocab, export_dir=export_dir)
+            result = cases.run_case(trainer, vocab, export_dir=export_dir)
             result["read_elements"] = [int(t) for t in gathered]
             result["checkpoint_elements"] = total
             result["export_dir"] = str(export_dir)
-            del engine
+            del trainer
             if layout == "fsdp2" and model_type == "qwen3":
                 result["full_ft_losses"] = cases.run_full_finetune(path, vocab, ParallelConfig(**kwargs))
             results[(model_type, layout)] = result
@@ -90,27 +89,27 @@ def resume(args) -> None:
     out = Path(args.out)
     manager = CheckpointManager(out / "checkpoints", keep_last=2)
 
-    def run(engine, first_step, last_step, save=False):
+    def run(trainer, first_step, last_step, save=False):
         losses = []
         for step in range(first_step, last_step):
-            batch = resume_batch(engine, vocab, step)
-            losses.append(engine.train_step(batch, cases.loss_fn, with_entropy=True)["loss"])
+            batch = resume_batch(trainer, vocab, step)
+            losses.append(trainer.train_step(batch, cases.loss_fn, with_entropy=True)["loss"])
             if save:
-                engine.save_checkpoint(manager, step + 1, data_state={"next_step": step + 1})
+                trainer.save_checkpoint(manager, step + 1, data_state={"next_step": step + 1})
         return losses
 
     if args.phase == "first":
-        uninterrupted = run(Engine(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 8)
-        first_half = run(Engine(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 4, save=True)
+        uninterrupted = run(Trainer(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 8)
+        first_half = run(Trainer(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 4, save=True)
         if dist.get_rank() == 0:
             torch.save({"uninterrupted": uninterrupted, "first_half": first_half}, out / "first.pt")
         dist.barrier()
         # Killed: no clean shutdown, nothing after the checkpoint survives.
         os._exit(0)
     # Another seed: everything that matters must come from the checkpoint.
-    engine = Engine(cases.engine_config(path, parallel, lora_dropout=0.1, seed=123))
-    data_state = engine.load_checkpoint(manager)["data"]
-    second_half = run(engine, data_state["next_step"], 8)
+    trainer = Trainer(cases.engine_config(path, parallel, lora_dropout=0.1, seed=123))
+    data_state = trainer.load_checkpoint(manager)["data"]
+    second_half = run(trainer, data_state["next_step"], 8)
     if dist.get_rank() == 0:
         torch.save(
             {"second_half": second_half, "resumed_step": data_state["next_step"],
@@ -129,28 +128,28 @@ def skip(args) -> None:
         loss, metrics = cases.loss_fn(batch, logprobs, ctx)
         return (loss * float("nan") if dist.get_rank() == 1 else loss), metrics
 
-    def local_state(engine):
+    def local_state(trainer):
         state = {}
-        for name, p in engine.model.named_parameters():
+        for name, p in trainer.model.named_parameters():
             if p.requires_grad:
                 state[name] = p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
-                for key, value in engine.optimizer.state.get(p, {}).items():
+                for key, value in trainer.optimizer.state.get(p, {}).items():
                     value = value.to_local() if hasattr(value, "to_local") else value
                     state[f"{name}/{key}"] = torch.as_tensor(value).clone()
         return state
 
     results = {}
     for layout in args.layouts:
-        engine = Engine(cases.engine_config(path, ParallelConfig(**cases.LAYOUTS[layout][1])))
-        batch = resume_batch(engine, vocab, 0)
-        engine.train_step(batch, cases.loss_fn, with_entropy=True)
-        before = local_state(engine)
-        bad = engine.train_step(batch, nan_on_rank_1, with_entropy=True)
-        after = local_state(engine)
+        trainer = Trainer(cases.engine_config(path, ParallelConfig(**cases.LAYOUTS[layout][1])))
+        batch = resume_batch(trainer, vocab, 0)
+        trainer.train_step(batch, cases.loss_fn, with_entropy=True)
+        before = local_state(trainer)
+        bad = trainer.train_step(batch, nan_on_rank_1, with_entropy=True)
+        after = local_state(trainer)
         unchanged = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
-        good = engine.train_step(batch, cases.loss_fn, with_entropy=True)
+        good = trainer.train_step(batch, cases.loss_fn, with_entropy=True)
         mine = {"skipped": [bad["skipped"], good["skipped"]], "unchanged": unchanged,
-                "optimizer_steps": engine.optimizer_steps}  # fmt: skip
+                "optimizer_steps": trainer.optimizer_steps}  # fmt: skip
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         results[layout] = everyone
@@ -158,11 +157,11 @@ def skip(args) -> None:
         torch.save(results, args.out)
 
 
-def resume_batch(engine: Engine, vocab: int, step: int):
+def resume_batch(trainer: Trainer, vocab: int, step: int):
     """Step-dependent data (the data-loader position is the step), on-policy old log-probs."""
     full = cases.make_batch(vocab, seed=100 + step)
-    batch = full.shard(engine.dims.dp_rank, engine.dims.dp)
-    batch.old_logprobs = engine.logprobs(batch).logprobs
+    batch = full.shard(trainer.dims.dp_rank, trainer.dims.dp)
+    batch.old_logprobs = trainer.logprobs(batch).logprobs
     return batch
 
 

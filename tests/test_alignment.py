@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from archon.tools.align import MAX_ABS_LOGITS_DIFF, MAX_LORA_GRAD_REL_ERR, MAX_MEAN_KL, AlignArgs, run_alignment
+from archon.tools.align import (
+    MAX_ABS_LOGITS_DIFF,
+    MAX_LORA_GRAD_REL_ERR,
+    MAX_MEAN_KL,
+    AlignArgs,
+    run_alignment,
+)
 
 QWEN3_CASES = {
     "untied-gqa2": {},
@@ -56,7 +62,7 @@ def test_packed_equals_separate_archon_forwards(tiny_checkpoint):
     """One packed forward equals archon's own per-sequence forwards: no attention across boundaries."""
     import torch
 
-    from archon.engine import build_model
+    from archon.build import build_model
     from archon.tools.align import packed_batch
 
     model = build_model(tiny_checkpoint("qwen3")).model.eval()

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from archon.build import build_model
 from archon.checkpoint.atomic import atomic_directory, atomic_file
-from archon.engine import build_model
 from archon.lora import LoRAConfig
 from archon.spec import get_spec
 

@@ -12,10 +12,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from archon.checkpoint.hf import SAFETENSORS_INDEX, check_model_dir, load_tokenizer, save_hf_checkpoint
-from archon.engine import build_model
+from archon.build import build_model
+from archon.checkpoint.hf import (
+    SAFETENSORS_INDEX,
+    check_model_dir,
+    load_tokenizer,
+    save_hf_checkpoint,
+)
 from archon.lora import LoRAConfig, lora_parameters
-from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter, save_peft_adapter
+from archon.lora.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    load_peft_adapter,
+    save_peft_adapter,
+)
 from archon.tools.align import make_tiny_hf_checkpoint
 
 LORA = LoRAConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
@@ -32,10 +42,10 @@ def files(tmp_path_factory):
     with torch.no_grad():
         for p in lora_parameters(loaded.model).values():
             p.copy_(torch.randn(p.shape, generator=g))
-    save_peft_adapter(loaded.model, loaded.adapter, LORA, root / "adapter", str(single))
+    save_peft_adapter(loaded.model, loaded.converter, LORA, root / "adapter", str(single))
     base = {k: v for k, v in loaded.model.state_dict().items() if "lora_" not in k}
     sharded = save_hf_checkpoint(
-        loaded.adapter.iter_to_hf(base.items()), root / "sharded", loaded.hf_config.to_dict(), max_shard_bytes=64 * 1024
+        loaded.converter.iter_to_hf(base.items()), root / "sharded", loaded.hf_config.to_dict(), max_shard_bytes=64 * 1024
     )
     return {"single": single, "sharded": sharded, "adapter": root / "adapter", "loaded": loaded}
 
@@ -122,10 +132,10 @@ def test_bad_adapter_is_refused_naming_the_culprit(files, tmp_path, edit, error,
     shutil.copytree(files["adapter"], adapter_dir)
     edit(adapter_dir)
     before = _snapshot(tmp_path)
-    model, adapter = files["loaded"].model, files["loaded"].adapter
+    model, converter = files["loaded"].model, files["loaded"].converter
     params_before = {k: p.detach().clone() for k, p in lora_parameters(model).items()}
     with pytest.raises(error, match=message):
-        load_peft_adapter(model, adapter, adapter_dir)
+        load_peft_adapter(model, converter, adapter_dir)
     assert _snapshot(tmp_path) == before
     for key, param in lora_parameters(model).items():
         assert torch.equal(param, params_before[key]), f"{key} changed by a refused load"
@@ -139,7 +149,7 @@ def test_adapter_with_nan_warns_naming_the_tensor(files, tmp_path):
     save_file(tensors, adapter_dir / ADAPTER_WEIGHTS)
     fresh = build_model(files["single"], lora=LORA)
     with pytest.warns(RuntimeWarning, match=rf"{Q_PROJ_A}.*adapter_model\.safetensors.*1 NaN/inf"):
-        load_peft_adapter(fresh.model, fresh.adapter, adapter_dir)
+        load_peft_adapter(fresh.model, fresh.converter, adapter_dir)
 
 
 def _first_shard(directory: Path) -> str:

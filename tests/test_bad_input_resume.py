@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_grpo_recipe import _args, tiny_setup  # noqa: F401  (the tiny model and data)
 
 from archon.checkpoint.resume import CheckpointError
 from archon.rl.config import parse_config
 from archon.rl.loop import RLRun
-from test_grpo_recipe import _args, tiny_setup  # noqa: F401  (the tiny model and data)
 
 CKPT = Path("checkpoints")
 

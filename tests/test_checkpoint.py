@@ -5,13 +5,13 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import parallel_cases as cases
 import pytest
 import torch
 
-import parallel_cases as cases
 from archon.checkpoint.hf import HFCheckpoint, read_local
 from archon.checkpoint.resume import TRAINER_STATE, CheckpointError, CheckpointManager
-from archon.engine import Engine
+from archon.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -21,28 +21,28 @@ def qwen3_path(tmp_path_factory):
     return make_tiny_hf_checkpoint("qwen3", tmp_path_factory.mktemp("ckpt") / "qwen3", seed=0)
 
 
-def _step_batch(engine, step):
+def _step_batch(trainer, step):
     batch = cases.make_batch(256, seed=100 + step)
-    batch.old_logprobs = engine.logprobs(batch).logprobs
+    batch.old_logprobs = trainer.logprobs(batch).logprobs
     return batch
 
 
-def _train(engine, steps, manager=None):
+def _train(trainer, steps, manager=None):
     losses = []
     for step in steps:
-        losses.append(engine.train_step(_step_batch(engine, step), cases.loss_fn, with_entropy=True)["loss"])
+        losses.append(trainer.train_step(_step_batch(trainer, step), cases.loss_fn, with_entropy=True)["loss"])
         if manager is not None:
-            engine.save_checkpoint(manager, step + 1, data_state={"next_step": step + 1})
+            trainer.save_checkpoint(manager, step + 1, data_state={"next_step": step + 1})
     return losses
 
 
 def test_resume_continues_with_the_uninterrupted_losses(qwen3_path, tmp_path):
     """Single process: 3 steps, save, a new engine (other seed) resumes, 3 more == 6 in one go.
     LoRA dropout is on, so the RNG state has to come back too."""
-    uninterrupted = _train(Engine(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(6))
+    uninterrupted = _train(Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(6))
     manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
-    first = _train(Engine(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(3), manager)
-    resumed = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1, seed=7))
+    first = _train(Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(3), manager)
+    resumed = Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1, seed=7))
     state = resumed.load_checkpoint(manager)
     assert state["data"] == {"next_step": 3} and state["step"] == 3 and resumed.optimizer_steps == 3
     second = _train(resumed, range(state["data"]["next_step"], 6))
@@ -53,10 +53,10 @@ def test_resume_continues_with_the_uninterrupted_losses(qwen3_path, tmp_path):
 def test_resume_without_rng_restore_would_differ(qwen3_path, tmp_path):
     """The exactness above is not vacuous: with dropout, a different RNG stream changes the losses."""
     manager = CheckpointManager(tmp_path / "ckpts")
-    engine = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1))
-    _train(engine, range(2), manager)
-    expected = _train(engine, range(2, 3))
-    resumed = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1))
+    trainer = Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1))
+    _train(trainer, range(2), manager)
+    expected = _train(trainer, range(2, 3))
+    resumed = Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1))
     resumed.load_checkpoint(manager)
     torch.manual_seed(12345)
     assert _train(resumed, range(2, 3)) != expected
@@ -66,17 +66,17 @@ def test_failed_save_leaves_no_checkpoint(qwen3_path, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     manager = CheckpointManager(tmp_path / "ckpts")
-    engine = Engine(cases.engine_config(qwen3_path))
+    trainer = Trainer(cases.engine_config(qwen3_path))
 
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        engine.save_checkpoint(manager, 0)
-    assert manager.latest() is None and engine.load_checkpoint(manager) is None
+        trainer.save_checkpoint(manager, 0)
+    assert manager.latest() is None and trainer.load_checkpoint(manager) is None
     monkeypatch.undo()
-    path = engine.save_checkpoint(manager, 0, data_state={"epoch": 1})
+    path = trainer.save_checkpoint(manager, 0, data_state={"epoch": 1})
     assert path.name == "step-00000000" and (path / TRAINER_STATE).exists()
     assert manager.latest() == path
 
@@ -106,27 +106,28 @@ def test_two_process_resume_after_kill_continues_exactly(qwen3_path, tmp_path):
 def test_loading_reads_only_the_region_a_shard_needs(qwen3_path):
     """The stacked-expert and one-to-one read paths, checked against the full tensor (no processes:
     a fake DTensor region)."""
-    from archon.tools.align import make_tiny_hf_checkpoint
-    from models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-    from archon.engine import load_hf_config
-    from archon.spec import get_spec
+    from archon.models.qwen3.state_dict_converter import Qwen3StateDictConverter
+
     import archon.checkpoint.hf as hf
+    from archon.build import load_hf_config
+    from archon.spec import get_spec
+    from archon.tools.align import make_tiny_hf_checkpoint
 
     moe = make_tiny_hf_checkpoint("qwen3_moe", qwen3_path.parent / "moe", seed=0)
     args = get_spec("qwen3_moe").args_cls.from_hf_config(load_hf_config(moe))
-    adapter = Qwen3StateDictAdapter(args)
+    converter = Qwen3StateDictConverter(args)
     checkpoint = HFCheckpoint(moe)
     key = "layers.1.mlp.experts.gate_up_proj"
-    sources = adapter.hf_sources(key, checkpoint.keys())
-    full = adapter.combine(key, [checkpoint.get(s) for s in sources])
+    sources = converter.hf_sources(key, checkpoint.keys())
+    full = converter.combine(key, [checkpoint.get(s) for s in sources])
     target = torch.empty(full.shape)
     region = (slice(2, 5), slice(20, 40), slice(0, 64))  # crosses the gate/up boundary at row 32
     original = hf.local_region
     hf.local_region = lambda t: region[: t.ndim]
     try:
-        part = read_local(adapter, checkpoint, key, sources, target)
+        part = read_local(converter, checkpoint, key, sources, target)
         dense_key = "layers.0.self_attn.q_proj.weight"
-        dense = read_local(adapter, checkpoint, dense_key, adapter.hf_sources(dense_key, checkpoint.keys()),
+        dense = read_local(converter, checkpoint, dense_key, converter.hf_sources(dense_key, checkpoint.keys()),
                            torch.empty(checkpoint.shape("model.layers.0.self_attn.q_proj.weight")))
     finally:
         hf.local_region = original
@@ -142,14 +143,14 @@ def test_other_lora_settings_are_refused_before_any_tensor_is_read(qwen3_path, t
     from archon.lora import LoRAConfig
 
     manager = CheckpointManager(tmp_path / "ckpts")
-    path = Engine(cases.engine_config(qwen3_path)).save_checkpoint(manager, 1)
+    path = Trainer(cases.engine_config(qwen3_path)).save_checkpoint(manager, 1)
     assert json.loads((path / TRAINER_STATE).read_text())["lora"]["rank"] == 4
 
-    other_alpha = Engine(cases.engine_config(qwen3_path))
+    other_alpha = Trainer(cases.engine_config(qwen3_path))
     other_alpha.lora = LoRAConfig(rank=4, alpha=16.0)
     with pytest.raises(CheckpointError, match=r"lora.alpha: checkpoint 8.0, this run 16.0"):
         other_alpha.load_checkpoint(manager)
-    dropout_only = Engine(cases.engine_config(qwen3_path, lora_dropout=0.1))
+    dropout_only = Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1))
     assert dropout_only.load_checkpoint(manager)["step"] == 1
 
     state = json.loads((path / TRAINER_STATE).read_text())
@@ -159,11 +160,11 @@ def test_other_lora_settings_are_refused_before_any_tensor_is_read(qwen3_path, t
     config.lora = LoRAConfig(rank=8, alpha=8.0)
     shape = r"other shape \(28\): layers.0.mlp.down_proj.lora_a.weight \(checkpoint \(4, 128\), this run \(8, 128\)\)"
     with pytest.raises(CheckpointError, match=shape):
-        Engine(config).load_checkpoint(manager)
+        Trainer(config).load_checkpoint(manager)
     config.lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj",))
     extra = r"in the checkpoint but not trainable in this run \(24\): layers.0.mlp.down_proj"
     with pytest.raises(CheckpointError, match=extra):
-        Engine(config).load_checkpoint(manager)
+        Trainer(config).load_checkpoint(manager)
 
 
 def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bad_input_resume import snapshot
+from test_grpo_recipe import _args, tiny_setup  # noqa: F401  (the tiny model and data)
 
 from archon.checkpoint.atomic import atomic_directory, recover_directory
 from archon.rl.config import parse_config
 from archon.rl.loop import RLRun
-from test_bad_input_resume import snapshot
-from test_grpo_recipe import _args, tiny_setup  # noqa: F401  (the tiny model and data)
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4

@@ -122,9 +122,8 @@ def _fake_varlen(with_enable_gqa: bool, calls: list):
 @pytest.mark.parametrize("with_enable_gqa", [False, True], ids=["torch-2.11", "torch-2.12+"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
 def test_flash_varlen_call_fits_the_installed_signature(monkeypatch, with_enable_gqa, sliding_window):
+    from archon.models.common import attention
     from torch.nn.attention import varlen
-
-    from models.common import attention
 
     calls: list = []
     fake = _fake_varlen(with_enable_gqa, calls)

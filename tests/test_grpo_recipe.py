@@ -11,7 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from archon.rl.config import GRPOConfig, load_config_file, merge_into, parse_config
-from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
+from archon.rl.tasks import (
+    ArithmeticTaskConfig,
+    arithmetic_splits,
+    build_char_tokenizer,
+    write_jsonl,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_FIELDS = {
@@ -77,9 +82,9 @@ def test_in_process_run_trains_only_the_adapter(tiny_setup, tmp_path):
     assert records[-1]["adapter_version"] == 2
 
     checkpoint = HFCheckpoint(tiny_setup / "model")
-    for name, tensor in run.engine.model.state_dict().items():
+    for name, tensor in run.trainer.model.state_dict().items():
         if not is_lora_param(name):
-            hf_name = run.engine.adapter.hf_name(name)
+            hf_name = run.trainer.adapter.hf_name(name)
             assert torch.equal(tensor, checkpoint.get(hf_name)), f"base weight {name} changed"
     adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())
@@ -201,14 +206,14 @@ def test_resume_with_minibatches_and_epochs_matches_the_uninterrupted_run(tiny_s
     state = json.loads((tmp_path / "split" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["optimizer_steps"] == 8
     resumed = RLRun(args(tmp_path / "split", "--resume"))
-    assert resumed.config.optim.total_steps is None and resumed.engine.config.optim.total_steps == 4
+    assert resumed.config.optim.total_steps is None and resumed.trainer.config.optim.total_steps == 4
     resumed.run()
     split = _records(tmp_path / "split")
     assert [r["step"] for r in split] == [r["step"] for r in whole] == [1, 2, 3, 4]
     assert [r["loss"] for r in split] == [r["loss"] for r in whole]
     assert [r["lr"] for r in split] == [r["lr"] for r in whole]
     assert [r["adapter_version"] for r in split] == [1, 2, 3, 4]
-    assert resumed.engine.optimizer_steps == 16
+    assert resumed.trainer.optimizer_steps == 16
     a = load_file(str(tmp_path / "whole" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "split" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -216,17 +221,17 @@ def test_resume_with_minibatches_and_epochs_matches_the_uninterrupted_run(tiny_s
 
 def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, monkeypatch):
     """Every update of RL step s uses lr * lr_multiplier(s) of a schedule as long as the run."""
-    from archon.engine import Engine, OptimConfig, lr_multiplier
     from archon.rl.loop import RLRun
+    from archon.trainer import OptimConfig, Trainer, lr_multiplier
 
     used: list[float] = []
-    original = Engine.optimizer_step
+    original = Trainer.optimizer_step
 
     def recording(self, loss=None):
         used.append(self.optimizer.param_groups[0]["lr"])
         return original(self, loss)
 
-    monkeypatch.setattr(Engine, "optimizer_step", recording)
+    monkeypatch.setattr(Trainer, "optimizer_step", recording)
     steps = 5
     RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=steps), *MULTI_UPDATE])).run()
     schedule = OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=1, min_lr_ratio=0.1, total_steps=steps)
@@ -263,7 +268,7 @@ def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_pa
     step_fn = run.step
 
     def snapshot():
-        return {k: v.clone() for k, v in run.engine.lora_state().items()}, _optimizer_tensors(run.engine)
+        return {k: v.clone() for k, v in run.trainer.lora_state().items()}, _optimizer_tensors(run.trainer)
 
     def snapshot_around(index):
         before = snapshot()
@@ -289,17 +294,17 @@ def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_pa
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
 
 
-def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+def _optimizer_tensors(trainer) -> dict[str, torch.Tensor]:
     return {
         f"{i}/{key}": torch.as_tensor(value).clone()
-        for i, state in enumerate(engine.optimizer.state.values())
+        for i, state in enumerate(trainer.optimizer.state.values())
         for key, value in state.items()
     }
 
 
 def test_nan_loss_steps_in_a_row_stop_the_run_naming_the_step(tiny_setup, tmp_path):
-    from archon.engine import NonFiniteError
     from archon.rl.loop import RLRun
+    from archon.trainer import NonFiniteError
 
     run_dir = tmp_path / "run"
     run = RLRun(parse_config([*_args(tiny_setup, run_dir, steps=5), *MULTI_UPDATE, "--checkpoint.every", "1",
@@ -316,8 +321,8 @@ def test_nan_loss_steps_in_a_row_stop_the_run_naming_the_step(tiny_setup, tmp_pa
 
 def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
     from archon.batch import PackedBatch
-    from archon.engine import LossContext
     from archon.rl.loop import RLRun
+    from archon.trainer import LossContext
 
     run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.loss.algorithm", "drgrpo",
                               "--eval.every", "0"]))  # fmt: skip
@@ -353,7 +358,7 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_setup, tmp
 @pytest.mark.slow
 def test_shortened_demo_improves_held_out_accuracy(tmp_path):
     """The demo's own settings (recipes/configs/demo.yaml), cut to 30 GRPO steps on one process."""
-    from recipes import grpo_lora
+    from archon.recipes import grpo_lora
 
     config = parse_config([
         "--config", str(grpo_lora.DEMO_CONFIG), "--steps", "30", "--eval.every", "30",

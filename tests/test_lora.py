@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from archon.engine import build_model
+from archon.build import build_model
 from archon.lora import (
     LoRAConfig,
     LoRALinear,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from archon.engine import build_model
+from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine, sample_next_tokens
@@ -28,8 +28,8 @@ def _lora_model(path):
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
 def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
     model = _lora_model(tiny_checkpoint(model_type))
-    engine = NativeRolloutEngine(model)
-    samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, n=2))
+    trainer = NativeRolloutEngine(model)
+    samples = trainer.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, n=2))
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
     with torch.no_grad():
         for sample in samples:
@@ -44,33 +44,33 @@ def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
 
 def test_sampled_logprobs_match_full_forward_at_temperature(tiny_checkpoint):
     model = _lora_model(tiny_checkpoint("qwen3"))
-    engine = NativeRolloutEngine(model)
+    trainer = NativeRolloutEngine(model)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=50, n=3, seed=1)
-    samples = engine.generate(PROMPTS, sampling)
+    samples = trainer.generate(PROMPTS, sampling)
     with torch.no_grad():
         for sample in samples:
             ids = sample.prompt_ids + sample.completion_ids
             logits = _full_forward_logits(model, ids)[len(sample.prompt_ids) - 1 : -1]
             expected = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(sample.logprobs), expected, rtol=0, atol=1e-5)
-    again = engine.generate(PROMPTS, sampling)
+    again = trainer.generate(PROMPTS, sampling)
     assert [s.completion_ids for s in again] == [s.completion_ids for s in samples]
 
 
 def test_stop_tokens_and_versions(tiny_checkpoint):
     model = _lora_model(tiny_checkpoint("qwen3"))
-    engine = NativeRolloutEngine(model)
-    greedy = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0))[0]
+    trainer = NativeRolloutEngine(model)
+    greedy = trainer.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0))[0]
     stop = greedy.completion_ids[2]
-    engine.update(version=3)
-    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(stop,)))[0]
+    trainer.update(version=3)
+    stopped = trainer.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(stop,)))[0]
     first_stop = greedy.completion_ids.index(stop)
     assert stopped.completion_ids == greedy.completion_ids[: first_stop + 1]
     assert stopped.finish_reason == "stop"
     assert stopped.adapter_version == 3 and greedy.adapter_version == 0
-    assert engine.health()["adapter_version"] == 3
+    assert trainer.health()["adapter_version"] == 3
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        engine.generate([[1], []], SamplingParams())
+        trainer.generate([[1], []], SamplingParams())
 
 
 def test_top_k_and_top_p_truncate():
@@ -88,17 +88,17 @@ def test_top_k_and_top_p_truncate():
 def test_logprobs_equal_the_trainers(tiny_checkpoint):
     """Rollout log-probs equal Engine.logprobs on the same tokens (the old-policy recomputation)."""
     from archon.batch import PackedBatch
-    from archon.engine import Engine, EngineConfig
+    from archon.trainer import Trainer, TrainerConfig
 
-    engine = Engine(EngineConfig(model_path=str(tiny_checkpoint("qwen3_moe")), lora=LoRAConfig(rank=4, alpha=8)))
+    trainer = Trainer(TrainerConfig(model_path=str(tiny_checkpoint("qwen3_moe")), lora=LoRAConfig(rank=4, alpha=8)))
     with torch.no_grad():
-        for p in lora_parameters(engine.model).values():
+        for p in lora_parameters(trainer.model).values():
             p.normal_(0, 0.1)
-    rollout = NativeRolloutEngine(engine.model)
+    rollout = NativeRolloutEngine(trainer.model)
     samples = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.8, n=2, seed=3))
     batch = PackedBatch.from_sequences(
         [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
     )
-    trainer = engine.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    trainer = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
     rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
     torch.testing.assert_close(rollout_lp, trainer, rtol=0, atol=1e-5)

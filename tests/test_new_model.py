@@ -13,7 +13,7 @@ import pytest
 from archon.tools.new_model import NewModelArgs, main, scaffold
 
 REPO = Path(__file__).resolve().parents[1]
-REGISTRY = '"""Model families."""\n\nfrom models import llama  # noqa: F401\nfrom models import qwen3  # noqa: F401\n'
+REGISTRY = '"""Model families."""\n\nfrom archon.models import llama  # noqa: F401\nfrom archon.models import qwen3  # noqa: F401\n'
 
 
 @pytest.fixture
@@ -35,20 +35,26 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
     family = root / "models" / "mistral"
     assert sorted(p.name for p in family.glob("*.py")) == sorted(p.name for p in (root / "models" / "llama").glob("*.py"))
     code = "\n".join(p.read_text() for p in family.glob("*.py"))
-    assert "LlamaArgs" not in code and "models.llama" not in code
-    assert "class MistralArgs" in code and "class MistralModel" in code and "class MistralStateDictAdapter" in code
+    assert "LlamaArgs" not in code and "archon.models.llama" not in code
+    assert "class MistralArgs" in code and "class MistralModel" in code and "class MistralStateDictConverter" in code
     registry = (root / "models" / "__init__.py").read_text()
-    assert registry == REGISTRY + "from models import mistral  # noqa: F401\n"
+    assert registry == REGISTRY + "from archon.models import mistral  # noqa: F401\n"
     test_file = (root / "tests" / "models" / "test_mistral.py").read_text()
-    assert 'MODEL_TYPE = "mistral"' in test_file and "from models.mistral.args import MistralArgs" in test_file
+    assert 'MODEL_TYPE = "mistral"' in test_file and "from archon.models.mistral.args import MistralArgs" in test_file
 
+    # The scaffolded tree stands in for the repository: its models/ is imported as archon.models, the
+    # way the package layout (setup.py) installs the repository's models/.
     script = (
-        "import json\n"
+        "import importlib.util, json, sys\n"
+        f"init = {str(root / 'models' / '__init__.py')!r}\n"
+        "spec = importlib.util.spec_from_file_location('archon.models', init, submodule_search_locations=[init[:-12]])\n"
+        "sys.modules['archon.models'] = module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
         "from archon.spec import get_spec\n"
         "from archon.tools.align import AlignArgs, run_alignment\n"
         "spec = get_spec('mistral')\n"
         "report = run_alignment(AlignArgs(model_type='mistral', config_overrides={'sliding_window': None}, lora_rank=4))\n"
-        "print(json.dumps({'family': spec.name, 'module': spec.model_cls.__module__, 'file': __import__('models').__file__,"
+        "print(json.dumps({'family': spec.name, 'module': spec.model_cls.__module__, 'file': sys.modules['archon.models'].__file__,"
         " 'pass': report['pass'], 'failures': report['failures']}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -56,7 +62,7 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["file"] == str(root / "models" / "__init__.py")
-    assert (result["family"], result["module"]) == ("mistral", "models.mistral.model")
+    assert (result["family"], result["module"]) == ("mistral", "archon.models.mistral.model")
     assert result["pass"], result["failures"]
 
 
@@ -67,7 +73,7 @@ def test_refuses_to_overwrite(root):
     with pytest.raises(FileExistsError, match="models/mistral already exists"):
         scaffold(NewModelArgs(name="mistral", like="llama", root=root))
     assert args_file.read_text() == "# edited by hand\n"
-    assert (root / "models" / "__init__.py").read_text().count("from models import mistral") == 1
+    assert (root / "models" / "__init__.py").read_text().count("from archon.models import mistral") == 1
 
     shutil.rmtree(root / "models" / "mistral")  # the test file alone also blocks
     with pytest.raises(FileExistsError, match="test_mistral.py already exists"):

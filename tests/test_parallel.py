@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 
+import parallel_cases as cases
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import parallel_cases as cases
 from archon.checkpoint.hf import HFCheckpoint
-from archon.engine import Engine
 from archon.parallel import ParallelConfig, ParallelDims, apply_tp_plan, colwise
+from archon.trainer import Trainer
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 TOL = 1e-5
@@ -35,7 +35,7 @@ def single_process(checkpoints, tmp_path_factory):
     for model_type, path in checkpoints.items():
         vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
         export_dir = tmp_path_factory.mktemp("single") / model_type
-        result = cases.run_case(Engine(cases.engine_config(path)), vocab, export_dir=export_dir)
+        result = cases.run_case(Trainer(cases.engine_config(path)), vocab, export_dir=export_dir)
         result["export_dir"] = str(export_dir)
         out[model_type] = result
     return out
@@ -156,7 +156,7 @@ def test_degrees_must_multiply_to_world_size():
 
 
 def test_tp_degree_must_divide_heads(checkpoints):
-    from archon.engine import load_hf_config
+    from archon.build import load_hf_config
     from archon.spec import get_spec
 
     config = load_hf_config(checkpoints["qwen3"])
@@ -184,7 +184,7 @@ def test_activation_checkpoint_mode_is_checked():
 
 @pytest.mark.parametrize("mode, model_type", [("full", "qwen3_moe"), ("selective", "qwen3")])
 def test_activation_checkpointing_keeps_names_and_gradients(checkpoints, mode, model_type):
-    from archon.engine import build_model
+    from archon.build import build_model
     from archon.lora import LoRAConfig
 
     batch = cases.make_batch(256)
@@ -209,7 +209,7 @@ def test_activation_checkpointing_keeps_names_and_gradients(checkpoints, mode, m
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(checkpoints):
     engines = [
-        Engine(cases.engine_config(checkpoints["qwen3"], ParallelConfig(compile=compile, compile_backend="aot_eager"),
+        Trainer(cases.engine_config(checkpoints["qwen3"], ParallelConfig(compile=compile, compile_backend="aot_eager"),
                                    micro_batch_tokens=10_000))  # one shape to compile for
         for compile in (False, True)
     ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from archon.engine import build_model
+from archon.build import build_model
 from archon.lora.peft import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -69,12 +69,12 @@ def test_peft_made_adapter_gives_peft_logits_and_exports_back(tiny_checkpoint, t
 
     lora = lora_config_from_peft(tmp_path / "peft")
     loaded = build_model(path, lora=lora)
-    load_peft_adapter(loaded.model, loaded.adapter, tmp_path / "peft")
+    load_peft_adapter(loaded.model, loaded.converter, tmp_path / "peft")
     with torch.no_grad():
         ours = loaded.model.eval()(tokens, positions, cu, 11)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
-    save_peft_adapter(loaded.model, loaded.adapter, lora, tmp_path / "archon", str(path))
+    save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "archon", str(path))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reloaded = PeftModel.from_pretrained(hf, str(tmp_path / "archon")).eval()
     with safe_open(tmp_path / "archon" / ADAPTER_WEIGHTS, "pt") as f:
@@ -118,7 +118,7 @@ def test_literal_all_linear_config_loads_as_peft_resolves_it(tiny_checkpoint, tm
     seqs, tokens, positions, cu = packed_batch((6, 11), 256, seed=0)
 
     loaded = build_model(path, lora=lora_config_from_peft(tmp_path / "peft"))
-    load_peft_adapter(loaded.model, loaded.adapter, tmp_path / "peft")
+    load_peft_adapter(loaded.model, loaded.converter, tmp_path / "peft")
     with torch.no_grad():
         ours = loaded.model.eval()(tokens, positions, cu, 11)
     torch.testing.assert_close(ours, _peft_logits(peft_model, seqs), rtol=1e-4, atol=1e-4)

@@ -6,8 +6,8 @@ from archon.rl.advantages import (
     drgrpo_advantages,
     expand_to_tokens,
     group_mean_std,
-    grpo_advantages,
     groups_with_reward_variance,
+    grpo_advantages,
     overlong_penalty,
     sequence_lengths,
 )

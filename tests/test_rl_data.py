@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from archon.rl.data import DataConfig, PromptBatchIterator, PromptExample, load_prompt_dataset, tokenize_prompt
+from archon.rl.data import (
+    DataConfig,
+    PromptBatchIterator,
+    PromptExample,
+    load_prompt_dataset,
+    tokenize_prompt,
+)
 from archon.rl.tasks import build_char_tokenizer
 
 JSONL_LINES = [

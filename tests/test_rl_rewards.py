@@ -3,7 +3,11 @@ import textwrap
 import pytest
 import torch
 
-from archon.rl.reward_fns import exact_match_reward, math_verify_reward, resolve_reward_function
+from archon.rl.reward_fns import (
+    exact_match_reward,
+    math_verify_reward,
+    resolve_reward_function,
+)
 from archon.rl.rewards import RewardConfig, RewardScorer
 
 # One user reward function whose behaviour is chosen by the completion, so a single worker serves

@@ -10,10 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from archon.engine import build_model
+from archon.build import build_model
 from archon.lora import LoRAConfig
 from archon.lora.peft import save_merged_hf
-from archon.sync import StatelessGroup, full_payload, merged_payload, receive_tensors, send_tensors
+from archon.sync import (
+    StatelessGroup,
+    full_payload,
+    merged_payload,
+    receive_tensors,
+    send_tensors,
+)
 
 
 def _free_port() -> int:
@@ -80,11 +86,11 @@ def test_merged_payload_sends_the_modules_holding_lora(tiny_checkpoint, lora_mod
     path = tiny_checkpoint(model_type)
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8, target_modules=targets))
     before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
-    merged_dir = save_merged_hf(loaded.model, loaded.adapter, tmp_path / "merged", loaded.hf_config.to_dict())
+    merged_dir = save_merged_hf(loaded.model, loaded.converter, tmp_path / "merged", loaded.hf_config.to_dict())
     merged = load_file(str(merged_dir / "model.safetensors"))
     original = load_file(str(path / "model.safetensors"))
 
-    payload = dict(merged_payload(loaded.model, loaded.adapter))
+    payload = dict(merged_payload(loaded.model, loaded.converter))
     # every tensor of each attention / MLP / MoE part that carries LoRA, e.g. k_proj beside q_proj
     expected = {k for k in merged if any(f".{unit}." in k for unit in units)}
     assert set(payload) == expected
@@ -101,15 +107,15 @@ def test_merged_payload_sends_the_modules_holding_lora(tiny_checkpoint, lora_mod
 def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_path):
     path = tiny_checkpoint("qwen3")
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
-    merged = load_file(str(save_merged_hf(loaded.model, loaded.adapter, tmp_path / "m", loaded.hf_config.to_dict())
+    merged = load_file(str(save_merged_hf(loaded.model, loaded.converter, tmp_path / "m", loaded.hf_config.to_dict())
                            / "model.safetensors"))  # fmt: skip
-    payload = dict(full_payload(loaded.model, loaded.adapter))
+    payload = dict(full_payload(loaded.model, loaded.converter))
     assert set(payload) == set(merged)
     for key, tensor in payload.items():
         torch.testing.assert_close(tensor, merged[key], rtol=0, atol=1e-6, msg=key)
     plain = build_model(path)  # without LoRA: the checkpoint as it is
     original = load_file(str(path / "model.safetensors"))
-    sent = dict(full_payload(plain.model, plain.adapter))
+    sent = dict(full_payload(plain.model, plain.converter))
     assert set(sent) == set(original)
     for key, tensor in sent.items():
         assert torch.equal(tensor, original[key]), key

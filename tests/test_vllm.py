@@ -30,10 +30,10 @@ LONGEST_PROMPT_TOKENS, MAX_NEW_TOKENS = 100, 28
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from archon.engine import Engine, EngineConfig
     from archon.lora import LoRAConfig
     from archon.rl.tasks import build_char_tokenizer
     from archon.tools.align import make_tiny_hf_checkpoint
+    from archon.trainer import Trainer, TrainerConfig
 
     root = tmp_path_factory.mktemp("vllm")
     tokenizer = build_char_tokenizer()
@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
         "qwen3", root / "model", vocab_size=len(tokenizer), head_dim=32, eos_token_id=tokenizer.eos_token_id
     )
     tokenizer.save_pretrained(model_dir)
-    trainer = Engine(EngineConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
+    trainer = Trainer(TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
     config = VLLMConfig(max_lora_rank=8, port=8131, transport="collective", api_key=API_KEY)
     server = VLLMRolloutEngine(
         config, model_path=str(model_dir), lora_rank=8, log_dir=root,
@@ -157,7 +157,7 @@ def test_disk_adapter_matches_native_engine_and_trainer_logprobs(setup):
     _randomize_adapter(trainer, seed=1)
     server.config.transport = "disk"
     try:
-        server.update(1, engine=trainer)
+        server.update(1, trainer=trainer)
     finally:
         server.config.transport = "collective"
     assert (Path(server.sync_dir) / server.adapter_name / "adapter_config.json").exists()
@@ -184,7 +184,7 @@ def test_collective_sync_applies_versions_in_order_and_drops_the_old(setup):
         _randomize_adapter(trainer, seed=seed)
         if version == 3:  # ~8 KiB buckets: every adapter tensor set spans many buckets
             server.config.bucket_mb = 8 / 1024
-        server.update(version, engine=trainer)
+        server.update(version, trainer=trainer)
         names.append(server.adapter_name)
         samples = server.generate(prompts, sampling)
         assert {s.adapter_version for s in samples} == {version}
@@ -208,7 +208,7 @@ def test_merged_weights_give_the_adapter_tokens_and_full_weight_sync_loads(setup
     weights_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     server.config.mode = "merged"
     try:
-        server.update(4, engine=trainer)
+        server.update(4, trainer=trainer)
     finally:
         server.config.mode = "adapter"
     assert server.adapter_name is None  # requests go to the (merged) base model
@@ -234,12 +234,12 @@ def test_merged_sync_of_some_targets_keeps_their_fused_siblings(setup):
     """LoRA on q/v/gate only: vLLM fuses q/k/v and gate/up, so k and up must arrive too, unchanged."""
     from safetensors.torch import load_file
 
-    from archon.engine import Engine, EngineConfig
     from archon.lora import LoRAConfig, adapter_disabled
+    from archon.trainer import Trainer, TrainerConfig
 
     server, tokenizer = setup["server"], setup["tokenizer"]
     lora = LoRAConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "gate_proj"))
-    partial = Engine(EngineConfig(model_path=str(setup["model_dir"]), lora=lora, device="cpu"))
+    partial = Trainer(TrainerConfig(model_path=str(setup["model_dir"]), lora=lora, device="cpu"))
     _randomize_adapter(partial, seed=5)
     prompts, sampling = _greedy(tokenizer)
     adapter_name = server.adapter_name
@@ -248,7 +248,7 @@ def test_merged_sync_of_some_targets_keeps_their_fused_siblings(setup):
         assert expected != _native(partial, prompts, sampling)
     server.config.mode = "merged"
     try:
-        server.update(5, engine=partial)
+        server.update(5, trainer=partial)
     finally:
         server.config.mode = "adapter"
     assert [s.completion_ids for s in server.generate(prompts, sampling)] == expected

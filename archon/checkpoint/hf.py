@@ -13,8 +13,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from archon.checkpoint.atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
-from archon.checkpoint.state_dict_adapter import StateDictAdapter
+from archon.checkpoint.atomic import (
+    atomic_directory,
+    atomic_save_safetensors,
+    atomic_write_json,
+)
+from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.utils import is_lora_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -170,7 +174,7 @@ def expected_base_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, adapter: StateDictAdapter, checkpoint: HFCheckpoint) -> None:
+def load_hf_weights(model: nn.Module, converter: StateDictConverter, checkpoint: HFCheckpoint) -> None:
     """Copy every base weight from `checkpoint` into `model`; fail naming any missing, unexpected or
     mis-shaped key before anything is copied."""
     hf_keys = checkpoint.keys()
@@ -178,13 +182,13 @@ def load_hf_weights(model: nn.Module, adapter: StateDictAdapter, checkpoint: HFC
     plan: dict[str, list[str]] = {}
     missing: list[str] = []
     for key in expected:
-        sources = adapter.hf_sources(key, hf_keys)
+        sources = converter.hf_sources(key, hf_keys)
         absent = [s for s in sources if s not in hf_keys]
         if absent:
             missing.append(f"{absent[0]!r} (for {key!r})")
         plan[key] = sources
     used = {s for sources in plan.values() for s in sources}
-    unexpected = sorted(k for k in hf_keys - used if not adapter.is_ignored(k))
+    unexpected = sorted(k for k in hf_keys - used if not converter.is_ignored(k))
     errors = []
     if missing:
         errors.append(f"missing {len(missing)} key(s): " + ", ".join(missing[:5]))
@@ -197,7 +201,7 @@ def load_hf_weights(model: nn.Module, adapter: StateDictAdapter, checkpoint: HFC
     params.update(dict(model.named_buffers()))
     for key, sources in plan.items():
         target = params[key]
-        local = read_local(adapter, checkpoint, key, sources, target)
+        local = read_local(converter, checkpoint, key, sources, target)
         warn_non_finite(sources[0] if len(sources) == 1 else key, local, checkpoint.file_of(sources[0]))
         copy_local_into(target, local, key)
 
@@ -217,23 +221,23 @@ def _probe_shape(ndim: int) -> tuple[int, ...]:
     return (2, 3, 5, 7, 11)[:ndim]
 
 
-def _combine_is_identity(adapter: StateDictAdapter, key: str, ndim: int) -> bool:
+def _combine_is_identity(converter: StateDictConverter, key: str, ndim: int) -> bool:
     probe = torch.arange(math.prod(_probe_shape(ndim)), dtype=torch.float32).reshape(_probe_shape(ndim))
     try:
-        out = adapter.combine(key, [probe])
+        out = converter.combine(key, [probe])
     except Exception:
         return False
     return out.shape == probe.shape and torch.equal(out, probe)
 
 
-def _combine_is_stack_of_cat(adapter: StateDictAdapter, key: str, n_sources: int, n_stacked: int) -> bool:
+def _combine_is_stack_of_cat(converter: StateDictConverter, key: str, n_sources: int, n_stacked: int) -> bool:
     """Whether combine(sources) == stack over dim 0 of n_stacked groups, each a cat over dim 0 of
     consecutive sources (how stacked MoE experts are built from per-expert HF tensors)."""
     if n_stacked == 0 or n_sources % n_stacked:
         return False
     probes = [torch.full((1, 1), float(i)) for i in range(n_sources)]
     try:
-        out = adapter.combine(key, probes)
+        out = converter.combine(key, probes)
     except Exception:
         return False
     expected = torch.arange(n_sources, dtype=torch.float32).reshape(n_stacked, n_sources // n_stacked, 1)
@@ -247,13 +251,13 @@ def _shape_error(key: str, sources: list[str], got, want) -> ValueError:
 
 
 def read_local(
-    adapter: StateDictAdapter, checkpoint: HFCheckpoint, key: str, sources: list[str], target: torch.Tensor
+    converter: StateDictConverter, checkpoint: HFCheckpoint, key: str, sources: list[str], target: torch.Tensor
 ) -> torch.Tensor:
     """The part of archon tensor `key` that `target` holds on this rank, reading no more of the
     checkpoint than needed when the adapter maps the key one to one or stacks per-expert tensors."""
     region = local_region(target)
     want = tuple(target.shape)
-    if region is not None and len(sources) == 1 and _combine_is_identity(adapter, key, len(want)):
+    if region is not None and len(sources) == 1 and _combine_is_identity(converter, key, len(want)):
         got = tuple(checkpoint.shape(sources[0]))
         if got != want:
             raise _shape_error(key, sources, got, want)
@@ -262,10 +266,10 @@ def read_local(
         region is not None
         and len(sources) > 1
         and len(want) >= 2
-        and _combine_is_stack_of_cat(adapter, key, len(sources), want[0])
+        and _combine_is_stack_of_cat(converter, key, len(sources), want[0])
     ):
         return _read_stacked_region(checkpoint, key, sources, want, region)
-    tensor = adapter.combine(key, [checkpoint.get(s) for s in sources])
+    tensor = converter.combine(key, [checkpoint.get(s) for s in sources])
     if tuple(tensor.shape) != want:
         raise _shape_error(key, sources, tensor.shape, want)
     return tensor if region is None else tensor[region]

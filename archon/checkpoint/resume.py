@@ -32,7 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from archon.checkpoint.atomic import atomic_write_json, recover_directories, replace_directory, staging_path
+from archon.checkpoint.atomic import (
+    atomic_write_json,
+    recover_directories,
+    replace_directory,
+    staging_path,
+)
 
 STEP_DIR = re.compile(r"step-(\d{8})")
 TRAINER_STATE = "trainer_state.json"

@@ -13,12 +13,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from archon.checkpoint.atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
-from archon.checkpoint.hf import open_safetensors, read_json_file, save_hf_checkpoint, warn_non_finite
-from archon.checkpoint.state_dict_adapter import StateDictAdapter
+from archon.checkpoint.atomic import (
+    atomic_directory,
+    atomic_save_safetensors,
+    atomic_write_json,
+)
+from archon.checkpoint.hf import (
+    open_safetensors,
+    read_json_file,
+    save_hf_checkpoint,
+    warn_non_finite,
+)
+from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
 from archon.lora.layers import ExpertLoRA, LoRALinear
-from archon.lora.utils import is_lora_param, lora_modules, lora_parameters, merge_lora, unmerge_lora
+from archon.lora.utils import (
+    is_lora_param,
+    lora_modules,
+    lora_parameters,
+    merge_lora,
+    unmerge_lora,
+)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -33,7 +48,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def peft_target_module_names(model: nn.Module, adapter: StateDictAdapter) -> list[str]:
+def peft_target_module_names(model: nn.Module, converter: StateDictConverter) -> list[str]:
     """PEFT `target_modules` for the LoRALinear modules of `model`: a leaf name when every linear with
     that name carries LoRA, else the HF path of each one that does (PEFT matches both)."""
     linears: dict[str, list[tuple[str, bool]]] = {}
@@ -46,19 +61,19 @@ def peft_target_module_names(model: nn.Module, adapter: StateDictAdapter) -> lis
         if len(adapted) == len(modules):
             targets.append(leaf)
         else:
-            targets.extend(adapter.hf_name(name) for name in adapted)
+            targets.extend(converter.hf_name(name) for name in adapted)
     return targets
 
 
 def peft_adapter_config(
-    model: nn.Module, adapter: StateDictAdapter, lora: LoRAConfig, base_model_name_or_path: str
+    model: nn.Module, converter: StateDictConverter, lora: LoRAConfig, base_model_name_or_path: str
 ) -> dict:
     """adapter_config.json for the model's LoRA; an error if PEFT could not read it as archon computes it."""
-    target_modules, target_parameters = adapter.peft_targets(
-        peft_target_module_names(model, adapter), lora_parameters(model).keys()
+    target_modules, target_parameters = converter.peft_targets(
+        peft_target_module_names(model, converter), lora_parameters(model).keys()
     )
     leaves = {name.rsplit(".", 1)[-1] for name in target_modules}
-    clashing = sorted(leaves & set(adapter.peft_reserved_module_names))
+    clashing = sorted(leaves & set(converter.peft_reserved_module_names))
     if target_parameters and clashing:
         raise ValueError(
             f"cannot export a PEFT adapter with LoRA on both MoE experts and dense module(s) {clashing}: PEFT "
@@ -93,25 +108,25 @@ def peft_adapter_config(
     }
 
 
-def peft_state_dict(model: nn.Module, adapter: StateDictAdapter) -> dict[str, torch.Tensor]:
+def peft_state_dict(model: nn.Module, converter: StateDictConverter) -> dict[str, torch.Tensor]:
     """Adapter tensors under PEFT key names (DTensor shards gathered; every rank must call this)."""
     lora_state = {k: full_tensor(p.detach()).cpu() for k, p in lora_parameters(model).items()}
-    return adapter.lora_state_dict_to_peft(lora_state)
+    return converter.lora_state_dict_to_peft(lora_state)
 
 
 def save_peft_adapter(
     model: nn.Module,
-    adapter: StateDictAdapter,
+    converter: StateDictConverter,
     lora: LoRAConfig,
     out_dir: str | os.PathLike,
     base_model_name_or_path: str,
     write: bool = True,
 ) -> Path:
     """Export the adapter atomically. Under FSDP/TP every rank calls this; only `write=True` ranks write."""
-    tensors = peft_state_dict(model, adapter)
+    tensors = peft_state_dict(model, converter)
     if not tensors:
         raise ValueError("model has no LoRA parameters to export")
-    config = peft_adapter_config(model, adapter, lora, base_model_name_or_path)
+    config = peft_adapter_config(model, converter, lora, base_model_name_or_path)
     out_dir = Path(out_dir)
     if write:
         with atomic_directory(out_dir) as tmp:
@@ -240,10 +255,10 @@ def read_adapter_weights(adapter_dir: str | os.PathLike) -> dict[str, torch.Tens
     return tensors
 
 
-def _check_lora_settings(model: nn.Module, adapter: StateDictAdapter, expected: LoRAConfig, config_path: Path) -> None:
+def _check_lora_settings(model: nn.Module, converter: StateDictConverter, expected: LoRAConfig, config_path: Path) -> None:
     """Fail, naming the module, where the model's LoRA rank or scaling is not the adapter's."""
     for name, module in lora_modules(model):
-        hf_path = adapter.hf_name(name)
+        hf_path = converter.hf_name(name)
         if isinstance(module, LoRALinear):
             settings = expected.module_settings(hf_path)
             if settings is None:
@@ -261,7 +276,7 @@ def _check_lora_settings(model: nn.Module, adapter: StateDictAdapter, expected: 
 
 
 @torch.no_grad()
-def load_peft_adapter(model: nn.Module, adapter: StateDictAdapter, adapter_dir: str | os.PathLike) -> None:
+def load_peft_adapter(model: nn.Module, converter: StateDictConverter, adapter_dir: str | os.PathLike) -> None:
     """Load a PEFT adapter into a model built with a matching LoRAConfig; every key, shape, rank and
     scaling must match."""
     expected = lora_config_from_peft(adapter_dir)
@@ -270,9 +285,9 @@ def load_peft_adapter(model: nn.Module, adapter: StateDictAdapter, adapter_dir: 
     params = lora_parameters(model)
     if not params:
         raise ValueError("model has no LoRA parameters; build it with lora_config_from_peft(adapter_dir)")
-    _check_lora_settings(model, adapter, expected, Path(adapter_dir) / ADAPTER_CONFIG)
+    _check_lora_settings(model, converter, expected, Path(adapter_dir) / ADAPTER_CONFIG)
     try:
-        loaded = adapter.lora_state_dict_from_peft(peft_state, {k: p.shape for k, p in params.items()})
+        loaded = converter.lora_state_dict_from_peft(peft_state, {k: p.shape for k, p in params.items()})
     except (KeyError, ValueError) as e:
         raise type(e)(f"{str(weights)!r}: {e.args[0]}") from None
     for key, tensor in loaded.items():
@@ -281,7 +296,7 @@ def load_peft_adapter(model: nn.Module, adapter: StateDictAdapter, adapter_dir: 
 
 def save_merged_hf(
     model: nn.Module,
-    adapter: StateDictAdapter,
+    converter: StateDictConverter,
     out_dir: str | os.PathLike,
     hf_config: dict,
     source_dir: str | os.PathLike | None = None,
@@ -301,7 +316,7 @@ def save_merged_hf(
                     extra[f.name] = f.read_bytes()
         path = Path(out_dir)
         if write:
-            save_hf_checkpoint(adapter.iter_to_hf(base.items()), out_dir, hf_config, extra_files=extra)
+            save_hf_checkpoint(converter.iter_to_hf(base.items()), out_dir, hf_config, extra_files=extra)
     finally:
         unmerge_lora(model)
     return path

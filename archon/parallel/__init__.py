@@ -1,6 +1,10 @@
 """Parallelism: degrees and mesh, LoRA-aware tensor parallelism, activation checkpointing, FSDP2."""
 
-from archon.parallel.activation_checkpoint import AC_MODES, apply_activation_checkpointing, checkpoint_module
+from archon.parallel.activation_checkpoint import (
+    AC_MODES,
+    apply_activation_checkpointing,
+    checkpoint_module,
+)
 from archon.parallel.dims import ParallelDims, init_distributed, require_divisible
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.parallel.parallelize import ParallelConfig, apply_fsdp, parallelize_decoder

@@ -13,7 +13,11 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 ACMode = Literal["none", "full", "selective"]
 AC_MODES = ("none", "full", "selective")

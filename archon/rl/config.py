@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from archon.engine import OptimConfig
 from archon.lora import LoRAConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
@@ -26,6 +25,7 @@ from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
 from archon.rollout.vllm import VLLMConfig, max_position_embeddings
+from archon.trainer import OptimConfig
 
 
 @dataclass

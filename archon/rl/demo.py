@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from archon.batch import PackedBatch
-from archon.engine import Engine, EngineConfig, LossContext, OptimConfig
 from archon.lora.peft import save_merged_hf
 from archon.rl.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
+from archon.trainer import LossContext, OptimConfig, Trainer, TrainerConfig
 
 SFT_MODEL = "sft"
 TRAIN_FILE = "train.jsonl"
@@ -70,14 +70,14 @@ def _sft_loss(batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
     return nll, {"nll": nll.detach() * ctx.global_tokens / batch.loss_mask.sum().clamp(min=1)}
 
 
-def _greedy_accuracy(engine: Engine, examples, eos: int) -> float:
+def _greedy_accuracy(trainer: Trainer, examples, eos: int) -> float:
     """Greedy exact-match accuracy on (prompt ids, answer ids + eos) pairs, over all ranks."""
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
 
-    mine = examples[engine.dims.dp_rank :: engine.dims.dp]
+    mine = examples[trainer.dims.dp_rank :: trainer.dims.dp]
     sampling = SamplingParams(max_new_tokens=max(len(a) for _, a in examples), temperature=0, stop_token_ids=(eos,))
-    samples = NativeRolloutEngine(engine.model, engine.device).generate([p for p, _ in mine], sampling)
+    samples = NativeRolloutEngine(trainer.model, trainer.device).generate([p for p, _ in mine], sampling)
     correct = torch.tensor([float(sum(s.completion_ids == a for s, (_, a) in zip(samples, mine))), float(len(mine))])
     if dist.is_initialized():
         dist.all_reduce(correct)
@@ -98,8 +98,8 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
         _write_init_model(demo, root / "init", seed)
     _barrier()
     log(f"demo: warm-starting a {demo.num_hidden_layers}-layer Qwen3 by SFT ({demo.sft_steps} steps)")
-    engine = Engine(
-        EngineConfig(
+    trainer = Trainer(
+        TrainerConfig(
             model_path=str(root / "init"),
             lora=None,
             parallel=parallel,
@@ -117,21 +117,21 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
         for r in rows
     ]  # fmt: skip
     rng = random.Random(seed)
-    dp_rank, dp = engine.dims.dp_rank, engine.dims.dp
+    dp_rank, dp = trainer.dims.dp_rank, trainer.dims.dp
     dev = examples[: demo.sft_dev_examples]
     for step in range(demo.sft_steps):
         chosen = rng.sample(examples, demo.sft_batch_size)[dp_rank::dp]
         batch = PackedBatch.from_sequences([p + a for p, a in chosen], prompt_lens=[len(p) for p, _ in chosen])
-        metrics = engine.train_step(batch, _sft_loss)
+        metrics = trainer.train_step(batch, _sft_loss)
         if (step + 1) % demo.sft_check_every == 0 or step + 1 == demo.sft_steps:
-            accuracy = _greedy_accuracy(engine, dev, tokenizer.eos_token_id)
+            accuracy = _greedy_accuracy(trainer, dev, tokenizer.eos_token_id)
             log(f"demo SFT step {step + 1}/{demo.sft_steps}: nll {metrics['loss']:.3f}, greedy accuracy {accuracy:.2f}")
             if accuracy >= demo.sft_target_accuracy:
                 break
     save_merged_hf(
-        engine.model, engine.adapter, files.model_dir, engine.loaded.hf_config.to_dict(), root / "init",
+        trainer.model, trainer.converter, files.model_dir, trainer.loaded.hf_config.to_dict(), root / "init",
         write=rank == 0,
     )  # fmt: skip
     _barrier()
-    del engine
+    del trainer
     return files

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from archon.batch import PackedBatch
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
-from archon.engine import Engine, EngineConfig, LossContext, NonFiniteError
 from archon.rl.advantages import (
     distillation_advantages,
     drgrpo_advantages,
@@ -28,13 +27,19 @@ from archon.rl.advantages import (
     overlong_penalty,
 )
 from archon.rl.config import GRPOConfig, validate
-from archon.rl.data import DataConfig, PromptBatchIterator, load_prompt_dataset, tokenize_prompt
+from archon.rl.data import (
+    DataConfig,
+    PromptBatchIterator,
+    load_prompt_dataset,
+    tokenize_prompt,
+)
 from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
-from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rl.rewards import RewardScorer
+from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+from archon.trainer import LossContext, NonFiniteError, Trainer, TrainerConfig
 
 logger = logging.getLogger("archon.rl")
 CHECK_RUN_DIR = object()
@@ -59,8 +64,8 @@ class RLRun:
         # generation limit unless set.
         optim = config.optim.for_run(config.steps)
         self.loss_config = config.algorithm.loss.for_rollout(config.rollout.max_new_tokens)
-        self.engine = Engine(
-            EngineConfig(
+        self.trainer = Trainer(
+            TrainerConfig(
                 model_path=config.model.path,
                 lora=config.lora,
                 parallel=config.parallel,
@@ -71,9 +76,9 @@ class RLRun:
                 seed=config.seed,
             )
         )
-        self.rank = self.engine.rank
-        self.dp_rank, self.dp = self.engine.dims.dp_rank, self.engine.dims.dp
-        self.device = self.engine.device
+        self.rank = self.trainer.rank
+        self.dp_rank, self.dp = self.trainer.dims.dp_rank, self.trainer.dims.dp
+        self.device = self.trainer.device
         self.run_dir = Path(config.logging.run_dir)
         self.eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
 
@@ -82,7 +87,7 @@ class RLRun:
         else:
             self.tokenizer = load_tokenizer(config.model.path, "model.path")
         self.stop_token_ids = self._stop_token_ids()
-        context = self.engine.loaded.hf_config.max_position_embeddings
+        context = self.trainer.loaded.hf_config.max_position_embeddings
         self.train_set = load_prompt_dataset(config.data, self.tokenizer, context, config.rollout.max_new_tokens)
         self._report_dataset("train", self.train_set)
         self.iterator = PromptBatchIterator(
@@ -96,7 +101,7 @@ class RLRun:
             self._report_dataset("held-out", self.eval_set)
         self.teacher = None
         if config.algorithm.teacher_path:
-            from archon.engine import build_model
+            from archon.build import build_model
 
             teacher_path = config.algorithm.teacher_path
             teacher = build_model(teacher_path, device=self.device, path_option="algorithm.teacher_path")
@@ -108,7 +113,7 @@ class RLRun:
             self.rollout = self._vllm_rollout()
         else:
             self.rollout = NativeRolloutEngine(
-                self.engine.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
+                self.trainer.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
             )
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
@@ -167,7 +172,7 @@ class RLRun:
         ids = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        eos = getattr(self.engine.loaded.hf_config, "eos_token_id", None)
+        eos = getattr(self.trainer.loaded.hf_config, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         return tuple(sorted(ids))
 
@@ -179,13 +184,13 @@ class RLRun:
         """Sum over the data-parallel ranks."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.dp > 1:
-            dist.all_reduce(t, group=self.engine.dims.dp_group)
+            dist.all_reduce(t, group=self.trainer.dims.dp_group)
         return t.tolist()
 
     def _max(self, value: float) -> float:
         t = torch.tensor(value, dtype=torch.float64, device=self.device)
         if self.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.engine.dims.dp_group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
         return t.item()
 
     def _prompt_ids(self, examples) -> list[list[int]]:
@@ -278,13 +283,13 @@ class RLRun:
 
         score_start = time.perf_counter()
         if algo.recompute_old_logprobs:
-            batch.old_logprobs = self.engine.logprobs(batch, cfg.rollout.temperature).logprobs
+            batch.old_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature).logprobs
         else:
             batch.old_logprobs = batch.rollout_logprobs.clone()
         mask = batch.loss_mask
         gap = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
         if algo.loss.kl_coef > 0:
-            batch.ref_logprobs = self.engine.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
+            batch.ref_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
         if self.teacher is not None:
             batch.advantages = distillation_advantages(batch.old_logprobs, self._teacher_logprobs(batch)) * mask
         score_s = time.perf_counter() - score_start
@@ -297,16 +302,16 @@ class RLRun:
             for m in range(algo.minibatches):
                 chosen = groups[m * per_minibatch : (m + 1) * per_minibatch] or groups[-1:]
                 updates.append(
-                    self.engine.train_step(
+                    self.trainer.train_step(
                         batch.select(chosen), self._loss_fn, cfg.rollout.temperature, with_entropy=True,
                         advance_schedule=False,
                     )  # fmt: skip
                 )
         # The learning rate is a function of the RL step: every update of this step used the same one.
-        self.engine.advance_schedule()
+        self.trainer.advance_schedule()
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        self.rollout.update(version=step + 1, engine=self.engine)
+        self.rollout.update(version=step + 1, trainer=self.trainer)
         sync_s = time.perf_counter() - sync_start
 
         (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts,
@@ -417,7 +422,7 @@ class RLRun:
 
     def _resume(self) -> int:
         """Load the checkpoint chosen by prepare_run_dir; returns its RL step."""
-        trainer_state = self.engine.load_checkpoint(self.checkpoints, self.resume_from)
+        trainer_state = self.trainer.load_checkpoint(self.checkpoints, self.resume_from)
         first = trainer_state["step"]
         if first > self.config.steps:
             raise ValueError(
@@ -430,7 +435,7 @@ class RLRun:
         self._reward_failure_streak = data.get("reward_failure_streak", [])
         self._skipped_steps = data.get("skipped_steps", 0)
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
-        self.rollout.update(version=first, engine=self.engine)
+        self.rollout.update(version=first, trainer=self.trainer)
         if self.rank == 0:
             print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         return first
@@ -484,9 +489,9 @@ class RLRun:
             "iterator": self.iterator.state_dict(), "skipped_steps": self._skipped_steps,
             "skipped_streak": self._skipped_streak, "reward_failure_streak": self._reward_failure_streak,
         }  # fmt: skip
-        self.engine.save_checkpoint(self.checkpoints, step, data_state)
+        self.trainer.save_checkpoint(self.checkpoints, step, data_state)
         out = self.run_dir / ("adapter" if final else f"adapters/step_{step:06d}")
-        self.engine.export_peft(out, base_model_name_or_path=self.config.model.path)
+        self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path)
         if not final and self.rank == 0:
             self._prune_adapter_exports()
 

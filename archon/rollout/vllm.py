@@ -423,7 +423,9 @@ class VLLMRolloutEngine:
         backend = cpu_mla_attention_backend(self.model_config, self.config.dtype)
         if backend is None:
             return None
-        from vllm.platforms import current_platform  # only for MLA models: the import takes seconds
+        from vllm.platforms import (
+            current_platform,  # only for MLA models: the import takes seconds
+        )
 
         return backend if current_platform.is_cpu() else None
 
@@ -591,19 +593,19 @@ class VLLMRolloutEngine:
         return samples
 
     # ---- sync -----------------------------------------------------------------------------------
-    def update(self, version: int, engine=None, **_) -> None:
-        """Make `version` the one later samples come from. With `engine` (archon.engine.Engine), its
+    def update(self, version: int, trainer=None, **_) -> None:
+        """Make `version` the one later samples come from. With `engine` (archon.trainer.Trainer), its
         current adapter (or merged weights) is sent first; every trainer rank must call this."""
         import torch.distributed as dist
 
         start = time.perf_counter()
-        if engine is not None:
+        if trainer is not None:
             if self.config.mode == "merged":
-                self._sync_merged(engine)
+                self._sync_merged(trainer)
             elif self.config.transport == "disk":
-                self._sync_disk(engine, version)
+                self._sync_disk(trainer, version)
             else:
-                self._sync_collective_adapter(engine, version)
+                self._sync_collective_adapter(trainer, version)
         self.version = version
         if dist.is_initialized() and dist.get_world_size() > 1:
             names = [self.adapter_name]  # the other ranks generate with rank 0's adapter name
@@ -624,10 +626,10 @@ class VLLMRolloutEngine:
                 self._request(server, "POST", "/v1/unload_lora_adapter", {"lora_name": previous})
         return previous
 
-    def _sync_disk(self, engine, version: int) -> None:
+    def _sync_disk(self, trainer, version: int) -> None:
         name = self._versioned_name(version)
         path = self.sync_dir / name
-        engine.export_peft(path, base_model_name_or_path=str(self.model))
+        trainer.export_peft(path, base_model_name_or_path=str(self.model))
         if self.rank != 0:
             return
         written = time.perf_counter()
@@ -689,14 +691,14 @@ class VLLMRolloutEngine:
         self._group = group
         return group
 
-    def _broadcast_to_workers(self, engine, method: str, spec: dict, named_tensors) -> dict:
+    def _broadcast_to_workers(self, trainer, method: str, spec: dict, named_tensors) -> dict:
         """Rank 0: start `method` on every worker (which receives), then send. Other ranks only
         iterate `named_tensors` so that sharded tensors are gathered together."""
         if self.rank != 0:
             for _ in named_tensors:
                 pass
             return {}
-        group = self._ensure_group(engine.device)
+        group = self._ensure_group(trainer.device)
         return self._send_to_workers(group, method, spec, named_tensors)
 
     def _send_to_workers(self, group, method: str, spec: dict, named_tensors) -> dict:
@@ -713,16 +715,16 @@ class VLLMRolloutEngine:
             raise
         return sender.result()
 
-    def _sync_collective_adapter(self, engine, version: int) -> None:
+    def _sync_collective_adapter(self, trainer, version: int) -> None:
         from archon.lora.peft import peft_adapter_config
         from archon.sync.payload import adapter_payload
 
-        if engine.lora is None:
+        if trainer.lora is None:
             raise ValueError("adapter sync needs a LoRA model; use mode='merged' to send full weights")
         name = self._versioned_name(version)
-        tensors = adapter_payload(engine.model, engine.adapter)
-        peft_config = peft_adapter_config(engine.model, engine.adapter, engine.lora, str(self.model))
-        stats = self._broadcast_to_workers(engine, "archon_receive_adapter", {"name": name, "peft_config": peft_config},
+        tensors = adapter_payload(trainer.model, trainer.converter)
+        peft_config = peft_adapter_config(trainer.model, trainer.converter, trainer.lora, str(self.model))
+        stats = self._broadcast_to_workers(trainer, "archon_receive_adapter", {"name": name, "peft_config": peft_config},
                                            tensors.items())  # fmt: skip
         if self.rank != 0:
             return
@@ -736,11 +738,11 @@ class VLLMRolloutEngine:
         self.last_sync = {"adapter_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"]),
                           "load_s": time.perf_counter() - sent}  # fmt: skip
 
-    def _sync_merged(self, engine) -> None:
+    def _sync_merged(self, trainer) -> None:
         from archon.sync.payload import full_payload, merged_payload
 
-        payload = merged_payload if engine.lora is not None else full_payload  # full-parameter training
-        stats = self._broadcast_to_workers(engine, "archon_receive_weights", {}, payload(engine.model, engine.adapter))
+        payload = merged_payload if trainer.lora is not None else full_payload  # full-parameter training
+        stats = self._broadcast_to_workers(trainer, "archon_receive_weights", {}, payload(trainer.model, trainer.converter))
         if self.rank == 0:
             self.adapter_name = None
             self.last_sync = {"weight_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"])}

@@ -24,7 +24,6 @@ import json
 import os
 import re
 
-
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
 WORKER_SECRET_ENV = "ARCHON_WORKER_SECRET"
 """Environment variable of a vLLM server that holds the secret archon's worker methods require."""
@@ -92,7 +91,9 @@ def _cpu_moe_prepack_on_reload(model):
     if not current_platform.is_cpu() or not _vllm_skips_cpu_moe_prepack_on_reload():
         yield
         return
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
     from vllm.model_executor.utils import is_weights_pre_processed
 
     patched = []

@@ -11,15 +11,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from archon.checkpoint.state_dict_adapter import StateDictAdapter
+from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.layers import ExpertLoRA, LoRALinear
 from archon.lora.peft import full_tensor, peft_state_dict
 from archon.lora.utils import is_lora_param
 
 
-def adapter_payload(model: nn.Module, adapter: StateDictAdapter) -> dict[str, torch.Tensor]:
+def adapter_payload(model: nn.Module, converter: StateDictConverter) -> dict[str, torch.Tensor]:
     """The adapter tensors under PEFT keys (`base_model.model.<hf path>.lora_A.weight`)."""
-    return peft_state_dict(model, adapter)
+    return peft_state_dict(model, converter)
 
 
 def _sync_unit(path: str) -> str:
@@ -46,7 +46,7 @@ def _merged(model: nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def merged_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_payload(model: nn.Module, converter: StateDictConverter) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named weights of every module that holds LoRA-adapted weights (an attention, an MLP, a
     shared-expert MLP, a stacked-experts module), with W + s*B@A (computed in fp32, cast to the base
     dtype) where a LoRA applies and the base weights elsewhere. The model's own weights are not
@@ -62,15 +62,15 @@ def merged_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tupl
             if is_lora_param(name):
                 continue
             tensor = _merged(model, name, full_tensor(param.detach()))
-            yield from adapter.to_hf(name, tensor.cpu())
+            yield from converter.to_hf(name, tensor.cpu())
 
 
 @torch.no_grad()
-def full_payload(model: nn.Module, adapter: StateDictAdapter) -> Iterator[tuple[str, torch.Tensor]]:
+def full_payload(model: nn.Module, converter: StateDictConverter) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter of the model in HF naming, LoRA merged in where there is one (full-weight
     sync, and the merged mode of a model trained without LoRA). Buffers stay as the server loaded
     them: the persistent ones (a router's score-correction bias) are not trained by gradients, and
     vLLM leaves them alone on a reload."""
     for name, param in model.named_parameters():
         if not is_lora_param(name):
-            yield from adapter.to_hf(name, _merged(model, name, full_tensor(param.detach())).cpu())
+            yield from converter.to_hf(name, _merged(model, name, full_tensor(param.detach())).cpu())

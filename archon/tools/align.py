@@ -129,7 +129,7 @@ def _hf_forward(hf_model, seqs):
 def run_alignment(args: AlignArgs) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from archon.engine import build_model
+    from archon.build import build_model
     from archon.lora import LoRAConfig, lora_parameters
     from archon.lora.peft import save_peft_adapter
 
@@ -179,7 +179,7 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
                 for name, p in lora_parameters(model).items():
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             adapter_dir = Path(tmp) / "adapter"
-            save_peft_adapter(model, loaded.adapter, lora, adapter_dir, str(hf_path))
+            save_peft_adapter(model, loaded.converter, lora, adapter_dir, str(hf_path))
             peft_model, keys_report = _load_peft(load_hf(), adapter_dir)
             report.update(keys_report)
 
@@ -192,7 +192,7 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
 
             (-label_logprobs(archon_logits, seqs).sum()).backward()
             (-label_logprobs(peft_logits, seqs).sum()).backward()
-            report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.adapter, peft_model)
+            report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.converter, peft_model)
             checks += [
                 ("lora_max_abs_logits_diff", MAX_ABS_LOGITS_DIFF),
                 ("lora_grad_max_rel_err", MAX_LORA_GRAD_REL_ERR),
@@ -223,13 +223,13 @@ def _load_peft(hf_model, adapter_dir: Path):
     }
 
 
-def _grad_rel_err(model, adapter, peft_model) -> float:
+def _grad_rel_err(model, converter, peft_model) -> float:
     from archon.lora import lora_parameters
 
     peft_grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if "lora_" in n}
     worst = 0.0
     for name, param in lora_parameters(model).items():
-        for peft_key, grad in adapter.lora_to_peft(name, param.grad):
+        for peft_key, grad in converter.lora_to_peft(name, param.grad):
             ref = peft_grads[peft_key]
             if ref is None:
                 ref = torch.zeros_like(grad)

@@ -3,7 +3,7 @@
     python -m archon.tools.new_model NAME --like FAMILY [--model-type HF_TYPE] [--like-type HF_TYPE]
 
 Copies models/FAMILY/ to models/NAME/ with its classes renamed (`LlamaArgs` -> `MistralArgs`,
-`models.llama` -> `models.mistral`), makes the ModelSpec serve HF_TYPE (default NAME) with the
+`archon.models.llama` -> `archon.models.mistral`), makes the ModelSpec serve HF_TYPE (default NAME) with the
 tiny config of the like-family's type, appends the registration line to models/__init__.py and
 writes tests/models/test_NAME.py from the like-family's test. Nothing is overwritten: an
 existing folder or test file is an error. When HF_TYPE is architecturally the like-family's
@@ -52,9 +52,9 @@ class Scaffold:
 
 
 def default_root() -> Path:
-    found = importlib.util.find_spec("models")
+    found = importlib.util.find_spec("archon.models")
     if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError("cannot locate the `models` package; pass --root")
+        raise FileNotFoundError("cannot locate the `archon.models` package (the repository's models/); pass --root")
     return Path(list(found.submodule_search_locations)[0]).parent
 
 
@@ -83,8 +83,8 @@ class Renamer:
     def __init__(self, like: str, name: str, like_prefix: str, new_prefix: str) -> None:
         self.like_prefix = like_prefix
         self._rules = [
-            (re.compile(rf"\bmodels\.{like}\b"), f"models.{name}"),
-            (re.compile(rf"\bfrom models import {like}\b"), f"from models import {name}"),
+            (re.compile(rf"\barchon\.models\.{like}\b"), f"archon.models.{name}"),
+            (re.compile(rf"\bfrom archon\.models import {like}\b"), f"from archon.models import {name}"),
             (re.compile(rf"\b{like_prefix}(?=[A-Z])"), new_prefix),  # LlamaArgs, LlamaModel, ...
             (re.compile(rf"\b{like.upper()}(?=_)"), name.upper()),  # LLAMA_CASES
             (re.compile(rf"(?<=_){like}\b"), name),  # parallelize_llama, test_llama
@@ -198,10 +198,10 @@ def test_meta_weights_complete(case):
 
 def register_line(registry_source: str, name: str) -> str | None:
     """The line to append to models/__init__.py, or None when the family is imported already."""
-    if re.search(rf"^\s*(from models import {name}\b|import models\.{name}\b|from models\.{name}\b)",
+    if re.search(rf"^\s*(from archon\.models import {name}\b|import archon\.models\.{name}\b|from archon\.models\.{name}\b)",
                  registry_source, flags=re.M):
         return None
-    return f"from models import {name}  # noqa: F401\n"
+    return f"from archon.models import {name}  # noqa: F401\n"
 
 
 def scaffold(args: NewModelArgs) -> Scaffold:

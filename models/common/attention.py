@@ -7,12 +7,12 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from archon.models.common.norms import RMSNorm
+from archon.models.common.rope import apply_rotary
 from torch import nn
 
 from archon.lora import LoRAConfig, linear
 from archon.parallel.tensor_parallel import local_tensor
-from models.common.norms import RMSNorm
-from models.common.rope import apply_rotary
 
 
 def _flash_varlen_usable(q: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """The pre-norm decoder skeleton shared by the Llama-style families, on packed sequences.
 
 Module names follow HF (`embed_tokens`, `layers.<i>.self_attn`, `layers.<i>.mlp`, `norm`, `lm_head`)
-without the `model.` prefix, so a family's state-dict adapter is mostly a rename.
+without the `model.` prefix, so a family's state-dict converter is mostly a rename.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from archon.models.common.norms import RMSNorm
+from archon.models.common.rope import RotaryEmbedding
 from torch import nn
 
 from archon.head import full_vocab_logits
-from models.common.norms import RMSNorm
-from models.common.rope import RotaryEmbedding
 
 # The linear layers of attention and the SwiGLU MLP, by their HF names: a dense family's LoRA targets.
 DENSE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -8,6 +8,7 @@ head, so they need nothing of their own.
 
 from __future__ import annotations
 
+from archon.models.common.mlp import SwiGLUMLP
 from torch import nn
 
 from archon.parallel import (
@@ -20,7 +21,6 @@ from archon.parallel import (
     vocab_parallel_embedding,
     vocab_parallel_head,
 )
-from models.common.mlp import SwiGLUMLP
 
 
 def vocab_parallel_plan(model: nn.Module) -> dict:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from archon.models.common.args import GroupLimitedMoEArgs
+from archon.models.common.mlp import SwiGLUMLP
 from torch import nn
 
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule
-from models.common.args import GroupLimitedMoEArgs
-from models.common.mlp import SwiGLUMLP
 
 
 class SoftmaxTopKRouter(nn.Module):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from archon.models.common.dense_parallel import vocab_parallel_plan
+from archon.models.common.moe import SharedExpertsMoE
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -20,8 +22,6 @@ from archon.parallel import (
     require_divisible,
     swiglu_plan,
 )
-from models.common.dense_parallel import vocab_parallel_plan
-from models.common.moe import SharedExpertsMoE
 
 
 def parallelize_moe_decoder(

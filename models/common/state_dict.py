@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from archon.checkpoint.state_dict_adapter import PEFT_PREFIX, StateDictAdapter
+from archon.checkpoint.state_dict_converter import PEFT_PREFIX, StateDictConverter
 
 _EXPERT_WEIGHT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 _EXPERT_LORA = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)_lora\.lora_([ab])")
@@ -25,7 +25,7 @@ _HF_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("dow
 _PEFT_WRAPPER = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
-class StackedExpertLoRAAdapter(StateDictAdapter):
+class StackedExpertLoRAAdapter(StateDictConverter):
     """LoRA on stacked experts <-> PEFT `target_parameters`; base weights keep the default mapping."""
 
     def lora_to_peft(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -1,1 +1,1 @@
-from models.deepseek_v3 import spec  # noqa: F401  (registers the family)
+from archon.models.deepseek_v3 import spec  # noqa: F401  (registers the family)

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from archon.models.common.attention import cached_attention, packed_attention
+from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from archon.models.common.moe import group_limited_moe_mlp
+from archon.models.common.norms import RMSNorm
+from archon.models.common.rope import RotaryEmbedding, apply_rotary, yarn_softmax_mscale
+from archon.models.deepseek_v3.args import DeepseekV3Args
 from torch import nn
 
 from archon.lora import LoRAConfig, linear
-from models.common.attention import cached_attention, packed_attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
-from models.common.moe import group_limited_moe_mlp
-from models.common.norms import RMSNorm
-from models.common.rope import RotaryEmbedding, apply_rotary, yarn_softmax_mscale
-from models.deepseek_v3.args import DeepseekV3Args
 
 # HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6

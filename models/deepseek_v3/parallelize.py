@@ -10,13 +10,13 @@ shared rotary key, which each rank expands to its own heads: its gradient is sum
 
 from __future__ import annotations
 
+from archon.models.common.moe_parallel import parallelize_moe_decoder
+from archon.models.deepseek_v3.model import DeepseekV3Model
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel import ParallelConfig, ParallelDims, colwise, rowwise
-from models.common.moe_parallel import parallelize_moe_decoder
-from models.deepseek_v3.model import DeepseekV3Model
 
 
 class SharedAcrossHeads(ParallelStyle):

@@ -1,9 +1,10 @@
+from archon.models.common.decoder import TINY_DECODER_CONFIG
+from archon.models.deepseek_v3.args import DeepseekV3Args
+from archon.models.deepseek_v3.model import DeepseekV3Model
+from archon.models.deepseek_v3.parallelize import parallelize_deepseek_v3
+from archon.models.deepseek_v3.state_dict_converter import DeepseekV3StateDictConverter
+
 from archon.spec import ModelSpec, register
-from models.common.decoder import TINY_DECODER_CONFIG
-from models.deepseek_v3.args import DeepseekV3Args
-from models.deepseek_v3.model import DeepseekV3Model
-from models.deepseek_v3.parallelize import parallelize_deepseek_v3
-from models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
 
 spec = register(
     ModelSpec(
@@ -11,7 +12,7 @@ spec = register(
         hf_model_types=("deepseek_v3",),
         args_cls=DeepseekV3Args,
         model_cls=DeepseekV3Model,
-        state_dict_adapter_cls=DeepseekV3StateDictAdapter,
+        state_dict_converter_cls=DeepseekV3StateDictConverter,
         parallelize_fn=parallelize_deepseek_v3,
         lora_targets=(
             "q_proj",

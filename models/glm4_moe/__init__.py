@@ -1,1 +1,1 @@
-from models.glm4_moe import spec  # noqa: F401  (registers the family)
+from archon.models.glm4_moe import spec  # noqa: F401  (registers the family)

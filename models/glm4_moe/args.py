@@ -2,7 +2,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.args import GroupLimitedMoEArgs, group_limited_moe_fields_from_hf
+from archon.models.common.args import (
+    GroupLimitedMoEArgs,
+    group_limited_moe_fields_from_hf,
+)
 
 
 @dataclass

@@ -7,12 +7,13 @@ group-limited sigmoid routing over stacked experts plus shared experts. Module n
 
 from __future__ import annotations
 
+from archon.models.common.attention import Attention
+from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from archon.models.common.moe import group_limited_moe_mlp
+from archon.models.common.rope import RotaryEmbedding
+from archon.models.glm4_moe.args import Glm4MoeArgs
+
 from archon.lora import LoRAConfig
-from models.common.attention import Attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
-from models.common.moe import group_limited_moe_mlp
-from models.common.rope import RotaryEmbedding
-from models.glm4_moe.args import Glm4MoeArgs
 
 
 class Glm4MoeDecoderLayer(PreNormDecoderLayer):

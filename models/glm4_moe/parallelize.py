@@ -4,9 +4,10 @@ routed experts whole)."""
 
 from __future__ import annotations
 
+from archon.models.common.moe_parallel import parallelize_moe_decoder
+from archon.models.glm4_moe.model import Glm4MoeModel
+
 from archon.parallel import ParallelConfig, ParallelDims, attention_plan
-from models.common.moe_parallel import parallelize_moe_decoder
-from models.glm4_moe.model import Glm4MoeModel
 
 
 def parallelize_glm4_moe(model: Glm4MoeModel, dims: ParallelDims, config: ParallelConfig) -> Glm4MoeModel:

@@ -1,9 +1,10 @@
+from archon.models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
+from archon.models.glm4_moe.args import Glm4MoeArgs
+from archon.models.glm4_moe.model import Glm4MoeModel
+from archon.models.glm4_moe.parallelize import parallelize_glm4_moe
+from archon.models.glm4_moe.state_dict_converter import Glm4MoeStateDictConverter
+
 from archon.spec import ModelSpec, register
-from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
-from models.glm4_moe.args import Glm4MoeArgs
-from models.glm4_moe.model import Glm4MoeModel
-from models.glm4_moe.parallelize import parallelize_glm4_moe
-from models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
 
 spec = register(
     ModelSpec(
@@ -11,7 +12,7 @@ spec = register(
         hf_model_types=("glm4_moe",),
         args_cls=Glm4MoeArgs,
         model_cls=Glm4MoeModel,
-        state_dict_adapter_cls=Glm4MoeStateDictAdapter,
+        state_dict_converter_cls=Glm4MoeStateDictConverter,
         parallelize_fn=parallelize_glm4_moe,
         lora_targets=(*DENSE_LORA_TARGETS, "experts"),
         tiny_hf_config={

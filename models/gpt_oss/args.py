@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.args import DecoderArgs, decoder_fields_from_hf
+from archon.models.common.args import DecoderArgs, decoder_fields_from_hf
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 

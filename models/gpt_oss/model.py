@@ -1,21 +1,21 @@
 """GPT-OSS on packed sequences.
 
 Module names follow HF (`layers.0.self_attn.sinks`, `mlp.router`, `mlp.experts.gate_up_proj`, ...)
-without the `model.` prefix, and the experts keep HF's stored layout, so the state-dict adapter is a
+without the `model.` prefix, and the experts keep HF's stored layout, so the state-dict converter is a
 plain rename.
 """
 
 from __future__ import annotations
 
 import torch
+from archon.models.common.attention import Attention
+from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from archon.models.common.moe import ClampedSwiGLUExperts, TopKSoftmaxRouter
+from archon.models.common.rope import RotaryEmbedding
+from archon.models.gpt_oss.args import GptOssArgs
 from torch import nn
 
 from archon.lora import LoRAConfig
-from models.common.attention import Attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
-from models.common.moe import ClampedSwiGLUExperts, TopKSoftmaxRouter
-from models.common.rope import RotaryEmbedding
-from models.gpt_oss.args import GptOssArgs
 
 
 class GptOssMoE(nn.Module):

@@ -4,9 +4,10 @@ router and routed experts are replicated across tensor-parallel ranks and sharde
 
 from __future__ import annotations
 
+from archon.models.common.moe_parallel import parallelize_moe_decoder
+from archon.models.gpt_oss.model import GptOssModel
+
 from archon.parallel import ParallelConfig, ParallelDims, attention_plan
-from models.common.moe_parallel import parallelize_moe_decoder
-from models.gpt_oss.model import GptOssModel
 
 
 def parallelize_gpt_oss(model: GptOssModel, dims: ParallelDims, config: ParallelConfig) -> GptOssModel:

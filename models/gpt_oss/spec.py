@@ -1,9 +1,10 @@
+from archon.models.common.decoder import TINY_DECODER_CONFIG
+from archon.models.gpt_oss.args import GptOssArgs
+from archon.models.gpt_oss.model import GptOssModel
+from archon.models.gpt_oss.parallelize import parallelize_gpt_oss
+from archon.models.gpt_oss.state_dict_converter import GptOssStateDictConverter
+
 from archon.spec import ModelSpec, register
-from models.common.decoder import TINY_DECODER_CONFIG
-from models.gpt_oss.args import GptOssArgs
-from models.gpt_oss.model import GptOssModel
-from models.gpt_oss.parallelize import parallelize_gpt_oss
-from models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 
 # Layers alternate sliding (even) and full (odd) attention; the window is shorter than the longest
 # sequence the alignment tool packs (33), so both kinds of layer differ from each other there.
@@ -15,7 +16,7 @@ spec = register(
         hf_model_types=("gpt_oss",),
         args_cls=GptOssArgs,
         model_cls=GptOssModel,
-        state_dict_adapter_cls=GptOssStateDictAdapter,
+        state_dict_converter_cls=GptOssStateDictConverter,
         parallelize_fn=parallelize_gpt_oss,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"),
         tiny_hf_config={

@@ -1,1 +1,1 @@
-from models.llama import spec  # noqa: F401  (registers the family)
+from archon.models.llama import spec  # noqa: F401  (registers the family)

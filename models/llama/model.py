@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from archon.models.common.attention import Attention
+from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from archon.models.common.mlp import SwiGLUMLP
+from archon.models.common.rope import RotaryEmbedding
+from archon.models.llama.args import LlamaArgs
+
 from archon.lora import LoRAConfig
-from models.common.attention import Attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
-from models.common.mlp import SwiGLUMLP
-from models.common.rope import RotaryEmbedding
-from models.llama.args import LlamaArgs
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from archon.models.common.dense_parallel import parallelize_dense_decoder
+from archon.models.llama.model import LlamaModel
+
 from archon.parallel import ParallelConfig, ParallelDims
-from models.common.dense_parallel import parallelize_dense_decoder
-from models.llama.model import LlamaModel
 
 
 def parallelize_llama(model: LlamaModel, dims: ParallelDims, config: ParallelConfig) -> LlamaModel:

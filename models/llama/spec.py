@@ -1,9 +1,10 @@
+from archon.models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
+from archon.models.llama.args import LlamaArgs
+from archon.models.llama.model import LlamaModel
+from archon.models.llama.parallelize import parallelize_llama
+from archon.models.llama.state_dict_converter import LlamaStateDictConverter
+
 from archon.spec import ModelSpec, register
-from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
-from models.llama.args import LlamaArgs
-from models.llama.model import LlamaModel
-from models.llama.parallelize import parallelize_llama
-from models.llama.state_dict_adapter import LlamaStateDictAdapter
 
 # Scaling reaches the tiny model's wavelengths: with head_dim 24 and theta 1e4 they run from 6 to
 # 3e4 tokens; llama3 smooths those of 16..64 tokens and divides longer ones by factor.
@@ -22,7 +23,7 @@ spec = register(
         hf_model_types=("llama",),
         args_cls=LlamaArgs,
         model_cls=LlamaModel,
-        state_dict_adapter_cls=LlamaStateDictAdapter,
+        state_dict_converter_cls=LlamaStateDictConverter,
         parallelize_fn=parallelize_llama,
         lora_targets=DENSE_LORA_TARGETS,
         tiny_hf_config={

@@ -1,1 +1,1 @@
-from models.qwen2 import spec  # noqa: F401  (registers the family)
+from archon.models.qwen2 import spec  # noqa: F401  (registers the family)

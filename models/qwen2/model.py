@@ -3,12 +3,13 @@ window, SwiGLU MLP without bias."""
 
 from __future__ import annotations
 
+from archon.models.common.attention import Attention
+from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from archon.models.common.mlp import SwiGLUMLP
+from archon.models.common.rope import RotaryEmbedding
+from archon.models.qwen2.args import Qwen2Args
+
 from archon.lora import LoRAConfig
-from models.common.attention import Attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
-from models.common.mlp import SwiGLUMLP
-from models.common.rope import RotaryEmbedding
-from models.qwen2.args import Qwen2Args
 
 
 class Qwen2DecoderLayer(PreNormDecoderLayer):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from archon.models.common.dense_parallel import parallelize_dense_decoder
+from archon.models.qwen2.model import Qwen2Model
+
 from archon.parallel import ParallelConfig, ParallelDims
-from models.common.dense_parallel import parallelize_dense_decoder
-from models.qwen2.model import Qwen2Model
 
 
 def parallelize_qwen2(model: Qwen2Model, dims: ParallelDims, config: ParallelConfig) -> Qwen2Model:

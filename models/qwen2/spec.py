@@ -1,9 +1,10 @@
+from archon.models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
+from archon.models.qwen2.args import Qwen2Args
+from archon.models.qwen2.model import Qwen2Model
+from archon.models.qwen2.parallelize import parallelize_qwen2
+from archon.models.qwen2.state_dict_converter import Qwen2StateDictConverter
+
 from archon.spec import ModelSpec, register
-from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
-from models.qwen2.args import Qwen2Args
-from models.qwen2.model import Qwen2Model
-from models.qwen2.parallelize import parallelize_qwen2
-from models.qwen2.state_dict_adapter import Qwen2StateDictAdapter
 
 spec = register(
     ModelSpec(
@@ -11,7 +12,7 @@ spec = register(
         hf_model_types=("qwen2",),
         args_cls=Qwen2Args,
         model_cls=Qwen2Model,
-        state_dict_adapter_cls=Qwen2StateDictAdapter,
+        state_dict_converter_cls=Qwen2StateDictConverter,
         parallelize_fn=parallelize_qwen2,
         lora_targets=DENSE_LORA_TARGETS,
         tiny_hf_config={

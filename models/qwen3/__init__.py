@@ -1,1 +1,1 @@
-from models.qwen3 import spec  # noqa: F401  (registers the family)
+from archon.models.qwen3 import spec  # noqa: F401  (registers the family)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.common.args import DecoderArgs, decoder_fields_from_hf
+from archon.models.common.args import DecoderArgs, decoder_fields_from_hf
 
 
 @dataclass

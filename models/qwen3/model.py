@@ -1,18 +1,19 @@
 """Qwen3 and Qwen3-MoE on packed sequences.
 
 Module names follow HF (`layers.0.self_attn.q_proj`, `mlp.experts.gate_up_proj`, ...) without the
-`model.` prefix, so the state-dict adapter is a rename plus expert stacking.
+`model.` prefix, so the state-dict converter is a rename plus expert stacking.
 """
 
 from __future__ import annotations
 
+from archon.models.common.attention import Attention
+from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
+from archon.models.common.mlp import SwiGLUMLP
+from archon.models.common.moe import GroupedExperts, SoftmaxTopKRouter, SparseMoE
+from archon.models.common.rope import RotaryEmbedding
+from archon.models.qwen3.args import Qwen3Args
+
 from archon.lora import LoRAConfig
-from models.common.attention import Attention
-from models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
-from models.common.mlp import SwiGLUMLP
-from models.common.moe import GroupedExperts, SoftmaxTopKRouter, SparseMoE
-from models.common.rope import RotaryEmbedding
-from models.qwen3.args import Qwen3Args
 
 
 class Qwen3DecoderLayer(PreNormDecoderLayer):

@@ -8,9 +8,10 @@ experts on their expert dimension.
 
 from __future__ import annotations
 
+from archon.models.common.dense_parallel import parallelize_dense_decoder
+from archon.models.qwen3.model import Qwen3Model
+
 from archon.parallel import ParallelConfig, ParallelDims
-from models.common.dense_parallel import parallelize_dense_decoder
-from models.qwen3.model import Qwen3Model
 
 
 def parallelize_qwen3(model: Qwen3Model, dims: ParallelDims, config: ParallelConfig) -> Qwen3Model:

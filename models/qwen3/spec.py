@@ -1,9 +1,10 @@
+from archon.models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
+from archon.models.qwen3.args import Qwen3Args
+from archon.models.qwen3.model import Qwen3Model
+from archon.models.qwen3.parallelize import parallelize_qwen3
+from archon.models.qwen3.state_dict_converter import Qwen3StateDictConverter
+
 from archon.spec import ModelSpec, register
-from models.common.decoder import DENSE_LORA_TARGETS, TINY_DECODER_CONFIG
-from models.qwen3.args import Qwen3Args
-from models.qwen3.model import Qwen3Model
-from models.qwen3.parallelize import parallelize_qwen3
-from models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 # Qwen3Config's head_dim defaults to 128, not hidden_size / heads.
 _TINY_COMMON = dict(TINY_DECODER_CONFIG, head_dim=16)
@@ -14,7 +15,7 @@ spec = register(
         hf_model_types=("qwen3", "qwen3_moe"),
         args_cls=Qwen3Args,
         model_cls=Qwen3Model,
-        state_dict_adapter_cls=Qwen3StateDictAdapter,
+        state_dict_converter_cls=Qwen3StateDictConverter,
         parallelize_fn=parallelize_qwen3,
         lora_targets=(*DENSE_LORA_TARGETS, "experts"),
         tiny_hf_config={

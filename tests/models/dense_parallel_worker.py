@@ -17,8 +17,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from archon.build import build_model
 from archon.checkpoint.hf import copy_local_into, local_region
-from archon.engine import build_model
 from archon.head import label_logprobs
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import full_tensor

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
-from archon.tools.align import MAX_ABS_LOGITS_DIFF, MAX_LORA_GRAD_REL_ERR, MAX_MEAN_KL, AlignArgs, run_alignment
+from archon.tools.align import (
+    MAX_ABS_LOGITS_DIFF,
+    MAX_LORA_GRAD_REL_ERR,
+    MAX_MEAN_KL,
+    AlignArgs,
+    run_alignment,
+)
 
 # Odd lengths, one of a single token, the longest above any tiny sliding window.
 SEQ_LENS = (7, 1, 13, 33)
@@ -35,22 +41,22 @@ def assert_state_dict_round_trip(hf_dir: Path) -> None:
     back the archon state dict."""
     from safetensors.torch import load_file
 
+    from archon.build import build_model
     from archon.checkpoint.hf import expected_base_params
-    from archon.engine import build_model
 
     loaded = build_model(hf_dir)
-    adapter = loaded.adapter
+    converter = loaded.converter
     archon_state = {k: v.detach().clone() for k, v in expected_base_params(loaded.model).items()}
     checkpoint = load_file(str(Path(hf_dir) / "model.safetensors"))
 
-    hf_state = adapter.state_dict_to_hf(archon_state)
-    wanted = {k for k in checkpoint if not adapter.is_ignored(k)}
+    hf_state = converter.state_dict_to_hf(archon_state)
+    wanted = {k for k in checkpoint if not converter.is_ignored(k)}
     assert set(hf_state) == wanted, (sorted(set(hf_state) - wanted), sorted(wanted - set(hf_state)))
     for key, tensor in hf_state.items():
         assert torch.equal(tensor, checkpoint[key]), key
 
     hf_keys = set(hf_state)
-    back = {key: adapter.combine(key, [hf_state[s] for s in adapter.hf_sources(key, hf_keys)]) for key in archon_state}
+    back = {key: converter.combine(key, [hf_state[s] for s in converter.hf_sources(key, hf_keys)]) for key in archon_state}
     assert set(back) == set(archon_state)
     for key, tensor in back.items():
         assert torch.equal(tensor, archon_state[key]), key
@@ -70,16 +76,16 @@ def assert_meta_weights_complete(model_type: str, overrides: dict) -> None:
         hf_model = AutoModelForCausalLM.from_config(config)
         args = spec.args_cls.from_hf_config(config)
         model = spec.model_cls(args, None)
-    adapter = spec.state_dict_adapter_cls(args)
+    converter = spec.state_dict_converter_cls(args)
     hf_state = hf_model.state_dict()
-    hf_keys = {k for k in hf_state if not adapter.is_ignored(k)}
+    hf_keys = {k for k in hf_state if not converter.is_ignored(k)}
 
     used: set[str] = set()
     for key, param in expected_base_params(model).items():
-        sources = adapter.hf_sources(key, hf_keys)
+        sources = converter.hf_sources(key, hf_keys)
         absent = [s for s in sources if s not in hf_keys]
         assert not absent, f"archon {key!r} needs HF key(s) {absent} that the HF model lacks"
-        combined = adapter.combine(key, [hf_state[s] for s in sources])
+        combined = converter.combine(key, [hf_state[s] for s in sources])
         assert combined.shape == param.shape, (key, tuple(combined.shape), tuple(param.shape))
         used.update(sources)
     assert hf_keys == used, f"HF weights archon does not load: {sorted(hf_keys - used)}"

@@ -7,9 +7,13 @@ import json
 
 import pytest
 import torch
-from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
+from family_checks import (
+    assert_aligned,
+    assert_meta_weights_complete,
+    assert_state_dict_round_trip,
+)
 
-from archon.engine import build_model
+from archon.build import build_model
 from archon.lora import LoRAConfig
 from archon.lora.peft import ADAPTER_CONFIG, save_peft_adapter
 from archon.tools.align import packed_batch
@@ -61,7 +65,7 @@ def test_adapter_targets_name_the_mla_projections(case, tiny_checkpoint, tmp_pat
     path = tiny_checkpoint(MODEL_TYPE, **CASES[case])
     lora = LoRAConfig(rank=4, alpha=8)
     loaded = build_model(path, lora=lora)
-    save_peft_adapter(loaded.model, loaded.adapter, lora, tmp_path / "adapter", str(path))
+    save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     query = ["q_a_proj", "q_b_proj"] if loaded.args.q_lora_rank else ["q_proj"]
     assert config["target_modules"] == sorted(["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *query])
@@ -104,9 +108,8 @@ def test_interleave_and_softmax_mscale_change_the_output(tiny_checkpoint):
 def test_group_limited_router_matches_hf(hf_router, n_group, topk_group, top_k, norm):
     import importlib
 
+    from archon.models.common.moe import SigmoidGroupTopKRouter
     from transformers import AutoConfig
-
-    from models.common.moe import SigmoidGroupTopKRouter
 
     module_name, class_name = hf_router.rsplit(".", 1)
     hf_cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
@@ -160,9 +163,8 @@ def test_generation_with_kv_cache_equals_full_forward(tiny_checkpoint):
 
 
 def test_missing_latent_rank_is_refused():
+    from archon.models.deepseek_v3.args import DeepseekV3Args
     from transformers import AutoConfig
-
-    from models.deepseek_v3.args import DeepseekV3Args
 
     config = AutoConfig.for_model(MODEL_TYPE, hidden_size=64, kv_lora_rank=0)
     with pytest.raises(ValueError, match="config.kv_lora_rank=0"):
@@ -173,10 +175,9 @@ def test_flash_path_gets_one_head_size(tiny_checkpoint, monkeypatch):
     """On CUDA, packed attention runs torch's varlen flash kernel, which takes one head size for q, k
     and v. MLA's values (12) are narrower than its queries/keys (24): a stand-in kernel that
     enforces that contract must give the same logits as the CPU path."""
+    import archon.models.common.attention as attention
     import torch.nn.attention.varlen as varlen
     import torch.nn.functional as F
-
-    import models.common.attention as attention
 
     calls = []
 

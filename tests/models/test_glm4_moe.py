@@ -6,11 +6,20 @@ import json
 
 import pytest
 import torch
-from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
+from family_checks import (
+    assert_aligned,
+    assert_meta_weights_complete,
+    assert_state_dict_round_trip,
+)
 
-from archon.engine import build_model
+from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.lora.peft import ADAPTER_CONFIG, load_peft_adapter, lora_config_from_peft, save_peft_adapter
+from archon.lora.peft import (
+    ADAPTER_CONFIG,
+    load_peft_adapter,
+    lora_config_from_peft,
+    save_peft_adapter,
+)
 from archon.tools.align import packed_batch
 
 MODEL_TYPE = "glm4_moe"
@@ -67,7 +76,7 @@ def test_adapter_config_and_import_round_trip(tiny_checkpoint, tmp_path):
     with torch.no_grad():
         for p in lora_parameters(loaded.model).values():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    save_peft_adapter(loaded.model, loaded.adapter, lora, tmp_path / "adapter", str(path))
+    save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert sorted(config["target_parameters"]) == [
@@ -79,7 +88,7 @@ def test_adapter_config_and_import_round_trip(tiny_checkpoint, tmp_path):
         "k_proj", "o_proj", "q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "experts"
     }
     fresh = build_model(path, lora=imported)
-    load_peft_adapter(fresh.model, fresh.adapter, tmp_path / "adapter")
+    load_peft_adapter(fresh.model, fresh.converter, tmp_path / "adapter")
     original, restored = lora_parameters(loaded.model), lora_parameters(fresh.model)
     assert original.keys() == restored.keys()
     assert any(".shared_experts." in k for k in original) and any("layers.0.mlp.gate_proj" in k for k in original)
@@ -90,7 +99,7 @@ def test_adapter_config_and_import_round_trip(tiny_checkpoint, tmp_path):
 def test_partial_rotary_and_routing_features_change_the_output(tiny_checkpoint):
     """The parity cases would catch a wrong rotary width, a dropped score-correction bias or a
     dropped group limit: each changes the logits of the tiny model."""
-    from models.common.rope import RotaryEmbedding
+    from archon.models.common.rope import RotaryEmbedding
 
     model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
     assert model.rotary.rotary_dim == 8 and model.layers[0].self_attn.head_dim == 16
@@ -143,9 +152,8 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
 
 
 def test_odd_rotary_width_is_refused():
+    from archon.models.glm4_moe.args import Glm4MoeArgs
     from transformers import AutoConfig
-
-    from models.glm4_moe.args import Glm4MoeArgs
 
     config = AutoConfig.for_model(
         MODEL_TYPE, head_dim=10, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}

@@ -6,13 +6,23 @@ import json
 
 import pytest
 import torch
-from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
+from archon.models.common.rope import RotaryEmbedding
+from family_checks import (
+    assert_aligned,
+    assert_meta_weights_complete,
+    assert_state_dict_round_trip,
+)
 
-from archon.engine import build_model
+from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter, save_merged_hf, save_peft_adapter
+from archon.lora.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    load_peft_adapter,
+    save_merged_hf,
+    save_peft_adapter,
+)
 from archon.tools.align import packed_batch
-from models.common.rope import RotaryEmbedding
 
 MODEL_TYPE = "gpt_oss"
 
@@ -112,7 +122,7 @@ def test_expert_lora_export_format_and_peft_logits(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint(MODEL_TYPE)
     lora = LoRAConfig(rank=4, alpha=8, target_modules=("experts",))
     model, loaded = _randomised_lora_model(path, lora)
-    save_peft_adapter(model, loaded.adapter, lora, tmp_path / "adapter", str(path))
+    save_peft_adapter(model, loaded.converter, lora, tmp_path / "adapter", str(path))
 
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -141,7 +151,7 @@ def test_expert_lora_export_format_and_peft_logits(tiny_checkpoint, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
     fresh = build_model(path, lora=lora)
-    load_peft_adapter(fresh.model, fresh.adapter, tmp_path / "adapter")
+    load_peft_adapter(fresh.model, fresh.converter, tmp_path / "adapter")
     restored = lora_parameters(fresh.model)
     for name, param in lora_parameters(model).items():
         assert torch.equal(param, restored[name]), name
@@ -153,7 +163,7 @@ def test_merged_export_matches_lora_model(tiny_checkpoint, tmp_path):
 
     path = tiny_checkpoint(MODEL_TYPE)
     model, loaded = _randomised_lora_model(path, LoRAConfig(rank=4, alpha=8))
-    out = save_merged_hf(model, loaded.adapter, tmp_path / "merged", loaded.hf_config.to_dict(), path)
+    out = save_merged_hf(model, loaded.converter, tmp_path / "merged", loaded.hf_config.to_dict(), path)
     seqs, tokens, positions, cu = packed_batch((17, 6), 256, seed=2)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -163,9 +173,8 @@ def test_merged_export_matches_lora_model(tiny_checkpoint, tmp_path):
 
 
 def test_config_errors_name_the_field():
+    from archon.models.gpt_oss.args import GptOssArgs
     from transformers import AutoConfig
-
-    from models.gpt_oss.args import GptOssArgs
 
     config = AutoConfig.for_model(MODEL_TYPE, num_hidden_layers=2, sliding_window=None)
     with pytest.raises(ValueError, match="sliding_window"):

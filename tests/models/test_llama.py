@@ -3,9 +3,12 @@ tied and untied heads."""
 
 import pytest
 import torch
-from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
-
-from models.llama.spec import TINY_LLAMA3_ROPE
+from archon.models.llama.spec import TINY_LLAMA3_ROPE
+from family_checks import (
+    assert_aligned,
+    assert_meta_weights_complete,
+    assert_state_dict_round_trip,
+)
 
 MODEL_TYPE = "llama"
 
@@ -39,9 +42,10 @@ def test_meta_weights_complete(case):
 
 def test_llama3_rope_scaling_changes_the_output(tiny_checkpoint):
     """The parity case exercises llama3 scaling: plain RoPE at the same theta gives other logits."""
-    from archon.engine import build_model
+    from archon.models.common.rope import RotaryEmbedding
+
+    from archon.build import build_model
     from archon.tools.align import packed_batch
-    from models.common.rope import RotaryEmbedding
 
     model = build_model(tiny_checkpoint(MODEL_TYPE, **CASES["llama3-rope-bias-headdim"])).model.eval()
     assert model.args.head_dim == 24 and model.layers[0].self_attn.q_proj.out_features == 4 * 24
@@ -54,9 +58,8 @@ def test_llama3_rope_scaling_changes_the_output(tiny_checkpoint):
 
 
 def test_sliding_window_config_is_refused():
+    from archon.models.llama.args import LlamaArgs
     from transformers import LlamaConfig
-
-    from models.llama.args import LlamaArgs
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=1)
     config.sliding_window = 16

@@ -3,7 +3,11 @@ HF applies it (use_sliding_window, max_window_layers, layer_types)."""
 
 import pytest
 import torch
-from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
+from family_checks import (
+    assert_aligned,
+    assert_meta_weights_complete,
+    assert_state_dict_round_trip,
+)
 
 MODEL_TYPE = "qwen2"
 
@@ -44,7 +48,7 @@ def test_meta_weights_complete(case):
 
 def test_window_is_per_layer_and_changes_the_output(tiny_checkpoint):
     """The parity cases exercise the window: removing it from the sliding layer changes the logits."""
-    from archon.engine import build_model
+    from archon.build import build_model
     from archon.tools.align import packed_batch
 
     model = build_model(tiny_checkpoint(MODEL_TYPE, **EXPLICIT_LAYER_TYPES)).model.eval()
@@ -61,7 +65,7 @@ def test_window_is_per_layer_and_changes_the_output(tiny_checkpoint):
 
 def test_packed_attention_window_bounds():
     """Window 1 sees only the token itself; a window as long as the sequence equals plain causal."""
-    from models.common.attention import packed_attention
+    from archon.models.common.attention import packed_attention
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(12, 4, 8, generator=g), torch.randn(12, 2, 8, generator=g)
@@ -75,9 +79,8 @@ def test_packed_attention_window_bounds():
 
 
 def test_bad_layer_types_name_the_field():
+    from archon.models.qwen2.args import Qwen2Args
     from transformers import Qwen2Config
-
-    from models.qwen2.args import Qwen2Args
 
     small = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2)
     no_window = Qwen2Config(**small, use_sliding_window=False, layer_types=["full_attention", "sliding_attention"])

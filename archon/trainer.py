@@ -1,15 +1,9 @@
-"""Building and training a model.
+"""The trainer: what the RL loop uses of a built model.
 
-Build flow (`build_model`): the model is created on the meta device with LoRA in place, parallelized
-by its family's parallelize function (TP -> activation checkpointing -> compile -> FSDP2),
-materialised with `to_empty`, filled from the HF checkpoint (each rank reads only the slices it
-holds), and its LoRA factors are initialised (A kaiming-uniform, B zeros) from a seeded generator,
-so every layout starts from the same adapter.
-
-`Engine` adds what the RL loop uses: `logprobs` (policy, or reference with the adapter off) and
-`train_step` (micro-batches by token budget, accumulation, clipping, AdamW, LR schedule, and
-skipping any update whose loss or gradient is not finite), plus resume checkpoints and PEFT
-export, which refuse to write NaN or inf.
+`Trainer` gives `logprobs` (policy, or reference with the adapter off) and `train_step`
+(micro-batches by token budget, accumulation, clipping, AdamW, LR schedule, and skipping any
+update whose loss or gradient is not finite), plus resume checkpoints and PEFT export, which
+refuse to write NaN or inf.
 
 Data layout: every data-parallel rank passes its own PackedBatch; the ranks of one tensor-parallel
 group pass the same one.
@@ -29,148 +23,19 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from archon import device as devices
 from archon.batch import PackedBatch
-from archon.checkpoint.hf import HFCheckpoint, check_model_dir, copy_local_into, load_hf_weights, local_region
-from archon.checkpoint.state_dict_adapter import StateDictAdapter
+from archon.build import build_model
 from archon.head import DEFAULT_CHUNK_SIZE, label_logprobs
 from archon.lora import (
     LoRAConfig,
     adapter_disabled,
-    configure_lora_modules,
-    is_lora_param,
-    lora_parameters,
-    mark_only_lora_trainable,
 )
-from archon.lora.peft import peft_adapter_config
-from archon.parallel import ParallelConfig, ParallelDims, init_distributed, reduce_partial_grads
+from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
 from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES, DTypeName
-from archon.spec import ModelSpec, get_spec
-
-__all__ = [
-    "Engine",
-    "EngineConfig",
-    "LoadedModel",
-    "LogprobOutput",
-    "LossContext",
-    "NonFiniteError",
-    "OptimConfig",
-    "PackedBatch",
-    "build_model",
-    "init_lora_weights",
-    "load_hf_config",
-]
-
-
-# ---------------------------------------------------------------------------------------------
-# Build
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LoadedModel:
-    model: nn.Module
-    spec: ModelSpec
-    args: Any
-    adapter: StateDictAdapter
-    hf_config: Any
-    path: Path
-    lora: LoRAConfig | None
-    dims: ParallelDims | None = None
-
-
-def load_hf_config(path: str | os.PathLike, option: str | None = None):
-    """The HF config of the model directory `path`; `option` names the setting the path came from."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    check_model_dir(path, option)
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{str(path / 'config.json')!r} is not a usable HF model config: {e}") from e
-
-
-@torch.no_grad()
-def init_lora_weights(model: nn.Module, seed: int = 0) -> None:
-    """A kaiming-uniform (bound 1/sqrt(fan_in), fan_in = the last dim, as PEFT), B zeros.
-
-    Each full factor is drawn from one seeded generator in parameter order and every rank copies
-    the part it holds, so sharded and single-process models start from the same adapter.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if not is_lora_param(name):
-            continue
-        parts = name.split(".")
-        if "lora_b" in parts:
-            full = torch.zeros(param.shape)
-        else:
-            bound = 1.0 / math.sqrt(param.shape[-1])
-            full = torch.empty(param.shape).uniform_(-bound, bound, generator=generator)
-        region = local_region(param)
-        copy_local_into(param, full if region is None else full[region], name)
-
-
-def build_model(
-    path: str | os.PathLike,
-    lora: LoRAConfig | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    parallelize: Callable[[nn.Module], nn.Module] | None = None,
-    *,
-    parallel: ParallelConfig | None = None,
-    dims: ParallelDims | None = None,
-    seed: int = 0,
-    path_option: str | None = None,
-) -> LoadedModel:
-    """Build the archon model for the HF checkpoint at `path` and load its weights.
-
-    Base weights take `dtype`; LoRA factors stay fp32. With LoRA only the adapter is trainable,
-    without it every parameter is. Parallelism: pass `dims` (and `parallel` for AC/compile/FSDP
-    options) to use the family's parallelize function, or `parallelize` for a custom callable.
-    `path_option` names the setting `path` came from, for error messages.
-    """
-    path = Path(path)
-    hf_config = load_hf_config(path, path_option)
-    spec = get_spec(hf_config.model_type)
-    args = spec.args_cls.from_hf_config(hf_config)
-    if lora is not None:
-        lora.validate(spec.lora_targets, spec.name)
-    checkpoint = HFCheckpoint(path)
-
-    adapter = spec.state_dict_adapter_cls(args)
-    with torch.device("meta"):
-        model = spec.model_cls(args, lora)
-    if lora is not None:
-        configure_lora_modules(model, lora, adapter.hf_name)
-        peft_adapter_config(model, adapter, lora, str(path))  # fail now, not at the first export
-    model.to(dtype)
-    for name, param in model.named_parameters():
-        if is_lora_param(name):
-            param.data = param.data.float()
-    if lora is not None:
-        mark_only_lora_trainable(model)
-
-    if parallelize is not None:
-        model = parallelize(model)
-    elif dims is not None:
-        parallel = parallel or ParallelConfig()
-        needs_pipeline = dims.distributed or parallel.activation_checkpoint != "none" or parallel.compile
-        if needs_pipeline:
-            if spec.parallelize_fn is None:
-                raise ValueError(f"model family {spec.name!r} has no parallelize function (ModelSpec.parallelize_fn)")
-            model = spec.parallelize_fn(model, dims, parallel)
-    model.to_empty(device=device)
-    load_hf_weights(model, adapter, checkpoint)
-    if lora is not None:
-        init_lora_weights(model, seed)
-    return LoadedModel(model, spec, args, adapter, hf_config, path, lora, dims)
-
 
 # ---------------------------------------------------------------------------------------------
 # Training configuration
@@ -254,7 +119,7 @@ class _LRLambda:
 
 
 @dataclass
-class EngineConfig:
+class TrainerConfig:
     model_path: str
     """HF checkpoint directory (config.json + safetensors)."""
     lora: LoRAConfig | None = field(default_factory=LoRAConfig)
@@ -319,13 +184,13 @@ class NonFiniteError(RuntimeError):
 LossFn = Callable[[PackedBatch, torch.Tensor, LossContext], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
-class Engine:
+class Trainer:
     """A model ready to score and train, on this rank's share of the devices.
 
     Under torchrun the process group is started from the environment; a plain process runs alone.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.device, self.rank, self.world_size = init_distributed(config.device)
         self.dims = config.parallel.dims(self.world_size, self.device.type)
@@ -341,7 +206,7 @@ class Engine:
         )
         self.loaded = loaded
         self.model = loaded.model
-        self.adapter = loaded.adapter
+        self.converter = loaded.converter
         self.lora = config.lora
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         optim = config.optim
@@ -560,12 +425,6 @@ class Engine:
         return metrics
 
     # ---- adapters and checkpoints ---------------------------------------------------------------
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) LoRA factors by archon name; every rank must call it."""
-        from archon.lora.peft import full_tensor
-
-        return {k: full_tensor(p.detach()).cpu() for k, p in lora_parameters(self.model).items()}
-
     def _first_non_finite(self, optimizer_state: bool) -> str | None:
         """This rank's first trainable parameter (or, with optimizer_state, AdamW state tensor of
         one) that holds NaN or inf, by name; None when all are finite."""
@@ -609,7 +468,7 @@ class Engine:
             raise ValueError("export_peft needs a LoRA model; this engine trains every parameter")
         self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False)
         path = save_peft_adapter(
-            self.model, self.adapter, self.lora, out_dir,
+            self.model, self.converter, self.lora, out_dir,
             base_model_name_or_path or str(self.loaded.path), write=self.rank == 0,
         )
         if dist.is_initialized():
@@ -618,7 +477,10 @@ class Engine:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The trainable parameters and optimizer state, as DCP state dicts (sharded where the model is)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         model_state, optim_state = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True)
@@ -626,7 +488,10 @@ class Engine:
         return {"model": model_state, "optimizer": optim_state}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_state_dict,
+        )
 
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],

@@ -16,7 +16,7 @@ import torch
 PEFT_PREFIX = "base_model.model."
 
 
-class StateDictAdapter:
+class StateDictConverter:
     hf_prefix = "model."
     peft_reserved_module_names: tuple[str, ...] = ()
     top_level = ("lm_head.",)

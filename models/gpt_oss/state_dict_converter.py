@@ -1,7 +1,7 @@
-from models.common.state_dict import StackedExpertLoRAAdapter
+from archon.models.common.state_dict import StackedExpertLoRAAdapter
 
 
-class GptOssStateDictAdapter(StackedExpertLoRAAdapter):
+class GptOssStateDictConverter(StackedExpertLoRAAdapter):
     """HF GPT-OSS keys: `model.` prefix, experts already stacked as archon holds them.
 
     HF saves `mlp.experts.gate_up_proj` [E, dim, 2*hidden] (gate/up interleaved), its `_bias`,

@@ -7,14 +7,21 @@ import math
 
 import pytest
 import torch
+from memory_tracking import PeakAllocated
 
 from archon.batch import PackedBatch
-from archon.engine import Engine, EngineConfig, NonFiniteError, OptimConfig, build_model, lr_multiplier
+from archon.build import build_model
 from archon.head import label_logprobs
 from archon.lora import LoRAConfig, is_lora_param
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.rl.losses import aggregate_token_losses
-from memory_tracking import PeakAllocated
+from archon.trainer import (
+    NonFiniteError,
+    OptimConfig,
+    Trainer,
+    TrainerConfig,
+    lr_multiplier,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +38,9 @@ def _batch(vocab: int, lens=(9, 17, 4, 23, 12), prompt_lens=(3, 5, 1, 8, 2), see
     return PackedBatch.from_sequences(seqs, prompt_lens=prompt_lens, advantages=adv)
 
 
-def _engine(path, lora=LoRAConfig(rank=4, alpha=8.0), **kw) -> Engine:
+def _engine(path, lora=LoRAConfig(rank=4, alpha=8.0), **kw) -> Trainer:
     kw.setdefault("optim", OptimConfig(lr=1e-2))
-    return Engine(EngineConfig(str(path), lora=lora, device="cpu", **kw))
+    return Trainer(TrainerConfig(str(path), lora=lora, device="cpu", **kw))
 
 
 def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
@@ -106,15 +113,15 @@ def test_head_rejects_bad_arguments():
 
 
 def test_logprobs_match_full_forward(qwen3_path):
-    engine = _engine(qwen3_path, micro_batch_tokens=30, head_chunk_size=7)
+    trainer = _engine(qwen3_path, micro_batch_tokens=30, head_chunk_size=7)
     with torch.no_grad():
-        for name, p in engine.model.named_parameters():
+        for name, p in trainer.model.named_parameters():
             if is_lora_param(name):
                 p.normal_(0, 0.2)
-    batch = _batch(engine.loaded.args.vocab_size)
-    out = engine.logprobs(batch, temperature=0.8, with_entropy=True)
+    batch = _batch(trainer.loaded.args.vocab_size)
+    out = trainer.logprobs(batch, temperature=0.8, with_entropy=True)
     with torch.no_grad():
-        logits = engine.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        logits = trainer.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
     ref_lp, ref_ent = _reference_logprobs(logits, batch.labels, 0.8)
     mask = batch.loss_mask
     torch.testing.assert_close(out.logprobs[mask].double(), ref_lp[mask], atol=1e-5, rtol=0)
@@ -123,15 +130,15 @@ def test_logprobs_match_full_forward(qwen3_path):
 
 
 def test_adapter_off_scores_the_base_model(qwen3_path):
-    engine = _engine(qwen3_path)
+    trainer = _engine(qwen3_path)
     with torch.no_grad():
-        for name, p in engine.model.named_parameters():
+        for name, p in trainer.model.named_parameters():
             if is_lora_param(name):
                 p.normal_(0, 0.2)
     base = _engine(qwen3_path, lora=None)
-    batch = _batch(engine.loaded.args.vocab_size)
-    reference = engine.logprobs(batch, use_adapter=False).logprobs
-    policy = engine.logprobs(batch).logprobs
+    batch = _batch(trainer.loaded.args.vocab_size)
+    reference = trainer.logprobs(batch, use_adapter=False).logprobs
+    policy = trainer.logprobs(batch).logprobs
     torch.testing.assert_close(reference, base.logprobs(batch).logprobs, atol=1e-6, rtol=0)
     assert (policy - reference).abs().max() > 1e-3  # the adapter is back on afterwards
     with pytest.raises(ValueError, match="use_adapter=False needs a LoRA model"):
@@ -157,12 +164,12 @@ def engines_by_budget(qwen3_path):
     """Engines with the same non-zero adapter: one micro-batch per batch, and many."""
     engines = {}
     for budget in (10_000, 24):
-        engine = _engine(qwen3_path, micro_batch_tokens=budget)
+        trainer = _engine(qwen3_path, micro_batch_tokens=budget)
         with torch.no_grad():
-            for name, p in engine.model.named_parameters():
+            for name, p in trainer.model.named_parameters():
                 if "lora_b" in name:
                     p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
-        engines[budget] = engine
+        engines[budget] = trainer
     return engines
 
 
@@ -171,9 +178,9 @@ def test_micro_batches_accumulate_to_the_whole_batch_loss(engines_by_budget, agg
     batch = _batch(256)
     loss_fn = _aggregation_loss(aggregation)
     results = []
-    for budget, engine in engines_by_budget.items():
-        metrics = engine.forward_backward(batch, loss_fn)
-        grads = {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+    for budget, trainer in engines_by_budget.items():
+        metrics = trainer.forward_backward(batch, loss_fn)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         results.append((metrics, grads))
     (one, grads_one), (many, grads_many) = results
     assert one["micro_batches"] == 1 and many["micro_batches"] == len(batch.split_by_tokens(24)) > 2
@@ -191,30 +198,30 @@ def test_micro_batches_accumulate_to_the_whole_batch_loss(engines_by_budget, agg
 
 
 def test_train_step_reports_and_updates_only_the_adapter(qwen3_path):
-    engine = _engine(qwen3_path, optim=OptimConfig(lr=5e-2, max_grad_norm=1.0))
-    base_before = {n: p.detach().clone() for n, p in engine.model.named_parameters() if not is_lora_param(n)}
+    trainer = _engine(qwen3_path, optim=OptimConfig(lr=5e-2, max_grad_norm=1.0))
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not is_lora_param(n)}
     batch = _batch(256)
     loss_fn = _aggregation_loss("token_mean")
-    metrics = [engine.train_step(batch, loss_fn) for _ in range(3)]
+    metrics = [trainer.train_step(batch, loss_fn) for _ in range(3)]
     keys = ("loss", "grad_norm", "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches",
             "optimizer_steps", "lp_mean")  # fmt: skip
     for key in keys:
         assert key in metrics[-1], key
-    assert metrics[-1]["optimizer_steps"] == 3 and engine.optimizer_steps == 3
+    assert metrics[-1]["optimizer_steps"] == 3 and trainer.optimizer_steps == 3
     assert [m["skipped"] for m in metrics] == [0.0, 0.0, 0.0]
     assert metrics[0]["tokens"] == batch.num_loss_tokens and metrics[0]["total_tokens"] == batch.num_tokens
     assert metrics[-1]["loss"] < metrics[0]["loss"]
-    assert all(p.dtype == torch.float32 for p in engine.trainable)
-    assert {id(p) for g in engine.optimizer.param_groups for p in g["params"]} == {id(p) for p in engine.trainable}
-    for name, p in engine.model.named_parameters():
+    assert all(p.dtype == torch.float32 for p in trainer.trainable)
+    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {id(p) for p in trainer.trainable}
+    for name, p in trainer.model.named_parameters():
         if not is_lora_param(name):
             assert torch.equal(p, base_before[name]), name
 
 
-def _adapter_and_optimizer(engine: Engine) -> dict[str, torch.Tensor]:
-    state = {name: p.detach().clone() for name, p in engine.model.named_parameters() if p.requires_grad}
-    for name, p in engine.model.named_parameters():
-        for key, value in engine.optimizer.state.get(p, {}).items():
+def _adapter_and_optimizer(trainer: Trainer) -> dict[str, torch.Tensor]:
+    state = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    for name, p in trainer.model.named_parameters():
+        for key, value in trainer.optimizer.state.get(p, {}).items():
             state[f"{name}/{key}"] = torch.as_tensor(value).clone()
     return state
 
@@ -223,7 +230,7 @@ def _adapter_and_optimizer(engine: Engine) -> dict[str, torch.Tensor]:
 def test_non_finite_update_is_skipped(qwen3_path, fault):
     """A NaN/inf loss, or a finite loss with a NaN gradient: no AdamW update, no optimizer-state
     change, counted as skipped; the next finite step trains as usual."""
-    engine = _engine(qwen3_path, optim=OptimConfig(lr=5e-2, max_grad_norm=1.0))
+    trainer = _engine(qwen3_path, optim=OptimConfig(lr=5e-2, max_grad_norm=1.0))
     batch = _batch(256)
     good = _aggregation_loss("token_mean")
 
@@ -233,57 +240,57 @@ def test_non_finite_update_is_skipped(qwen3_path, fault):
             return loss + torch.sqrt(0.0 * logprobs.sum()), metrics
         return loss * (float("nan") if fault == "nan_loss" else float("inf")), metrics
 
-    engine.train_step(batch, good)
-    before = _adapter_and_optimizer(engine)
-    metrics = engine.train_step(batch, broken)
-    assert metrics["skipped"] == 1.0 and engine.optimizer_steps == 1
+    trainer.train_step(batch, good)
+    before = _adapter_and_optimizer(trainer)
+    metrics = trainer.train_step(batch, broken)
+    assert metrics["skipped"] == 1.0 and trainer.optimizer_steps == 1
     assert not math.isfinite(metrics["loss"] if fault != "nan_gradient" else metrics["grad_norm"])
-    after = _adapter_and_optimizer(engine)
+    after = _adapter_and_optimizer(trainer)
     assert before.keys() == after.keys()
     for key, value in before.items():
         assert torch.equal(value, after[key]), key
-    assert all(p.grad is None for p in engine.trainable)
-    metrics = engine.train_step(batch, good)
-    assert metrics["skipped"] == 0.0 and engine.optimizer_steps == 2 and math.isfinite(metrics["loss"])
-    assert any(not torch.equal(v, _adapter_and_optimizer(engine)[k]) for k, v in before.items())
+    assert all(p.grad is None for p in trainer.trainable)
+    metrics = trainer.train_step(batch, good)
+    assert metrics["skipped"] == 0.0 and trainer.optimizer_steps == 2 and math.isfinite(metrics["loss"])
+    assert any(not torch.equal(v, _adapter_and_optimizer(trainer)[k]) for k, v in before.items())
 
 
 def test_checkpoint_and_export_refuse_non_finite_tensors(qwen3_path, tmp_path):
     from archon.checkpoint.resume import CheckpointManager
 
-    engine = _engine(qwen3_path)
-    engine.train_step(_batch(256), _aggregation_loss("token_mean"))
+    trainer = _engine(qwen3_path)
+    trainer.train_step(_batch(256), _aggregation_loss("token_mean"))
     manager = CheckpointManager(tmp_path / "ckpts")
-    engine.save_checkpoint(manager, 1)
+    trainer.save_checkpoint(manager, 1)
     listing = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    name, param = next((n, p) for n, p in engine.model.named_parameters() if n.endswith("lora_b.weight"))
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if n.endswith("lora_b.weight"))
     with torch.no_grad():
         param[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=f"checkpoint for step 2: '{name}'"):
-        engine.save_checkpoint(manager, 2)
+        trainer.save_checkpoint(manager, 2)
     with pytest.raises(NonFiniteError, match=f"PEFT adapter .*'{name}'"):
-        engine.export_peft(tmp_path / "adapter")
+        trainer.export_peft(tmp_path / "adapter")
     with torch.no_grad():
         param[0, 0] = 0.0
-    state = next(iter(engine.optimizer.state.values()))
+    state = next(iter(trainer.optimizer.state.values()))
     state["exp_avg"].view(-1)[0] = float("inf")
     with pytest.raises(NonFiniteError, match="optimizer state 'exp_avg' of"):
-        engine.save_checkpoint(manager, 2)
+        trainer.save_checkpoint(manager, 2)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == listing
 
 
 def test_full_parameter_training(qwen3_path):
-    engine = _engine(qwen3_path, lora=None, optim=OptimConfig(lr=1e-3))
-    assert len(engine.trainable) == len(list(engine.model.parameters()))
+    trainer = _engine(qwen3_path, lora=None, optim=OptimConfig(lr=1e-3))
+    assert len(trainer.trainable) == len(list(trainer.model.parameters()))
     batch = _batch(256)
-    before = engine.model.output_weight.detach().clone()
-    losses = [engine.train_step(batch, _aggregation_loss("token_mean"))["loss"] for _ in range(3)]
+    before = trainer.model.output_weight.detach().clone()
+    losses = [trainer.train_step(batch, _aggregation_loss("token_mean"))["loss"] for _ in range(3)]
     assert losses[-1] < losses[0]
-    assert not torch.equal(engine.model.output_weight, before)
+    assert not torch.equal(trainer.model.output_weight, before)
 
 
 def test_loss_context_normalizers():
-    from archon.engine import LossContext
+    from archon.trainer import LossContext
 
     ctx = LossContext(global_tokens=torch.tensor(40.0), global_sequences=torch.tensor(3.0))
     assert ctx.normalizer("token_mean").item() == 40.0
