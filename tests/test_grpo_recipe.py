@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from archon.lora import lora_parameters
 from archon.rl.config import GRPOConfig, load_config_file, merge_into, parse_config
 from archon.rl.tasks import (
     ArithmeticTaskConfig,
@@ -84,7 +85,7 @@ def test_in_process_run_trains_only_the_adapter(tiny_setup, tmp_path):
     checkpoint = HFCheckpoint(tiny_setup / "model")
     for name, tensor in run.trainer.model.state_dict().items():
         if not is_lora_param(name):
-            hf_name = run.trainer.adapter.hf_name(name)
+            hf_name = run.trainer.converter.hf_name(name)
             assert torch.equal(tensor, checkpoint.get(hf_name)), f"base weight {name} changed"
     adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())
@@ -268,7 +269,7 @@ def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_pa
     step_fn = run.step
 
     def snapshot():
-        return {k: v.clone() for k, v in run.trainer.lora_state().items()}, _optimizer_tensors(run.trainer)
+        return {k: p.detach().clone() for k, p in lora_parameters(run.trainer.model).items()}, _optimizer_tensors(run.trainer)
 
     def snapshot_around(index):
         before = snapshot()
