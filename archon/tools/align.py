@@ -37,15 +37,27 @@ class AlignArgs:
     lora_rank: int | None = None
     """Also compare a random LoRA of this rank against PEFT on the HF model."""
     seed: int = 0
-    seq_lens: tuple[int, ...] = (7, 1, 13, 33)
-    """Lengths of the packed sequences."""
+    seq_lens: tuple[int, ...] = (7, 1, 13, 33, 70)
+    """Lengths of the packed sequences (one longer than the 64-token chunks of a chunked linear-attention
+    layer)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra kwargs for the tiny HF config (ignored with --hf-path)."""
 
 
+def hf_model_class(config):
+    """The HF auto class a checkpoint of `config` is made and checked with: the whole model for a
+    vision-language composite (`vision_config`), so its vision tower is saved and PEFT sees the module
+    paths of released checkpoints; else the causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from archon.spec import get_spec
 
@@ -53,7 +65,7 @@ def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0,
     kwargs = {**spec.tiny_hf_config.get(model_type, {}), **overrides}
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = hf_model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim >= 2:  # O(1) activations, so routing and attention are far from ties
@@ -127,9 +139,7 @@ def _hf_forward(hf_model, seqs):
 
 
 def run_alignment(args: AlignArgs) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from archon.build import build_model
+    from archon.build import build_model, load_hf_config
     from archon.lora import LoRAConfig, lora_parameters
     from archon.lora.peft import save_peft_adapter
 
@@ -141,15 +151,15 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
         else:
             hf_path = Path(args.hf_path)
 
+        hf_class = hf_model_class(load_hf_config(hf_path))
+
         def load_hf():
-            return AutoModelForCausalLM.from_pretrained(
-                hf_path, dtype=torch.float32, attn_implementation="eager"
-            ).eval()
+            return hf_class.from_pretrained(hf_path, dtype=torch.float32, attn_implementation="eager").eval()
 
         hf_model = load_hf()
         loaded = build_model(hf_path)
         model = loaded.model.eval()
-        seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.vocab_size, args.seed)
+        seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed)
         max_seqlen = max(args.seq_lens)
         with torch.no_grad():
             archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
