@@ -21,6 +21,7 @@ _GROUPED_ROWS = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv\.weight|conv
 
 class Qwen3_5StateDictConverter(StackedExpertsAdapter):
     ignored_hf_keys = (*StackedExpertsAdapter.ignored_hf_keys, r"^mtp\.", r"^model\.visual\.")
+    carried_hf_keys = (r"^model\.visual\.",)
 
     def __init__(self, args) -> None:
         super().__init__(args)
