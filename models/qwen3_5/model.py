@@ -167,7 +167,7 @@ def chunked_gated_delta_rule(
     k_to_chunk_end = k * (cum_g[..., -1:] - cum_g).exp()[..., None]
     chunk_decay = cum_g[..., -1].exp()[..., None, None]  # [N, H, n, 1, 1]
 
-    state = q.new_zeros(n_seqs, n_heads, dk, dv) if initial_state is None else initial_state.float()
+    state = q.new_zeros(n_seqs, n_heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     outputs = []
     for i in range(n_chunks):
         v_new = u[:, :, i] - w[:, :, i] @ state
@@ -195,18 +195,20 @@ def _fla_chunk_gated_delta_rule():
 def gated_delta_rule(q, k, v, g, beta, seqs: PaddedSequences, initial_state):
     """q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H] (packed, fp32 g) -> (o [T, H, dv], state [N, H, dk, dv]).
 
-    q and k are L2-normalised here and q scaled by dk^-0.5."""
+    q and k are L2-normalised here and q scaled by dk^-0.5. The rule runs in fp32 (or fp64 for an fp64 model)."""
     dk = q.shape[-1]
-    q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    q, k = l2_normalize(q), l2_normalize(k)
     kernel = _fla_chunk_gated_delta_rule() if q.is_cuda else None
     if kernel is not None:
         cu_seqlens = torch.cat([seqs.lengths.new_zeros(1), seqs.lengths.cumsum(0)])
         o, state = kernel(
-            q[None], k[None], v.float()[None], g[None], beta.float()[None], scale=dk**-0.5,
+            q[None], k[None], v[None], g[None], beta[None], scale=dk**-0.5,
             initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
         )
         return o[0], state
-    padded = [seqs.pad(t).transpose(1, 2) for t in (q * dk**-0.5, k, v.float(), g, beta.float())]  # [N, H, L, ...]
+    padded = [seqs.pad(t).transpose(1, 2) for t in (q * dk**-0.5, k, v, g, beta)]  # [N, H, L, ...]
     o, state = chunked_gated_delta_rule(*padded, initial_state=initial_state)
     return seqs.unpad(o.transpose(1, 2)), state
 

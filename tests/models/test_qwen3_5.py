@@ -207,3 +207,49 @@ def test_bad_layer_types_are_refused():
     config = AutoConfig.for_model("qwen3_5_text", linear_num_key_heads=3, linear_num_value_heads=4)
     with pytest.raises(ValueError, match=r"linear_num_value_heads \(4\) must be a multiple of"):
         Qwen3_5Args.from_hf_config(config)
+
+
+# Two layers, one of each type: the fp32 rounding noise of these random-weight models grows with
+# depth (the three-layer tiny model's hidden states differ from its own fp64 run by 2e-5), and two
+# layers keep it under the 1e-5 contract, while a wrong sharding moves the outputs by O(1).
+_PARALLEL_TEXT = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+PARALLEL_CASES = {
+    "text": ("qwen3_5_text", _PARALLEL_TEXT),
+    "moe-vision-language": ("qwen3_5_moe", None),
+}
+
+
+@pytest.mark.slow
+def test_parallel_layouts_match_one_process(tiny_checkpoint, tmp_path):
+    """TP x2 and FSDP2 x2 (gloo, two processes) give the single-process hidden states, label
+    log-probs and LoRA gradients: DeltaNet heads sharded by key head with their value heads, conv
+    channels, dt_bias and A_log with them, the gated norm on local heads; gated attention heads with
+    their output gates; the MoE shared expert's intermediate dimension."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from archon.spec import get_spec
+
+    worker = Path(__file__).with_name("dense_parallel_worker.py")
+    dirs = {}
+    for case, (model_type, text_overrides) in PARALLEL_CASES.items():
+        if text_overrides is None:  # a composite: the overrides go inside its text_config
+            tiny = get_spec(model_type).tiny_hf_config[model_type]
+            overrides = dict(text_config=dict(tiny["text_config"], **_PARALLEL_TEXT))
+        else:
+            overrides = text_overrides
+        dirs[case] = str(tiny_checkpoint(model_type, **overrides))
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           str(out), *(f"{d}@tp2,fsdp2" for d in dirs.values())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for case, hf_dir in dirs.items():
+        for layout in ("tp2", "fsdp2"):
+            figures = results[hf_dir][layout]
+            assert figures["hidden_max_abs"] <= 1e-5, (case, layout, figures)
+            assert figures["logprob_max_abs"] <= 1e-5, (case, layout, figures)
+            assert figures["grad_max_rel"] <= 1e-5, (case, layout, figures)
