@@ -41,7 +41,8 @@ class AlignArgs:
     """Lengths of the packed sequences (one longer than the 64-token chunks of a chunked linear-attention
     layer)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
-    """Extra kwargs for the tiny HF config (ignored with --hf-path)."""
+    """Extra kwargs for the tiny HF config (ignored with --hf-path); for a vision-language type they
+    set fields of its text_config."""
 
 
 def hf_model_class(config):
@@ -55,14 +56,26 @@ def hf_model_class(config):
     return AutoModelForCausalLM
 
 
+def tiny_config_kwargs(model_type: str, **overrides) -> dict[str, Any]:
+    """The family's tiny config kwargs for `model_type` with `overrides` applied. For a vision-language
+    composite (a tiny config with `text_config`), overrides other than `text_config`/`vision_config`
+    are language-model fields and go into `text_config`."""
+    from archon.spec import get_spec
+
+    kwargs = dict(get_spec(model_type).tiny_hf_config.get(model_type, {}))
+    if "text_config" not in kwargs:
+        return {**kwargs, **overrides}
+    sub_configs = {k: overrides.pop(k) for k in ("text_config", "vision_config") if k in overrides}
+    kwargs.update(sub_configs)
+    kwargs["text_config"] = {**kwargs["text_config"], **overrides}
+    return kwargs
+
+
 def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
     from transformers import AutoConfig
 
-    from archon.spec import get_spec
-
-    spec = get_spec(model_type)
-    kwargs = {**spec.tiny_hf_config.get(model_type, {}), **overrides}
+    kwargs = tiny_config_kwargs(model_type, **overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = hf_model_class(config).from_config(config, dtype=torch.float32)

@@ -69,10 +69,10 @@ def assert_meta_weights_complete(model_type: str, overrides: dict) -> None:
 
     from archon.checkpoint.hf import expected_base_params
     from archon.spec import get_spec
-    from archon.tools.align import hf_model_class
+    from archon.tools.align import hf_model_class, tiny_config_kwargs
 
     spec = get_spec(model_type)
-    config = AutoConfig.for_model(model_type, **{**spec.tiny_hf_config.get(model_type, {}), **overrides})
+    config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
     with torch.device("meta"):
         hf_model = hf_model_class(config).from_config(config)
         args = spec.args_cls.from_hf_config(config)
