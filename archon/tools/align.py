@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,12 +72,55 @@ def tiny_config_kwargs(model_type: str, **overrides) -> dict[str, Any]:
     return kwargs
 
 
+_SPECIAL_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _drop_special_tokens_outside_vocab(config) -> None:
+    """Config classes default some special-token ids to those of the released vocabulary (SmolLM3's
+    pad_token_id 128004), which a tiny vocabulary does not hold; such ids are set to None."""
+    text = config.get_text_config()
+    for name in _SPECIAL_TOKEN_FIELDS:
+        value = getattr(text, name, None)
+        ids = value if isinstance(value, list) else [value]
+        kept = [i for i in ids if i is None or 0 <= i < text.vocab_size]
+        if len(kept) == len(ids):
+            continue
+        warnings.warn(
+            f"tiny {config.model_type} config: {name}={value!r} lies outside its vocabulary of {text.vocab_size}; "
+            f"set to {kept or None!r}", stacklevel=3,
+        )
+        setattr(text, name, (kept or None) if isinstance(value, list) else None)
+
+
+def single_kind_patterns(config) -> list[str]:
+    """The per-layer patterns of `config` whose every layer is of one kind. A tiny config like that
+    lets a port pass that treats the kinds alike (RoPE on NoPE layers, a window on every layer)."""
+    text = config.get_text_config()
+    n_layers = text.num_hidden_layers
+    found = []
+    for name in ("layer_types", "no_rope_layers"):
+        pattern = getattr(text, name, None)
+        if pattern and len(set(pattern)) == 1:
+            found.append(f"{name} (every layer {pattern[0]!r})")
+    routed = any(getattr(text, name, None) for name in ("num_experts", "n_routed_experts", "num_local_experts"))
+    if routed and (hasattr(text, "decoder_sparse_step") or hasattr(text, "mlp_only_layers")):
+        step, dense = getattr(text, "decoder_sparse_step", None) or 1, set(getattr(text, "mlp_only_layers", None) or [])
+        kinds = {i not in dense and (i + 1) % step == 0 for i in range(n_layers)}
+        if len(kinds) == 1:
+            found.append(f"decoder_sparse_step / mlp_only_layers (every layer {'sparse' if kinds == {True} else 'dense'})")
+    first_dense = getattr(text, "first_k_dense_replace", None) if routed else None
+    if first_dense is not None and not 0 < first_dense < n_layers:
+        found.append(f"first_k_dense_replace={first_dense} of {n_layers} layers")
+    return found
+
+
 def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
     from transformers import AutoConfig
 
     kwargs = tiny_config_kwargs(model_type, **overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
+    _drop_special_tokens_outside_vocab(config)
     torch.manual_seed(seed)
     model = hf_model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -164,7 +208,14 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
         else:
             hf_path = Path(args.hf_path)
 
-        hf_class = hf_model_class(load_hf_config(hf_path))
+        hf_config = load_hf_config(hf_path)
+        hf_class = hf_model_class(hf_config)
+        one_kind = single_kind_patterns(hf_config) if args.hf_path is None else []
+        for pattern in one_kind:
+            warnings.warn(
+                f"the tiny {model_type} config has one kind of layer only in {pattern}: the gate cannot tell "
+                "the kinds apart; add both (config_overrides or the family's tiny_hf_config)", stacklevel=2,
+            )
 
         def load_hf():
             return hf_class.from_pretrained(hf_path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -189,6 +240,7 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
             "max_abs_logprob_diff": logprob_diff,
             "lora_max_abs_logits_diff": None,
             "lora_grad_max_rel_err": None,
+            "single_kind_patterns": one_kind,
         }
         checks = [("max_abs_logits_diff", MAX_ABS_LOGITS_DIFF), ("mean_kl", MAX_MEAN_KL)]
         del model, loaded
@@ -291,6 +343,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    for pattern in report.get("single_kind_patterns", []):
+        lines.append(f"warning: every layer of the checked config is of one kind in {pattern}")
     if "peft_missing_keys" in report:
         lines.append(f"PEFT load: {len(report['peft_missing_keys'])} missing, "
                      f"{len(report['peft_unexpected_keys'])} unexpected adapter keys")
