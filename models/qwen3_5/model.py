@@ -88,9 +88,9 @@ class PaddedSequences:
         token = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
         self.offset = token - cu_seqlens[:-1][self.seq_index]  # position of each token within its sequence
 
-    def pad(self, x: torch.Tensor, length: int | None = None) -> torch.Tensor:
-        """[T, ...] -> [N, length (default max_len), ...], zeros after each sequence."""
-        out = x.new_zeros(self.num_seqs, length or self.max_len, *x.shape[1:])
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [N, max_len, ...], zeros after each sequence."""
+        out = x.new_zeros(self.num_seqs, self.max_len, *x.shape[1:])
         return out.index_put((self.seq_index, self.offset), x)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,6 @@ class Qwen3_5StateDictConverter(StackedExpertsAdapter):
         return super().to_hf(archon_key, self._to_hf_rows(archon_key, tensor))
 
     def lora_to_peft(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if tensor.device.type == "meta":  # key names only
-            return super().lora_to_peft(archon_key, tensor)
         return super().lora_to_peft(archon_key, self._to_hf_rows(archon_key, tensor))
 
     def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
