@@ -328,13 +328,13 @@ def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
     run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.loss.algorithm", "drgrpo",
                               "--eval.every", "0"]))  # fmt: skip
     assert run.config.algorithm.loss.max_response_length is None
-    assert run.loss_config.max_response_length == 4  # rollout.max_new_tokens
+    assert run.algorithm.max_response_length == 4  # rollout.max_new_tokens
     # Ratio 1, so each token's loss is -A; 3 and 1 response tokens, divided by 2 sequences * max_new_tokens.
     batch = PackedBatch.from_sequences([[1, 2, 3, 4], [5, 6, 7]], prompt_lens=[1, 2], advantages=[0.5, -2.0])
     assert batch.loss_mask.sum() == 4
     batch.old_logprobs = torch.zeros(batch.num_tokens)
     ctx = LossContext(global_tokens=torch.tensor(5.0), global_sequences=torch.tensor(2.0))
-    loss, _ = run._loss_fn(batch, torch.zeros(batch.num_tokens), ctx)
+    loss, _ = run.algorithm.loss(batch, torch.zeros(batch.num_tokens), ctx)
     assert loss.item() == pytest.approx(-(3 * 0.5 + 1 * -2.0) / (2 * 4))
     run.run()
     records = _records(tmp_path / "run")
