@@ -178,10 +178,12 @@ class LossContext:
     dp_size: int = 1
 
     @classmethod
-    def for_batch(cls, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, **kwargs) -> LossContext:
-        """The context of a batch that is the whole batch (one micro-batch, one rank)."""
+    def for_batch(
+        cls, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> LossContext:
+        """The context of a batch scored in one piece (one micro-batch on one rank): its own counts."""
         tokens, sequences = loss_counts(loss_mask, cu_seqlens)
-        return cls(tokens, sequences, **kwargs)
+        return cls(tokens, sequences, entropy=entropy)
 
 
 class NonFiniteError(RuntimeError):

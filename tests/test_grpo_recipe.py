@@ -245,7 +245,7 @@ def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, mo
 def _nan_loss_at(run, bad_steps: set[int]):
     """Make the loss NaN during the given RL steps (1-based), through the loop's own loss function."""
     current = {"step": 0}
-    loss_fn, step_fn = run._loss_fn, run.step
+    loss_fn, step_fn = run.algorithm.loss, run.step
 
     def nan_loss(batch, logprobs, ctx):
         loss, metrics = loss_fn(batch, logprobs, ctx)
@@ -255,7 +255,7 @@ def _nan_loss_at(run, bad_steps: set[int]):
         current["step"] = index + 1
         return step_fn(index)
 
-    run._loss_fn, run.step = nan_loss, step
+    run.algorithm.loss, run.step = nan_loss, step
 
 
 def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_path):

@@ -109,7 +109,8 @@ def test_prepare_uses_the_algorithms_estimator(name, estimator):
 def test_prepare_with_overlong_penalty_and_dynamic_sampling():
     algorithm = build("dapo", max_new_tokens=10, overlong_buffer=4, overlong_penalty_factor=0.5, dynamic_sampling=True)
     prepared = algorithm.prepare(REWARDS, LENGTHS, G)
-    # lengths past 10 - 4 = 6 lose (|y| - 6) / 4 * 0.5, capped at 0.5: 9 -> 0.375, 10 -> 0.5, 12 -> 0.5, 8 -> 0.25, 7 -> 0.125
+    # lengths past 10 - 4 = 6 lose (|y| - 6) / 4 * 0.5, capped at 0.5:
+    # 9 -> 0.375, 10 -> 0.5, 12 -> 0.5, 8 -> 0.25, 7 -> 0.125
     shaped = REWARDS - torch.tensor([0, 0.375, 0.5, 0.5, 0, 0, 0, 0, 0.25, 0, 0.125, 0])
     torch.testing.assert_close(prepared.rewards, shaped)
     torch.testing.assert_close(prepared.rewards, REWARDS + overlong_penalty(LENGTHS, 10, 4, 0.5))

@@ -201,7 +201,8 @@ def test_sequence_importance_weights():
     # in the loss: DAPO token losses -1, -1.25, -0.9, 0.8, 1.1 weighted by 2, 2, 2, w1, w1
     logprobs, old_policy = inputs()
     rollout = old_policy - (old - rollout)
-    loss, _ = run_loss(algorithm("dapo", importance_sampling="sequence"), logprobs, old_policy, rollout_logprobs=rollout)
+    algo = algorithm("dapo", importance_sampling="sequence")
+    loss, _ = run_loss(algo, logprobs, old_policy, rollout_logprobs=rollout)
     assert loss.item() == pytest.approx((2 * (-1 - 1.25 - 0.9) + w1 * (0.8 + 1.1)) / 5, abs=1e-6)
 
 
@@ -335,7 +336,8 @@ def test_zero_length_response_changes_nothing(name):
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_batch_without_response_tokens_gives_zero_loss(name):
     logprobs, old = inputs()
-    loss, metrics = run_loss(algorithm(name, max_response_length=4), logprobs, old, mask=torch.zeros(7, dtype=torch.bool))
+    no_response = torch.zeros(7, dtype=torch.bool)
+    loss, metrics = run_loss(algorithm(name, max_response_length=4), logprobs, old, mask=no_response)
     assert loss.item() == 0.0
     assert torch.equal(grad_of(loss, logprobs), torch.zeros(7))
     assert metrics["num_tokens"].item() == 0 and metrics["clip_fraction"].item() == 0.0
