@@ -60,7 +60,8 @@ def hf_model_class(config):
 def tiny_config_kwargs(model_type: str, **overrides) -> dict[str, Any]:
     """The family's tiny config kwargs for `model_type` with `overrides` applied. For a vision-language
     composite (a tiny config with `text_config`), overrides other than `text_config`/`vision_config`
-    are language-model fields and go into `text_config`."""
+    are language-model fields and go into `text_config`; `tie_word_embeddings`, which the composite
+    has too (and HF's whole model reads there), is set on both."""
     from archon.spec import get_spec
 
     kwargs = dict(get_spec(model_type).tiny_hf_config.get(model_type, {}))
@@ -68,6 +69,8 @@ def tiny_config_kwargs(model_type: str, **overrides) -> dict[str, Any]:
         return {**kwargs, **overrides}
     sub_configs = {k: overrides.pop(k) for k in ("text_config", "vision_config") if k in overrides}
     kwargs.update(sub_configs)
+    if "tie_word_embeddings" in overrides:
+        kwargs["tie_word_embeddings"] = overrides["tie_word_embeddings"]
     kwargs["text_config"] = {**kwargs["text_config"], **overrides}
     return kwargs
 

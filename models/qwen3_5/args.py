@@ -44,9 +44,12 @@ class Qwen3_5Args(DecoderArgs):
     @classmethod
     def from_hf_config(cls, config) -> "Qwen3_5Args":
         """`config`: a text config (qwen3_5_text, qwen3_5_moe_text) or a composite one (qwen3_5,
-        qwen3_5_moe) whose `text_config` is read."""
+        qwen3_5_moe) whose `text_config` is read, but for `tie_word_embeddings`, read at the top
+        level as HF's vision-language model reads it."""
         text = config.get_text_config()
         fields = decoder_fields_from_hf(text)
+        if text is not config:  # HF's vision-language model ties its head by the top-level flag
+            fields["tie_word_embeddings"] = bool(config.tie_word_embeddings)
         args = cls(
             **fields,
             layer_types=list(text.layer_types),

@@ -30,6 +30,8 @@ CASES = {
     # Vision-language composites laid out as released (model.language_model.*, model.visual.*).
     "vision-language": ("qwen3_5", {}),
     "moe-vision-language": ("qwen3_5_moe", {}),
+    # A tied head, as the small Qwen3.5 checkpoints have: HF's composite ties by the top-level flag.
+    "vision-language-tied": ("qwen3_5", dict(tie_word_embeddings=True)),
     # Full attention first, one value head per key head, RoPE on half of each head, q/k/v/o bias,
     # tied head.
     "full-first-tied-bias": (
