@@ -74,6 +74,8 @@ class ServedPolicy:
             self._name, self._version = name, version
             if previous is not None and previous != name and previous not in self._retired:
                 self._retired.append(previous)
+            if name in self._retired:  # served again: no longer to be unloaded
+                self._retired.remove(name)
             self._changed.notify_all()
 
     def take_unused(self, leased_elsewhere: set[str | None] = frozenset()) -> list[str]:
