@@ -168,7 +168,7 @@ def _has_flag(args: tuple[str, ...], flag: str) -> bool:
 
 
 class Server:
-    """One server: its URL, and its process and log when this engine launched it."""
+    """One server: its URL, and its process and log when archon launched it."""
 
     def __init__(self, url: str, process: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
         self.url = url.rstrip("/")
