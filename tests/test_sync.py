@@ -105,6 +105,29 @@ def test_merged_payload_sends_the_modules_holding_lora(tiny_checkpoint, lora_mod
         assert torch.equal(param, before[name]), f"{name} changed by the merged payload"
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "gpt_oss"])
+def test_lora_modules_declare_their_adapter_and_its_delta(tiny_checkpoint, lora_model, model_type):
+    """adapter_params() of the LoRA modules are the model's LoRA parameters, and delta_weight() is
+    s * B @ A in each adapted weight's own shape."""
+    from archon.lora import lora_modules, lora_parameters
+
+    loaded = lora_model(tiny_checkpoint(model_type), LoRAConfig(rank=4, alpha=8))
+    declared = {f"{path}.{name}" for path, module in lora_modules(loaded.model) for name in module.adapter_params()}
+    assert declared == set(lora_parameters(loaded.model))
+    for path, module in lora_modules(loaded.model):
+        for name, delta in module.delta_weight().items():
+            weight = getattr(module, name)
+            assert delta.shape == weight.shape and delta.dtype == torch.float32, f"{path}.{name}"
+            if weight.ndim == 2:  # a linear: [out, in] = s * B[out, r] @ A[r, in]
+                expected = module.scaling * module.lora_b.weight.float() @ module.lora_a.weight.float()
+            else:  # stacked experts: per expert e, s * B[e] @ A[e], in the weight's layout
+                lora = getattr(module, f"{name}_lora")
+                expected = torch.stack([lora.scaling * b @ a for a, b in zip(lora.lora_a, lora.lora_b)])
+                if module.input_major:
+                    expected = expected.transpose(1, 2)
+            torch.testing.assert_close(delta, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_path):
     path = tiny_checkpoint("qwen3")
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
