@@ -77,7 +77,7 @@ class VLLMConfig:
     transport: Literal["disk", "collective"] = "disk"
     mode: Literal["adapter", "merged"] | None = None
     """adapter: vLLM applies the LoRA; merged: W + s*B@A is loaded into the served base weights.
-    Default: the mode the model's family is served in (its ModelSpec.vllm_mode), or merged when
+    Default: the mode the model's family is served in (its ModelSpec.vllm_modes), or merged when
     every weight is trained (no LoRA)."""
     sync_dir: str | None = None
     """Where disk sync writes adapters (must be readable by the servers); default: RUN_DIR/vllm_adapters."""
