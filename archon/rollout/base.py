@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from archon.rollout.policy import ServedPolicy
+
 
 @dataclass
 class SamplingParams:
@@ -62,6 +64,9 @@ class Sample:
 
 
 class RolloutEngine(Protocol):
+    policy: ServedPolicy
+    """The published adapter version (and served name) new requests use; the weight sync writes it."""
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         """`sampling.n` samples per prompt, ordered prompt by prompt."""
 
