@@ -32,6 +32,7 @@ from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import NonFiniteError, Trainer, TrainerConfig
 
 logger = logging.getLogger("archon.rl")
@@ -107,6 +108,7 @@ class RLRun:
             self.rollout = NativeRolloutEngine(
                 self.trainer.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
             )
+        self.sync = build_weight_sync(config.rollout, self.rollout, lora=config.lora, sync_dir=self.run_dir / "vllm_adapters")
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
         self._skipped_streak: list[int] = []
@@ -120,7 +122,7 @@ class RLRun:
 
     def _vllm_rollout(self):
         """Rank 0 launches (or connects to) the servers; the other ranks connect to the same URLs
-        for their share of the generation. Only rank 0 sends adapters."""
+        for their share of the generation. Only rank 0 sends adapters (see build_weight_sync)."""
         import dataclasses
 
         from archon.rollout.vllm import VLLMRolloutEngine
@@ -128,7 +130,7 @@ class RLRun:
         vllm_config = self.config.rollout.vllm
         kwargs = dict(
             model_path=self.config.model.path, lora_rank=self.config.lora.max_rank if self.config.lora else None,
-            log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
+            log_dir=self.run_dir,
         )  # fmt: skip
         rollout, failure = None, None
         if self.rank == 0:
@@ -284,7 +286,7 @@ class RLRun:
         self.trainer.advance_schedule()
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        self.rollout.update(version=step + 1, trainer=self.trainer)
+        sync_metrics = self._publish(step + 1)
         sync_s = time.perf_counter() - sync_start
 
         (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts,
@@ -312,11 +314,11 @@ class RLRun:
             "sync_s": sync_s,
             "step_s": step_s,
             "tokens_per_s": tokens / step_s,  # the step's training batch, all ranks
-            "adapter_version": float(self.rollout.version),
+            "adapter_version": float(step + 1),
             "skipped_updates": sum(u["skipped"] for u in updates),
         }
-        # what the last sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
-        for key, value in getattr(self.rollout, "last_sync", {}).items():
+        # what the sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
+        for key, value in sync_metrics.items():
             if key.endswith("_bytes"):
                 metrics[f"sync_{key}"] = value
         metrics.update(self._update_summary(updates))
@@ -408,7 +410,7 @@ class RLRun:
         self._reward_failure_streak = data.get("reward_failure_streak", [])
         self._skipped_steps = data.get("skipped_steps", 0)
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
-        self.rollout.update(version=first, trainer=self.trainer)
+        self._publish(first)
         if self.rank == 0:
             print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         return first
@@ -452,8 +454,12 @@ class RLRun:
         """Close the metrics files, reward workers and rollout servers (also when a step fails)."""
         self.metrics.close()
         self.scorer.close()
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.sync.close()
+        self.rollout.close()
+
+    def _publish(self, version: int) -> dict[str, float]:
+        """Make the trainer's current adapter `version` the one the rollout engine samples with."""
+        return self.sync.publish(self.trainer.model, self.trainer.converter, self.trainer.lora, version)
 
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,
