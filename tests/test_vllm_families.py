@@ -182,7 +182,7 @@ def test_vllm_cannot_load_qwen3_5_without_torchvision():
     imports transformers' Qwen2-VL image processor, which needs torchvision; no PyPI torchvision runs
     beside torch 2.13.0+cpu (0.28.0 fails with "operator torchvision::nms does not exist"), so the
     server exits while inspecting the architecture. The native engine is the tested rollout path for
-    this family. When this test fails, torchvision imports: add qwen3_5 to VLLM_MODE and measure."""
+    this family. When this test fails, torchvision imports: add qwen3_5 to FAMILIES and measure."""
     import importlib
 
     try:
@@ -190,6 +190,6 @@ def test_vllm_cannot_load_qwen3_5_without_torchvision():
     except (ImportError, RuntimeError):
         pass
     else:
-        pytest.fail("torchvision imports now: measure which vLLM mode serves qwen3_5 and add it to VLLM_MODE")
+        pytest.fail("torchvision imports now: add qwen3_5 to FAMILIES and measure which vLLM mode serves it")
     with pytest.raises(ModuleNotFoundError, match="torchvision"):
         importlib.import_module("vllm.model_executor.models.qwen3_5")
