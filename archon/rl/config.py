@@ -55,6 +55,14 @@ class RolloutConfig:
     top_k: int = 0
     max_batch_sequences: int = 512
     """Sequences generated together by the native engine."""
+    max_staleness: int = 0
+    """Asynchronous RL: with N >= 1 the rollouts of later steps are generated (vLLM) while the
+    current step trains, and a sample made with adapter version v is trained on only at trainer
+    version <= v + N (older groups are dropped and sampled again). 0: the synchronous loop."""
+    measure_version_gap: bool = True
+    """With max_staleness >= 1: score lagging samples again under the adapter version that sampled
+    them (one extra forward per lag present), to split the trainer-rollout log-prob gap into the
+    part due to version lag and the part due to numerics."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM servers, transport (disk, collective) and mode (adapter, merged); used with engine=vllm."""
 
@@ -423,6 +431,18 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     require(config.steps >= 1, "steps", config.steps, "must be at least 1")
     require(config.micro_batch_tokens >= 1, "micro_batch_tokens", config.micro_batch_tokens, "must be at least 1")
     require(rollout.prompts_per_step >= 1, "rollout.prompts_per_step", rollout.prompts_per_step, "must be at least 1")
+    require(rollout.max_staleness >= 0, "rollout.max_staleness", rollout.max_staleness, "must be 0 or more")
+    if rollout.max_staleness > 0:
+        require(
+            rollout.engine == "vllm", "rollout.engine", rollout.engine,
+            f"rollout.max_staleness={rollout.max_staleness} generates while the trainer trains, which needs "
+            "rollout servers (engine=vllm); the native engine runs on the training model and is synchronous",
+        )  # fmt: skip
+        require(
+            algorithm.recompute_old_logprobs, "algorithm.recompute_old_logprobs", algorithm.recompute_old_logprobs,
+            f"rollout.max_staleness={rollout.max_staleness} trains on samples of older adapter versions; the "
+            "trainer's log-probs before the update are the proximal policy of the decoupled objective",
+        )  # fmt: skip
     if algorithm.teacher_path is None:
         require(
             rollout.group_size >= 2, "rollout.group_size", rollout.group_size,
