@@ -19,13 +19,7 @@ import torch.distributed as dist
 from archon.batch import PackedBatch
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
-from archon.rl.advantages import (
-    distillation_advantages,
-    drgrpo_advantages,
-    groups_with_reward_variance,
-    grpo_advantages,
-    overlong_penalty,
-)
+from archon.rl.algorithms import get_algorithm
 from archon.rl.config import GRPOConfig, validate
 from archon.rl.data import (
     DataConfig,
@@ -33,7 +27,6 @@ from archon.rl.data import (
     load_prompt_dataset,
     tokenize_prompt,
 )
-from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
@@ -41,7 +34,7 @@ from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rl.versions import AdapterHistory, stale_groups
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
-from archon.trainer import LossContext, NonFiniteError, Trainer, TrainerConfig
+from archon.trainer import NonFiniteError, Trainer, TrainerConfig
 
 logger = logging.getLogger("archon.rl")
 CHECK_RUN_DIR = object()
@@ -73,10 +66,9 @@ class RLRun:
         if resume_from is CHECK_RUN_DIR:
             resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
         self.resume_from = resume_from
-        # Schedules count RL steps and last the run unless set; the Dr.GRPO length divisor is the
-        # generation limit unless set.
+        # Schedules count RL steps and last the run unless set.
         optim = config.optim.for_run(config.steps)
-        self.loss_config = config.algorithm.loss.for_rollout(config.rollout.max_new_tokens)
+        self.algorithm = get_algorithm(config.algorithm, config.rollout.max_new_tokens)
         self.trainer = Trainer(
             TrainerConfig(
                 model_path=config.model.path,
@@ -299,25 +291,15 @@ class RLRun:
         (proximal policy, reference, teacher)."""
         cfg, algo = self.config, self.config.algorithm
         G = cfg.rollout.group_size
-        rewards = scores.rewards
-        if algo.overlong_buffer:
-            rewards = rewards + overlong_penalty(
-                scores.lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor
-            )
-        if algo.loss.algorithm == "drgrpo":
-            advantages = drgrpo_advantages(rewards, G)
-        else:
-            advantages = grpo_advantages(rewards, G)
+        prepared = self.algorithm.prepare(
+            scores.rewards, scores.lengths, G,
+            batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64),
+        )  # fmt: skip
+        rewards, advantages, keep = prepared.rewards, prepared.advantages, prepared.keep
         self._step_extremes = {
             "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
             "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
         }
-        keep = torch.ones(len(rollouts.samples), dtype=torch.bool)
-        if algo.dynamic_sampling:
-            keep = groups_with_reward_variance(rewards, G).repeat_interleave(G)
-            if not keep.any():  # nothing to learn from here; train on the step with zero advantages
-                keep[:] = True
-                advantages = torch.zeros_like(advantages)
         kept = [s for s, k in zip(rollouts.samples, keep.tolist()) if k]
         batch = self._rollout_batch(kept, advantages[keep], step)
 
@@ -328,11 +310,13 @@ class RLRun:
             batch.old_logprobs = batch.rollout_logprobs.clone()
         mask = batch.loss_mask
         gaps = self._logprob_gaps(batch)
-        if algo.loss.kl_coef > 0:
+        if self.algorithm.needs_reference:
             batch.ref_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
         if self.teacher is not None:
-            batch.advantages = distillation_advantages(batch.old_logprobs, self._teacher_logprobs(batch)) * mask
-        prepared = {"keep": keep, "gaps": gaps, "score_s": time.perf_counter() - score_start}
+            batch.advantages = self.algorithm.token_advantages(
+                batch.advantages, batch.old_logprobs, self._teacher_logprobs(batch), mask
+            )
+        prepared = {"rewards": rewards, "keep": keep, "gaps": gaps, "score_s": time.perf_counter() - score_start}
         return batch, prepared
 
     def _rollout_batch(self, samples: list[Sample], advantages: torch.Tensor, step: int) -> PackedBatch:
@@ -385,17 +369,6 @@ class RLRun:
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
         return [lag for lag in range(1, present.numel()) if present[lag] > 0 and self.version - lag in self.adapter_history]
 
-    def _loss_fn(self, batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
-        loss_config = self.loss_config
-        loss, metrics = policy_loss(
-            loss_config, logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
-            normalizer=ctx.normalizer(loss_config.resolved_aggregation()),
-            ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
-        )  # fmt: skip
-        if ctx.entropy is not None:
-            metrics["entropy"] = (ctx.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
-        return loss, metrics
-
     def _teacher_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         from archon.head import label_logprobs
 
@@ -417,7 +390,7 @@ class RLRun:
                 chosen = groups[m * per_minibatch : (m + 1) * per_minibatch] or groups[-1:]
                 updates.append(
                     self.trainer.train_step(
-                        batch.select(chosen), self._loss_fn, self.config.rollout.temperature, with_entropy=True,
+                        batch.select(chosen), self.algorithm.loss, self.config.rollout.temperature, with_entropy=True,
                         advance_schedule=False,
                     )  # fmt: skip
                 )
@@ -439,7 +412,7 @@ class RLRun:
     def log_metrics(self, rollouts, scores, batch, prepared, updates, sync, timings) -> dict[str, float]:
         """Log: the step's metrics, summed or maxed over the data-parallel ranks."""
         G = self.config.rollout.group_size
-        rewards, lengths, gaps = scores.rewards, scores.lengths, prepared["gaps"]
+        rewards, lengths, gaps = prepared["rewards"], scores.lengths, prepared["gaps"]
         lag = batch.version_lag[batch.loss_mask].double()
         (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
          kept_groups, errors, timeouts, tokens, lag_sum, stale) = self._sum(
@@ -493,7 +466,8 @@ class RLRun:
         with every update skipped, the last update's (non-finite) values."""
         applied = [u for u in updates if not u["skipped"]] or updates[-1:]
         summary = {"lr": updates[0]["lr"]}
-        for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "kl", "entropy"):
+        for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "kl", "entropy", "entropy_bonus",
+                    "tis_weight_mean", "tis_clip_fraction", "icepop_masked_fraction", "dual_clip_fraction"):
             if key in applied[0]:
                 summary[key] = sum(u[key] for u in applied) / len(applied)
         if "ratio_max" in applied[0]:
