@@ -56,7 +56,7 @@ def _recording_collect(run: RLRun, trained: list) -> None:
 
     def recorded(step):
         rollouts = collect(step)
-        trained.append((step, run.version, [s.adapter_version for s in rollouts.samples],
+        trained.append((step, run.version, [v for s in rollouts.samples for v in [s.version, *s.token_versions]],
                         [ex.prompt for ex in rollouts.examples]))  # fmt: skip
         return rollouts
 

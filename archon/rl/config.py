@@ -25,7 +25,8 @@ from archon.rl.algorithms import ALGORITHMS, LossConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
-from archon.rollout.vllm import VLLMConfig, max_position_embeddings
+from archon.rollout.vllm import VLLMConfig
+from archon.rollout.vllm_server import max_position_embeddings
 from archon.trainer import OptimConfig
 
 

@@ -34,6 +34,7 @@ from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rl.versions import AdapterHistory, stale_groups
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import NonFiniteError, Trainer, TrainerConfig
 
 logger = logging.getLogger("archon.rl")
@@ -120,6 +121,7 @@ class RLRun:
             self.rollout = NativeRolloutEngine(
                 self.trainer.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
             )
+        self.sync = build_weight_sync(config.rollout, self.rollout, lora=config.lora, sync_dir=self.run_dir / "vllm_adapters")
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
         self._skipped_streak: list[int] = []
@@ -140,7 +142,7 @@ class RLRun:
 
     def _vllm_rollout(self):
         """Rank 0 launches (or connects to) the servers; the other ranks connect to the same URLs
-        for their share of the generation. Only rank 0 sends adapters."""
+        for their share of the generation. Only rank 0 sends adapters (see build_weight_sync)."""
         import dataclasses
 
         from archon.rollout.vllm import VLLMRolloutEngine
@@ -148,7 +150,7 @@ class RLRun:
         vllm_config = self.config.rollout.vllm
         kwargs = dict(
             model_path=self.config.model.path, lora_rank=self.config.lora.max_rank if self.config.lora else None,
-            log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
+            log_dir=self.run_dir,
         )  # fmt: skip
         rollout, failure = None, None
         if self.rank == 0:
@@ -260,7 +262,7 @@ class RLRun:
             return rollouts
         rollouts = self.producer.take(step)
         stale = stale_groups(
-            [s.adapter_version for s in rollouts.samples], self.config.rollout.group_size, step,
+            [min(s.token_versions, default=s.version) for s in rollouts.samples], self.config.rollout.group_size, step,
             self.config.rollout.max_staleness,
         )  # fmt: skip
         if stale:
@@ -333,7 +335,7 @@ class RLRun:
             start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
             span = slice(start, start + len(s.completion_ids))
             rollout_lp[span] = torch.tensor(s.logprobs)
-            version_lag[span] = step - s.adapter_version
+            version_lag[span] = step - torch.tensor(s.token_versions, dtype=torch.long)
         batch.rollout_logprobs = rollout_lp
         batch.version_lag = version_lag
         return batch
@@ -398,16 +400,16 @@ class RLRun:
         return updates
 
     def publish(self, version: int) -> dict[str, float]:
-        """Publish: the updated adapter becomes version `version` on the rollout side."""
+        """Publish: the weight sync makes the trained adapter version `version` on the rollout side;
+        returns what it sent (sync_adapter_bytes or sync_weight_bytes; rank 0 knows) and sync_s."""
         start = time.perf_counter()
-        self.rollout.update(version=version, trainer=self.trainer)
+        sent = self.sync.publish(self.trainer.model, self.trainer.converter, self.trainer.lora, version)
         self.version = version
         if self.producer is not None:
             self.adapter_history.record(self.trainer.model, version)
             self.producer.published(version)
-        # what the sync sent to the rollout servers (vLLM; rank 0 knows): adapter or weight bytes
-        sent = {f"sync_{k}": v for k, v in getattr(self.rollout, "last_sync", {}).items() if k.endswith("_bytes")}
-        return {"sync_s": time.perf_counter() - start, **sent}
+        metrics = {f"sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")}
+        return {"sync_s": time.perf_counter() - start, **metrics}
 
     def log_metrics(self, rollouts, scores, batch, prepared, updates, sync, timings) -> dict[str, float]:
         """Log: the step's metrics, summed or maxed over the data-parallel ranks."""
@@ -547,8 +549,7 @@ class RLRun:
         self._reward_failure_streak = data.get("reward_failure_streak", [])
         self._skipped_steps = data.get("skipped_steps", 0)
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
-        self.version = first
-        self.rollout.update(version=first, trainer=self.trainer)
+        self.publish(first)
         if self.rank == 0:
             print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         return first
@@ -603,8 +604,8 @@ class RLRun:
             self.producer.close()
         self.metrics.close()
         self.scorer.close()
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.sync.close()
+        self.rollout.close()
 
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,
