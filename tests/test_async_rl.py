@@ -138,3 +138,24 @@ def _build_setup(tmp_path):
     write_jsonl(train, root / "train.jsonl")
     write_jsonl(held_out, root / "held_out.jsonl")
     return root
+
+
+@pytest.mark.parametrize(
+    "model_type, flags, culprit",
+    [
+        ("qwen3_moe", [], "rollout.vllm.transport='disk': the model is served merged (rollout.vllm.mode is unset: "
+                          "its family is served merged)"),
+        ("qwen3", ["--rollout.max-staleness", "2"], "rollout.vllm.max_loras=2: with rollout.max_staleness=2 up to 3"),
+    ],
+)  # fmt: skip
+def test_vllm_mode_and_transport_problems_are_found_before_any_server_starts(
+    tiny_checkpoint, tmp_path, model_type, flags, culprit
+):
+    path = tiny_checkpoint(model_type)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    args = ["--model.path", str(path), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
+            "--logging.run-dir", str(tmp_path / "run"), *flags]  # fmt: skip
+    with pytest.raises(ValueError, match="invalid configuration") as error:
+        parse_config(args)
+    assert culprit in str(error.value), str(error.value)
+    assert not (tmp_path / "run").exists()

@@ -597,6 +597,34 @@ def _read_model_config(directory: str, field_name: str) -> dict | None:
         raise ValueError(f"{field_name}: {e}") from None
 
 
+def _vllm_mode_problems(config: GRPOConfig, model_config: dict) -> list[str]:
+    """The servers' mode (rollout.vllm.mode, or the family's) against the transport and the
+    staleness bound, before any server is launched."""
+    from archon.rollout.vllm import resolve_vllm_mode
+
+    vllm, max_staleness = config.rollout.vllm, config.rollout.max_staleness
+    try:
+        mode = resolve_vllm_mode(vllm, model_config, lora=config.lora is not None)
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    if mode == "merged" and vllm.transport == "disk":
+        why = "rollout.vllm.mode='merged'" if vllm.mode else (
+            f"the model is served merged (rollout.vllm.mode is unset: {'no LoRA' if config.lora is None else 'its family is served merged'})"
+        )  # fmt: skip
+        problems.append(
+            f"rollout.vllm.transport='disk': {why}, and merged weights go over the collective transport only; "
+            "set rollout.vllm.transport=collective"
+        )
+    if mode == "adapter" and max_staleness > 0 and not vllm.urls and vllm.max_loras < max_staleness + 1:
+        problems.append(
+            f"rollout.vllm.max_loras={vllm.max_loras}: with rollout.max_staleness={max_staleness} up to "
+            f"{max_staleness + 1} adapter versions are in use at once (requests in flight keep theirs); "
+            f"set it to {max_staleness + 1} or more"
+        )
+    return problems
+
+
 def _model_problems(config: GRPOConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         return []
@@ -625,6 +653,8 @@ def _model_problems(config: GRPOConfig) -> list[str]:
                     f"{name}={value}: the model's context is {context} tokens (max_position_embeddings in "
                     f"{Path(config.model.path) / 'config.json'}), which leaves no room for a prompt"
                 )
+    if config.rollout.engine == "vllm" and student is not None:
+        problems += _vllm_mode_problems(config, student)
     teacher_path = config.algorithm.teacher_path
     if teacher_path is not None:
         teacher = _read_model_config(teacher_path, "algorithm.teacher_path")
