@@ -80,7 +80,7 @@ def _run(files, server, staleness: int, args: BenchArgs, out: Path) -> dict:
         "--logging.run-dir", str(run_dir), "--overwrite", "--logging.no-progress", "--logging.no-tensorboard",
         *args.extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", WORKER_SECRET_ENV: server.worker_secret}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", WORKER_SECRET_ENV: server.servers.worker_secret}
     start = time.perf_counter()
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
