@@ -145,7 +145,8 @@ def _build_setup(tmp_path):
     [
         ("qwen3_moe", [], "rollout.vllm.transport='disk': the model is served merged (rollout.vllm.mode is unset: "
                           "its family is served merged)"),
-        ("qwen3", ["--rollout.max-staleness", "2"], "rollout.vllm.max_loras=2: with rollout.max_staleness=2 up to 3"),
+        ("qwen3", ["--rollout.max-staleness", "2", "--rollout.vllm.max-loras", "1"],
+         "rollout.vllm.max_loras=1: with rollout.max_staleness=2 the requests in flight keep their adapter"),
     ],
 )  # fmt: skip
 def test_vllm_mode_and_transport_problems_are_found_before_any_server_starts(
@@ -159,3 +160,41 @@ def test_vllm_mode_and_transport_problems_are_found_before_any_server_starts(
         parse_config(args)
     assert culprit in str(error.value), str(error.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_collect_drops_and_samples_again_the_groups_older_than_the_bound(tmp_path):
+    """Rollouts that arrive with a group older than trainer version - N (the producer's gating
+    prevents it; this is the guard behind it): that group is sampled again under the current
+    adapter, the others are kept as they are, and the drop is counted."""
+    import dataclasses
+
+    from test_grpo_recipe import _args
+
+    from archon.rl.loop import RLRun
+
+    root = _build_setup(tmp_path)
+    run = RLRun(parse_config(_args(root, tmp_path / "run", steps=4) + ["--eval.every", "0"]))
+    try:
+        run.config = dataclasses.replace(run.config, rollout=dataclasses.replace(run.config.rollout, max_staleness=1))
+        run.publish(3)  # the trainer holds version 3: samples of versions 2 and 3 are trainable
+        made = run.generate_rollouts(3)
+        G = run.config.rollout.group_size
+        kept_before = [list(s.completion_ids) for s in made.samples[G:]]
+        for i, sample in enumerate(made.samples):
+            version = 0 if i < G else 2  # group 0 too old, the others one version behind
+            sample.version, sample.token_versions = version, [version] * len(sample.completion_ids)
+
+        class Ahead:  # a producer that made this step's rollouts long ago
+            def take(self, step):
+                return made
+
+        run.producer = Ahead()
+        rollouts = run.collect(3)
+        assert rollouts.stale_dropped == G
+        assert {s.version for s in rollouts.samples[:G]} == {3}
+        assert all(s.prompt_index == 0 for s in rollouts.samples[:G])
+        assert [s.version for s in rollouts.samples[G:]] == [2] * (len(made.samples) - G)
+        assert [list(s.completion_ids) for s in rollouts.samples[G:]] == kept_before
+    finally:
+        run.producer = None
+        run.close()

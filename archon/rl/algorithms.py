@@ -160,12 +160,13 @@ class LossConfig:
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus entropy_coef * the mean entropy of the response tokens,
     aggregated like the policy loss; 0 disables it."""
-    importance_sampling: ImportanceSampling = "none"
+    importance_sampling: ImportanceSampling | None = None
     """Off-policy correction (the decoupled PPO objective): the PPO ratio is taken against pi_old,
     the trainer's score of the batch before the update, and each token's loss is multiplied by the
     truncated weight pi_old / mu for the behaviour policy mu that sampled it. token: a weight per
     token; sequence: one weight per response, exp(sum of its tokens' log-ratios). none: no weight.
-    Needs algorithm.recompute_old_logprobs."""
+    Default: token in the asynchronous mode (rollout.max_staleness >= 1), where mu is an older
+    adapter, and none otherwise. Needs algorithm.recompute_old_logprobs."""
     importance_cap: float = 2.0
     """Truncation C of the importance weights: w = min(ratio, C). Must be > 0."""
     icepop_band: tuple[float, float] | None = None
@@ -195,7 +196,7 @@ class PreparedRewards:
 class Algorithm:
     """A registered algorithm with its settings resolved against the run's config."""
 
-    def __init__(self, config: AlgorithmConfig, max_new_tokens: int) -> None:
+    def __init__(self, config: AlgorithmConfig, max_new_tokens: int, max_staleness: int = 0) -> None:
         loss = config.loss
         if loss.algorithm not in ALGORITHMS:
             raise ValueError(unknown_algorithm(loss.algorithm))
@@ -208,6 +209,7 @@ class Algorithm:
         self.clip_high = self.spec.clip_high if loss.clip_high is None else loss.clip_high
         self.aggregation: Aggregation = loss.aggregation or self.spec.aggregation
         self.max_response_length = loss.max_response_length or max_new_tokens
+        self.importance_sampling = importance_sampling_for(loss, max_staleness)
         """The Dr.GRPO length divisor: the generation limit unless set."""
 
     @property
@@ -281,15 +283,15 @@ class Algorithm:
         )  # fmt: skip
         metrics = ratio_metrics(logprobs - old, mask, clipped)
         metrics.update(extra)
-        if config.importance_sampling != "none" or config.icepop_band is not None:
+        if self.importance_sampling != "none" or config.icepop_band is not None:
             if batch.rollout_logprobs is None:
                 raise ValueError(
                     "importance_sampling or icepop_band is set but the batch has no rollout_logprobs (the "
                     "behaviour policy's log-probs)"
                 )
-        if config.importance_sampling != "none":
+        if self.importance_sampling != "none":
             weights, is_metrics = importance_weights(
-                old, batch.rollout_logprobs, mask, cu_seqlens, config.importance_sampling, config.importance_cap
+                old, batch.rollout_logprobs, mask, cu_seqlens, self.importance_sampling, config.importance_cap
             )
             token_losses = token_losses * weights
             metrics.update(is_metrics)
@@ -322,8 +324,16 @@ class Algorithm:
         return aggregate_token_losses(values, mask, cu_seqlens, self.aggregation, ctx, self.max_response_length)
 
 
-def get_algorithm(config: AlgorithmConfig, max_new_tokens: int) -> Algorithm:
+def importance_sampling_for(loss: LossConfig, max_staleness: int) -> ImportanceSampling:
+    """loss.importance_sampling, or its default: token when samples may come from an older adapter."""
+    if loss.importance_sampling is not None:
+        return loss.importance_sampling
+    return "token" if max_staleness > 0 else "none"
+
+
+def get_algorithm(config: AlgorithmConfig, max_new_tokens: int, max_staleness: int = 0) -> Algorithm:
     """The algorithm named by config.loss.algorithm, its defaults resolved; max_new_tokens is the
-    generation limit (the overlong penalty's length, the default Dr.GRPO divisor). An unknown name
-    is a ValueError that lists the registered ones."""
-    return Algorithm(config, max_new_tokens)
+    generation limit (the overlong penalty's length, the default Dr.GRPO divisor), max_staleness the
+    rollouts' staleness bound (the default importance sampling). An unknown name is a ValueError
+    that lists the registered ones."""
+    return Algorithm(config, max_new_tokens, max_staleness)

@@ -19,9 +19,9 @@ from typing import Any, Literal
 from archon.lora import LoRAConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
+from archon.rl.algorithms import ALGORITHMS, LossConfig, importance_sampling_for
 from archon.rl.data import DataConfig
 from archon.rl.losses import ppo_clip_token_losses
-from archon.rl.algorithms import ALGORITHMS, LossConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
@@ -480,7 +480,8 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     require(loss.kl_coef >= 0, "algorithm.loss.kl_coef", loss.kl_coef, "must be >= 0 (0 disables the KL penalty)")
     require(loss.importance_cap > 0, "algorithm.loss.importance_cap", loss.importance_cap, "must be > 0")
     for name, value, enabled in (
-        ("algorithm.loss.importance_sampling", loss.importance_sampling, loss.importance_sampling != "none"),
+        ("algorithm.loss.importance_sampling", loss.importance_sampling,
+         importance_sampling_for(loss, rollout.max_staleness) != "none"),
         ("algorithm.loss.icepop_band", loss.icepop_band, loss.icepop_band is not None),
     ):
         require(
@@ -616,11 +617,11 @@ def _vllm_mode_problems(config: GRPOConfig, model_config: dict) -> list[str]:
             f"rollout.vllm.transport='disk': {why}, and merged weights go over the collective transport only; "
             "set rollout.vllm.transport=collective"
         )
-    if mode == "adapter" and max_staleness > 0 and not vllm.urls and vllm.max_loras < max_staleness + 1:
+    if mode == "adapter" and max_staleness > 0 and not vllm.urls and vllm.max_loras < 2:
         problems.append(
-            f"rollout.vllm.max_loras={vllm.max_loras}: with rollout.max_staleness={max_staleness} up to "
-            f"{max_staleness + 1} adapter versions are in use at once (requests in flight keep theirs); "
-            f"set it to {max_staleness + 1} or more"
+            f"rollout.vllm.max_loras={vllm.max_loras}: with rollout.max_staleness={max_staleness} the requests in "
+            "flight keep their adapter version while the next one is served, so a server batch holds two "
+            "adapters at once; set it to 2 or more"
         )
     return problems
 

@@ -1,8 +1,12 @@
-"""The GRPO-family RL loop: rollout -> reward -> advantages -> (old log-probs) -> PPO epochs ->
-adapter update -> evaluation -> logging -> checkpoints.
+"""The GRPO-family RL loop. Each RL step runs named phases: collect (the step's rollouts) ->
+score (rewards) -> prepare (advantages, filters, the packed batch, the log-probs the loss needs) ->
+train (PPO epochs x minibatches) -> publish (the weight sync serves the new adapter version) ->
+log; then evaluation and checkpoints. With rollout.max_staleness >= 1 a producer thread makes the
+rollouts of later steps while the current one trains (archon.rl.producer).
 
 Every rank runs this; data-parallel ranks take their own share of each step's prompts, and the
-metrics are reduced over them before rank 0 logs.
+metrics are reduced over them before rank 0 logs. With vLLM rollouts, the first rank of each
+tensor-parallel group generates and sends the rollouts to its peers.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from archon.trainer import NonFiniteError, Trainer, TrainerConfig
 
 logger = logging.getLogger("archon.rl")
 CHECK_RUN_DIR = object()
+UPDATE_BOOKKEEPING = {
+    "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches", "optimizer_steps", "time_s", "num_tokens",
+}  # fmt: skip
+"""What Trainer.train_step reports about an update itself; the step logs its own counts and times."""
 
 
 class RewardFunctionError(RuntimeError):
@@ -56,6 +64,38 @@ class Scores:
     reward_metrics: dict[str, float]
 
 
+@dataclass
+class Prepared:
+    """What the prepare phase decided beside the batch: the shaped rewards, which samples the batch
+    filters kept, the trainer-rollout log-prob gaps (archon.rl.loop.RLRun._logprob_gaps) and the
+    seconds spent scoring with the trainer."""
+
+    rewards: torch.Tensor
+    keep: torch.Tensor
+    gaps: dict[str, torch.Tensor]
+    score_s: float
+
+
+def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_version: int) -> PackedBatch:
+    """The samples packed for training, with every completion token's behaviour (rollout) log-prob
+    and its version lag (`extras["version_lag"]`: trainer_version minus the version that sampled it)."""
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in samples],
+        prompt_lens=[len(s.prompt_ids) for s in samples],
+        advantages=advantages.tolist(),
+    )
+    rollout_lp = torch.zeros(batch.num_tokens)
+    version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
+    for i, s in enumerate(samples):
+        start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
+        span = slice(start, start + len(s.completion_ids))
+        rollout_lp[span] = torch.tensor(s.logprobs)
+        version_lag[span] = trainer_version - torch.tensor(s.token_versions, dtype=torch.long)
+    batch.rollout_logprobs = rollout_lp
+    batch.extras["version_lag"] = version_lag
+    return batch
+
+
 class RLRun:
     def __init__(self, config: GRPOConfig, resume_from: Path | None | object = CHECK_RUN_DIR) -> None:
         """`resume_from`: what `prepare_run_dir` returned, when the caller has checked the run
@@ -69,7 +109,7 @@ class RLRun:
         self.resume_from = resume_from
         # Schedules count RL steps and last the run unless set.
         optim = config.optim.for_run(config.steps)
-        self.algorithm = get_algorithm(config.algorithm, config.rollout.max_new_tokens)
+        self.algorithm = get_algorithm(config.algorithm, config.rollout.max_new_tokens, config.rollout.max_staleness)
         self.trainer = Trainer(
             TrainerConfig(
                 model_path=config.model.path,
@@ -106,7 +146,7 @@ class RLRun:
             self.eval_set = load_prompt_dataset(eval_data, self.tokenizer, context, self.eval_new_tokens)
             self._report_dataset("held-out", self.eval_set)
         self.teacher = None
-        if config.algorithm.teacher_path:
+        if self.algorithm.needs_teacher:
             from archon.build import build_model
 
             teacher_path = config.algorithm.teacher_path
@@ -122,6 +162,10 @@ class RLRun:
                 self.trainer.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
             )
         self.sync = build_weight_sync(config.rollout, self.rollout, lora=config.lora, sync_dir=self.run_dir / "vllm_adapters")
+        # vLLM serves every rank alike, so the first rank of each tensor-parallel group generates and
+        # sends the rollouts to its peers (the built-in engine generates on every rank, in lockstep)
+        self.share_rollouts_over_tp = config.rollout.engine == "vllm" and self.trainer.dims.tp > 1
+        self.generates_rollouts = not self.share_rollouts_over_tp or self.trainer.dims.tp_rank == 0
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
         self._skipped_streak: list[int] = []
@@ -224,14 +268,14 @@ class RLRun:
         start = time.perf_counter()
         rollouts = self.collect(step)
         self._trained_iterator_state = rollouts.iterator_state
-        scores = self.score(rollouts)
+        scores = self.score(rollouts.examples, rollouts.samples)
         self._reward_traceback = self.scorer.last_traceback
         batch, prepared = self.prepare(step, rollouts, scores)
         train_start = time.perf_counter()
         updates = self.train(batch)
         train_s = time.perf_counter() - train_start
         sync = self.publish(step + 1)
-        timings = {"rollout_s": rollouts.wait_s, "score_s": prepared["score_s"], "train_s": train_s,
+        timings = {"rollout_s": rollouts.wait_s, "score_s": prepared.score_s, "train_s": train_s,
                    "sync_s": sync["sync_s"], "step_s": time.perf_counter() - start}  # fmt: skip
         return self.log_metrics(rollouts, scores, batch, prepared, updates, sync, timings)
 
@@ -255,31 +299,52 @@ class RLRun:
     def collect(self, step: int) -> Rollouts:
         """Collect: the rollouts this step trains on. Synchronously they are made now; with
         rollout.max_staleness N >= 1 the producer made them ahead, and any group sampled with a
-        version older than step - N is dropped and sampled again."""
+        version older than step - N is dropped and sampled again. A failure on any rank stops every
+        rank here, before the step's collectives."""
+        rollouts, failure = None, None
+        if self.generates_rollouts:
+            try:
+                rollouts = self._own_rollouts(step)
+            except Exception as error:  # raised below, once every rank knows
+                failure = error
+        self._stop_if_any_rank_failed(step, failure)
+        if self.share_rollouts_over_tp:
+            shared = [rollouts]
+            dist.broadcast_object_list(shared, group=self.trainer.dims.tp_group, group_src=0)
+            rollouts = shared[0]
+        return rollouts
+
+    def _own_rollouts(self, step: int) -> Rollouts:
         if self.producer is None:
             rollouts = self.generate_rollouts(step)
             rollouts.wait_s = rollouts.generate_s
             return rollouts
         rollouts = self.producer.take(step)
-        stale = stale_groups(
-            [min(s.token_versions, default=s.version) for s in rollouts.samples], self.config.rollout.group_size, step,
-            self.config.rollout.max_staleness,
-        )  # fmt: skip
+        G = self.config.rollout.group_size
+        oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
+        stale = stale_groups(oldest, G, step, self.config.rollout.max_staleness)
         if stale:
             regenerated = self.rollout.generate(
                 self._prompt_ids([rollouts.examples[g] for g in stale]), self._sampling(step)
             )
             for slot, group in enumerate(stale):
-                G = self.config.rollout.group_size
                 for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
                     sample.prompt_index = group
                     rollouts.samples[group * G + i] = sample
-            rollouts.stale_dropped = len(stale) * self.config.rollout.group_size
+            rollouts.stale_dropped = len(stale) * G
         return rollouts
 
-    def score(self, rollouts: Rollouts) -> Scores:
+    def _stop_if_any_rank_failed(self, step: int, failure: Exception | None) -> None:
+        failed = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failure is not None:
+            raise failure
+        if failed.item() > 0:
+            raise RuntimeError(f"RL step {step + 1}: generating the rollouts failed on another rank (its log has the cause)")
+
+    def score(self, examples, samples: list[Sample]) -> Scores:
         """Score: rewards of the samples (reward workers), whether each is correct, response lengths."""
-        examples, samples = rollouts.examples, rollouts.samples
         completions = self._completions(samples)
         rewards, reward_metrics = self.scorer.score(
             [examples[s.prompt_index].prompt for s in samples], completions,
@@ -288,22 +353,22 @@ class RLRun:
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
         return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics)
 
-    def prepare(self, step: int, rollouts: Rollouts, scores: Scores) -> tuple[PackedBatch, dict]:
+    def prepare(self, step: int, rollouts: Rollouts, scores: Scores) -> tuple[PackedBatch, Prepared]:
         """Prepare: advantages and batch filters, the packed batch, and the log-probs the loss needs
         (proximal policy, reference, teacher)."""
         cfg, algo = self.config, self.config.algorithm
         G = cfg.rollout.group_size
-        prepared = self.algorithm.prepare(
+        shaped = self.algorithm.prepare(
             scores.rewards, scores.lengths, G,
             batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64),
         )  # fmt: skip
-        rewards, advantages, keep = prepared.rewards, prepared.advantages, prepared.keep
+        rewards, advantages, keep = shaped.rewards, shaped.advantages, shaped.keep
         self._step_extremes = {
             "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
             "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
         }
         kept = [s for s, k in zip(rollouts.samples, keep.tolist()) if k]
-        batch = self._rollout_batch(kept, advantages[keep], step)
+        batch = rollout_batch(kept, advantages[keep], trainer_version=step)
 
         score_start = time.perf_counter()
         if algo.recompute_old_logprobs:
@@ -318,27 +383,7 @@ class RLRun:
             batch.advantages = self.algorithm.token_advantages(
                 batch.advantages, batch.old_logprobs, self._teacher_logprobs(batch), mask
             )
-        prepared = {"rewards": rewards, "keep": keep, "gaps": gaps, "score_s": time.perf_counter() - score_start}
-        return batch, prepared
-
-    def _rollout_batch(self, samples: list[Sample], advantages: torch.Tensor, step: int) -> PackedBatch:
-        """The samples packed for training, with the behaviour (rollout) log-prob and the version lag
-        (trainer version `step` minus the sampling version) of every completion token."""
-        batch = PackedBatch.from_sequences(
-            [s.prompt_ids + s.completion_ids for s in samples],
-            prompt_lens=[len(s.prompt_ids) for s in samples],
-            advantages=advantages.tolist(),
-        )
-        rollout_lp = torch.zeros(batch.num_tokens)
-        version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
-        for i, s in enumerate(samples):
-            start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
-            span = slice(start, start + len(s.completion_ids))
-            rollout_lp[span] = torch.tensor(s.logprobs)
-            version_lag[span] = step - torch.tensor(s.token_versions, dtype=torch.long)
-        batch.rollout_logprobs = rollout_lp
-        batch.version_lag = version_lag
-        return batch
+        return batch, Prepared(rewards, keep, gaps, score_s=time.perf_counter() - score_start)
 
     def _logprob_gaps(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
         """|trainer - rollout| log-prob gap over the completion tokens, split in two when samples
@@ -349,23 +394,25 @@ class RLRun:
         mask = batch.loss_mask
         total = (batch.old_logprobs - batch.rollout_logprobs).abs()
         gaps = {"total": total[mask], "numerics": total[mask], "lag": torch.zeros(int(mask.sum()))}
-        lags = self._lagged_versions(batch)
-        if not lags or not self.config.rollout.measure_version_gap or not self.config.algorithm.recompute_old_logprobs:
+        if not self.config.rollout.measure_version_gap or not self.config.algorithm.recompute_old_logprobs:
+            return gaps
+        lags = self._lags_present(batch)
+        if not lags:
             return gaps
         at_sampling = batch.old_logprobs.clone()
         for lag in lags:
             with self.adapter_history.swapped_in(self.trainer.model, self.version - lag):
                 scored = self.trainer.logprobs(batch, self.config.rollout.temperature).logprobs
-            at_sampling = torch.where(batch.version_lag == lag, scored, at_sampling)
+            at_sampling = torch.where(batch.extras["version_lag"] == lag, scored, at_sampling)
         gaps["numerics"] = (at_sampling - batch.rollout_logprobs).abs()[mask]
         gaps["lag"] = (batch.old_logprobs - at_sampling).abs()[mask]
         return gaps
 
-    def _lagged_versions(self, batch: PackedBatch) -> list[int]:
+    def _lags_present(self, batch: PackedBatch) -> list[int]:
         """The version lags > 0 present on any data-parallel rank (so that every rank runs the same
-        forwards), among those the adapter history still holds."""
+        forwards), of versions the adapter history still holds."""
         present = torch.zeros(self.config.rollout.max_staleness + 1, dtype=torch.float64, device=self.device)
-        lags = batch.version_lag[batch.loss_mask].unique()
+        lags = batch.extras["version_lag"][batch.loss_mask].unique()
         present[lags[(lags > 0) & (lags < present.numel())].to(present.device)] = 1.0
         if self.dp > 1:
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
@@ -414,14 +461,14 @@ class RLRun:
     def log_metrics(self, rollouts, scores, batch, prepared, updates, sync, timings) -> dict[str, float]:
         """Log: the step's metrics, summed or maxed over the data-parallel ranks."""
         G = self.config.rollout.group_size
-        rewards, lengths, gaps = prepared["rewards"], scores.lengths, prepared["gaps"]
-        lag = batch.version_lag[batch.loss_mask].double()
+        rewards, lengths, gaps = prepared.rewards, scores.lengths, prepared.gaps
+        lag = batch.extras["version_lag"][batch.loss_mask].double()
         (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
          kept_groups, errors, timeouts, tokens, lag_sum, stale) = self._sum(
             len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),
             float(scores.correct.sum()), float(lengths.sum()), float(gaps["total"].sum()),
             float(gaps["total"].numel()), float(gaps["numerics"].sum()), float(gaps["lag"].sum()),
-            float(prepared["keep"].sum()) / G, scores.reward_metrics["reward_errors"],
+            float(prepared.keep.sum()) / G, scores.reward_metrics["reward_errors"],
             scores.reward_metrics["reward_timeouts"], float(batch.num_tokens), float(lag.sum()),
             float(rollouts.stale_dropped),
         )  # fmt: skip
@@ -444,9 +491,11 @@ class RLRun:
             "skipped_updates": sum(u["skipped"] for u in updates),
         }
         # version lag of the trained tokens, the log-prob gap split by cause, stale groups dropped and
-        # sampled again, and how long each side waited for the other (synchronously the rollout side
-        # waits while the trainer scores, trains and publishes)
-        idle = self.producer.idle_since_last() if self.producer is not None else step_s - rollouts.generate_s
+        # sampled again, and how long each side waited for the other
+        if self.producer is not None:  # over the time since the previous step's rollouts were taken
+            idle, elapsed = self.producer.idle_since_last()
+        else:  # synchronously the rollout side waits while the trainer scores, trains and publishes
+            idle, elapsed = step_s - rollouts.generate_s, step_s
         metrics.update({
             "version_lag_mean": lag_sum / max(gap_n, 1.0),
             "version_lag_max": self._max(float(lag.max()) if lag.numel() else 0.0),
@@ -456,7 +505,7 @@ class RLRun:
             "trainer_idle_s": rollouts.wait_s,
             "rollout_idle_s": idle,
             "trainer_idle_fraction": rollouts.wait_s / step_s,
-            "rollout_idle_fraction": min(max(idle, 0.0) / step_s, 1.0),
+            "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
         })  # fmt: skip
         metrics.update(sync)
         metrics.update(self._update_summary(updates))
@@ -464,16 +513,20 @@ class RLRun:
 
     @staticmethod
     def _update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
-        """The RL step's training metrics: means over its applied updates (ratio_max: the maximum);
-        with every update skipped, the last update's (non-finite) values."""
+        """The RL step's training metrics: the loss, the gradient norm and every metric the loss
+        reports, averaged over the applied updates (`*_max` / `*_min`: the extreme); with every
+        update skipped, the last
+        update's (non-finite) values. `lr` is the step's (the schedule moves once per RL step)."""
         applied = [u for u in updates if not u["skipped"]] or updates[-1:]
         summary = {"lr": updates[0]["lr"]}
-        for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "kl", "entropy", "entropy_bonus",
-                    "tis_weight_mean", "tis_clip_fraction", "icepop_masked_fraction", "dual_clip_fraction"):
-            if key in applied[0]:
-                summary[key] = sum(u[key] for u in applied) / len(applied)
-        if "ratio_max" in applied[0]:
-            summary["ratio_max"] = max(u["ratio_max"] for u in applied)
+        for key in applied[0]:
+            if key in UPDATE_BOOKKEEPING:
+                continue
+            values = [u[key] for u in applied]
+            if key.endswith("_max") or key.endswith("_min"):
+                summary[key] = max(values) if key.endswith("_max") else min(values)
+            else:
+                summary[key] = sum(values) / len(values)
         return summary
 
     def _count_skipped(self, step: int, metrics: dict[str, float]) -> None:
@@ -523,7 +576,7 @@ class RLRun:
         samples = self.rollout.generate(self._prompt_ids(examples), sampling) if examples else []
         if not examples:  # keep the collectives of the generation in step with the other ranks
             self.rollout.generate([[self.stop_token_ids[0] if self.stop_token_ids else 0]], sampling)
-        rewards = self.score(Rollouts(-1, examples, samples, {}, 0.0)).rewards if samples else torch.zeros(0)
+        rewards = self.score(examples, samples).rewards if samples else torch.zeros(0)
         correct, total = self._sum(float((rewards >= 1.0).sum()), float(len(samples)))
         return correct / max(total, 1.0)
 
@@ -555,9 +608,10 @@ class RLRun:
         return first
 
     def _start_producer(self, first: int) -> RolloutProducer | None:
-        """The background producer of rollouts for steps first.. (rollout.max_staleness >= 1)."""
+        """The background producer of rollouts for steps first.. (rollout.max_staleness >= 1; on the
+        ranks that generate)."""
         max_staleness = self.config.rollout.max_staleness
-        if max_staleness == 0:
+        if max_staleness == 0 or not self.generates_rollouts:
             return None
         self.adapter_history.record(self.trainer.model, self.version)
         return RolloutProducer(self.generate_rollouts, first, self.config.steps, max_staleness, version=self.version)
@@ -571,11 +625,13 @@ class RLRun:
 
             progress = tqdm(total=cfg.steps, initial=first, desc="grpo", unit="step", dynamic_ncols=True)
         last: dict[str, float] = {}
-        self.producer = self._start_producer(first)
         eval_every = cfg.eval.every if self.eval_set is not None else 0
         if eval_every and first == 0:
             last["eval_accuracy"] = self.evaluate()
             self.metrics.log(0, {"eval_accuracy": last["eval_accuracy"]})
+        # after the first evaluation, so that the rollouts of the first steps are made (and timed)
+        # while training, as all later ones are
+        self.producer = self._start_producer(first)
         for step in range(first, cfg.steps):
             metrics = self.step(step)
             done = step + 1
@@ -601,11 +657,13 @@ class RLRun:
     def close(self) -> None:
         """Close the metrics files, reward workers and rollout servers (also when a step fails)."""
         if self.producer is not None:
-            self.producer.close()
+            self.producer.stop()  # no new steps; the servers' closing ends a generation under way
         self.metrics.close()
         self.scorer.close()
         self.sync.close()
         self.rollout.close()
+        if self.producer is not None:
+            self.producer.join()
 
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,

@@ -10,6 +10,7 @@ lockstep on their own.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from archon.rollout.base import Sample
+
+logger = logging.getLogger("archon.rl")
 
 
 @dataclass
@@ -50,6 +53,7 @@ class RolloutProducer:
         self._ready: queue.Queue = queue.Queue()
         self._stop = False
         self._idle_s = 0.0
+        self._last_call = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(first, last), name="archon-rollouts", daemon=True)
         self._thread.start()
 
@@ -82,15 +86,26 @@ class RolloutProducer:
         item.wait_s = time.perf_counter() - waited
         return item
 
-    def idle_since_last(self) -> float:
-        """Seconds the producer waited for a version since the last call (rollout idle time); the
-        time it spends on a step the trainer has not asked for yet counts as busy."""
+    def idle_since_last(self) -> tuple[float, float]:
+        """(seconds the producer waited for a version, seconds elapsed) since the last call: the
+        rollout side's idle time. Time spent on a step the trainer has not asked for yet is busy."""
+        now = time.perf_counter()
         with self._changed:
             idle, self._idle_s = self._idle_s, 0.0
-        return idle
+        elapsed, self._last_call = now - self._last_call, now
+        return idle, elapsed
 
-    def close(self, timeout: float = 30.0) -> None:
+    def stop(self) -> None:
+        """Start no further step (a generation under way runs on)."""
         with self._changed:
             self._stop = True
             self._changed.notify_all()
+
+    def join(self, timeout: float = 30.0) -> None:
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the rollout producer thread did not end within %.0f s; leaving it behind", timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.stop()
+        self.join(timeout)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from archon.lora import lora_parameters
+from archon.parallel.tensor_parallel import local_tensor
 
 
 def stale_groups(versions: list[int], group_size: int, trainer_version: int, max_staleness: int) -> list[int]:
@@ -36,7 +37,7 @@ class AdapterHistory:
         return version in self._versions
 
     def record(self, model: nn.Module, version: int) -> None:
-        self._versions[version] = {name: _local(p).detach().clone() for name, p in lora_parameters(model).items()}
+        self._versions[version] = {name: local_tensor(p).detach().clone() for name, p in lora_parameters(model).items()}
         for old in sorted(self._versions)[: -self.keep]:
             del self._versions[old]
 
@@ -44,18 +45,13 @@ class AdapterHistory:
     def swapped_in(self, model: nn.Module, version: int):
         """The model holds adapter `version` inside the block, its own factors again after it."""
         params = lora_parameters(model)
-        current = {name: _local(p).detach().clone() for name, p in params.items()}
+        current = {name: local_tensor(p).detach().clone() for name, p in params.items()}
         try:
             with torch.no_grad():
                 for name, tensor in self._versions[version].items():
-                    _local(params[name]).copy_(tensor)
+                    local_tensor(params[name]).copy_(tensor)
             yield
         finally:
             with torch.no_grad():
                 for name, tensor in current.items():
-                    _local(params[name]).copy_(tensor)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly DTensor) parameter this rank holds."""
-    return param.to_local() if hasattr(param, "to_local") else param
+                    local_tensor(params[name]).copy_(tensor)
