@@ -165,7 +165,7 @@ class LossContext:
     A loss function returns its micro-batch's *share* of the whole batch's loss: numerators summed
     over the micro-batch, divided by a count over the whole batch (all micro-batches, all
     data-parallel ranks); which count an aggregation divides by is decided in one place,
-    `archon.rl.losses.aggregation_normalizer`. The engine sums gradients over micro-batches and ranks.
+    `archon.rl.losses.aggregation_normalizer`. The trainer sums gradients over micro-batches and ranks.
     """
 
     global_tokens: torch.Tensor
@@ -273,7 +273,7 @@ class Trainer:
         use_adapter=False scores with the LoRA switched off: the reference (base) policy.
         """
         if not use_adapter and self.lora is None:
-            raise ValueError("use_adapter=False needs a LoRA model; this engine trains every parameter")
+            raise ValueError("use_adapter=False needs a LoRA model; this trainer trains every parameter")
         micro, count = self._micro_batches(batch)
         was_training = self.model.training
         self.model.eval()
@@ -472,7 +472,7 @@ class Trainer:
         from archon.lora.peft import save_peft_adapter
 
         if self.lora is None:
-            raise ValueError("export_peft needs a LoRA model; this engine trains every parameter")
+            raise ValueError("export_peft needs a LoRA model; this trainer trains every parameter")
         self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False)
         path = save_peft_adapter(
             self.model, self.converter, self.lora, out_dir,

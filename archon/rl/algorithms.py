@@ -75,6 +75,8 @@ class AlgorithmSpec:
     """Default aggregation of per-token losses."""
     needs_groups: bool = True
     """The advantages compare a sample with the other samples of its prompt (group_size >= 2)."""
+    dual_clip: bool = True
+    """The objective is the token-level PPO clip, which loss.clip_ratio_c (dual clip) bounds."""
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
@@ -97,11 +99,13 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         "GSPO: GRPO advantages, sequence-level ratio clipped in a small range",
         advantages=lambda rewards, group_size, batch_sum: grpo_advantages(rewards, group_size),
         objective=gspo_token_losses, clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean",
+        dual_clip=False,
     ),
     "cispo": AlgorithmSpec(
         "CISPO: GRPO advantages, clipped and detached importance weight on every token's log-prob",
         advantages=lambda rewards, group_size, batch_sum: grpo_advantages(rewards, group_size),
         objective=cispo_token_losses, clip_low=1.0, clip_high=4.0, aggregation="token_mean",
+        dual_clip=False,
     ),
     "rloo": AlgorithmSpec(
         "RLOO: leave-one-out baseline within the group, PPO clip, token mean",

@@ -21,7 +21,6 @@ from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import ALGORITHMS, LossConfig, importance_sampling_for
 from archon.rl.data import DataConfig
-from archon.rl.losses import ppo_clip_token_losses
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
@@ -501,7 +500,7 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
             "must be > 1 (None disables dual clip)",
         )  # fmt: skip
         require(
-            spec.objective is ppo_clip_token_losses, "algorithm.loss.clip_ratio_c", loss.clip_ratio_c,
+            spec.dual_clip, "algorithm.loss.clip_ratio_c", loss.clip_ratio_c,
             f"dual clip bounds the PPO clipped objective, which algorithm {loss.algorithm!r} does not use",
         )  # fmt: skip
     require(
