@@ -47,6 +47,7 @@ MODEL_CONFIG = dict(
     head_dim=128,
     max_position_embeddings=4096,
     tie_word_embeddings=False,
+    use_sliding_window=False,  # vLLM serves no mix of sliding-window and full layers
 )
 LORA_RANK, LORA_ALPHA = 16, 32.0
 PROMPTS = ["12+34=", "hello world"]

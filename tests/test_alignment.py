@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from archon.spec import supported_model_types
 from archon.tools.align import (
     MAX_ABS_LOGITS_DIFF,
     MAX_LORA_GRAD_REL_ERR,
@@ -94,12 +95,38 @@ def test_single_kind_per_layer_patterns_are_named():
     def patterns(model_type, **overrides):
         return single_kind_patterns(AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides)))
 
-    assert patterns("qwen3_moe") == ["decoder_sparse_step / mlp_only_layers (every layer sparse)"]
+    assert patterns("qwen3_moe", mlp_only_layers=[]) == ["decoder_sparse_step / mlp_only_layers (every layer sparse)"]
     assert patterns("qwen3_moe", mlp_only_layers=[0]) == []
+    assert patterns("qwen3", use_sliding_window=False) == ["layer_types (every layer 'full_attention')"]
     assert patterns("qwen2", use_sliding_window=False) == ["layer_types (every layer 'full_attention')"]
     assert patterns("qwen3_5") == []
     assert patterns("qwen3_5", layer_types=["linear_attention"] * 3) == ["layer_types (every layer 'linear_attention')"]
     assert patterns("glm4_moe", first_k_dense_replace=0, num_hidden_layers=2) == ["first_k_dense_replace=0 of 2 layers"]
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_tiny_config_holds_both_kinds_of_each_per_layer_pattern(model_type):
+    """The gate's tiny config of every registered model_type has both kinds of each per-layer pattern
+    (sliding and full attention, dense and sparse MLP, ...), so the gate can catch a port that treats
+    them alike."""
+    from transformers import AutoConfig
+
+    from archon.tools.align import single_kind_patterns, tiny_config_kwargs
+
+    assert single_kind_patterns(AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type))) == []
+
+
+def test_qwen3_moe_sliding_window_is_refused():
+    """HF's Qwen3-MoE config has no layer_types and slides every layer under use_sliding_window; archon
+    does not implement that and says which field."""
+    from transformers import AutoConfig
+
+    from archon.models.qwen3.args import Qwen3Args
+    from archon.tools.align import tiny_config_kwargs
+
+    config = AutoConfig.for_model("qwen3_moe", **tiny_config_kwargs("qwen3_moe", use_sliding_window=True))
+    with pytest.raises(ValueError, match=r"config.use_sliding_window=True is not supported for 'qwen3_moe'"):
+        Qwen3Args.from_hf_config(config)
 
 
 def test_special_tokens_outside_the_tiny_vocabulary_are_dropped(tmp_path):

@@ -28,8 +28,8 @@ def test_missing_key(tiny_checkpoint):
 
 def test_missing_expert(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
-    _rewrite(path, lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"))
-    with pytest.raises(KeyError, match=r"model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight"):
+    _rewrite(path, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
         build_model(path)
 
 

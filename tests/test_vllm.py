@@ -47,7 +47,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     tokenizer = build_char_tokenizer()
     model_dir = make_tiny_hf_checkpoint(
-        "qwen3", root / "model", vocab_size=len(tokenizer), head_dim=32, eos_token_id=tokenizer.eos_token_id
+        "qwen3", root / "model", vocab_size=len(tokenizer), head_dim=32, eos_token_id=tokenizer.eos_token_id,
+        use_sliding_window=False,  # vLLM serves no mix of sliding-window and full layers
     )
     tokenizer.save_pretrained(model_dir)
     trainer = Trainer(TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))

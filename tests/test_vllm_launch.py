@@ -121,8 +121,10 @@ def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, mon
     from archon.tools.align import make_tiny_hf_checkpoint
 
     tokenizer = build_char_tokenizer()
+    # use_sliding_window=False: vLLM serves no mix of sliding-window and full layers
     model = make_tiny_hf_checkpoint("qwen3", tmp_path / "model", vocab_size=len(tokenizer), head_dim=32,
-                                    eos_token_id=tokenizer.eos_token_id, max_position_embeddings=64)  # fmt: skip
+                                    eos_token_id=tokenizer.eos_token_id, max_position_embeddings=64,
+                                    use_sliding_window=False)  # fmt: skip
     tokenizer.save_pretrained(model)
     train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=4))
     write_jsonl(train, tmp_path / "train.jsonl")

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from archon.models.common.args import DecoderArgs, decoder_fields_from_hf
+from archon.models.common.args import SlidingWindowDecoderArgs, sliding_window_fields_from_hf
 
 
 @dataclass
-class Qwen3Args(DecoderArgs):
-    """Qwen3 (dense) and Qwen3-MoE hyper-parameters, named as in the HF config."""
+class Qwen3Args(SlidingWindowDecoderArgs):
+    """Qwen3 (dense) and Qwen3-MoE hyper-parameters, named as in the HF config; dense Qwen3 has
+    Qwen2's per-layer sliding windows."""
 
     attention_bias: bool = False
     # MoE (num_experts == 0 means dense)
@@ -27,10 +28,14 @@ class Qwen3Args(DecoderArgs):
 
     @classmethod
     def from_hf_config(cls, config) -> "Qwen3Args":
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("Qwen3 with use_sliding_window=True is not supported")
+        if getattr(config, "use_sliding_window", False) and getattr(config, "layer_types", None) is None:
+            # Qwen3-MoE's config has no layer_types: HF slides every layer of it
+            raise ValueError(
+                f"config.use_sliding_window=True is not supported for {config.model_type!r} "
+                "(a config without layer_types)"
+            )
         return cls(
-            **decoder_fields_from_hf(config),
+            **sliding_window_fields_from_hf(config),
             attention_bias=bool(getattr(config, "attention_bias", False)),
             num_experts=getattr(config, "num_experts", 0) or 0,
             num_experts_per_tok=getattr(config, "num_experts_per_tok", 0) or 0,

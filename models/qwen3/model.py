@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE on packed sequences.
+"""Qwen3 (per-layer sliding windows as Qwen2) and Qwen3-MoE on packed sequences.
 
 Module names follow HF (`layers.0.self_attn.q_proj`, `mlp.experts.gate_up_proj`, ...) without the
 `model.` prefix, so the state-dict converter is a rename plus expert stacking.
@@ -19,7 +19,12 @@ from archon.lora import LoRAConfig
 class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: Qwen3Args, layer_idx: int, lora: LoRAConfig | None) -> None:
         self_attn = Attention.from_args(
-            args, lora, qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm_eps=args.rms_norm_eps
+            args,
+            lora,
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+            qk_norm_eps=args.rms_norm_eps,
+            sliding_window=args.layer_sliding_window(layer_idx),
         )
         if args.is_moe_layer(layer_idx):
             mlp = SparseMoE(

