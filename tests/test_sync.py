@@ -4,7 +4,10 @@ The merged and full payloads are checked against the merged HF export (itself ch
 PEFT-merged HF logits in test_peft_export.py); the buckets go over a real gloo group between two
 threads."""
 
+import concurrent.futures
+import contextlib
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from archon.build import build_model
 from archon.lora import LoRAConfig
 from archon.lora.peft import save_merged_hf
 from archon.rollout.base import SamplingParams
+from archon.rollout.policy import ServedPolicy
+from archon.rollout.vllm_server import Server, VLLMServerError, VLLMServers
 from archon.sync import (
     StatelessGroup,
     full_payload,
@@ -260,12 +265,12 @@ def test_build_weight_sync_refuses_what_cannot_be_sent(tiny_checkpoint, tmp_path
     from archon.sync import build_weight_sync
 
     lora = LoRAConfig(rank=4, alpha=8)
-    with pytest.raises(ValueError, match=r"rollout.vllm.mode='merged' sends weights over the collective transport "
-                                         r"only, but rollout.vllm.transport='disk'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"rollout.vllm.transport='disk': rollout.vllm.mode='merged', and merged "
+                                         r"weights go over the collective transport only"):  # fmt: skip
         VLLMConfig(mode="merged", transport="disk")
     moe = _vllm_engine(tiny_checkpoint("qwen3_moe"), 4)  # merged: qwen3_moe's mode
-    with pytest.raises(ValueError, match=r"rollout.vllm.mode is unset and the model is served merged .* "
-                                         r"rollout.vllm.transport='disk'; set rollout.vllm.transport='collective'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"rollout.vllm.transport='disk': the model is served merged \(rollout.vllm.mode "
+                                         r"is unset: its family is served merged\), .*; set rollout.vllm.transport='collective'"):  # fmt: skip
         build_weight_sync(RolloutConfig(engine="vllm"), moe, lora=lora, sync_dir=tmp_path)
     adapter = _vllm_engine(tiny_checkpoint("qwen3"), None, mode="adapter")
     with pytest.raises(ValueError, match=r"rollout.vllm.mode='adapter' sends the LoRA adapter, but lora=None"):
@@ -276,3 +281,230 @@ def test_build_weight_sync_refuses_what_cannot_be_sent(tiny_checkpoint, tmp_path
     native = NativeRolloutEngine(build_model(tiny_checkpoint("qwen3")).model)
     with pytest.raises(TypeError, match=r"rollout.engine='vllm' needs a VLLMRolloutEngine, got NativeRolloutEngine"):
         build_weight_sync(RolloutConfig(engine="vllm"), native, lora=lora, sync_dir=tmp_path)
+
+
+# ---- vLLM syncs with fake servers and trainer ranks in threads ----------------------------------
+class _FakeServers:
+    """`n` servers as archon.rollout.vllm_server.VLLMServers presents them, with a pool of the same
+    size: completions answer at once; a worker receiving weights waits for the sender."""
+
+    wait_all = VLLMServers.wait_all
+
+    def __init__(self, n: int, fail_register: bool = False) -> None:
+        self.servers = [Server(f"http://fake-{i}") for i in range(n)]
+        self.config = SimpleNamespace(health_timeout_s=30.0)
+        self.served_model = "base"
+        self.fail_register = fail_register
+        self.sent = threading.Event()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(8, 2 * n))
+
+    def __iter__(self):
+        return iter(self.servers)
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def __getitem__(self, index: int) -> Server:
+        return self.servers[index]
+
+    def submit(self, fn, *args):
+        return self._pool.submit(fn, *args)
+
+    def check_alive(self, server) -> None:
+        pass
+
+    def request(self, server, method, path, body=None, timeout=None):
+        if path == "/v1/load_lora_adapter" and self.fail_register:
+            raise VLLMServerError(f"vLLM server {server.url}{path} answered HTTP 400: no adapter there")
+        count = len(body["prompt"]) * body["n"]
+        return {"choices": [{"index": i, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.5]},
+                             "finish_reason": "length"} for i in range(count)]}  # fmt: skip
+
+    def rpc(self, server, method, *args, timeout=600):
+        if method == "archon_worker_info":
+            return [{"rank": 0}]
+        if method == "archon_receive_weights" and not self.sent.wait(5):
+            raise VLLMServerError(f"{server.url}: the sender never sent")
+        return []
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _FakeGroup:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @staticmethod
+    def host_store(host, port, world_size):
+        return None
+
+
+class _WatchedPolicy(ServedPolicy):
+    """Counts the requests that asked for a lease."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Semaphore(0)
+
+    @contextlib.contextmanager
+    def lease(self):
+        self.asked.release()
+        with super().lease() as held:
+            yield held
+
+
+def test_a_merged_publish_sends_while_requests_wait_on_every_servers_pool_thread(tiny_checkpoint, monkeypatch):
+    """With n servers the servers' pool has 2n threads; n requests held back by the publish occupy
+    n of them, and the send needs n + 1 (a receiver per server and the sender): it must not wait
+    for them."""
+    import archon.sync.buckets
+    import archon.sync.process_group
+    from archon.sync.vllm import WorkerChannel
+
+    def fake_send(group, named_tensors, bucket_bytes):
+        sent = list(named_tensors)
+        servers.sent.set()
+        return {"bytes": sum(t.numel() * t.element_size() for _, t in sent), "buckets": 1, "tensors": len(sent)}
+
+    monkeypatch.setattr(archon.sync.buckets, "send_tensors", fake_send)
+    monkeypatch.setattr(archon.sync.process_group, "StatelessGroup", _FakeGroup)
+    engine = _vllm_engine(tiny_checkpoint("qwen3"), None, transport="collective")
+    servers = engine.servers = _FakeServers(4)
+    policy = engine.policy = _WatchedPolicy()
+    channel = WorkerChannel(servers, "127.0.0.1", 0, bucket_mb=1.0)
+    samples = []
+    producer = threading.Thread(target=lambda: samples.extend(engine.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=2))))
+    try:
+        with policy.exclusive():
+            producer.start()
+            for _ in range(4):  # one request per server, each on a pool thread, waiting for the swap
+                assert policy.asked.acquire(timeout=10)
+            stats = channel.send_weights([("w", torch.ones(3))])
+            policy.publish(None, 1)
+        producer.join(10)
+        assert stats["bytes"] == 12
+        assert [s.version for s in samples] == [1, 1, 1, 1]
+    finally:
+        channel.close()
+        servers.close()
+
+
+class _ThreadRanks:
+    """The torch.distributed calls the syncs make, between threads standing for trainer ranks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.local = threading.local()
+        self._barrier = threading.Barrier(world_size, timeout=10)
+        self._slots: list = [None] * world_size
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+    def broadcast_object_list(self, objects: list, src: int = 0) -> None:
+        if self.local.rank == src:
+            self._slots[src] = list(objects)
+        self._barrier.wait()
+        objects[:] = self._slots[src]
+        self._barrier.wait()
+
+    def all_gather_object(self, out: list, obj) -> None:
+        self._slots[self.local.rank] = obj
+        self._barrier.wait()
+        out[:] = list(self._slots)
+        self._barrier.wait()
+
+    def run(self, fn) -> list:
+        """fn(rank) on every rank at once; per rank its result or the exception it raised."""
+        outcomes: list = [None] * self.world_size
+
+        def target(rank: int) -> None:
+            self.local.rank = rank
+            try:
+                outcomes[rank] = fn(rank)
+            except Exception as e:  # noqa: BLE001 - returned to the test
+                outcomes[rank] = e
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        return outcomes
+
+
+class _FailingChannel:
+    """Rank 0's channel: the send fails once `release` is set."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def send(self, method, spec, named_tensors, device):
+        self.started.set()
+        self.release.wait(10)
+        raise VLLMServerError("archon worker method archon_receive_weights failed on vLLM server http://fake-0: boom")
+
+    def close(self) -> None:
+        pass
+
+
+def test_merged_publish_on_two_ranks_holds_requests_until_rank_0s_send_and_fails_on_both(tiny_checkpoint, monkeypatch):
+    import archon.sync.vllm
+    from archon.sync.vllm import CollectiveMergedSync
+
+    ranks = _ThreadRanks(2)
+    monkeypatch.setattr(archon.sync.vllm, "dist", ranks)
+    loaded = build_model(tiny_checkpoint("qwen3"))
+    channel = _FailingChannel()
+    policies = [ServedPolicy(version=3), ServedPolicy(version=3)]
+    syncs = [CollectiveMergedSync(SimpleNamespace(servers=_FakeServers(0), policy=policies[r], rank=r, model="m",
+                                                  session=f"s{r}"), channel) for r in range(2)]  # fmt: skip
+    observed = {}
+
+    def watch() -> None:  # while rank 0 sends, a request of rank 1 must wait
+        channel.started.wait(10)
+        request = threading.Thread(target=lambda: observed.setdefault("lease", policies[1].lease().__enter__()))
+        request.start()
+        request.join(0.5)
+        observed["during_send"] = (policies[1].version, "lease" in observed)
+        channel.release.set()
+        request.join(10)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    outcomes = ranks.run(lambda r: syncs[r].publish(loaded.model, loaded.converter, None, 4))
+    watcher.join(10)
+    assert observed["during_send"] == (3, False)
+    assert isinstance(outcomes[0], VLLMServerError)
+    assert isinstance(outcomes[1], RuntimeError) and str(outcomes[1]) == (
+        "the weight sync failed on trainer rank 0: VLLMServerError: " + str(outcomes[0])
+    )
+    assert [p.version for p in policies] == [3, 3]  # nobody tags requests with a version not served
+    assert observed["lease"] == (None, 3)
+
+
+def test_adapter_publish_failing_on_rank_0_before_the_broadcast_fails_every_rank_promptly(
+    tiny_checkpoint, lora_model, tmp_path, monkeypatch
+):
+    import archon.sync.vllm
+    from archon.sync.vllm import DiskAdapterSync
+
+    ranks = _ThreadRanks(2)
+    monkeypatch.setattr(archon.sync.vllm, "dist", ranks)
+    lora = LoRAConfig(rank=4, alpha=8)
+    loaded = lora_model(tiny_checkpoint("qwen3"), lora)
+    servers = [_FakeServers(1, fail_register=True), _FakeServers(0)]
+    syncs = [DiskAdapterSync(SimpleNamespace(servers=servers[r], policy=ServedPolicy(), rank=r, model="m",
+                                             session=f"s{r}"), tmp_path) for r in range(2)]  # fmt: skip
+    outcomes = ranks.run(lambda r: syncs[r].publish(loaded.model, loaded.converter, lora, 1))
+    assert isinstance(outcomes[0], VLLMServerError) and "HTTP 400: no adapter there" in str(outcomes[0])
+    assert isinstance(outcomes[1], RuntimeError)
+    assert str(outcomes[1]) == "the weight sync failed on trainer rank 0: VLLMServerError: " + str(outcomes[0])
+    assert [s.policy.version for s in syncs] == [0, 0]

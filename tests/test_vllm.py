@@ -212,7 +212,8 @@ def test_collective_sync_applies_versions_in_order_and_drops_the_old(setup):
     assert metrics["buckets"] > 4
     served = {m["id"] for m in server.servers.request(server.servers[0], "GET", "/v1/models")["data"]}
     assert names[-1] in served and names[0] not in served
-    assert [set(a) for a in setup["collective"].worker_adapters()] == [{names[-1]}]
+    in_worker_caches = [r for s in server.servers for r in server.servers.rpc(s, "archon_list_adapters")]
+    assert [set(a) for a in in_worker_caches] == [{names[-1]}]
 
 
 def _logprob_gap(trainer, samples) -> float:

@@ -15,7 +15,7 @@ from archon.rollout import vllm_server
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
 from archon.rollout.vllm_server import (
     VLLMServerError,
-    cpu_mla_attention_backend,
+    cpu_attention_backend,
     is_loopback_host,
     log_root_cause,
     resolve_max_model_len,
@@ -185,14 +185,14 @@ def test_a_server_killed_by_a_signal_reports_the_signal_and_the_logs_end(tmp_pat
 
 # ---- attention backend on CPUs with and without AMX ---------------------------------------------
 def test_mla_models_get_the_reference_cpu_backend_unless_bfloat16():
-    assert cpu_mla_attention_backend(DEEPSEEK_CONFIG, "float32") == "CPU_MLA"
-    assert cpu_mla_attention_backend(DEEPSEEK_CONFIG, "float16") == "CPU_MLA"
-    assert cpu_mla_attention_backend({**DEEPSEEK_CONFIG, "dtype": "float32"}, "auto") == "CPU_MLA"
-    assert cpu_mla_attention_backend({"text_config": DEEPSEEK_CONFIG}, "float32") == "CPU_MLA"
-    assert cpu_mla_attention_backend(DEEPSEEK_CONFIG, "bfloat16") is None  # AMX_MLA serves it
-    assert cpu_mla_attention_backend({**DEEPSEEK_CONFIG, "dtype": "bfloat16"}, "auto") is None
-    assert cpu_mla_attention_backend(QWEN3_CONFIG, "float32") is None  # CPU_ATTN serves every dtype
-    assert cpu_mla_attention_backend({**DEEPSEEK_CONFIG, "kv_lora_rank": None}, "float32") is None
+    assert cpu_attention_backend(DEEPSEEK_CONFIG, "float32") == "CPU_MLA"
+    assert cpu_attention_backend(DEEPSEEK_CONFIG, "float16") == "CPU_MLA"
+    assert cpu_attention_backend({**DEEPSEEK_CONFIG, "dtype": "float32"}, "auto") == "CPU_MLA"
+    assert cpu_attention_backend({"text_config": DEEPSEEK_CONFIG}, "float32") == "CPU_MLA"
+    assert cpu_attention_backend(DEEPSEEK_CONFIG, "bfloat16") is None  # AMX_MLA serves it
+    assert cpu_attention_backend({**DEEPSEEK_CONFIG, "dtype": "bfloat16"}, "auto") is None
+    assert cpu_attention_backend(QWEN3_CONFIG, "float32") is None  # CPU_ATTN serves every dtype
+    assert cpu_attention_backend({**DEEPSEEK_CONFIG, "model_type": "not_a_family"}, "float32") is None
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
@@ -210,7 +210,7 @@ def test_vllm_cpu_serves_fp32_mla_with_the_backend_archon_asks_for(amx, monkeypa
         pytest.skip("vLLM's AMX backends are x86 only")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     selector = AttentionSelectorConfig(head_size=576, dtype=torch.float32, kv_cache_dtype="auto", block_size=16, use_mla=True)
-    archon_choice = AttentionBackendEnum[cpu_mla_attention_backend(DEEPSEEK_CONFIG, "float32")]
+    archon_choice = AttentionBackendEnum[cpu_attention_backend(DEEPSEEK_CONFIG, "float32")]
     chosen = CpuPlatform.get_attn_backend_cls(archon_choice, selector)
     assert chosen == AttentionBackendEnum.CPU_MLA.get_path()
     assert torch.float32 in AttentionBackendEnum.CPU_MLA.get_class().supported_dtypes

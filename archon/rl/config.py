@@ -600,7 +600,7 @@ def _read_model_config(directory: str, field_name: str) -> dict | None:
 def _vllm_mode_problems(config: GRPOConfig, model_config: dict) -> list[str]:
     """The servers' mode (rollout.vllm.mode, or the family's) against the transport and the
     staleness bound, before any server is launched."""
-    from archon.rollout.vllm import resolve_vllm_mode
+    from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
 
     vllm, max_staleness = config.rollout.vllm, config.rollout.max_staleness
     try:
@@ -609,13 +609,7 @@ def _vllm_mode_problems(config: GRPOConfig, model_config: dict) -> list[str]:
         return [str(e)]
     problems = []
     if mode == "merged" and vllm.transport == "disk":
-        why = "rollout.vllm.mode='merged'" if vllm.mode else (
-            f"the model is served merged (rollout.vllm.mode is unset: {'no LoRA' if config.lora is None else 'its family is served merged'})"
-        )  # fmt: skip
-        problems.append(
-            f"rollout.vllm.transport='disk': {why}, and merged weights go over the collective transport only; "
-            "set rollout.vllm.transport=collective"
-        )
+        problems.append(merged_needs_collective(vllm, lora=config.lora is not None))
     if mode == "adapter" and max_staleness > 0 and not vllm.urls and vllm.max_loras < 2:
         problems.append(
             f"rollout.vllm.max_loras={vllm.max_loras}: with rollout.max_staleness={max_staleness} the requests in "

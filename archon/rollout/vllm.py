@@ -100,10 +100,20 @@ class VLLMConfig:
         if self.num_servers < 1 and not self.urls:
             raise ValueError(f"rollout.vllm.num_servers must be at least 1, got {self.num_servers}")
         if self.mode == "merged" and self.transport != "collective":
-            raise ValueError(
-                "rollout.vllm.mode='merged' sends weights over the collective transport only, but "
-                f"rollout.vllm.transport={self.transport!r}; set rollout.vllm.transport='collective'"
-            )
+            raise ValueError(merged_needs_collective(self, lora=True))
+
+
+def merged_needs_collective(config: VLLMConfig, lora: bool) -> str:
+    """Why merged serving refuses `config.transport` (disk): `lora` says whether the run trains a
+    LoRA, which makes an unset mode merged only if the family is served so."""
+    if config.mode is not None:
+        why = f"rollout.vllm.mode={config.mode!r}"
+    else:
+        why = f"the model is served merged (rollout.vllm.mode is unset: {'its family is served merged' if lora else 'no LoRA'})"
+    return (
+        f"rollout.vllm.transport={config.transport!r}: {why}, and merged weights go over the collective "
+        "transport only; set rollout.vllm.transport='collective'"
+    )
 
 
 def check_lora_rank(lora_rank: int | None, max_lora_rank: int) -> None:

