@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archon.grouped_mm import ExpertGroups, expert_matmul
 from archon.lora.config import LoRAConfig
 
 
@@ -137,10 +138,12 @@ class ExpertLoRA(nn.Module):
         nn.init.uniform_(self.lora_a, -bound, bound)
         nn.init.zeros_(self.lora_b)
 
-    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Low-rank update for tokens x[n, in] routed to `expert`: [n, out]."""
+    def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """Low-rank update for rows x[N, in] sorted by expert: [N, out]. Two grouped matmuls over all
+        experts, x @ A[e]^T then @ B[e]^T."""
         x = self.lora_dropout(x.to(self.lora_a.dtype))
-        return (x @ self.lora_a[expert].t()) @ self.lora_b[expert].t() * self.scaling
+        h = expert_matmul(x, self.lora_a.transpose(1, 2), groups)  # [N, r]
+        return expert_matmul(h, self.lora_b.transpose(1, 2), groups) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         """s * B @ A per expert in fp32, shape [E, out, in]."""

@@ -1,0 +1,99 @@
+"""One matmul per expert over rows sorted by expert, as a single grouped GEMM (`F.grouped_mm`).
+
+MoE experts and their LoRA factors are stacked weights W[E, in, out]. The token slots routed to them
+are sorted by expert, so expert e owns rows offsets[e-1]:offsets[e]. `expert_matmul` multiplies every
+expert's rows by its own W[e] in one kernel, forward and backward, with no host sync. Where grouped
+GEMM has no kernel (an old torch, an accelerator without one) it loops over the experts instead, and
+says why once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """How rows sorted by expert split among the experts.
+
+    offsets: int32 [E], the end of each expert's rows (the running sum of its row counts).
+    expert_of_row: [N], the expert of each row (non-decreasing).
+    grouped: one grouped GEMM per matmul (True) or the loop over experts (False).
+    """
+
+    offsets: torch.Tensor
+    expert_of_row: torch.Tensor
+    grouped: bool
+
+    @classmethod
+    def from_sorted(cls, expert_of_row: torch.Tensor, num_experts: int, grouped: bool) -> ExpertGroups:
+        """expert_of_row: [N] expert ids in non-decreasing order."""
+        counts = torch.bincount(expert_of_row, minlength=num_experts)
+        return cls(counts.cumsum(0).to(torch.int32), expert_of_row, grouped)
+
+
+def grouped_mm_unavailable(device: torch.device) -> str | None:
+    """Why grouped GEMM cannot run on `device` (logged once), or None when it can."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    reason = _grouped_mm_unavailable(device.type, capability)
+    if reason is not None:
+        _log_once(reason)
+    return reason
+
+
+@functools.cache
+def _grouped_mm_unavailable(device_type: str, capability: tuple[int, int] | None) -> str | None:
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    if device_type == "cpu":
+        return None
+    if device_type == "cuda":
+        if capability < (8, 0):
+            return f"grouped_mm needs CUDA capability 8.0 or newer, this device has {capability}"
+        return None
+    return f"torch has no grouped_mm kernel for device type {device_type!r}"
+
+
+@functools.cache
+def _log_once(reason: str) -> None:
+    log.warning("MoE experts run as a loop over experts: %s", reason)
+
+
+def expert_matmul(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """x [N, in] (rows sorted by expert) times each row's expert's weight[e] [in, out] -> [N, out].
+
+    `weight` [E, in, out] may be a transposed view of a stacked [E, out, in] weight.
+    """
+    if not groups.grouped:
+        return _looped_matmul(x, weight, groups.offsets)
+    # Grouped GEMM wants every matrix's leading stride to be a multiple of 16 bytes. Zero padding of
+    # the contraction dimension leaves the product unchanged; padded output columns are cut off.
+    align = 16 // x.element_size()
+    in_features, out_features = weight.shape[1:]
+    pad_in, pad_out = -in_features % align, -out_features % align
+    if pad_in:
+        x = F.pad(x, (0, pad_in))
+        weight = F.pad(weight, (0, 0, 0, pad_in))
+    if pad_out:
+        weight = F.pad(weight, (0, pad_out))
+    out = F.grouped_mm(x.contiguous(), weight, offs=groups.offsets)
+    return out[:, :out_features] if pad_out else out
+
+
+def _looped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Reference path: one matmul per expert that has rows (reads the offsets on the host)."""
+    outputs, start = [], 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            outputs.append(x[start:end] @ weight[expert])
+        start = end
+    if not outputs:
+        return x.new_zeros(0, weight.shape[-1])
+    return torch.cat(outputs, dim=0)
