@@ -39,8 +39,11 @@ class ExpertGroups:
         return cls(counts.cumsum(0).to(torch.int32), expert_of_row, grouped)
 
 
-def grouped_mm_unavailable(device: torch.device) -> str | None:
-    """Why grouped GEMM cannot run on `device` (logged once), or None when it can."""
+def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why grouped GEMM cannot run on `device` in `dtype` (logged once), or None when it can."""
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        # torch.compile traces grouped_mm through its meta kernel, which accepts bf16 only.
+        return f"under torch.compile, grouped_mm takes bf16 only, not {dtype}"
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     reason = _grouped_mm_unavailable(device.type, capability)
     if reason is not None:

@@ -131,7 +131,7 @@ class GroupedExperts(nn.Module, LoRAModule):
         return torch.zeros_like(x).index_add_(0, token_of_slot, y_sorted.to(x.dtype))
 
     def _use_grouped_mm(self, x: torch.Tensor) -> bool:
-        return self.grouped_mm and grouped_mm_unavailable(x.device) is None
+        return self.grouped_mm and grouped_mm_unavailable(x.device, x.dtype) is None
 
     def reset_lora_parameters(self) -> None:
         if self.gate_up_proj_lora is not None:
