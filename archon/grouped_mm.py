@@ -25,18 +25,19 @@ class ExpertGroups:
 
     offsets: int32 [E], the end of each expert's rows (the running sum of its row counts).
     expert_of_row: [N], the expert of each row (non-decreasing).
-    grouped: one grouped GEMM per matmul (True) or the loop over experts (False).
+    host_offsets: None for grouped GEMM; for the loop over experts, `offsets` read on the host (once
+        per layer, shared by its matmuls).
     """
 
     offsets: torch.Tensor
     expert_of_row: torch.Tensor
-    grouped: bool
+    host_offsets: list[int] | None
 
     @classmethod
     def from_sorted(cls, expert_of_row: torch.Tensor, num_experts: int, grouped: bool) -> ExpertGroups:
         """expert_of_row: [N] expert ids in non-decreasing order."""
-        counts = torch.bincount(expert_of_row, minlength=num_experts)
-        return cls(counts.cumsum(0).to(torch.int32), expert_of_row, grouped)
+        offsets = torch.bincount(expert_of_row, minlength=num_experts).cumsum(0).to(torch.int32)
+        return cls(offsets, expert_of_row, None if grouped else offsets.tolist())
 
 
 def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -74,8 +75,8 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -
 
     `weight` [E, in, out] may be a transposed view of a stacked [E, out, in] weight.
     """
-    if not groups.grouped:
-        return _looped_matmul(x, weight, groups.offsets)
+    if groups.host_offsets is not None:
+        return _looped_matmul(x, weight, groups.host_offsets)
     # Grouped GEMM wants every matrix's leading stride to be a multiple of 16 bytes. Zero padding of
     # the contraction dimension leaves the product unchanged; padded output columns are cut off.
     align = 16 // x.element_size()
@@ -90,13 +91,9 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -
     return out[:, :out_features] if pad_out else out
 
 
-def _looped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Reference path: one matmul per expert that has rows (reads the offsets on the host)."""
-    outputs, start = [], 0
-    for expert, end in enumerate(offsets.tolist()):
-        if end > start:
-            outputs.append(x[start:end] @ weight[expert])
-        start = end
-    if not outputs:
-        return x.new_zeros(0, weight.shape[-1])
-    return torch.cat(outputs, dim=0)
+def _looped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """Reference path: one matmul per expert. `split` (not slicing) so that the backward pass
+    concatenates the row gradients once instead of adding one full-size gradient per expert."""
+    counts = [end - start for start, end in zip([0, *offsets[:-1]], offsets)]
+    chunks = x[: offsets[-1]].split(counts)
+    return torch.cat([chunk @ weight[expert] for expert, chunk in enumerate(chunks)], dim=0)

@@ -194,8 +194,8 @@ class ExpertLoRA(nn.Module):
         """Low-rank update for rows x[N, in] sorted by expert: [N, out]. Two grouped matmuls over all
         experts, x @ A[e]^T then @ B[e]^T."""
         x = self.lora_dropout(x.to(self.lora_a.dtype))
-        h = expert_matmul(x, self.lora_a.transpose(1, 2), groups)  # [N, r]
-        return expert_matmul(h, self.lora_b.transpose(1, 2), groups) * self.scaling
+        h = expert_matmul(x, self.lora_a.transpose(1, 2), groups) * self.scaling  # [N, r]: scaled while small
+        return expert_matmul(h, self.lora_b.transpose(1, 2), groups)
 
     def delta_weight(self) -> torch.Tensor:
         """s * B @ A per expert in fp32, shape [E, out, in]."""
