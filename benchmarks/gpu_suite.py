@@ -323,7 +323,7 @@ def _align_family(ctx: Context, model_type: str) -> dict[str, Any]:
 
 def _nll_loss(batch, logprobs, ctx):
     """Mean negative log-likelihood of the completion tokens."""
-    return -(logprobs * batch.loss_mask).sum() / ctx.normalizer("token_mean"), {}
+    return -(logprobs * batch.loss_mask).sum() / ctx.global_tokens, {}
 
 
 def _train_batch(vocab: int, seq_lens: tuple[int, ...], seed: int):
@@ -631,7 +631,7 @@ def check_throughput(ctx: Context) -> dict[str, Any]:
     load_s = time.perf_counter() - start
 
     def pg_loss(mb, logprobs, lctx):
-        return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.normalizer("token_mean"), {}
+        return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.global_tokens, {}
 
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)

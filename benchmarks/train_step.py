@@ -212,7 +212,7 @@ def _archon_trainer(args: BenchArgs, lora: bool, activation_checkpoint: str = "n
 
 def _pg_loss(batch, logprobs, ctx):
     """Token-level policy gradient: -sum(A * log p) / #completion tokens."""
-    loss = -(logprobs * batch.advantages * batch.loss_mask).sum() / ctx.normalizer("token_mean")
+    loss = -(logprobs * batch.advantages * batch.loss_mask).sum() / ctx.global_tokens
     return loss, {}
 
 

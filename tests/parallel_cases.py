@@ -10,7 +10,7 @@ from archon.batch import PackedBatch
 from archon.checkpoint.hf import copy_local_into, local_region
 from archon.lora import LoRAConfig, is_lora_param
 from archon.parallel import ParallelConfig
-from archon.rl.losses import aggregate_token_losses, grpo_loss
+from archon.rl.losses import aggregate_token_losses, ppo_clip_token_losses, ratio_metrics
 from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
 SEQ_LENS = (30, 13, 30, 20, 30, 5)
@@ -50,14 +50,12 @@ def engine_config(hf_path, parallel: ParallelConfig | None = None, lora_dropout:
 def loss_fn(batch: PackedBatch, logprobs: torch.Tensor, ctx):
     """GRPO (sequence-level mean) plus a token-mean entropy bonus, so both normalisations and the
     entropy gradient are exercised."""
-    loss, metrics = grpo_loss(
-        logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
-        aggregation="seq_mean_token_mean", normalizer=ctx.normalizer("seq_mean_token_mean"),
-    )  # fmt: skip
-    bonus = aggregate_token_losses(
-        ctx.entropy, batch.loss_mask, batch.cu_seqlens, "token_mean", normalizer=ctx.normalizer("token_mean")
+    token_losses, clipped, _ = ppo_clip_token_losses(
+        logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.cu_seqlens, clip_low=0.2, clip_high=0.2
     )
-    return loss - 0.01 * bonus, metrics
+    loss = aggregate_token_losses(token_losses, batch.loss_mask, batch.cu_seqlens, "seq_mean_token_mean", ctx)
+    bonus = aggregate_token_losses(ctx.entropy, batch.loss_mask, batch.cu_seqlens, "token_mean", ctx)
+    return loss - 0.01 * bonus, ratio_metrics(logprobs - batch.old_logprobs, batch.loss_mask, clipped)
 
 
 @torch.no_grad()

@@ -183,7 +183,29 @@ VALIDATION_CASES = {
     "eval-every-negative": ({"eval.every": -1}, "eval.every=-1"),
     "eval-max-prompts-negative": ({"eval.max_prompts": -1}, "eval.max_prompts=-1"),
     "checkpoint-every-negative": ({"checkpoint.every": -2}, "checkpoint.every=-2"),
-    "tis-cap-zero": ({"algorithm.loss.tis_cap": 0.0}, "algorithm.loss.tis_cap=0.0"),
+    "importance-cap-zero": ({"algorithm.loss.importance_cap": 0.0}, "algorithm.loss.importance_cap=0.0"),
+    "importance-sampling-without-recompute": (
+        {"algorithm.loss.importance_sampling": "sequence", "algorithm.recompute_old_logprobs": False},
+        "algorithm.loss.importance_sampling='sequence': needs algorithm.recompute_old_logprobs=true",
+    ),  # fmt: skip
+    "icepop-band-outside-one": ({"algorithm.loss.icepop_band": (1.5, 5.0)}, "algorithm.loss.icepop_band=(1.5, 5.0)"),
+    "dual-clip-not-above-one": ({"algorithm.loss.clip_ratio_c": 0.9}, "algorithm.loss.clip_ratio_c=0.9: must be > 1"),
+    "dual-clip-with-cispo": (
+        {"algorithm.loss.clip_ratio_c": 3.0, "algorithm.loss.algorithm": "cispo"},
+        "algorithm.loss.clip_ratio_c=3.0: dual clip bounds the PPO clipped objective",
+    ),  # fmt: skip
+    "entropy-coef-negative": ({"algorithm.loss.entropy_coef": -0.01}, "algorithm.loss.entropy_coef=-0.01"),
+    "kl-cap-with-k2": (
+        {"algorithm.loss.kl_cap": 10.0, "algorithm.loss.kl_coef": 0.1, "algorithm.loss.kl_estimator": "k2"},
+        "algorithm.loss.kl_cap=10.0: caps the k3 estimator",
+    ),  # fmt: skip
+    "kl-cap-without-kl": ({"algorithm.loss.kl_cap": 10.0}, "algorithm.loss.kl_cap=10.0: has no effect"),
+    "distillation-weight-without-teacher": (
+        {"algorithm.distillation_weight": 0.5}, "algorithm.distillation_weight=0.5: weights a teacher's advantage"
+    ),  # fmt: skip
+    "group-of-one-rloo": (
+        {"rollout.group_size": 1, "algorithm.loss.algorithm": "rloo"}, "rollout.group_size=1: algorithm 'rloo'"
+    ),  # fmt: skip
     "kl-coef-negative": ({"algorithm.loss.kl_coef": -0.1}, "algorithm.loss.kl_coef=-0.1"),
     "temperature-zero": ({"rollout.temperature": 0.0}, "rollout.temperature=0.0"),
     "overlong-buffer-too-big": (

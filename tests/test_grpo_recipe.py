@@ -245,7 +245,7 @@ def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, mo
 def _nan_loss_at(run, bad_steps: set[int]):
     """Make the loss NaN during the given RL steps (1-based), through the loop's own loss function."""
     current = {"step": 0}
-    loss_fn, step_fn = run._loss_fn, run.step
+    loss_fn, step_fn = run.algorithm.loss, run.step
 
     def nan_loss(batch, logprobs, ctx):
         loss, metrics = loss_fn(batch, logprobs, ctx)
@@ -255,7 +255,7 @@ def _nan_loss_at(run, bad_steps: set[int]):
         current["step"] = index + 1
         return step_fn(index)
 
-    run._loss_fn, run.step = nan_loss, step
+    run.algorithm.loss, run.step = nan_loss, step
 
 
 def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_path):
@@ -328,13 +328,13 @@ def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
     run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.loss.algorithm", "drgrpo",
                               "--eval.every", "0"]))  # fmt: skip
     assert run.config.algorithm.loss.max_response_length is None
-    assert run.loss_config.max_response_length == 4  # rollout.max_new_tokens
+    assert run.algorithm.max_response_length == 4  # rollout.max_new_tokens
     # Ratio 1, so each token's loss is -A; 3 and 1 response tokens, divided by 2 sequences * max_new_tokens.
     batch = PackedBatch.from_sequences([[1, 2, 3, 4], [5, 6, 7]], prompt_lens=[1, 2], advantages=[0.5, -2.0])
     assert batch.loss_mask.sum() == 4
     batch.old_logprobs = torch.zeros(batch.num_tokens)
     ctx = LossContext(global_tokens=torch.tensor(5.0), global_sequences=torch.tensor(2.0))
-    loss, _ = run._loss_fn(batch, torch.zeros(batch.num_tokens), ctx)
+    loss, _ = run.algorithm.loss(batch, torch.zeros(batch.num_tokens), ctx)
     assert loss.item() == pytest.approx(-(3 * 0.5 + 1 * -2.0) / (2 * 4))
     run.run()
     records = _records(tmp_path / "run")

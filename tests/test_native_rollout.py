@@ -62,12 +62,13 @@ def test_stop_tokens_and_versions(tiny_checkpoint):
     trainer = NativeRolloutEngine(model)
     greedy = trainer.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0))[0]
     stop = greedy.completion_ids[2]
-    trainer.update(version=3)
+    trainer.policy.publish(None, 3)  # what the in-process weight sync does
     stopped = trainer.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(stop,)))[0]
     first_stop = greedy.completion_ids.index(stop)
     assert stopped.completion_ids == greedy.completion_ids[: first_stop + 1]
     assert stopped.finish_reason == "stop"
-    assert stopped.adapter_version == 3 and greedy.adapter_version == 0
+    assert stopped.version == 3 and greedy.version == 0
+    assert stopped.token_versions == [3] * len(stopped.completion_ids)
     assert trainer.health()["adapter_version"] == 3
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         trainer.generate([[1], []], SamplingParams())

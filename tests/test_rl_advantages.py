@@ -8,7 +8,10 @@ from archon.rl.advantages import (
     group_mean_std,
     groups_with_reward_variance,
     grpo_advantages,
+    mixed_distillation_advantages,
     overlong_penalty,
+    reinforce_pp_advantages,
+    rloo_advantages,
     sequence_lengths,
 )
 
@@ -105,3 +108,51 @@ def test_huge_finite_rewards_give_finite_advantages():
     dr = drgrpo_advantages(rewards, group_size=4)
     assert dr.dtype == torch.float32 and bool(torch.isfinite(dr).all()), dr
     assert dr[0].item() == pytest.approx(7.5e37, rel=1e-6) and dr[4].item() == pytest.approx(big, rel=1e-6)
+
+
+def test_rloo_leave_one_out_baseline():
+    # group 1 [1, 0, 0, 0]: 1 - 0 = 1, 0 - 1/3 for the others; group 2 all equal: 0;
+    # group 3 [3, 1, 2, 2]: 3 - 5/3 = 4/3, 1 - 7/3 = -4/3, 2 - 2 = 0, 0
+    expected = [1.0, -1 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0, 0.0, 4 / 3, -4 / 3, 0.0, 0.0]
+    torch.testing.assert_close(rloo_advantages(REWARDS, group_size=4), torch.tensor(expected))
+    # G / (G - 1) times the Dr.GRPO advantage
+    torch.testing.assert_close(rloo_advantages(REWARDS, 4), drgrpo_advantages(REWARDS, 4) * 4 / 3)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        rloo_advantages(REWARDS, group_size=1)
+
+
+def test_reinforce_pp_normalises_over_the_batch():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    # no group baseline: mean 1.75, unbiased std sqrt((0.5625 + 3.0625 + 1.5625 + 1.5625) / 3) = 1.5
+    adv = reinforce_pp_advantages(rewards, group_size=2, group_baseline=False, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([-0.5, -1.75 / 1.5, 1.25 / 1.5, 1.25 / 1.5]))
+    # REINFORCE++-baseline: group means 0.5 and 3 subtracted first: 0.5, -0.5, 0, 0; mean 0,
+    # std sqrt(0.5 / 3) = 0.4082483
+    adv = reinforce_pp_advantages(rewards, group_size=2, group_baseline=True, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([1.2247449, -1.2247449, 0.0, 0.0]))
+    assert torch.equal(reinforce_pp_advantages(torch.ones(4), 2, group_baseline=False), torch.zeros(4))
+
+
+def test_reinforce_pp_statistics_cover_every_rank():
+    """Rank 0 holds rewards [1, 0], rank 1 [3, 3]: with batch_sum adding rank 1's totals (count,
+    sum, sum of squares), rank 0 gets its share of the whole-batch normalisation."""
+    whole = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    for baseline in (False, True):
+        mine, theirs = whole[:2], whole[2:]
+        x = theirs.double() - (theirs.double().mean() if baseline else 0.0)
+        other = torch.stack([torch.tensor(2.0, dtype=torch.float64), x.sum(), x.square().sum()])
+        adv = reinforce_pp_advantages(mine, 2, group_baseline=baseline, batch_sum=lambda t: t + other)
+        torch.testing.assert_close(adv, reinforce_pp_advantages(whole, 2, group_baseline=baseline)[:2])
+        assert not torch.allclose(adv, reinforce_pp_advantages(mine, 2, group_baseline=baseline))
+
+
+def test_mixed_distillation_advantages():
+    task = torch.tensor([0.5, 0.5, 0.5, -1.0, -1.0])
+    student = torch.tensor([-1.0, -2.0, -0.5, -1.0, -1.0], requires_grad=True)
+    teacher = torch.tensor([-1.5, -1.0, -0.5, -2.0, 0.0])
+    # teacher - student = -0.5, 1, 0, -1, 1; task + 0.5 * that
+    adv = mixed_distillation_advantages(task, student, teacher, weight=0.5)
+    torch.testing.assert_close(adv, torch.tensor([0.25, 1.0, 0.5, -1.5, -0.5]))
+    assert not adv.requires_grad
+    with pytest.raises(ValueError, match="shape mismatch"):
+        mixed_distillation_advantages(task[:3], student, teacher, weight=0.5)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from archon.build import build_model
 from archon.lora import LoRAConfig
 from archon.lora.peft import save_merged_hf
+from archon.rollout.base import SamplingParams
 from archon.sync import (
     StatelessGroup,
     full_payload,
@@ -104,6 +105,29 @@ def test_merged_payload_sends_the_modules_holding_lora(tiny_checkpoint, lora_mod
         assert torch.equal(param, before[name]), f"{name} changed by the merged payload"
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "gpt_oss"])
+def test_lora_modules_declare_their_adapter_and_its_delta(tiny_checkpoint, lora_model, model_type):
+    """adapter_params() of the LoRA modules are the model's LoRA parameters, and delta_weight() is
+    s * B @ A in each adapted weight's own shape."""
+    from archon.lora import lora_modules, lora_parameters
+
+    loaded = lora_model(tiny_checkpoint(model_type), LoRAConfig(rank=4, alpha=8))
+    declared = {f"{path}.{name}" for path, module in lora_modules(loaded.model) for name in module.adapter_params()}
+    assert declared == set(lora_parameters(loaded.model))
+    for path, module in lora_modules(loaded.model):
+        for name, delta in module.delta_weight().items():
+            weight = getattr(module, name)
+            assert delta.shape == weight.shape and delta.dtype == torch.float32, f"{path}.{name}"
+            if weight.ndim == 2:  # a linear: [out, in] = s * B[out, r] @ A[r, in]
+                expected = module.scaling * module.lora_b.weight.float() @ module.lora_a.weight.float()
+            else:  # stacked experts: per expert e, s * B[e] @ A[e], in the weight's layout
+                lora = getattr(module, f"{name}_lora")
+                expected = torch.stack([lora.scaling * b @ a for a, b in zip(lora.lora_a, lora.lora_b)])
+                if module.input_major:
+                    expected = expected.transpose(1, 2)
+            torch.testing.assert_close(delta, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_path):
     path = tiny_checkpoint("qwen3")
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
@@ -119,3 +143,136 @@ def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_
     assert set(sent) == set(original)
     for key, tensor in sent.items():
         assert torch.equal(tensor, original[key]), key
+
+
+# ---- the published policy and the choice of weight sync -----------------------------------------
+def test_served_policy_leases_defer_the_unload_of_a_replaced_adapter():
+    from archon.rollout.policy import ServedPolicy
+
+    policy = ServedPolicy()
+    assert policy.current() == (None, 0)
+    policy.publish("v1", 1)
+    with policy.lease() as held:
+        assert held == ("v1", 1)
+        policy.publish("v2", 2)  # a request is in flight on v1
+        assert policy.current() == ("v2", 2) and policy.leased_names() == {"v1"}
+        assert policy.take_unused() == []  # v1 stays loaded while the request runs
+        with policy.lease() as newer:
+            assert newer == ("v2", 2)  # a request started after the publish gets the new version
+        assert held == ("v1", 1)
+    assert policy.in_flight() == 0
+    policy.publish("v3", 3)
+    assert policy.take_unused(leased_elsewhere={"v2"}) == ["v1"]  # v2 is held by another rank's request
+    assert policy.take_unused() == ["v2"] and policy.take_unused() == []
+    policy.publish("v4", 4)
+    policy.publish("v3", 5)  # served again: not to be unloaded
+    assert policy.take_unused() == ["v4"]
+
+
+def test_served_policy_exclusive_waits_for_requests_in_flight_and_holds_new_ones():
+    from archon.rollout.policy import ServedPolicy
+
+    policy = ServedPolicy(version=1)
+    events: list[str] = []
+    in_flight, finish, swapping, held_back_started = (threading.Event() for _ in range(4))
+
+    def request(label: str, started: threading.Event, until: threading.Event | None) -> None:
+        started.set()
+        with policy.lease() as (_, version):
+            events.append(f"{label} starts on v{version}")
+            in_flight.set()
+            if until is not None:
+                until.wait(10)
+            events.append(f"{label} ends")
+
+    def publish() -> None:
+        with policy.exclusive():
+            events.append("swap")
+            swapping.set()
+            policy.publish(None, 2)
+
+    first = threading.Thread(target=request, args=("first", threading.Event(), finish))
+    first.start()
+    assert in_flight.wait(10)
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    while not policy._exclusive:  # the publish has begun and waits for the first request
+        publisher.join(0.01)
+    second = threading.Thread(target=request, args=("second", held_back_started, None))
+    second.start()
+    assert held_back_started.wait(10)
+    assert not swapping.wait(0.2), "the swap ran while a request was in flight"
+    finish.set()
+    for thread in (first, publisher, second):
+        thread.join(10)
+    assert events == ["first starts on v1", "first ends", "swap", "second starts on v2", "second ends"]
+
+
+def _vllm_engine(path, lora_rank, **config):
+    """A vLLM engine that holds no servers (a rank other than 0 with no URLs): enough to choose a sync."""
+    from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    return VLLMRolloutEngine(VLLMConfig(**config), model_path=str(path), lora_rank=lora_rank, rank=1)
+
+
+def test_build_weight_sync_follows_the_engine_transport_and_the_familys_mode(tiny_checkpoint, tmp_path):
+    from archon.rl.config import RolloutConfig
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.rollout.vllm import VLLMConfig
+    from archon.sync import InProcessSync, build_weight_sync
+    from archon.sync.vllm import CollectiveAdapterSync, CollectiveMergedSync, DiskAdapterSync
+
+    lora = LoRAConfig(rank=4, alpha=8)
+    loaded = build_model(tiny_checkpoint("qwen3"), lora=lora)
+    native = NativeRolloutEngine(loaded.model)
+    sync = build_weight_sync(RolloutConfig(engine="native"), native, lora=lora, sync_dir=tmp_path)
+    assert isinstance(sync, InProcessSync)
+    assert sync.publish(loaded.model, loaded.converter, lora, 7)["sync_s"] >= 0
+    assert native.health()["adapter_version"] == 7
+    sample = native.generate([[3, 4]], SamplingParams(max_new_tokens=3, temperature=0))[0]
+    assert sample.version == 7 and sample.token_versions == [7, 7, 7]
+    native.close()
+
+    dense, moe = tiny_checkpoint("qwen3"), tiny_checkpoint("qwen3_moe")
+    cases = [  # (model, LoRA rank, rollout.vllm settings) -> sync, servers' mode
+        (dense, 4, {}, DiskAdapterSync, "adapter"),
+        (dense, 4, {"transport": "collective"}, CollectiveAdapterSync, "adapter"),
+        (dense, 4, {"transport": "collective", "mode": "merged"}, CollectiveMergedSync, "merged"),
+        (moe, 4, {"transport": "collective"}, CollectiveMergedSync, "merged"),  # the family's mode
+        (dense, None, {"transport": "collective"}, CollectiveMergedSync, "merged"),  # no LoRA: every weight
+    ]
+    for path, rank, settings, expected, mode in cases:
+        engine = _vllm_engine(path, rank, **settings)
+        assert engine.mode == mode, settings
+        config = RolloutConfig(engine="vllm", vllm=VLLMConfig(**settings))
+        sync = build_weight_sync(config, engine, lora=lora if rank else None, sync_dir=tmp_path)
+        assert type(sync) is expected, (path.name, settings)
+        if isinstance(sync, DiskAdapterSync):
+            assert sync.sync_dir == tmp_path
+        sync.close()
+        engine.close()
+
+
+def test_build_weight_sync_refuses_what_cannot_be_sent(tiny_checkpoint, tmp_path):
+    from archon.rl.config import RolloutConfig
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.rollout.vllm import VLLMConfig
+    from archon.sync import build_weight_sync
+
+    lora = LoRAConfig(rank=4, alpha=8)
+    with pytest.raises(ValueError, match=r"rollout.vllm.mode='merged' sends weights over the collective transport "
+                                         r"only, but rollout.vllm.transport='disk'"):  # fmt: skip
+        VLLMConfig(mode="merged", transport="disk")
+    moe = _vllm_engine(tiny_checkpoint("qwen3_moe"), 4)  # merged: qwen3_moe's mode
+    with pytest.raises(ValueError, match=r"rollout.vllm.mode is unset and the model is served merged .* "
+                                         r"rollout.vllm.transport='disk'; set rollout.vllm.transport='collective'"):  # fmt: skip
+        build_weight_sync(RolloutConfig(engine="vllm"), moe, lora=lora, sync_dir=tmp_path)
+    adapter = _vllm_engine(tiny_checkpoint("qwen3"), None, mode="adapter")
+    with pytest.raises(ValueError, match=r"rollout.vllm.mode='adapter' sends the LoRA adapter, but lora=None"):
+        build_weight_sync(RolloutConfig(engine="vllm", vllm=VLLMConfig(mode="adapter")), adapter, lora=None,
+                          sync_dir=tmp_path)  # fmt: skip
+    with pytest.raises(TypeError, match=r"rollout.engine='native' needs a NativeRolloutEngine, got VLLMRolloutEngine"):
+        build_weight_sync(RolloutConfig(engine="native"), adapter, lora=lora, sync_dir=tmp_path)
+    native = NativeRolloutEngine(build_model(tiny_checkpoint("qwen3")).model)
+    with pytest.raises(TypeError, match=r"rollout.engine='vllm' needs a VLLMRolloutEngine, got NativeRolloutEngine"):
+        build_weight_sync(RolloutConfig(engine="vllm"), native, lora=lora, sync_dir=tmp_path)

@@ -16,6 +16,7 @@ from archon.lora import LoRAConfig, is_lora_param
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.rl.losses import aggregate_token_losses
 from archon.trainer import (
+    LossContext,
     NonFiniteError,
     OptimConfig,
     Trainer,
@@ -152,7 +153,7 @@ def _aggregation_loss(aggregation: str):
     def loss_fn(batch, logprobs, ctx):
         loss = aggregate_token_losses(
             -logprobs * batch.advantages, batch.loss_mask, batch.cu_seqlens, aggregation,
-            normalizer=ctx.normalizer(aggregation), max_response_length=20,
+            ctx, max_response_length=20,
         )  # fmt: skip
         return loss, {"lp_mean": logprobs.detach().sum() / batch.loss_mask.sum()}
 
@@ -192,8 +193,9 @@ def test_micro_batches_accumulate_to_the_whole_batch_loss(engines_by_budget, agg
     # batch's own counts as normaliser.
     lp = engines_by_budget[10_000].logprobs(batch).logprobs
     direct = aggregate_token_losses(
-        -lp * batch.advantages, batch.loss_mask, batch.cu_seqlens, aggregation, max_response_length=20
-    )
+        -lp * batch.advantages, batch.loss_mask, batch.cu_seqlens, aggregation,
+        LossContext.for_batch(batch.loss_mask, batch.cu_seqlens), max_response_length=20,
+    )  # fmt: skip
     assert one["loss"] == pytest.approx(direct.item(), abs=1e-5)
 
 
@@ -290,14 +292,18 @@ def test_full_parameter_training(qwen3_path):
 
 
 def test_loss_context_normalizers():
-    from archon.trainer import LossContext
+    from archon.rl.losses import aggregation_normalizer
+    from archon.trainer import loss_counts
 
     ctx = LossContext(global_tokens=torch.tensor(40.0), global_sequences=torch.tensor(3.0))
-    assert ctx.normalizer("token_mean").item() == 40.0
-    assert ctx.normalizer("seq_mean_token_mean").item() == 3.0
-    assert ctx.normalizer("seq_mean_token_sum_norm").item() == 3.0
+    assert aggregation_normalizer("token_mean", ctx).item() == 40.0
+    assert aggregation_normalizer("seq_mean_token_mean", ctx).item() == 3.0
+    assert aggregation_normalizer("seq_mean_token_sum_norm", ctx).item() == 3.0
     with pytest.raises(ValueError, match="unknown aggregation 'mean'"):
-        ctx.normalizer("mean")
+        aggregation_normalizer("mean", ctx)
+    # the counts: 3 + 0 + 2 loss tokens; the second sequence has none, so 2 sequences count
+    mask = torch.tensor([0, 1, 1, 1, 0, 0, 0, 1, 1], dtype=torch.bool)
+    assert loss_counts(mask, torch.tensor([0, 4, 6, 9])).tolist() == [5.0, 2.0]
 
 
 def test_gradient_clipping():

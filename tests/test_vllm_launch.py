@@ -11,10 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from archon.rollout import vllm as vllm_rollout
-from archon.rollout.vllm import (
-    VLLMConfig,
-    VLLMRolloutEngine,
+from archon.rollout import vllm_server
+from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+from archon.rollout.vllm_server import (
     VLLMServerError,
     cpu_mla_attention_backend,
     is_loopback_host,
@@ -312,5 +311,5 @@ def _fake_launches(monkeypatch, log_text: str, returncode: int = 1) -> list[dict
         def poll(self):
             return self.returncode
 
-    monkeypatch.setattr(vllm_rollout.subprocess, "Popen", ExitedServer)
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", ExitedServer)
     return launches

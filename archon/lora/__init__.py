@@ -1,5 +1,5 @@
 from archon.lora.config import LoRAConfig
-from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, linear
+from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, linear, merged_weight
 from archon.lora.utils import (
     adapter_disabled,
     configure_lora_modules,
@@ -28,6 +28,7 @@ __all__ = [
     "lora_state_dict",
     "mark_only_lora_trainable",
     "merge_lora",
+    "merged_weight",
     "reset_lora_parameters",
     "set_adapter_enabled",
     "unmerge_lora",

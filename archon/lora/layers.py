@@ -22,19 +22,57 @@ from archon.lora.config import LoRAConfig
 
 
 class LoRAModule:
-    """Mixin for modules that carry LoRA: they can be re-initialised, switched off, merged, unmerged."""
+    """Mixin for modules that carry LoRA, and the one home of the LoRA math outside the forward.
+
+    A module declares its adapter with two methods: `adapter_params()` (its trainable factors) and
+    `delta_weight()` (s * B @ A for each base parameter it adapts). Merge and unmerge here, the
+    merged HF export and the merged weight sync all build on those two.
+    """
 
     lora_enabled: bool
     merged: bool
+    _weights_before_merge: dict[str, torch.Tensor] | None = None
+
+    def adapter_params(self) -> dict[str, nn.Parameter]:
+        """The adapter's parameters by name relative to this module ({} when it carries none)."""
+        raise NotImplementedError
+
+    def delta_weight(self) -> dict[str, torch.Tensor]:
+        """Base parameter name (relative to this module) -> s * B @ A in fp32, in that parameter's
+        layout ({} when the module carries no adapter)."""
+        raise NotImplementedError
 
     def reset_lora_parameters(self) -> None:
         raise NotImplementedError
 
+    @torch.no_grad()
     def merge_lora(self) -> None:
-        raise NotImplementedError
+        """Fold the adapter into the base weights (in fp32); `unmerge_lora` restores them bit-exactly."""
+        if self.merged:
+            return
+        deltas = self.delta_weight()
+        if not deltas:
+            return
+        self._weights_before_merge = {}
+        for name, delta in deltas.items():
+            weight = getattr(self, name)
+            self._weights_before_merge[name] = weight.detach().clone()
+            weight.copy_(merged_weight(weight, delta))
+        self.merged = True
 
+    @torch.no_grad()
     def unmerge_lora(self) -> None:
-        raise NotImplementedError
+        if not self.merged:
+            return
+        for name, saved in self._weights_before_merge.items():
+            getattr(self, name).copy_(saved)
+        self._weights_before_merge = None
+        self.merged = False
+
+
+def merged_weight(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """W + delta, added in fp32 (a small delta survives a low-precision W) and cast back to W's dtype."""
+    return (weight.float() + delta).to(weight.dtype)
 
 
 class LoRALinear(nn.Linear, LoRAModule):
@@ -57,7 +95,6 @@ class LoRALinear(nn.Linear, LoRAModule):
         self.lora_b = nn.Linear(lora.rank, out_features, bias=False, device=device, dtype=dtype)
         self.lora_enabled = True
         self.merged = False
-        self._weight_before_merge: torch.Tensor | None = None
         if self.weight.device.type != "meta":
             self.reset_lora_parameters()
 
@@ -86,25 +123,12 @@ class LoRALinear(nn.Linear, LoRAModule):
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
 
-    def delta_weight(self) -> torch.Tensor:
-        """s * B @ A in fp32, shape [out, in]."""
-        return (self.lora_b.weight.float() @ self.lora_a.weight.float()) * self.scaling
+    def adapter_params(self) -> dict[str, nn.Parameter]:
+        return {"lora_a.weight": self.lora_a.weight, "lora_b.weight": self.lora_b.weight}
 
-    @torch.no_grad()
-    def merge_lora(self) -> None:
-        if self.merged:
-            return
-        self._weight_before_merge = self.weight.detach().clone()
-        self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge_lora(self) -> None:
-        if not self.merged:
-            return
-        self.weight.copy_(self._weight_before_merge)
-        self._weight_before_merge = None
-        self.merged = False
+    def delta_weight(self) -> dict[str, torch.Tensor]:
+        """{"weight": s * B @ A in fp32, [out, in]}."""
+        return {"weight": (self.lora_b.weight.float() @ self.lora_a.weight.float()) * self.scaling}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"

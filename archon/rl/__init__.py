@@ -1,4 +1,4 @@
-"""RL pieces: data, rewards, advantages, losses and synthetic tasks.
+"""RL pieces: data, rewards, advantages, losses, algorithms and synthetic tasks.
 
 Kept free of imports so that reward worker processes start without loading torch.
 """

@@ -8,7 +8,12 @@ B = num_groups * G. Per-token tensors are packed: shape [T], with sequence bound
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+BatchSum = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a float64 tensor of per-rank totals over the data-parallel ranks (identity on one rank)."""
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -59,6 +64,55 @@ def drgrpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (rewards.double() - mean).clamp(-limit, limit).float()
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: A_i = R_i - mean_{j != i, j in g} R_j, the leave-one-out baseline.  rewards [B] -> [B] (fp32).
+
+    Equal to G / (G - 1) * (R_i - mean_g R), so it is Dr.GRPO's advantage scaled by G / (G - 1) and
+    unbiased (the baseline does not depend on the sample). Needs G >= 2. Computed in float64 and
+    clamped to the float32 range, like `drgrpo_advantages`.
+    """
+    if group_size < 2:
+        raise ValueError(f"RLOO needs at least 2 samples per group for a leave-one-out baseline, got {group_size}")
+    grouped = _grouped(rewards.double(), group_size)
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    limit = torch.finfo(torch.float32).max
+    return (grouped - others_mean).reshape(-1).clamp(-limit, limit).float()
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    group_baseline: bool,
+    batch_sum: BatchSum | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """REINFORCE++: advantages normalised over the whole batch.  rewards [B] -> [B] (fp32).
+
+    group_baseline=False (REINFORCE++): x_i = R_i. group_baseline=True (REINFORCE++-baseline, the
+    variant for several samples per prompt): x_i = R_i - mean_g R. Then
+        A_i = (x_i - mean_batch x) / (std_batch x + eps)
+    with the mean and the unbiased std over every sample of the batch on all data-parallel ranks:
+    `batch_sum` sums the per-rank totals (count, sum, sum of squares) over the ranks; None means
+    this rank holds the whole batch. With one outcome reward per sequence and no discount, the
+    return of every token is its sequence's reward, so the per-sequence form is the whole
+    estimator. Computed in float64; a batch whose values are all equal gets 0.
+    """
+    x = rewards.double()
+    if group_baseline:
+        mean, _ = group_mean_std(rewards, group_size)
+        x = x - mean
+    elif rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    totals = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), x.square().sum()])
+    if batch_sum is not None:
+        totals = batch_sum(totals).to(torch.float64)
+    count, total, squares = totals.tolist()
+    mean = total / max(count, 1.0)
+    variance = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
+    limit = torch.finfo(torch.float32).max
+    return ((x - mean) / (variance**0.5 + eps)).clamp(-limit, limit).float()
+
+
 def groups_with_reward_variance(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """DAPO dynamic sampling: which groups to keep.  rewards [B] -> keep [num_groups] (bool).
 
@@ -101,6 +155,25 @@ def distillation_advantages(student_logprobs: torch.Tensor, teacher_logprobs: to
             f"shape mismatch: student {tuple(student_logprobs.shape)} vs teacher {tuple(teacher_logprobs.shape)}"
         )
     return (teacher_logprobs.float() - student_logprobs.float()).detach()
+
+
+def mixed_distillation_advantages(
+    task_advantages: torch.Tensor,
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    weight: float,
+) -> torch.Tensor:
+    """On-policy distillation mixed with task rewards: A_t = A_task,t + weight * (log pi_teacher - log pi_student).
+
+    task_advantages [T] (a sequence's reward advantage on each of its tokens), student_logprobs [T],
+    teacher_logprobs [T] -> advantages [T] (fp32, detached).
+    """
+    if task_advantages.shape != student_logprobs.shape:
+        raise ValueError(
+            f"shape mismatch: task advantages {tuple(task_advantages.shape)} vs student {tuple(student_logprobs.shape)}"
+        )
+    distill = distillation_advantages(student_logprobs, teacher_logprobs)
+    return task_advantages.float().detach() + weight * distill
 
 
 def sequence_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,13 @@ from archon.lora import LoRAConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.data import DataConfig
-from archon.rl.losses import LossConfig
+from archon.rl.losses import ppo_clip_token_losses
+from archon.rl.algorithms import ALGORITHMS, LossConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
-from archon.rollout.vllm import VLLMConfig, max_position_embeddings
+from archon.rollout.vllm import VLLMConfig
+from archon.rollout.vllm_server import max_position_embeddings
 from archon.trainer import OptimConfig
 
 
@@ -62,7 +64,9 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     loss: LossConfig = field(default_factory=LossConfig)
-    """Policy loss (grpo, drgrpo, dapo, gspo, cispo), clip range, aggregation, KL penalty, TIS."""
+    """The algorithm (archon.rl.algorithms: grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp,
+    reinforce_pp_baseline) and its loss: clip range, dual clip, aggregation, KL penalty, entropy
+    bonus, importance sampling, IcePop."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal."""
     overlong_buffer: int = 0
@@ -75,7 +79,12 @@ class AlgorithmConfig:
     """Score the rollout with the trainer before the update (pi_old); otherwise use the rollout log-probs."""
     teacher_path: str | None = None
     """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
-    -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged."""
+    -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged
+    (unless distillation_weight is set)."""
+    distillation_weight: float | None = None
+    """On-policy distillation mixed with task rewards: the per-token advantage becomes the reward
+    advantage plus distillation_weight * (log pi_teacher - log pi_theta). Needs teacher_path; must
+    be > 0. None: the teacher's advantage alone."""
     max_skipped_steps: int = 3
     """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
     left as they were, the LR schedule still follows the RL step; counted in the metric
@@ -423,7 +432,9 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     require(config.steps >= 1, "steps", config.steps, "must be at least 1")
     require(config.micro_batch_tokens >= 1, "micro_batch_tokens", config.micro_batch_tokens, "must be at least 1")
     require(rollout.prompts_per_step >= 1, "rollout.prompts_per_step", rollout.prompts_per_step, "must be at least 1")
-    if algorithm.teacher_path is None:
+    spec = ALGORITHMS[loss.algorithm]
+    uses_rewards = algorithm.teacher_path is None or algorithm.distillation_weight is not None
+    if uses_rewards and spec.needs_groups:
         require(
             rollout.group_size >= 2, "rollout.group_size", rollout.group_size,
             f"algorithm {loss.algorithm!r} compares each sample with the other samples of its prompt's group, "
@@ -447,10 +458,54 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
         f"must be between 0 and rollout.max_new_tokens={rollout.max_new_tokens}",
     )  # fmt: skip
     require(loss.kl_coef >= 0, "algorithm.loss.kl_coef", loss.kl_coef, "must be >= 0 (0 disables the KL penalty)")
+    require(loss.importance_cap > 0, "algorithm.loss.importance_cap", loss.importance_cap, "must be > 0")
+    for name, value, enabled in (
+        ("algorithm.loss.importance_sampling", loss.importance_sampling, loss.importance_sampling != "none"),
+        ("algorithm.loss.icepop_band", loss.icepop_band, loss.icepop_band is not None),
+    ):
+        require(
+            not enabled or algorithm.recompute_old_logprobs, name, value,
+            "needs algorithm.recompute_old_logprobs=true: the correction compares the trainer's log-probs "
+            "(pi_old) with the rollout's, which are the same numbers without the recompute",
+        )  # fmt: skip
+    if loss.icepop_band is not None:
+        low, high = loss.icepop_band
+        require(
+            0 < low <= 1 <= high, "algorithm.loss.icepop_band", loss.icepop_band,
+            "must be (low, high) with 0 < low <= 1 <= high (the band of pi_old / mu ratios kept)",
+        )  # fmt: skip
+    if loss.clip_ratio_c is not None:
+        require(
+            loss.clip_ratio_c > 1, "algorithm.loss.clip_ratio_c", loss.clip_ratio_c,
+            "must be > 1 (None disables dual clip)",
+        )  # fmt: skip
+        require(
+            spec.objective is ppo_clip_token_losses, "algorithm.loss.clip_ratio_c", loss.clip_ratio_c,
+            f"dual clip bounds the PPO clipped objective, which algorithm {loss.algorithm!r} does not use",
+        )  # fmt: skip
     require(
-        loss.tis_cap is None or loss.tis_cap > 0, "algorithm.loss.tis_cap", loss.tis_cap,
-        "must be > 0 (None disables truncated importance sampling)",
+        loss.entropy_coef >= 0, "algorithm.loss.entropy_coef", loss.entropy_coef,
+        "must be >= 0 (0 disables the entropy bonus)",
     )  # fmt: skip
+    if loss.kl_cap is not None:
+        require(loss.kl_cap > 0, "algorithm.loss.kl_cap", loss.kl_cap, "must be > 0 (None: no cap)")
+        require(
+            loss.kl_estimator == "k3", "algorithm.loss.kl_cap", loss.kl_cap,
+            f"caps the k3 estimator, but algorithm.loss.kl_estimator={loss.kl_estimator!r}",
+        )  # fmt: skip
+        require(
+            loss.kl_coef > 0, "algorithm.loss.kl_cap", loss.kl_cap,
+            "has no effect with algorithm.loss.kl_coef=0 (no KL penalty)",
+        )  # fmt: skip
+    if algorithm.distillation_weight is not None:
+        require(
+            algorithm.teacher_path is not None, "algorithm.distillation_weight", algorithm.distillation_weight,
+            "weights a teacher's advantage, but algorithm.teacher_path is not set",
+        )  # fmt: skip
+        require(
+            algorithm.distillation_weight > 0, "algorithm.distillation_weight", algorithm.distillation_weight,
+            "must be > 0 (None: the teacher's advantage alone)",
+        )  # fmt: skip
     if config.lora is not None:
         require(config.lora.alpha > 0, "lora.alpha", config.lora.alpha, "must be > 0")
         for key, alpha in config.lora.alpha_pattern.items():

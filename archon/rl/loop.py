@@ -19,13 +19,7 @@ import torch.distributed as dist
 from archon.batch import PackedBatch
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
-from archon.rl.advantages import (
-    distillation_advantages,
-    drgrpo_advantages,
-    groups_with_reward_variance,
-    grpo_advantages,
-    overlong_penalty,
-)
+from archon.rl.algorithms import get_algorithm
 from archon.rl.config import GRPOConfig, validate
 from archon.rl.data import (
     DataConfig,
@@ -33,13 +27,13 @@ from archon.rl.data import (
     load_prompt_dataset,
     tokenize_prompt,
 )
-from archon.rl.losses import policy_loss
 from archon.rl.metrics import MetricsLogger
 from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
-from archon.trainer import LossContext, NonFiniteError, Trainer, TrainerConfig
+from archon.sync.weight_sync import build_weight_sync
+from archon.trainer import NonFiniteError, Trainer, TrainerConfig
 
 logger = logging.getLogger("archon.rl")
 CHECK_RUN_DIR = object()
@@ -60,10 +54,9 @@ class RLRun:
         if resume_from is CHECK_RUN_DIR:
             resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
         self.resume_from = resume_from
-        # Schedules count RL steps and last the run unless set; the Dr.GRPO length divisor is the
-        # generation limit unless set.
+        # Schedules count RL steps and last the run unless set.
         optim = config.optim.for_run(config.steps)
-        self.loss_config = config.algorithm.loss.for_rollout(config.rollout.max_new_tokens)
+        self.algorithm = get_algorithm(config.algorithm, config.rollout.max_new_tokens)
         self.trainer = Trainer(
             TrainerConfig(
                 model_path=config.model.path,
@@ -115,6 +108,7 @@ class RLRun:
             self.rollout = NativeRolloutEngine(
                 self.trainer.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
             )
+        self.sync = build_weight_sync(config.rollout, self.rollout, lora=config.lora, sync_dir=self.run_dir / "vllm_adapters")
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
         self._skipped_streak: list[int] = []
@@ -128,7 +122,7 @@ class RLRun:
 
     def _vllm_rollout(self):
         """Rank 0 launches (or connects to) the servers; the other ranks connect to the same URLs
-        for their share of the generation. Only rank 0 sends adapters."""
+        for their share of the generation. Only rank 0 sends adapters (see build_weight_sync)."""
         import dataclasses
 
         from archon.rollout.vllm import VLLMRolloutEngine
@@ -136,7 +130,7 @@ class RLRun:
         vllm_config = self.config.rollout.vllm
         kwargs = dict(
             model_path=self.config.model.path, lora_rank=self.config.lora.max_rank if self.config.lora else None,
-            log_dir=self.run_dir, sync_dir=self.run_dir / "vllm_adapters",
+            log_dir=self.run_dir,
         )  # fmt: skip
         rollout, failure = None, None
         if self.rank == 0:
@@ -223,17 +217,6 @@ class RLRun:
         batch.rollout_logprobs = rollout_lp
         return batch
 
-    def _loss_fn(self, batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
-        loss_config = self.loss_config
-        loss, metrics = policy_loss(
-            loss_config, logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
-            normalizer=ctx.normalizer(loss_config.resolved_aggregation()),
-            ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
-        )  # fmt: skip
-        if ctx.entropy is not None:
-            metrics["entropy"] = (ctx.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
-        return loss, metrics
-
     def _teacher_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         from archon.head import label_logprobs
 
@@ -260,24 +243,14 @@ class RLRun:
         self._reward_traceback = self.scorer.last_traceback
         correct = (rewards >= 1.0).float()
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
-        if algo.overlong_buffer:
-            rewards = rewards + overlong_penalty(
-                lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor
-            )
-        if algo.loss.algorithm == "drgrpo":
-            advantages = drgrpo_advantages(rewards, G)
-        else:
-            advantages = grpo_advantages(rewards, G)
+        prepared = self.algorithm.prepare(
+            rewards, lengths, G, batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64)
+        )
+        rewards, advantages, keep = prepared.rewards, prepared.advantages, prepared.keep
         self._step_extremes = {
             "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
             "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
         }
-        keep = torch.ones(len(samples), dtype=torch.bool)
-        if algo.dynamic_sampling:
-            keep = groups_with_reward_variance(rewards, G).repeat_interleave(G)
-            if not keep.any():  # nothing to learn from here; train on the step with zero advantages
-                keep[:] = True
-                advantages = torch.zeros_like(advantages)
         kept = [s for s, k in zip(samples, keep.tolist()) if k]
         batch = self._rollout_batch(kept, advantages[keep])
 
@@ -288,10 +261,12 @@ class RLRun:
             batch.old_logprobs = batch.rollout_logprobs.clone()
         mask = batch.loss_mask
         gap = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
-        if algo.loss.kl_coef > 0:
+        if self.algorithm.needs_reference:
             batch.ref_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
         if self.teacher is not None:
-            batch.advantages = distillation_advantages(batch.old_logprobs, self._teacher_logprobs(batch)) * mask
+            batch.advantages = self.algorithm.token_advantages(
+                batch.advantages, batch.old_logprobs, self._teacher_logprobs(batch), mask
+            )
         score_s = time.perf_counter() - score_start
 
         train_start = time.perf_counter()
@@ -303,7 +278,7 @@ class RLRun:
                 chosen = groups[m * per_minibatch : (m + 1) * per_minibatch] or groups[-1:]
                 updates.append(
                     self.trainer.train_step(
-                        batch.select(chosen), self._loss_fn, cfg.rollout.temperature, with_entropy=True,
+                        batch.select(chosen), self.algorithm.loss, cfg.rollout.temperature, with_entropy=True,
                         advance_schedule=False,
                     )  # fmt: skip
                 )
@@ -311,7 +286,7 @@ class RLRun:
         self.trainer.advance_schedule()
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        self.rollout.update(version=step + 1, trainer=self.trainer)
+        sync_metrics = self._publish(step + 1)
         sync_s = time.perf_counter() - sync_start
 
         (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts,
@@ -339,11 +314,11 @@ class RLRun:
             "sync_s": sync_s,
             "step_s": step_s,
             "tokens_per_s": tokens / step_s,  # the step's training batch, all ranks
-            "adapter_version": float(self.rollout.version),
+            "adapter_version": float(step + 1),
             "skipped_updates": sum(u["skipped"] for u in updates),
         }
-        # what the last sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
-        for key, value in getattr(self.rollout, "last_sync", {}).items():
+        # what the sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
+        for key, value in sync_metrics.items():
             if key.endswith("_bytes"):
                 metrics[f"sync_{key}"] = value
         metrics.update(self._update_summary(updates))
@@ -435,7 +410,7 @@ class RLRun:
         self._reward_failure_streak = data.get("reward_failure_streak", [])
         self._skipped_steps = data.get("skipped_steps", 0)
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
-        self.rollout.update(version=first, trainer=self.trainer)
+        self._publish(first)
         if self.rank == 0:
             print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         return first
@@ -479,8 +454,12 @@ class RLRun:
         """Close the metrics files, reward workers and rollout servers (also when a step fails)."""
         self.metrics.close()
         self.scorer.close()
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.sync.close()
+        self.rollout.close()
+
+    def _publish(self, version: int) -> dict[str, float]:
+        """Make the trainer's current adapter `version` the one the rollout engine samples with."""
+        return self.sync.publish(self.trainer.model, self.trainer.converter, self.trainer.lora, version)
 
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,

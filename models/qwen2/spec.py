@@ -19,5 +19,6 @@ spec = register(
             # The second layer slides over 8 tokens, fewer than the longest aligned sequence has.
             "qwen2": dict(TINY_DECODER_CONFIG, use_sliding_window=True, sliding_window=8, max_window_layers=1),
         },
+        vllm_modes={"qwen2": "adapter"},
     )
 )

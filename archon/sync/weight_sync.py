@@ -1,0 +1,101 @@
+"""The weight sync: how the trainer's adapter (or weights) reaches the rollout engine, as one
+strategy object built from the config (`build_weight_sync`) and owned by the loop.
+
+    sync = build_weight_sync(config.rollout, rollout, lora=config.lora, sync_dir=RUN_DIR / "vllm_adapters")
+    metrics = sync.publish(model, converter, lora, version)   # on every trainer rank
+    sync.close()
+
+Strategies: in-process (the native engine shares the model: publishing only advances the version
+its samples are tagged with), and for vLLM (archon.sync.vllm) disk + adapter, collective + adapter
+and collective + merged. A sync gets the trainer's state (model, state-dict converter, LoRA
+config), never the trainer; the rollout engine never sees either.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from torch import nn
+
+from archon.checkpoint.state_dict_converter import StateDictConverter
+from archon.lora.config import LoRAConfig
+from archon.rollout.base import RolloutEngine
+from archon.rollout.policy import ServedPolicy
+
+if TYPE_CHECKING:
+    from archon.rl.config import RolloutConfig
+
+
+class WeightSync(Protocol):
+    def publish(
+        self, model: nn.Module, converter: StateDictConverter, lora: LoRAConfig | None, version: int
+    ) -> dict[str, float]:
+        """Make `version` (the model's current adapter or weights) the one new rollout requests
+        use; every trainer rank calls it. Returns metrics: `sync_s`, and on the sending rank what
+        went (`adapter_bytes` or `weight_bytes`, ...)."""
+
+    def close(self) -> None:
+        """Drop what the sync holds (a process group); the servers stay the rollout engine's."""
+
+
+class InProcessSync:
+    """The native engine generates with the trainer's own model: its weights are current as soon as
+    the optimizer steps, so publishing only advances the version."""
+
+    def __init__(self, policy: ServedPolicy) -> None:
+        self.policy = policy
+
+    def publish(
+        self, model: nn.Module, converter: StateDictConverter, lora: LoRAConfig | None, version: int
+    ) -> dict[str, float]:
+        start = time.perf_counter()
+        self.policy.publish(None, version)
+        return {"sync_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        pass
+
+
+def build_weight_sync(
+    config: RolloutConfig, rollout: RolloutEngine, *, lora: LoRAConfig | None, sync_dir: str | Path
+) -> WeightSync:
+    """The sync for `config.engine` and, with vLLM, `config.vllm.transport` and the servers' mode
+    (`rollout.mode`: rollout.vllm.mode, or the family's). `sync_dir`: where the disk transport
+    writes adapters unless rollout.vllm.sync_dir is set."""
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.rollout.vllm import VLLMRolloutEngine
+
+    if config.engine == "native":
+        if not isinstance(rollout, NativeRolloutEngine):
+            raise TypeError(f"rollout.engine='native' needs a NativeRolloutEngine, got {type(rollout).__name__}")
+        return InProcessSync(rollout.policy)
+    if config.engine != "vllm":
+        raise ValueError(f"rollout.engine must be 'native' or 'vllm', got {config.engine!r}")
+    if not isinstance(rollout, VLLMRolloutEngine):
+        raise TypeError(f"rollout.engine='vllm' needs a VLLMRolloutEngine, got {type(rollout).__name__}")
+    from archon.sync.vllm import CollectiveAdapterSync, CollectiveMergedSync, DiskAdapterSync, WorkerChannel
+
+    vllm, mode = config.vllm, rollout.mode
+    if mode == "adapter" and lora is None:
+        raise ValueError(
+            "rollout.vllm.mode='adapter' sends the LoRA adapter, but lora=None (every weight is trained); "
+            "use rollout.vllm.mode='merged' with rollout.vllm.transport='collective'"
+        )
+    if vllm.transport == "disk":
+        if mode == "merged":
+            why = "rollout.vllm.mode='merged'" if vllm.mode else (
+                "rollout.vllm.mode is unset and the model is served merged (its family's mode, or no LoRA); merged"
+            )
+            raise ValueError(
+                f"{why} sends weights over the collective transport only, but rollout.vllm.transport='disk'; "
+                "set rollout.vllm.transport='collective'"
+            )
+        return DiskAdapterSync(rollout, vllm.sync_dir or sync_dir)
+    if vllm.transport != "collective":
+        raise ValueError(f"rollout.vllm.transport must be 'disk' or 'collective', got {vllm.transport!r}")
+    channel = WorkerChannel(rollout.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
+    if mode == "adapter":
+        return CollectiveAdapterSync(rollout, channel)
+    return CollectiveMergedSync(rollout, channel)
