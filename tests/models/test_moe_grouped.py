@@ -109,3 +109,37 @@ def _guarded(forward, monkeypatch):
             return forward(*args)
 
     return run
+
+
+def test_grouped_mm_availability_is_explained():
+    from archon.grouped_mm import grouped_mm_unavailable
+
+    assert grouped_mm_unavailable(torch.device("cpu"), torch.float32) is None
+    assert "'hpu'" in grouped_mm_unavailable(torch.device("hpu"), torch.bfloat16)
+
+    compiled = torch.compile(lambda x: grouped_mm_unavailable(x.device, x.dtype) or "", backend="eager", fullgraph=False)
+    assert "bf16 only" in compiled(torch.zeros(1))
+
+
+def test_loop_path_where_grouped_mm_is_unavailable(monkeypatch, caplog):
+    """Without grouped GEMM the experts loop over experts (one host read of the offsets per layer),
+    say why once, and give the grouped result."""
+    import archon.grouped_mm as grouped_mm
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(6, 8, 12, LoRAConfig(rank=4, alpha=8.0))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(10, 8)
+    top_indices = torch.stack([torch.randperm(6)[:2] for _ in range(10)])
+    top_weights = torch.rand(10, 2)
+    grouped = experts(x, top_weights, top_indices)
+
+    monkeypatch.setattr(grouped_mm, "_grouped_mm_unavailable", lambda device_type, capability: "no kernel here")
+    monkeypatch.setattr(F, "grouped_mm", None)  # must not be called
+    with caplog.at_level("WARNING", logger="archon.grouped_mm"):
+        looped = experts(x, top_weights, top_indices)
+        experts(x, top_weights, top_indices)
+    torch.testing.assert_close(looped, grouped, rtol=1e-6, atol=1e-6)
+    assert [r.getMessage() for r in caplog.records] == ["MoE experts run as a loop over experts: no kernel here"]
