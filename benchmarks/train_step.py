@@ -11,9 +11,11 @@ sequence; archon packs it.
 Each measurement runs in its own process, so each peak RSS is its own:
     archon_lora    archon LoRA: one warm-up and `steps` timed train steps, then one profiled step
     hf_peft        HF + PEFT LoRA: the same
-    archon_full    archon full-parameter training on the same batch and settings (no profile); the
-                   LoRA / full step-time ratio compares the two (LoRA skips the base weights'
-                   gradients, about a third of a step's matmul FLOPs)
+    archon_full    archon full-parameter training on the same batch and settings (no profile)
+    lora_vs_full   archon LoRA and full-parameter trainers in one process, their steps alternated
+                   (`steps` + 2 each, medians), so that both see the same machine load: the LoRA /
+                   full step-time ratio (LoRA skips the base weights' gradients, about a third of a
+                   step's matmul FLOPs)
     *_mem          LoRA and full-parameter steps on a wider model whose weights dominate memory
                    (254M parameters, ~1 GB fp32; 2 x 128 tokens, activation checkpointing)
 Peak RSS is sampled during the train steps (loading excluded). Useful FLOPs count real (non-pad)
@@ -350,11 +352,34 @@ def run_hf_peft(args: BenchArgs, model_kwargs: dict | None = None, lora_kwargs: 
     }
 
 
+def run_lora_vs_full(args: BenchArgs) -> dict:
+    import statistics
+
+    import torch
+
+    from archon.batch import PackedBatch
+
+    torch.set_num_threads(args.threads)
+    seqs, advantages = make_sequences(args.seed)
+    batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
+    trainers = {"lora": _archon_trainer(args, lora=True), "full": _archon_trainer(args, lora=False)}
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for trainer in trainers.values():
+        trainer.train_step(batch, _pg_loss)  # warm-up
+    for _ in range(args.steps + 2):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.train_step(batch, _pg_loss)
+            times[name].append(time.perf_counter() - start)
+    return {f"{name}_step_s": statistics.median(t) for name, t in times.items()} | {"step_s_all": times}
+
+
 MEMORY_SETTINGS = dict(activation_checkpoint="full", micro_tokens=512, head_chunk=128)
 ROLES = {
     "archon_lora": lambda a: run_archon(a, lora=True, timed=True),
     "hf_peft": run_hf_peft,
     "archon_full": lambda a: run_archon(a, lora=False, timed=True, profile=False),
+    "lora_vs_full": run_lora_vs_full,
     "archon_lora_mem": lambda a: run_archon(a, lora=True, timed=False, memory_model=True, **MEMORY_SETTINGS),
     "archon_full_mem": lambda a: run_archon(a, lora=False, timed=False, memory_model=True, **MEMORY_SETTINGS),
 }
@@ -432,8 +457,8 @@ def main(args: BenchArgs) -> dict:
         "archon_peak_rss_mb": archon["peak_rss_mb"],
         "hf_peft_peak_rss_mb": hf["peak_rss_mb"],
         "full_ft_tok_s": results["archon_full"]["tok_s"],
-        "full_ft_step_s": results["archon_full"]["step_s"],
-        "lora_over_full_step_s": archon["step_s"] / results["archon_full"]["step_s"],
+        "lora_over_full_step_s": results["lora_vs_full"]["lora_step_s"] / results["lora_vs_full"]["full_step_s"],
+        "lora_vs_full_step_s": results["lora_vs_full"],
         "full_ft_peak_rss_mb": results["archon_full"]["peak_rss_mb"],
     }
     return summary
@@ -452,8 +477,9 @@ def _cli() -> None:
     print(f"useful GFLOP/s: archon {summary['archon_useful_gflop_s']:.1f}, HF+PEFT "
           f"{summary['hf_peft_useful_gflop_s']:.1f}; fp32 matmul peak {summary['matmul_peak_gflop_s']:.1f}")
     print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
-    print(f"step time: archon LoRA {summary['archon_step_s']:.2f} s, full fine-tuning {summary['full_ft_step_s']:.2f} s, "
-          f"LoRA / full = {summary['lora_over_full_step_s']:.2f}")
+    alternated = summary["lora_vs_full_step_s"]
+    print(f"step time, alternated in one process: archon LoRA {alternated['lora_step_s']:.2f} s, full fine-tuning "
+          f"{alternated['full_step_s']:.2f} s, LoRA / full = {summary['lora_over_full_step_s']:.2f}")
     print(f"peak RSS MB: archon LoRA {summary['archon_peak_rss_mb']:.0f}, HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}, "
           f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}")  # fmt: skip
     print(f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
