@@ -7,4 +7,5 @@ from archon.models import (
     llama,  # noqa: F401
     qwen2,  # noqa: F401
     qwen3,  # noqa: F401
+    qwen3_5,  # noqa: F401
 )

@@ -82,3 +82,30 @@ def test_hf_path_alone_reads_the_model_type(tiny_checkpoint, capsys):
     assert main(["--hf-path", str(path)]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["model_type"] == "qwen3" and report["hf_path"] == str(path) and report["pass"]
+
+
+def test_single_kind_per_layer_patterns_are_named():
+    """A tiny config whose per-layer pattern has one kind cannot catch a port that treats the kinds
+    alike; the gate names such patterns (and warns)."""
+    from transformers import AutoConfig
+
+    from archon.tools.align import single_kind_patterns, tiny_config_kwargs
+
+    def patterns(model_type, **overrides):
+        return single_kind_patterns(AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides)))
+
+    assert patterns("qwen3_moe") == ["decoder_sparse_step / mlp_only_layers (every layer sparse)"]
+    assert patterns("qwen3_moe", mlp_only_layers=[0]) == []
+    assert patterns("qwen2", use_sliding_window=False) == ["layer_types (every layer 'full_attention')"]
+    assert patterns("qwen3_5") == []
+    assert patterns("qwen3_5", layer_types=["linear_attention"] * 3) == ["layer_types (every layer 'linear_attention')"]
+    assert patterns("glm4_moe", first_k_dense_replace=0, num_hidden_layers=2) == ["first_k_dense_replace=0 of 2 layers"]
+
+
+def test_special_tokens_outside_the_tiny_vocabulary_are_dropped(tmp_path):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    with pytest.warns(UserWarning, match=r"pad_token_id=999 lies outside its vocabulary of 256"):
+        path = make_tiny_hf_checkpoint("llama", tmp_path / "hf", pad_token_id=999, eos_token_id=[2, 300])
+    config = json.loads((path / "config.json").read_text())
+    assert config["pad_token_id"] is None and config["eos_token_id"] == [2]

@@ -108,3 +108,21 @@ def test_multi_type_family_keeps_only_the_chosen_type(root):
     test_source = (root / "tests" / "models" / "test_mymoe.py").read_text()
     assert 'MODEL_TYPE = "mymoe_hf"' in test_source and "assert_meta_weights_complete" in test_source
     compile(test_source, "test_mymoe.py", "exec")
+
+
+def test_every_changed_line_is_listed(root, capsys):
+    """The scaffold lists each line it changed from the like-family's files (file, line, new text and
+    the text it replaced), so renames inside comments and strings get reviewed too."""
+    result = scaffold(NewModelArgs(name="mistral", like="llama", root=root))
+    family, like = root / "models" / "mistral", root / "models" / "llama"
+    expected = 0
+    for path in [*family.glob("*.py"), result.test_file]:
+        source = like / path.name if path.parent == family else root / "tests" / "models" / "test_llama.py"
+        new, old = path.read_text().splitlines(), source.read_text().splitlines()
+        if len(new) == len(old):
+            expected += sum(a != b for a, b in zip(new, old))
+            for number, (a, b) in enumerate(zip(new, old), 1):
+                if a != b:
+                    assert f"{path}:{number}: {a.strip()}  (was: {b.strip()})" in result.changed_lines
+    assert expected > 0 and len(result.changed_lines) >= expected
+    assert any("spec.py" in line and '"mistral"' in line for line in result.changed_lines)

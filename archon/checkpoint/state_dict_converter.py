@@ -22,6 +22,9 @@ class StateDictConverter:
     top_level = ("lm_head.",)
     # HF keys that some checkpoints carry and that archon recomputes.
     ignored_hf_keys: tuple[str, ...] = (r"(^|\.)rotary_emb\.inv_freq$",)
+    # Ignored HF keys of weights archon does not build but that a merged export copies over unchanged
+    # from the source checkpoint (a vision-language model's vision tower), so it loads as the original.
+    carried_hf_keys: tuple[str, ...] = ()
 
     def __init__(self, args) -> None:
         self.args = args
@@ -36,6 +39,9 @@ class StateDictConverter:
         if getattr(self.args, "tie_word_embeddings", False) and hf_key == "lm_head.weight":
             return True
         return any(re.search(pattern, hf_key) for pattern in self.ignored_hf_keys)
+
+    def is_carried(self, hf_key: str) -> bool:
+        return any(re.search(pattern, hf_key) for pattern in self.carried_hf_keys)
 
     def hf_sources(self, archon_key: str, hf_keys: set[str]) -> list[str]:
         """The HF keys that make up archon parameter `archon_key` (in the order `combine` expects)."""

@@ -6,6 +6,7 @@ The adapter directory holds `adapter_model.safetensors` and `adapter_config.json
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from archon.checkpoint.atomic import (
     atomic_write_json,
 )
 from archon.checkpoint.hf import (
+    HFCheckpoint,
     open_safetensors,
     read_json_file,
     save_hf_checkpoint,
@@ -305,7 +307,9 @@ def save_merged_hf(
     """Write base + s*B@A as a plain HF checkpoint (merged in fp32), leaving the model unmerged.
 
     Without LoRA this writes the model as it is (e.g. after full fine-tuning). Under FSDP/TP every
-    rank calls this (shards are gathered); only `write=True` ranks write."""
+    rank calls this (shards are gathered); only `write=True` ranks write. `source_dir`, the checkpoint
+    the model was built from, gives the tokenizer files and the weights archon does not build but
+    the export must carry (`StateDictConverter.carried_hf_keys`, e.g. a vision tower)."""
     merge_lora(model)
     try:
         base = {k: full_tensor(v) for k, v in model.state_dict().items() if not is_lora_param(k)}
@@ -316,10 +320,20 @@ def save_merged_hf(
                     extra[f.name] = f.read_bytes()
         path = Path(out_dir)
         if write:
-            save_hf_checkpoint(converter.iter_to_hf(base.items()), out_dir, hf_config, extra_files=extra)
+            tensors = converter.iter_to_hf(base.items())
+            if source_dir is not None and converter.carried_hf_keys:
+                tensors = itertools.chain(tensors, _carried_tensors(converter, source_dir))
+            save_hf_checkpoint(tensors, out_dir, hf_config, extra_files=extra)
     finally:
         unmerge_lora(model)
     return path
+
+
+def _carried_tensors(converter: StateDictConverter, source_dir: str | os.PathLike):
+    checkpoint = HFCheckpoint(source_dir)
+    for key in sorted(checkpoint.keys()):
+        if converter.is_carried(key):
+            yield key, checkpoint.get(key)
 
 
 __all__ = [

@@ -119,9 +119,10 @@ class RowwiseLoRAParallel(_LinearParallel):
 
 
 class ReplicatedParallel(ParallelStyle):
-    """Replicated parameters applied to an activation sharded as `input_layout` (e.g. per-head QK
-    norms on head-sharded q/k: Shard(1) of [T, H, D]). The output keeps the input's layout and is
-    returned as a local tensor; the parameters' gradients are partial sums over the shards."""
+    """Replicated parameters applied to activations sharded as `input_layout` (e.g. per-head QK
+    norms on head-sharded q/k: Shard(1) of [T, H, D]; a gated norm takes two such inputs). The
+    output keeps the input's layout and is returned as a local tensor; the parameters' gradients
+    are partial sums over the shards."""
 
     def __init__(self, input_layout: Placement) -> None:
         super().__init__()
@@ -129,7 +130,10 @@ class ReplicatedParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def input_fn(mod, inputs, mesh):
-            return (_to_dtensor(inputs[0], mesh, self.input_layout, self.input_layout), *inputs[1:])
+            return tuple(
+                _to_dtensor(x, mesh, self.input_layout, self.input_layout) if isinstance(x, torch.Tensor) else x
+                for x in inputs
+            )
 
         def output_fn(mod, output, mesh):
             return output.to_local()

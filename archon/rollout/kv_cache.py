@@ -3,6 +3,8 @@
 Each sequence owns a slot; its keys and values sit at their absolute positions. Before each
 forward the engine says which slot and position every packed token has (`set_step`); each
 attention layer then stores its new k/v and gets back the context every query token sees.
+A recurrent layer (linear attention) keeps instead, per slot, the conv window and the recurrent
+state it reached at the end of the slot's tokens so far.
 """
 
 from __future__ import annotations
@@ -36,10 +38,36 @@ class KVCache:
 
 
 class LayerKVCache:
+    """One layer's cache: keys and values (attention) or conv window and recurrent state (a
+    recurrent layer), allocated at the layer's first use."""
+
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.conv_window: torch.Tensor | None = None
+        self.recurrent: torch.Tensor | None = None
+
+    def recurrent_state(
+        self, cu_seqlens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """For the step's N packed sequences (cu_seqlens [N+1]), each one a run of tokens of one slot:
+        (slots [N], conv windows [N, ...], recurrent states [N, ...]) to continue from, or
+        (slots, None, None) when the step is a prefill from empty slots (start from zero)."""
+        c = self.cache
+        slots = c.slots[cu_seqlens[:-1]]
+        if c.prefill_from_empty or self.recurrent is None:
+            return slots, None, None
+        return slots, self.conv_window[slots], self.recurrent[slots]
+
+    def store_recurrent_state(self, slots: torch.Tensor, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Keep each sequence's conv window [N, ...] and recurrent state [N, ...] in its slot."""
+        if self.recurrent is None:
+            n = self.cache.num_slots
+            self.conv_window = conv_window.new_zeros(n, *conv_window.shape[1:])
+            self.recurrent = recurrent.new_zeros(n, *recurrent.shape[1:])
+        self.conv_window[slots] = conv_window.detach().to(self.conv_window.dtype)
+        self.recurrent[slots] = recurrent.detach().to(self.recurrent.dtype)
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor

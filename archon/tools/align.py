@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,23 +38,94 @@ class AlignArgs:
     lora_rank: int | None = None
     """Also compare a random LoRA of this rank against PEFT on the HF model."""
     seed: int = 0
-    seq_lens: tuple[int, ...] = (7, 1, 13, 33)
-    """Lengths of the packed sequences."""
+    seq_lens: tuple[int, ...] = (7, 1, 13, 33, 70)
+    """Lengths of the packed sequences (one longer than the 64-token chunks of a chunked linear-attention
+    layer)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
-    """Extra kwargs for the tiny HF config (ignored with --hf-path)."""
+    """Extra kwargs for the tiny HF config (ignored with --hf-path); for a vision-language type they
+    set fields of its text_config."""
+
+
+def hf_model_class(config):
+    """The HF auto class a checkpoint of `config` is made and checked with: the whole model for a
+    vision-language composite (`vision_config`), so its vision tower is saved and PEFT sees the module
+    paths of released checkpoints; else the causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def tiny_config_kwargs(model_type: str, **overrides) -> dict[str, Any]:
+    """The family's tiny config kwargs for `model_type` with `overrides` applied. For a vision-language
+    composite (a tiny config with `text_config`), overrides other than `text_config`/`vision_config`
+    are language-model fields and go into `text_config`; `tie_word_embeddings`, which the composite
+    has too (and HF's whole model reads there), is set on both."""
+    from archon.spec import get_spec
+
+    kwargs = dict(get_spec(model_type).tiny_hf_config.get(model_type, {}))
+    if "text_config" not in kwargs:
+        return {**kwargs, **overrides}
+    sub_configs = {k: overrides.pop(k) for k in ("text_config", "vision_config") if k in overrides}
+    kwargs.update(sub_configs)
+    if "tie_word_embeddings" in overrides:
+        kwargs["tie_word_embeddings"] = overrides["tie_word_embeddings"]
+    kwargs["text_config"] = {**kwargs["text_config"], **overrides}
+    return kwargs
+
+
+_SPECIAL_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _drop_special_tokens_outside_vocab(config) -> None:
+    """Config classes default some special-token ids to those of the released vocabulary (SmolLM3's
+    pad_token_id 128004), which a tiny vocabulary does not hold; such ids are set to None."""
+    text = config.get_text_config()
+    for name in _SPECIAL_TOKEN_FIELDS:
+        value = getattr(text, name, None)
+        ids = value if isinstance(value, list) else [value]
+        kept = [i for i in ids if i is None or 0 <= i < text.vocab_size]
+        if len(kept) == len(ids):
+            continue
+        warnings.warn(
+            f"tiny {config.model_type} config: {name}={value!r} lies outside its vocabulary of {text.vocab_size}; "
+            f"set to {kept or None!r}", stacklevel=3,
+        )
+        setattr(text, name, (kept or None) if isinstance(value, list) else None)
+
+
+def single_kind_patterns(config) -> list[str]:
+    """The per-layer patterns of `config` whose every layer is of one kind. A tiny config like that
+    lets a port pass that treats the kinds alike (RoPE on NoPE layers, a window on every layer)."""
+    text = config.get_text_config()
+    n_layers = text.num_hidden_layers
+    found = []
+    for name in ("layer_types", "no_rope_layers"):
+        pattern = getattr(text, name, None)
+        if pattern and len(set(pattern)) == 1:
+            found.append(f"{name} (every layer {pattern[0]!r})")
+    routed = any(getattr(text, name, None) for name in ("num_experts", "n_routed_experts", "num_local_experts"))
+    if routed and (hasattr(text, "decoder_sparse_step") or hasattr(text, "mlp_only_layers")):
+        step, dense = getattr(text, "decoder_sparse_step", None) or 1, set(getattr(text, "mlp_only_layers", None) or [])
+        kinds = {i not in dense and (i + 1) % step == 0 for i in range(n_layers)}
+        if len(kinds) == 1:
+            found.append(f"decoder_sparse_step / mlp_only_layers (every layer {'sparse' if kinds == {True} else 'dense'})")
+    first_dense = getattr(text, "first_k_dense_replace", None) if routed else None
+    if first_dense is not None and not 0 < first_dense < n_layers:
+        found.append(f"first_k_dense_replace={first_dense} of {n_layers} layers")
+    return found
 
 
 def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from archon.spec import get_spec
-
-    spec = get_spec(model_type)
-    kwargs = {**spec.tiny_hf_config.get(model_type, {}), **overrides}
+    kwargs = tiny_config_kwargs(model_type, **overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
+    _drop_special_tokens_outside_vocab(config)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = hf_model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim >= 2:  # O(1) activations, so routing and attention are far from ties
@@ -127,9 +199,7 @@ def _hf_forward(hf_model, seqs):
 
 
 def run_alignment(args: AlignArgs) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from archon.build import build_model
+    from archon.build import build_model, load_hf_config
     from archon.lora import LoRAConfig, lora_parameters
     from archon.lora.peft import save_peft_adapter
 
@@ -141,15 +211,22 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
         else:
             hf_path = Path(args.hf_path)
 
+        hf_config = load_hf_config(hf_path)
+        hf_class = hf_model_class(hf_config)
+        one_kind = single_kind_patterns(hf_config) if args.hf_path is None else []
+        for pattern in one_kind:
+            warnings.warn(
+                f"the tiny {model_type} config has one kind of layer only in {pattern}: the gate cannot tell "
+                "the kinds apart; add both (config_overrides or the family's tiny_hf_config)", stacklevel=2,
+            )
+
         def load_hf():
-            return AutoModelForCausalLM.from_pretrained(
-                hf_path, dtype=torch.float32, attn_implementation="eager"
-            ).eval()
+            return hf_class.from_pretrained(hf_path, dtype=torch.float32, attn_implementation="eager").eval()
 
         hf_model = load_hf()
         loaded = build_model(hf_path)
         model = loaded.model.eval()
-        seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.vocab_size, args.seed)
+        seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed)
         max_seqlen = max(args.seq_lens)
         with torch.no_grad():
             archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
@@ -166,6 +243,7 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
             "max_abs_logprob_diff": logprob_diff,
             "lora_max_abs_logits_diff": None,
             "lora_grad_max_rel_err": None,
+            "single_kind_patterns": one_kind,
         }
         checks = [("max_abs_logits_diff", MAX_ABS_LOGITS_DIFF), ("mean_kl", MAX_MEAN_KL)]
         del model, loaded
@@ -268,6 +346,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    for pattern in report.get("single_kind_patterns", []):
+        lines.append(f"warning: every layer of the checked config is of one kind in {pattern}")
     if "peft_missing_keys" in report:
         lines.append(f"PEFT load: {len(report['peft_missing_keys'])} missing, "
                      f"{len(report['peft_unexpected_keys'])} unexpected adapter keys")

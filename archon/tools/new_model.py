@@ -13,6 +13,7 @@ type, the scaffold passes `python -m archon.tools.align --model-type HF_TYPE` as
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import re
 import shutil
@@ -49,6 +50,10 @@ class Scaffold:
     model_type: str
     like_mentions: list[str]
     """`file:line: text` of the lines that still name the like-family (docstrings, messages) to rewrite."""
+    changed_lines: list[str]
+    """`file:line: new text  (was: old text)` for every line the scaffold changed from the like-family's
+    files: renamed classes and imports, the ModelSpec, the test's model type. Renames also reach
+    comments and strings, so each one is for review."""
 
 
 def default_root() -> Path:
@@ -233,12 +238,13 @@ def scaffold(args: NewModelArgs) -> Scaffold:
 
     # Render everything before writing anything.
     outputs: dict[Path, str | bytes] = {}
+    originals: dict[Path, str] = {}
     for src in sorted(like_dir.rglob("*")):
         if not src.is_file() or "__pycache__" in src.parts or src.suffix == ".pyc":
             continue
         dest = family_dir / src.relative_to(like_dir)
         if src.suffix in _TEXT_SUFFIXES:
-            text = src.read_text()
+            text = originals[dest] = src.read_text()
             if src.relative_to(like_dir) == Path("spec.py"):
                 text = adapt_spec(text, src, args.name, model_type, like_type)
             outputs[dest] = rename(text)
@@ -246,7 +252,8 @@ def scaffold(args: NewModelArgs) -> Scaffold:
             outputs[dest] = src.read_bytes()
     like_test = root / "tests" / "models" / f"test_{args.like}.py"
     if like_test.is_file():
-        outputs[test_file] = rename(adapt_test(like_test.read_text(), like_type, model_type))
+        originals[test_file] = like_test.read_text()
+        outputs[test_file] = rename(adapt_test(originals[test_file], like_type, model_type))
     else:
         outputs[test_file] = generic_test(args.name, model_type)
 
@@ -267,7 +274,23 @@ def scaffold(args: NewModelArgs) -> Scaffold:
     line = register_line(registry, args.name)
     if line is not None:
         registry_file.write_text(registry + ("" if registry.endswith("\n") else "\n") + line)
-    return Scaffold(family_dir, test_file, registry_file, model_type, _mentions(written, args.like, rename))
+    changed = [line for dest, original in originals.items() for line in _changed_lines(dest, original, outputs[dest])]
+    return Scaffold(family_dir, test_file, registry_file, model_type, _mentions(written, args.like, rename), changed)
+
+
+def _changed_lines(path: Path, before: str, after: str) -> list[str]:
+    old_lines, new_lines = before.splitlines(), after.splitlines()
+    out = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        if i2 - i1 == j2 - j1:  # line for line
+            pairs = [(j, old_lines[i].strip()) for i, j in zip(range(i1, i2), range(j1, j2))]
+        else:  # the new lines stand for the old block as a whole
+            block = " / ".join(line.strip() for line in old_lines[i1:i2]) or "nothing"
+            pairs = [(j, block) for j in range(j1, j2)]
+        out += [f"{path}:{j + 1}: {new_lines[j].strip()}  (was: {was})" for j, was in pairs]
+    return out
 
 
 def _mentions(files: list[Path], like: str, rename: Renamer) -> list[str]:
@@ -292,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"created {result.family_dir}/ ({', '.join(sorted(p.name for p in result.family_dir.iterdir()))})")
     print(f"created {result.test_file}")
     print(f"registered in {result.registry_file}")
+    print(f"lines changed from {args.like!r} (review each: renames reach comments and strings too):")
+    for change in result.changed_lines:
+        print(f"  {change}")
     if result.like_mentions:
         print(f"lines that still name {args.like!r} (rewrite or confirm):")
         for mention in result.like_mentions:

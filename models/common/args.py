@@ -25,7 +25,8 @@ def decoder_fields_from_hf(config) -> dict[str, Any]:
     """The DecoderArgs fields of an HF config, as HF's modeling code resolves them.
 
     head_dim falls back to hidden_size // num_attention_heads when the config has none (or None);
-    num_key_value_heads falls back to num_attention_heads.
+    num_key_value_heads falls back to num_attention_heads; intermediate_size is 0 for a config
+    without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE).
     """
     hidden_act = getattr(config, "hidden_act", "silu")
     if hidden_act != "silu":
@@ -36,7 +37,7 @@ def decoder_fields_from_hf(config) -> dict[str, Any]:
     return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or 0,
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
