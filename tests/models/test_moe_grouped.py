@@ -9,7 +9,7 @@ from archon.grouped_mm import ExpertGroups, expert_matmul
 from archon.lora import LoRAConfig
 from archon.models.common.moe import GroupedExperts
 
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_5_moe_text")
 
 
 @pytest.mark.parametrize("in_features, out_features", [(8, 12), (5, 3), (2, 8)])
@@ -97,7 +97,8 @@ def test_grouped_experts_match_loop(model_type, rank, tiny_checkpoint, lora_mode
     assert any(".experts.gate_up_proj_lora." in name for name in grads)
     for name, grad in grads.items():
         scale = loop_grads[name].abs().max().clamp_min(1e-12)
-        assert (grad - loop_grads[name]).abs().max() / scale <= 1e-5, name
+        # 1e-4: the gradient contract against PEFT; the padded rank-2 factors sum in another order.
+        assert (grad - loop_grads[name]).abs().max() / scale <= 1e-4, name
 
 
 def _guarded(forward, monkeypatch):
