@@ -608,6 +608,11 @@ def _random_checkpoint(ctx: Context, config_kwargs: dict[str, Any], dtype: torch
     return out
 
 
+def _pg_loss(mb, logprobs, lctx):
+    """Token-level policy gradient: -sum(A * log p) / #completion tokens."""
+    return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.global_tokens, {}
+
+
 def check_throughput(ctx: Context) -> dict[str, Any]:
     from archon.batch import PackedBatch
 
@@ -630,16 +635,13 @@ def check_throughput(ctx: Context) -> dict[str, Any]:
     trainer = _engine(ctx, path, sizes.throughput_dtype, sizes.lora_rank, 1e-5, batch.num_tokens)
     load_s = time.perf_counter() - start
 
-    def pg_loss(mb, logprobs, lctx):
-        return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.global_tokens, {}
-
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     with count_varlen_calls() as varlen:
-        trainer.train_step(batch, pg_loss)  # warm-up
+        trainer.train_step(batch, _pg_loss)  # warm-up
         ctx.synchronize()
         start = time.perf_counter()
-        losses = [trainer.train_step(batch, pg_loss)["loss"] for _ in range(sizes.throughput_steps)]
+        losses = [trainer.train_step(batch, _pg_loss)["loss"] for _ in range(sizes.throughput_steps)]
         ctx.synchronize()
         step_s = (time.perf_counter() - start) / sizes.throughput_steps
     flops = train_step_flops(sizes.throughput_config, lengths, batch.num_loss_tokens, sizes.lora_rank)
@@ -796,15 +798,12 @@ def check_moe(ctx: Context) -> dict[str, Any]:
         optim=OptimConfig(lr=1e-5, max_grad_norm=1.0), micro_batch_tokens=batch.num_tokens, seed=ctx.seed,
     ))  # fmt: skip
 
-    def pg_loss(mb, logprobs, lctx):
-        return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.normalizer("token_mean"), {}
-
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    grouped_s, losses = _moe_steps(ctx, trainer, batch, pg_loss, sizes.throughput_steps)
+    grouped_s, losses = _moe_steps(ctx, trainer, batch, _pg_loss, sizes.throughput_steps)
     peak_memory_gb = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else None
     _set_grouped(trainer.model, False)
-    loop_s, loop_losses = _moe_steps(ctx, trainer, batch, pg_loss, sizes.throughput_steps)
+    loop_s, loop_losses = _moe_steps(ctx, trainer, batch, _pg_loss, sizes.throughput_steps)
     flops = moe_train_step_flops(sizes.moe_config, lengths, batch.num_loss_tokens, sizes.lora_rank)
     params = sum(p.numel() for p in trainer.model.parameters())
     trainable = sum(p.numel() for p in trainer.trainable)
