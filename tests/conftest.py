@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,3 +56,17 @@ def lora_model():
         return loaded
 
     return make
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """The demo's warm-started model and task data (recipes/configs/demo.yaml), made once per test
+    session; pass it as --demo.cache-dir and the recipe reuses it. Returns (cache_dir, DemoFiles)."""
+    from archon.recipes.grpo_lora import DEMO_CONFIG
+    from archon.rl.config import load_config_file
+    from archon.rl.demo import prepare_demo
+
+    cache_dir = tmp_path_factory.mktemp("demo_cache")
+    config = load_config_file(DEMO_CONFIG)
+    demo = dataclasses.replace(config.demo, cache_dir=str(cache_dir))
+    return cache_dir, prepare_demo(demo, config.parallel, config.seed, rank=0, log=lambda message: None)

@@ -194,6 +194,10 @@ VALIDATION_CASES = {
         {"algorithm.loss.clip_ratio_c": 3.0, "algorithm.loss.algorithm": "cispo"},
         "algorithm.loss.clip_ratio_c=3.0: dual clip bounds the PPO clipped objective",
     ),  # fmt: skip
+    "staleness-negative": ({"rollout.max_staleness": -1}, "rollout.max_staleness=-1: must be 0 or more"),
+    "staleness-with-the-native-engine": (
+        {"rollout.max_staleness": 1}, "rollout.engine='native': rollout.max_staleness=1 generates while the trainer"
+    ),  # fmt: skip
     "entropy-coef-negative": ({"algorithm.loss.entropy_coef": -0.01}, "algorithm.loss.entropy_coef=-0.01"),
     "kl-cap-with-k2": (
         {"algorithm.loss.kl_cap": 10.0, "algorithm.loss.kl_coef": 0.1, "algorithm.loss.kl_estimator": "k2"},

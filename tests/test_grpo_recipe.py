@@ -357,13 +357,13 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_setup, tmp
 
 
 @pytest.mark.slow
-def test_shortened_demo_improves_held_out_accuracy(tmp_path):
+def test_shortened_demo_improves_held_out_accuracy(tmp_path, demo_cache):
     """The demo's own settings (recipes/configs/demo.yaml), cut to 30 GRPO steps on one process."""
     from archon.recipes import grpo_lora
 
     config = parse_config([
         "--config", str(grpo_lora.DEMO_CONFIG), "--steps", "30", "--eval.every", "30",
-        "--logging.run-dir", str(tmp_path / "run"), "--demo.cache-dir", str(tmp_path / "cache"),
+        "--logging.run-dir", str(tmp_path / "run"), "--demo.cache-dir", str(demo_cache[0]),
         "--logging.no-progress", "--logging.no-tensorboard", "--checkpoint.every", "0",
     ])  # fmt: skip
     grpo_lora.run(config)

