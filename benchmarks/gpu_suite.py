@@ -14,6 +14,10 @@ Checks (each runs on its own: a failure is recorded and the next check still run
     memory       the chunked log-prob head's peak memory grows with O(T x D), not O(T x V)
     throughput   a dense LoRA train step at a realistic width in bf16: tokens/s, and model FLOPs
                  utilisation against the bf16 matmul peak measured in the same run
+    moe          an MoE LoRA train step (Qwen3-MoE, LoRA on attention and experts) at a realistic
+                 width in bf16: tokens/s and MFU with grouped-GEMM experts, and the speed-up over
+                 the loop over experts; and, on one device (no expert parallelism), grouped experts
+                 against the loop in fp32 and bf16: outputs and gradients agree
 
 What --tiny changes: everything runs on the CPU at tiny sizes. bf16 runs where it checks numerics
 (alignment, train), but attention takes the per-sequence SDPA path, as the flash varlen kernel is
@@ -51,7 +55,7 @@ import torch  # noqa: E402
 
 log = logging.getLogger("gpu_suite")
 
-CHECKS = ("alignment", "train", "generation", "memory", "throughput")
+CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe")
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3), so a bf16 model is judged against the
 # error that HF itself makes in bf16, both measured against HF in fp32 on the same inputs. archon
@@ -98,6 +102,8 @@ class Sizes:
     throughput_prompt_len: int
     throughput_dtype: str
     throughput_steps: int
+    moe_config: dict[str, Any]
+    """A Qwen3-MoE config (HF kwargs) for the MoE step; throughput_* give its batch and dtype."""
     lora_rank: int
 
 
@@ -121,6 +127,10 @@ TINY = Sizes(
     throughput_prompt_len=8,
     throughput_dtype="float32",
     throughput_steps=2,
+    moe_config=dict(vocab_size=1024, hidden_size=64, moe_intermediate_size=32, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                    num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=512,
+                    tie_word_embeddings=False),  # fmt: skip
     lora_rank=4,
 )
 FULL = Sizes(
@@ -145,6 +155,11 @@ FULL = Sizes(
     throughput_prompt_len=128,
     throughput_dtype="bfloat16",
     throughput_steps=3,
+    # Qwen3-30B-A3B's layer (hidden 2048, 128 experts, top-8, expert width 768), 4 layers.
+    moe_config=dict(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                    num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                    num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=32768,
+                    tie_word_embeddings=False),  # fmt: skip
     lora_rank=16,
 )
 TRAIN_FAMILIES = {"dense": "qwen3", "moe": "qwen3_moe"}
@@ -579,17 +594,23 @@ def train_step_flops(config: dict[str, Any], lengths: list[int], loss_tokens: in
     return float(flops)
 
 
-def _random_checkpoint(ctx: Context, config_kwargs: dict[str, Any], dtype: torch.dtype, name: str) -> Path:
-    """An HF Qwen3 checkpoint with HF's own random init, made on this device (fast at 2B params)."""
+def _random_checkpoint(ctx: Context, config_kwargs: dict[str, Any], dtype: torch.dtype, name: str,
+                       model_type: str = "qwen3") -> Path:
+    """An HF checkpoint with HF's own random init, made on this device (fast at 2B params)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3", **config_kwargs)
+    config = AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(ctx.seed)
     with torch.device(ctx.device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     out = ctx.workdir / name
     model.save_pretrained(out)
     return out
+
+
+def _pg_loss(mb, logprobs, lctx):
+    """Token-level policy gradient: -sum(A * log p) / #completion tokens."""
+    return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.global_tokens, {}
 
 
 def check_throughput(ctx: Context) -> dict[str, Any]:
@@ -614,16 +635,13 @@ def check_throughput(ctx: Context) -> dict[str, Any]:
     trainer = _engine(ctx, path, sizes.throughput_dtype, sizes.lora_rank, 1e-5, batch.num_tokens)
     load_s = time.perf_counter() - start
 
-    def pg_loss(mb, logprobs, lctx):
-        return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.global_tokens, {}
-
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     with count_varlen_calls() as varlen:
-        trainer.train_step(batch, pg_loss)  # warm-up
+        trainer.train_step(batch, _pg_loss)  # warm-up
         ctx.synchronize()
         start = time.perf_counter()
-        losses = [trainer.train_step(batch, pg_loss)["loss"] for _ in range(sizes.throughput_steps)]
+        losses = [trainer.train_step(batch, _pg_loss)["loss"] for _ in range(sizes.throughput_steps)]
         ctx.synchronize()
         step_s = (time.perf_counter() - start) / sizes.throughput_steps
     flops = train_step_flops(sizes.throughput_config, lengths, batch.num_loss_tokens, sizes.lora_rank)
@@ -655,6 +673,163 @@ def check_throughput(ctx: Context) -> dict[str, Any]:
     }
 
 
+# ---- 6. MoE ------------------------------------------------------------------------------------------
+
+# Grouped experts against the loop over experts, on the same device and inputs: the largest error of
+# the output and of each gradient relative to that tensor's largest magnitude. fp32 differs only in
+# summation order; bf16 output roundings (2^-8 relative) may differ between the two.
+MOE_GROUPED_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def moe_train_step_flops(config: dict[str, Any], lengths: list[int], loss_tokens: int, lora_rank: int) -> float:
+    """Model FLOPs of one MoE LoRA train step with LoRA on attention and the routed experts (frozen
+    base weights): attention projections, the router, the top-k experts each token goes to, causal
+    attention and the head on the loss tokens, counted as in `train_step_flops`."""
+    D, H, KV, hd, layers, V = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+                               config["head_dim"], config["num_hidden_layers"], config["vocab_size"])  # fmt: skip
+    E, k, I = config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
+    attention = D * H * hd * 2 + D * KV * hd * 2
+    experts = k * 3 * D * I
+    lora = lora_rank * ((D + H * hd) * 2 + (D + KV * hd) * 2) + k * lora_rank * ((D + 2 * I) + (I + D))
+    flops = sum(lengths) * layers * (4 * (attention + experts + D * E) + 6 * lora)
+    flops += 3 * sum(2 * n * n * H * hd for n in lengths) * layers
+    flops += loss_tokens * 4 * D * V
+    return float(flops)
+
+
+def _set_grouped(model: torch.nn.Module, grouped: bool) -> None:
+    from archon.models.common.moe import GroupedExperts
+
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.grouped_mm = grouped
+
+
+def _grouped_vs_loop(ctx: Context, dtype: str) -> dict[str, Any]:
+    """One expert layer of the MoE config (with LoRA, B non-zero) on routed random tokens: the grouped
+    path against the loop, forward and backward, and whether grouped GEMM really ran."""
+    import torch.nn.functional as F
+
+    from archon.lora import LoRAConfig
+    from archon.models.common.moe import GroupedExperts, SoftmaxTopKRouter
+
+    config = ctx.sizes.moe_config
+    D, E, k = config["hidden_size"], config["num_experts"], config["num_experts_per_tok"]
+    I = config["moe_intermediate_size"]
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
+    with torch.device(ctx.device):
+        router = SoftmaxTopKRouter(D, E, k, norm_topk_prob=True)
+        experts = GroupedExperts(E, D, I, LoRAConfig(rank=ctx.sizes.lora_rank, alpha=2.0 * ctx.sizes.lora_rank))
+    with torch.no_grad():
+        for param in (*router.parameters(), *experts.parameters()):
+            param.copy_(torch.randn(param.shape, generator=g, device=ctx.device) / math.sqrt(param.shape[-1]))
+    experts.to(getattr(torch, dtype))
+    tokens = ctx.sizes.throughput_tokens // 4
+    x = torch.randn(tokens, D, generator=g, device=ctx.device, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        top_weights, top_indices = router(x.float())
+    grad_out = torch.randn(x.shape, generator=g, device=ctx.device, dtype=x.dtype)
+    results = {}
+    calls = {"grouped_mm": 0}
+    original = F.grouped_mm
+
+    def counted(*args, **kwargs):
+        calls["grouped_mm"] += 1
+        return original(*args, **kwargs)
+
+    for grouped in (True, False):
+        experts.grouped_mm = grouped
+        experts.zero_grad(set_to_none=True)
+        x_in = x.detach().requires_grad_()
+        F.grouped_mm = counted
+        try:
+            out = experts(x_in, top_weights.to(x.dtype), top_indices)
+            out.backward(grad_out)
+        finally:
+            F.grouped_mm = original
+        grads = {name: p.grad.float() for name, p in experts.named_parameters() if p.grad is not None}
+        results[grouped] = {"output": out.detach().float(), "input_grad": x_in.grad.float(), **grads}
+    errors = {name: float((results[True][name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+              for name, ref in results[False].items()}  # fmt: skip
+    worst = max(errors.values())
+    return {
+        "dtype": dtype,
+        "tokens": tokens,
+        "compared": sorted(errors),
+        "max_rel_err": worst,
+        "grouped_mm_calls": calls["grouped_mm"],
+        "pass": worst <= MOE_GROUPED_RTOL[dtype] and calls["grouped_mm"] > 0
+                and results[True].keys() == results[False].keys(),
+    }
+
+
+def _moe_steps(ctx: Context, trainer, batch, loss_fn, steps: int) -> tuple[float, list[float]]:
+    trainer.train_step(batch, loss_fn)  # warm-up
+    ctx.synchronize()
+    start = time.perf_counter()
+    losses = [trainer.train_step(batch, loss_fn)["loss"] for _ in range(steps)]
+    ctx.synchronize()
+    return (time.perf_counter() - start) / steps, losses
+
+
+def check_moe(ctx: Context) -> dict[str, Any]:
+    from archon.batch import PackedBatch
+    from archon.lora import LoRAConfig
+    from archon.trainer import OptimConfig, Trainer, TrainerConfig
+
+    sizes = ctx.sizes
+    parity = {dtype: _grouped_vs_loop(ctx, dtype) for dtype in ("float32", "bfloat16")}
+    _release(ctx)
+    dtype = getattr(torch, sizes.throughput_dtype)
+    peak = matmul_peak_flops(ctx, dtype)
+    path = _random_checkpoint(ctx, sizes.moe_config, dtype, "moe-qwen3_moe", model_type="qwen3_moe")
+    _release(ctx)
+    lengths = throughput_lengths(sizes.throughput_tokens, sizes.throughput_sequences, ctx.seed)
+    g = torch.Generator().manual_seed(ctx.seed)
+    batch = PackedBatch.from_sequences(
+        [torch.randint(0, sizes.moe_config["vocab_size"], (n,), generator=g) for n in lengths],
+        prompt_lens=[sizes.throughput_prompt_len] * len(lengths),
+        advantages=torch.randn(len(lengths), generator=g).tolist(),
+    )
+    lora = LoRAConfig(rank=sizes.lora_rank, alpha=2.0 * sizes.lora_rank,
+                      target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "experts"))  # fmt: skip
+    trainer = Trainer(TrainerConfig(
+        model_path=str(path), lora=lora, dtype=sizes.throughput_dtype, device=ctx.device.type,
+        optim=OptimConfig(lr=1e-5, max_grad_norm=1.0), micro_batch_tokens=batch.num_tokens, seed=ctx.seed,
+    ))  # fmt: skip
+
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    grouped_s, losses = _moe_steps(ctx, trainer, batch, _pg_loss, sizes.throughput_steps)
+    peak_memory_gb = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else None
+    _set_grouped(trainer.model, False)
+    loop_s, loop_losses = _moe_steps(ctx, trainer, batch, _pg_loss, sizes.throughput_steps)
+    flops = moe_train_step_flops(sizes.moe_config, lengths, batch.num_loss_tokens, sizes.lora_rank)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    trainable = sum(p.numel() for p in trainer.trainable)
+    del trainer
+    _release(ctx)
+    return {
+        "config": {**sizes.moe_config, "lora_rank": sizes.lora_rank, "dtype": sizes.throughput_dtype},
+        "params": params,
+        "trainable_params": trainable,
+        "tokens_per_step": batch.num_tokens,
+        "step_s": grouped_s,
+        "tokens_per_s": batch.num_tokens / grouped_s,
+        "model_tflop_per_step": flops / 1e12,
+        "achieved_tflop_s": flops / grouped_s / 1e12,
+        "matmul_peak_tflop_s": peak / 1e12,
+        "mfu": flops / grouped_s / peak,
+        "loop_step_s": loop_s,
+        "grouped_speedup_over_loop": loop_s / grouped_s,
+        "peak_memory_gb": peak_memory_gb,
+        "losses": losses,
+        "loop_losses": loop_losses,
+        "grouped_vs_loop": parity,
+        "pass": all(math.isfinite(x) for x in losses + loop_losses) and all(p["pass"] for p in parity.values()),
+    }
+
+
 # ---- driver ------------------------------------------------------------------------------------------
 
 CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -663,6 +838,7 @@ CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "generation": check_generation,
     "memory": check_memory,
     "throughput": check_throughput,
+    "moe": check_moe,
 }
 
 

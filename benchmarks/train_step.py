@@ -12,6 +12,10 @@ Each measurement runs in its own process, so each peak RSS is its own:
     archon_lora    archon LoRA: one warm-up and `steps` timed train steps, then one profiled step
     hf_peft        HF + PEFT LoRA: the same
     archon_full    archon full-parameter training on the same batch and settings (no profile)
+    lora_vs_full   archon LoRA and full-parameter trainers in one process, their steps alternated
+                   (`steps` + 2 each, medians), so that both see the same machine load: the LoRA /
+                   full step-time ratio (LoRA skips the base weights' gradients, about a third of a
+                   step's matmul FLOPs)
     *_mem          LoRA and full-parameter steps on a wider model whose weights dominate memory
                    (254M parameters, ~1 GB fp32; 2 x 128 tokens, activation checkpointing)
 Peak RSS is sampled during the train steps (loading excluded). Useful FLOPs count real (non-pad)
@@ -191,14 +195,14 @@ def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
 
 
 def _archon_trainer(args: BenchArgs, lora: bool, activation_checkpoint: str = "none", micro_tokens: int = 8192,
-                   head_chunk: int = 1024, checkpoint: str | None = None):
+                   head_chunk: int = 1024, checkpoint: str | None = None, lora_targets="all-linear"):
     from archon.lora import LoRAConfig
     from archon.parallel import ParallelConfig
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
     return Trainer(TrainerConfig(
         model_path=checkpoint or args.checkpoint,
-        lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear") if lora else None,
+        lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=lora_targets) if lora else None,
         parallel=ParallelConfig(activation_checkpoint=activation_checkpoint),
         optim=OptimConfig(lr=LR, max_grad_norm=1.0),
         device="cpu",
@@ -243,7 +247,8 @@ def _profile_breakdown(step) -> dict[str, float]:
 
 
 def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = False, profile: bool = True,
-               **trainer_kw) -> dict:
+               prepare=None, **trainer_kw) -> dict:
+    """One archon measurement; `prepare(model)` (if given) adjusts the built model before it is timed."""
     import torch
     import transformers  # noqa: F401  (libraries are imported before the baseline RSS is taken)
 
@@ -261,6 +266,8 @@ def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = Fa
         trainer_kw["checkpoint"] = args.memory_checkpoint
     baseline = _rss_mb()
     trainer = _archon_trainer(args, lora, **trainer_kw)
+    if prepare is not None:
+        prepare(trainer.model)
     batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
     with PeakRSS() as rss:
         if timed:
@@ -285,7 +292,8 @@ def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = Fa
     return out
 
 
-def run_hf_peft(args: BenchArgs) -> dict:
+def run_hf_peft(args: BenchArgs, model_kwargs: dict | None = None, lora_kwargs: dict | None = None) -> dict:
+    """HF + PEFT LoRA; `model_kwargs` go to from_pretrained, `lora_kwargs` replace the LoraConfig targets."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -293,9 +301,10 @@ def run_hf_peft(args: BenchArgs) -> dict:
     torch.set_num_threads(args.threads)
     seqs, advantages = make_sequences(args.seed)
     baseline = _rss_mb()
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear",
-                                             lora_dropout=0.0))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation="sdpa",
+                                                 **(model_kwargs or {}))  # fmt: skip
+    targets = lora_kwargs or dict(target_modules="all-linear")
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, **targets))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR)
@@ -343,11 +352,34 @@ def run_hf_peft(args: BenchArgs) -> dict:
     }
 
 
+def run_lora_vs_full(args: BenchArgs) -> dict:
+    import statistics
+
+    import torch
+
+    from archon.batch import PackedBatch
+
+    torch.set_num_threads(args.threads)
+    seqs, advantages = make_sequences(args.seed)
+    batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
+    trainers = {"lora": _archon_trainer(args, lora=True), "full": _archon_trainer(args, lora=False)}
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for trainer in trainers.values():
+        trainer.train_step(batch, _pg_loss)  # warm-up
+    for _ in range(args.steps + 2):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.train_step(batch, _pg_loss)
+            times[name].append(time.perf_counter() - start)
+    return {f"{name}_step_s": statistics.median(t) for name, t in times.items()} | {"step_s_all": times}
+
+
 MEMORY_SETTINGS = dict(activation_checkpoint="full", micro_tokens=512, head_chunk=128)
 ROLES = {
     "archon_lora": lambda a: run_archon(a, lora=True, timed=True),
     "hf_peft": run_hf_peft,
     "archon_full": lambda a: run_archon(a, lora=False, timed=True, profile=False),
+    "lora_vs_full": run_lora_vs_full,
     "archon_lora_mem": lambda a: run_archon(a, lora=True, timed=False, memory_model=True, **MEMORY_SETTINGS),
     "archon_full_mem": lambda a: run_archon(a, lora=False, timed=False, memory_model=True, **MEMORY_SETTINGS),
 }
@@ -356,8 +388,9 @@ ROLES = {
 # ---- driver ----------------------------------------------------------------------------------------
 
 
-def _measure(role: str, args: BenchArgs) -> dict:
-    cmd = [sys.executable, __file__, "--role", role, "--checkpoint", args.checkpoint,
+def _measure(role: str, args: BenchArgs, script: str = __file__) -> dict:
+    """Run `script --role role` in a fresh process and return the JSON it prints last."""
+    cmd = [sys.executable, script, "--role", role, "--checkpoint", args.checkpoint,
            "--memory-checkpoint", args.memory_checkpoint,
            "--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -367,11 +400,11 @@ def _measure(role: str, args: BenchArgs) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def make_checkpoint(out_dir: Path, seed: int, model_config: dict = MODEL_CONFIG) -> Path:
+def make_checkpoint(out_dir: Path, seed: int, model_config: dict = MODEL_CONFIG, model_type: str = "qwen3") -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3", **model_config)
+    config = AutoConfig.for_model(model_type, **model_config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
@@ -424,6 +457,8 @@ def main(args: BenchArgs) -> dict:
         "archon_peak_rss_mb": archon["peak_rss_mb"],
         "hf_peft_peak_rss_mb": hf["peak_rss_mb"],
         "full_ft_tok_s": results["archon_full"]["tok_s"],
+        "lora_over_full_step_s": results["lora_vs_full"]["lora_step_s"] / results["lora_vs_full"]["full_step_s"],
+        "lora_vs_full_step_s": results["lora_vs_full"],
         "full_ft_peak_rss_mb": results["archon_full"]["peak_rss_mb"],
     }
     return summary
@@ -442,6 +477,9 @@ def _cli() -> None:
     print(f"useful GFLOP/s: archon {summary['archon_useful_gflop_s']:.1f}, HF+PEFT "
           f"{summary['hf_peft_useful_gflop_s']:.1f}; fp32 matmul peak {summary['matmul_peak_gflop_s']:.1f}")
     print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
+    alternated = summary["lora_vs_full_step_s"]
+    print(f"step time, alternated in one process: archon LoRA {alternated['lora_step_s']:.2f} s, full fine-tuning "
+          f"{alternated['full_step_s']:.2f} s, LoRA / full = {summary['lora_over_full_step_s']:.2f}")
     print(f"peak RSS MB: archon LoRA {summary['archon_peak_rss_mb']:.0f}, HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}, "
           f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}")  # fmt: skip
     print(f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "

@@ -37,7 +37,7 @@ def test_tiny_suite_passes_every_check(tmp_path):
     failed = {name: check for name, check in result["checks"].items() if not check["pass"]}
     assert not failed, json.dumps(failed, indent=1)[-6000:]
     assert result["pass"] and proc.returncode == 0, proc.stderr[-4000:]
-    assert set(result["checks"]) == {"alignment", "train", "generation", "memory", "throughput"}
+    assert set(result["checks"]) == {"alignment", "train", "generation", "memory", "throughput", "moe"}
     assert result["mode"] == "tiny-cpu"
 
     checks = result["checks"]
@@ -51,6 +51,10 @@ def test_tiny_suite_passes_every_check(tmp_path):
     assert all(f["greedy_tokens_equal_hf"] for f in checks["generation"]["families"].values())
     assert checks["memory"]["unchunked_peak_mb_at_small"] > checks["memory"]["peak_mb"][1]
     assert checks["throughput"]["tokens_per_s"] > 0 and 0 < checks["throughput"]["mfu"]
+    moe = checks["moe"]
+    assert moe["tokens_per_s"] > 0 and 0 < moe["mfu"] and moe["grouped_speedup_over_loop"] > 0
+    for parity in moe["grouped_vs_loop"].values():  # grouped GEMM ran and matched the loop
+        assert parity["grouped_mm_calls"] > 0 and "gate_up_proj_lora.lora_a" in parity["compared"]
 
     assert json.loads((out / "gpu_suite.json").read_text()) == result
     log = (out / "gpu_suite.log").read_text()
@@ -94,6 +98,11 @@ def test_throughput_lengths_and_flops():
     linear = 8 * 2 * 4 * 2 + 8 * 1 * 4 * 2 + 3 * 8 * 16
     expected = 4 * 4 * linear + 3 * 2 * 16 * 2 * 4 + 3 * 4 * 8 * 32
     assert suite.train_step_flops(config, [4], loss_tokens=3, lora_rank=0) == expected
+    # MoE: per token the attention projections, the router (D x E) and k experts of 3 D I each.
+    moe = dict(config, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)
+    attention, router, experts = 8 * 2 * 4 * 2 + 8 * 1 * 4 * 2, 8 * 4, 2 * 3 * 8 * 6
+    expected = 4 * 4 * (attention + router + experts) + 3 * 2 * 16 * 2 * 4 + 3 * 4 * 8 * 32
+    assert suite.moe_train_step_flops(moe, [4], loss_tokens=3, lora_rank=0) == expected
 
 
 # ---- the flash varlen call across torch releases --------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archon.grouped_mm import ExpertGroups, expert_matmul
 from archon.lora.config import LoRAConfig
 
 
@@ -107,9 +108,13 @@ class LoRALinear(nn.Linear, LoRAModule):
             self.reset_lora_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
         if not self.lora_enabled or self.merged:
-            return out
+            return F.linear(x, self.weight, self.bias)
+        frozen_base = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+        if frozen_base and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
+            return _FrozenBaseLoRALinear.apply(x, self.weight, self.bias, self.lora_a.weight, self.lora_b.weight,
+                                               self.scaling)  # fmt: skip
+        out = F.linear(x, self.weight, self.bias)
         x = self.lora_dropout(x.to(self.lora_a.weight.dtype))
         return out + (self.lora_b(self.lora_a(x)) * self.scaling).to(out.dtype)
 
@@ -127,6 +132,54 @@ class LoRALinear(nn.Linear, LoRAModule):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+class _FrozenBaseLoRALinear(torch.autograd.Function):
+    """y = x W^T + b + s (x A^T) B^T with W and b frozen and no dropout: LoRALinear's training path.
+
+    Autograd on that composition spends passes over the [N, out] output on scaling and adding the
+    low-rank term, and more in the backward on scaling its gradient and summing the two input
+    gradients. Here the low-rank terms are folded into the GEMMs instead (addmm with alpha = s, in
+    place for the input gradient, the scaling applied to the [N, r] factors), and no gradient of W or
+    b is formed. The LoRA factors may be in a wider dtype than W (fp32 adapter on a bf16 base): then
+    their product is formed in that dtype and rounded once, as in the unfused form.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+        x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+        out = F.linear(x2, weight, bias)  # [N, out]
+        h = x2.to(lora_a.dtype) @ lora_a.t()  # [N, r]
+        # Not in place: selective activation checkpointing keeps F.linear's output as it was made.
+        if out.dtype == h.dtype:
+            out = torch.addmm(out, h, lora_b.t(), alpha=scaling)
+        else:
+            out = out + (h @ lora_b.t() * scaling).to(out.dtype)
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, h)
+        ctx.scaling = scaling
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, lora_a, lora_b, h = ctx.saved_tensors
+        need_x, _, _, need_a, need_b, _ = ctx.needs_input_grad
+        g = grad_out.reshape(-1, grad_out.shape[-1])  # [N, out]
+        g_lora = g.to(lora_b.dtype)
+        grad_h = (g_lora @ lora_b).mul_(ctx.scaling)  # [N, r]: d/dh of s h B^T
+        grad_x = grad_a = grad_b = None
+        if need_x:
+            grad_x = g @ weight  # [N, in]
+            if grad_x.dtype == grad_h.dtype:
+                grad_x.addmm_(grad_h, lora_a)
+            else:
+                grad_x += (grad_h @ lora_a).to(grad_x.dtype)
+            grad_x = grad_x.view(ctx.x_shape)
+        if need_a:
+            grad_a = grad_h.t() @ x2.to(lora_a.dtype)  # [r, in]
+        if need_b:
+            grad_b = (g_lora.t() @ h).mul_(ctx.scaling)  # [out, r]
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 def linear(
@@ -161,10 +214,12 @@ class ExpertLoRA(nn.Module):
         nn.init.uniform_(self.lora_a, -bound, bound)
         nn.init.zeros_(self.lora_b)
 
-    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Low-rank update for tokens x[n, in] routed to `expert`: [n, out]."""
+    def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """Low-rank update for rows x[N, in] sorted by expert: [N, out]. Two grouped matmuls over all
+        experts, x @ A[e]^T then @ B[e]^T."""
         x = self.lora_dropout(x.to(self.lora_a.dtype))
-        return (x @ self.lora_a[expert].t()) @ self.lora_b[expert].t() * self.scaling
+        h = expert_matmul(x, self.lora_a.transpose(1, 2), groups) * self.scaling  # [N, r]: scaled while small
+        return expert_matmul(h, self.lora_b.transpose(1, 2), groups)
 
     def delta_weight(self) -> torch.Tensor:
         """s * B @ A per expert in fp32, shape [E, out, in]."""

@@ -8,6 +8,7 @@ from archon.models.common.args import GroupLimitedMoEArgs
 from archon.models.common.mlp import SwiGLUMLP
 from torch import nn
 
+from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule
 
 
@@ -57,6 +58,10 @@ class GroupedExperts(nn.Module, LoRAModule):
     gate_up_proj: [E, 2*hidden, dim] (gate rows, then up rows); down_proj: [E, dim, hidden].
     With LoRA on "experts", each stacked weight gets an ExpertLoRA (per-expert A and B).
 
+    The token slots are sorted by expert and every projection is one grouped matmul over all experts
+    (`expert_matmul`), with no host sync. `grouped_mm = False` (or a device without grouped GEMM)
+    takes the reference loop over experts instead.
+
     Subclasses change the layout with `input_major` (weights stored [E, in, out]), add
     `gate_up_proj_bias` / `down_proj_bias`, and override `_activation`.
     """
@@ -74,6 +79,7 @@ class GroupedExperts(nn.Module, LoRAModule):
             self.down_proj_lora = ExpertLoRA(num_experts, hidden_dim, dim, lora)
         else:
             self.gate_up_proj_lora = self.down_proj_lora = None
+        self.grouped_mm = True
         self.lora_enabled = True
         self.merged = False
 
@@ -90,14 +96,16 @@ class GroupedExperts(nn.Module, LoRAModule):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         lora: ExpertLoRA | None,
-        expert: int,
+        groups: ExpertGroups,
     ) -> torch.Tensor:
-        """x[n, in] through expert `expert`'s slice of a stacked weight (plus bias and LoRA): [n, out]."""
-        out = x @ (weight[expert] if self.input_major else weight[expert].t())
+        """Rows x[N, in], sorted by expert, through their expert's slice of a stacked weight (plus bias
+        and LoRA): [N, out]."""
+        weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
+        out = expert_matmul(x, weight_in_out, groups)
         if bias is not None:
-            out = out + bias[expert]
+            out = out + bias[groups.expert_of_row]
         if self._lora_active:
-            out = out + lora(x, expert).to(out.dtype)
+            out = out + lora(x, groups).to(out.dtype)
         return out
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -105,26 +113,24 @@ class GroupedExperts(nn.Module, LoRAModule):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def _expert_forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        gate_up = self._project(x, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, expert)
+    def compute(self, x_sorted: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """The experts on rows sorted by expert: x_sorted [N, dim] -> [N, dim] (unweighted)."""
+        gate_up = self._project(x_sorted, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, groups)
         h = self._activation(gate_up)
-        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, expert)
+        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, groups)
 
     def forward(self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
         """x: [T, dim], top_weights/top_indices: [T, k] -> [T, dim]."""
         k = top_indices.shape[1]
-        flat_experts = top_indices.reshape(-1)
-        order = torch.argsort(flat_experts, stable=True)
+        flat_experts = top_indices.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_experts, stable=True)  # slots sorted by expert
         token_of_slot = order // k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        x_sorted = x[token_of_slot]
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                outputs.append(self._expert_forward(x_sorted[start : start + count], expert))
-                start += count
-        y_sorted = torch.cat(outputs, dim=0) * top_weights.reshape(-1)[order, None]
+        groups = ExpertGroups.from_sorted(flat_experts[order], self.num_experts, self._use_grouped_mm(x))
+        y_sorted = self.compute(x[token_of_slot], groups) * top_weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token_of_slot, y_sorted.to(x.dtype))
+
+    def _use_grouped_mm(self, x: torch.Tensor) -> bool:
+        return self.grouped_mm and grouped_mm_unavailable(x.device, x.dtype) is None
 
     def reset_lora_parameters(self) -> None:
         if self.gate_up_proj_lora is not None:
