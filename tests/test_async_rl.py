@@ -94,16 +94,15 @@ def test_async_mode_needs_rollout_servers_and_the_proximal_policy(tmp_path):
 def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tmp_path):
     """The same run through the background producer with max_staleness 0 and through the
     synchronous loop: the metrics (all but timings) and the final adapter are bit-identical."""
-    from test_grpo_recipe import _args
+    from test_grpo_recipe import _args, write_tiny_setup
 
     from archon.rl.loop import RLRun
 
     class ProducerRun(RLRun):
         def _start_producer(self, first):
-            self.adapter_history.record(self.trainer.model, self.version)
             return RolloutProducer(self.generate_rollouts, first, self.config.steps, 0, version=self.version)
 
-    root = _build_setup(tmp_path)
+    root = write_tiny_setup(tmp_path / "setup")
     results = []
     for run_cls, name in ((RLRun, "sync"), (ProducerRun, "producer")):
         args = _args(root, tmp_path / name, steps=3) + ["--eval.every", "0", "--algorithm.minibatches", "2"]
@@ -118,26 +117,6 @@ def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tm
     assert all(torch.equal(sync_lora[k], producer_lora[k]) for k in sync_lora)
     assert all(r["version_lag_max"] == 0 and r["stale_samples_dropped"] == 0 for r in producer_metrics)
 
-
-def _build_setup(tmp_path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
-
-    root = tmp_path / "setup"
-    tokenizer = build_char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=64, num_held_out=8))
-    write_jsonl(train, root / "train.jsonl")
-    write_jsonl(held_out, root / "held_out.jsonl")
-    return root
 
 
 @pytest.mark.parametrize(
@@ -168,11 +147,11 @@ def test_collect_drops_and_samples_again_the_groups_older_than_the_bound(tmp_pat
     adapter, the others are kept as they are, and the drop is counted."""
     import dataclasses
 
-    from test_grpo_recipe import _args
+    from test_grpo_recipe import _args, write_tiny_setup
 
     from archon.rl.loop import RLRun
 
-    root = _build_setup(tmp_path)
+    root = write_tiny_setup(tmp_path / "setup")
     run = RLRun(parse_config(_args(root, tmp_path / "run", steps=4) + ["--eval.every", "0"]))
     try:
         run.config = dataclasses.replace(run.config, rollout=dataclasses.replace(run.config.rollout, max_staleness=1))

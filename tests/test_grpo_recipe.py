@@ -27,11 +27,11 @@ STEP_FIELDS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory):
+def write_tiny_setup(root: Path) -> Path:
+    """A tiny random Qwen3 with a character tokenizer in ROOT/model, and 2-digit addition data in
+    ROOT/train.jsonl (64 prompts) and ROOT/held_out.jsonl (8)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    root = tmp_path_factory.mktemp("grpo")
     tokenizer = build_char_tokenizer()
     config = Qwen3Config(
         # vocabulary rounded up to even and 2 KV heads, so tensor parallelism over 2 ranks divides them
@@ -44,9 +44,15 @@ def tiny_setup(tmp_path_factory):
     tokenizer.save_pretrained(root / "model")
     train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=64, num_held_out=8))
     write_jsonl(train, root / "train.jsonl")
-    with open(root / "train.jsonl", "a") as f:
-        f.write(json.dumps({"question": "no prompt field"}) + "\n")
     write_jsonl(held_out, root / "held_out.jsonl")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    root = write_tiny_setup(tmp_path_factory.mktemp("grpo"))
+    with open(root / "train.jsonl", "a") as f:  # one malformed row, counted and skipped
+        f.write(json.dumps({"question": "no prompt field"}) + "\n")
     return root
 
 

@@ -180,7 +180,11 @@ class RLRun:
         """The adapter version the trainer holds: the number of RL steps trained."""
         self.producer: RolloutProducer | None = None
         """Generates later steps' rollouts in the background (rollout.max_staleness >= 1)."""
-        self.adapter_history = AdapterHistory(keep=config.rollout.max_staleness + 1)
+        self.adapter_history: AdapterHistory | None = None
+        """The adapters of the last versions, kept on every rank when samples may lag and the version
+        gap is measured (rollout.max_staleness >= 1 and rollout.measure_version_gap)."""
+        if config.rollout.max_staleness > 0 and config.rollout.measure_version_gap:
+            self.adapter_history = AdapterHistory(keep=config.rollout.max_staleness + 1)
         self._trained_iterator_state: dict | None = None
         """The data iterator as of the last trained step's prompts (the producer draws ahead)."""
 
@@ -394,7 +398,7 @@ class RLRun:
         mask = batch.loss_mask
         total = (batch.old_logprobs - batch.rollout_logprobs).abs()
         gaps = {"total": total[mask], "numerics": total[mask], "lag": torch.zeros(int(mask.sum()))}
-        if not self.config.rollout.measure_version_gap or not self.config.algorithm.recompute_old_logprobs:
+        if self.adapter_history is None:  # synchronous, or the measurement is off
             return gaps
         lags = self._lags_present(batch)
         if not lags:
@@ -452,8 +456,9 @@ class RLRun:
         start = time.perf_counter()
         sent = self.sync.publish(self.trainer.model, self.trainer.converter, self.trainer.lora, version)
         self.version = version
-        if self.producer is not None:
+        if self.adapter_history is not None:
             self.adapter_history.record(self.trainer.model, version)
+        if self.producer is not None:
             self.producer.published(version)
         metrics = {f"sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")}
         return {"sync_s": time.perf_counter() - start, **metrics}
@@ -613,7 +618,6 @@ class RLRun:
         max_staleness = self.config.rollout.max_staleness
         if max_staleness == 0 or not self.generates_rollouts:
             return None
-        self.adapter_history.record(self.trainer.model, self.version)
         return RolloutProducer(self.generate_rollouts, first, self.config.steps, max_staleness, version=self.version)
 
     def _train(self, first: int) -> dict[str, float]:
@@ -629,6 +633,8 @@ class RLRun:
         if eval_every and first == 0:
             last["eval_accuracy"] = self.evaluate()
             self.metrics.log(0, {"eval_accuracy": last["eval_accuracy"]})
+        if self.adapter_history is not None:  # every rank: the version-gap forwards run on all of them
+            self.adapter_history.record(self.trainer.model, self.version)
         # after the first evaluation, so that the rollouts of the first steps are made (and timed)
         # while training, as all later ones are
         self.producer = self._start_producer(first)
