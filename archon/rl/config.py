@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import types
 import typing
@@ -154,6 +155,27 @@ class DemoConfig:
 
 
 @dataclass
+class TaskConfig:
+    """One task of a multi-LoRA run: its own adapter on the shared frozen base, trained on its own
+    data with its own reward, algorithm, LoRA config and optimizer. The run's model, rollout
+    sampling (group size, prompts per step, tokens, temperature), evaluation cadence, checkpoint
+    cadence and logging are shared. Outputs go to RUN_DIR/tasks/<name>/ and metrics are prefixed
+    "<name>/"."""
+
+    name: str = ""
+    """Names the adapter, its output directory and its metrics (letters, digits, '_' and '-')."""
+    data: DataConfig = field(default_factory=DataConfig)
+    eval_path: str | None = None
+    """Held-out prompts of this task (same format as data.path); None: no evaluation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The task's algorithm; ppo_epochs and minibatches must be the same for every task (a
+    minibatch update trains every task at once)."""
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(rank=16, alpha=32.0))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+
+
+@dataclass
 class GRPOConfig:
     steps: int = 200
     seed: int = 0
@@ -181,6 +203,11 @@ class GRPOConfig:
     adapters, metrics, TensorBoard logs, plots, vLLM logs) are deleted first. Anything else in the
     directory is never deleted; such a directory is refused. Without this flag or --resume, a
     non-empty run directory is refused."""
+    tasks: tuple[TaskConfig, ...] = ()
+    """Multi-LoRA: several tasks trained at once on the one frozen base, each with its own adapter
+    (archon.rl.multi_task). Each task's data, reward, algorithm, lora and optim replace the top-level
+    ones, which must then be left unset (data.path). Empty: the single-adapter recipe. A task may
+    be added to or removed from the list when a run is resumed; the others resume as they were."""
 
 
 # ---- typed values from config files -------------------------------------------------------------
@@ -416,6 +443,9 @@ def validate(config: GRPOConfig, world_size: int | None = None) -> None:
     problems = _setting_problems(config)
     problems += _parallel_problems(config, _world_size() if world_size is None else world_size)
     problems += _model_problems(config)
+    world = _world_size() if world_size is None else world_size
+    if config.tasks and world > 1:
+        problems.append(f"tasks: a multi-task run trains in one process, not {world}; run it without torchrun")
     if problems:
         raise ValueError("invalid configuration:\n" + "\n".join(f"  {problem}" for problem in problems))
 
@@ -566,6 +596,50 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
         )
     if (problem := reward_function_problem(config.reward.function)) is not None:
         problems.append(f"reward.function={config.reward.function!r}: {problem}")
+    if config.tasks:
+        problems += _task_problems(config)
+    return problems
+
+
+TASK_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _task_problems(config: GRPOConfig) -> list[str]:
+    """Each task's settings, checked as the single-task recipe checks its own (field names
+    prefixed tasks[i]), and what a multi-task run does not support."""
+    problems: list[str] = []
+    names = [task.name for task in config.tasks]
+    for i, task in enumerate(config.tasks):
+        where = f"tasks[{i}]"
+        if not TASK_NAME.fullmatch(task.name):
+            problems.append(f"{where}.name={task.name!r}: must be letters, digits, '_' or '-' (it names a directory)")
+        elif names.count(task.name) > 1:
+            problems.append(f"{where}.name={task.name!r}: task names must be unique")
+        as_run = dataclasses.replace(
+            config, tasks=(), data=task.data, reward=task.reward, algorithm=task.algorithm, lora=task.lora,
+            optim=task.optim,
+        )  # fmt: skip
+        problems += [f"{where}.{problem}" for problem in _setting_problems(as_run)]
+        if task.algorithm.ppo_epochs != config.tasks[0].algorithm.ppo_epochs:
+            problems.append(f"{where}.algorithm.ppo_epochs={task.algorithm.ppo_epochs}: every task must have "
+                            f"tasks[0]'s ({config.tasks[0].algorithm.ppo_epochs}); a minibatch trains every task")
+        if task.algorithm.minibatches != config.tasks[0].algorithm.minibatches:
+            problems.append(f"{where}.algorithm.minibatches={task.algorithm.minibatches}: every task must have "
+                            f"tasks[0]'s ({config.tasks[0].algorithm.minibatches}); a minibatch trains every task")
+        if config.model.path is not None:
+            if not task.data.path:
+                problems.append(f"{where}.data.path is not set: each task needs its training prompts")
+            elif not Path(task.data.path).exists():
+                problems.append(f"{where}.data.path={task.data.path!r}: no such file or directory")
+            if task.eval_path and not Path(task.eval_path).exists():
+                problems.append(f"{where}.eval_path={task.eval_path!r}: no such file or directory")
+    if config.data.path:
+        problems.append(f"data.path={config.data.path!r}: with tasks, each task has its own data (tasks[i].data.path)")
+    if config.rollout.engine != "native":
+        problems.append(
+            f"rollout.engine={config.rollout.engine!r}: a multi-task run rolls out with the native engine "
+            "(several adapters served by vLLM are not supported yet)"
+        )
     return problems
 
 
@@ -629,7 +703,9 @@ def _model_problems(config: GRPOConfig) -> list[str]:
         check_model_dir(config.model.path, "model.path")
     except (OSError, ValueError) as e:
         problems.append(str(e))
-    if not config.data.path:
+    if config.tasks:
+        pass  # each task's data is checked with the task (_task_problems)
+    elif not config.data.path:
         problems.append("data.path is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)")
     elif not Path(config.data.path).exists():
         problems.append(f"data.path={config.data.path!r}: no such file or directory")
