@@ -173,3 +173,28 @@ def test_multi_task_batch_without_task_ids_is_refused(qwen3_path):
         trainer.logprobs(batch)
     with pytest.raises(ValueError, match="train_step_tasks"):
         trainer.train_step(batch, cases.loss_fn)
+
+
+def test_policy_and_reference_logprobs_of_a_mixed_batch(qwen3_path):
+    """Policy log-probs: each sequence under its own task's adapter (as that task's single-adapter
+    trainer scores it); reference (use_adapter=False): the base model, for every task (the KL
+    reference)."""
+    trainer = Trainer(_config(qwen3_path, tasks=[A, B]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for task in ("add", "sub"):
+            for p in task_parameters(trainer.model, task).values():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    batch = _mixed(trainer, seed=3, task_of_sequence=TASK_OF_SEQUENCE)
+    reference = trainer.logprobs(batch, use_adapter=False).logprobs
+    plain = batch.select(list(range(batch.num_sequences)))
+    del plain.extras[TASK_EXTRA]
+    for index, task in enumerate((A, B)):
+        single = _single(qwen3_path, task)
+        with torch.no_grad():
+            for name, p in lora_parameters(single.model).items():
+                p.copy_(task_parameters(trainer.model, task.name)[name])
+        mine = batch.extras[TASK_EXTRA] == index
+        torch.testing.assert_close(batch.old_logprobs[mine], single.logprobs(plain).logprobs[mine], rtol=0, atol=1e-5)
+        torch.testing.assert_close(reference, single.logprobs(plain, use_adapter=False).logprobs, rtol=0, atol=1e-6)
+        assert (batch.old_logprobs[mine] - reference[mine]).abs().max() > 1e-4
