@@ -635,10 +635,20 @@ def _task_problems(config: GRPOConfig) -> list[str]:
                 problems.append(f"{where}.eval_path={task.eval_path!r}: no such file or directory")
     if config.data.path:
         problems.append(f"data.path={config.data.path!r}: with tasks, each task has its own data (tasks[i].data.path)")
-    if config.rollout.engine != "native":
+    if config.rollout.max_staleness:
         problems.append(
-            f"rollout.engine={config.rollout.engine!r}: a multi-task run rolls out with the native engine "
-            "(several adapters served by vLLM are not supported yet)"
+            f"rollout.max_staleness={config.rollout.max_staleness}: a multi-task run is synchronous (the "
+            "asynchronous mode, with a staleness bound per task, is not supported yet)"
+        )
+    vllm = config.rollout.vllm
+    if config.rollout.engine == "vllm" and not vllm.urls and vllm.max_loras < len(config.tasks):
+        problems.append(
+            f"rollout.vllm.max_loras={vllm.max_loras}: the servers serve every task's adapter at once, so it must be "
+            f"at least the number of tasks ({len(config.tasks)})"
+        )
+    if config.rollout.engine == "vllm" and vllm.mode == "merged":
+        problems.append(
+            "rollout.vllm.mode='merged': merged weights serve one adapter, not one per task; use mode 'adapter'"
         )
     return problems
 

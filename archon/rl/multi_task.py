@@ -17,6 +17,7 @@ left alone), and every kept task continues exactly where it was.
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import time
@@ -38,6 +39,7 @@ from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+from archon.rollout.policy import ServedPolicy
 from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import TASK_EXTRA, NonFiniteError, Trainer, TrainerConfig, TrainerTask
 
@@ -90,9 +92,7 @@ class TaskRun:
         self.dir = run.run_dir / TASKS_DIR / self.name
         self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
         self.scorer = RewardScorer(config.reward)
-        # The built-in engine runs on the training model, seen as this task's single-adapter model.
-        self.rollout = NativeRolloutEngine(run.trainer.model, run.device, max_batch_sequences=shared.rollout.max_batch_sequences)
-        self.sync = build_weight_sync(shared.rollout, self.rollout, lora=config.lora, sync_dir=self.dir / "sync")
+        self.rollout = self.sync = None
         self.version = 0
         """This task's adapter version: the RL steps it has trained."""
         self.stopped: str | None = None
@@ -101,6 +101,22 @@ class TaskRun:
         self.reward_failure_streak: list[int] = []
         self.skipped_steps = 0
         self.trained_iterator_state: dict | None = None
+
+    def connect(self, run: MultiTaskRun) -> None:
+        """The task's rollout engine and weight sync (once the run's servers, if any, are up)."""
+        shared = run.config
+        if run.servers is None:
+            # the built-in engine runs on the training model, seen as this task's single-adapter model
+            self.rollout = NativeRolloutEngine(run.trainer.model, run.device,
+                                               max_batch_sequences=shared.rollout.max_batch_sequences)  # fmt: skip
+        else:
+            # the shared servers, with this task's own policy: its requests name its adapter
+            self.rollout = copy.copy(run.servers)
+            self.rollout.policy = ServedPolicy()
+        self.sync = build_weight_sync(
+            shared.rollout, self.rollout, lora=self.config.lora, sync_dir=run.run_dir / "vllm_adapters", task=self.name,
+            channel=run.channel,
+        )  # fmt: skip
 
     def state(self) -> dict:
         return {
@@ -118,8 +134,10 @@ class TaskRun:
 
     def close(self) -> None:
         self.scorer.close()
-        self.sync.close()
-        self.rollout.close()
+        if self.sync is not None:
+            self.sync.close()
+        if isinstance(self.rollout, NativeRolloutEngine):  # the servers are the run's
+            self.rollout.close()
 
 
 class MultiTaskRun:
@@ -152,12 +170,43 @@ class MultiTaskRun:
         self.stop_token_ids = tuple(sorted(i for i in eos if isinstance(i, int)))
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard)
         self.tasks: dict[str, TaskRun] = {}
+        self.servers = self.channel = None
+        """With rollout.engine=vllm: the servers, which serve every task's adapter side by side, and
+        the collective transport's channel, shared by the tasks' syncs."""
         try:
             for index, task in enumerate(config.tasks):
                 self.tasks[task.name] = TaskRun(self, index, task)
+            if config.rollout.engine == "vllm":
+                self._launch_servers()
+            for task in self.tasks.values():
+                task.connect(self)
         except BaseException:
             self.close()
             raise
+
+    def _launch_servers(self) -> None:
+        from archon.rollout.vllm import VLLMRolloutEngine
+        from archon.sync.vllm import WorkerChannel
+
+        cfg = self.config
+        lora_rank = max(task.lora.max_rank for task in cfg.tasks)
+        # sized for the longest request of any task: training prompt + rollout tokens, or held-out
+        # prompt + evaluation tokens
+        requests = []
+        for task in self.tasks.values():
+            requests.append((max(map(len, self._prompt_ids(task, task.train_set.examples)), default=0),
+                             cfg.rollout.max_new_tokens))  # fmt: skip
+            if task.eval_set is not None:
+                held_out = task.eval_set.examples[: cfg.eval.max_prompts]
+                requests.append((max(map(len, self._prompt_ids(task, held_out)), default=0), self.eval_new_tokens))
+        longest_prompt, max_new_tokens = max(requests, key=sum)
+        self.servers = VLLMRolloutEngine(
+            cfg.rollout.vllm, model_path=cfg.model.path, lora_rank=lora_rank, log_dir=self.run_dir,
+            longest_prompt_tokens=longest_prompt, max_new_tokens=max_new_tokens,
+        )  # fmt: skip
+        if cfg.rollout.vllm.transport == "collective":
+            vllm = cfg.rollout.vllm
+            self.channel = WorkerChannel(self.servers.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _prompt_ids(self, task: TaskRun, examples) -> list[list[int]]:
@@ -234,14 +283,16 @@ class MultiTaskRun:
             metrics["tokens_per_s"] = batch.num_tokens / max(time.perf_counter() - start, 1e-9)
         for task in self.active():
             task.version = task.version + 1 if task in trained else task.version
-            task.sync.publish(*self._task_model(task), task.version)
+            sent = self._publish(task)
+            metrics.update({f"{task.name}/sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")})
             metrics[f"{task.name}/adapter_version"] = float(task.version)
         metrics.update(train_s=train_s, step_s=time.perf_counter() - start, active_tasks=float(len(self.active())))
         return metrics
 
-    def _task_model(self, task: TaskRun):
-        # InProcessSync only publishes the version: the engine runs on the training model itself
-        return self.trainer.model, self.trainer.converter, task.config.lora
+    def _publish(self, task: TaskRun) -> dict[str, float]:
+        """Serve `task`'s adapter at its current version (under its own name on vLLM)."""
+        with task_view(self.trainer.model, task.name):
+            return task.sync.publish(self.trainer.model, self.trainer.converter, task.config.lora, task.version)
 
     def _prepare(self, batch: PackedBatch, tasks: list[TaskRun]) -> PackedBatch:
         """Proximal (and, where a task needs it, reference) log-probs of the mixed batch in one
@@ -374,7 +425,7 @@ class MultiTaskRun:
         logger.warning("resumed tasks %s at step %d; new tasks %s start from a fresh adapter", resumed, first, added)
         self.metrics.drop_after(first)
         for task in self.tasks.values():
-            task.sync.publish(*self._task_model(task), task.version)
+            self._publish(task)
         return first
 
     def _train_steps(self, first: int) -> dict[str, float]:
@@ -417,3 +468,7 @@ class MultiTaskRun:
         self.metrics.close()
         for task in self.tasks.values():
             task.close()
+        if self.channel is not None:
+            self.channel.close()
+        if self.servers is not None:
+            self.servers.close()
