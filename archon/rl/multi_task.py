@@ -60,6 +60,14 @@ def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
     return PackedBatch(cu_seqlens=cu_seqlens, extras=extras, **values)
 
 
+def task_servers(servers):
+    """A task's handle on the shared vLLM servers (a VLLMRolloutEngine): the same servers and
+    session, with a policy of its own, so that its requests name its own adapter version."""
+    view = copy.copy(servers)
+    view.policy = ServedPolicy()
+    return view
+
+
 class TaskRun:
     """One task of the run: its data, reward, algorithm, teacher, rollout policy, outputs and state."""
 
@@ -110,9 +118,7 @@ class TaskRun:
             self.rollout = NativeRolloutEngine(run.trainer.model, run.device,
                                                max_batch_sequences=shared.rollout.max_batch_sequences)  # fmt: skip
         else:
-            # the shared servers, with this task's own policy: its requests name its adapter
-            self.rollout = copy.copy(run.servers)
-            self.rollout.policy = ServedPolicy()
+            self.rollout = task_servers(run.servers)
         self.sync = build_weight_sync(
             shared.rollout, self.rollout, lora=self.config.lora, sync_dir=run.run_dir / "vllm_adapters", task=self.name,
             channel=run.channel,
