@@ -24,6 +24,11 @@ LAYOUTS = {
     "tp2": (2, dict(dp_shard=1, tp=2, activation_checkpoint="selective")),
     "fsdp2_tp2": (4, dict(dp_shard=2, tp=2)),
     "hsdp2x2": (4, dict(dp_replicate=2, dp_shard=2)),
+    # Expert parallelism: experts split over 2 ranks (everything else FSDP-sharded over the same 2);
+    # then over 2 of the 4 FSDP ranks, each expert shard replicated on 2 ranks.
+    "ep2": (2, dict(dp_shard=2, ep=2, activation_checkpoint="full")),
+    "ep2_fsdp2": (4, dict(dp_shard=4, ep=2)),
+    "ep2_tp2": (4, dict(dp_shard=2, ep=2, tp=2)),
 }
 
 

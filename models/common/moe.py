@@ -8,7 +8,7 @@ from archon.models.common.args import GroupLimitedMoEArgs
 from archon.models.common.mlp import SwiGLUMLP
 from torch import nn
 
-from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable
+from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_expert_weight
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule
 
 
@@ -60,7 +60,10 @@ class GroupedExperts(nn.Module, LoRAModule):
 
     The token slots are sorted by expert and every projection is one grouped matmul over all experts
     (`expert_matmul`), with no host sync. `grouped_mm = False` (or a device without grouped GEMM)
-    takes the reference loop over experts instead.
+    takes the reference loop over experts instead. Under expert parallelism
+    (`archon.parallel.shard_experts` sets `expert_parallel`) this rank holds only its experts' slices
+    of every parameter and the slots travel to their experts' ranks and back (`compute` runs on the
+    received slots).
 
     Subclasses change the layout with `input_major` (weights stored [E, in, out]), add
     `gate_up_proj_bias` / `down_proj_bias`, and override `_activation`.
@@ -80,6 +83,7 @@ class GroupedExperts(nn.Module, LoRAModule):
         else:
             self.gate_up_proj_lora = self.down_proj_lora = None
         self.grouped_mm = True
+        self.expert_parallel = None
         self.lora_enabled = True
         self.merged = False
 
@@ -103,7 +107,7 @@ class GroupedExperts(nn.Module, LoRAModule):
         weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
         out = expert_matmul(x, weight_in_out, groups)
         if bias is not None:
-            out = out + bias[groups.expert_of_row]
+            out = out + local_expert_weight(bias)[groups.expert_of_row]
         if self._lora_active:
             out = out + lora(x, groups).to(out.dtype)
         return out
@@ -125,8 +129,13 @@ class GroupedExperts(nn.Module, LoRAModule):
         flat_experts = top_indices.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # slots sorted by expert
         token_of_slot = order // k
-        groups = ExpertGroups.from_sorted(flat_experts[order], self.num_experts, self._use_grouped_mm(x))
-        y_sorted = self.compute(x[token_of_slot], groups) * top_weights.reshape(-1)[order, None]
+        x_sorted, expert_of_slot = x[token_of_slot], flat_experts[order]
+        if self.expert_parallel is None:
+            groups = ExpertGroups.from_sorted(expert_of_slot, self.num_experts, self._use_grouped_mm(x))
+            y_sorted = self.compute(x_sorted, groups)
+        else:
+            y_sorted = self.expert_parallel.run_experts(self.compute, x_sorted, expert_of_slot, self._use_grouped_mm(x))
+        y_sorted = y_sorted * top_weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token_of_slot, y_sorted.to(x.dtype))
 
     def _use_grouped_mm(self, x: torch.Tensor) -> bool:
@@ -155,6 +164,11 @@ class GroupedExperts(nn.Module, LoRAModule):
             delta = lora.delta_weight()  # [E, out, in]
             deltas[weight] = delta.transpose(1, 2) if self.input_major else delta
         return deltas
+
+
+def routed_experts(model: nn.Module) -> list[GroupedExperts]:
+    """Every MoE layer's routed experts, in layer order."""
+    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
 
 class ClampedSwiGLUExperts(GroupedExperts):
