@@ -11,6 +11,7 @@ from archon.checkpoint.hf import copy_local_into, local_region
 from archon.lora import LoRAConfig, is_lora_param
 from archon.parallel import ParallelConfig
 from archon.rl.losses import aggregate_token_losses, ppo_clip_token_losses, ratio_metrics
+from archon.sync.payload import merged_payload
 from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
 SEQ_LENS = (30, 13, 30, 20, 30, 5)
@@ -86,9 +87,10 @@ def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Ten
     return torch.cat([local[i] for i in sorted(local)])
 
 
-def run_case(trainer: Trainer, vocab_size: int, export_dir=None) -> dict:
+def run_case(trainer: Trainer, vocab_size: int, export_dir=None, merged: bool = False) -> dict:
     """Everything compared across layouts: log-probs (policy, reference, entropy), the first
-    step's loss and LoRA gradients, the loss curve, and an exported adapter."""
+    step's loss and LoRA gradients, the loss curve, an exported adapter, and (`merged`) the
+    merged-mode sync payload."""
     full = make_batch(vocab_size)
     dp, dp_rank = trainer.dims.dp, trainer.dims.dp_rank
     indices = list(range(dp_rank, full.num_sequences, dp))
@@ -123,6 +125,8 @@ def run_case(trainer: Trainer, vocab_size: int, export_dir=None) -> dict:
     if export_dir is not None:
         set_lora_values(trainer, seed=2)
         trainer.export_peft(export_dir)
+    if merged:
+        result["merged"] = dict(merged_payload(trainer.model, trainer.converter))
     return result
 
 
