@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from archon.lora import LoRAConfig
+from archon.load_balance import MoEConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import ALGORITHMS, LossConfig, importance_sampling_for
@@ -39,6 +40,8 @@ class ModelConfig:
     """Base-weight dtype; use float32 on CPU."""
     device: str = "auto"
     """auto, cuda, npu or cpu."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Load balancing of MoE routers (off by default)."""
 
 
 @dataclass
