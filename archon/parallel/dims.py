@@ -8,7 +8,7 @@ ranks too: `ep` is carved out of `dp_shard`, so EP adds no ranks of its own.
 Flattened dimensions the rest of the code uses:
 - dp_shard = (dp_shard_mod_ep, ep): FSDP2 shards every non-expert parameter over it.
 - dp = (dp_replicate, dp_shard_mod_ep, ep): all data-parallel ranks (loss and metric reductions).
-- dp_mod_ep = (dp_replicate, dp_shard_mod_ep): the replicas of one expert shard.
+Routed experts under EP live on the 3-D (dp_replicate, dp_shard_mod_ep, ep) part of the mesh.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ class ParallelDims:
         are split over `ep` data-parallel ranks, each holding num_experts / ep of them as DTensor
         shards (Shard(0) on the `ep` mesh dimension), and tokens travel to their experts by
         all-to-all. Expert parameters are not FSDP-sharded: they are replicated over the
-        dp_mod_ep = dp_replicate x dp_shard / ep ranks that hold the same shard, whose gradients are
-        summed (placements (Replicate(), Shard(0)) on `expert_mesh`, gradient Partial -> Replicate).
+        dp_replicate x dp_shard / ep ranks that hold the same shard, whose gradients are summed
+        (placements (Replicate(), Replicate(), Shard(0)) on `expert_mesh`, gradients Partial ->
+        Replicate).
         Everything else (attention, router, shared experts, dense MLPs, embeddings) is FSDP-sharded
         over all of dp_shard as without EP. Tensor-parallel ranks see the same tokens, so under TP
         each keeps a whole copy of its EP shard and runs the same dispatch.
@@ -110,16 +111,15 @@ class ParallelDims:
     @cached_property
     def mesh(self):
         """The 4-D DeviceMesh (dp_replicate, dp_shard_mod_ep, ep, tp) with the flattened dimensions
-        dp_shard, dp and dp_mod_ep; None for a single process."""
+        dp_shard and dp; None for a single process."""
         if not self.distributed:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = (self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.tp)
         mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
-        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        self._flat_dp_shard_mesh = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         self._flat_dp_mesh = mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
-        mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep")
         return mesh
 
     @property
@@ -133,7 +133,7 @@ class ParallelDims:
             return None
         if self.dp_replicate > 1:
             return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+        return self._flat_dp_shard_mesh
 
     @property
     def ep_mesh(self):
@@ -141,9 +141,9 @@ class ParallelDims:
 
     @property
     def expert_mesh(self):
-        """The 2-D mesh (dp_mod_ep, ep) routed experts live on: sharded over ep, replicated over the
-        data-parallel ranks that hold the same shard."""
-        return None if self.mesh is None else self.mesh["dp_mod_ep", "ep"]
+        """The 3-D mesh (dp_replicate, dp_shard_mod_ep, ep) routed experts live on: sharded over ep,
+        replicated over the data-parallel ranks that hold the same shard."""
+        return None if self.mesh is None else self.mesh["dp_replicate", "dp_shard_mod_ep", "ep"]
 
     @property
     def dp_mesh(self):

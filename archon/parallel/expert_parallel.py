@@ -2,8 +2,8 @@
 
 Each of the `ep` ranks of an expert-parallel group holds num_experts / ep consecutive experts (rank r
 holds experts r*E_local .. (r+1)*E_local - 1) of every stacked expert parameter, base weights, biases
-and LoRA factors alike, as DTensors with placements (Replicate(), Shard(0)) on the 2-D mesh
-(dp_mod_ep, ep) (see `ParallelDims`). Full tensors (PEFT export, merged sync, checkpoints) come from
+and LoRA factors alike, as DTensors with placements (Replicate(), Replicate(), Shard(0)) on the 3-D
+mesh (dp_replicate, dp_shard_mod_ep, ep) (see `ParallelDims`). Full tensors (PEFT export, merged sync, checkpoints) come from
 the DTensor layout with no special case.
 
 A MoE layer routes its tokens on its own rank, sorts the token slots by expert, and then:
@@ -94,10 +94,11 @@ class ExpertParallelGroup:
 
 def shard_experts(experts: nn.Module, num_experts: int, expert_mesh) -> None:
     """Split every parameter of `experts` (each stacked on dim 0 over `num_experts`) over the `ep`
-    dimension of `expert_mesh` (dp_mod_ep, ep), and give the module its ExpertParallelGroup as
-    `experts.expert_parallel`."""
+    dimension (the last) of `expert_mesh`, replicated over the others, and give the module its
+    ExpertParallelGroup as `experts.expert_parallel`."""
     ep_mesh = expert_mesh["ep"]
     size = ep_mesh.size()
+    placements = [Replicate()] * (expert_mesh.ndim - 1) + [Shard(0)]
     for name, param in list(experts.named_parameters()):
         if param.shape[0] != num_experts:
             raise ValueError(
@@ -106,7 +107,7 @@ def shard_experts(experts: nn.Module, num_experts: int, expert_mesh) -> None:
             )
         owner_path, _, leaf = name.rpartition(".")
         owner = experts.get_submodule(owner_path) if owner_path else experts
-        sharded = distribute_tensor(param.data, expert_mesh, [Replicate(), Shard(0)])
+        sharded = distribute_tensor(param.data, expert_mesh, placements)
         owner.register_parameter(leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
     experts.expert_parallel = ExpertParallelGroup(
         ep_mesh.get_group(), size, ep_mesh.get_local_rank(), num_experts // size
