@@ -42,6 +42,14 @@ from archon.lora import (
     task_parameters,
     task_view,
 )
+from archon.load_balance import (
+    MoEConfig,
+    all_reduce_step_counts,
+    load_balance_loss,
+    load_imbalance,
+    routers,
+    update_correction_biases,
+)
 from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
 from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES, DTypeName
@@ -156,6 +164,8 @@ class TrainerConfig:
     head_chunk_size: int = DEFAULT_CHUNK_SIZE
     """Rows of logits computed at a time by the log-prob head."""
     seed: int = 0
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """MoE load balancing (auxiliary loss, correction-bias updates); MoE models only."""
     tasks: tuple[TrainerTask, ...] = ()
     """Several adapters on the one base (multi-LoRA), each with its own LoRA config and optimizer;
     `lora` and `optim` are then unused and must be left None / default. Empty: one adapter."""
@@ -254,6 +264,12 @@ class Trainer:
             raise ValueError(f"TrainerConfig.tasks: task names must be unique, got {names}")
         if config.tasks and config.lora is not None:
             raise ValueError("TrainerConfig: with tasks, each task has its own LoRA config; set lora=None")
+        if config.tasks and (config.moe.aux_loss_coef > 0 or config.moe.bias_update_rate > 0):
+            # both act on the shared routing, so one task's batch would move every task's model
+            raise ValueError(
+                "TrainerConfig: MoE load balancing (moe.aux_loss_coef, moe.bias_update_rate) is not supported with "
+                "several tasks; leave both at 0"
+            )
         loaded = build_model(
             config.model_path,
             lora=config.lora,
@@ -275,12 +291,24 @@ class Trainer:
             optimizer, scheduler = _adamw(params, task.optim)
             self.tasks[task.name] = TaskState(task.name, index, task.lora, task.optim, params, optimizer, scheduler)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.routers = routers(self.model)
+        self._check_moe_config(config.moe)
         # one adapter: its optimizer; several: each task's own (self.tasks)
         self.optimizer, self.scheduler = (None, None) if self.tasks else _adamw(self.trainable, config.optim)
         self.optimizer_steps = 0
         """AdamW updates applied (skipped ones not counted); the schedule position is the scheduler's."""
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _check_moe_config(self, moe: MoEConfig) -> None:
+        family = type(self.model).__name__
+        if moe.aux_loss_coef > 0 and not self.routers:
+            raise ValueError(f"moe.aux_loss_coef={moe.aux_loss_coef} but {family} has no MoE routers")
+        if moe.bias_update_rate > 0 and (not self.routers or any(r.correction_bias is None for r in self.routers)):
+            raise ValueError(
+                f"moe.bias_update_rate={moe.bias_update_rate} but the routers of {family} have no "
+                "score-correction bias (aux-loss-free balancing applies to DeepSeek-V3-style routers)"
+            )
+
     @property
     def fsdp(self) -> bool:
         return self.dims.fsdp_enabled
@@ -376,6 +404,8 @@ class Trainer:
 
         self._one_adapter("forward_backward")
         self.optimizer.zero_grad(set_to_none=True)
+        for router in self.routers:
+            router.routing.reset_step()
         loss_sum = torch.zeros((), device=self.device)
         reports = _MetricReports(self.device)
         for i in range(count):
@@ -386,6 +416,8 @@ class Trainer:
             logprobs, entropy = self._forward_logprobs(mb, temperature, with_entropy)
             ctx = LossContext(global_tokens, global_sequences, temperature, entropy, self.dims.dp)
             loss, metrics = loss_fn(mb, logprobs, ctx)
+            if self.routers:
+                loss, metrics = self._add_load_balance(mb, loss, metrics, global_tokens, real)
             if not real:
                 # Keeps this rank's collectives in step with ranks that have more micro-batches.
                 loss = loss * 0.0
@@ -402,6 +434,9 @@ class Trainer:
         self._all_reduce(loss_sum)
         out["loss"] = loss_sum.item()
         out.update(reports.reduced(self._all_reduce, global_tokens))
+        if self.routers:
+            all_reduce_step_counts(self.routers, self.dims.dp_group if self.dims.dp > 1 else None)
+            out["moe_load_imbalance"] = load_imbalance(self.routers)
         out.update(
             tokens=global_tokens.item(),
             sequences=global_sequences.item(),
@@ -409,6 +444,20 @@ class Trainer:
             micro_batches=count,
         )
         return out
+
+    def _add_load_balance(self, mb: PackedBatch, loss, metrics: dict, global_tokens: torch.Tensor, real: bool):
+        """The routers' auxiliary loss of this micro-batch's forward, as the `moe_aux_loss` metric (a
+        loss-token mean like the loss function's metrics) and, times moe.aux_loss_coef, added to the
+        loss with the micro-batch's share of the batch's loss tokens. Real micro-batches' expert
+        choices count towards the step's per-expert loads."""
+        aux = load_balance_loss(self.routers)
+        coef = self.config.moe.aux_loss_coef
+        if coef > 0:
+            loss = loss + coef * aux * (mb.loss_mask.sum() / global_tokens.clamp(min=1.0))
+        if real:
+            for router in self.routers:
+                router.routing.count_forward()
+        return loss, {**metrics, "moe_aux_loss": aux.detach()}
 
     def _same_on_every_rank(self, flag: bool) -> bool:
         """True when `flag` is true on any rank of the job."""
@@ -434,6 +483,8 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
             self.optimizer_steps += 1
+            if self.config.moe.bias_update_rate > 0:
+                update_correction_biases(self.routers, self.config.moe.bias_update_rate)
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
 

@@ -11,6 +11,7 @@ from archon.checkpoint.hf import copy_local_into, local_region
 from archon.lora import LoRAConfig, is_lora_param
 from archon.parallel import ParallelConfig
 from archon.rl.losses import aggregate_token_losses, ppo_clip_token_losses, ratio_metrics
+from archon.sync.payload import merged_payload
 from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
 SEQ_LENS = (30, 13, 30, 20, 30, 5)
@@ -24,6 +25,11 @@ LAYOUTS = {
     "tp2": (2, dict(dp_shard=1, tp=2, activation_checkpoint="selective")),
     "fsdp2_tp2": (4, dict(dp_shard=2, tp=2)),
     "hsdp2x2": (4, dict(dp_replicate=2, dp_shard=2)),
+    # Expert parallelism: experts split over 2 ranks (everything else FSDP-sharded over the same 2);
+    # then over 2 of the 4 FSDP ranks, each expert shard replicated on 2 ranks.
+    "ep2": (2, dict(dp_shard=2, ep=2, activation_checkpoint="full")),
+    "ep2_fsdp2": (4, dict(dp_shard=4, ep=2)),
+    "ep2_tp2": (4, dict(dp_shard=2, ep=2, tp=2)),
 }
 
 
@@ -81,9 +87,10 @@ def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Ten
     return torch.cat([local[i] for i in sorted(local)])
 
 
-def run_case(trainer: Trainer, vocab_size: int, export_dir=None) -> dict:
+def run_case(trainer: Trainer, vocab_size: int, export_dir=None, merged: bool = False) -> dict:
     """Everything compared across layouts: log-probs (policy, reference, entropy), the first
-    step's loss and LoRA gradients, the loss curve, and an exported adapter."""
+    step's loss and LoRA gradients, the loss curve, an exported adapter, and (`merged`) the
+    merged-mode sync payload."""
     full = make_batch(vocab_size)
     dp, dp_rank = trainer.dims.dp, trainer.dims.dp_rank
     indices = list(range(dp_rank, full.num_sequences, dp))
@@ -118,6 +125,8 @@ def run_case(trainer: Trainer, vocab_size: int, export_dir=None) -> dict:
     if export_dir is not None:
         set_lora_values(trainer, seed=2)
         trainer.export_peft(export_dir)
+    if merged:
+        result["merged"] = dict(merged_payload(trainer.model, trainer.converter))
     return result
 
 

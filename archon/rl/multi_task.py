@@ -165,6 +165,7 @@ class MultiTaskRun:
             TrainerConfig(
                 model_path=config.model.path, lora=None, parallel=config.parallel, dtype=config.model.dtype,
                 device=config.model.device, micro_batch_tokens=config.micro_batch_tokens, seed=config.seed,
+                moe=config.model.moe,
                 tasks=tuple(TrainerTask(t.name, t.lora, t.optim.for_run(config.steps)) for t in config.tasks),
             )
         )  # fmt: skip
