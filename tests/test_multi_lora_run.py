@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CONFIG
@@ -174,3 +175,45 @@ def test_two_tasks_learn_two_skills_at_once_on_the_demo_base(two_skill_demo, tmp
     for name in ("add", "sub"):
         before, after = evals[0][f"{name}/eval_accuracy"], evals[steps][f"{name}/eval_accuracy"]
         assert after >= before + 0.15, (name, before, after)
+
+
+def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeypatch):
+    """A distillation task (its own teacher) beside a GRPO task with a KL penalty (the base as
+    reference): the teacher's per-token advantages reach only the distillation task's tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archon.rl import multi_task
+
+    torch.manual_seed(1)  # a teacher of the same architecture and vocabulary, other weights
+    teacher = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setup / "model"))
+    teacher.save_pretrained(tmp_path / "teacher")
+    distill = _task_yaml("distill", setup / "train.jsonl", setup / "held_out.jsonl").replace(
+        "algorithm: {loss: {algorithm: grpo}, minibatches: 2}",
+        f"algorithm: {{loss: {{algorithm: grpo}}, minibatches: 2, teacher_path: {tmp_path / 'teacher'}}}",
+    )
+    kl = _task_yaml("kl", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl").replace(
+        "loss: {algorithm: grpo}", "loss: {algorithm: grpo, kl_coef: 0.1}"
+    )
+    seen = {}
+    prepare = multi_task.MultiTaskRun._prepare
+
+    def recording(self, batch, tasks):
+        batch = prepare(self, batch, tasks)
+        seen["batch"] = batch
+        return batch
+
+    monkeypatch.setattr(multi_task.MultiTaskRun, "_prepare", recording)
+    run = MultiTaskRun(_config(setup, tmp_path / "run", 1, distill + kl, "--eval.every", "0"))
+    assert run.tasks["distill"].teacher is not None and run.tasks["kl"].teacher is None
+    run.run()
+    batch = seen["batch"]
+    task = batch.extras["task"]
+    assert batch.ref_logprobs is not None  # the KL task's reference, the base model
+    mask = batch.loss_mask
+    distill_adv, kl_adv = batch.advantages[(task == 0) & mask], batch.advantages[(task == 1) & mask]
+    # the distillation task's advantages are per token, -(log pi_theta - log pi_teacher); the GRPO
+    # task keeps one advantage per sequence (all zero here: exact-match rewards of a random model)
+    assert distill_adv.abs().max() > 1e-3 and len(set(distill_adv.tolist())) > len(distill_adv) // 2
+    assert torch.equal(kl_adv, torch.zeros_like(kl_adv))
+    record = _records(tmp_path / "run")[-1]
+    assert torch.isfinite(torch.tensor([record["distill/loss"], record["kl/loss"]])).all()
