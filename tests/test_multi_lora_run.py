@@ -78,7 +78,10 @@ def test_task_settings_are_checked_per_task(setup, tmp_path):
     assert "tasks[1].data.path=" in message and "no such file" in message
     assert "rollout.vllm.max_loras=2: the servers serve every task's adapter at once" in message
     assert "rollout.vllm.mode='merged': merged weights serve one adapter, not one per task" in message
-    assert "rollout.max_staleness=1: a multi-task run is synchronous" in message
+    assert "rollout.max_staleness=1: with tasks, each task has its own bound" in message
+    asynchronous = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + "    max_staleness: 1\n"
+    with pytest.raises(ValueError, match="tasks\\[0\\].*max_staleness=1 generates while the trainer trains"):
+        _config(setup, tmp_path / "run", 1, asynchronous)
 
 
 def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, importable_module):

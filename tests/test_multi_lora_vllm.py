@@ -102,7 +102,8 @@ def test_merged_mode_cannot_serve_several_tasks(setup):
 
 def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
     """The multi-task loop on vLLM (the module's server, by URL; disk transport): both tasks train
-    and publish a version per step, each under its own adapter names."""
+    and publish a version per step, each under its own adapter names; "add" runs asynchronously
+    (max_staleness 1: its next rollouts are made while the step trains), "sub" synchronously."""
     import json
 
     from archon.rl.config import parse_config
@@ -114,10 +115,11 @@ def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
         train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=(op,), num_train=16, num_held_out=0))
         write_jsonl(train, tmp_path / f"{task}.jsonl")
         tasks += (f"  - name: {task}\n    data: {{path: {tmp_path / f'{task}.jsonl'}}}\n"
-                  "    reward: {function: exact, num_workers: 0}\n    lora: {rank: 4, alpha: 8.0}\n")  # fmt: skip
+                  "    reward: {function: exact, num_workers: 0}\n    lora: {rank: 4, alpha: 8.0}\n"
+                  f"    max_staleness: {1 if task == 'add' else 0}\n")  # fmt: skip
     config_path = tmp_path / "run.yaml"
     config_path.write_text(
-        f"steps: 2\nmodel: {{path: {setup['server'].model}, device: cpu}}\n"
+        f"steps: 3\nmodel: {{path: {setup['server'].model}, device: cpu}}\n"
         "rollout: {engine: vllm, group_size: 2, prompts_per_step: 2, max_new_tokens: 4, "
         f"vllm: {{urls: [{setup['server'].servers[0].url}], transport: disk, mode: adapter}}}}\n"
         f"eval: {{every: 0}}\nlogging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\n"
@@ -125,6 +127,8 @@ def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
     )
     MultiTaskRun(parse_config(["--config", str(config_path)])).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["add/adapter_version"], r["sub/adapter_version"]) for r in records] == [(1.0, 1.0), (2.0, 2.0)]
+    assert [(r["add/adapter_version"], r["sub/adapter_version"]) for r in records] == [(1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]
+    assert max(r["add/version_lag_max"] for r in records) == 1.0  # trained one version behind, never more
+    assert max(r["sub/version_lag_max"] for r in records) == 0.0
     assert all(r["add/sync_adapter_bytes"] > 0 and r["sub/sync_adapter_bytes"] > 0 for r in records)
     assert sorted(p.name.split("-")[-2] for p in (tmp_path / "run" / "vllm_adapters").iterdir()) == ["add", "sub"]

@@ -176,6 +176,10 @@ class TaskConfig:
     minibatch update trains every task at once)."""
     lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(rank=16, alpha=32.0))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    max_staleness: int = 0
+    """This task's staleness bound (as rollout.max_staleness for one task, which must then be 0):
+    with N >= 1 (vLLM rollouts) its later steps' rollouts are generated while the run trains, and a
+    sample made with this task's adapter version v is trained on only at its version <= v + N."""
 
 
 @dataclass
@@ -625,9 +629,10 @@ def _task_problems(config: GRPOConfig) -> list[str]:
             problems.append(f"{where}.name={task.name!r}: task names must be unique")
         as_run = dataclasses.replace(
             config, tasks=(), data=task.data, reward=task.reward, algorithm=task.algorithm, lora=task.lora,
-            optim=task.optim,
+            optim=task.optim, rollout=dataclasses.replace(config.rollout, max_staleness=task.max_staleness),
         )  # fmt: skip
-        problems += [f"{where}.{problem}" for problem in _setting_problems(as_run)]
+        problems += [f"{where}.{problem.replace('rollout.max_staleness', 'max_staleness')}"
+                     for problem in _setting_problems(as_run)]  # fmt: skip
         if task.algorithm.ppo_epochs != config.tasks[0].algorithm.ppo_epochs:
             problems.append(f"{where}.algorithm.ppo_epochs={task.algorithm.ppo_epochs}: every task must have "
                             f"tasks[0]'s ({config.tasks[0].algorithm.ppo_epochs}); a minibatch trains every task")
@@ -645,14 +650,17 @@ def _task_problems(config: GRPOConfig) -> list[str]:
         problems.append(f"data.path={config.data.path!r}: with tasks, each task has its own data (tasks[i].data.path)")
     if config.rollout.max_staleness:
         problems.append(
-            f"rollout.max_staleness={config.rollout.max_staleness}: a multi-task run is synchronous (the "
-            "asynchronous mode, with a staleness bound per task, is not supported yet)"
+            f"rollout.max_staleness={config.rollout.max_staleness}: with tasks, each task has its own bound "
+            "(tasks[i].max_staleness); leave this at 0"
         )
     vllm = config.rollout.vllm
-    if config.rollout.engine == "vllm" and not vllm.urls and vllm.max_loras < len(config.tasks):
+    # every task's adapter at once, and a task with a staleness bound also its previous version,
+    # which its requests in flight keep while the next one is served
+    adapters = sum(2 if task.max_staleness > 0 else 1 for task in config.tasks)
+    if config.rollout.engine == "vllm" and not vllm.urls and vllm.max_loras < adapters:
         problems.append(
-            f"rollout.vllm.max_loras={vllm.max_loras}: the servers serve every task's adapter at once, so it must be "
-            f"at least the number of tasks ({len(config.tasks)})"
+            f"rollout.vllm.max_loras={vllm.max_loras}: the servers serve every task's adapter at once (two versions "
+            f"of a task with max_staleness >= 1), so it must be at least {adapters}"
         )
     if config.rollout.engine == "vllm" and vllm.mode == "merged":
         problems.append(

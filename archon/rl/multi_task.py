@@ -35,8 +35,10 @@ from archon.rl.config import GRPOConfig, TaskConfig, validate
 from archon.rl.data import PromptBatchIterator, load_prompt_dataset, tokenize_prompt
 from archon.rl.loop import RewardFunctionError, rollout_batch
 from archon.rl.metrics import MetricsLogger
+from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
+from archon.rl.versions import stale_groups
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
@@ -77,7 +79,7 @@ class TaskRun:
         """Sampling seeds follow the task's name, not its place in the list, so adding or removing
         another task leaves this one's rollouts as they were."""
         shared = run.config
-        self.algorithm = get_algorithm(config.algorithm, shared.rollout.max_new_tokens)
+        self.algorithm = get_algorithm(config.algorithm, shared.rollout.max_new_tokens, config.max_staleness)
         context = run.trainer.loaded.hf_config.max_position_embeddings
         self.train_set = load_prompt_dataset(config.data, run.tokenizer, context, shared.rollout.max_new_tokens)
         self.iterator = PromptBatchIterator(
@@ -101,6 +103,8 @@ class TaskRun:
         self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
         self.scorer = RewardScorer(config.reward)
         self.rollout = self.sync = None
+        self.producer: RolloutProducer | None = None
+        """Makes the task's rollouts ahead (max_staleness >= 1)."""
         self.version = 0
         """This task's adapter version: the RL steps it has trained."""
         self.stopped: str | None = None
@@ -139,6 +143,8 @@ class TaskRun:
         self.reward_failure_streak = data["reward_failure_streak"]
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         self.scorer.close()
         if self.sync is not None:
             self.sync.close()
@@ -224,8 +230,59 @@ class MultiTaskRun:
         ]  # fmt: skip
 
     def _generate(self, task: TaskRun, examples, sampling: SamplingParams) -> list[Sample]:
-        with task_view(self.trainer.model, task.name):
-            return task.rollout.generate(self._prompt_ids(task, examples), sampling)
+        if isinstance(task.rollout, NativeRolloutEngine):
+            with task_view(self.trainer.model, task.name):
+                return task.rollout.generate(self._prompt_ids(task, examples), sampling)
+        # vLLM applies the adapter; this may run on the task's producer thread, so no model view
+        return task.rollout.generate(self._prompt_ids(task, examples), sampling)
+
+    def _sampling(self, task: TaskRun, task_step: int) -> SamplingParams:
+        cfg = self.config
+        return SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k, n=cfg.rollout.group_size, stop_token_ids=self.stop_token_ids,
+            seed=cfg.seed * 1_000_003 + task_step * 1009 + task.seed_offset,
+        )  # fmt: skip
+
+    def _generate_rollouts(self, task: TaskRun, task_step: int) -> Rollouts:
+        """The task's next prompts and their samples, from its adapter version in service now
+        (`task_step`: the task's own step count, which its versions follow)."""
+        start = time.perf_counter()
+        examples = next(task.iterator)
+        iterator_state = task.iterator.state_dict()
+        samples = self._generate(task, examples, self._sampling(task, task_step))
+        return Rollouts(task_step, examples, samples, iterator_state, generate_s=time.perf_counter() - start)
+
+    def _collect(self, task: TaskRun) -> Rollouts:
+        """The rollouts of the task's next step: made now, or (tasks[i].max_staleness N >= 1) by its
+        producer ahead of time, with any group sampled by a version older than the task's version
+        - N dropped and sampled again."""
+        if task.producer is None:
+            return self._generate_rollouts(task, task.version)
+        rollouts = task.producer.take(task.version)
+        G, bound = self.config.rollout.group_size, task.config.max_staleness
+        oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
+        stale = stale_groups(oldest, G, task.version, bound)
+        if stale:
+            prompts = [rollouts.examples[g] for g in stale]
+            regenerated = self._generate(task, prompts, self._sampling(task, task.version))
+            for slot, group in enumerate(stale):
+                for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
+                    sample.prompt_index = group
+                    rollouts.samples[group * G + i] = sample
+            rollouts.stale_dropped = len(stale) * G
+        return rollouts
+
+    def _start_producers(self, first: int) -> None:
+        """A background producer for each task with max_staleness >= 1 (vLLM rollouts): it makes
+        the task's later steps while the current one trains, at most max_staleness ahead."""
+        remaining = self.config.steps - first
+        for task in self.active():
+            if task.config.max_staleness > 0:
+                task.producer = RolloutProducer(
+                    lambda task_step, task=task: self._generate_rollouts(task, task_step), task.version,
+                    task.version + remaining, task.config.max_staleness, version=task.version,
+                )  # fmt: skip
 
     def _score(self, task: TaskRun, examples, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
         completions = self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
@@ -248,14 +305,10 @@ class MultiTaskRun:
         trained: list[TaskRun] = []
         for task in self.active():
             prefix = f"{task.name}/"
-            examples = next(task.iterator)
-            task.trained_iterator_state = task.iterator.state_dict()
-            sampling = SamplingParams(
-                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k, n=G, stop_token_ids=self.stop_token_ids,
-                seed=cfg.seed * 1_000_003 + step * 1009 + task.seed_offset,
-            )  # fmt: skip
-            samples = self._generate(task, examples, sampling)
+            rollouts = self._collect(task)
+            task.trained_iterator_state = rollouts.iterator_state
+            examples, samples = rollouts.examples, rollouts.samples
+            metrics[prefix + "stale_samples_dropped"] = float(rollouts.stale_dropped)
             rewards, reward_metrics = self._score(task, examples, samples)
             failed = reward_metrics["reward_errors"] + reward_metrics["reward_timeouts"] >= len(samples)
             task.reward_failure_streak = task.reward_failure_streak + [step + 1] if failed else []
@@ -274,6 +327,7 @@ class MultiTaskRun:
                 continue
             batch = rollout_batch(kept, shaped.advantages[shaped.keep], trainer_version=task.version)
             batch.extras[TASK_EXTRA] = torch.full((batch.num_tokens,), task.index, dtype=torch.long)
+            metrics[prefix + "version_lag_max"] = float(batch.extras["version_lag"][batch.loss_mask].max())
             batches.append(batch)
             trained.append(task)
         train_s = 0.0
@@ -289,8 +343,10 @@ class MultiTaskRun:
                 task.skipped_streak = task.skipped_streak + [step + 1] if skipped else []
             metrics["tokens_per_s"] = batch.num_tokens / max(time.perf_counter() - start, 1e-9)
         for task in self.active():
-            task.version = task.version + 1 if task in trained else task.version
+            task.version += 1  # a step of the task, whether or not it had anything to train on
             sent = self._publish(task)
+            if task.producer is not None:
+                task.producer.published(task.version)
             metrics.update({f"{task.name}/sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")})
             metrics[f"{task.name}/adapter_version"] = float(task.version)
         metrics.update(train_s=train_s, step_s=time.perf_counter() - start, active_tasks=float(len(self.active())))
@@ -386,6 +442,8 @@ class MultiTaskRun:
             else:
                 continue
             task.stopped = str(error)
+            if task.producer is not None:
+                task.producer.stop()
             logger.error("stopping task %r; the other tasks go on: %s", task.name, error)
             metrics[f"{task.name}/stopped"] = 1.0
 
@@ -442,6 +500,7 @@ class MultiTaskRun:
         if eval_every and first == 0:
             self._evaluate_all(0, last)
             self.metrics.log(0, dict(last))
+        self._start_producers(first)
         for step in range(first, cfg.steps):
             metrics = self.step(step)
             done = step + 1
