@@ -183,14 +183,18 @@ class MultiTaskRun:
         self.stop_token_ids = tuple(sorted(i for i in eos if isinstance(i, int)))
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard)
         self.tasks: dict[str, TaskRun] = {}
-        self.servers = self.channel = None
+        self.servers = self.channel = self.native = None
         """With rollout.engine=vllm: the servers, which serve every task's adapter side by side, and
-        the collective transport's channel, shared by the tasks' syncs."""
+        the collective transport's channel, shared by the tasks' syncs. With the built-in engine:
+        `native`, which generates all tasks' training rollouts in one mixed batch."""
         try:
             for index, task in enumerate(config.tasks):
                 self.tasks[task.name] = TaskRun(self, index, task)
             if config.rollout.engine == "vllm":
                 self._launch_servers()
+            else:  # generates every task's prompts in one batch (each task's own engine evaluates)
+                self.native = NativeRolloutEngine(self.trainer.model, self.device,
+                                                  max_batch_sequences=config.rollout.max_batch_sequences)  # fmt: skip
             for task in self.tasks.values():
                 task.connect(self)
         except BaseException:
@@ -236,12 +240,14 @@ class MultiTaskRun:
         # vLLM applies the adapter; this may run on the task's producer thread, so no model view
         return task.rollout.generate(self._prompt_ids(task, examples), sampling)
 
-    def _sampling(self, task: TaskRun, task_step: int) -> SamplingParams:
+    def _sampling(self, task: TaskRun | None, task_step: int) -> SamplingParams:
+        """Training sampling for `task`'s step `task_step` (its seed follows the task's name), or
+        with task None for a mixed generation at RL step `task_step`."""
         cfg = self.config
         return SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k, n=cfg.rollout.group_size, stop_token_ids=self.stop_token_ids,
-            seed=cfg.seed * 1_000_003 + task_step * 1009 + task.seed_offset,
+            seed=cfg.seed * 1_000_003 + task_step * 1009 + (0 if task is None else task.seed_offset),
         )  # fmt: skip
 
     def _generate_rollouts(self, task: TaskRun, task_step: int) -> Rollouts:
@@ -252,6 +258,36 @@ class MultiTaskRun:
         iterator_state = task.iterator.state_dict()
         samples = self._generate(task, examples, self._sampling(task, task_step))
         return Rollouts(task_step, examples, samples, iterator_state, generate_s=time.perf_counter() - start)
+
+    def _collect_all(self, step: int) -> dict[str, Rollouts]:
+        """Every active task's rollouts for RL step `step`. The built-in engine generates all tasks'
+        prompts in one mixed batch, each sequence with its task's adapter; on vLLM each task's
+        requests go out on their own (or come from its producer)."""
+        if self.servers is not None:
+            return {task.name: self._collect(task) for task in self.active()}
+        start = time.perf_counter()
+        drawn = {task.name: next(task.iterator) for task in self.active()}
+        prompts, adapters = [], []
+        for task in self.active():
+            ids = self._prompt_ids(task, drawn[task.name])
+            prompts += ids
+            adapters += [task.index] * len(ids)
+        # per-task generators inside: a task's samples depend on its prompts, the step and its index
+        sampling = self._sampling(None, step)
+        samples = self.native.generate(prompts, sampling, adapters=adapters) if prompts else []
+        generate_s = time.perf_counter() - start
+        collected, first = {}, 0
+        for task in self.active():
+            count = len(drawn[task.name])
+            mine = [s for s in samples if first <= s.prompt_index < first + count]
+            for sample in mine:
+                sample.prompt_index -= first
+                # the engine's policy is not the task's: in-process, the task's version is in service
+                sample.version, sample.token_versions = task.version, [task.version] * len(sample.completion_ids)
+            collected[task.name] = Rollouts(task.version, drawn[task.name], mine, task.iterator.state_dict(),
+                                            generate_s=generate_s)  # fmt: skip
+            first += count
+        return collected
 
     def _collect(self, task: TaskRun) -> Rollouts:
         """The rollouts of the task's next step: made now, or (tasks[i].max_staleness N >= 1) by its
@@ -303,9 +339,10 @@ class MultiTaskRun:
         metrics: dict[str, float] = {}
         batches: list[PackedBatch] = []
         trained: list[TaskRun] = []
+        collected = self._collect_all(step)
         for task in self.active():
             prefix = f"{task.name}/"
-            rollouts = self._collect(task)
+            rollouts = collected[task.name]
             task.trained_iterator_state = rollouts.iterator_state
             examples, samples = rollouts.examples, rollouts.samples
             metrics[prefix + "stale_samples_dropped"] = float(rollouts.stale_dropped)
@@ -532,6 +569,8 @@ class MultiTaskRun:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.native is not None:
+            self.native.close()
         for task in self.tasks.values():
             task.close()
         if self.channel is not None:
