@@ -244,7 +244,9 @@ class TaskState:
 
 
 def _adamw(params: list[torch.nn.Parameter], optim: OptimConfig):
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _LRLambda(optim))
 
 

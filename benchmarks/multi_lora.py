@@ -40,6 +40,9 @@ class BenchArgs:
     steps: int = 10
     """RL steps of every job."""
     prompts_per_step: int = 16
+    micro_batch_tokens: int = 2048
+    """Token budget of a forward/backward in every job: it bounds the activations' memory whatever
+    the number of tasks in the batch (one task's step here is about 1,500 tokens per minibatch)."""
     device: str = "cpu"
     out: str = "runs/multi_lora"
     worker: str | None = None
@@ -62,19 +65,25 @@ def _task_data(out: Path, count: int) -> list[tuple[str, Path]]:
 def _common(model_dir: Path, args: BenchArgs, run_dir: Path) -> str:
     return (
         f"steps: {args.steps}\nseed: 0\nmodel: {{path: {model_dir}, device: {args.device}}}\n"
+        f"micro_batch_tokens: {args.micro_batch_tokens}\n"
         f"rollout: {{group_size: 8, prompts_per_step: {args.prompts_per_step}, max_new_tokens: 5}}\n"
         "eval: {every: 0}\ncheckpoint: {every: 0}\n"
         f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\noverwrite: true\n"
     )
 
 
-TASK_SETTINGS = ("reward: {function: exact, num_workers: 0}", "lora: {rank: 16, alpha: 32.0}",
-                 "optim: {lr: 0.002, max_grad_norm: 1.0}", "algorithm: {loss: {algorithm: grpo}, minibatches: 2}")  # fmt: skip
+TASK_SETTINGS = (
+    "reward: {function: exact, num_workers: 0}",
+    "lora: {rank: 16, alpha: 32.0}",
+    "optim: {lr: 0.002, max_grad_norm: 1.0}",
+    "algorithm: {loss: {algorithm: grpo}, minibatches: 2}",
+)
 
 
 def _single_config(model_dir, args, out, name, data) -> Path:
     path = out / f"single_{name}.yaml"
-    path.write_text(_common(model_dir, args, out / f"single_{name}") + f"data: {{path: {data}}}\n" + "\n".join(TASK_SETTINGS) + "\n")
+    settings = "\n".join(TASK_SETTINGS)
+    path.write_text(_common(model_dir, args, out / f"single_{name}") + f"data: {{path: {data}}}\n{settings}\n")
     return path
 
 

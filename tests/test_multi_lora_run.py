@@ -49,7 +49,8 @@ def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
     path.write_text(
         f"steps: {steps}\nmodel: {{path: {root / 'model'}, device: cpu}}\n"
         "rollout: {group_size: 4, prompts_per_step: 4, max_new_tokens: 4}\n"
-        f"eval: {{every: {steps}, max_prompts: 4}}\nlogging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\n"
+        f"eval: {{every: {steps}, max_prompts: 4}}\n"
+        f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\n"
         f"tasks:\n{tasks}"
     )
     return parse_config(["--config", str(path), *extra])

@@ -65,7 +65,8 @@ def test_one_server_serves_both_tasks_adapters_as_the_native_engine_generates(se
     native = {}
     for task in TASKS:
         with task_view(trainer.model, task.name):
-            native[task.name] = [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
+            samples = NativeRolloutEngine(trainer.model).generate(prompts, sampling)
+        native[task.name] = [s.completion_ids for s in samples]
     assert native["add"] != native["sub"] and native["add"] != base
 
     for transport, version in (("disk", 1), ("collective", 2)):
@@ -127,7 +128,8 @@ def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
     )
     MultiTaskRun(parse_config(["--config", str(config_path)])).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["add/adapter_version"], r["sub/adapter_version"]) for r in records] == [(1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]
+    versions = [(r["add/adapter_version"], r["sub/adapter_version"]) for r in records]
+    assert versions == [(1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]
     assert max(r["add/version_lag_max"] for r in records) == 1.0  # trained one version behind, never more
     assert max(r["sub/version_lag_max"] for r in records) == 0.0
     assert all(r["add/sync_adapter_bytes"] > 0 and r["sub/sync_adapter_bytes"] > 0 for r in records)

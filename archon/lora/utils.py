@@ -119,7 +119,8 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
 def union_lora_config(task_loras: dict[str, LoRAConfig]) -> LoRAConfig:
     """The config a multi-task model is built with before `configure_task_adapters`: LoRA on every
     linear (and on the experts when any task adapts them), so that every module a task targets exists."""
-    return LoRAConfig(rank=1, alpha=1.0, target_modules="all-linear", experts=any(l.targets("experts") for l in task_loras.values()))
+    experts = any(lora.targets("experts") for lora in task_loras.values())
+    return LoRAConfig(rank=1, alpha=1.0, target_modules="all-linear", experts=experts)
 
 
 def configure_task_adapters(

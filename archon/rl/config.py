@@ -732,7 +732,9 @@ def _model_problems(config: GRPOConfig) -> list[str]:
     if config.tasks:
         pass  # each task's data is checked with the task (_task_problems)
     elif not config.data.path:
-        problems.append("data.path is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)")
+        problems.append(
+            "data.path is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)"
+        )
     elif not Path(config.data.path).exists():
         problems.append(f"data.path={config.data.path!r}: no such file or directory")
     if config.model.tokenizer and not Path(config.model.tokenizer).is_dir():

@@ -351,8 +351,10 @@ class MultiTaskRun:
             task.reward_failure_streak = task.reward_failure_streak + [step + 1] if failed else []
             lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
             metrics.update({
-                prefix + "reward_mean": float(rewards.mean()), prefix + "accuracy": float((rewards >= 1.0).float().mean()),
-                prefix + "response_length": float(lengths.mean()), prefix + "reward_errors": reward_metrics["reward_errors"],
+                prefix + "reward_mean": float(rewards.mean()),
+                prefix + "accuracy": float((rewards >= 1.0).float().mean()),
+                prefix + "response_length": float(lengths.mean()),
+                prefix + "reward_errors": reward_metrics["reward_errors"],
                 prefix + "reward_timeouts": reward_metrics["reward_timeouts"],
             })  # fmt: skip
             if failed:  # nothing to learn from: no update for this task this step
@@ -487,7 +489,9 @@ class MultiTaskRun:
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self, task: TaskRun) -> float:
         examples = task.eval_set.examples[: self.config.eval.max_prompts]
-        sampling = SamplingParams(max_new_tokens=self.eval_new_tokens, temperature=0, stop_token_ids=self.stop_token_ids)
+        sampling = SamplingParams(
+            max_new_tokens=self.eval_new_tokens, temperature=0, stop_token_ids=self.stop_token_ids
+        )
         samples = self._generate(task, examples, sampling)
         rewards, _ = self._score(task, examples, samples)
         return float((rewards >= 1.0).float().mean()) if len(samples) else 0.0

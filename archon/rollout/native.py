@@ -159,7 +159,9 @@ class NativeRolloutEngine:
                     self._idle_forward()
         return samples
 
-    def _generate_batch(self, requests, sampling: SamplingParams, generator, version: int, adapters=None) -> list[Sample]:
+    def _generate_batch(
+        self, requests, sampling: SamplingParams, generator, version: int, adapters=None
+    ) -> list[Sample]:
         device = self.device
         prompt_lens = torch.tensor([len(p) for _, p in requests])
         batch = len(requests)
@@ -170,7 +172,9 @@ class NativeRolloutEngine:
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), prompt_lens.cumsum(0)]).to(device)
         cache.set_step(torch.repeat_interleave(torch.arange(batch), prompt_lens), positions, prefill_from_empty=True)
         slot_adapters = None if adapters is None else torch.tensor([adapters[i] for i, _ in requests])
-        prefill_adapters = None if slot_adapters is None else torch.repeat_interleave(slot_adapters, prompt_lens).to(device)
+        prefill_adapters = None
+        if slot_adapters is not None:
+            prefill_adapters = torch.repeat_interleave(slot_adapters, prompt_lens).to(device)
         logits = self._forward(prefill_adapters, tokens, positions, cu_seqlens, int(prompt_lens.max()), cache=cache)
         last_logits = logits[cu_seqlens[1:] - 1]
 

@@ -171,7 +171,8 @@ class _AdapterSync(_VLLMSync):
     def _publish(self, model, converter, lora, version) -> dict[str, float]:
         if lora is None:
             raise ValueError("adapter sync needs a LoRA model; use rollout.vllm.mode='merged' to send full weights")
-        name = f"archon-{self.session}-v{version}" if self.task is None else f"archon-{self.session}-{self.task}-v{version}"
+        label = self.session if self.task is None else f"{self.session}-{self.task}"
+        name = f"archon-{label}-v{version}"
         metrics, error = {}, None
         try:
             metrics = self._send_adapter(model, converter, lora, name)
