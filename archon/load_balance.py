@@ -35,7 +35,8 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing for routers with a score-correction bias (DeepSeek-V3, Kimi K2,
     GLM-4.5): after each optimizer step the bias of every overloaded expert drops by this much and
-    that of every underloaded one rises (0: the biases stay as loaded). DeepSeek-V3 used 0.001."""
+    that of every underloaded one rises (0: the biases stay as loaded). DeepSeek-V3 used 0.001.
+    The biases belong to the base model: resume checkpoints keep them, a PEFT adapter does not."""
 
     def __post_init__(self) -> None:
         for name in ("aux_loss_coef", "bias_update_rate"):
