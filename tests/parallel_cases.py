@@ -9,6 +9,7 @@ import torch.distributed as dist
 from archon.batch import PackedBatch
 from archon.checkpoint.hf import copy_local_into, local_region
 from archon.lora import LoRAConfig, is_lora_param
+from archon.lora.peft import load_peft_adapter
 from archon.parallel import ParallelConfig
 from archon.rl.losses import aggregate_token_losses, ppo_clip_token_losses, ratio_metrics
 from archon.rollout.base import SamplingParams
@@ -83,6 +84,12 @@ def set_lora_values(trainer: Trainer, seed: int) -> None:
             copy_local_into(param, full if region is None else full[region], name)
 
 
+def _local_lora_values(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's part of every LoRA factor."""
+    return {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for name, p in trainer.model.named_parameters() if is_lora_param(name)}  # fmt: skip
+
+
 def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Tensor, batch: PackedBatch):
     """Per-sequence slices of a [T_local] tensor, gathered from all ranks into global order."""
     bounds = batch.cu_seqlens.tolist()
@@ -97,8 +104,9 @@ def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Ten
 
 def run_case(trainer: Trainer, vocab_size: int, export_dir=None, merged: bool = False, generate: bool = False) -> dict:
     """Everything compared across layouts: log-probs (policy, reference, entropy), the first
-    step's loss and LoRA gradients, the loss curve, an exported adapter, (`merged`) the
-    merged-mode sync payload, and (`generate`) greedy completions of the native rollout engine."""
+    step's loss and LoRA gradients, the loss curve, an exported adapter (and whether loading it
+    back restores the factors), (`merged`) the merged-mode sync payload, and (`generate`) greedy
+    completions of the native rollout engine."""
     full = make_batch(vocab_size)
     dp, dp_rank = trainer.dims.dp, trainer.dims.dp_rank
     indices = list(range(dp_rank, full.num_sequences, dp))
@@ -132,7 +140,15 @@ def run_case(trainer: Trainer, vocab_size: int, export_dir=None, merged: bool = 
     result["grad_norms"] = norms
     if export_dir is not None:
         set_lora_values(trainer, seed=2)
+        exported = _local_lora_values(trainer)
         trainer.export_peft(export_dir)
+        set_lora_values(trainer, seed=3)
+        load_peft_adapter(trainer.model, trainer.converter, export_dir)
+        reloaded = _local_lora_values(trainer)
+        same = torch.tensor(float(all(torch.equal(reloaded[name], value) for name, value in exported.items())))
+        if dist.is_initialized():
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        result["adapter_reloaded"] = bool(same)
     if merged:
         result["merged"] = dict(merged_payload(trainer.model, trainer.converter))
     if generate:

@@ -78,6 +78,7 @@ def _check_against_single_process(result, reference, curve_tol=TOL):
 
 
 def _check_export(result, reference):
+    assert reference["adapter_reloaded"] and result["adapter_reloaded"], "load_peft_adapter did not restore the factors"
     got = load_file(f"{result['export_dir']}/adapter_model.safetensors")
     want = load_file(f"{reference['export_dir']}/adapter_model.safetensors")
     assert got.keys() == want.keys()
