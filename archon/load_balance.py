@@ -2,7 +2,8 @@
 correction-bias update.
 
 A family's routers subclass `Router` and call `self.routing.record(probs, top_indices)` in their
-forward in training mode (scoring and generation record nothing). The trainer reads the records after each micro-batch's forward:
+forward in training mode (scoring and generation record nothing). The trainer reads the records after
+each micro-batch's forward, and drops them after its backward (`drop_forward_records`):
 - `load_balance_loss`: the Switch Transformer loss as HF transformers computes it
   (`load_balancing_loss_func`): E * sum_e f_e * P_e, where f_e is the number of top-k choices of
   expert e per row and P_e the mean routing probability of e, both pooled over the rows of every
@@ -34,7 +35,8 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing for routers with a score-correction bias (DeepSeek-V3, Kimi K2,
     GLM-4.5): after each optimizer step the bias of every overloaded expert drops by this much and
-    that of every underloaded one rises (0: the biases stay as loaded). DeepSeek-V3 used 0.001."""
+    that of every underloaded one rises (0: the biases stay as loaded). DeepSeek-V3 used 0.001.
+    The biases belong to the base model: resume checkpoints keep them, a PEFT adapter does not."""
 
     def __post_init__(self) -> None:
         for name in ("aux_loss_coef", "bias_update_rate"):
@@ -68,6 +70,11 @@ class RoutingStats:
     def reset_step(self) -> None:
         self.step_counts = torch.zeros(self.num_experts)
 
+    def drop_forward(self) -> None:
+        """Forget the last forward's record (its `probs_sum` holds that forward's autograd graph)."""
+        self.counts = self.probs_sum = None
+        self.rows = 0
+
 
 class Router(nn.Module):
     """Base of MoE routers: `routing` records each forward's choices. Routers whose choice adds a
@@ -95,6 +102,14 @@ def load_balance_loss(model_routers: list[Router]) -> torch.Tensor:
     counts = torch.stack([s.counts for s in stats]).sum(0)  # [E]
     probs = torch.stack([s.probs_sum for s in stats]).sum(0)  # [E]
     return stats[0].num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def drop_forward_records(model_routers: list[Router]) -> None:
+    """Called after each backward pass. Activation checkpointing runs the forward again inside the
+    backward pass, so the routers record once more, and that record would keep the recomputed
+    forward's graph (the block's activations up to the router) alive until the next forward."""
+    for router in model_routers:
+        router.routing.drop_forward()
 
 
 @torch.no_grad()

@@ -45,6 +45,7 @@ from archon.lora import (
 from archon.load_balance import (
     MoEConfig,
     all_reduce_step_counts,
+    drop_forward_records,
     load_balance_loss,
     load_imbalance,
     routers,
@@ -424,6 +425,7 @@ class Trainer:
                 # Keeps this rank's collectives in step with ranks that have more micro-batches.
                 loss = loss * 0.0
             loss.backward()
+            drop_forward_records(self.routers)
             if not real:
                 continue
             loss_sum += loss.detach().float()

@@ -69,13 +69,21 @@ def parity(args) -> None:
             gathered = [torch.zeros_like(read) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, read)
             export_dir = Path(args.out).parent / f"peft-{model_type}-{layout}"
-            result = cases.run_case(trainer, vocab, export_dir=export_dir, merged=layout.startswith("ep"))
+            expert_parallel = layout.startswith("ep")
+            result = cases.run_case(
+                trainer, vocab, export_dir=export_dir, merged=expert_parallel, generate=expert_parallel
+            )
             result["read_elements"] = [int(t) for t in gathered]
             result["checkpoint_elements"] = total
             result["export_dir"] = str(export_dir)
             del trainer
             if layout == "fsdp2" and model_type == "qwen3":
                 result["full_ft_losses"] = cases.run_full_finetune(path, vocab, ParallelConfig(**kwargs))
+            if layout == "ep2":
+                result["mixed_precision"] = {
+                    name: cases.run_mixed_precision(path, vocab, ParallelConfig(**kwargs))
+                    for name, kwargs in cases.MIXED_PRECISION_LAYOUTS.items()
+                }
             results[(model_type, layout)] = result
     if dist.get_rank() == 0:
         torch.save(results, args.out)

@@ -122,3 +122,18 @@ def test_balancing_is_off_by_default_and_checked(tiny_checkpoint):
         Trainer(cases.engine_config(tiny_checkpoint("qwen3_moe"), moe=MoEConfig(bias_update_rate=0.01)))
     with pytest.raises(ValueError, match=r"moe.aux_loss_coef=0.1 but Qwen3Model has no MoE routers"):
         Trainer(cases.engine_config(tiny_checkpoint("qwen3"), moe=MoEConfig(aux_loss_coef=0.1)))
+
+
+def test_no_router_keeps_a_graph_after_a_checkpointed_step(tiny_checkpoint):
+    """Activation checkpointing recomputes the routers inside the backward pass: their records of
+    that recomputation must not keep its graph (the blocks' activations) past the step."""
+    from archon.parallel import ParallelConfig
+
+    trainer = Trainer(cases.engine_config(tiny_checkpoint("qwen3_moe"), ParallelConfig(activation_checkpoint="full")))
+    batch = _batch(256)
+    batch.old_logprobs = trainer.logprobs(batch).logprobs
+    metrics = trainer.train_step(batch, cases.loss_fn, with_entropy=True)
+    assert metrics["moe_aux_loss"] > 0 and trainer.routers
+    for router in trainer.routers:
+        kept = router.routing.probs_sum
+        assert kept is None or kept.grad_fn is None, "a router record holds an autograd graph"

@@ -78,6 +78,7 @@ def _check_against_single_process(result, reference, curve_tol=TOL):
 
 
 def _check_export(result, reference):
+    assert reference["adapter_reloaded"] and result["adapter_reloaded"], "load_peft_adapter did not restore the factors"
     got = load_file(f"{result['export_dir']}/adapter_model.safetensors")
     want = load_file(f"{reference['export_dir']}/adapter_model.safetensors")
     assert got.keys() == want.keys()
@@ -148,7 +149,8 @@ def ep_single_process(ep_checkpoints, tmp_path_factory):
     for model_type, path in ep_checkpoints.items():
         vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
         export_dir = tmp_path_factory.mktemp("ep_single") / model_type
-        result = cases.run_case(Trainer(cases.engine_config(path)), vocab, export_dir=export_dir, merged=True)
+        trainer = Trainer(cases.engine_config(path))
+        result = cases.run_case(trainer, vocab, export_dir=export_dir, merged=True, generate=True)
         result["export_dir"] = str(export_dir)
         out[model_type] = result
     return out
@@ -176,7 +178,8 @@ def _check_merged_payload(result, reference):
 def test_expert_parallel_matches_single_process(ep_two_process, ep_four_process, ep_single_process, model_type):
     """EP x2 (experts split over the 2 FSDP ranks), EP x2 x FSDP x2 (world 4: experts split over 2
     ranks and replicated over the other 2) and EP x2 x TP x2: log-probs, loss, LoRA gradients
-    (expert factors gathered from their shards), PEFT export and merged sync payload."""
+    (expert factors gathered from their shards), PEFT export, merged sync payload and the native
+    engine's completions; and EP x2 computing in bf16."""
     reference = ep_single_process[model_type]
     for results, layout in ((ep_two_process, "ep2"), (ep_four_process, "ep2_fsdp2"), (ep_four_process, "ep2_tp2")):
         result = results[(model_type, layout)]
@@ -186,6 +189,15 @@ def test_expert_parallel_matches_single_process(ep_two_process, ep_four_process,
         _check_against_single_process(result, reference, curve_tol=1e-4 if "tp" in layout else TOL)
         _check_export(result, reference)
         _check_merged_payload(result, reference)
+        # Only the first data-parallel rank had prompts: the others ran its forwards (and their
+        # all-to-alls) in step with it.
+        assert result["generated"] == reference["generated"]
+    # bf16 compute (parallel.param_dtype) reaches the expert-parallel experts as FSDP2 gives it to
+    # every other parameter. The expert LoRA stays in fp32 under EP (FSDP2 casts it to bf16 without),
+    # hence the bf16-sized tolerance on the log-probs.
+    mixed = ep_two_process[(model_type, "ep2")]["mixed_precision"]
+    torch.testing.assert_close(mixed["ep2"]["logprobs"], mixed["fsdp2"]["logprobs"], atol=0.1, rtol=0)
+    assert mixed["ep2"]["first_loss"] == pytest.approx(mixed["fsdp2"]["first_loss"], abs=1e-4)
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@
 Each of the `ep` ranks of an expert-parallel group holds num_experts / ep consecutive experts (rank r
 holds experts r*E_local .. (r+1)*E_local - 1) of every stacked expert parameter, base weights, biases
 and LoRA factors alike, as DTensors with placements (Replicate(), Replicate(), Shard(0)) on the 3-D
-mesh (dp_replicate, dp_shard_mod_ep, ep) (see `ParallelDims`). Full tensors (PEFT export, merged sync, checkpoints) come from
-the DTensor layout with no special case.
+mesh (dp_replicate, dp_shard_mod_ep, ep) (see `ParallelDims`). Full tensors (PEFT export, merged
+sync, checkpoints) come from the DTensor layout with no special case.
 
 A MoE layer routes its tokens on its own rank, sorts the token slots by expert, and then:
 1. exchanges per-expert slot counts with the other ranks of its group (all_to_all_single);
@@ -84,7 +84,9 @@ class ExpertParallelGroup:
         x_recv = all_to_all(x_sorted, output_splits, input_splits, self.group)  # [M, dim] by source rank
 
         local_experts = torch.arange(self.num_local_experts, device=x_sorted.device).repeat(self.size)
-        local_expert_of_row = local_experts.repeat_interleave(received.reshape(-1))  # [M]
+        # output_size: without it repeat_interleave reads the total back from the device (a second sync).
+        rows = sum(output_splits)
+        local_expert_of_row = local_experts.repeat_interleave(received.reshape(-1), output_size=rows)  # [M]
         order = torch.argsort(local_expert_of_row, stable=True)
         groups = ExpertGroups.from_sorted(local_expert_of_row[order], self.num_local_experts, grouped)
         y_local = compute(x_recv[order], groups)  # [M, out], sorted by local expert

@@ -162,8 +162,10 @@ def parallelize_decoder(
             apply_tp_plan(block, tp_mesh, block_tp_plan(index, block))
     expert_params: set[nn.Parameter] = set()
     if dims.ep_enabled:
+        # One mesh object for every layer: the gradient norm reduces the shards of each mesh once.
+        expert_mesh = dims.expert_mesh
         for experts in routed_experts:
-            shard_experts(experts, num_experts, dims.expert_mesh)
+            shard_experts(experts, num_experts, expert_mesh)
             expert_params.update(experts.parameters())
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
     if config.compile:

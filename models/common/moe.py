@@ -114,7 +114,7 @@ class GroupedExperts(nn.Module, LoRAModule):
         weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
         out = expert_matmul(x, weight_in_out, groups)
         if bias is not None:
-            out = out + local_expert_weight(bias)[groups.expert_of_row]
+            out = out + local_expert_weight(bias, out.dtype)[groups.expert_of_row]
         if self._lora_active:
             out = out + lora(x, groups, token_of_row).to(out.dtype)
         return out
