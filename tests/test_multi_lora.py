@@ -98,19 +98,21 @@ def test_multi_task_model_holds_each_tasks_adapter_where_it_targets(multi_model)
     assert all(p.shape[0] == 2 for n, p in task_parameters(model, "b").items() if n.endswith("lora_a.weight"))
 
 
-def test_mixed_batch_forward_and_backward_equal_separate_single_adapter_passes(multi_model):
+@pytest.mark.parametrize("task_of_sequence", [TASK_OF_SEQUENCE, sorted(TASK_OF_SEQUENCE)], ids=["mixed", "grouped"])
+def test_mixed_batch_forward_and_backward_equal_separate_single_adapter_passes(multi_model, task_of_sequence):
     """Logits: each task's sequences alone through its single-adapter model. Gradients: the whole
     batch through each task's single-adapter model with the loss on that task's tokens only (the
-    same matmul shapes as the mixed pass, so only the LoRA arithmetic differs)."""
+    same matmul shapes as the mixed pass, so only the LoRA arithmetic differs). Sequences in any
+    order, or already grouped by task (no rows moved)."""
     model = multi_model.model
     vocab = multi_model.hf_config.vocab_size
-    batch, task_of_token = _batch(vocab, seed=0)
+    batch, task_of_token = _batch(vocab, seed=0, task_of_sequence=task_of_sequence)
     weight = torch.randn(batch.num_tokens, vocab, generator=torch.Generator().manual_seed(1))
     logits, grads = _mixed_pass(model, batch, task_of_token, weight)
 
     bounds = batch.cu_seqlens.tolist()
     for index, task in enumerate(TASKS):
-        chosen = [i for i, t in enumerate(TASK_OF_SEQUENCE) if t == index]
+        chosen = [i for i, t in enumerate(task_of_sequence) if t == index]
         rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in chosen])
         mine = task_of_token == index
         model.zero_grad(set_to_none=True)

@@ -245,13 +245,15 @@ class AdapterRouting:
     """Which task's adapter each token of a packed batch uses, and the tokens sorted by task.
 
     task_of_token: [T] long, an index into the model's tasks (their order in the config).
-    order: [T] token indices sorted by task (stable); restore: its inverse permutation.
+    order: [T] token indices sorted by task (stable); restore: its inverse permutation. Both None
+        when the tokens already come task by task (a mixed batch packs each task's sequences
+        together), so the layers need not move any rows.
     groups: the sorted tokens split among the tasks (one group per task, empty ones included).
     """
 
     task_of_token: torch.Tensor
-    order: torch.Tensor
-    restore: torch.Tensor
+    order: torch.Tensor | None
+    restore: torch.Tensor | None
     groups: ExpertGroups
 
     @classmethod
@@ -262,10 +264,12 @@ class AdapterRouting:
                 f"{int(task_of_token.min())}..{int(task_of_token.max())}"
             )
         task_of_token = task_of_token.long()
+        grouped = grouped_mm_unavailable(task_of_token.device, torch.float32) is None  # LoRA factors are fp32
+        if bool((task_of_token[1:] >= task_of_token[:-1]).all()):
+            return cls(task_of_token, None, None, ExpertGroups.from_sorted(task_of_token, num_tasks, grouped))
         order = torch.argsort(task_of_token, stable=True)
         restore = torch.empty_like(order)
         restore[order] = torch.arange(order.numel(), device=order.device)
-        grouped = grouped_mm_unavailable(task_of_token.device, torch.float32) is None  # LoRA factors are fp32
         return cls(task_of_token, order, restore, ExpertGroups.from_sorted(task_of_token[order], num_tasks, grouped))
 
 
@@ -275,23 +279,25 @@ def mixed_lora_delta(
     lora_b: torch.Tensor,
     scaling: torch.Tensor,
     dropout: torch.Tensor | None,
-    order: torch.Tensor,
-    restore: torch.Tensor,
+    order: torch.Tensor | None,
+    restore: torch.Tensor | None,
     groups: ExpertGroups,
 ) -> torch.Tensor:
     """Each row's own low-rank update, s_g * B_g A_g x, for rows x [N, in] of several groups.
 
     lora_a: [G, in, r], lora_b: [G, r, out], scaling: [G]; `order` sorts the rows by group, `groups`
-    splits the sorted rows, `restore` puts them back. dropout: [G] drop probabilities (None: none).
-    Returns [N, out] in the factors' dtype: one grouped matmul for A, one for B.
+    splits the sorted rows, `restore` puts them back (both None: the rows are sorted already).
+    dropout: [G] drop probabilities (None: none). Returns [N, out] in the factors' dtype: one grouped
+    matmul for A, one for B.
     """
-    x_sorted = x[order].to(lora_a.dtype)  # [N, in]
+    x_sorted = (x if order is None else x[order]).to(lora_a.dtype)  # [N, in]
     group_of_row = groups.expert_of_row
     if dropout is not None:
         keep = 1.0 - dropout[group_of_row, None]  # [N, 1]
         x_sorted = x_sorted * (torch.rand_like(x_sorted) < keep) / keep
     h = expert_matmul(x_sorted, lora_a, groups) * scaling[group_of_row, None]  # [N, r]: scaled while small
-    return expert_matmul(h, lora_b, groups)[restore]
+    out = expert_matmul(h, lora_b, groups)
+    return out if restore is None else out[restore]
 
 
 class TaskAdapter(nn.Module):
@@ -375,8 +381,8 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
                 a.append(zeros_a), b.append(zeros_b), scaling.append(0.0), dropout.append(0.0)
                 continue
             pad = rank - adapter.rank
-            a.append(F.pad(adapter.lora_a.weight, (0, 0, 0, pad)))
-            b.append(F.pad(adapter.lora_b.weight, (0, pad)))
+            a.append(F.pad(adapter.lora_a.weight, (0, 0, 0, pad)) if pad else adapter.lora_a.weight)
+            b.append(F.pad(adapter.lora_b.weight, (0, pad)) if pad else adapter.lora_b.weight)
             scaling.append(adapter.scaling)
             dropout.append(adapter.dropout)
         scaling_t = torch.tensor(scaling, dtype=like.dtype, device=like.device)
