@@ -27,8 +27,11 @@ from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora import (
     LoRAConfig,
     configure_lora_modules,
+    configure_task_adapters,
     is_lora_param,
     mark_only_lora_trainable,
+    task_view,
+    union_lora_config,
 )
 from archon.lora.peft import peft_adapter_config
 from archon.parallel import ParallelConfig, ParallelDims
@@ -52,6 +55,8 @@ class LoadedModel:
     path: Path
     lora: LoRAConfig | None
     dims: ParallelDims | None = None
+    task_loras: dict[str, LoRAConfig] | None = None
+    """A multi-task model's tasks (in routing order) and their LoRA configs; None for one adapter."""
 
 
 def load_hf_config(path: str | os.PathLike, option: str | None = None):
@@ -97,6 +102,7 @@ def build_model(
     dims: ParallelDims | None = None,
     seed: int = 0,
     path_option: str | None = None,
+    task_loras: dict[str, LoRAConfig] | None = None,
 ) -> LoadedModel:
     """Build the archon model for the HF checkpoint at `path` and load its weights.
 
@@ -104,19 +110,46 @@ def build_model(
     without it every parameter is. Parallelism: pass `dims` (and `parallel` for AC/compile/FSDP
     options) to use the family's parallelize function.
     `path_option` names the setting `path` came from, for error messages.
+    `task_loras` (instead of `lora`) builds a multi-task model: one adapter per task, in this order,
+    on the one frozen base (archon.lora.MultiLoRALinear); each task's adapter starts as the one a
+    single-adapter model with its config and `seed` would.
     """
     path = Path(path)
     hf_config = load_hf_config(path, path_option)
     spec = get_spec(hf_config.model_type)
     args = spec.args_cls.from_hf_config(hf_config)
-    if lora is not None:
+    if task_loras is not None:
+        if lora is not None:
+            raise ValueError("build_model takes either lora (one adapter) or task_loras (one per task), not both")
+        if not task_loras:
+            raise ValueError("task_loras must name at least one task")
+        for task, task_lora in task_loras.items():
+            try:
+                task_lora.validate(spec.lora_targets, spec.name)
+            except ValueError as e:
+                raise ValueError(f"task {task!r}: {e}") from None
+        lora = union_lora_config(task_loras)
+    elif lora is not None:
         lora.validate(spec.lora_targets, spec.name)
     checkpoint = HFCheckpoint(path)
 
     converter = spec.state_dict_converter_cls(args)
     with torch.device("meta"):
         model = spec.model_cls(args, lora)
-    if lora is not None:
+    if task_loras is not None:
+        if dims is not None and (dims.distributed or (parallel is not None and parallel.compile)):
+            raise ValueError(
+                "a multi-task (several adapters) model runs in one process without compile; "
+                "set parallel sizes to 1 and parallel.compile=False"
+            )
+        configure_task_adapters(model, task_loras, converter.hf_name)
+        for task, task_lora in task_loras.items():
+            with task_view(model, task):
+                try:
+                    peft_adapter_config(model, converter, task_lora, str(path))
+                except ValueError as e:
+                    raise ValueError(f"task {task!r}: {e}") from None
+    elif lora is not None:
         configure_lora_modules(model, lora, converter.hf_name)
         peft_adapter_config(model, converter, lora, str(path))  # fail now, not at the first export
     model.to(dtype)
@@ -135,6 +168,11 @@ def build_model(
             model = spec.parallelize_fn(model, dims, parallel)
     model.to_empty(device=device)
     load_hf_weights(model, converter, checkpoint)
+    if task_loras is not None:
+        for task in task_loras:
+            with task_view(model, task):
+                init_lora_weights(model, seed)
+        return LoadedModel(model, spec, args, converter, hf_config, path, None, dims, dict(task_loras))
     if lora is not None:
         init_lora_weights(model, seed)
     return LoadedModel(model, spec, args, converter, hf_config, path, lora, dims)

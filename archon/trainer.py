@@ -5,6 +5,12 @@
 update whose loss or gradient is not finite), plus resume checkpoints and PEFT export, which
 refuse to write NaN or inf.
 
+With `TrainerConfig.tasks` it trains several adapters (multi-LoRA) on the one frozen base: each
+task has its own LoRA config, AdamW, LR schedule and optimizer-step count; a packed batch mixes
+tasks (`extras["task"]`, each token's task index) and `train_step_tasks` takes one loss function per
+task, steps each task's optimizer on its own (a non-finite task is skipped alone), and checkpoints
+and PEFT exports are per task (`task=`).
+
 Data layout: every data-parallel rank passes its own PackedBatch; the ranks of one tensor-parallel
 group pass the same one.
 """
@@ -32,6 +38,9 @@ from archon.head import DEFAULT_CHUNK_SIZE, label_logprobs
 from archon.lora import (
     LoRAConfig,
     adapter_disabled,
+    adapter_routing,
+    task_parameters,
+    task_view,
 )
 from archon.load_balance import (
     MoEConfig,
@@ -128,6 +137,19 @@ class _LRLambda:
 
 
 @dataclass
+class TrainerTask:
+    """One adapter of a multi-task trainer."""
+
+    name: str
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+TASK_EXTRA = "task"
+"""PackedBatch.extras key of a multi-task batch: [T] long, each token's task index (TrainerConfig.tasks order)."""
+
+
+@dataclass
 class TrainerConfig:
     model_path: str
     """HF checkpoint directory (config.json + safetensors)."""
@@ -145,6 +167,9 @@ class TrainerConfig:
     seed: int = 0
     moe: MoEConfig = field(default_factory=MoEConfig)
     """MoE load balancing (auxiliary loss, correction-bias updates); MoE models only."""
+    tasks: tuple[TrainerTask, ...] = ()
+    """Several adapters on the one base (multi-LoRA), each with its own LoRA config and optimizer;
+    `lora` and `optim` are then unused and must be left None / default. Empty: one adapter."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +229,28 @@ class NonFiniteError(RuntimeError):
 LossFn = Callable[[PackedBatch, torch.Tensor, LossContext], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
+@dataclass
+class TaskState:
+    """One task's training state in a multi-task trainer."""
+
+    name: str
+    index: int
+    """The task's index in routing (TrainerConfig.tasks order)."""
+    lora: LoRAConfig
+    optim: OptimConfig
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    optimizer_steps: int = 0
+
+
+def _adamw(params: list[torch.nn.Parameter], optim: OptimConfig):
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _LRLambda(optim))
+
+
 class Trainer:
     """A model ready to score and train, on this rank's share of the devices.
 
@@ -215,6 +262,17 @@ class Trainer:
         self.device, self.rank, self.world_size = init_distributed(config.device)
         self.dims = config.parallel.dims(self.world_size, self.device.type)
         devices.manual_seed_all(config.seed + 1000 * self.dims.dp_rank)
+        names = [task.name for task in config.tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"TrainerConfig.tasks: task names must be unique, got {names}")
+        if config.tasks and config.lora is not None:
+            raise ValueError("TrainerConfig: with tasks, each task has its own LoRA config; set lora=None")
+        if config.tasks and (config.moe.aux_loss_coef > 0 or config.moe.bias_update_rate > 0):
+            # both act on the shared routing, so one task's batch would move every task's model
+            raise ValueError(
+                "TrainerConfig: MoE load balancing (moe.aux_loss_coef, moe.bias_update_rate) is not supported with "
+                "several tasks; leave both at 0"
+            )
         loaded = build_model(
             config.model_path,
             lora=config.lora,
@@ -223,19 +281,23 @@ class Trainer:
             parallel=config.parallel,
             dims=self.dims,
             seed=config.seed,
+            task_loras={task.name: task.lora for task in config.tasks} if config.tasks else None,
         )
         self.loaded = loaded
         self.model = loaded.model
         self.converter = loaded.converter
         self.lora = config.lora
+        self.tasks: dict[str, TaskState] = {}
+        """Multi-task: each task's adapter and optimizer, in routing order ({} for one adapter)."""
+        for index, task in enumerate(config.tasks):
+            params = list(task_parameters(self.model, task.name).values())
+            optimizer, scheduler = _adamw(params, task.optim)
+            self.tasks[task.name] = TaskState(task.name, index, task.lora, task.optim, params, optimizer, scheduler)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.routers = routers(self.model)
         self._check_moe_config(config.moe)
-        optim = config.optim
-        self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _LRLambda(optim))
+        # one adapter: its optimizer; several: each task's own (self.tasks)
+        self.optimizer, self.scheduler = (None, None) if self.tasks else _adamw(self.trainable, config.optim)
         self.optimizer_steps = 0
         """AdamW updates applied (skipped ones not counted); the schedule position is the scheduler's."""
 
@@ -268,8 +330,20 @@ class Trainer:
             self._all_reduce(count, dist.ReduceOp.MAX)
         return micro, int(count)
 
+    def _routing(self, batch: PackedBatch):
+        """Each token's adapter, for a multi-task model (nothing to do for one adapter)."""
+        if not self.tasks:
+            return contextlib.nullcontext()
+        if TASK_EXTRA not in batch.extras:
+            raise ValueError(
+                f"a multi-task trainer needs each token's task: PackedBatch.extras[{TASK_EXTRA!r}] ([T] task indices "
+                f"into {list(self.tasks)})"
+            )
+        return adapter_routing(self.model, batch.extras[TASK_EXTRA])
+
     def _forward_logprobs(self, batch: PackedBatch, temperature: float, with_entropy: bool):
-        hidden = self.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
+        with self._routing(batch):
+            hidden = self.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
         index = batch.loss_mask.nonzero()[:, 0]
         lp, ent = label_logprobs(
             hidden[index], self.model.output_weight, batch.labels[index], temperature,
@@ -295,7 +369,7 @@ class Trainer:
 
         use_adapter=False scores with the LoRA switched off: the reference (base) policy.
         """
-        if not use_adapter and self.lora is None:
+        if not use_adapter and self.lora is None and not self.tasks:
             raise ValueError("use_adapter=False needs a LoRA model; this trainer trains every parameter")
         micro, count = self._micro_batches(batch)
         was_training = self.model.training
@@ -331,13 +405,12 @@ class Trainer:
         self._all_reduce(counts)
         global_tokens, global_sequences = counts[0].clone(), counts[1].clone()
 
+        self._one_adapter("forward_backward")
         self.optimizer.zero_grad(set_to_none=True)
         for router in self.routers:
             router.routing.reset_step()
         loss_sum = torch.zeros((), device=self.device)
-        sums: dict[str, torch.Tensor] = {}
-        maxima: dict[str, torch.Tensor] = {}
-        minima: dict[str, torch.Tensor] = {}
+        reports = _MetricReports(self.device)
         for i in range(count):
             real = i < len(micro)
             mb = micro[i] if real else min(micro, key=lambda b: b.num_tokens)
@@ -356,19 +429,7 @@ class Trainer:
             if not real:
                 continue
             loss_sum += loss.detach().float()
-            weight = float(mb.loss_mask.sum())
-            for key, value in metrics.items():
-                if key == "loss":  # the batch loss is loss_sum, summed exactly; not a per-token mean of it
-                    continue
-                value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
-                if key == "num_tokens":
-                    sums[key] = sums.get(key, 0) + value
-                elif key.endswith("_max"):
-                    maxima[key] = torch.maximum(maxima[key], value) if key in maxima else value
-                elif key.endswith("_min"):
-                    minima[key] = torch.minimum(minima[key], value) if key in minima else value
-                else:
-                    sums[key] = sums.get(key, 0) + value * weight
+            reports.add(metrics, float(mb.loss_mask.sum()))
         if self.fsdp:
             self.model.set_requires_gradient_sync(True)
         reduce_partial_grads(self.model)
@@ -376,13 +437,7 @@ class Trainer:
         out: dict[str, float] = {}
         self._all_reduce(loss_sum)
         out["loss"] = loss_sum.item()
-        for key, value in sums.items():
-            value = self._all_reduce(value.clone())
-            out[key] = value.item() if key == "num_tokens" else value.item() / max(global_tokens.item(), 1.0)
-        for key, value in maxima.items():
-            out[key] = self._all_reduce(value.clone(), dist.ReduceOp.MAX).item()
-        for key, value in minima.items():
-            out[key] = self._all_reduce(value.clone(), dist.ReduceOp.MIN).item()
+        out.update(reports.reduced(self._all_reduce, global_tokens))
         if self.routers:
             all_reduce_step_counts(self.routers, self.dims.dp_group if self.dims.dp > 1 else None)
             out["moe_load_imbalance"] = load_imbalance(self.routers)
@@ -424,6 +479,7 @@ class Trainer:
 
         Returns grad_norm (before clipping), the lr and skipped (1.0 for a skipped update).
         """
+        self._one_adapter("optimizer_step")
         lr = self.optimizer.param_groups[0]["lr"]
         norm = clip_grad_norm(self.trainable, self.config.optim.max_grad_norm).item()
         finite = math.isfinite(norm) and (loss is None or math.isfinite(loss))
@@ -436,14 +492,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
 
-    def advance_schedule(self) -> None:
-        """Move the LR schedule on by one training step. It moves whether or not the step's updates
-        were skipped: the learning rate is a function of the step, so a skipped step does not shift
-        the rest of the schedule."""
+    def advance_schedule(self, task: str | None = None) -> None:
+        """Move the LR schedule (of `task`, in a multi-task trainer) on by one training step. It moves
+        whether or not the step's updates were skipped: the learning rate is a function of the step,
+        so a skipped step does not shift the rest of the schedule."""
+        scheduler = self._task(task).scheduler if self.tasks else self.scheduler
         with warnings.catch_warnings():
             # Raised when the very first update was skipped; that order is intended.
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            self.scheduler.step()
+            scheduler.step()
 
     def train_step(
         self,
@@ -478,8 +535,116 @@ class Trainer:
         metrics["time_s"] = time.perf_counter() - start
         return metrics
 
+    # ---- several tasks (multi-LoRA) -------------------------------------------------------------
+    def _one_adapter(self, what: str) -> None:
+        if self.tasks:
+            raise ValueError(f"Trainer.{what} trains one adapter; a multi-task trainer trains with train_step_tasks")
+
+    def _task(self, task: str | None) -> TaskState:
+        if not self.tasks:
+            raise ValueError(f"task={task!r} given to a trainer with one adapter (TrainerConfig.tasks is empty)")
+        if task not in self.tasks:
+            raise ValueError(f"unknown task {task!r}; the trainer's tasks are {list(self.tasks)}")
+        return self.tasks[task]
+
+    def task_sequences(self, batch: PackedBatch) -> dict[str, list[int]]:
+        """The sequences of a multi-task batch by task (tasks with none left out)."""
+        first_token_task = batch.extras[TASK_EXTRA][batch.cu_seqlens[:-1].long()].tolist()
+        names = list(self.tasks)
+        chosen: dict[str, list[int]] = {}
+        for sequence, index in enumerate(first_token_task):
+            chosen.setdefault(names[index], []).append(sequence)
+        return chosen
+
+    def train_step_tasks(
+        self,
+        batch: PackedBatch,
+        loss_fns: dict[str, LossFn],
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        advance_schedule: bool = True,
+    ) -> dict[str, dict[str, float]]:
+        """One optimizer step of every task with sequences in the mixed `batch` (extras["task"]).
+
+        Each micro-batch runs one forward and one backward for all its tasks; each task's loss is
+        `loss_fns[task]` on its own sequences, normalised by its own counts (LossContext), so its
+        adapter's gradient is exactly its single-task gradient. Then each task clips and steps its
+        own AdamW; a task whose loss or gradient norm is not finite is skipped alone (its loss is
+        left out of the backward, so no NaN reaches the others). Returns each stepped task's metrics
+        (as train_step's)."""
+        start = time.perf_counter()
+        host = batch.to("cpu")
+        by_task = self.task_sequences(host)
+        unknown = sorted(set(by_task) - set(loss_fns))
+        if unknown:
+            raise ValueError(f"train_step_tasks: the batch has sequences of task(s) {unknown} without a loss function")
+        self.model.train()
+        micro, _ = self._micro_batches(batch)
+        counts = {}
+        for task, sequences in by_task.items():
+            sub = host.select(sequences)
+            counts[task] = (*loss_counts(sub.loss_mask, sub.cu_seqlens).to(self.device), sub.num_tokens)
+        for state in self.tasks.values():
+            state.optimizer.zero_grad(set_to_none=True)
+        loss_sums = {task: torch.zeros((), device=self.device) for task in by_task}
+        reports = {task: _MetricReports(self.device) for task in by_task}
+        for mb in micro:
+            logprobs, entropy = self._forward_logprobs(mb, temperature, with_entropy)
+            bounds = mb.cu_seqlens.tolist()
+            total = None
+            for task, sequences in self.task_sequences(mb).items():
+                rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in sequences]).to(logprobs.device)
+                tokens, sequence_count, _ = counts[task]
+                ctx = LossContext(tokens, sequence_count, temperature, None if entropy is None else entropy[rows], 1)
+                loss, metrics = loss_fns[task](mb.select(sequences), logprobs[rows], ctx)
+                loss_sums[task] += loss.detach().float()
+                reports[task].add(metrics, float(mb.loss_mask[rows].sum()))
+                if not bool(torch.isfinite(loss.detach())):
+                    continue  # kept out of the backward: a NaN would reach every task's gradient
+                total = loss if total is None else total + loss
+            if total is not None:
+                total.backward()
+
+        out: dict[str, dict[str, float]] = {}
+        for task in by_task:
+            tokens, sequence_count, total_tokens = counts[task]
+            metrics = {"loss": loss_sums[task].item(), **reports[task].reduced(self._all_reduce, tokens)}
+            metrics.update(tokens=tokens.item(), sequences=sequence_count.item(), total_tokens=float(total_tokens),
+                           micro_batches=len(micro))  # fmt: skip
+            metrics.update(self._task_optimizer_step(self.tasks[task], metrics["loss"]))
+            if advance_schedule:
+                self.advance_schedule(task)
+            metrics["optimizer_steps"] = self.tasks[task].optimizer_steps
+            metrics["time_s"] = time.perf_counter() - start
+            out[task] = metrics
+        return out
+
+    def _task_optimizer_step(self, state: TaskState, loss: float) -> dict[str, float]:
+        """optimizer_step for one task: its own clipping, finiteness check and AdamW."""
+        lr = state.optimizer.param_groups[0]["lr"]
+        norm = clip_grad_norm(state.trainable, state.optim.max_grad_norm).item()
+        skipped = not (math.isfinite(norm) and math.isfinite(loss))
+        if not skipped:
+            state.optimizer.step()
+            state.optimizer_steps += 1
+        state.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
+
+    def _adapter_state(self, task: str | None):
+        """(lora, optimizer, scheduler) of the one adapter, or of `task`'s."""
+        if task is None:
+            if self.tasks:
+                raise ValueError(f"a multi-task trainer needs task= (one of {list(self.tasks)})")
+            return self.lora, self.optimizer, self.scheduler
+        state = self._task(task)
+        return state.lora, state.optimizer, state.scheduler
+
+    def _view(self, task: str | None):
+        """The model as `task`'s single-adapter model (the model itself for one adapter)."""
+        return contextlib.nullcontext() if task is None else task_view(self.model, task)
+
     # ---- adapters and checkpoints ---------------------------------------------------------------
-    def _first_non_finite(self, optimizer_state: bool) -> str | None:
+    def _first_non_finite(self, optimizer_state: bool, optimizer=None) -> str | None:
         """This rank's first trainable parameter (or, with optimizer_state, AdamW state tensor of
         one) that holds NaN or inf, by name; None when all are finite."""
         for name, param in self.model.named_parameters():
@@ -487,7 +652,7 @@ class Trainer:
                 continue
             tensors = [(name, param)]
             if optimizer_state:
-                state = self.optimizer.state.get(param, {})
+                state = (optimizer or self.optimizer).state.get(param, {})
                 tensors += [(f"optimizer state {key!r} of {name}", value) for key, value in state.items()]
             for label, tensor in tensors:
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -496,11 +661,13 @@ class Trainer:
         return None
 
     @torch.no_grad()
-    def check_finite(self, what: str, optimizer_state: bool = True) -> None:
+    def check_finite(self, what: str, optimizer_state: bool = True, task: str | None = None) -> None:
         """Raise NonFiniteError on every rank when any rank's trainable parameters (or, with
         optimizer_state, their AdamW state) hold NaN or inf, naming the first such tensor. `what`
-        says what was about to be written."""
-        bad = self._first_non_finite(optimizer_state)
+        says what was about to be written. With `task`: that task's adapter only."""
+        _, optimizer, _ = self._adapter_state(task)
+        with self._view(task):
+            bad = self._first_non_finite(optimizer_state, optimizer)
         if not self._same_on_every_rank(bad is not None):
             return
         found = [bad]
@@ -513,74 +680,129 @@ class Trainer:
             "written and the earlier checkpoints and adapters are as they were"
         )
 
-    def export_peft(self, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
-        """Write the adapter in PEFT format (gathered from all shards; rank 0 writes). Refuses
-        (NonFiniteError) an adapter with NaN or inf values."""
+    def export_peft(
+        self, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None, task: str | None = None
+    ) -> Path:
+        """Write the adapter (of `task`, in a multi-task trainer: an adapter that loads alone) in PEFT
+        format (gathered from all shards; rank 0 writes). Refuses (NonFiniteError) an adapter with
+        NaN or inf values."""
         from archon.lora.peft import save_peft_adapter
 
-        if self.lora is None:
+        lora, _, _ = self._adapter_state(task)
+        if lora is None:
             raise ValueError("export_peft needs a LoRA model; this trainer trains every parameter")
-        self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False)
-        path = save_peft_adapter(
-            self.model, self.converter, self.lora, out_dir,
-            base_model_name_or_path or str(self.loaded.path), write=self.rank == 0,
-        )
+        self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False, task=task)
+        with self._view(task):
+            path = save_peft_adapter(
+                self.model, self.converter, lora, out_dir,
+                base_model_name_or_path or str(self.loaded.path), write=self.rank == 0,
+            )
         if dist.is_initialized():
             dist.barrier()
         return path
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """The trainable parameters and optimizer state, as DCP state dicts (sharded where the model is)."""
+    def checkpoint_state(self, task: str | None = None) -> dict[str, Any]:
+        """The trainable parameters and optimizer state (of `task` alone, under its single-adapter
+        names, in a multi-task trainer), as DCP state dicts (sharded where the model is)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_state_dict,
         )
 
-        model_state, optim_state = get_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True)
-        )
+        _, optimizer, _ = self._adapter_state(task)
+        with self._view(task):
+            model_state, optim_state = get_state_dict(
+                self.model, optimizer, options=StateDictOptions(ignore_frozen_params=True)
+            )
         return {"model": model_state, "optimizer": optim_state}
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+    def load_checkpoint_state(self, state: dict[str, Any], task: str | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_state_dict,
         )
 
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-            # Frozen base weights are not in the checkpoint; dcp.load has already failed on any
-            # trainable key missing from it.
-            options=StateDictOptions(ignore_frozen_params=True, strict=False),
-        )
+        _, optimizer, _ = self._adapter_state(task)
+        with self._view(task):
+            set_state_dict(
+                self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                # Frozen base weights are not in the checkpoint; dcp.load has already failed on any
+                # trainable key missing from it.
+                options=StateDictOptions(ignore_frozen_params=True, strict=False),
+            )
 
-    def save_checkpoint(self, manager, step: int, data_state: dict | None = None) -> Path:
+    def save_checkpoint(self, manager, step: int, data_state: dict | None = None, task: str | None = None) -> Path:
         """Save a resume checkpoint for training step `step` (the RL step in the loop; it names the
-        checkpoint) through a CheckpointManager. Refuses (NonFiniteError) a state with NaN or inf."""
+        checkpoint) through a CheckpointManager. Refuses (NonFiniteError) a state with NaN or inf.
+        In a multi-task trainer, `task`'s checkpoint: its adapter, optimizer and schedule alone
+        (give each task its own manager, i.e. directory)."""
         from archon.checkpoint.resume import lora_settings
 
-        self.check_finite(f"checkpoint for step {step}")
+        lora, _, scheduler = self._adapter_state(task)
+        self.check_finite(f"checkpoint for step {step}" + (f" of task {task!r}" if task else ""), task=task)
         # The schedule itself comes from the config; only its position is state.
-        scheduler = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+        optimizer_steps = self.optimizer_steps if task is None else self.tasks[task].optimizer_steps
         trainer_state = {
-            "step": step, "optimizer_steps": self.optimizer_steps, "scheduler": scheduler, "data": data_state or {},
-            "lora": lora_settings(self.lora),
+            "step": step, "optimizer_steps": optimizer_steps, "scheduler": scheduler_state, "data": data_state or {},
+            "lora": lora_settings(lora),
         }  # fmt: skip
-        return manager.save(step, self.checkpoint_state(), trainer_state)
+        return manager.save(step, self.checkpoint_state(task), trainer_state)
 
-    def load_checkpoint(self, manager, path: str | os.PathLike | None = None) -> dict | None:
+    def load_checkpoint(self, manager, path: str | os.PathLike | None = None, task: str | None = None) -> dict | None:
         """Resume from `path` (default: the manager's latest). Returns the whole trainer state
         (`step`, `optimizer_steps`, `scheduler`, `data`, `lora`), or None when there is no checkpoint.
         A checkpoint trained with another LoRA config (rank, alpha, targets, ...) is refused, naming
-        the differences; dropout may change."""
+        the differences; dropout may change. With `task`: that task's checkpoint, into its adapter
+        alone (the other tasks are untouched)."""
         from archon.checkpoint.resume import lora_settings
 
         path = manager.latest() if path is None else Path(path)
         if path is None:
             return None
-        state = self.checkpoint_state()
-        trainer_state = manager.load(path, state, expected={"lora": lora_settings(self.lora)})
-        self.load_checkpoint_state(state)
-        self.optimizer_steps = trainer_state["optimizer_steps"]
-        self.scheduler.load_state_dict({**trainer_state["scheduler"], "lr_lambdas": [None]})
+        lora, _, scheduler = self._adapter_state(task)
+        state = self.checkpoint_state(task)
+        trainer_state = manager.load(path, state, expected={"lora": lora_settings(lora)})
+        self.load_checkpoint_state(state, task)
+        if task is None:
+            self.optimizer_steps = trainer_state["optimizer_steps"]
+        else:
+            self.tasks[task].optimizer_steps = trainer_state["optimizer_steps"]
+        scheduler.load_state_dict({**trainer_state["scheduler"], "lr_lambdas": [None]})
         return trainer_state
+
+
+class _MetricReports:
+    """A loss function's metrics over micro-batches: token-weighted sums of means, `*_max` / `*_min`
+    extremes and `num_tokens` counts; `reduced` takes them over the data-parallel ranks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
+        self.minima: dict[str, torch.Tensor] = {}
+
+    def add(self, metrics: dict[str, Any], weight: float) -> None:
+        for key, value in metrics.items():
+            if key == "loss":  # the batch loss is the loss sum, summed exactly; not a per-token mean of it
+                continue
+            value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
+            if key == "num_tokens":
+                self.sums[key] = self.sums.get(key, 0) + value
+            elif key.endswith("_max"):
+                self.maxima[key] = torch.maximum(self.maxima[key], value) if key in self.maxima else value
+            elif key.endswith("_min"):
+                self.minima[key] = torch.minimum(self.minima[key], value) if key in self.minima else value
+            else:
+                self.sums[key] = self.sums.get(key, 0) + value * weight
+
+    def reduced(self, all_reduce, global_tokens: torch.Tensor) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, value in self.sums.items():
+            value = all_reduce(value.clone())
+            out[key] = value.item() if key == "num_tokens" else value.item() / max(global_tokens.item(), 1.0)
+        for key, value in self.maxima.items():
+            out[key] = all_reduce(value.clone(), dist.ReduceOp.MAX).item()
+        for key, value in self.minima.items():
+            out[key] = all_reduce(value.clone(), dist.ReduceOp.MIN).item()
+        return out

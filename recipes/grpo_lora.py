@@ -30,8 +30,11 @@ def run(config) -> dict:
     from archon.tools.plot import plot_run
 
     _, rank, _ = init_distributed(config.model.device)
-    # Before the demo's warm start, so a run directory in use is reported at once.
-    resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
+    # Before the demo's warm start, so a run directory in use is reported at once. A multi-task run
+    # resumes each task from its own checkpoints (archon.rl.multi_task).
+    resume_from = None
+    if not config.tasks:
+        resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
 
     def log(message: str) -> None:
         if rank == 0:
@@ -39,22 +42,29 @@ def run(config) -> dict:
 
     if config.model.path is None:
         files = prepare_demo(config.demo, config.parallel, config.seed, rank, log)
-        config = dataclasses.replace(
-            config,
-            model=dataclasses.replace(config.model, path=str(files.model_dir)),
-            data=dataclasses.replace(config.data, path=str(files.train_path)),
-            eval=dataclasses.replace(config.eval, path=config.eval.path or str(files.held_out_path)),
-        )
-    elif not config.data.path:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(files.model_dir)))
+        if not config.tasks:  # each task names its own data
+            config = dataclasses.replace(
+                config,
+                data=dataclasses.replace(config.data, path=str(files.train_path)),
+                eval=dataclasses.replace(config.eval, path=config.eval.path or str(files.held_out_path)),
+            )
+    elif not config.data.path and not config.tasks:
         raise SystemExit("--data.path is required with --model.path (a .jsonl, .parquet or datasets directory)")
-    rl = RLRun(config, resume_from=resume_from)
-    last = rl.run()
+    if config.tasks:
+        from archon.rl.multi_task import MultiTaskRun
+
+        last = MultiTaskRun(config).run()
+    else:
+        last = RLRun(config, resume_from=resume_from).run()
     if rank == 0:
         run_dir = Path(config.logging.run_dir)
         plot = plot_run(run_dir)
-        summary = {k: round(v, 4) for k, v in last.items() if k in ("eval_accuracy", "accuracy", "reward_mean")}
+        summary = {k: round(v, 4) for k, v in last.items()
+                   if k.rsplit("/", 1)[-1] in ("eval_accuracy", "accuracy", "reward_mean")}  # fmt: skip
         print(f"final: {summary}")
-        print(f"adapter (PEFT): {run_dir / 'adapter'}")
+        adapters = [run_dir / "tasks" / t.name / "adapter" for t in config.tasks] or [run_dir / "adapter"]
+        print(f"adapter (PEFT): {', '.join(map(str, adapters))}")
         print(f"metrics: {run_dir / 'metrics.jsonl'}")
         print(f"plot: {plot}")
     if dist.is_initialized():

@@ -1,8 +1,19 @@
 from archon.lora.config import LoRAConfig
-from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, linear, merged_weight
+from archon.lora.layers import (
+    AdapterRouting,
+    ExpertLoRA,
+    LoRALinear,
+    LoRAModule,
+    MultiExpertLoRA,
+    MultiLoRALinear,
+    linear,
+    merged_weight,
+)
 from archon.lora.utils import (
     adapter_disabled,
+    adapter_routing,
     configure_lora_modules,
+    configure_task_adapters,
     is_lora_param,
     lora_modules,
     lora_parameters,
@@ -11,16 +22,25 @@ from archon.lora.utils import (
     merge_lora,
     reset_lora_parameters,
     set_adapter_enabled,
+    task_names,
+    task_parameters,
+    task_view,
+    union_lora_config,
     unmerge_lora,
 )
 
 __all__ = [
+    "AdapterRouting",
     "ExpertLoRA",
+    "MultiExpertLoRA",
+    "MultiLoRALinear",
     "LoRAConfig",
     "LoRALinear",
     "LoRAModule",
     "adapter_disabled",
+    "adapter_routing",
     "configure_lora_modules",
+    "configure_task_adapters",
     "is_lora_param",
     "linear",
     "lora_modules",
@@ -31,5 +51,9 @@ __all__ = [
     "merged_weight",
     "reset_lora_parameters",
     "set_adapter_enabled",
+    "task_names",
+    "task_parameters",
+    "task_view",
+    "union_lora_config",
     "unmerge_lora",
 ]

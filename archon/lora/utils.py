@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 from archon.lora.config import LoRAConfig
-from archon.lora.layers import LoRALinear, LoRAModule
+from archon.lora.layers import (
+    AdapterRouting,
+    ExpertLoRA,
+    LoRALinear,
+    LoRAModule,
+    MultiExpertLoRA,
+    MultiLoRALinear,
+)
 
 LORA_PARAM_MARKERS = ("lora_a", "lora_b")
 
@@ -104,3 +111,117 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
     unmatched = sorted((set(lora.rank_pattern) | set(lora.alpha_pattern)) - matched)
     if unmatched:
         warnings.warn(f"LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module", RuntimeWarning)
+
+
+# ---- several tasks (multi-LoRA) ------------------------------------------------------------------
+
+
+def union_lora_config(task_loras: dict[str, LoRAConfig]) -> LoRAConfig:
+    """The config a multi-task model is built with before `configure_task_adapters`: LoRA on every
+    linear (and on the experts when any task adapts them), so that every module a task targets exists."""
+    experts = any(lora.targets("experts") for lora in task_loras.values())
+    return LoRAConfig(rank=1, alpha=1.0, target_modules="all-linear", experts=experts)
+
+
+def configure_task_adapters(
+    model: nn.Module, task_loras: dict[str, LoRAConfig], hf_module_name: Callable[[str], str]
+) -> None:
+    """Turn the freshly built (meta) model, made with `union_lora_config`, into a multi-task model:
+    each LoRA module becomes a MultiLoRALinear holding the adapter of every task that targets its HF
+    path (with that task's rank and scaling), or a plain linear when no task does; stacked experts get
+    a MultiExpertLoRA (or none). `task_loras` is ordered: a task's index there is its id in routing."""
+    matched: dict[str, set[str]] = {task: set() for task in task_loras}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            path = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, LoRALinear):
+                hf_path = hf_module_name(path)
+                settings = {}
+                for task, lora in task_loras.items():
+                    found = lora.module_settings(hf_path)
+                    settings[task] = None if found is None else (*found, lora.dropout)
+                    if found is not None:
+                        matched[task].update(lora.pattern_keys_matching(hf_path))
+                if any(value is not None for value in settings.values()):
+                    replacement = MultiLoRALinear(
+                        child.in_features, child.out_features, child.bias is not None, settings,
+                        device=child.weight.device, dtype=child.weight.dtype,
+                    )  # fmt: skip
+                else:
+                    replacement = nn.Linear(
+                        child.in_features, child.out_features, bias=child.bias is not None,
+                        device=child.weight.device, dtype=child.weight.dtype,
+                    )  # fmt: skip
+                setattr(module, child_name, replacement)
+            elif isinstance(child, ExpertLoRA):
+                # the stacked expert weights' module is the HF path the task's targets are matched on
+                hf_path = hf_module_name(name)
+                configs = {task: lora if lora.module_settings(hf_path) is not None else None
+                           for task, lora in task_loras.items()}  # fmt: skip
+                num_experts, _, in_features = child.lora_a.shape
+                out_features = child.lora_b.shape[1]
+                replacement = None
+                if any(value is not None for value in configs.values()):
+                    replacement = MultiExpertLoRA(num_experts, in_features, out_features, configs)
+                setattr(module, child_name, replacement)
+    for task, lora in task_loras.items():
+        unmatched = sorted((set(lora.rank_pattern) | set(lora.alpha_pattern)) - matched[task])
+        if unmatched:
+            warnings.warn(f"task {task!r}: LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module",
+                          RuntimeWarning)  # fmt: skip
+
+
+def task_names(model: nn.Module) -> tuple[str, ...]:
+    """The tasks of a multi-task model, in routing order (() for a single-adapter model)."""
+    for module in model.modules():
+        if isinstance(module, (MultiLoRALinear, MultiExpertLoRA)):
+            return module.task_names
+    return ()
+
+
+@contextlib.contextmanager
+def adapter_routing(model: nn.Module, task_of_token: torch.Tensor):
+    """Run a multi-task model's forward with token t using the adapter of task task_of_token[t] (an
+    index into the model's tasks); task_of_token: [T] for the packed tokens of the forward."""
+    modules = [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+    if not modules:
+        raise ValueError("adapter_routing needs a multi-task model (built with several task adapters)")
+    routing = AdapterRouting.from_task_ids(task_of_token, len(modules[0].task_names))
+    for module in modules:
+        module.routing = routing
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.routing = None
+
+
+@contextlib.contextmanager
+def task_view(model: nn.Module, task: str):
+    """Make a multi-task model, for the duration, the single-adapter model of `task`: every
+    MultiLoRALinear is swapped for a LoRALinear (or plain linear) sharing its weights and the task's
+    factors, every MultiExpertLoRA for the task's ExpertLoRA. Parameter names are then the plain
+    recipe's, so export, sync, merge and checkpoints work on it unchanged."""
+    if task not in task_names(model):
+        raise ValueError(f"task {task!r} is not one of the model's tasks {list(task_names(model))}")
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, MultiLoRALinear):
+                setattr(module, child_name, child.single_task_module(task))
+            elif isinstance(child, MultiExpertLoRA):
+                setattr(module, child_name, child.tasks[task] if task in child.tasks else None)
+            else:
+                continue
+            swapped.append((module, child_name, child))
+    try:
+        yield model
+    finally:
+        for module, child_name, child in swapped:
+            setattr(module, child_name, child)
+
+
+def task_parameters(model: nn.Module, task: str) -> dict[str, nn.Parameter]:
+    """The adapter parameters of `task` in a multi-task model, by their single-adapter FQN."""
+    with task_view(model, task):
+        return lora_parameters(model)

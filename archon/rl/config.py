@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import types
 import typing
@@ -157,6 +158,31 @@ class DemoConfig:
 
 
 @dataclass
+class TaskConfig:
+    """One task of a multi-LoRA run: its own adapter on the shared frozen base, trained on its own
+    data with its own reward, algorithm, LoRA config and optimizer. The run's model, rollout
+    sampling (group size, prompts per step, tokens, temperature), evaluation cadence, checkpoint
+    cadence and logging are shared. Outputs go to RUN_DIR/tasks/<name>/ and metrics are prefixed
+    "<name>/"."""
+
+    name: str = ""
+    """Names the adapter, its output directory and its metrics (letters, digits, '_' and '-')."""
+    data: DataConfig = field(default_factory=DataConfig)
+    eval_path: str | None = None
+    """Held-out prompts of this task (same format as data.path); None: no evaluation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The task's algorithm; ppo_epochs and minibatches must be the same for every task (a
+    minibatch update trains every task at once)."""
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(rank=16, alpha=32.0))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    max_staleness: int = 0
+    """This task's staleness bound (as rollout.max_staleness for one task, which must then be 0):
+    with N >= 1 (vLLM rollouts) its later steps' rollouts are generated while the run trains, and a
+    sample made with this task's adapter version v is trained on only at its version <= v + N."""
+
+
+@dataclass
 class GRPOConfig:
     steps: int = 200
     seed: int = 0
@@ -184,6 +210,11 @@ class GRPOConfig:
     adapters, metrics, TensorBoard logs, plots, vLLM logs) are deleted first. Anything else in the
     directory is never deleted; such a directory is refused. Without this flag or --resume, a
     non-empty run directory is refused."""
+    tasks: tuple[TaskConfig, ...] = ()
+    """Multi-LoRA: several tasks trained at once on the one frozen base, each with its own adapter
+    (archon.rl.multi_task). Each task's data, reward, algorithm, lora and optim replace the top-level
+    ones, which must then be left unset (data.path). Empty: the single-adapter recipe. A task may
+    be added to or removed from the list when a run is resumed; the others resume as they were."""
 
 
 # ---- typed values from config files -------------------------------------------------------------
@@ -419,6 +450,9 @@ def validate(config: GRPOConfig, world_size: int | None = None) -> None:
     problems = _setting_problems(config)
     problems += _parallel_problems(config, _world_size() if world_size is None else world_size)
     problems += _model_problems(config)
+    world = _world_size() if world_size is None else world_size
+    if config.tasks and world > 1:
+        problems.append(f"tasks: a multi-task run trains in one process, not {world}; run it without torchrun")
     if problems:
         raise ValueError("invalid configuration:\n" + "\n".join(f"  {problem}" for problem in problems))
 
@@ -574,6 +608,64 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
         )
     if (problem := reward_function_problem(config.reward.function)) is not None:
         problems.append(f"reward.function={config.reward.function!r}: {problem}")
+    if config.tasks:
+        problems += _task_problems(config)
+    return problems
+
+
+TASK_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _task_problems(config: GRPOConfig) -> list[str]:
+    """Each task's settings, checked as the single-task recipe checks its own (field names
+    prefixed tasks[i]), and what a multi-task run does not support."""
+    problems: list[str] = []
+    names = [task.name for task in config.tasks]
+    for i, task in enumerate(config.tasks):
+        where = f"tasks[{i}]"
+        if not TASK_NAME.fullmatch(task.name):
+            problems.append(f"{where}.name={task.name!r}: must be letters, digits, '_' or '-' (it names a directory)")
+        elif names.count(task.name) > 1:
+            problems.append(f"{where}.name={task.name!r}: task names must be unique")
+        as_run = dataclasses.replace(
+            config, tasks=(), data=task.data, reward=task.reward, algorithm=task.algorithm, lora=task.lora,
+            optim=task.optim, rollout=dataclasses.replace(config.rollout, max_staleness=task.max_staleness),
+        )  # fmt: skip
+        problems += [f"{where}.{problem.replace('rollout.max_staleness', 'max_staleness')}"
+                     for problem in _setting_problems(as_run)]  # fmt: skip
+        if task.algorithm.ppo_epochs != config.tasks[0].algorithm.ppo_epochs:
+            problems.append(f"{where}.algorithm.ppo_epochs={task.algorithm.ppo_epochs}: every task must have "
+                            f"tasks[0]'s ({config.tasks[0].algorithm.ppo_epochs}); a minibatch trains every task")
+        if task.algorithm.minibatches != config.tasks[0].algorithm.minibatches:
+            problems.append(f"{where}.algorithm.minibatches={task.algorithm.minibatches}: every task must have "
+                            f"tasks[0]'s ({config.tasks[0].algorithm.minibatches}); a minibatch trains every task")
+        if config.model.path is not None:
+            if not task.data.path:
+                problems.append(f"{where}.data.path is not set: each task needs its training prompts")
+            elif not Path(task.data.path).exists():
+                problems.append(f"{where}.data.path={task.data.path!r}: no such file or directory")
+            if task.eval_path and not Path(task.eval_path).exists():
+                problems.append(f"{where}.eval_path={task.eval_path!r}: no such file or directory")
+    if config.data.path:
+        problems.append(f"data.path={config.data.path!r}: with tasks, each task has its own data (tasks[i].data.path)")
+    if config.rollout.max_staleness:
+        problems.append(
+            f"rollout.max_staleness={config.rollout.max_staleness}: with tasks, each task has its own bound "
+            "(tasks[i].max_staleness); leave this at 0"
+        )
+    vllm = config.rollout.vllm
+    # every task's adapter at once, and a task with a staleness bound also its previous version,
+    # which its requests in flight keep while the next one is served
+    adapters = sum(2 if task.max_staleness > 0 else 1 for task in config.tasks)
+    if config.rollout.engine == "vllm" and not vllm.urls and vllm.max_loras < adapters:
+        problems.append(
+            f"rollout.vllm.max_loras={vllm.max_loras}: the servers serve every task's adapter at once (two versions "
+            f"of a task with max_staleness >= 1), so it must be at least {adapters}"
+        )
+    if config.rollout.engine == "vllm" and vllm.mode == "merged":
+        problems.append(
+            "rollout.vllm.mode='merged': merged weights serve one adapter, not one per task; use mode 'adapter'"
+        )
     return problems
 
 
@@ -637,8 +729,12 @@ def _model_problems(config: GRPOConfig) -> list[str]:
         check_model_dir(config.model.path, "model.path")
     except (OSError, ValueError) as e:
         problems.append(str(e))
-    if not config.data.path:
-        problems.append("data.path is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)")
+    if config.tasks:
+        pass  # each task's data is checked with the task (_task_problems)
+    elif not config.data.path:
+        problems.append(
+            "data.path is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)"
+        )
     elif not Path(config.data.path).exists():
         problems.append(f"data.path={config.data.path!r}: no such file or directory")
     if config.model.tokenizer and not Path(config.model.tokenizer).is_dir():

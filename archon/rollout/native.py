@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from archon.lora import adapter_routing
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KVCache
 from archon.rollout.policy import ServedPolicy
@@ -49,6 +50,10 @@ def sample_next_tokens(
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
+ADAPTER_SEED_STRIDE = 1_000_033
+"""Seed offset between the tasks of a mixed multi-task generation (see NativeRolloutEngine.generate)."""
+
+
 class NativeRolloutEngine:
     """sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it
     runs the same number of forwards, padding with a one-token forward once its own sequences are
@@ -83,6 +88,29 @@ class NativeRolloutEngine:
         one = torch.zeros(1, dtype=torch.long, device=self.device)
         self.model(one, one, torch.tensor([0, 1], device=self.device), 1)
 
+    def _forward(self, adapters: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
+        """The model's forward, each token with its task's adapter when `adapters` ([T]) is given."""
+        if adapters is None:
+            return self.model(*args, **kwargs)
+        with adapter_routing(self.model, adapters):
+            return self.model(*args, **kwargs)
+
+    @staticmethod
+    def _sample(logits, sampling, generator, adapters: torch.Tensor | None):
+        """sample_next_tokens on the host; with `adapters` ([B]), each task's rows from its own generator."""
+        if adapters is None:
+            tokens, logprobs = sample_next_tokens(logits, sampling, generator)
+            return tokens.cpu(), logprobs.cpu()
+        tokens = torch.empty(len(adapters), dtype=torch.long)
+        logprobs = torch.empty(len(adapters))
+        for adapter in adapters.unique().tolist():
+            rows = (adapters == adapter).nonzero()[:, 0]
+            chosen, chosen_logprobs = sample_next_tokens(
+                logits[rows.to(logits.device)], sampling, None if generator is None else generator[adapter]
+            )
+            tokens[rows], logprobs[rows] = chosen.cpu(), chosen_logprobs.cpu()
+        return tokens, logprobs
+
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
 
@@ -90,28 +118,39 @@ class NativeRolloutEngine:
         """Nothing to release: the model is the trainer's."""
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, adapters: list[int] | None = None
+    ) -> list[Sample]:
+        """`adapters`: on a multi-task model (archon.lora.MultiLoRALinear), the task index whose
+        adapter each prompt generates with; the tasks' prompts then decode in the same batches. With
+        a seed, each task samples from its own generator (seeded with seed + ADAPTER_SEED_STRIDE *
+        task index), so a task's samples do not depend on the other tasks' prompts."""
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"adapters has {len(adapters)} entries for {len(prompts)} prompts")
         generator = None
-        if sampling.seed is not None:
+        if sampling.seed is not None and adapters is None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        elif sampling.seed is not None:
+            generator = {a: torch.Generator(device=self.device).manual_seed(sampling.seed + ADAPTER_SEED_STRIDE * a)
+                         for a in set(adapters)}  # fmt: skip
         requests = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         was_training = self.model.training
         self.model.eval()
         with self.policy.lease() as (_, version):
             try:
-                return self._generate_all(requests, sampling, generator, version)
+                return self._generate_all(requests, sampling, generator, version, adapters)
             finally:
                 self.model.train(was_training)
 
-    def _generate_all(self, requests, sampling: SamplingParams, generator, version: int) -> list[Sample]:
+    def _generate_all(self, requests, sampling: SamplingParams, generator, version: int, adapters=None) -> list[Sample]:
         samples: list[Sample] = []
         chunks = [requests[i : i + self.max_batch_sequences] for i in range(0, len(requests), self.max_batch_sequences)]
         for i in range(self._any_rank(len(chunks))):
             if i < len(chunks):
-                samples += self._generate_batch(chunks[i], sampling, generator, version)
+                samples += self._generate_batch(chunks[i], sampling, generator, version, adapters)
             else:  # no prompts left here: mirror the prefill and decode steps of busier ranks
                 self._idle_forward()
                 for step in range(sampling.max_new_tokens - 1):
@@ -120,7 +159,9 @@ class NativeRolloutEngine:
                     self._idle_forward()
         return samples
 
-    def _generate_batch(self, requests, sampling: SamplingParams, generator, version: int) -> list[Sample]:
+    def _generate_batch(
+        self, requests, sampling: SamplingParams, generator, version: int, adapters=None
+    ) -> list[Sample]:
         device = self.device
         prompt_lens = torch.tensor([len(p) for _, p in requests])
         batch = len(requests)
@@ -130,7 +171,11 @@ class NativeRolloutEngine:
         positions = torch.cat([torch.arange(n) for n in prompt_lens.tolist()]).to(device)
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), prompt_lens.cumsum(0)]).to(device)
         cache.set_step(torch.repeat_interleave(torch.arange(batch), prompt_lens), positions, prefill_from_empty=True)
-        logits = self.model(tokens, positions, cu_seqlens, int(prompt_lens.max()), cache=cache)
+        slot_adapters = None if adapters is None else torch.tensor([adapters[i] for i, _ in requests])
+        prefill_adapters = None
+        if slot_adapters is not None:
+            prefill_adapters = torch.repeat_interleave(slot_adapters, prompt_lens).to(device)
+        logits = self._forward(prefill_adapters, tokens, positions, cu_seqlens, int(prompt_lens.max()), cache=cache)
         last_logits = logits[cu_seqlens[1:] - 1]
 
         completions: list[list[int]] = [[] for _ in range(batch)]
@@ -141,8 +186,9 @@ class NativeRolloutEngine:
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
         for step in range(sampling.max_new_tokens):
             if len(active):
-                next_tokens, next_logprobs = sample_next_tokens(last_logits, sampling, generator)
-                next_tokens, next_logprobs = next_tokens.cpu(), next_logprobs.cpu()
+                next_tokens, next_logprobs = self._sample(
+                    last_logits, sampling, generator, None if slot_adapters is None else slot_adapters[active]
+                )
                 for slot, token, logprob in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
                     completions[slot].append(token)
                     logprobs[slot].append(logprob)
@@ -158,7 +204,9 @@ class NativeRolloutEngine:
             positions = lengths[active]
             cache.set_step(active, positions, prefill_from_empty=False)
             cu_seqlens = torch.arange(len(active) + 1, device=device)
-            last_logits = self.model(next_tokens.to(device), positions.to(device), cu_seqlens, 1, cache=cache)
+            decode_adapters = None if slot_adapters is None else slot_adapters[active].to(device)
+            last_logits = self._forward(decode_adapters, next_tokens.to(device), positions.to(device), cu_seqlens, 1,
+                                        cache=cache)  # fmt: skip
             lengths[active] += 1
         return [
             Sample(

@@ -138,8 +138,11 @@ class _VLLMSync:
     """What every vLLM sync shares: the rollout engine's servers and policy, versioned adapter
     names, the publish timing, and agreement between trainer ranks."""
 
-    def __init__(self, rollout: VLLMRolloutEngine) -> None:
+    def __init__(self, rollout: VLLMRolloutEngine, task: str | None = None) -> None:
+        """`task`: in a multi-task run, the task whose adapter this sync publishes (under names
+        of its own; `rollout` is then the task's view of the servers, with the task's policy)."""
         self.servers = rollout.servers
+        self.task = task
         self.policy = rollout.policy
         self.rank = rollout.rank
         self.model_name = str(rollout.model)
@@ -168,7 +171,8 @@ class _AdapterSync(_VLLMSync):
     def _publish(self, model, converter, lora, version) -> dict[str, float]:
         if lora is None:
             raise ValueError("adapter sync needs a LoRA model; use rollout.vllm.mode='merged' to send full weights")
-        name = f"archon-{self.session}-v{version}"
+        label = self.session if self.task is None else f"{self.session}-{self.task}"
+        name = f"archon-{label}-v{version}"
         metrics, error = {}, None
         try:
             metrics = self._send_adapter(model, converter, lora, name)
@@ -205,8 +209,8 @@ class _AdapterSync(_VLLMSync):
 class DiskAdapterSync(_AdapterSync):
     """The PEFT adapter written to `sync_dir/<name>` (which the servers must be able to read)."""
 
-    def __init__(self, rollout: VLLMRolloutEngine, sync_dir: str | Path) -> None:
-        super().__init__(rollout)
+    def __init__(self, rollout: VLLMRolloutEngine, sync_dir: str | Path, task: str | None = None) -> None:
+        super().__init__(rollout, task)
         self.sync_dir = Path(sync_dir)
 
     def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
@@ -229,9 +233,13 @@ class DiskAdapterSync(_AdapterSync):
 class CollectiveAdapterSync(_AdapterSync):
     """The adapter tensors broadcast to the workers, built there in memory."""
 
-    def __init__(self, rollout: VLLMRolloutEngine, channel: WorkerChannel) -> None:
-        super().__init__(rollout)
+    def __init__(
+        self, rollout: VLLMRolloutEngine, channel: WorkerChannel, task: str | None = None, owns_channel: bool = True
+    ) -> None:
+        super().__init__(rollout, task)
         self.channel = channel
+        self.owns_channel = owns_channel
+        """False where several tasks' syncs share one channel (its owner closes it once)."""
 
     def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
         from archon.lora.peft import peft_adapter_config
@@ -254,7 +262,8 @@ class CollectiveAdapterSync(_AdapterSync):
             self.servers.rpc(server, "archon_remove_adapter", name)
 
     def close(self) -> None:
-        self.channel.close()
+        if self.owns_channel:
+            self.channel.close()
 
 
 class CollectiveMergedSync(_VLLMSync):

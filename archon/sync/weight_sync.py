@@ -59,11 +59,18 @@ class InProcessSync:
 
 
 def build_weight_sync(
-    config: RolloutConfig, rollout: RolloutEngine, *, lora: LoRAConfig | None, sync_dir: str | Path
+    config: RolloutConfig, rollout: RolloutEngine, *, lora: LoRAConfig | None, sync_dir: str | Path,
+    task: str | None = None, channel=None,
 ) -> WeightSync:
     """The sync for `config.engine` and, with vLLM, `config.vllm.transport` and the servers' mode
     (`rollout.mode`: rollout.vllm.mode, or the family's). `sync_dir`: where the disk transport
-    writes adapters unless rollout.vllm.sync_dir is set."""
+    writes adapters unless rollout.vllm.sync_dir is set.
+
+    Multi-task runs build one sync per task: `task` names the task (its adapters are served under
+    names of their own, side by side with the other tasks'), `rollout` is the task's view of the
+    servers (its own policy), and the collective transport's `channel` (a WorkerChannel) is shared
+    by the tasks' syncs and closed by the caller. Merged mode serves one set of weights, so it
+    cannot serve several tasks: it is refused."""
     from archon.rollout.native import NativeRolloutEngine
     from archon.rollout.vllm import VLLMRolloutEngine, merged_needs_collective
 
@@ -78,6 +85,12 @@ def build_weight_sync(
     from archon.sync.vllm import CollectiveAdapterSync, CollectiveMergedSync, DiskAdapterSync, WorkerChannel
 
     vllm, mode = config.vllm, rollout.mode
+    if task is not None and mode == "merged":
+        raise ValueError(
+            "rollout.vllm.mode='merged' folds one adapter into the served weights, so one server cannot serve several "
+            "tasks' adapters; a multi-task run needs rollout.vllm.mode='adapter' (a family whose vLLM LoRA does not "
+            "cover its adapted modules cannot be trained with several tasks on vLLM)"
+        )
     if mode == "adapter" and lora is None:
         raise ValueError(
             "rollout.vllm.mode='adapter' sends the LoRA adapter, but lora=None (every weight is trained); "
@@ -86,9 +99,11 @@ def build_weight_sync(
     if vllm.transport == "disk":
         if mode == "merged":
             raise ValueError(merged_needs_collective(vllm, lora=lora is not None))
-        return DiskAdapterSync(rollout, vllm.sync_dir or sync_dir)
+        return DiskAdapterSync(rollout, vllm.sync_dir or sync_dir, task)
     if vllm.transport != "collective":
         raise ValueError(f"rollout.vllm.transport must be 'disk' or 'collective', got {vllm.transport!r}")
+    if task is not None:
+        return CollectiveAdapterSync(rollout, channel, task, owns_channel=False)
     channel = WorkerChannel(rollout.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
     if mode == "adapter":
         return CollectiveAdapterSync(rollout, channel)

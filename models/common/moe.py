@@ -107,15 +107,16 @@ class GroupedExperts(nn.Module, LoRAModule):
         bias: torch.Tensor | None,
         lora: ExpertLoRA | None,
         groups: ExpertGroups,
+        token_of_row: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows x[N, in], sorted by expert, through their expert's slice of a stacked weight (plus bias
-        and LoRA): [N, out]."""
+        and LoRA): [N, out]. `token_of_row` picks each row's task adapter in a multi-task model."""
         weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
         out = expert_matmul(x, weight_in_out, groups)
         if bias is not None:
             out = out + local_expert_weight(bias, out.dtype)[groups.expert_of_row]
         if self._lora_active:
-            out = out + lora(x, groups).to(out.dtype)
+            out = out + lora(x, groups, token_of_row).to(out.dtype)
         return out
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -123,11 +124,15 @@ class GroupedExperts(nn.Module, LoRAModule):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def compute(self, x_sorted: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    def compute(
+        self, x_sorted: torch.Tensor, groups: ExpertGroups, token_of_row: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The experts on rows sorted by expert: x_sorted [N, dim] -> [N, dim] (unweighted)."""
-        gate_up = self._project(x_sorted, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, groups)
+        gate_up = self._project(
+            x_sorted, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, groups, token_of_row
+        )
         h = self._activation(gate_up)
-        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, groups)
+        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, groups, token_of_row)
 
     def forward(self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
         """x: [T, dim], top_weights/top_indices: [T, k] -> [T, dim]."""
@@ -138,7 +143,7 @@ class GroupedExperts(nn.Module, LoRAModule):
         x_sorted, expert_of_slot = x[token_of_slot], flat_experts[order]
         if self.expert_parallel is None:
             groups = ExpertGroups.from_sorted(expert_of_slot, self.num_experts, self._use_grouped_mm(x))
-            y_sorted = self.compute(x_sorted, groups)
+            y_sorted = self.compute(x_sorted, groups, token_of_slot)
         else:
             y_sorted = self.expert_parallel.run_experts(self.compute, x_sorted, expert_of_slot, self._use_grouped_mm(x))
         y_sorted = y_sorted * top_weights.reshape(-1)[order, None]

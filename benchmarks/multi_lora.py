@@ -1,0 +1,172 @@
+"""Multi-LoRA: K tasks trained in one job on one base, against the same K tasks run one after
+another as single-adapter jobs (the plain recipe), with the same model, steps and settings.
+
+    python benchmarks/multi_lora.py [--tasks 4] [--steps 10] [--device cpu]
+
+The base is the built-in demo's warm-started small Qwen3 (recipes/configs/demo.yaml, cached in
+.cache/archon/demo); the tasks are arithmetic (2-digit +, -, *, 1-digit +, ...), each GRPO with its
+own LoRA r=16 on every linear layer, `prompts_per_step` prompts x 8 samples a step, native rollouts.
+Every job is a fresh process, so its peak memory is its own.
+
+Reported (the last line printed is JSON):
+    multi:      wall_s, steps_s (the RL steps only), peak_mb, samples_per_s of the K-task job
+    sequential: the same summed over the K single-task jobs (peak_mb: the largest of them)
+    wall_ratio        multi wall_s / sequential wall_s          (goal <= 0.5)
+    peak_memory_ratio multi peak_mb / one single-task job's peak (goal <= 1.3)
+peak_mb is the process's peak resident memory on CPU, the peak allocated device memory on an
+accelerator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TASK_SPECS = [("add", ("+",), 2), ("sub", ("-",), 2), ("mul", ("*",), 2), ("add1", ("+",), 1),
+              ("sub1", ("-",), 1), ("mul1", ("*",), 1)]  # fmt: skip
+
+
+@dataclass
+class BenchArgs:
+    tasks: int = 4
+    """K: tasks in the multi-task job (and single-task jobs run one after another)."""
+    steps: int = 10
+    """RL steps of every job."""
+    prompts_per_step: int = 16
+    micro_batch_tokens: int = 2048
+    """Token budget of a forward/backward in every job: it bounds the activations' memory whatever
+    the number of tasks in the batch (one task's step here is about 1,500 tokens per minibatch)."""
+    device: str = "cpu"
+    out: str = "runs/multi_lora"
+    worker: str | None = None
+    """Internal: run one job from this config file and print its figures."""
+
+
+def _task_data(out: Path, count: int) -> list[tuple[str, Path]]:
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+
+    if count > len(TASK_SPECS):
+        raise SystemExit(f"--tasks {count}: at most {len(TASK_SPECS)} tasks are defined")
+    data = []
+    for name, operations, digits in TASK_SPECS[:count]:
+        train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=operations, min_digits=digits,
+                                                          max_digits=digits, num_train=90, num_held_out=0))  # fmt: skip
+        data.append((name, write_jsonl(train, out / f"{name}.jsonl")))
+    return data
+
+
+def _common(model_dir: Path, args: BenchArgs, run_dir: Path) -> str:
+    return (
+        f"steps: {args.steps}\nseed: 0\nmodel: {{path: {model_dir}, device: {args.device}}}\n"
+        f"micro_batch_tokens: {args.micro_batch_tokens}\n"
+        f"rollout: {{group_size: 8, prompts_per_step: {args.prompts_per_step}, max_new_tokens: 5}}\n"
+        "eval: {every: 0}\ncheckpoint: {every: 0}\n"
+        f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\noverwrite: true\n"
+    )
+
+
+TASK_SETTINGS = (
+    "reward: {function: exact, num_workers: 0}",
+    "lora: {rank: 16, alpha: 32.0}",
+    "optim: {lr: 0.002, max_grad_norm: 1.0}",
+    "algorithm: {loss: {algorithm: grpo}, minibatches: 2}",
+)
+
+
+def _single_config(model_dir, args, out, name, data) -> Path:
+    path = out / f"single_{name}.yaml"
+    settings = "\n".join(TASK_SETTINGS)
+    path.write_text(_common(model_dir, args, out / f"single_{name}") + f"data: {{path: {data}}}\n{settings}\n")
+    return path
+
+
+def _multi_config(model_dir, args, out, tasks) -> Path:
+    lines = ["tasks:"]
+    for name, data in tasks:
+        lines += [f"  - name: {name}", f"    data: {{path: {data}}}", *(f"    {s}" for s in TASK_SETTINGS)]
+    path = out / "multi.yaml"
+    path.write_text(_common(model_dir, args, out / "multi") + "\n".join(lines) + "\n")
+    return path
+
+
+def _worker(config_path: str) -> None:
+    """One job in this process: its wall time (start-up included), the seconds of its RL steps,
+    samples generated, and peak memory."""
+    import resource
+
+    import torch
+
+    torch.set_num_threads(1)
+    from archon.rl.config import parse_config
+
+    start = time.perf_counter()
+    config = parse_config(["--config", config_path])
+    if config.tasks:
+        from archon.rl.multi_task import MultiTaskRun
+
+        MultiTaskRun(config).run()
+    else:
+        from archon.rl.loop import RLRun
+
+        RLRun(config).run()
+    wall = time.perf_counter() - start
+    records = [json.loads(line) for line in (Path(config.logging.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps_s = sum(r["step_s"] for r in records if "step_s" in r)
+    samples = config.steps * config.rollout.prompts_per_step * config.rollout.group_size * max(len(config.tasks), 1)
+    if config.model.device.startswith("cuda"):
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"wall_s": wall, "steps_s": steps_s, "samples": samples, "peak_mb": peak_mb}))
+
+
+def _job(config: Path) -> dict:
+    result = subprocess.run([sys.executable, __file__, "--worker", str(config)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"job {config} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(args: BenchArgs) -> dict:
+    from archon.recipes.grpo_lora import DEMO_CONFIG
+    from archon.rl.config import load_config_file
+    from archon.rl.demo import prepare_demo
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    demo = load_config_file(DEMO_CONFIG)
+    files = prepare_demo(demo.demo, demo.parallel, demo.seed, rank=0)
+    tasks = _task_data(out, args.tasks)
+    singles = [_job(_single_config(files.model_dir, args, out, name, data)) for name, data in tasks]
+    multi = _job(_multi_config(files.model_dir, args, out, tasks))
+    sequential = {
+        "wall_s": sum(s["wall_s"] for s in singles), "steps_s": sum(s["steps_s"] for s in singles),
+        "samples": sum(s["samples"] for s in singles), "peak_mb": max(s["peak_mb"] for s in singles),
+    }  # fmt: skip
+    for figures in (multi, sequential):
+        figures["samples_per_s"] = figures["samples"] / figures["wall_s"]
+    report = {
+        "tasks": args.tasks, "steps": args.steps, "device": args.device, "multi": multi, "sequential": sequential,
+        "single_jobs": singles, "wall_ratio": multi["wall_s"] / sequential["wall_s"],
+        "steps_ratio": multi["steps_s"] / sequential["steps_s"],
+        "peak_memory_ratio": multi["peak_mb"] / sequential["peak_mb"],
+    }  # fmt: skip
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    import tyro
+
+    parsed = tyro.cli(BenchArgs)
+    if parsed.worker is not None:
+        _worker(parsed.worker)
+    else:
+        main(parsed)

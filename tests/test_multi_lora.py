@@ -1,0 +1,245 @@
+"""Multi-LoRA: several task adapters on one frozen base, applied per token in one mixed packed batch.
+
+The oracle is the single-adapter model (itself checked against PEFT on HF): a multi-task model seen
+through `task_view(model, task)` is exactly the plain model of that task, on the same parameters.
+"""
+
+import pytest
+import torch
+
+from archon.batch import PackedBatch
+from archon.build import build_model
+from archon.lora import (
+    LoRAConfig,
+    MultiExpertLoRA,
+    MultiLoRALinear,
+    adapter_routing,
+    lora_parameters,
+    task_parameters,
+    task_view,
+)
+
+TASKS = {
+    # different ranks and different targets: "b" adapts a few dense modules and no experts
+    "a": LoRAConfig(rank=4, alpha=8.0),
+    "b": LoRAConfig(rank=2, alpha=3.0, target_modules=("q_proj", "v_proj", "down_proj"), experts=False),
+}
+LENGTHS = [7, 5, 9, 4, 6]
+GRAD_TOLERANCE = 5e-6
+"""Relative (norm) gradient tolerance. The single-adapter layer folds the scaling into its GEMMs
+(`_FrozenBaseLoRALinear`) and the mixed one scales the [N, r] factor, so the two round at other
+points: about 1e-6 relative after the backward through q_norm/k_norm. The single-adapter model on
+the whole batch and on a task's sequences alone agrees bitwise; logits agree to 1e-6."""
+TASK_OF_SEQUENCE = [0, 1, 1, 0, 1]
+
+
+def _random_factors(model, seed=3, scale=0.2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_parameters(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _batch(vocab, seed, lengths=LENGTHS, task_of_sequence=TASK_OF_SEQUENCE):
+    g = torch.Generator().manual_seed(seed)
+    batch = PackedBatch.from_sequences([torch.randint(0, vocab, (n,), generator=g) for n in lengths])
+    task_of_token = torch.repeat_interleave(torch.tensor(task_of_sequence), torch.tensor(lengths))
+    return batch, task_of_token
+
+
+def _loss(logits, labels, weight):
+    """A loss with a different gradient for every logit (a fixed random projection) plus the NLL."""
+    lp = torch.log_softmax(logits.float(), -1)
+    return (lp * weight[: logits.shape[0]]).sum() - lp.gather(1, labels[:, None]).sum()
+
+
+def _forward(model, batch):
+    return model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+
+
+def _assert_close_relative(got, expected, what, tolerance=1e-6):
+    """||got - expected|| <= tolerance * ||expected||: fp32 sums that run in another order."""
+    error = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+    assert error <= tolerance, f"{what}: relative error {error:.2e}"
+
+
+def _mixed_pass(model, batch, task_of_token, weight):
+    model.zero_grad(set_to_none=True)
+    with adapter_routing(model, task_of_token):
+        logits = _forward(model, batch)
+    _loss(logits, batch.labels, weight).backward()
+    grads = {task: {n: p.grad.clone() for n, p in task_parameters(model, task).items()} for task in TASKS}
+    return logits.detach(), grads
+
+
+@pytest.fixture(params=["qwen3", "qwen3_moe"])
+def multi_model(request, tiny_checkpoint):
+    path = tiny_checkpoint(request.param)
+    loaded = build_model(path, task_loras=TASKS)
+    _random_factors(loaded.model)
+    return loaded
+
+
+def test_multi_task_model_holds_each_tasks_adapter_where_it_targets(multi_model):
+    model = multi_model.model
+    multi = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
+    assert multi and all(m.task_names == ("a", "b") for m in multi)
+    assert all("a" in m.tasks for m in multi)  # all-linear
+    b_leaves = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                if isinstance(m, MultiLoRALinear) and "b" in m.tasks}  # fmt: skip
+    assert b_leaves <= {"q_proj", "v_proj", "down_proj"} and {"q_proj", "v_proj"} <= b_leaves
+    if multi_model.hf_config.model_type == "qwen3_moe":
+        experts = [m for m in model.modules() if isinstance(m, MultiExpertLoRA)]
+        assert experts and all(set(m.tasks) == {"a"} for m in experts)
+    # each task's view has the plain recipe's parameter names and its own ranks
+    with task_view(model, "b"):
+        names = set(lora_parameters(model))
+    assert names and all(".lora_a.weight" in n or ".lora_b.weight" in n for n in names)
+    assert all(p.shape[0] == 2 for n, p in task_parameters(model, "b").items() if n.endswith("lora_a.weight"))
+
+
+@pytest.mark.parametrize("task_of_sequence", [TASK_OF_SEQUENCE, sorted(TASK_OF_SEQUENCE)], ids=["mixed", "grouped"])
+def test_mixed_batch_forward_and_backward_equal_separate_single_adapter_passes(multi_model, task_of_sequence):
+    """Logits: each task's sequences alone through its single-adapter model. Gradients: the whole
+    batch through each task's single-adapter model with the loss on that task's tokens only (the
+    same matmul shapes as the mixed pass, so only the LoRA arithmetic differs). Sequences in any
+    order, or already grouped by task (no rows moved)."""
+    model = multi_model.model
+    vocab = multi_model.hf_config.vocab_size
+    batch, task_of_token = _batch(vocab, seed=0, task_of_sequence=task_of_sequence)
+    weight = torch.randn(batch.num_tokens, vocab, generator=torch.Generator().manual_seed(1))
+    logits, grads = _mixed_pass(model, batch, task_of_token, weight)
+
+    bounds = batch.cu_seqlens.tolist()
+    for index, task in enumerate(TASKS):
+        chosen = [i for i, t in enumerate(task_of_sequence) if t == index]
+        rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in chosen])
+        mine = task_of_token == index
+        model.zero_grad(set_to_none=True)
+        with task_view(model, task):
+            with torch.no_grad():
+                alone = _forward(model, batch.select(chosen))
+            whole = _forward(model, batch)
+            _loss(whole[mine], batch.labels[mine], weight[mine]).backward()
+            single_grads = {n: p.grad for n, p in lora_parameters(model).items()}
+        _assert_close_relative(logits[rows], alone, f"{task}: logits")
+        _assert_close_relative(logits[mine], whole[mine].detach(), f"{task}: logits (whole batch)")
+        assert single_grads.keys() == grads[task].keys()
+        for name, grad in single_grads.items():
+            _assert_close_relative(grads[task][name], grad, f"{task}: {name}", tolerance=GRAD_TOLERANCE)
+        assert all(g.abs().max() > 0 for g in single_grads.values())
+
+
+def test_a_tasks_gradient_is_bitwise_unaffected_by_another_tasks_data(multi_model):
+    model = multi_model.model
+    vocab = multi_model.hf_config.vocab_size
+    batch, task_of_token = _batch(vocab, seed=0)
+    weight = torch.randn(batch.num_tokens, vocab, generator=torch.Generator().manual_seed(1))
+    _, grads = _mixed_pass(model, batch, task_of_token, weight)
+
+    other = batch.tokens.clone()
+    b_tokens = task_of_token == 1
+    other[b_tokens] = torch.randint(0, vocab, (int(b_tokens.sum()),), generator=torch.Generator().manual_seed(9))
+    changed = PackedBatch.from_sequences([other[a:b] for a, b in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:])])
+    _, changed_grads = _mixed_pass(model, changed, task_of_token, weight)
+
+    for name, grad in grads["a"].items():
+        if multi_model.hf_config.model_type == "qwen3_moe":
+            # The frozen MoE base itself is not bitwise batch-independent: another task's tokens change
+            # how many rows each expert's GEMM has, and the GEMM rounds differently (adapter off too).
+            # The expert LoRA layer's own isolation is bitwise: see the test below.
+            _assert_close_relative(changed_grads["a"][name], grad, name)
+        else:
+            assert torch.equal(grad, changed_grads["a"][name]), name
+    assert any(not torch.equal(g, changed_grads["b"][n]) for n, g in grads["b"].items())  # b did see its data
+
+
+def test_multi_task_forward_without_routing_is_an_error(multi_model):
+    batch, _ = _batch(multi_model.hf_config.vocab_size, seed=0)
+    with pytest.raises(RuntimeError, match="adapter_routing"):
+        _forward(multi_model.model, batch)
+
+
+def test_each_task_starts_from_the_single_adapter_models_init(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    multi = build_model(path, task_loras=TASKS, seed=5).model
+    for task, lora in TASKS.items():
+        single = build_model(path, lora=lora, seed=5).model
+        expected = lora_parameters(single)
+        got = task_parameters(multi, task)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[n], expected[n]) for n in got)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_expert_lora_rows_of_one_task_are_bitwise_unaffected_by_another_tasks_rows(grouped):
+    from archon.grouped_mm import ExpertGroups
+    from archon.lora import AdapterRouting
+
+    torch.manual_seed(0)
+    E, dim, out, T = 4, 16, 12, 10
+    layer = MultiExpertLoRA(E, dim, out, {"a": LoRAConfig(rank=4), "b": None, "c": LoRAConfig(rank=2, alpha=5.0)})
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    task_of_token = torch.tensor([0, 2, 1, 0, 2, 0, 1, 2, 0, 0])
+    expert_of_row = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])
+    token_of_row = torch.tensor([0, 4, 2, 9, 1, 3, 6, 5, 7, 8])
+    groups = ExpertGroups.from_sorted(expert_of_row, E, grouped)
+
+    def run(x):
+        layer.zero_grad(set_to_none=True)
+        layer.routing = AdapterRouting.from_task_ids(task_of_token, 3)
+        y = layer(x, groups, token_of_row)
+        layer.routing = None
+        y.pow(2).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    x = torch.randn(T, dim)
+    y, grads = run(x)
+    # each row equals its own task's ExpertLoRA on that row alone (zero where the task has none)
+    for row in range(T):
+        task = ("a", "b", "c")[int(task_of_token[token_of_row[row]])]
+        e = int(expert_of_row[row])
+        if task == "b":
+            assert torch.equal(y[row], torch.zeros(out))
+            continue
+        adapter = layer.tasks[task]
+        expected = (x[row] @ adapter.lora_a[e].T) * adapter.scaling @ adapter.lora_b[e].T
+        torch.testing.assert_close(y[row], expected, rtol=1e-5, atol=1e-5)
+    other = x.clone()
+    not_a = torch.tensor([int(task_of_token[t]) != 0 for t in token_of_row])
+    other[not_a] = torch.randn(int(not_a.sum()), dim)
+    y2, grads2 = run(other)
+    assert torch.equal(y[~not_a], y2[~not_a])
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads if n.startswith("tasks.a."))
+    assert not torch.equal(grads["tasks.c.lora_a"], grads2["tasks.c.lora_a"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_native_engine_generates_a_mixed_batch_as_each_task_alone(tiny_checkpoint, temperature):
+    """One generation of both tasks' prompts (each sequence under its task's adapter, each task
+    sampling from its own generator) gives each task the samples it gets alone under its adapter."""
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import ADAPTER_SEED_STRIDE, NativeRolloutEngine
+
+    loaded = build_model(tiny_checkpoint("qwen3"), task_loras=TASKS)
+    _random_factors(loaded.model)
+    engine = NativeRolloutEngine(loaded.model)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 6, 4, 5, 2)]
+    adapters = [0, 1, 1, 0, 1]
+    sampling = SamplingParams(max_new_tokens=6, temperature=temperature, n=2, seed=11)
+    mixed = engine.generate(prompts, sampling, adapters=adapters)
+    for index, task in enumerate(TASKS):
+        mine = [i for i, a in enumerate(adapters) if a == index]
+        alone_sampling = SamplingParams(max_new_tokens=6, temperature=temperature, n=2,
+                                        seed=11 + ADAPTER_SEED_STRIDE * index)  # fmt: skip
+        with task_view(loaded.model, task):
+            alone = engine.generate([prompts[i] for i in mine], alone_sampling)
+        got = [s for s in mixed if s.prompt_index in mine]
+        assert [s.completion_ids for s in got] == [s.completion_ids for s in alone], task
+        for s, a in zip(got, alone):
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-5)
+    by_task = {t: [s.completion_ids for s in mixed if adapters[s.prompt_index] == t] for t in (0, 1)}
+    assert by_task[0] != by_task[1]

@@ -1,0 +1,223 @@
+"""Multi-LoRA RL runs: the config's task list, the mixed-batch loop, per-task outputs and metrics,
+isolation of a failing task, adding/removing a task at a checkpoint boundary, and the 2-task
+learning test on a demo base warm-started on addition and subtraction."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_grpo_recipe import write_tiny_setup
+
+from archon.lora.peft import ADAPTER_CONFIG
+from archon.rl.config import load_config_file, parse_config
+from archon.rl.multi_task import MultiTaskRun
+from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+
+VARYING_REWARD = '''
+def reward(prompt, completion, reference):
+    return float(completion.count("1")) / 4  # varies between samples of a random model
+'''
+FAILING_REWARD = '''
+def reward(prompt, completion, reference):
+    raise RuntimeError("this reward function always fails")
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = write_tiny_setup(tmp_path_factory.mktemp("multi_run"))
+    train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("-",), num_train=64, num_held_out=8))
+    write_jsonl(train, root / "sub_train.jsonl")
+    write_jsonl(held_out, root / "sub_held_out.jsonl")
+    return root
+
+
+def _task_yaml(name, data, held_out, reward="exact", rank=4, lr=1e-2):
+    return (
+        f"  - name: {name}\n    data: {{path: {data}}}\n    eval_path: {held_out}\n"
+        f"    reward: {{function: '{reward}', num_workers: 0, max_failed_steps: 1}}\n"
+        f"    lora: {{rank: {rank}, alpha: {2 * rank}}}\n    optim: {{lr: {lr}}}\n"
+        "    algorithm: {loss: {algorithm: grpo}, minibatches: 2}\n"
+    )
+
+
+def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
+    path = run_dir.parent / f"{run_dir.name}_{steps}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"steps: {steps}\nmodel: {{path: {root / 'model'}, device: cpu}}\n"
+        "rollout: {group_size: 4, prompts_per_step: 4, max_new_tokens: 4}\n"
+        f"eval: {{every: {steps}, max_prompts: 4}}\n"
+        f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\n"
+        f"tasks:\n{tasks}"
+    )
+    return parse_config(["--config", str(path), *extra])
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_config_without_tasks_is_the_single_task_recipe():
+    from archon.recipes.grpo_lora import DEMO_CONFIG
+
+    assert load_config_file(DEMO_CONFIG).tasks == ()
+
+
+def test_task_settings_are_checked_per_task(setup, tmp_path):
+    bad = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + _task_yaml(
+        "add", setup / "missing.jsonl", setup / "held_out.jsonl"
+    )
+    bad += _task_yaml("third", setup / "train.jsonl", setup / "held_out.jsonl")
+    with pytest.raises(ValueError) as e:
+        _config(setup, tmp_path / "run", 1, bad, "--rollout.engine", "vllm", "--rollout.vllm.mode", "merged",
+                "--rollout.vllm.transport", "collective", "--rollout.max-staleness", "1")  # fmt: skip
+    message = str(e.value)
+    assert "tasks[1].name='add': task names must be unique" in message
+    assert "tasks[1].data.path=" in message and "no such file" in message
+    assert "rollout.vllm.max_loras=2: the servers serve every task's adapter at once" in message
+    assert "rollout.vllm.mode='merged': merged weights serve one adapter, not one per task" in message
+    assert "rollout.max_staleness=1: with tasks, each task has its own bound" in message
+    asynchronous = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + "    max_staleness: 1\n"
+    with pytest.raises(ValueError, match="tasks\\[0\\].*max_staleness=1 generates while the trainer trains"):
+        _config(setup, tmp_path / "run", 1, asynchronous)
+
+
+def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, importable_module):
+    """add + sub train together; a third task whose reward always fails is stopped alone."""
+    failing = importable_module("multi_failing_reward", FAILING_REWARD) + ":reward"
+    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+             + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2, lr=5e-3)
+             + _task_yaml("broken", setup / "train.jsonl", setup / "held_out.jsonl", reward=failing))  # fmt: skip
+    run_dir = tmp_path / "run"
+    config = _config(setup, run_dir, 2, tasks, "--checkpoint.every", "1")
+    MultiTaskRun(config).run()
+    records = _records(run_dir)
+    steps = {r["step"]: r for r in records}
+    for name in ("add", "sub"):
+        assert steps[2][f"{name}/adapter_version"] == 2.0
+        assert steps[1][f"{name}/lr"] == (1e-2 if name == "add" else 5e-3)
+        assert f"{name}/eval_accuracy" in steps[0] and f"{name}/eval_accuracy" in steps[2]
+        assert f"{name}/loss" in steps[1] and f"{name}/reward_mean" in steps[1]
+        out = run_dir / "tasks" / name
+        adapter = json.loads((out / "adapter" / ADAPTER_CONFIG).read_text())
+        assert adapter["r"] == (4 if name == "add" else 2)
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+        assert [p.name for p in (out / "adapters").iterdir()] == ["step_000001"]
+    # the broken task failed on step 1 (max_failed_steps=1), was stopped, and never trained
+    assert steps[1]["broken/reward_errors"] == 16 and steps[1].get("broken/stopped") == 1.0
+    assert "broken/loss" not in steps[1] and "broken/reward_mean" not in steps[2]
+    assert not (run_dir / "tasks" / "broken" / "adapter").exists()
+    assert steps[2]["active_tasks"] == 2.0
+
+
+def test_a_task_is_added_and_one_removed_at_a_checkpoint_boundary(setup, tmp_path, importable_module):
+    """Run add + sub for 2 steps; resume with sub + mul (add removed, mul added): sub continues
+    with exactly the state it had (its uninterrupted run's losses), mul starts fresh."""
+    varying = importable_module("multi_varying_reward", VARYING_REWARD) + ":reward"
+    add = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying)
+    sub = _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2, lr=5e-3)
+    mul = _task_yaml("mul", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying, rank=8)
+    uninterrupted = tmp_path / "uninterrupted"
+    MultiTaskRun(_config(setup, uninterrupted, 3, sub + add, "--eval.every", "0")).run()
+
+    run_dir = tmp_path / "run"
+    MultiTaskRun(_config(setup, run_dir, 2, sub + add, "--eval.every", "0")).run()
+    add_adapter = (run_dir / "tasks" / "add" / "adapter" / "adapter_model.safetensors").read_bytes()
+    MultiTaskRun(_config(setup, run_dir, 3, sub + mul, "--eval.every", "0", "--resume")).run()
+    steps = {r["step"]: r for r in _records(run_dir)}
+    expected = {r["step"]: r for r in _records(uninterrupted)}
+    assert steps[3]["sub/loss"] == expected[3]["sub/loss"] and steps[3]["sub/grad_norm"] > 0
+    assert steps[3]["sub/adapter_version"] == 3.0 and steps[3]["mul/adapter_version"] == 1.0
+    assert "add/loss" not in steps[3]
+    # the removed task's outputs are left as they were
+    assert (run_dir / "tasks" / "add" / "adapter" / "adapter_model.safetensors").read_bytes() == add_adapter
+
+
+@pytest.fixture(scope="module")
+def two_skill_demo(tmp_path_factory):
+    """The demo's warm start (recipes/configs/demo.yaml) taught 2-digit addition AND subtraction to a
+    weak start (about 30% greedy accuracy), and each skill's train and held-out prompts in files."""
+    from archon.recipes.grpo_lora import DEMO_CONFIG
+    from archon.rl.demo import prepare_demo
+
+    root = tmp_path_factory.mktemp("two_skills")
+    config = load_config_file(DEMO_CONFIG)
+    task = dataclasses.replace(config.demo.task, operations=("+", "-"))
+    demo = dataclasses.replace(config.demo, task=task, cache_dir=str(root / "cache"))
+    files = prepare_demo(demo, config.parallel, config.seed, rank=0, log=lambda message: None)
+    for split, path in (("train", files.train_path), ("held_out", files.held_out_path)):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for name, op in (("add", "+"), ("sub", "-")):
+            write_jsonl([r for r in rows if op in r["prompt"]], root / f"{name}_{split}.jsonl")
+    return root, files.model_dir
+
+
+def test_two_tasks_learn_two_skills_at_once_on_the_demo_base(two_skill_demo, tmp_path):
+    """Addition and subtraction, each its own adapter, data and exact-match reward, trained together:
+    each task's greedy held-out accuracy rises by at least 15 points."""
+    root, model_dir = two_skill_demo
+    steps = 50
+    tasks = "".join(
+        f"  - name: {name}\n    data: {{path: {root / f'{name}_train.jsonl'}}}\n"
+        f"    eval_path: {root / f'{name}_held_out.jsonl'}\n    reward: {{function: exact, num_workers: 0}}\n"
+        "    lora: {rank: 16, alpha: 32.0}\n    algorithm: {loss: {algorithm: grpo}, minibatches: 2}\n"
+        "    optim: {lr: 0.004, max_grad_norm: 1.0, schedule: cosine, warmup_steps: 5, min_lr_ratio: 0.1}\n"
+        for name in ("add", "sub")
+    )
+    config_path = tmp_path / "two_skills.yaml"
+    config_path.write_text(
+        f"steps: {steps}\nmodel: {{path: {model_dir}, device: cpu}}\n"
+        "rollout: {group_size: 8, prompts_per_step: 32, max_new_tokens: 5}\n"
+        f"eval: {{every: {steps}, max_prompts: 200}}\n"
+        f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\ntasks:\n{tasks}"
+    )
+    MultiTaskRun(parse_config(["--config", str(config_path)])).run()
+    evals = {r["step"]: r for r in _records(tmp_path / "run") if "add/eval_accuracy" in r}
+    for name in ("add", "sub"):
+        before, after = evals[0][f"{name}/eval_accuracy"], evals[steps][f"{name}/eval_accuracy"]
+        assert after >= before + 0.15, (name, before, after)
+
+
+def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeypatch):
+    """A distillation task (its own teacher) beside a GRPO task with a KL penalty (the base as
+    reference): the teacher's per-token advantages reach only the distillation task's tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archon.rl import multi_task
+
+    torch.manual_seed(1)  # a teacher of the same architecture and vocabulary, other weights
+    teacher = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setup / "model"))
+    teacher.save_pretrained(tmp_path / "teacher")
+    distill = _task_yaml("distill", setup / "train.jsonl", setup / "held_out.jsonl").replace(
+        "algorithm: {loss: {algorithm: grpo}, minibatches: 2}",
+        f"algorithm: {{loss: {{algorithm: grpo}}, minibatches: 2, teacher_path: {tmp_path / 'teacher'}}}",
+    )
+    kl = _task_yaml("kl", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl").replace(
+        "loss: {algorithm: grpo}", "loss: {algorithm: grpo, kl_coef: 0.1}"
+    )
+    seen = {}
+    prepare = multi_task.MultiTaskRun._prepare
+
+    def recording(self, batch, tasks):
+        batch = prepare(self, batch, tasks)
+        seen["batch"] = batch
+        return batch
+
+    monkeypatch.setattr(multi_task.MultiTaskRun, "_prepare", recording)
+    run = MultiTaskRun(_config(setup, tmp_path / "run", 1, distill + kl, "--eval.every", "0"))
+    assert run.tasks["distill"].teacher is not None and run.tasks["kl"].teacher is None
+    run.run()
+    batch = seen["batch"]
+    task = batch.extras["task"]
+    assert batch.ref_logprobs is not None  # the KL task's reference, the base model
+    mask = batch.loss_mask
+    distill_adv, kl_adv = batch.advantages[(task == 0) & mask], batch.advantages[(task == 1) & mask]
+    # the distillation task's advantages are per token, -(log pi_theta - log pi_teacher); the GRPO
+    # task keeps one advantage per sequence (all zero here: exact-match rewards of a random model)
+    assert distill_adv.abs().max() > 1e-3 and len(set(distill_adv.tolist())) > len(distill_adv) // 2
+    assert torch.equal(kl_adv, torch.zeros_like(kl_adv))
+    record = _records(tmp_path / "run")[-1]
+    assert torch.isfinite(torch.tensor([record["distill/loss"], record["kl/loss"]])).all()
