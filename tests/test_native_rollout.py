@@ -1,5 +1,7 @@
 """The embedded rollout engine against step-by-step decoding through the full forward."""
 
+import math
+
 import pytest
 import torch
 
@@ -42,17 +44,42 @@ def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
             assert sample.finish_reason == "length" and len(sample.completion_ids) == 8
 
 
-def test_sampled_logprobs_match_full_forward_at_temperature(tiny_checkpoint):
+def _truncated_logprob(logits, temperature, top_k, top_p, token):
+    """log p(token) under softmax(logits / temperature) cut to the top_k largest, then to the
+    fewest largest tokens whose mass reaches top_p, renormalised; one row, token by token."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    ranked = sorted(range(len(probs)), key=lambda i: -float(probs[i]))[:top_k]
+    kept, mass = [], 0.0
+    total = sum(float(probs[i]) for i in ranked)
+    for i in ranked:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(probs[i]) / total
+    assert token in kept, "a token outside the truncated set was sampled"
+    return math.log(float(probs[token]) / sum(float(probs[i]) for i in kept))
+
+
+def test_sampled_logprobs_are_the_truncated_distributions(tiny_checkpoint):
+    """With top-k/top-p the reported log-prob is the behaviour policy's: truncated, renormalised."""
     model = _lora_model(tiny_checkpoint("qwen3"))
     trainer = NativeRolloutEngine(model)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=50, n=3, seed=1)
     samples = trainer.generate(PROMPTS, sampling)
+    truncated_somewhere = False
     with torch.no_grad():
         for sample in samples:
             ids = sample.prompt_ids + sample.completion_ids
             logits = _full_forward_logits(model, ids)[len(sample.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, rtol=0, atol=1e-5)
+            expected = [
+                _truncated_logprob(row, 0.7, 50, 0.9, token) for row, token in zip(logits, sample.completion_ids)
+            ]
+            torch.testing.assert_close(torch.tensor(sample.logprobs), torch.tensor(expected, dtype=torch.float32), rtol=0, atol=1e-5)
+            untruncated = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
+            truncated_somewhere |= bool((untruncated - torch.tensor(sample.logprobs)).abs().max() > 1e-3)
+    assert truncated_somewhere  # the check above would not see the convention otherwise
+    again = trainer.generate(PROMPTS, sampling)
+    assert [s.completion_ids for s in again] == [s.completion_ids for s in samples]
     again = trainer.generate(PROMPTS, sampling)
     assert [s.completion_ids for s in again] == [s.completion_ids for s in samples]
 

@@ -1,13 +1,40 @@
-"""The embedded rollout engine: batched generation with a KV cache on the archon model itself.
+"""The embedded rollout engine: generation with a KV cache on the archon model itself.
 
 The engine shares the trainer's model, so an adapter update is in-process: the weight sync only
 publishes the new version (archon.sync.weight_sync.InProcessSync), the next `generate` samples from
 the weights as they are, and every sample is tagged with the version published when it started.
-Under FSDP/TP every rank of a model-parallel group must call `generate` with the same number of
-decode steps; data-parallel ranks generate their own share of the prompts.
+
+How it generates (archon/rollout/kv_cache.py holds the cache):
+- Group-shared prefixes. The `n` samples of a prompt form a block of the cache table: the prompt is
+  prefilled once, its keys/values are stored once and every sample of the group attends to them in
+  place (a recurrent layer's state is copied to each sample after the prefill).
+- Continuous batching. Blocks are refilled as they finish: when every sample of a block has stopped
+  or reached max_new_tokens, the next waiting prompt is prefilled into it, while the other blocks
+  keep decoding. A decode step covers the rows of the blocks up to the last busy one.
+- Sampling on the device. Tokens, log-probs and each row's done flag stay on the device; the host
+  reads the done flags once every `stop_check_interval` decode steps (only when there are stop
+  tokens: without them, when a row ends is known in advance) and the finished rows' tokens once.
+- The head runs on the last position of each sequence only.
+
+Log-probs: each token's log-prob is that of the distribution it was actually drawn from, the
+behaviour policy: temperature-scaled logits, truncated by top-k then top-p, renormalised (the same
+as vLLM's `processed_logprobs`, which the vLLM servers are launched with). Without truncation that
+is log_softmax(logits / temperature), which the trainer recomputes (`Trainer.logprobs`); with
+truncation the trainer's untruncated log-probs differ from it, and the importance weight
+pi_old / mu of the loss (archon/rl/algorithms.py) corrects for exactly that difference. Greedy
+decoding reports log_softmax(logits).
+
+Lockstep: under FSDP/TP every rank of the sync group runs the same number of forwards. The engine
+works in rounds (admit and prefill, then up to `stop_check_interval` decode steps); at the start
+of each round the ranks agree, in one all-reduce, on whether any rank prefills and how many decode
+steps the busiest rank needs, and a rank with nothing to do runs one-token forwards instead.
+Data-parallel ranks generate their own share of the prompts.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,41 +45,58 @@ from archon.rollout.kv_cache import KVCache
 from archon.rollout.policy import ServedPolicy
 
 
+def truncated_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """logits [B, V] -> log-probs [B, V] of the distribution sampled from: softmax of logits /
+    temperature, cut to the top_k largest, then to the smallest set of largest tokens whose mass
+    reaches top_p, renormalised (-inf outside the kept set)."""
+    scaled = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token once the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
 def sample_next_tokens(
     logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B], logprobs [B]).
+    """logits [B, V] -> (tokens [B], logprobs [B]), on the logits' device, without a host sync.
 
-    The log-prob is that of the temperature-scaled distribution before top-k/top-p truncation
-    (temperature 1 for greedy), which is what the trainer recomputes.
+    Sampled: the log-prob under the truncated, renormalised distribution (`truncated_logprobs`),
+    drawn by an exponential race (argmax of log p - log E, E ~ Exp(1) per token: exactly a draw
+    from p). Greedy: the argmax, with its log_softmax(logits) log-prob.
     """
-    logits = logits.float()
     if sampling.temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        tokens = logprobs.argmax(dim=-1)
     else:
-        scaled = logits / sampling.temperature
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled
-        if sampling.top_k:
-            kth = torch.topk(filtered, min(sampling.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
-            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-        if sampling.top_p < 1.0:
-            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # drop a token once the mass before it already reaches top_p (the first token always stays)
-            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            filtered = filtered.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        logprobs = truncated_logprobs(logits, sampling)
+        race = torch.empty_like(logprobs).exponential_(generator=generator)
+        tokens = (logprobs - race.log()).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
+@dataclass
+class _Group:
+    """One block's worth of requests: a prompt and the rows sampling from it."""
+
+    prompt_index: int
+    prompt: list[int]
+    samples: int
+
+
 class NativeRolloutEngine:
-    """sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it
-    runs the same number of forwards, padding with a one-token forward once its own sequences are
-    done. Default: the whole default process group when one is running."""
+    """max_batch_sequences: rows of the cache table (sequences decoded together).
+    sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it runs
+    the same number of forwards. Default: the whole default process group when one is running.
+    share_prompt_prefix: prefill each prompt once for its `n` samples (False: once per sample).
+    stop_check_interval: decode steps between two reads of the done flags (with stop tokens)."""
 
     def __init__(
         self,
@@ -60,23 +104,31 @@ class NativeRolloutEngine:
         device: torch.device | str = "cpu",
         max_batch_sequences: int = 256,
         sync_group=None,
+        share_prompt_prefix: bool = True,
+        stop_check_interval: int = 8,
     ) -> None:
+        if max_batch_sequences < 1 or stop_check_interval < 1:
+            raise ValueError(
+                f"max_batch_sequences ({max_batch_sequences}) and stop_check_interval ({stop_check_interval}) must be >= 1"
+            )
         self.model = model
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
+        self.share_prompt_prefix = share_prompt_prefix
+        self.stop_check_interval = stop_check_interval
         self.policy = ServedPolicy()
         """The adapter version samples are tagged with; written by the weight sync."""
         self.sync_group = sync_group
         if sync_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self.sync_group = dist.group.WORLD
 
-    def _any_rank(self, flag: bool | int) -> int:
-        """Max of `flag` over the sync group (the value itself when running alone)."""
+    def _agree(self, admitted: bool, decode_steps: int) -> tuple[bool, int]:
+        """(whether any rank prefills, the most decode steps any rank needs) over the sync group."""
         if self.sync_group is None:
-            return int(flag)
-        t = torch.tensor(int(flag), device=self.device)
+            return admitted, decode_steps
+        t = torch.tensor([int(admitted), decode_steps], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
-        return int(t)
+        return bool(t[0]), int(t[1])
 
     def _idle_forward(self) -> None:
         """A one-token forward that keeps this rank's collectives in step with busier ranks."""
@@ -97,78 +149,157 @@ class NativeRolloutEngine:
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        requests = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        if self.share_prompt_prefix:
+            groups = [_Group(i, list(p), sampling.n) for i, p in enumerate(prompts)]
+        else:
+            groups = [_Group(i, list(p), 1) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         was_training = self.model.training
         self.model.eval()
         with self.policy.lease() as (_, version):
             try:
-                return self._generate_all(requests, sampling, generator, version)
+                samples = _Generation(self, groups, sampling, generator).run()
             finally:
                 self.model.train(was_training)
-
-    def _generate_all(self, requests, sampling: SamplingParams, generator, version: int) -> list[Sample]:
-        samples: list[Sample] = []
-        chunks = [requests[i : i + self.max_batch_sequences] for i in range(0, len(requests), self.max_batch_sequences)]
-        for i in range(self._any_rank(len(chunks))):
-            if i < len(chunks):
-                samples += self._generate_batch(chunks[i], sampling, generator, version)
-            else:  # no prompts left here: mirror the prefill and decode steps of busier ranks
-                self._idle_forward()
-                for step in range(sampling.max_new_tokens - 1):
-                    if not self._any_rank(False):
-                        break
-                    self._idle_forward()
+        for s in samples:
+            s.version, s.token_versions = version, [version] * len(s.completion_ids)
         return samples
 
-    def _generate_batch(self, requests, sampling: SamplingParams, generator, version: int) -> list[Sample]:
-        device = self.device
-        prompt_lens = torch.tensor([len(p) for _, p in requests])
-        batch = len(requests)
-        cache = KVCache(len(self.model.layers), batch, int(prompt_lens.max()) + sampling.max_new_tokens, device)
 
-        tokens = torch.tensor([t for _, p in requests for t in p], device=device)
-        positions = torch.cat([torch.arange(n) for n in prompt_lens.tolist()]).to(device)
-        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), prompt_lens.cumsum(0)]).to(device)
-        cache.set_step(torch.repeat_interleave(torch.arange(batch), prompt_lens), positions, prefill_from_empty=True)
-        logits = self.model(tokens, positions, cu_seqlens, int(prompt_lens.max()), cache=cache)
-        last_logits = logits[cu_seqlens[1:] - 1]
+class _Generation:
+    """One `generate` call: the cache table, the per-row state on the device, the round loop."""
 
-        completions: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finish = ["length"] * batch
-        lengths = prompt_lens.clone()
-        active = torch.arange(batch)
-        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
-        for step in range(sampling.max_new_tokens):
-            if len(active):
-                next_tokens, next_logprobs = sample_next_tokens(last_logits, sampling, generator)
-                next_tokens, next_logprobs = next_tokens.cpu(), next_logprobs.cpu()
-                for slot, token, logprob in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
-                    completions[slot].append(token)
-                    logprobs[slot].append(logprob)
-                stopped = torch.isin(next_tokens, stop_ids)
-                for slot in active[stopped].tolist():
-                    finish[slot] = "stop"
-                active, next_tokens = active[~stopped], next_tokens[~stopped]
-            if step == sampling.max_new_tokens - 1 or not self._any_rank(len(active) > 0):
+    def __init__(self, engine: NativeRolloutEngine, groups: list[_Group], sampling: SamplingParams, generator):
+        self.engine, self.model, self.device = engine, engine.model, engine.device
+        self.sampling, self.generator = sampling, generator
+        self.groups = groups
+        G = groups[0].samples if groups else 1
+        self.G = G
+        num_blocks = max(1, min(len(groups), engine.max_batch_sequences // G))
+        max_prompt = max((len(g.prompt) for g in groups), default=1)
+        self.cache = KVCache(len(self.model.layers), num_blocks, G, max_prompt, sampling.max_new_tokens, self.device)
+        rows = num_blocks * G
+        dev = self.device
+        self.max_new = sampling.max_new_tokens
+        # per row, on the device; column ngen of `tokens` takes the next token (one spare column for
+        # rows that are done and keep writing there until their block is refilled)
+        self.tokens = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(rows, self.max_new + 1, dtype=torch.float32, device=dev)
+        self.ngen = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.done = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.prompt_lens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
+        # per block, on the host
+        self.block_group: list[int | None] = [None] * num_blocks
+        self.block_steps = [0] * num_blocks
+        """Tokens generated so far by the block's rows (an upper bound once rows can stop)."""
+        self.samples: dict[int, list[Sample]] = {}
+        """Each group's samples, by group index."""
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self) -> list[Sample]:
+        waiting = deque(range(len(self.groups)))
+        interval = self.engine.stop_check_interval if self.sampling.stop_token_ids else self.max_new
+        while True:
+            self._collect_finished()
+            admitted = []
+            for block, group in enumerate(self.block_group):
+                if group is None and waiting:
+                    admitted.append(block)
+                    self.block_group[block] = waiting.popleft()
+                    self.block_steps[block] = 1  # the prefill samples the first token
+            busy = [b for b, g in enumerate(self.block_group) if g is not None]
+            needed = min(interval, max((self.max_new - self.block_steps[b] for b in busy), default=0))
+            any_prefill, steps = self.engine._agree(bool(admitted), needed)
+            if not any_prefill and steps == 0:  # every rank is done
                 break
-            if len(active) == 0:
-                self._idle_forward()
-                continue
-            positions = lengths[active]
-            cache.set_step(active, positions, prefill_from_empty=False)
-            cu_seqlens = torch.arange(len(active) + 1, device=device)
-            last_logits = self.model(next_tokens.to(device), positions.to(device), cu_seqlens, 1, cache=cache)
-            lengths[active] += 1
-        return [
-            Sample(
-                prompt_index=prompt_index,
-                prompt_ids=prompt,
-                completion_ids=completions[slot],
-                logprobs=logprobs[slot],
-                finish_reason=finish[slot],
-                version=version,
-                token_versions=[version] * len(completions[slot]),
-            )
-            for slot, (prompt_index, prompt) in enumerate(requests)
-        ]
+            if admitted:
+                self._prefill(admitted)
+            elif any_prefill:
+                self.engine._idle_forward()
+            for _ in range(steps):
+                if busy:
+                    self._decode(busy)
+                else:
+                    self.engine._idle_forward()
+        return [s for i in range(len(self.groups)) for s in self.samples[i]]
+
+    def _rows(self, blocks: list[int]) -> torch.Tensor:
+        G = self.G
+        return torch.tensor([b * G + j for b in blocks for j in range(G)], device=self.device)
+
+    def _prefill(self, blocks: list[int]) -> None:
+        """Prefill the prompts of `blocks` (packed) and sample the first token of each of their rows."""
+        dev = self.device
+        prompts = [self.groups[self.block_group[b]].prompt for b in blocks]
+        lens = torch.tensor([len(p) for p in prompts])
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
+        positions = torch.cat([torch.arange(n) for n in lens.tolist()]).to(dev)
+        self.cache.begin_prefill(torch.tensor(blocks), lens)
+        logits = self.model(
+            tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache, logits_rows=(cu_seqlens[1:] - 1).to(dev)
+        )  # [len(blocks), V]
+        first, first_lp = sample_next_tokens(logits.repeat_interleave(self.G, dim=0), self.sampling, self.generator)
+        rows = self._rows(blocks)
+        self.tokens[rows, 0], self.logprobs[rows, 0] = first, first_lp
+        self.ngen[rows] = 1
+        self.done[rows] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
+        self.prompt_lens[rows] = lens.repeat_interleave(self.G).to(dev)
+
+    def _decode(self, busy: list[int]) -> None:
+        """One decode step over the rows of blocks 0..max(busy): feed each row's last token."""
+        num_blocks = max(busy) + 1
+        R = num_blocks * self.G
+        ngen, done = self.ngen[:R], self.done[:R]
+        suffix_pos = (ngen - 1).clamp(min=0)
+        last = self.tokens[:R].gather(1, suffix_pos[:, None])[:, 0]
+        prefix_span = max(len(self.groups[self.block_group[b]].prompt) for b in busy)
+        suffix_span = min(self.max_new, max(self.block_steps[b] for b in busy))
+        self.cache.begin_decode(R, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span)
+        logits = self.model(
+            last, self.prompt_lens[:R] + suffix_pos, torch.arange(R + 1, device=self.device), 1, cache=self.cache
+        )
+        token, logprob = sample_next_tokens(logits, self.sampling, self.generator)
+        rows = torch.arange(R, device=self.device)
+        self.tokens[rows, ngen], self.logprobs[rows, ngen] = token, logprob
+        live = ~done
+        ngen += live  # in place: views of the engine's per-row state
+        done |= live & (torch.isin(token, self.stop_ids) | (ngen >= self.max_new))
+        for b in busy:
+            self.block_steps[b] = min(self.block_steps[b] + 1, self.max_new)
+
+    def _collect_finished(self) -> None:
+        """Turn the blocks whose rows are all done into samples and free them (one host read)."""
+        busy = [b for b, g in enumerate(self.block_group) if g is not None]
+        if not busy:
+            return
+        if self.sampling.stop_token_ids:
+            done = self.done.view(-1, self.G).all(dim=1).cpu().tolist()
+            finished = [b for b in busy if done[b] or self.block_steps[b] >= self.max_new]
+        else:
+            finished = [b for b in busy if self.block_steps[b] >= self.max_new]
+        if not finished:
+            return
+        rows = self._rows(finished)
+        tokens, logprobs, ngen = self.tokens[rows].cpu(), self.logprobs[rows].cpu(), self.ngen[rows].cpu()
+        stop_ids = set(self.sampling.stop_token_ids)
+        for i, b in enumerate(finished):
+            group = self.groups[self.block_group[b]]
+            self.samples[self.block_group[b]] = []
+            for j in range(self.G):
+                r = i * self.G + j
+                n = int(ngen[r])
+                completion = tokens[r, :n].tolist()
+                self.samples[self.block_group[b]].append(
+                    Sample(
+                        prompt_index=group.prompt_index,
+                        prompt_ids=group.prompt,
+                        completion_ids=completion,
+                        logprobs=logprobs[r, :n].tolist(),
+                        finish_reason="stop" if completion[-1] in stop_ids else "length",
+                        version=0,
+                        token_versions=[0] * n,
+                    )
+                )
+            self.block_group[b] = None
+            self.block_steps[b] = 0
