@@ -130,3 +130,97 @@ def test_logprobs_equal_the_trainers(tiny_checkpoint):
     trainer = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
     rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
     torch.testing.assert_close(rollout_lp, trainer, rtol=0, atol=1e-5)
+
+
+def _summary(samples):
+    return [(s.prompt_index, s.completion_ids, s.finish_reason) for s in samples], [s.logprobs for s in samples]
+
+
+def _assert_same_samples(got, expected):
+    (got_tokens, got_lp), (exp_tokens, exp_lp) = _summary(got), _summary(expected)
+    assert got_tokens == exp_tokens
+    for a, b in zip(got_lp, exp_lp):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_shared_prefix_equals_one_prefill_per_sample(tiny_checkpoint, model_type):
+    """The G samples of a prompt read one prefill of it (a recurrent layer's state copied to each):
+    the same tokens and log-probs as prefilling it once per sample, greedy and seeded sampling."""
+    model = _lora_model(tiny_checkpoint(model_type))
+    shared, unshared = NativeRolloutEngine(model), NativeRolloutEngine(model, share_prompt_prefix=False)
+    for sampling in (
+        SamplingParams(max_new_tokens=6, temperature=0, n=3),
+        SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.95, n=3, seed=5),
+    ):
+        got = shared.generate(PROMPTS, sampling)
+        _assert_same_samples(got, unshared.generate(PROMPTS, sampling))
+    assert len({tuple(s.completion_ids) for s in got}) > 1  # the seeded samples of a group do differ
+
+
+def test_continuous_batching_refills_finished_blocks(tiny_checkpoint):
+    """With a table of 2 blocks for 6 prompts and a stop token that ends some groups at once, a
+    finished block is refilled while the other decodes on: fewer decode steps than fixed batches of
+    2 groups would take, and the same samples as one table holding every prompt."""
+    model = _lora_model(tiny_checkpoint("qwen3"))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, n=2)
+    stop = NativeRolloutEngine(model).generate(PROMPTS[:1], greedy)[0].completion_ids[0]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[0], [5, 6, 7, 8]]
+    sampling = SamplingParams(max_new_tokens=8, temperature=0, n=2, stop_token_ids=(stop,))
+    expected = NativeRolloutEngine(model).generate(prompts, sampling)
+    group_lengths = [len(s.completion_ids) for s in expected[::2]]
+    assert group_lengths[0] == 1 and max(group_lengths) == 8, group_lengths
+
+    steps = []  # (tokens in the forward, whether it is a decode step)
+    engine = NativeRolloutEngine(model, max_batch_sequences=4, stop_check_interval=1)
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: steps.append((args[0].numel(), kwargs["cache"].decoding)), with_kwargs=True
+    )
+    try:
+        got = engine.generate(prompts, sampling)
+    finally:
+        hook.remove()
+    _assert_same_samples(got, expected)
+    decode_rows = [t for t, decoding in steps if decoding]
+    assert max(decode_rows) <= 4  # never more rows than the table's 2 blocks x 2
+    fixed_batches = sum(max(group_lengths[i : i + 2]) - 1 for i in range(0, len(group_lengths), 2))
+    assert len(decode_rows) < fixed_batches, (len(decode_rows), fixed_batches)
+
+
+def test_sinks_and_sliding_windows_decode_equals_full_forward(tiny_checkpoint):
+    """GPT-OSS: sink logits and a window of 3 (shorter than the prompts), over a shared prompt
+    prefix and each sample's own tokens, give the full forward's greedy tokens and log-probs."""
+    model = build_model(tiny_checkpoint(
+        "gpt_oss", num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        sliding_window=3, num_key_value_heads=1,
+    )).model.eval()  # fmt: skip
+    samples = NativeRolloutEngine(model).generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=2))
+    with torch.no_grad():
+        for sample in samples:
+            ids = list(sample.prompt_ids)
+            for token, logprob in zip(sample.completion_ids, sample.logprobs):
+                logits = _full_forward_logits(model, ids)[-1]
+                assert token == int(logits.argmax())
+                assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
+                ids.append(token)
+
+
+def test_fsdp_and_tp_ranks_stay_in_lockstep(tiny_checkpoint, tmp_path):
+    """Under FSDP x2 (ranks with different prompts, one with none) and TP x2, each rank's samples
+    equal one process's, with blocks refilled at different times on each rank."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "native_rollout_worker.py"
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           str(out), str(tiny_checkpoint("qwen3"))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank, results in enumerate(json.loads(out.read_text())):
+        for layout, figures in results.items():
+            assert figures["tokens_equal"] and figures["logprob_max_abs"] <= 1e-5, (rank, layout, figures)
+    assert json.loads(out.read_text())[1]["fsdp2_one_rank_idle"]["samples"] == 0
