@@ -224,3 +224,24 @@ def test_fsdp_and_tp_ranks_stay_in_lockstep(tiny_checkpoint, tmp_path):
         for layout, figures in results.items():
             assert figures["tokens_equal"] and figures["logprob_max_abs"] <= 1e-5, (rank, layout, figures)
     assert json.loads(out.read_text())[1]["fsdp2_one_rank_idle"]["samples"] == 0
+
+
+def test_static_decode_shapes_equal_the_eager_step(tiny_checkpoint):
+    """The decode step CUDA graphs capture (every row of the table, the whole cache read under
+    masks, one shape for every step) gives the eager step's greedy samples, with blocks refilled;
+    off CUDA the engine decodes eagerly whatever cuda_graphs says."""
+    from archon.rollout.native import _Generation, _Group
+
+    model = _lora_model(tiny_checkpoint("qwen3"))
+    stop = NativeRolloutEngine(model).generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, temperature=0))[0]
+    sampling = SamplingParams(max_new_tokens=6, temperature=0, n=2, stop_token_ids=(stop.completion_ids[1],))
+    groups = [_Group(i, p, 2) for i, p in enumerate(PROMPTS)]
+    engine = NativeRolloutEngine(model, max_batch_sequences=4, stop_check_interval=1)
+    runs = []
+    for static in (False, True):
+        generation = _Generation(engine, groups, sampling, None)
+        assert not generation.static_decode  # CPU
+        generation.static_decode = static
+        with torch.no_grad():
+            runs.append(generation.run())
+    _assert_same_samples(runs[1], runs[0])

@@ -15,6 +15,8 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
   reads the done flags once every `stop_check_interval` decode steps (only when there are stop
   tokens: without them, when a row ends is known in advance) and the finished rows' tokens once.
 - The head runs on the last position of each sequence only.
+- On CUDA (one process), the decode step is captured once per `generate` in a CUDA graph and
+  replayed: one launch per step instead of one per op (`cuda_graphs`).
 
 Log-probs: each token's log-prob is that of the distribution it was actually drawn from, the
 behaviour policy: temperature-scaled logits, truncated by top-k then top-p, renormalised (the same
@@ -33,6 +35,7 @@ Data-parallel ranks generate their own share of the prompts.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -43,6 +46,8 @@ from torch import nn
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KVCache
 from archon.rollout.policy import ServedPolicy
+
+logger = logging.getLogger(__name__)
 
 
 def truncated_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -96,7 +101,11 @@ class NativeRolloutEngine:
     sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it runs
     the same number of forwards. Default: the whole default process group when one is running.
     share_prompt_prefix: prefill each prompt once for its `n` samples (False: once per sample).
-    stop_check_interval: decode steps between two reads of the done flags (with stop tokens)."""
+    stop_check_interval: decode steps between two reads of the done flags (with stop tokens).
+    cuda_graphs: on a CUDA device, replay the decode step from a CUDA graph (captured once per
+    `generate`, over the whole table and the longest spans, so that every step has one shape); a
+    model whose step cannot be captured (host syncs in MoE routing or in recurrent layers) decodes
+    eagerly instead. Ignored off CUDA."""
 
     def __init__(
         self,
@@ -106,6 +115,7 @@ class NativeRolloutEngine:
         sync_group=None,
         share_prompt_prefix: bool = True,
         stop_check_interval: int = 8,
+        cuda_graphs: bool = True,
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
@@ -116,6 +126,7 @@ class NativeRolloutEngine:
         self.max_batch_sequences = max_batch_sequences
         self.share_prompt_prefix = share_prompt_prefix
         self.stop_check_interval = stop_check_interval
+        self.cuda_graphs = cuda_graphs
         self.policy = ServedPolicy()
         """The adapter version samples are tagged with; written by the weight sync."""
         self.sync_group = sync_group
@@ -192,6 +203,11 @@ class _Generation:
         self.block_group: list[int | None] = [None] * num_blocks
         self.block_steps = [0] * num_blocks
         """Tokens generated so far by the block's rows (an upper bound once rows can stop)."""
+        # not under a sync group: the step's collectives (FSDP gathers, TP reductions) stay eager
+        self.static_decode = (
+            engine.cuda_graphs and engine.sync_group is None and self.device.type == "cuda" and torch.cuda.is_available()
+        )
+        self.graph = None
         self.samples: dict[int, list[Sample]] = {}
         """Each group's samples, by group index."""
 
@@ -247,14 +263,44 @@ class _Generation:
         self.prompt_lens[rows] = lens.repeat_interleave(self.G).to(dev)
 
     def _decode(self, busy: list[int]) -> None:
-        """One decode step over the rows of blocks 0..max(busy): feed each row's last token."""
-        num_blocks = max(busy) + 1
-        R = num_blocks * self.G
+        """One decode step: feed each row its last token. Eager: over the rows of blocks up to the
+        last busy one, reading the keys the busy blocks have so far. Static (CUDA graphs): over the
+        whole table and the whole cache, the same shapes at every step."""
+        if self.static_decode:
+            self._decode_static()
+        else:
+            prefix_span = max(len(self.groups[self.block_group[b]].prompt) for b in busy)
+            suffix_span = min(self.max_new, max(self.block_steps[b] for b in busy))
+            self._decode_step((max(busy) + 1) * self.G, prefix_span, suffix_span)
+        for b in busy:
+            self.block_steps[b] = min(self.block_steps[b] + 1, self.max_new)
+
+    def _decode_static(self) -> None:
+        c = self.cache
+        step = lambda: self._decode_step(c.num_rows_total, c.max_prompt_len, c.max_new_tokens)  # noqa: E731
+        if self.device.type != "cuda":  # the same shapes, run eagerly (how the CPU tests check them)
+            step()
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            step()  # a real step, which also warms up the kernels before the capture
+            graph = torch.cuda.CUDAGraph()
+            if self.generator is not None:
+                graph.register_generator_state(self.generator)
+            try:
+                with torch.cuda.graph(graph):
+                    step()  # recorded, not run: it replays from the next step on
+            except RuntimeError as e:  # a host sync in the step (MoE routing, recurrent layers)
+                logger.info("the decode step cannot be captured in a CUDA graph (%s); decoding eagerly", e)
+                self.static_decode = False
+            else:
+                self.graph = graph
+
+    def _decode_step(self, R: int, prefix_span: int, suffix_span: int) -> None:
+        """Rows 0..R-1 take one token; all state stays on the device (no host sync)."""
         ngen, done = self.ngen[:R], self.done[:R]
         suffix_pos = (ngen - 1).clamp(min=0)
         last = self.tokens[:R].gather(1, suffix_pos[:, None])[:, 0]
-        prefix_span = max(len(self.groups[self.block_group[b]].prompt) for b in busy)
-        suffix_span = min(self.max_new, max(self.block_steps[b] for b in busy))
         self.cache.begin_decode(R, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span)
         logits = self.model(
             last, self.prompt_lens[:R] + suffix_pos, torch.arange(R + 1, device=self.device), 1, cache=self.cache
@@ -265,8 +311,6 @@ class _Generation:
         live = ~done
         ngen += live  # in place: views of the engine's per-row state
         done |= live & (torch.isin(token, self.stop_ids) | (ngen >= self.max_new))
-        for b in busy:
-            self.block_steps[b] = min(self.block_steps[b] + 1, self.max_new)
 
     def _collect_finished(self) -> None:
         """Turn the blocks whose rows are all done into samples and free them (one host read)."""
