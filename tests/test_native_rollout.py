@@ -245,3 +245,27 @@ def test_static_decode_shapes_equal_the_eager_step(tiny_checkpoint):
         with torch.no_grad():
             runs.append(generation.run())
     _assert_same_samples(runs[1], runs[0])
+
+
+def test_rollout_benchmark_quick_mode(monkeypatch):
+    """benchmarks/rollout.py on a tiny model: it runs, HF's greedy tokens equal the native engine's
+    (the script fails otherwise), and it reports every case and the shared/unshared pair."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "rollout.py"
+    spec = importlib.util.spec_from_file_location("rollout_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        report = bench.main(bench.BenchArgs(quick=True, engines=("native", "hf"), repeats=1, threads=1))
+    finally:
+        torch.set_num_threads(threads)
+    rows = {(r["case"], r["engine"]) for r in report["rows"]}
+    assert rows == {(c, e) for c in ("greedy", "sampled", "long") for e in ("native", "hf")} | {
+        ("sampled", "native_unshared"), ("long", "native_unshared")
+    }
+    assert all(r["tokens_per_s"] > 0 and r["of_bandwidth_limit"] > 0 for r in report["rows"])
