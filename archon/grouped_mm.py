@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,10 @@ def _log_once(reason: str) -> None:
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     """x [N, in] (rows sorted by expert) times each row's expert's weight[e] [in, out] -> [N, out].
 
-    `weight` [E, in, out] may be a transposed view of a stacked [E, out, in] weight.
+    `weight` [E, in, out] may be a transposed view of a stacked [E, out, in] weight, or an
+    expert-parallel DTensor (`local_expert_weight`), whose local experts the groups then index.
     """
+    weight = local_expert_weight(weight, x.dtype)
     if groups.host_offsets is not None:
         return _looped_matmul(x, weight, groups.host_offsets)
     # Grouped GEMM wants every matrix's leading stride to be a multiple of 16 bytes. Zero padding of
@@ -89,6 +92,21 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -
         weight = F.pad(weight, (0, pad_out))
     out = F.grouped_mm(x.contiguous(), weight, offs=groups.offsets)
     return out[:, :out_features] if pad_out else out
+
+
+def local_expert_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's experts of an expert-parallel weight (a DTensor sharded over `ep` and replicated
+    over the data-parallel ranks that hold the same experts) in `dtype`, the dtype of the activations
+    it meets; a plain weight unchanged.
+
+    The replicas saw other tokens, so over their mesh dimensions the gradient is a partial sum;
+    `archon.parallel.reduce_partial_grads` sums it once after the backward passes. FSDP2 leaves
+    expert-parallel weights alone, so its mixed-precision cast (`ParallelConfig.param_dtype`, which
+    also casts the activations) happens here; the gradient comes back in the weight's own dtype."""
+    if not isinstance(weight, DTensor):
+        return weight
+    grad_placements = [Partial() if p.is_replicate() else p for p in weight.placements]
+    return weight.to_local(grad_placements=grad_placements).to(dtype)
 
 
 def _looped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:

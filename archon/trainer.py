@@ -33,6 +33,15 @@ from archon.lora import (
     LoRAConfig,
     adapter_disabled,
 )
+from archon.load_balance import (
+    MoEConfig,
+    all_reduce_step_counts,
+    drop_forward_records,
+    load_balance_loss,
+    load_imbalance,
+    routers,
+    update_correction_biases,
+)
 from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
 from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES, DTypeName
@@ -134,6 +143,8 @@ class TrainerConfig:
     head_chunk_size: int = DEFAULT_CHUNK_SIZE
     """Rows of logits computed at a time by the log-prob head."""
     seed: int = 0
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """MoE load balancing (auxiliary loss, correction-bias updates); MoE models only."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +229,8 @@ class Trainer:
         self.converter = loaded.converter
         self.lora = config.lora
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.routers = routers(self.model)
+        self._check_moe_config(config.moe)
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
@@ -227,6 +240,16 @@ class Trainer:
         """AdamW updates applied (skipped ones not counted); the schedule position is the scheduler's."""
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _check_moe_config(self, moe: MoEConfig) -> None:
+        family = type(self.model).__name__
+        if moe.aux_loss_coef > 0 and not self.routers:
+            raise ValueError(f"moe.aux_loss_coef={moe.aux_loss_coef} but {family} has no MoE routers")
+        if moe.bias_update_rate > 0 and (not self.routers or any(r.correction_bias is None for r in self.routers)):
+            raise ValueError(
+                f"moe.bias_update_rate={moe.bias_update_rate} but the routers of {family} have no "
+                "score-correction bias (aux-loss-free balancing applies to DeepSeek-V3-style routers)"
+            )
+
     @property
     def fsdp(self) -> bool:
         return self.dims.fsdp_enabled
@@ -309,6 +332,8 @@ class Trainer:
         global_tokens, global_sequences = counts[0].clone(), counts[1].clone()
 
         self.optimizer.zero_grad(set_to_none=True)
+        for router in self.routers:
+            router.routing.reset_step()
         loss_sum = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor] = {}
         maxima: dict[str, torch.Tensor] = {}
@@ -321,10 +346,13 @@ class Trainer:
             logprobs, entropy = self._forward_logprobs(mb, temperature, with_entropy)
             ctx = LossContext(global_tokens, global_sequences, temperature, entropy, self.dims.dp)
             loss, metrics = loss_fn(mb, logprobs, ctx)
+            if self.routers:
+                loss, metrics = self._add_load_balance(mb, loss, metrics, global_tokens, real)
             if not real:
                 # Keeps this rank's collectives in step with ranks that have more micro-batches.
                 loss = loss * 0.0
             loss.backward()
+            drop_forward_records(self.routers)
             if not real:
                 continue
             loss_sum += loss.detach().float()
@@ -355,6 +383,9 @@ class Trainer:
             out[key] = self._all_reduce(value.clone(), dist.ReduceOp.MAX).item()
         for key, value in minima.items():
             out[key] = self._all_reduce(value.clone(), dist.ReduceOp.MIN).item()
+        if self.routers:
+            all_reduce_step_counts(self.routers, self.dims.dp_group if self.dims.dp > 1 else None)
+            out["moe_load_imbalance"] = load_imbalance(self.routers)
         out.update(
             tokens=global_tokens.item(),
             sequences=global_sequences.item(),
@@ -362,6 +393,20 @@ class Trainer:
             micro_batches=count,
         )
         return out
+
+    def _add_load_balance(self, mb: PackedBatch, loss, metrics: dict, global_tokens: torch.Tensor, real: bool):
+        """The routers' auxiliary loss of this micro-batch's forward, as the `moe_aux_loss` metric (a
+        loss-token mean like the loss function's metrics) and, times moe.aux_loss_coef, added to the
+        loss with the micro-batch's share of the batch's loss tokens. Real micro-batches' expert
+        choices count towards the step's per-expert loads."""
+        aux = load_balance_loss(self.routers)
+        coef = self.config.moe.aux_loss_coef
+        if coef > 0:
+            loss = loss + coef * aux * (mb.loss_mask.sum() / global_tokens.clamp(min=1.0))
+        if real:
+            for router in self.routers:
+                router.routing.count_forward()
+        return loss, {**metrics, "moe_aux_loss": aux.detach()}
 
     def _same_on_every_rank(self, flag: bool) -> bool:
         """True when `flag` is true on any rank of the job."""
@@ -386,6 +431,8 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
             self.optimizer_steps += 1
+            if self.config.moe.bias_update_rate > 0:
+                update_correction_biases(self.routers, self.config.moe.bias_update_rate)
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
 

@@ -9,8 +9,12 @@ import torch.distributed as dist
 from archon.batch import PackedBatch
 from archon.checkpoint.hf import copy_local_into, local_region
 from archon.lora import LoRAConfig, is_lora_param
+from archon.lora.peft import load_peft_adapter
 from archon.parallel import ParallelConfig
 from archon.rl.losses import aggregate_token_losses, ppo_clip_token_losses, ratio_metrics
+from archon.rollout.base import SamplingParams
+from archon.rollout.native import NativeRolloutEngine
+from archon.sync.payload import merged_payload
 from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
 SEQ_LENS = (30, 13, 30, 20, 30, 5)
@@ -24,6 +28,17 @@ LAYOUTS = {
     "tp2": (2, dict(dp_shard=1, tp=2, activation_checkpoint="selective")),
     "fsdp2_tp2": (4, dict(dp_shard=2, tp=2)),
     "hsdp2x2": (4, dict(dp_replicate=2, dp_shard=2)),
+    # Expert parallelism: experts split over 2 ranks (everything else FSDP-sharded over the same 2);
+    # then over 2 of the 4 FSDP ranks, each expert shard replicated on 2 ranks.
+    "ep2": (2, dict(dp_shard=2, ep=2, activation_checkpoint="full")),
+    "ep2_fsdp2": (4, dict(dp_shard=4, ep=2)),
+    "ep2_tp2": (4, dict(dp_shard=2, ep=2, tp=2)),
+}
+# FSDP2 mixed precision (compute in bf16), with and without expert parallelism (FSDP2 leaves
+# expert-parallel experts alone).
+MIXED_PRECISION_LAYOUTS = {
+    "ep2": dict(dp_shard=2, ep=2, param_dtype="bfloat16"),
+    "fsdp2": dict(dp_shard=2, param_dtype="bfloat16"),
 }
 
 
@@ -69,6 +84,12 @@ def set_lora_values(trainer: Trainer, seed: int) -> None:
             copy_local_into(param, full if region is None else full[region], name)
 
 
+def _local_lora_values(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's part of every LoRA factor."""
+    return {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for name, p in trainer.model.named_parameters() if is_lora_param(name)}  # fmt: skip
+
+
 def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Tensor, batch: PackedBatch):
     """Per-sequence slices of a [T_local] tensor, gathered from all ranks into global order."""
     bounds = batch.cu_seqlens.tolist()
@@ -81,9 +102,11 @@ def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Ten
     return torch.cat([local[i] for i in sorted(local)])
 
 
-def run_case(trainer: Trainer, vocab_size: int, export_dir=None) -> dict:
+def run_case(trainer: Trainer, vocab_size: int, export_dir=None, merged: bool = False, generate: bool = False) -> dict:
     """Everything compared across layouts: log-probs (policy, reference, entropy), the first
-    step's loss and LoRA gradients, the loss curve, and an exported adapter."""
+    step's loss and LoRA gradients, the loss curve, an exported adapter (and whether loading it
+    back restores the factors), (`merged`) the merged-mode sync payload, and (`generate`) greedy
+    completions of the native rollout engine."""
     full = make_batch(vocab_size)
     dp, dp_rank = trainer.dims.dp, trainer.dims.dp_rank
     indices = list(range(dp_rank, full.num_sequences, dp))
@@ -117,8 +140,46 @@ def run_case(trainer: Trainer, vocab_size: int, export_dir=None) -> dict:
     result["grad_norms"] = norms
     if export_dir is not None:
         set_lora_values(trainer, seed=2)
+        exported = _local_lora_values(trainer)
         trainer.export_peft(export_dir)
+        set_lora_values(trainer, seed=3)
+        load_peft_adapter(trainer.model, trainer.converter, export_dir)
+        reloaded = _local_lora_values(trainer)
+        same = torch.tensor(float(all(torch.equal(reloaded[name], value) for name, value in exported.items())))
+        if dist.is_initialized():
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        result["adapter_reloaded"] = bool(same)
+    if merged:
+        result["merged"] = dict(merged_payload(trainer.model, trainer.converter))
+    if generate:
+        result["generated"] = generate_on_first_rank(trainer)
     return result
+
+
+GEN_PROMPTS = ([1, 2, 3], [4, 5, 6, 7, 8], [9])
+
+
+def generate_on_first_rank(trainer: Trainer) -> list[list[int]]:
+    """Greedy completions of GEN_PROMPTS by the native engine, generated on the first data-parallel
+    rank only (in two chunks): the other ranks mirror its forwards with nothing to generate."""
+    prompts = list(GEN_PROMPTS) if trainer.dims.dp_rank == 0 else []
+    engine = NativeRolloutEngine(trainer.model, trainer.device, max_batch_sequences=2)
+    samples = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0))
+    return [s.completion_ids for s in samples]
+
+
+def run_mixed_precision(hf_path, vocab_size: int, parallel: ParallelConfig) -> dict:
+    """Log-probs (every rank's, in global order) and the loss of one training step of a layout whose
+    parallel.param_dtype differs from the parameters' dtype."""
+    trainer = Trainer(engine_config(hf_path, parallel))
+    full = make_batch(vocab_size)
+    indices = list(range(trainer.dims.dp_rank, full.num_sequences, trainer.dims.dp))
+    batch = full.select(indices)
+    set_lora_values(trainer, seed=1)
+    policy = trainer.logprobs(batch, with_entropy=True)
+    batch.old_logprobs = policy.logprobs
+    first = trainer.train_step(batch, loss_fn, with_entropy=True)
+    return {"logprobs": _gather_per_sequence(trainer, indices, policy.logprobs, batch), "first_loss": first["loss"]}
 
 
 

@@ -4,6 +4,7 @@
         --out OUT --layouts fsdp2 tp2 --ckpt qwen3=DIR qwen3_moe=DIR
     ... tests/parallel_worker.py resume --out OUT --ckpt qwen3=DIR --phase first|second
     ... tests/parallel_worker.py skip --out OUT --ckpt qwen3=DIR --layouts fsdp2 tp2
+    ... tests/parallel_worker.py reshard --out OUT --ckpt qwen3_moe=DIR gpt_oss=DIR --layouts ep2 fsdp2
 
 Rank 0 writes its results with torch.save to OUT (a file for parity, a directory for resume).
 """
@@ -68,13 +69,21 @@ def parity(args) -> None:
             gathered = [torch.zeros_like(read) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, read)
             export_dir = Path(args.out).parent / f"peft-{model_type}-{layout}"
-            result = cases.run_case(trainer, vocab, export_dir=export_dir)
+            expert_parallel = layout.startswith("ep")
+            result = cases.run_case(
+                trainer, vocab, export_dir=export_dir, merged=expert_parallel, generate=expert_parallel
+            )
             result["read_elements"] = [int(t) for t in gathered]
             result["checkpoint_elements"] = total
             result["export_dir"] = str(export_dir)
             del trainer
             if layout == "fsdp2" and model_type == "qwen3":
                 result["full_ft_losses"] = cases.run_full_finetune(path, vocab, ParallelConfig(**kwargs))
+            if layout == "ep2":
+                result["mixed_precision"] = {
+                    name: cases.run_mixed_precision(path, vocab, ParallelConfig(**kwargs))
+                    for name, kwargs in cases.MIXED_PRECISION_LAYOUTS.items()
+                }
             results[(model_type, layout)] = result
     if dist.get_rank() == 0:
         torch.save(results, args.out)
@@ -157,6 +166,38 @@ def skip(args) -> None:
         torch.save(results, args.out)
 
 
+def reshard(args) -> None:
+    """Checkpoints move between layouts (expert-parallel and not): each layout trains 2 steps, saves,
+    and trains 2 more; then each resumes the other's checkpoint and trains the same last 2 steps."""
+    out = Path(args.out)
+    results = {}
+    for model_type, path in (item.split("=", 1) for item in args.ckpt):
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+
+        def trainer_for(layout):
+            return Trainer(cases.engine_config(path, ParallelConfig(**cases.LAYOUTS[layout][1])))
+
+        def train(trainer, first, last):
+            """(loss, gradient norm) of each step: the loss of an on-policy step barely depends on the
+            parameters, the gradient norm does."""
+            metrics = [trainer.train_step(resume_batch(trainer, vocab, step), cases.loss_fn, with_entropy=True)
+                       for step in range(first, last)]  # fmt: skip
+            return [(m["loss"], m["grad_norm"]) for m in metrics]
+
+        for layout in args.layouts:
+            trainer = trainer_for(layout)
+            manager = CheckpointManager(out / f"{model_type}-{layout}", keep_last=1)
+            train(trainer, 0, 2)
+            trainer.save_checkpoint(manager, 2, data_state={"next_step": 2})
+            results[(model_type, layout)] = train(trainer, 2, 4)
+        for saved, resumed in zip(args.layouts, reversed(args.layouts)):
+            trainer = trainer_for(resumed)
+            trainer.load_checkpoint(CheckpointManager(out / f"{model_type}-{saved}", keep_last=1))
+            results[(model_type, saved, resumed)] = train(trainer, 2, 4)
+    if dist.get_rank() == 0:
+        torch.save(results, out / "reshard.pt")
+
+
 def resume_batch(trainer: Trainer, vocab: int, step: int):
     """Step-dependent data (the data-loader position is the step), on-policy old log-probs."""
     full = cases.make_batch(vocab, seed=100 + step)
@@ -167,7 +208,7 @@ def resume_batch(trainer: Trainer, vocab: int, step: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["parity", "resume", "skip"])
+    parser.add_argument("scenario", choices=["parity", "resume", "skip", "reshard"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", nargs="+", required=True)
     parser.add_argument("--layouts", nargs="*", default=[])
@@ -178,6 +219,8 @@ def main() -> None:
         parity(args)
     elif args.scenario == "skip":
         skip(args)
+    elif args.scenario == "reshard":
+        reshard(args)
     else:
         resume(args)
     dist.barrier()

@@ -178,6 +178,10 @@ VALIDATION_CASES = {
     "group-of-one-drgrpo": (
         {"rollout.group_size": 1, "algorithm.loss.algorithm": "drgrpo"}, "rollout.group_size=1: algorithm 'drgrpo'"
     ),  # fmt: skip
+    "moe-bias-update-with-vllm": (
+        {"model.moe.bias_update_rate": 0.001, "rollout.engine": "vllm"}, "model.moe.bias_update_rate=0.001"
+    ),  # fmt: skip
+    "ep-not-dividing-dp-shard": ({"parallel.ep": 2}, "ep=2 does not divide dp_shard=1"),
     "lora-alpha-zero": ({"lora.alpha": 0.0}, "lora.alpha=0.0"),
     "lora-alpha-negative": ({"lora.alpha": -4.0}, "lora.alpha=-4.0"),
     "eval-every-negative": ({"eval.every": -1}, "eval.every=-1"),

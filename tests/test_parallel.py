@@ -1,4 +1,4 @@
-"""FSDP2 and tensor parallelism (gloo, CPU) against a single process, plus configuration errors.
+"""FSDP2, tensor and expert parallelism (gloo, CPU) against a single process, plus configuration errors.
 
 The multi-process tests launch tests/parallel_worker.py under torchrun once per world size and
 compare what it measured with the same measurements made here in one process.
@@ -58,7 +58,9 @@ def four_process(checkpoints, tmp_path_factory):
     return _run_layouts(checkpoints, tmp_path_factory, 4, ["fsdp2_tp2", "hsdp2x2"])
 
 
-def _check_against_single_process(result, reference):
+def _check_against_single_process(result, reference, curve_tol=TOL):
+    """curve_tol: the absolute tolerance of the losses after the first update (the later gradient
+    norms get 10x it, relative)."""
     for key in ("logprobs", "entropy", "ref_logprobs"):
         torch.testing.assert_close(result[key], reference[key], atol=TOL, rtol=0, msg=key)
     assert result["first_loss"] == pytest.approx(reference["first_loss"], abs=TOL)
@@ -68,14 +70,15 @@ def _check_against_single_process(result, reference):
         assert scale > 0, f"reference gradient of {name} is zero: the comparison would be empty"
         err = (result["grads"][name] - ref).abs().max().item() / scale
         assert err <= TOL, f"LoRA gradient {name}: relative error {err:.2e}"
-    assert result["losses"] == pytest.approx(reference["losses"], abs=TOL)
+    assert result["losses"] == pytest.approx(reference["losses"], abs=curve_tol)
     assert result["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=TOL)
     # Later norms (clipped with max_grad_norm=0.5, so they steer the updates) follow the parameters'
     # 1e-7-level differences and are reported, not the contract: compare them loosely.
-    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=10 * curve_tol)
 
 
 def _check_export(result, reference):
+    assert reference["adapter_reloaded"] and result["adapter_reloaded"], "load_peft_adapter did not restore the factors"
     got = load_file(f"{result['export_dir']}/adapter_model.safetensors")
     want = load_file(f"{reference['export_dir']}/adapter_model.safetensors")
     assert got.keys() == want.keys()
@@ -127,6 +130,120 @@ def test_four_process_matches_single_process(four_process, single_process, model
     assert all(n <= 0.55 * result["checkpoint_elements"] for n in result["read_elements"])
 
 
+# ---- expert parallelism ---------------------------------------------------------------------------
+
+EP_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def ep_checkpoints(checkpoints, tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("expert_parallel")
+    return {t: checkpoints.get(t) or make_tiny_hf_checkpoint(t, root / t, seed=0) for t in EP_MODEL_TYPES}
+
+
+@pytest.fixture(scope="module")
+def ep_single_process(ep_checkpoints, tmp_path_factory):
+    out = {}
+    for model_type, path in ep_checkpoints.items():
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+        export_dir = tmp_path_factory.mktemp("ep_single") / model_type
+        trainer = Trainer(cases.engine_config(path))
+        result = cases.run_case(trainer, vocab, export_dir=export_dir, merged=True, generate=True)
+        result["export_dir"] = str(export_dir)
+        out[model_type] = result
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_two_process(ep_checkpoints, tmp_path_factory):
+    return _run_layouts(ep_checkpoints, tmp_path_factory, 2, ["ep2"])
+
+
+@pytest.fixture(scope="module")
+def ep_four_process(ep_checkpoints, tmp_path_factory):
+    return _run_layouts(ep_checkpoints, tmp_path_factory, 4, ["ep2_fsdp2", "ep2_tp2"])
+
+
+def _check_merged_payload(result, reference):
+    assert result["merged"].keys() == reference["merged"].keys()
+    assert any(".experts." in key for key in reference["merged"])
+    for key, want in reference["merged"].items():
+        torch.testing.assert_close(result["merged"][key], want, atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", EP_MODEL_TYPES)
+def test_expert_parallel_matches_single_process(ep_two_process, ep_four_process, ep_single_process, model_type):
+    """EP x2 (experts split over the 2 FSDP ranks), EP x2 x FSDP x2 (world 4: experts split over 2
+    ranks and replicated over the other 2) and EP x2 x TP x2: log-probs, loss, LoRA gradients
+    (expert factors gathered from their shards), PEFT export, merged sync payload and the native
+    engine's completions; and EP x2 computing in bf16."""
+    reference = ep_single_process[model_type]
+    for results, layout in ((ep_two_process, "ep2"), (ep_four_process, "ep2_fsdp2"), (ep_four_process, "ep2_tp2")):
+        result = results[(model_type, layout)]
+        assert any(".experts." in name for name in result["grads"]), "no expert LoRA gradient compared"
+        # Under TP, DeepSeek's losses after 3 clipped updates drift up to ~2e-5 and its gradient norms
+        # 1.1e-4 (the log-probs, first loss and gradients keep 1e-5).
+        _check_against_single_process(result, reference, curve_tol=1e-4 if "tp" in layout else TOL)
+        _check_export(result, reference)
+        _check_merged_payload(result, reference)
+        # Only the first data-parallel rank had prompts: the others ran its forwards (and their
+        # all-to-alls) in step with it.
+        assert result["generated"] == reference["generated"]
+    # bf16 compute (parallel.param_dtype) reaches the expert-parallel experts as FSDP2 gives it to
+    # every other parameter. The expert LoRA stays in fp32 under EP (FSDP2 casts it to bf16 without),
+    # hence the bf16-sized tolerance on the log-probs.
+    mixed = ep_two_process[(model_type, "ep2")]["mixed_precision"]
+    torch.testing.assert_close(mixed["ep2"]["logprobs"], mixed["fsdp2"]["logprobs"], atol=0.1, rtol=0)
+    assert mixed["ep2"]["first_loss"] == pytest.approx(mixed["fsdp2"]["first_loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_expert_parallel_and_other_layouts(ep_checkpoints, tmp_path):
+    """An EP=2 checkpoint resumes under FSDP (EP=1) and in one process, and an EP=1 checkpoint under
+    EP=2, each continuing with the losses of the uninterrupted run."""
+    from archon.checkpoint.resume import CheckpointManager
+
+    model_types = ("qwen3_moe", "gpt_oss")
+    cases.launch(2, "reshard", "--out", str(tmp_path), "--layouts", "ep2", "fsdp2",
+                 "--ckpt", *[f"{t}={ep_checkpoints[t]}" for t in model_types])  # fmt: skip
+    results = torch.load(tmp_path / "reshard.pt")
+
+    def check(got, want):  # [(loss, grad norm)] per step
+        for (loss, norm), (want_loss, want_norm) in zip(got, want, strict=True):
+            assert loss == pytest.approx(want_loss, abs=TOL) and norm == pytest.approx(want_norm, rel=1e-4)
+
+    for model_type in model_types:
+        uninterrupted = results[(model_type, "ep2")]
+        check(results[(model_type, "fsdp2")], uninterrupted)
+        check(results[(model_type, "ep2", "fsdp2")], uninterrupted)
+        check(results[(model_type, "fsdp2", "ep2")], uninterrupted)
+
+        path = ep_checkpoints[model_type]
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+
+        def last_two_steps(trainer):
+            metrics = [trainer.train_step(_reshard_batch(trainer, vocab, step), cases.loss_fn, with_entropy=True)
+                       for step in (2, 3)]  # fmt: skip
+            return [(m["loss"], m["grad_norm"]) for m in metrics]
+
+        resumed = Trainer(cases.engine_config(path))
+        resumed.load_checkpoint(CheckpointManager(tmp_path / f"{model_type}-ep2", keep_last=1))
+        check(last_two_steps(resumed), uninterrupted)
+        # Without the checkpoint the same steps give other gradients: the comparisons have teeth.
+        fresh = last_two_steps(Trainer(cases.engine_config(path)))
+        assert abs(fresh[0][1] / uninterrupted[0][1] - 1) > 1e-2
+
+
+def _reshard_batch(trainer, vocab, step):
+    """The worker's resume_batch in one process: the step's whole batch, on-policy old log-probs."""
+    batch = cases.make_batch(vocab, seed=100 + step)
+    batch.old_logprobs = trainer.logprobs(batch).logprobs
+    return batch
+
+
 # ---- configuration errors -------------------------------------------------------------------------
 
 
@@ -147,8 +264,12 @@ def test_degrees_must_multiply_to_world_size():
         ParallelDims(world_size=6, tp=4)
     with pytest.raises(ValueError, match="tp=0"):
         ParallelDims(world_size=2, tp=0)
-    with pytest.raises(NotImplementedError, match="ep=2"):
-        ParallelDims(world_size=2, ep=2)
+    with pytest.raises(ValueError, match=r"ep=2 does not divide dp_shard=1"):
+        ParallelDims(world_size=2, tp=2, ep=2)
+    with pytest.raises(ValueError, match=r"ep=0"):
+        ParallelDims(world_size=2, ep=0)
+    ep = ParallelDims(world_size=8, dp_replicate=2, tp=2, ep=2)
+    assert (ep.dp_shard, ep.dp_shard_mod_ep, ep.dp, ep.ep_enabled) == (2, 1, 4, True)
     dims = ParallelDims(world_size=8, dp_replicate=2, tp=2)
     assert (dims.dp_shard, dims.dp, dims.fsdp_enabled, dims.tp_enabled) == (2, 4, True, True)
     single = ParallelDims(world_size=1)
@@ -167,6 +288,23 @@ def test_tp_degree_must_divide_heads(checkpoints):
     dims = ParallelDims(world_size=3, dp_shard=1, tp=3)  # its mesh is never built
     with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4, num_key_value_heads=2"):
         spec.parallelize_fn(model, dims, ParallelConfig(tp=3))
+
+
+@pytest.mark.parametrize("model_type, message", [
+    ("qwen3_moe", r"ep=3 does not divide num_experts=8 of this qwen3 model"),
+    ("qwen3", r"ep=3 requested but this qwen3 model has no routed experts"),
+])  # fmt: skip
+def test_ep_degree_must_divide_the_experts(checkpoints, model_type, message):
+    from archon.build import load_hf_config
+    from archon.spec import get_spec
+
+    spec = get_spec(model_type)
+    args = spec.args_cls.from_hf_config(load_hf_config(checkpoints[model_type]))
+    with torch.device("meta"):
+        model = spec.model_cls(args, None)
+    dims = ParallelDims(world_size=3, dp_shard=3, ep=3)  # its mesh is never built
+    with pytest.raises(ValueError, match=message):
+        spec.parallelize_fn(model, dims, ParallelConfig(ep=3))
 
 
 def test_tp_plan_entry_must_name_a_module():

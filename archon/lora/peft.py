@@ -21,6 +21,8 @@ from archon.checkpoint.atomic import (
 )
 from archon.checkpoint.hf import (
     HFCheckpoint,
+    copy_local_into,
+    local_region,
     open_safetensors,
     read_json_file,
     save_hf_checkpoint,
@@ -280,7 +282,8 @@ def _check_lora_settings(model: nn.Module, converter: StateDictConverter, expect
 @torch.no_grad()
 def load_peft_adapter(model: nn.Module, converter: StateDictConverter, adapter_dir: str | os.PathLike) -> None:
     """Load a PEFT adapter into a model built with a matching LoRAConfig; every key, shape, rank and
-    scaling must match."""
+    scaling must match. In a parallelised model (FSDP2, TP, EP) every rank calls this and copies
+    its own shard of each factor."""
     expected = lora_config_from_peft(adapter_dir)
     weights = Path(adapter_dir) / ADAPTER_WEIGHTS
     peft_state = read_adapter_weights(adapter_dir)
@@ -293,7 +296,8 @@ def load_peft_adapter(model: nn.Module, converter: StateDictConverter, adapter_d
     except (KeyError, ValueError) as e:
         raise type(e)(f"{str(weights)!r}: {e.args[0]}") from None
     for key, tensor in loaded.items():
-        params[key].copy_(tensor.to(params[key].dtype))
+        region = local_region(params[key])
+        copy_local_into(params[key], tensor if region is None else tensor[region], key)
 
 
 def save_merged_hf(

@@ -1,4 +1,5 @@
-"""Parallelism: degrees and mesh, LoRA-aware tensor parallelism, activation checkpointing, FSDP2."""
+"""Parallelism: degrees and mesh, LoRA-aware tensor parallelism, expert parallelism, activation
+checkpointing, FSDP2."""
 
 from archon.parallel.activation_checkpoint import (
     AC_MODES,
@@ -6,6 +7,7 @@ from archon.parallel.activation_checkpoint import (
     checkpoint_module,
 )
 from archon.parallel.dims import ParallelDims, init_distributed, require_divisible
+from archon.parallel.expert_parallel import ExpertParallelGroup, all_to_all, shard_experts
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.parallel.parallelize import ParallelConfig, apply_fsdp, parallelize_decoder
 from archon.parallel.tensor_parallel import (
@@ -28,12 +30,14 @@ from archon.parallel.tensor_parallel import (
 __all__ = [
     "AC_MODES",
     "ColwiseLoRAParallel",
+    "ExpertParallelGroup",
     "ParallelConfig",
     "ParallelDims",
     "ReplicatedParallel",
     "RowwiseLoRAParallel",
     "ShardedParameters",
     "apply_activation_checkpointing",
+    "all_to_all",
     "apply_fsdp",
     "apply_tp_plan",
     "attention_plan",
@@ -48,6 +52,7 @@ __all__ = [
     "reduce_partial_grads",
     "require_divisible",
     "rowwise",
+    "shard_experts",
     "swiglu_plan",
     "vocab_parallel_embedding",
     "vocab_parallel_head",

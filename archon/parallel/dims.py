@@ -1,7 +1,14 @@
 """Parallel degrees, the DeviceMesh they make, and process-group start-up.
 
-Mesh dimensions, outermost first: dp_replicate, dp_shard, tp. Data-parallel ranks (dp_replicate x
-dp_shard) see different data; the ranks of one tensor-parallel group see the same data.
+Mesh dimensions, outermost first: dp_replicate, dp_shard_mod_ep, ep, tp, where
+dp_shard = dp_shard_mod_ep x ep. Data-parallel ranks (dp_replicate x dp_shard) see different data;
+the ranks of one tensor-parallel group see the same data. Expert-parallel ranks are data-parallel
+ranks too: `ep` is carved out of `dp_shard`, so EP adds no ranks of its own.
+
+Flattened dimensions the rest of the code uses:
+- dp_shard = (dp_shard_mod_ep, ep): FSDP2 shards every non-expert parameter over it.
+- dp = (dp_replicate, dp_shard_mod_ep, ep): all data-parallel ranks (loss and metric reductions).
+Routed experts under EP live on the 3-D (dp_replicate, dp_shard_mod_ep, ep) part of the mesh.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch.distributed as dist
 
 from archon import device as devices
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 @dataclass
@@ -25,7 +32,16 @@ class ParallelDims:
     dp_replicate: replicas of the sharded model (HSDP when dp_shard > 1 too).
     dp_shard: FSDP2 sharding degree.
     tp: tensor-parallel degree.
-    ep: expert-parallel degree (reserved; only 1 is supported).
+    ep: expert-parallel degree. It must divide dp_shard: the routed experts (and their LoRA factors)
+        are split over `ep` data-parallel ranks, each holding num_experts / ep of them as DTensor
+        shards (Shard(0) on the `ep` mesh dimension), and tokens travel to their experts by
+        all-to-all. Expert parameters are not FSDP-sharded: they are replicated over the
+        dp_replicate x dp_shard / ep ranks that hold the same shard, whose gradients are summed
+        (placements (Replicate(), Replicate(), Shard(0)) on `expert_mesh`, gradients Partial ->
+        Replicate).
+        Everything else (attention, router, shared experts, dense MLPs, embeddings) is FSDP-sharded
+        over all of dp_shard as without EP. Tensor-parallel ranks see the same tokens, so under TP
+        each keeps a whole copy of its EP shard and runs the same dispatch.
     """
 
     world_size: int
@@ -58,10 +74,11 @@ class ParallelDims:
                 f"= {product}, but the world size is {self.world_size}; their product must equal the world size "
                 f"(set dp_shard=-1 to let it take the remainder)"
             )
-        if self.ep != 1:
-            raise NotImplementedError(
-                f"expert parallelism (ep={self.ep}) is not implemented; MoE experts are sharded by FSDP "
-                "(dp_shard) and replicated across tp. Use ep=1"
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"parallel degree ep={self.ep} does not divide dp_shard={self.dp_shard}: expert-parallel ranks "
+                f"are taken from the FSDP ranks (dp_shard = world size {self.world_size} / (dp_replicate="
+                f"{self.dp_replicate} x tp={self.tp})); choose an ep that divides dp_shard"
             )
 
     @property
@@ -78,20 +95,31 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """FSDP ranks per expert-parallel rank: how many data-parallel ranks share one expert shard
+        within a replica."""
+        return self.dp_shard // self.ep
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
     @cached_property
     def mesh(self):
-        """The 3-D DeviceMesh (dp_replicate, dp_shard, tp); None for a single process."""
+        """The 4-D DeviceMesh (dp_replicate, dp_shard_mod_ep, ep, tp) with the flattened dimensions
+        dp_shard and dp; None for a single process."""
         if not self.distributed:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(
-            self.device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES
-        )
-        self._flat_dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        shape = (self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.tp)
+        mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        self._flat_dp_shard_mesh = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        self._flat_dp_mesh = mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
         return mesh
 
     @property
@@ -105,7 +133,17 @@ class ParallelDims:
             return None
         if self.dp_replicate > 1:
             return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+        return self._flat_dp_shard_mesh
+
+    @property
+    def ep_mesh(self):
+        return None if self.mesh is None else self.mesh["ep"]
+
+    @property
+    def expert_mesh(self):
+        """The 3-D mesh (dp_replicate, dp_shard_mod_ep, ep) routed experts live on: sharded over ep,
+        replicated over the data-parallel ranks that hold the same shard."""
+        return None if self.mesh is None else self.mesh["dp_replicate", "dp_shard_mod_ep", "ep"]
 
     @property
     def dp_mesh(self):

@@ -32,6 +32,10 @@ and `parallelize_fn=parallelize_<family>` in its ModelSpec. Rules for the plan:
   them through `local_tensor`.
 - modules left out (routers, stacked MoE experts, norms on the replicated residual stream) stay
   whole on every tensor-parallel rank; FSDP2 still shards them across data-parallel ranks.
+
+An MoE family also passes its routed-expert modules (`routed_experts`, with their expert count).
+With ep > 1 they are split over the expert-parallel ranks (archon/parallel/expert_parallel.py) and
+FSDP2 leaves them alone; with ep = 1 FSDP2 shards them on the expert dimension like any parameter.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing
 from archon.parallel.dims import ParallelDims
+from archon.parallel.expert_parallel import shard_experts
 from archon.parallel.tensor_parallel import apply_tp_plan
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
@@ -63,7 +68,8 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (heads and MLP intermediate sharded, vocabulary-parallel head)."""
     ep: int = 1
-    """Expert-parallel degree; reserved, only 1 is supported."""
+    """Expert-parallel degree: routed experts split over this many data-parallel ranks (it must divide
+    dp_shard and each MoE family's expert count); tokens reach their experts by all-to-all."""
     activation_checkpoint: ACMode = "none"
     """Per-block activation checkpointing: none, full or selective."""
     compile: bool = False
@@ -87,12 +93,19 @@ class ParallelConfig:
         )
 
 
-def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], dims: ParallelDims, config: ParallelConfig) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    dims: ParallelDims,
+    config: ParallelConfig,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> None:
     """fully_shard each block, then the root (embedding, final norm, unembedding).
 
     Stacked MoE expert weights [E, ...] are sharded on dim 0 like any parameter, so they stay
-    stacked. Gradients are summed over data-parallel ranks, not averaged: the engine normalises
-    the loss over the global batch itself.
+    stacked; `ignored_params` (expert-parallel experts, laid out already) are left as they are.
+    Gradients are summed over data-parallel ranks, not averaged: the engine normalises the loss over
+    the global batch itself.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -102,10 +115,13 @@ def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], dims: ParallelDims
     )
     mesh = dims.fsdp_mesh
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=config.reshard_after_forward,
+            ignored_params=ignored_params,
+        )  # fmt: skip
     # The root keeps its parameters gathered after forward (FSDP2's default for the root): the
     # engine reads the unembedding right after the forward for its chunked head.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -121,16 +137,21 @@ def parallelize_decoder(
     blocks: Sequence[nn.Module],
     model_tp_plan: Mapping[str, ParallelStyle] | None = None,
     block_tp_plan: Callable[[int, nn.Module], Mapping[str, ParallelStyle]] | None = None,
+    routed_experts: Sequence[nn.Module] = (),
+    num_experts: int = 0,
 ) -> nn.Module:
-    """Apply TP -> activation checkpointing -> compile -> FSDP2 to a decoder-only model.
+    """Apply TP -> EP -> activation checkpointing -> compile -> FSDP2 to a decoder-only model.
 
     blocks: the transformer blocks, each becomes one FSDP unit (and one checkpoint/compile unit).
     model_tp_plan: styles for modules outside the blocks, names relative to `model`.
     block_tp_plan(index, block): styles for one block, names relative to the block (MoE and dense
         blocks may differ). Modules left out stay replicated across the tensor-parallel group.
+    routed_experts: the MoE layers' routed-expert modules, every parameter stacked over `num_experts`
+        on dim 0; split over the expert-parallel ranks when ep > 1. The family checks first that ep
+        divides its expert count (`require_divisible`).
     """
-    if dims.ep != 1:
-        raise NotImplementedError(f"expert parallelism (ep={dims.ep}) is not implemented")
+    if dims.ep_enabled and not routed_experts:
+        raise ValueError(f"ep={dims.ep} requested but {type(model).__name__} has no routed experts to split")
     if dims.tp_enabled:
         if block_tp_plan is None:
             raise ValueError(f"tp={dims.tp} requested but {type(model).__name__} has no tensor-parallel plan")
@@ -139,10 +160,17 @@ def parallelize_decoder(
             apply_tp_plan(model, tp_mesh, model_tp_plan)
         for index, block in enumerate(blocks):
             apply_tp_plan(block, tp_mesh, block_tp_plan(index, block))
+    expert_params: set[nn.Parameter] = set()
+    if dims.ep_enabled:
+        # One mesh object for every layer: the gradient norm reduces the shards of each mesh once.
+        expert_mesh = dims.expert_mesh
+        for experts in routed_experts:
+            shard_experts(experts, num_experts, expert_mesh)
+            expert_params.update(experts.parameters())
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
     if config.compile:
         for block in blocks:
             block.compile(backend=config.compile_backend, fullgraph=False)
     if dims.fsdp_enabled:
-        apply_fsdp(model, blocks, dims, config)
+        apply_fsdp(model, blocks, dims, config, ignored_params=expert_params or None)
     return model

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from archon.lora import LoRAConfig
+from archon.load_balance import MoEConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import ALGORITHMS, LossConfig, importance_sampling_for
@@ -39,6 +40,8 @@ class ModelConfig:
     """Base-weight dtype; use float32 on CPU."""
     device: str = "auto"
     """auto, cuda, npu or cpu."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Load balancing of MoE routers (off by default)."""
 
 
 @dataclass
@@ -437,6 +440,11 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
             problems.append(f"{name}={value!r}: {rule}")
 
     require(config.steps >= 1, "steps", config.steps, "must be at least 1")
+    require(
+        config.model.moe.bias_update_rate == 0 or rollout.engine != "vllm", "model.moe.bias_update_rate",
+        config.model.moe.bias_update_rate, "must be 0 with rollout.engine=vllm: the weight sync does not send the "
+        "routers' correction biases, so vLLM would route with the ones it loaded",
+    )  # fmt: skip
     require(config.micro_batch_tokens >= 1, "micro_batch_tokens", config.micro_batch_tokens, "must be at least 1")
     require(rollout.prompts_per_step >= 1, "rollout.prompts_per_step", rollout.prompts_per_step, "must be at least 1")
     require(rollout.max_staleness >= 0, "rollout.max_staleness", rollout.max_staleness, "must be 0 or more")

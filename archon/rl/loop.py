@@ -120,6 +120,7 @@ class RLRun:
                 device=config.model.device,
                 micro_batch_tokens=config.micro_batch_tokens,
                 seed=config.seed,
+                moe=config.model.moe,
             )
         )
         self.rank = self.trainer.rank

@@ -8,15 +8,16 @@ from archon.models.common.args import GroupLimitedMoEArgs
 from archon.models.common.mlp import SwiGLUMLP
 from torch import nn
 
-from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable
+from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_expert_weight
+from archon.load_balance import Router
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule
 
 
-class SoftmaxTopKRouter(nn.Module):
+class SoftmaxTopKRouter(Router):
     """softmax(x W^T) in fp32, top-k, optionally renormalised over the chosen k (`norm_topk_prob`)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
-        super().__init__()
+        super().__init__(num_experts)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
@@ -26,20 +27,23 @@ class SoftmaxTopKRouter(nn.Module):
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_weights, top_indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.training:
+            self.routing.record(probs, top_indices)
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return top_weights.to(logits.dtype), top_indices
 
 
-class TopKSoftmaxRouter(nn.Module):
+class TopKSoftmaxRouter(Router):
     """Top-k of the router logits (x W^T, plus a bias when `bias`), then softmax over those k (GPT-OSS).
 
     The weights of the chosen experts sum to one, as with `SoftmaxTopKRouter(norm_topk_prob=True)`,
-    but an expert's weight depends only on the k chosen logits.
+    but an expert's weight depends only on the k chosen logits. The load-balance statistics use the
+    softmax over all the logits, as HF's auxiliary loss does.
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, bias: bool) -> None:
-        super().__init__()
+        super().__init__(num_experts)
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
@@ -48,6 +52,8 @@ class TopKSoftmaxRouter(nn.Module):
         """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
         logits = F.linear(x, self.weight, self.bias)
         top_logits, top_indices = torch.topk(logits, self.top_k, dim=-1)
+        if self.training:
+            self.routing.record(torch.softmax(logits, dim=-1, dtype=torch.float32), top_indices)
         top_weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
         return top_weights.to(logits.dtype), top_indices
 
@@ -60,7 +66,10 @@ class GroupedExperts(nn.Module, LoRAModule):
 
     The token slots are sorted by expert and every projection is one grouped matmul over all experts
     (`expert_matmul`), with no host sync. `grouped_mm = False` (or a device without grouped GEMM)
-    takes the reference loop over experts instead.
+    takes the reference loop over experts instead. Under expert parallelism
+    (`archon.parallel.shard_experts` sets `expert_parallel`) this rank holds only its experts' slices
+    of every parameter and the slots travel to their experts' ranks and back (`compute` runs on the
+    received slots).
 
     Subclasses change the layout with `input_major` (weights stored [E, in, out]), add
     `gate_up_proj_bias` / `down_proj_bias`, and override `_activation`.
@@ -80,6 +89,7 @@ class GroupedExperts(nn.Module, LoRAModule):
         else:
             self.gate_up_proj_lora = self.down_proj_lora = None
         self.grouped_mm = True
+        self.expert_parallel = None
         self.lora_enabled = True
         self.merged = False
 
@@ -103,7 +113,7 @@ class GroupedExperts(nn.Module, LoRAModule):
         weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
         out = expert_matmul(x, weight_in_out, groups)
         if bias is not None:
-            out = out + bias[groups.expert_of_row]
+            out = out + local_expert_weight(bias, out.dtype)[groups.expert_of_row]
         if self._lora_active:
             out = out + lora(x, groups).to(out.dtype)
         return out
@@ -125,8 +135,13 @@ class GroupedExperts(nn.Module, LoRAModule):
         flat_experts = top_indices.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # slots sorted by expert
         token_of_slot = order // k
-        groups = ExpertGroups.from_sorted(flat_experts[order], self.num_experts, self._use_grouped_mm(x))
-        y_sorted = self.compute(x[token_of_slot], groups) * top_weights.reshape(-1)[order, None]
+        x_sorted, expert_of_slot = x[token_of_slot], flat_experts[order]
+        if self.expert_parallel is None:
+            groups = ExpertGroups.from_sorted(expert_of_slot, self.num_experts, self._use_grouped_mm(x))
+            y_sorted = self.compute(x_sorted, groups)
+        else:
+            y_sorted = self.expert_parallel.run_experts(self.compute, x_sorted, expert_of_slot, self._use_grouped_mm(x))
+        y_sorted = y_sorted * top_weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token_of_slot, y_sorted.to(x.dtype))
 
     def _use_grouped_mm(self, x: torch.Tensor) -> bool:
@@ -155,6 +170,11 @@ class GroupedExperts(nn.Module, LoRAModule):
             delta = lora.delta_weight()  # [E, out, in]
             deltas[weight] = delta.transpose(1, 2) if self.input_major else delta
         return deltas
+
+
+def routed_experts(model: nn.Module) -> list[GroupedExperts]:
+    """Every MoE layer's routed experts, in layer order."""
+    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
 
 class ClampedSwiGLUExperts(GroupedExperts):
@@ -195,7 +215,7 @@ class SparseMoE(nn.Module):
         return self.experts(x, top_weights, top_indices)
 
 
-class SigmoidGroupTopKRouter(nn.Module):
+class SigmoidGroupTopKRouter(Router):
     """Group-limited sigmoid routing (DeepSeek-V3, Kimi K2, GLM-4.5), in fp32.
 
     scores = sigmoid(x W^T). The choice uses scores + e_score_correction_bias: the experts form
@@ -214,7 +234,7 @@ class SigmoidGroupTopKRouter(nn.Module):
         norm_topk_prob: bool,
         routed_scaling_factor: float,
     ) -> None:
-        super().__init__()
+        super().__init__(num_experts)
         if n_group < 1 or num_experts % n_group:
             raise ValueError(f"n_group ({n_group}) must divide the number of routed experts ({num_experts})")
         if num_experts // n_group < 2:
@@ -235,6 +255,10 @@ class SigmoidGroupTopKRouter(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    @property
+    def correction_bias(self) -> torch.Tensor:
+        return self.e_score_correction_bias
 
     def _apply(self, fn, recurse=True):
         # HF keeps e_score_correction_bias in fp32 whatever the model dtype: the expert choice turns on
@@ -258,6 +282,8 @@ class SigmoidGroupTopKRouter(nn.Module):
         expert_mask = group_mask.repeat_interleave(per_group.shape[-1], dim=1)  # [T, E]
         candidates = biased.masked_fill(~expert_mask, float("-inf"))
         top_indices = candidates.topk(self.top_k, dim=-1, sorted=False).indices
+        if self.training:
+            self.routing.record(scores / scores.sum(dim=-1, keepdim=True), top_indices)
         top_weights = scores.gather(1, top_indices)
         if self.norm_topk_prob:
             top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)

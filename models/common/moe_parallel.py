@@ -2,7 +2,8 @@
 
 TP shards the family's attention (its own plan) and the vocabulary of the embedding and
 unembedding. Router and routed experts stay whole on every tensor-parallel rank; FSDP2 shards the
-stacked experts on dim 0. Families whose MLPs come from `group_limited_moe_mlp` (DeepSeek-V3,
+stacked experts on dim 0, or, with ep > 1, expert parallelism splits them over the ep ranks
+(`ParallelDims`). Families whose MLPs come from `group_limited_moe_mlp` (DeepSeek-V3,
 GLM-4.5) also have the intermediate dimension of their dense MLPs and shared experts sharded.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from archon.models.common.dense_parallel import vocab_parallel_plan
-from archon.models.common.moe import SharedExpertsMoE
+from archon.models.common.moe import SharedExpertsMoE, routed_experts
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -32,13 +33,20 @@ def parallelize_moe_decoder(
     attention_plan: Mapping[str, ParallelStyle],
     attention_sizes: Mapping[str, int],
     dense_and_shared_experts: bool = True,
+    num_experts_field: str = "n_routed_experts",
 ) -> nn.Module:
     """attention_plan: styles for one block's attention (names relative to the block);
     attention_sizes: the config fields that plan shards, which the TP degree must divide;
     dense_and_shared_experts: the model has leading dense MLPs (`first_k_dense_replace`) and
         shared experts (`SharedExpertsMoE`, `moe_intermediate_size`), both sharded. False for a
-        family whose every MLP is a router plus routed experts (GPT-OSS): TP leaves MLPs whole."""
+        family whose every MLP is a router plus routed experts (GPT-OSS): TP leaves MLPs whole.
+    num_experts_field: the config field that counts the routed experts (named when ep does not
+        divide it)."""
     args = model.args
+    experts = routed_experts(model)
+    num_experts = getattr(args, num_experts_field)
+    if dims.ep_enabled:
+        require_divisible("ep", dims.ep, family, **{num_experts_field: num_experts})
     if dims.tp_enabled:
         sizes = dict(attention_sizes, vocab_size=args.vocab_size)
         if dense_and_shared_experts:
@@ -55,5 +63,5 @@ def parallelize_moe_decoder(
 
     return parallelize_decoder(
         model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
-        block_tp_plan=block_plan,
+        block_tp_plan=block_plan, routed_experts=experts, num_experts=num_experts,
     )

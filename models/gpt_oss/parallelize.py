@@ -20,4 +20,5 @@ def parallelize_gpt_oss(model: GptOssModel, dims: ParallelDims, config: Parallel
         attention_plan(sinks="sinks"),
         dict(num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads),
         dense_and_shared_experts=False,
+        num_experts_field="num_local_experts",
     )

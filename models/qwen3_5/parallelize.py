@@ -12,6 +12,7 @@ every tensor-parallel rank (FSDP2 shards the experts on their expert dimension).
 from __future__ import annotations
 
 from archon.models.common.dense_parallel import vocab_parallel_plan
+from archon.models.common.moe import routed_experts
 from archon.models.qwen3_5.args import LINEAR_ATTENTION
 from archon.models.qwen3_5.model import Qwen3_5Model
 from torch.distributed.tensor import Shard
@@ -53,6 +54,10 @@ def parallelize_qwen3_5(model: Qwen3_5Model, dims: ParallelDims, config: Paralle
             num_key_value_heads=args.num_key_value_heads, linear_num_key_heads=args.linear_num_key_heads,
             vocab_size=args.vocab_size, **mlp_size,
         )
+    if dims.ep_enabled:
+        if not moe:
+            raise ValueError(f"ep={dims.ep} requested but this qwen3_5 model has no routed experts")
+        require_divisible("ep", dims.ep, "qwen3_5", num_experts=args.num_experts)
     attention = attention_plan(qk_norm=("q_norm", "k_norm"))
     deltanet = gated_deltanet_plan()
     mlp = swiglu_plan("mlp.shared_expert") if moe else swiglu_plan()
@@ -63,5 +68,5 @@ def parallelize_qwen3_5(model: Qwen3_5Model, dims: ParallelDims, config: Paralle
 
     return parallelize_decoder(
         model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
-        block_tp_plan=block_plan,
+        block_tp_plan=block_plan, routed_experts=routed_experts(model), num_experts=args.num_experts,
     )
