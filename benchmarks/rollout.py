@@ -19,8 +19,9 @@ included; the median of `repeats` calls after one warm-up), the ratio to HF, and
   attention: the prompt once per group when shared, once per sample otherwise, and every sample's
   own tokens, at the mean context length of the decode) against the copy bandwidth this script
   measures (a 256 MiB tensor summed), times the sequences of the step;
-- compute: 2 FLOPs per weight per token (plus attention) against the fp32 matmul rate this script
-  measures at the step's shape (32 x 512 @ 512 x 1536) and at the peak (1024 x 2048 @ 2048 x 2048).
+- compute: 2 FLOPs per weight per token (plus attention) against the fp32 rate this script
+  measures for one decode step's matmuls alone (every weight matrix of the model, 32 rows); the
+  peak rate (1024 x 2048 @ 2048 x 2048) is reported beside it.
 `--quick` runs a tiny model (hidden 64) on small cases, to check the script in seconds. The last
 line printed is JSON.
 """
@@ -112,6 +113,28 @@ def measure_matmul_gflops(m: int, k: int, n: int) -> float:
     a @ b
     best = min(_timed(lambda: [a @ b for _ in range(repeats)]) for _ in range(5))
     return 2 * m * k * n * repeats / best / 1e9
+
+
+def measure_decode_matmuls_gflops(config: dict, rows: int) -> float:
+    """The fp32 rate of one decode step's matmuls alone: every weight matrix of the model (its
+    own shapes, in layer order) applied to `rows` rows, best of 5."""
+    import torch
+    import torch.nn.functional as F
+
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    q_out, kv_out = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    layer = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (inter, h), (inter, h), (h, inter)]
+    shapes = layer * config["num_hidden_layers"] + [(config["vocab_size"], h)]
+    weights = [torch.randn(out_features, in_features) for out_features, in_features in shapes]
+    inputs = {in_features: torch.randn(rows, in_features) for _, in_features in shapes}
+
+    def step():
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    step()
+    best = min(_timed(step) for _ in range(5))
+    return 2 * rows * sum(w.numel() for w in weights) / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -216,9 +239,9 @@ def main(args: BenchArgs) -> dict:
     model_dir = _build_model_dir(root, config)
     dims = _model_dims(config)
     bandwidth = measure_bandwidth_gbs()
-    step_gflops = measure_matmul_gflops(32, config["hidden_size"], config["intermediate_size"])
+    step_gflops = measure_decode_matmuls_gflops(config, rows=32)
     peak_gflops = measure_matmul_gflops(1024, 2048, 2048)
-    print(f"bandwidth {bandwidth:.1f} GB/s, fp32 matmul {step_gflops:.0f} GFLOP/s at the decode shape, "
+    print(f"bandwidth {bandwidth:.1f} GB/s, fp32 matmul {step_gflops:.0f} GFLOP/s over a decode step's shapes, "
           f"{peak_gflops:.0f} at the peak; weights {dims['weight_bytes'] / 1e6:.0f} MB", flush=True)  # fmt: skip
 
     model = build_model(str(model_dir)).model.eval()
