@@ -285,12 +285,14 @@ class _Generation:
         else:
             step()  # a real step, which also warms up the kernels before the capture
             graph = torch.cuda.CUDAGraph()
-            if self.generator is not None:
-                graph.register_generator_state(self.generator)
             try:
+                if self.generator is not None:  # a seeded generator's offsets must advance per replay
+                    graph.register_generator_state(self.generator)
                 with torch.cuda.graph(graph):
                     step()  # recorded, not run: it replays from the next step on
-            except RuntimeError as e:  # a host sync in the step (MoE routing, recurrent layers)
+            # RuntimeError: a host sync in the step (MoE routing, recurrent layers); AttributeError:
+            # a torch without register_generator_state (seeded sampling then runs eagerly)
+            except (RuntimeError, AttributeError) as e:
                 logger.info("the decode step cannot be captured in a CUDA graph (%s); decoding eagerly", e)
                 self.static_decode = False
             else:
