@@ -218,10 +218,12 @@ def test_expert_lora_rows_of_one_task_are_bitwise_unaffected_by_another_tasks_ro
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_native_engine_generates_a_mixed_batch_as_each_task_alone(tiny_checkpoint, temperature):
-    """One generation of both tasks' prompts (each sequence under its task's adapter, each task
-    sampling from its own generator) gives each task the samples it gets alone under its adapter."""
+    """One generation of both tasks' prompts, each sequence under its task's adapter: greedy, each
+    task's tokens are those of its single-adapter model alone; sampled with a seed, each task's
+    samples are those it draws alone (every group samples from its own generator, seeded from its
+    task's), and their log-probs are its single-adapter model's."""
     from archon.rollout.base import SamplingParams
-    from archon.rollout.native import ADAPTER_SEED_STRIDE, NativeRolloutEngine
+    from archon.rollout.native import NativeRolloutEngine
 
     loaded = build_model(tiny_checkpoint("qwen3"), task_loras=TASKS)
     _random_factors(loaded.model)
@@ -233,13 +235,20 @@ def test_native_engine_generates_a_mixed_batch_as_each_task_alone(tiny_checkpoin
     mixed = engine.generate(prompts, sampling, adapters=adapters)
     for index, task in enumerate(TASKS):
         mine = [i for i, a in enumerate(adapters) if a == index]
-        alone_sampling = SamplingParams(max_new_tokens=6, temperature=temperature, n=2,
-                                        seed=11 + ADAPTER_SEED_STRIDE * index)  # fmt: skip
-        with task_view(loaded.model, task):
-            alone = engine.generate([prompts[i] for i in mine], alone_sampling)
         got = [s for s in mixed if s.prompt_index in mine]
+        if temperature == 0:
+            with task_view(loaded.model, task):
+                alone = engine.generate([prompts[i] for i in mine], sampling)
+        else:
+            alone = engine.generate([prompts[i] for i in mine], sampling, adapters=[index] * len(mine))
         assert [s.completion_ids for s in got] == [s.completion_ids for s in alone], task
-        for s, a in zip(got, alone):
-            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-5)
+        with task_view(loaded.model, task), torch.no_grad():
+            for s in got:
+                ids = torch.tensor(s.prompt_ids + s.completion_ids)
+                n = len(ids)
+                logits = loaded.model(ids, torch.arange(n), torch.tensor([0, n]), n)
+                expected = torch.log_softmax(logits[len(s.prompt_ids) - 1 : n - 1].float(), dim=-1)
+                expected = expected.gather(-1, ids[len(s.prompt_ids) :, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(s.logprobs), expected, rtol=0, atol=1e-5)
     by_task = {t: [s.completion_ids for s in mixed if adapters[s.prompt_index] == t] for t in (0, 1)}
     assert by_task[0] != by_task[1]

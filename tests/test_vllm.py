@@ -191,6 +191,33 @@ def test_disk_adapter_matches_native_engine_and_trainer_logprobs(setup):
     assert gap.mean() <= 1e-3
 
 
+def test_top_p_logprobs_are_the_truncated_distribution_in_both_engines(setup):
+    """With top-p < 1 vLLM (launched with processed_logprobs) reports the log-prob of the truncated,
+    renormalised distribution it sampled from, the native engine's convention: the two agree on
+    vLLM's tokens, and both differ from the untruncated log-probs the trainer computes."""
+    from archon.rollout.native import truncated_logprobs
+
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.7, n=2, seed=0,
+                              stop_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    samples = server.generate(prompts, sampling)  # the adapter it serves is the trainer's current one
+    vllm_lp, native_lp, untruncated_lp = [], [], []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor(s.prompt_ids + s.completion_ids)
+            logits = trainer.model(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)]), len(ids))
+            rows, tokens = logits[len(s.prompt_ids) - 1 : -1], torch.tensor(s.completion_ids)[:, None]
+            native_lp.append(truncated_logprobs(rows, sampling).gather(-1, tokens)[:, 0])
+            untruncated_lp.append(torch.log_softmax(rows / 0.9, -1).gather(-1, tokens)[:, 0])
+            vllm_lp.append(torch.tensor(s.logprobs))
+    vllm_lp, native_lp, untruncated_lp = (torch.cat(t) for t in (vllm_lp, native_lp, untruncated_lp))
+    gap = (vllm_lp - native_lp).abs()
+    print(f"vLLM-native truncated log-prob gap: mean {gap.mean():.2e} max {gap.max():.2e}")
+    assert gap.mean() <= 1e-3 and gap.max() <= 1e-2
+    assert (vllm_lp - untruncated_lp).abs().max() > 0.05  # the truncation shows in these tokens
+
+
 def test_collective_sync_applies_versions_in_order_and_drops_the_old(setup):
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts, sampling = _greedy(tokenizer)

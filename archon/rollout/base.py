@@ -39,8 +39,10 @@ class SamplingParams:
 
 @dataclass
 class Sample:
-    """One completion. `logprobs[i]` is log π(completion_ids[i]) at the sampling temperature
-    (before top-p/top-k truncation), under the adapter version `token_versions[i]`.
+    """One completion. `logprobs[i]` is log μ(completion_ids[i]) under the distribution the token
+    was drawn from (the behaviour policy μ): the policy at the sampling temperature, truncated by
+    top-k then top-p and renormalised (no truncation: just the temperature; greedy: temperature 1),
+    under the adapter version `token_versions[i]`.
 
     `version` is the adapter version the sample was started with. Under the update policy of the
     engines here (a request finishes on the version it started with) every token has that version;

@@ -1,13 +1,49 @@
-"""The embedded rollout engine: batched generation with a KV cache on the archon model itself.
+"""The embedded rollout engine: generation with a KV cache on the archon model itself.
 
 The engine shares the trainer's model, so an adapter update is in-process: the weight sync only
 publishes the new version (archon.sync.weight_sync.InProcessSync), the next `generate` samples from
 the weights as they are, and every sample is tagged with the version published when it started.
-Under FSDP/TP every rank of a model-parallel group must call `generate` with the same number of
-decode steps; data-parallel ranks generate their own share of the prompts.
+
+How it generates (archon/rollout/kv_cache.py holds the cache):
+- Group-shared prefixes. The `n` samples of a prompt form a block of the cache table: the prompt is
+  prefilled once, its keys/values are stored once and every sample of the group attends to them in
+  place (a recurrent layer's state is copied to each sample after the prefill).
+- Continuous batching. Blocks are refilled as they finish: when every sample of a block has stopped
+  or reached max_new_tokens, the next waiting prompt is prefilled into it, while the other blocks
+  keep decoding. A decode step covers the rows of the blocks up to the last busy one.
+- Sampling on the device. Tokens, log-probs and each row's done flag stay on the device; the host
+  reads the done flags once every `stop_check_interval` decode steps (only when there are stop
+  tokens: without them, when a row ends is known in advance) and the finished rows' tokens once.
+- The head runs on the last position of each sequence only.
+- On CUDA (one process), the decode step is captured once per `generate` in a CUDA graph and
+  replayed: one launch per step instead of one per op (`cuda_graphs`).
+
+Log-probs: each token's log-prob is that of the distribution it was actually drawn from, the
+behaviour policy: temperature-scaled logits, truncated by top-k then top-p, renormalised (the same
+as vLLM's `processed_logprobs`, which the vLLM servers are launched with). Without truncation that
+is log_softmax(logits / temperature), which the trainer recomputes (`Trainer.logprobs`); with
+truncation the trainer's untruncated log-probs differ from it, and the importance weight
+pi_old / mu of the loss (archon/rl/algorithms.py) corrects for exactly that difference. Greedy
+decoding reports log_softmax(logits).
+
+Lockstep: under FSDP/TP every rank of the sync group runs the same number of forwards. The engine
+works in rounds (admit and prefill, then up to `stop_check_interval` decode steps); at the start
+of each round the ranks agree, in one all-reduce, on whether any rank prefills and how many decode
+steps the busiest rank needs, and a rank with nothing to do runs one-token forwards instead.
+Data-parallel ranks generate their own share of the prompts.
+
+Several tasks (a multi-task model, archon.lora.MultiLoRALinear): `generate(..., adapters=)` gives
+each prompt its task; every forward routes each token to its task's adapter, so the tasks' prompts
+decode in the same batches. With a seed, every group draws its sampling noise from its own
+generator, seeded from its task's generator (seed + ADAPTER_SEED_STRIDE * task) in the order of the
+task's prompts: a task's samples depend on its own prompts, not on the other tasks'.
 """
 
 from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,46 +54,78 @@ from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KVCache
 from archon.rollout.policy import ServedPolicy
 
+logger = logging.getLogger(__name__)
+
+
+def truncated_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """logits [B, V] -> log-probs [B, V] of the distribution sampled from: softmax of logits /
+    temperature, cut to the top_k largest, then to the smallest set of largest tokens whose mass
+    reaches top_p, renormalised (-inf outside the kept set)."""
+    scaled = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token once the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
 
 def sample_next_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    race: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B], logprobs [B]).
+    """logits [B, V] -> (tokens [B], logprobs [B]), on the logits' device, without a host sync.
 
-    The log-prob is that of the temperature-scaled distribution before top-k/top-p truncation
-    (temperature 1 for greedy), which is what the trainer recomputes.
+    Sampled: the log-prob under the truncated, renormalised distribution (`truncated_logprobs`),
+    drawn by an exponential race (argmax of log p - log E, E ~ Exp(1) per token: exactly a draw
+    from p). Greedy: the argmax, with its log_softmax(logits) log-prob.
+    race: the Exp(1) draws [B, V] to use instead of drawing them from `generator`.
     """
-    logits = logits.float()
     if sampling.temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        tokens = logprobs.argmax(dim=-1)
     else:
-        scaled = logits / sampling.temperature
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled
-        if sampling.top_k:
-            kth = torch.topk(filtered, min(sampling.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
-            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-        if sampling.top_p < 1.0:
-            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # drop a token once the mass before it already reaches top_p (the first token always stays)
-            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            filtered = filtered.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        logprobs = truncated_logprobs(logits, sampling)
+        if race is None:
+            race = torch.empty_like(logprobs).exponential_(generator=generator)
+        tokens = (logprobs - race.log()).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
+@dataclass
+class _Group:
+    """One block's worth of requests: a prompt and the rows sampling from it."""
+
+    prompt_index: int
+    prompt: list[int]
+    samples: int
+    adapter: int = 0
+    """The task whose adapter the group samples with (multi-task models)."""
+    generator: torch.Generator | None = None
+    """The group's own sampling generator (multi-task generation with a seed)."""
+
+
 ADAPTER_SEED_STRIDE = 1_000_033
-"""Seed offset between the tasks of a mixed multi-task generation (see NativeRolloutEngine.generate)."""
+"""Seed offset between the tasks of a multi-task generation (see the module docstring)."""
 
 
 class NativeRolloutEngine:
-    """sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it
-    runs the same number of forwards, padding with a one-token forward once its own sequences are
-    done. Default: the whole default process group when one is running."""
+    """max_batch_sequences: rows of the cache table (sequences decoded together).
+    sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it runs
+    the same number of forwards. Default: the whole default process group when one is running.
+    share_prompt_prefix: prefill each prompt once for its `n` samples (False: once per sample).
+    stop_check_interval: decode steps between two reads of the done flags (with stop tokens).
+    cuda_graphs: on a CUDA device, replay the decode step from a CUDA graph (captured once per
+    `generate`, over the whole table and the longest spans, so that every step has one shape); a
+    model whose step cannot be captured (host syncs in MoE routing or in recurrent layers) decodes
+    eagerly instead. Ignored off CUDA."""
 
     def __init__(
         self,
@@ -65,51 +133,38 @@ class NativeRolloutEngine:
         device: torch.device | str = "cpu",
         max_batch_sequences: int = 256,
         sync_group=None,
+        share_prompt_prefix: bool = True,
+        stop_check_interval: int = 8,
+        cuda_graphs: bool = True,
     ) -> None:
+        if max_batch_sequences < 1 or stop_check_interval < 1:
+            raise ValueError(
+                f"max_batch_sequences ({max_batch_sequences}) and stop_check_interval ({stop_check_interval}) must be >= 1"
+            )
         self.model = model
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
+        self.share_prompt_prefix = share_prompt_prefix
+        self.stop_check_interval = stop_check_interval
+        self.cuda_graphs = cuda_graphs
         self.policy = ServedPolicy()
         """The adapter version samples are tagged with; written by the weight sync."""
         self.sync_group = sync_group
         if sync_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self.sync_group = dist.group.WORLD
 
-    def _any_rank(self, flag: bool | int) -> int:
-        """Max of `flag` over the sync group (the value itself when running alone)."""
+    def _agree(self, admitted: bool, decode_steps: int) -> tuple[bool, int]:
+        """(whether any rank prefills, the most decode steps any rank needs) over the sync group."""
         if self.sync_group is None:
-            return int(flag)
-        t = torch.tensor(int(flag), device=self.device)
+            return admitted, decode_steps
+        t = torch.tensor([int(admitted), decode_steps], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
-        return int(t)
+        return bool(t[0]), int(t[1])
 
     def _idle_forward(self) -> None:
         """A one-token forward that keeps this rank's collectives in step with busier ranks."""
         one = torch.zeros(1, dtype=torch.long, device=self.device)
         self.model(one, one, torch.tensor([0, 1], device=self.device), 1)
-
-    def _forward(self, adapters: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
-        """The model's forward, each token with its task's adapter when `adapters` ([T]) is given."""
-        if adapters is None:
-            return self.model(*args, **kwargs)
-        with adapter_routing(self.model, adapters):
-            return self.model(*args, **kwargs)
-
-    @staticmethod
-    def _sample(logits, sampling, generator, adapters: torch.Tensor | None):
-        """sample_next_tokens on the host; with `adapters` ([B]), each task's rows from its own generator."""
-        if adapters is None:
-            tokens, logprobs = sample_next_tokens(logits, sampling, generator)
-            return tokens.cpu(), logprobs.cpu()
-        tokens = torch.empty(len(adapters), dtype=torch.long)
-        logprobs = torch.empty(len(adapters))
-        for adapter in adapters.unique().tolist():
-            rows = (adapters == adapter).nonzero()[:, 0]
-            chosen, chosen_logprobs = sample_next_tokens(
-                logits[rows.to(logits.device)], sampling, None if generator is None else generator[adapter]
-            )
-            tokens[rows], logprobs[rows] = chosen.cpu(), chosen_logprobs.cpu()
-        return tokens, logprobs
 
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
@@ -121,10 +176,7 @@ class NativeRolloutEngine:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, adapters: list[int] | None = None
     ) -> list[Sample]:
-        """`adapters`: on a multi-task model (archon.lora.MultiLoRALinear), the task index whose
-        adapter each prompt generates with; the tasks' prompts then decode in the same batches. With
-        a seed, each task samples from its own generator (seeded with seed + ADAPTER_SEED_STRIDE *
-        task index), so a task's samples do not depend on the other tasks' prompts."""
+        """adapters: on a multi-task model, the task index whose adapter each prompt samples with."""
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
@@ -133,90 +185,239 @@ class NativeRolloutEngine:
         generator = None
         if sampling.seed is not None and adapters is None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        elif sampling.seed is not None:
-            generator = {a: torch.Generator(device=self.device).manual_seed(sampling.seed + ADAPTER_SEED_STRIDE * a)
-                         for a in set(adapters)}  # fmt: skip
-        requests = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        task_of_prompt = adapters if adapters is not None else [0] * len(prompts)
+        if self.share_prompt_prefix:
+            groups = [_Group(i, list(p), sampling.n, task_of_prompt[i]) for i, p in enumerate(prompts)]
+        else:
+            groups = [_Group(i, list(p), 1, task_of_prompt[i]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        if adapters is not None and sampling.seed is not None:
+            task_generators = {
+                task: torch.Generator(device=self.device).manual_seed(sampling.seed + ADAPTER_SEED_STRIDE * task)
+                for task in set(adapters)
+            }
+            for group in groups:
+                seed = int(torch.randint(2**62, (1,), generator=task_generators[group.adapter], device=self.device))
+                group.generator = torch.Generator(device=self.device).manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
         with self.policy.lease() as (_, version):
             try:
-                return self._generate_all(requests, sampling, generator, version, adapters)
+                samples = _Generation(self, groups, sampling, generator, multi_task=adapters is not None).run()
             finally:
                 self.model.train(was_training)
-
-    def _generate_all(self, requests, sampling: SamplingParams, generator, version: int, adapters=None) -> list[Sample]:
-        samples: list[Sample] = []
-        chunks = [requests[i : i + self.max_batch_sequences] for i in range(0, len(requests), self.max_batch_sequences)]
-        for i in range(self._any_rank(len(chunks))):
-            if i < len(chunks):
-                samples += self._generate_batch(chunks[i], sampling, generator, version, adapters)
-            else:  # no prompts left here: mirror the prefill and decode steps of busier ranks
-                self._idle_forward()
-                for step in range(sampling.max_new_tokens - 1):
-                    if not self._any_rank(False):
-                        break
-                    self._idle_forward()
+        for s in samples:
+            s.version, s.token_versions = version, [version] * len(s.completion_ids)
         return samples
 
-    def _generate_batch(
-        self, requests, sampling: SamplingParams, generator, version: int, adapters=None
-    ) -> list[Sample]:
-        device = self.device
-        prompt_lens = torch.tensor([len(p) for _, p in requests])
-        batch = len(requests)
-        cache = KVCache(len(self.model.layers), batch, int(prompt_lens.max()) + sampling.max_new_tokens, device)
 
-        tokens = torch.tensor([t for _, p in requests for t in p], device=device)
-        positions = torch.cat([torch.arange(n) for n in prompt_lens.tolist()]).to(device)
-        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), prompt_lens.cumsum(0)]).to(device)
-        cache.set_step(torch.repeat_interleave(torch.arange(batch), prompt_lens), positions, prefill_from_empty=True)
-        slot_adapters = None if adapters is None else torch.tensor([adapters[i] for i, _ in requests])
-        prefill_adapters = None
-        if slot_adapters is not None:
-            prefill_adapters = torch.repeat_interleave(slot_adapters, prompt_lens).to(device)
-        logits = self._forward(prefill_adapters, tokens, positions, cu_seqlens, int(prompt_lens.max()), cache=cache)
-        last_logits = logits[cu_seqlens[1:] - 1]
+class _Generation:
+    """One `generate` call: the cache table, the per-row state on the device, the round loop."""
 
-        completions: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finish = ["length"] * batch
-        lengths = prompt_lens.clone()
-        active = torch.arange(batch)
-        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
-        for step in range(sampling.max_new_tokens):
-            if len(active):
-                next_tokens, next_logprobs = self._sample(
-                    last_logits, sampling, generator, None if slot_adapters is None else slot_adapters[active]
-                )
-                for slot, token, logprob in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
-                    completions[slot].append(token)
-                    logprobs[slot].append(logprob)
-                stopped = torch.isin(next_tokens, stop_ids)
-                for slot in active[stopped].tolist():
-                    finish[slot] = "stop"
-                active, next_tokens = active[~stopped], next_tokens[~stopped]
-            if step == sampling.max_new_tokens - 1 or not self._any_rank(len(active) > 0):
+    def __init__(
+        self, engine: NativeRolloutEngine, groups: list[_Group], sampling: SamplingParams, generator, multi_task: bool
+    ):
+        self.engine, self.model, self.device = engine, engine.model, engine.device
+        self.sampling, self.generator = sampling, generator
+        self.groups = groups
+        G = groups[0].samples if groups else 1
+        self.G = G
+        num_blocks = max(1, min(len(groups), engine.max_batch_sequences // G))
+        max_prompt = max((len(g.prompt) for g in groups), default=1)
+        self.cache = KVCache(len(self.model.layers), num_blocks, G, max_prompt, sampling.max_new_tokens, self.device)
+        rows = num_blocks * G
+        dev = self.device
+        self.max_new = sampling.max_new_tokens
+        # per row, on the device; column ngen of `tokens` takes the next token (one spare column for
+        # rows that are done and keep writing there until their block is refilled)
+        self.tokens = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(rows, self.max_new + 1, dtype=torch.float32, device=dev)
+        self.ngen = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.done = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.prompt_lens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.multi_task = multi_task
+        self.row_adapter = torch.zeros(rows, dtype=torch.long, device=dev)
+        """Each row's task (multi-task models); free rows keep their last one."""
+        self.group_noise = multi_task and sampling.seed is not None and sampling.temperature > 0
+        """Whether each group draws its sampling noise from its own generator."""
+        self.stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
+        # per block, on the host
+        self.block_group: list[int | None] = [None] * num_blocks
+        self.block_steps = [0] * num_blocks
+        """Tokens generated so far by the block's rows (an upper bound once rows can stop)."""
+        # not under a sync group: the step's collectives (FSDP gathers, TP reductions) stay eager
+        # nor with several tasks: the routing of tokens to adapters changes as blocks are refilled
+        self.static_decode = (
+            engine.cuda_graphs and not multi_task and engine.sync_group is None and self.device.type == "cuda" and torch.cuda.is_available()
+        )
+        self.graph = None
+        self.samples: dict[int, list[Sample]] = {}
+        """Each group's samples, by group index."""
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self) -> list[Sample]:
+        waiting = deque(range(len(self.groups)))
+        interval = self.engine.stop_check_interval if self.sampling.stop_token_ids else self.max_new
+        while True:
+            self._collect_finished()
+            admitted = []
+            for block, group in enumerate(self.block_group):
+                if group is None and waiting:
+                    admitted.append(block)
+                    self.block_group[block] = waiting.popleft()
+                    self.block_steps[block] = 1  # the prefill samples the first token
+            busy = [b for b, g in enumerate(self.block_group) if g is not None]
+            needed = min(interval, max((self.max_new - self.block_steps[b] for b in busy), default=0))
+            any_prefill, steps = self.engine._agree(bool(admitted), needed)
+            if not any_prefill and steps == 0:  # every rank is done
                 break
-            if len(active) == 0:
-                self._idle_forward()
-                continue
-            positions = lengths[active]
-            cache.set_step(active, positions, prefill_from_empty=False)
-            cu_seqlens = torch.arange(len(active) + 1, device=device)
-            decode_adapters = None if slot_adapters is None else slot_adapters[active].to(device)
-            last_logits = self._forward(decode_adapters, next_tokens.to(device), positions.to(device), cu_seqlens, 1,
-                                        cache=cache)  # fmt: skip
-            lengths[active] += 1
-        return [
-            Sample(
-                prompt_index=prompt_index,
-                prompt_ids=prompt,
-                completion_ids=completions[slot],
-                logprobs=logprobs[slot],
-                finish_reason=finish[slot],
-                version=version,
-                token_versions=[version] * len(completions[slot]),
-            )
-            for slot, (prompt_index, prompt) in enumerate(requests)
-        ]
+            if admitted:
+                self._prefill(admitted)
+            elif any_prefill:
+                self.engine._idle_forward()
+            for _ in range(steps):
+                if busy:
+                    self._decode(busy)
+                else:
+                    self.engine._idle_forward()
+        return [s for i in range(len(self.groups)) for s in self.samples[i]]
+
+    def _rows(self, blocks: list[int]) -> torch.Tensor:
+        G = self.G
+        return torch.tensor([b * G + j for b in blocks for j in range(G)], device=self.device)
+
+    def _prefill(self, blocks: list[int]) -> None:
+        """Prefill the prompts of `blocks` (packed) and sample the first token of each of their rows."""
+        dev = self.device
+        prompts = [self.groups[self.block_group[b]].prompt for b in blocks]
+        lens = torch.tensor([len(p) for p in prompts])
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
+        positions = torch.cat([torch.arange(n) for n in lens.tolist()]).to(dev)
+        self.cache.begin_prefill(torch.tensor(blocks), lens)
+        rows = self._rows(blocks)
+        if self.multi_task:
+            block_adapters = torch.tensor([self.groups[self.block_group[b]].adapter for b in blocks], device=dev)
+            self.row_adapter[rows] = block_adapters.repeat_interleave(self.G)
+        token_adapters = block_adapters.repeat_interleave(lens.to(dev)) if self.multi_task else None
+        logits = self._forward(
+            token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
+            logits_rows=(cu_seqlens[1:] - 1).to(dev),
+        )  # [len(blocks), V]
+        first, first_lp = sample_next_tokens(
+            logits.repeat_interleave(self.G, dim=0), self.sampling, self.generator, self._group_race(blocks, logits)
+        )
+        self.tokens[rows, 0], self.logprobs[rows, 0] = first, first_lp
+        self.ngen[rows] = 1
+        self.done[rows] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
+        self.prompt_lens[rows] = lens.repeat_interleave(self.G).to(dev)
+
+    def _decode(self, busy: list[int]) -> None:
+        """One decode step: feed each row its last token. Eager: over the rows of blocks up to the
+        last busy one, reading the keys the busy blocks have so far. Static (CUDA graphs): over the
+        whole table and the whole cache, the same shapes at every step."""
+        if self.static_decode:
+            self._decode_static()
+        else:
+            prefix_span = max(len(self.groups[self.block_group[b]].prompt) for b in busy)
+            suffix_span = min(self.max_new, max(self.block_steps[b] for b in busy))
+            self._decode_step((max(busy) + 1) * self.G, prefix_span, suffix_span)
+        for b in busy:
+            self.block_steps[b] = min(self.block_steps[b] + 1, self.max_new)
+
+    def _decode_static(self) -> None:
+        c = self.cache
+        step = lambda: self._decode_step(c.num_rows_total, c.max_prompt_len, c.max_new_tokens)  # noqa: E731
+        if self.device.type != "cuda":  # the same shapes, run eagerly (how the CPU tests check them)
+            step()
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            step()  # a real step, which also warms up the kernels before the capture
+            graph = torch.cuda.CUDAGraph()
+            try:
+                if self.generator is not None:  # a seeded generator's offsets must advance per replay
+                    graph.register_generator_state(self.generator)
+                with torch.cuda.graph(graph):
+                    step()  # recorded, not run: it replays from the next step on
+            # RuntimeError: a host sync in the step (MoE routing, recurrent layers); AttributeError:
+            # a torch without register_generator_state (seeded sampling then runs eagerly)
+            except (RuntimeError, AttributeError) as e:
+                logger.info("the decode step cannot be captured in a CUDA graph (%s); decoding eagerly", e)
+                self.static_decode = False
+            else:
+                self.graph = graph
+
+    def _decode_step(self, R: int, prefix_span: int, suffix_span: int) -> None:
+        """Rows 0..R-1 take one token; all state stays on the device (no host sync)."""
+        ngen, done = self.ngen[:R], self.done[:R]
+        suffix_pos = (ngen - 1).clamp(min=0)
+        last = self.tokens[:R].gather(1, suffix_pos[:, None])[:, 0]
+        self.cache.begin_decode(R, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span)
+        logits = self._forward(
+            self.row_adapter[:R] if self.multi_task else None,
+            last, self.prompt_lens[:R] + suffix_pos, torch.arange(R + 1, device=self.device), 1, cache=self.cache,
+        )
+        race = self._group_race([b for b in range(R // self.G) if self.block_group[b] is not None], logits, R)
+        token, logprob = sample_next_tokens(logits, self.sampling, self.generator, race)
+        rows = torch.arange(R, device=self.device)
+        self.tokens[rows, ngen], self.logprobs[rows, ngen] = token, logprob
+        live = ~done
+        ngen += live  # in place: views of the engine's per-row state
+        done |= live & (torch.isin(token, self.stop_ids) | (ngen >= self.max_new))
+
+    def _forward(self, task_of_token: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
+        """The model's forward; on a multi-task model each token with its task's adapter."""
+        if task_of_token is None:
+            return self.model(*args, **kwargs)
+        with adapter_routing(self.model, task_of_token):
+            return self.model(*args, **kwargs)
+
+    def _group_race(self, blocks: list[int], logits: torch.Tensor, rows: int | None = None) -> torch.Tensor | None:
+        """The Exp(1) sampling draws [rows or G * len(blocks), V] with each group's rows drawn from its
+        own generator (free rows: ones), or None when groups do not sample on their own."""
+        if not self.group_noise:
+            return None
+        V = logits.shape[-1]
+        if rows is None:  # prefill: the blocks' rows, in order
+            draws = [torch.empty(self.G, V, device=self.device).exponential_(generator=self.groups[self.block_group[b]].generator) for b in blocks]
+            return torch.cat(draws)
+        race = torch.ones(rows, V, device=self.device)
+        for b in blocks:
+            race[b * self.G : (b + 1) * self.G].exponential_(generator=self.groups[self.block_group[b]].generator)
+        return race
+
+    def _collect_finished(self) -> None:
+        """Turn the blocks whose rows are all done into samples and free them (one host read)."""
+        busy = [b for b, g in enumerate(self.block_group) if g is not None]
+        if not busy:
+            return
+        if self.sampling.stop_token_ids:
+            done = self.done.view(-1, self.G).all(dim=1).cpu().tolist()
+            finished = [b for b in busy if done[b] or self.block_steps[b] >= self.max_new]
+        else:
+            finished = [b for b in busy if self.block_steps[b] >= self.max_new]
+        if not finished:
+            return
+        rows = self._rows(finished)
+        tokens, logprobs, ngen = self.tokens[rows].cpu(), self.logprobs[rows].cpu(), self.ngen[rows].cpu()
+        stop_ids = set(self.sampling.stop_token_ids)
+        for i, b in enumerate(finished):
+            group = self.groups[self.block_group[b]]
+            self.samples[self.block_group[b]] = []
+            for j in range(self.G):
+                r = i * self.G + j
+                n = int(ngen[r])
+                completion = tokens[r, :n].tolist()
+                self.samples[self.block_group[b]].append(
+                    Sample(
+                        prompt_index=group.prompt_index,
+                        prompt_ids=group.prompt,
+                        completion_ids=completion,
+                        logprobs=logprobs[r, :n].tolist(),
+                        finish_reason="stop" if completion[-1] in stop_ids else "length",
+                        version=0,
+                        token_versions=[0] * n,
+                    )
+                )
+            self.block_group[b] = None
+            self.block_steps[b] = 0

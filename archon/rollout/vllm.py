@@ -3,7 +3,10 @@
 `VLLMRolloutEngine` only generates: the servers it launches or connects to are managed by
 archon.rollout.vllm_server, and adapters or weights reach them through a weight sync
 (archon.sync.weight_sync), which publishes each new version to the engine's `policy`. Token ids go
-in and come back (`return_token_ids`), with the sampled token's log-prob per step.
+in and come back (`return_token_ids`), with the sampled token's log-prob per step. The servers are
+launched with `--logprobs-mode processed_logprobs`: the log-prob is that of the distribution vLLM
+sampled from (temperature, then top-k/top-p truncation, renormalised), the convention of every
+engine here (see archon/rollout/base.py Sample and archon/rollout/native.py).
 
 Versions and concurrent updates: generation may run in one thread while a sync publishes from
 another. Each HTTP request reads (served adapter name, version) from the policy when it starts and

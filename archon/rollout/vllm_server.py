@@ -298,6 +298,8 @@ class VLLMServers:
         cfg = self.config
         port = cfg.port + index
         check_port_free(cfg.host, port)
+        # processed_logprobs: each token's log-prob under the truncated, renormalised distribution it
+        # was sampled from (the behaviour policy), as the native engine reports it
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype,

@@ -204,48 +204,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        context = cache.update(k, v) if cache is not None else None
         # Under tensor parallelism the sinks are sharded with the q heads; this rank's shard matches its heads.
         sinks = None if self.sinks is None else local_tensor(self.sinks)
-        if context is None:
+        out = None if cache is None else cache.attention(q, k, v, self.scale, sinks, self.sliding_window)
+        if out is None:  # training, or a prefill (the cache has stored k and v)
             out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, sinks, self.sliding_window)
-        else:
-            out = cached_attention(q, *context, self.scale, sinks, self.sliding_window)
         return self.o_proj(out.reshape(T, -1))
 
-
-def cached_attention(
-    q: torch.Tensor,
-    k_context: torch.Tensor,
-    v_context: torch.Tensor,
-    q_positions: torch.Tensor,
-    scale: float,
-    sinks: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Attention of each query token over its own sequence's cached keys (generation).
-
-    q: [T, H, D]; k_context: [T, S, Hkv, D]; v_context: [T, S, Hkv, Dv]; q_positions: [T].
-    Key j of row t sits at position j and is visible iff j <= q_positions[t] (and, with a
-    window, j > q_positions[t] - sliding_window). Returns [T, H, Dv].
-    """
-    key_positions = torch.arange(k_context.shape[1], device=q.device)
-    allowed = key_positions[None, :] <= q_positions[:, None]
-    if sliding_window is not None:
-        allowed &= key_positions[None, :] > q_positions[:, None] - sliding_window
-    q4 = q[:, :, None, :]  # [T, H, 1, D]
-    k4, v4 = k_context.transpose(1, 2), v_context.transpose(1, 2)  # [T, Hkv, S, D]
-    n_heads, n_kv_heads = q.shape[1], k_context.shape[2]
-    if sinks is None:
-        out = F.scaled_dot_product_attention(
-            q4, k4, v4, attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=n_heads != n_kv_heads
-        )
-    else:
-        groups = n_heads // n_kv_heads
-        k4, v4 = k4.repeat_interleave(groups, dim=1), v4.repeat_interleave(groups, dim=1)
-        scores = (q4 @ k4.transpose(-1, -2)).float() * scale  # [T, H, 1, S]
-        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        sink_logits = sinks.float().view(1, n_heads, 1, 1).expand(scores.shape[0], n_heads, 1, 1)
-        probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]
-        out = probs.to(v4.dtype) @ v4
-    return out[:, :, 0, :]

@@ -77,15 +77,20 @@ class PackedDecoderLM(nn.Module):
         max_seqlen: int,
         return_hidden: bool = False,
         cache=None,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, positions: [T]; cu_seqlens: [N+1]. Returns logits [T, V] or final hidden states [T, dim].
 
         cache: a KVCache (archon/rollout/kv_cache.py) during generation; each layer gets its own slice.
+        logits_rows: [M] the positions whose logits to return ([M, V]; generation needs only each
+        sequence's last), or None for all.
         """
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i))
+        if logits_rows is not None:
+            h = h[logits_rows]
         h = self.norm(h)
         if return_hidden:
             return h

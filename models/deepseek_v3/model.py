@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.attention import cached_attention, packed_attention
+from archon.models.common.attention import packed_attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.moe import group_limited_moe_mlp
 from archon.models.common.norms import RMSNorm
@@ -82,14 +82,12 @@ class MultiHeadLatentAttention(nn.Module):
         k_rot = self.shared_rope_key(apply_rotary(k_rot[:, None, :], cos, sin, self.interleaved))  # [T, 1, rope]
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1)), dim=-1)
-        context = cache.update(k, v) if cache is not None else None
-        if context is None:
+        out = None if cache is None else cache.attention(q, k, v, self.scale)
+        if out is None:  # training, or a prefill (the cache has stored k and v)
             # The flash varlen kernel takes one head size for q, k and v: values are zero-padded up
             # to the query/key size and the padding is cut from the output.
             pad = max(self.qk_head_dim - self.v_dim, 0)
             out = packed_attention(q, k, F.pad(v, (0, pad)), cu_seqlens, max_seqlen, self.scale)[..., : self.v_dim]
-        else:
-            out = cached_attention(q, *context, self.scale)
         return self.o_proj(out.reshape(T, -1))
 
 

@@ -25,7 +25,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.attention import cached_attention, packed_attention
+from archon.models.common.attention import packed_attention
 from archon.models.common.decoder import PackedDecoderLM
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import GroupedExperts, SoftmaxTopKRouter
@@ -292,11 +292,9 @@ class GatedAttention(nn.Module):
         k = self.k_proj(x).view(T, -1, hd)
         v = self.v_proj(x).view(T, -1, hd)
         q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
-        context = cache.update(k, v) if cache is not None else None
-        if context is None:
+        out = None if cache is None else cache.attention(q, k, v, self.scale)
+        if out is None:  # training, or a prefill (the cache has stored k and v)
             out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
-        else:
-            out = cached_attention(q, *context, self.scale)
         return self.o_proj((out * torch.sigmoid(gate)).reshape(T, -1))
 
 

