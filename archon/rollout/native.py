@@ -214,7 +214,12 @@ class _Generation:
     """One `generate` call: the cache table, the per-row state on the device, the round loop."""
 
     def __init__(
-        self, engine: NativeRolloutEngine, groups: list[_Group], sampling: SamplingParams, generator, multi_task: bool
+        self,
+        engine: NativeRolloutEngine,
+        groups: list[_Group],
+        sampling: SamplingParams,
+        generator,
+        multi_task: bool = False,
     ):
         self.engine, self.model, self.device = engine, engine.model, engine.device
         self.sampling, self.generator = sampling, generator
@@ -379,7 +384,10 @@ class _Generation:
             return None
         V = logits.shape[-1]
         if rows is None:  # prefill: the blocks' rows, in order
-            draws = [torch.empty(self.G, V, device=self.device).exponential_(generator=self.groups[self.block_group[b]].generator) for b in blocks]
+            draws = [
+                torch.empty(self.G, V, device=self.device).exponential_(generator=self.groups[self.block_group[b]].generator)
+                for b in blocks
+            ]
             return torch.cat(draws)
         race = torch.ones(rows, V, device=self.device)
         for b in blocks:
