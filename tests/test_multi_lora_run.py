@@ -101,6 +101,8 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
         assert steps[1][f"{name}/lr"] == (1e-2 if name == "add" else 5e-3)
         assert f"{name}/eval_accuracy" in steps[0] and f"{name}/eval_accuracy" in steps[2]
         assert f"{name}/loss" in steps[1] and f"{name}/reward_mean" in steps[1]
+        # every metric the task's loss reports, as the single-task recipe logs them
+        assert {f"{name}/{key}" for key in ("policy_loss", "clip_fraction", "approx_kl", "entropy")} <= steps[1].keys()
         out = run_dir / "tasks" / name
         adapter = json.loads((out / "adapter" / ADAPTER_CONFIG).read_text())
         assert adapter["r"] == (4 if name == "add" else 2)
@@ -111,6 +113,25 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
     assert "broken/loss" not in steps[1] and "broken/reward_mean" not in steps[2]
     assert not (run_dir / "tasks" / "broken" / "adapter").exists()
     assert steps[2]["active_tasks"] == 2.0
+
+
+def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):
+    """A model config with a list of EOS ids (as Llama 3's): every one of them ends a rollout, as in
+    the single-task recipe."""
+    import shutil
+
+    root = tmp_path / "setup"
+    shutil.copytree(setup / "model", root / "model")
+    config_file = root / "model" / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    hf_config["eos_token_id"] = [hf_config["eos_token_id"], 5]
+    config_file.write_text(json.dumps(hf_config))
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+    run = MultiTaskRun(_config(root, tmp_path / "run", 1, tasks))
+    try:
+        assert set(hf_config["eos_token_id"]) <= set(run.stop_token_ids)
+    finally:
+        run.close()
 
 
 def test_a_task_is_added_and_one_removed_at_a_checkpoint_boundary(setup, tmp_path, importable_module):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import shutil
 import time
 import zlib
 from pathlib import Path
@@ -32,13 +31,21 @@ from archon.checkpoint.resume import CheckpointManager
 from archon.lora import task_view
 from archon.rl.algorithms import get_algorithm
 from archon.rl.config import GRPOConfig, TaskConfig, validate
-from archon.rl.data import PromptBatchIterator, load_prompt_dataset, tokenize_prompt
-from archon.rl.loop import RewardFunctionError, rollout_batch
+from archon.rl.data import PromptBatchIterator, load_prompt_dataset
+from archon.rl.loop import (
+    RewardFunctionError,
+    prompt_ids,
+    prune_adapter_exports,
+    replace_stale_groups,
+    rollout_batch,
+    stop_token_ids,
+    teacher_logprobs,
+    update_summary,
+)
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
-from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
-from archon.rl.versions import stale_groups
+from archon.rl.run_dir import prepare_run_dir
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
@@ -179,8 +186,7 @@ class MultiTaskRun:
         self.eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.path,
                                         "model.tokenizer" if config.model.tokenizer else "model.path")  # fmt: skip
-        eos = {self.tokenizer.eos_token_id, getattr(self.trainer.loaded.hf_config, "eos_token_id", None)}
-        self.stop_token_ids = tuple(sorted(i for i in eos if isinstance(i, int)))
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.trainer.loaded.hf_config)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard)
         self.tasks: dict[str, TaskRun] = {}
         self.servers = self.channel = self.native = None
@@ -227,11 +233,7 @@ class MultiTaskRun:
 
     # ---- helpers ------------------------------------------------------------------------------
     def _prompt_ids(self, task: TaskRun, examples) -> list[list[int]]:
-        return [
-            ex.prompt_ids if ex.prompt_ids is not None
-            else tokenize_prompt(self.tokenizer, ex.prompt, task.config.data.apply_chat_template)
-            for ex in examples
-        ]  # fmt: skip
+        return prompt_ids(self.tokenizer, examples, task.config.data.apply_chat_template)
 
     def _generate(self, task: TaskRun, examples, sampling: SamplingParams) -> list[Sample]:
         if isinstance(task.rollout, NativeRolloutEngine):
@@ -296,17 +298,10 @@ class MultiTaskRun:
         if task.producer is None:
             return self._generate_rollouts(task, task.version)
         rollouts = task.producer.take(task.version)
-        G, bound = self.config.rollout.group_size, task.config.max_staleness
-        oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
-        stale = stale_groups(oldest, G, task.version, bound)
-        if stale:
-            prompts = [rollouts.examples[g] for g in stale]
-            regenerated = self._generate(task, prompts, self._sampling(task, task.version))
-            for slot, group in enumerate(stale):
-                for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
-                    sample.prompt_index = group
-                    rollouts.samples[group * G + i] = sample
-            rollouts.stale_dropped = len(stale) * G
+        replace_stale_groups(
+            rollouts, self.config.rollout.group_size, task.version, task.config.max_staleness,
+            lambda examples: self._generate(task, examples, self._sampling(task, task.version)),
+        )  # fmt: skip
         return rollouts
 
     def _start_producers(self, first: int) -> None:
@@ -416,18 +411,10 @@ class MultiTaskRun:
             sub = batch.select([i for i, first in enumerate(batch.cu_seqlens[:-1].tolist())
                                 if int(batch.extras[TASK_EXTRA][first]) == task.index])  # fmt: skip
             batch.advantages[mine] = task.algorithm.token_advantages(
-                sub.advantages, sub.old_logprobs, self._teacher_logprobs(task, sub, temperature), sub.loss_mask
+                sub.advantages, sub.old_logprobs, teacher_logprobs(task.teacher, sub, self.device, temperature),
+                sub.loss_mask,
             )
         return batch
-
-    def _teacher_logprobs(self, task: TaskRun, batch: PackedBatch, temperature: float) -> torch.Tensor:
-        from archon.head import label_logprobs
-
-        with torch.no_grad():
-            b = batch.to(self.device)
-            hidden = task.teacher(b.tokens, b.positions, b.cu_seqlens, b.max_seqlen, return_hidden=True)
-            lp, _ = label_logprobs(hidden, task.teacher.output_weight, b.labels, temperature)
-        return lp.float().cpu() * batch.loss_mask
 
     def _train(self, batch: PackedBatch, tasks: list[TaskRun]) -> dict[str, dict[str, float]]:
         """ppo_epochs x minibatches updates (the same for every task); minibatch m holds the m-th
@@ -453,11 +440,8 @@ class MultiTaskRun:
         for task in tasks:
             self.trainer.advance_schedule(task.name)
             done = updates[task.name]
-            applied = [u for u in done if not u["skipped"]] or done[-1:]
             summary[task.name] = {
-                "loss": sum(u["loss"] for u in applied) / len(applied),
-                "grad_norm": sum(u["grad_norm"] for u in applied) / len(applied),
-                "lr": done[0]["lr"], "skipped_updates": sum(u["skipped"] for u in done),
+                **update_summary(done), "skipped_updates": sum(u["skipped"] for u in done),
                 "skipped_steps": float(task.skipped_steps + int(any(u["skipped"] for u in done))),
             }  # fmt: skip
         return summary
@@ -566,10 +550,7 @@ class MultiTaskRun:
             out = task.dir / ("adapter" if final else f"adapters/step_{step:06d}")
             self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.name)
             if not final:
-                exports = [p for p in (task.dir / "adapters").iterdir() if ADAPTER_EXPORT.fullmatch(p.name)]
-                exports.sort(key=lambda p: int(ADAPTER_EXPORT.fullmatch(p.name).group(1)))
-                for stale in exports[: -self.config.checkpoint.keep_last_adapters]:
-                    shutil.rmtree(stale)
+                prune_adapter_exports(task.dir / "adapters", self.config.checkpoint.keep_last_adapters)
 
     def close(self) -> None:
         self.metrics.close()
