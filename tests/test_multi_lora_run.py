@@ -228,8 +228,10 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
         return batch
 
     monkeypatch.setattr(multi_task.MultiTaskRun, "_prepare", recording)
-    run = MultiTaskRun(_config(setup, tmp_path / "run", 1, distill + kl, "--eval.every", "0"))
+    distill2 = distill.replace("name: distill", "name: distill2")
+    run = MultiTaskRun(_config(setup, tmp_path / "run", 1, distill + kl + distill2, "--eval.every", "0"))
     assert run.tasks["distill"].teacher is not None and run.tasks["kl"].teacher is None
+    assert run.tasks["distill2"].teacher is run.tasks["distill"].teacher  # one copy of a shared teacher
     run.run()
     batch = seen["batch"]
     task = batch.extras["task"]

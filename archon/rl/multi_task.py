@@ -101,11 +101,7 @@ class TaskRun:
                                                 run.eval_new_tokens)  # fmt: skip
         self.teacher = None
         if self.algorithm.needs_teacher:
-            from archon.build import build_model
-
-            teacher_option = f"tasks[{index}].algorithm.teacher_path"
-            teacher = build_model(config.algorithm.teacher_path, device=run.device, path_option=teacher_option)
-            self.teacher = teacher.model.eval().requires_grad_(False)
+            self.teacher = run.teacher(config.algorithm.teacher_path, f"tasks[{index}].algorithm.teacher_path")
         self.dir = run.run_dir / TASKS_DIR / self.name
         self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
         self.scorer = RewardScorer(config.reward)
@@ -189,6 +185,8 @@ class MultiTaskRun:
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.trainer.loaded.hf_config)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard)
         self.tasks: dict[str, TaskRun] = {}
+        self.teachers: dict[str, torch.nn.Module] = {}
+        """The frozen teachers by path: tasks that name the same teacher share one copy."""
         self.servers = self.channel = self.native = None
         """With rollout.engine=vllm: the servers, which serve every task's adapter side by side, and
         the collective transport's channel, shared by the tasks' syncs. With the built-in engine:
@@ -232,6 +230,16 @@ class MultiTaskRun:
             self.channel = WorkerChannel(self.servers.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
 
     # ---- helpers ------------------------------------------------------------------------------
+    def teacher(self, path: str, option: str) -> torch.nn.Module:
+        """The frozen teacher model at `path` (`option` names the setting, for errors), built once."""
+        key = str(Path(path).resolve())
+        if key not in self.teachers:
+            from archon.build import build_model
+
+            teacher = build_model(path, device=self.device, path_option=option)
+            self.teachers[key] = teacher.model.eval().requires_grad_(False)
+        return self.teachers[key]
+
     def _prompt_ids(self, task: TaskRun, examples) -> list[list[int]]:
         return prompt_ids(self.tokenizer, examples, task.config.data.apply_chat_template)
 
