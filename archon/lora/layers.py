@@ -18,12 +18,11 @@ tasks. A module that a task does not target adds nothing to that task's tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from dataclasses import dataclass
 
 from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable
 from archon.lora.config import LoRAConfig
