@@ -412,12 +412,12 @@ class MultiTaskRun:
                     batch.old_logprobs[mine] = batch.rollout_logprobs[mine]
         if any(t.algorithm.needs_reference for t in tasks):
             batch.ref_logprobs = self.trainer.logprobs(batch, temperature, use_adapter=False).logprobs
+        sequences_by_task = self.trainer.task_sequences(batch)
         for task in tasks:
             if task.teacher is None:
                 continue
             mine = batch.extras[TASK_EXTRA] == task.index
-            sub = batch.select([i for i, first in enumerate(batch.cu_seqlens[:-1].tolist())
-                                if int(batch.extras[TASK_EXTRA][first]) == task.index])  # fmt: skip
+            sub = batch.select(sequences_by_task[task.name])
             batch.advantages[mine] = task.algorithm.token_advantages(
                 sub.advantages, sub.old_logprobs, teacher_logprobs(task.teacher, sub, self.device, temperature),
                 sub.loss_mask,
@@ -428,8 +428,7 @@ class MultiTaskRun:
         """ppo_epochs x minibatches updates (the same for every task); minibatch m holds the m-th
         share of every task's sequences, and each update steps each task's own optimizer."""
         algo = tasks[0].config.algorithm
-        first_token_task = batch.extras[TASK_EXTRA][batch.cu_seqlens[:-1]].tolist()
-        by_task = {task.index: [i for i, t in enumerate(first_token_task) if t == task.index] for task in tasks}
+        by_task = self.trainer.task_sequences(batch)
         loss_fns = {task.name: task.algorithm.loss for task in tasks}
         updates: dict[str, list[dict[str, float]]] = {task.name: [] for task in tasks}
         for _ in range(algo.ppo_epochs):
