@@ -290,3 +290,27 @@ def test_rollout_benchmark_quick_mode(monkeypatch):
         ("sampled", "native_unshared"), ("long", "native_unshared")
     }
     assert all(r["tokens_per_s"] > 0 and r["of_bandwidth_limit"] > 0 for r in report["rows"])
+
+
+def test_groups_larger_than_the_table_are_refused_or_split(tiny_checkpoint):
+    """A prompt's n samples share one block, so n > max_batch_sequences is a clear error rather
+    than a table larger than asked for (on every rank alike, prompts or none: ranks in lockstep
+    fail together); without prefix sharing each sample is its own block and the table keeps its
+    size."""
+    model = _lora_model(tiny_checkpoint("qwen3"))
+    sampling = SamplingParams(max_new_tokens=3, temperature=0, n=3)
+    with pytest.raises(ValueError, match=r"sampling.n=3 exceeds max_batch_sequences=2"):
+        NativeRolloutEngine(model, max_batch_sequences=2).generate(PROMPTS, sampling)
+    rows = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows.append(args[0].numel()) if kwargs["cache"].decoding else None, with_kwargs=True
+    )
+    try:
+        got = NativeRolloutEngine(model, max_batch_sequences=2, share_prompt_prefix=False).generate(PROMPTS, sampling)
+    finally:
+        hook.remove()
+    assert max(rows) <= 2
+    _assert_same_samples(got, NativeRolloutEngine(model).generate(PROMPTS, sampling))
+    with pytest.raises(ValueError, match=r"sampling.n=3 exceeds max_batch_sequences=2"):
+        NativeRolloutEngine(model, max_batch_sequences=2).generate([], sampling)
+    assert NativeRolloutEngine(model, max_batch_sequences=3).generate([], sampling) == []

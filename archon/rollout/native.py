@@ -117,7 +117,8 @@ ADAPTER_SEED_STRIDE = 1_000_033
 
 
 class NativeRolloutEngine:
-    """max_batch_sequences: rows of the cache table (sequences decoded together).
+    """max_batch_sequences: rows of the cache table (sequences decoded together); with
+    share_prompt_prefix, at least `sampling.n` (a prompt's samples fill one block of the table).
     sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it runs
     the same number of forwards. Default: the whole default process group when one is running.
     share_prompt_prefix: prefill each prompt once for its `n` samples (False: once per sample).
@@ -177,6 +178,11 @@ class NativeRolloutEngine:
         self, prompts: list[list[int]], sampling: SamplingParams, adapters: list[int] | None = None
     ) -> list[Sample]:
         """adapters: on a multi-task model, the task index whose adapter each prompt samples with."""
+        if self.share_prompt_prefix and sampling.n > self.max_batch_sequences:
+            raise ValueError(
+                f"sampling.n={sampling.n} exceeds max_batch_sequences={self.max_batch_sequences}: the n samples "
+                "of a prompt share one block of the cache table, so the table needs at least n rows"
+            )
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
