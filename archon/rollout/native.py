@@ -42,6 +42,7 @@ task's prompts: a task's samples depend on its own prompts, not on the other tas
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import deque
 from dataclasses import dataclass
 
@@ -97,6 +98,20 @@ def sample_next_tokens(
             race = torch.empty_like(logprobs).exponential_(generator=generator)
         tokens = (logprobs - race.log()).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def _syncs_with_host(fn) -> bool:
+    """Run fn (on a CUDA device) and say whether it synchronised with the host (.item(), .tolist(),
+    a data-dependent shape): such a step cannot be captured in a CUDA graph."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return any("synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 @dataclass
@@ -343,20 +358,32 @@ class _Generation:
         elif self.graph is not None:
             self.graph.replay()
         else:
-            step()  # a real step, which also warms up the kernels before the capture
-            graph = torch.cuda.CUDAGraph()
-            try:
-                if self.generator is not None:  # a seeded generator's offsets must advance per replay
-                    graph.register_generator_state(self.generator)
-                with torch.cuda.graph(graph):
-                    step()  # recorded, not run: it replays from the next step on
-            # RuntimeError: a host sync in the step (MoE routing, recurrent layers); AttributeError:
-            # a torch without register_generator_state (seeded sampling then runs eagerly)
-            except (RuntimeError, AttributeError) as e:
-                logger.info("the decode step cannot be captured in a CUDA graph (%s); decoding eagerly", e)
+            # a real step, which also warms up the kernels before the capture; a step that syncs with
+            # the host (MoE routing, recurrent layers) cannot be captured, and is found out here rather
+            # than by a capture that fails halfway
+            if _syncs_with_host(step):
+                logger.info("the decode step synchronises with the host; decoding eagerly, without a CUDA graph")
                 self.static_decode = False
-            else:
-                self.graph = graph
+                return
+            self.graph = self._capture(step)
+            self.static_decode = self.graph is not None
+
+    def _capture(self, step) -> torch.cuda.CUDAGraph | None:
+        """`step` recorded (not run) in a CUDA graph, or None (logged) when it cannot be."""
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            if self.generator is not None:  # a seeded generator's offsets must advance per replay
+                graph.register_generator_state(self.generator)
+            with torch.cuda.graph(graph):
+                step()
+        # RuntimeError: the capture failed; AttributeError: a torch without register_generator_state
+        except (RuntimeError, AttributeError) as e:
+            # a capture that fails on exit leaves its capture stream current: restore this thread's
+            torch.cuda.set_stream(stream)
+            logger.info("the decode step cannot be captured in a CUDA graph (%s); decoding eagerly", e)
+            return None
+        return graph
 
     def _decode_step(self, R: int, prefix_span: int, suffix_span: int) -> None:
         """Rows 0..R-1 take one token; all state stays on the device (no host sync)."""
