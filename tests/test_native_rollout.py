@@ -314,3 +314,37 @@ def test_groups_larger_than_the_table_are_refused_or_split(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"sampling.n=3 exceeds max_batch_sequences=2"):
         NativeRolloutEngine(model, max_batch_sequences=2).generate([], sampling)
     assert NativeRolloutEngine(model, max_batch_sequences=3).generate([], sampling) == []
+
+
+class _EngineWithABusierPeer(NativeRolloutEngine):
+    """What the round agreement reports when another rank of the sync group still has a prompt to
+    prefill and two decode steps to run after this rank is done."""
+
+    peer_done = False
+
+    def _agree(self, admitted, decode_steps):
+        if not admitted and decode_steps == 0 and not self.peer_done:
+            self.peer_done = True
+            return True, 2
+        return admitted, decode_steps
+
+
+def test_idle_forwards_of_a_multi_task_model(tiny_checkpoint):
+    """A rank with nothing left to do runs one-token forwards while a peer prefills and decodes;
+    on a multi-task model those forwards too route their token to an adapter. The rank's samples
+    are those it generates alone."""
+    model = build_model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}).model
+    with torch.no_grad():
+        for p in lora_parameters(model).values():
+            p.normal_(0, 0.2)
+    sampling = SamplingParams(max_new_tokens=4, temperature=0, n=2)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        alone = NativeRolloutEngine(model).generate(PROMPTS, sampling, adapters=[0, 1, 1])
+        alone_forwards = len(forwards)
+        got = _EngineWithABusierPeer(model).generate(PROMPTS, sampling, adapters=[0, 1, 1])
+    finally:
+        hook.remove()
+    _assert_same_samples(got, alone)
+    assert len(forwards) - alone_forwards == alone_forwards + 3  # one idle prefill, two idle decode steps

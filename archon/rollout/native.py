@@ -177,11 +177,6 @@ class NativeRolloutEngine:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
         return bool(t[0]), int(t[1])
 
-    def _idle_forward(self) -> None:
-        """A one-token forward that keeps this rank's collectives in step with busier ranks."""
-        one = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.model(one, one, torch.tensor([0, 1], device=self.device), 1)
-
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
 
@@ -299,13 +294,19 @@ class _Generation:
             if admitted:
                 self._prefill(admitted)
             elif any_prefill:
-                self.engine._idle_forward()
+                self._idle_forward()
             for _ in range(steps):
                 if busy:
                     self._decode(busy)
                 else:
-                    self.engine._idle_forward()
+                    self._idle_forward()
         return [s for i in range(len(self.groups)) for s in self.samples[i]]
+
+    def _idle_forward(self) -> None:
+        """A one-token forward that keeps this rank's collectives in step with busier ranks (on a
+        multi-task model, with the first task's adapter: its forward needs each token's task)."""
+        one = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._forward(one if self.multi_task else None, one, one, torch.tensor([0, 1], device=self.device), 1)
 
     def _rows(self, blocks: list[int]) -> torch.Tensor:
         G = self.G
