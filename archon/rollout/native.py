@@ -22,9 +22,10 @@ Log-probs: each token's log-prob is that of the distribution it was actually dra
 behaviour policy: temperature-scaled logits, truncated by top-k then top-p, renormalised (the same
 as vLLM's `processed_logprobs`, which the vLLM servers are launched with). Without truncation that
 is log_softmax(logits / temperature), which the trainer recomputes (`Trainer.logprobs`); with
-truncation the trainer's untruncated log-probs differ from it, and the importance weight
-pi_old / mu of the loss (archon/rl/algorithms.py) corrects for exactly that difference. Greedy
-decoding reports log_softmax(logits).
+truncation the trainer's untruncated log-probs differ from it, by exactly what the importance
+weight pi_old / mu of the loss corrects for when importance sampling is on
+(archon/rl/algorithms.py; on by default only for asynchronous rollouts). Greedy decoding reports
+log_softmax(logits).
 
 Lockstep: under FSDP/TP every rank of the sync group runs the same number of forwards. The engine
 works in rounds (admit and prefill, then up to `stop_check_interval` decode steps); at the start
