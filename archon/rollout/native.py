@@ -15,8 +15,8 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
   reads the done flags once every `stop_check_interval` decode steps (only when there are stop
   tokens: without them, when a row ends is known in advance) and the finished rows' tokens once.
 - The head runs on the last position of each sequence only.
-- On CUDA (one process), the decode step is captured once per `generate` in a CUDA graph and
-  replayed: one launch per step instead of one per op (`cuda_graphs`).
+- On CUDA (one process, one task), the decode step is captured once per `generate` in a CUDA
+  graph and replayed: one launch per step instead of one per op (`cuda_graphs`).
 
 Log-probs: each token's log-prob is that of the distribution it was actually drawn from, the
 behaviour policy: temperature-scaled logits, truncated by top-k then top-p, renormalised (the same
