@@ -192,6 +192,18 @@ VALIDATION_CASES = {
         {"algorithm.loss.importance_sampling": "sequence", "algorithm.recompute_old_logprobs": False},
         "algorithm.loss.importance_sampling='sequence': needs algorithm.recompute_old_logprobs=true",
     ),  # fmt: skip
+    "top-p-without-recompute": (
+        {"rollout.top_p": 0.9, "algorithm.recompute_old_logprobs": False},
+        "algorithm.recompute_old_logprobs=False: must be true with rollout.top_p=0.9",
+    ),  # fmt: skip
+    "top-k-without-recompute": (
+        {"rollout.top_k": 20, "algorithm.recompute_old_logprobs": False},
+        "algorithm.recompute_old_logprobs=False: must be true with rollout.top_p=1.0 / rollout.top_k=20",
+    ),  # fmt: skip
+    "group-larger-than-the-native-table": (
+        {"rollout.group_size": 8, "rollout.max_batch_sequences": 4},
+        "rollout.max_batch_sequences=4: must be at least rollout.group_size=8",
+    ),  # fmt: skip
     "icepop-band-outside-one": ({"algorithm.loss.icepop_band": (1.5, 5.0)}, "algorithm.loss.icepop_band=(1.5, 5.0)"),
     "dual-clip-not-above-one": ({"algorithm.loss.clip_ratio_c": 0.9}, "algorithm.loss.clip_ratio_c=0.9: must be > 1"),
     "dual-clip-with-cispo": (

@@ -290,3 +290,61 @@ def test_rollout_benchmark_quick_mode(monkeypatch):
         ("sampled", "native_unshared"), ("long", "native_unshared")
     }
     assert all(r["tokens_per_s"] > 0 and r["of_bandwidth_limit"] > 0 for r in report["rows"])
+
+
+def test_groups_larger_than_the_table_are_refused_or_split(tiny_checkpoint):
+    """A prompt's n samples share one block, so n > max_batch_sequences is a clear error rather
+    than a table larger than asked for (on every rank alike, prompts or none: ranks in lockstep
+    fail together); without prefix sharing each sample is its own block and the table keeps its
+    size."""
+    model = _lora_model(tiny_checkpoint("qwen3"))
+    sampling = SamplingParams(max_new_tokens=3, temperature=0, n=3)
+    with pytest.raises(ValueError, match=r"sampling.n=3 exceeds max_batch_sequences=2"):
+        NativeRolloutEngine(model, max_batch_sequences=2).generate(PROMPTS, sampling)
+    rows = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows.append(args[0].numel()) if kwargs["cache"].decoding else None, with_kwargs=True
+    )
+    try:
+        got = NativeRolloutEngine(model, max_batch_sequences=2, share_prompt_prefix=False).generate(PROMPTS, sampling)
+    finally:
+        hook.remove()
+    assert max(rows) <= 2
+    _assert_same_samples(got, NativeRolloutEngine(model).generate(PROMPTS, sampling))
+    with pytest.raises(ValueError, match=r"sampling.n=3 exceeds max_batch_sequences=2"):
+        NativeRolloutEngine(model, max_batch_sequences=2).generate([], sampling)
+    assert NativeRolloutEngine(model, max_batch_sequences=3).generate([], sampling) == []
+
+
+class _EngineWithABusierPeer(NativeRolloutEngine):
+    """What the round agreement reports when another rank of the sync group still has a prompt to
+    prefill and two decode steps to run after this rank is done."""
+
+    peer_done = False
+
+    def _agree(self, admitted, decode_steps):
+        if not admitted and decode_steps == 0 and not self.peer_done:
+            self.peer_done = True
+            return True, 2
+        return admitted, decode_steps
+
+
+def test_idle_forwards_of_a_multi_task_model(tiny_checkpoint):
+    """A rank with nothing left to do runs one-token forwards while a peer prefills and decodes;
+    on a multi-task model those forwards too route their token to an adapter. The rank's samples
+    are those it generates alone."""
+    model = build_model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}).model
+    with torch.no_grad():
+        for p in lora_parameters(model).values():
+            p.normal_(0, 0.2)
+    sampling = SamplingParams(max_new_tokens=4, temperature=0, n=2)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        alone = NativeRolloutEngine(model).generate(PROMPTS, sampling, adapters=[0, 1, 1])
+        alone_forwards = len(forwards)
+        got = _EngineWithABusierPeer(model).generate(PROMPTS, sampling, adapters=[0, 1, 1])
+    finally:
+        hook.remove()
+    _assert_same_samples(got, alone)
+    assert len(forwards) - alone_forwards == alone_forwards + 3  # one idle prefill, two idle decode steps

@@ -87,7 +87,9 @@ class AlgorithmConfig:
     minibatches: int = 1
     """Optimizer steps per PPO epoch (the step's samples split by prompt group)."""
     recompute_old_logprobs: bool = True
-    """Score the rollout with the trainer before the update (pi_old); otherwise use the rollout log-probs."""
+    """Score the rollout with the trainer before the update (pi_old); otherwise use the rollout log-probs,
+    which is allowed only without truncation (rollout.top_p = 1, top_k = 0): the rollout log-probs are
+    those of the truncated distribution that sampled, not of the policy the loss scores."""
     teacher_path: str | None = None
     """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
     -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged
@@ -511,6 +513,19 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     )  # fmt: skip
     require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
     require(rollout.top_k >= 0, "rollout.top_k", rollout.top_k, "must be >= 0 (0 disables top-k)")
+    require(
+        algorithm.recompute_old_logprobs or (rollout.top_p == 1 and rollout.top_k == 0),
+        "algorithm.recompute_old_logprobs", algorithm.recompute_old_logprobs,
+        f"must be true with rollout.top_p={rollout.top_p} / rollout.top_k={rollout.top_k}: the rollout log-probs are "
+        "those of the truncated, renormalised distribution that sampled, the trainer's those of the untruncated "
+        "policy, so taken as pi_old they would start every PPO ratio below 1",
+    )  # fmt: skip
+    require(
+        rollout.engine != "native" or rollout.group_size <= rollout.max_batch_sequences,
+        "rollout.max_batch_sequences", rollout.max_batch_sequences,
+        f"must be at least rollout.group_size={rollout.group_size}: the native engine keeps a prompt's samples "
+        "in one block of its cache table",
+    )  # fmt: skip
     require(algorithm.minibatches >= 1, "algorithm.minibatches", algorithm.minibatches, "must be at least 1")
     require(algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", algorithm.ppo_epochs, "must be at least 1")
     require(

@@ -25,6 +25,10 @@ class SamplingParams:
     """Samples per prompt."""
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    """Seeds the sampling noise: the same call gives the same samples. The native engine draws the
+    noise of a step for its whole cache table from one generator, so a prompt's samples depend also
+    on the other prompts of the call and on the table's size (with several tasks: only on the
+    prompts of the same task)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -122,18 +122,15 @@ class LayerKVCache:
         self.recurrent: torch.Tensor | None = None
 
     # ---- recurrent layers ------------------------------------------------------------------------
-    def recurrent_state(
-        self, cu_seqlens: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """(where the step's states go, conv windows [N, ...], recurrent states [N, ...]) for the
-        step's N packed sequences: (None, None, None) at a prefill (start from zero), else the first
-        num_rows rows' states, read in place."""
+    def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(conv windows [N, ...], recurrent states [N, ...]) the step's N packed sequences start
+        from: (None, None) at a prefill (zero), else the first num_rows rows' states, read in place."""
         c = self.cache
         if not c.decoding or self.recurrent is None:
-            return None, None, None
-        return None, self.conv_window[: c.num_rows], self.recurrent[: c.num_rows]
+            return None, None
+        return self.conv_window[: c.num_rows], self.recurrent[: c.num_rows]
 
-    def store_recurrent_state(self, where, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
+    def store_recurrent_state(self, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Keep the step's conv windows / recurrent states [N, ...]: a prefill's (one per prompt)
         go to every row of the prompt's block, a decode step's to its rows."""
         c = self.cache

@@ -15,16 +15,17 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
   reads the done flags once every `stop_check_interval` decode steps (only when there are stop
   tokens: without them, when a row ends is known in advance) and the finished rows' tokens once.
 - The head runs on the last position of each sequence only.
-- On CUDA (one process), the decode step is captured once per `generate` in a CUDA graph and
-  replayed: one launch per step instead of one per op (`cuda_graphs`).
+- On CUDA (one process, one task), the decode step is captured once per `generate` in a CUDA
+  graph and replayed: one launch per step instead of one per op (`cuda_graphs`).
 
 Log-probs: each token's log-prob is that of the distribution it was actually drawn from, the
 behaviour policy: temperature-scaled logits, truncated by top-k then top-p, renormalised (the same
 as vLLM's `processed_logprobs`, which the vLLM servers are launched with). Without truncation that
 is log_softmax(logits / temperature), which the trainer recomputes (`Trainer.logprobs`); with
-truncation the trainer's untruncated log-probs differ from it, and the importance weight
-pi_old / mu of the loss (archon/rl/algorithms.py) corrects for exactly that difference. Greedy
-decoding reports log_softmax(logits).
+truncation the trainer's untruncated log-probs differ from it, by exactly what the importance
+weight pi_old / mu of the loss corrects for when importance sampling is on
+(archon/rl/algorithms.py; on by default only for asynchronous rollouts). Greedy decoding reports
+log_softmax(logits).
 
 Lockstep: under FSDP/TP every rank of the sync group runs the same number of forwards. The engine
 works in rounds (admit and prefill, then up to `stop_check_interval` decode steps); at the start
@@ -42,6 +43,7 @@ task's prompts: a task's samples depend on its own prompts, not on the other tas
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import deque
 from dataclasses import dataclass
 
@@ -99,6 +101,20 @@ def sample_next_tokens(
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
+def _syncs_with_host(fn) -> bool:
+    """Run fn (on a CUDA device) and say whether it synchronised with the host (.item(), .tolist(),
+    a data-dependent shape): such a step cannot be captured in a CUDA graph."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return any("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
 @dataclass
 class _Group:
     """One block's worth of requests: a prompt and the rows sampling from it."""
@@ -117,7 +133,8 @@ ADAPTER_SEED_STRIDE = 1_000_033
 
 
 class NativeRolloutEngine:
-    """max_batch_sequences: rows of the cache table (sequences decoded together).
+    """max_batch_sequences: rows of the cache table (sequences decoded together); with
+    share_prompt_prefix, at least `sampling.n` (a prompt's samples fill one block of the table).
     sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it runs
     the same number of forwards. Default: the whole default process group when one is running.
     share_prompt_prefix: prefill each prompt once for its `n` samples (False: once per sample).
@@ -161,11 +178,6 @@ class NativeRolloutEngine:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
         return bool(t[0]), int(t[1])
 
-    def _idle_forward(self) -> None:
-        """A one-token forward that keeps this rank's collectives in step with busier ranks."""
-        one = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.model(one, one, torch.tensor([0, 1], device=self.device), 1)
-
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
 
@@ -177,6 +189,11 @@ class NativeRolloutEngine:
         self, prompts: list[list[int]], sampling: SamplingParams, adapters: list[int] | None = None
     ) -> list[Sample]:
         """adapters: on a multi-task model, the task index whose adapter each prompt samples with."""
+        if self.share_prompt_prefix and sampling.n > self.max_batch_sequences:
+            raise ValueError(
+                f"sampling.n={sampling.n} exceeds max_batch_sequences={self.max_batch_sequences}: the n samples "
+                "of a prompt share one block of the cache table, so the table needs at least n rows"
+            )
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
@@ -278,13 +295,19 @@ class _Generation:
             if admitted:
                 self._prefill(admitted)
             elif any_prefill:
-                self.engine._idle_forward()
+                self._idle_forward()
             for _ in range(steps):
                 if busy:
                     self._decode(busy)
                 else:
-                    self.engine._idle_forward()
+                    self._idle_forward()
         return [s for i in range(len(self.groups)) for s in self.samples[i]]
+
+    def _idle_forward(self) -> None:
+        """A one-token forward that keeps this rank's collectives in step with busier ranks (on a
+        multi-task model, with the first task's adapter: its forward needs each token's task)."""
+        one = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._forward(one if self.multi_task else None, one, one, torch.tensor([0, 1], device=self.device), 1)
 
     def _rows(self, blocks: list[int]) -> torch.Tensor:
         G = self.G
@@ -337,20 +360,32 @@ class _Generation:
         elif self.graph is not None:
             self.graph.replay()
         else:
-            step()  # a real step, which also warms up the kernels before the capture
-            graph = torch.cuda.CUDAGraph()
-            try:
-                if self.generator is not None:  # a seeded generator's offsets must advance per replay
-                    graph.register_generator_state(self.generator)
-                with torch.cuda.graph(graph):
-                    step()  # recorded, not run: it replays from the next step on
-            # RuntimeError: a host sync in the step (MoE routing, recurrent layers); AttributeError:
-            # a torch without register_generator_state (seeded sampling then runs eagerly)
-            except (RuntimeError, AttributeError) as e:
-                logger.info("the decode step cannot be captured in a CUDA graph (%s); decoding eagerly", e)
+            # a real step, which also warms up the kernels before the capture; a step that syncs with
+            # the host (MoE routing, recurrent layers) cannot be captured, and is found out here rather
+            # than by a capture that fails halfway
+            if _syncs_with_host(step):
+                logger.info("the decode step synchronises with the host; decoding eagerly, without a CUDA graph")
                 self.static_decode = False
-            else:
-                self.graph = graph
+                return
+            self.graph = self._capture(step)
+            self.static_decode = self.graph is not None
+
+    def _capture(self, step) -> torch.cuda.CUDAGraph | None:
+        """`step` recorded (not run) in a CUDA graph, or None (logged) when it cannot be."""
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            if self.generator is not None:  # a seeded generator's offsets must advance per replay
+                graph.register_generator_state(self.generator)
+            with torch.cuda.graph(graph):
+                step()
+        # RuntimeError: the capture failed; AttributeError: a torch without register_generator_state
+        except (RuntimeError, AttributeError) as e:
+            # a capture that fails on exit leaves its capture stream current: restore this thread's
+            torch.cuda.set_stream(stream)
+            logger.info("the decode step cannot be captured in a CUDA graph (%s); decoding eagerly", e)
+            return None
+        return graph
 
     def _decode_step(self, R: int, prefix_span: int, suffix_span: int) -> None:
         """Rows 0..R-1 take one token; all state stays on the device (no host sync)."""

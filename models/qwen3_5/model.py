@@ -244,7 +244,7 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
         seqs = PaddedSequences(cu_seqlens, max_seqlen)
-        slots, window, state = (None, None, None) if cache is None else cache.recurrent_state(cu_seqlens)
+        window, state = (None, None) if cache is None else cache.recurrent_state()
 
         qkv, window = causal_conv1d(seqs.pad(self.in_proj_qkv(x)), local_tensor(self.conv1d.weight), seqs.lengths, window)
         qkv = seqs.unpad(qkv).view(T, -1, 2 * dk + r * dv)  # [T, Hk, 2 dk + r dv], this rank's key heads
@@ -256,7 +256,7 @@ class GatedDeltaNet(nn.Module):
         g = -local_tensor(self.A_log).float().exp() * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
         o, state = gated_delta_rule(q, k, v, g, beta, seqs, state)
         if cache is not None:
-            cache.store_recurrent_state(slots, window, state)
+            cache.store_recurrent_state(window, state)
 
         z = self.in_proj_z(x).view(T, -1, dv)
         o = self.norm(o.to(x.dtype), z)  # [T, Hv, dv]
