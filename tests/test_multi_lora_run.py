@@ -136,18 +136,19 @@ def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):
 
 def test_a_task_is_added_and_one_removed_at_a_checkpoint_boundary(setup, tmp_path, importable_module):
     """Run add + sub for 2 steps; resume with sub + mul (add removed, mul added): sub continues
-    with exactly the state it had (its uninterrupted run's losses), mul starts fresh."""
+    with exactly the state it had (its uninterrupted run's losses, though it moved from second to
+    first place in the list), mul starts fresh."""
     varying = importable_module("multi_varying_reward", VARYING_REWARD) + ":reward"
     add = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying)
     sub = _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2, lr=5e-3)
     mul = _task_yaml("mul", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying, rank=8)
     uninterrupted = tmp_path / "uninterrupted"
-    MultiTaskRun(_config(setup, uninterrupted, 3, sub + add, "--eval.every", "0")).run()
+    MultiTaskRun(_config(setup, uninterrupted, 3, add + sub, "--eval.every", "0", "--seed", "1")).run()
 
     run_dir = tmp_path / "run"
-    MultiTaskRun(_config(setup, run_dir, 2, sub + add, "--eval.every", "0")).run()
+    MultiTaskRun(_config(setup, run_dir, 2, add + sub, "--eval.every", "0", "--seed", "1")).run()
     add_adapter = (run_dir / "tasks" / "add" / "adapter" / "adapter_model.safetensors").read_bytes()
-    MultiTaskRun(_config(setup, run_dir, 3, sub + mul, "--eval.every", "0", "--resume")).run()
+    MultiTaskRun(_config(setup, run_dir, 3, sub + mul, "--eval.every", "0", "--seed", "1", "--resume")).run()
     steps = {r["step"]: r for r in _records(run_dir)}
     expected = {r["step"]: r for r in _records(uninterrupted)}
     assert steps[3]["sub/loss"] == expected[3]["sub/loss"] and steps[3]["sub/grad_norm"] > 0

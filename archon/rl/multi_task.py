@@ -282,9 +282,11 @@ class MultiTaskRun:
             ids = self._prompt_ids(task, drawn[task.name])
             prompts += ids
             adapters += [task.index] * len(ids)
-        # per-task generators inside: a task's samples depend on its prompts, the step and its index
+        # each task samples from its own generators, seeded from its name: its samples depend on its
+        # prompts and the step, not on the other tasks or its place among them
         sampling = self._sampling(None, step)
-        samples = self.native.generate(prompts, sampling, adapters=adapters) if prompts else []
+        seeds = {task.index: self._sampling(task, step).seed for task in self.active()}
+        samples = self.native.generate(prompts, sampling, adapters=adapters, adapter_seeds=seeds) if prompts else []
         generate_s = time.perf_counter() - start
         collected, first = {}, 0
         for task in self.active():
