@@ -55,8 +55,6 @@ class LoadedModel:
     path: Path
     lora: LoRAConfig | None
     dims: ParallelDims | None = None
-    task_loras: dict[str, LoRAConfig] | None = None
-    """A multi-task model's tasks (in routing order) and their LoRA configs; None for one adapter."""
 
 
 def load_hf_config(path: str | os.PathLike, option: str | None = None):
@@ -172,7 +170,7 @@ def build_model(
         for task in task_loras:
             with task_view(model, task):
                 init_lora_weights(model, seed)
-        return LoadedModel(model, spec, args, converter, hf_config, path, None, dims, dict(task_loras))
+        return LoadedModel(model, spec, args, converter, hf_config, path, None, dims)
     if lora is not None:
         init_lora_weights(model, seed)
     return LoadedModel(model, spec, args, converter, hf_config, path, lora, dims)

@@ -234,8 +234,6 @@ class TaskState:
     """One task's training state in a multi-task trainer."""
 
     name: str
-    index: int
-    """The task's index in routing (TrainerConfig.tasks order)."""
     lora: LoRAConfig
     optim: OptimConfig
     trainable: list[torch.nn.Parameter]
@@ -289,10 +287,10 @@ class Trainer:
         self.lora = config.lora
         self.tasks: dict[str, TaskState] = {}
         """Multi-task: each task's adapter and optimizer, in routing order ({} for one adapter)."""
-        for index, task in enumerate(config.tasks):
+        for task in config.tasks:
             params = list(task_parameters(self.model, task.name).values())
             optimizer, scheduler = _adamw(params, task.optim)
-            self.tasks[task.name] = TaskState(task.name, index, task.lora, task.optim, params, optimizer, scheduler)
+            self.tasks[task.name] = TaskState(task.name, task.lora, task.optim, params, optimizer, scheduler)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.routers = routers(self.model)
         self._check_moe_config(config.moe)

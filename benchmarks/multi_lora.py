@@ -40,9 +40,12 @@ class BenchArgs:
     steps: int = 10
     """RL steps of every job."""
     prompts_per_step: int = 16
-    micro_batch_tokens: int = 2048
+    micro_batch_tokens: int = 768
     """Token budget of a forward/backward in every job: it bounds the activations' memory whatever
-    the number of tasks in the batch (one task's step here is about 1,500 tokens per minibatch)."""
+    the number of tasks in the batch. One task's minibatch here is about 600 tokens, so a
+    single-task job trains each minibatch in one forward, and the K-task job (K times the tokens)
+    in forwards of the same size; with a budget of K minibatches instead, the K-task job's
+    activations, and so its peak memory, grow K-fold."""
     device: str = "cpu"
     out: str = "runs/multi_lora"
     worker: str | None = None

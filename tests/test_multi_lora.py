@@ -252,3 +252,20 @@ def test_native_engine_generates_a_mixed_batch_as_each_task_alone(tiny_checkpoin
                 torch.testing.assert_close(torch.tensor(s.logprobs), expected, rtol=0, atol=1e-5)
     by_task = {t: [s.completion_ids for s in mixed if adapters[s.prompt_index] == t] for t in (0, 1)}
     assert by_task[0] != by_task[1]
+
+
+def test_a_forward_builds_its_task_constants_once(multi_model, monkeypatch):
+    """The tasks' scalings and dropout probabilities are made into tensors once per device, not at
+    every forward (on an accelerator each would be a host-to-device copy that waits for the device)."""
+    from archon.lora import layers
+
+    model = multi_model.model
+    batch, task_of_token = _batch(multi_model.hf_config.vocab_size, seed=0)
+    with adapter_routing(model, task_of_token), torch.no_grad():
+        first = _forward(model, batch)
+        made = []
+        tensor = torch.tensor
+        monkeypatch.setattr(layers.torch, "tensor", lambda *a, **k: made.append(a) or tensor(*a, **k))
+        again = _forward(model, batch)
+    assert not made
+    assert torch.equal(first, again)

@@ -101,6 +101,8 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
         assert steps[1][f"{name}/lr"] == (1e-2 if name == "add" else 5e-3)
         assert f"{name}/eval_accuracy" in steps[0] and f"{name}/eval_accuracy" in steps[2]
         assert f"{name}/loss" in steps[1] and f"{name}/reward_mean" in steps[1]
+        # every metric the task's loss reports, as the single-task recipe logs them
+        assert {f"{name}/{key}" for key in ("policy_loss", "clip_fraction", "approx_kl", "entropy")} <= steps[1].keys()
         out = run_dir / "tasks" / name
         adapter = json.loads((out / "adapter" / ADAPTER_CONFIG).read_text())
         assert adapter["r"] == (4 if name == "add" else 2)
@@ -113,20 +115,40 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
     assert steps[2]["active_tasks"] == 2.0
 
 
+def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):
+    """A model config with a list of EOS ids (as Llama 3's): every one of them ends a rollout, as in
+    the single-task recipe."""
+    import shutil
+
+    root = tmp_path / "setup"
+    shutil.copytree(setup / "model", root / "model")
+    config_file = root / "model" / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    hf_config["eos_token_id"] = [hf_config["eos_token_id"], 5]
+    config_file.write_text(json.dumps(hf_config))
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+    run = MultiTaskRun(_config(root, tmp_path / "run", 1, tasks))
+    try:
+        assert set(hf_config["eos_token_id"]) <= set(run.stop_token_ids)
+    finally:
+        run.close()
+
+
 def test_a_task_is_added_and_one_removed_at_a_checkpoint_boundary(setup, tmp_path, importable_module):
     """Run add + sub for 2 steps; resume with sub + mul (add removed, mul added): sub continues
-    with exactly the state it had (its uninterrupted run's losses), mul starts fresh."""
+    with exactly the state it had (its uninterrupted run's losses, though it moved from second to
+    first place in the list), mul starts fresh."""
     varying = importable_module("multi_varying_reward", VARYING_REWARD) + ":reward"
     add = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying)
     sub = _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2, lr=5e-3)
     mul = _task_yaml("mul", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying, rank=8)
     uninterrupted = tmp_path / "uninterrupted"
-    MultiTaskRun(_config(setup, uninterrupted, 3, sub + add, "--eval.every", "0")).run()
+    MultiTaskRun(_config(setup, uninterrupted, 3, add + sub, "--eval.every", "0", "--seed", "1")).run()
 
     run_dir = tmp_path / "run"
-    MultiTaskRun(_config(setup, run_dir, 2, sub + add, "--eval.every", "0")).run()
+    MultiTaskRun(_config(setup, run_dir, 2, add + sub, "--eval.every", "0", "--seed", "1")).run()
     add_adapter = (run_dir / "tasks" / "add" / "adapter" / "adapter_model.safetensors").read_bytes()
-    MultiTaskRun(_config(setup, run_dir, 3, sub + mul, "--eval.every", "0", "--resume")).run()
+    MultiTaskRun(_config(setup, run_dir, 3, sub + mul, "--eval.every", "0", "--seed", "1", "--resume")).run()
     steps = {r["step"]: r for r in _records(run_dir)}
     expected = {r["step"]: r for r in _records(uninterrupted)}
     assert steps[3]["sub/loss"] == expected[3]["sub/loss"] and steps[3]["sub/grad_norm"] > 0
@@ -207,8 +229,10 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
         return batch
 
     monkeypatch.setattr(multi_task.MultiTaskRun, "_prepare", recording)
-    run = MultiTaskRun(_config(setup, tmp_path / "run", 1, distill + kl, "--eval.every", "0"))
+    distill2 = distill.replace("name: distill", "name: distill2")
+    run = MultiTaskRun(_config(setup, tmp_path / "run", 1, distill + kl + distill2, "--eval.every", "0"))
     assert run.tasks["distill"].teacher is not None and run.tasks["kl"].teacher is None
+    assert run.tasks["distill2"].teacher is run.tasks["distill"].teacher  # one copy of a shared teacher
     run.run()
     batch = seen["batch"]
     task = batch.extras["task"]

@@ -18,12 +18,11 @@ tasks. A module that a task does not target adds nothing to that task's tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from dataclasses import dataclass
 
 from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable
 from archon.lora.config import LoRAConfig
@@ -324,6 +323,19 @@ def _refuse_without_task(what: str):
     )
 
 
+def task_constants(module: nn.Module, scaling: list[float], dropout: list[float], like: torch.Tensor):
+    """The tasks' scalings [K] and dropout probabilities [K] (None when no task drops) as tensors on
+    `like`'s device and dtype, made once per device and kept on `module`: a tensor built from a host
+    list at every forward is a host-to-device copy that waits for the device, in every layer."""
+    key = (like.device, like.dtype)
+    cached = module.task_constants
+    if cached is None or cached[0] != key:
+        scaling_t = torch.tensor(scaling, dtype=like.dtype, device=like.device)
+        dropout_t = torch.tensor(dropout, dtype=like.dtype, device=like.device) if any(dropout) else None
+        cached = module.task_constants = (key, scaling_t, dropout_t)
+    return cached[1], cached[2]
+
+
 class MultiLoRALinear(nn.Linear, LoRAModule):
     """nn.Linear plus one low-rank update per task; each token takes its task's update.
 
@@ -348,6 +360,8 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
             for name, settings in task_settings.items() if settings is not None
         })  # fmt: skip
         self.routing: AdapterRouting | None = None
+        self.task_constants: tuple | None = None
+        """(device and dtype, scaling [K], dropout [K] or None), made by `task_constants`."""
         self.lora_enabled = True
         self.merged = False
 
@@ -385,11 +399,9 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
             b.append(F.pad(adapter.lora_b.weight, (0, pad)) if pad else adapter.lora_b.weight)
             scaling.append(adapter.scaling)
             dropout.append(adapter.dropout)
-        scaling_t = torch.tensor(scaling, dtype=like.dtype, device=like.device)
-        dropout_t = None
-        if self.training and any(dropout):
-            dropout_t = torch.tensor(dropout, dtype=like.dtype, device=like.device)
-        return torch.stack(a).transpose(1, 2), torch.stack(b).transpose(1, 2), scaling_t, dropout_t
+        scaling_t, dropout_t = task_constants(self, scaling, dropout, like)
+        a_all, b_all = torch.stack(a).transpose(1, 2), torch.stack(b).transpose(1, 2)  # [K, in, r], [K, r, out]
+        return a_all, b_all, scaling_t, dropout_t if self.training else None
 
     def single_task_module(self, task: str) -> nn.Linear:
         """This module as a single-adapter model for `task` has it: a LoRALinear (or, where the task
@@ -441,6 +453,8 @@ class MultiExpertLoRA(nn.Module):
             for name, lora in task_configs.items() if lora is not None
         })  # fmt: skip
         self.routing: AdapterRouting | None = None
+        self.task_constants: tuple | None = None
+        """(device and dtype, scaling [K], dropout [K] or None), made by `task_constants`."""
 
     def reset_parameters(self) -> None:
         for adapter in self.tasks.values():
@@ -486,11 +500,8 @@ class MultiExpertLoRA(nn.Module):
             dropout.append(adapter.lora_dropout.p if isinstance(adapter.lora_dropout, nn.Dropout) else 0.0)
         a_all = torch.cat(a).transpose(1, 2)  # [K*E, in, r]
         b_all = torch.cat(b).transpose(1, 2)  # [K*E, r, out]
-        scaling_t = torch.tensor(scaling, dtype=like.dtype, device=like.device)
-        dropout_t = None
-        if self.training and any(dropout):
-            dropout_t = torch.tensor(dropout, dtype=like.dtype, device=like.device)
-        return a_all, b_all, scaling_t, dropout_t
+        scaling_t, dropout_t = task_constants(self, scaling, dropout, like)
+        return a_all, b_all, scaling_t, dropout_t if self.training else None
 
     def delta_weight(self) -> torch.Tensor:
         _refuse_without_task("delta_weight")

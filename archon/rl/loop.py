@@ -96,6 +96,78 @@ def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_versi
     return batch
 
 
+def stop_token_ids(tokenizer, hf_config) -> tuple[int, ...]:
+    """The token ids that end a completion: the tokenizer's EOS and the model config's (one id or a
+    list of them)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
+def prompt_ids(tokenizer, examples, apply_chat_template: bool) -> list[list[int]]:
+    """Each example's prompt token ids (pre-tokenized, or tokenized now)."""
+    return [
+        ex.prompt_ids if ex.prompt_ids is not None else tokenize_prompt(tokenizer, ex.prompt, apply_chat_template)
+        for ex in examples
+    ]
+
+
+def replace_stale_groups(rollouts: Rollouts, group_size: int, version: int, max_staleness: int, generate) -> None:
+    """Drop every group of `rollouts` with a sample (or token) made by an adapter version older than
+    version - max_staleness and put in its place `generate(examples)`'s fresh samples of the same
+    prompts (counted in rollouts.stale_dropped)."""
+    G = group_size
+    oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
+    stale = stale_groups(oldest, G, version, max_staleness)
+    if not stale:
+        return
+    regenerated = generate([rollouts.examples[g] for g in stale])
+    for slot, group in enumerate(stale):
+        for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
+            sample.prompt_index = group
+            rollouts.samples[group * G + i] = sample
+    rollouts.stale_dropped = len(stale) * G
+
+
+def teacher_logprobs(teacher: torch.nn.Module, batch: PackedBatch, device, temperature: float) -> torch.Tensor:
+    """The teacher's log-probs of the batch's labels, [T] on the host, zero outside the loss mask."""
+    from archon.head import label_logprobs
+
+    with torch.no_grad():
+        b = batch.to(device)
+        hidden = teacher(b.tokens, b.positions, b.cu_seqlens, b.max_seqlen, return_hidden=True)
+        lp, _ = label_logprobs(hidden, teacher.output_weight, b.labels, temperature)
+    return lp.float().cpu() * batch.loss_mask
+
+
+def update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
+    """An RL step's training metrics: the loss, the gradient norm and every metric the loss reports,
+    averaged over the applied updates (`*_max` / `*_min`: the extreme); with every update skipped,
+    the last update's (non-finite) values. `lr` is the step's (the schedule moves once per RL step)."""
+    applied = [u for u in updates if not u["skipped"]] or updates[-1:]
+    summary = {"lr": updates[0]["lr"]}
+    for key in applied[0]:
+        if key in UPDATE_BOOKKEEPING:
+            continue
+        values = [u[key] for u in applied]
+        if key.endswith("_max") or key.endswith("_min"):
+            summary[key] = max(values) if key.endswith("_max") else min(values)
+        else:
+            summary[key] = sum(values) / len(values)
+    return summary
+
+
+def prune_adapter_exports(adapters_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` step_NNNNNN adapter exports in `adapters_dir`."""
+    exports = [p for p in adapters_dir.iterdir() if ADAPTER_EXPORT.fullmatch(p.name)]
+    exports.sort(key=lambda p: int(ADAPTER_EXPORT.fullmatch(p.name).group(1)))
+    for stale in exports[:-keep]:
+        shutil.rmtree(stale)
+
+
 class RLRun:
     def __init__(self, config: GRPOConfig, resume_from: Path | None | object = CHECK_RUN_DIR) -> None:
         """`resume_from`: what `prepare_run_dir` returned, when the caller has checked the run
@@ -133,7 +205,7 @@ class RLRun:
             self.tokenizer = load_tokenizer(config.model.tokenizer, "model.tokenizer")
         else:
             self.tokenizer = load_tokenizer(config.model.path, "model.path")
-        self.stop_token_ids = self._stop_token_ids()
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.trainer.loaded.hf_config)
         context = self.trainer.loaded.hf_config.max_position_embeddings
         self.train_set = load_prompt_dataset(config.data, self.tokenizer, context, config.rollout.max_new_tokens)
         self._report_dataset("train", self.train_set)
@@ -231,14 +303,6 @@ class RLRun:
     def _longest_prompt(self, examples) -> int:
         return max((len(ids) for ids in self._prompt_ids(examples)), default=0)
 
-    def _stop_token_ids(self) -> tuple[int, ...]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        eos = getattr(self.trainer.loaded.hf_config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        return tuple(sorted(ids))
-
     def _report_dataset(self, name: str, dataset) -> None:
         if (dataset.malformed or dataset.too_long) and self.rank == 0:
             logger.warning("%s data: %s", name, dataset.report())
@@ -257,11 +321,7 @@ class RLRun:
         return t.item()
 
     def _prompt_ids(self, examples) -> list[list[int]]:
-        return [
-            ex.prompt_ids if ex.prompt_ids is not None
-            else tokenize_prompt(self.tokenizer, ex.prompt, self.config.data.apply_chat_template)
-            for ex in examples
-        ]  # fmt: skip
+        return prompt_ids(self.tokenizer, examples, self.config.data.apply_chat_template)
 
     def _completions(self, samples: list[Sample]) -> list[str]:
         return self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
@@ -325,18 +385,10 @@ class RLRun:
             rollouts.wait_s = rollouts.generate_s
             return rollouts
         rollouts = self.producer.take(step)
-        G = self.config.rollout.group_size
-        oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
-        stale = stale_groups(oldest, G, step, self.config.rollout.max_staleness)
-        if stale:
-            regenerated = self.rollout.generate(
-                self._prompt_ids([rollouts.examples[g] for g in stale]), self._sampling(step)
-            )
-            for slot, group in enumerate(stale):
-                for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
-                    sample.prompt_index = group
-                    rollouts.samples[group * G + i] = sample
-            rollouts.stale_dropped = len(stale) * G
+        replace_stale_groups(
+            rollouts, self.config.rollout.group_size, step, self.config.rollout.max_staleness,
+            lambda examples: self.rollout.generate(self._prompt_ids(examples), self._sampling(step)),
+        )  # fmt: skip
         return rollouts
 
     def _stop_if_any_rank_failed(self, step: int, failure: Exception | None) -> None:
@@ -385,9 +437,8 @@ class RLRun:
         if self.algorithm.needs_reference:
             batch.ref_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
         if self.teacher is not None:
-            batch.advantages = self.algorithm.token_advantages(
-                batch.advantages, batch.old_logprobs, self._teacher_logprobs(batch), mask
-            )
+            teacher = teacher_logprobs(self.teacher, batch, self.device, cfg.rollout.temperature)
+            batch.advantages = self.algorithm.token_advantages(batch.advantages, batch.old_logprobs, teacher, mask)
         return batch, Prepared(rewards, keep, gaps, score_s=time.perf_counter() - score_start)
 
     def _logprob_gaps(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
@@ -422,15 +473,6 @@ class RLRun:
         if self.dp > 1:
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
         return [lag for lag in range(1, present.numel()) if present[lag] > 0 and self.version - lag in self.adapter_history]
-
-    def _teacher_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        from archon.head import label_logprobs
-
-        with torch.no_grad():
-            b = batch.to(self.device)
-            hidden = self.teacher(b.tokens, b.positions, b.cu_seqlens, b.max_seqlen, return_hidden=True)
-            lp, _ = label_logprobs(hidden, self.teacher.output_weight, b.labels, self.config.rollout.temperature)
-        return (lp.float().cpu() * batch.loss_mask)
 
     def train(self, batch: PackedBatch) -> list[dict[str, float]]:
         """Train: algorithm.ppo_epochs passes over the batch in algorithm.minibatches updates, then
@@ -514,26 +556,8 @@ class RLRun:
             "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
         })  # fmt: skip
         metrics.update(sync)
-        metrics.update(self._update_summary(updates))
+        metrics.update(update_summary(updates))
         return metrics
-
-    @staticmethod
-    def _update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
-        """The RL step's training metrics: the loss, the gradient norm and every metric the loss
-        reports, averaged over the applied updates (`*_max` / `*_min`: the extreme); with every
-        update skipped, the last
-        update's (non-finite) values. `lr` is the step's (the schedule moves once per RL step)."""
-        applied = [u for u in updates if not u["skipped"]] or updates[-1:]
-        summary = {"lr": updates[0]["lr"]}
-        for key in applied[0]:
-            if key in UPDATE_BOOKKEEPING:
-                continue
-            values = [u[key] for u in applied]
-            if key.endswith("_max") or key.endswith("_min"):
-                summary[key] = max(values) if key.endswith("_max") else min(values)
-            else:
-                summary[key] = sum(values) / len(values)
-        return summary
 
     def _count_skipped(self, step: int, metrics: dict[str, float]) -> None:
         """`skipped_steps`: RL steps of the run so far on which an update was skipped."""
@@ -687,10 +711,4 @@ class RLRun:
         out = self.run_dir / ("adapter" if final else f"adapters/step_{step:06d}")
         self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path)
         if not final and self.rank == 0:
-            self._prune_adapter_exports()
-
-    def _prune_adapter_exports(self) -> None:
-        exports = [p for p in (self.run_dir / "adapters").iterdir() if ADAPTER_EXPORT.fullmatch(p.name)]
-        exports.sort(key=lambda p: int(ADAPTER_EXPORT.fullmatch(p.name).group(1)))
-        for stale in exports[: -self.config.checkpoint.keep_last_adapters]:
-            shutil.rmtree(stale)
+            prune_adapter_exports(self.run_dir / "adapters", self.config.checkpoint.keep_last_adapters)

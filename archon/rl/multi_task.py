@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import shutil
 import time
 import zlib
 from pathlib import Path
@@ -32,13 +31,21 @@ from archon.checkpoint.resume import CheckpointManager
 from archon.lora import task_view
 from archon.rl.algorithms import get_algorithm
 from archon.rl.config import GRPOConfig, TaskConfig, validate
-from archon.rl.data import PromptBatchIterator, load_prompt_dataset, tokenize_prompt
-from archon.rl.loop import RewardFunctionError, rollout_batch
+from archon.rl.data import PromptBatchIterator, load_prompt_dataset
+from archon.rl.loop import (
+    RewardFunctionError,
+    prompt_ids,
+    prune_adapter_exports,
+    replace_stale_groups,
+    rollout_batch,
+    stop_token_ids,
+    teacher_logprobs,
+    update_summary,
+)
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
-from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
-from archon.rl.versions import stale_groups
+from archon.rl.run_dir import prepare_run_dir
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
@@ -94,11 +101,7 @@ class TaskRun:
                                                 run.eval_new_tokens)  # fmt: skip
         self.teacher = None
         if self.algorithm.needs_teacher:
-            from archon.build import build_model
-
-            teacher_option = f"tasks[{index}].algorithm.teacher_path"
-            teacher = build_model(config.algorithm.teacher_path, device=run.device, path_option=teacher_option)
-            self.teacher = teacher.model.eval().requires_grad_(False)
+            self.teacher = run.teacher(config.algorithm.teacher_path, f"tasks[{index}].algorithm.teacher_path")
         self.dir = run.run_dir / TASKS_DIR / self.name
         self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
         self.scorer = RewardScorer(config.reward)
@@ -179,10 +182,11 @@ class MultiTaskRun:
         self.eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.path,
                                         "model.tokenizer" if config.model.tokenizer else "model.path")  # fmt: skip
-        eos = {self.tokenizer.eos_token_id, getattr(self.trainer.loaded.hf_config, "eos_token_id", None)}
-        self.stop_token_ids = tuple(sorted(i for i in eos if isinstance(i, int)))
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.trainer.loaded.hf_config)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard)
         self.tasks: dict[str, TaskRun] = {}
+        self.teachers: dict[str, torch.nn.Module] = {}
+        """The frozen teachers by path: tasks that name the same teacher share one copy."""
         self.servers = self.channel = self.native = None
         """With rollout.engine=vllm: the servers, which serve every task's adapter side by side, and
         the collective transport's channel, shared by the tasks' syncs. With the built-in engine:
@@ -226,12 +230,18 @@ class MultiTaskRun:
             self.channel = WorkerChannel(self.servers.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
 
     # ---- helpers ------------------------------------------------------------------------------
+    def teacher(self, path: str, option: str) -> torch.nn.Module:
+        """The frozen teacher model at `path` (`option` names the setting, for errors), built once."""
+        key = str(Path(path).resolve())
+        if key not in self.teachers:
+            from archon.build import build_model
+
+            teacher = build_model(path, device=self.device, path_option=option)
+            self.teachers[key] = teacher.model.eval().requires_grad_(False)
+        return self.teachers[key]
+
     def _prompt_ids(self, task: TaskRun, examples) -> list[list[int]]:
-        return [
-            ex.prompt_ids if ex.prompt_ids is not None
-            else tokenize_prompt(self.tokenizer, ex.prompt, task.config.data.apply_chat_template)
-            for ex in examples
-        ]  # fmt: skip
+        return prompt_ids(self.tokenizer, examples, task.config.data.apply_chat_template)
 
     def _generate(self, task: TaskRun, examples, sampling: SamplingParams) -> list[Sample]:
         if isinstance(task.rollout, NativeRolloutEngine):
@@ -272,9 +282,11 @@ class MultiTaskRun:
             ids = self._prompt_ids(task, drawn[task.name])
             prompts += ids
             adapters += [task.index] * len(ids)
-        # per-task generators inside: a task's samples depend on its prompts, the step and its index
+        # each task samples from its own generators, seeded from its name: its samples depend on its
+        # prompts and the step, not on the other tasks or its place among them
         sampling = self._sampling(None, step)
-        samples = self.native.generate(prompts, sampling, adapters=adapters) if prompts else []
+        seeds = {task.index: self._sampling(task, step).seed for task in self.active()}
+        samples = self.native.generate(prompts, sampling, adapters=adapters, adapter_seeds=seeds) if prompts else []
         generate_s = time.perf_counter() - start
         collected, first = {}, 0
         for task in self.active():
@@ -296,17 +308,10 @@ class MultiTaskRun:
         if task.producer is None:
             return self._generate_rollouts(task, task.version)
         rollouts = task.producer.take(task.version)
-        G, bound = self.config.rollout.group_size, task.config.max_staleness
-        oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
-        stale = stale_groups(oldest, G, task.version, bound)
-        if stale:
-            prompts = [rollouts.examples[g] for g in stale]
-            regenerated = self._generate(task, prompts, self._sampling(task, task.version))
-            for slot, group in enumerate(stale):
-                for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
-                    sample.prompt_index = group
-                    rollouts.samples[group * G + i] = sample
-            rollouts.stale_dropped = len(stale) * G
+        replace_stale_groups(
+            rollouts, self.config.rollout.group_size, task.version, task.config.max_staleness,
+            lambda examples: self._generate(task, examples, self._sampling(task, task.version)),
+        )  # fmt: skip
         return rollouts
 
     def _start_producers(self, first: int) -> None:
@@ -409,32 +414,23 @@ class MultiTaskRun:
                     batch.old_logprobs[mine] = batch.rollout_logprobs[mine]
         if any(t.algorithm.needs_reference for t in tasks):
             batch.ref_logprobs = self.trainer.logprobs(batch, temperature, use_adapter=False).logprobs
+        sequences_by_task = self.trainer.task_sequences(batch)
         for task in tasks:
             if task.teacher is None:
                 continue
             mine = batch.extras[TASK_EXTRA] == task.index
-            sub = batch.select([i for i, first in enumerate(batch.cu_seqlens[:-1].tolist())
-                                if int(batch.extras[TASK_EXTRA][first]) == task.index])  # fmt: skip
+            sub = batch.select(sequences_by_task[task.name])
             batch.advantages[mine] = task.algorithm.token_advantages(
-                sub.advantages, sub.old_logprobs, self._teacher_logprobs(task, sub, temperature), sub.loss_mask
+                sub.advantages, sub.old_logprobs, teacher_logprobs(task.teacher, sub, self.device, temperature),
+                sub.loss_mask,
             )
         return batch
-
-    def _teacher_logprobs(self, task: TaskRun, batch: PackedBatch, temperature: float) -> torch.Tensor:
-        from archon.head import label_logprobs
-
-        with torch.no_grad():
-            b = batch.to(self.device)
-            hidden = task.teacher(b.tokens, b.positions, b.cu_seqlens, b.max_seqlen, return_hidden=True)
-            lp, _ = label_logprobs(hidden, task.teacher.output_weight, b.labels, temperature)
-        return lp.float().cpu() * batch.loss_mask
 
     def _train(self, batch: PackedBatch, tasks: list[TaskRun]) -> dict[str, dict[str, float]]:
         """ppo_epochs x minibatches updates (the same for every task); minibatch m holds the m-th
         share of every task's sequences, and each update steps each task's own optimizer."""
         algo = tasks[0].config.algorithm
-        first_token_task = batch.extras[TASK_EXTRA][batch.cu_seqlens[:-1]].tolist()
-        by_task = {task.index: [i for i, t in enumerate(first_token_task) if t == task.index] for task in tasks}
+        by_task = self.trainer.task_sequences(batch)
         loss_fns = {task.name: task.algorithm.loss for task in tasks}
         updates: dict[str, list[dict[str, float]]] = {task.name: [] for task in tasks}
         for _ in range(algo.ppo_epochs):
@@ -453,11 +449,8 @@ class MultiTaskRun:
         for task in tasks:
             self.trainer.advance_schedule(task.name)
             done = updates[task.name]
-            applied = [u for u in done if not u["skipped"]] or done[-1:]
             summary[task.name] = {
-                "loss": sum(u["loss"] for u in applied) / len(applied),
-                "grad_norm": sum(u["grad_norm"] for u in applied) / len(applied),
-                "lr": done[0]["lr"], "skipped_updates": sum(u["skipped"] for u in done),
+                **update_summary(done), "skipped_updates": sum(u["skipped"] for u in done),
                 "skipped_steps": float(task.skipped_steps + int(any(u["skipped"] for u in done))),
             }  # fmt: skip
         return summary
@@ -566,10 +559,7 @@ class MultiTaskRun:
             out = task.dir / ("adapter" if final else f"adapters/step_{step:06d}")
             self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.name)
             if not final:
-                exports = [p for p in (task.dir / "adapters").iterdir() if ADAPTER_EXPORT.fullmatch(p.name)]
-                exports.sort(key=lambda p: int(ADAPTER_EXPORT.fullmatch(p.name).group(1)))
-                for stale in exports[: -self.config.checkpoint.keep_last_adapters]:
-                    shutil.rmtree(stale)
+                prune_adapter_exports(task.dir / "adapters", self.config.checkpoint.keep_last_adapters)
 
     def close(self) -> None:
         self.metrics.close()

@@ -186,9 +186,15 @@ class NativeRolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, adapters: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        adapters: list[int] | None = None,
+        adapter_seeds: dict[int, int] | None = None,
     ) -> list[Sample]:
-        """adapters: on a multi-task model, the task index whose adapter each prompt samples with."""
+        """adapters: on a multi-task model, the task index whose adapter each prompt samples with.
+        adapter_seeds: each task's sampling seed (by task index), when a task's samples must not
+        depend on its index (default: sampling.seed + ADAPTER_SEED_STRIDE * task)."""
         if self.share_prompt_prefix and sampling.n > self.max_batch_sequences:
             raise ValueError(
                 f"sampling.n={sampling.n} exceeds max_batch_sequences={self.max_batch_sequences}: the n samples "
@@ -208,9 +214,13 @@ class NativeRolloutEngine:
         else:
             groups = [_Group(i, list(p), 1, task_of_prompt[i]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         if adapters is not None and sampling.seed is not None:
+            if adapter_seeds is None:
+                adapter_seeds = {task: sampling.seed + ADAPTER_SEED_STRIDE * task for task in set(adapters)}
+            missing = sorted(set(adapters) - set(adapter_seeds))
+            if missing:
+                raise ValueError(f"adapter_seeds has no seed for task index(es) {missing}")
             task_generators = {
-                task: torch.Generator(device=self.device).manual_seed(sampling.seed + ADAPTER_SEED_STRIDE * task)
-                for task in set(adapters)
+                task: torch.Generator(device=self.device).manual_seed(adapter_seeds[task]) for task in set(adapters)
             }
             for group in groups:
                 seed = int(torch.randint(2**62, (1,), generator=task_generators[group.adapter], device=self.device))
