@@ -200,6 +200,7 @@ def test_two_tasks_learn_two_skills_at_once_on_the_demo_base(two_skill_demo, tmp
     evals = {r["step"]: r for r in _records(tmp_path / "run") if "add/eval_accuracy" in r}
     for name in ("add", "sub"):
         before, after = evals[0][f"{name}/eval_accuracy"], evals[steps][f"{name}/eval_accuracy"]
+        print(f"{name}: held-out accuracy {before:.3f} -> {after:.3f}")
         assert after >= before + 0.15, (name, before, after)
 
 
