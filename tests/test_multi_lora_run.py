@@ -113,6 +113,12 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
     assert "broken/loss" not in steps[1] and "broken/reward_mean" not in steps[2]
     assert not (run_dir / "tasks" / "broken" / "adapter").exists()
     assert steps[2]["active_tasks"] == 2.0
+    assert json.loads((run_dir / "tasks" / "broken" / "stopped.json").read_text())["step"] == 1
+    # resumed, the stopped task stays stopped and the others go on
+    MultiTaskRun(_config(setup, run_dir, 3, tasks, "--checkpoint.every", "1", "--resume")).run()
+    step3 = {r["step"]: r for r in _records(run_dir)}[3]
+    assert step3["active_tasks"] == 2.0 and "broken/reward_errors" not in step3
+    assert step3["add/adapter_version"] == 3.0
 
 
 def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):

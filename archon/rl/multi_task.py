@@ -18,6 +18,7 @@ left alone), and every kept task continues exactly where it was.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 import zlib
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from archon.batch import PER_TOKEN_FIELDS, PackedBatch
+from archon.checkpoint.atomic import atomic_write_json
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
 from archon.lora import task_view
@@ -54,6 +56,8 @@ from archon.trainer import TASK_EXTRA, NonFiniteError, Trainer, TrainerConfig, T
 
 logger = logging.getLogger("archon.rl")
 TASKS_DIR = "tasks"
+STOPPED_FILE = "stopped.json"
+"""In a task's directory once the task is stopped: the step and the reason; a resumed run keeps it stopped."""
 
 
 def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
@@ -474,6 +478,8 @@ class MultiTaskRun:
             else:
                 continue
             task.stopped = str(error)
+            task.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(task.dir / STOPPED_FILE, {"step": step, "reason": task.stopped})
             if task.producer is not None:
                 task.producer.stop()
             logger.error("stopping task %r; the other tasks go on: %s", task.name, error)
@@ -506,6 +512,14 @@ class MultiTaskRun:
         the RL step to go on from: the newest step any task was saved at."""
         resumed = {}
         for task in self.tasks.values():
+            stopped = task.dir / STOPPED_FILE
+            if stopped.exists():
+                record = json.loads(stopped.read_text())
+                task.stopped = record["reason"]
+                logger.warning(
+                    "task %r stays stopped (since RL step %s; delete %s to train it again): %s",
+                    task.name, record["step"], stopped, task.stopped,
+                )
             latest = task.checkpoints.latest()
             if latest is None:
                 continue
@@ -520,6 +534,12 @@ class MultiTaskRun:
         first = max(resumed.values())
         if first > self.config.steps:
             raise ValueError(f"--resume: the checkpoints are at step {first}, beyond steps={self.config.steps}")
+        behind = {name: at for name, at in resumed.items() if at < first and self.tasks[name].stopped is None}
+        if behind:
+            logger.warning(
+                "tasks %s were last saved before step %d (the run ended while saving): each goes on from its "
+                "own checkpoint, without the steps in between", behind, first,
+            )
         added = [name for name in self.tasks if name not in resumed]
         logger.warning("resumed tasks %s at step %d; new tasks %s start from a fresh adapter", resumed, first, added)
         self.metrics.drop_after(first)
