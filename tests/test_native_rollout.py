@@ -27,12 +27,9 @@ def _lora_model(path):
     return model
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
-    model = _lora_model(tiny_checkpoint(model_type))
-    trainer = NativeRolloutEngine(model)
-    samples = trainer.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, n=2))
-    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+def _assert_greedy_steps_match_full_forward(model, samples) -> None:
+    """Every generated token is the argmax of a full forward over the tokens before it, with that
+    forward's log-prob."""
     with torch.no_grad():
         for sample in samples:
             ids = list(sample.prompt_ids)
@@ -41,7 +38,17 @@ def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
                 assert token == int(logits.argmax())
                 assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
                 ids.append(token)
-            assert sample.finish_reason == "length" and len(sample.completion_ids) == 8
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
+    model = _lora_model(tiny_checkpoint(model_type))
+    trainer = NativeRolloutEngine(model)
+    samples = trainer.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, n=2))
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+    _assert_greedy_steps_match_full_forward(model, samples)
+    for sample in samples:
+        assert sample.finish_reason == "length" and len(sample.completion_ids) == 8
 
 
 def _truncated_logprob(logits, temperature, top_k, top_p, token):
@@ -216,14 +223,7 @@ def test_sinks_and_sliding_windows_decode_equals_full_forward(tiny_checkpoint):
         sliding_window=3, num_key_value_heads=1,
     )).model.eval()  # fmt: skip
     samples = NativeRolloutEngine(model).generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=2))
-    with torch.no_grad():
-        for sample in samples:
-            ids = list(sample.prompt_ids)
-            for token, logprob in zip(sample.completion_ids, sample.logprobs):
-                logits = _full_forward_logits(model, ids)[-1]
-                assert token == int(logits.argmax())
-                assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
-                ids.append(token)
+    _assert_greedy_steps_match_full_forward(model, samples)
 
 
 def test_fsdp_and_tp_ranks_stay_in_lockstep(tiny_checkpoint, tmp_path):
