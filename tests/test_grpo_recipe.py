@@ -362,21 +362,59 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_setup, tmp
     assert [r["reward_errors"] for r in _records(tmp_path / "run")] == [16, 16]
 
 
-@pytest.mark.slow
-def test_shortened_demo_improves_held_out_accuracy(tmp_path, demo_cache):
-    """The demo's own settings (recipes/configs/demo.yaml), cut to 30 GRPO steps on one process."""
+SHORTENED_DEMO_STEPS = 30
+
+
+def _shortened_demo_args(run_dir: Path, cache_dir: Path) -> list[str]:
+    """The demo's own settings (recipes/configs/demo.yaml), cut to 30 GRPO steps."""
     from archon.recipes import grpo_lora
 
-    config = parse_config([
-        "--config", str(grpo_lora.DEMO_CONFIG), "--steps", "30", "--eval.every", "30",
-        "--logging.run-dir", str(tmp_path / "run"), "--demo.cache-dir", str(demo_cache[0]),
-        "--logging.no-progress", "--logging.no-tensorboard", "--checkpoint.every", "0",
-    ])  # fmt: skip
-    grpo_lora.run(config)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [
+        "--config", str(grpo_lora.DEMO_CONFIG), "--steps", str(SHORTENED_DEMO_STEPS),
+        "--eval.every", str(SHORTENED_DEMO_STEPS), "--logging.run-dir", str(run_dir),
+        "--demo.cache-dir", str(cache_dir), "--logging.no-progress", "--logging.no-tensorboard",
+        "--checkpoint.every", "0",
+    ]  # fmt: skip
+
+
+def _assert_held_out_accuracy_rose(run_dir: Path) -> tuple[float, float]:
+    """The warm start stops at a target accuracy, but where exactly it lands depends on the
+    arithmetic of the machine; the rise is what RL must deliver, at least 15 points held-out."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     (first_step, before), (last_step, after) = evals[0], evals[-1]
-    assert (first_step, last_step) == (0, 30)
-    # The warm start stops at a target accuracy checked every few SFT steps, so where it lands
-    # depends on the arithmetic of the machine; the improvement is what RL must deliver.
-    assert after >= before + 0.1, evals
+    assert (first_step, last_step) == (0, SHORTENED_DEMO_STEPS)
+    print(f"held-out accuracy {before:.3f} -> {after:.3f}")
+    assert after >= before + 0.15, evals
+    return before, after
+
+
+@pytest.mark.slow
+def test_shortened_demo_improves_held_out_accuracy(tmp_path, demo_cache):
+    from archon.recipes import grpo_lora
+
+    grpo_lora.run(parse_config(_shortened_demo_args(tmp_path / "run", demo_cache[0])))
+    _assert_held_out_accuracy_rose(tmp_path / "run")
+
+
+def _another_cpu_capability() -> str:
+    """An ATEN_CPU_CAPABILITY other than the one this process computes with: its kernels round
+    differently, as another machine's would."""
+    return "avx2" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "default"
+
+
+@pytest.mark.slow
+def test_shortened_demo_learns_under_another_cpu_arithmetic(tmp_path):
+    """The whole shortened demo, warm start included, in a process whose kernels use another vector
+    width: learning must not hinge on one machine's float arithmetic."""
+    capability = _another_cpu_capability()
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
+    probe = [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"]
+    used = subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert used == capability.upper() and used != torch.backends.cpu.get_cpu_capability()
+    cmd = [sys.executable, str(REPO / "recipes" / "grpo_lora.py"), *_shortened_demo_args(tmp_path / "run", tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    _assert_held_out_accuracy_rose(tmp_path / "run")
+
+

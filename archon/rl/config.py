@@ -149,10 +149,12 @@ class DemoConfig:
     sft_steps: int = 1500
     """Upper bound on SFT steps; the warm start stops earlier at sft_target_accuracy."""
     sft_target_accuracy: float = 0.25
-    """Stop SFT once greedy accuracy on sft_dev_examples training problems reaches this, so RL
-    starts from a weak but non-zero policy."""
-    sft_check_every: int = 25
+    """Stop SFT once the greedy accuracy of every operation on its development problems reaches
+    this, so RL starts from a weak but non-zero policy on each. The development problems are kept
+    out of the SFT batches, so the stop does not depend on memorised answers."""
+    sft_check_every: int = 10
     sft_dev_examples: int = 128
+    """Development problems per operation, taken from the training split."""
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     cache_dir: str = ".cache/archon/demo"

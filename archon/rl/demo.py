@@ -70,18 +70,36 @@ def _sft_loss(batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
     return nll, {"nll": nll.detach() * ctx.global_tokens / batch.loss_mask.sum().clamp(min=1)}
 
 
-def _greedy_accuracy(trainer: Trainer, examples, eos: int) -> float:
-    """Greedy exact-match accuracy on (prompt ids, answer ids + eos) pairs, over all ranks."""
+def _greedy_accuracy_by_operation(trainer: Trainer, examples: dict[str, list], eos: int) -> dict[str, float]:
+    """Greedy exact-match accuracy of each operation's (prompt ids, answer ids + eos) pairs, over
+    all ranks."""
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
 
-    mine = examples[trainer.dims.dp_rank :: trainer.dims.dp]
-    sampling = SamplingParams(max_new_tokens=max(len(a) for _, a in examples), temperature=0, stop_token_ids=(eos,))
-    samples = NativeRolloutEngine(trainer.model, trainer.device).generate([p for p, _ in mine], sampling)
-    correct = torch.tensor([float(sum(s.completion_ids == a for s, (_, a) in zip(samples, mine))), float(len(mine))])
+    operations = sorted(examples)
+    tagged = [(op, pair) for op in operations for pair in examples[op]]
+    mine = tagged[trainer.dims.dp_rank :: trainer.dims.dp]
+    longest = max(len(answer) for _, (_, answer) in tagged)
+    sampling = SamplingParams(max_new_tokens=longest, temperature=0, stop_token_ids=(eos,))
+    samples = NativeRolloutEngine(trainer.model, trainer.device).generate([p for _, (p, _) in mine], sampling)
+    counts = torch.zeros(2, len(operations))  # [correct, total] per operation
+    for sample, (op, (_, answer)) in zip(samples, mine):
+        counts[0, operations.index(op)] += float(sample.completion_ids == answer)
+        counts[1, operations.index(op)] += 1
     if dist.is_initialized():
-        dist.all_reduce(correct)
-    return (correct[0] / correct[1].clamp(min=1)).item()
+        dist.all_reduce(counts)
+    return {op: (counts[0, i] / counts[1, i].clamp(min=1)).item() for i, op in enumerate(operations)}
+
+
+def _split_development(rows: list[dict], per_operation: int) -> tuple[dict[str, list[dict]], list[dict]]:
+    """({operation: its first `per_operation` rows}, the other rows): the development problems that
+    decide when the warm start stops are kept out of its training."""
+    development: dict[str, list[dict]] = {}
+    rest = []
+    for row in rows:
+        chosen = development.setdefault(row["operation"], [])
+        (chosen if len(chosen) < per_operation else rest).append(row)
+    return development, rest
 
 
 def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
@@ -110,24 +128,32 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "init")
+
+    def encode(row: dict) -> tuple[list[int], list[int]]:
+        answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        return tokenizer.encode(row["prompt"], add_special_tokens=False), answer
+
     rows = [json.loads(line) for line in files.train_path.read_text().splitlines()]
-    examples = [
-        (tokenizer.encode(r["prompt"], add_special_tokens=False),
-         tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id])
-        for r in rows
-    ]  # fmt: skip
+    development, sft_rows = _split_development(rows, demo.sft_dev_examples)
+    dev = {op: [encode(r) for r in op_rows] for op, op_rows in development.items()}
+    examples = [encode(r) for r in sft_rows]
     rng = random.Random(seed)
     dp_rank, dp = trainer.dims.dp_rank, trainer.dims.dp
-    dev = examples[: demo.sft_dev_examples]
-    for step in range(demo.sft_steps):
-        chosen = rng.sample(examples, demo.sft_batch_size)[dp_rank::dp]
-        batch = PackedBatch.from_sequences([p + a for p, a in chosen], prompt_lens=[len(p) for p, _ in chosen])
-        metrics = trainer.train_step(batch, _sft_loss)
-        if (step + 1) % demo.sft_check_every == 0 or step + 1 == demo.sft_steps:
-            accuracy = _greedy_accuracy(trainer, dev, tokenizer.eos_token_id)
-            log(f"demo SFT step {step + 1}/{demo.sft_steps}: nll {metrics['loss']:.3f}, greedy accuracy {accuracy:.2f}")
-            if accuracy >= demo.sft_target_accuracy:
-                break
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the float arithmetic of the warm start then does not depend on the core count
+    try:
+        for step in range(demo.sft_steps):
+            chosen = rng.sample(examples, demo.sft_batch_size)[dp_rank::dp]
+            batch = PackedBatch.from_sequences([p + a for p, a in chosen], prompt_lens=[len(p) for p, _ in chosen])
+            metrics = trainer.train_step(batch, _sft_loss)
+            if (step + 1) % demo.sft_check_every == 0 or step + 1 == demo.sft_steps:
+                accuracy = _greedy_accuracy_by_operation(trainer, dev, tokenizer.eos_token_id)
+                shown = ", ".join(f"{op} {value:.2f}" for op, value in accuracy.items())
+                log(f"demo SFT step {step + 1}/{demo.sft_steps}: nll {metrics['loss']:.3f}, greedy accuracy {shown}")
+                if min(accuracy.values()) >= demo.sft_target_accuracy:
+                    break
+    finally:
+        torch.set_num_threads(threads)
     save_merged_hf(
         trainer.model, trainer.converter, files.model_dir, trainer.loaded.hf_config.to_dict(), root / "init",
         write=rank == 0,

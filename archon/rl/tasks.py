@@ -1,7 +1,7 @@
 """A synthetic task for the demo and the tests: multi-digit arithmetic, and a character-level tokenizer.
 
     train, held_out = arithmetic_splits(ArithmeticTaskConfig(max_digits=2))
-    write_jsonl(train, "train.jsonl")          # rows {"prompt": "12+34=", "answer": "46"}
+    write_jsonl(train, "train.jsonl")          # rows {"prompt": "12+34=", "answer": "46", "operation": "+"}
     tokenizer = build_char_tokenizer()         # a real HF tokenizer; save_pretrained() works
 
 Every problem appears once; the held-out split shares no problem with the training split. The
@@ -64,11 +64,12 @@ def _random_operand(rng: random.Random, config: ArithmeticTaskConfig) -> int:
 
 
 def _row(config: ArithmeticTaskConfig, a: int, op: str, b: int) -> dict[str, str]:
-    return {"prompt": config.prompt_format.format(a=a, op=op, b=b), "answer": str(OPERATIONS[op](a, b))}
+    prompt = config.prompt_format.format(a=a, op=op, b=b)
+    return {"prompt": prompt, "answer": str(OPERATIONS[op](a, b)), "operation": op}
 
 
 def arithmetic_splits(config: ArithmeticTaskConfig) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """(train, held_out): rows {"prompt", "answer"}, distinct problems, deterministic per seed.
+    """(train, held_out): rows {"prompt", "answer", "operation"}, distinct problems, deterministic per seed.
 
     The held-out problems are drawn first, so they do not change with num_train.
     """
