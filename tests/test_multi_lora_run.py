@@ -4,6 +4,7 @@ learning test on a demo base warm-started on addition and subtraction."""
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CONFIG
-from archon.rl.config import load_config_file, parse_config
+from archon.rl.config import load_config_file, parse_config, validate
 from archon.rl.multi_task import MultiTaskRun
 from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
@@ -83,6 +84,19 @@ def test_task_settings_are_checked_per_task(setup, tmp_path):
     asynchronous = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + "    max_staleness: 1\n"
     with pytest.raises(ValueError, match="tasks\\[0\\].*max_staleness=1 generates while the trainer trains"):
         _config(setup, tmp_path / "run", 1, asynchronous)
+
+
+@pytest.mark.parametrize(
+    "name", ["a" * 101, "a" * 300, "", "a/b", "..", "a\0b"], ids=["101-chars", "300-chars", "empty", "slash", "dotdot", "nul"]
+)
+def test_a_task_name_that_cannot_name_its_directory_is_refused(setup, tmp_path, name):
+    """A task's name names RUN_DIR/tasks/<name> and its served adapters: a name that cannot is
+    refused when the config is read, naming the field, not at the run's first save."""
+    config = _config(setup, tmp_path / "run", 1, _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl"))
+    renamed = dataclasses.replace(config, tasks=(dataclasses.replace(config.tasks[0], name=name),))
+    with pytest.raises(ValueError, match=re.escape(f"tasks[0].name={name!r}")):
+        validate(renamed)
+    validate(dataclasses.replace(config, tasks=(dataclasses.replace(config.tasks[0], name="a" * 100),)))
 
 
 def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, importable_module):
