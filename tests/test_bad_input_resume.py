@@ -77,6 +77,19 @@ def _corrupt_trainer_state(run_dir):
     return ["--resume"], CheckpointError, [str(_newest(run_dir) / "trainer_state.json"), "step-00000001"]
 
 
+def _step_in_trainer_state(value):
+    def case(run_dir):
+        state_file = _newest(run_dir) / "trainer_state.json"
+        state = json.loads(state_file.read_text())
+        state["step"] = value
+        state_file.write_text(json.dumps(state))
+        # the resume would drop the metrics of the steps after the checkpoint's: refused, they stay
+        return ["--resume"], CheckpointError, [str(state_file), f"'step' is {value!r}", "step-00000001"]
+
+    case.__name__ = f"_step_{value!r}_in_trainer_state".replace("-", "minus")
+    return case
+
+
 def _truncated_distcp(run_dir):
     shard = sorted(_newest(run_dir).glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -163,7 +176,8 @@ def _run_dir_is_a_file(run_dir):
 
 CASES = [
     _resume_nothing_in_new_dir, _resume_nothing_in_empty_checkpoints, _resume_mistyped_path,
-    _resume_run_dir_instead_of_checkpoint, _corrupt_trainer_state, _truncated_distcp, _garbled_distcp,
+    _resume_run_dir_instead_of_checkpoint, _corrupt_trainer_state, _step_in_trainer_state(-1),
+    _step_in_trainer_state(True), _step_in_trainer_state(1.5), _truncated_distcp, _garbled_distcp,
     _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _malicious_metadata, _every_checkpoint_damaged,
     _named_checkpoint_damaged, _lora_rank_changed, _lora_alpha_changed, _lora_targets_changed,
     _lora_rslora_changed, _new_run_in_used_dir, _overwrite_with_foreign_files, _resume_and_overwrite,
