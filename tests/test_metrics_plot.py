@@ -1,4 +1,6 @@
 import json
+import logging
+import re
 
 import pytest
 
@@ -31,3 +33,38 @@ def test_bad_metrics_files(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="none of"):
         plot_run(tmp_path)
+
+
+def test_a_torn_last_line_is_dropped_on_resume(tmp_path, caplog):
+    """A run killed while writing a record leaves a part of a line, without its newline: the resumed
+    run drops it (with a warning naming it) and logs on; the plot reads past it too."""
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for step in range(3):
+        logger.log(step, {"loss": float(step)})
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    resumed = MetricsLogger(tmp_path, tensorboard=False)
+    with caplog.at_level(logging.WARNING, logger="archon.rl"):
+        resumed.drop_after(1)
+    resumed.log(2, {"loss": 20.0})
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(0, 0.0), (1, 1.0), (2, 20.0)]
+    assert f"{tmp_path / 'metrics.jsonl'}:4" in caplog.text
+
+
+@pytest.mark.parametrize("bad_line", ["{broken", "[1, 2]", '{"loss": 1.0}', '{"step": "2"}'])
+def test_a_bad_metrics_line_is_named_and_the_file_kept(tmp_path, bad_line):
+    """A corrupt line that is not a torn last one (it has its newline) is an error naming the file
+    and line; the resume that met it changes nothing."""
+    lines = [json.dumps({"step": 0, "loss": 1.0}), bad_line, json.dumps({"step": 1, "loss": 2.0})]
+    text = "\n".join(lines) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(text)
+    resumed = MetricsLogger(tmp_path, tensorboard=False)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'metrics.jsonl'}:2: ")):
+        resumed.drop_after(0)
+    resumed.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == text
+    with pytest.raises(ValueError, match="metrics.jsonl:2: "):
+        read_metrics(tmp_path)

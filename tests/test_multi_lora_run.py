@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_bad_input_resume import snapshot
 from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CONFIG
@@ -133,6 +134,21 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
     step3 = {r["step"]: r for r in _records(run_dir)}[3]
     assert step3["active_tasks"] == 2.0 and "broken/reward_errors" not in step3
     assert step3["add/adapter_version"] == 3.0
+
+
+def test_a_damaged_stopped_record_is_named_and_nothing_is_lost(setup, tmp_path):
+    """tasks/<name>/stopped.json cut short, or not a record: the resume is refused naming the file,
+    and the run directory is left as it was."""
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+    run_dir = tmp_path / "run"
+    MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0")).run()
+    stopped = run_dir / "tasks" / "add" / "stopped.json"
+    for content, problem in (('{"step": 1, "reason": "the rew', "cannot be read"), ('["add"]', "not a record")):
+        stopped.write_text(content)
+        before = snapshot(run_dir)
+        with pytest.raises(ValueError, match=re.escape(f"{stopped} ") + f".*{problem}"):
+            MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
+        assert snapshot(run_dir) == before
 
 
 def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):

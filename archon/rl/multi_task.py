@@ -60,6 +60,18 @@ STOPPED_FILE = "stopped.json"
 """In a task's directory once the task is stopped: the step and the reason; a resumed run keeps it stopped."""
 
 
+def read_stopped_record(path: Path) -> dict:
+    """A stopped task's record (STOPPED_FILE): {"step": the RL step it stopped at, "reason": why}."""
+    advice = "fix it, or delete it to train the task again"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({e}); it records why the task was stopped: {advice}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("reason"), str) or "step" not in record:
+        raise ValueError(f"{path} is not a record of a stopped task (a JSON object with 'step' and 'reason'): {advice}")
+    return record
+
+
 def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
     """The sequences of `batches` in one packed batch, in order (extras kept where all have them)."""
     values = {}
@@ -514,7 +526,7 @@ class MultiTaskRun:
         for task in self.tasks.values():
             stopped = task.dir / STOPPED_FILE
             if stopped.exists():
-                record = json.loads(stopped.read_text())
+                record = read_stopped_record(stopped)
                 task.stopped = record["reason"]
                 logger.warning(
                     "task %r stays stopped (since RL step %s; delete %s to train it again): %s",
