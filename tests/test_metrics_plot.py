@@ -5,7 +5,7 @@ import re
 import pytest
 
 from archon.rl.metrics import MetricsLogger, read_metrics
-from archon.tools.plot import plot_run
+from archon.tools.plot import curves, plot_run
 
 
 def test_metrics_round_trip_and_plot(tmp_path):
@@ -22,6 +22,23 @@ def test_metrics_round_trip_and_plot(tmp_path):
     assert list((tmp_path / "tensorboard").iterdir())
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_multi_task_run_gets_one_curve_per_task(tmp_path):
+    """A multi-task run logs `<task>/<metric>`: each task's reward, accuracy and held-out accuracy
+    is a curve of its own, in the order of the tasks."""
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(0, {"sub/eval_accuracy": 0.1, "add/eval_accuracy": 0.2})
+    for step in (1, 2):
+        logger.log(step, {f"{task}/{key}": 0.1 * step for task in ("sub", "add") for key in ("reward_mean", "accuracy")}
+                   | {"sub/loss": 1.0, "active_tasks": 2.0})  # fmt: skip
+    logger.log(3, {"add/reward_mean": 0.5, "add/accuracy": 0.25, "add/eval_accuracy": 0.75})  # sub stopped
+    logger.close()
+    drawn = {(task, key): (steps, values) for task, key, _, steps, values in curves(read_metrics(tmp_path))}
+    assert list(drawn) == [(task, key) for task in ("sub", "add") for key in ("reward_mean", "accuracy", "eval_accuracy")]
+    assert drawn["add", "reward_mean"] == ([1, 2, 3], [0.1, 0.2, 0.5])
+    assert drawn["sub", "eval_accuracy"] == ([0], [0.1])
+    assert plot_run(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_metrics_files(tmp_path):

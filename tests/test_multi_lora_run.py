@@ -45,7 +45,7 @@ def _task_yaml(name, data, held_out, reward="exact", rank=4, lr=1e-2):
     )
 
 
-def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
+def _config_file(root: Path, run_dir: Path, steps: int, tasks: str) -> Path:
     path = run_dir.parent / f"{run_dir.name}_{steps}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
@@ -55,7 +55,11 @@ def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
         f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\n"
         f"tasks:\n{tasks}"
     )
-    return parse_config(["--config", str(path), *extra])
+    return path
+
+
+def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
+    return parse_config(["--config", str(_config_file(root, run_dir, steps, tasks)), *extra])
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -149,6 +153,22 @@ def test_a_damaged_stopped_record_is_named_and_nothing_is_lost(setup, tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"{stopped} ") + f".*{problem}"):
             MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
         assert snapshot(run_dir) == before
+
+
+def test_a_multi_task_run_through_the_recipe_ends_normally_with_its_plot(setup, tmp_path, capsys):
+    """The recipe runs a config with tasks to its end: it returns, and its plot draws each task's
+    curves from the task-prefixed metrics."""
+    from archon.recipes.grpo_lora import main
+
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + _task_yaml(
+        "sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2
+    )
+    run_dir = tmp_path / "run"
+    main(["--config", str(_config_file(setup, run_dir, 1, tasks))])
+    out = capsys.readouterr().out
+    assert f"plot: {run_dir / 'curves.png'}" in out
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"{run_dir / 'tasks' / 'add' / 'adapter'}, {run_dir / 'tasks' / 'sub' / 'adapter'}" in out
 
 
 def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):
