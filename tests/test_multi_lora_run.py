@@ -4,17 +4,20 @@ learning test on a demo base warm-started on addition and subtraction."""
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 from test_bad_input_resume import snapshot
+from test_checkpoint_faults import _run_until_killed
 from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CONFIG
 from archon.rl.config import load_config_file, parse_config, validate
 from archon.rl.multi_task import MultiTaskRun
+from archon.rl.run_dir import LOCK_FILE, RunDirInUseError
 from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
 VARYING_REWARD = '''
@@ -169,6 +172,43 @@ def test_a_multi_task_run_through_the_recipe_ends_normally_with_its_plot(setup, 
     assert f"plot: {run_dir / 'curves.png'}" in out
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"{run_dir / 'tasks' / 'add' / 'adapter'}, {run_dir / 'tasks' / 'sub' / 'adapter'}" in out
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_task_killed_between_the_renames_of_a_resave_resumes_from_its_checkpoint(setup, tmp_path):
+    """Task add's step-2 checkpoint is saved again over itself, and the process is killed after the
+    old copy was moved aside and before the new one took its place. The next --resume puts the old
+    copy back, and add goes on from it (its adapter version 3 at step 3), not from a fresh adapter."""
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + _task_yaml(
+        "sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2
+    )
+    run_dir = tmp_path / "run"
+    MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0")).run()
+    checkpoints = run_dir / "tasks" / "add" / "checkpoints"
+    saved = snapshot(checkpoints / "step-00000002")
+    _run_until_killed("resave", ".step-00000002.tmp", ["--config", str(_config_file(setup, run_dir, 2, tasks)),
+                                                       "--eval.every", "0", "--resume"])  # fmt: skip
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", ".step-00000002.tmp"]
+
+    MultiTaskRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume")).run()
+    step3 = {r["step"]: r for r in _records(run_dir)}[3]
+    assert step3["add/adapter_version"] == 3.0 and step3["sub/adapter_version"] == 3.0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000003"]
+    assert snapshot(checkpoints / "step-00000002") == saved
+
+
+def test_a_multi_task_run_holds_its_directory_until_it_ends(setup, tmp_path):
+    """A second run on the directory, new or resumed, fails at once while the first holds it."""
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+    run_dir = tmp_path / "run"
+    run = MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0"))
+    for extra in ((), ("--resume",)):
+        with pytest.raises(RunDirInUseError, match=f"run directory {run_dir} is in use by process {os.getpid()} "):
+            MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0", *extra))
+    run.run()
+    assert not (run_dir / LOCK_FILE).exists()
+    MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
+    assert [r["step"] for r in _records(run_dir)] == [1, 2]
 
 
 def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):
