@@ -184,8 +184,8 @@ def _run_dir_is_a_file(run_dir):
 CASES = [
     _resume_nothing_in_new_dir, _resume_nothing_in_empty_checkpoints, _resume_mistyped_path,
     _resume_run_dir_instead_of_checkpoint, _corrupt_trainer_state, _step_in_trainer_state(-1),
-    _step_in_trainer_state(True), _step_in_trainer_state(1.5), _corrupt_metrics_line, _truncated_distcp, _garbled_distcp,
-    _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _malicious_metadata, _every_checkpoint_damaged,
+    _step_in_trainer_state(True), _step_in_trainer_state(1.5), _corrupt_metrics_line, _truncated_distcp,
+    _garbled_distcp, _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _malicious_metadata, _every_checkpoint_damaged,
     _named_checkpoint_damaged, _lora_rank_changed, _lora_alpha_changed, _lora_targets_changed,
     _lora_rslora_changed, _new_run_in_used_dir, _overwrite_with_foreign_files, _resume_and_overwrite,
     _run_dir_is_a_file,

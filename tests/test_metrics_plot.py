@@ -35,7 +35,8 @@ def test_a_multi_task_run_gets_one_curve_per_task(tmp_path):
     logger.log(3, {"add/reward_mean": 0.5, "add/accuracy": 0.25, "add/eval_accuracy": 0.75})  # sub stopped
     logger.close()
     drawn = {(task, key): (steps, values) for task, key, _, steps, values in curves(read_metrics(tmp_path))}
-    assert list(drawn) == [(task, key) for task in ("sub", "add") for key in ("reward_mean", "accuracy", "eval_accuracy")]
+    metrics = ("reward_mean", "accuracy", "eval_accuracy")
+    assert list(drawn) == [(task, key) for task in ("sub", "add") for key in metrics]
     assert drawn["add", "reward_mean"] == ([1, 2, 3], [0.1, 0.2, 0.5])
     assert drawn["sub", "eval_accuracy"] == ([0], [0.1])
     assert plot_run(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -95,7 +95,8 @@ def test_task_settings_are_checked_per_task(setup, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["a" * 101, "a" * 300, "", "a/b", "..", "a\0b"], ids=["101-chars", "300-chars", "empty", "slash", "dotdot", "nul"]
+    "name", ["a" * 101, "a" * 300, "", "a/b", "..", "a\0b"],
+    ids=["101-chars", "300-chars", "empty", "slash", "dotdot", "nul"],
 )
 def test_a_task_name_that_cannot_name_its_directory_is_refused(setup, tmp_path, name):
     """A task's name names RUN_DIR/tasks/<name> and its served adapters: a name that cannot is
