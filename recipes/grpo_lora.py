@@ -24,17 +24,28 @@ def run(config) -> dict:
     import torch.distributed as dist
 
     from archon.parallel import init_distributed
-    from archon.rl.demo import prepare_demo
-    from archon.rl.loop import RLRun
     from archon.rl.run_dir import prepare_run_dir
-    from archon.tools.plot import plot_run
 
     _, rank, _ = init_distributed(config.model.device)
-    # Before the demo's warm start, so a run directory in use is reported at once. A multi-task run
-    # resumes each task from its own checkpoints (archon.rl.multi_task).
-    resume_from = None
-    if not config.tasks:
-        resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
+    # Before the demo's warm start, so a run directory in use is reported at once; held until the
+    # plot is written.
+    prepared = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora,
+                               tasks=[task.name for task in config.tasks])  # fmt: skip
+    try:
+        last = _train_and_report(config, prepared, rank)
+    finally:
+        prepared.release()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return last
+
+
+def _train_and_report(config, prepared, rank: int) -> dict:
+    """The run in the directory `prepared` (prepare_run_dir's), then on rank 0 its plot and summary."""
+    from archon.rl.demo import prepare_demo
+    from archon.rl.loop import RLRun
+    from archon.tools.plot import plot_run
 
     def log(message: str) -> None:
         if rank == 0:
@@ -54,9 +65,9 @@ def run(config) -> dict:
     if config.tasks:
         from archon.rl.multi_task import MultiTaskRun
 
-        last = MultiTaskRun(config).run()
+        last = MultiTaskRun(config, prepared).run()
     else:
-        last = RLRun(config, resume_from=resume_from).run()
+        last = RLRun(config, prepared).run()
     if rank == 0:
         run_dir = Path(config.logging.run_dir)
         plot = plot_run(run_dir)
@@ -67,9 +78,6 @@ def run(config) -> dict:
         print(f"adapter (PEFT): {', '.join(map(str, adapters))}")
         print(f"metrics: {run_dir / 'metrics.jsonl'}")
         print(f"plot: {plot}")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     return last
 
 

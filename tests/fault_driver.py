@@ -5,7 +5,8 @@ adapter write, for the fault tests (tests/test_checkpoint_faults.py).
     python tests/fault_driver.py dcp-save .step-00000003.tmp RECIPE_ARGS...
     # killed just before that directory is renamed into place
     python tests/fault_driver.py rename .step-00000002.tmp RECIPE_ARGS...
-    # resumes the newest checkpoint and saves it again (a re-save), killed at that rename
+    # resumes the newest checkpoint and saves it again (a re-save), killed at that rename; with
+    # tasks in the config, the first task's re-save is killed
     python tests/fault_driver.py resave .step-00000002.tmp RECIPE_ARGS... --resume
 """
 
@@ -48,8 +49,10 @@ def main() -> None:
     if point == "resave":
         from archon.rl.config import parse_config
         from archon.rl.loop import RLRun
+        from archon.rl.multi_task import MultiTaskRun
 
-        run = RLRun(parse_config(recipe_args))
+        config = parse_config(recipe_args)
+        run = MultiTaskRun(config) if config.tasks else RLRun(config)
         run.save(run._resume())
         return
     from archon.recipes.grpo_lora import main as recipe

@@ -77,6 +77,26 @@ def _corrupt_trainer_state(run_dir):
     return ["--resume"], CheckpointError, [str(_newest(run_dir) / "trainer_state.json"), "step-00000001"]
 
 
+def _step_in_trainer_state(value):
+    def case(run_dir):
+        state_file = _newest(run_dir) / "trainer_state.json"
+        state = json.loads(state_file.read_text())
+        state["step"] = value
+        state_file.write_text(json.dumps(state))
+        # the resume would drop the metrics of the steps after the checkpoint's: refused, they stay
+        return ["--resume"], CheckpointError, [str(state_file), f"'step' is {value!r}", "step-00000001"]
+
+    case.__name__ = f"_step_{value!r}_in_trainer_state".replace("-", "minus")
+    return case
+
+
+def _corrupt_metrics_line(run_dir):
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text(lines[0] + '{"step": 1, "loss": 0.5,,}\n' + "".join(lines[2:]))
+    return ["--resume"], ValueError, [f"{metrics}:2: not a JSON object"]
+
+
 def _truncated_distcp(run_dir):
     shard = sorted(_newest(run_dir).glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -163,8 +183,9 @@ def _run_dir_is_a_file(run_dir):
 
 CASES = [
     _resume_nothing_in_new_dir, _resume_nothing_in_empty_checkpoints, _resume_mistyped_path,
-    _resume_run_dir_instead_of_checkpoint, _corrupt_trainer_state, _truncated_distcp, _garbled_distcp,
-    _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _malicious_metadata, _every_checkpoint_damaged,
+    _resume_run_dir_instead_of_checkpoint, _corrupt_trainer_state, _step_in_trainer_state(-1),
+    _step_in_trainer_state(True), _step_in_trainer_state(1.5), _corrupt_metrics_line, _truncated_distcp,
+    _garbled_distcp, _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _malicious_metadata, _every_checkpoint_damaged,
     _named_checkpoint_damaged, _lora_rank_changed, _lora_alpha_changed, _lora_targets_changed,
     _lora_rslora_changed, _new_run_in_used_dir, _overwrite_with_foreign_files, _resume_and_overwrite,
     _run_dir_is_a_file,
@@ -241,3 +262,19 @@ def test_resuming_an_older_checkpoint_sets_the_newer_outputs_aside(finished_run,
     assert sorted(p.name for p in (run_dir / CKPT).iterdir()) == ["step-00000001", "step-00000002"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(finished_run, tiny_setup, tmp_path, caplog):  # noqa: F811
+    """The run was killed while writing its last metrics record: the resume drops the torn line,
+    saying so, and logs the steps it runs after the ones kept."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    kept = metrics.read_text()
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "reward_mean": 0.')
+    with caplog.at_level("WARNING", logger="archon.rl"):
+        RLRun(parse_config(_args(tiny_setup, run_dir, steps=3) + ["--resume"])).run()
+    assert f"{metrics}:4: dropped the last line" in caplog.text
+    assert metrics.read_text().startswith(kept)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2, 3]

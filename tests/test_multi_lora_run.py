@@ -4,15 +4,20 @@ learning test on a demo base warm-started on addition and subtraction."""
 
 import dataclasses
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from test_bad_input_resume import snapshot
+from test_checkpoint_faults import _run_until_killed
 from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CONFIG
-from archon.rl.config import load_config_file, parse_config
+from archon.rl.config import load_config_file, parse_config, validate
 from archon.rl.multi_task import MultiTaskRun
+from archon.rl.run_dir import LOCK_FILE, RunDirInUseError
 from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
 VARYING_REWARD = '''
@@ -43,7 +48,7 @@ def _task_yaml(name, data, held_out, reward="exact", rank=4, lr=1e-2):
     )
 
 
-def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
+def _config_file(root: Path, run_dir: Path, steps: int, tasks: str) -> Path:
     path = run_dir.parent / f"{run_dir.name}_{steps}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
@@ -53,7 +58,11 @@ def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
         f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\n"
         f"tasks:\n{tasks}"
     )
-    return parse_config(["--config", str(path), *extra])
+    return path
+
+
+def _config(root: Path, run_dir: Path, steps: int, tasks: str, *extra: str):
+    return parse_config(["--config", str(_config_file(root, run_dir, steps, tasks)), *extra])
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -83,6 +92,20 @@ def test_task_settings_are_checked_per_task(setup, tmp_path):
     asynchronous = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + "    max_staleness: 1\n"
     with pytest.raises(ValueError, match="tasks\\[0\\].*max_staleness=1 generates while the trainer trains"):
         _config(setup, tmp_path / "run", 1, asynchronous)
+
+
+@pytest.mark.parametrize(
+    "name", ["a" * 101, "a" * 300, "", "a/b", "..", "a\0b"],
+    ids=["101-chars", "300-chars", "empty", "slash", "dotdot", "nul"],
+)
+def test_a_task_name_that_cannot_name_its_directory_is_refused(setup, tmp_path, name):
+    """A task's name names RUN_DIR/tasks/<name> and its served adapters: a name that cannot is
+    refused when the config is read, naming the field, not at the run's first save."""
+    config = _config(setup, tmp_path / "run", 1, _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl"))
+    renamed = dataclasses.replace(config, tasks=(dataclasses.replace(config.tasks[0], name=name),))
+    with pytest.raises(ValueError, match=re.escape(f"tasks[0].name={name!r}")):
+        validate(renamed)
+    validate(dataclasses.replace(config, tasks=(dataclasses.replace(config.tasks[0], name="a" * 100),)))
 
 
 def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, importable_module):
@@ -119,6 +142,74 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
     step3 = {r["step"]: r for r in _records(run_dir)}[3]
     assert step3["active_tasks"] == 2.0 and "broken/reward_errors" not in step3
     assert step3["add/adapter_version"] == 3.0
+
+
+def test_a_damaged_stopped_record_is_named_and_nothing_is_lost(setup, tmp_path):
+    """tasks/<name>/stopped.json cut short, or not a record: the resume is refused naming the file,
+    and the run directory is left as it was."""
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+    run_dir = tmp_path / "run"
+    MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0")).run()
+    stopped = run_dir / "tasks" / "add" / "stopped.json"
+    for content, problem in (('{"step": 1, "reason": "the rew', "cannot be read"), ('["add"]', "not a record")):
+        stopped.write_text(content)
+        before = snapshot(run_dir)
+        with pytest.raises(ValueError, match=re.escape(f"{stopped} ") + f".*{problem}"):
+            MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
+        assert snapshot(run_dir) == before
+
+
+def test_a_multi_task_run_through_the_recipe_ends_normally_with_its_plot(setup, tmp_path, capsys):
+    """The recipe runs a config with tasks to its end: it returns, and its plot draws each task's
+    curves from the task-prefixed metrics."""
+    from archon.recipes.grpo_lora import main
+
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + _task_yaml(
+        "sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2
+    )
+    run_dir = tmp_path / "run"
+    main(["--config", str(_config_file(setup, run_dir, 1, tasks))])
+    out = capsys.readouterr().out
+    assert f"plot: {run_dir / 'curves.png'}" in out
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"{run_dir / 'tasks' / 'add' / 'adapter'}, {run_dir / 'tasks' / 'sub' / 'adapter'}" in out
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_task_killed_between_the_renames_of_a_resave_resumes_from_its_checkpoint(setup, tmp_path):
+    """Task add's step-2 checkpoint is saved again over itself, and the process is killed after the
+    old copy was moved aside and before the new one took its place. The next --resume puts the old
+    copy back, and add goes on from it (its adapter version 3 at step 3), not from a fresh adapter."""
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + _task_yaml(
+        "sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2
+    )
+    run_dir = tmp_path / "run"
+    MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0")).run()
+    checkpoints = run_dir / "tasks" / "add" / "checkpoints"
+    saved = snapshot(checkpoints / "step-00000002")
+    _run_until_killed("resave", ".step-00000002.tmp", ["--config", str(_config_file(setup, run_dir, 2, tasks)),
+                                                       "--eval.every", "0", "--resume"])  # fmt: skip
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", ".step-00000002.tmp"]
+
+    MultiTaskRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume")).run()
+    step3 = {r["step"]: r for r in _records(run_dir)}[3]
+    assert step3["add/adapter_version"] == 3.0 and step3["sub/adapter_version"] == 3.0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000003"]
+    assert snapshot(checkpoints / "step-00000002") == saved
+
+
+def test_a_multi_task_run_holds_its_directory_until_it_ends(setup, tmp_path):
+    """A second run on the directory, new or resumed, fails at once while the first holds it."""
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+    run_dir = tmp_path / "run"
+    run = MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0"))
+    for extra in ((), ("--resume",)):
+        with pytest.raises(RunDirInUseError, match=f"run directory {run_dir} is in use by process {os.getpid()} "):
+            MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0", *extra))
+    run.run()
+    assert not (run_dir / LOCK_FILE).exists()
+    MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
+    assert [r["step"] for r in _records(run_dir)] == [1, 2]
 
 
 def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):

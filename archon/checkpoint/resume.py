@@ -151,8 +151,12 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{state_file} does not exist; is {path} a complete checkpoint?") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{state_file} cannot be read: {e}") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+    if not isinstance(state, dict) or "step" not in state:
         raise CheckpointError(f"{state_file} is not a trainer state (a JSON object with an integer 'step')")
+    step = state["step"]
+    # a resume keeps the metrics of the steps up to this one and drops the rest: a bad one would lose them
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{state_file}: 'step' is {step!r}, not an RL step (an integer >= 0)")
     return state
 
 

@@ -170,7 +170,8 @@ class TaskConfig:
     "<name>/"."""
 
     name: str = ""
-    """Names the adapter, its output directory and its metrics (letters, digits, '_' and '-')."""
+    """Names the adapter, its output directory and its metrics (letters, digits, '_' and '-'; at most
+    100 characters)."""
     data: DataConfig = field(default_factory=DataConfig)
     eval_path: str | None = None
     """Held-out prompts of this task (same format as data.path); None: no evaluation."""
@@ -631,6 +632,9 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
 
 
 TASK_NAME = re.compile(r"[A-Za-z0-9_-]+")
+TASK_NAME_MAX_CHARS = 100
+"""A task's name is part of directory names (its served adapters' are archon-<session>-<name>-v<version>),
+and file systems take at most 255 bytes a name."""
 
 
 def _task_problems(config: GRPOConfig) -> list[str]:
@@ -642,6 +646,9 @@ def _task_problems(config: GRPOConfig) -> list[str]:
         where = f"tasks[{i}]"
         if not TASK_NAME.fullmatch(task.name):
             problems.append(f"{where}.name={task.name!r}: must be letters, digits, '_' or '-' (it names a directory)")
+        elif len(task.name) > TASK_NAME_MAX_CHARS:
+            problems.append(f"{where}.name={task.name!r}: {len(task.name)} characters, at most {TASK_NAME_MAX_CHARS} "
+                            "(it names a directory)")
         elif names.count(task.name) > 1:
             problems.append(f"{where}.name={task.name!r}: task names must be unique")
         as_run = dataclasses.replace(

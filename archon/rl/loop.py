@@ -34,7 +34,7 @@ from archon.rl.data import (
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
-from archon.rl.run_dir import ADAPTER_EXPORT, prepare_run_dir
+from archon.rl.run_dir import ADAPTER_EXPORT, PreparedRunDir, prepare_run_dir
 from archon.rl.versions import AdapterHistory, stale_groups
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
@@ -42,7 +42,6 @@ from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import NonFiniteError, Trainer, TrainerConfig
 
 logger = logging.getLogger("archon.rl")
-CHECK_RUN_DIR = object()
 UPDATE_BOOKKEEPING = {
     "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches", "optimizer_steps", "time_s", "num_tokens",
 }  # fmt: skip
@@ -169,16 +168,28 @@ def prune_adapter_exports(adapters_dir: Path, keep: int) -> None:
 
 
 class RLRun:
-    def __init__(self, config: GRPOConfig, resume_from: Path | None | object = CHECK_RUN_DIR) -> None:
-        """`resume_from`: what `prepare_run_dir` returned, when the caller has checked the run
-        directory already (the recipe does, before it prepares the demo model); by default the
-        check is made here, before anything is built."""
+    def __init__(self, config: GRPOConfig, run_dir: PreparedRunDir | None = None) -> None:
+        """`run_dir`: what `prepare_run_dir` returned, when the caller has checked (and holds) the
+        run directory already and releases it after the run (the recipe does, before it prepares
+        the demo model); by default the check is made here, before anything is built, and `close`
+        releases the directory."""
         validate(config)
         self.config = config
         check_model_dir(config.model.path, "model.path")
-        if resume_from is CHECK_RUN_DIR:
-            resume_from = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
-        self.resume_from = resume_from
+        self.owns_run_dir = run_dir is None
+        if run_dir is None:
+            run_dir = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
+        self.prepared_run_dir = run_dir
+        self.resume_from = run_dir.resume_from
+        try:
+            self._build()
+        except BaseException:
+            self._release_run_dir()
+            raise
+
+    def _build(self) -> None:
+        """The trainer, data, teacher, reward workers, rollout engine and weight sync of the run."""
+        config = self.config
         # Schedules count RL steps and last the run unless set.
         optim = config.optim.for_run(config.steps)
         self.algorithm = get_algorithm(config.algorithm, config.rollout.max_new_tokens, config.rollout.max_staleness)
@@ -686,15 +697,23 @@ class RLRun:
         return last
 
     def close(self) -> None:
-        """Close the metrics files, reward workers and rollout servers (also when a step fails)."""
-        if self.producer is not None:
-            self.producer.stop()  # no new steps; the servers' closing ends a generation under way
-        self.metrics.close()
-        self.scorer.close()
-        self.sync.close()
-        self.rollout.close()
-        if self.producer is not None:
-            self.producer.join()
+        """Close the metrics files, reward workers and rollout servers (also when a step fails), and
+        release the run directory if this run checked it."""
+        try:
+            if self.producer is not None:
+                self.producer.stop()  # no new steps; the servers' closing ends a generation under way
+            self.metrics.close()
+            self.scorer.close()
+            self.sync.close()
+            self.rollout.close()
+            if self.producer is not None:
+                self.producer.join()
+        finally:
+            self._release_run_dir()
+
+    def _release_run_dir(self) -> None:
+        if self.owns_run_dir:
+            self.prepared_run_dir.release()
 
     def save(self, step: int, final: bool = False) -> None:
         """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,

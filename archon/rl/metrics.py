@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+logger = logging.getLogger("archon.rl")
 
 
 def _plain(value: Any) -> Any:
@@ -53,10 +55,10 @@ class MetricsLogger:
             return
         from archon.checkpoint.atomic import atomic_file
 
+        kept = [line for record, line in _read_records(self.path) if record["step"] <= step]
         self._file.close()
-        lines = self.path.read_text().splitlines(keepends=True)
-        with atomic_file(self.path, "w") as f:
-            f.writelines(line for line in lines if json.loads(line)["step"] <= step)
+        with atomic_file(self.path, "wb") as f:
+            f.writelines(kept)
         self._file = open(self.path, "a")
 
     def close(self) -> None:
@@ -66,16 +68,31 @@ class MetricsLogger:
                 self._writer.close()
 
 
+def _read_records(path: Path) -> list[tuple[dict[str, Any], bytes]]:
+    """Each record of the metrics file `path`, with its line (newline included). A last line without
+    its newline that is not a record is what a run killed while writing leaves: it is dropped, with
+    a warning. Any other bad line is an error naming its line number."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    records = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:  # not JSON, or not UTF-8
+            if line_no == len(lines) and not line.endswith(b"\n"):
+                logger.warning("%s:%d: dropped the last line, a record cut short (the run was killed while writing "
+                               "it): %r", path, line_no, line[:80])  # fmt: skip
+                break
+            raise ValueError(f"{path}:{line_no}: not a JSON object ({e})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{line_no}: not a metrics record (a JSON object with an integer 'step')")
+        records.append((record, line if line.endswith(b"\n") else line + b"\n"))
+    return records
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist; is {str(run_dir)!r} a run directory?")
-    records = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: not a JSON object ({e})") from None
-    return records
+    return [record for record, _ in _read_records(path)]

@@ -47,7 +47,7 @@ from archon.rl.loop import (
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
-from archon.rl.run_dir import prepare_run_dir
+from archon.rl.run_dir import TASKS_DIR, PreparedRunDir, prepare_run_dir
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
@@ -55,9 +55,20 @@ from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import TASK_EXTRA, NonFiniteError, Trainer, TrainerConfig, TrainerTask
 
 logger = logging.getLogger("archon.rl")
-TASKS_DIR = "tasks"
 STOPPED_FILE = "stopped.json"
 """In a task's directory once the task is stopped: the step and the reason; a resumed run keeps it stopped."""
+
+
+def read_stopped_record(path: Path) -> dict:
+    """A stopped task's record (STOPPED_FILE): {"step": the RL step it stopped at, "reason": why}."""
+    advice = "fix it, or delete it to train the task again"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({e}); it records why the task was stopped: {advice}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("reason"), str) or "step" not in record:
+        raise ValueError(f"{path} is not a record of a stopped task (a JSON object with 'step' and 'reason'): {advice}")
+    return record
 
 
 def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
@@ -160,20 +171,30 @@ class TaskRun:
 
 
 class MultiTaskRun:
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOConfig, run_dir: PreparedRunDir | None = None) -> None:
+        """`run_dir`: what `prepare_run_dir` returned, when the caller has checked (and holds) the
+        run directory already and releases it after the run; by default the check is made here and
+        `close` releases the directory."""
         validate(config)
         if not config.tasks:
             raise ValueError("MultiTaskRun needs GRPOConfig.tasks; a run without tasks is archon.rl.loop.RLRun")
         self.config = config
         check_model_dir(config.model.path, "model.path")
         self.run_dir = Path(config.logging.run_dir)
-        if config.resume is None:
-            prepare_run_dir(self.run_dir, None, config.overwrite)
-        elif config.resume != "latest":
-            raise ValueError(
-                f"resume={config.resume!r}: a multi-task run resumes each task from its own latest checkpoint "
-                "(RUN_DIR/tasks/<name>/checkpoints); use --resume (latest)"
-            )
+        self.owns_run_dir = run_dir is None
+        if run_dir is None:
+            run_dir = prepare_run_dir(self.run_dir, config.resume, config.overwrite,
+                                      tasks=[task.name for task in config.tasks])  # fmt: skip
+        self.prepared_run_dir = run_dir
+        try:
+            self._build()
+        except BaseException:
+            self._release_run_dir()
+            raise
+
+    def _build(self) -> None:
+        """The trainer (one adapter per task), the tasks, and the rollout engines."""
+        config = self.config
         self.trainer = Trainer(
             TrainerConfig(
                 model_path=config.model.path, lora=None, parallel=config.parallel, dtype=config.model.dtype,
@@ -514,7 +535,7 @@ class MultiTaskRun:
         for task in self.tasks.values():
             stopped = task.dir / STOPPED_FILE
             if stopped.exists():
-                record = json.loads(stopped.read_text())
+                record = read_stopped_record(stopped)
                 task.stopped = record["reason"]
                 logger.warning(
                     "task %r stays stopped (since RL step %s; delete %s to train it again): %s",
@@ -582,12 +603,21 @@ class MultiTaskRun:
                 prune_adapter_exports(task.dir / "adapters", self.config.checkpoint.keep_last_adapters)
 
     def close(self) -> None:
-        self.metrics.close()
-        if self.native is not None:
-            self.native.close()
-        for task in self.tasks.values():
-            task.close()
-        if self.channel is not None:
-            self.channel.close()
-        if self.servers is not None:
-            self.servers.close()
+        """Close the metrics file, the tasks' engines and workers and the servers, and release the run
+        directory if this run checked it."""
+        try:
+            self.metrics.close()
+            if self.native is not None:
+                self.native.close()
+            for task in self.tasks.values():
+                task.close()
+            if self.channel is not None:
+                self.channel.close()
+            if self.servers is not None:
+                self.servers.close()
+        finally:
+            self._release_run_dir()
+
+    def _release_run_dir(self) -> None:
+        if self.owns_run_dir:
+            self.prepared_run_dir.release()

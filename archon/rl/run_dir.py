@@ -2,17 +2,27 @@
 earlier one, a resume finds the checkpoint it was asked for (intact), and a directory that cannot
 be written is reported before any work is done.
 
-Rank 0 looks at the file system and the other ranks receive its answer, so every rank raises the
-same error or resumes from the same checkpoint.
+A run holds its directory from the check to its end (RUN_DIR/run.lock, see RunDirLock), so that a
+second run on it fails at once instead of mixing its checkpoints and metrics with the first's.
+
+Rank 0 looks at the file system (and holds the lock) and the other ranks receive its answer, so
+every rank raises the same error or resumes from the same checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -34,17 +44,27 @@ logger = logging.getLogger("archon.rl")
 CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"
 SUPERSEDED = "superseded"
+TASKS_DIR = "tasks"
+"""A multi-task run's outputs: RUN_DIR/tasks/<name>/ for each task (archon.rl.multi_task)."""
+LOCK_FILE = "run.lock"
 ADAPTER_EXPORT = re.compile(r"step_(\d+)")
 # Everything a run writes into its directory; `--overwrite` deletes these and nothing else.
 RUN_OUTPUTS = (
     CHECKPOINTS, "adapter", ADAPTERS, SUPERSEDED, "metrics.jsonl", "tensorboard", "curves.png", "vllm_logs", "vllm_adapters",
-    "tasks",
+    TASKS_DIR,
 )  # fmt: skip
 
 
 def _is_run_output(name: str) -> bool:
     # leftovers of killed atomic writes: `.<output>.tmp`, `.<output>.old`, `.<file>.<random>.tmp`
     return name in RUN_OUTPUTS or (name.startswith(".") and name.endswith((".tmp", ".old")))
+
+
+def _not_writable(directory: Path, error: OSError) -> PermissionError:
+    return PermissionError(
+        f"run directory {directory} cannot be written ({error.strerror or error}); a run writes its checkpoints, "
+        "adapters and metrics there: choose another --logging.run-dir or make it writable"
+    )
 
 
 def _check_writable(directory: Path) -> None:
@@ -54,14 +74,108 @@ def _check_writable(directory: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise PermissionError(
-            f"run directory {directory} cannot be written ({e.strerror or e}); a run writes its checkpoints, "
-            "adapters and metrics there: choose another --logging.run-dir or make it writable"
-        ) from None
+        raise _not_writable(directory, e) from None
+
+
+class RunDirInUseError(RuntimeError):
+    """Another process holds the run directory."""
+
+
+def _holder(record: bytes) -> str:
+    """Who a lock file names, in words."""
+    try:
+        holder = json.loads(record)
+        return f"process {holder['pid']} on {holder['host']} (started {holder['started']})"
+    except (ValueError, TypeError, KeyError):
+        return "another process"
+
+
+class RunDirLock:
+    """A run's exclusive hold on its directory: RUN_DIR/run.lock, locked with flock(2) while the run
+    uses the directory, and naming its holder (pid, host, start time) for the others' messages.
+
+    The OS drops a flock when the process holding it ends, however it ends, so the lock a crashed
+    run left is free: it is taken over, with a warning naming that run. `release` removes the file.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK_FILE
+        self._file = None
+        self._made_run_dir = False
+
+    def acquire(self) -> None:
+        """Take the lock, or raise RunDirInUseError naming its holder (at once, without waiting)."""
+        self._made_run_dir = not self.run_dir.exists()
+        while True:
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                lock_file = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")
+            except OSError as e:
+                raise _not_writable(self.run_dir, e) from None
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock_file.seek(0)
+                holder = _holder(lock_file.read())
+                lock_file.close()
+                raise RunDirInUseError(
+                    f"run directory {self.run_dir} is in use by {holder}, which holds {self.path}: two runs in one "
+                    "directory would mix their checkpoints and metrics. Wait for that run to end (or stop it), or "
+                    "choose another --logging.run-dir"
+                ) from None
+            # the holder before may have removed the file between its opening and the flock: lock the new one
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(lock_file.fileno()).st_ino:
+                    break
+            lock_file.close()
+        lock_file.seek(0)
+        previous = lock_file.read()
+        lock_file.truncate(0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+        lock_file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode())
+        lock_file.flush()
+        self._file = lock_file
+        if previous.strip():
+            logger.warning(
+                "run directory %s: took over %s from %s, which ended without releasing it (it crashed or was killed)",
+                self.run_dir, self.path, _holder(previous),
+            )  # fmt: skip
+
+    def release(self) -> None:
+        """Give the directory up (nothing when not held); a directory that `acquire` made and that is
+        still empty is removed again."""
+        if self._file is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._file.close()  # drops the flock
+        self._file = None
+        if self._made_run_dir:
+            with contextlib.suppress(OSError):  # not empty: the run wrote there
+                self.run_dir.rmdir()
+
+
+@dataclass
+class PreparedRunDir:
+    """A run directory checked for a run about to start and held by it (see prepare_run_dir)."""
+
+    path: Path
+    resume_from: Path | None
+    """The checkpoint to resume from: None for a new run, and for a multi-task run (each task
+    resumes from its own newest checkpoint)."""
+    lock: RunDirLock | None
+    """Rank 0's hold on the directory (None on the other ranks)."""
+
+    def release(self) -> None:
+        """Give the directory up; whoever called prepare_run_dir calls this once the run has ended
+        (normally, by an error or by an interrupt)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _start_fresh(run_dir: Path, overwrite: bool) -> None:
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
     if entries and not overwrite:
         raise FileExistsError(
             f"run directory {run_dir} is not empty ({', '.join(entries[:8])}{', ...' if len(entries) > 8 else ''}); "
@@ -85,18 +199,29 @@ def _start_fresh(run_dir: Path, overwrite: bool) -> None:
         logger.warning("--overwrite: deleted the earlier run's outputs in %s: %s", run_dir, ", ".join(entries))
 
 
-def _recover(run_dir: Path, manager: CheckpointManager) -> None:
-    """Undo what writes killed in the earlier run left (see archon.checkpoint.atomic)."""
-    _check_writable(run_dir)
+def _recover(directory: Path, manager: CheckpointManager) -> None:
+    """Undo what writes killed in the earlier run left in `directory`, a run's or a task's, whose
+    checkpoints `manager` keeps (see archon.checkpoint.atomic)."""
     manager.recover()
+    recover_directories(directory)
+    recover_directories(directory / ADAPTERS)
+
+
+def _recover_tasks(run_dir: Path, tasks: Sequence[str]) -> None:
+    """A multi-task resume: what killed writes left in the run directory and in the directory of
+    each task of `tasks` (the tasks each resume from their own newest checkpoint afterwards)."""
+    _check_writable(run_dir)
     recover_directories(run_dir)
-    recover_directories(run_dir / ADAPTERS)
+    for name in tasks:
+        task_dir = run_dir / TASKS_DIR / name
+        _recover(task_dir, CheckpointManager(task_dir / CHECKPOINTS))
 
 
 def _checkpoint_to_resume(run_dir: Path, resume: str, world_size: int, lora) -> Path:
     manager = CheckpointManager(run_dir / CHECKPOINTS)
     if resume == "latest":
         if manager.root.is_dir():
+            _check_writable(run_dir)
             _recover(run_dir, manager)
         path = manager.latest()
         if path is None:
@@ -113,6 +238,7 @@ def _checkpoint_to_resume(run_dir: Path, resume: str, world_size: int, lora) -> 
                 f"--resume {resume}: {'no such directory' if not path.exists() else 'not a checkpoint directory'}; "
                 f"a checkpoint is a directory RUN_DIR/{CHECKPOINTS}/step-NNNNNNNN (a bare --resume takes the newest)"
             )
+        _check_writable(run_dir)
         _recover(run_dir, manager)
     problems = checkpoint_problems(path, world_size)
     if problems:
@@ -156,29 +282,48 @@ def _set_aside_newer_outputs(run_dir: Path, manager: CheckpointManager, path: Pa
     )  # fmt: skip
 
 
-def prepare_run_dir(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, lora=None) -> Path | None:
-    """Check `run_dir` for a run about to start (every rank calls this, before building anything).
-    Returns the checkpoint to resume from, or None for a new run. Raises, on every rank, when the
-    run directory holds an earlier run and neither `resume` nor `overwrite` is set, when there is
-    nothing to resume, when the checkpoint is damaged or was trained with another LoRA config than
-    `lora`, and when the directory cannot be written."""
+def prepare_run_dir(
+    run_dir: str | os.PathLike, resume: str | None, overwrite: bool, lora=None, tasks: Sequence[str] = ()
+) -> PreparedRunDir:
+    """Check `run_dir` for a run about to start and take its lock (every rank calls this, before
+    building anything; rank 0 holds the lock). Returns the checkpoint to resume from (None for a new
+    run) and the lock, which the caller releases when the run ends. Raises, on every rank, when
+    another process holds the directory, when it holds an earlier run and neither `resume` nor
+    `overwrite` is set, when there is nothing to resume, when the checkpoint is damaged or was
+    trained with another LoRA config than `lora`, and when the directory cannot be written.
+
+    `tasks`: the task names of a multi-task run. Its resume (`resume` "latest") undoes what killed
+    writes left in each task's directory, and each task then resumes from its own newest checkpoint."""
     run_dir = Path(run_dir)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     outcome: list[Path | None | BaseException] = [None]
+    lock = None
     if not dist.is_initialized() or dist.get_rank() == 0:
+        lock = RunDirLock(run_dir)
         try:
             if resume is not None and overwrite:
                 raise ValueError("--resume and --overwrite contradict each other: choose one")
             if run_dir.exists() and not run_dir.is_dir():
                 raise NotADirectoryError(f"run directory {run_dir} is a file; choose another --logging.run-dir")
+            if tasks and resume not in (None, "latest"):
+                raise ValueError(
+                    f"resume={resume!r}: a multi-task run resumes each task from its own latest checkpoint "
+                    f"(RUN_DIR/{TASKS_DIR}/<name>/{CHECKPOINTS}); use --resume (latest)"
+                )
+            lock.acquire()
             if resume is None:
                 _start_fresh(run_dir, overwrite)
+            elif tasks:
+                _recover_tasks(run_dir, tasks)
             else:
                 outcome[0] = _checkpoint_to_resume(run_dir, resume, world_size, lora)
-        except Exception as e:  # every rank must learn of it, or the others wait in the broadcast
-            outcome[0] = e
+        except BaseException as e:
+            lock.release()
+            if not isinstance(e, Exception):
+                raise
+            outcome[0] = e  # every rank must learn of it, or the others wait in the broadcast
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
-    return outcome[0]
+    return PreparedRunDir(run_dir, outcome[0], lock)
