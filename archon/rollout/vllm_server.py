@@ -52,8 +52,11 @@ def free_port(host: str) -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Refuse to launch on a port something already listens on: the new server would fail to bind,
-    and its health checks would reach the other process instead."""
+    and its health checks would reach the other process instead. The check binds as the server
+    does, with SO_REUSEADDR, so a port whose earlier connections linger in TIME_WAIT (a minute
+    after a server stops) counts as free."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
