@@ -1,12 +1,206 @@
-"""The life of vLLM servers around a run, checked without vLLM: a port that lingers in TIME_WAIT
-after a server stopped is free to launch on."""
+"""The life of vLLM servers around a run, checked without vLLM (tests/fake_vllm_server.py stands
+in for it): a wrong or unreachable rollout.vllm.urls fails at once, naming the URL and what was
+seen, and a server that loads is waited for with progress; a server that stops answering in the
+middle of a run fails it promptly, and nothing waits on its stuck requests at exit; a port that lingers in TIME_WAIT after a server
+stopped is free to launch on."""
 
+import contextlib
 import errno
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
+from fake_vllm_server import FakeVLLMServer, vllm_package
 
-from archon.rollout.vllm_server import check_port_free
+from archon.rollout import vllm_server
+from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+from archon.rollout.vllm_server import VLLMServerError, check_port_free, free_port, probe_health
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_SERVER = REPO / "tests" / "fake_vllm_server.py"
+
+
+@contextlib.contextmanager
+def _loopback_listener(handle):
+    """A loopback socket that runs `handle(connection)` on each connection it accepts, on a thread
+    of its own; yields its http:// URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    connections = []
+
+    def accept() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # closed
+                return
+            connections.append(connection)
+            threading.Thread(target=handle, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for connection in connections:
+            connection.close()
+
+
+@contextlib.contextmanager
+def _fake_vllm(**options):
+    server = FakeVLLMServer("127.0.0.1", 0, **options)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _connect(url: str, **options) -> VLLMRolloutEngine:
+    config = VLLMConfig(urls=(url,), startup_timeout_s=20.0, health_timeout_s=1.0, **options)
+    return VLLMRolloutEngine(config)
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _send_garbage(connection: socket.socket) -> None:
+    connection.recv(65536)
+    connection.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+    connection.close()
+
+
+def _never_answer(connection: socket.socket) -> None:
+    while connection.recv(65536):
+        pass
+
+
+def _answer_404(connection: socket.socket) -> None:
+    connection.recv(65536)
+    connection.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot found")
+    connection.close()
+
+
+# ---- servers given by URL: fail at once on what a vLLM server never does -----------------------
+@pytest.mark.parametrize(
+    "where, seen",
+    [
+        ("closed-port", "the connection was refused: nothing listens on that port"),
+        ("garbage", "it answered GET /health with something that is not HTTP"),
+        ("silent", "it accepted the connection but did not answer GET /health within 1 s"),
+        ("not-vllm", "it answered GET /health with HTTP 404"),
+        ("unresolvable", "its host name does not resolve"),
+    ],
+)  # fmt: skip
+def test_an_unusable_server_url_fails_at_once_naming_it(where, seen):
+    handlers = {"garbage": _send_garbage, "silent": _never_answer, "not-vllm": _answer_404}
+    with contextlib.ExitStack() as stack:
+        if where == "closed-port":
+            url = _closed_port()
+        elif where == "unresolvable":
+            url = "http://no-such-host.invalid:8000"
+        else:
+            url = stack.enter_context(_loopback_listener(handlers[where]))
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError) as error:
+            _connect(url)
+    message = str(error.value)
+    assert message.startswith(f"vLLM server {url} (rollout.vllm.urls) cannot be used: {seen}"), message
+    assert time.monotonic() - start < 10  # not the 20 s startup timeout
+
+
+def test_an_http_server_that_is_not_vllm_is_named():
+    """/health answers 200 (many servers have one), but the model list is not vLLM's."""
+
+    def html_everywhere(connection: socket.socket) -> None:
+        while request := connection.recv(65536):
+            body = b"OK" if request.startswith(b"GET /health ") else b"<html>welcome</html>"
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    with _loopback_listener(html_everywhere) as url, pytest.raises(VLLMServerError) as error:
+        _connect(url)
+    expected = f"vLLM server {url} answered GET /v1/models with '<html>welcome</html>', which is not a vLLM server's"
+    assert str(error.value).startswith(expected), str(error.value)
+
+
+def test_a_url_must_be_a_server_address():
+    with pytest.raises(ValueError, match=r"rollout.vllm.urls\[1\]='localhost:8000': expected a server's address"):
+        VLLMConfig(urls=("http://127.0.0.1:8000", "localhost:8000"))
+    with pytest.raises(ValueError, match=r"rollout.vllm.urls\[0\]='http://h:8000/v1': expected .* \(no path"):
+        VLLMConfig(urls=("http://h:8000/v1",))
+
+
+def test_a_server_that_is_still_loading_is_waited_for_with_progress(monkeypatch, capsys):
+    """HTTP 503 on /health is what vLLM's servers answer while they load: waited for, saying so."""
+    monkeypatch.setattr(vllm_server, "PROGRESS_EVERY_S", 0.0)
+    with _fake_vllm(not_ready_probes=2, model="m") as server:
+        engine = _connect(server.url)
+        engine.close()
+    assert engine.served_model == "m"
+    progress = capsys.readouterr().out
+    assert f"waiting for vLLM server {server.url} to start: " in progress, progress
+    assert "it answers GET /health with HTTP 503 (not ready)" in progress, progress
+
+
+# ---- a server that stops answering during the run ----------------------------------------------
+def _wait_healthy(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while probe_health(url, 1.0)[0] != "healthy":
+        assert process.poll() is None and time.monotonic() < deadline, "the fake server did not start"
+        time.sleep(0.1)
+
+
+def test_a_stopped_server_fails_generation_promptly_naming_it_and_the_process_exits(tmp_path):
+    """The server is stopped (SIGSTOP) after it answered once: the next generation fails within
+    about two health timeouts, naming the server, and the trainer process exits at once instead of
+    waiting out the request stuck on it (request_timeout_s, an hour by default)."""
+    port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, str(FAKE_SERVER), "--port", str(port)])
+    trainer = f"""
+import os, signal, time
+from archon.rollout.base import SamplingParams
+from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+from archon.rollout.vllm_server import VLLMServerError
+
+engine = VLLMRolloutEngine(VLLMConfig(urls=({url!r},), health_timeout_s=1.0))
+sampling = SamplingParams(max_new_tokens=1, n=2)
+assert len(engine.generate([[1, 2], [3]], sampling)) == 4
+os.kill({server.pid}, signal.SIGSTOP)
+start = time.monotonic()
+try:
+    engine.generate([[1, 2], [3]], sampling)
+except VLLMServerError as error:
+    print(f"failed after {{time.monotonic() - start:.0f}} s: {{error}}", flush=True)
+finally:
+    engine.close()
+"""
+    try:
+        _wait_healthy(url, server)
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", trainer], cwd=REPO, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        f"vLLM server {url} stopped answering: it accepted the connection but did not answer GET /health within 1 s"
+        in result.stdout
+    ), result.stdout + result.stderr[-3000:]
+    assert elapsed < 30, elapsed
 
 
 # ---- the free-port check ------------------------------------------------------------------------
