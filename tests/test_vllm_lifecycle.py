@@ -1,7 +1,8 @@
 """The life of vLLM servers around a run, checked without vLLM (tests/fake_vllm_server.py stands
 in for it): a wrong or unreachable rollout.vllm.urls fails at once, naming the URL and what was
 seen, and a server that loads is waited for with progress; a server that stops answering in the
-middle of a run fails it promptly, and nothing waits on its stuck requests at exit; a port that lingers in TIME_WAIT after a server
+middle of a run fails it promptly, and nothing waits on its stuck requests at exit; SIGTERM stops
+the servers a run launched, as Ctrl-C does; a port that lingers in TIME_WAIT after a server
 stopped is free to launch on."""
 
 import contextlib
@@ -201,6 +202,77 @@ finally:
         in result.stdout
     ), result.stdout + result.stderr[-3000:]
     assert elapsed < 30, elapsed
+
+
+# ---- SIGTERM ------------------------------------------------------------------------------------
+def test_sigterm_stops_the_servers_the_run_launched(tmp_path):
+    """The recipe launches its server (the fake one, where archon's launch finds vLLM) and waits on
+    a generation that never ends; SIGTERM, as Slurm and Kubernetes send, then stops the run as
+    Ctrl-C does, and the server's process group (its own session, which the signal does not reach)
+    is gone with it."""
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    tokenizer = build_char_tokenizer()
+    model = make_tiny_hf_checkpoint("qwen3", tmp_path / "model", vocab_size=len(tokenizer), head_dim=32,
+                                    eos_token_id=tokenizer.eos_token_id, max_position_embeddings=64,
+                                    use_sliding_window=False)  # fmt: skip
+    tokenizer.save_pretrained(model)
+    train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=4))
+    write_jsonl(train, tmp_path / "train.jsonl")
+    state = tmp_path / "server_state"
+    state.mkdir()
+    env = {
+        **os.environ, "PYTHONPATH": os.pathsep.join([str(vllm_package(tmp_path / "fake_vllm")), str(REPO)]),
+        "FAKE_VLLM_STATE": str(state), "FAKE_VLLM_HANG_COMPLETIONS": "1", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    args = ["--model.path", str(model), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
+            "--rollout.vllm.port", str(free_port("127.0.0.1")), "--logging.run-dir", str(tmp_path / "run"),
+            "--steps", "2", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
+            "--rollout.max-new-tokens", "4", "--lora.rank", "8", "--eval.every", "0", "--reward.num-workers", "0",
+            "--logging.no-progress", "--logging.no-tensorboard"]  # fmt: skip
+    trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "grpo_lora.py"), *args], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (state / "completion").exists():  # the run generates on its server
+            assert trainer.poll() is None, trainer.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach its first generation"
+            time.sleep(0.2)
+        server_pid = int((state / "pid").read_text())
+        trainer.send_signal(signal.SIGTERM)
+        output = trainer.communicate(timeout=60)[0]
+        assert "Terminated: received SIGTERM" in output, output[-3000:]
+        with pytest.raises(ProcessLookupError):
+            os.killpg(server_pid, 0)  # the launched server's whole process group
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        if server_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server_pid, signal.SIGKILL)
+
+
+def test_the_sigterm_handler_is_the_blocks_own_and_the_main_threads_only():
+    from archon.rl.loop import Terminated, terminate_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with terminate_as_interrupt(), pytest.raises(Terminated, match="received SIGTERM"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises on the main thread at once
+    assert signal.getsignal(signal.SIGTERM) is before
+    seen = []
+
+    def off_the_main_thread() -> None:
+        with terminate_as_interrupt():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=off_the_main_thread)
+    thread.start()
+    thread.join()
+    assert seen == [before]
 
 
 # ---- the free-port check ------------------------------------------------------------------------
