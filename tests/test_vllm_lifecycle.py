@@ -36,6 +36,10 @@ def _loopback_listener(handle):
     listener.listen()
     connections = []
 
+    def serve(connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # the connection is closed under it at the end
+            handle(connection)
+
     def accept() -> None:
         while True:
             try:
@@ -43,7 +47,7 @@ def _loopback_listener(handle):
             except OSError:  # closed
                 return
             connections.append(connection)
-            threading.Thread(target=handle, args=(connection,), daemon=True).start()
+            threading.Thread(target=serve, args=(connection,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     try:
