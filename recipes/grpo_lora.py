@@ -83,6 +83,7 @@ def _train_and_report(config, prepared, rank: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     from archon.rl.config import parse_config
+    from archon.rl.loop import terminate_as_interrupt
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv and not any(a.startswith("--model.path") for a in argv) and "--help" not in argv:
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_config(argv)
     except (ValueError, FileNotFoundError) as e:  # the message names the field or file; no traceback needed
         raise SystemExit(f"error: {e}") from None
-    run(config)
+    with terminate_as_interrupt():  # SIGTERM stops the run as Ctrl-C does: the launched servers are closed
+        run(config)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,14 @@ VALIDATION_CASES = {
     "staleness-with-the-native-engine": (
         {"rollout.max_staleness": 1}, "rollout.engine='native': rollout.max_staleness=1 generates while the trainer"
     ),  # fmt: skip
+    "staleness-unbounded": (
+        {"rollout.engine": "vllm", "rollout.max_staleness": 10**9},
+        "rollout.max_staleness=1000000000: must be at most 64: the producer runs up to N steps ahead",
+    ),  # fmt: skip
+    "staleness-not-below-steps": (
+        {"steps": 3, "rollout.engine": "vllm", "rollout.max_staleness": 3},
+        "rollout.max_staleness=3: must be below steps=3",
+    ),  # fmt: skip
     "entropy-coef-negative": ({"algorithm.loss.entropy_coef": -0.01}, "algorithm.loss.entropy_coef=-0.01"),
     "kl-cap-with-k2": (
         {"algorithm.loss.kl_cap": 10.0, "algorithm.loss.kl_coef": 0.1, "algorithm.loss.kl_estimator": "k2"},
@@ -275,6 +283,19 @@ def test_settings_from_a_file_are_validated_when_parsed(tmp_path):
     path.write_text("steps: 0\nalgorithm: {ppo_epochs: 0}\n")
     with pytest.raises(ValueError, match=r"(?s)steps=0.*algorithm.ppo_epochs=0"):  # every problem at once
         parse_config(["--config", str(path)])
+
+
+def test_the_staleness_bound_is_bounded_when_parsed_and_per_task():
+    with pytest.raises(ValueError, match=r"rollout\.max_staleness=1000000000: must be at most 64"):
+        parse_config(["--rollout.engine", "vllm", "--rollout.max-staleness", "1000000000"])
+    from archon.rl.config import TaskConfig
+
+    tasks = (TaskConfig(name="a", max_staleness=2), TaskConfig(name="b", max_staleness=10**9))
+    with pytest.raises(ValueError) as error:
+        validate(GRPOConfig(tasks=tasks, rollout=dataclasses.replace(GRPOConfig().rollout, engine="vllm")), world_size=1)
+    message = str(error.value)
+    assert "tasks[1].max_staleness=1000000000: must be at most 64" in message, message
+    assert "tasks[0].max_staleness" not in message, message
 
 
 def _model_dir(root: Path, name: str, **config) -> Path:

@@ -4,7 +4,6 @@ The merged and full payloads are checked against the merged HF export (itself ch
 PEFT-merged HF logits in test_peft_export.py); the buckets go over a real gloo group between two
 threads."""
 
-import concurrent.futures
 import contextlib
 import threading
 from types import SimpleNamespace
@@ -18,7 +17,7 @@ from archon.lora import LoRAConfig
 from archon.lora.peft import save_merged_hf
 from archon.rollout.base import SamplingParams
 from archon.rollout.policy import ServedPolicy
-from archon.rollout.vllm_server import Server, VLLMServerError, VLLMServers
+from archon.rollout.vllm_server import RequestThreads, Server, VLLMServerError, VLLMServers
 from archon.sync import (
     StatelessGroup,
     full_payload,
@@ -285,10 +284,11 @@ def test_build_weight_sync_refuses_what_cannot_be_sent(tiny_checkpoint, tmp_path
 
 # ---- vLLM syncs with fake servers and trainer ranks in threads ----------------------------------
 class _FakeServers:
-    """`n` servers as archon.rollout.vllm_server.VLLMServers presents them, with a pool of the same
-    size: completions answer at once; a worker receiving weights waits for the sender."""
+    """`n` servers as archon.rollout.vllm_server.VLLMServers presents them, with its request
+    threads: completions answer at once; a worker receiving weights waits for the sender."""
 
     wait_all = VLLMServers.wait_all
+    on_each = VLLMServers.on_each
 
     def __init__(self, n: int, fail_register: bool = False) -> None:
         self.servers = [Server(f"http://fake-{i}") for i in range(n)]
@@ -296,7 +296,7 @@ class _FakeServers:
         self.served_model = "base"
         self.fail_register = fail_register
         self.sent = threading.Event()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(8, 2 * n))
+        self._requests = RequestThreads("fake-vllm-request")
 
     def __iter__(self):
         return iter(self.servers)
@@ -308,7 +308,7 @@ class _FakeServers:
         return self.servers[index]
 
     def submit(self, fn, *args):
-        return self._pool.submit(fn, *args)
+        return self._requests.submit(fn, *args)
 
     def check_alive(self, server) -> None:
         pass
@@ -328,7 +328,7 @@ class _FakeServers:
         return []
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._requests.close()
 
 
 class _FakeGroup:
@@ -354,10 +354,9 @@ class _WatchedPolicy(ServedPolicy):
             yield held
 
 
-def test_a_merged_publish_sends_while_requests_wait_on_every_servers_pool_thread(tiny_checkpoint, monkeypatch):
-    """With n servers the servers' pool has 2n threads; n requests held back by the publish occupy
-    n of them, and the send needs n + 1 (a receiver per server and the sender): it must not wait
-    for them."""
+def test_a_merged_publish_sends_while_requests_wait_on_every_server(tiny_checkpoint, monkeypatch):
+    """n requests, one per server, held back by the publish wait on their threads, and the send
+    needs n + 1 more (a receiver per server and the sender): it must not wait for them."""
     import archon.sync.buckets
     import archon.sync.process_group
     from archon.sync.vllm import WorkerChannel

@@ -470,6 +470,13 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+MAX_STALENESS = 64
+"""The largest rollout.max_staleness (and tasks[i].max_staleness): one or two steps ahead already
+hide the generation time (README, Asynchronous RL), samples many versions old are too far
+off-policy for the truncated importance weights to correct, and each unit of the bound keeps one
+more step of rollouts and one more adapter copy in memory."""
+
+
 def _setting_problems(config: GRPOConfig) -> list[str]:
     rollout, algorithm, loss = config.rollout, config.algorithm, config.algorithm.loss
     problems: list[str] = []
@@ -487,6 +494,18 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
     require(config.micro_batch_tokens >= 1, "micro_batch_tokens", config.micro_batch_tokens, "must be at least 1")
     require(rollout.prompts_per_step >= 1, "rollout.prompts_per_step", rollout.prompts_per_step, "must be at least 1")
     require(rollout.max_staleness >= 0, "rollout.max_staleness", rollout.max_staleness, "must be 0 or more")
+    if rollout.max_staleness > MAX_STALENESS:
+        problems.append(
+            f"rollout.max_staleness={rollout.max_staleness}: must be at most {MAX_STALENESS}: the producer runs up to "
+            f"N steps ahead, so each unit of N holds one more RL step of rollouts ({rollout.prompts_per_step} prompts "
+            f"x {rollout.group_size} samples) in memory, and the trainer keeps the adapters of the last N+1 versions "
+            "on every rank to score lagging samples again (rollout.measure_version_gap)"
+        )
+    elif rollout.max_staleness >= config.steps >= 1:
+        problems.append(
+            f"rollout.max_staleness={rollout.max_staleness}: must be below steps={config.steps}: the producer runs at "
+            "most steps-1 steps ahead, so a larger bound has no effect"
+        )
     if rollout.max_staleness > 0:
         require(
             rollout.engine == "vllm", "rollout.engine", rollout.engine,

@@ -161,8 +161,10 @@ class TaskRun:
         self.reward_failure_streak = data["reward_failure_streak"]
 
     def close(self) -> None:
+        """Stop the task's producer (the run joins it once the servers are closed, which ends a
+        generation under way), reward workers and sync."""
         if self.producer is not None:
-            self.producer.close()
+            self.producer.stop()
         self.scorer.close()
         if self.sync is not None:
             self.sync.close()
@@ -615,6 +617,9 @@ class MultiTaskRun:
                 self.channel.close()
             if self.servers is not None:
                 self.servers.close()
+            for task in self.tasks.values():
+                if task.producer is not None:
+                    task.producer.join()
         finally:
             self._release_run_dir()
 

@@ -24,6 +24,7 @@ A publish never waits for requests that have not started.
 from __future__ import annotations
 
 import os
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,18 @@ class VLLMConfig:
         # checked here, before any rank starts gathering weights for a sync that would then fail
         if self.bucket_mb <= 0:
             raise ValueError(f"rollout.vllm.bucket_mb must be positive, got {self.bucket_mb}")
+        for i, url in enumerate(self.urls):
+            parts = urllib.parse.urlsplit(url)
+            try:
+                valid = parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path.strip("/")
+                valid = valid and (parts.port is None or parts.port > 0)
+            except ValueError:  # a port that is not a number
+                valid = False
+            if not valid:
+                raise ValueError(
+                    f"rollout.vllm.urls[{i}]={url!r}: expected a server's address, http://HOST:PORT (no path: "
+                    "archon adds /health, /v1/... itself)"
+                )
         if self.num_servers < 1 and not self.urls:
             raise ValueError(f"rollout.vllm.num_servers must be at least 1, got {self.num_servers}")
         if self.mode == "merged" and self.transport != "collective":

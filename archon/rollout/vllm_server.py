@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import http.client
 import ipaddress
 import json
 import os
@@ -26,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +46,13 @@ class VLLMServerError(RuntimeError):
     pass
 
 
+PROGRESS_EVERY_S = 30.0
+"""How often the wait for starting servers says where it stands."""
+HEALTH_CHECK_EVERY_S = 10.0
+"""How often wait_all checks the health of the servers it waits on (every health_timeout_s when
+that is shorter)."""
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -52,8 +61,11 @@ def free_port(host: str) -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Refuse to launch on a port something already listens on: the new server would fail to bind,
-    and its health checks would reach the other process instead."""
+    and its health checks would reach the other process instead. The check binds as the server
+    does, with SO_REUSEADDR, so a port whose earlier connections linger in TIME_WAIT (a minute
+    after a server stops) counts as free."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -187,6 +199,94 @@ def _has_flag(args: tuple[str, ...], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def probe_health(url: str, timeout: float) -> tuple[str, str]:
+    """One GET of `url`/health: (state, what was seen). States: "healthy" (HTTP 200); "refused"
+    (nothing listens on the port: a launched server that is still loading, else a wrong URL or a
+    server that is not started); "starting" (HTTP 503, which vLLM's servers answer while they
+    load); "silent" (the connection was accepted but no answer came within `timeout`: a stopped or
+    hung process); "wrong" (what a vLLM server never does: a host name that does not resolve, an
+    answer that is not HTTP, another HTTP status)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
+            if response.status == 200:
+                return "healthy", "HTTP 200"
+            return "wrong", f"it answered GET /health with HTTP {response.status} (a vLLM server answers 200)"
+    except urllib.error.HTTPError as e:
+        if e.code == 503:
+            return "starting", "it answers GET /health with HTTP 503 (not ready)"
+        return "wrong", f"it answered GET /health with HTTP {e.code} {e.reason} (a vLLM server answers 200)"
+    except http.client.HTTPException as e:  # before OSError: a connection closed without an answer is both
+        answer = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        return "wrong", f"it answered GET /health with something that is not HTTP ({answer})"
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, ConnectionRefusedError):
+            return "refused", "the connection was refused: nothing listens on that port"
+        if isinstance(e.reason, socket.gaierror):
+            return "wrong", f"its host name does not resolve ({e.reason.strerror})"
+        if isinstance(e.reason, TimeoutError):
+            return "silent", f"no connection within {timeout:g} s"
+        return "wrong", f"it cannot be reached ({e.reason})"
+    except TimeoutError:
+        return "silent", f"it accepted the connection but did not answer GET /health within {timeout:g} s"
+    except OSError as e:
+        return "wrong", f"the connection failed ({e})"
+    except ValueError as e:  # not a URL urllib can open
+        return "wrong", str(e)
+
+
+class RequestThreads:
+    """Runs calls (requests to servers) each on a daemon thread of its own, returning futures.
+
+    The interpreter joins a ThreadPoolExecutor's threads at exit, so a request stuck on a server
+    that stopped answering would keep the trainer from exiting until the request's timeout. These
+    threads are never joined, and close() fails the calls still running, so that whoever waits on
+    them goes on at once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._running: set[concurrent.futures.Future] = set()
+        self._closed = False
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise VLLMServerError(f"{self.name}: the vLLM client is closed")
+            self._running.add(future)
+        threading.Thread(target=self._run, args=(future, fn, args), name=self.name, daemon=True).start()
+        return future
+
+    def _run(self, future: concurrent.futures.Future, fn, args: tuple) -> None:
+        if not future.set_running_or_notify_cancel():  # cancelled before it started
+            with self._lock:
+                self._running.discard(future)
+            return
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # handed to the waiter
+            result, error = None, e
+        with self._lock:
+            self._running.discard(future)
+            if future.done():  # failed by close()
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    def close(self) -> None:
+        """Accept no more calls; the calls still running fail now (their threads end with their
+        requests' timeouts)."""
+        with self._lock:
+            self._closed = True
+            for future in self._running:
+                if not future.cancel():  # running already
+                    why = f"{self.name}: the vLLM client was closed while a request was in flight"
+                    future.set_exception(VLLMServerError(why))
+            self._running.clear()
+
+
 class Server:
     """One server: its URL, and its process and log when archon launched it."""
 
@@ -273,7 +373,7 @@ class VLLMServers:
                     f"set the same variable for the trainer"
                 )
         self.log_dir = Path(log_dir or ".") / "vllm_logs"
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(8, 2 * max(config.num_servers, len(config.urls))))
+        self._requests = RequestThreads("archon-vllm-request")
         self.servers: list[Server] = []
         self.served_model = None
         if rank != 0:
@@ -357,32 +457,65 @@ class VLLMServers:
         return backend if current_platform.is_cpu() else None
 
     def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
+        """Wait for every server to answer /health, saying every PROGRESS_EVERY_S where the wait
+        stands. A launched server is waited for while its process lives (it listens only once the
+        model is loaded). A server given by URL is running already: it is waited for only while it
+        answers 503 (not ready); anything else (a refused connection, a host that does not
+        resolve, an answer that is not HTTP or not vLLM's, no answer within health_timeout_s)
+        fails at once, naming the URL and what was seen."""
+        timeout_s = self.config.startup_timeout_s
+        start = time.monotonic()
+        next_progress = start + PROGRESS_EVERY_S
         for server in self.servers:
+            launched = server.process is not None
             while True:
                 reason = server.died()
                 if reason:
                     raise VLLMServerError(f"vLLM server failed to start: {reason}")
-                try:
-                    with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, OSError):
-                    pass
-                if time.monotonic() > deadline:
+                probe_timeout = min(5.0, self.config.health_timeout_s) if launched else self.config.health_timeout_s
+                state, seen = probe_health(server.url, probe_timeout)
+                if state == "healthy":
+                    break
+                if not launched and state != "starting":
+                    if state == "silent":
+                        seen += " (rollout.vllm.health_timeout_s)"
                     raise VLLMServerError(
-                        f"vLLM server {server.url} was not healthy within {self.config.startup_timeout_s:.0f} s: "
-                        f"{server.log_report()}"
+                        f"vLLM server {server.url} (rollout.vllm.urls) cannot be used: {seen}. Check the URL and "
+                        f"that a vLLM server runs there and answers GET /health with 200 before the run starts"
                     )
+                elapsed = time.monotonic() - start
+                if elapsed > timeout_s:
+                    log = f": {server.log_report()}" if launched else f"; {seen}"
+                    raise VLLMServerError(
+                        f"vLLM server {server.url} was not healthy within {timeout_s:.0f} s "
+                        f"(rollout.vllm.startup_timeout_s){log}"
+                    )
+                if time.monotonic() >= next_progress:
+                    log = f"; its log: {server.log_path.resolve()}" if server.log_path is not None else ""
+                    print(
+                        f"waiting for vLLM server {server.url} to start: {elapsed:.0f} s of at most {timeout_s:.0f} s "
+                        f"(rollout.vllm.startup_timeout_s); {seen}{log}",
+                        flush=True,
+                    )
+                    next_progress = time.monotonic() + PROGRESS_EVERY_S
                 time.sleep(1.0)
 
     def _served_model_name(self) -> str:
-        models = self.request(self.servers[0], "GET", "/v1/models")["data"]
-        base = next(m for m in models if m.get("parent") is None)
+        server = self.servers[0]
+        listing = self.request(server, "GET", "/v1/models")
+        models = listing.get("data") if isinstance(listing, dict) else None
+        base = None
+        if isinstance(models, list):
+            base = next((m for m in models if isinstance(m, dict) and m.get("parent") is None and "id" in m), None)
+        if base is None:
+            raise VLLMServerError(
+                f"vLLM server {server.url} answered GET /v1/models with {str(listing)[:200]!r}, which is not a vLLM "
+                f"server's model list; is this a vLLM server?"
+            )
         served_len = base.get("max_model_len")
         if self.longest_sequence is not None and isinstance(served_len, int) and served_len < self.longest_sequence:
             raise ValueError(
-                f"vLLM server {self.servers[0].url} serves at most {served_len} tokens per sequence (its "
+                f"vLLM server {server.url} serves at most {served_len} tokens per sequence (its "
                 f"max_model_len), below the run's longest prompt plus max_new_tokens ({self.longest_sequence})"
             )
         return base["id"]
@@ -399,6 +532,9 @@ class VLLMServers:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             raise VLLMServerError(f"vLLM server {server.url}{path} answered HTTP {e.code}: {detail}") from None
+        except http.client.HTTPException as e:  # before OSError: a connection closed without an answer is both
+            reason = server.died() or f"its answer is not HTTP ({type(e).__name__}: {e})"
+            raise VLLMServerError(f"vLLM server {server.url} failed during {path}: {reason}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = server.died() or f"it did not answer ({e})"
             raise VLLMServerError(f"vLLM server {server.url} is unreachable during {path}: {reason}") from None
@@ -412,19 +548,18 @@ class VLLMServers:
         reason = server.died()
         if reason:
             raise VLLMServerError(reason)
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=self.config.health_timeout_s) as r:
-                if r.status == 200:
-                    return
-                problem = f"/health answered HTTP {r.status}"
-        except (urllib.error.URLError, OSError) as e:
-            problem = f"no /health reply within {self.config.health_timeout_s:.0f} s ({e})"
-        raise VLLMServerError(f"vLLM server {server.url} stopped answering: {server.died() or problem}")
+        state, seen = probe_health(server.url, self.config.health_timeout_s)
+        if state == "healthy":
+            return
+        if state == "silent":
+            seen += " (rollout.vllm.health_timeout_s)"
+        raise VLLMServerError(f"vLLM server {server.url} stopped answering: {server.died() or seen}")
 
     def wait_all(self, futures: dict) -> list:
         """Results of `futures` (future -> server), checking the servers' health while waiting."""
         pending = set(futures)
         last_check = time.monotonic()
+        check_every = min(HEALTH_CHECK_EVERY_S, self.config.health_timeout_s)
         while pending:
             done, pending = concurrent.futures.wait(pending, timeout=1.0, return_when=concurrent.futures.FIRST_EXCEPTION)
             for future in done:
@@ -432,7 +567,7 @@ class VLLMServers:
                     for other in pending:
                         other.cancel()
                     raise future.exception()
-            if pending and time.monotonic() - last_check > 10:
+            if pending and time.monotonic() - last_check > check_every:
                 for server in {futures[f] for f in pending}:
                     self.check_alive(server)
                 last_check = time.monotonic()
@@ -448,8 +583,13 @@ class VLLMServers:
         return self.servers[index]
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
-        """Run `fn(*args)` on the client's pool (requests to several servers at once)."""
-        return self._pool.submit(fn, *args)
+        """Run `fn(*args)` on a thread of its own (requests to several servers at once)."""
+        return self._requests.submit(fn, *args)
+
+    def on_each(self, fn, *args) -> list:
+        """`fn(server, *args)` for every server at once; their results, waited for while the
+        servers' health is checked (see wait_all)."""
+        return self.wait_all({self.submit(fn, server, *args): server for server in self.servers})
 
     def health(self) -> list[dict]:
         status = []
@@ -484,11 +624,14 @@ class VLLMServers:
         return result["results"] if isinstance(result, dict) else []
 
     def close(self) -> None:
-        """Stop the servers launched here (servers given by URL are left running)."""
+        """Stop the servers launched here (servers given by URL are left running). Requests still
+        in flight fail at once, and nothing waits for them."""
+        self._requests.close()
         for server in self.servers:
             if server.process is not None and server.process.poll() is None:
                 try:
                     os.killpg(server.process.pid, signal.SIGTERM)
+                    os.killpg(server.process.pid, signal.SIGCONT)  # a stopped server handles the SIGTERM now
                 except ProcessLookupError:
                     continue
                 try:
@@ -496,4 +639,3 @@ class VLLMServers:
                 except subprocess.TimeoutExpired:
                     os.killpg(server.process.pid, signal.SIGKILL)
                     server.process.wait()
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -24,7 +24,6 @@ never waits for requests not yet started. A failure on rank 0 is raised on every
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import shutil
 import time
@@ -38,7 +37,7 @@ from torch import nn
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
 from archon.rollout.vllm import VLLMRolloutEngine
-from archon.rollout.vllm_server import WORKER_EXTENSION, VLLMServerError, VLLMServers, free_port
+from archon.rollout.vllm_server import WORKER_EXTENSION, RequestThreads, VLLMServerError, VLLMServers, free_port
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
 
 
@@ -70,15 +69,14 @@ class WorkerChannel:
     """The stateless group between trainer rank 0 (rank 0 of the group) and every worker of the
     servers, set up on first use; tensors go over it in size-bounded buckets.
 
-    Its calls run on a pool of its own, one thread per server plus the sender: on the servers' pool,
-    generation requests (which may wait for a merged publish to end) could hold every thread while
-    the workers wait for a sender that never starts."""
+    Its calls run on threads of its own (RequestThreads), as the servers' requests do, so that a
+    call stuck on a server that stopped answering never keeps the trainer from exiting."""
 
     def __init__(self, servers: VLLMServers, host: str, port: int, bucket_mb: float) -> None:
         self.servers = servers
         self.host, self.port, self.bucket_mb = host, port, bucket_mb
         self._group = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(servers) + 1)
+        self._threads = RequestThreads("archon-vllm-sync")
 
     def _ensure_group(self, device: torch.device):
         if self._group is not None:
@@ -102,7 +100,7 @@ class WorkerChannel:
         futures, offset = {}, 1
         for server, count in zip(self.servers, workers):
             spec = {"host": self.host, "port": port, "world_size": world_size, "rank_offset": offset, "backend": backend}
-            futures[self._pool.submit(self.servers.rpc, server, "archon_init_sync_group", json.dumps(spec))] = server
+            futures[self._threads.submit(self.servers.rpc, server, "archon_init_sync_group", json.dumps(spec))] = server
             offset += count
         group = StatelessGroup(self.host, port, 0, world_size, backend, device=device, store=store)
         self.servers.wait_all(futures)
@@ -116,8 +114,8 @@ class WorkerChannel:
         from archon.sync.buckets import send_tensors
 
         group = self._ensure_group(device)
-        futures = {self._pool.submit(self.servers.rpc, s, method, json.dumps(spec)): s for s in self.servers}
-        sender = self._pool.submit(send_tensors, group, named_tensors, int(self.bucket_mb * 2**20))
+        futures = {self._threads.submit(self.servers.rpc, s, method, json.dumps(spec)): s for s in self.servers}
+        sender = self._threads.submit(send_tensors, group, named_tensors, int(self.bucket_mb * 2**20))
         try:
             self.servers.wait_all({**futures, sender: self.servers[0]})
         except BaseException:
@@ -131,7 +129,7 @@ class WorkerChannel:
 
     def close(self) -> None:
         self._group = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
 
 
 class _VLLMSync:
@@ -195,12 +193,11 @@ class _AdapterSync(_VLLMSync):
                 self._unload(name)
 
     def _register(self, name: str, path: str) -> None:
-        for server in self.servers:
-            self.servers.request(server, "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout=600)
+        body = {"lora_name": name, "lora_path": path}
+        self.servers.on_each(self.servers.request, "POST", "/v1/load_lora_adapter", body, 600)
 
     def _unload(self, name: str) -> None:
-        for server in self.servers:
-            self.servers.request(server, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        self.servers.on_each(self.servers.request, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
     def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
         raise NotImplementedError
@@ -258,8 +255,7 @@ class CollectiveAdapterSync(_AdapterSync):
 
     def _unload(self, name: str) -> None:
         super()._unload(name)
-        for server in self.servers:
-            self.servers.rpc(server, "archon_remove_adapter", name)
+        self.servers.on_each(self.servers.rpc, "archon_remove_adapter", name)
 
     def close(self) -> None:
         if self.owns_channel:
