@@ -112,10 +112,10 @@ def test_unreadable_config_files_are_named(name, contents, error, culprit, tmp_p
 def test_file_values_take_the_typed_path_of_a_flag(tmp_path):
     """PyYAML reads 1e-3 as a string; it is the float the flag --optim.lr 1e-3 gives."""
     path = tmp_path / "run.yaml"
-    path.write_text("optim: {lr: 1e-3, betas: ['0.8', 1]}\nsteps: '12'\ndata: {answer_field: null}\n")
+    path.write_text("optim: {lr: 1e-3, betas: ['0.8', 0]}\nsteps: '12'\ndata: {answer_field: null}\n")
     from_file = load_config_file(path)
     from_flags = parse_config(
-        ["--optim.lr", "1e-3", "--optim.betas", "0.8", "1", "--steps", "12", "--data.answer-field", "None"]
+        ["--optim.lr", "1e-3", "--optim.betas", "0.8", "0", "--steps", "12", "--data.answer-field", "None"]
     )
     assert from_file == from_flags
     assert from_file.optim.lr == 1e-3 and isinstance(from_file.optim.lr, float)
@@ -236,6 +236,16 @@ VALIDATION_CASES = {
     "reward-no-module": ({"reward.function": "no_such_module:score"}, "reward.function='no_such_module:score'"),
     "reward-bad-form": ({"reward.function": "score_it"}, "reward.function='score_it'"),
     "parallel-degrees": ({"parallel.tp": 3}, "parallel: "),
+    "optim-lr-nan": ({"optim.lr": float("nan")}, "optim.lr=nan: must be a finite number >= 0"),
+    "optim-lr-inf": ({"optim.lr": float("inf")}, "optim.lr=inf: must be a finite number >= 0"),
+    "optim-lr-negative": ({"optim.lr": -1e-5}, "optim.lr=-1e-05: must be a finite number >= 0"),
+    "optim-weight-decay-negative": ({"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1"),
+    "optim-weight-decay-nan": ({"optim.weight_decay": float("nan")}, "optim.weight_decay=nan"),
+    "optim-beta-one": ({"optim.betas": (0.9, 1.0)}, "optim.betas[1]=1.0: must be in [0, 1)"),
+    "optim-beta-negative": ({"optim.betas": (-0.1, 0.999)}, "optim.betas[0]=-0.1: must be in [0, 1)"),
+    "optim-eps-zero": ({"optim.eps": 0.0}, "optim.eps=0.0: must be a finite number > 0"),
+    "optim-max-grad-norm-inf": ({"optim.max_grad_norm": float("inf")}, "optim.max_grad_norm=inf"),
+    "optim-max-grad-norm-negative": ({"optim.max_grad_norm": -1.0}, "optim.max_grad_norm=-1.0"),
 }
 
 
@@ -268,6 +278,20 @@ def test_prompts_per_step_below_the_data_parallel_size(run_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2"):
         parse_config(["--rollout.prompts-per-step", "2"])
     assert _snapshot(run_dir) == before
+
+
+def test_optimizer_settings_are_checked_on_the_command_line_and_per_task():
+    with pytest.raises(ValueError, match=r"optim\.lr=nan"):
+        parse_config(["--optim.lr", "nan"])
+    from archon.rl.config import TaskConfig
+    from archon.trainer import OptimConfig
+
+    tasks = (TaskConfig(name="a"), TaskConfig(name="b", optim=OptimConfig(lr=float("inf"), eps=-1.0)))
+    with pytest.raises(ValueError) as error:
+        validate(GRPOConfig(tasks=tasks), world_size=1)
+    message = str(error.value)
+    assert "tasks[1].optim.lr=inf" in message and "tasks[1].optim.eps=-1.0" in message, message
+    assert "tasks[0].optim" not in message, message
 
 
 def test_settings_from_a_file_are_validated_when_parsed(tmp_path):
