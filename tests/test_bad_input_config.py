@@ -445,6 +445,57 @@ def test_run_skips_prompts_its_model_cannot_hold(tiny_model, tmp_path):
         run.metrics.close()
 
 
+def _teacher(tiny_model: Path, directory: Path, mismatch: str) -> Path:
+    """A teacher like `tiny_model` with 7 more tokens in its vocabulary, or with the same vocabulary
+    size and a tokenizer that numbers the tokens in reverse."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    if mismatch == "vocabulary":
+        config.vocab_size += 7
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    if mismatch == "tokenizer":
+        ids = AutoTokenizer.from_pretrained(tiny_model).get_vocab()
+        reversed_vocab = {token: i for i, token in enumerate(sorted(ids, key=ids.get, reverse=True))}
+        backend = Tokenizer(models.WordLevel(reversed_vocab, unk_token="<|unk|>"))
+        PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|unk|>").save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "tasks, mismatch, culprit",
+    [
+        (False, "tokenizer", r"algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives \d+ of the tokens"),
+        (True, "vocabulary", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's vocabulary has 110 "
+                             r"tokens .* and the policy's 103"),
+        (True, "tokenizer", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives"),
+    ],
+    ids=["single-task-tokenizer", "task-vocabulary", "task-tokenizer"],
+)  # fmt: skip
+def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, mismatch, culprit, tiny_model, tmp_path):
+    from archon.rl.loop import RLRun
+    from archon.rl.multi_task import MultiTaskRun
+
+    teacher = _teacher(tiny_model, tmp_path / "teacher", mismatch)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    task = "{{name: {}, data: {{path: {}}}, reward: {{function: exact, num_workers: 0}}, algorithm: {{{}}}}}"
+    distill = f"teacher_path: {teacher}, loss: {{algorithm: grpo}}"
+    if tasks:
+        text = f"tasks: [{task.format('plain', data, 'loss: {algorithm: grpo}')}, {task.format('distill', data, distill)}]\n"
+    else:
+        text = f"data: {{path: {data}}}\nreward: {{function: exact, num_workers: 0}}\nalgorithm: {{{distill}}}\n"
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"model: {{path: {tiny_model}}}\nrollout: {{group_size: 2, prompts_per_step: 2, max_new_tokens: 4}}\n"
+        f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\n{text}"
+    )
+    config = parse_config(["--config", str(path)])
+    with pytest.raises(ValueError, match=culprit):
+        (MultiTaskRun if tasks else RLRun)(config)
+
+
 # ---- reward settings ----------------------------------------------------------------------------
 
 USER_REWARDS = textwrap.dedent(
