@@ -1,6 +1,7 @@
 """Bad checkpoints and configs fail with errors that name the problem."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from archon.build import build_model
 from archon.checkpoint.atomic import atomic_directory, atomic_file
+from archon.checkpoint.hf import HFCheckpoint, load_hf_weights
 from archon.lora import LoRAConfig
-from archon.spec import get_spec
+from archon.spec import get_spec, supported_model_types
 
 
 def _rewrite(path, edit):
@@ -96,3 +98,33 @@ def test_atomic_writes_leave_nothing_on_failure(tmp_path):
             raise RuntimeError("interrupted")
     assert (directory / "a").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def _kind(hf_key: str) -> str:
+    """The key with its layer and expert numbers replaced: one kind of tensor."""
+    return re.sub(r"\.\d+\.", ".N.", hf_key)
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_misshaped_tensor_is_named_before_it_is_split_or_reordered(model_type, tiny_checkpoint, tmp_path):
+    """For every kind of checkpoint tensor of every family (fused and reordered projections, conv1d,
+    A_log, stacked or per-expert experts, ...), one row more or one row fewer is refused naming the
+    HF key and both shapes, before the converter splits, stacks or reorders anything."""
+    path = tiny_checkpoint(model_type)
+    loaded = build_model(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    first_of_kind = {}
+    for key in sorted(tensors):
+        if not loaded.converter.is_ignored(key):  # e.g. a vision tower, which is never loaded
+            first_of_kind.setdefault(_kind(key), key)
+    for key in first_of_kind.values():
+        good = tensors[key]
+        for rows in (good.shape[0] + 1, good.shape[0] - 1):
+            bad = torch.zeros((rows, *good.shape[1:]), dtype=good.dtype)
+            directory = tmp_path / "bad"
+            directory.mkdir(exist_ok=True)
+            save_file({**tensors, key: bad}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+            shapes = f"has shape {tuple(bad.shape)}, but the model expects {tuple(good.shape)}"
+            message = re.escape(f"{key!r} in 'model.safetensors' {shapes}")
+            with pytest.raises(ValueError, match=message):
+                load_hf_weights(loaded.model, loaded.converter, HFCheckpoint(directory))
