@@ -569,3 +569,63 @@ def test_align_model_directory_errors_name_the_file(config, model_type, error, c
     argv = ["--hf-path", str(tmp_path)] + (["--model-type", model_type] if model_type else [])
     assert main(argv) == 2
     assert culprit in capsys.readouterr().err
+
+
+# ---- errors under torchrun ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory):
+    """A dense Qwen3 with 3 attention heads and a Qwen3-MoE with 3 experts (neither divisible by 2),
+    each with a character tokenizer, and a training file."""
+    import torch
+    from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("odd")
+    tokenizer = build_char_tokenizer()
+    shared = dict(
+        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=48, num_hidden_layers=1, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, **shared)).save_pretrained(root / "dense")
+    moe = Qwen3MoeConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64, **shared)
+    Qwen3MoeForCausalLM(moe).save_pretrained(root / "moe")
+    for name in ("dense", "moe"):
+        tokenizer.save_pretrained(root / name)
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.parametrize(
+    "model, flags, message",
+    [
+        ("dense", ["--parallel.tp", "3"], "error: invalid configuration:\n  parallel: "),  # found when parsed
+        ("dense", ["--parallel.tp", "2"], "error: tp=2 does not divide num_attention_heads=3"),
+        ("moe", ["--parallel.ep", "2"], "error: ep=2 does not divide num_experts=3"),
+    ],
+    ids=["parse-time", "tp-heads", "ep-experts"],
+)
+def test_errors_under_torchrun_print_the_field_not_only_child_failed(model, flags, message, odd_models, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(repo / "recipes" / "grpo_lora.py"), "--model.path", str(odd_models / model),
+        "--data.path", str(odd_models / "train.jsonl"), "--rollout.prompts-per-step", "2",
+        "--rollout.group-size", "2", "--rollout.max-new-tokens", "4", "--reward.num-workers", "0",
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-tensorboard", "--logging.no-progress", *flags,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-5000:]
+    if flags == ["--parallel.tp", "3"]:  # every rank refuses the settings alike: rank 0 alone says so
+        assert result.stderr.count("error: ") == 1, result.stderr[-5000:]
+    else:  # and torchrun's failure summary names the error of the rank that failed first
+        root_cause = result.stderr.split("Root Cause")[-1]
+        assert "ValueError: " + message.removeprefix("error: ") in root_cause, root_cause
