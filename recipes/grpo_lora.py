@@ -83,7 +83,7 @@ def _exit_with_error(error: BaseException, every_rank: bool) -> None:
     also goes to torchrun's error file, so its failure summary names it instead of "<N/A>"."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or every_rank:
-        print(f"error: {error}" if rank == 0 else f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
+        print(f"error: {error}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
     get_error_handler().record_exception(error)  # writes only under torchrun (TORCHELASTIC_ERROR_FILE)
     raise SystemExit(1) from None
 
