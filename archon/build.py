@@ -74,7 +74,9 @@ def load_hf_config(path: str | os.PathLike, option: str | None = None):
         raise ValueError(f"{str(path / 'config.json')!r} is not a usable HF model config: {e}") from e
 
 
-def _configure_lora(model: nn.Module, lora: LoRAConfig | None, task_loras: dict[str, LoRAConfig] | None, converter) -> None:
+def _configure_lora(
+    model: nn.Module, lora: LoRAConfig | None, task_loras: dict[str, LoRAConfig] | None, converter
+) -> None:
     """Give the meta model's LoRA modules their ranks: one adapter (`lora`) or one per task."""
     if task_loras is not None:
         configure_task_adapters(model, task_loras, converter.hf_name)
@@ -288,7 +290,8 @@ def build_model(
     elif lora is not None:
         lora.validate(spec.lora_targets, spec.name)
     checkpoint = HFCheckpoint(path)
-    if task_loras is not None and dims is not None and (dims.distributed or (parallel is not None and parallel.compile)):
+    one_process = dims is None or not (dims.distributed or (parallel is not None and parallel.compile))
+    if task_loras is not None and not one_process:
         raise ValueError(
             "a multi-task (several adapters) model runs in one process without compile; "
             "set parallel sizes to 1 and parallel.compile=False"

@@ -146,8 +146,9 @@ def load_teacher(path: str, option: str, policy, policy_tokenizer, device) -> to
     if vocab_size != policy.args.vocab_size:
         raise ValueError(
             f"{option}={path!r}: the teacher's vocabulary has {vocab_size} tokens (vocab_size in "
-            f"{Path(path) / 'config.json'}) and the policy's {policy.args.vocab_size} (in {policy.path / 'config.json'}); "
-            "distillation compares log-probs of the same token ids, so they must share a vocabulary"
+            f"{Path(path) / 'config.json'}) and the policy's {policy.args.vocab_size} (in "
+            f"{policy.path / 'config.json'}); distillation compares log-probs of the same token ids, so they must "
+            "share a vocabulary"
         )
     if any((Path(path) / name).exists() for name in TOKENIZER_VOCAB_FILES):
         teacher_ids = load_tokenizer(path, option).get_vocab()
@@ -253,9 +254,8 @@ class RLRun:
             self._report_dataset("held-out", self.eval_set)
         self.teacher = None
         if self.algorithm.needs_teacher:
-            self.teacher = load_teacher(
-                config.algorithm.teacher_path, "algorithm.teacher_path", self.trainer.loaded, self.tokenizer, self.device
-            )
+            self.teacher = load_teacher(config.algorithm.teacher_path, "algorithm.teacher_path",
+                                        self.trainer.loaded, self.tokenizer, self.device)  # fmt: skip
         # processes and servers last, so that a failure above leaves none running
         self.scorer = RewardScorer(config.reward)
         if config.rollout.engine == "vllm":
