@@ -1,4 +1,6 @@
-"""Building a model: the model is created on the meta device with LoRA in place, parallelized
+"""Building a model: the model is created on the meta device with LoRA in place (a model whose
+parameters cannot fit in its device's memory, or a LoRA rank above every adapted module's
+min(in, out), is refused there, naming the config field), parallelized
 by its family's parallelize function (TP -> activation checkpointing -> compile -> FSDP2),
 materialised with `to_empty`, filled from the HF checkpoint (each rank reads only the slices it
 holds), and its LoRA factors are initialised (A kaiming-uniform, B zeros) from a seeded generator,
@@ -7,8 +9,10 @@ so every layout starts from the same adapter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from archon.lora import (
     configure_lora_modules,
     configure_task_adapters,
     is_lora_param,
+    lora_rank_problem,
     mark_only_lora_trainable,
     task_view,
     union_lora_config,
@@ -67,6 +72,161 @@ def load_hf_config(path: str | os.PathLike, option: str | None = None):
         return AutoConfig.from_pretrained(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"{str(path / 'config.json')!r} is not a usable HF model config: {e}") from e
+
+
+def _configure_lora(
+    model: nn.Module, lora: LoRAConfig | None, task_loras: dict[str, LoRAConfig] | None, converter
+) -> None:
+    """Give the meta model's LoRA modules their ranks: one adapter (`lora`) or one per task."""
+    if task_loras is not None:
+        configure_task_adapters(model, task_loras, converter.hf_name)
+    elif lora is not None:
+        configure_lora_modules(model, lora, converter.hf_name)
+
+
+def _meta_model(spec: ModelSpec, args, lora, task_loras, converter) -> nn.Module:
+    with torch.device("meta"):
+        model = spec.model_cls(args, lora)
+    _configure_lora(model, lora, task_loras, converter)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Size
+# ---------------------------------------------------------------------------------------------
+
+PROBE_LAYERS = 8
+"""A model deeper than this is first estimated from a meta-device copy with only its first
+PROBE_LAYERS decoder layers: each layer costs about a millisecond to build even on the meta device,
+so an absurd layer count (a mistyped config) would take many minutes before the size is known."""
+
+
+@dataclass
+class ParameterBytes:
+    """Bytes of a model's parameters (base weights in the build dtype, LoRA factors in fp32):
+    outside the decoder layers and in each decoder layer built, with the LoRA share of each."""
+
+    outside_layers: int
+    outside_layers_lora: int
+    layers: list[int]
+    layers_lora: list[int]
+
+    def for_layers(self, num_layers: int) -> tuple[int, int]:
+        """(all bytes, LoRA bytes) of the model with `num_layers` decoder layers; layers beyond those
+        built are taken to be of the built layers' mean size."""
+
+        def extend(sizes: list[int]) -> int:
+            return sum(sizes) + (num_layers - len(sizes)) * sum(sizes) // max(1, len(sizes))
+
+        return self.outside_layers + extend(self.layers), self.outside_layers_lora + extend(self.layers_lora)
+
+
+def parameter_bytes(model: nn.Module, dtype: torch.dtype) -> ParameterBytes:
+    """The parameter bytes of a (meta-device) model whose decoder layers are `model.layers`."""
+    base_size = torch.empty((), dtype=dtype).element_size()
+    layer_of = {id(p): i for i, layer in enumerate(model.layers) for p in layer.parameters()}
+    sizes = ParameterBytes(0, 0, [0] * len(model.layers), [0] * len(model.layers))
+    for name, param in model.named_parameters():
+        lora = is_lora_param(name)
+        nbytes = param.numel() * (4 if lora else base_size)  # LoRA factors are kept in fp32
+        layer = layer_of.get(id(param))
+        if layer is None:
+            sizes.outside_layers += nbytes
+            sizes.outside_layers_lora += nbytes if lora else 0
+        else:
+            sizes.layers[layer] += nbytes
+            sizes.layers_lora[layer] += nbytes if lora else 0
+    return sizes
+
+
+def _with_layers(args, num_layers: int):
+    """`args` with only its first `num_layers` decoder layers (per-layer lists cut to match)."""
+    changes: dict[str, Any] = {"num_hidden_layers": num_layers}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, list) and len(value) == args.num_hidden_layers:
+            changes[f.name] = value[:num_layers]
+    return dataclasses.replace(args, **changes)
+
+
+def memory_for_parameters(device: torch.device | str) -> tuple[int, str] | None:
+    """(bytes, what they are) that `device` has free for a model's parameters; None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free on {device}"
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "of available memory (MemAvailable in /proc/meminfo)"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of available physical memory"
+    except (ValueError, OSError):
+        return None
+
+
+def _gib(nbytes: int | float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB"
+
+
+# Config fields that set the size of one decoder layer (those the family's args have).
+_LAYER_WIDTH_FIELDS = (
+    "hidden_size", "intermediate_size", "moe_intermediate_size", "num_experts", "n_routed_experts",
+    "num_attention_heads", "num_key_value_heads", "head_dim",
+)  # fmt: skip
+
+
+@dataclass
+class SizeCheck:
+    """Refuses a model whose parameters cannot fit in the memory of its device, naming the config
+    field responsible. Under FSDP/TP a process holds about 1/(dp_shard*tp) of them, and the processes
+    of one host share its RAM."""
+
+    config_path: Path
+    args: Any
+    dtype: torch.dtype
+    device: torch.device | str
+    dims: ParallelDims | None
+    lora_field: str
+    """The LoRA setting, as the error names it (e.g. "lora.rank=16")."""
+
+    def check(self, sizes: ParameterBytes, num_layers: int) -> None:
+        available = memory_for_parameters(self.device)
+        if available is None:
+            return
+        limit, where = available
+        total, lora = sizes.for_layers(num_layers)
+        share = 1 if self.dims is None else self.dims.dp_shard * self.dims.tp
+        holders = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(self.device).type == "cpu" else 1
+        needed = total * holders // share
+        if needed <= limit:
+            return
+        args, base = self.args, total - lora
+        layer_fields = [f.name for f in dataclasses.fields(args) if f.name in _LAYER_WIDTH_FIELDS]
+        if lora > base:
+            culprit = f"{self.lora_field}: the LoRA factors take {_gib(lora)}"
+        elif (sizes.outside_layers - sizes.outside_layers_lora) * holders // share > limit:
+            culprit = (
+                f"vocab_size={args.vocab_size}, hidden_size={args.hidden_size} in {self.config_path}: the embedding "
+                f"and output head take {_gib(sizes.outside_layers - sizes.outside_layers_lora)}"
+            )
+        elif (sizes.outside_layers + max(sizes.layers)) * holders // share > limit:
+            widths = ", ".join(f"{name}={getattr(args, name)}" for name in layer_fields)
+            culprit = f"{widths} in {self.config_path}: one decoder layer takes {_gib(max(sizes.layers))}"
+        else:
+            culprit = (
+                f"num_hidden_layers={num_layers} in {self.config_path}: {num_layers} decoder layers of about "
+                f"{_gib(sum(sizes.layers) / len(sizes.layers))} each"
+            )
+        dtype = str(self.dtype).removeprefix("torch.")
+        raise ValueError(
+            f"{culprit}; the model's parameters ({dtype} base weights, fp32 LoRA factors) would take about "
+            f"{_gib(needed)} here, more than the {_gib(limit)} {where}"
+        )
 
 
 @torch.no_grad()
@@ -130,17 +290,38 @@ def build_model(
     elif lora is not None:
         lora.validate(spec.lora_targets, spec.name)
     checkpoint = HFCheckpoint(path)
+    one_process = dims is None or not (dims.distributed or (parallel is not None and parallel.compile))
+    if task_loras is not None and not one_process:
+        raise ValueError(
+            "a multi-task (several adapters) model runs in one process without compile; "
+            "set parallel sizes to 1 and parallel.compile=False"
+        )
+    if task_loras is not None:
+        lora_field = "the tasks' lora.rank (" + ", ".join(f"{t}: {c.rank}" for t, c in task_loras.items()) + ")"
+    else:
+        lora_field = f"lora.rank={lora.rank}" if lora is not None else "lora.rank"
+    size = SizeCheck(path / "config.json", args, dtype, device, dims, lora_field)
 
     converter = spec.state_dict_converter_cls(args)
+    if args.num_hidden_layers > PROBE_LAYERS:  # see PROBE_LAYERS
+        shallow_args = _with_layers(args, PROBE_LAYERS)
+        shallow_converter = spec.state_dict_converter_cls(shallow_args)
+        with warnings.catch_warnings():  # rank patterns of deeper layers match nothing in the shallow copy
+            warnings.simplefilter("ignore")
+            shallow = _meta_model(spec, shallow_args, lora, task_loras, shallow_converter)
+        size.check(parameter_bytes(shallow, dtype), args.num_hidden_layers)
+        del shallow
     with torch.device("meta"):
         model = spec.model_cls(args, lora)
     if task_loras is not None:
-        if dims is not None and (dims.distributed or (parallel is not None and parallel.compile)):
-            raise ValueError(
-                "a multi-task (several adapters) model runs in one process without compile; "
-                "set parallel sizes to 1 and parallel.compile=False"
-            )
-        configure_task_adapters(model, task_loras, converter.hf_name)
+        for task, task_lora in task_loras.items():
+            if (problem := lora_rank_problem(model, task_lora, converter.hf_name)) is not None:
+                raise ValueError(f"task {task!r}: {problem}")
+    elif lora is not None and (problem := lora_rank_problem(model, lora, converter.hf_name)) is not None:
+        raise ValueError(problem)
+    _configure_lora(model, lora, task_loras, converter)
+    size.check(parameter_bytes(model, dtype), args.num_hidden_layers)
+    if task_loras is not None:
         for task, task_lora in task_loras.items():
             with task_view(model, task):
                 try:
@@ -148,7 +329,6 @@ def build_model(
                 except ValueError as e:
                     raise ValueError(f"task {task!r}: {e}") from None
     elif lora is not None:
-        configure_lora_modules(model, lora, converter.hf_name)
         peft_adapter_config(model, converter, lora, str(path))  # fail now, not at the first export
     model.to(dtype)
     for name, param in model.named_parameters():

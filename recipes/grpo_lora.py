@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
@@ -81,6 +84,19 @@ def _train_and_report(config, prepared, rank: int) -> dict:
     return last
 
 
+def _exit_with_error(error: BaseException, every_rank: bool) -> None:
+    """Print `error: <message>` to stderr (the message names the field or file, so no traceback is
+    needed) and exit with status 1. Under torchrun every rank exits; with `every_rank` False only rank
+    0 prints, for an error every rank meets alike (the settings), so it is printed once. The error
+    also goes to torchrun's error file, so its failure summary names it instead of "<N/A>"."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or every_rank:
+        print(f"error: {error}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
+    get_error_handler().record_exception(error)  # writes only under torchrun (TORCHELASTIC_ERROR_FILE)
+    raise SystemExit(1) from None
+
+
+@record  # under torchrun, any other error's message and traceback reach its failure summary
 def main(argv: list[str] | None = None) -> None:
     from archon.rl.config import parse_config
     from archon.rl.loop import terminate_as_interrupt
@@ -91,10 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = parse_config(argv)
-    except (ValueError, FileNotFoundError) as e:  # the message names the field or file; no traceback needed
-        raise SystemExit(f"error: {e}") from None
-    with terminate_as_interrupt():  # SIGTERM stops the run as Ctrl-C does: the launched servers are closed
-        run(config)
+    except (ValueError, FileNotFoundError) as e:
+        _exit_with_error(e, every_rank=False)
+    try:
+        with terminate_as_interrupt():  # SIGTERM stops the run as Ctrl-C does: the launched servers are closed
+            run(config)
+    except (ValueError, FileNotFoundError) as e:  # a setting or file the model or data turned out not to fit
+        _exit_with_error(e, every_rank=True)
 
 
 if __name__ == "__main__":

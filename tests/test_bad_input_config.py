@@ -112,10 +112,10 @@ def test_unreadable_config_files_are_named(name, contents, error, culprit, tmp_p
 def test_file_values_take_the_typed_path_of_a_flag(tmp_path):
     """PyYAML reads 1e-3 as a string; it is the float the flag --optim.lr 1e-3 gives."""
     path = tmp_path / "run.yaml"
-    path.write_text("optim: {lr: 1e-3, betas: ['0.8', 1]}\nsteps: '12'\ndata: {answer_field: null}\n")
+    path.write_text("optim: {lr: 1e-3, betas: ['0.8', 0]}\nsteps: '12'\ndata: {answer_field: null}\n")
     from_file = load_config_file(path)
     from_flags = parse_config(
-        ["--optim.lr", "1e-3", "--optim.betas", "0.8", "1", "--steps", "12", "--data.answer-field", "None"]
+        ["--optim.lr", "1e-3", "--optim.betas", "0.8", "0", "--steps", "12", "--data.answer-field", "None"]
     )
     assert from_file == from_flags
     assert from_file.optim.lr == 1e-3 and isinstance(from_file.optim.lr, float)
@@ -244,6 +244,16 @@ VALIDATION_CASES = {
     "reward-no-module": ({"reward.function": "no_such_module:score"}, "reward.function='no_such_module:score'"),
     "reward-bad-form": ({"reward.function": "score_it"}, "reward.function='score_it'"),
     "parallel-degrees": ({"parallel.tp": 3}, "parallel: "),
+    "optim-lr-nan": ({"optim.lr": float("nan")}, "optim.lr=nan: must be a finite number >= 0"),
+    "optim-lr-inf": ({"optim.lr": float("inf")}, "optim.lr=inf: must be a finite number >= 0"),
+    "optim-lr-negative": ({"optim.lr": -1e-5}, "optim.lr=-1e-05: must be a finite number >= 0"),
+    "optim-weight-decay-negative": ({"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1"),
+    "optim-weight-decay-nan": ({"optim.weight_decay": float("nan")}, "optim.weight_decay=nan"),
+    "optim-beta-one": ({"optim.betas": (0.9, 1.0)}, "optim.betas[1]=1.0: must be in [0, 1)"),
+    "optim-beta-negative": ({"optim.betas": (-0.1, 0.999)}, "optim.betas[0]=-0.1: must be in [0, 1)"),
+    "optim-eps-zero": ({"optim.eps": 0.0}, "optim.eps=0.0: must be a finite number > 0"),
+    "optim-max-grad-norm-inf": ({"optim.max_grad_norm": float("inf")}, "optim.max_grad_norm=inf"),
+    "optim-max-grad-norm-negative": ({"optim.max_grad_norm": -1.0}, "optim.max_grad_norm=-1.0"),
 }
 
 
@@ -276,6 +286,20 @@ def test_prompts_per_step_below_the_data_parallel_size(run_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2"):
         parse_config(["--rollout.prompts-per-step", "2"])
     assert _snapshot(run_dir) == before
+
+
+def test_optimizer_settings_are_checked_on_the_command_line_and_per_task():
+    with pytest.raises(ValueError, match=r"optim\.lr=nan"):
+        parse_config(["--optim.lr", "nan"])
+    from archon.rl.config import TaskConfig
+    from archon.trainer import OptimConfig
+
+    tasks = (TaskConfig(name="a"), TaskConfig(name="b", optim=OptimConfig(lr=float("inf"), eps=-1.0)))
+    with pytest.raises(ValueError) as error:
+        validate(GRPOConfig(tasks=tasks), world_size=1)
+    message = str(error.value)
+    assert "tasks[1].optim.lr=inf" in message and "tasks[1].optim.eps=-1.0" in message, message
+    assert "tasks[0].optim" not in message, message
 
 
 def test_settings_from_a_file_are_validated_when_parsed(tmp_path):
@@ -442,6 +466,57 @@ def test_run_skips_prompts_its_model_cannot_hold(tiny_model, tmp_path):
         run.metrics.close()
 
 
+def _teacher(tiny_model: Path, directory: Path, mismatch: str) -> Path:
+    """A teacher like `tiny_model` with 7 more tokens in its vocabulary, or with the same vocabulary
+    size and a tokenizer that numbers the tokens in reverse."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    if mismatch == "vocabulary":
+        config.vocab_size += 7
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    if mismatch == "tokenizer":
+        ids = AutoTokenizer.from_pretrained(tiny_model).get_vocab()
+        reversed_vocab = {token: i for i, token in enumerate(sorted(ids, key=ids.get, reverse=True))}
+        backend = Tokenizer(models.WordLevel(reversed_vocab, unk_token="<|unk|>"))
+        PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|unk|>").save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "tasks, mismatch, culprit",
+    [
+        (False, "tokenizer", r"algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives \d+ of the tokens"),
+        (True, "vocabulary", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's vocabulary has 110 "
+                             r"tokens .* and the policy's 103"),
+        (True, "tokenizer", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives"),
+    ],
+    ids=["single-task-tokenizer", "task-vocabulary", "task-tokenizer"],
+)  # fmt: skip
+def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, mismatch, culprit, tiny_model, tmp_path):
+    from archon.rl.loop import RLRun
+    from archon.rl.multi_task import MultiTaskRun
+
+    teacher = _teacher(tiny_model, tmp_path / "teacher", mismatch)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    task = "{{name: {}, data: {{path: {}}}, reward: {{function: exact, num_workers: 0}}, algorithm: {{{}}}}}"
+    distill = f"teacher_path: {teacher}, loss: {{algorithm: grpo}}"
+    if tasks:
+        text = f"tasks: [{task.format('plain', data, 'loss: {algorithm: grpo}')}, {task.format('distill', data, distill)}]\n"
+    else:
+        text = f"data: {{path: {data}}}\nreward: {{function: exact, num_workers: 0}}\nalgorithm: {{{distill}}}\n"
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"model: {{path: {tiny_model}}}\nrollout: {{group_size: 2, prompts_per_step: 2, max_new_tokens: 4}}\n"
+        f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\n{text}"
+    )
+    config = parse_config(["--config", str(path)])
+    with pytest.raises(ValueError, match=culprit):
+        (MultiTaskRun if tasks else RLRun)(config)
+
+
 # ---- reward settings ----------------------------------------------------------------------------
 
 USER_REWARDS = textwrap.dedent(
@@ -515,3 +590,63 @@ def test_align_model_directory_errors_name_the_file(config, model_type, error, c
     argv = ["--hf-path", str(tmp_path)] + (["--model-type", model_type] if model_type else [])
     assert main(argv) == 2
     assert culprit in capsys.readouterr().err
+
+
+# ---- errors under torchrun ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory):
+    """A dense Qwen3 with 3 attention heads and a Qwen3-MoE with 3 experts (neither divisible by 2),
+    each with a character tokenizer, and a training file."""
+    import torch
+    from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("odd")
+    tokenizer = build_char_tokenizer()
+    shared = dict(
+        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=48, num_hidden_layers=1, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, **shared)).save_pretrained(root / "dense")
+    moe = Qwen3MoeConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64, **shared)
+    Qwen3MoeForCausalLM(moe).save_pretrained(root / "moe")
+    for name in ("dense", "moe"):
+        tokenizer.save_pretrained(root / name)
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.parametrize(
+    "model, flags, message",
+    [
+        ("dense", ["--parallel.tp", "3"], "error: invalid configuration:\n  parallel: "),  # found when parsed
+        ("dense", ["--parallel.tp", "2"], "error: tp=2 does not divide num_attention_heads=3"),
+        ("moe", ["--parallel.ep", "2"], "error: ep=2 does not divide num_experts=3"),
+    ],
+    ids=["parse-time", "tp-heads", "ep-experts"],
+)
+def test_errors_under_torchrun_print_the_field_not_only_child_failed(model, flags, message, odd_models, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(repo / "recipes" / "grpo_lora.py"), "--model.path", str(odd_models / model),
+        "--data.path", str(odd_models / "train.jsonl"), "--rollout.prompts-per-step", "2",
+        "--rollout.group-size", "2", "--rollout.max-new-tokens", "4", "--reward.num-workers", "0",
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-tensorboard", "--logging.no-progress", *flags,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-5000:]
+    if flags == ["--parallel.tp", "3"]:  # every rank refuses the settings alike: rank 0 alone says so
+        assert result.stderr.count("error: ") == 1, result.stderr[-5000:]
+    else:  # and torchrun's failure summary names the error of the rank that failed first
+        root_cause = result.stderr.split("Root Cause")[-1]
+        assert "ValueError: " + message.removeprefix("error: ") in root_cause, root_cause

@@ -200,6 +200,8 @@ def load_hf_weights(model: nn.Module, converter: StateDictConverter, checkpoint:
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     for key, sources in plan.items():
+        check_source_shapes(converter, checkpoint, key, sources, tuple(params[key].shape))
+    for key, sources in plan.items():
         target = params[key]
         local = read_local(converter, checkpoint, key, sources, target)
         warn_non_finite(sources[0] if len(sources) == 1 else key, local, checkpoint.file_of(sources[0]))
@@ -248,6 +250,23 @@ def _shape_error(key: str, sources: list[str], got, want) -> ValueError:
     return ValueError(
         f"checkpoint tensor {sources[0]!r} gives {key!r} shape {tuple(got)}, but the model expects {tuple(want)}"
     )
+
+
+def check_source_shapes(
+    converter: StateDictConverter, checkpoint: HFCheckpoint, key: str, sources: list[str], want: tuple[int, ...]
+) -> None:
+    """Each checkpoint tensor of archon parameter `key` (shape `want`) must have the shape the
+    converter writes for it, checked before `combine` splits, stacks or reorders it (reading only
+    the files' headers); a stacked tensor read whole must have the model's shape."""
+    written = {name: tuple(t.shape) for name, t in converter.to_hf(key, torch.empty(want, device="meta"))}
+    for source in sources:
+        expected = written.get(source, want if len(sources) == 1 else None)
+        got = tuple(checkpoint.shape(source))
+        if expected is not None and got != expected:
+            raise ValueError(
+                f"checkpoint tensor {source!r} in {checkpoint.file_of(source).name!r} has shape {got}, but the model "
+                f"expects {expected} (for {key!r} of shape {want})"
+            )
 
 
 def read_local(

@@ -113,6 +113,32 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
         warnings.warn(f"LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module", RuntimeWarning)
 
 
+def lora_rank_problem(model: nn.Module, lora: LoRAConfig, hf_module_name: Callable[[str], str]) -> str | None:
+    """Why `lora` cannot adapt the freshly built (meta) model, or None: a rank above min(in, out) of
+    every module it adapts only adds parameters (an update B @ A has rank at most min(in, out)).
+    `hf_module_name` maps an archon module FQN to its HF path."""
+    sides: list[tuple[str, int, int]] = []  # (HF path, rank, min(in, out)) of each adapted module
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if isinstance(child, LoRALinear):
+                hf_path = hf_module_name(f"{name}.{child_name}" if name else child_name)
+                settings = lora.module_settings(hf_path)
+                if settings is not None:
+                    sides.append((hf_path, settings[0], min(child.in_features, child.out_features)))
+            elif isinstance(child, ExpertLoRA):
+                hf_path = hf_module_name(name)  # the stacked expert weights' module, as in configure_task_adapters
+                if lora.module_settings(hf_path) is not None:
+                    in_features, out_features = child.lora_a.shape[-1], child.lora_b.shape[1]
+                    sides.append((hf_path, lora.rank, min(in_features, out_features)))
+    if not sides or any(rank <= side for _, rank, side in sides):
+        return None
+    path, _, side = max(sides, key=lambda s: s[2])
+    return (
+        f"lora.rank={lora.rank}: larger than min(in, out) of every module it adapts (the largest is {side}, for "
+        f"{path!r}); an update B @ A has rank at most min(in, out), so a larger rank only adds parameters"
+    )
+
+
 # ---- several tasks (multi-LoRA) ------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ validate() checks the settings together before anything is built; both name the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -613,6 +614,7 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
         config.optim.for_run(config.steps)
     except ValueError as e:
         problems.append(f"optim.warmup_steps={config.optim.warmup_steps}: {e}")
+    problems += _optim_problems(config.optim)
     require(config.eval.every >= 0, "eval.every", config.eval.every, "must be >= 0 (0 disables evaluation)")
     require(config.eval.max_prompts >= 0, "eval.max_prompts", config.eval.max_prompts, "must be >= 0")
     require(
@@ -647,6 +649,30 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
         problems.append(f"reward.function={config.reward.function!r}: {problem}")
     if config.tasks:
         problems += _task_problems(config)
+    return problems
+
+
+def _optim_problems(optim: OptimConfig) -> list[str]:
+    """AdamW's settings, which torch checks only in part and only once the trainer is built; a NaN or
+    infinite value would turn every adapter weight into NaN at the first update."""
+    problems = []
+
+    def require(ok: bool, name: str, value: Any, rule: str) -> None:
+        if not ok:
+            problems.append(f"optim.{name}={value!r}: {rule}")
+
+    require(math.isfinite(optim.lr) and optim.lr >= 0, "lr", optim.lr, "must be a finite number >= 0")
+    for i, beta in enumerate(optim.betas):
+        require(0 <= beta < 1, f"betas[{i}]", beta, "must be in [0, 1)")
+    require(math.isfinite(optim.eps) and optim.eps > 0, "eps", optim.eps, "must be a finite number > 0")
+    require(
+        math.isfinite(optim.weight_decay) and optim.weight_decay >= 0, "weight_decay", optim.weight_decay,
+        "must be a finite number >= 0",
+    )  # fmt: skip
+    require(
+        optim.max_grad_norm is None or (math.isfinite(optim.max_grad_norm) and optim.max_grad_norm >= 0),
+        "max_grad_norm", optim.max_grad_norm, "must be a finite number >= 0 (None or 0 only measures the norm)",
+    )  # fmt: skip
     return problems
 
 

@@ -159,6 +159,40 @@ def replace_stale_groups(rollouts: Rollouts, group_size: int, version: int, max_
     rollouts.stale_dropped = len(stale) * G
 
 
+def load_teacher(path: str, option: str, policy, policy_tokenizer, device) -> torch.nn.Module:
+    """The frozen teacher model at `path` (`option` names the setting). Distillation compares the
+    teacher's and the policy's (`policy`, a LoadedModel) log-probs of the same token ids, so the
+    teacher must have the policy's vocabulary size and, when its directory holds a tokenizer, give
+    every token the two tokenizers share the same id; both are checked before the weights are read."""
+    from archon.build import build_model, load_hf_config
+    from archon.checkpoint.hf import TOKENIZER_VOCAB_FILES
+    from archon.spec import get_spec
+
+    hf_config = load_hf_config(path, option)
+    vocab_size = get_spec(hf_config.model_type).args_cls.from_hf_config(hf_config).vocab_size
+    if vocab_size != policy.args.vocab_size:
+        raise ValueError(
+            f"{option}={path!r}: the teacher's vocabulary has {vocab_size} tokens (vocab_size in "
+            f"{Path(path) / 'config.json'}) and the policy's {policy.args.vocab_size} (in "
+            f"{policy.path / 'config.json'}); distillation compares log-probs of the same token ids, so they must "
+            "share a vocabulary"
+        )
+    if any((Path(path) / name).exists() for name in TOKENIZER_VOCAB_FILES):
+        teacher_ids = load_tokenizer(path, option).get_vocab()
+        policy_ids = policy_tokenizer.get_vocab()
+        differing = sorted(t for t in teacher_ids.keys() & policy_ids.keys() if teacher_ids[t] != policy_ids[t])
+        if differing:
+            token = differing[0]
+            raise ValueError(
+                f"{option}={path!r}: the teacher's tokenizer gives {len(differing)} of the tokens it shares with "
+                f"the policy's another id (e.g. {token!r}: {teacher_ids[token]} for the teacher, "
+                f"{policy_ids[token]} for the policy); distillation compares log-probs of the same token ids, "
+                "so they must share a tokenizer"
+            )
+    teacher = build_model(path, device=device, path_option=option)
+    return teacher.model.eval().requires_grad_(False)
+
+
 def teacher_logprobs(teacher: torch.nn.Module, batch: PackedBatch, device, temperature: float) -> torch.Tensor:
     """The teacher's log-probs of the batch's labels, [T] on the host, zero outside the loss mask."""
     from archon.head import label_logprobs
@@ -259,12 +293,8 @@ class RLRun:
             self._report_dataset("held-out", self.eval_set)
         self.teacher = None
         if self.algorithm.needs_teacher:
-            from archon.build import build_model
-
-            teacher_path = config.algorithm.teacher_path
-            teacher = build_model(teacher_path, device=self.device, path_option="algorithm.teacher_path")
-            self.teacher = teacher.model.eval()
-            self.teacher.requires_grad_(False)
+            self.teacher = load_teacher(config.algorithm.teacher_path, "algorithm.teacher_path",
+                                        self.trainer.loaded, self.tokenizer, self.device)  # fmt: skip
         # processes and servers last, so that a failure above leaves none running
         self.scorer = RewardScorer(config.reward)
         if config.rollout.engine == "vllm":

@@ -36,6 +36,7 @@ from archon.rl.config import GRPOConfig, TaskConfig, validate
 from archon.rl.data import PromptBatchIterator, load_prompt_dataset
 from archon.rl.loop import (
     RewardFunctionError,
+    load_teacher,
     prompt_ids,
     prune_adapter_exports,
     replace_stale_groups,
@@ -261,10 +262,7 @@ class MultiTaskRun:
         """The frozen teacher model at `path` (`option` names the setting, for errors), built once."""
         key = str(Path(path).resolve())
         if key not in self.teachers:
-            from archon.build import build_model
-
-            teacher = build_model(path, device=self.device, path_option=option)
-            self.teachers[key] = teacher.model.eval().requires_grad_(False)
+            self.teachers[key] = load_teacher(path, option, self.trainer.loaded, self.tokenizer, self.device)
         return self.teachers[key]
 
     def _prompt_ids(self, task: TaskRun, examples) -> list[list[int]]:
