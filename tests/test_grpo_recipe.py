@@ -362,11 +362,11 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_setup, tmp
     assert [r["reward_errors"] for r in _records(tmp_path / "run")] == [16, 16]
 
 
-SHORTENED_DEMO_STEPS = 30
+SHORTENED_DEMO_STEPS = 60
 
 
 def _shortened_demo_args(run_dir: Path, cache_dir: Path) -> list[str]:
-    """The demo's own settings (recipes/configs/demo.yaml), cut to 30 GRPO steps."""
+    """The demo's own settings (recipes/configs/demo.yaml), cut to SHORTENED_DEMO_STEPS GRPO steps."""
     from archon.recipes import grpo_lora
 
     return [

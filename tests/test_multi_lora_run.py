@@ -255,42 +255,59 @@ def test_a_task_is_added_and_one_removed_at_a_checkpoint_boundary(setup, tmp_pat
     assert (run_dir / "tasks" / "add" / "adapter" / "adapter_model.safetensors").read_bytes() == add_adapter
 
 
+TWO_SKILL_HELD_OUT = 600  # about 300 a skill: the greedy accuracy is then known to about 3 points
+
+
+TWO_SKILL_SEED = 0
+
+
+def two_skill_settings(demo):
+    """The two-skill base's warm-start settings (with TWO_SKILL_SEED): the demo's model and SFT on
+    addition and subtraction, with a larger held-out split."""
+    task = dataclasses.replace(demo.task, operations=("+", "-"), num_held_out=TWO_SKILL_HELD_OUT)
+    return dataclasses.replace(demo, task=task, sft_target_accuracy=0.3, sft_checks_at_target=3)
+
+
 @pytest.fixture(scope="module")
 def two_skill_demo(tmp_path_factory):
-    """The demo's warm start (recipes/configs/demo.yaml) taught 2-digit addition AND subtraction to a
-    weak start (about 30% greedy accuracy), and each skill's train and held-out prompts in files."""
+    """The demo's warm start (recipes/configs/demo.yaml) taught 2-digit addition AND subtraction (the
+    weights archon ships for these settings), and each skill's train and held-out prompts in files."""
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.demo import prepare_demo
 
     root = tmp_path_factory.mktemp("two_skills")
     config = load_config_file(DEMO_CONFIG)
-    task = dataclasses.replace(config.demo.task, operations=("+", "-"))
-    demo = dataclasses.replace(config.demo, task=task, cache_dir=str(root / "cache"))
-    files = prepare_demo(demo, config.parallel, config.seed, rank=0, log=lambda message: None)
+    demo = dataclasses.replace(two_skill_settings(config.demo), cache_dir=str(root / "cache"))
+    files = prepare_demo(demo, config.parallel, TWO_SKILL_SEED, rank=0, log=lambda message: None)
     for split, path in (("train", files.train_path), ("held_out", files.held_out_path)):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         for name, op in (("add", "+"), ("sub", "-")):
-            write_jsonl([r for r in rows if op in r["prompt"]], root / f"{name}_{split}.jsonl")
+            write_jsonl([r for r in rows if r["operation"] == op], root / f"{name}_{split}.jsonl")
     return root, files.model_dir
 
 
 def test_two_tasks_learn_two_skills_at_once_on_the_demo_base(two_skill_demo, tmp_path):
     """Addition and subtraction, each its own adapter, data and exact-match reward, trained together:
-    each task's greedy held-out accuracy rises by at least 15 points."""
+    each task's greedy held-out accuracy rises by at least 15 points.
+
+    The base is the warm start archon ships for these settings, the same on every machine. Over 80
+    steps at the demo's learning rate both skills rise by more than 20 points under every CPU
+    arithmetic tried (README, "The demo"); subtraction (borrows, negative results) is the slower
+    one, and at twice that learning rate its accuracy swings from update to update instead."""
     root, model_dir = two_skill_demo
-    steps = 50
+    steps = 80
     tasks = "".join(
         f"  - name: {name}\n    data: {{path: {root / f'{name}_train.jsonl'}}}\n"
         f"    eval_path: {root / f'{name}_held_out.jsonl'}\n    reward: {{function: exact, num_workers: 0}}\n"
         "    lora: {rank: 16, alpha: 32.0}\n    algorithm: {loss: {algorithm: grpo}, minibatches: 2}\n"
-        "    optim: {lr: 0.004, max_grad_norm: 1.0, schedule: cosine, warmup_steps: 5, min_lr_ratio: 0.1}\n"
+        "    optim: {lr: 0.002, max_grad_norm: 1.0, schedule: cosine, warmup_steps: 5, min_lr_ratio: 0.1}\n"
         for name in ("add", "sub")
     )
     config_path = tmp_path / "two_skills.yaml"
     config_path.write_text(
         f"steps: {steps}\nmodel: {{path: {model_dir}, device: cpu}}\n"
         "rollout: {group_size: 8, prompts_per_step: 32, max_new_tokens: 5}\n"
-        f"eval: {{every: {steps}, max_prompts: 200}}\n"
+        f"eval: {{every: {steps}, max_prompts: {TWO_SKILL_HELD_OUT}}}\n"
         f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\ntasks:\n{tasks}"
     )
     MultiTaskRun(parse_config(["--config", str(config_path)])).run()

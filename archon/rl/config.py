@@ -150,10 +150,12 @@ class DemoConfig:
     sft_steps: int = 1500
     """Upper bound on SFT steps; the warm start stops earlier at sft_target_accuracy."""
     sft_target_accuracy: float = 0.25
-    """Stop SFT once the greedy accuracy of every operation on its development problems reaches
-    this, so RL starts from a weak but non-zero policy on each. The development problems are kept
-    out of the SFT batches, so the stop does not depend on memorised answers."""
+    """Stop SFT once the greedy accuracy of every operation on its development problems has been at
+    least this for sft_checks_at_target checks in a row, so RL starts from a weak but non-zero
+    policy on each. The development problems are kept out of the SFT batches, so the stop does not
+    depend on memorised answers; several checks in a row, so it does not stop on a lucky one."""
     sft_check_every: int = 10
+    sft_checks_at_target: int = 3
     sft_dev_examples: int = 128
     """Development problems per operation, taken from the training split."""
     sft_batch_size: int = 64
