@@ -6,10 +6,10 @@ update whose loss or gradient is not finite), plus resume checkpoints and PEFT e
 refuse to write NaN or inf.
 
 With `TrainerConfig.tasks` it trains several adapters (multi-LoRA) on the one frozen base: each
-task has its own LoRA config, AdamW, LR schedule and optimizer-step count; a packed batch mixes
-tasks (`extras["task"]`, each token's task index) and `train_step_tasks` takes one loss function per
-task, steps each task's optimizer on its own (a non-finite task is skipped alone), and checkpoints
-and PEFT exports are per task (`task=`).
+task has its own LoRA config, AdamW, LR schedule and optimizer-step count (archon.optim). A packed
+batch then mixes tasks (`extras["task"]`, each token's task index) and `train_step` takes one loss
+function per task and steps each task's optimizer on its own (a non-finite task is skipped alone);
+checkpoints and PEFT exports are per task (`task=`). One adapter is the case of one task.
 
 Data layout: every data-parallel rank passes its own PackedBatch; the ranks of one tensor-parallel
 group pass the same one.
@@ -21,27 +21,21 @@ import contextlib
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from archon import device as devices
 from archon.batch import PackedBatch
 from archon.build import build_model
+from archon.checkpoint.resume import lora_settings
 from archon.head import DEFAULT_CHUNK_SIZE, label_logprobs
-from archon.lora import (
-    LoRAConfig,
-    adapter_disabled,
-    adapter_routing,
-    task_parameters,
-    task_view,
-)
 from archon.load_balance import (
     MoEConfig,
     all_reduce_step_counts,
@@ -51,89 +45,20 @@ from archon.load_balance import (
     routers,
     update_correction_biases,
 )
+from archon.lora import (
+    LoRAConfig,
+    adapter_disabled,
+    adapter_routing,
+    task_parameters,
+    task_view,
+)
+from archon.lora.peft import save_peft_adapter
+from archon.optim import AdapterOptimizer, OptimConfig, lr_multiplier  # noqa: F401  (lr_multiplier: re-export)
 from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
-from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES, DTypeName
 
-# ---------------------------------------------------------------------------------------------
-# Training configuration
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class OptimConfig:
-    """AdamW (fp32 states for the fp32 LoRA factors) with warm-up and decay.
-
-    Schedule lengths count training steps: in the RL loop an RL step (all its minibatches and PPO
-    epochs take the same learning rate), for `Engine.train_step` on its own one call.
-    """
-
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this; None or 0 only measures it."""
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    """Linear warm-up from lr/(warmup_steps+1) to lr over the first warmup_steps steps."""
-    total_steps: int | None = None
-    """Steps over which linear/cosine decay to min_lr_ratio * lr. None: the run's length (the RL
-    recipe fills in `steps`); set it only to decay over a different length."""
-    min_lr_ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.total_steps is not None and self.schedule != "constant" and self.total_steps <= self.warmup_steps:
-            raise ValueError(
-                f"OptimConfig.schedule={self.schedule!r} needs total_steps > warmup_steps "
-                f"(got total_steps={self.total_steps}, warmup_steps={self.warmup_steps})"
-            )
-
-    def for_run(self, steps: int) -> OptimConfig:
-        """This config with total_steps set to the run's `steps` when it is unset."""
-        if self.total_steps is not None:
-            return self
-        if self.schedule != "constant" and steps <= self.warmup_steps:
-            raise ValueError(
-                f"OptimConfig.schedule={self.schedule!r} decays over the run's {steps} steps, which must be "
-                f"more than optim.warmup_steps={self.warmup_steps}"
-            )
-        return replace(self, total_steps=steps)
-
-
-def lr_multiplier(step: int, config: OptimConfig) -> float:
-    """Multiplier of config.lr for training step `step` (0-based)."""
-    if step < config.warmup_steps:
-        return (step + 1) / (config.warmup_steps + 1)
-    if config.schedule == "constant":
-        return 1.0
-    _require_total_steps(config)
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
-    if config.schedule == "linear":
-        decay = 1.0 - progress
-    else:
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
-
-
-def _require_total_steps(config: OptimConfig) -> None:
-    if config.schedule != "constant" and config.total_steps is None:
-        raise ValueError(
-            f"OptimConfig.schedule={config.schedule!r} needs total_steps; set it or fill it in with for_run(steps)"
-        )
-
-
-class _LRLambda:
-    def __init__(self, config: OptimConfig) -> None:
-        _require_total_steps(config)  # now, not at the first step past the warm-up
-        self.config = config
-
-    def __call__(self, step: int) -> float:
-        return lr_multiplier(step, self.config)
+SINGLE_ADAPTER = ""
+"""The name of a single-adapter trainer's adapter (Trainer.adapters)."""
 
 
 @dataclass
@@ -229,30 +154,12 @@ class NonFiniteError(RuntimeError):
 LossFn = Callable[[PackedBatch, torch.Tensor, LossContext], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
-@dataclass
-class TaskState:
-    """One task's training state in a multi-task trainer."""
-
-    name: str
-    lora: LoRAConfig
-    optim: OptimConfig
-    trainable: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    optimizer_steps: int = 0
-
-
-def _adamw(params: list[torch.nn.Parameter], optim: OptimConfig):
-    optimizer = torch.optim.AdamW(
-        params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _LRLambda(optim))
-
-
 class Trainer:
     """A model ready to score and train, on this rank's share of the devices.
 
     Under torchrun the process group is started from the environment; a plain process runs alone.
+    Every adapter (one, or one per TrainerConfig.tasks entry) has its own AdamW and LR schedule
+    (`adapters`, by name; the single adapter's name is "").
     """
 
     def __init__(self, config: TrainerConfig) -> None:
@@ -285,19 +192,32 @@ class Trainer:
         self.model = loaded.model
         self.converter = loaded.converter
         self.lora = config.lora
-        self.tasks: dict[str, TaskState] = {}
-        """Multi-task: each task's adapter and optimizer, in routing order ({} for one adapter)."""
-        for task in config.tasks:
-            params = list(task_parameters(self.model, task.name).values())
-            optimizer, scheduler = _adamw(params, task.optim)
-            self.tasks[task.name] = TaskState(task.name, task.lora, task.optim, params, optimizer, scheduler)
+        self.multi_task = bool(config.tasks)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.loras: dict[str, LoRAConfig | None] = {}
+        self.adapters: dict[str, AdapterOptimizer] = {}
+        """Each adapter's parameters, AdamW and schedule by name, in routing order."""
+        for task in config.tasks:
+            self.loras[task.name] = task.lora
+            self.adapters[task.name] = AdapterOptimizer(list(task_parameters(self.model, task.name).values()), task.optim)
+        if not config.tasks:
+            self.loras[SINGLE_ADAPTER] = config.lora
+            self.adapters[SINGLE_ADAPTER] = AdapterOptimizer(self.trainable, config.optim)
         self.routers = routers(self.model)
         self._check_moe_config(config.moe)
-        # one adapter: its optimizer; several: each task's own (self.tasks)
-        self.optimizer, self.scheduler = (None, None) if self.tasks else _adamw(self.trainable, config.optim)
-        self.optimizer_steps = 0
-        """AdamW updates applied (skipped ones not counted); the schedule position is the scheduler's."""
+
+    # ---- the single adapter's optimizer state (a trainer without tasks) -------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._adapter(None)[1].optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self._adapter(None)[1].scheduler
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self._adapter(None)[1].steps
 
     # ---- helpers ------------------------------------------------------------------------------
     def _check_moe_config(self, moe: MoEConfig) -> None:
@@ -309,6 +229,17 @@ class Trainer:
                 f"moe.bias_update_rate={moe.bias_update_rate} but the routers of {family} have no "
                 "score-correction bias (aux-loss-free balancing applies to DeepSeek-V3-style routers)"
             )
+
+    def _adapter(self, task: str | None) -> tuple[str, AdapterOptimizer]:
+        """(name, optimizer state) of `task`'s adapter; None names the single adapter of a trainer
+        without tasks."""
+        if task is None:
+            if self.multi_task:
+                raise ValueError(f"a multi-task trainer needs task= (one of {list(self.adapters)})")
+            task = SINGLE_ADAPTER
+        if task not in self.adapters:
+            raise ValueError(f"unknown task {task!r}; the trainer's adapters are {list(self.adapters)}")
+        return task, self.adapters[task]
 
     @property
     def fsdp(self) -> bool:
@@ -330,12 +261,12 @@ class Trainer:
 
     def _routing(self, batch: PackedBatch):
         """Each token's adapter, for a multi-task model (nothing to do for one adapter)."""
-        if not self.tasks:
+        if not self.multi_task:
             return contextlib.nullcontext()
         if TASK_EXTRA not in batch.extras:
             raise ValueError(
                 f"a multi-task trainer needs each token's task: PackedBatch.extras[{TASK_EXTRA!r}] ([T] task indices "
-                f"into {list(self.tasks)})"
+                f"into {list(self.adapters)})"
             )
         return adapter_routing(self.model, batch.extras[TASK_EXTRA])
 
@@ -354,6 +285,18 @@ class Trainer:
             entropy = torch.zeros(T, dtype=torch.float32, device=hidden.device).index_copy(0, index, ent)
         return logprobs, entropy
 
+    def sequences_by_adapter(self, batch: PackedBatch) -> dict[str, list[int]]:
+        """The sequences of `batch` by the adapter that trains them (adapters with none left out):
+        all of them for a single-adapter trainer; by `extras["task"]` in a multi-task one."""
+        if not self.multi_task:
+            return {SINGLE_ADAPTER: list(range(batch.num_sequences))}
+        first_token_task = batch.extras[TASK_EXTRA][batch.cu_seqlens[:-1].long()].tolist()
+        names = list(self.adapters)
+        chosen: dict[str, list[int]] = {}
+        for sequence, index in enumerate(first_token_task):
+            chosen.setdefault(names[index], []).append(sequence)
+        return chosen
+
     # ---- scoring ------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(
@@ -367,7 +310,7 @@ class Trainer:
 
         use_adapter=False scores with the LoRA switched off: the reference (base) policy.
         """
-        if not use_adapter and self.lora is None and not self.tasks:
+        if not use_adapter and self.lora is None and not self.multi_task:
             raise ValueError("use_adapter=False needs a LoRA model; this trainer trains every parameter")
         micro, count = self._micro_batches(batch)
         was_training = self.model.training
@@ -387,78 +330,121 @@ class Trainer:
         return LogprobOutput(torch.cat(lps).cpu(), torch.cat(ents).cpu() if with_entropy else None)
 
     # ---- training -----------------------------------------------------------------------------
+    def _losses_by_adapter(self, losses: LossFn | dict[str, LossFn]) -> dict[str, LossFn]:
+        if isinstance(losses, dict):
+            unknown = sorted(set(losses) - set(self.adapters))
+            if unknown:
+                raise ValueError(f"losses for unknown adapter(s) {unknown}; the trainer's are {list(self.adapters)}")
+            return losses
+        if self.multi_task:
+            raise ValueError(
+                f"a multi-task trainer takes one loss function per task: a dict over {list(self.adapters)}"
+            )
+        return {SINGLE_ADAPTER: losses}
+
     def forward_backward(
         self,
         batch: PackedBatch,
-        loss_fn: LossFn,
+        losses: LossFn | dict[str, LossFn],
         temperature: float = 1.0,
         with_entropy: bool = False,
-    ) -> dict[str, float]:
-        """Accumulate the gradient of the whole batch's loss (no optimizer step)."""
+    ) -> dict[str, Any]:
+        """Accumulate the gradient of the whole batch's loss (no optimizer step).
+
+        `losses`: the loss function (one adapter), or each adapter's by name. Every adapter's loss
+        is its own function on its own sequences, normalised by its own counts over the batch on
+        every data-parallel rank (LossContext), so its gradient is exactly its single-adapter
+        gradient; one forward and one backward serve them all. In a multi-task trainer a loss that
+        is not finite is kept out of the backward (a NaN would reach every adapter's gradient), and
+        that adapter's update is then skipped. Returns the metrics of the batch (one adapter) or of
+        each adapter with sequences in it, by name."""
+        loss_fns = self._losses_by_adapter(losses)
         self.model.train()
         micro, count = self._micro_batches(batch)
         host = batch.to("cpu")
-        counts = torch.cat([loss_counts(host.loss_mask, host.cu_seqlens), torch.tensor([float(host.num_tokens)])])
-        counts = counts.to(self.device)
-        self._all_reduce(counts)
-        global_tokens, global_sequences = counts[0].clone(), counts[1].clone()
+        by_adapter = self.sequences_by_adapter(host)
+        missing = sorted(set(by_adapter) - set(loss_fns))
+        if missing:
+            raise ValueError(f"the batch has sequences of task(s) {missing} without a loss function")
+        # [adapters, 3]: loss tokens, sequences with any, all tokens; summed over the data-parallel ranks
+        counts = torch.zeros(len(self.adapters), 3)
+        for index, name in enumerate(self.adapters):
+            if name in by_adapter:
+                sub = host if not self.multi_task else host.select(by_adapter[name])
+                counts[index, :2] = loss_counts(sub.loss_mask, sub.cu_seqlens)
+                counts[index, 2] = float(sub.num_tokens)
+        counts = self._all_reduce(counts.to(self.device))
+        global_counts = {name: counts[index] for index, name in enumerate(self.adapters)}
 
-        self._one_adapter("forward_backward")
-        self.optimizer.zero_grad(set_to_none=True)
+        for adapter in self.adapters.values():
+            adapter.zero_grad()
         for router in self.routers:
             router.routing.reset_step()
-        loss_sum = torch.zeros((), device=self.device)
-        reports = _MetricReports(self.device)
+        loss_sums = {name: torch.zeros((), device=self.device) for name in loss_fns}
+        reports = {name: _MetricReports(self.device) for name in loss_fns}
         for i in range(count):
             real = i < len(micro)
             mb = micro[i] if real else min(micro, key=lambda b: b.num_tokens)
             if self.fsdp:
                 self.model.set_requires_gradient_sync(i == count - 1)
             logprobs, entropy = self._forward_logprobs(mb, temperature, with_entropy)
-            ctx = LossContext(global_tokens, global_sequences, temperature, entropy, self.dims.dp)
-            loss, metrics = loss_fn(mb, logprobs, ctx)
-            if self.routers:
-                loss, metrics = self._add_load_balance(mb, loss, metrics, global_tokens, real)
-            if not real:
-                # Keeps this rank's collectives in step with ranks that have more micro-batches.
-                loss = loss * 0.0
-            loss.backward()
+            aux = load_balance_loss(self.routers) if self.routers else None
+            total = None
+            for name, sequences in self.sequences_by_adapter(mb).items():
+                sub, lp, ent = mb, logprobs, entropy
+                if self.multi_task:
+                    bounds = mb.cu_seqlens.tolist()
+                    rows = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in sequences]).to(logprobs.device)
+                    sub, lp, ent = mb.select(sequences), logprobs[rows], None if entropy is None else entropy[rows]
+                tokens, sequence_count = global_counts[name][0].clone(), global_counts[name][1].clone()
+                ctx = LossContext(tokens, sequence_count, temperature, ent, self.dims.dp)
+                loss, metrics = loss_fns[name](sub, lp, ctx)
+                if aux is not None:
+                    loss, metrics = self._add_load_balance(sub, loss, metrics, aux, tokens)
+                if not real:
+                    # Keeps this rank's collectives in step with ranks that have more micro-batches.
+                    loss = loss * 0.0
+                else:
+                    loss_sums[name] += loss.detach().float()
+                    reports[name].add(metrics, float(sub.loss_mask.sum()))
+                if self.multi_task and not bool(torch.isfinite(loss.detach())):
+                    loss = lp.sum() * 0.0  # the backward still runs (FSDP's collectives), with no gradient
+                total = loss if total is None else total + loss
+            total.backward()
+            if real:
+                for router in self.routers:
+                    router.routing.count_forward()
             drop_forward_records(self.routers)
-            if not real:
-                continue
-            loss_sum += loss.detach().float()
-            reports.add(metrics, float(mb.loss_mask.sum()))
         if self.fsdp:
             self.model.set_requires_gradient_sync(True)
         reduce_partial_grads(self.model)
 
-        out: dict[str, float] = {}
-        self._all_reduce(loss_sum)
-        out["loss"] = loss_sum.item()
-        out.update(reports.reduced(self._all_reduce, global_tokens))
+        shared: dict[str, float] = {}
         if self.routers:
             all_reduce_step_counts(self.routers, self.dims.dp_group if self.dims.dp > 1 else None)
-            out["moe_load_imbalance"] = load_imbalance(self.routers)
-        out.update(
-            tokens=global_tokens.item(),
-            sequences=global_sequences.item(),
-            total_tokens=counts[2].item(),
-            micro_batches=count,
-        )
-        return out
+            shared["moe_load_imbalance"] = load_imbalance(self.routers)
+        out: dict[str, dict[str, float]] = {}
+        for name in loss_fns:  # the same on every rank: the collectives below run in step
+            tokens = global_counts[name][0]
+            if self.multi_task and tokens.item() == 0:
+                continue  # no sequence of this task on any rank
+            metrics = {"loss": self._all_reduce(loss_sums[name]).item()}
+            metrics.update(reports[name].reduced(self._all_reduce, tokens))
+            metrics.update(shared)
+            metrics.update(
+                tokens=tokens.item(), sequences=global_counts[name][1].item(),
+                total_tokens=global_counts[name][2].item(), micro_batches=count,
+            )  # fmt: skip
+            out[name] = metrics
+        return out if isinstance(losses, dict) else out[SINGLE_ADAPTER]
 
-    def _add_load_balance(self, mb: PackedBatch, loss, metrics: dict, global_tokens: torch.Tensor, real: bool):
+    def _add_load_balance(self, sub: PackedBatch, loss, metrics: dict, aux: torch.Tensor, global_tokens: torch.Tensor):
         """The routers' auxiliary loss of this micro-batch's forward, as the `moe_aux_loss` metric (a
         loss-token mean like the loss function's metrics) and, times moe.aux_loss_coef, added to the
-        loss with the micro-batch's share of the batch's loss tokens. Real micro-batches' expert
-        choices count towards the step's per-expert loads."""
-        aux = load_balance_loss(self.routers)
+        loss with the micro-batch's share of the batch's loss tokens."""
         coef = self.config.moe.aux_loss_coef
         if coef > 0:
-            loss = loss + coef * aux * (mb.loss_mask.sum() / global_tokens.clamp(min=1.0))
-        if real:
-            for router in self.routers:
-                router.routing.count_forward()
+            loss = loss + coef * aux * (sub.loss_mask.sum() / global_tokens.clamp(min=1.0))
         return loss, {**metrics, "moe_aux_loss": aux.detach()}
 
     def _same_on_every_rank(self, flag: bool) -> bool:
@@ -469,180 +455,75 @@ class Trainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def optimizer_step(self, loss: float | None = None) -> dict[str, float]:
-        """Clip and step AdamW, unless `loss` (the global batch loss) or the global gradient norm is
-        NaN or infinite: then the gradient is dropped and the parameters and the optimizer state
-        (moments and AdamW's step count) stay as they were. Every rank takes the same decision.
-        The LR schedule does not move here (see advance_schedule).
+    def optimizer_step(self, loss: float | None = None, task: str | None = None) -> dict[str, float]:
+        """Clip and step the AdamW of `task`'s adapter (the single adapter by default), unless `loss`
+        (its global batch loss) or its global gradient norm is NaN or infinite: then the gradient is
+        dropped and the parameters and the optimizer state (moments and AdamW's step count) stay as
+        they were. Every rank takes the same decision. The LR schedule does not move here (see
+        advance_schedule).
 
         Returns grad_norm (before clipping), the lr and skipped (1.0 for a skipped update).
         """
-        self._one_adapter("optimizer_step")
-        lr = self.optimizer.param_groups[0]["lr"]
-        norm = clip_grad_norm(self.trainable, self.config.optim.max_grad_norm).item()
+        _, adapter = self._adapter(task)
+        lr = adapter.lr
+        norm = adapter.clip()
         finite = math.isfinite(norm) and (loss is None or math.isfinite(loss))
         skipped = self._same_on_every_rank(not finite)
         if not skipped:
-            self.optimizer.step()
-            self.optimizer_steps += 1
+            adapter.step()
             if self.config.moe.bias_update_rate > 0:
                 update_correction_biases(self.routers, self.config.moe.bias_update_rate)
-        self.optimizer.zero_grad(set_to_none=True)
+        adapter.zero_grad()
         return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
 
     def advance_schedule(self, task: str | None = None) -> None:
-        """Move the LR schedule (of `task`, in a multi-task trainer) on by one training step. It moves
-        whether or not the step's updates were skipped: the learning rate is a function of the step,
-        so a skipped step does not shift the rest of the schedule."""
-        scheduler = self._task(task).scheduler if self.tasks else self.scheduler
-        with warnings.catch_warnings():
-            # Raised when the very first update was skipped; that order is intended.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            scheduler.step()
+        """Move the LR schedule of `task`'s adapter (the single adapter by default) on by one
+        training step, whether or not the step's updates were skipped (AdapterOptimizer.advance_schedule)."""
+        self._adapter(task)[1].advance_schedule()
 
     def train_step(
         self,
         batch: PackedBatch,
-        loss_fn: LossFn,
+        losses: LossFn | dict[str, LossFn],
         temperature: float = 1.0,
         with_entropy: bool = False,
         advance_schedule: bool = True,
-    ) -> dict[str, float]:
-        """One optimizer step on `batch` (this rank's share), skipped when the loss or the gradient
-        norm is not finite (see optimizer_step).
+    ) -> dict[str, Any]:
+        """One optimizer step on `batch` (this rank's share) of every adapter with sequences in it,
+        each skipped alone when its loss or gradient norm is not finite (see optimizer_step).
 
-        loss_fn(micro_batch, logprobs[T], ctx) -> (loss, metrics): logprobs carry the gradient and
-        are 0 outside micro_batch.loss_mask; the loss is the micro-batch's share of the batch loss
-        (see LossContext). Metrics are per-micro-batch token means (weighted by loss tokens in the
-        report), `*_max` / `*_min` extremes, or `num_tokens` (summed).
+        `losses`: loss_fn(micro_batch, logprobs[T], ctx) -> (loss, metrics) for the single adapter,
+        or one per adapter by name (a multi-task batch says each token's task in extras["task"]).
+        logprobs carry the gradient and are 0 outside micro_batch.loss_mask; the loss is the
+        micro-batch's share of the batch loss (see LossContext). Metrics are per-micro-batch token
+        means (weighted by loss tokens in the report), `*_max` / `*_min` extremes, or `num_tokens`
+        (summed).
 
-        advance_schedule=False leaves the LR schedule where it is, for a training step made of
+        advance_schedule=False leaves the LR schedules where they are, for a training step made of
         several updates (the RL loop's minibatches and PPO epochs); call advance_schedule() after
         the last one.
 
         Returns loss, grad_norm, lr, skipped, tokens (loss tokens), sequences, total_tokens,
         micro_batches, optimizer_steps, time_s and the loss function's metrics, all over the global
-        batch.
+        batch: of the single adapter, or of each adapter stepped, by name.
         """
         start = time.perf_counter()
-        metrics = self.forward_backward(batch, loss_fn, temperature, with_entropy)
-        metrics.update(self.optimizer_step(metrics["loss"]))
-        if advance_schedule:
-            self.advance_schedule()
-        metrics["optimizer_steps"] = self.optimizer_steps
-        metrics["time_s"] = time.perf_counter() - start
-        return metrics
-
-    # ---- several tasks (multi-LoRA) -------------------------------------------------------------
-    def _one_adapter(self, what: str) -> None:
-        if self.tasks:
-            raise ValueError(f"Trainer.{what} trains one adapter; a multi-task trainer trains with train_step_tasks")
-
-    def _task(self, task: str | None) -> TaskState:
-        if not self.tasks:
-            raise ValueError(f"task={task!r} given to a trainer with one adapter (TrainerConfig.tasks is empty)")
-        if task not in self.tasks:
-            raise ValueError(f"unknown task {task!r}; the trainer's tasks are {list(self.tasks)}")
-        return self.tasks[task]
-
-    def task_sequences(self, batch: PackedBatch) -> dict[str, list[int]]:
-        """The sequences of a multi-task batch by task (tasks with none left out)."""
-        first_token_task = batch.extras[TASK_EXTRA][batch.cu_seqlens[:-1].long()].tolist()
-        names = list(self.tasks)
-        chosen: dict[str, list[int]] = {}
-        for sequence, index in enumerate(first_token_task):
-            chosen.setdefault(names[index], []).append(sequence)
-        return chosen
-
-    def train_step_tasks(
-        self,
-        batch: PackedBatch,
-        loss_fns: dict[str, LossFn],
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        advance_schedule: bool = True,
-    ) -> dict[str, dict[str, float]]:
-        """One optimizer step of every task with sequences in the mixed `batch` (extras["task"]).
-
-        Each micro-batch runs one forward and one backward for all its tasks; each task's loss is
-        `loss_fns[task]` on its own sequences, normalised by its own counts (LossContext), so its
-        adapter's gradient is exactly its single-task gradient. Then each task clips and steps its
-        own AdamW; a task whose loss or gradient norm is not finite is skipped alone (its loss is
-        left out of the backward, so no NaN reaches the others). Returns each stepped task's metrics
-        (as train_step's)."""
-        start = time.perf_counter()
-        host = batch.to("cpu")
-        by_task = self.task_sequences(host)
-        unknown = sorted(set(by_task) - set(loss_fns))
-        if unknown:
-            raise ValueError(f"train_step_tasks: the batch has sequences of task(s) {unknown} without a loss function")
-        self.model.train()
-        micro, _ = self._micro_batches(batch)
-        counts = {}
-        for task, sequences in by_task.items():
-            sub = host.select(sequences)
-            counts[task] = (*loss_counts(sub.loss_mask, sub.cu_seqlens).to(self.device), sub.num_tokens)
-        for state in self.tasks.values():
-            state.optimizer.zero_grad(set_to_none=True)
-        loss_sums = {task: torch.zeros((), device=self.device) for task in by_task}
-        reports = {task: _MetricReports(self.device) for task in by_task}
-        for mb in micro:
-            logprobs, entropy = self._forward_logprobs(mb, temperature, with_entropy)
-            bounds = mb.cu_seqlens.tolist()
-            total = None
-            for task, sequences in self.task_sequences(mb).items():
-                rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in sequences]).to(logprobs.device)
-                tokens, sequence_count, _ = counts[task]
-                ctx = LossContext(tokens, sequence_count, temperature, None if entropy is None else entropy[rows], 1)
-                loss, metrics = loss_fns[task](mb.select(sequences), logprobs[rows], ctx)
-                loss_sums[task] += loss.detach().float()
-                reports[task].add(metrics, float(mb.loss_mask[rows].sum()))
-                if not bool(torch.isfinite(loss.detach())):
-                    continue  # kept out of the backward: a NaN would reach every task's gradient
-                total = loss if total is None else total + loss
-            if total is not None:
-                total.backward()
-
-        out: dict[str, dict[str, float]] = {}
-        for task in by_task:
-            tokens, sequence_count, total_tokens = counts[task]
-            metrics = {"loss": loss_sums[task].item(), **reports[task].reduced(self._all_reduce, tokens)}
-            metrics.update(tokens=tokens.item(), sequences=sequence_count.item(), total_tokens=float(total_tokens),
-                           micro_batches=len(micro))  # fmt: skip
-            metrics.update(self._task_optimizer_step(self.tasks[task], metrics["loss"]))
+        out = self.forward_backward(batch, losses, temperature, with_entropy)
+        by_adapter = out if isinstance(losses, dict) else {SINGLE_ADAPTER: out}
+        for name, metrics in by_adapter.items():
+            metrics.update(self.optimizer_step(metrics["loss"], name))
             if advance_schedule:
-                self.advance_schedule(task)
-            metrics["optimizer_steps"] = self.tasks[task].optimizer_steps
+                self.advance_schedule(name)
+            metrics["optimizer_steps"] = self.adapters[name].steps
             metrics["time_s"] = time.perf_counter() - start
-            out[task] = metrics
         return out
-
-    def _task_optimizer_step(self, state: TaskState, loss: float) -> dict[str, float]:
-        """optimizer_step for one task: its own clipping, finiteness check and AdamW."""
-        lr = state.optimizer.param_groups[0]["lr"]
-        norm = clip_grad_norm(state.trainable, state.optim.max_grad_norm).item()
-        skipped = not (math.isfinite(norm) and math.isfinite(loss))
-        if not skipped:
-            state.optimizer.step()
-            state.optimizer_steps += 1
-        state.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
-
-    def _adapter_state(self, task: str | None):
-        """(lora, optimizer, scheduler) of the one adapter, or of `task`'s."""
-        if task is None:
-            if self.tasks:
-                raise ValueError(f"a multi-task trainer needs task= (one of {list(self.tasks)})")
-            return self.lora, self.optimizer, self.scheduler
-        state = self._task(task)
-        return state.lora, state.optimizer, state.scheduler
 
     def _view(self, task: str | None):
         """The model as `task`'s single-adapter model (the model itself for one adapter)."""
-        return contextlib.nullcontext() if task is None else task_view(self.model, task)
+        return task_view(self.model, task) if self.multi_task else contextlib.nullcontext()
 
     # ---- adapters and checkpoints ---------------------------------------------------------------
-    def _first_non_finite(self, optimizer_state: bool, optimizer=None) -> str | None:
+    def _first_non_finite(self, optimizer_state: bool, optimizer) -> str | None:
         """This rank's first trainable parameter (or, with optimizer_state, AdamW state tensor of
         one) that holds NaN or inf, by name; None when all are finite."""
         for name, param in self.model.named_parameters():
@@ -650,7 +531,7 @@ class Trainer:
                 continue
             tensors = [(name, param)]
             if optimizer_state:
-                state = (optimizer or self.optimizer).state.get(param, {})
+                state = optimizer.state.get(param, {})
                 tensors += [(f"optimizer state {key!r} of {name}", value) for key, value in state.items()]
             for label, tensor in tensors:
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -663,9 +544,9 @@ class Trainer:
         """Raise NonFiniteError on every rank when any rank's trainable parameters (or, with
         optimizer_state, their AdamW state) hold NaN or inf, naming the first such tensor. `what`
         says what was about to be written. With `task`: that task's adapter only."""
-        _, optimizer, _ = self._adapter_state(task)
-        with self._view(task):
-            bad = self._first_non_finite(optimizer_state, optimizer)
+        name, adapter = self._adapter(task)
+        with self._view(name):
+            bad = self._first_non_finite(optimizer_state, adapter.optimizer)
         if not self._same_on_every_rank(bad is not None):
             return
         found = [bad]
@@ -684,13 +565,12 @@ class Trainer:
         """Write the adapter (of `task`, in a multi-task trainer: an adapter that loads alone) in PEFT
         format (gathered from all shards; rank 0 writes). Refuses (NonFiniteError) an adapter with
         NaN or inf values."""
-        from archon.lora.peft import save_peft_adapter
-
-        lora, _, _ = self._adapter_state(task)
+        name, _ = self._adapter(task)
+        lora = self.loras[name]
         if lora is None:
             raise ValueError("export_peft needs a LoRA model; this trainer trains every parameter")
         self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False, task=task)
-        with self._view(task):
+        with self._view(name):
             path = save_peft_adapter(
                 self.model, self.converter, lora, out_dir,
                 base_model_name_or_path or str(self.loaded.path), write=self.rank == 0,
@@ -702,28 +582,18 @@ class Trainer:
     def checkpoint_state(self, task: str | None = None) -> dict[str, Any]:
         """The trainable parameters and optimizer state (of `task` alone, under its single-adapter
         names, in a multi-task trainer), as DCP state dicts (sharded where the model is)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_state_dict,
-        )
-
-        _, optimizer, _ = self._adapter_state(task)
-        with self._view(task):
+        name, adapter = self._adapter(task)
+        with self._view(name):
             model_state, optim_state = get_state_dict(
-                self.model, optimizer, options=StateDictOptions(ignore_frozen_params=True)
+                self.model, adapter.optimizer, options=StateDictOptions(ignore_frozen_params=True)
             )
         return {"model": model_state, "optimizer": optim_state}
 
     def load_checkpoint_state(self, state: dict[str, Any], task: str | None = None) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_state_dict,
-        )
-
-        _, optimizer, _ = self._adapter_state(task)
-        with self._view(task):
+        name, adapter = self._adapter(task)
+        with self._view(name):
             set_state_dict(
-                self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                self.model, adapter.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                 # Frozen base weights are not in the checkpoint; dcp.load has already failed on any
                 # trainable key missing from it.
                 options=StateDictOptions(ignore_frozen_params=True, strict=False),
@@ -734,16 +604,11 @@ class Trainer:
         checkpoint) through a CheckpointManager. Refuses (NonFiniteError) a state with NaN or inf.
         In a multi-task trainer, `task`'s checkpoint: its adapter, optimizer and schedule alone
         (give each task its own manager, i.e. directory)."""
-        from archon.checkpoint.resume import lora_settings
-
-        lora, _, scheduler = self._adapter_state(task)
+        name, adapter = self._adapter(task)
         self.check_finite(f"checkpoint for step {step}" + (f" of task {task!r}" if task else ""), task=task)
-        # The schedule itself comes from the config; only its position is state.
-        scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-        optimizer_steps = self.optimizer_steps if task is None else self.tasks[task].optimizer_steps
         trainer_state = {
-            "step": step, "optimizer_steps": optimizer_steps, "scheduler": scheduler_state, "data": data_state or {},
-            "lora": lora_settings(lora),
+            "step": step, "optimizer_steps": adapter.steps, "scheduler": adapter.schedule_state(),
+            "data": data_state or {}, "lora": lora_settings(self.loras[name]),
         }  # fmt: skip
         return manager.save(step, self.checkpoint_state(task), trainer_state)
 
@@ -753,20 +618,15 @@ class Trainer:
         A checkpoint trained with another LoRA config (rank, alpha, targets, ...) is refused, naming
         the differences; dropout may change. With `task`: that task's checkpoint, into its adapter
         alone (the other tasks are untouched)."""
-        from archon.checkpoint.resume import lora_settings
-
         path = manager.latest() if path is None else Path(path)
         if path is None:
             return None
-        lora, _, scheduler = self._adapter_state(task)
+        name, adapter = self._adapter(task)
         state = self.checkpoint_state(task)
-        trainer_state = manager.load(path, state, expected={"lora": lora_settings(lora)})
+        trainer_state = manager.load(path, state, expected={"lora": lora_settings(self.loras[name])})
         self.load_checkpoint_state(state, task)
-        if task is None:
-            self.optimizer_steps = trainer_state["optimizer_steps"]
-        else:
-            self.tasks[task].optimizer_steps = trainer_state["optimizer_steps"]
-        scheduler.load_state_dict({**trainer_state["scheduler"], "lr_lambdas": [None]})
+        adapter.steps = trainer_state["optimizer_steps"]
+        adapter.load_schedule_state(trainer_state["scheduler"])
         return trainer_state
 
 

@@ -111,14 +111,9 @@ def _worker(config_path: str) -> None:
 
     start = time.perf_counter()
     config = parse_config(["--config", config_path])
-    if config.tasks:
-        from archon.rl.multi_task import MultiTaskRun
+    from archon.rl.loop import RLRun
 
-        MultiTaskRun(config).run()
-    else:
-        from archon.rl.loop import RLRun
-
-        RLRun(config).run()
+    RLRun(config).run()
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (Path(config.logging.run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps_s = sum(r["step_s"] for r in records if "step_s" in r)

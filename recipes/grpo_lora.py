@@ -65,12 +65,7 @@ def _train_and_report(config, prepared, rank: int) -> dict:
             )
     elif not config.data.path and not config.tasks:
         raise SystemExit("--data.path is required with --model.path (a .jsonl, .parquet or datasets directory)")
-    if config.tasks:
-        from archon.rl.multi_task import MultiTaskRun
-
-        last = MultiTaskRun(config, prepared).run()
-    else:
-        last = RLRun(config, prepared).run()
+    last = RLRun(config, prepared).run()
     if rank == 0:
         run_dir = Path(config.logging.run_dir)
         plot = plot_run(run_dir)

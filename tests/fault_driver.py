@@ -49,10 +49,9 @@ def main() -> None:
     if point == "resave":
         from archon.rl.config import parse_config
         from archon.rl.loop import RLRun
-        from archon.rl.multi_task import MultiTaskRun
 
         config = parse_config(recipe_args)
-        run = MultiTaskRun(config) if config.tasks else RLRun(config)
+        run = RLRun(config)
         run.save(run._resume())
         return
     from archon.recipes.grpo_lora import main as recipe

@@ -154,9 +154,10 @@ def test_collect_drops_and_samples_again_the_groups_older_than_the_bound(tmp_pat
     root = write_tiny_setup(tmp_path / "setup")
     run = RLRun(parse_config(_args(root, tmp_path / "run", steps=4) + ["--eval.every", "0"]))
     try:
-        run.config = dataclasses.replace(run.config, rollout=dataclasses.replace(run.config.rollout, max_staleness=1))
-        run.publish(3)  # the trainer holds version 3: samples of versions 2 and 3 are trainable
-        made = run.generate_rollouts(3)
+        (task,) = run.tasks
+        task.config = dataclasses.replace(task.config, max_staleness=1)
+        run.publish(task, 3)  # the trainer holds version 3: samples of versions 2 and 3 are trainable
+        made = run.generate_rollouts(task, 3)
         G = run.config.rollout.group_size
         kept_before = [list(s.completion_ids) for s in made.samples[G:]]
         for i, sample in enumerate(made.samples):
@@ -167,13 +168,13 @@ def test_collect_drops_and_samples_again_the_groups_older_than_the_bound(tmp_pat
             def take(self, step):
                 return made
 
-        run.producer = Ahead()
-        rollouts = run.collect(3)
+        task.producer = Ahead()
+        rollouts = run.collect(3)[task.name]
         assert rollouts.stale_dropped == G
         assert {s.version for s in rollouts.samples[:G]} == {3}
         assert all(s.prompt_index == 0 for s in rollouts.samples[:G])
         assert [s.version for s in rollouts.samples[G:]] == [2] * (len(made.samples) - G)
         assert [list(s.completion_ids) for s in rollouts.samples[G:]] == kept_before
     finally:
-        run.producer = None
+        task.producer = None
         run.close()

@@ -458,12 +458,12 @@ def test_run_skips_prompts_its_model_cannot_hold(tiny_model, tmp_path):
     ])  # fmt: skip
     run = RLRun(config)
     try:
-        assert [row.location for row in run.train_set.too_long] == [f"{path}:4", f"{path}:6"]
-        assert [row.location for row in run.eval_set.too_long] == [f"{path}:4", f"{path}:6"]
-        assert len(run.train_set.examples) == 8
+        (task,) = run.tasks
+        assert [row.location for row in task.train_set.too_long] == [f"{path}:4", f"{path}:6"]
+        assert [row.location for row in task.eval_set.too_long] == [f"{path}:4", f"{path}:6"]
+        assert len(task.train_set.examples) == 8
     finally:
-        run.scorer.close()
-        run.metrics.close()
+        run.close()
 
 
 def _teacher(tiny_model: Path, directory: Path, mismatch: str) -> Path:
@@ -496,7 +496,6 @@ def _teacher(tiny_model: Path, directory: Path, mismatch: str) -> Path:
 )  # fmt: skip
 def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, mismatch, culprit, tiny_model, tmp_path):
     from archon.rl.loop import RLRun
-    from archon.rl.multi_task import MultiTaskRun
 
     teacher = _teacher(tiny_model, tmp_path / "teacher", mismatch)
     data = tmp_path / "train.jsonl"
@@ -514,7 +513,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, m
     )
     config = parse_config(["--config", str(path)])
     with pytest.raises(ValueError, match=culprit):
-        (MultiTaskRun if tasks else RLRun)(config)
+        RLRun(config)
 
 
 # ---- reward settings ----------------------------------------------------------------------------

@@ -77,7 +77,8 @@ def test_in_process_run_trains_only_the_adapter(tiny_setup, tmp_path):
 
     config = parse_config(_args(tiny_setup, tmp_path / "run", steps=2))
     run = RLRun(config)
-    assert len(run.train_set.malformed) == 1 and "train.jsonl:65" in str(run.train_set.malformed[0])
+    train_set = run.tasks[0].train_set
+    assert len(train_set.malformed) == 1 and "train.jsonl:65" in str(train_set.malformed[0])
     run.run()
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -234,9 +235,9 @@ def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, mo
     used: list[float] = []
     original = Trainer.optimizer_step
 
-    def recording(self, loss=None):
+    def recording(self, loss=None, task=None):
         used.append(self.optimizer.param_groups[0]["lr"])
-        return original(self, loss)
+        return original(self, loss, task)
 
     monkeypatch.setattr(Trainer, "optimizer_step", recording)
     steps = 5
@@ -251,7 +252,8 @@ def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, mo
 def _nan_loss_at(run, bad_steps: set[int]):
     """Make the loss NaN during the given RL steps (1-based), through the loop's own loss function."""
     current = {"step": 0}
-    loss_fn, step_fn = run.algorithm.loss, run.step
+    (task,) = run.tasks
+    loss_fn, step_fn = task.algorithm.loss, run.step
 
     def nan_loss(batch, logprobs, ctx):
         loss, metrics = loss_fn(batch, logprobs, ctx)
@@ -261,7 +263,7 @@ def _nan_loss_at(run, bad_steps: set[int]):
         current["step"] = index + 1
         return step_fn(index)
 
-    run.algorithm.loss, run.step = nan_loss, step
+    task.algorithm.loss, run.step = nan_loss, step
 
 
 def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_path):
@@ -334,13 +336,14 @@ def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
     run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.loss.algorithm", "drgrpo",
                               "--eval.every", "0"]))  # fmt: skip
     assert run.config.algorithm.loss.max_response_length is None
-    assert run.algorithm.max_response_length == 4  # rollout.max_new_tokens
+    algorithm = run.tasks[0].algorithm
+    assert algorithm.max_response_length == 4  # rollout.max_new_tokens
     # Ratio 1, so each token's loss is -A; 3 and 1 response tokens, divided by 2 sequences * max_new_tokens.
     batch = PackedBatch.from_sequences([[1, 2, 3, 4], [5, 6, 7]], prompt_lens=[1, 2], advantages=[0.5, -2.0])
     assert batch.loss_mask.sum() == 4
     batch.old_logprobs = torch.zeros(batch.num_tokens)
     ctx = LossContext(global_tokens=torch.tensor(5.0), global_sequences=torch.tensor(2.0))
-    loss, _ = run.algorithm.loss(batch, torch.zeros(batch.num_tokens), ctx)
+    loss, _ = algorithm.loss(batch, torch.zeros(batch.num_tokens), ctx)
     assert loss.item() == pytest.approx(-(3 * 0.5 + 1 * -2.0) / (2 * 4))
     run.run()
     records = _records(tmp_path / "run")

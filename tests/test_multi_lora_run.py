@@ -16,7 +16,7 @@ from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CONFIG
 from archon.rl.config import load_config_file, parse_config, validate
-from archon.rl.multi_task import MultiTaskRun
+from archon.rl.loop import RLRun
 from archon.rl.run_dir import LOCK_FILE, RunDirInUseError
 from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
@@ -116,7 +116,7 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
              + _task_yaml("broken", setup / "train.jsonl", setup / "held_out.jsonl", reward=failing))  # fmt: skip
     run_dir = tmp_path / "run"
     config = _config(setup, run_dir, 2, tasks, "--checkpoint.every", "1")
-    MultiTaskRun(config).run()
+    RLRun(config).run()
     records = _records(run_dir)
     steps = {r["step"]: r for r in records}
     for name in ("add", "sub"):
@@ -138,7 +138,7 @@ def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, impo
     assert steps[2]["active_tasks"] == 2.0
     assert json.loads((run_dir / "tasks" / "broken" / "stopped.json").read_text())["step"] == 1
     # resumed, the stopped task stays stopped and the others go on
-    MultiTaskRun(_config(setup, run_dir, 3, tasks, "--checkpoint.every", "1", "--resume")).run()
+    RLRun(_config(setup, run_dir, 3, tasks, "--checkpoint.every", "1", "--resume")).run()
     step3 = {r["step"]: r for r in _records(run_dir)}[3]
     assert step3["active_tasks"] == 2.0 and "broken/reward_errors" not in step3
     assert step3["add/adapter_version"] == 3.0
@@ -149,13 +149,13 @@ def test_a_damaged_stopped_record_is_named_and_nothing_is_lost(setup, tmp_path):
     and the run directory is left as it was."""
     tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
     run_dir = tmp_path / "run"
-    MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0")).run()
+    RLRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0")).run()
     stopped = run_dir / "tasks" / "add" / "stopped.json"
     for content, problem in (('{"step": 1, "reason": "the rew', "cannot be read"), ('["add"]', "not a record")):
         stopped.write_text(content)
         before = snapshot(run_dir)
         with pytest.raises(ValueError, match=re.escape(f"{stopped} ") + f".*{problem}"):
-            MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
+            RLRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
         assert snapshot(run_dir) == before
 
 
@@ -184,14 +184,14 @@ def test_a_task_killed_between_the_renames_of_a_resave_resumes_from_its_checkpoi
         "sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2
     )
     run_dir = tmp_path / "run"
-    MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0")).run()
+    RLRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0")).run()
     checkpoints = run_dir / "tasks" / "add" / "checkpoints"
     saved = snapshot(checkpoints / "step-00000002")
     _run_until_killed("resave", ".step-00000002.tmp", ["--config", str(_config_file(setup, run_dir, 2, tasks)),
                                                        "--eval.every", "0", "--resume"])  # fmt: skip
     assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", ".step-00000002.tmp"]
 
-    MultiTaskRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume")).run()
+    RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume")).run()
     step3 = {r["step"]: r for r in _records(run_dir)}[3]
     assert step3["add/adapter_version"] == 3.0 and step3["sub/adapter_version"] == 3.0
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000003"]
@@ -202,13 +202,13 @@ def test_a_multi_task_run_holds_its_directory_until_it_ends(setup, tmp_path):
     """A second run on the directory, new or resumed, fails at once while the first holds it."""
     tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
     run_dir = tmp_path / "run"
-    run = MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0"))
+    run = RLRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0"))
     for extra in ((), ("--resume",)):
         with pytest.raises(RunDirInUseError, match=f"run directory {run_dir} is in use by process {os.getpid()} "):
-            MultiTaskRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0", *extra))
+            RLRun(_config(setup, run_dir, 1, tasks, "--eval.every", "0", *extra))
     run.run()
     assert not (run_dir / LOCK_FILE).exists()
-    MultiTaskRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
+    RLRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0", "--resume")).run()
     assert [r["step"] for r in _records(run_dir)] == [1, 2]
 
 
@@ -224,7 +224,7 @@ def test_a_model_with_several_eos_ids_stops_on_each_of_them(setup, tmp_path):
     hf_config["eos_token_id"] = [hf_config["eos_token_id"], 5]
     config_file.write_text(json.dumps(hf_config))
     tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
-    run = MultiTaskRun(_config(root, tmp_path / "run", 1, tasks))
+    run = RLRun(_config(root, tmp_path / "run", 1, tasks))
     try:
         assert set(hf_config["eos_token_id"]) <= set(run.stop_token_ids)
     finally:
@@ -240,12 +240,12 @@ def test_a_task_is_added_and_one_removed_at_a_checkpoint_boundary(setup, tmp_pat
     sub = _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2, lr=5e-3)
     mul = _task_yaml("mul", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying, rank=8)
     uninterrupted = tmp_path / "uninterrupted"
-    MultiTaskRun(_config(setup, uninterrupted, 3, add + sub, "--eval.every", "0", "--seed", "1")).run()
+    RLRun(_config(setup, uninterrupted, 3, add + sub, "--eval.every", "0", "--seed", "1")).run()
 
     run_dir = tmp_path / "run"
-    MultiTaskRun(_config(setup, run_dir, 2, add + sub, "--eval.every", "0", "--seed", "1")).run()
+    RLRun(_config(setup, run_dir, 2, add + sub, "--eval.every", "0", "--seed", "1")).run()
     add_adapter = (run_dir / "tasks" / "add" / "adapter" / "adapter_model.safetensors").read_bytes()
-    MultiTaskRun(_config(setup, run_dir, 3, sub + mul, "--eval.every", "0", "--seed", "1", "--resume")).run()
+    RLRun(_config(setup, run_dir, 3, sub + mul, "--eval.every", "0", "--seed", "1", "--resume")).run()
     steps = {r["step"]: r for r in _records(run_dir)}
     expected = {r["step"]: r for r in _records(uninterrupted)}
     assert steps[3]["sub/loss"] == expected[3]["sub/loss"] and steps[3]["sub/grad_norm"] > 0
@@ -310,7 +310,7 @@ def test_two_tasks_learn_two_skills_at_once_on_the_demo_base(two_skill_demo, tmp
         f"eval: {{every: {steps}, max_prompts: {TWO_SKILL_HELD_OUT}}}\n"
         f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\ntasks:\n{tasks}"
     )
-    MultiTaskRun(parse_config(["--config", str(config_path)])).run()
+    RLRun(parse_config(["--config", str(config_path)])).run()
     evals = {r["step"]: r for r in _records(tmp_path / "run") if "add/eval_accuracy" in r}
     for name in ("add", "sub"):
         before, after = evals[0][f"{name}/eval_accuracy"], evals[steps][f"{name}/eval_accuracy"]
@@ -323,7 +323,7 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     reference): the teacher's per-token advantages reach only the distillation task's tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from archon.rl import multi_task
+    from archon.rl import loop
 
     torch.manual_seed(1)  # a teacher of the same architecture and vocabulary, other weights
     teacher = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setup / "model"))
@@ -336,18 +336,19 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
         "loss: {algorithm: grpo}", "loss: {algorithm: grpo, kl_coef: 0.1}"
     )
     seen = {}
-    prepare = multi_task.MultiTaskRun._prepare
+    prepare = loop.RLRun.prepare
 
-    def recording(self, batch, tasks):
-        batch = prepare(self, batch, tasks)
+    def recording(self, tasks, collected, scores):
+        batch, prepared = prepare(self, tasks, collected, scores)
         seen["batch"] = batch
-        return batch
+        return batch, prepared
 
-    monkeypatch.setattr(multi_task.MultiTaskRun, "_prepare", recording)
+    monkeypatch.setattr(loop.RLRun, "prepare", recording)
     distill2 = distill.replace("name: distill", "name: distill2")
-    run = MultiTaskRun(_config(setup, tmp_path / "run", 1, distill + kl + distill2, "--eval.every", "0"))
-    assert run.tasks["distill"].teacher is not None and run.tasks["kl"].teacher is None
-    assert run.tasks["distill2"].teacher is run.tasks["distill"].teacher  # one copy of a shared teacher
+    run = RLRun(_config(setup, tmp_path / "run", 1, distill + kl + distill2, "--eval.every", "0"))
+    tasks = {task.name: task for task in run.tasks}
+    assert tasks["distill"].teacher is not None and tasks["kl"].teacher is None
+    assert tasks["distill2"].teacher is tasks["distill"].teacher  # one copy of a shared teacher
     run.run()
     batch = seen["batch"]
     task = batch.extras["task"]

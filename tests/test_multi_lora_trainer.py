@@ -64,7 +64,7 @@ def test_each_task_trains_as_its_own_single_adapter_run(qwen3_path):
     singles = {task.name: _single(qwen3_path, task) for task in (A, B)}
     for step in range(2):
         batch = _mixed(multi, seed=step, task_of_sequence=TASK_OF_SEQUENCE)
-        out = multi.train_step_tasks(batch, {"add": cases.loss_fn, "sub": cases.loss_fn}, with_entropy=True)
+        out = multi.train_step(batch, {"add": cases.loss_fn, "sub": cases.loss_fn}, with_entropy=True)
         for index, task in enumerate((A, B)):
             sub = _of_task(batch, index)
             expected = singles[task.name].train_step(sub, cases.loss_fn, with_entropy=True)
@@ -80,7 +80,7 @@ def test_each_task_trains_as_its_own_single_adapter_run(qwen3_path):
             # (still tiny next to the lr) difference, so the bound is relative to the tensor's scale
             bound = 1e-4 * theirs[name].abs().max().item()
             assert (mine[name] - theirs[name]).abs().max() <= bound, f"{task.name}: {name}"
-    assert multi.tasks["sub"].scheduler.get_last_lr() != multi.tasks["add"].scheduler.get_last_lr()
+    assert multi.adapters["sub"].scheduler.get_last_lr() != multi.adapters["add"].scheduler.get_last_lr()
 
 
 def test_a_non_finite_task_is_skipped_alone(qwen3_path):
@@ -92,12 +92,12 @@ def test_a_non_finite_task_is_skipped_alone(qwen3_path):
         return loss * float("nan"), metrics
 
     batch = _mixed(trainer, seed=0, task_of_sequence=TASK_OF_SEQUENCE)
-    out = trainer.train_step_tasks(batch, {"add": nan_loss, "sub": cases.loss_fn}, with_entropy=True)
+    out = trainer.train_step(batch, {"add": nan_loss, "sub": cases.loss_fn}, with_entropy=True)
     assert out["add"]["skipped"] == 1.0 and out["sub"]["skipped"] == 0.0
-    assert trainer.tasks["add"].optimizer_steps == 0 and trainer.tasks["sub"].optimizer_steps == 1
+    assert trainer.adapters["add"].steps == 0 and trainer.adapters["sub"].steps == 1
     add_now = task_parameters(trainer.model, "add")
     assert all(torch.equal(add_now[n], p) for n, p in before["add"].items())
-    assert not trainer.tasks["add"].optimizer.state  # AdamW never stepped
+    assert not trainer.adapters["add"].optimizer.state  # AdamW never stepped
     sub_now = task_parameters(trainer.model, "sub")
     assert any(not torch.equal(sub_now[n], p) for n, p in before["sub"].items())
     assert all(torch.isfinite(p).all() for p in sub_now.values())
@@ -110,7 +110,7 @@ def test_task_checkpoints_survive_adding_and_removing_tasks(qwen3_path, tmp_path
     managers = {t: CheckpointManager(tmp_path / t / "checkpoints") for t in ("add", "sub")}
     for step in range(2):
         batch = _mixed(trainer, seed=step, task_of_sequence=TASK_OF_SEQUENCE)
-        trainer.train_step_tasks(batch, {"add": cases.loss_fn, "sub": cases.loss_fn}, with_entropy=True)
+        trainer.train_step(batch, {"add": cases.loss_fn, "sub": cases.loss_fn}, with_entropy=True)
     for task, manager in managers.items():
         trainer.save_checkpoint(manager, 2, data_state={"task": task}, task=task)
 
@@ -118,17 +118,17 @@ def test_task_checkpoints_survive_adding_and_removing_tasks(qwen3_path, tmp_path
     fresh_mul = {n: p.clone() for n, p in task_parameters(resumed.model, "mul").items()}
     state = resumed.load_checkpoint(managers["sub"], task="sub")
     assert state["step"] == 2 and state["data"] == {"task": "sub"}
-    assert resumed.tasks["sub"].optimizer_steps == 2
-    assert resumed.tasks["sub"].scheduler.get_last_lr() == trainer.tasks["sub"].scheduler.get_last_lr()
+    assert resumed.adapters["sub"].steps == 2
+    assert resumed.adapters["sub"].scheduler.get_last_lr() == trainer.adapters["sub"].scheduler.get_last_lr()
     saved, loaded = task_parameters(trainer.model, "sub"), task_parameters(resumed.model, "sub")
     assert all(torch.equal(saved[n], loaded[n]) for n in saved)
     now_mul = task_parameters(resumed.model, "mul")
     assert all(torch.equal(now_mul[n], p) for n, p in fresh_mul.items())
     # the next step of the kept task goes on exactly as in the uninterrupted run
     batch = _mixed(trainer, seed=5, task_of_sequence=[1] * len(cases.SEQ_LENS))
-    expected = trainer.train_step_tasks(batch, {"sub": cases.loss_fn}, with_entropy=True)["sub"]["loss"]
+    expected = trainer.train_step(batch, {"sub": cases.loss_fn}, with_entropy=True)["sub"]["loss"]
     batch.extras[TASK_EXTRA] = torch.ones_like(batch.extras[TASK_EXTRA])  # "sub" is index 1 in both runs
-    got = resumed.train_step_tasks(batch, {"sub": cases.loss_fn}, with_entropy=True)["sub"]["loss"]
+    got = resumed.train_step(batch, {"sub": cases.loss_fn}, with_entropy=True)["sub"]["loss"]
     assert got == expected
     # a checkpoint of another LoRA config is refused, naming the task's setting that differs
     with pytest.raises(CheckpointError, match="rank"):
@@ -171,7 +171,7 @@ def test_multi_task_batch_without_task_ids_is_refused(qwen3_path):
     batch = PackedBatch.from_sequences([[1, 2, 3]])
     with pytest.raises(ValueError, match="extras\\['task'\\]"):
         trainer.logprobs(batch)
-    with pytest.raises(ValueError, match="train_step_tasks"):
+    with pytest.raises(ValueError, match="one loss function per task"):
         trainer.train_step(batch, cases.loss_fn)
 
 

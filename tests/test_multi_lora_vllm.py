@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[v
 
 from archon.lora import LoRAConfig, task_parameters, task_view  # noqa: E402
 from archon.rl.config import RolloutConfig  # noqa: E402
-from archon.rl.multi_task import task_servers  # noqa: E402
+from archon.rl.rollouts import task_servers  # noqa: E402
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.native import NativeRolloutEngine  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
@@ -108,7 +108,7 @@ def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
     import json
 
     from archon.rl.config import parse_config
-    from archon.rl.multi_task import MultiTaskRun
+    from archon.rl.loop import RLRun
     from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
     tasks = ""
@@ -126,7 +126,7 @@ def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
         f"eval: {{every: 0}}\nlogging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\n"
         f"tasks:\n{tasks}"
     )
-    MultiTaskRun(parse_config(["--config", str(config_path)])).run()
+    RLRun(parse_config(["--config", str(config_path)])).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     versions = [(r["add/adapter_version"], r["sub/adapter_version"]) for r in records]
     assert versions == [(1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]

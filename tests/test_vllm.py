@@ -168,7 +168,7 @@ def test_server_that_dies_at_start_reports_vllms_reason_then_its_log(setup, tmp_
 
 
 def test_disk_adapter_matches_native_engine_and_trainer_logprobs(setup):
-    from archon.rl.loop import rollout_batch
+    from archon.rl.rollouts import rollout_batch
 
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts, sampling = _greedy(tokenizer)
@@ -245,7 +245,7 @@ def test_collective_sync_applies_versions_in_order_and_drops_the_old(setup):
 
 def _logprob_gap(trainer, samples) -> float:
     """Mean |trainer's log-prob - vLLM's| over the samples' completion tokens (the trainer's adapter as it is now)."""
-    from archon.rl.loop import rollout_batch
+    from archon.rl.rollouts import rollout_batch
 
     batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=samples[0].version)
     trainer_lp = trainer.logprobs(batch, 1.0).logprobs

@@ -220,7 +220,7 @@ class GRPOConfig:
     non-empty run directory is refused."""
     tasks: tuple[TaskConfig, ...] = ()
     """Multi-LoRA: several tasks trained at once on the one frozen base, each with its own adapter
-    (archon.rl.multi_task). Each task's data, reward, algorithm, lora and optim replace the top-level
+    (archon.rl.task). Each task's data, reward, algorithm, lora and optim replace the top-level
     ones, which must then be left unset (data.path). Empty: the single-adapter recipe. A task may
     be added to or removed from the list when a run is resumed; the others resume as they were."""
 

@@ -1,48 +1,59 @@
-"""The GRPO-family RL loop. Each RL step runs named phases: collect (the step's rollouts) ->
-score (rewards) -> prepare (advantages, filters, the packed batch, the log-probs the loss needs) ->
-train (PPO epochs x minibatches) -> publish (the weight sync serves the new adapter version) ->
-log; then evaluation and checkpoints. With rollout.max_staleness >= 1 a producer thread makes the
-rollouts of later steps while the current one trains (archon.rl.producer).
+"""The RL loop. A run trains one or several tasks (archon.rl.task), each an adapter on the one
+frozen base with its own data, reward and algorithm; a run without `tasks` is one unnamed task.
+Each RL step runs named phases over every active task: collect (the step's rollouts) -> score
+(rewards) -> prepare (advantages, filters, one packed batch of every task's samples, the log-probs
+the losses need) -> train (PPO epochs x minibatches, each stepping every task's optimizer) ->
+publish (each weight sync serves its task's new adapter version) -> log; then evaluation and
+checkpoints. With max_staleness >= 1 a task's producer thread makes the rollouts of its later steps
+while the current one trains (archon.rl.producer).
 
-Every rank runs this; data-parallel ranks take their own share of each step's prompts, and the
-metrics are reduced over them before rank 0 logs. With vLLM rollouts, the first rank of each
-tensor-parallel group generates and sends the rollouts to its peers.
+Every rank runs this; data-parallel ranks take their own share of each step's prompts of every
+task, and the metrics are reduced over them before rank 0 logs. With vLLM rollouts, the first rank
+of each tensor-parallel group generates and sends the rollouts to its peers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from archon.batch import PackedBatch
+from archon.checkpoint.atomic import atomic_write_json
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
-from archon.checkpoint.resume import CheckpointManager
-from archon.rl.algorithms import get_algorithm
-from archon.rl.config import GRPOConfig, validate
-from archon.rl.data import (
-    DataConfig,
-    PromptBatchIterator,
-    load_prompt_dataset,
-    tokenize_prompt,
-)
+from archon.lora import lora_parameters, task_view
+from archon.rl.config import GRPOConfig, TaskConfig, validate
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
-from archon.rl.run_dir import ADAPTER_EXPORT, PreparedRunDir, prepare_run_dir
-from archon.rl.versions import AdapterHistory, stale_groups
+from archon.rl.rollouts import (
+    concat_batches,
+    filler_batch,
+    load_teacher,
+    prompt_ids,
+    replace_stale_groups,
+    rollout_batch,
+    stop_token_ids,
+    task_servers,
+    teacher_logprobs,
+)
+from archon.rl.run_dir import ADAPTER_EXPORT, TASKS_DIR, PreparedRunDir, prepare_run_dir
+from archon.rl.task import STOPPED_FILE, Task, read_stopped_record
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+from archon.rollout.vllm import VLLMRolloutEngine
+from archon.sync.vllm import WorkerChannel
 from archon.sync.weight_sync import build_weight_sync
-from archon.trainer import NonFiniteError, Trainer, TrainerConfig
+from archon.trainer import TASK_EXTRA, NonFiniteError, Trainer, TrainerConfig, TrainerTask
 
 logger = logging.getLogger("archon.rl")
 UPDATE_BOOKKEEPING = {
@@ -93,115 +104,16 @@ class Scores:
 
 @dataclass
 class Prepared:
-    """What the prepare phase decided beside the batch: the shaped rewards, which samples the batch
-    filters kept, the trainer-rollout log-prob gaps (archon.rl.loop.RLRun._logprob_gaps) and the
-    seconds spent scoring with the trainer."""
+    """What the prepare phase decided for a task beside the batch: the shaped rewards, which samples
+    the batch filters kept, whether the task trains this step, and the trainer-rollout log-prob gaps
+    (RLRun._logprob_gaps) and version lags [its loss tokens] of its trained tokens."""
 
     rewards: torch.Tensor
     keep: torch.Tensor
-    gaps: dict[str, torch.Tensor]
-    score_s: float
-
-
-def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_version: int) -> PackedBatch:
-    """The samples packed for training, with every completion token's behaviour (rollout) log-prob
-    and its version lag (`extras["version_lag"]`: trainer_version minus the version that sampled it)."""
-    batch = PackedBatch.from_sequences(
-        [s.prompt_ids + s.completion_ids for s in samples],
-        prompt_lens=[len(s.prompt_ids) for s in samples],
-        advantages=advantages.tolist(),
-    )
-    rollout_lp = torch.zeros(batch.num_tokens)
-    version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
-    for i, s in enumerate(samples):
-        start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
-        span = slice(start, start + len(s.completion_ids))
-        rollout_lp[span] = torch.tensor(s.logprobs)
-        version_lag[span] = trainer_version - torch.tensor(s.token_versions, dtype=torch.long)
-    batch.rollout_logprobs = rollout_lp
-    batch.extras["version_lag"] = version_lag
-    return batch
-
-
-def stop_token_ids(tokenizer, hf_config) -> tuple[int, ...]:
-    """The token ids that end a completion: the tokenizer's EOS and the model config's (one id or a
-    list of them)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    return tuple(sorted(ids))
-
-
-def prompt_ids(tokenizer, examples, apply_chat_template: bool) -> list[list[int]]:
-    """Each example's prompt token ids (pre-tokenized, or tokenized now)."""
-    return [
-        ex.prompt_ids if ex.prompt_ids is not None else tokenize_prompt(tokenizer, ex.prompt, apply_chat_template)
-        for ex in examples
-    ]
-
-
-def replace_stale_groups(rollouts: Rollouts, group_size: int, version: int, max_staleness: int, generate) -> None:
-    """Drop every group of `rollouts` with a sample (or token) made by an adapter version older than
-    version - max_staleness and put in its place `generate(examples)`'s fresh samples of the same
-    prompts (counted in rollouts.stale_dropped)."""
-    G = group_size
-    oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
-    stale = stale_groups(oldest, G, version, max_staleness)
-    if not stale:
-        return
-    regenerated = generate([rollouts.examples[g] for g in stale])
-    for slot, group in enumerate(stale):
-        for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
-            sample.prompt_index = group
-            rollouts.samples[group * G + i] = sample
-    rollouts.stale_dropped = len(stale) * G
-
-
-def load_teacher(path: str, option: str, policy, policy_tokenizer, device) -> torch.nn.Module:
-    """The frozen teacher model at `path` (`option` names the setting). Distillation compares the
-    teacher's and the policy's (`policy`, a LoadedModel) log-probs of the same token ids, so the
-    teacher must have the policy's vocabulary size and, when its directory holds a tokenizer, give
-    every token the two tokenizers share the same id; both are checked before the weights are read."""
-    from archon.build import build_model, load_hf_config
-    from archon.checkpoint.hf import TOKENIZER_VOCAB_FILES
-    from archon.spec import get_spec
-
-    hf_config = load_hf_config(path, option)
-    vocab_size = get_spec(hf_config.model_type).args_cls.from_hf_config(hf_config).vocab_size
-    if vocab_size != policy.args.vocab_size:
-        raise ValueError(
-            f"{option}={path!r}: the teacher's vocabulary has {vocab_size} tokens (vocab_size in "
-            f"{Path(path) / 'config.json'}) and the policy's {policy.args.vocab_size} (in "
-            f"{policy.path / 'config.json'}); distillation compares log-probs of the same token ids, so they must "
-            "share a vocabulary"
-        )
-    if any((Path(path) / name).exists() for name in TOKENIZER_VOCAB_FILES):
-        teacher_ids = load_tokenizer(path, option).get_vocab()
-        policy_ids = policy_tokenizer.get_vocab()
-        differing = sorted(t for t in teacher_ids.keys() & policy_ids.keys() if teacher_ids[t] != policy_ids[t])
-        if differing:
-            token = differing[0]
-            raise ValueError(
-                f"{option}={path!r}: the teacher's tokenizer gives {len(differing)} of the tokens it shares with "
-                f"the policy's another id (e.g. {token!r}: {teacher_ids[token]} for the teacher, "
-                f"{policy_ids[token]} for the policy); distillation compares log-probs of the same token ids, "
-                "so they must share a tokenizer"
-            )
-    teacher = build_model(path, device=device, path_option=option)
-    return teacher.model.eval().requires_grad_(False)
-
-
-def teacher_logprobs(teacher: torch.nn.Module, batch: PackedBatch, device, temperature: float) -> torch.Tensor:
-    """The teacher's log-probs of the batch's labels, [T] on the host, zero outside the loss mask."""
-    from archon.head import label_logprobs
-
-    with torch.no_grad():
-        b = batch.to(device)
-        hidden = teacher(b.tokens, b.positions, b.cu_seqlens, b.max_seqlen, return_hidden=True)
-        lp, _ = label_logprobs(hidden, teacher.output_weight, b.labels, temperature)
-    return lp.float().cpu() * batch.loss_mask
+    trains: bool = True
+    gaps: dict[str, torch.Tensor] = field(default_factory=dict)
+    lag: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    tokens: float = 0.0
 
 
 def update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
@@ -229,6 +141,18 @@ def prune_adapter_exports(adapters_dir: Path, keep: int) -> None:
         shutil.rmtree(stale)
 
 
+def run_task_configs(config: GRPOConfig) -> tuple[TaskConfig, ...]:
+    """The run's tasks: `tasks`, or the one unnamed task of the top-level fields."""
+    if config.tasks:
+        return config.tasks
+    return (
+        TaskConfig(
+            name="", data=config.data, eval_path=config.eval.path, reward=config.reward, algorithm=config.algorithm,
+            lora=config.lora, optim=config.optim, max_staleness=config.rollout.max_staleness,
+        ),
+    )  # fmt: skip
+
+
 class RLRun:
     def __init__(self, config: GRPOConfig, run_dir: PreparedRunDir | None = None) -> None:
         """`run_dir`: what `prepare_run_dir` returned, when the caller has checked (and holds) the
@@ -240,141 +164,121 @@ class RLRun:
         check_model_dir(config.model.path, "model.path")
         self.owns_run_dir = run_dir is None
         if run_dir is None:
-            run_dir = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora)
+            run_dir = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora,
+                                      tasks=[task.name for task in config.tasks])  # fmt: skip
         self.prepared_run_dir = run_dir
         self.resume_from = run_dir.resume_from
+        self.tasks: list[Task] = []
+        self.producers_started = False
+        self.metrics = self.native = self.servers = self.channel = None
         try:
             self._build()
         except BaseException:
-            self._release_run_dir()
+            self.close()
             raise
 
     def _build(self) -> None:
-        """The trainer, data, teacher, reward workers, rollout engine and weight sync of the run."""
+        """The trainer, the tasks (data, teacher, reward workers), the rollout engine and the syncs."""
         config = self.config
-        # Schedules count RL steps and last the run unless set.
-        optim = config.optim.for_run(config.steps)
-        self.algorithm = get_algorithm(config.algorithm, config.rollout.max_new_tokens, config.rollout.max_staleness)
+        task_configs = run_task_configs(config)
         self.trainer = Trainer(
             TrainerConfig(
-                model_path=config.model.path,
-                lora=config.lora,
-                parallel=config.parallel,
-                optim=optim,
-                dtype=config.model.dtype,
-                device=config.model.device,
-                micro_batch_tokens=config.micro_batch_tokens,
-                seed=config.seed,
-                moe=config.model.moe,
+                model_path=config.model.path, lora=None if config.tasks else config.lora, parallel=config.parallel,
+                optim=config.optim.for_run(config.steps),  # schedules count RL steps and last the run unless set
+                dtype=config.model.dtype, device=config.model.device, micro_batch_tokens=config.micro_batch_tokens,
+                seed=config.seed, moe=config.model.moe,
+                tasks=tuple(TrainerTask(t.name, t.lora, t.optim.for_run(config.steps)) for t in config.tasks),
             )
-        )
+        )  # fmt: skip
         self.rank = self.trainer.rank
         self.dp_rank, self.dp = self.trainer.dims.dp_rank, self.trainer.dims.dp
         self.device = self.trainer.device
         self.run_dir = Path(config.logging.run_dir)
         self.eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
-
-        if config.model.tokenizer:
-            self.tokenizer = load_tokenizer(config.model.tokenizer, "model.tokenizer")
-        else:
-            self.tokenizer = load_tokenizer(config.model.path, "model.path")
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.path,
+                                        "model.tokenizer" if config.model.tokenizer else "model.path")  # fmt: skip
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.trainer.loaded.hf_config)
-        context = self.trainer.loaded.hf_config.max_position_embeddings
-        self.train_set = load_prompt_dataset(config.data, self.tokenizer, context, config.rollout.max_new_tokens)
-        self._report_dataset("train", self.train_set)
-        self.iterator = PromptBatchIterator(
-            self.train_set.examples, batch_size=config.rollout.prompts_per_step, seed=config.data.seed,
-            shuffle=config.data.shuffle, drop_last=config.data.drop_last,
-        )  # fmt: skip
-        self.eval_set = None
-        if config.eval.path and config.eval.every:
-            eval_data = DataConfig(**{**asdict(config.data), "path": config.eval.path})
-            self.eval_set = load_prompt_dataset(eval_data, self.tokenizer, context, self.eval_new_tokens)
-            self._report_dataset("held-out", self.eval_set)
-        self.teacher = None
-        if self.algorithm.needs_teacher:
-            self.teacher = load_teacher(config.algorithm.teacher_path, "algorithm.teacher_path",
-                                        self.trainer.loaded, self.tokenizer, self.device)  # fmt: skip
+        self.teachers: dict[str, torch.nn.Module] = {}
+        """The frozen teachers by path: tasks that name the same teacher share one copy."""
+        for index, task_config in enumerate(task_configs):
+            prefix = f"{task_config.name}/" if len(task_configs) > 1 else ""
+            self.tasks.append(Task(self, index, task_config, prefix))
         # processes and servers last, so that a failure above leaves none running
-        self.scorer = RewardScorer(config.reward)
+        for task in self.tasks:
+            task.scorer = RewardScorer(task.config.reward)
         if config.rollout.engine == "vllm":
-            self.rollout = self._vllm_rollout()
-        else:
-            self.rollout = NativeRolloutEngine(
-                self.trainer.model, self.device, max_batch_sequences=config.rollout.max_batch_sequences
-            )
-        self.sync = build_weight_sync(config.rollout, self.rollout, lora=config.lora, sync_dir=self.run_dir / "vllm_adapters")
+            self.servers = self._vllm_servers()
+            vllm = config.rollout.vllm
+            if config.tasks and vllm.transport == "collective":
+                self.channel = WorkerChannel(self.servers.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
+        else:  # on the training model; a multi-task model generates every task's prompts in one batch
+            self.native = NativeRolloutEngine(self.trainer.model, self.device,
+                                              max_batch_sequences=config.rollout.max_batch_sequences)  # fmt: skip
+        for task in self.tasks:
+            if self.native is not None:
+                task.rollout = self.native
+            else:  # a named task's requests name its own adapter versions
+                task.rollout = task_servers(self.servers) if task.name else self.servers
+            task.sync = build_weight_sync(
+                config.rollout, task.rollout, lora=task.config.lora, sync_dir=self.run_dir / "vllm_adapters",
+                task=task.adapter, channel=self.channel,
+            )  # fmt: skip
         # vLLM serves every rank alike, so the first rank of each tensor-parallel group generates and
         # sends the rollouts to its peers (the built-in engine generates on every rank, in lockstep)
         self.share_rollouts_over_tp = config.rollout.engine == "vllm" and self.trainer.dims.tp > 1
         self.generates_rollouts = not self.share_rollouts_over_tp or self.trainer.dims.tp_rank == 0
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
-        self._skipped_streak: list[int] = []
-        """RL steps in a row (the latest last) with an update skipped for a non-finite loss or gradient."""
-        self._skipped_steps = 0
-        """RL steps of the run so far with a skipped update (the `skipped_steps` metric)."""
-        self._reward_failure_streak: list[int] = []
-        """RL steps in a row on which the reward function failed on every sample."""
-        self._step_extremes: dict[str, float] = {}
-        self._reward_traceback: str | None = None
-        self.version = 0
-        """The adapter version the trainer holds: the number of RL steps trained."""
-        self.producer: RolloutProducer | None = None
-        """Generates later steps' rollouts in the background (rollout.max_staleness >= 1)."""
-        self.adapter_history: AdapterHistory | None = None
-        """The adapters of the last versions, kept on every rank when samples may lag and the version
-        gap is measured (rollout.max_staleness >= 1 and rollout.measure_version_gap)."""
-        if config.rollout.max_staleness > 0 and config.rollout.measure_version_gap:
-            self.adapter_history = AdapterHistory(keep=config.rollout.max_staleness + 1)
-        self._trained_iterator_state: dict | None = None
-        """The data iterator as of the last trained step's prompts (the producer draws ahead)."""
 
-    def _vllm_rollout(self):
-        """Rank 0 launches (or connects to) the servers; the other ranks connect to the same URLs
-        for their share of the generation. Only rank 0 sends adapters (see build_weight_sync)."""
-        import dataclasses
-
-        from archon.rollout.vllm import VLLMRolloutEngine
-
+    def _vllm_servers(self):
+        """Rank 0 launches (or connects to) the servers, which serve every task's adapters side by
+        side; the other ranks connect to the same URLs for their share of the generation. Only rank 0
+        sends adapters (see build_weight_sync)."""
         vllm_config = self.config.rollout.vllm
-        kwargs = dict(
-            model_path=self.config.model.path, lora_rank=self.config.lora.max_rank if self.config.lora else None,
-            log_dir=self.run_dir,
-        )  # fmt: skip
-        rollout, failure = None, None
+        ranks = [task.config.lora.max_rank for task in self.tasks if task.config.lora is not None]
+        kwargs = dict(model_path=self.config.model.path, lora_rank=max(ranks) if ranks else None, log_dir=self.run_dir)
+        servers, failure = None, None
         if self.rank == 0:
             # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len):
-            # the longer of (longest training prompt + rollout tokens) and (longest held-out prompt + eval tokens)
-            requests = [(self._longest_prompt(self.train_set.examples), self.config.rollout.max_new_tokens)]
-            if self.eval_set is not None:
-                eval_prompts = self.eval_set.examples[: self.config.eval.max_prompts]
-                requests.append((self._longest_prompt(eval_prompts), self.eval_new_tokens))
+            # the longest of (longest training prompt + rollout tokens) and (longest held-out prompt + eval
+            # tokens) over the tasks
+            requests = []
+            for task in self.tasks:
+                requests.append((self._longest_prompt(task, task.train_set.examples), self.config.rollout.max_new_tokens))
+                if task.eval_set is not None:
+                    held_out = task.eval_set.examples[: self.config.eval.max_prompts]
+                    requests.append((self._longest_prompt(task, held_out), self.eval_new_tokens))
             longest_prompt, max_new_tokens = max(requests, key=sum)
             try:
-                rollout = VLLMRolloutEngine(
+                servers = VLLMRolloutEngine(
                     vllm_config, rank=0, longest_prompt_tokens=longest_prompt, max_new_tokens=max_new_tokens, **kwargs
                 )
             except Exception as e:  # the other ranks wait for the URLs: they must fail too
                 failure = e
         if dist.is_initialized() and dist.get_world_size() > 1:
             # rank 0's server URLs, or its error (so that every rank raises it instead of waiting)
-            shared = [failure if rollout is None else [s.url for s in rollout.servers]]
+            shared = [failure if servers is None else [s.url for s in servers.servers]]
             dist.broadcast_object_list(shared, src=0)
             failure = shared[0] if isinstance(shared[0], BaseException) else None
-            if failure is None and rollout is None:
-                rollout = VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(shared[0])), rank=self.rank, **kwargs)
+            if failure is None and servers is None:
+                servers = VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(shared[0])), rank=self.rank, **kwargs)
         if failure is not None:
             raise failure
-        return rollout
+        return servers
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _longest_prompt(self, examples) -> int:
-        return max((len(ids) for ids in self._prompt_ids(examples)), default=0)
+    def teacher(self, path: str, option: str) -> torch.nn.Module:
+        """The frozen teacher model at `path` (`option` names the setting, for errors), built once."""
+        key = str(Path(path).resolve())
+        if key not in self.teachers:
+            self.teachers[key] = load_teacher(path, option, self.trainer.loaded, self.tokenizer, self.device)
+        return self.teachers[key]
 
-    def _report_dataset(self, name: str, dataset) -> None:
+    def report_dataset(self, name: str, dataset) -> None:
         if (dataset.malformed or dataset.too_long) and self.rank == 0:
             logger.warning("%s data: %s", name, dataset.report())
+
+    def _longest_prompt(self, task: Task, examples) -> int:
+        return max((len(ids) for ids in self._prompt_ids(task, examples)), default=0)
 
     def _sum(self, *values: float) -> list[float]:
         """Sum over the data-parallel ranks."""
@@ -389,52 +293,85 @@ class RLRun:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
         return t.item()
 
-    def _prompt_ids(self, examples) -> list[list[int]]:
-        return prompt_ids(self.tokenizer, examples, self.config.data.apply_chat_template)
+    def _prompt_ids(self, task: Task, examples) -> list[list[int]]:
+        return prompt_ids(self.tokenizer, examples, task.config.data.apply_chat_template)
 
-    def _completions(self, samples: list[Sample]) -> list[str]:
-        return self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+    def active(self) -> list[Task]:
+        return [task for task in self.tasks if task.stopped is None]
+
+    def _view(self, task: Task):
+        """The model as `task`'s single-adapter model (the model itself for a run without tasks)."""
+        return task_view(self.trainer.model, task.name) if self.trainer.multi_task else contextlib.nullcontext()
+
+    def _generate(self, task: Task, examples, sampling: SamplingParams) -> list[Sample]:
+        """`task`'s samples of `examples`, with its adapter."""
+        prompts = self._prompt_ids(task, examples)
+        if self.native is not None and self.trainer.multi_task:
+            return self.native.generate(prompts, sampling, adapters=[task.index] * len(prompts),
+                                        adapter_seeds={task.index: sampling.seed})  # fmt: skip
+        return task.rollout.generate(prompts, sampling)
+
+    def _sampling(self, task: Task, task_step: int) -> SamplingParams:
+        """Training sampling for `task`'s step `task_step` on this rank (the seed follows the task's
+        name and the data-parallel rank)."""
+        cfg = self.config
+        return SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k, n=cfg.rollout.group_size, stop_token_ids=self.stop_token_ids,
+            seed=cfg.seed * 1_000_003 + task_step * 1009 + task.seed_offset + self.dp_rank,
+        )  # fmt: skip
 
     # ---- one step: collect -> score -> prepare -> train -> publish -> log -----------------------
     def step(self, step: int) -> dict[str, float]:
-        """RL step `step` (0-based): trains on rollouts of adapter versions >= step - max_staleness and
-        publishes adapter version step + 1."""
+        """RL step `step` (0-based) of every active task: each trains on rollouts of its adapter
+        versions >= its version - max_staleness and publishes its next version."""
         start = time.perf_counter()
-        rollouts = self.collect(step)
-        self._trained_iterator_state = rollouts.iterator_state
-        scores = self.score(rollouts.examples, rollouts.samples)
-        self._reward_traceback = self.scorer.last_traceback
-        batch, prepared = self.prepare(step, rollouts, scores)
+        tasks = self.active()
+        collected = self.collect(step)
+        scores: dict[str, Scores] = {}
+        score_start = time.perf_counter()
+        for task in tasks:
+            task.trained_iterator_state = collected[task.name].iterator_state
+            scores[task.name] = self.score(task, collected[task.name].examples, collected[task.name].samples)
+            task.reward_traceback = task.scorer.last_traceback
+        batch, prepared = self.prepare(tasks, collected, scores)
+        score_s = time.perf_counter() - score_start
         train_start = time.perf_counter()
-        updates = self.train(batch)
+        updates = self.train(batch, [task for task in tasks if prepared[task.name].trains])
         train_s = time.perf_counter() - train_start
-        sync = self.publish(step + 1)
-        timings = {"rollout_s": rollouts.wait_s, "score_s": prepared.score_s, "train_s": train_s,
-                   "sync_s": sync["sync_s"], "step_s": time.perf_counter() - start}  # fmt: skip
-        return self.log_metrics(rollouts, scores, batch, prepared, updates, sync, timings)
+        sync = {task.name: self.publish(task, task.version + 1) for task in tasks}
+        timings = {
+            "rollout_s": sum(rollouts.wait_s for rollouts in collected.values()), "score_s": score_s, "train_s": train_s,
+            "sync_s": sum(s["sync_s"] for s in sync.values()), "step_s": time.perf_counter() - start,
+        }  # fmt: skip
+        metrics: dict[str, float] = {}
+        tokens = 0.0
+        for task in tasks:
+            task_metrics = self.task_metrics(task, collected[task.name], scores[task.name], prepared[task.name],
+                                             updates.get(task.name, []), sync[task.name], timings["step_s"])  # fmt: skip
+            tokens += task_metrics.pop("tokens")
+            metrics.update({task.prefix + key: value for key, value in task_metrics.items()})
+        metrics.update(timings)
+        metrics["tokens_per_s"] = tokens / timings["step_s"]  # the step's training batch, all ranks
+        if len(self.tasks) > 1:
+            metrics["active_tasks"] = float(len(tasks))
+        return metrics
 
-    def _sampling(self, step: int) -> SamplingParams:
-        cfg = self.config.rollout
-        return SamplingParams(
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            n=cfg.group_size, stop_token_ids=self.stop_token_ids,
-            seed=self.config.seed * 1_000_003 + step * 1009 + self.dp_rank,
-        )  # fmt: skip
-
-    def generate_rollouts(self, step: int) -> Rollouts:
-        """The next prompt batch (this rank's share) and its samples, from the adapter version in
-        service now. Runs on the producer thread in the asynchronous mode."""
+    def generate_rollouts(self, task: Task, task_step: int) -> Rollouts:
+        """The task's next prompt batch (this rank's share) and its samples, from its adapter version
+        in service now (`task_step`: the task's own step count, which its versions follow). Runs on
+        the task's producer thread in the asynchronous mode."""
         start = time.perf_counter()
-        examples = next(self.iterator)[self.dp_rank :: self.dp]
-        iterator_state = self.iterator.state_dict()
-        samples = self.rollout.generate(self._prompt_ids(examples), self._sampling(step))
-        return Rollouts(step, examples, samples, iterator_state, generate_s=time.perf_counter() - start)
+        examples = next(task.iterator)[self.dp_rank :: self.dp]
+        iterator_state = task.iterator.state_dict()
+        samples = self._generate(task, examples, self._sampling(task, task_step))
+        return Rollouts(task_step, examples, samples, iterator_state, generate_s=time.perf_counter() - start)
 
-    def collect(self, step: int) -> Rollouts:
-        """Collect: the rollouts this step trains on. Synchronously they are made now; with
-        rollout.max_staleness N >= 1 the producer made them ahead, and any group sampled with a
-        version older than step - N is dropped and sampled again. A failure on any rank stops every
-        rank here, before the step's collectives."""
+    def collect(self, step: int) -> dict[str, Rollouts]:
+        """Collect: every active task's rollouts for this step. Synchronously they are made now; with
+        max_staleness N >= 1 the task's producer made them ahead, and any group sampled with a version
+        older than the task's version - N is dropped and sampled again. A failure on any rank stops
+        every rank here, before the step's collectives."""
         rollouts, failure = None, None
         if self.generates_rollouts:
             try:
@@ -448,17 +385,51 @@ class RLRun:
             rollouts = shared[0]
         return rollouts
 
-    def _own_rollouts(self, step: int) -> Rollouts:
-        if self.producer is None:
-            rollouts = self.generate_rollouts(step)
-            rollouts.wait_s = rollouts.generate_s
-            return rollouts
-        rollouts = self.producer.take(step)
-        replace_stale_groups(
-            rollouts, self.config.rollout.group_size, step, self.config.rollout.max_staleness,
-            lambda examples: self.rollout.generate(self._prompt_ids(examples), self._sampling(step)),
-        )  # fmt: skip
-        return rollouts
+    def _own_rollouts(self, step: int) -> dict[str, Rollouts]:
+        if self.native is not None and self.trainer.multi_task:
+            return self._mixed_rollouts()
+        collected = {}
+        for task in self.active():
+            if task.producer is None:
+                rollouts = self.generate_rollouts(task, task.version)
+                rollouts.wait_s = rollouts.generate_s
+            else:
+                rollouts = task.producer.take(task.version)
+                replace_stale_groups(
+                    rollouts, self.config.rollout.group_size, task.version, task.config.max_staleness,
+                    lambda examples, task=task: self._generate(task, examples, self._sampling(task, task.version)),
+                )  # fmt: skip
+            collected[task.name] = rollouts
+        return collected
+
+    def _mixed_rollouts(self) -> dict[str, Rollouts]:
+        """Every active task's rollouts from the built-in engine in one mixed batch, each sequence
+        with its task's adapter. Each task samples from its own generators, seeded from its name:
+        its samples depend on its prompts and its step, not on the other tasks or its place among them."""
+        start = time.perf_counter()
+        tasks = self.active()
+        drawn = {task.name: next(task.iterator)[self.dp_rank :: self.dp] for task in tasks}
+        prompts, adapters = [], []
+        for task in tasks:
+            ids = self._prompt_ids(task, drawn[task.name])
+            prompts += ids
+            adapters += [task.index] * len(ids)
+        seeds = {task.index: self._sampling(task, task.version).seed for task in tasks}
+        sampling = self._sampling(tasks[0], tasks[0].version)
+        samples = self.native.generate(prompts, sampling, adapters=adapters, adapter_seeds=seeds) if prompts else []
+        generate_s = time.perf_counter() - start
+        collected, first = {}, 0
+        for task in tasks:
+            count = len(drawn[task.name])
+            mine = [s for s in samples if first <= s.prompt_index < first + count]
+            for sample in mine:
+                sample.prompt_index -= first
+                # the engine's policy is not the task's: in-process, the task's version is in service
+                sample.version, sample.token_versions = task.version, [task.version] * len(sample.completion_ids)
+            collected[task.name] = Rollouts(task.version, drawn[task.name], mine, task.iterator.state_dict(),
+                                            generate_s=generate_s, wait_s=generate_s)  # fmt: skip
+            first += count
+        return collected
 
     def _stop_if_any_rank_failed(self, step: int, failure: Exception | None) -> None:
         failed = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
@@ -469,148 +440,198 @@ class RLRun:
         if failed.item() > 0:
             raise RuntimeError(f"RL step {step + 1}: generating the rollouts failed on another rank (its log has the cause)")
 
-    def score(self, examples, samples: list[Sample]) -> Scores:
-        """Score: rewards of the samples (reward workers), whether each is correct, response lengths."""
-        completions = self._completions(samples)
-        rewards, reward_metrics = self.scorer.score(
+    def score(self, task: Task, examples, samples: list[Sample]) -> Scores:
+        """Score: the task's rewards of the samples (its reward workers), whether each is correct,
+        response lengths."""
+        completions = self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+        rewards, reward_metrics = task.scorer.score(
             [examples[s.prompt_index].prompt for s in samples], completions,
             [examples[s.prompt_index].reference for s in samples],
         )  # fmt: skip
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
         return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics)
 
-    def prepare(self, step: int, rollouts: Rollouts, scores: Scores) -> tuple[PackedBatch, Prepared]:
-        """Prepare: advantages and batch filters, the packed batch, and the log-probs the loss needs
-        (proximal policy, reference, teacher)."""
-        cfg, algo = self.config, self.config.algorithm
-        G = cfg.rollout.group_size
-        shaped = self.algorithm.prepare(
-            scores.rewards, scores.lengths, G,
-            batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64),
-        )  # fmt: skip
-        rewards, advantages, keep = shaped.rewards, shaped.advantages, shaped.keep
-        self._step_extremes = {
-            "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
-            "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
-        }
-        kept = [s for s, k in zip(rollouts.samples, keep.tolist()) if k]
-        batch = rollout_batch(kept, advantages[keep], trainer_version=step)
+    def prepare(
+        self, tasks: list[Task], collected: dict[str, Rollouts], scores: dict[str, Scores]
+    ) -> tuple[PackedBatch, dict[str, Prepared]]:
+        """Prepare: each task's advantages and batch filters, every task's kept samples packed in one
+        batch (`extras["task"]` in a multi-task run), and the log-probs the losses need: proximal
+        policy and reference in one forward each, a task's teacher on its own sequences. A task
+        whose reward function failed on every sample (on every rank) has nothing to learn from and
+        takes no update this step."""
+        G = self.config.rollout.group_size
+        parts: list[PackedBatch] = []
+        prepared: dict[str, Prepared] = {}
+        for task in tasks:
+            s = scores[task.name]
+            errors, samples = self._sum(s.reward_metrics["reward_errors"] + s.reward_metrics["reward_timeouts"],
+                                        float(len(s.rewards)))  # fmt: skip
+            shaped = task.algorithm.prepare(
+                s.rewards, s.lengths, G,
+                batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64),
+            )  # fmt: skip
+            rewards, advantages, keep = shaped.rewards, shaped.advantages, shaped.keep
+            task.extremes = {
+                "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
+                "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
+            }
+            trains = not (samples > 0 and errors >= samples)
+            kept = [sample for sample, k in zip(collected[task.name].samples, keep.tolist()) if k] if trains else []
+            if kept:
+                part = rollout_batch(kept, advantages[keep], trainer_version=task.version)
+                if self.trainer.multi_task:
+                    part.extras[TASK_EXTRA] = torch.full((part.num_tokens,), task.index, dtype=torch.long)
+                parts.append(part)
+            prepared[task.name] = Prepared(rewards, keep, trains=trains)
+        batch = concat_batches(parts) if parts else filler_batch(self.trainer.multi_task, 0)
+        trained = [task for task in tasks if prepared[task.name].trains]
+        if not trained:
+            return batch, prepared
+        temperature = self.config.rollout.temperature
+        recompute = [task for task in trained if task.config.algorithm.recompute_old_logprobs]
+        batch.old_logprobs = batch.rollout_logprobs.clone()
+        if recompute:
+            scored = self.trainer.logprobs(batch, temperature).logprobs
+            batch.old_logprobs = torch.where(self._tokens_of(batch, recompute), scored, batch.old_logprobs)
+        if any(task.algorithm.needs_reference for task in trained):
+            batch.ref_logprobs = self.trainer.logprobs(batch, temperature, use_adapter=False).logprobs
+        sequences = self.trainer.sequences_by_adapter(batch)
+        for task in trained:
+            mine = batch.loss_mask & self._tokens_of(batch, [task])
+            prepared[task.name].gaps = self._logprob_gaps(task, batch, mine)
+            prepared[task.name].lag = batch.extras["version_lag"][mine].double()
+            prepared[task.name].tokens = float(self._tokens_of(batch, [task]).sum()) if parts else 0.0
+            if task.teacher is None or (task.adapter or "") not in sequences:
+                continue
+            mine = self._tokens_of(batch, [task])
+            sub = batch.select(sequences[task.adapter or ""])
+            batch.advantages[mine] = task.algorithm.token_advantages(
+                sub.advantages, sub.old_logprobs, teacher_logprobs(task.teacher, sub, self.device, temperature),
+                sub.loss_mask,
+            )
+        return batch, prepared
 
-        score_start = time.perf_counter()
-        if algo.recompute_old_logprobs:
-            batch.old_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature).logprobs
-        else:
-            batch.old_logprobs = batch.rollout_logprobs.clone()
-        mask = batch.loss_mask
-        gaps = self._logprob_gaps(batch)
-        if self.algorithm.needs_reference:
-            batch.ref_logprobs = self.trainer.logprobs(batch, cfg.rollout.temperature, use_adapter=False).logprobs
-        if self.teacher is not None:
-            teacher = teacher_logprobs(self.teacher, batch, self.device, cfg.rollout.temperature)
-            batch.advantages = self.algorithm.token_advantages(batch.advantages, batch.old_logprobs, teacher, mask)
-        return batch, Prepared(rewards, keep, gaps, score_s=time.perf_counter() - score_start)
+    def _tokens_of(self, batch: PackedBatch, tasks: list[Task]) -> torch.Tensor:
+        """[T] bool: the batch's tokens of `tasks`."""
+        if not self.trainer.multi_task:
+            return torch.ones(batch.num_tokens, dtype=torch.bool) if tasks else torch.zeros(batch.num_tokens, dtype=torch.bool)
+        return torch.isin(batch.extras[TASK_EXTRA], torch.tensor([task.index for task in tasks]))
 
-    def _logprob_gaps(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
-        """|trainer - rollout| log-prob gap over the completion tokens, split in two when samples
-        lag the trainer: `numerics`, the gap to the trainer's log-probs under the very adapter
+    def _logprob_gaps(self, task: Task, batch: PackedBatch, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """|trainer - rollout| log-prob gap over the task's completion tokens, split in two when
+        samples lag the trainer: `numerics`, the gap to the trainer's log-probs under the very adapter
         version that sampled (kernels, precision, batching), and `lag`, the part due to the adapter
         having moved on since. Without lag (or without the version-gap measurement) all of it is
-        numerics."""
-        mask = batch.loss_mask
+        numerics. `mask`: [T] bool, the task's loss tokens."""
         total = (batch.old_logprobs - batch.rollout_logprobs).abs()
         gaps = {"total": total[mask], "numerics": total[mask], "lag": torch.zeros(int(mask.sum()))}
-        if self.adapter_history is None:  # synchronous, or the measurement is off
+        if task.adapter_history is None:  # synchronous, or the measurement is off
             return gaps
-        lags = self._lags_present(batch)
+        lags = self._lags_present(task, batch, mask)
         if not lags:
             return gaps
         at_sampling = batch.old_logprobs.clone()
+        with self._view(task):
+            params = lora_parameters(self.trainer.model)
         for lag in lags:
-            with self.adapter_history.swapped_in(self.trainer.model, self.version - lag):
+            with task.adapter_history.swapped_in(params, task.version - lag):
                 scored = self.trainer.logprobs(batch, self.config.rollout.temperature).logprobs
             at_sampling = torch.where(batch.extras["version_lag"] == lag, scored, at_sampling)
         gaps["numerics"] = (at_sampling - batch.rollout_logprobs).abs()[mask]
         gaps["lag"] = (batch.old_logprobs - at_sampling).abs()[mask]
         return gaps
 
-    def _lags_present(self, batch: PackedBatch) -> list[int]:
-        """The version lags > 0 present on any data-parallel rank (so that every rank runs the same
-        forwards), of versions the adapter history still holds."""
-        present = torch.zeros(self.config.rollout.max_staleness + 1, dtype=torch.float64, device=self.device)
-        lags = batch.extras["version_lag"][batch.loss_mask].unique()
+    def _lags_present(self, task: Task, batch: PackedBatch, mask: torch.Tensor) -> list[int]:
+        """The version lags > 0 of the task's tokens present on any data-parallel rank (so that every
+        rank runs the same forwards), of versions the adapter history still holds."""
+        present = torch.zeros(task.config.max_staleness + 1, dtype=torch.float64, device=self.device)
+        lags = batch.extras["version_lag"][mask].unique()
         present[lags[(lags > 0) & (lags < present.numel())].to(present.device)] = 1.0
         if self.dp > 1:
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
-        return [lag for lag in range(1, present.numel()) if present[lag] > 0 and self.version - lag in self.adapter_history]
+        return [lag for lag in range(1, present.numel()) if present[lag] > 0 and task.version - lag in task.adapter_history]
 
-    def train(self, batch: PackedBatch) -> list[dict[str, float]]:
-        """Train: algorithm.ppo_epochs passes over the batch in algorithm.minibatches updates, then
-        the LR schedule advances once (it is a function of the RL step)."""
-        algo = self.config.algorithm
-        updates: list[dict[str, float]] = []
-        groups = list(range(batch.num_sequences))
-        per_minibatch = -(-len(groups) // algo.minibatches)
-        for _ in range(algo.ppo_epochs):
-            for m in range(algo.minibatches):
-                chosen = groups[m * per_minibatch : (m + 1) * per_minibatch] or groups[-1:]
-                updates.append(
-                    self.trainer.train_step(
-                        batch.select(chosen), self.algorithm.loss, self.config.rollout.temperature, with_entropy=True,
-                        advance_schedule=False,
-                    )  # fmt: skip
-                )
-        self.trainer.advance_schedule()
+    def train(self, batch: PackedBatch, tasks: list[Task]) -> dict[str, list[dict[str, float]]]:
+        """Train: algorithm.ppo_epochs passes over the batch in algorithm.minibatches updates (the
+        same for every task); minibatch m holds the m-th share of every task's sequences and steps
+        each task's own optimizer. Then each task's LR schedule advances once (it is a function of
+        the RL step). A rank whose share of a minibatch is empty runs a filler batch in step with
+        the others; a task with no sequence in a minibatch on any rank takes no update from it."""
+        updates: dict[str, list[dict[str, float]]] = {task.name: [] for task in tasks}
+        if tasks:
+            algo = tasks[0].config.algorithm
+            by_adapter = self.trainer.sequences_by_adapter(batch)
+            names = {task.adapter or "": task for task in tasks}
+            losses = {name: task.algorithm.loss for name, task in names.items()}
+            for _ in range(algo.ppo_epochs):
+                for m in range(algo.minibatches):
+                    chosen = []
+                    for name, sequences in by_adapter.items():
+                        if name in names:
+                            per = -(-len(sequences) // algo.minibatches)
+                            chosen += sequences[m * per : (m + 1) * per]
+                    minibatch = batch.select(chosen) if chosen else filler_batch(self.trainer.multi_task, tasks[0].index)
+                    out = self.trainer.train_step(
+                        minibatch, losses, self.config.rollout.temperature, with_entropy=True, advance_schedule=False
+                    )
+                    for name, metrics in out.items():
+                        updates[names[name].name].append(metrics)
+        for task in self.active():
+            self.trainer.advance_schedule(task.adapter)
         return updates
 
-    def publish(self, version: int) -> dict[str, float]:
-        """Publish: the weight sync makes the trained adapter version `version` on the rollout side;
-        returns what it sent (sync_adapter_bytes or sync_weight_bytes; rank 0 knows) and sync_s."""
+    def publish(self, task: Task, version: int) -> dict[str, float]:
+        """Publish: the weight sync makes the task's trained adapter version `version` on the
+        rollout side (under its own name on vLLM); returns what it sent (sync_adapter_bytes or
+        sync_weight_bytes; rank 0 knows) and sync_s."""
         start = time.perf_counter()
-        sent = self.sync.publish(self.trainer.model, self.trainer.converter, self.trainer.lora, version)
-        self.version = version
-        if self.adapter_history is not None:
-            self.adapter_history.record(self.trainer.model, version)
-        if self.producer is not None:
-            self.producer.published(version)
+        with self._view(task):
+            sent = task.sync.publish(self.trainer.model, self.trainer.converter, task.config.lora, version)
+            task.version = version
+            if task.adapter_history is not None:
+                task.adapter_history.record(self.trainer.model, version)
+        if task.producer is not None:
+            task.producer.published(version)
         metrics = {f"sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")}
         return {"sync_s": time.perf_counter() - start, **metrics}
 
-    def log_metrics(self, rollouts, scores, batch, prepared, updates, sync, timings) -> dict[str, float]:
-        """Log: the step's metrics, summed or maxed over the data-parallel ranks."""
+    def task_metrics(self, task, rollouts, scores, prepared, updates, sync, step_s) -> dict[str, float]:
+        """Log: the task's metrics of the step, summed or maxed over the data-parallel ranks (and
+        `tokens`, its trained tokens on all ranks)."""
         G = self.config.rollout.group_size
         rewards, lengths, gaps = prepared.rewards, scores.lengths, prepared.gaps
-        lag = batch.extras["version_lag"][batch.loss_mask].double()
+        if not gaps:
+            gaps = {"total": torch.zeros(0), "numerics": torch.zeros(0), "lag": torch.zeros(0)}
+        lag = prepared.lag
         (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
          kept_groups, errors, timeouts, tokens, lag_sum, stale) = self._sum(
             len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),
             float(scores.correct.sum()), float(lengths.sum()), float(gaps["total"].sum()),
             float(gaps["total"].numel()), float(gaps["numerics"].sum()), float(gaps["lag"].sum()),
             float(prepared.keep.sum()) / G, scores.reward_metrics["reward_errors"],
-            scores.reward_metrics["reward_timeouts"], float(batch.num_tokens), float(lag.sum()),
+            scores.reward_metrics["reward_timeouts"], prepared.tokens, float(lag.sum()),
             float(rollouts.stale_dropped),
         )  # fmt: skip
-        reward_mean = reward_sum / n
-        step_s = timings["step_s"]
+        reward_mean = reward_sum / max(n, 1.0)
         metrics = {
             "reward_mean": reward_mean,
-            "reward_std": max(reward_sq / n - reward_mean**2, 0.0) ** 0.5,
-            "accuracy": correct_sum / n,
-            "response_length": length_sum / n,
+            "reward_std": max(reward_sq / max(n, 1.0) - reward_mean**2, 0.0) ** 0.5,
+            "accuracy": correct_sum / max(n, 1.0),
+            "response_length": length_sum / max(n, 1.0),
             "logprob_abs_diff_mean": gap_sum / max(gap_n, 1.0),
             "logprob_abs_diff_max": self._max(float(gaps["total"].max()) if gaps["total"].numel() else 0.0),
             "groups_kept": kept_groups,
             "reward_errors": errors,
             "reward_timeouts": timeouts,
             "reward_samples": n,
-            **timings,
-            "tokens_per_s": tokens / step_s,  # the step's training batch, all ranks
-            "adapter_version": float(self.version),
+            "tokens": tokens,
+            "adapter_version": float(task.version),
             "skipped_updates": sum(u["skipped"] for u in updates),
         }
         # version lag of the trained tokens, the log-prob gap split by cause, stale groups dropped and
         # sampled again, and how long each side waited for the other
-        if self.producer is not None:  # over the time since the previous step's rollouts were taken
-            idle, elapsed = self.producer.idle_since_last()
+        if task.producer is not None:  # over the time since the previous step's rollouts were taken
+            idle, elapsed = task.producer.idle_since_last()
         else:  # synchronously the rollout side waits while the trainer scores, trains and publishes
             idle, elapsed = step_s - rollouts.generate_s, step_s
         metrics.update({
@@ -624,168 +645,253 @@ class RLRun:
             "trainer_idle_fraction": rollouts.wait_s / step_s,
             "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
         })  # fmt: skip
-        metrics.update(sync)
-        metrics.update(update_summary(updates))
+        metrics.update({k: v for k, v in sync.items() if k != "sync_s"})
+        if updates:
+            metrics.update(update_summary(updates))
         return metrics
 
-    def _count_skipped(self, step: int, metrics: dict[str, float]) -> None:
-        """`skipped_steps`: RL steps of the run so far on which an update was skipped."""
-        skipped = metrics["skipped_updates"] > 0
-        self._skipped_steps += int(skipped)
-        metrics["skipped_steps"] = self._skipped_steps
-        self._skipped_streak = self._skipped_streak + [step] if skipped else []
-
+    # ---- failures -------------------------------------------------------------------------------
     def _check_progress(self, step: int, metrics: dict[str, float]) -> None:
-        """Stop the run (the same decision on every rank: the counts are global) after
-        algorithm.max_skipped_steps RL steps in a row with a skipped update, or
-        reward.max_failed_steps steps in a row on which the reward function failed on every sample."""
-        limit = self.config.algorithm.max_skipped_steps
-        if len(self._skipped_streak) >= limit:
-            extremes = self._step_extremes
-            raise NonFiniteError(
-                f"RL step {step}: the loss or gradient norm was NaN or inf on {len(self._skipped_streak)} RL steps "
-                f"in a row (steps {self._skipped_streak[0]}-{step}, algorithm.max_skipped_steps={limit}); those "
+        """Count each task's skipped steps (`skipped_steps`), and stop a task after
+        algorithm.max_skipped_steps RL steps in a row with a skipped update, or reward.max_failed_steps
+        steps in a row on which its reward function failed on every sample (the same decision on
+        every rank: the counts are global). With several tasks the task is stopped alone (its last
+        checkpoint and adapter stay as they were; STOPPED_FILE records why) and the others go on;
+        a run's only task (or its last active one) stops the run with the error."""
+        for task in self.active():
+            p = task.prefix
+            skipped = metrics.get(p + "skipped_updates", 0) > 0
+            task.skipped_steps += int(skipped)
+            metrics[p + "skipped_steps"] = task.skipped_steps
+            task.skipped_streak = task.skipped_streak + [step] if skipped else []
+            samples = metrics[p + "reward_samples"]
+            failed = samples > 0 and metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"] >= samples
+            task.reward_failure_streak = task.reward_failure_streak + [step] if failed else []
+            error = self._failure(task, step, metrics)
+            if error is None:
+                continue
+            if len(self.tasks) == 1:
+                raise error
+            task.stopped = str(error)
+            if self.rank == 0:
+                task.dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(task.dir / STOPPED_FILE, {"step": step, "reason": task.stopped})
+            if task.producer is not None:
+                task.producer.stop()
+            logger.error("stopping task %r; the other tasks go on: %s", task.name, error)
+            metrics[p + "stopped"] = 1.0
+        if not self.active():
+            reasons = "\n".join(f"{task.name}: {task.stopped}" for task in self.tasks)
+            raise RuntimeError(f"RL step {step}: every task has stopped:\n{reasons}")
+
+    def _failure(self, task: Task, step: int, metrics: dict[str, float]) -> Exception | None:
+        """The error that stops `task` at RL step `step`, if it is past a limit."""
+        p, where = task.prefix, f"task {task.name!r}: " if task.name else ""
+        limit = task.config.algorithm.max_skipped_steps
+        if len(task.skipped_streak) >= limit:
+            return NonFiniteError(
+                f"RL step {step}: {where}the loss or gradient norm was NaN or inf on {len(task.skipped_streak)} RL "
+                f"steps in a row (steps {task.skipped_streak[0]}-{step}, algorithm.max_skipped_steps={limit}); those "
                 "updates were skipped and left the adapter and optimizer unchanged. Last step: "
-                f"loss {metrics.get('loss')}, grad_norm {metrics.get('grad_norm')}, lr {metrics.get('lr')}, "
-                f"largest |reward| {extremes.get('reward_abs_max')}, largest |advantage| "
-                f"{extremes.get('advantage_abs_max')}. Likely causes: rewards so large that the loss overflows "
+                f"loss {metrics.get(p + 'loss')}, grad_norm {metrics.get(p + 'grad_norm')}, lr {metrics.get(p + 'lr')}, "
+                f"largest |reward| {task.extremes.get('reward_abs_max')}, largest |advantage| "
+                f"{task.extremes.get('advantage_abs_max')}. Likely causes: rewards so large that the loss overflows "
                 "(rescale the reward function), or a learning rate too high (lower optim.lr)."
             )
-        failed = metrics["reward_samples"] > 0 and metrics["reward_errors"] + metrics["reward_timeouts"] >= (
-            metrics["reward_samples"]
-        )
-        self._reward_failure_streak = self._reward_failure_streak + [step] if failed else []
-        limit = self.config.reward.max_failed_steps
-        if len(self._reward_failure_streak) >= limit:
-            cause = self._reward_traceback or "(every sample timed out, or failed on another rank)"
-            raise RewardFunctionError(
-                f"RL step {step}: the reward function {self.config.reward.function!r} failed on every sample for "
-                f"{len(self._reward_failure_streak)} steps in a row (steps {self._reward_failure_streak[0]}-{step}, "
+        limit = task.config.reward.max_failed_steps
+        if len(task.reward_failure_streak) >= limit:
+            cause = task.reward_traceback or "(every sample timed out, or failed on another rank)"
+            return RewardFunctionError(
+                f"RL step {step}: {where}the reward function {task.config.reward.function!r} failed on every sample "
+                f"for {len(task.reward_failure_streak)} steps in a row (steps {task.reward_failure_streak[0]}-{step}, "
                 f"reward.max_failed_steps={limit}). First failure of step {step}:\n{cause}"
             )
+        return None
 
     # ---- evaluation -----------------------------------------------------------------------------
-    def evaluate(self) -> float:
-        cfg = self.config
-        examples = self.eval_set.examples[: cfg.eval.max_prompts][self.dp_rank :: self.dp]
+    def evaluate(self, task: Task) -> float:
+        """The task's greedy accuracy on its held-out prompts (this rank's share; summed over ranks)."""
+        examples = task.eval_set.examples[: self.config.eval.max_prompts][self.dp_rank :: self.dp]
         sampling = SamplingParams(
-            max_new_tokens=self.eval_new_tokens, temperature=0,
-            stop_token_ids=self.stop_token_ids,
-        )  # fmt: skip
-        samples = self.rollout.generate(self._prompt_ids(examples), sampling) if examples else []
+            max_new_tokens=self.eval_new_tokens, temperature=0, stop_token_ids=self.stop_token_ids
+        )
+        samples = self._generate(task, examples, sampling) if examples else []
         if not examples:  # keep the collectives of the generation in step with the other ranks
-            self.rollout.generate([[self.stop_token_ids[0] if self.stop_token_ids else 0]], sampling)
-        rewards = self.score(examples, samples).rewards if samples else torch.zeros(0)
+            self._generate(task, [task.eval_set.examples[0]], sampling)
+        rewards = self.score(task, examples, samples).rewards if samples else torch.zeros(0)
         correct, total = self._sum(float((rewards >= 1.0).sum()), float(len(samples)))
         return correct / max(total, 1.0)
+
+    def _evaluate_all(self, metrics: dict[str, float]) -> None:
+        for task in self.active():
+            if task.eval_set is not None:
+                metrics[task.prefix + "eval_accuracy"] = self.evaluate(task)
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
         try:
-            return self._train(self._resume() if self.resume_from is not None else 0)
+            resuming = self.resume_from is not None or (self.config.tasks and self.config.resume is not None)
+            return self._train(self._resume() if resuming else 0)
         finally:
             self.close()
 
     def _resume(self) -> int:
-        """Load the checkpoint chosen by prepare_run_dir; returns its RL step."""
-        trainer_state = self.trainer.load_checkpoint(self.checkpoints, self.resume_from)
-        first = trainer_state["step"]
-        if first > self.config.steps:
-            raise ValueError(
-                f"--resume {self.resume_from}: the checkpoint is at step {first}, beyond this run's steps="
-                f"{self.config.steps}; raise --steps to continue it"
-            )
-        data = trainer_state["data"]
-        self.iterator.load_state_dict(data["iterator"])
-        self._skipped_streak = data.get("skipped_streak", [])
-        self._reward_failure_streak = data.get("reward_failure_streak", [])
-        self._skipped_steps = data.get("skipped_steps", 0)
+        """Load each task's checkpoint (a run without tasks: the one prepare_run_dir chose; named
+        tasks: each its own newest, and tasks without one, added now, start fresh). Returns the RL
+        step to go on from."""
+        if not self.config.tasks:
+            (task,) = self.tasks
+            state = self.trainer.load_checkpoint(task.checkpoints, self.resume_from)
+            first = state["step"]
+            if first > self.config.steps:
+                raise ValueError(
+                    f"--resume {self.resume_from}: the checkpoint is at step {first}, beyond this run's steps="
+                    f"{self.config.steps}; raise --steps to continue it"
+                )
+            task.load_state(state["data"], first)
+            resumed_from = self.resume_from
+        else:
+            first = self._resume_tasks()
+            resumed_from = self.run_dir / TASKS_DIR
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
-        self.publish(first)
+        for task in self.tasks:
+            self.publish(task, task.version)
         if self.rank == 0:
-            print(f"resumed from step {first} (checkpoint {self.resume_from})", flush=True)
+            print(f"resumed from step {first} (checkpoint {resumed_from})", flush=True)
         return first
 
-    def _start_producer(self, first: int) -> RolloutProducer | None:
-        """The background producer of rollouts for steps first.. (rollout.max_staleness >= 1; on the
-        ranks that generate)."""
-        max_staleness = self.config.rollout.max_staleness
-        if max_staleness == 0 or not self.generates_rollouts:
-            return None
-        return RolloutProducer(self.generate_rollouts, first, self.config.steps, max_staleness, version=self.version)
+    def _resume_tasks(self) -> int:
+        resumed = {}
+        for task in self.tasks:
+            stopped = task.dir / STOPPED_FILE
+            if stopped.exists():
+                record = read_stopped_record(stopped)
+                task.stopped = record["reason"]
+                logger.warning(
+                    "task %r stays stopped (since RL step %s; delete %s to train it again): %s",
+                    task.name, record["step"], stopped, task.stopped,
+                )
+            latest = task.checkpoints.latest()
+            if latest is None:
+                continue
+            state = self.trainer.load_checkpoint(task.checkpoints, latest, task=task.name)
+            task.load_state(state["data"], state["step"])
+            resumed[task.name] = state["step"]
+        if not resumed:
+            raise ValueError(
+                f"--resume: none of the tasks {[task.name for task in self.tasks]} has a checkpoint in "
+                f"{self.run_dir / TASKS_DIR}/<name>/checkpoints"
+            )
+        first = max(resumed.values())
+        if first > self.config.steps:
+            raise ValueError(f"--resume: the checkpoints are at step {first}, beyond steps={self.config.steps}")
+        stopped = {task.name for task in self.tasks if task.stopped is not None}
+        behind = {name: at for name, at in resumed.items() if at < first and name not in stopped}
+        if behind:
+            logger.warning(
+                "tasks %s were last saved before step %d (the run ended while saving): each goes on from its "
+                "own checkpoint, without the steps in between", behind, first,
+            )
+        added = [task.name for task in self.tasks if task.name not in resumed]
+        logger.warning("resumed tasks %s at step %d; new tasks %s start from a fresh adapter", resumed, first, added)
+        return first
+
+    def _start_producers(self, first: int) -> None:
+        """A background producer for each task with max_staleness >= 1 (on the ranks that generate):
+        it makes the task's later steps while the current one trains, at most max_staleness ahead."""
+        if not self.generates_rollouts:
+            return
+        remaining = self.config.steps - first
+        for task in self.active():
+            if task.config.max_staleness > 0:
+                task.producer = RolloutProducer(
+                    lambda task_step, task=task: self.generate_rollouts(task, task_step), task.version,
+                    task.version + remaining, task.config.max_staleness, version=task.version,
+                )  # fmt: skip
 
     def _train(self, first: int) -> dict[str, float]:
-        """RL steps first+1 .. steps (1-based), then the final checkpoint and adapter."""
+        """RL steps first+1 .. steps (1-based), then the final checkpoints and adapters."""
         cfg = self.config
         progress = None
         if self.rank == 0 and cfg.logging.progress:
             from tqdm import tqdm
 
-            progress = tqdm(total=cfg.steps, initial=first, desc="grpo", unit="step", dynamic_ncols=True)
+            progress = tqdm(total=cfg.steps, initial=first, desc="rl", unit="step", dynamic_ncols=True)
         last: dict[str, float] = {}
-        eval_every = cfg.eval.every if self.eval_set is not None else 0
-        if eval_every and first == 0:
-            last["eval_accuracy"] = self.evaluate()
-            self.metrics.log(0, {"eval_accuracy": last["eval_accuracy"]})
-        if self.adapter_history is not None:  # every rank: the version-gap forwards run on all of them
-            self.adapter_history.record(self.trainer.model, self.version)
+        evaluates = cfg.eval.every and any(task.eval_set is not None for task in self.tasks)
+        if evaluates and first == 0:
+            self._evaluate_all(last)
+            self.metrics.log(0, dict(last))
+        for task in self.tasks:  # every rank: the version-gap forwards run on all of them
+            if task.adapter_history is not None:
+                with self._view(task):
+                    task.adapter_history.record(self.trainer.model, task.version)
         # after the first evaluation, so that the rollouts of the first steps are made (and timed)
         # while training, as all later ones are
-        self.producer = self._start_producer(first)
+        self._start_producers(first)
         for step in range(first, cfg.steps):
             metrics = self.step(step)
             done = step + 1
-            self._count_skipped(done, metrics)
-            if eval_every and (done % eval_every == 0 or done == cfg.steps):
-                metrics["eval_accuracy"] = self.evaluate()
-            self.metrics.log(done, metrics)
+            if evaluates and (done % cfg.eval.every == 0 or done == cfg.steps):
+                self._evaluate_all(metrics)
+            try:
+                self._check_progress(done, metrics)
+            finally:
+                self.metrics.log(done, metrics)
             last.update(metrics)
-            self._check_progress(done, metrics)
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
                 self.save(done)
             if progress is not None:
-                postfix = {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}"}
-                if "eval_accuracy" in metrics:
-                    postfix["eval"] = f"{metrics['eval_accuracy']:.2f}"
-                progress.set_postfix(postfix)
+                progress.set_postfix(self._postfix(metrics))
                 progress.update(1)
         if progress is not None:
             progress.close()
         self.save(cfg.steps, final=True)
         return last
 
-    def close(self) -> None:
-        """Close the metrics files, reward workers and rollout servers (also when a step fails), and
-        release the run directory if this run checked it."""
-        try:
-            if self.producer is not None:
-                self.producer.stop()  # no new steps; the servers' closing ends a generation under way
-            self.metrics.close()
-            self.scorer.close()
-            self.sync.close()
-            self.rollout.close()
-            if self.producer is not None:
-                self.producer.join()
-        finally:
-            self._release_run_dir()
+    def _postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        """The progress bar's figures: each task's reward and accuracy (and held-out accuracy)."""
+        postfix = {}
+        for task in self.active():
+            for key, short in (("reward_mean", "reward"), ("accuracy", "acc"), ("eval_accuracy", "eval")):
+                if task.prefix + key in metrics:
+                    digits = 3 if key == "reward_mean" else 2
+                    postfix[task.prefix + short] = f"{metrics[task.prefix + key]:.{digits}f}"
+        return postfix
 
-    def _release_run_dir(self) -> None:
-        if self.owns_run_dir:
-            self.prepared_run_dir.release()
+    def close(self) -> None:
+        """Close the metrics files, the tasks' reward workers and syncs and the rollout engine (also
+        when a step fails), and release the run directory if this run checked it."""
+        try:
+            for task in self.tasks:
+                task.close()  # stops the producers: no new steps; the servers' closing ends a generation under way
+            if self.metrics is not None:
+                self.metrics.close()
+            if self.native is not None:
+                self.native.close()
+            if self.channel is not None:
+                self.channel.close()
+            if self.servers is not None:
+                self.servers.close()
+            for task in self.tasks:
+                if task.producer is not None:
+                    task.producer.join()
+        finally:
+            if self.owns_run_dir:
+                self.prepared_run_dir.release()
 
     def save(self, step: int, final: bool = False) -> None:
-        """A resume checkpoint for RL step `step` and the PEFT adapter: RUN_DIR/adapter at the end,
-        RUN_DIR/adapters/step_NNNNNN before it (the newest checkpoint.keep_last_adapters kept).
+        """Each active task's resume checkpoint for RL step `step` and its PEFT adapter: TASK_DIR/adapter
+        at the end, TASK_DIR/adapters/step_NNNNNN before it (the newest checkpoint.keep_last_adapters
+        kept), where TASK_DIR is the run directory for a run without tasks and RUN_DIR/tasks/<name>
+        for a named task. A stopped task keeps its last ones.
 
-        The data position saved is that of the last trained step: rollouts the producer made ahead
+        The data position saved is that of the last trained step: rollouts a producer made ahead
         are not saved, and a resumed run samples their prompts again (nothing lost, nothing trained
         twice)."""
-        data_state = {
-            "iterator": self._trained_iterator_state or self.iterator.state_dict(), "skipped_steps": self._skipped_steps,
-            "skipped_streak": self._skipped_streak, "reward_failure_streak": self._reward_failure_streak,
-        }  # fmt: skip
-        self.trainer.save_checkpoint(self.checkpoints, step, data_state)
-        out = self.run_dir / ("adapter" if final else f"adapters/step_{step:06d}")
-        self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path)
-        if not final and self.rank == 0:
-            prune_adapter_exports(self.run_dir / "adapters", self.config.checkpoint.keep_last_adapters)
+        for task in self.active():
+            self.trainer.save_checkpoint(task.checkpoints, step, task.state(), task=task.adapter)
+            out = task.dir / ("adapter" if final else f"adapters/step_{step:06d}")
+            self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.adapter)
+            if not final and self.rank == 0:
+                prune_adapter_exports(task.dir / "adapters", self.config.checkpoint.keep_last_adapters)

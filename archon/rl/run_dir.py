@@ -45,7 +45,7 @@ CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"
 SUPERSEDED = "superseded"
 TASKS_DIR = "tasks"
-"""A multi-task run's outputs: RUN_DIR/tasks/<name>/ for each task (archon.rl.multi_task)."""
+"""A multi-task run's outputs: RUN_DIR/tasks/<name>/ for each task (archon.rl.task)."""
 LOCK_FILE = "run.lock"
 ADAPTER_EXPORT = re.compile(r"step_(\d+)")
 # Everything a run writes into its directory; `--overwrite` deletes these and nothing else.

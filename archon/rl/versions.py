@@ -36,15 +36,17 @@ class AdapterHistory:
     def __contains__(self, version: int) -> bool:
         return version in self._versions
 
-    def record(self, model: nn.Module, version: int) -> None:
-        self._versions[version] = {name: local_tensor(p).detach().clone() for name, p in lora_parameters(model).items()}
+    def record(self, model: nn.Module | dict[str, nn.Parameter], version: int) -> None:
+        """Keep the adapter of `model` (or the LoRA parameters given by name) as `version`."""
+        self._versions[version] = {name: local_tensor(p).detach().clone() for name, p in _lora(model).items()}
         for old in sorted(self._versions)[: -self.keep]:
             del self._versions[old]
 
     @contextlib.contextmanager
-    def swapped_in(self, model: nn.Module, version: int):
-        """The model holds adapter `version` inside the block, its own factors again after it."""
-        params = lora_parameters(model)
+    def swapped_in(self, model: nn.Module | dict[str, nn.Parameter], version: int):
+        """The model (or the LoRA parameters given by name) holds adapter `version` inside the block,
+        its own factors again after it."""
+        params = _lora(model)
         current = {name: local_tensor(p).detach().clone() for name, p in params.items()}
         try:
             with torch.no_grad():
@@ -55,3 +57,7 @@ class AdapterHistory:
             with torch.no_grad():
                 for name, tensor in current.items():
                     local_tensor(params[name]).copy_(tensor)
+
+
+def _lora(model: nn.Module | dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    return model if isinstance(model, dict) else lora_parameters(model)

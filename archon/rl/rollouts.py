@@ -1,0 +1,150 @@
+"""What the RL loop does with rollouts: prompts in, packed training batches out, the teacher's
+log-probs, and the staleness bound.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from archon.batch import PER_TOKEN_FIELDS, PackedBatch
+from archon.build import build_model, load_hf_config
+from archon.checkpoint.hf import TOKENIZER_VOCAB_FILES, load_tokenizer
+from archon.head import label_logprobs
+from archon.rl.data import tokenize_prompt
+from archon.rl.producer import Rollouts
+from archon.rl.versions import stale_groups
+from archon.rollout.base import Sample
+from archon.rollout.policy import ServedPolicy
+from archon.spec import get_spec
+from archon.trainer import TASK_EXTRA
+
+def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_version: int) -> PackedBatch:
+    """The samples packed for training, with every completion token's behaviour (rollout) log-prob
+    and its version lag (`extras["version_lag"]`: trainer_version minus the version that sampled it)."""
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in samples],
+        prompt_lens=[len(s.prompt_ids) for s in samples],
+        advantages=advantages.tolist(),
+    )
+    rollout_lp = torch.zeros(batch.num_tokens)
+    version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
+    for i, s in enumerate(samples):
+        start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
+        span = slice(start, start + len(s.completion_ids))
+        rollout_lp[span] = torch.tensor(s.logprobs)
+        version_lag[span] = trainer_version - torch.tensor(s.token_versions, dtype=torch.long)
+    batch.rollout_logprobs = rollout_lp
+    batch.extras["version_lag"] = version_lag
+    return batch
+
+
+def stop_token_ids(tokenizer, hf_config) -> tuple[int, ...]:
+    """The token ids that end a completion: the tokenizer's EOS and the model config's (one id or a
+    list of them)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
+def prompt_ids(tokenizer, examples, apply_chat_template: bool) -> list[list[int]]:
+    """Each example's prompt token ids (pre-tokenized, or tokenized now)."""
+    return [
+        ex.prompt_ids if ex.prompt_ids is not None else tokenize_prompt(tokenizer, ex.prompt, apply_chat_template)
+        for ex in examples
+    ]
+
+
+def replace_stale_groups(rollouts: Rollouts, group_size: int, version: int, max_staleness: int, generate) -> None:
+    """Drop every group of `rollouts` with a sample (or token) made by an adapter version older than
+    version - max_staleness and put in its place `generate(examples)`'s fresh samples of the same
+    prompts (counted in rollouts.stale_dropped)."""
+    G = group_size
+    oldest = [min(s.token_versions, default=s.version) for s in rollouts.samples]
+    stale = stale_groups(oldest, G, version, max_staleness)
+    if not stale:
+        return
+    regenerated = generate([rollouts.examples[g] for g in stale])
+    for slot, group in enumerate(stale):
+        for i, sample in enumerate(regenerated[slot * G : (slot + 1) * G]):
+            sample.prompt_index = group
+            rollouts.samples[group * G + i] = sample
+    rollouts.stale_dropped = len(stale) * G
+
+
+def load_teacher(path: str, option: str, policy, policy_tokenizer, device) -> torch.nn.Module:
+    """The frozen teacher model at `path` (`option` names the setting). Distillation compares the
+    teacher's and the policy's (`policy`, a LoadedModel) log-probs of the same token ids, so the
+    teacher must have the policy's vocabulary size and, when its directory holds a tokenizer, give
+    every token the two tokenizers share the same id; both are checked before the weights are read."""
+    hf_config = load_hf_config(path, option)
+    vocab_size = get_spec(hf_config.model_type).args_cls.from_hf_config(hf_config).vocab_size
+    if vocab_size != policy.args.vocab_size:
+        raise ValueError(
+            f"{option}={path!r}: the teacher's vocabulary has {vocab_size} tokens (vocab_size in "
+            f"{Path(path) / 'config.json'}) and the policy's {policy.args.vocab_size} (in "
+            f"{policy.path / 'config.json'}); distillation compares log-probs of the same token ids, so they must "
+            "share a vocabulary"
+        )
+    if any((Path(path) / name).exists() for name in TOKENIZER_VOCAB_FILES):
+        teacher_ids = load_tokenizer(path, option).get_vocab()
+        policy_ids = policy_tokenizer.get_vocab()
+        differing = sorted(t for t in teacher_ids.keys() & policy_ids.keys() if teacher_ids[t] != policy_ids[t])
+        if differing:
+            token = differing[0]
+            raise ValueError(
+                f"{option}={path!r}: the teacher's tokenizer gives {len(differing)} of the tokens it shares with "
+                f"the policy's another id (e.g. {token!r}: {teacher_ids[token]} for the teacher, "
+                f"{policy_ids[token]} for the policy); distillation compares log-probs of the same token ids, "
+                "so they must share a tokenizer"
+            )
+    teacher = build_model(path, device=device, path_option=option)
+    return teacher.model.eval().requires_grad_(False)
+
+
+def teacher_logprobs(teacher: torch.nn.Module, batch: PackedBatch, device, temperature: float) -> torch.Tensor:
+    """The teacher's log-probs of the batch's labels, [T] on the host, zero outside the loss mask."""
+    with torch.no_grad():
+        b = batch.to(device)
+        hidden = teacher(b.tokens, b.positions, b.cu_seqlens, b.max_seqlen, return_hidden=True)
+        lp, _ = label_logprobs(hidden, teacher.output_weight, b.labels, temperature)
+    return lp.float().cpu() * batch.loss_mask
+
+
+def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
+    """The sequences of `batches` in one packed batch, in order (extras kept where all have them)."""
+    values = {}
+    for name in PER_TOKEN_FIELDS:
+        parts = [getattr(b, name) for b in batches]
+        values[name] = None if any(p is None for p in parts) else torch.cat(parts)
+    offsets = torch.tensor([0, *[b.num_tokens for b in batches]]).cumsum(0)
+    cu_seqlens = torch.cat([offsets[:1]] + [b.cu_seqlens[1:] + offsets[i] for i, b in enumerate(batches)])
+    keys = set.intersection(*(set(b.extras) for b in batches))
+    extras = {key: torch.cat([b.extras[key] for b in batches]) for key in sorted(keys)}
+    return PackedBatch(cu_seqlens=cu_seqlens, extras=extras, **values)
+
+
+def task_servers(servers):
+    """A task's handle on the shared vLLM servers (a VLLMRolloutEngine): the same servers and
+    session, with a policy of its own, so that its requests name its own adapter version."""
+    view = copy.copy(servers)
+    view.policy = ServedPolicy()
+    return view
+
+
+def filler_batch(multi_task: bool, task_index: int) -> PackedBatch:
+    """A batch of one token and no loss token, for a rank with nothing to score or train in a step
+    or minibatch that the other data-parallel ranks run: its forward and backward keep this rank's
+    collectives in step with theirs and add nothing to any loss or gradient. In a multi-task run its
+    token is `task_index`'s."""
+    batch = PackedBatch.from_sequences([[0]], prompt_lens=[1], advantages=[0.0])
+    batch.old_logprobs, batch.rollout_logprobs, batch.ref_logprobs = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    batch.extras["version_lag"] = torch.zeros(1, dtype=torch.long)
+    if multi_task:
+        batch.extras[TASK_EXTRA] = torch.full((1,), task_index, dtype=torch.long)
+    return batch

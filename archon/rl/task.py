@@ -1,0 +1,131 @@
+"""A task of an RL run: one adapter trained on its own data with its own reward and algorithm.
+
+A run without `tasks` is one unnamed task built from the top-level fields; its outputs are the run
+directory's own (RUN_DIR/adapter, RUN_DIR/checkpoints) and its metrics carry no prefix. Named tasks
+(multi-LoRA) write to RUN_DIR/tasks/<name>/ and, when there are several, prefix their metrics with
+"<name>/".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+from archon.checkpoint.resume import CheckpointManager
+from archon.rl.algorithms import get_algorithm
+from archon.rl.config import TaskConfig
+from archon.rl.data import PromptBatchIterator, load_prompt_dataset
+from archon.rl.producer import RolloutProducer
+from archon.rl.rewards import RewardScorer
+from archon.rl.run_dir import TASKS_DIR
+from archon.rl.versions import AdapterHistory
+
+logger = logging.getLogger("archon.rl")
+STOPPED_FILE = "stopped.json"
+"""In a task's directory once the task is stopped: the step and the reason; a resumed run keeps it stopped."""
+
+
+def read_stopped_record(path: Path) -> dict:
+    """A stopped task's record (STOPPED_FILE): {"step": the RL step it stopped at, "reason": why}."""
+    advice = "fix it, or delete it to train the task again"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({e}); it records why the task was stopped: {advice}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("reason"), str) or "step" not in record:
+        raise ValueError(f"{path} is not a record of a stopped task (a JSON object with 'step' and 'reason'): {advice}")
+    return record
+
+
+class Task:
+    """One task of the run: its data and iterator, reward, algorithm, teacher, rollout engine and
+    weight sync (set by the run once its engines are up), producer, adapter version, failure
+    streaks, output directory and resume state."""
+
+    def __init__(self, run, index: int, config: TaskConfig, prefix: str) -> None:
+        self.name, self.index, self.config = config.name, index, config
+        self.prefix = prefix
+        """Put before the task's metric names: "<name>/" when the run has several tasks, else ""."""
+        self.seed_offset = zlib.crc32(self.name.encode()) % 100_003 if self.name else 0
+        """Sampling seeds follow the task's name, not its place in the list, so adding or removing
+        another task leaves this one's rollouts as they were."""
+        shared = run.config
+        self.algorithm = get_algorithm(config.algorithm, shared.rollout.max_new_tokens, config.max_staleness)
+        context = run.trainer.loaded.hf_config.max_position_embeddings
+        where = f"{self.name} " if self.name else ""
+        self.train_set = load_prompt_dataset(config.data, run.tokenizer, context, shared.rollout.max_new_tokens)
+        run.report_dataset(f"{where}train", self.train_set)
+        self.iterator = PromptBatchIterator(
+            self.train_set.examples, batch_size=shared.rollout.prompts_per_step, seed=config.data.seed,
+            shuffle=config.data.shuffle, drop_last=config.data.drop_last,
+        )  # fmt: skip
+        self.eval_set = None
+        if config.eval_path and shared.eval.every:
+            eval_data = replace(config.data, path=config.eval_path)
+            self.eval_set = load_prompt_dataset(eval_data, run.tokenizer, context, run.eval_new_tokens)
+            run.report_dataset(f"{where}held-out", self.eval_set)
+        self.teacher = None
+        if self.algorithm.needs_teacher:
+            option = f"tasks[{index}].algorithm.teacher_path" if self.name else "algorithm.teacher_path"
+            self.teacher = run.teacher(config.algorithm.teacher_path, option)
+        self.dir = run.run_dir / TASKS_DIR / self.name if self.name else run.run_dir
+        self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
+        self.scorer: RewardScorer | None = None
+        self.rollout = self.sync = None
+        self.producer: RolloutProducer | None = None
+        """Makes the task's rollouts ahead (max_staleness >= 1)."""
+        self.adapter_history: AdapterHistory | None = None
+        """The task's adapters of the last versions, kept on every rank when samples may lag and the
+        version gap is measured (max_staleness >= 1 and rollout.measure_version_gap)."""
+        if config.max_staleness > 0 and shared.rollout.measure_version_gap:
+            self.adapter_history = AdapterHistory(keep=config.max_staleness + 1)
+        self.version = 0
+        """This task's adapter version: the RL steps it has trained."""
+        self.stopped: str | None = None
+        """Why the task was stopped (None while it trains)."""
+        self.skipped_streak: list[int] = []
+        """RL steps in a row (the latest last) with an update skipped for a non-finite loss or gradient."""
+        self.reward_failure_streak: list[int] = []
+        """RL steps in a row on which the reward function failed on every sample."""
+        self.skipped_steps = 0
+        """RL steps so far with a skipped update (the `skipped_steps` metric)."""
+        self.trained_iterator_state: dict | None = None
+        """The data iterator as of the last trained step's prompts (a producer draws ahead)."""
+        self.extremes: dict[str, float] = {}
+        """The largest |reward| and |advantage| of the last step (for the non-finite error)."""
+        self.reward_traceback: str | None = None
+
+    @property
+    def adapter(self) -> str | None:
+        """The task's adapter in the trainer (None: the single adapter of a run without tasks)."""
+        return self.name or None
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the task besides its adapter and optimizer."""
+        return {
+            "iterator": self.trained_iterator_state or self.iterator.state_dict(), "version": self.version,
+            "skipped_steps": self.skipped_steps, "skipped_streak": self.skipped_streak,
+            "reward_failure_streak": self.reward_failure_streak,
+        }  # fmt: skip
+
+    def load_state(self, data: dict, step: int) -> None:
+        """The task as checkpointed at RL step `step` (checkpoints of older releases have no version:
+        a run without tasks trained its adapter on every step)."""
+        self.iterator.load_state_dict(data["iterator"])
+        self.version = data.get("version", step)
+        self.skipped_steps = data.get("skipped_steps", 0)
+        self.skipped_streak = data.get("skipped_streak", [])
+        self.reward_failure_streak = data.get("reward_failure_streak", [])
+
+    def close(self) -> None:
+        """Stop the task's producer (the run joins it once the servers are closed, which ends a
+        generation under way), reward workers and sync."""
+        if self.producer is not None:
+            self.producer.stop()
+        if self.scorer is not None:
+            self.scorer.close()
+        if self.sync is not None:
+            self.sync.close()
