@@ -234,6 +234,27 @@ VALIDATION_CASES = {
     "group-of-one-rloo": (
         {"rollout.group_size": 1, "algorithm.loss.algorithm": "rloo"}, "rollout.group_size=1: algorithm 'rloo'"
     ),  # fmt: skip
+    "group-of-one-cispo": (
+        {"rollout.group_size": 1, "algorithm.loss.algorithm": "cispo"},
+        "rollout.group_size=1: algorithm 'cispo' normalises each reward within its prompt's group",
+    ),  # fmt: skip
+    "dynamic-sampling-with-groups-of-one": (
+        {"rollout.group_size": 1, "algorithm.loss.algorithm": "reinforce_pp", "algorithm.dynamic_sampling": True},
+        "algorithm.dynamic_sampling=True: keeps only the groups whose rewards differ",
+    ),  # fmt: skip
+    "icepop-with-sequence-importance-sampling": (
+        {"algorithm.loss.icepop_band": (0.5, 5.0), "algorithm.loss.importance_sampling": "sequence"},
+        "algorithm.loss.importance_sampling='sequence': IcePop",
+    ),  # fmt: skip
+    "icepop-without-importance-sampling": (
+        {"algorithm.loss.icepop_band": (0.5, 5.0), "algorithm.loss.importance_sampling": "none"},
+        "algorithm.loss.importance_sampling='none': IcePop",
+    ),  # fmt: skip
+    "response-whitening-with-grpo": (
+        {"algorithm.loss.advantage_whitening": "response"},
+        "algorithm.loss.advantage_whitening='response': only algorithms that whiten their advantages over the batch "
+        "(reinforce_pp, reinforce_pp_baseline) use it, not 'grpo'",
+    ),  # fmt: skip
     "kl-coef-negative": ({"algorithm.loss.kl_coef": -0.1}, "algorithm.loss.kl_coef=-0.1"),
     "temperature-zero": ({"rollout.temperature": 0.0}, "rollout.temperature=0.0"),
     "overlong-buffer-too-big": (
@@ -270,6 +291,24 @@ def test_invalid_settings_fail_before_anything_is_built(case, run_dir):
         RLRun(config)  # validation is its first act: no model is built
     assert culprit in str(error.value), str(error.value)
     assert _snapshot(run_dir) == before
+
+
+def test_groups_of_one_where_the_algorithm_learns_from_them():
+    """REINFORCE++ and REINFORCE++-baseline whiten over the batch, so one sample per prompt is a
+    valid setting for them; per task, the algorithms that need groups are named with the task."""
+    from archon.rl.config import TaskConfig
+
+    one = dataclasses.replace(GRPOConfig().rollout, group_size=1)
+    for name in ("reinforce_pp", "reinforce_pp_baseline"):
+        validate(_replace(GRPOConfig(rollout=one), "algorithm.loss.algorithm", name), world_size=1)
+    baseline = _replace(GRPOConfig(), "algorithm.loss.algorithm", "reinforce_pp_baseline").algorithm
+    rloo = _replace(GRPOConfig(), "algorithm.loss.algorithm", "rloo").algorithm
+    tasks = (TaskConfig(name="a", algorithm=baseline), TaskConfig(name="b", algorithm=rloo))
+    with pytest.raises(ValueError) as error:
+        validate(GRPOConfig(tasks=tasks, rollout=one), world_size=1)
+    message = str(error.value)
+    assert "tasks[1].rollout.group_size=1: algorithm 'rloo'" in message, message
+    assert "tasks[0]" not in message, message
 
 
 def test_prompts_per_step_below_the_data_parallel_size(run_dir, monkeypatch):

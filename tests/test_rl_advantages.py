@@ -121,29 +121,77 @@ def test_rloo_leave_one_out_baseline():
         rloo_advantages(REWARDS, group_size=1)
 
 
-def test_reinforce_pp_normalises_over_the_batch():
-    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+def test_reinforce_pp_response_level_whitening():
+    """Each response counted once (weights 1)."""
+    rewards, once = torch.tensor([1.0, 0.0, 3.0, 3.0]), torch.ones(4)
     # no group baseline: mean 1.75, unbiased std sqrt((0.5625 + 3.0625 + 1.5625 + 1.5625) / 3) = 1.5
-    adv = reinforce_pp_advantages(rewards, group_size=2, group_baseline=False, eps=0.0)
+    adv = reinforce_pp_advantages(rewards, group_size=2, group_baseline=False, weights=once, eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([-0.5, -1.75 / 1.5, 1.25 / 1.5, 1.25 / 1.5]))
     # REINFORCE++-baseline: group means 0.5 and 3 subtracted first: 0.5, -0.5, 0, 0; mean 0,
     # std sqrt(0.5 / 3) = 0.4082483
-    adv = reinforce_pp_advantages(rewards, group_size=2, group_baseline=True, eps=0.0)
+    adv = reinforce_pp_advantages(rewards, group_size=2, group_baseline=True, weights=once, eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([1.2247449, -1.2247449, 0.0, 0.0]))
-    assert torch.equal(reinforce_pp_advantages(torch.ones(4), 2, group_baseline=False), torch.zeros(4))
+    assert torch.equal(reinforce_pp_advantages(torch.ones(4), 2, group_baseline=False, weights=once), torch.zeros(4))
+
+
+def test_reinforce_pp_token_level_whitening():
+    """Two responses of 1 and 3 loss tokens, rewards 1 and 0: the tokens' returns are 1, 0, 0, 0.
+    Mean 1/4, unbiased std over the 4 tokens sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5, so the
+    advantages are (1 - 0.25) / 0.5 = 1.5 and (0 - 0.25) / 0.5 = -0.5. Over responses (mean 0.5,
+    std sqrt(0.5)) they would be +-0.7071068."""
+    rewards, tokens = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 3.0])
+    adv = reinforce_pp_advantages(rewards, group_size=1, group_baseline=False, weights=tokens, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([1.5, -0.5]))
+    # a response without loss tokens (and a dropped one, weight 0) neither counts nor gets an advantage
+    adv = reinforce_pp_advantages(
+        torch.tensor([1.0, 7.0, 0.0]), 1, group_baseline=False, weights=torch.tensor([1.0, 0.0, 3.0]), eps=0.0
+    )
+    torch.testing.assert_close(adv, torch.tensor([1.5, 0.0, -0.5]))
+    assert torch.equal(reinforce_pp_advantages(rewards, 1, group_baseline=False, weights=torch.zeros(2)),
+                       torch.zeros(2))  # fmt: skip
+    # REINFORCE++-baseline, G = 2, rewards [1, 0 | 2, 2] with 1, 3, 2, 2 tokens: x = 0.5, -0.5, 0, 0;
+    # token mean (0.5 - 1.5) / 8 = -0.125; squares sum 0.25 + 0.75 = 1, so the unbiased variance is
+    # (1 - 8 * 0.015625) / 7 = 0.125, std 0.3535534: (0.5 + 0.125) / std = 1.7677670,
+    # (-0.5 + 0.125) / std = -1.0606602, 0.125 / std = 0.3535534
+    adv = reinforce_pp_advantages(
+        torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, group_baseline=True, weights=torch.tensor([1.0, 3.0, 2.0, 2.0]), eps=0.0
+    )
+    torch.testing.assert_close(adv, torch.tensor([1.7677670, -1.0606602, 0.3535534, 0.3535534]))
+
+
+def test_reinforce_pp_baseline_with_groups_of_one_whitens_the_rewards():
+    """No group mean to subtract from a group of one: the rewards themselves are whitened, as
+    REINFORCE++ without a baseline does (a group mean would make every advantage 0)."""
+    rewards, tokens = torch.tensor([1.0, 0.0, 3.0, 3.0]), torch.tensor([2.0, 1.0, 1.0, 3.0])
+    adv = reinforce_pp_advantages(rewards, 1, group_baseline=True, weights=tokens, eps=0.0)
+    torch.testing.assert_close(adv, reinforce_pp_advantages(rewards, 1, group_baseline=False, weights=tokens, eps=0.0))
+    # token returns 1, 1, 0, 3, 3, 3, 3: mean 2, squared deviations 1, 1, 4, 1, 1, 1, 1 = 10, std sqrt(10 / 6)
+    std = (10 / 6) ** 0.5
+    torch.testing.assert_close(adv, torch.tensor([-1 / std, -2 / std, 1 / std, 1 / std]))
 
 
 def test_reinforce_pp_statistics_cover_every_rank():
-    """Rank 0 holds rewards [1, 0], rank 1 [3, 3]: with batch_sum adding rank 1's totals (count,
-    sum, sum of squares), rank 0 gets its share of the whole-batch normalisation."""
-    whole = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    """Rank 0 holds rewards [1, 0], rank 1 [3, 3], with 1, 3, 2, 4 loss tokens: with batch_sum adding
+    rank 1's totals (tokens, token-weighted sum and sum of squares), rank 0 gets its share of the
+    whole-batch whitening."""
+    whole, tokens = torch.tensor([1.0, 0.0, 3.0, 3.0]), torch.tensor([1.0, 3.0, 2.0, 4.0])
     for baseline in (False, True):
         mine, theirs = whole[:2], whole[2:]
         x = theirs.double() - (theirs.double().mean() if baseline else 0.0)
-        other = torch.stack([torch.tensor(2.0, dtype=torch.float64), x.sum(), x.square().sum()])
-        adv = reinforce_pp_advantages(mine, 2, group_baseline=baseline, batch_sum=lambda t: t + other)
-        torch.testing.assert_close(adv, reinforce_pp_advantages(whole, 2, group_baseline=baseline)[:2])
-        assert not torch.allclose(adv, reinforce_pp_advantages(mine, 2, group_baseline=baseline))
+        w = tokens[2:].double()
+        other = torch.stack([w.sum(), (w * x).sum(), (w * x.square()).sum()])
+        adv = reinforce_pp_advantages(
+            mine, 2, group_baseline=baseline, weights=tokens[:2], batch_sum=lambda t: t + other
+        )
+        full = reinforce_pp_advantages(whole, 2, group_baseline=baseline, weights=tokens)
+        torch.testing.assert_close(adv, full[:2])
+        assert not torch.allclose(adv, reinforce_pp_advantages(mine, 2, group_baseline=baseline, weights=tokens[:2]))
+    # no baseline, by hand: token returns 1, 0, 0, 0, 3, 3, 3, 3, 3, 3: mean 1.9, squares sum 55,
+    # variance (55 - 10 * 3.61) / 9 = 2.1, std 1.4491377
+    adv = reinforce_pp_advantages(whole, 2, group_baseline=False, weights=tokens, eps=0.0)
+    torch.testing.assert_close(adv, (whole - 1.9) / 2.1**0.5)
+    with pytest.raises(ValueError, match="weights has shape"):
+        reinforce_pp_advantages(whole, 2, group_baseline=False, weights=tokens[:3])
 
 
 def test_mixed_distillation_advantages():

@@ -2,6 +2,7 @@
 batch filters), token advantages (distillation) and loss are the pure functions of
 archon.rl.advantages and archon.rl.losses, put together as the algorithm defines."""
 
+import math
 import typing
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from archon.rl.advantages import (
     overlong_penalty,
     rloo_advantages,
 )
-from archon.rl.algorithms import ALGORITHMS, AlgorithmName, LossConfig, get_algorithm
+from archon.rl.algorithms import ALGORITHMS, AlgorithmName, LossConfig, get_algorithm, group_size_problem
 from archon.rl.config import AlgorithmConfig, load_config_file
 from archon.rl.losses import ppo_clip_token_losses
 from archon.trainer import LossContext
@@ -70,7 +71,7 @@ def test_every_registered_algorithm_prepares_and_trains(name):
     assert all(bool(torch.isfinite(v)) for v in metrics.values())
 
     # and with every optional term on (dual clip where the objective is PPO's)
-    extras = dict(kl_coef=0.1, kl_cap=5.0, entropy_coef=0.01, importance_sampling="sequence", icepop_band=(0.5, 2.0))
+    extras = dict(kl_coef=0.1, kl_cap=5.0, entropy_coef=0.01, importance_sampling="token", icepop_band=(0.5, 2.0))
     if ALGORITHMS[name].objective is ppo_clip_token_losses:
         extras["clip_ratio_c"] = 3.0
     algorithm = build(name, overlong_buffer=4, dynamic_sampling=True, **extras)
@@ -141,6 +142,72 @@ def test_distillation_token_advantages():
     torch.testing.assert_close(
         mixed.token_advantages(task, student, teacher, mask), torch.tensor([0.0, 1.0, 0.5, -1.5, -0.5])
     )
+
+
+def test_reinforce_pp_whitens_over_the_loss_tokens():
+    """Responses of 1 and 3 loss tokens, rewards 1 and 0 (groups of one): token returns 1, 0, 0, 0,
+    mean 0.25, unbiased std 0.5 -> 1.5 and -0.5. Counting each response once (mean 0.5, std
+    sqrt(0.5)) gives +-0.7071068."""
+    rewards, lengths = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 3.0])
+    for name in ("reinforce_pp", "reinforce_pp_baseline"):
+        prepared = build(name).prepare(rewards, lengths, 1)
+        torch.testing.assert_close(prepared.advantages, torch.tensor([1.5, -0.5]), atol=1e-5, rtol=0)
+        prepared = build(name, advantage_whitening="response").prepare(rewards, lengths, 1)
+        torch.testing.assert_close(prepared.advantages, torch.tensor([0.7071068, -0.7071068]), atol=1e-5, rtol=0)
+
+
+def test_reinforce_pp_batch_statistics_count_only_the_kept_samples():
+    """REINFORCE++-baseline, G = 2, rewards [1, 0 | 2, 2] with 1, 3, 5, 5 tokens. Dynamic sampling
+    drops the second group, so the whitening is over the first group's 4 tokens: x = 0.5, -0.5;
+    mean (0.5 - 1.5) / 4 = -0.25; variance (0.25 + 0.75 - 4 * 0.0625) / 3 = 0.25 -> 1.5, -0.5.
+    Without dynamic sampling the 10 tokens of the second group (x = 0) count too: mean -1/14,
+    variance (1 - 14 / 196) / 13 = 1/14 -> (0.5 + 1/14) * sqrt(14) = 2.1380899 and
+    (-0.5 + 1/14) * sqrt(14) = -1.6035675, and 1/14 * sqrt(14) = 0.2672612 for the second group."""
+    rewards, lengths = torch.tensor([1.0, 0.0, 2.0, 2.0]), torch.tensor([1.0, 3.0, 5.0, 5.0])
+    prepared = build("reinforce_pp_baseline", dynamic_sampling=True).prepare(rewards, lengths, 2)
+    assert prepared.keep.tolist() == [True, True, False, False]
+    torch.testing.assert_close(prepared.advantages, torch.tensor([1.5, -0.5, 0.0, 0.0]), atol=1e-5, rtol=0)
+    prepared = build("reinforce_pp_baseline").prepare(rewards, lengths, 2)
+    expected = torch.tensor([2.1380899, -1.6035675, 0.2672612, 0.2672612])
+    torch.testing.assert_close(prepared.advantages, expected, atol=1e-5, rtol=0)
+
+
+def test_groups_of_one():
+    """REINFORCE++(-baseline) learn from one sample per prompt (the baseline variant has no group mean
+    to subtract and whitens the rewards); the group-normalised algorithms and RLOO do not."""
+    for name in ALGORITHMS:
+        assert group_size_problem(name, 2) is None
+        problem = group_size_problem(name, 1)
+        if name in ("reinforce_pp", "reinforce_pp_baseline"):
+            assert problem is None
+        else:
+            assert problem.startswith(f"algorithm {name!r} ") and "reinforce_pp, reinforce_pp_baseline" in problem
+    # rewards 1, 0, 3, 3 of 1 token each: mean 1.75, unbiased std 1.5
+    prepared = build("reinforce_pp_baseline").prepare(torch.tensor([1.0, 0.0, 3.0, 3.0]), torch.ones(4), 1)
+    torch.testing.assert_close(prepared.advantages, torch.tensor([-0.5, -1.75 / 1.5, 1.25 / 1.5, 1.25 / 1.5]))
+    # with a teacher alone the reward advantages are not used, so a group of one is fine for any algorithm
+    prepared = build("rloo", teacher_path="teacher").prepare(torch.tensor([1.0, 0.0]), torch.ones(2), 1)
+    assert torch.equal(prepared.advantages, torch.zeros(2))
+
+
+def test_mixed_distillation_clips_one_surrogate_of_the_summed_advantage():
+    """A token with task advantage +1, distillation advantage -0.5 (weight 1) and ratio 1.5 > 1.2:
+    its total advantage +0.5 is clipped as one surrogate, loss -1.2 * 0.5 and no gradient. (Two
+    surrogates clipped apart would give -1.2 * 1 + 1.5 * 0.5 and a gradient of 0.75 from the
+    distillation term.)"""
+    algorithm = build("dapo", clip_high=0.2, teacher_path="teacher", distillation_weight=1.0)
+    batch = PackedBatch.from_sequences([[0, 1]], prompt_lens=[1], advantages=[1.0])  # one loss token, at 0
+    assert batch.loss_mask.tolist() == [True, False]
+    batch.old_logprobs = torch.tensor([-1.0, 0.0])
+    batch.advantages = algorithm.token_advantages(
+        batch.advantages, batch.old_logprobs, torch.tensor([-1.5, 0.0]), batch.loss_mask
+    )
+    torch.testing.assert_close(batch.advantages, torch.tensor([0.5, 0.0]))
+    logprobs = (batch.old_logprobs + torch.tensor([math.log(1.5), 0.0])).requires_grad_()
+    loss, metrics = algorithm.loss(batch, logprobs, LossContext.for_batch(batch.loss_mask, batch.cu_seqlens))
+    assert loss.item() == pytest.approx(-1.2 * 0.5, abs=1e-6)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert torch.equal(grad, torch.zeros(2)) and metrics["clip_fraction"].item() == 1.0
 
 
 def test_needs_reference_follows_the_kl_coefficient():

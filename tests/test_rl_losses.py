@@ -8,7 +8,7 @@ from archon.rl.algorithms import LossConfig, get_algorithm
 from archon.rl.config import AlgorithmConfig
 from archon.rl.losses import (
     aggregate_token_losses,
-    icepop_keep,
+    icepop_weights,
     importance_weights,
     kl_penalty,
     ppo_clip_token_losses,
@@ -258,23 +258,54 @@ def test_dual_clip_bounds_negative_advantage_tokens_only():
     assert metrics["dual_clip_fraction"].item() == pytest.approx(2 / 5)
 
 
-def test_icepop_masks_tokens_outside_the_band():
-    """Band [0.5, 2] on pi_old / mu: the ratios 3 and 0.4 are dropped, the edges 2 and 0.5 kept; the
-    prompt token's ratio of 10 is not counted (it is not in the loss mask)."""
+def test_icepop_weights_kept_tokens_by_their_ratio():
+    """Band [0.5, 2] on pi_old / mu: the ratios 3 and 0.4 are outside (weight 0), the edges 2 and 0.5
+    inside and weighted by themselves; the prompt token's ratio of 10 is not counted (it is not in
+    the loss mask)."""
     old = torch.tensor([-1.0, -1.0, -2.0, -0.5, -3.0, -1.5, -3.0])
     rollout = old - torch.tensor([10.0, 1.0, 3.0, 0.4, 1.0, 2.0, 0.5]).log()
-    keep, metrics = icepop_keep(old, rollout, MASK, low=0.5, high=2.0)
-    assert keep.tolist() == [False, True, False, False, True, True, True]
+    weights, metrics = icepop_weights(old, rollout, MASK, low=0.5, high=2.0)
+    torch.testing.assert_close(weights, torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 2.0, 0.5]))
     assert metrics["icepop_masked_fraction"].item() == pytest.approx(2 / 5)
-    # ratio pi / pi_old = 1, A = 1: DAPO token losses -1 each; the dropped tokens give 0 and no gradient,
-    # the normaliser still counts all 5 response tokens
+    assert metrics["tis_weight_mean"].item() == pytest.approx(3.5 / 5)
+    # |log ratio| over the response tokens: 0, log 3, log 2.5, log 2, log 2
+    expected_diff = (math.log(3) + math.log(2.5) + 2 * math.log(2)) / 5
+    assert metrics["rollout_logprob_abs_diff"].item() == pytest.approx(expected_diff, abs=1e-6)
+    # ratio pi / pi_old = 1, A = 1: DAPO token losses -1 each, times the weights 1, 0, 0, 2, 0.5;
+    # the tokens outside the band give 0 and no gradient; the normaliser still counts all 5 response
+    # tokens. IcePop without importance_sampling set is token-level: the default is token.
     logprobs = old.clone().requires_grad_()
     advantages = torch.ones(7)
-    loss, metrics = run_loss(algorithm("dapo", icepop_band=(0.5, 2.0)), logprobs, old, advantages,
-                             rollout_logprobs=rollout)  # fmt: skip
-    assert loss.item() == pytest.approx(-3 / 5, abs=1e-6)
-    torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor([0.0, -0.2, 0.0, 0.0, 0.0, -0.2, -0.2]))
+    icepop = algorithm("dapo", icepop_band=(0.5, 2.0))
+    assert icepop.importance_sampling == "token"
+    loss, metrics = run_loss(icepop, logprobs, old, advantages, rollout_logprobs=rollout)
+    assert loss.item() == pytest.approx(-(1 + 2 + 0.5) / 5, abs=1e-6)
+    torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor([0.0, -0.2, 0.0, 0.0, 0.0, -0.4, -0.1]))
     assert metrics["icepop_masked_fraction"].item() == pytest.approx(2 / 5)
+
+
+def test_icepop_band_replaces_the_truncation():
+    """Band (0.5, 5), token importance sampling with the cap 2: a ratio pi_old / mu of 3 is inside
+    the band and weighs 3 (truncated importance sampling alone would give it 2); 6 is outside (0).
+    DAPO token losses at ratio pi / pi_old = 1 and A = 1: -1 each, over 5 response tokens."""
+    old = torch.tensor([-1.0, -1.0, -2.0, -0.5, -3.0, -1.5, -3.0])
+    rollout = old - torch.tensor([1.0, 3.0, 6.0, 1.0, 1.0, 1.0, 1.0]).log()
+    logprobs = old.clone().requires_grad_()
+    advantages = torch.ones(7)
+    icepop = algorithm("dapo", icepop_band=(0.5, 5.0), importance_sampling="token", importance_cap=2.0)
+    loss, metrics = run_loss(icepop, logprobs, old, advantages, rollout_logprobs=rollout)
+    assert loss.item() == pytest.approx(-(3 + 0 + 1 + 1 + 1) / 5, abs=1e-6)
+    torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor([0.0, -0.6, 0.0, -0.2, 0.0, -0.2, -0.2]))
+    assert "tis_clip_fraction" not in metrics  # nothing is truncated
+    truncated, _ = run_loss(algorithm("dapo", importance_sampling="token", importance_cap=2.0), logprobs, old,
+                            advantages, rollout_logprobs=rollout)  # fmt: skip
+    assert truncated.item() == pytest.approx(-(2 + 2 + 1 + 1 + 1) / 5, abs=1e-6)
+
+
+@pytest.mark.parametrize("level", ["sequence", "none"])
+def test_icepop_is_token_level_importance_sampling(level):
+    with pytest.raises(ValueError, match=f"algorithm.loss.importance_sampling='{level}': IcePop"):
+        algorithm("dapo", icepop_band=(0.5, 5.0), importance_sampling=level)
 
 
 def test_entropy_bonus_uses_the_policy_loss_aggregation():

@@ -83,34 +83,49 @@ def reinforce_pp_advantages(
     rewards: torch.Tensor,
     group_size: int,
     group_baseline: bool,
+    *,
+    weights: torch.Tensor,
     batch_sum: BatchSum | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """REINFORCE++: advantages normalised over the whole batch.  rewards [B] -> [B] (fp32).
+    """REINFORCE++: advantages whitened over the whole batch.  rewards [B], weights [B] -> [B] (fp32).
 
     group_baseline=False (REINFORCE++): x_i = R_i. group_baseline=True (REINFORCE++-baseline, the
-    variant for several samples per prompt): x_i = R_i - mean_g R. Then
-        A_i = (x_i - mean_batch x) / (std_batch x + eps)
-    with the mean and the unbiased std over every sample of the batch on all data-parallel ranks:
-    `batch_sum` sums the per-rank totals (count, sum, sum of squares) over the ranks; None means
-    this rank holds the whole batch. With one outcome reward per sequence and no discount, the
-    return of every token is its sequence's reward, so the per-sequence form is the whole
-    estimator. Computed in float64; a batch whose values are all equal gets 0.
+    variant for several samples per prompt): x_i = R_i - mean_g R, or x_i = R_i for groups of one
+    sample, which have no other sample to take a mean over. Then
+        A_i = (x_i - m) / (s + eps)
+    where m and s are the weighted mean and unbiased standard deviation of x over the batch, each
+    sample counted weights_i times: with W = sum_i w_i,
+        m = sum_i w_i x_i / W,    s^2 = sum_i w_i (x_i - m)^2 / (W - 1).
+    weights_i = the number of loss tokens of response i gives the statistics over every token of the
+    batch (the REINFORCE++ paper and verl whiten the per-token returns, and with one outcome reward
+    and no discount every token's return is its response's x_i); weights_i = 1 counts each response
+    once. A sample of weight 0 (no loss token, or left out of the batch) does not count and gets 0.
+    The sums run over every sample of the batch on all data-parallel ranks: `batch_sum` sums the
+    per-rank totals (W, sum w x, sum w x^2) over the ranks; None means this rank holds the whole
+    batch. Computed in float64; a batch whose counted values are all equal gets 0.
     """
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if weights.shape != rewards.shape:
+        raise ValueError(f"weights has shape {tuple(weights.shape)}, expected {tuple(rewards.shape)} like rewards")
     x = rewards.double()
     if group_baseline:
         mean, _ = group_mean_std(rewards, group_size)
-        x = x - mean
-    elif rewards.ndim != 1:
-        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
-    totals = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), x.square().sum()])
+        if group_size > 1:
+            x = x - mean
+    w = weights.double()
+    totals = torch.stack([w.sum(), (w * x).sum(), (w * x.square()).sum()])
     if batch_sum is not None:
         totals = batch_sum(totals).to(torch.float64)
     count, total, squares = totals.tolist()
-    mean = total / max(count, 1.0)
+    if count <= 0:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    mean = total / count
     variance = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
     limit = torch.finfo(torch.float32).max
-    return ((x - mean) / (variance**0.5 + eps)).clamp(-limit, limit).float()
+    advantages = ((x - mean) / (variance**0.5 + eps)).clamp(-limit, limit)
+    return torch.where(w > 0, advantages, torch.zeros_like(advantages)).float()
 
 
 def groups_with_reward_variance(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -167,6 +182,13 @@ def mixed_distillation_advantages(
 
     task_advantages [T] (a sequence's reward advantage on each of its tokens), student_logprobs [T],
     teacher_logprobs [T] -> advantages [T] (fp32, detached).
+
+    The negative reverse KL is a per-token reward, so it adds to the task advantage and the policy
+    objective sees one advantage per token: PPO clips one surrogate of the sum, min(r A_t, clip(r) A_t),
+    not a surrogate per term (verl clips the two terms separately and adds them). Then the clip range
+    stops a token's update once its ratio has left the range in the direction its total advantage
+    favours, exactly as for any other reward, and every objective (dual clip, GSPO, CISPO) applies
+    unchanged.
     """
     if task_advantages.shape != student_logprobs.shape:
         raise ValueError(

@@ -40,7 +40,7 @@ from archon.rl.losses import (
     check_inputs,
     cispo_token_losses,
     gspo_token_losses,
-    icepop_keep,
+    icepop_weights,
     importance_weights,
     kl_penalty,
     masked_mean,
@@ -53,8 +53,10 @@ if TYPE_CHECKING:
     from archon.rl.config import AlgorithmConfig
     from archon.trainer import LossContext
 
-AdvantageEstimator = Callable[[torch.Tensor, int, "BatchSum | None"], torch.Tensor]
-"""(rewards [B], group_size, batch_sum) -> advantages [B] fp32; batch_sum sums over data-parallel ranks."""
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, int, "BatchSum | None"], torch.Tensor]
+"""(rewards [B], weights [B], group_size, batch_sum) -> advantages [B] fp32. weights: how many times each
+sample counts in statistics over the whole batch (see `reinforce_pp_advantages`); batch_sum sums
+over data-parallel ranks."""
 Objective = Callable[..., "tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]"]
 """(logprobs, old_logprobs, advantages, loss_mask, cu_seqlens, *, clip_low, clip_high) -> (token
 losses [T], clipped [T], extra metrics); see archon.rl.losses."""
@@ -73,59 +75,71 @@ class AlgorithmSpec:
     """Default upper clip (ratio, or CISPO weight, kept <= 1 + clip_high)."""
     aggregation: Aggregation
     """Default aggregation of per-token losses."""
-    needs_groups: bool = True
-    """The advantages compare a sample with the other samples of its prompt (group_size >= 2)."""
+    group_of_one: str | None
+    """Why the algorithm cannot learn from groups of one sample (rollout.group_size = 1); None: it can."""
+    batch_whitened: bool = False
+    """The advantages are whitened over the whole batch (loss.advantage_whitening says over what)."""
     dual_clip: bool = True
     """The objective is the token-level PPO clip, which loss.clip_ratio_c (dual clip) bounds."""
 
 
+GROUP_NORMALISED = (
+    "normalises each reward within its prompt's group, so with one sample per prompt every advantage is 0"
+)
+
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "grpo": AlgorithmSpec(
         "GRPO: group-normalised advantages, PPO clip, mean over each response then over responses",
-        advantages=lambda rewards, group_size, batch_sum: grpo_advantages(rewards, group_size),
+        advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
         objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="seq_mean_token_mean",
+        group_of_one=GROUP_NORMALISED,
     ),
     "drgrpo": AlgorithmSpec(
         "Dr.GRPO: group-centred advantages (no std), token sums divided by a constant length",
-        advantages=lambda rewards, group_size, batch_sum: drgrpo_advantages(rewards, group_size),
+        advantages=lambda rewards, weights, group_size, batch_sum: drgrpo_advantages(rewards, group_size),
         objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="seq_mean_token_sum_norm",
+        group_of_one="subtracts its group's mean from each reward, so with one sample per prompt every advantage is 0",
     ),
     "dapo": AlgorithmSpec(
         "DAPO: GRPO advantages, clip-higher (1 - 0.2, 1 + 0.28), token mean over the batch",
-        advantages=lambda rewards, group_size, batch_sum: grpo_advantages(rewards, group_size),
+        advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
         objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.28, aggregation="token_mean",
+        group_of_one=GROUP_NORMALISED,
     ),
     "gspo": AlgorithmSpec(
         "GSPO: GRPO advantages, sequence-level ratio clipped in a small range",
-        advantages=lambda rewards, group_size, batch_sum: grpo_advantages(rewards, group_size),
+        advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
         objective=gspo_token_losses, clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean",
-        dual_clip=False,
+        group_of_one=GROUP_NORMALISED, dual_clip=False,
     ),
     "cispo": AlgorithmSpec(
         "CISPO: GRPO advantages, clipped and detached importance weight on every token's log-prob",
-        advantages=lambda rewards, group_size, batch_sum: grpo_advantages(rewards, group_size),
+        advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
         objective=cispo_token_losses, clip_low=1.0, clip_high=4.0, aggregation="token_mean",
-        dual_clip=False,
+        group_of_one=GROUP_NORMALISED, dual_clip=False,
     ),
     "rloo": AlgorithmSpec(
         "RLOO: leave-one-out baseline within the group, PPO clip, token mean",
-        advantages=lambda rewards, group_size, batch_sum: rloo_advantages(rewards, group_size),
+        advantages=lambda rewards, weights, group_size, batch_sum: rloo_advantages(rewards, group_size),
         objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="token_mean",
+        group_of_one="takes each sample's baseline from the other samples of its group, and a group of one has none",
     ),
     "reinforce_pp": AlgorithmSpec(
-        "REINFORCE++: rewards normalised over the whole batch (no group baseline), PPO clip, token mean",
-        advantages=lambda rewards, group_size, batch_sum: reinforce_pp_advantages(
-            rewards, group_size, group_baseline=False, batch_sum=batch_sum
+        "REINFORCE++: rewards whitened over the whole batch (no group baseline), PPO clip, token mean",
+        advantages=lambda rewards, weights, group_size, batch_sum: reinforce_pp_advantages(
+            rewards, group_size, group_baseline=False, weights=weights, batch_sum=batch_sum
         ),
         objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="token_mean",
-        needs_groups=False,
+        group_of_one=None, batch_whitened=True,
     ),
     "reinforce_pp_baseline": AlgorithmSpec(
-        "REINFORCE++-baseline: group mean subtracted, then normalised over the whole batch; PPO clip, token mean",
-        advantages=lambda rewards, group_size, batch_sum: reinforce_pp_advantages(
-            rewards, group_size, group_baseline=True, batch_sum=batch_sum
+        "REINFORCE++-baseline: group mean subtracted (none for groups of one), then whitened over the whole "
+        "batch; PPO clip, token mean",
+        advantages=lambda rewards, weights, group_size, batch_sum: reinforce_pp_advantages(
+            rewards, group_size, group_baseline=True, weights=weights, batch_sum=batch_sum
         ),
         objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="token_mean",
+        group_of_one=None, batch_whitened=True,
     ),
 }  # fmt: skip
 
@@ -170,13 +184,21 @@ class LossConfig:
     truncated weight pi_old / mu for the behaviour policy mu that sampled it. token: a weight per
     token; sequence: one weight per response, exp(sum of its tokens' log-ratios). none: no weight.
     Default: token in the asynchronous mode (rollout.max_staleness >= 1), where mu is an older
-    adapter, and none otherwise. Needs algorithm.recompute_old_logprobs."""
+    adapter, or with icepop_band; none otherwise. Needs algorithm.recompute_old_logprobs."""
     importance_cap: float = 2.0
-    """Truncation C of the importance weights: w = min(ratio, C). Must be > 0."""
+    """Truncation C of the importance weights: w = min(ratio, C). Must be > 0. Not used with
+    icepop_band, whose band replaces the truncation."""
     icepop_band: tuple[float, float] | None = None
-    """IcePop: tokens whose ratio pi_old / mu is outside [low, high] are left out of the policy loss
-    (their loss and gradient are 0; the metric icepop_masked_fraction counts them), e.g. (0.5, 5.0).
-    Needs 0 < low <= 1 <= high and algorithm.recompute_old_logprobs. None disables it."""
+    """IcePop, e.g. (0.5, 5.0): each token's loss is weighted by its ratio pi_old / mu when the ratio
+    is inside [low, high], and the token is left out of the policy loss (weight 0, the metric
+    icepop_masked_fraction counts it) when it is outside. It is token-level importance sampling
+    with the band in place of the truncation, so importance_sampling must be token or unset (not
+    sequence or none). Needs 0 < low <= 1 <= high and algorithm.recompute_old_logprobs. None
+    disables it."""
+    advantage_whitening: Literal["token", "response"] = "token"
+    """reinforce_pp and reinforce_pp_baseline: what the batch mean and standard deviation of the
+    advantages are taken over. token: every loss token, so each response counts once per token it
+    has (the REINFORCE++ definition, as in verl); response: each response once."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -213,8 +235,10 @@ class Algorithm:
         self.clip_high = self.spec.clip_high if loss.clip_high is None else loss.clip_high
         self.aggregation: Aggregation = loss.aggregation or self.spec.aggregation
         self.max_response_length = loss.max_response_length or max_new_tokens
-        self.importance_sampling = importance_sampling_for(loss, max_staleness)
         """The Dr.GRPO length divisor: the generation limit unless set."""
+        self.importance_sampling = importance_sampling_for(loss, max_staleness)
+        if (problem := icepop_problem(loss)) is not None:
+            raise ValueError(problem)
 
     @property
     def needs_reference(self) -> bool:
@@ -226,25 +250,38 @@ class Algorithm:
         """The token advantages come (at least in part) from a teacher's log-probs."""
         return self.config.teacher_path is not None
 
+    @property
+    def uses_reward_advantages(self) -> bool:
+        """The token advantages include the rewards' (all but on-policy distillation alone)."""
+        return uses_reward_advantages(self.config)
+
     # ---- before training: rewards -> advantages ---------------------------------------------------
     def prepare(
         self, rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, batch_sum: BatchSum | None = None
     ) -> PreparedRewards:
-        """rewards [N], response lengths [N] (samples stored group by group) -> shaped rewards,
-        advantages and the samples to keep. batch_sum sums per-rank totals over the data-parallel
-        ranks, for estimators that normalise over the whole batch (None: this rank is the batch)."""
+        """rewards [N], response lengths [N] (samples stored group by group, the lengths counted in
+        loss tokens) -> shaped rewards, advantages and the samples to keep. batch_sum sums per-rank
+        totals over the data-parallel ranks, for estimators that whiten over the whole batch (None:
+        this rank is the batch); it is called on every rank, whatever the rank keeps. The batch
+        statistics count only the kept samples, each once per loss token (or once, with
+        loss.advantage_whitening = response). Without reward advantages (on-policy distillation
+        alone) the advantages are 0."""
         config = self.config
         if config.overlong_buffer:
             rewards = rewards + overlong_penalty(
                 lengths, self.max_new_tokens, config.overlong_buffer, config.overlong_penalty_factor
             )
-        advantages = self.spec.advantages(rewards, group_size, batch_sum)
         keep = torch.ones(rewards.numel(), dtype=torch.bool)
         if config.dynamic_sampling:
             keep = groups_with_reward_variance(rewards, group_size).repeat_interleave(group_size)
-            if not keep.any():  # nothing to learn from here; train on the step with zero advantages
-                keep[:] = True
-                advantages = torch.zeros_like(advantages)
+        counts = lengths.float() if self.loss_config.advantage_whitening == "token" else torch.ones(rewards.numel())
+        if self.uses_reward_advantages:
+            advantages = self.spec.advantages(rewards, counts * keep, group_size, batch_sum)
+        else:
+            advantages = torch.zeros(rewards.numel())
+        if not keep.any():  # nothing to learn from here; train on the step with zero advantages
+            keep[:] = True
+            advantages = torch.zeros_like(advantages)
         return PreparedRewards(rewards, advantages, keep)
 
     def token_advantages(
@@ -256,7 +293,8 @@ class Algorithm:
     ) -> torch.Tensor:
         """On-policy distillation's per-token advantages [T], 0 outside loss_mask: the teacher's
         alone (-(log pi_student - log pi_teacher)) without algorithm.distillation_weight, else
-        the task advantage plus distillation_weight times it."""
+        the task advantage plus distillation_weight times it: one advantage per token, which the
+        objective clips as one surrogate (see `mixed_distillation_advantages`)."""
         weight = self.config.distillation_weight
         if weight is None:
             return distillation_advantages(student_logprobs, teacher_logprobs) * loss_mask
@@ -268,8 +306,8 @@ class Algorithm:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the batch loss (see archon.rl.losses) and its metrics:
 
-            objective (clipped per the algorithm), times the importance weights, IcePop-masked,
-            aggregated; + kl_coef * KL penalty; - entropy_coef * entropy; all with one aggregation.
+            objective (clipped per the algorithm), times the importance weights (truncated, or
+            IcePop's), aggregated; + kl_coef * KL penalty; - entropy_coef * entropy; all with one aggregation.
 
         Reads batch.old_logprobs and batch.advantages, batch.ref_logprobs with kl_coef > 0 and
         batch.rollout_logprobs with importance sampling or IcePop; ctx.entropy (the `entropy`
@@ -293,17 +331,18 @@ class Algorithm:
                     "importance_sampling or icepop_band is set but the batch has no rollout_logprobs (the "
                     "behaviour policy's log-probs)"
                 )
-        if self.importance_sampling != "none":
+        if config.icepop_band is not None:
+            low, high = config.icepop_band
+            weights, is_metrics = icepop_weights(old, batch.rollout_logprobs, mask, low, high)
+            # where() rather than the product alone: a token outside the band with an inf loss would give NaN
+            token_losses = torch.where(weights > 0, token_losses * weights, torch.zeros_like(token_losses))
+            metrics.update(is_metrics)
+        elif self.importance_sampling != "none":
             weights, is_metrics = importance_weights(
                 old, batch.rollout_logprobs, mask, cu_seqlens, self.importance_sampling, config.importance_cap
             )
             token_losses = token_losses * weights
             metrics.update(is_metrics)
-        if config.icepop_band is not None:
-            low, high = config.icepop_band
-            keep, icepop_metrics = icepop_keep(old, batch.rollout_logprobs, mask, low, high)
-            token_losses = torch.where(keep, token_losses, torch.zeros_like(token_losses))
-            metrics.update(icepop_metrics)
         loss = self._aggregate(token_losses, mask, cu_seqlens, ctx)
         metrics["policy_loss"] = loss.detach()
         if self.needs_reference:
@@ -329,10 +368,67 @@ class Algorithm:
 
 
 def importance_sampling_for(loss: LossConfig, max_staleness: int) -> ImportanceSampling:
-    """loss.importance_sampling, or its default: token when samples may come from an older adapter."""
+    """loss.importance_sampling, or its default: token when samples may come from an older adapter
+    or with IcePop (a token-level weight)."""
     if loss.importance_sampling is not None:
         return loss.importance_sampling
-    return "token" if max_staleness > 0 else "none"
+    return "token" if max_staleness > 0 or loss.icepop_band is not None else "none"
+
+
+def uses_reward_advantages(config: AlgorithmConfig) -> bool:
+    """The token advantages include the rewards' advantages: always but with a teacher alone
+    (algorithm.teacher_path set and algorithm.distillation_weight not)."""
+    return config.teacher_path is None or config.distillation_weight is not None
+
+
+def group_size_problem(name: str, group_size: int) -> str | None:
+    """Why algorithm `name` cannot learn from groups of `group_size` samples per prompt, or None.
+
+    A group of one sample has no other sample to compare with: the group-normalised algorithms
+    (grpo, drgrpo, dapo, gspo, cispo) would give every sample advantage 0 and rloo has no
+    leave-one-out baseline, so these need groups of 2 or more. reinforce_pp whitens the rewards over
+    the batch and reinforce_pp_baseline, with no group mean to subtract, does the same."""
+    reason = ALGORITHMS[name].group_of_one
+    if group_size != 1 or reason is None:
+        return None
+    single = ", ".join(n for n, spec in ALGORITHMS.items() if spec.group_of_one is None)
+    return f"algorithm {name!r} {reason}; use groups of 2 or more, or an algorithm that learns from one ({single})"
+
+
+def icepop_problem(loss: LossConfig) -> str | None:
+    """Why loss.icepop_band cannot go with loss.importance_sampling, or None: IcePop weights each
+    token by its own ratio, a token-level weight that a sequence-level weight would multiply twice
+    and that 'none' would contradict."""
+    if loss.icepop_band is None or loss.importance_sampling in (None, "token"):
+        return None
+    return (
+        f"algorithm.loss.importance_sampling={loss.importance_sampling!r}: IcePop (algorithm.loss.icepop_band="
+        f"{loss.icepop_band}) weights each token by its own ratio pi_old / mu inside the band, a token-level "
+        "importance weight; set importance_sampling to 'token' or leave it unset"
+    )
+
+
+def algorithm_problems(config: AlgorithmConfig, group_size: int) -> list[str]:
+    """What is wrong with the algorithm settings `config` for groups of `group_size` samples per
+    prompt, each as 'field=value: rule' (fields named from the run config's root)."""
+    loss = config.loss
+    problems = []
+    if uses_reward_advantages(config) and (problem := group_size_problem(loss.algorithm, group_size)) is not None:
+        problems.append(f"rollout.group_size={group_size}: {problem}")
+    if config.dynamic_sampling and group_size == 1:
+        problems.append(
+            "algorithm.dynamic_sampling=True: keeps only the groups whose rewards differ, and with "
+            "rollout.group_size=1 no group has two rewards to differ"
+        )
+    if (problem := icepop_problem(loss)) is not None:
+        problems.append(problem)
+    if loss.advantage_whitening != "token" and not ALGORITHMS[loss.algorithm].batch_whitened:
+        whitened = ", ".join(n for n, spec in ALGORITHMS.items() if spec.batch_whitened)
+        problems.append(
+            f"algorithm.loss.advantage_whitening={loss.advantage_whitening!r}: only algorithms that whiten their "
+            f"advantages over the batch ({whitened}) use it, not {loss.algorithm!r}"
+        )
+    return problems
 
 
 def get_algorithm(config: AlgorithmConfig, max_new_tokens: int, max_staleness: int = 0) -> Algorithm:

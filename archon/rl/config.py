@@ -22,7 +22,7 @@ from archon.lora import LoRAConfig
 from archon.load_balance import MoEConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
-from archon.rl.algorithms import ALGORITHMS, LossConfig, importance_sampling_for
+from archon.rl.algorithms import ALGORITHMS, LossConfig, algorithm_problems, importance_sampling_for
 from archon.rl.data import DataConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
@@ -521,15 +521,8 @@ def _setting_problems(config: GRPOConfig) -> list[str]:
             "trainer's log-probs before the update are the proximal policy of the decoupled objective",
         )  # fmt: skip
     spec = ALGORITHMS[loss.algorithm]
-    uses_rewards = algorithm.teacher_path is None or algorithm.distillation_weight is not None
-    if uses_rewards and spec.needs_groups:
-        require(
-            rollout.group_size >= 2, "rollout.group_size", rollout.group_size,
-            f"algorithm {loss.algorithm!r} compares each sample with the other samples of its prompt's group, "
-            "so a group needs at least 2",
-        )  # fmt: skip
-    else:
-        require(rollout.group_size >= 1, "rollout.group_size", rollout.group_size, "must be at least 1")
+    require(rollout.group_size >= 1, "rollout.group_size", rollout.group_size, "must be at least 1")
+    problems += algorithm_problems(algorithm, rollout.group_size)
     require(rollout.max_new_tokens >= 1, "rollout.max_new_tokens", rollout.max_new_tokens, "must be at least 1")
     require(
         rollout.temperature > 0, "rollout.temperature", rollout.temperature,

@@ -319,16 +319,28 @@ def importance_weights(
     return weights, metrics
 
 
-def icepop_keep(
+def icepop_weights(
     old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, low: float, high: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """IcePop: keep [T] bool, false on the tokens whose ratio pi_old(y_t) / mu(y_t) lies outside
-    [low, high]; those tokens are dropped from the policy loss (loss and gradient 0), because the
-    trainer and the sampler disagree on them too much for an importance weight to fix.
-    Metric: icepop_masked_fraction, the share of the masked tokens dropped."""
+    """IcePop importance weights, detached.  -> [T] fp32.
+
+        w_t = pi_old(y_t) / mu(y_t)   if low <= pi_old(y_t) / mu(y_t) <= high
+        w_t = 0                       otherwise
+    A token-level importance weight whose band replaces the truncation of `importance_weights`:
+    a token inside the band keeps its whole ratio (none is capped), and a token outside it is left
+    out of the policy loss (loss and gradient 0), because the trainer and the sampler disagree on it
+    too much for a weight to fix. Metrics over the masked tokens: tis_weight_mean,
+    icepop_masked_fraction (the share of tokens outside the band) and rollout_logprob_abs_diff."""
     if old_logprobs.shape != rollout_logprobs.shape:
         raise ValueError(f"shape mismatch: old {tuple(old_logprobs.shape)} vs rollout {tuple(rollout_logprobs.shape)}")
+    mask = _as_mask(loss_mask)
     log_ratio = (old_logprobs.float() - rollout_logprobs.float()).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     keep = (ratio >= low) & (ratio <= high)
-    return keep, {"icepop_masked_fraction": masked_mean((~keep).float(), loss_mask)}
+    weights = torch.where(keep, ratio, torch.zeros_like(ratio))
+    metrics = {
+        "tis_weight_mean": masked_mean(weights, mask),
+        "icepop_masked_fraction": masked_mean((~keep).float(), mask),
+        "rollout_logprob_abs_diff": masked_mean(log_ratio.abs(), mask),
+    }
+    return weights, metrics
