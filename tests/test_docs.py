@@ -14,8 +14,8 @@ A block's info string is its kind, then options (```bash no-run: REASON, ```yaml
   archon modules and names its commands use must exist.
 - text tree: a layout tree; every path it names must exist.
 
-`file=NAME` (python, yaml, toml) also writes the block to NAME in the working directory of its
-page, for the blocks after it (a config file that a command passes with --config, a reward
+`file=NAME` (python, yaml, toml) also writes the block to NAME in the working directory of the
+page's other blocks (a config file that a command passes with --config, a reward
 module that a config names). Any other kind of block is an error.
 """
 
@@ -148,9 +148,9 @@ def with_stand_ins(config, stand_ins, substituted: list[str]):
 
 @pytest.fixture
 def workdir(block_under_test: Block, tmp_path, monkeypatch):
-    """A working directory on sys.path holding the `file=` blocks that come before the block on its page."""
+    """A working directory on sys.path holding the page's other `file=` blocks."""
     for block in BLOCKS:
-        if block.page == block_under_test.page and block.line < block_under_test.line and block.file_name:
+        if block.page == block_under_test.page and block is not block_under_test and block.file_name:
             (tmp_path / block.file_name).write_text(block.text, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
