@@ -91,14 +91,20 @@ def _exit_with_error(error: BaseException, every_rank: bool) -> None:
     raise SystemExit(1) from None
 
 
+def recipe_argv(argv: list[str]) -> list[str]:
+    """The recipe's arguments as parse_config takes them: with neither --config nor --model.path
+    (nor --help), the built-in demo's config comes first."""
+    if "--config" not in argv and not any(a.startswith("--model.path") for a in argv) and "--help" not in argv:
+        return ["--config", str(DEMO_CONFIG), *argv]
+    return argv
+
+
 @record  # under torchrun, any other error's message and traceback reach its failure summary
 def main(argv: list[str] | None = None) -> None:
     from archon.rl.config import parse_config
     from archon.rl.loop import terminate_as_interrupt
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv and not any(a.startswith("--model.path") for a in argv) and "--help" not in argv:
-        argv = ["--config", str(DEMO_CONFIG), *argv]
+    argv = recipe_argv(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = parse_config(argv)

