@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from archon.rl.config import GRPOConfig, load_config_file, parse_config, validate
+from archon.rl.config import RLConfig, load_config_file, parse_config, validate
 from archon.rl.data import DataConfig, load_prompt_dataset
 from archon.rl.rewards import RewardConfig, RewardScorer
 from archon.rl.tasks import build_char_tokenizer
@@ -61,8 +61,17 @@ FILE_CASES = {
     "yaml-bad-bool": ("run.yaml", "logging: {progress: maybe}\n", "logging.progress: expected true or false"),
     "yaml-short-tuple": ("run.yaml", "optim: {betas: [0.9]}\n", "optim.betas: expected a list of 2 items"),
     "yaml-str-for-list": ("run.yaml", "lora: {target_modules: q_proj}\n", "lora.target_modules: expected a list"),
-    "yaml-deep-bad-choice": (
+    "yaml-deep-bad-choice": ("run.yaml", "algorithm: {name: ppo2}\n", "algorithm.name: expected one of 'grpo'"),
+    "yaml-bad-choice-old-spelling": (
         "run.yaml", "algorithm: {loss: {algorithm: ppo2}}\n", "algorithm.loss.algorithm: expected one of 'grpo'",
+    ),  # fmt: skip
+    "yaml-both-spellings": (
+        "run.yaml", "algorithm: {name: grpo, loss: {algorithm: dapo}}\n",
+        "algorithm.loss.algorithm='dapo' and algorithm.name='grpo' set the same thing to different values",
+    ),  # fmt: skip
+    "yaml-task-both-spellings": (
+        "run.yaml", "tasks: [{name: a}, {name: b, algorithm: {name: rloo, loss: {algorithm: cispo}}}]\n",
+        "tasks[1].algorithm.loss.algorithm='cispo' and tasks[1].algorithm.name='rloo'",
     ),  # fmt: skip
     "yaml-dataclass-check": ("run.yaml", "lora: {rank: 0}\n", "lora: LoRAConfig.rank must be positive"),
     "yaml-reward-timeout": ("run.yaml", "reward: {timeout_s: 0}\n", "reward: RewardConfig.timeout_s must be positive"),
@@ -136,10 +145,10 @@ def test_every_field_loads_from_a_file():
             return [plain(v) for v in value]
         return value
 
-    values = plain(dataclasses.asdict(GRPOConfig()))
+    values = plain(dataclasses.asdict(RLConfig()))
     from archon.rl.config import merge_into
 
-    assert merge_into(GRPOConfig(), yaml.safe_load(yaml.safe_dump(values))) == GRPOConfig()
+    assert merge_into(RLConfig(), yaml.safe_load(yaml.safe_dump(values))) == RLConfig()
 
 
 # ---- command-line flags -------------------------------------------------------------------------
@@ -176,7 +185,7 @@ VALIDATION_CASES = {
     "ppo-epochs-zero": ({"algorithm.ppo_epochs": 0}, "algorithm.ppo_epochs=0"),
     "group-of-one": ({"rollout.group_size": 1}, "rollout.group_size=1"),
     "group-of-one-drgrpo": (
-        {"rollout.group_size": 1, "algorithm.loss.algorithm": "drgrpo"}, "rollout.group_size=1: algorithm 'drgrpo'"
+        {"rollout.group_size": 1, "algorithm.name": "drgrpo"}, "rollout.group_size=1: algorithm.name='drgrpo'"
     ),  # fmt: skip
     "moe-bias-update-with-vllm": (
         {"model.moe.bias_update_rate": 0.001, "rollout.engine": "vllm"}, "model.moe.bias_update_rate=0.001"
@@ -207,7 +216,7 @@ VALIDATION_CASES = {
     "icepop-band-outside-one": ({"algorithm.loss.icepop_band": (1.5, 5.0)}, "algorithm.loss.icepop_band=(1.5, 5.0)"),
     "dual-clip-not-above-one": ({"algorithm.loss.clip_ratio_c": 0.9}, "algorithm.loss.clip_ratio_c=0.9: must be > 1"),
     "dual-clip-with-cispo": (
-        {"algorithm.loss.clip_ratio_c": 3.0, "algorithm.loss.algorithm": "cispo"},
+        {"algorithm.loss.clip_ratio_c": 3.0, "algorithm.name": "cispo"},
         "algorithm.loss.clip_ratio_c=3.0: dual clip bounds the PPO clipped objective",
     ),  # fmt: skip
     "staleness-negative": ({"rollout.max_staleness": -1}, "rollout.max_staleness=-1: must be 0 or more"),
@@ -232,7 +241,7 @@ VALIDATION_CASES = {
         {"algorithm.distillation_weight": 0.5}, "algorithm.distillation_weight=0.5: weights a teacher's advantage"
     ),  # fmt: skip
     "group-of-one-rloo": (
-        {"rollout.group_size": 1, "algorithm.loss.algorithm": "rloo"}, "rollout.group_size=1: algorithm 'rloo'"
+        {"rollout.group_size": 1, "algorithm.name": "rloo"}, "rollout.group_size=1: algorithm.name='rloo'"
     ),  # fmt: skip
     "kl-coef-negative": ({"algorithm.loss.kl_coef": -0.1}, "algorithm.loss.kl_coef=-0.1"),
     "temperature-zero": ({"rollout.temperature": 0.0}, "rollout.temperature=0.0"),
@@ -262,7 +271,7 @@ def test_invalid_settings_fail_before_anything_is_built(case, run_dir):
     from archon.rl.loop import RLRun
 
     changes, culprit = VALIDATION_CASES[case]
-    config = _replace(GRPOConfig(), "logging.run_dir", str(run_dir))
+    config = _replace(RLConfig(), "logging.run_dir", str(run_dir))
     for path, value in changes.items():
         config = _replace(config, path, value)
     before = _snapshot(run_dir)
@@ -275,7 +284,7 @@ def test_invalid_settings_fail_before_anything_is_built(case, run_dir):
 def test_prompts_per_step_below_the_data_parallel_size(run_dir, monkeypatch):
     from archon.rl.loop import RLRun
 
-    config = _replace(_replace(GRPOConfig(), "rollout.prompts_per_step", 2), "logging.run_dir", str(run_dir))
+    config = _replace(_replace(RLConfig(), "rollout.prompts_per_step", 2), "logging.run_dir", str(run_dir))
     validate(config, world_size=2)
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2: smaller than the data-parallel size 4"):
         validate(config, world_size=4)
@@ -296,7 +305,7 @@ def test_optimizer_settings_are_checked_on_the_command_line_and_per_task():
 
     tasks = (TaskConfig(name="a"), TaskConfig(name="b", optim=OptimConfig(lr=float("inf"), eps=-1.0)))
     with pytest.raises(ValueError) as error:
-        validate(GRPOConfig(tasks=tasks), world_size=1)
+        validate(RLConfig(tasks=tasks), world_size=1)
     message = str(error.value)
     assert "tasks[1].optim.lr=inf" in message and "tasks[1].optim.eps=-1.0" in message, message
     assert "tasks[0].optim" not in message, message
@@ -316,7 +325,7 @@ def test_the_staleness_bound_is_bounded_when_parsed_and_per_task():
 
     tasks = (TaskConfig(name="a", max_staleness=2), TaskConfig(name="b", max_staleness=10**9))
     with pytest.raises(ValueError) as error:
-        validate(GRPOConfig(tasks=tasks, rollout=dataclasses.replace(GRPOConfig().rollout, engine="vllm")), world_size=1)
+        validate(RLConfig(tasks=tasks, rollout=dataclasses.replace(RLConfig().rollout, engine="vllm")), world_size=1)
     message = str(error.value)
     assert "tasks[1].max_staleness=1000000000: must be at most 64" in message, message
     assert "tasks[0].max_staleness" not in message, message
@@ -342,7 +351,7 @@ def test_model_files_are_checked_before_loading(teacher_vocab, max_new_tokens, c
 
     student = _model_dir(tmp_path, "student", vocab_size=512, max_position_embeddings=128)
     teacher = _model_dir(tmp_path, "teacher", vocab_size=teacher_vocab, max_position_embeddings=128)
-    config = GRPOConfig()
+    config = RLConfig()
     for path, value in {
         "model.path": str(student), "algorithm.teacher_path": str(teacher), "logging.run_dir": str(run_dir),
         "rollout.max_new_tokens": max_new_tokens,

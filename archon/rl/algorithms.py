@@ -138,11 +138,9 @@ def unknown_algorithm(name: str) -> str:
 
 @dataclass
 class LossConfig:
-    """The algorithm and the settings of its loss (the `algorithm.loss` section of the recipe config).
-    Every default leaves the algorithm as its paper defines it."""
+    """The settings of an algorithm's loss (the `algorithm.loss` section of the recipe config; the
+    algorithm itself is `algorithm.name`). Every default leaves the algorithm as its paper defines it."""
 
-    algorithm: AlgorithmName = "grpo"
-    """grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp or reinforce_pp_baseline (archon.rl.algorithms)."""
     clip_low: float | None = None
     """Lower clip: the ratio (or CISPO weight) is kept >= 1 - clip_low. None: the algorithm's default."""
     clip_high: float | None = None
@@ -179,8 +177,6 @@ class LossConfig:
     Needs 0 < low <= 1 <= high and algorithm.recompute_old_logprobs. None disables it."""
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(unknown_algorithm(self.algorithm))
         if self.max_response_length is not None and self.max_response_length <= 0:
             raise ValueError(f"LossConfig.max_response_length must be positive, got {self.max_response_length}")
 
@@ -202,9 +198,9 @@ class Algorithm:
 
     def __init__(self, config: AlgorithmConfig, max_new_tokens: int, max_staleness: int = 0) -> None:
         loss = config.loss
-        if loss.algorithm not in ALGORITHMS:
-            raise ValueError(unknown_algorithm(loss.algorithm))
-        self.name = loss.algorithm
+        if config.name not in ALGORITHMS:
+            raise ValueError(unknown_algorithm(config.name))
+        self.name = config.name
         self.spec = ALGORITHMS[self.name]
         self.config = config
         self.loss_config = loss
@@ -336,7 +332,7 @@ def importance_sampling_for(loss: LossConfig, max_staleness: int) -> ImportanceS
 
 
 def get_algorithm(config: AlgorithmConfig, max_new_tokens: int, max_staleness: int = 0) -> Algorithm:
-    """The algorithm named by config.loss.algorithm, its defaults resolved; max_new_tokens is the
+    """The algorithm named by config.name, its defaults resolved; max_new_tokens is the
     generation limit (the overlong penalty's length, the default Dr.GRPO divisor), max_staleness the
     rollouts' staleness bound (the default importance sampling). An unknown name is a ValueError
     that lists the registered ones."""

@@ -27,7 +27,8 @@ from archon.batch import PackedBatch
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
 from archon.rl.algorithms import get_algorithm
-from archon.rl.config import GRPOConfig, validate
+from archon.rl.config import RLConfig as GRPOConfig
+from archon.rl.config import validate
 from archon.rl.data import (
     DataConfig,
     PromptBatchIterator,

@@ -32,7 +32,8 @@ from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import CheckpointManager
 from archon.lora import task_view
 from archon.rl.algorithms import get_algorithm
-from archon.rl.config import GRPOConfig, TaskConfig, validate
+from archon.rl.config import RLConfig as GRPOConfig
+from archon.rl.config import TaskConfig, validate
 from archon.rl.data import PromptBatchIterator, load_prompt_dataset
 from archon.rl.loop import (
     RewardFunctionError,
