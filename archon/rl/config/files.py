@@ -8,7 +8,6 @@ refuse is an error that names the field.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 import typing
 from pathlib import Path
@@ -17,10 +16,11 @@ from typing import Any, Literal
 from archon.rl.algorithms import AlgorithmName
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, both_spellings_error, warn_renamed
 
-if sys.version_info >= (3, 11):
+try:
     import tomllib
-else:
+except ModuleNotFoundError:  # Python 3.10: the backport
     import tomli as tomllib
+
 
 def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)

@@ -256,7 +256,8 @@ def _algorithm_problems(
         )  # fmt: skip
     if loss.clip_ratio_c is not None:
         problems.require(
-            loss.clip_ratio_c > 1, f"{where}.loss.clip_ratio_c", loss.clip_ratio_c, "must be > 1 (None disables dual clip)"
+            loss.clip_ratio_c > 1, f"{where}.loss.clip_ratio_c", loss.clip_ratio_c,
+            "must be > 1 (None disables dual clip)",
         )  # fmt: skip
         problems.require(
             spec.dual_clip, f"{where}.loss.clip_ratio_c", loss.clip_ratio_c,
@@ -292,7 +293,9 @@ def _algorithm_problems(
     return problems
 
 
-def _lora_problems(lora: LoRAConfig | None, algorithm: AlgorithmConfig, prefix: str, rollout: RolloutConfig) -> list[str]:
+def _lora_problems(
+    lora: LoRAConfig | None, algorithm: AlgorithmConfig, prefix: str, rollout: RolloutConfig
+) -> list[str]:
     problems = _Problems()
     if lora is not None:
         problems.require(lora.alpha > 0, f"{prefix}lora.alpha", lora.alpha, "must be > 0")
