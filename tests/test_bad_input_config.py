@@ -246,7 +246,7 @@ def test_the_old_spelling_of_the_algorithm_name_in_a_file_warns_and_means_the_sa
     old_path.write_text(old_text)
     new_path.write_text(new_text)
     new_field = old_field.removesuffix("loss.algorithm") + "name"
-    warning = re.escape(f"{old_field} is deprecated") + ".*" + re.escape(f"use {new_field}")
+    warning = re.escape(f"config file {old_path}: {old_field} is deprecated") + ".*" + re.escape(f"use {new_field}")
     with pytest.warns(FutureWarning, match=warning):
         old = load_config_file(old_path)
     with warnings.catch_warnings():

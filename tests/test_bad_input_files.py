@@ -246,7 +246,7 @@ def test_checkpoint_with_nan_weight_warns_naming_tensor_and_file(files, tmp_path
 
 @pytest.mark.parametrize("option", ["model.path", "model.tokenizer"])
 def test_run_with_missing_path_names_path_and_option(files, tmp_path, option):
-    from archon.rl.config import RLConfig, ModelConfig
+    from archon.rl.config import ModelConfig, RLConfig
     from archon.rl.loop import RLRun
 
     missing = str(tmp_path / "no-such-dir")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -211,13 +212,19 @@ def _read_values(path: Path) -> Any:
 
 
 def load_config_file(path: str | Path, base: RLConfig | None = None) -> RLConfig:
-    """`base` (default: RLConfig()) with the values of a YAML or TOML file; errors name the file."""
+    """`base` (default: RLConfig()) with the values of a YAML or TOML file; errors and warnings (a
+    setting spelled as before a rename) name the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     if path.suffix not in (".yaml", ".yml", ".toml"):
         raise ValueError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
     try:
-        return merge_into(base or RLConfig(), _read_values(path))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config = merge_into(base or RLConfig(), _read_values(path))
     except ValueError as e:  # UnicodeDecodeError included
         raise ValueError(f"config file {path}: {e}") from None
+    for warning in caught:
+        warnings.warn(f"config file {path}: {warning.message}", warning.category, stacklevel=2)
+    return config
