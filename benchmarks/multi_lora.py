@@ -79,7 +79,7 @@ TASK_SETTINGS = (
     "reward: {function: exact, num_workers: 0}",
     "lora: {rank: 16, alpha: 32.0}",
     "optim: {lr: 0.002, max_grad_norm: 1.0}",
-    "algorithm: {loss: {algorithm: grpo}, minibatches: 2}",
+    "algorithm: {name: grpo, minibatches: 2}",
 )
 
 

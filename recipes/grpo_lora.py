@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 recipes/grpo_lora.py --config recipes/configs/qwen3_math.yaml \\
         --model.path /models/Qwen3-8B --data.path train.jsonl --eval.path test.jsonl
 
-Every option is a field of archon.rl.config.GRPOConfig (`--help` lists them). `--config FILE`
+Every option is a field of archon.rl.config.RLConfig (`--help` lists them). `--config FILE`
 (YAML or TOML) gives the starting values and later flags override them. With neither `--config`
 nor `--model.path`, recipes/configs/demo.yaml is used: a small Qwen3 warm-started by SFT on
 synthetic arithmetic (cached), then GRPO-LoRA on it, all on CPU with no downloads.

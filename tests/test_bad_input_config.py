@@ -5,13 +5,17 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
+import subprocess
+import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from archon.rl.config import GRPOConfig, load_config_file, parse_config, validate
+from archon.rl.config import RLConfig, TaskConfig, load_config_file, parse_config, validate
 from archon.rl.data import DataConfig, load_prompt_dataset
 from archon.rl.rewards import RewardConfig, RewardScorer
 from archon.rl.tasks import build_char_tokenizer
@@ -61,8 +65,17 @@ FILE_CASES = {
     "yaml-bad-bool": ("run.yaml", "logging: {progress: maybe}\n", "logging.progress: expected true or false"),
     "yaml-short-tuple": ("run.yaml", "optim: {betas: [0.9]}\n", "optim.betas: expected a list of 2 items"),
     "yaml-str-for-list": ("run.yaml", "lora: {target_modules: q_proj}\n", "lora.target_modules: expected a list"),
-    "yaml-deep-bad-choice": (
+    "yaml-deep-bad-choice": ("run.yaml", "algorithm: {name: ppo2}\n", "algorithm.name: expected one of 'grpo'"),
+    "yaml-bad-choice-old-spelling": (
         "run.yaml", "algorithm: {loss: {algorithm: ppo2}}\n", "algorithm.loss.algorithm: expected one of 'grpo'",
+    ),  # fmt: skip
+    "yaml-both-spellings": (
+        "run.yaml", "algorithm: {name: grpo, loss: {algorithm: dapo}}\n",
+        "algorithm.loss.algorithm='dapo' and algorithm.name='grpo' set the same thing to different values",
+    ),  # fmt: skip
+    "yaml-task-both-spellings": (
+        "run.yaml", "tasks: [{name: a}, {name: b, algorithm: {name: rloo, loss: {algorithm: cispo}}}]\n",
+        "tasks[1].algorithm.loss.algorithm='cispo' and tasks[1].algorithm.name='rloo'",
     ),  # fmt: skip
     "yaml-dataclass-check": ("run.yaml", "lora: {rank: 0}\n", "lora: LoRAConfig.rank must be positive"),
     "yaml-reward-timeout": ("run.yaml", "reward: {timeout_s: 0}\n", "reward: RewardConfig.timeout_s must be positive"),
@@ -136,10 +149,10 @@ def test_every_field_loads_from_a_file():
             return [plain(v) for v in value]
         return value
 
-    values = plain(dataclasses.asdict(GRPOConfig()))
+    values = plain(dataclasses.asdict(RLConfig()))
     from archon.rl.config import merge_into
 
-    assert merge_into(GRPOConfig(), yaml.safe_load(yaml.safe_dump(values))) == GRPOConfig()
+    assert merge_into(RLConfig(), yaml.safe_load(yaml.safe_dump(values))) == RLConfig()
 
 
 # ---- command-line flags -------------------------------------------------------------------------
@@ -166,6 +179,114 @@ def test_config_flag_without_a_path():
         parse_config(["--steps", "3", "--config"])
 
 
+def test_toml_files_are_read_with_the_backport_where_python_has_no_tomllib(tmp_path):
+    """Python 3.10 has no tomllib; there the tomli backport (a dependency on 3.10 only) reads TOML."""
+    path = tmp_path / "run.toml"
+    path.write_text("steps = 3\n[lora]\nrank = 8\n")
+    script = textwrap.dedent(
+        f"""
+        import sys, tomllib
+        sys.modules["tomli"] = tomllib  # the backport, under its own name (tomllib is tomli, adopted)
+        sys.modules["tomllib"] = None  # as on Python 3.10
+        from archon.rl.config import files, load_config_file
+        assert files.tomllib is sys.modules["tomli"]
+        config = load_config_file({str(path)!r})
+        print(config.steps, config.lora.rank)
+        """
+    )
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["3", "8"]
+
+
+# ---- renamed settings ---------------------------------------------------------------------------
+
+
+def test_the_old_name_of_rl_config_warns_and_is_rl_config():
+    import archon.rl.config as config_module
+
+    renamed = r"archon\.rl\.config\.GRPOConfig is deprecated .*; use archon\.rl\.config\.RLConfig"
+    with pytest.warns(FutureWarning, match=renamed):
+        from archon.rl.config import GRPOConfig
+    assert GRPOConfig is RLConfig
+    with pytest.warns(FutureWarning, match="GRPOConfig is deprecated"):
+        assert config_module.GRPOConfig is RLConfig
+    with pytest.raises(AttributeError, match="has no attribute 'RLConfg'"):
+        config_module.RLConfg  # noqa: B018
+
+
+ALGORITHM_NAME_SPELLINGS = {
+    # name: (file name, old spelling, new spelling, the old field in the warning)
+    "yaml": (
+        "run.yaml", "algorithm: {loss: {algorithm: dapo, kl_coef: 0.1}, minibatches: 2}\n",
+        "algorithm: {name: dapo, loss: {kl_coef: 0.1}, minibatches: 2}\n", "algorithm.loss.algorithm",
+    ),
+    "toml": (
+        "run.toml", "[algorithm.loss]\nalgorithm = 'cispo'\n", "[algorithm]\nname = 'cispo'\n",
+        "algorithm.loss.algorithm",
+    ),
+    "task": (
+        "run.yaml", "tasks: [{name: a}, {name: b, algorithm: {loss: {algorithm: rloo}}}]\n",
+        "tasks: [{name: a}, {name: b, algorithm: {name: rloo}}]\n", "tasks[1].algorithm.loss.algorithm",
+    ),
+    "both-spellings-alike": (
+        "run.yaml", "algorithm: {name: gspo, loss: {algorithm: gspo}}\n", "algorithm: {name: gspo}\n",
+        "algorithm.loss.algorithm",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(ALGORITHM_NAME_SPELLINGS))
+def test_the_old_spelling_of_the_algorithm_name_in_a_file_warns_and_means_the_same(case, tmp_path):
+    name, old_text, new_text, old_field = ALGORITHM_NAME_SPELLINGS[case]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old_path, new_path = tmp_path / "old" / name, tmp_path / "new" / name
+    old_path.write_text(old_text)
+    new_path.write_text(new_text)
+    new_field = old_field.removesuffix("loss.algorithm") + "name"
+    warning = re.escape(f"config file {old_path}: {old_field} is deprecated") + ".*" + re.escape(f"use {new_field}")
+    with pytest.warns(FutureWarning, match=warning):
+        old = load_config_file(old_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling does not warn
+        new = load_config_file(new_path)
+    assert old == new and old != RLConfig()
+
+
+def test_the_old_algorithm_name_flag_warns_and_means_the_same():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = parse_config(["--algorithm.name", "dapo"])
+    for argv in (["--algorithm.loss.algorithm", "dapo"], ["--algorithm.loss.algorithm=dapo"]):
+        with pytest.warns(FutureWarning, match=r"--algorithm\.loss\.algorithm is deprecated .*; use --algorithm\.name"):
+            assert parse_config(argv) == new
+    assert new.algorithm.name == "dapo"
+    with pytest.warns(FutureWarning), pytest.raises(
+        ValueError, match=re.escape("--algorithm.loss.algorithm='dapo' and --algorithm.name='rloo' set the same thing")
+    ):
+        parse_config(["--algorithm.name=rloo", "--algorithm.loss.algorithm", "dapo"])
+    with pytest.warns(FutureWarning):  # both alike: no conflict
+        assert parse_config(["--algorithm.name", "dapo", "--algorithm.loss.algorithm", "dapo"]) == new
+
+
+def test_task_configs_are_the_tasks_or_the_one_unnamed_task_of_the_top_level_settings():
+    config = _replace(RLConfig(), "data.path", "train.jsonl")
+    for path, value in {
+        "eval.path": "held_out.jsonl", "reward.function": "exact", "algorithm.name": "dapo", "lora.rank": 4,
+        "optim.lr": 1e-3, "rollout.max_staleness": 2,
+    }.items():  # fmt: skip
+        config = _replace(config, path, value)
+    (single,) = config.task_configs()
+    assert single == TaskConfig(
+        name="", data=config.data, eval_path="held_out.jsonl", reward=config.reward, algorithm=config.algorithm,
+        lora=config.lora, optim=config.optim, max_staleness=2,
+    )  # fmt: skip
+    tasks = (TaskConfig(name="a"), TaskConfig(name="b", max_staleness=1))
+    assert dataclasses.replace(config, tasks=tasks).task_configs() == tasks
+
+
 # ---- up-front validation ------------------------------------------------------------------------
 
 VALIDATION_CASES = {
@@ -176,7 +297,7 @@ VALIDATION_CASES = {
     "ppo-epochs-zero": ({"algorithm.ppo_epochs": 0}, "algorithm.ppo_epochs=0"),
     "group-of-one": ({"rollout.group_size": 1}, "rollout.group_size=1"),
     "group-of-one-drgrpo": (
-        {"rollout.group_size": 1, "algorithm.loss.algorithm": "drgrpo"}, "rollout.group_size=1: algorithm 'drgrpo'"
+        {"rollout.group_size": 1, "algorithm.name": "drgrpo"}, "rollout.group_size=1: algorithm.name='drgrpo'"
     ),  # fmt: skip
     "moe-bias-update-with-vllm": (
         {"model.moe.bias_update_rate": 0.001, "rollout.engine": "vllm"}, "model.moe.bias_update_rate=0.001"
@@ -207,7 +328,7 @@ VALIDATION_CASES = {
     "icepop-band-outside-one": ({"algorithm.loss.icepop_band": (1.5, 5.0)}, "algorithm.loss.icepop_band=(1.5, 5.0)"),
     "dual-clip-not-above-one": ({"algorithm.loss.clip_ratio_c": 0.9}, "algorithm.loss.clip_ratio_c=0.9: must be > 1"),
     "dual-clip-with-cispo": (
-        {"algorithm.loss.clip_ratio_c": 3.0, "algorithm.loss.algorithm": "cispo"},
+        {"algorithm.loss.clip_ratio_c": 3.0, "algorithm.name": "cispo"},
         "algorithm.loss.clip_ratio_c=3.0: dual clip bounds the PPO clipped objective",
     ),  # fmt: skip
     "staleness-negative": ({"rollout.max_staleness": -1}, "rollout.max_staleness=-1: must be 0 or more"),
@@ -232,7 +353,7 @@ VALIDATION_CASES = {
         {"algorithm.distillation_weight": 0.5}, "algorithm.distillation_weight=0.5: weights a teacher's advantage"
     ),  # fmt: skip
     "group-of-one-rloo": (
-        {"rollout.group_size": 1, "algorithm.loss.algorithm": "rloo"}, "rollout.group_size=1: algorithm 'rloo'"
+        {"rollout.group_size": 1, "algorithm.name": "rloo"}, "rollout.group_size=1: algorithm.name='rloo'"
     ),  # fmt: skip
     "group-of-one-cispo": (
         {"rollout.group_size": 1, "algorithm.loss.algorithm": "cispo"},
@@ -283,7 +404,7 @@ def test_invalid_settings_fail_before_anything_is_built(case, run_dir):
     from archon.rl.loop import RLRun
 
     changes, culprit = VALIDATION_CASES[case]
-    config = _replace(GRPOConfig(), "logging.run_dir", str(run_dir))
+    config = _replace(RLConfig(), "logging.run_dir", str(run_dir))
     for path, value in changes.items():
         config = _replace(config, path, value)
     before = _snapshot(run_dir)
@@ -314,7 +435,7 @@ def test_groups_of_one_where_the_algorithm_learns_from_them():
 def test_prompts_per_step_below_the_data_parallel_size(run_dir, monkeypatch):
     from archon.rl.loop import RLRun
 
-    config = _replace(_replace(GRPOConfig(), "rollout.prompts_per_step", 2), "logging.run_dir", str(run_dir))
+    config = _replace(_replace(RLConfig(), "rollout.prompts_per_step", 2), "logging.run_dir", str(run_dir))
     validate(config, world_size=2)
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2: smaller than the data-parallel size 4"):
         validate(config, world_size=4)
@@ -330,12 +451,11 @@ def test_prompts_per_step_below_the_data_parallel_size(run_dir, monkeypatch):
 def test_optimizer_settings_are_checked_on_the_command_line_and_per_task():
     with pytest.raises(ValueError, match=r"optim\.lr=nan"):
         parse_config(["--optim.lr", "nan"])
-    from archon.rl.config import TaskConfig
     from archon.trainer import OptimConfig
 
     tasks = (TaskConfig(name="a"), TaskConfig(name="b", optim=OptimConfig(lr=float("inf"), eps=-1.0)))
     with pytest.raises(ValueError) as error:
-        validate(GRPOConfig(tasks=tasks), world_size=1)
+        validate(RLConfig(tasks=tasks), world_size=1)
     message = str(error.value)
     assert "tasks[1].optim.lr=inf" in message and "tasks[1].optim.eps=-1.0" in message, message
     assert "tasks[0].optim" not in message, message
@@ -351,11 +471,9 @@ def test_settings_from_a_file_are_validated_when_parsed(tmp_path):
 def test_the_staleness_bound_is_bounded_when_parsed_and_per_task():
     with pytest.raises(ValueError, match=r"rollout\.max_staleness=1000000000: must be at most 64"):
         parse_config(["--rollout.engine", "vllm", "--rollout.max-staleness", "1000000000"])
-    from archon.rl.config import TaskConfig
-
     tasks = (TaskConfig(name="a", max_staleness=2), TaskConfig(name="b", max_staleness=10**9))
     with pytest.raises(ValueError) as error:
-        validate(GRPOConfig(tasks=tasks, rollout=dataclasses.replace(GRPOConfig().rollout, engine="vllm")), world_size=1)
+        validate(RLConfig(tasks=tasks, rollout=dataclasses.replace(RLConfig().rollout, engine="vllm")), world_size=1)
     message = str(error.value)
     assert "tasks[1].max_staleness=1000000000: must be at most 64" in message, message
     assert "tasks[0].max_staleness" not in message, message
@@ -367,6 +485,79 @@ def _model_dir(root: Path, name: str, **config) -> Path:
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
     return directory
+
+
+TASK_SETTING_CASES = {
+    # name: (changes to a task's settings, the problem; {task} stands for where the task's fields are,
+    # {max_staleness} for its staleness bound's field, {eval_path} for its held-out prompts')
+    "dual-clip-not-above-one": (
+        {"algorithm.loss.clip_ratio_c": 0.9}, "{task}algorithm.loss.clip_ratio_c=0.9: must be > 1",
+    ),
+    "dual-clip-with-cispo": (
+        {"algorithm.name": "cispo", "algorithm.loss.clip_ratio_c": 3.0},
+        "{task}algorithm.loss.clip_ratio_c=3.0: dual clip bounds the PPO clipped objective, which "
+        "{task}algorithm.name='cispo' does not use",
+    ),
+    "kl-cap-without-kl": (
+        {"algorithm.loss.kl_cap": 10.0},
+        "{task}algorithm.loss.kl_cap=10.0: has no effect with {task}algorithm.loss.kl_coef=0",
+    ),
+    "skipped-steps-zero": (
+        {"algorithm.max_skipped_steps": 0}, "{task}algorithm.max_skipped_steps=0: must be at least 1",
+    ),
+    "staleness-unbounded": ({"max_staleness": 10**9}, "{max_staleness}=1000000000: must be at most 64"),
+    "staleness-with-the-native-engine": (
+        {"max_staleness": 1}, "rollout.engine='native': {max_staleness}=1 generates while the trainer trains",
+    ),
+    "staleness-without-recompute": (
+        {"max_staleness": 1, "algorithm.recompute_old_logprobs": False},
+        "{task}algorithm.recompute_old_logprobs=False: {max_staleness}=1 trains on samples of older adapter versions",
+    ),
+    "lora-alpha-zero": ({"lora.alpha": 0.0}, "{task}lora.alpha=0.0: must be > 0"),
+    "optim-lr-inf": ({"optim.lr": float("inf")}, "{task}optim.lr=inf: must be a finite number >= 0"),
+    "optim-warmup-past-the-run": (
+        {"optim.schedule": "cosine", "optim.warmup_steps": 500}, "{task}optim.warmup_steps=500: OptimConfig.schedule",
+    ),
+    "reward-bad-form": ({"reward.function": "score_it"}, "{task}reward.function='score_it'"),
+    "data-missing": ({"data.path": "{tmp}/missing.jsonl"}, "{task}data.path='{tmp}/missing.jsonl': no such file"),
+    "held-out-missing": ({"eval_path": "{tmp}/missing.jsonl"}, "{eval_path}='{tmp}/missing.jsonl': no such file"),
+    "teacher-vocabulary": (
+        {"algorithm.teacher_path": "{tmp}/teacher"},
+        "{task}algorithm.teacher_path='{tmp}/teacher': the teacher's vocabulary has 1000 tokens and the student's",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(TASK_SETTING_CASES))
+def test_a_tasks_settings_are_checked_as_the_single_adapter_runs_naming_its_own_fields(case, tmp_path):
+    """The same checks for tasks[i] and for the top-level settings of a run without tasks; each
+    problem names the field as it is set: tasks[i].algorithm.loss.clip_ratio_c, tasks[i].max_staleness."""
+    changes, problem = TASK_SETTING_CASES[case]
+    changes = {path: value.format(tmp=tmp_path) if isinstance(value, str) else value for path, value in changes.items()}
+    student = _model_dir(tmp_path, "student", vocab_size=512, max_position_embeddings=4096)
+    _model_dir(tmp_path, "teacher", vocab_size=1000)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    run = _replace(_replace(RLConfig(), "model.path", str(student)), "data.path", str(data))
+    top_level = {"max_staleness": "rollout.max_staleness", "eval_path": "eval.path"}
+    single = run
+    for path, value in changes.items():
+        single = _replace(single, top_level.get(path, path), value)
+    task = TaskConfig(name="b", data=run.data)
+    for path, value in changes.items():
+        task = _replace(task, path, value)
+    tasks = dataclasses.replace(
+        run, data=dataclasses.replace(run.data, path=None), tasks=(TaskConfig(name="a", data=run.data), task)
+    )
+    for config, fields in (
+        (single, {"task": "", "max_staleness": "rollout.max_staleness", "eval_path": "eval.path"}),
+        (tasks, {"task": "tasks[1].", "max_staleness": "tasks[1].max_staleness", "eval_path": "tasks[1].eval_path"}),
+    ):
+        with pytest.raises(ValueError) as error:
+            validate(config, world_size=1)
+        message = str(error.value)
+        assert "\n  " + problem.format(tmp=tmp_path, **fields) in message, message
+        assert "tasks[0]" not in message, message
 
 
 @pytest.mark.parametrize(
@@ -381,7 +572,7 @@ def test_model_files_are_checked_before_loading(teacher_vocab, max_new_tokens, c
 
     student = _model_dir(tmp_path, "student", vocab_size=512, max_position_embeddings=128)
     teacher = _model_dir(tmp_path, "teacher", vocab_size=teacher_vocab, max_position_embeddings=128)
-    config = GRPOConfig()
+    config = RLConfig()
     for path, value in {
         "model.path": str(student), "algorithm.teacher_path": str(teacher), "logging.run_dir": str(run_dir),
         "rollout.max_new_tokens": max_new_tokens,
@@ -505,6 +696,34 @@ def test_run_skips_prompts_its_model_cannot_hold(tiny_model, tmp_path):
         run.close()
 
 
+def test_a_parsed_config_is_validated_once(tiny_model, tmp_path, monkeypatch):
+    """parse_config validates; RLRun, given the parsed config, does not check it again. A config
+    changed since, or checked for another world size, is checked again."""
+    from archon.rl.config import validation
+    from archon.rl.loop import RLRun
+
+    checked = []
+    run_problems = validation._run_problems
+    monkeypatch.setattr(validation, "_run_problems", lambda config: checked.append(config) or run_problems(config))
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    config = parse_config([
+        "--model.path", str(tiny_model), "--data.path", str(path), "--rollout.prompts-per-step", "2",
+        "--rollout.group-size", "2", "--rollout.max-new-tokens", "4", "--reward.function", "exact",
+        "--reward.num-workers", "0", "--logging.run-dir", str(tmp_path / "run"), "--logging.no-tensorboard",
+    ])  # fmt: skip
+    assert len(checked) == 1
+    run = RLRun(config)
+    run.close()
+    assert len(checked) == 1
+    validate(config, world_size=2)
+    assert len(checked) == 2
+    config.rollout.max_new_tokens = 64  # the model's whole context: checked again, and refused
+    with pytest.raises(ValueError, match="rollout.max_new_tokens=64: the model's context is 64 tokens"):
+        validate(config)
+    assert len(checked) == 3
+
+
 def _teacher(tiny_model: Path, directory: Path, mismatch: str) -> Path:
     """A teacher like `tiny_model` with 7 more tokens in its vocabulary, or with the same vocabulary
     size and a tokenizer that numbers the tokens in reverse."""
@@ -528,7 +747,7 @@ def _teacher(tiny_model: Path, directory: Path, mismatch: str) -> Path:
     [
         (False, "tokenizer", r"algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives \d+ of the tokens"),
         (True, "vocabulary", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's vocabulary has 110 "
-                             r"tokens .* and the policy's 103"),
+                             r"tokens and the student's \(model\.path='.*'\) 103"),
         (True, "tokenizer", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives"),
     ],
     ids=["single-task-tokenizer", "task-vocabulary", "task-tokenizer"],
@@ -540,9 +759,9 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, m
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
     task = "{{name: {}, data: {{path: {}}}, reward: {{function: exact, num_workers: 0}}, algorithm: {{{}}}}}"
-    distill = f"teacher_path: {teacher}, loss: {{algorithm: grpo}}"
+    distill = f"teacher_path: {teacher}, name: grpo"
     if tasks:
-        text = f"tasks: [{task.format('plain', data, 'loss: {algorithm: grpo}')}, {task.format('distill', data, distill)}]\n"
+        text = f"tasks: [{task.format('plain', data, 'name: grpo')}, {task.format('distill', data, distill)}]\n"
     else:
         text = f"data: {{path: {data}}}\nreward: {{function: exact, num_workers: 0}}\nalgorithm: {{{distill}}}\n"
     path = tmp_path / "run.yaml"
@@ -550,8 +769,8 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, m
         f"model: {{path: {tiny_model}}}\nrollout: {{group_size: 2, prompts_per_step: 2, max_new_tokens: 4}}\n"
         f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\n{text}"
     )
-    config = parse_config(["--config", str(path)])
-    with pytest.raises(ValueError, match=culprit):
+    with pytest.raises(ValueError, match=culprit):  # a vocabulary of another size is found when parsed
+        config = parse_config(["--config", str(path)])
         RLRun(config)
 
 

@@ -246,7 +246,7 @@ def test_checkpoint_with_nan_weight_warns_naming_tensor_and_file(files, tmp_path
 
 @pytest.mark.parametrize("option", ["model.path", "model.tokenizer"])
 def test_run_with_missing_path_names_path_and_option(files, tmp_path, option):
-    from archon.rl.config import GRPOConfig, ModelConfig
+    from archon.rl.config import ModelConfig, RLConfig
     from archon.rl.loop import RLRun
 
     missing = str(tmp_path / "no-such-dir")
@@ -257,5 +257,5 @@ def test_run_with_missing_path_names_path_and_option(files, tmp_path, option):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     with pytest.raises(ValueError, match=rf"'{missing}' \(from {option}\) does not exist"):
-        RLRun(GRPOConfig(model=model, data=dataclasses.replace(GRPOConfig().data, path=str(data))))
+        RLRun(RLConfig(model=model, data=dataclasses.replace(RLConfig().data, path=str(data))))
     assert not (tmp_path / "no-such-dir").exists()

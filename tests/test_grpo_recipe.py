@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from archon.lora import lora_parameters
-from archon.rl.config import GRPOConfig, load_config_file, merge_into, parse_config
+from archon.rl.config import RLConfig, load_config_file, merge_into, parse_config
 from archon.rl.tasks import (
     ArithmeticTaskConfig,
     arithmetic_splits,
@@ -157,9 +157,9 @@ def test_tensor_parallel_run_generates_and_trains(tiny_setup, tmp_path):
 
 def test_config_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("steps: 7\nrollout: {group_size: 4}\nalgorithm:\n  loss: {algorithm: dapo}\n")
+    path.write_text("steps: 7\nrollout: {group_size: 4}\nalgorithm:\n  name: dapo\n")
     config = parse_config(["--config", str(path), "--rollout.group-size", "16"])
-    assert config.steps == 7 and config.rollout.group_size == 16 and config.algorithm.loss.algorithm == "dapo"
+    assert config.steps == 7 and config.rollout.group_size == 16 and config.algorithm.name == "dapo"
     toml = tmp_path / "run.toml"
     toml.write_text("steps = 5\n[lora]\nrank = 8\ntarget_modules = ['q_proj', 'v_proj']\n")
     config = load_config_file(toml)
@@ -168,7 +168,7 @@ def test_config_file_and_overrides(tmp_path):
     with pytest.raises(ValueError, match=r"unknown config key 'rollout.groupsize'.*group_size"):
         load_config_file(path)
     with pytest.raises(ValueError, match="algorithm"):
-        merge_into(GRPOConfig(), {"algorithm": {"loss": {"algorithm": "ppo2"}}})
+        merge_into(RLConfig(), {"algorithm": {"name": "ppo2"}})
     assert load_config_file(REPO / "recipes" / "configs" / "qwen3_math.yaml").algorithm.dynamic_sampling
     assert load_config_file(REPO / "recipes" / "configs" / "demo.yaml").model.path is None
 
@@ -333,7 +333,7 @@ def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
     from archon.rl.loop import RLRun
     from archon.trainer import LossContext
 
-    run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.loss.algorithm", "drgrpo",
+    run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.name", "drgrpo",
                               "--eval.every", "0"]))  # fmt: skip
     assert run.config.algorithm.loss.max_response_length is None
     algorithm = run.tasks[0].algorithm

@@ -44,7 +44,7 @@ def _task_yaml(name, data, held_out, reward="exact", rank=4, lr=1e-2):
         f"  - name: {name}\n    data: {{path: {data}}}\n    eval_path: {held_out}\n"
         f"    reward: {{function: '{reward}', num_workers: 0, max_failed_steps: 1}}\n"
         f"    lora: {{rank: {rank}, alpha: {2 * rank}}}\n    optim: {{lr: {lr}}}\n"
-        "    algorithm: {loss: {algorithm: grpo}, minibatches: 2}\n"
+        "    algorithm: {name: grpo, minibatches: 2}\n"
     )
 
 
@@ -299,7 +299,7 @@ def test_two_tasks_learn_two_skills_at_once_on_the_demo_base(two_skill_demo, tmp
     tasks = "".join(
         f"  - name: {name}\n    data: {{path: {root / f'{name}_train.jsonl'}}}\n"
         f"    eval_path: {root / f'{name}_held_out.jsonl'}\n    reward: {{function: exact, num_workers: 0}}\n"
-        "    lora: {rank: 16, alpha: 32.0}\n    algorithm: {loss: {algorithm: grpo}, minibatches: 2}\n"
+        "    lora: {rank: 16, alpha: 32.0}\n    algorithm: {name: grpo, minibatches: 2}\n"
         "    optim: {lr: 0.002, max_grad_norm: 1.0, schedule: cosine, warmup_steps: 5, min_lr_ratio: 0.1}\n"
         for name in ("add", "sub")
     )
@@ -329,11 +329,11 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     teacher = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setup / "model"))
     teacher.save_pretrained(tmp_path / "teacher")
     distill = _task_yaml("distill", setup / "train.jsonl", setup / "held_out.jsonl").replace(
-        "algorithm: {loss: {algorithm: grpo}, minibatches: 2}",
-        f"algorithm: {{loss: {{algorithm: grpo}}, minibatches: 2, teacher_path: {tmp_path / 'teacher'}}}",
+        "algorithm: {name: grpo, minibatches: 2}",
+        f"algorithm: {{name: grpo, minibatches: 2, teacher_path: {tmp_path / 'teacher'}}}",
     )
     kl = _task_yaml("kl", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl").replace(
-        "loss: {algorithm: grpo}", "loss: {algorithm: grpo, kl_coef: 0.1}"
+        "algorithm: {name: grpo,", "algorithm: {name: grpo, loss: {kl_coef: 0.1},"
     )
     seen = {}
     prepare = loop.RLRun.prepare

@@ -32,7 +32,7 @@ LENGTHS = torch.tensor([3.0, 9.0, 10.0, 12.0, 1.0, 2.0, 3.0, 4.0, 8.0, 6.0, 7.0,
 def build(name="grpo", max_new_tokens=10, **settings):
     loss = {k: v for k, v in settings.items() if k in LossConfig.__dataclass_fields__}
     rest = {k: v for k, v in settings.items() if k not in loss}
-    return get_algorithm(AlgorithmConfig(loss=LossConfig(algorithm=name, **loss), **rest), max_new_tokens)
+    return get_algorithm(AlgorithmConfig(name=name, loss=LossConfig(**loss), **rest), max_new_tokens)
 
 
 def tiny_batch(advantages: torch.Tensor, seed: int = 0) -> PackedBatch:
@@ -50,7 +50,7 @@ def tiny_batch(advantages: torch.Tensor, seed: int = 0) -> PackedBatch:
 
 def test_the_config_type_lists_the_registry():
     assert typing.get_args(AlgorithmName) == tuple(ALGORITHMS)
-    assert typing.get_type_hints(LossConfig)["algorithm"] == AlgorithmName
+    assert typing.get_type_hints(AlgorithmConfig)["name"] == AlgorithmName
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
@@ -89,10 +89,10 @@ def test_every_registered_algorithm_prepares_and_trains(name):
 
 def test_an_unknown_name_lists_the_registered_ones():
     with pytest.raises(ValueError, match="unknown algorithm 'ppo'; registered algorithms: grpo, drgrpo, dapo") as e:
-        LossConfig(algorithm="ppo")
+        AlgorithmConfig(name="ppo")
     assert all(name in str(e.value) for name in ALGORITHMS)
     config = AlgorithmConfig()
-    config.loss.algorithm = "ppo"  # set past the dataclass check
+    config.name = "ppo"  # set past the dataclass check
     with pytest.raises(ValueError, match="unknown algorithm 'ppo'; registered algorithms: grpo"):
         get_algorithm(config, max_new_tokens=10)
 
@@ -218,4 +218,4 @@ def test_needs_reference_follows_the_kl_coefficient():
 def test_recipe_configs_parse():
     math = load_config_file(REPO / "recipes" / "configs" / "qwen3_math.yaml")
     assert math.algorithm.loss.importance_sampling == "token" and math.algorithm.loss.importance_cap == 2.0
-    assert load_config_file(REPO / "recipes" / "configs" / "demo.yaml").algorithm.loss.algorithm == "grpo"
+    assert load_config_file(REPO / "recipes" / "configs" / "demo.yaml").algorithm.name == "grpo"

@@ -37,7 +37,7 @@ def grad_of(loss, logprobs):
 
 
 def algorithm(name, max_new_tokens=4, **loss):
-    return get_algorithm(AlgorithmConfig(loss=LossConfig(algorithm=name, **loss)), max_new_tokens)
+    return get_algorithm(AlgorithmConfig(name=name, loss=LossConfig(**loss)), max_new_tokens)
 
 
 def packed(old, advantages, mask=MASK, cu_seqlens=CU_SEQLENS, **fields) -> PackedBatch:
@@ -340,7 +340,7 @@ def test_policy_loss_combines_algorithm_kl_and_tis():
     with pytest.raises(ValueError, match="ref_logprobs"):
         run_loss(algo, logprobs, old, rollout_logprobs=rollout)
     with pytest.raises(ValueError, match="unknown algorithm"):
-        LossConfig(algorithm="ppo")
+        AlgorithmConfig(name="ppo")
     dapo = algorithm("dapo")
     assert (dapo.clip_low, dapo.clip_high) == (0.2, 0.28)
     gspo = algorithm("gspo", clip_high=1e-3)

@@ -152,11 +152,9 @@ def unknown_algorithm(name: str) -> str:
 
 @dataclass
 class LossConfig:
-    """The algorithm and the settings of its loss (the `algorithm.loss` section of the recipe config).
-    Every default leaves the algorithm as its paper defines it."""
+    """The settings of an algorithm's loss (the `algorithm.loss` section of the recipe config; the
+    algorithm itself is `algorithm.name`). Every default leaves the algorithm as its paper defines it."""
 
-    algorithm: AlgorithmName = "grpo"
-    """grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp or reinforce_pp_baseline (archon.rl.algorithms)."""
     clip_low: float | None = None
     """Lower clip: the ratio (or CISPO weight) is kept >= 1 - clip_low. None: the algorithm's default."""
     clip_high: float | None = None
@@ -201,8 +199,6 @@ class LossConfig:
     has (the REINFORCE++ definition, as in verl); response: each response once."""
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(unknown_algorithm(self.algorithm))
         if self.max_response_length is not None and self.max_response_length <= 0:
             raise ValueError(f"LossConfig.max_response_length must be positive, got {self.max_response_length}")
 
@@ -224,9 +220,9 @@ class Algorithm:
 
     def __init__(self, config: AlgorithmConfig, max_new_tokens: int, max_staleness: int = 0) -> None:
         loss = config.loss
-        if loss.algorithm not in ALGORITHMS:
-            raise ValueError(unknown_algorithm(loss.algorithm))
-        self.name = loss.algorithm
+        if config.name not in ALGORITHMS:
+            raise ValueError(unknown_algorithm(config.name))
+        self.name = config.name
         self.spec = ALGORITHMS[self.name]
         self.config = config
         self.loss_config = loss
@@ -395,44 +391,44 @@ def group_size_problem(name: str, group_size: int) -> str | None:
     return f"algorithm {name!r} {reason}; use groups of 2 or more, or an algorithm that learns from one ({single})"
 
 
-def icepop_problem(loss: LossConfig) -> str | None:
+def icepop_problem(loss: LossConfig, where: str = "algorithm") -> str | None:
     """Why loss.icepop_band cannot go with loss.importance_sampling, or None: IcePop weights each
     token by its own ratio, a token-level weight that a sequence-level weight would multiply twice
     and that 'none' would contradict."""
     if loss.icepop_band is None or loss.importance_sampling in (None, "token"):
         return None
     return (
-        f"algorithm.loss.importance_sampling={loss.importance_sampling!r}: IcePop (algorithm.loss.icepop_band="
+        f"{where}.loss.importance_sampling={loss.importance_sampling!r}: IcePop ({where}.loss.icepop_band="
         f"{loss.icepop_band}) weights each token by its own ratio pi_old / mu inside the band, a token-level "
         "importance weight; set importance_sampling to 'token' or leave it unset"
     )
 
 
-def algorithm_problems(config: AlgorithmConfig, group_size: int) -> list[str]:
-    """What is wrong with the algorithm settings `config` for groups of `group_size` samples per
-    prompt, each as 'field=value: rule' (fields named from the run config's root)."""
+def algorithm_problems(config: AlgorithmConfig, group_size: int, where: str = "algorithm") -> list[str]:
+    """What is wrong with the algorithm settings `config` (the field `where`: algorithm, or a task's
+    tasks[i].algorithm) for groups of `group_size` samples per prompt, each as 'field=value: rule'."""
     loss = config.loss
     problems = []
-    if uses_reward_advantages(config) and (problem := group_size_problem(loss.algorithm, group_size)) is not None:
-        problems.append(f"rollout.group_size={group_size}: {problem}")
+    if uses_reward_advantages(config) and (problem := group_size_problem(config.name, group_size)) is not None:
+        problems.append(f"rollout.group_size={group_size}: {where}.name={config.name!r}: {problem}")
     if config.dynamic_sampling and group_size == 1:
         problems.append(
-            "algorithm.dynamic_sampling=True: keeps only the groups whose rewards differ, and with "
+            f"{where}.dynamic_sampling=True: keeps only the groups whose rewards differ, and with "
             "rollout.group_size=1 no group has two rewards to differ"
         )
-    if (problem := icepop_problem(loss)) is not None:
+    if (problem := icepop_problem(loss, where)) is not None:
         problems.append(problem)
-    if loss.advantage_whitening != "token" and not ALGORITHMS[loss.algorithm].batch_whitened:
+    if loss.advantage_whitening != "token" and not ALGORITHMS[config.name].batch_whitened:
         whitened = ", ".join(n for n, spec in ALGORITHMS.items() if spec.batch_whitened)
         problems.append(
-            f"algorithm.loss.advantage_whitening={loss.advantage_whitening!r}: only algorithms that whiten their "
-            f"advantages over the batch ({whitened}) use it, not {loss.algorithm!r}"
+            f"{where}.loss.advantage_whitening={loss.advantage_whitening!r}: only algorithms that whiten their "
+            f"advantages over the batch ({whitened}) use it, not {config.name!r}"
         )
     return problems
 
 
 def get_algorithm(config: AlgorithmConfig, max_new_tokens: int, max_staleness: int = 0) -> Algorithm:
-    """The algorithm named by config.loss.algorithm, its defaults resolved; max_new_tokens is the
+    """The algorithm named by config.name, its defaults resolved; max_new_tokens is the
     generation limit (the overlong penalty's length, the default Dr.GRPO divisor), max_staleness the
     rollouts' staleness bound (the default importance sampling). An unknown name is a ValueError
     that lists the registered ones."""

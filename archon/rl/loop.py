@@ -31,7 +31,7 @@ from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_write_json
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.lora import lora_parameters, task_view
-from archon.rl.config import GRPOConfig, TaskConfig, validate
+from archon.rl.config import RLConfig, validate
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
@@ -141,20 +141,8 @@ def prune_adapter_exports(adapters_dir: Path, keep: int) -> None:
         shutil.rmtree(stale)
 
 
-def run_task_configs(config: GRPOConfig) -> tuple[TaskConfig, ...]:
-    """The run's tasks: `tasks`, or the one unnamed task of the top-level fields."""
-    if config.tasks:
-        return config.tasks
-    return (
-        TaskConfig(
-            name="", data=config.data, eval_path=config.eval.path, reward=config.reward, algorithm=config.algorithm,
-            lora=config.lora, optim=config.optim, max_staleness=config.rollout.max_staleness,
-        ),
-    )  # fmt: skip
-
-
 class RLRun:
-    def __init__(self, config: GRPOConfig, run_dir: PreparedRunDir | None = None) -> None:
+    def __init__(self, config: RLConfig, run_dir: PreparedRunDir | None = None) -> None:
         """`run_dir`: what `prepare_run_dir` returned, when the caller has checked (and holds) the
         run directory already and releases it after the run (the recipe does, before it prepares
         the demo model); by default the check is made here, before anything is built, and `close`
@@ -180,7 +168,7 @@ class RLRun:
     def _build(self) -> None:
         """The trainer, the tasks (data, teacher, reward workers), the rollout engine and the syncs."""
         config = self.config
-        task_configs = run_task_configs(config)
+        task_configs = config.task_configs()
         self.trainer = Trainer(
             TrainerConfig(
                 model_path=config.model.path, lora=None if config.tasks else config.lora, parallel=config.parallel,

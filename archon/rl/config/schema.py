@@ -1,0 +1,247 @@
+"""The RL recipe's configuration tree: one dataclass per section, RLConfig at its root.
+
+Every field is a flag on the command line (archon.rl.config.cli) and a key in a YAML or TOML file
+(archon.rl.config.files); archon.rl.config.validation checks the settings together.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+from archon.lora import LoRAConfig
+from archon.load_balance import MoEConfig
+from archon.parallel import ParallelConfig
+from archon.parallel.parallelize import DTypeName
+from archon.rl.algorithms import ALGORITHMS, AlgorithmName, LossConfig, unknown_algorithm
+from archon.rl.data import DataConfig
+from archon.rl.rewards import RewardConfig
+from archon.rl.tasks import ArithmeticTaskConfig
+from archon.rollout.vllm import VLLMConfig
+from archon.trainer import OptimConfig
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """The warning for a setting or name spelled as before a rename; the old spelling still works for
+    one release."""
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", FutureWarning,
+                  stacklevel=3)  # fmt: skip
+
+
+def both_spellings_error(old: str, old_value: object, new: str, new_value: object) -> ValueError:
+    """Both spellings of a renamed setting given, with different values."""
+    return ValueError(
+        f"{old}={old_value!r} and {new}={new_value!r} set the same thing to different values; set only {new}"
+    )
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """HF checkpoint directory. None runs the built-in demo (a small Qwen3 warm-started on arithmetic)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the model path."""
+    dtype: DTypeName = "float32"
+    """Base-weight dtype; use float32 on CPU."""
+    device: str = "auto"
+    """auto, cuda, npu or cpu."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Load balancing of MoE routers (off by default)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["native", "vllm"] = "native"
+    """native: the embedded engine on the training model; vllm: vLLM servers (launched or given by
+    URL), synced every step (see rollout.vllm)."""
+    group_size: int = 8
+    """Samples per prompt (G)."""
+    prompts_per_step: int = 32
+    """Prompts per step over all data-parallel ranks."""
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_batch_sequences: int = 512
+    """Sequences generated together by the native engine."""
+    max_staleness: int = 0
+    """Asynchronous RL: with N >= 1 the rollouts of later steps are generated (vLLM) while the
+    current step trains, and a sample made with adapter version v is trained on only at trainer
+    version <= v + N (older groups are dropped and sampled again). 0: the synchronous loop."""
+    measure_version_gap: bool = True
+    """With max_staleness >= 1: score lagging samples again under the adapter version that sampled
+    them (one extra forward per lag present), to split the trainer-rollout log-prob gap into the
+    part due to version lag and the part due to numerics."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM servers, transport (disk, collective) and mode (adapter, merged); used with engine=vllm."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: AlgorithmName = "grpo"
+    """The algorithm (archon.rl.algorithms): grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp or
+    reinforce_pp_baseline. Formerly algorithm.loss.algorithm, which still works in files and on the
+    command line until the next release."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The algorithm's loss: clip range, dual clip, aggregation, KL penalty, entropy bonus, importance
+    sampling, IcePop."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0 disables it."""
+    overlong_penalty_factor: float = 1.0
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    """Optimizer steps per PPO epoch (the step's samples split by prompt group)."""
+    recompute_old_logprobs: bool = True
+    """Score the rollout with the trainer before the update (pi_old); otherwise use the rollout log-probs,
+    which is allowed only without truncation (rollout.top_p = 1, top_k = 0): the rollout log-probs are
+    those of the truncated distribution that sampled, not of the policy the loss scores."""
+    teacher_path: str | None = None
+    """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
+    -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged
+    (unless distillation_weight is set)."""
+    distillation_weight: float | None = None
+    """On-policy distillation mixed with task rewards: the per-token advantage becomes the reward
+    advantage plus distillation_weight * (log pi_teacher - log pi_theta). Needs teacher_path; must
+    be > 0. None: the teacher's advantage alone."""
+    max_skipped_steps: int = 3
+    """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
+    left as they were, the LR schedule still follows the RL step; counted in the metric
+    skipped_steps). This many RL steps in a row with a skipped update stop the run with an error."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise ValueError(unknown_algorithm(self.name))
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10
+    """Held-out evaluation every N steps (and before the first and after the last); 0 disables it."""
+    path: str | None = None
+    """Held-out prompts (same format and fields as data.path)."""
+    max_prompts: int = 200
+    max_new_tokens: int | None = None
+    """Default: rollout.max_new_tokens."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Resume checkpoint and PEFT adapter export every N steps (0: only at the end)."""
+    keep_last: int = 2
+    """Resume checkpoints kept (the newest)."""
+    keep_last_adapters: int = 2
+    """PEFT exports kept in RUN_DIR/adapters (the newest); the final one, RUN_DIR/adapter, is separate."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/grpo_lora"
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class DemoConfig:
+    """The built-in demo: a small Qwen3 model warm-started by SFT on synthetic arithmetic."""
+
+    task: ArithmeticTaskConfig = field(
+        default_factory=lambda: ArithmeticTaskConfig(
+            operations=("+",), min_digits=2, max_digits=2, num_train=6000, num_held_out=200
+        )
+    )
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 384
+    sft_steps: int = 1500
+    """Upper bound on SFT steps; the warm start stops earlier at sft_target_accuracy."""
+    sft_target_accuracy: float = 0.25
+    """Stop SFT once the greedy accuracy of every operation on its development problems has been at
+    least this for sft_checks_at_target checks in a row, so RL starts from a weak but non-zero
+    policy on each. The development problems are kept out of the SFT batches, so the stop does not
+    depend on memorised answers; several checks in a row, so it does not stop on a lucky one."""
+    sft_check_every: int = 10
+    sft_checks_at_target: int = 3
+    sft_dev_examples: int = 128
+    """Development problems per operation, taken from the training split."""
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+    cache_dir: str = ".cache/archon/demo"
+    """Warm-start results are cached here, keyed by the settings above."""
+
+
+@dataclass
+class TaskConfig:
+    """One task of a multi-LoRA run: its own adapter on the shared frozen base, trained on its own
+    data with its own reward, algorithm, LoRA config and optimizer. The run's model, rollout
+    sampling (group size, prompts per step, tokens, temperature), evaluation cadence, checkpoint
+    cadence and logging are shared. Outputs go to RUN_DIR/tasks/<name>/ and metrics are prefixed
+    "<name>/"."""
+
+    name: str = ""
+    """Names the adapter, its output directory and its metrics (letters, digits, '_' and '-'; at most
+    100 characters)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    eval_path: str | None = None
+    """Held-out prompts of this task (same format as data.path); None: no evaluation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The task's algorithm; ppo_epochs and minibatches must be the same for every task (a
+    minibatch update trains every task at once)."""
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(rank=16, alpha=32.0))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    max_staleness: int = 0
+    """This task's staleness bound (as rollout.max_staleness for one task, which must then be 0):
+    with N >= 1 (vLLM rollouts) its later steps' rollouts are generated while the run trains, and a
+    sample made with this task's adapter version v is trained on only at its version <= v + N."""
+
+
+@dataclass
+class RLConfig:
+    steps: int = 200
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(rank=16, alpha=32.0))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+    micro_batch_tokens: int = 8192
+    """Token budget of one forward/backward in training and scoring."""
+    resume: str | None = None
+    """Continue a run from a checkpoint (adapter, optimizer, step, RNG, data position): "latest" (a
+    bare `--resume`) takes the newest in RUN_DIR/checkpoints, or give a checkpoint directory
+    (RUN_DIR/checkpoints/step-NNNNNNNN). It is an error when there is nothing to resume, or when the
+    checkpoint is damaged (the error names the newest intact one)."""
+    overwrite: bool = False
+    """Start a new run in a run directory that holds an earlier run: its outputs (checkpoints,
+    adapters, metrics, TensorBoard logs, plots, vLLM logs) are deleted first. Anything else in the
+    directory is never deleted; such a directory is refused. Without this flag or --resume, a
+    non-empty run directory is refused."""
+    tasks: tuple[TaskConfig, ...] = ()
+    """Multi-LoRA: several tasks trained at once on the one frozen base, each with its own adapter
+    (archon.rl.multi_task). Each task's data, reward, algorithm, lora and optim replace the top-level
+    ones, which must then be left unset (data.path). Empty: the single-adapter recipe. A task may
+    be added to or removed from the list when a run is resumed; the others resume as they were."""
+
+    def task_configs(self) -> tuple[TaskConfig, ...]:
+        """The tasks the run trains: `tasks`, or without them one unnamed task ("") made of the
+        top-level data, eval.path, reward, algorithm, lora, optim and rollout.max_staleness."""
+        if self.tasks:
+            return self.tasks
+        single = TaskConfig(
+            name="", data=self.data, eval_path=self.eval.path, reward=self.reward, algorithm=self.algorithm,
+            lora=self.lora, optim=self.optim, max_staleness=self.rollout.max_staleness,
+        )  # fmt: skip
+        return (single,)
