@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from archon.build import LoadedModel, build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -38,9 +39,9 @@ def randomise_lora(
             p.copy_(torch.randn(p.shape, generator=generator) * std)
 
 
-def randomise_served_adapter(parameters: dict[str, torch.Tensor], seed: int) -> None:
+def randomise_served_adapter(model: nn.Module, seed: int) -> None:
     """LoRA factors large enough to change a tiny model's greedy tokens, as a served adapter must."""
-    randomise_lora(parameters, 0.5, torch.Generator().manual_seed(seed), lora_b_scale=0.3)
+    randomise_lora(lora_parameters(model), 0.5, torch.Generator().manual_seed(seed), lora_b_scale=0.3)
 
 
 def randomised_lora_model(path, lora: LoRAConfig, seed: int = 7, scale: float = 0.1) -> LoadedModel:
