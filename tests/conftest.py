@@ -2,6 +2,9 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import randomised_lora_model
+
+from archon.tools.align import make_tiny_hf_checkpoint
 
 # Tiny models gain nothing from a second intra-op thread, and on a busy machine the threads spin
 # waiting for each other (steps up to 100x slower).
@@ -11,13 +14,18 @@ torch.set_num_threads(1)
 @pytest.fixture
 def tiny_checkpoint(tmp_path_factory):
     """Factory: a tiny random-weight HF checkpoint of a model_type, saved to a temp dir."""
-    from archon.tools.align import make_tiny_hf_checkpoint
 
     def make(model_type: str, seed: int = 0, **overrides):
         out = tmp_path_factory.mktemp(model_type) / "hf"
         return make_tiny_hf_checkpoint(model_type, out, seed=seed, **overrides)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    """A tiny random-weight Qwen3 checkpoint shared by the tests of a module."""
+    return make_tiny_hf_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3") / "hf", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +52,7 @@ def importable_module(tmp_path_factory):
 @pytest.fixture
 def lora_model():
     """Factory: build_model(path, lora) with every LoRA factor drawn from N(0, scale^2)."""
-    from archon.build import build_model
-    from archon.lora import lora_parameters
-
-    def make(path, lora, seed: int = 7, scale: float = 0.1):
-        loaded = build_model(path, lora=lora)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in lora_parameters(loaded.model).values():
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-        return loaded
-
-    return make
+    return randomised_lora_model
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import randomised_lora_model
 from safetensors.torch import load_file, save_file
 
 from archon.build import build_model
@@ -37,11 +38,7 @@ def files(tmp_path_factory):
     """A tiny HF checkpoint (single file and sharded), a model with LoRA, and its exported adapter."""
     root = tmp_path_factory.mktemp("bad_input_files")
     single = make_tiny_hf_checkpoint("qwen3", root / "hf")
-    loaded = build_model(single, lora=LORA)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lora_parameters(loaded.model).values():
-            p.copy_(torch.randn(p.shape, generator=g))
+    loaded = randomised_lora_model(single, LORA, seed=0, scale=1.0)
     save_peft_adapter(loaded.model, loaded.converter, LORA, root / "adapter", str(single))
     base = {k: v for k, v in loaded.model.state_dict().items() if "lora_" not in k}
     sharded = save_hf_checkpoint(

@@ -14,13 +14,6 @@ from archon.checkpoint.resume import TRAINER_STATE, CheckpointError, CheckpointM
 from archon.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def qwen3_path(tmp_path_factory):
-    from archon.tools.align import make_tiny_hf_checkpoint
-
-    return make_tiny_hf_checkpoint("qwen3", tmp_path_factory.mktemp("ckpt") / "qwen3", seed=0)
-
-
 def _step_batch(trainer, step):
     batch = cases.make_batch(256, seed=100 + step)
     batch.old_logprobs = trainer.logprobs(batch).logprobs

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import randomise_lora
 from torch import nn
 
 from archon.build import build_model
@@ -92,9 +93,7 @@ def test_merge_unmerge_restores_bit_exactly_and_disable_gives_base(tiny_checkpoi
     path = tiny_checkpoint(model_type)
     base_model = build_model(path).model.eval()
     model = build_model(path, lora=LoRAConfig(rank=4, alpha=8)).model.eval()
-    with torch.no_grad():
-        for p in lora_parameters(model).values():
-            p.normal_(0, 0.1)
+    randomise_lora(lora_parameters(model), 0.1)
     _, tokens, positions, cu = packed_batch((5, 8), 256, seed=1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():

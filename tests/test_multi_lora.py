@@ -6,6 +6,7 @@ through `task_view(model, task)` is exactly the plain model of that task, on the
 
 import pytest
 import torch
+from helpers import randomise_lora
 
 from archon.batch import PackedBatch
 from archon.build import build_model
@@ -31,13 +32,6 @@ GRAD_TOLERANCE = 5e-6
 points: about 1e-6 relative after the backward through q_norm/k_norm. The single-adapter model on
 the whole batch and on a task's sequences alone agrees bitwise; logits agree to 1e-6."""
 TASK_OF_SEQUENCE = [0, 1, 1, 0, 1]
-
-
-def _random_factors(model, seed=3, scale=0.2):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lora_parameters(model).values():
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def _batch(vocab, seed, lengths=LENGTHS, task_of_sequence=TASK_OF_SEQUENCE):
@@ -76,7 +70,7 @@ def _mixed_pass(model, batch, task_of_token, weight):
 def multi_model(request, tiny_checkpoint):
     path = tiny_checkpoint(request.param)
     loaded = build_model(path, task_loras=TASKS)
-    _random_factors(loaded.model)
+    randomise_lora(lora_parameters(loaded.model), 0.2, torch.Generator().manual_seed(3))
     return loaded
 
 
@@ -226,7 +220,7 @@ def test_native_engine_generates_a_mixed_batch_as_each_task_alone(tiny_checkpoin
     from archon.rollout.native import NativeRolloutEngine
 
     loaded = build_model(tiny_checkpoint("qwen3"), task_loras=TASKS)
-    _random_factors(loaded.model)
+    randomise_lora(lora_parameters(loaded.model), 0.2, torch.Generator().manual_seed(3))
     engine = NativeRolloutEngine(loaded.model)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 6, 4, 5, 2)]

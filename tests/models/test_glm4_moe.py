@@ -11,6 +11,7 @@ from family_checks import (
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
+from helpers import randomised_lora_model
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -71,11 +72,7 @@ def test_adapter_config_and_import_round_trip(tiny_checkpoint, tmp_path):
     stacked experts: as target_modules PEFT would refold gate/up/down_proj into expert LoRA."""
     path = tiny_checkpoint(MODEL_TYPE)
     lora = LoRAConfig(rank=4, alpha=8)
-    loaded = build_model(path, lora=lora)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in lora_parameters(loaded.model).values():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    loaded = randomised_lora_model(path, lora, seed=5)
     save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]

@@ -12,6 +12,7 @@ from family_checks import (
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
+from helpers import randomised_lora_model
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -56,11 +57,7 @@ CASES = {
 
 
 def _randomised_lora_model(path, lora):
-    loaded = build_model(path, lora=lora)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in lora_parameters(loaded.model).values():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    loaded = randomised_lora_model(path, lora, seed=3)
     return loaded.model.eval(), loaded
 
 

@@ -12,6 +12,7 @@ from family_checks import (
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
+from helpers import randomise_lora
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -97,9 +98,7 @@ def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
     different content each time): the conv window and the recurrent state restart at each boundary."""
     model = build_model(tiny_checkpoint("qwen3_5_text"), lora=LoRAConfig(rank=4, alpha=8)).model
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lora_parameters(model).values():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    randomise_lora(lora_parameters(model), 0.1, g)
     target = torch.randint(0, 256, (DELTA_RULE_CHUNK_SIZE + 9,), generator=g)
 
     def logits_and_grads(before: torch.Tensor | None):
@@ -184,9 +183,7 @@ def test_native_logprobs_equal_the_trainers(tiny_checkpoint):
     from archon.trainer import Trainer, TrainerConfig
 
     trainer = Trainer(TrainerConfig(model_path=str(tiny_checkpoint("qwen3_5_moe")), lora=LoRAConfig(rank=4, alpha=8)))
-    with torch.no_grad():
-        for p in lora_parameters(trainer.model).values():
-            p.normal_(0, 0.1)
+    randomise_lora(lora_parameters(trainer.model), 0.1)
     rollout = NativeRolloutEngine(trainer.model)
     prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + DELTA_RULE_CHUNK_SIZE + 5))]
     samples = rollout.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.8, n=2, seed=3))
