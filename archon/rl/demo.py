@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from archon.batch import PackedBatch
-from archon.checkpoint.atomic import replace_directory
+from archon.checkpoint.atomic import atomic_file, replace_directory
 from archon.lora.peft import save_merged_hf
 from archon.rl.config import DemoConfig
 from archon.rl.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
@@ -132,11 +132,46 @@ def _split_development(rows: list[dict], per_operation: int) -> tuple[dict[str, 
     return development, rest
 
 
+def _rank0_sees(path: Path) -> bool:
+    """Whether `path` exists on rank 0's file system, told to every rank (so all take one branch)."""
+    seen = [path.exists()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(seen, src=0)
+    return seen[0]
+
+
+def _files_under(paths: list[Path]) -> list[Path]:
+    return [f for p in paths for f in (sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p])]
+
+
+def _share_with_other_nodes(paths: list[Path]) -> None:
+    """Give the files rank 0 has under `paths` to the ranks that do not see them: those on another
+    machine, when the cache directory is not on a file system all the nodes share (the default
+    cache is relative to each node's working directory). Every rank calls it; it ends in a barrier."""
+    if not dist.is_initialized():
+        return
+    missing = [None] * dist.get_world_size()
+    dist.all_gather_object(missing, not all(p.exists() for p in paths))
+    if any(missing):
+        contents = [{str(f): f.read_bytes() for f in _files_under(paths)} if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(contents, src=0)
+        if missing[dist.get_rank()]:
+            # config.json last: a model directory with one is complete. Ranks of one node write the
+            # same bytes, each through a file of its own renamed into place.
+            for name, data in sorted(contents[0].items(), key=lambda item: item[0].endswith("config.json")):
+                with atomic_file(name) as f:
+                    f.write(data)
+    _barrier()
+
+
 def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
-    """Make (or reuse from the cache) the warm-started demo model and its task data."""
+    """Make (or reuse from the cache) the warm-started demo model and its task data. Rank 0 makes
+    them; ranks on machines that do not see its cache directory get a copy."""
     root = Path(demo.cache_dir) / _cache_key(demo, seed)
     files = DemoFiles(root / SFT_MODEL, root / TRAIN_FILE, root / HELD_OUT_FILE)
-    if (files.model_dir / "config.json").exists():
+    made = [files.model_dir, files.train_path, files.held_out_path]
+    if _rank0_sees(files.model_dir / "config.json"):
+        _share_with_other_nodes(made)
         log(f"demo: using the cached warm start in {files.model_dir}")
         return files
     if rank == 0:
@@ -149,9 +184,10 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
     if packaged.exists():
         if rank == 0:
             _install_packaged_warm_start(root / "init", packaged, files.model_dir)
-        _barrier()
+        _share_with_other_nodes(made)
         log(f"demo: using the warm start shipped with archon ({packaged.name}), in {files.model_dir}")
         return files
+    _share_with_other_nodes([root / "init", files.train_path, files.held_out_path])  # every rank trains from them
     log(f"demo: warm-starting a {demo.num_hidden_layers}-layer Qwen3 by SFT (at most {demo.sft_steps} steps)")
     trainer = Trainer(
         TrainerConfig(
@@ -197,7 +233,7 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
         trainer.model, trainer.converter, files.model_dir, trainer.loaded.hf_config.to_dict(), root / "init",
         write=rank == 0,
     )  # fmt: skip
-    _barrier()
+    _share_with_other_nodes(made)
     del trainer
     return files
 

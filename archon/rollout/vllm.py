@@ -85,8 +85,11 @@ class VLLMConfig:
     every weight is trained (no LoRA)."""
     sync_dir: str | None = None
     """Where disk sync writes adapters (must be readable by the servers); default: RUN_DIR/vllm_adapters."""
-    sync_host: str = "127.0.0.1"
-    """Address of trainer rank 0 as the servers' workers reach it (the TCPStore of the sync group)."""
+    sync_host: str | None = None
+    """Address of trainer rank 0 as the servers' workers reach it (the TCPStore of the sync group);
+    it must be an address of rank 0's machine. Default: rank 0's address on its route to the first
+    server (127.0.0.1 for a server on loopback), found where rank 0 runs, so it holds on whichever
+    node a multi-node launch puts rank 0."""
     sync_port: int = 0
     """TCPStore port of the sync group; 0 picks a free one."""
     bucket_mb: float = 256.0

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,6 +93,39 @@ def is_loopback_host(host: str) -> bool:
     except OSError:
         return False
     return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def is_local_address(host: str) -> bool:
+    """True when `host` (an address or a name) is an address of this machine: a socket binds to it."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, _, _, address in infos:
+        with socket.socket(family, kind) as s:
+            try:
+                s.bind((address[0], 0, *address[2:]))
+            except OSError:
+                continue
+            return True
+    return False
+
+
+def address_towards(url: str) -> str:
+    """This machine's address on its route to the server at `url`: the address that server sees its
+    connections come from, so one it can connect back to."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        family, _, _, _, address = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(address)  # a datagram socket's connect sends nothing: it only picks the route
+            return s.getsockname()[0]
+    except OSError as e:
+        raise VLLMServerError(
+            f"cannot tell this machine's address towards vLLM server {url} ({e.strerror or e}); set "
+            "rollout.vllm.sync_host to the address of trainer rank 0's machine that the servers reach"
+        ) from None
 
 
 def read_model_config(model: str) -> dict | None:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import time
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -37,7 +39,16 @@ from torch import nn
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
 from archon.rollout.vllm import VLLMRolloutEngine
-from archon.rollout.vllm_server import WORKER_EXTENSION, RequestThreads, VLLMServerError, VLLMServers, free_port
+from archon.rollout.vllm_server import (
+    WORKER_EXTENSION,
+    RequestThreads,
+    VLLMServerError,
+    VLLMServers,
+    address_towards,
+    free_port,
+    is_local_address,
+    is_loopback_host,
+)
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
 
 
@@ -70,9 +81,13 @@ class WorkerChannel:
     servers, set up on first use; tensors go over it in size-bounded buckets.
 
     Its calls run on threads of its own (RequestThreads), as the servers' requests do, so that a
-    call stuck on a server that stopped answering never keeps the trainer from exiting."""
+    call stuck on a server that stopped answering never keeps the trainer from exiting.
 
-    def __init__(self, servers: VLLMServers, host: str, port: int, bucket_mb: float) -> None:
+    `host` is where the workers find trainer rank 0 (rollout.vllm.sync_host); None: rank 0's address
+    on its route to the first server, found where rank 0 runs, so it holds on whichever machine a
+    multi-node launch put rank 0."""
+
+    def __init__(self, servers: VLLMServers, host: str | None, port: int, bucket_mb: float) -> None:
         self.servers = servers
         self.host, self.port, self.bucket_mb = host, port, bucket_mb
         self._group = None
@@ -94,18 +109,42 @@ class WorkerChannel:
                 )
             workers.append(len(info))
         world_size = 1 + sum(workers)
-        port = self.port or free_port(self.host)
+        host = self._reachable_host()
+        port = self.port or free_port(host)
         backend = collective_backend(device.type)
-        store = StatelessGroup.host_store(self.host, port, world_size)
+        store = StatelessGroup.host_store(host, port, world_size)
         futures, offset = {}, 1
         for server, count in zip(self.servers, workers):
-            spec = {"host": self.host, "port": port, "world_size": world_size, "rank_offset": offset, "backend": backend}
+            spec = {"host": host, "port": port, "world_size": world_size, "rank_offset": offset, "backend": backend}
             futures[self._threads.submit(self.servers.rpc, server, "archon_init_sync_group", json.dumps(spec))] = server
             offset += count
-        group = StatelessGroup(self.host, port, 0, world_size, backend, device=device, store=store)
+        group = StatelessGroup(host, port, 0, world_size, backend, device=device, store=store)
         self.servers.wait_all(futures)
         self._group = group
         return group
+
+    def _reachable_host(self) -> str:
+        """The address the workers connect to: `host`, checked to be this machine's (the store is
+        hosted here) and, on loopback, to have no server on another machine; or, unset, this
+        machine's address on its route to the first server."""
+        if self.host is None:
+            return address_towards(self.servers[0].url)
+        if not is_local_address(self.host):
+            raise ValueError(
+                f"rollout.vllm.sync_host={self.host!r} is not an address of this machine ({socket.gethostname()}), "
+                "where trainer rank 0 runs and hosts the sync group, so the servers' workers would look for it "
+                "elsewhere. Leave rollout.vllm.sync_host unset (rank 0 then takes its own address on the route to "
+                "the servers; a c10d rendezvous may put rank 0 on any node) or give an address of rank 0's machine"
+            )
+        if is_loopback_host(self.host):
+            remote = [s.url for s in self.servers if not is_local_address(urllib.parse.urlsplit(s.url).hostname)]
+            if remote:
+                raise ValueError(
+                    f"rollout.vllm.sync_host={self.host!r} is a loopback address, which the workers of the vLLM "
+                    f"server(s) on another machine ({', '.join(remote)}) cannot reach trainer rank 0 at; leave "
+                    "rollout.vllm.sync_host unset or give rank 0's address on the network the servers share"
+                )
+        return self.host
 
     def send(self, method: str, spec: dict, named_tensors: Iterable, device: torch.device) -> dict:
         """Start worker method `method` on every server (it receives), send `named_tensors`, and
