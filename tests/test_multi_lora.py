@@ -190,7 +190,7 @@ def test_expert_lora_rows_of_one_task_are_bitwise_unaffected_by_another_tasks_ro
     def run(x):
         layer.zero_grad(set_to_none=True)
         layer.routing = AdapterRouting.from_task_ids(task_of_token, 3)
-        y = layer(x, groups, token_of_row)
+        y = layer(x, groups, layer.task_of_rows(token_of_row))
         layer.routing = None
         y.pow(2).sum().backward()
         return y.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}

@@ -13,6 +13,7 @@ from archon.lora.config import LoRAConfig
 from archon.lora.layers import (
     AdapterRouting,
     ExpertLoRA,
+    FactorCache,
     LoRALinear,
     LoRAModule,
     MultiExpertLoRA,
@@ -220,6 +221,24 @@ def adapter_routing(model: nn.Module, task_of_token: torch.Tensor):
     finally:
         for module in modules:
             module.routing = None
+
+
+@contextlib.contextmanager
+def cached_task_factors(model: nn.Module):
+    """Let a multi-task model's layers keep their stacked task factors between forwards that take no
+    gradient of them (decoding: every step would stack every layer's factors again), for the
+    duration. A layer stacks again when a factor changed in place (its version moved) or was
+    replaced. Under FSDP2 the forward sees gathered copies of the factors, which FSDP2 refills
+    without moving their versions: enter this only where the adapter does not change (one
+    `generate`), as the cache is dropped on exit."""
+    modules = [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+    for module in modules:
+        module.factor_cache = FactorCache()
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.factor_cache = None
 
 
 @contextlib.contextmanager
