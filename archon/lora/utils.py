@@ -206,21 +206,35 @@ def task_names(model: nn.Module) -> tuple[str, ...]:
     return ()
 
 
+def multi_task_layers(model: nn.Module) -> list[MultiLoRALinear | MultiExpertLoRA]:
+    """The layers of `model` that hold several task adapters."""
+    return [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+
+
+@contextlib.contextmanager
+def routing_set(routing: dict[nn.Module, AdapterRouting | None]):
+    """Give each multi-task layer its routing for the duration, then the one it had."""
+    previous = {layer: layer.routing for layer in routing}
+    for layer, value in routing.items():
+        layer.routing = value
+    try:
+        yield
+    finally:
+        for layer, value in previous.items():
+            layer.routing = value
+
+
 @contextlib.contextmanager
 def adapter_routing(model: nn.Module, task_of_token: torch.Tensor):
     """Run a multi-task model's forward with token t using the adapter of task task_of_token[t] (an
-    index into the model's tasks); task_of_token: [T] for the packed tokens of the forward."""
-    modules = [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+    index into the model's tasks); task_of_token: [T] for the packed tokens of the forward.
+    Activation-checkpointed blocks take this routing again when they recompute in the backward."""
+    modules = multi_task_layers(model)
     if not modules:
         raise ValueError("adapter_routing needs a multi-task model (built with several task adapters)")
     routing = AdapterRouting.from_task_ids(task_of_token, len(modules[0].task_names))
-    for module in modules:
-        module.routing = routing
-    try:
+    with routing_set({module: routing for module in modules}):
         yield model
-    finally:
-        for module in modules:
-            module.routing = None
 
 
 @contextlib.contextmanager
@@ -231,7 +245,7 @@ def cached_task_factors(model: nn.Module):
     replaced. Under FSDP2 the forward sees gathered copies of the factors, which FSDP2 refills
     without moving their versions: enter this only where the adapter does not change (one
     `generate`), as the cache is dropped on exit."""
-    modules = [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+    modules = multi_task_layers(model)
     for module in modules:
         module.factor_cache = FactorCache()
     try:
