@@ -10,7 +10,6 @@ so every layout starts from the same adapter.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -32,7 +31,9 @@ from archon.lora import (
     LoRAConfig,
     configure_lora_modules,
     configure_task_adapters,
+    init_lora_factors,
     is_lora_param,
+    lora_parameters,
     lora_rank_problem,
     mark_only_lora_trainable,
     task_view,
@@ -231,23 +232,40 @@ class SizeCheck:
 
 @torch.no_grad()
 def init_lora_weights(model: nn.Module, seed: int = 0) -> None:
-    """A kaiming-uniform (bound 1/sqrt(fan_in), fan_in = the last dim, as PEFT), B zeros.
+    """Every adapter's A and B as PEFT starts them (`init_lora_factors`).
 
-    Each full factor is drawn from one seeded generator in parameter order and every rank copies
-    the part it holds, so sharded and single-process models start from the same adapter.
+    Each full factor is drawn from one seeded generator, the A factors in parameter order, and every
+    rank copies the part it holds, so sharded and single-process models start from the same adapter.
     """
     generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if not is_lora_param(name):
-            continue
+    params = lora_parameters(model)
+    for name, lora_a in params.items():
         parts = name.split(".")
-        if "lora_b" in parts:
-            full = torch.zeros(param.shape)
-        else:
-            bound = 1.0 / math.sqrt(param.shape[-1])
-            full = torch.empty(param.shape).uniform_(-bound, bound, generator=generator)
-        region = local_region(param)
-        copy_local_into(param, full if region is None else full[region], name)
+        if "lora_a" not in parts:
+            continue
+        b_name = ".".join("lora_b" if part == "lora_a" else part for part in parts)
+        lora_b = params[b_name]
+        full_a, full_b = torch.empty(lora_a.shape), torch.empty(lora_b.shape)
+        init_lora_factors(full_a, full_b, generator)
+        for key, param, full in ((name, lora_a, full_a), (b_name, lora_b, full_b)):
+            region = local_region(param)
+            copy_local_into(param, full if region is None else full[region], key)
+
+
+def _check_multi_task_layout(task_loras: dict[str, LoRAConfig], dims: ParallelDims, parallel) -> None:
+    """Refuse the layouts a multi-task model does not run under, naming the setting."""
+    if parallel is not None and parallel.compile:
+        raise ValueError(
+            "parallel.compile=True: a multi-task (several adapters) model runs eagerly (its grouped matmuls over "
+            "the tasks' fp32 factors have no compiled kernel); set parallel.compile=False"
+        )
+    dropping = [task for task, lora in task_loras.items() if lora.dropout > 0]
+    if dims.tp_enabled and dropping:
+        raise ValueError(
+            f"task(s) {dropping}: lora.dropout > 0 with tp={dims.tp}; a multi-task model's adapters draw their "
+            "dropout on each tensor-parallel rank's part of the activations, which would not be one dropout of the "
+            "whole; set the tasks' lora.dropout to 0 or parallel.tp to 1"
+        )
 
 
 def build_model(
@@ -290,12 +308,8 @@ def build_model(
     elif lora is not None:
         lora.validate(spec.lora_targets, spec.name)
     checkpoint = HFCheckpoint(path)
-    one_process = dims is None or not (dims.distributed or (parallel is not None and parallel.compile))
-    if task_loras is not None and not one_process:
-        raise ValueError(
-            "a multi-task (several adapters) model runs in one process without compile; "
-            "set parallel sizes to 1 and parallel.compile=False"
-        )
+    if task_loras is not None and dims is not None:
+        _check_multi_task_layout(task_loras, dims, parallel)
     if task_loras is not None:
         lora_field = "the tasks' lora.rank (" + ", ".join(f"{t}: {c.rank}" for t, c in task_loras.items()) + ")"
     else:

@@ -94,19 +94,30 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -
     return out[:, :out_features] if pad_out else out
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (autograd-aware), for a computation on local tensors; a plain
+    tensor unchanged. Over the mesh dimensions where `t` is replicated, each rank's computation saw
+    only its own part of the work (its tokens, its shard of the other operand), so the gradient
+    leaves as a partial sum there, which `archon.parallel.reduce_partial_grads` (for parameters) or
+    the DTensor layer (for activations) sums."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in t.placements])
+
+
 def local_expert_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """This rank's experts of an expert-parallel weight (a DTensor sharded over `ep` and replicated
     over the data-parallel ranks that hold the same experts) in `dtype`, the dtype of the activations
     it meets; a plain weight unchanged.
 
-    The replicas saw other tokens, so over their mesh dimensions the gradient is a partial sum;
-    `archon.parallel.reduce_partial_grads` sums it once after the backward passes. FSDP2 leaves
-    expert-parallel weights alone, so its mixed-precision cast (`ParallelConfig.param_dtype`, which
-    also casts the activations) happens here; the gradient comes back in the weight's own dtype."""
+    The replicas saw other tokens, so over their mesh dimensions the gradient is a partial sum
+    (`local_part`); `archon.parallel.reduce_partial_grads` sums it once after the backward passes.
+    FSDP2 leaves expert-parallel weights alone, so its mixed-precision cast
+    (`ParallelConfig.param_dtype`, which also casts the activations) happens here; the gradient
+    comes back in the weight's own dtype."""
     if not isinstance(weight, DTensor):
         return weight
-    grad_placements = [Partial() if p.is_replicate() else p for p in weight.placements]
-    return weight.to_local(grad_placements=grad_placements).to(dtype)
+    return local_part(weight).to(dtype)
 
 
 def _looped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:

@@ -3,14 +3,18 @@ the batch, the loss, the engine settings and the measurements compared between l
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from archon.batch import PackedBatch
+from archon.build import build_model
 from archon.checkpoint.hf import copy_local_into, local_region
-from archon.lora import LoRAConfig, is_lora_param
-from archon.lora.peft import load_peft_adapter
-from archon.parallel import ParallelConfig
+from archon.head import label_logprobs
+from archon.lora import LoRAConfig, adapter_disabled, adapter_routing, is_lora_param, task_parameters, task_view
+from archon.lora.peft import full_tensor, load_peft_adapter, save_peft_adapter
+from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
 from archon.rl.losses import aggregate_token_losses, ppo_clip_token_losses, ratio_metrics
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine
@@ -76,8 +80,13 @@ def loss_fn(batch: PackedBatch, logprobs: torch.Tensor, ctx):
 @torch.no_grad()
 def set_lora_values(trainer: Trainer, seed: int) -> None:
     """Deterministic non-zero LoRA factors (each rank copies its part of the same full tensors)."""
+    set_model_lora_values(trainer.model, seed)
+
+
+@torch.no_grad()
+def set_model_lora_values(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    for name, param in trainer.model.named_parameters():
+    for name, param in model.named_parameters():
         if is_lora_param(name):
             full = torch.randn(param.shape, generator=g) * 0.2
             region = local_region(param)
@@ -90,7 +99,7 @@ def _local_lora_values(trainer: Trainer) -> dict[str, torch.Tensor]:
             for name, p in trainer.model.named_parameters() if is_lora_param(name)}  # fmt: skip
 
 
-def _gather_per_sequence(trainer: Trainer, indices: list[int], values: torch.Tensor, batch: PackedBatch):
+def _gather_per_sequence(indices: list[int], values: torch.Tensor, batch: PackedBatch):
     """Per-sequence slices of a [T_local] tensor, gathered from all ranks into global order."""
     bounds = batch.cu_seqlens.tolist()
     local = {i: values[bounds[k] : bounds[k + 1]].clone() for k, i in enumerate(indices)}
@@ -117,9 +126,9 @@ def run_case(trainer: Trainer, vocab_size: int, export_dir=None, merged: bool = 
     reference = trainer.logprobs(batch, use_adapter=False)
     batch.old_logprobs = policy.logprobs
     result = {
-        "logprobs": _gather_per_sequence(trainer, indices, policy.logprobs, batch),
-        "entropy": _gather_per_sequence(trainer, indices, policy.entropy, batch),
-        "ref_logprobs": _gather_per_sequence(trainer, indices, reference.logprobs, batch),
+        "logprobs": _gather_per_sequence(indices, policy.logprobs, batch),
+        "entropy": _gather_per_sequence(indices, policy.entropy, batch),
+        "ref_logprobs": _gather_per_sequence(indices, reference.logprobs, batch),
     }
     first = trainer.forward_backward(batch, loss_fn, with_entropy=True)
     result["first_loss"] = first["loss"]
@@ -168,6 +177,94 @@ def generate_on_first_rank(trainer: Trainer) -> list[list[int]]:
     return [s.completion_ids for s in samples]
 
 
+# ---- several tasks (multi-LoRA) -------------------------------------------------------------------
+
+MULTI_TASK_LORAS = {
+    # different ranks and targets: "b" adapts a few attention and dense MLP modules and no experts
+    "a": LoRAConfig(rank=4, alpha=8.0),
+    "b": LoRAConfig(rank=2, alpha=3.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"), experts=False),
+}
+TASK_OF_SEQUENCE = (0, 1, 1, 0, 1, 0)
+MULTI_TASK_LAYOUTS = {"fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "ep2": LAYOUTS["ep2"]}
+GEN_ADAPTERS = (0, 1, 1)
+
+
+def _multi_task_logprobs(model, batch: PackedBatch, task_of_token: torch.Tensor | None) -> torch.Tensor:
+    """[T] log-probs of the labels at the loss-mask positions (0 elsewhere); each token with its task's
+    adapter (task_of_token None: the model as it is, e.g. a task's view)."""
+    routing = adapter_routing(model, task_of_token) if task_of_token is not None else contextlib.nullcontext()
+    with routing:
+        hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
+    index = batch.loss_mask.nonzero()[:, 0]
+    lp, _ = label_logprobs(hidden[index], model.output_weight, batch.labels[index], 1.0, 16)
+    return torch.zeros(batch.num_tokens).index_copy(0, index, lp)
+
+
+def _reshard(model) -> None:
+    """Put FSDP2's sharded parameters back in place after a forward (before they are read or written)."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+
+
+def run_multi_task_case(hf_path, vocab_size: int, parallel: ParallelConfig | None = None, export_dir=None) -> dict:
+    """A two-task model (tasks of other ranks and targets) on a packed batch that mixes the tasks'
+    sequences: log-probs (adapters on, off, and task b's view), each task's LoRA gradients
+    (gathered), each task's PEFT export (`export_dir`), and greedy completions of a mixed generation
+    by the native engine (on the first data-parallel rank only) before and after the adapters change."""
+    dims = None
+    if parallel is not None:
+        _, _, world = init_distributed("cpu")
+        dims = parallel.dims(world, "cpu")
+    loaded = build_model(hf_path, task_loras=MULTI_TASK_LORAS, dims=dims, parallel=parallel)
+    model = loaded.model
+    set_model_lora_values(model, seed=1)
+    full = make_batch(vocab_size)
+    dp, dp_rank = (dims.dp, dims.dp_rank) if dims is not None else (1, 0)
+    indices = list(range(dp_rank, full.num_sequences, dp))
+    batch = full.select(indices)
+    task_of_token = torch.tensor([TASK_OF_SEQUENCE[i] for i in indices]).repeat_interleave(torch.tensor(batch.seq_lens))
+
+    def gathered(values):
+        return _gather_per_sequence(indices, values, batch)
+
+    result = {}
+    model.eval()
+    with torch.no_grad():
+        result["logprobs"] = gathered(_multi_task_logprobs(model, batch, task_of_token))
+        with adapter_disabled(model):
+            result["ref_logprobs"] = gathered(_multi_task_logprobs(model, batch, task_of_token))
+        with task_view(model, "b"):
+            result["view_b_logprobs"] = gathered(_multi_task_logprobs(model, batch, None))
+    _reshard(model)
+    model.train()
+    logprobs = _multi_task_logprobs(model, batch, task_of_token)
+    (-(logprobs * batch.advantages).sum()).backward()
+    reduce_partial_grads(model)
+    result["grads"] = {
+        task: {name: full_tensor(p.grad).clone() for name, p in task_parameters(model, task).items()}
+        for task in MULTI_TASK_LORAS
+    }
+    if export_dir is not None:
+        for task, lora in MULTI_TASK_LORAS.items():
+            with task_view(model, task):
+                save_peft_adapter(model, loaded.converter, lora, f"{export_dir}/{task}", str(hf_path),
+                                  write=not dist.is_initialized() or dist.get_rank() == 0)  # fmt: skip
+        if dist.is_initialized():
+            dist.barrier()
+    model.eval()
+    prompts = list(GEN_PROMPTS) if dp_rank == 0 else []
+    adapters = list(GEN_ADAPTERS) if dp_rank == 0 else []
+    engine = NativeRolloutEngine(model, "cpu", max_batch_sequences=2)
+    sampling = SamplingParams(max_new_tokens=5, temperature=0)
+    result["generated"] = [s.completion_ids for s in engine.generate(prompts, sampling, adapters=adapters)]
+    _reshard(model)
+    set_model_lora_values(model, seed=4)  # a changed adapter: the next generation must use it
+    result["generated_after_change"] = [
+        s.completion_ids for s in engine.generate(prompts, sampling, adapters=adapters)
+    ]
+    return result
+
+
 def run_mixed_precision(hf_path, vocab_size: int, parallel: ParallelConfig) -> dict:
     """Log-probs (every rank's, in global order) and the loss of one training step of a layout whose
     parallel.param_dtype differs from the parameters' dtype."""
@@ -179,7 +276,7 @@ def run_mixed_precision(hf_path, vocab_size: int, parallel: ParallelConfig) -> d
     policy = trainer.logprobs(batch, with_entropy=True)
     batch.old_logprobs = policy.logprobs
     first = trainer.train_step(batch, loss_fn, with_entropy=True)
-    return {"logprobs": _gather_per_sequence(trainer, indices, policy.logprobs, batch), "first_loss": first["loss"]}
+    return {"logprobs": _gather_per_sequence(indices, policy.logprobs, batch), "first_loss": first["loss"]}
 
 
 

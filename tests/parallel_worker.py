@@ -5,6 +5,7 @@
     ... tests/parallel_worker.py resume --out OUT --ckpt qwen3=DIR --phase first|second
     ... tests/parallel_worker.py skip --out OUT --ckpt qwen3=DIR --layouts fsdp2 tp2
     ... tests/parallel_worker.py reshard --out OUT --ckpt qwen3_moe=DIR gpt_oss=DIR --layouts ep2 fsdp2
+    ... tests/parallel_worker.py multi_task --out OUT --ckpt qwen3=DIR qwen3_moe=DIR --layouts fsdp2 tp2 ep2
 
 Rank 0 writes its results with torch.save to OUT (a file for parity, a directory for resume).
 """
@@ -198,6 +199,25 @@ def reshard(args) -> None:
         torch.save(results, out / "reshard.pt")
 
 
+def multi_task(args) -> None:
+    """A two-task model under each layout (cases.run_multi_task_case); layouts with expert
+    parallelism run on the families with routed experts only."""
+    results = {}
+    for model_type, path in (item.split("=", 1) for item in args.ckpt):
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+        for layout in args.layouts:
+            world, kwargs = cases.MULTI_TASK_LAYOUTS[layout]
+            assert world == int(os.environ["WORLD_SIZE"]), (layout, world)
+            if kwargs.get("ep", 1) > 1 and model_type == "qwen3":
+                continue
+            export_dir = Path(args.out).parent / f"multi-task-peft-{model_type}-{layout}"
+            result = cases.run_multi_task_case(path, vocab, ParallelConfig(**kwargs), export_dir=export_dir)
+            result["export_dir"] = str(export_dir)
+            results[(model_type, layout)] = result
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+
+
 def resume_batch(trainer: Trainer, vocab: int, step: int):
     """Step-dependent data (the data-loader position is the step), on-policy old log-probs."""
     full = cases.make_batch(vocab, seed=100 + step)
@@ -208,7 +228,7 @@ def resume_batch(trainer: Trainer, vocab: int, step: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["parity", "resume", "skip", "reshard"])
+    parser.add_argument("scenario", choices=["parity", "resume", "skip", "reshard", "multi_task"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", nargs="+", required=True)
     parser.add_argument("--layouts", nargs="*", default=[])
@@ -221,6 +241,8 @@ def main() -> None:
         skip(args)
     elif args.scenario == "reshard":
         reshard(args)
+    elif args.scenario == "multi_task":
+        multi_task(args)
     else:
         resume(args)
     dist.barrier()

@@ -184,7 +184,7 @@ def test_expert_lora_rows_of_one_task_are_bitwise_unaffected_by_another_tasks_ro
     def run(x):
         layer.zero_grad(set_to_none=True)
         layer.routing = AdapterRouting.from_task_ids(task_of_token, 3)
-        y = layer(x, groups, token_of_row)
+        y = layer(x, groups, layer.task_of_rows(token_of_row))
         layer.routing = None
         y.pow(2).sum().backward()
         return y.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}
@@ -263,3 +263,99 @@ def test_a_forward_builds_its_task_constants_once(multi_model, monkeypatch):
         again = _forward(model, batch)
     assert not made
     assert torch.equal(first, again)
+
+
+def test_stacked_factors_are_reused_in_decoding_but_never_stale(multi_model):
+    """Inside cached_task_factors a no-grad forward stacks each layer's factors once; a factor changed
+    in place (optimizer step, load) or replaced is stacked again, and a forward that takes gradients
+    of the factors never reads the cache."""
+    from archon.lora import cached_task_factors
+
+    model = multi_model.model
+    model.eval()
+    batch, task_of_token = _batch(multi_model.hf_config.vocab_size, seed=0)
+    layers = [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+
+    def forward():
+        with adapter_routing(model, task_of_token):
+            return _forward(model, batch)
+
+    with cached_task_factors(model):
+        with torch.no_grad():
+            first = forward()
+            stacks = [layer.factor_cache.stacked for layer in layers]
+            assert all(s is not None for s in stacks)
+            assert torch.equal(forward(), first)
+            assert all(layer.factor_cache.stacked is s for layer, s in zip(layers, stacks))  # reused
+            factors = lora_parameters(model)
+            some_a = next(p for n, p in factors.items() if ".tasks.b." in n and n.endswith("lora_a.weight"))
+            some_b = next(p for n, p in factors.items() if ".tasks.a." in n and "lora_b" in n.split("."))
+            some_a.add_(0.5)  # as an optimizer step does
+            after_step = forward()
+            some_b.copy_(torch.randn_like(some_b))  # as a load does
+            after_load = forward()
+        logits = forward()  # gradients flow to the factors: stacked afresh, in the graph
+        logits.float().pow(2).mean().backward()
+        assert some_a.grad is not None and some_a.grad.abs().max() > 0
+    assert all(layer.factor_cache is None for layer in layers)
+    with torch.no_grad():
+        uncached = forward()
+    assert torch.equal(after_load, uncached)
+    assert not torch.equal(after_step, first) and not torch.equal(after_load, after_step)
+    torch.testing.assert_close(logits.detach(), uncached, rtol=0, atol=1e-6)
+
+
+def test_lora_init_draws_what_it_always_drew():
+    """One init for every LoRA layer, drawing as each did before: A as kaiming_uniform_(a=sqrt(5)) on
+    each [r, in] matrix (bound 1/sqrt(in) for stacked experts), B zeros, in the same RNG order."""
+    import math
+
+    from torch import nn
+
+    from archon.lora import ExpertLoRA, LoRALinear
+    from archon.lora.layers import TaskAdapter
+
+    for in_features, out_features, rank in ((16, 12, 4), (48, 7, 2), (100, 33, 8), (7, 64, 3)):
+        torch.manual_seed(11)
+        layer = LoRALinear(in_features, out_features, True, LoRAConfig(rank=rank))
+        after = torch.rand(3)
+        torch.manual_seed(11)
+        base = nn.Linear(in_features, out_features)
+        nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=False)
+        expected_a = torch.empty(rank, in_features)
+        nn.init.kaiming_uniform_(expected_a, a=math.sqrt(5))
+        assert torch.equal(layer.weight, base.weight) and torch.equal(layer.lora_a.weight, expected_a)
+        assert torch.equal(layer.lora_b.weight, torch.zeros(out_features, rank))
+        assert torch.equal(torch.rand(3), after)
+
+        torch.manual_seed(12)
+        adapter = TaskAdapter(in_features, out_features, rank, 1.0, 0.0)
+        torch.manual_seed(12)
+        nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=False)
+        nn.init.kaiming_uniform_(expected_a, a=math.sqrt(5))
+        assert torch.equal(adapter.lora_a.weight, expected_a) and not adapter.lora_b.weight.any()
+
+        torch.manual_seed(13)
+        experts = ExpertLoRA(4, in_features, out_features, LoRAConfig(rank=rank))
+        torch.manual_seed(13)
+        bound = 1.0 / math.sqrt(in_features)
+        assert torch.equal(experts.lora_a, torch.empty(4, rank, in_features).uniform_(-bound, bound))
+        assert not experts.lora_b.any()
+
+
+def test_built_models_start_from_the_seeded_init(tiny_checkpoint):
+    """build_model's adapters: every A drawn in parameter order from one generator seeded with `seed`
+    (uniform in +-1/sqrt(in)), every B zero; each task of a multi-task model as its own model."""
+    import math
+
+    path = tiny_checkpoint("qwen3_moe")
+    loaded = build_model(path, lora=TASKS["a"], seed=5)
+    generator = torch.Generator().manual_seed(5)
+    params = lora_parameters(loaded.model)
+    assert any(".experts." in n for n in params)
+    for name, param in params.items():
+        if "lora_b" in name.split("."):
+            assert not param.any(), name
+            continue
+        bound = 1.0 / math.sqrt(param.shape[-1])
+        assert torch.equal(param, torch.empty(param.shape).uniform_(-bound, bound, generator=generator)), name

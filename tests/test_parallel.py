@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from archon.checkpoint.hf import HFCheckpoint
+from archon.lora import LoRAConfig
 from archon.parallel import ParallelConfig, ParallelDims, apply_tp_plan, colwise
 from archon.trainer import Trainer
 
@@ -242,6 +243,86 @@ def _reshard_batch(trainer, vocab, step):
     batch = cases.make_batch(vocab, seed=100 + step)
     batch.old_logprobs = trainer.logprobs(batch).logprobs
     return batch
+
+
+# ---- several tasks (multi-LoRA) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multi_task_single_process(checkpoints, tmp_path_factory):
+    out = {}
+    for model_type, path in checkpoints.items():
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+        export_dir = tmp_path_factory.mktemp("multi_task_single") / model_type
+        out[model_type] = cases.run_multi_task_case(path, vocab, export_dir=export_dir)
+        out[model_type]["export_dir"] = str(export_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def multi_task_two_process(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("multi_task") / "results.pt"
+    ckpts = [f"{t}={p}" for t, p in checkpoints.items()]
+    cases.launch(2, "multi_task", "--out", str(out), "--layouts", *cases.MULTI_TASK_LAYOUTS, "--ckpt", *ckpts)
+    return torch.load(out, weights_only=False)
+
+
+MULTI_TASK_CASES = [("qwen3", "fsdp2"), ("qwen3", "tp2"), ("qwen3_moe", "fsdp2"), ("qwen3_moe", "tp2"),
+                    ("qwen3_moe", "ep2")]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, layout", MULTI_TASK_CASES)
+def test_multi_task_model_matches_single_process(multi_task_two_process, multi_task_single_process, model_type, layout):
+    """Two tasks of other ranks and targets, their sequences mixed in one packed batch, on 2 ranks:
+    per-token log-probs (adapters on, off, and one task's view), each task's LoRA gradients
+    (gathered from the shards), and the native engine's greedy mixed generation before and after the
+    adapters change (the first data-parallel rank generates, the other keeps in step)."""
+    result, reference = multi_task_two_process[(model_type, layout)], multi_task_single_process[model_type]
+    for key in ("logprobs", "ref_logprobs", "view_b_logprobs"):
+        torch.testing.assert_close(result[key], reference[key], atol=TOL, rtol=0, msg=key)
+    assert not torch.allclose(reference["logprobs"], reference["ref_logprobs"], atol=1e-3)
+    assert result["grads"].keys() == reference["grads"].keys() == set(cases.MULTI_TASK_LORAS)
+    for task, grads in reference["grads"].items():
+        assert result["grads"][task].keys() == grads.keys()
+        for name, ref in grads.items():
+            scale = ref.abs().max().item()
+            assert scale > 0, f"reference gradient of {task}: {name} is zero: the comparison would be empty"
+            err = (result["grads"][task][name] - ref).abs().max().item() / scale
+            assert err <= TOL, f"task {task}: LoRA gradient {name}: relative error {err:.2e}"
+    if model_type == "qwen3_moe":
+        assert any(".experts." in name for name in reference["grads"]["a"]), "no expert LoRA gradient compared"
+    assert result["generated"] == reference["generated"]
+    assert result["generated_after_change"] == reference["generated_after_change"]
+    assert reference["generated_after_change"] != reference["generated"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, layout", MULTI_TASK_CASES)
+def test_multi_task_peft_export_equals_single_process(multi_task_two_process, multi_task_single_process,
+                                                      model_type, layout):  # fmt: skip
+    """Each task's adapter, exported through its task_view from the shards, is the one-process export."""
+    result, reference = multi_task_two_process[(model_type, layout)], multi_task_single_process[model_type]
+    for task in cases.MULTI_TASK_LORAS:
+        got = load_file(f"{result['export_dir']}/{task}/adapter_model.safetensors")
+        want = load_file(f"{reference['export_dir']}/{task}/adapter_model.safetensors")
+        assert got.keys() == want.keys() and want
+        for key in want:
+            assert torch.equal(got[key], want[key]), (task, key)
+        configs = [json.loads(open(f"{r['export_dir']}/{task}/adapter_config.json").read()) for r in (result, reference)]
+        assert configs[0] == configs[1]
+
+
+def test_multi_task_model_refuses_compile_and_dropout_under_tp(checkpoints):
+    from archon.build import build_model
+
+    with pytest.raises(ValueError, match=r"parallel.compile=True: a multi-task"):
+        build_model(checkpoints["qwen3"], task_loras=cases.MULTI_TASK_LORAS, dims=ParallelDims(world_size=1),
+                    parallel=ParallelConfig(compile=True))  # fmt: skip
+    dropping = {"a": cases.MULTI_TASK_LORAS["a"], "b": LoRAConfig(rank=2, dropout=0.1)}
+    with pytest.raises(ValueError, match=r"task\(s\) \['b'\]: lora.dropout > 0 with tp=2"):
+        build_model(checkpoints["qwen3"], task_loras=dropping, dims=ParallelDims(world_size=2, dp_shard=1, tp=2),
+                    parallel=ParallelConfig(tp=2))  # fmt: skip
 
 
 # ---- configuration errors -------------------------------------------------------------------------

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable
+from torch.distributed.tensor import DTensor
+
+from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_part
 from archon.lora.config import LoRAConfig
 
 
@@ -82,6 +84,16 @@ def merged_weight(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (weight.float() + delta).to(weight.dtype)
 
 
+@torch.no_grad()
+def init_lora_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """PEFT's LoRA init, in place: A [..., r, in] uniform in [-1/sqrt(in), 1/sqrt(in)] (what
+    kaiming_uniform_(a=sqrt(5)) draws for each [r, in] matrix: fan_in = in), B [..., out, r] zeros.
+    A takes one draw from `generator` (default: the global generator); B takes none."""
+    bound = 1.0 / math.sqrt(lora_a.shape[-1])
+    lora_a.uniform_(-bound, bound, generator=generator)
+    lora_b.zero_()
+
+
 class LoRALinear(nn.Linear, LoRAModule):
     """nn.Linear plus a low-rank update. `weight`/`bias` are the frozen base; `lora_a`, `lora_b` adapt it."""
 
@@ -115,20 +127,21 @@ class LoRALinear(nn.Linear, LoRAModule):
             self.reset_lora_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_base(x, self.weight, self.bias)
+
+    def forward_with_base(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The forward on base weights given by the caller (a task view's owner passes its own)."""
         if not self.lora_enabled or self.merged:
-            return F.linear(x, self.weight, self.bias)
-        frozen_base = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+            return F.linear(x, weight, bias)
+        frozen_base = not weight.requires_grad and (bias is None or not bias.requires_grad)
         if frozen_base and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
-            return _FrozenBaseLoRALinear.apply(x, self.weight, self.bias, self.lora_a.weight, self.lora_b.weight,
-                                               self.scaling)  # fmt: skip
-        out = F.linear(x, self.weight, self.bias)
+            return _FrozenBaseLoRALinear.apply(x, weight, bias, self.lora_a.weight, self.lora_b.weight, self.scaling)
+        out = F.linear(x, weight, bias)
         x = self.lora_dropout(x.to(self.lora_a.weight.dtype))
         return out + (self.lora_b(self.lora_a(x)) * self.scaling).to(out.dtype)
 
-    @torch.no_grad()
     def reset_lora_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b.weight)
+        init_lora_factors(self.lora_a.weight, self.lora_b.weight)
 
     def adapter_params(self) -> dict[str, nn.Parameter]:
         return {"lora_a.weight": self.lora_a.weight, "lora_b.weight": self.lora_b.weight}
@@ -214,17 +227,16 @@ class ExpertLoRA(nn.Module):
         if self.lora_a.device.type != "meta":
             self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        # Same bound as kaiming_uniform_(a=sqrt(5)) on each expert's [r, in] matrix (fan_in = in).
-        bound = 1.0 / math.sqrt(self.lora_a.shape[-1])
-        nn.init.uniform_(self.lora_a, -bound, bound)
-        nn.init.zeros_(self.lora_b)
+        init_lora_factors(self.lora_a, self.lora_b)
 
-    def forward(self, x: torch.Tensor, groups: ExpertGroups, token_of_row: torch.Tensor | None = None) -> torch.Tensor:
+    def task_of_rows(self, token_of_row: torch.Tensor) -> None:
+        """The task of each row, for a multi-task layer (MultiExpertLoRA); one adapter serves every row here."""
+        return None
+
+    def forward(self, x: torch.Tensor, groups: ExpertGroups, task_of_row: torch.Tensor | None = None) -> torch.Tensor:
         """Low-rank update for rows x[N, in] sorted by expert: [N, out]. Two grouped matmuls over all
-        experts, x @ A[e]^T then @ B[e]^T. `token_of_row` matters only to MultiExpertLoRA (one
-        adapter serves every row here)."""
+        experts, x @ A[e]^T then @ B[e]^T. `task_of_row` matters only to MultiExpertLoRA."""
         x = self.lora_dropout(x.to(self.lora_a.dtype))
         h = expert_matmul(x, self.lora_a.transpose(1, 2), groups) * self.scaling  # [N, r]: scaled while small
         return expert_matmul(h, self.lora_b.transpose(1, 2), groups)
@@ -310,10 +322,8 @@ class TaskAdapter(nn.Module):
         if self.lora_a.weight.device.type != "meta":
             self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b.weight)
+        init_lora_factors(self.lora_a.weight, self.lora_b.weight)
 
 
 def _refuse_without_task(what: str):
@@ -336,12 +346,83 @@ def task_constants(module: nn.Module, scaling: list[float], dropout: list[float]
     return cached[1], cached[2]
 
 
+class FactorCache:
+    """The stacked factors of a multi-task layer, kept between no-grad forwards (see
+    `archon.lora.cached_task_factors`): valid while the factors are the same tensors at the same
+    versions (an in-place update, such as an optimizer step or a load, bumps a tensor's version)."""
+
+    def __init__(self) -> None:
+        self.factors: tuple[torch.Tensor, ...] = ()
+        self.versions: tuple[tuple[int, int], ...] = ()
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def _versions(factors: tuple[torch.Tensor, ...]) -> tuple[tuple[int, int], ...]:
+        # A DTensor's shard is written through its local tensor (copy_local_into), which has its own counter.
+        return tuple((t._version, (t._local_tensor if isinstance(t, DTensor) else t)._version) for t in factors)
+
+    def get(self, factors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.stacked is None or len(factors) != len(self.factors):
+            return None
+        if any(a is not b for a, b in zip(factors, self.factors)) or self._versions(factors) != self.versions:
+            return None
+        return self.stacked
+
+    def put(self, factors: tuple[torch.Tensor, ...], stacked: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.factors, self.versions, self.stacked = factors, self._versions(factors), stacked
+
+
+def stacked_task_factors(
+    module: nn.Module, factors: list[tuple[torch.Tensor, torch.Tensor] | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tasks' factors zero-padded to the largest rank r and stacked in task order.
+
+    factors: each task's (A [L, r_k, in], B [L, out, r_k]) in task order, L experts or none
+        (A [r_k, in], B [out, r_k] of a linear), or None for a task without an adapter here (zero
+        factors). DTensors (TP, EP) are stacked from this rank's parts (`local_part`).
+    Returns A [K*L, in, r], B [K*L, r, out] (task-major; L = 1 for a linear).
+
+    While `module.factor_cache` is set (`archon.lora.cached_task_factors`) and no gradient flows to
+    the factors, the stacks are made once and reused for as long as the factors are unchanged.
+    """
+    params = tuple(t for pair in factors if pair is not None for t in pair)
+    cache: FactorCache | None = module.factor_cache
+    if cache is not None and (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
+        cache = None
+    if cache is not None and (stacked := cache.get(params)) is not None:
+        return stacked
+    local = [None if pair is None else tuple(local_part(t) for t in pair) for pair in factors]
+    a_like, b_like = next(pair for pair in local if pair is not None)
+    rank = max(pair[0].shape[-2] for pair in local if pair is not None)
+    lead = a_like.shape[:-2].numel()  # L
+    in_features, out_features = a_like.shape[-1], b_like.shape[-2]
+    a, b = [], []
+    for pair in local:
+        if pair is None:
+            a.append(a_like.new_zeros(lead, rank, in_features))
+            b.append(b_like.new_zeros(lead, out_features, rank))
+            continue
+        lora_a, lora_b = pair[0].reshape(lead, -1, in_features), pair[1].reshape(lead, out_features, -1)
+        pad = rank - lora_a.shape[1]
+        a.append(F.pad(lora_a, (0, 0, 0, pad)) if pad else lora_a)
+        b.append(F.pad(lora_b, (0, pad)) if pad else lora_b)
+    stacked = torch.cat(a).transpose(1, 2), torch.cat(b).transpose(1, 2)  # [K*L, in, r], [K*L, r, out]
+    if cache is not None:
+        cache.put(params, stacked)
+    return stacked
+
+
 class MultiLoRALinear(nn.Linear, LoRAModule):
     """nn.Linear plus one low-rank update per task; each token takes its task's update.
 
     task_settings: every task of the model in order, each with its (rank, scaling, dropout) here, or
     None when the task does not target this module. The forward needs the batch's `routing`, set by
     `archon.lora.adapter_routing`.
+
+    Under tensor parallelism the tasks' factors take a single adapter's layouts (see
+    archon/parallel/tensor_parallel.py) and the low-rank updates are computed on this rank's parts:
+    column-parallel, this rank's output columns; row-parallel, a partial sum reduced with the base
+    output.
     """
 
     def __init__(
@@ -362,12 +443,19 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
         self.routing: AdapterRouting | None = None
         self.task_constants: tuple | None = None
         """(device and dtype, scaling [K], dropout [K] or None), made by `task_constants`."""
+        self.factor_cache: FactorCache | None = None
+        """Set while stacked factors may be reused (`archon.lora.cached_task_factors`)."""
         self.lora_enabled = True
         self.merged = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, task_view: nn.Linear | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]. `task_view`: the call comes from that single-task view's forward
+        (`single_task_module`), which computes the output on this module's weights as they are now
+        (FSDP2 gathers them for the forward; this module's TP hooks lay out the input and output)."""
+        if isinstance(task_view, LoRALinear):
+            return task_view.forward_with_base(x, self.weight, self.bias)
         out = F.linear(x, self.weight, self.bias)
-        if not self.lora_enabled:
+        if not self.lora_enabled or task_view is not None:
             return out
         if self.routing is None:
             raise RuntimeError(
@@ -375,50 +463,47 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
                 "archon.lora.adapter_routing(model, task_of_token)"
             )
         lora_a, lora_b, scaling, dropout = self._stacked_factors()
-        x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+        x_local = local_part(x)  # under TP: replicated (column-parallel) or this rank's input columns
+        x2 = x_local.reshape(-1, x_local.shape[-1])  # [T, in]
         r = self.routing
         delta = mixed_lora_delta(x2, lora_a, lora_b, scaling, dropout, r.order, r.restore, r.groups)
-        return out + delta.view(*x.shape[:-1], delta.shape[-1]).to(out.dtype)
+        delta = delta.view(*x_local.shape[:-1], delta.shape[-1]).to(out.dtype)
+        if isinstance(out, DTensor):  # this rank's output columns, or its partial sum (row-parallel)
+            delta = DTensor.from_local(delta, out.device_mesh, out.placements, run_check=False)
+        return out + delta
 
     def _stacked_factors(self):
         """The tasks' factors zero-padded to the largest rank r and stacked in task order: A [K, in, r],
         B [K, r, out], scaling [K], dropout [K] (None when no task drops or in eval mode). A task
         without an adapter here has zero factors."""
-        rank = max(adapter.rank for adapter in self.tasks.values())
-        like = next(iter(self.tasks.values())).lora_a.weight
-        zeros_a = like.new_zeros(rank, self.in_features)
-        zeros_b = like.new_zeros(self.out_features, rank)
-        a, b, scaling, dropout = [], [], [], []
-        for name in self.task_names:
-            adapter = self.tasks[name] if name in self.tasks else None
-            if adapter is None:
-                a.append(zeros_a), b.append(zeros_b), scaling.append(0.0), dropout.append(0.0)
-                continue
-            pad = rank - adapter.rank
-            a.append(F.pad(adapter.lora_a.weight, (0, 0, 0, pad)) if pad else adapter.lora_a.weight)
-            b.append(F.pad(adapter.lora_b.weight, (0, pad)) if pad else adapter.lora_b.weight)
-            scaling.append(adapter.scaling)
-            dropout.append(adapter.dropout)
-        scaling_t, dropout_t = task_constants(self, scaling, dropout, like)
-        a_all, b_all = torch.stack(a).transpose(1, 2), torch.stack(b).transpose(1, 2)  # [K, in, r], [K, r, out]
-        return a_all, b_all, scaling_t, dropout_t if self.training else None
+        adapters = [self.tasks[name] if name in self.tasks else None for name in self.task_names]
+        lora_a, lora_b = stacked_task_factors(
+            self, [None if t is None else (t.lora_a.weight, t.lora_b.weight) for t in adapters]
+        )
+        scaling = [0.0 if t is None else t.scaling for t in adapters]
+        dropout = [0.0 if t is None else t.dropout for t in adapters]
+        scaling_t, dropout_t = task_constants(self, scaling, dropout, lora_a)
+        return lora_a, lora_b, scaling_t, dropout_t if self.training else None
 
     def single_task_module(self, task: str) -> nn.Linear:
         """This module as a single-adapter model for `task` has it: a LoRALinear (or, where the task
-        has no adapter, an nn.Linear) sharing this module's parameters."""
+        has no adapter, an nn.Linear) sharing this module's parameters. Its parameters are this
+        module's as they are at the call (under FSDP2, outside a forward: the sharded ones, which
+        exports, loads and checkpoints use); its forward runs this module's forward, which reads the
+        base weights when it runs."""
         adapter = self.tasks[task] if task in self.tasks else None
         if adapter is None:
-            view = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+            view = _PlainTaskView(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         else:
-            view = LoRALinear(self.in_features, self.out_features, self.bias is not None,
-                              LoRAConfig(rank=adapter.rank), device="meta")  # fmt: skip
+            view = _LoRATaskView(self.in_features, self.out_features, self.bias is not None,
+                                 LoRAConfig(rank=adapter.rank), device="meta")  # fmt: skip
             view.lora_a, view.lora_b, view.scaling = adapter.lora_a, adapter.lora_b, adapter.scaling
             view.lora_dropout = nn.Dropout(adapter.dropout) if adapter.dropout > 0 else nn.Identity()
             view.lora_enabled = self.lora_enabled
         view.weight, view.bias = self.weight, self.bias
+        object.__setattr__(view, "owner", self)  # not a submodule: its parameters are not the view's
         return view.train(self.training)
 
-    @torch.no_grad()
     def reset_lora_parameters(self) -> None:
         for adapter in self.tasks.values():
             adapter.reset_parameters()
@@ -434,12 +519,31 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
         return f"{super().extra_repr()}, task ranks={ranks}"
 
 
+class _PlainTaskView(nn.Linear):
+    """A MultiLoRALinear seen by a task it does not adapt (`MultiLoRALinear.single_task_module`)."""
+
+    owner: MultiLoRALinear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.owner(x, task_view=self)
+
+
+class _LoRATaskView(LoRALinear):
+    """A MultiLoRALinear seen by one task that adapts it (`MultiLoRALinear.single_task_module`)."""
+
+    owner: MultiLoRALinear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.owner(x, task_view=self)
+
+
 class MultiExpertLoRA(nn.Module):
     """One ExpertLoRA per task on a stacked expert weight; each token slot takes its task's adapter.
 
     task_configs: every task of the model in order, with its LoRAConfig, or None when the task does
-    not adapt the experts. The forward needs the batch's `routing` (set by `adapter_routing`) and the
-    token of each row.
+    not adapt the experts. The forward needs the task of each row (`task_of_rows`, from the batch's
+    `routing`, set by `adapter_routing`). Under expert parallelism the factors are sharded on the
+    expert dimension like the experts, and the rows' tasks travel with them to their experts' ranks.
     """
 
     def __init__(
@@ -455,53 +559,50 @@ class MultiExpertLoRA(nn.Module):
         self.routing: AdapterRouting | None = None
         self.task_constants: tuple | None = None
         """(device and dtype, scaling [K], dropout [K] or None), made by `task_constants`."""
+        self.factor_cache: FactorCache | None = None
+        """Set while stacked factors may be reused (`archon.lora.cached_task_factors`)."""
 
     def reset_parameters(self) -> None:
         for adapter in self.tasks.values():
             adapter.reset_parameters()
 
-    def forward(self, x: torch.Tensor, groups: ExpertGroups, token_of_row: torch.Tensor | None = None) -> torch.Tensor:
-        """Low-rank update for rows x [N, in] sorted by expert, row i from token token_of_row[i]:
-        [N, out]. The rows are grouped by (task, expert) for two grouped matmuls over all pairs."""
-        if self.routing is None or token_of_row is None:
+    def task_of_rows(self, token_of_row: torch.Tensor) -> torch.Tensor:
+        """[N] the task index of each row, from the token it came from."""
+        if self.routing is None:
             raise RuntimeError(
                 "multi-task expert LoRA needs each token's task: run the model's forward inside "
                 "archon.lora.adapter_routing(model, task_of_token)"
             )
-        E, K = self.num_experts, len(self.task_names)
-        pair = self.routing.task_of_token[token_of_row] * E + groups.expert_of_row  # [N]: task * E + expert
+        return self.routing.task_of_token[token_of_row]
+
+    def forward(self, x: torch.Tensor, groups: ExpertGroups, task_of_row: torch.Tensor | None = None) -> torch.Tensor:
+        """Low-rank update for rows x [N, in] sorted by (this rank's) expert, row i of task
+        task_of_row[i]: [N, out]. The rows are grouped by (task, expert) for two grouped matmuls over
+        all pairs."""
+        if task_of_row is None:
+            raise RuntimeError("MultiExpertLoRA needs the task of each row (task_of_rows)")
+        K = len(self.task_names)
+        lora_a, lora_b, scaling, dropout = self._stacked_factors()
+        E = lora_a.shape[0] // K  # this rank's experts
+        pair = task_of_row * E + groups.expert_of_row  # [N]: task * E + expert
         order = torch.argsort(pair, stable=True)
         restore = torch.empty_like(order)
         restore[order] = torch.arange(order.numel(), device=order.device)
         pair_groups = ExpertGroups.from_sorted(pair[order], K * E, grouped=groups.host_offsets is None)
-        lora_a, lora_b, scaling, dropout = self._stacked_factors()
         scaling = scaling.repeat_interleave(E)  # [K*E]
         dropout = None if dropout is None else dropout.repeat_interleave(E)
         return mixed_lora_delta(x, lora_a, lora_b, scaling, dropout, order, restore, pair_groups)
 
     def _stacked_factors(self):
-        """A [K*E, in, r], B [K*E, r, out] (task-major, ranks zero-padded to the largest r),
-        scaling [K], dropout [K] or None."""
-        rank = max(adapter.rank for adapter in self.tasks.values())
-        like = next(iter(self.tasks.values())).lora_a
-        E, _, in_features = like.shape
-        out_features = next(iter(self.tasks.values())).lora_b.shape[1]
-        a, b, scaling, dropout = [], [], [], []
-        for name in self.task_names:
-            adapter = self.tasks[name] if name in self.tasks else None
-            if adapter is None:
-                a.append(like.new_zeros(E, rank, in_features)), b.append(like.new_zeros(E, out_features, rank))
-                scaling.append(0.0), dropout.append(0.0)
-                continue
-            pad = rank - adapter.rank
-            a.append(F.pad(adapter.lora_a, (0, 0, 0, pad)))
-            b.append(F.pad(adapter.lora_b, (0, pad)))
-            scaling.append(adapter.scaling)
-            dropout.append(adapter.lora_dropout.p if isinstance(adapter.lora_dropout, nn.Dropout) else 0.0)
-        a_all = torch.cat(a).transpose(1, 2)  # [K*E, in, r]
-        b_all = torch.cat(b).transpose(1, 2)  # [K*E, r, out]
-        scaling_t, dropout_t = task_constants(self, scaling, dropout, like)
-        return a_all, b_all, scaling_t, dropout_t if self.training else None
+        """A [K*E, in, r], B [K*E, r, out] (task-major, ranks zero-padded to the largest r; E: this
+        rank's experts), scaling [K], dropout [K] or None."""
+        adapters = [self.tasks[name] if name in self.tasks else None for name in self.task_names]
+        lora_a, lora_b = stacked_task_factors(self, [None if t is None else (t.lora_a, t.lora_b) for t in adapters])
+        scaling = [0.0 if t is None else t.scaling for t in adapters]
+        dropout = [t.lora_dropout.p if t is not None and isinstance(t.lora_dropout, nn.Dropout) else 0.0
+                   for t in adapters]  # fmt: skip
+        scaling_t, dropout_t = task_constants(self, scaling, dropout, lora_a)
+        return lora_a, lora_b, scaling_t, dropout_t if self.training else None
 
     def delta_weight(self) -> torch.Tensor:
         _refuse_without_task("delta_weight")

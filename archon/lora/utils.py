@@ -13,6 +13,7 @@ from archon.lora.config import LoRAConfig
 from archon.lora.layers import (
     AdapterRouting,
     ExpertLoRA,
+    FactorCache,
     LoRALinear,
     LoRAModule,
     MultiExpertLoRA,
@@ -205,21 +206,53 @@ def task_names(model: nn.Module) -> tuple[str, ...]:
     return ()
 
 
+def multi_task_layers(model: nn.Module) -> list[MultiLoRALinear | MultiExpertLoRA]:
+    """The layers of `model` that hold several task adapters."""
+    return [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+
+
+@contextlib.contextmanager
+def routing_set(routing: dict[nn.Module, AdapterRouting | None]):
+    """Give each multi-task layer its routing for the duration, then the one it had."""
+    previous = {layer: layer.routing for layer in routing}
+    for layer, value in routing.items():
+        layer.routing = value
+    try:
+        yield
+    finally:
+        for layer, value in previous.items():
+            layer.routing = value
+
+
 @contextlib.contextmanager
 def adapter_routing(model: nn.Module, task_of_token: torch.Tensor):
     """Run a multi-task model's forward with token t using the adapter of task task_of_token[t] (an
-    index into the model's tasks); task_of_token: [T] for the packed tokens of the forward."""
-    modules = [m for m in model.modules() if isinstance(m, (MultiLoRALinear, MultiExpertLoRA))]
+    index into the model's tasks); task_of_token: [T] for the packed tokens of the forward.
+    Activation-checkpointed blocks take this routing again when they recompute in the backward."""
+    modules = multi_task_layers(model)
     if not modules:
         raise ValueError("adapter_routing needs a multi-task model (built with several task adapters)")
     routing = AdapterRouting.from_task_ids(task_of_token, len(modules[0].task_names))
+    with routing_set({module: routing for module in modules}):
+        yield model
+
+
+@contextlib.contextmanager
+def cached_task_factors(model: nn.Module):
+    """Let a multi-task model's layers keep their stacked task factors between forwards that take no
+    gradient of them (decoding: every step would stack every layer's factors again), for the
+    duration. A layer stacks again when a factor changed in place (its version moved) or was
+    replaced. Under FSDP2 the forward sees gathered copies of the factors, which FSDP2 refills
+    without moving their versions: enter this only where the adapter does not change (one
+    `generate`), as the cache is dropped on exit."""
+    modules = multi_task_layers(model)
     for module in modules:
-        module.routing = routing
+        module.factor_cache = FactorCache()
     try:
         yield model
     finally:
         for module in modules:
-            module.routing = None
+            module.factor_cache = None
 
 
 @contextlib.contextmanager

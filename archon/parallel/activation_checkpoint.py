@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 from torch import nn
+
+from archon.lora.utils import multi_task_layers, routing_set
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -78,10 +80,20 @@ def checkpoint_module(module: nn.Module, mode: ACMode) -> nn.Module:
         return module
     forward = module.forward
     extra = {"context_fn": _selective_context} if mode == "selective" else {}
+    routed_layers = multi_task_layers(module)
 
     @functools.wraps(forward)
     def checkpointed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        # The recomputation runs in the backward pass, after `adapter_routing` has exited: it takes
+        # the routing of this forward again.
+        routing = {layer: layer.routing for layer in routed_layers}
+
+        def run(*args, **kwargs):
+            with routing_set(routing):
+                return forward(*args, **kwargs)
+
+        return checkpoint(run if routed_layers else forward, *args, use_reentrant=False, preserve_rng_state=True,
+                          **extra, **kwargs)  # fmt: skip
 
     module.forward = checkpointed_forward
     return module

@@ -68,11 +68,15 @@ class ExpertParallelGroup:
         x_sorted: torch.Tensor,
         expert_of_slot: torch.Tensor,
         grouped: bool,
+        task_of_slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x_sorted: [N, dim] token slots of this rank sorted by (global) expert, expert_of_slot: [N]
         their experts -> [N, out], each slot's expert output computed on the rank holding the expert.
+        task_of_slot: [N] each slot's task in a multi-task model (None otherwise); it travels with the
+        slot.
 
-        `compute(x [M, dim], groups)` runs the local experts on rows sorted by local expert."""
+        `compute(x [M, dim], groups, task_of_row)` runs the local experts on rows sorted by local
+        expert (task_of_row: [M] or None)."""
         num_experts = self.size * self.num_local_experts
         counts = torch.bincount(expert_of_slot, minlength=num_experts)  # [E]: slots per global expert
         # received[s, e]: slots rank s sends to this rank's local expert e.
@@ -89,7 +93,10 @@ class ExpertParallelGroup:
         local_expert_of_row = local_experts.repeat_interleave(received.reshape(-1), output_size=rows)  # [M]
         order = torch.argsort(local_expert_of_row, stable=True)
         groups = ExpertGroups.from_sorted(local_expert_of_row[order], self.num_local_experts, grouped)
-        y_local = compute(x_recv[order], groups)  # [M, out], sorted by local expert
+        task_of_row = None
+        if task_of_slot is not None:
+            task_of_row = all_to_all(task_of_slot, output_splits, input_splits, self.group)[order]
+        y_local = compute(x_recv[order], groups, task_of_row)  # [M, out], sorted by local expert
         y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)  # back in arrival order
         return all_to_all(y_recv, input_splits, output_splits, self.group)
 

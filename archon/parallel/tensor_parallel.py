@@ -8,7 +8,8 @@ A LoRALinear is y = W x + b + s * B(A(x)). Its TP layout follows the base weight
 so the adapter branch needs no communication of its own in the forward: the column-parallel branch
 yields the same output shard as the base, and the row-parallel branch yields a partial sum that is
 reduced together with the base output. Plain nn.Linear modules take the same styles (without the
-LoRA entries). Parameters that end up replicated but see sharded activations get partial gradients;
+LoRA entries), and a multi-task MultiLoRALinear gives every task's factors (`tasks.<task>.lora_a.weight`,
+...) the layout of a single adapter's. Parameters that end up replicated but see sharded activations get partial gradients;
 `reduce_partial_grads` (or FSDP2, when it manages the parameter) sums them.
 
 Module names in plans are relative to the module the plan is applied to; `*` matches one level,
@@ -31,6 +32,8 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+
+from archon.lora.utils import is_lora_param
 
 
 def _distribute_params(module: nn.Module, mesh, placements: Mapping[str, Placement]) -> None:
@@ -70,7 +73,7 @@ class _LinearParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"{type(self).__name__} applies to nn.Linear / LoRALinear, not {type(module).__name__}")
-        _distribute_params(module, device_mesh, self.param_placements)
+        _distribute_params(module, device_mesh, self._placements(module))
 
         def input_fn(mod, inputs, mesh):
             return (_to_dtensor(inputs[0], mesh, self.input_layout, self.desired_input), *inputs[1:])
@@ -81,6 +84,18 @@ class _LinearParallel(ParallelStyle):
             return output.to_local() if self.use_local_output else output
 
         return distribute_module(module, device_mesh, None, input_fn, output_fn)
+
+    def _placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Each parameter of `module` by name -> its placement: the base weight and bias by name, a
+        LoRA factor (one adapter's `lora_a.weight`, or a task's `tasks.<task>.lora_a.weight`) by the
+        factor it is."""
+        placements = {}
+        for name, _ in module.named_parameters():
+            role = ".".join(name.split(".")[-2:]) if is_lora_param(name) else name
+            if role not in self.param_placements:
+                raise ValueError(f"{type(self).__name__}: no placement for parameter {name!r} of {type(module).__name__}")
+            placements[name] = self.param_placements[role]
+        return placements
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(input={self.input_layout}, output={self.output_layout})"

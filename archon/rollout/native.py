@@ -42,6 +42,7 @@ task's prompts: a task's samples depend on its own prompts, not on the other tas
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections import deque
@@ -51,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from archon.lora import adapter_routing
+from archon.lora import adapter_routing, cached_task_factors, task_names
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KVCache
 from archon.rollout.policy import ServedPolicy
@@ -205,6 +206,14 @@ class NativeRolloutEngine:
                 raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
         if adapters is not None and len(adapters) != len(prompts):
             raise ValueError(f"adapters has {len(adapters)} entries for {len(prompts)} prompts")
+        multi_task_model = bool(task_names(self.model))
+        if multi_task_model and adapters is None:
+            if prompts:
+                raise ValueError(
+                    f"the model has several task adapters {list(task_names(self.model))}: pass adapters= (each "
+                    "prompt's task index), or generate inside archon.lora.task_view(model, task)"
+                )
+            adapters = []  # nothing to generate here; the one-token forwards that keep in step still need tasks
         generator = None
         if sampling.seed is not None and adapters is None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -227,7 +236,9 @@ class NativeRolloutEngine:
                 group.generator = torch.Generator(device=self.device).manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
-        with self.policy.lease() as (_, version):
+        # the adapters do not change during a generation: every layer stacks its tasks' factors once
+        factors = cached_task_factors(self.model) if multi_task_model else contextlib.nullcontext()
+        with self.policy.lease() as (_, version), factors:
             try:
                 samples = _Generation(self, groups, sampling, generator, multi_task=adapters is not None).run()
             finally:

@@ -107,16 +107,16 @@ class GroupedExperts(nn.Module, LoRAModule):
         bias: torch.Tensor | None,
         lora: ExpertLoRA | None,
         groups: ExpertGroups,
-        token_of_row: torch.Tensor | None = None,
+        task_of_row: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows x[N, in], sorted by expert, through their expert's slice of a stacked weight (plus bias
-        and LoRA): [N, out]. `token_of_row` picks each row's task adapter in a multi-task model."""
+        and LoRA): [N, out]. `task_of_row` picks each row's task adapter in a multi-task model."""
         weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
         out = expert_matmul(x, weight_in_out, groups)
         if bias is not None:
             out = out + local_expert_weight(bias, out.dtype)[groups.expert_of_row]
         if self._lora_active:
-            out = out + lora(x, groups, token_of_row).to(out.dtype)
+            out = out + lora(x, groups, task_of_row).to(out.dtype)
         return out
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -125,14 +125,15 @@ class GroupedExperts(nn.Module, LoRAModule):
         return F.silu(gate) * up
 
     def compute(
-        self, x_sorted: torch.Tensor, groups: ExpertGroups, token_of_row: torch.Tensor | None = None
+        self, x_sorted: torch.Tensor, groups: ExpertGroups, task_of_row: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The experts on rows sorted by expert: x_sorted [N, dim] -> [N, dim] (unweighted)."""
+        """The experts on rows sorted by expert: x_sorted [N, dim] -> [N, dim] (unweighted); task_of_row
+        [N]: each row's task in a multi-task model (None otherwise)."""
         gate_up = self._project(
-            x_sorted, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, groups, token_of_row
+            x_sorted, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, groups, task_of_row
         )
         h = self._activation(gate_up)
-        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, groups, token_of_row)
+        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, groups, task_of_row)
 
     def forward(self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
         """x: [T, dim], top_weights/top_indices: [T, k] -> [T, dim]."""
@@ -141,11 +142,14 @@ class GroupedExperts(nn.Module, LoRAModule):
         order = torch.argsort(flat_experts, stable=True)  # slots sorted by expert
         token_of_slot = order // k
         x_sorted, expert_of_slot = x[token_of_slot], flat_experts[order]
+        task_of_slot = self.gate_up_proj_lora.task_of_rows(token_of_slot) if self._lora_active else None
         if self.expert_parallel is None:
             groups = ExpertGroups.from_sorted(expert_of_slot, self.num_experts, self._use_grouped_mm(x))
-            y_sorted = self.compute(x_sorted, groups, token_of_slot)
+            y_sorted = self.compute(x_sorted, groups, task_of_slot)
         else:
-            y_sorted = self.expert_parallel.run_experts(self.compute, x_sorted, expert_of_slot, self._use_grouped_mm(x))
+            y_sorted = self.expert_parallel.run_experts(
+                self.compute, x_sorted, expert_of_slot, self._use_grouped_mm(x), task_of_slot
+            )
         y_sorted = y_sorted * top_weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token_of_slot, y_sorted.to(x.dtype))
 
