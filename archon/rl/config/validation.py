@@ -77,8 +77,6 @@ def _problems(config: RLConfig, world_size: int) -> list[str]:
         problems += _multi_task_problems(config)
     problems += _parallel_problems(config, world_size)
     problems += _model_problems(config)
-    if config.tasks and world_size > 1:
-        problems.append(f"tasks: a multi-task run trains in one process, not {world_size}; run it without torchrun")
     return problems
 
 
