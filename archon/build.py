@@ -252,7 +252,9 @@ def init_lora_weights(model: nn.Module, seed: int = 0) -> None:
             copy_local_into(param, full if region is None else full[region], key)
 
 
-def _check_multi_task_layout(task_loras: dict[str, LoRAConfig], dims: ParallelDims, parallel) -> None:
+def _check_multi_task_layout(
+    task_loras: dict[str, LoRAConfig], dims: ParallelDims, parallel: ParallelConfig | None
+) -> None:
     """Refuse the layouts a multi-task model does not run under, naming the setting."""
     if parallel is not None and parallel.compile:
         raise ValueError(
@@ -288,7 +290,9 @@ def build_model(
     `path_option` names the setting `path` came from, for error messages.
     `task_loras` (instead of `lora`) builds a multi-task model: one adapter per task, in this order,
     on the one frozen base (archon.lora.MultiLoRALinear); each task's adapter starts as the one a
-    single-adapter model with its config and `seed` would.
+    single-adapter model with its config and `seed` would. Under FSDP2, TP and EP each task's
+    factors are laid out as a single adapter's; parallel.compile, and LoRA dropout under TP, are
+    refused.
     """
     path = Path(path)
     hf_config = load_hf_config(path, path_option)
