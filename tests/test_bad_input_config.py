@@ -356,11 +356,11 @@ VALIDATION_CASES = {
         {"rollout.group_size": 1, "algorithm.name": "rloo"}, "rollout.group_size=1: algorithm.name='rloo'"
     ),  # fmt: skip
     "group-of-one-cispo": (
-        {"rollout.group_size": 1, "algorithm.loss.algorithm": "cispo"},
-        "rollout.group_size=1: algorithm 'cispo' normalises each reward within its prompt's group",
+        {"rollout.group_size": 1, "algorithm.name": "cispo"},
+        "rollout.group_size=1: algorithm.name='cispo': algorithm 'cispo' normalises each reward within its prompt's group",
     ),  # fmt: skip
     "dynamic-sampling-with-groups-of-one": (
-        {"rollout.group_size": 1, "algorithm.loss.algorithm": "reinforce_pp", "algorithm.dynamic_sampling": True},
+        {"rollout.group_size": 1, "algorithm.name": "reinforce_pp", "algorithm.dynamic_sampling": True},
         "algorithm.dynamic_sampling=True: keeps only the groups whose rewards differ",
     ),  # fmt: skip
     "icepop-with-sequence-importance-sampling": (
@@ -419,16 +419,16 @@ def test_groups_of_one_where_the_algorithm_learns_from_them():
     valid setting for them; per task, the algorithms that need groups are named with the task."""
     from archon.rl.config import TaskConfig
 
-    one = dataclasses.replace(GRPOConfig().rollout, group_size=1)
+    one = dataclasses.replace(RLConfig().rollout, group_size=1)
     for name in ("reinforce_pp", "reinforce_pp_baseline"):
-        validate(_replace(GRPOConfig(rollout=one), "algorithm.loss.algorithm", name), world_size=1)
-    baseline = _replace(GRPOConfig(), "algorithm.loss.algorithm", "reinforce_pp_baseline").algorithm
-    rloo = _replace(GRPOConfig(), "algorithm.loss.algorithm", "rloo").algorithm
+        validate(_replace(RLConfig(rollout=one), "algorithm.name", name), world_size=1)
+    baseline = _replace(RLConfig(), "algorithm.name", "reinforce_pp_baseline").algorithm
+    rloo = _replace(RLConfig(), "algorithm.name", "rloo").algorithm
     tasks = (TaskConfig(name="a", algorithm=baseline), TaskConfig(name="b", algorithm=rloo))
     with pytest.raises(ValueError) as error:
-        validate(GRPOConfig(tasks=tasks, rollout=one), world_size=1)
+        validate(RLConfig(tasks=tasks, rollout=one), world_size=1)
     message = str(error.value)
-    assert "tasks[1].rollout.group_size=1: algorithm 'rloo'" in message, message
+    assert "rollout.group_size=1: tasks[1].algorithm.name='rloo'" in message, message
     assert "tasks[0]" not in message, message
 
 

@@ -239,11 +239,11 @@ def check_recipe_launch(words: list[str], stand_ins, monkeypatch, label: str) ->
         i = argv.index("--config") + 1
         if not Path(argv[i]).exists() and (ROOT / argv[i]).exists():
             argv[i] = str(ROOT / argv[i])
-    validate = config_module.validate
+    import archon.rl.config.cli as cli
+
+    validate = cli.validate
     substituted: list[str] = []
-    monkeypatch.setattr(
-        config_module, "validate", lambda config: validate(with_stand_ins(config, stand_ins, substituted))
-    )
+    monkeypatch.setattr(cli, "validate", lambda config: validate(with_stand_ins(config, stand_ins, substituted)))
     monkeypatch.setenv("WORLD_SIZE", str(world_size(words)))
     try:
         config_module.parse_config(argv)
@@ -279,16 +279,56 @@ def check_names_exist(text: str, label: str) -> None:
             )
 
 
+ENV_LINE = re.compile(r"^\s*(#.*)?$|^\s*(export\s|if\s)|^\s*[A-Za-z_][A-Za-z0-9_]*=\S*\s*(#.*)?$")
+
+
+def logical_lines(text: str) -> list[str]:
+    """A shell block's lines, continuations joined."""
+    return text.replace("\\\n", " ").split("\n")
+
+
+def env_prelude(block: Block) -> str:
+    """The page's environment before `block`: the lines of its earlier shell blocks that only set
+    variables (exports, assignments, `if ...; then export ...; fi`)."""
+    lines = []
+    for earlier in BLOCKS:
+        if earlier.page != block.page or earlier.line >= block.line or earlier.kind not in ("bash", "sh", "shell"):
+            continue
+        block_lines = logical_lines(earlier.text)
+        if all(ENV_LINE.match(line) for line in block_lines):
+            lines += block_lines
+    return "\n".join(lines)
+
+
+def expanded(line: str, prelude: str, label: str) -> list[str]:
+    """The words of a command line after the shell's expansions, in the page's environment."""
+    script = f"{prelude}\nprintf '%s\\0' {line}"
+    result = subprocess.run(["bash", "-euc", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, f"{label}: expanding {line!r} failed:\n{result.stderr}"
+    return result.stdout.split("\0")[:-1]
+
+
 def check_shell(block: Block, workdir: Path, stand_ins, monkeypatch) -> None:
     reason = block.no_run_reason
     if reason is not None:
         print(f"{block.id}: not run: {reason}")
         check_names_exist(block.text, block.id)
-    for words in shell_commands(block.text):
-        words = without_env_assignments(words)
-        if any(w.endswith("recipes/grpo_lora.py") for w in words):
+    prelude = env_prelude(block)
+    for line in logical_lines(block.text):
+        if ENV_LINE.match(line):
+            prelude += "\n" + line
+            if reason is None and line.strip() and not line.strip().startswith("#"):
+                result = subprocess.run(["bash", "-euc", prelude], cwd=ROOT, capture_output=True, text=True, timeout=30)
+                assert result.returncode == 0, f"{block.id}: {line!r} failed:\n{result.stderr}"
+            continue
+        if "recipes/grpo_lora.py" in line:
+            words = without_env_assignments(expanded(line, prelude, block.id))
             check_recipe_launch(words, stand_ins, monkeypatch, block.id)
-        elif reason is None:
+            continue
+        if reason is not None:
+            continue
+        for words in shell_commands(line):
+            words = without_env_assignments(words)
             assert not INSTALLS.search(shlex.join(words)), (
                 f"{block.id}: {shlex.join(words)} installs packages; mark the block `no-run: REASON`"
             )

@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -361,3 +363,45 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     assert torch.equal(kl_adv, torch.zeros_like(kl_adv))
     record = _records(tmp_path / "run")[-1]
     assert torch.isfinite(torch.tensor([record["distill/loss"], record["kl/loss"]])).all()
+
+
+@pytest.mark.parametrize("layout", [(), ("--parallel.tp", "2")], ids=["fsdp", "tp"])
+def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path, layout):
+    """Two tasks (their own LoRA ranks, learning rates and rewards) for two RL steps on two ranks,
+    FSDP (each rank a share of every task's prompts) or TP (both ranks the whole batch): the
+    per-task losses, gradient norms and final adapters equal the one-process run's. Both runs train
+    on the same recorded rollouts (tests/multi_task_worker.py), the part of a step that depends on
+    the layout by design."""
+    from safetensors.torch import load_file
+
+    rewards = tmp_path / "rewards"
+    rewards.mkdir()
+    (rewards / "layout_reward.py").write_text(VARYING_REWARD)
+    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward="layout_reward:reward")
+             + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward="exact", rank=2,
+                          lr=5e-3)).replace("minibatches: 2", "minibatches: 1")  # fmt: skip
+    worker = Path(__file__).with_name("multi_task_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(rewards), str(worker.parent)])}
+    runs = {}
+    for name, launcher, mode in (("one", [], "record"), ("two", ["-m", "torch.distributed.run", "--standalone",
+                                                                 "--nproc_per_node", "2"], "replay")):  # fmt: skip
+        run_dir = tmp_path / name
+        config = _config_file(setup, run_dir, 2, tasks)
+        cmd = [sys.executable, *launcher, str(worker), mode, str(tmp_path / "rollouts.pkl"), "--config", str(config),
+               "--eval.every", "0", *(layout if name == "two" else ())]  # fmt: skip
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        runs[name] = run_dir
+    one, two = ({r["step"]: r for r in _records(runs[name])} for name in ("one", "two"))
+    for step in (1, 2):
+        for key in ("loss", "grad_norm", "reward_mean", "groups_kept", "policy_loss"):
+            for task in ("add", "sub"):
+                assert two[step][f"{task}/{key}"] == pytest.approx(one[step][f"{task}/{key}"], abs=1e-5), (
+                    step, task, key)
+    assert one[1]["add/loss"] != 0.0  # the varying reward gives the add task something to learn
+    for task in ("add", "sub"):
+        expected = load_file(str(runs["one"] / "tasks" / task / "adapter" / "adapter_model.safetensors"))
+        got = load_file(str(runs["two"] / "tasks" / task / "adapter" / "adapter_model.safetensors"))
+        assert expected.keys() == got.keys()
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
