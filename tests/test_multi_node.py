@@ -1,7 +1,9 @@
 """The GRPO-LoRA recipe across two nodes: two torchrun launchers (`--nnodes 2 --nproc_per_node 1`,
 c10d rendezvous), each in a working directory of its own, as two machines would run it; once with
-the built-in rollout engine (against the one-launcher run of the same settings) and once with a vLLM
-server started by hand, as a rollout machine runs it, reached by URL, with the collective transport.
+the built-in rollout engine (against the one-launcher run of the same settings), once with a vLLM
+server started by hand, as a rollout machine runs it, reached by URL, with the collective transport
+(the one that needs no file system shared with the server), and once as the demo, whose default
+cache directory is relative to each node's working directory.
 
 The two nodes share the run directory (an absolute path, as a shared file system gives it to two
 machines): rank 0 writes the adapters, metrics and checkpoints there, and every rank writes its own
