@@ -102,7 +102,7 @@ def recipe_argv(argv: list[str]) -> list[str]:
 @record  # under torchrun, any other error's message and traceback reach its failure summary
 def main(argv: list[str] | None = None) -> None:
     from archon.rl.config import parse_config
-    from archon.rl.loop import terminate_as_interrupt
+    from archon.rl.interrupt import terminate_as_interrupt
 
     argv = recipe_argv(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

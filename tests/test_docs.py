@@ -282,6 +282,9 @@ def check_names_exist(text: str, label: str) -> None:
 ENV_LINE = re.compile(r"^\s*(#.*)?$|^\s*(export\s|if\s)|^\s*[A-Za-z_][A-Za-z0-9_]*=\S*\s*(#.*)?$")
 
 
+COMMAND_SEPARATOR = re.compile(r"\s(?:&&|\|\||;)\s")
+
+
 def logical_lines(text: str) -> list[str]:
     """A shell block's lines, continuations joined."""
     return text.replace("\\\n", " ").split("\n")
@@ -322,10 +325,11 @@ def check_shell(block: Block, workdir: Path, stand_ins, monkeypatch) -> None:
                 assert result.returncode == 0, f"{block.id}: {line!r} failed:\n{result.stderr}"
             continue
         if "recipes/grpo_lora.py" in line:
-            words = without_env_assignments(expanded(line, prelude, block.id))
+            # only the launch itself is expanded (by printf): the commands around it are not run
+            launch = next(part for part in COMMAND_SEPARATOR.split(line) if "recipes/grpo_lora.py" in part)
+            words = without_env_assignments(expanded(launch, prelude, block.id))
             check_recipe_launch(words, stand_ins, monkeypatch, block.id)
-            continue
-        if reason is not None:
+        if reason is not None or "recipes/grpo_lora.py" in line:
             continue
         for words in shell_commands(line):
             words = without_env_assignments(words)

@@ -230,7 +230,8 @@ def test_resume_with_minibatches_and_epochs_matches_the_uninterrupted_run(tiny_s
 def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, monkeypatch):
     """Every update of RL step s uses lr * lr_multiplier(s) of a schedule as long as the run."""
     from archon.rl.loop import RLRun
-    from archon.trainer import OptimConfig, Trainer, lr_multiplier
+    from archon.optim import OptimConfig, lr_multiplier
+    from archon.trainer import Trainer
 
     used: list[float] = []
     original = Trainer.optimizer_step
@@ -351,7 +352,8 @@ def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
 
 
 def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_setup, tmp_path):
-    from archon.rl.loop import RewardFunctionError, RLRun
+    from archon.rl.loop import RLRun
+    from archon.rl.task import RewardFunctionError
 
     args = [*_args(tiny_setup, tmp_path / "run", steps=5), "--reward.function", "reward_fixtures:always_raise",
             "--reward.max-failed-steps", "2", "--eval.every", "0"]  # fmt: skip

@@ -259,7 +259,7 @@ def test_sigterm_stops_the_servers_the_run_launched(tmp_path):
 
 
 def test_the_sigterm_handler_is_the_blocks_own_and_the_main_threads_only():
-    from archon.rl.loop import Terminated, terminate_as_interrupt
+    from archon.rl.interrupt import Terminated, terminate_as_interrupt
 
     before = signal.getsignal(signal.SIGTERM)
     with terminate_as_interrupt(), pytest.raises(Terminated, match="received SIGTERM"):

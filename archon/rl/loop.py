@@ -15,13 +15,8 @@ of each tensor-parallel group generates and sends the rollouts to its peers.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import shutil
-import signal
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,112 +30,29 @@ from archon.rl.config import RLConfig, validate
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
+from archon.rl.step_metrics import Prepared, Scores, task_step_metrics
 from archon.rl.rollouts import (
     concat_batches,
     filler_batch,
     load_teacher,
+    mixed_rollouts,
     prompt_ids,
     replace_stale_groups,
     rollout_batch,
+    rollout_servers,
     stop_token_ids,
     task_servers,
     teacher_logprobs,
 )
-from archon.rl.run_dir import ADAPTER_EXPORT, TASKS_DIR, PreparedRunDir, prepare_run_dir
-from archon.rl.task import STOPPED_FILE, Task, read_stopped_record
+from archon.rl.run_dir import TASKS_DIR, PreparedRunDir, prepare_run_dir, prune_adapter_exports
+from archon.rl.task import STOPPED_FILE, Task, resume_named_tasks
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
-from archon.rollout.vllm import VLLMRolloutEngine
 from archon.sync.vllm import WorkerChannel
 from archon.sync.weight_sync import build_weight_sync
-from archon.trainer import TASK_EXTRA, NonFiniteError, Trainer, TrainerConfig, TrainerTask
+from archon.trainer import TASK_EXTRA, Trainer, TrainerConfig, TrainerTask
 
 logger = logging.getLogger("archon.rl")
-UPDATE_BOOKKEEPING = {
-    "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches", "optimizer_steps", "time_s", "num_tokens",
-}  # fmt: skip
-"""What Trainer.train_step reports about an update itself; the step logs its own counts and times."""
-
-
-class RewardFunctionError(RuntimeError):
-    """The reward function failed on every sample for too many steps in a row."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised as Ctrl-C raises KeyboardInterrupt (see terminate_as_interrupt)."""
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt():
-    """Within the block, SIGTERM (what Slurm and Kubernetes send to stop a job) raises Terminated,
-    a KeyboardInterrupt, on the main thread, so that a run stops as on Ctrl-C: it closes the vLLM
-    servers it launched (in their own process groups, which the signal does not reach) and its
-    reward workers. The previous handler is restored after the block. Off the main thread, where
-    Python runs no signal handlers, it changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame) -> None:
-        raise Terminated(f"received {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-@dataclass
-class Scores:
-    """Per-sample rewards, whether each is correct (reward >= 1), response lengths, and the reward
-    workers' error counts."""
-
-    rewards: torch.Tensor
-    correct: torch.Tensor
-    lengths: torch.Tensor
-    reward_metrics: dict[str, float]
-
-
-@dataclass
-class Prepared:
-    """What the prepare phase decided for a task beside the batch: the shaped rewards, which samples
-    the batch filters kept, whether the task trains this step, and the trainer-rollout log-prob gaps
-    (RLRun._logprob_gaps) and version lags [its loss tokens] of its trained tokens."""
-
-    rewards: torch.Tensor
-    keep: torch.Tensor
-    trains: bool = True
-    gaps: dict[str, torch.Tensor] = field(default_factory=dict)
-    lag: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    tokens: float = 0.0
-
-
-def update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
-    """An RL step's training metrics: the loss, the gradient norm and every metric the loss reports,
-    averaged over the applied updates (`*_max` / `*_min`: the extreme); with every update skipped,
-    the last update's (non-finite) values. `lr` is the step's (the schedule moves once per RL step)."""
-    applied = [u for u in updates if not u["skipped"]] or updates[-1:]
-    summary = {"lr": updates[0]["lr"]}
-    for key in applied[0]:
-        if key in UPDATE_BOOKKEEPING:
-            continue
-        values = [u[key] for u in applied]
-        if key.endswith("_max") or key.endswith("_min"):
-            summary[key] = max(values) if key.endswith("_max") else min(values)
-        else:
-            summary[key] = sum(values) / len(values)
-    return summary
-
-
-def prune_adapter_exports(adapters_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` step_NNNNNN adapter exports in `adapters_dir`."""
-    exports = [p for p in adapters_dir.iterdir() if ADAPTER_EXPORT.fullmatch(p.name)]
-    exports.sort(key=lambda p: int(ADAPTER_EXPORT.fullmatch(p.name).group(1)))
-    for stale in exports[:-keep]:
-        shutil.rmtree(stale)
-
-
 class RLRun:
     def __init__(self, config: RLConfig, run_dir: PreparedRunDir | None = None) -> None:
         """`run_dir`: what `prepare_run_dir` returned, when the caller has checked (and holds) the
@@ -195,7 +107,8 @@ class RLRun:
         for task in self.tasks:
             task.scorer = RewardScorer(task.config.reward)
         if config.rollout.engine == "vllm":
-            self.servers = self._vllm_servers()
+            self.servers = rollout_servers(config, self.tasks, self._longest_prompt, self.eval_new_tokens, self.rank,
+                                           self.run_dir)  # fmt: skip
             vllm = config.rollout.vllm
             if config.tasks and vllm.transport == "collective":
                 self.channel = WorkerChannel(self.servers.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
@@ -216,42 +129,6 @@ class RLRun:
         self.share_rollouts_over_tp = config.rollout.engine == "vllm" and self.trainer.dims.tp > 1
         self.generates_rollouts = not self.share_rollouts_over_tp or self.trainer.dims.tp_rank == 0
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
-
-    def _vllm_servers(self):
-        """Rank 0 launches (or connects to) the servers, which serve every task's adapters side by
-        side; the other ranks connect to the same URLs for their share of the generation. Only rank 0
-        sends adapters (see build_weight_sync)."""
-        vllm_config = self.config.rollout.vllm
-        ranks = [task.config.lora.max_rank for task in self.tasks if task.config.lora is not None]
-        kwargs = dict(model_path=self.config.model.path, lora_rank=max(ranks) if ranks else None, log_dir=self.run_dir)
-        servers, failure = None, None
-        if self.rank == 0:
-            # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len):
-            # the longest of (longest training prompt + rollout tokens) and (longest held-out prompt + eval
-            # tokens) over the tasks
-            requests = []
-            for task in self.tasks:
-                requests.append((self._longest_prompt(task, task.train_set.examples), self.config.rollout.max_new_tokens))
-                if task.eval_set is not None:
-                    held_out = task.eval_set.examples[: self.config.eval.max_prompts]
-                    requests.append((self._longest_prompt(task, held_out), self.eval_new_tokens))
-            longest_prompt, max_new_tokens = max(requests, key=sum)
-            try:
-                servers = VLLMRolloutEngine(
-                    vllm_config, rank=0, longest_prompt_tokens=longest_prompt, max_new_tokens=max_new_tokens, **kwargs
-                )
-            except Exception as e:  # the other ranks wait for the URLs: they must fail too
-                failure = e
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # rank 0's server URLs, or its error (so that every rank raises it instead of waiting)
-            shared = [failure if servers is None else [s.url for s in servers.servers]]
-            dist.broadcast_object_list(shared, src=0)
-            failure = shared[0] if isinstance(shared[0], BaseException) else None
-            if failure is None and servers is None:
-                servers = VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(shared[0])), rank=self.rank, **kwargs)
-        if failure is not None:
-            raise failure
-        return servers
 
     # ---- helpers ------------------------------------------------------------------------------
     def teacher(self, path: str, option: str) -> torch.nn.Module:
@@ -335,8 +212,10 @@ class RLRun:
         metrics: dict[str, float] = {}
         tokens = 0.0
         for task in tasks:
-            task_metrics = self.task_metrics(task, collected[task.name], scores[task.name], prepared[task.name],
-                                             updates.get(task.name, []), sync[task.name], timings["step_s"])  # fmt: skip
+            task_metrics = task_step_metrics(
+                task, collected[task.name], scores[task.name], prepared[task.name], updates.get(task.name, []),
+                sync[task.name], timings["step_s"], self.config.rollout.group_size, self._sum, self._max,
+            )  # fmt: skip
             tokens += task_metrics.pop("tokens")
             metrics.update({task.prefix + key: value for key, value in task_metrics.items()})
         metrics.update(timings)
@@ -375,7 +254,7 @@ class RLRun:
 
     def _own_rollouts(self, step: int) -> dict[str, Rollouts]:
         if self.native is not None and self.trainer.multi_task:
-            return self._mixed_rollouts()
+            return mixed_rollouts(self.native, self.active(), self._prompt_ids, self._sampling, self.dp_rank, self.dp)
         collected = {}
         for task in self.active():
             if task.producer is None:
@@ -388,35 +267,6 @@ class RLRun:
                     lambda examples, task=task: self._generate(task, examples, self._sampling(task, task.version)),
                 )  # fmt: skip
             collected[task.name] = rollouts
-        return collected
-
-    def _mixed_rollouts(self) -> dict[str, Rollouts]:
-        """Every active task's rollouts from the built-in engine in one mixed batch, each sequence
-        with its task's adapter. Each task samples from its own generators, seeded from its name:
-        its samples depend on its prompts and its step, not on the other tasks or its place among them."""
-        start = time.perf_counter()
-        tasks = self.active()
-        drawn = {task.name: next(task.iterator)[self.dp_rank :: self.dp] for task in tasks}
-        prompts, adapters = [], []
-        for task in tasks:
-            ids = self._prompt_ids(task, drawn[task.name])
-            prompts += ids
-            adapters += [task.index] * len(ids)
-        seeds = {task.index: self._sampling(task, task.version).seed for task in tasks}
-        sampling = self._sampling(tasks[0], tasks[0].version)
-        samples = self.native.generate(prompts, sampling, adapters=adapters, adapter_seeds=seeds) if prompts else []
-        generate_s = time.perf_counter() - start
-        collected, first = {}, 0
-        for task in tasks:
-            count = len(drawn[task.name])
-            mine = [s for s in samples if first <= s.prompt_index < first + count]
-            for sample in mine:
-                sample.prompt_index -= first
-                # the engine's policy is not the task's: in-process, the task's version is in service
-                sample.version, sample.token_versions = task.version, [task.version] * len(sample.completion_ids)
-            collected[task.name] = Rollouts(task.version, drawn[task.name], mine, task.iterator.state_dict(),
-                                            generate_s=generate_s, wait_s=generate_s)  # fmt: skip
-            first += count
         return collected
 
     def _stop_if_any_rank_failed(self, step: int, failure: Exception | None) -> None:
@@ -583,79 +433,15 @@ class RLRun:
         metrics = {f"sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")}
         return {"sync_s": time.perf_counter() - start, **metrics}
 
-    def task_metrics(self, task, rollouts, scores, prepared, updates, sync, step_s) -> dict[str, float]:
-        """Log: the task's metrics of the step, summed or maxed over the data-parallel ranks (and
-        `tokens`, its trained tokens on all ranks)."""
-        G = self.config.rollout.group_size
-        rewards, lengths, gaps = prepared.rewards, scores.lengths, prepared.gaps
-        if not gaps:
-            gaps = {"total": torch.zeros(0), "numerics": torch.zeros(0), "lag": torch.zeros(0)}
-        lag = prepared.lag
-        (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
-         kept_groups, errors, timeouts, tokens, lag_sum, stale) = self._sum(
-            len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),
-            float(scores.correct.sum()), float(lengths.sum()), float(gaps["total"].sum()),
-            float(gaps["total"].numel()), float(gaps["numerics"].sum()), float(gaps["lag"].sum()),
-            float(prepared.keep.sum()) / G, scores.reward_metrics["reward_errors"],
-            scores.reward_metrics["reward_timeouts"], prepared.tokens, float(lag.sum()),
-            float(rollouts.stale_dropped),
-        )  # fmt: skip
-        reward_mean = reward_sum / max(n, 1.0)
-        metrics = {
-            "reward_mean": reward_mean,
-            "reward_std": max(reward_sq / max(n, 1.0) - reward_mean**2, 0.0) ** 0.5,
-            "accuracy": correct_sum / max(n, 1.0),
-            "response_length": length_sum / max(n, 1.0),
-            "logprob_abs_diff_mean": gap_sum / max(gap_n, 1.0),
-            "logprob_abs_diff_max": self._max(float(gaps["total"].max()) if gaps["total"].numel() else 0.0),
-            "groups_kept": kept_groups,
-            "reward_errors": errors,
-            "reward_timeouts": timeouts,
-            "reward_samples": n,
-            "tokens": tokens,
-            "adapter_version": float(task.version),
-            "skipped_updates": sum(u["skipped"] for u in updates),
-        }
-        # version lag of the trained tokens, the log-prob gap split by cause, stale groups dropped and
-        # sampled again, and how long each side waited for the other
-        if task.producer is not None:  # over the time since the previous step's rollouts were taken
-            idle, elapsed = task.producer.idle_since_last()
-        else:  # synchronously the rollout side waits while the trainer scores, trains and publishes
-            idle, elapsed = step_s - rollouts.generate_s, step_s
-        metrics.update({
-            "version_lag_mean": lag_sum / max(gap_n, 1.0),
-            "version_lag_max": self._max(float(lag.max()) if lag.numel() else 0.0),
-            "logprob_gap_numerics": numerics_sum / max(gap_n, 1.0),
-            "logprob_gap_lag": lag_gap_sum / max(gap_n, 1.0),
-            "stale_samples_dropped": stale,
-            "trainer_idle_s": rollouts.wait_s,
-            "rollout_idle_s": idle,
-            "trainer_idle_fraction": rollouts.wait_s / step_s,
-            "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
-        })  # fmt: skip
-        metrics.update({k: v for k, v in sync.items() if k != "sync_s"})
-        if updates:
-            metrics.update(update_summary(updates))
-        return metrics
-
+    # ---- failures -------------------------------------------------------------------------------
     # ---- failures -------------------------------------------------------------------------------
     def _check_progress(self, step: int, metrics: dict[str, float]) -> None:
-        """Count each task's skipped steps (`skipped_steps`), and stop a task after
-        algorithm.max_skipped_steps RL steps in a row with a skipped update, or reward.max_failed_steps
-        steps in a row on which its reward function failed on every sample (the same decision on
-        every rank: the counts are global). With several tasks the task is stopped alone (its last
+        """Count each task's step (Task.record_step) and stop a task past its limits of skipped
+        updates or failed rewards in a row. With several tasks the task is stopped alone (its last
         checkpoint and adapter stay as they were; STOPPED_FILE records why) and the others go on;
-        a run's only task (or its last active one) stops the run with the error."""
+        a run's only task stops the run with the error, and so does the last active one."""
         for task in self.active():
-            p = task.prefix
-            skipped = metrics.get(p + "skipped_updates", 0) > 0
-            task.skipped_steps += int(skipped)
-            metrics[p + "skipped_steps"] = task.skipped_steps
-            task.skipped_streak = task.skipped_streak + [step] if skipped else []
-            samples = metrics[p + "reward_samples"]
-            failed = samples > 0 and metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"] >= samples
-            task.reward_failure_streak = task.reward_failure_streak + [step] if failed else []
-            error = self._failure(task, step, metrics)
+            error = task.record_step(step, metrics)
             if error is None:
                 continue
             if len(self.tasks) == 1:
@@ -667,34 +453,10 @@ class RLRun:
             if task.producer is not None:
                 task.producer.stop()
             logger.error("stopping task %r; the other tasks go on: %s", task.name, error)
-            metrics[p + "stopped"] = 1.0
+            metrics[task.prefix + "stopped"] = 1.0
         if not self.active():
             reasons = "\n".join(f"{task.name}: {task.stopped}" for task in self.tasks)
             raise RuntimeError(f"RL step {step}: every task has stopped:\n{reasons}")
-
-    def _failure(self, task: Task, step: int, metrics: dict[str, float]) -> Exception | None:
-        """The error that stops `task` at RL step `step`, if it is past a limit."""
-        p, where = task.prefix, f"task {task.name!r}: " if task.name else ""
-        limit = task.config.algorithm.max_skipped_steps
-        if len(task.skipped_streak) >= limit:
-            return NonFiniteError(
-                f"RL step {step}: {where}the loss or gradient norm was NaN or inf on {len(task.skipped_streak)} RL "
-                f"steps in a row (steps {task.skipped_streak[0]}-{step}, algorithm.max_skipped_steps={limit}); those "
-                "updates were skipped and left the adapter and optimizer unchanged. Last step: "
-                f"loss {metrics.get(p + 'loss')}, grad_norm {metrics.get(p + 'grad_norm')}, lr {metrics.get(p + 'lr')}, "
-                f"largest |reward| {task.extremes.get('reward_abs_max')}, largest |advantage| "
-                f"{task.extremes.get('advantage_abs_max')}. Likely causes: rewards so large that the loss overflows "
-                "(rescale the reward function), or a learning rate too high (lower optim.lr)."
-            )
-        limit = task.config.reward.max_failed_steps
-        if len(task.reward_failure_streak) >= limit:
-            cause = task.reward_traceback or "(every sample timed out, or failed on another rank)"
-            return RewardFunctionError(
-                f"RL step {step}: {where}the reward function {task.config.reward.function!r} failed on every sample "
-                f"for {len(task.reward_failure_streak)} steps in a row (steps {task.reward_failure_streak[0]}-{step}, "
-                f"reward.max_failed_steps={limit}). First failure of step {step}:\n{cause}"
-            )
-        return None
 
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self, task: Task) -> float:
@@ -739,49 +501,13 @@ class RLRun:
             task.load_state(state["data"], first)
             resumed_from = self.resume_from
         else:
-            first = self._resume_tasks()
+            first = resume_named_tasks(self.tasks, self.trainer, self.run_dir / TASKS_DIR, self.config.steps)
             resumed_from = self.run_dir / TASKS_DIR
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
         for task in self.tasks:
             self.publish(task, task.version)
         if self.rank == 0:
             print(f"resumed from step {first} (checkpoint {resumed_from})", flush=True)
-        return first
-
-    def _resume_tasks(self) -> int:
-        resumed = {}
-        for task in self.tasks:
-            stopped = task.dir / STOPPED_FILE
-            if stopped.exists():
-                record = read_stopped_record(stopped)
-                task.stopped = record["reason"]
-                logger.warning(
-                    "task %r stays stopped (since RL step %s; delete %s to train it again): %s",
-                    task.name, record["step"], stopped, task.stopped,
-                )
-            latest = task.checkpoints.latest()
-            if latest is None:
-                continue
-            state = self.trainer.load_checkpoint(task.checkpoints, latest, task=task.name)
-            task.load_state(state["data"], state["step"])
-            resumed[task.name] = state["step"]
-        if not resumed:
-            raise ValueError(
-                f"--resume: none of the tasks {[task.name for task in self.tasks]} has a checkpoint in "
-                f"{self.run_dir / TASKS_DIR}/<name>/checkpoints"
-            )
-        first = max(resumed.values())
-        if first > self.config.steps:
-            raise ValueError(f"--resume: the checkpoints are at step {first}, beyond steps={self.config.steps}")
-        stopped = {task.name for task in self.tasks if task.stopped is not None}
-        behind = {name: at for name, at in resumed.items() if at < first and name not in stopped}
-        if behind:
-            logger.warning(
-                "tasks %s were last saved before step %d (the run ended while saving): each goes on from its "
-                "own checkpoint, without the steps in between", behind, first,
-            )
-        added = [task.name for task in self.tasks if task.name not in resumed]
-        logger.warning("resumed tasks %s at step %d; new tasks %s start from a fresh adapter", resumed, first, added)
         return first
 
     def _start_producers(self, first: int) -> None:

@@ -5,9 +5,12 @@ log-probs, and the staleness bound.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from archon.batch import PER_TOKEN_FIELDS, PackedBatch
 from archon.build import build_model, load_hf_config
@@ -18,6 +21,7 @@ from archon.rl.producer import Rollouts
 from archon.rl.versions import stale_groups
 from archon.rollout.base import Sample
 from archon.rollout.policy import ServedPolicy
+from archon.rollout.vllm import VLLMRolloutEngine
 from archon.spec import get_spec
 from archon.trainer import TASK_EXTRA
 
@@ -148,3 +152,72 @@ def filler_batch(multi_task: bool, task_index: int) -> PackedBatch:
     if multi_task:
         batch.extras[TASK_EXTRA] = torch.full((1,), task_index, dtype=torch.long)
     return batch
+
+
+def rollout_servers(config, tasks, longest_prompt, eval_new_tokens: int, rank: int, log_dir: Path):
+    """The vLLM servers of a run (a VLLMRolloutEngine), which serve every task's adapters side by
+    side: rank 0 launches (or connects to) them, the other ranks connect to the same URLs for their
+    share of the generation. Only rank 0 sends adapters (see build_weight_sync).
+    `longest_prompt(task, examples)`: the longest prompt of `examples` in tokens."""
+    vllm_config = config.rollout.vllm
+    ranks = [task.config.lora.max_rank for task in tasks if task.config.lora is not None]
+    kwargs = dict(model_path=config.model.path, lora_rank=max(ranks) if ranks else None, log_dir=log_dir)
+    servers, failure = None, None
+    if rank == 0:
+        # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len):
+        # the longest of (longest training prompt + rollout tokens) and (longest held-out prompt + eval
+        # tokens) over the tasks
+        requests = []
+        for task in tasks:
+            requests.append((longest_prompt(task, task.train_set.examples), config.rollout.max_new_tokens))
+            if task.eval_set is not None:
+                held_out = task.eval_set.examples[: config.eval.max_prompts]
+                requests.append((longest_prompt(task, held_out), eval_new_tokens))
+        longest_prompt, max_new_tokens = max(requests, key=sum)
+        try:
+            servers = VLLMRolloutEngine(
+                vllm_config, rank=0, longest_prompt_tokens=longest_prompt, max_new_tokens=max_new_tokens, **kwargs
+            )
+        except Exception as e:  # the other ranks wait for the URLs: they must fail too
+            failure = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # rank 0's server URLs, or its error (so that every rank raises it instead of waiting)
+        shared = [failure if servers is None else [s.url for s in servers.servers]]
+        dist.broadcast_object_list(shared, src=0)
+        failure = shared[0] if isinstance(shared[0], BaseException) else None
+        if failure is None and servers is None:
+            servers = VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(shared[0])), rank=rank, **kwargs)
+    if failure is not None:
+        raise failure
+    return servers
+
+
+def mixed_rollouts(native, tasks, prompt_ids, sampling, dp_rank: int, dp: int) -> dict[str, Rollouts]:
+    """The next rollouts of every task of `tasks` (this data-parallel rank's share of its prompts),
+    from the built-in engine `native` on a multi-task model in one mixed batch, each sequence with
+    its task's adapter; `prompt_ids(task, examples)` tokenizes, `sampling(task, step)` is a task's
+    sampling at its step. Each task samples from its own generators, seeded from its name: its
+    samples depend on its prompts and its step, not on the other tasks or its place among them."""
+    start = time.perf_counter()
+    drawn = {task.name: next(task.iterator)[dp_rank::dp] for task in tasks}
+    prompts, adapters = [], []
+    for task in tasks:
+        ids = prompt_ids(task, drawn[task.name])
+        prompts += ids
+        adapters += [task.index] * len(ids)
+    seeds = {task.index: sampling(task, task.version).seed for task in tasks}
+    sampling = sampling(tasks[0], tasks[0].version)
+    samples = native.generate(prompts, sampling, adapters=adapters, adapter_seeds=seeds) if prompts else []
+    generate_s = time.perf_counter() - start
+    collected, first = {}, 0
+    for task in tasks:
+        count = len(drawn[task.name])
+        mine = [s for s in samples if first <= s.prompt_index < first + count]
+        for sample in mine:
+            sample.prompt_index -= first
+            # the engine's policy is not the task's: in-process, the task's version is in service
+            sample.version, sample.token_versions = task.version, [task.version] * len(sample.completion_ids)
+        collected[task.name] = Rollouts(task.version, drawn[task.name], mine, task.iterator.state_dict(),
+                                        generate_s=generate_s, wait_s=generate_s)  # fmt: skip
+        first += count
+    return collected

@@ -327,3 +327,11 @@ def prepare_run_dir(
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return PreparedRunDir(run_dir, outcome[0], lock)
+
+
+def prune_adapter_exports(adapters_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` step_NNNNNN adapter exports in `adapters_dir`."""
+    exports = [p for p in adapters_dir.iterdir() if ADAPTER_EXPORT.fullmatch(p.name)]
+    exports.sort(key=lambda p: int(ADAPTER_EXPORT.fullmatch(p.name).group(1)))
+    for stale in exports[:-keep]:
+        shutil.rmtree(stale)

@@ -22,8 +22,13 @@ from archon.rl.producer import RolloutProducer
 from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import TASKS_DIR
 from archon.rl.versions import AdapterHistory
+from archon.trainer import NonFiniteError
 
 logger = logging.getLogger("archon.rl")
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function failed on every sample for too many steps in a row."""
 STOPPED_FILE = "stopped.json"
 """In a task's directory once the task is stopped: the step and the reason; a resumed run keeps it stopped."""
 
@@ -120,6 +125,46 @@ class Task:
         self.skipped_streak = data.get("skipped_streak", [])
         self.reward_failure_streak = data.get("reward_failure_streak", [])
 
+    def record_step(self, step: int, metrics: dict[str, float]) -> Exception | None:
+        """Count RL step `step` (`metrics`: the run's, this task's under its prefix) into the task's
+        streaks and its `skipped_steps` metric; returns the error that stops the task when it is
+        past algorithm.max_skipped_steps RL steps in a row with a skipped update, or
+        reward.max_failed_steps steps in a row on which its reward function failed on every sample
+        (the same on every rank: the counts are global), else None."""
+        p = self.prefix
+        skipped = metrics.get(p + "skipped_updates", 0) > 0
+        self.skipped_steps += int(skipped)
+        metrics[p + "skipped_steps"] = self.skipped_steps
+        self.skipped_streak = self.skipped_streak + [step] if skipped else []
+        samples = metrics[p + "reward_samples"]
+        failed = samples > 0 and metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"] >= samples
+        self.reward_failure_streak = self.reward_failure_streak + [step] if failed else []
+        return self._failure(step, metrics)
+
+    def _failure(self, step: int, metrics: dict[str, float]) -> Exception | None:
+        """The error that stops the task at RL step `step`, if it is past a limit."""
+        p, where = self.prefix, f"task {self.name!r}: " if self.name else ""
+        limit = self.config.algorithm.max_skipped_steps
+        if len(self.skipped_streak) >= limit:
+            return NonFiniteError(
+                f"RL step {step}: {where}the loss or gradient norm was NaN or inf on {len(self.skipped_streak)} RL "
+                f"steps in a row (steps {self.skipped_streak[0]}-{step}, algorithm.max_skipped_steps={limit}); those "
+                "updates were skipped and left the adapter and optimizer unchanged. Last step: "
+                f"loss {metrics.get(p + 'loss')}, grad_norm {metrics.get(p + 'grad_norm')}, lr {metrics.get(p + 'lr')}, "
+                f"largest |reward| {self.extremes.get('reward_abs_max')}, largest |advantage| "
+                f"{self.extremes.get('advantage_abs_max')}. Likely causes: rewards so large that the loss overflows "
+                "(rescale the reward function), or a learning rate too high (lower optim.lr)."
+            )
+        limit = self.config.reward.max_failed_steps
+        if len(self.reward_failure_streak) >= limit:
+            cause = self.reward_traceback or "(every sample timed out, or failed on another rank)"
+            return RewardFunctionError(
+                f"RL step {step}: {where}the reward function {self.config.reward.function!r} failed on every sample "
+                f"for {len(self.reward_failure_streak)} steps in a row (steps {self.reward_failure_streak[0]}-{step}, "
+                f"reward.max_failed_steps={limit}). First failure of step {step}:\n{cause}"
+            )
+        return None
+
     def close(self) -> None:
         """Stop the task's producer (the run joins it once the servers are closed, which ends a
         generation under way), reward workers and sync."""
@@ -129,3 +174,43 @@ class Task:
             self.scorer.close()
         if self.sync is not None:
             self.sync.close()
+
+
+def resume_named_tasks(tasks: list[Task], trainer, tasks_dir: Path, steps: int) -> int:
+    """Load each named task's newest checkpoint into its adapter and state (tasks without one, added
+    since, start fresh; a stopped task stays stopped); returns the RL step to go on from, the newest
+    step any task was saved at."""
+    resumed = {}
+    for task in tasks:
+        stopped = task.dir / STOPPED_FILE
+        if stopped.exists():
+            record = read_stopped_record(stopped)
+            task.stopped = record["reason"]
+            logger.warning(
+                "task %r stays stopped (since RL step %s; delete %s to train it again): %s",
+                task.name, record["step"], stopped, task.stopped,
+            )
+        latest = task.checkpoints.latest()
+        if latest is None:
+            continue
+        state = trainer.load_checkpoint(task.checkpoints, latest, task=task.name)
+        task.load_state(state["data"], state["step"])
+        resumed[task.name] = state["step"]
+    if not resumed:
+        raise ValueError(
+            f"--resume: none of the tasks {[task.name for task in tasks]} has a checkpoint in "
+            f"{tasks_dir}/<name>/checkpoints"
+        )
+    first = max(resumed.values())
+    if first > steps:
+        raise ValueError(f"--resume: the checkpoints are at step {first}, beyond steps={steps}")
+    stopped = {task.name for task in tasks if task.stopped is not None}
+    behind = {name: at for name, at in resumed.items() if at < first and name not in stopped}
+    if behind:
+        logger.warning(
+            "tasks %s were last saved before step %d (the run ended while saving): each goes on from its "
+            "own checkpoint, without the steps in between", behind, first,
+        )
+    added = [task.name for task in tasks if task.name not in resumed]
+    logger.warning("resumed tasks %s at step %d; new tasks %s start from a fresh adapter", resumed, first, added)
+    return first

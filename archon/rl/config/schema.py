@@ -19,7 +19,7 @@ from archon.rl.data import DataConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
 from archon.rollout.vllm import VLLMConfig
-from archon.trainer import OptimConfig
+from archon.optim import OptimConfig
 
 
 def warn_renamed(old: str, new: str) -> None:

@@ -23,7 +23,7 @@ from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, Ta
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rollout.vllm_server import max_position_embeddings
-from archon.trainer import OptimConfig
+from archon.optim import OptimConfig
 
 MAX_STALENESS = 64
 """The largest rollout.max_staleness (and tasks[i].max_staleness): one or two steps ahead already

@@ -1,0 +1,117 @@
+"""What an RL step reports: the phases' results a task's metrics are made of, and the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from archon.rl.producer import Rollouts
+
+UPDATE_BOOKKEEPING = {
+    "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches", "optimizer_steps", "time_s", "num_tokens",
+}  # fmt: skip
+"""What Trainer.train_step reports about an update itself; the step logs its own counts and times."""
+
+
+
+
+@dataclass
+class Scores:
+    """Per-sample rewards, whether each is correct (reward >= 1), response lengths, and the reward
+    workers' error counts."""
+
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    lengths: torch.Tensor
+    reward_metrics: dict[str, float]
+
+
+@dataclass
+class Prepared:
+    """What the prepare phase decided for a task beside the batch: the shaped rewards, which samples
+    the batch filters kept, whether the task trains this step, and the trainer-rollout log-prob gaps
+    (RLRun._logprob_gaps) and version lags [its loss tokens] of its trained tokens."""
+
+    rewards: torch.Tensor
+    keep: torch.Tensor
+    trains: bool = True
+    gaps: dict[str, torch.Tensor] = field(default_factory=dict)
+    lag: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    tokens: float = 0.0
+
+
+def update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
+    """An RL step's training metrics: the loss, the gradient norm and every metric the loss reports,
+    averaged over the applied updates (`*_max` / `*_min`: the extreme); with every update skipped,
+    the last update's (non-finite) values. `lr` is the step's (the schedule moves once per RL step)."""
+    applied = [u for u in updates if not u["skipped"]] or updates[-1:]
+    summary = {"lr": updates[0]["lr"]}
+    for key in applied[0]:
+        if key in UPDATE_BOOKKEEPING:
+            continue
+        values = [u[key] for u in applied]
+        if key.endswith("_max") or key.endswith("_min"):
+            summary[key] = max(values) if key.endswith("_max") else min(values)
+        else:
+            summary[key] = sum(values) / len(values)
+    return summary
+
+
+def task_step_metrics(
+    task, rollouts: Rollouts, scores: Scores, prepared: Prepared, updates: list[dict[str, float]],
+    sync: dict[str, float], step_s: float, group_size: int, dp_sum, dp_max,
+) -> dict[str, float]:
+    """The metrics of `task`'s RL step (without its prefix), summed (`dp_sum(*values)`) or maxed
+    (`dp_max(value)`) over the data-parallel ranks, and `tokens`, its trained tokens on all ranks."""
+    G = group_size
+    rewards, lengths, gaps = prepared.rewards, scores.lengths, prepared.gaps
+    if not gaps:
+        gaps = {"total": torch.zeros(0), "numerics": torch.zeros(0), "lag": torch.zeros(0)}
+    lag = prepared.lag
+    (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
+     kept_groups, errors, timeouts, tokens, lag_sum, stale) = dp_sum(
+        len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),
+        float(scores.correct.sum()), float(lengths.sum()), float(gaps["total"].sum()),
+        float(gaps["total"].numel()), float(gaps["numerics"].sum()), float(gaps["lag"].sum()),
+        float(prepared.keep.sum()) / G, scores.reward_metrics["reward_errors"],
+        scores.reward_metrics["reward_timeouts"], prepared.tokens, float(lag.sum()),
+        float(rollouts.stale_dropped),
+    )  # fmt: skip
+    reward_mean = reward_sum / max(n, 1.0)
+    metrics = {
+        "reward_mean": reward_mean,
+        "reward_std": max(reward_sq / max(n, 1.0) - reward_mean**2, 0.0) ** 0.5,
+        "accuracy": correct_sum / max(n, 1.0),
+        "response_length": length_sum / max(n, 1.0),
+        "logprob_abs_diff_mean": gap_sum / max(gap_n, 1.0),
+        "logprob_abs_diff_max": dp_max(float(gaps["total"].max()) if gaps["total"].numel() else 0.0),
+        "groups_kept": kept_groups,
+        "reward_errors": errors,
+        "reward_timeouts": timeouts,
+        "reward_samples": n,
+        "tokens": tokens,
+        "adapter_version": float(task.version),
+        "skipped_updates": sum(u["skipped"] for u in updates),
+    }
+    # version lag of the trained tokens, the log-prob gap split by cause, stale groups dropped and
+    # sampled again, and how long each side waited for the other
+    if task.producer is not None:  # over the time since the previous step's rollouts were taken
+        idle, elapsed = task.producer.idle_since_last()
+    else:  # synchronously the rollout side waits while the trainer scores, trains and publishes
+        idle, elapsed = step_s - rollouts.generate_s, step_s
+    metrics.update({
+        "version_lag_mean": lag_sum / max(gap_n, 1.0),
+        "version_lag_max": dp_max(float(lag.max()) if lag.numel() else 0.0),
+        "logprob_gap_numerics": numerics_sum / max(gap_n, 1.0),
+        "logprob_gap_lag": lag_gap_sum / max(gap_n, 1.0),
+        "stale_samples_dropped": stale,
+        "trainer_idle_s": rollouts.wait_s,
+        "rollout_idle_s": idle,
+        "trainer_idle_fraction": rollouts.wait_s / step_s,
+        "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
+    })  # fmt: skip
+    metrics.update({k: v for k, v in sync.items() if k != "sync_s"})
+    if updates:
+        metrics.update(update_summary(updates))
+    return metrics
