@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_write_json
@@ -103,8 +104,7 @@ class RLRun:
         for index, task_config in enumerate(task_configs):
             prefix = f"{task_config.name}/" if len(task_configs) > 1 else ""
             self.tasks.append(Task(self, index, task_config, prefix))
-        # processes and servers last, so that a failure above leaves none running
-        for task in self.tasks:
+        for task in self.tasks:  # processes and servers last, so that a failure above leaves none running
             task.scorer = RewardScorer(task.config.reward)
         if config.rollout.engine == "vllm":
             self.servers = rollout_servers(config, self.tasks, self._longest_prompt, self.eval_new_tokens, self.rank,
@@ -122,7 +122,7 @@ class RLRun:
                 task.rollout = task_servers(self.servers) if task.name else self.servers
             task.sync = build_weight_sync(
                 config.rollout, task.rollout, lora=task.config.lora, sync_dir=self.run_dir / "vllm_adapters",
-                task=task.adapter, channel=self.channel,
+                task=task.name or None, channel=self.channel,
             )  # fmt: skip
         # vLLM serves every rank alike, so the first rank of each tensor-parallel group generates and
         # sends the rollouts to its peers (the built-in engine generates on every rank, in lockstep)
@@ -138,25 +138,18 @@ class RLRun:
             self.teachers[key] = load_teacher(path, option, self.trainer.loaded, self.tokenizer, self.device)
         return self.teachers[key]
 
-    def report_dataset(self, name: str, dataset) -> None:
-        if (dataset.malformed or dataset.too_long) and self.rank == 0:
-            logger.warning("%s data: %s", name, dataset.report())
-
     def _longest_prompt(self, task: Task, examples) -> int:
         return max((len(ids) for ids in self._prompt_ids(task, examples)), default=0)
 
-    def _sum(self, *values: float) -> list[float]:
-        """Sum over the data-parallel ranks."""
+    def _sum(self, *values: float, op=dist.ReduceOp.SUM) -> list[float]:
+        """Sum (or another `op`) over the data-parallel ranks."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.dp > 1:
-            dist.all_reduce(t, group=self.trainer.dims.dp_group)
+            dist.all_reduce(t, op=op, group=self.trainer.dims.dp_group)
         return t.tolist()
 
     def _max(self, value: float) -> float:
-        t = torch.tensor(value, dtype=torch.float64, device=self.device)
-        if self.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
-        return t.item()
+        return self._sum(value, op=dist.ReduceOp.MAX)[0]
 
     def _prompt_ids(self, task: Task, examples) -> list[list[int]]:
         return prompt_ids(self.tokenizer, examples, task.config.data.apply_chat_template)
@@ -272,7 +265,7 @@ class RLRun:
     def _stop_if_any_rank_failed(self, step: int, failure: Exception | None) -> None:
         failed = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # over every rank: all generate or none
         if failure is not None:
             raise failure
         if failed.item() > 0:
@@ -339,10 +332,10 @@ class RLRun:
             prepared[task.name].gaps = self._logprob_gaps(task, batch, mine)
             prepared[task.name].lag = batch.extras["version_lag"][mine].double()
             prepared[task.name].tokens = float(self._tokens_of(batch, [task]).sum()) if parts else 0.0
-            if task.teacher is None or (task.adapter or "") not in sequences:
+            if task.teacher is None or task.name not in sequences:
                 continue
             mine = self._tokens_of(batch, [task])
-            sub = batch.select(sequences[task.adapter or ""])
+            sub = batch.select(sequences[task.name])
             batch.advantages[mine] = task.algorithm.token_advantages(
                 sub.advantages, sub.old_logprobs, teacher_logprobs(task.teacher, sub, self.device, temperature),
                 sub.loss_mask,
@@ -399,13 +392,12 @@ class RLRun:
         if tasks:
             algo = tasks[0].config.algorithm
             by_adapter = self.trainer.sequences_by_adapter(batch)
-            names = {task.adapter or "": task for task in tasks}
-            losses = {name: task.algorithm.loss for name, task in names.items()}
+            losses = {task.name: task.algorithm.loss for task in tasks}
             for _ in range(algo.ppo_epochs):
                 for m in range(algo.minibatches):
                     chosen = []
                     for name, sequences in by_adapter.items():
-                        if name in names:
+                        if name in losses:
                             per = -(-len(sequences) // algo.minibatches)
                             chosen += sequences[m * per : (m + 1) * per]
                     minibatch = batch.select(chosen) if chosen else filler_batch(self.trainer.multi_task, tasks[0].index)
@@ -413,9 +405,9 @@ class RLRun:
                         minibatch, losses, self.config.rollout.temperature, with_entropy=True, advance_schedule=False
                     )
                     for name, metrics in out.items():
-                        updates[names[name].name].append(metrics)
+                        updates[name].append(metrics)
         for task in self.active():
-            self.trainer.advance_schedule(task.adapter)
+            self.trainer.advance_schedule(task.name)
         return updates
 
     def publish(self, task: Task, version: int) -> dict[str, float]:
@@ -433,7 +425,6 @@ class RLRun:
         metrics = {f"sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")}
         return {"sync_s": time.perf_counter() - start, **metrics}
 
-    # ---- failures -------------------------------------------------------------------------------
     # ---- failures -------------------------------------------------------------------------------
     def _check_progress(self, step: int, metrics: dict[str, float]) -> None:
         """Count each task's step (Task.record_step) and stop a task past its limits of skipped
@@ -528,8 +519,6 @@ class RLRun:
         cfg = self.config
         progress = None
         if self.rank == 0 and cfg.logging.progress:
-            from tqdm import tqdm
-
             progress = tqdm(total=cfg.steps, initial=first, desc="rl", unit="step", dynamic_ncols=True)
         last: dict[str, float] = {}
         evaluates = cfg.eval.every and any(task.eval_set is not None for task in self.tasks)
@@ -604,8 +593,8 @@ class RLRun:
         are not saved, and a resumed run samples their prompts again (nothing lost, nothing trained
         twice)."""
         for task in self.active():
-            self.trainer.save_checkpoint(task.checkpoints, step, task.state(), task=task.adapter)
+            self.trainer.save_checkpoint(task.checkpoints, step, task.state(), task=task.name)
             out = task.dir / ("adapter" if final else f"adapters/step_{step:06d}")
-            self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.adapter)
+            self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.name)
             if not final and self.rank == 0:
                 prune_adapter_exports(task.dir / "adapters", self.config.checkpoint.keep_last_adapters)

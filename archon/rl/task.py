@@ -62,7 +62,7 @@ class Task:
         context = run.trainer.loaded.hf_config.max_position_embeddings
         where = f"{self.name} " if self.name else ""
         self.train_set = load_prompt_dataset(config.data, run.tokenizer, context, shared.rollout.max_new_tokens)
-        run.report_dataset(f"{where}train", self.train_set)
+        self._report(run, f"{where}train", self.train_set)
         self.iterator = PromptBatchIterator(
             self.train_set.examples, batch_size=shared.rollout.prompts_per_step, seed=config.data.seed,
             shuffle=config.data.shuffle, drop_last=config.data.drop_last,
@@ -71,7 +71,7 @@ class Task:
         if config.eval_path and shared.eval.every:
             eval_data = replace(config.data, path=config.eval_path)
             self.eval_set = load_prompt_dataset(eval_data, run.tokenizer, context, run.eval_new_tokens)
-            run.report_dataset(f"{where}held-out", self.eval_set)
+            self._report(run, f"{where}held-out", self.eval_set)
         self.teacher = None
         if self.algorithm.needs_teacher:
             option = f"tasks[{index}].algorithm.teacher_path" if self.name else "algorithm.teacher_path"
@@ -103,10 +103,10 @@ class Task:
         """The largest |reward| and |advantage| of the last step (for the non-finite error)."""
         self.reward_traceback: str | None = None
 
-    @property
-    def adapter(self) -> str | None:
-        """The task's adapter in the trainer (None: the single adapter of a run without tasks)."""
-        return self.name or None
+    @staticmethod
+    def _report(run, name: str, dataset) -> None:
+        if (dataset.malformed or dataset.too_long) and run.rank == 0:
+            logger.warning("%s data: %s", name, dataset.report())
 
     def state(self) -> dict:
         """What a checkpoint keeps of the task besides its adapter and optimizer."""
