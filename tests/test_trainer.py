@@ -16,14 +16,8 @@ from archon.head import label_logprobs
 from archon.lora import LoRAConfig, is_lora_param, lora_parameters
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.rl.losses import aggregate_token_losses
-from archon.trainer import (
-    LossContext,
-    NonFiniteError,
-    OptimConfig,
-    Trainer,
-    TrainerConfig,
-    lr_multiplier,
-)
+from archon.optim import OptimConfig, lr_multiplier
+from archon.trainer import LossContext, NonFiniteError, Trainer, TrainerConfig
 
 
 def _batch(vocab: int, lens=(9, 17, 4, 23, 12), prompt_lens=(3, 5, 1, 8, 2), seed: int = 0) -> PackedBatch:

@@ -104,8 +104,9 @@ class AlgorithmConfig:
     (unless distillation_weight is set)."""
     distillation_weight: float | None = None
     """On-policy distillation mixed with task rewards: the per-token advantage becomes the reward
-    advantage plus distillation_weight * (log pi_teacher - log pi_theta). Needs teacher_path; must
-    be > 0. None: the teacher's advantage alone."""
+    advantage plus distillation_weight * (log pi_teacher - log pi_theta), one advantage per token
+    clipped as one surrogate (archon.rl.advantages.mixed_distillation_advantages). Needs
+    teacher_path; must be > 0. None: the teacher's advantage alone."""
     max_skipped_steps: int = 3
     """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
     left as they were, the LR schedule still follows the RL step; counted in the metric
@@ -231,9 +232,10 @@ class RLConfig:
     non-empty run directory is refused."""
     tasks: tuple[TaskConfig, ...] = ()
     """Multi-LoRA: several tasks trained at once on the one frozen base, each with its own adapter
-    (archon.rl.multi_task). Each task's data, reward, algorithm, lora and optim replace the top-level
-    ones, which must then be left unset (data.path). Empty: the single-adapter recipe. A task may
-    be added to or removed from the list when a run is resumed; the others resume as they were."""
+    (archon.rl.task). Each task's data, reward, algorithm, lora and optim replace the top-level
+    ones, which must then be left unset (data.path). Empty: one unnamed task of the top-level
+    fields. A task may be added to or removed from the list when a run is resumed; the others
+    resume as they were."""
 
     def task_configs(self) -> tuple[TaskConfig, ...]:
         """The tasks the run trains: `tasks`, or without them one unnamed task ("") made of the
