@@ -410,3 +410,35 @@ def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path,
         assert expected.keys() == got.keys()
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
+
+
+def test_a_multi_task_run_resumes_every_task_from_the_step_of_a_checkpoint_path(setup, tmp_path, importable_module):
+    """--resume RUN_DIR/tasks/<name>/checkpoints/step-N: every task goes on from its own checkpoint
+    of step N, with the metrics and adapters of the run that was not interrupted; each task's newer
+    outputs are set aside, not deleted. A path that is not a checkpoint is refused, naming the form."""
+    from safetensors.torch import load_file
+
+    varying = importable_module("resume_path_reward", VARYING_REWARD) + ":reward"
+    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying)
+             + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2))  # fmt: skip
+    run_dir = tmp_path / "run"
+    RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--checkpoint.every", "1")).run()
+    whole = {r["step"]: r for r in _records(run_dir)}
+    adapters = {name: load_file(str(run_dir / "tasks" / name / "adapter" / "adapter_model.safetensors"))
+                for name in ("add", "sub")}  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="step-NNNNNNNN"):
+        RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume", str(run_dir / "tasks"))).run()
+    step_1 = run_dir / "tasks" / "sub" / "checkpoints" / "step-00000001"
+    RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--checkpoint.every", "1", "--resume", str(step_1))).run()
+    resumed = {r["step"]: r for r in _records(run_dir)}
+    assert sorted(resumed) == [1, 2, 3]
+    for step in (2, 3):
+        for key in ("add/loss", "sub/loss", "add/reward_mean", "sub/grad_norm"):
+            assert resumed[step][key] == pytest.approx(whole[step][key], abs=1e-6), (step, key)
+    for name in ("add", "sub"):
+        task_dir = run_dir / "tasks" / name
+        set_aside = task_dir / "superseded" / "after-step-00000001-0"
+        assert sorted(p.name for p in (set_aside / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+        got = load_file(str(task_dir / "adapter" / "adapter_model.safetensors"))
+        for key, value in adapters[name].items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6)

@@ -26,7 +26,9 @@ from tqdm import tqdm
 from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_write_json
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
+from archon.checkpoint.resume import STEP_DIR
 from archon.lora import lora_parameters, task_view
+from archon.parallel import init_distributed
 from archon.rl.config import RLConfig, validate
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
@@ -65,12 +67,12 @@ class RLRun:
         check_model_dir(config.model.path, "model.path")
         self.owns_run_dir = run_dir is None
         if run_dir is None:
+            init_distributed(config.model.device)  # under torchrun, rank 0 alone takes the directory's lock
             run_dir = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora,
                                       tasks=[task.name for task in config.tasks])  # fmt: skip
         self.prepared_run_dir = run_dir
         self.resume_from = run_dir.resume_from
         self.tasks: list[Task] = []
-        self.producers_started = False
         self.metrics = self.native = self.servers = self.channel = None
         try:
             self._build()
@@ -425,7 +427,6 @@ class RLRun:
         metrics = {f"sync_{k}": v for k, v in sent.items() if k.endswith("_bytes")}
         return {"sync_s": time.perf_counter() - start, **metrics}
 
-    # ---- failures -------------------------------------------------------------------------------
     def _check_progress(self, step: int, metrics: dict[str, float]) -> None:
         """Count each task's step (Task.record_step) and stop a task past its limits of skipped
         updates or failed rewards in a row. With several tasks the task is stopped alone (its last
@@ -480,7 +481,10 @@ class RLRun:
         """Load each task's checkpoint (a run without tasks: the one prepare_run_dir chose; named
         tasks: each its own newest, and tasks without one, added now, start fresh). Returns the RL
         step to go on from."""
-        if not self.config.tasks:
+        if self.config.tasks:
+            step = None if self.resume_from is None else int(STEP_DIR.fullmatch(self.resume_from.name).group(1))
+            first = resume_named_tasks(self.tasks, self.trainer, self.run_dir / TASKS_DIR, self.config.steps, step)
+        else:
             (task,) = self.tasks
             state = self.trainer.load_checkpoint(task.checkpoints, self.resume_from)
             first = state["step"]
@@ -490,15 +494,11 @@ class RLRun:
                     f"{self.config.steps}; raise --steps to continue it"
                 )
             task.load_state(state["data"], first)
-            resumed_from = self.resume_from
-        else:
-            first = resume_named_tasks(self.tasks, self.trainer, self.run_dir / TASKS_DIR, self.config.steps)
-            resumed_from = self.run_dir / TASKS_DIR
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
         for task in self.tasks:
             self.publish(task, task.version)
         if self.rank == 0:
-            print(f"resumed from step {first} (checkpoint {resumed_from})", flush=True)
+            print(f"resumed from step {first} (checkpoint {self.resume_from or self.run_dir / TASKS_DIR})", flush=True)
         return first
 
     def _start_producers(self, first: int) -> None:

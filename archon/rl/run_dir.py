@@ -217,6 +217,39 @@ def _recover_tasks(run_dir: Path, tasks: Sequence[str]) -> None:
         _recover(task_dir, CheckpointManager(task_dir / CHECKPOINTS))
 
 
+def _task_step_to_resume(run_dir: Path, path: Path, tasks: Sequence[str], world_size: int) -> Path:
+    """A multi-task resume from a checkpoint `path` (RUN_DIR/tasks/<name>/checkpoints/step-N): every
+    task resumes from its own checkpoint of step N, a task never saved starts fresh. Refused, naming
+    the task, when a task that has checkpoints has none of step N or a damaged one; each task's
+    newer outputs are set aside as for a single-adapter resume from an older checkpoint."""
+    match = STEP_DIR.fullmatch(path.name)
+    if match is None or not (path / TRAINER_STATE).exists():
+        raise FileNotFoundError(
+            f"--resume {path}: {'no such directory' if not path.exists() else 'not a checkpoint directory'}; a "
+            f"multi-task run resumes from a checkpoint RUN_DIR/{TASKS_DIR}/<name>/{CHECKPOINTS}/step-NNNNNNNN, and "
+            "every task from its own checkpoint of that step (a bare --resume takes each task's newest)"
+        )
+    step = int(match.group(1))
+    for name in tasks:
+        task_dir = run_dir / TASKS_DIR / name
+        manager = CheckpointManager(task_dir / CHECKPOINTS)
+        if not manager.checkpoints():
+            continue
+        checkpoint = manager.step_dir(step)
+        if not checkpoint.is_dir():
+            saved = ", ".join(p.name for p in manager.checkpoints())
+            raise FileNotFoundError(
+                f"--resume {path}: task {name!r} has no checkpoint of step {step} (it has {saved}); every task "
+                "with checkpoints resumes from its checkpoint of the step given"
+            )
+        problems = checkpoint_problems(checkpoint, world_size)
+        if problems:
+            raise CheckpointError(f"--resume {path}: task {name!r}: checkpoint {checkpoint} is damaged:\n  "
+                                  + "\n  ".join(problems))  # fmt: skip
+        _set_aside_newer_outputs(task_dir, manager, checkpoint)
+    return path
+
+
 def _checkpoint_to_resume(run_dir: Path, resume: str, world_size: int, lora) -> Path:
     manager = CheckpointManager(run_dir / CHECKPOINTS)
     if resume == "latest":
@@ -292,8 +325,9 @@ def prepare_run_dir(
     `overwrite` is set, when there is nothing to resume, when the checkpoint is damaged or was
     trained with another LoRA config than `lora`, and when the directory cannot be written.
 
-    `tasks`: the task names of a multi-task run. Its resume (`resume` "latest") undoes what killed
-    writes left in each task's directory, and each task then resumes from its own newest checkpoint."""
+    `tasks`: the task names of a multi-task run. Its resume undoes what killed writes left in each
+    task's directory; each task then resumes from its own newest checkpoint ("latest"), or from its
+    checkpoint of the step of the checkpoint `resume` names."""
     run_dir = Path(run_dir)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     outcome: list[Path | None | BaseException] = [None]
@@ -305,16 +339,13 @@ def prepare_run_dir(
                 raise ValueError("--resume and --overwrite contradict each other: choose one")
             if run_dir.exists() and not run_dir.is_dir():
                 raise NotADirectoryError(f"run directory {run_dir} is a file; choose another --logging.run-dir")
-            if tasks and resume not in (None, "latest"):
-                raise ValueError(
-                    f"resume={resume!r}: a multi-task run resumes each task from its own latest checkpoint "
-                    f"(RUN_DIR/{TASKS_DIR}/<name>/{CHECKPOINTS}); use --resume (latest)"
-                )
             lock.acquire()
             if resume is None:
                 _start_fresh(run_dir, overwrite)
             elif tasks:
                 _recover_tasks(run_dir, tasks)
+                if resume != "latest":
+                    outcome[0] = _task_step_to_resume(run_dir, Path(resume), tasks, world_size)
             else:
                 outcome[0] = _checkpoint_to_resume(run_dir, resume, world_size, lora)
         except BaseException as e:

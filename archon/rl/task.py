@@ -176,10 +176,10 @@ class Task:
             self.sync.close()
 
 
-def resume_named_tasks(tasks: list[Task], trainer, tasks_dir: Path, steps: int) -> int:
-    """Load each named task's newest checkpoint into its adapter and state (tasks without one, added
-    since, start fresh; a stopped task stays stopped); returns the RL step to go on from, the newest
-    step any task was saved at."""
+def resume_named_tasks(tasks: list[Task], trainer, tasks_dir: Path, steps: int, step: int | None = None) -> int:
+    """Load each named task's newest checkpoint (or, with `step`, its checkpoint of that step) into
+    its adapter and state (tasks without one, added since, start fresh; a stopped task stays
+    stopped); returns the RL step to go on from, the newest step any task was saved at."""
     resumed = {}
     for task in tasks:
         stopped = task.dir / STOPPED_FILE
