@@ -382,9 +382,11 @@ def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path,
     rewards = tmp_path / "rewards"
     rewards.mkdir()
     (rewards / "layout_reward.py").write_text(VARYING_REWARD)
-    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward="layout_reward:reward")
+    # learning rates of a real run (Adam moves every factor by about lr a step, so TP's reordered
+    # sums, ~1e-6 in the log-probs, stay below 1e-5 in the adapters)
+    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward="layout_reward:reward", lr=1e-3)
              + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward="exact", rank=2,
-                          lr=5e-3)).replace("minibatches: 2", "minibatches: 1")  # fmt: skip
+                          lr=5e-4)).replace("minibatches: 2", "minibatches: 1")  # fmt: skip
     worker = Path(__file__).with_name("multi_task_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(rewards), str(worker.parent)])}
     runs = {}
@@ -422,14 +424,15 @@ def test_a_multi_task_run_resumes_every_task_from_the_step_of_a_checkpoint_path(
     tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying)
              + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2))  # fmt: skip
     run_dir = tmp_path / "run"
-    RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--checkpoint.every", "1")).run()
+    keep = ("--eval.every", "0", "--checkpoint.every", "1", "--checkpoint.keep-last", "3")
+    RLRun(_config(setup, run_dir, 3, tasks, *keep)).run()
     whole = {r["step"]: r for r in _records(run_dir)}
     adapters = {name: load_file(str(run_dir / "tasks" / name / "adapter" / "adapter_model.safetensors"))
                 for name in ("add", "sub")}  # fmt: skip
     with pytest.raises(FileNotFoundError, match="step-NNNNNNNN"):
         RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume", str(run_dir / "tasks"))).run()
     step_1 = run_dir / "tasks" / "sub" / "checkpoints" / "step-00000001"
-    RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--checkpoint.every", "1", "--resume", str(step_1))).run()
+    RLRun(_config(setup, run_dir, 3, tasks, *keep, "--resume", str(step_1))).run()
     resumed = {r["step"]: r for r in _records(run_dir)}
     assert sorted(resumed) == [1, 2, 3]
     for step in (2, 3):
