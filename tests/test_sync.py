@@ -357,8 +357,7 @@ class _WatchedPolicy(ServedPolicy):
 def test_a_merged_publish_sends_while_requests_wait_on_every_server(tiny_checkpoint, monkeypatch):
     """n requests, one per server, held back by the publish wait on their threads, and the send
     needs n + 1 more (a receiver per server and the sender): it must not wait for them."""
-    import archon.sync.buckets
-    import archon.sync.process_group
+    import archon.sync.vllm
     from archon.sync.vllm import WorkerChannel
 
     def fake_send(group, named_tensors, bucket_bytes):
@@ -366,8 +365,8 @@ def test_a_merged_publish_sends_while_requests_wait_on_every_server(tiny_checkpo
         servers.sent.set()
         return {"bytes": sum(t.numel() * t.element_size() for _, t in sent), "buckets": 1, "tensors": len(sent)}
 
-    monkeypatch.setattr(archon.sync.buckets, "send_tensors", fake_send)
-    monkeypatch.setattr(archon.sync.process_group, "StatelessGroup", _FakeGroup)
+    monkeypatch.setattr(archon.sync.vllm, "send_tensors", fake_send)
+    monkeypatch.setattr(archon.sync.vllm, "StatelessGroup", _FakeGroup)
     engine = _vllm_engine(tiny_checkpoint("qwen3"), None, transport="collective")
     servers = engine.servers = _FakeServers(4)
     policy = engine.policy = _WatchedPolicy()

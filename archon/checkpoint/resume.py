@@ -38,6 +38,7 @@ from archon.checkpoint.atomic import (
     replace_directory,
     staging_path,
 )
+from archon.device import npu_available
 
 STEP_DIR = re.compile(r"step-(\d{8})")
 TRAINER_STATE = "trainer_state.json"
@@ -82,8 +83,6 @@ def rng_state() -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    from archon.device import npu_available
-
     if npu_available():
         state["npu"] = torch.npu.get_rng_state_all()
     return state

@@ -30,8 +30,11 @@ import torch.distributed as dist
 from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_file, replace_directory
 from archon.lora.peft import save_merged_hf
-from archon.rl.config import DemoConfig
+from archon.recipes.grpo_lora import DEMO_CONFIG
+from archon.rl.config import DemoConfig, load_config_file
 from archon.rl.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
+from archon.rollout.base import SamplingParams
+from archon.rollout.native import NativeRolloutEngine
 from archon.trainer import LossContext, OptimConfig, Trainer, TrainerConfig
 
 PACKAGED_WARM_STARTS = Path(__file__).resolve().parent / "warm_starts"
@@ -103,9 +106,6 @@ def _sft_loss(batch: PackedBatch, logprobs: torch.Tensor, ctx: LossContext):
 def _greedy_accuracy_by_operation(trainer: Trainer, examples: dict[str, list], eos: int) -> dict[str, float]:
     """Greedy exact-match accuracy of each operation's (prompt ids, answer ids + eos) pairs, over
     all ranks."""
-    from archon.rollout.base import SamplingParams
-    from archon.rollout.native import NativeRolloutEngine
-
     operations = sorted(examples)
     tagged = [(op, pair) for op in operations for pair in examples[op]]
     mine = tagged[trainer.dims.dp_rank :: trainer.dims.dp]
@@ -252,9 +252,6 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     import tyro
-
-    from archon.recipes.grpo_lora import DEMO_CONFIG
-    from archon.rl.config import load_config_file
 
     config = load_config_file(DEMO_CONFIG)
     settings = tyro.cli(WarmStartSettings, default=WarmStartSettings(config.demo, config.seed), args=argv)

@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from archon.checkpoint.atomic import atomic_file
+
 METRICS_FILE = "metrics.jsonl"
 logger = logging.getLogger("archon.rl")
 
@@ -53,8 +55,6 @@ class MetricsLogger:
         """Remove the records of steps after `step` (a resumed run logs them again)."""
         if not self.enabled or not self.path.exists():
             return
-        from archon.checkpoint.atomic import atomic_file
-
         kept = [line for record, line in _read_records(self.path) if record["step"] <= step]
         self._file.close()
         with atomic_file(self.path, "wb") as f:

@@ -21,6 +21,8 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from archon.rl.reward_fns import call_reward, resolve_reward_function
+
 _HEADER = struct.Struct(">Q")
 
 
@@ -67,8 +69,6 @@ def main() -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     requests = sys.stdin.buffer
-
-    from archon.rl.reward_fns import call_reward, resolve_reward_function
 
     fn = None
     while (message := read_message(requests)) is not None:

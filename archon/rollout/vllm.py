@@ -33,6 +33,7 @@ from typing import Literal
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.policy import ServedPolicy
 from archon.rollout.vllm_server import VLLMServerError, VLLMServers, looks_like_path, read_model_config
+from archon.spec import get_spec
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -149,8 +150,6 @@ def _family_spec(model_config: dict | None):
     """The ModelSpec of the served model's family, or None when its config is unknown (a hub name)."""
     if model_config is None:
         return None
-    from archon.spec import get_spec
-
     return get_spec(model_config.get("model_type"))
 
 

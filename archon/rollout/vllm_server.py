@@ -35,7 +35,9 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from archon.checkpoint.hf import read_json_file
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV
+from archon.spec import get_spec, supported_model_types
 
 if TYPE_CHECKING:
     from archon.rollout.vllm import VLLMConfig
@@ -130,8 +132,6 @@ def address_towards(url: str) -> str:
 
 def read_model_config(model: str) -> dict | None:
     """The config.json of a local model directory (None for a hub name)."""
-    from archon.checkpoint.hf import read_json_file
-
     path = Path(model).expanduser() / "config.json"
     return read_json_file(path, "model config") if path.is_file() else None
 
@@ -213,8 +213,6 @@ def cpu_attention_backend(model_config: dict | None, dtype: str) -> str | None:
     looked up by the config's model_type or, for a wrapper config, its text_config's."""
     if not model_config:
         return None
-    from archon.spec import get_spec, supported_model_types
-
     backend = None
     for config in (model_config, model_config.get("text_config") or {}):
         model_type = config.get("model_type")

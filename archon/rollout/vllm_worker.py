@@ -23,6 +23,8 @@ import hmac
 import json
 import os
 
+from archon.spec import get_spec, supported_model_types
+
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
 WORKER_SECRET_ENV = "ARCHON_WORKER_SECRET"
 """Environment variable of a vLLM server that holds the secret archon's worker methods require."""
@@ -118,8 +120,6 @@ def _cpu_moe_prepack_on_reload(model):
 
 def _family_reload_hook(model_type: str | None):
     """The served family's hook for an in-place reload (ModelSpec.vllm_reload_weights), if any."""
-    from archon.spec import get_spec, supported_model_types
-
     if model_type not in supported_model_types():
         return None
     return get_spec(model_type).vllm_reload_weights
@@ -134,6 +134,7 @@ class ArchonWorkerExtension:
 
     @_requires_secret
     def archon_init_sync_group(self, spec: str) -> dict:
+        # not at the top: archon.sync imports archon.rollout.vllm, which imports this module
         from archon.sync.process_group import StatelessGroup
 
         spec = json.loads(spec)

@@ -37,7 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from archon.checkpoint.state_dict_converter import StateDictConverter
+from archon.device import collective_backend
 from archon.lora.config import LoRAConfig
+from archon.lora.peft import peft_adapter_config, save_peft_adapter
 from archon.rollout.vllm import VLLMRolloutEngine
 from archon.rollout.vllm_server import (
     WORKER_EXTENSION,
@@ -50,6 +52,9 @@ from archon.rollout.vllm_server import (
     is_loopback_host,
 )
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
+from archon.sync.buckets import send_tensors
+from archon.sync.payload import adapter_payload, full_payload, merged_payload
+from archon.sync.process_group import StatelessGroup
 
 
 def _distributed() -> bool:
@@ -96,9 +101,6 @@ class WorkerChannel:
     def _ensure_group(self, device: torch.device):
         if self._group is not None:
             return self._group
-        from archon.device import collective_backend
-        from archon.sync.process_group import StatelessGroup
-
         workers = []
         for server in self.servers:
             info = self.servers.rpc(server, "archon_worker_info", timeout=self.servers.config.health_timeout_s)
@@ -150,8 +152,6 @@ class WorkerChannel:
         """Start worker method `method` on every server (it receives), send `named_tensors`, and
         fail fast when a worker fails (the group is then dropped: a broadcast that was cut off
         leaves it unusable). Returns {"bytes", "buckets", "tensors"}."""
-        from archon.sync.buckets import send_tensors
-
         group = self._ensure_group(device)
         futures = {self._threads.submit(self.servers.rpc, s, method, json.dumps(spec)): s for s in self.servers}
         sender = self._threads.submit(send_tensors, group, named_tensors, int(self.bucket_mb * 2**20))
@@ -250,8 +250,6 @@ class DiskAdapterSync(_AdapterSync):
         self.sync_dir = Path(sync_dir)
 
     def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
-        from archon.lora.peft import save_peft_adapter
-
         path = self.sync_dir / name
         save_peft_adapter(model, converter, lora, path, self.model_name, write=self.rank == 0)
         if self.rank != 0:
@@ -278,9 +276,6 @@ class CollectiveAdapterSync(_AdapterSync):
         """False where several tasks' syncs share one channel (its owner closes it once)."""
 
     def _send_adapter(self, model, converter, lora, name: str) -> dict[str, float]:
-        from archon.lora.peft import peft_adapter_config
-        from archon.sync.payload import adapter_payload
-
         tensors = adapter_payload(model, converter)  # gathered on every rank
         if self.rank != 0:
             return {}
@@ -310,8 +305,6 @@ class CollectiveMergedSync(_VLLMSync):
         self.channel = channel
 
     def _publish(self, model, converter, lora, version) -> dict[str, float]:
-        from archon.sync.payload import full_payload, merged_payload
-
         payload = merged_payload if lora is not None else full_payload
         metrics, error = {}, None
         # every rank holds its requests back until rank 0's send has returned and all know how it went

@@ -22,7 +22,10 @@ from torch import nn
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
 from archon.rollout.base import RolloutEngine
+from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
+from archon.rollout.vllm import VLLMRolloutEngine, merged_needs_collective
+from archon.sync.vllm import CollectiveAdapterSync, CollectiveMergedSync, DiskAdapterSync, WorkerChannel
 
 if TYPE_CHECKING:
     from archon.rl.config import RolloutConfig
@@ -71,9 +74,6 @@ def build_weight_sync(
     servers (its own policy), and the collective transport's `channel` (a WorkerChannel) is shared
     by the tasks' syncs and closed by the caller. Merged mode serves one set of weights, so it
     cannot serve several tasks: it is refused."""
-    from archon.rollout.native import NativeRolloutEngine
-    from archon.rollout.vllm import VLLMRolloutEngine, merged_needs_collective
-
     if config.engine == "native":
         if not isinstance(rollout, NativeRolloutEngine):
             raise TypeError(f"rollout.engine='native' needs a NativeRolloutEngine, got {type(rollout).__name__}")
@@ -82,8 +82,6 @@ def build_weight_sync(
         raise ValueError(f"rollout.engine must be 'native' or 'vllm', got {config.engine!r}")
     if not isinstance(rollout, VLLMRolloutEngine):
         raise TypeError(f"rollout.engine='vllm' needs a VLLMRolloutEngine, got {type(rollout).__name__}")
-    from archon.sync.vllm import CollectiveAdapterSync, CollectiveMergedSync, DiskAdapterSync, WorkerChannel
-
     vllm, mode = config.vllm, rollout.mode
     if task is not None and mode == "merged":
         raise ValueError(

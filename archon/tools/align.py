@@ -24,6 +24,12 @@ from typing import Any
 
 import torch
 
+from archon.build import build_model, load_hf_config
+from archon.checkpoint.hf import read_json_file
+from archon.lora import LoRAConfig, lora_parameters
+from archon.lora.peft import save_peft_adapter
+from archon.spec import get_spec
+
 MAX_ABS_LOGITS_DIFF = 1e-4
 MAX_MEAN_KL = 1e-8
 MAX_LORA_GRAD_REL_ERR = 1e-4
@@ -62,8 +68,6 @@ def tiny_config_kwargs(model_type: str, **overrides) -> dict[str, Any]:
     composite (a tiny config with `text_config`), overrides other than `text_config`/`vision_config`
     are language-model fields and go into `text_config`; `tie_word_embeddings`, which the composite
     has too (and HF's whole model reads there), is set on both."""
-    from archon.spec import get_spec
-
     kwargs = dict(get_spec(model_type).tiny_hf_config.get(model_type, {}))
     if "text_config" not in kwargs:
         return {**kwargs, **overrides}
@@ -143,8 +147,6 @@ def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0,
 
 def resolve_model_type(args: AlignArgs) -> str:
     """args.model_type, else the model_type of args.hf_path/config.json; a supported type either way."""
-    from archon.spec import get_spec
-
     if args.hf_path is None:
         if args.model_type is None:
             raise ValueError("give --model-type (to check a tiny random model of that type) or --hf-path DIR")
@@ -153,8 +155,6 @@ def resolve_model_type(args: AlignArgs) -> str:
     config_path = Path(args.hf_path) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist; --hf-path must be an HF model directory")
-    from archon.checkpoint.hf import read_json_file
-
     model_type = read_json_file(config_path, "model config").get("model_type")
     if not isinstance(model_type, str):
         raise ValueError(f"{config_path} has no \"model_type\" string, so it is not an HF transformers model config")
@@ -199,10 +199,6 @@ def _hf_forward(hf_model, seqs):
 
 
 def run_alignment(args: AlignArgs) -> dict[str, Any]:
-    from archon.build import build_model, load_hf_config
-    from archon.lora import LoRAConfig, lora_parameters
-    from archon.lora.peft import save_peft_adapter
-
     model_type = resolve_model_type(args)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -302,8 +298,6 @@ def _load_peft(hf_model, adapter_dir: Path):
 
 
 def _grad_rel_err(model, converter, peft_model) -> float:
-    from archon.lora import lora_parameters
-
     peft_grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if "lora_" in n}
     worst = 0.0
     for name, param in lora_parameters(model).items():

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archon.rl.metrics import read_metrics
+
 CURVES = (
     ("reward_mean", "reward (mean)"),
     ("accuracy", "train accuracy"),
@@ -53,8 +55,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from archon.rl.metrics import read_metrics
 
     drawn = curves(read_metrics(run_dir))
     if not drawn:
