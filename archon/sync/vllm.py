@@ -39,16 +39,16 @@ from torch import nn
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
 from archon.rollout.vllm import VLLMRolloutEngine
-from archon.rollout.vllm_server import (
-    WORKER_EXTENSION,
+from archon.rollout.vllm_launch import WORKER_EXTENSION
+from archon.rollout.vllm_network import (
     RequestThreads,
     VLLMServerError,
-    VLLMServers,
     address_towards,
     free_port,
     is_local_address,
     is_loopback_host,
 )
+from archon.rollout.vllm_server import VLLMServers
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
 
 
