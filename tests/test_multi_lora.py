@@ -251,7 +251,7 @@ def test_native_engine_generates_a_mixed_batch_as_each_task_alone(tiny_checkpoin
 def test_a_forward_builds_its_task_constants_once(multi_model, monkeypatch):
     """The tasks' scalings and dropout probabilities are made into tensors once per device, not at
     every forward (on an accelerator each would be a host-to-device copy that waits for the device)."""
-    from archon.lora import layers
+    from archon.lora import multi_task
 
     model = multi_model.model
     batch, task_of_token = _batch(multi_model.hf_config.vocab_size, seed=0)
@@ -259,7 +259,7 @@ def test_a_forward_builds_its_task_constants_once(multi_model, monkeypatch):
         first = _forward(model, batch)
         made = []
         tensor = torch.tensor
-        monkeypatch.setattr(layers.torch, "tensor", lambda *a, **k: made.append(a) or tensor(*a, **k))
+        monkeypatch.setattr(multi_task.torch, "tensor", lambda *a, **k: made.append(a) or tensor(*a, **k))
         again = _forward(model, batch)
     assert not made
     assert torch.equal(first, again)
@@ -313,7 +313,7 @@ def test_lora_init_draws_what_it_always_drew():
     from torch import nn
 
     from archon.lora import ExpertLoRA, LoRALinear
-    from archon.lora.layers import TaskAdapter
+    from archon.lora.multi_task import TaskAdapter
 
     for in_features, out_features, rank in ((16, 12, 4), (48, 7, 2), (100, 33, 8), (7, 64, 3)):
         torch.manual_seed(11)

