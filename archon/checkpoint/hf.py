@@ -18,8 +18,7 @@ from archon.checkpoint.atomic import (
     atomic_save_safetensors,
     atomic_write_json,
 )
-from archon.checkpoint.state_dict_converter import StateDictConverter
-from archon.lora.utils import is_lora_param
+from archon.checkpoint.state_dict_converter import StateDictConverter, is_lora_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"

@@ -13,6 +13,14 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+LORA_PARAM_MARKERS = ("lora_a", "lora_b")
+"""The module names of a LoRA adapter's factors in archon's parameter names."""
+
+
+def is_lora_param(name: str) -> bool:
+    """A LoRA factor's parameter (`<module>.lora_a.weight`, or a task's under a multi-task module)."""
+    return any(part in LORA_PARAM_MARKERS for part in name.split("."))
+
 PEFT_PREFIX = "base_model.model."
 
 

@@ -9,16 +9,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from archon.checkpoint.state_dict_converter import is_lora_param
 from archon.lora.config import LoRAConfig
 from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule
 from archon.lora.multi_task import AdapterRouting, FactorCache, MultiExpertLoRA, MultiLoRALinear
-
-LORA_PARAM_MARKERS = ("lora_a", "lora_b")
-
-
-def is_lora_param(name: str) -> bool:
-    return any(part in LORA_PARAM_MARKERS for part in name.split("."))
-
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAModule]]:
     for name, module in model.named_modules():
