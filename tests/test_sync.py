@@ -291,7 +291,8 @@ class _FakeServers:
     on_each = VLLMServers.on_each
 
     def __init__(self, n: int, fail_register: bool = False) -> None:
-        self.servers = [Server(f"http://fake-{i}") for i in range(n)]
+        # loopback URLs, never reached: the requests and the sends are faked
+        self.servers = [Server(f"http://127.0.0.1:{9000 + i}") for i in range(n)]
         self.config = SimpleNamespace(health_timeout_s=30.0)
         self.served_model = "base"
         self.fail_register = fail_register
