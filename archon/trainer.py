@@ -154,14 +154,13 @@ class Trainer:
         self.lora = config.lora
         self.multi_task = bool(config.tasks)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.loras: dict[str, LoRAConfig | None] = {}
+        self.task_loras: dict[str, LoRAConfig] = {}
         self.adapters: dict[str, AdapterOptimizer] = {}
         """Each adapter's parameters, AdamW and schedule by name, in routing order."""
         for task in config.tasks:
-            self.loras[task.name] = task.lora
+            self.task_loras[task.name] = task.lora
             self.adapters[task.name] = AdapterOptimizer(list(task_parameters(self.model, task.name).values()), task.optim)
         if not config.tasks:
-            self.loras[SINGLE_ADAPTER] = config.lora
             self.adapters[SINGLE_ADAPTER] = AdapterOptimizer(self.trainable, config.optim)
         self.routers = routers(self.model)
         self._check_moe_config(config.moe)
@@ -189,6 +188,10 @@ class Trainer:
                 f"moe.bias_update_rate={moe.bias_update_rate} but the routers of {family} have no "
                 "score-correction bias (aux-loss-free balancing applies to DeepSeek-V3-style routers)"
             )
+
+    def _lora(self, name: str) -> LoRAConfig | None:
+        """The LoRA config of adapter `name` (`lora` for a single-adapter trainer)."""
+        return self.task_loras[name] if self.multi_task else self.lora
 
     def _adapter(self, task: str | None) -> tuple[str, AdapterOptimizer]:
         """(name, optimizer state) of `task`'s adapter; None names the single adapter of a trainer
@@ -526,7 +529,7 @@ class Trainer:
         format (gathered from all shards; rank 0 writes). Refuses (NonFiniteError) an adapter with
         NaN or inf values."""
         name, _ = self._adapter(task)
-        lora = self.loras[name]
+        lora = self._lora(name)
         if lora is None:
             raise ValueError("export_peft needs a LoRA model; this trainer trains every parameter")
         self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False, task=task)
@@ -568,7 +571,7 @@ class Trainer:
         self.check_finite(f"checkpoint for step {step}" + (f" of task {task!r}" if task else ""), task=task)
         trainer_state = {
             "step": step, "optimizer_steps": adapter.steps, "scheduler": adapter.schedule_state(),
-            "data": data_state or {}, "lora": lora_settings(self.loras[name]),
+            "data": data_state or {}, "lora": lora_settings(self._lora(name)),
         }  # fmt: skip
         return manager.save(step, self.checkpoint_state(task), trainer_state)
 
@@ -583,7 +586,7 @@ class Trainer:
             return None
         name, adapter = self._adapter(task)
         state = self.checkpoint_state(task)
-        trainer_state = manager.load(path, state, expected={"lora": lora_settings(self.loras[name])})
+        trainer_state = manager.load(path, state, expected={"lora": lora_settings(self._lora(name))})
         self.load_checkpoint_state(state, task)
         adapter.steps = trainer_state["optimizer_steps"]
         adapter.load_schedule_state(trainer_state["scheduler"])

@@ -57,10 +57,12 @@ def _recording_collect(run: RLRun, trained: list) -> None:
     collect = run.collect
 
     def recorded(step):
-        rollouts = collect(step)
-        trained.append((step, run.version, [v for s in rollouts.samples for v in [s.version, *s.token_versions]],
+        collected = collect(step)
+        (task,) = run.tasks
+        rollouts = collected[task.name]
+        trained.append((step, task.version, [v for s in rollouts.samples for v in [s.version, *s.token_versions]],
                         [ex.prompt for ex in rollouts.examples]))  # fmt: skip
-        return rollouts
+        return collected
 
     run.collect = recorded
 

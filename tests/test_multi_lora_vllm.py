@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     for task in TASKS:
         randomise_lora(task_parameters(trainer.model, task.name), 0.5, g, lora_b_scale=0.3)
-    config = VLLMConfig(max_lora_rank=8, max_loras=4, port=8151, transport="collective")
+    config = VLLMConfig(max_lora_rank=8, max_loras=4, port=8152, transport="collective")
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=8, log_dir=root,
                                longest_prompt_tokens=32, max_new_tokens=16)  # fmt: skip
     channel = WorkerChannel(server.servers, "127.0.0.1", 0, bucket_mb=256.0)

@@ -433,7 +433,7 @@ def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_pat
     assert [r["adapter_version"] for r in records] == [1, 2]
     for r in records:
         assert r["logprob_abs_diff_mean"] <= 1e-3, r
-    assert run.rollout.policy.name.endswith("-v2")
+    assert run.tasks[0].rollout.policy.name.endswith("-v2")
 
 
 def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
