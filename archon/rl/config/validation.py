@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, importance_sampling_for
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
+from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
 from archon.rollout.vllm_server import max_position_embeddings
 from archon.optim import OptimConfig
 
@@ -436,8 +438,6 @@ def _parallel_problems(config: RLConfig, world_size: int) -> list[str]:
 def _read_model_config(directory: str, field_name: str) -> dict | None:
     """The config.json of an HF checkpoint directory, or None when there is none (the model loader
     reports a missing checkpoint); an unreadable file is an error naming it."""
-    from archon.checkpoint.hf import read_json_file
-
     path = Path(directory) / "config.json"
     if not path.is_file():
         return None
@@ -450,8 +450,6 @@ def _read_model_config(directory: str, field_name: str) -> dict | None:
 def _vllm_mode_problems(config: RLConfig, model_config: dict) -> list[str]:
     """The servers' mode (rollout.vllm.mode, or the family's) against the transport and the
     staleness bound, before any server is launched."""
-    from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
-
     vllm, max_staleness = config.rollout.vllm, config.rollout.max_staleness
     try:
         mode = resolve_vllm_mode(vllm, model_config, lora=config.lora is not None)
@@ -472,8 +470,6 @@ def _vllm_mode_problems(config: RLConfig, model_config: dict) -> list[str]:
 def _model_problems(config: RLConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         return []
-    from archon.checkpoint.hf import check_model_dir
-
     problems = []
     try:
         check_model_dir(config.model.path, "model.path")
