@@ -370,14 +370,23 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     assert torch.isfinite(torch.tensor([record["distill/loss"], record["kl/loss"]])).all()
 
 
-@pytest.mark.parametrize("layout", [(), ("--parallel.tp", "2")], ids=["fsdp", "tp"])
+@pytest.mark.parametrize("layout", [(), ("--parallel.tp", "2"), ("--parallel.ep", "2")], ids=["fsdp", "tp", "ep"])
 def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path, layout):
     """Two tasks (their own LoRA ranks, learning rates and rewards) for two RL steps on two ranks,
-    FSDP (each rank a share of every task's prompts) or TP (both ranks the whole batch): the
-    per-task losses, gradient norms and final adapters equal the one-process run's. Both runs train
-    on the same recorded rollouts (tests/multi_task_worker.py), the part of a step that depends on
-    the layout by design."""
+    FSDP (each rank a share of every task's prompts), TP (both ranks the whole batch) or, on a MoE
+    model with LoRA on its experts, EP (each rank half of the experts and a share of the prompts):
+    the per-task losses, gradient norms and final adapters equal the one-process run's. Both runs
+    train on the same recorded rollouts (tests/multi_task_worker.py), the part of a step that
+    depends on the layout by design."""
+    from helpers import tiny_char_checkpoint
     from safetensors.torch import load_file
+
+    if "--parallel.ep" in layout:  # the same data on a tiny MoE model (4 experts, 2 a token)
+        moe = tmp_path / "moe"
+        tiny_char_checkpoint("qwen3_moe", moe / "model", num_experts=4, num_experts_per_tok=2)
+        for name in ("train.jsonl", "held_out.jsonl", "sub_train.jsonl", "sub_held_out.jsonl"):
+            (moe / name).write_bytes((setup / name).read_bytes())
+        setup = moe
 
     rewards = tmp_path / "rewards"
     rewards.mkdir()
