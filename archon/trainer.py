@@ -318,7 +318,8 @@ class Trainer:
         is its own function on its own sequences, normalised by its own counts over the batch on
         every data-parallel rank (LossContext), so its gradient is exactly its single-adapter
         gradient; one forward and one backward serve them all. In a multi-task trainer a loss that
-        is not finite is kept out of the backward (a NaN would reach every adapter's gradient), and
+        is not finite is replaced in the backward by a term with zero gradient (a NaN would reach
+        every adapter's gradient; the backward itself must still run for FSDP's collectives), and
         that adapter's update is then skipped. Returns the metrics of the batch (one adapter) or of
         each adapter with sequences in it, by name."""
         loss_fns = self._losses_by_adapter(losses)

@@ -346,9 +346,9 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     prepare = loop.RLRun.prepare
 
     def recording(self, tasks, collected, scores):
-        batch, prepared = prepare(self, tasks, collected, scores)
+        batch, prepared, score_s = prepare(self, tasks, collected, scores)
         seen["batch"] = batch
-        return batch, prepared
+        return batch, prepared, score_s
 
     monkeypatch.setattr(loop.RLRun, "prepare", recording)
     distill2 = distill.replace("name: distill", "name: distill2")

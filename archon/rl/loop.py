@@ -33,7 +33,7 @@ from archon.rl.config import RLConfig, validate
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
-from archon.rl.step_metrics import Prepared, Scores, task_step_metrics
+from archon.rl.step_metrics import Prepared, Scores, every_reward_failed, task_step_metrics
 from archon.rl.rollouts import (
     concat_batches,
     filler_batch,
@@ -188,20 +188,19 @@ class RLRun:
         start = time.perf_counter()
         tasks = self.active()
         collected = self.collect(step)
+        rollout_s = time.perf_counter() - start  # a task's rollouts may come from one mixed generation
         scores: dict[str, Scores] = {}
-        score_start = time.perf_counter()
         for task in tasks:
             task.trained_iterator_state = collected[task.name].iterator_state
             scores[task.name] = self.score(task, collected[task.name].examples, collected[task.name].samples)
             task.reward_traceback = task.scorer.last_traceback
-        batch, prepared = self.prepare(tasks, collected, scores)
-        score_s = time.perf_counter() - score_start
+        batch, prepared, score_s = self.prepare(tasks, collected, scores)
         train_start = time.perf_counter()
         updates = self.train(batch, [task for task in tasks if prepared[task.name].trains])
         train_s = time.perf_counter() - train_start
         sync = {task.name: self.publish(task, task.version + 1) for task in tasks}
         timings = {
-            "rollout_s": sum(rollouts.wait_s for rollouts in collected.values()), "score_s": score_s, "train_s": train_s,
+            "rollout_s": rollout_s, "score_s": score_s, "train_s": train_s,
             "sync_s": sum(s["sync_s"] for s in sync.values()), "step_s": time.perf_counter() - start,
         }  # fmt: skip
         metrics: dict[str, float] = {}
@@ -286,12 +285,12 @@ class RLRun:
 
     def prepare(
         self, tasks: list[Task], collected: dict[str, Rollouts], scores: dict[str, Scores]
-    ) -> tuple[PackedBatch, dict[str, Prepared]]:
+    ) -> tuple[PackedBatch, dict[str, Prepared], float]:
         """Prepare: each task's advantages and batch filters, every task's kept samples packed in one
         batch (`extras["task"]` in a multi-task run), and the log-probs the losses need: proximal
-        policy and reference in one forward each, a task's teacher on its own sequences. A task
-        whose reward function failed on every sample (on every rank) has nothing to learn from and
-        takes no update this step."""
+        policy and reference in one forward each, a task's teacher on its own sequences; and the
+        seconds spent scoring with the trainer. A task whose reward function failed on every sample
+        (on every rank) has nothing to learn from and takes no update this step."""
         G = self.config.rollout.group_size
         parts: list[PackedBatch] = []
         prepared: dict[str, Prepared] = {}
@@ -308,7 +307,7 @@ class RLRun:
                 "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
                 "advantage_abs_max": self._max(float(advantages.abs().max()) if advantages.numel() else 0.0),
             }
-            trains = not (samples > 0 and errors >= samples)
+            trains = not every_reward_failed(errors, samples)
             kept = [sample for sample, k in zip(collected[task.name].samples, keep.tolist()) if k] if trains else []
             if kept:
                 part = rollout_batch(kept, advantages[keep], trainer_version=task.version)
@@ -319,7 +318,8 @@ class RLRun:
         batch = concat_batches(parts) if parts else filler_batch(self.trainer.multi_task, 0)
         trained = [task for task in tasks if prepared[task.name].trains]
         if not trained:
-            return batch, prepared
+            return batch, prepared, 0.0
+        score_start = time.perf_counter()
         temperature = self.config.rollout.temperature
         recompute = [task for task in trained if task.config.algorithm.recompute_old_logprobs]
         batch.old_logprobs = batch.rollout_logprobs.clone()
@@ -330,19 +330,19 @@ class RLRun:
             batch.ref_logprobs = self.trainer.logprobs(batch, temperature, use_adapter=False).logprobs
         sequences = self.trainer.sequences_by_adapter(batch)
         for task in trained:
-            mine = batch.loss_mask & self._tokens_of(batch, [task])
+            of_task = self._tokens_of(batch, [task])
+            mine = batch.loss_mask & of_task
             prepared[task.name].gaps = self._logprob_gaps(task, batch, mine)
             prepared[task.name].lag = batch.extras["version_lag"][mine].double()
-            prepared[task.name].tokens = float(self._tokens_of(batch, [task]).sum()) if parts else 0.0
+            prepared[task.name].tokens = float(of_task.sum()) if parts else 0.0
             if task.teacher is None or task.name not in sequences:
                 continue
-            mine = self._tokens_of(batch, [task])
             sub = batch.select(sequences[task.name])
-            batch.advantages[mine] = task.algorithm.token_advantages(
+            batch.advantages[of_task] = task.algorithm.token_advantages(
                 sub.advantages, sub.old_logprobs, teacher_logprobs(task.teacher, sub, self.device, temperature),
                 sub.loss_mask,
             )
-        return batch, prepared
+        return batch, prepared, time.perf_counter() - score_start
 
     def _tokens_of(self, batch: PackedBatch, tasks: list[Task]) -> torch.Tensor:
         """[T] bool: the batch's tokens of `tasks`."""

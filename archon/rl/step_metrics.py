@@ -27,6 +27,11 @@ class Scores:
     reward_metrics: dict[str, float]
 
 
+def _no_gaps() -> dict[str, torch.Tensor]:
+    """The log-prob gaps of a task without trained tokens: none of each kind."""
+    return dict.fromkeys(("total", "numerics", "lag"), torch.zeros(0))
+
+
 @dataclass
 class Prepared:
     """What the prepare phase decided for a task beside the batch: the shaped rewards, which samples
@@ -36,9 +41,14 @@ class Prepared:
     rewards: torch.Tensor
     keep: torch.Tensor
     trains: bool = True
-    gaps: dict[str, torch.Tensor] = field(default_factory=dict)
+    gaps: dict[str, torch.Tensor] = field(default_factory=lambda: _no_gaps())
     lag: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
     tokens: float = 0.0
+
+
+def every_reward_failed(failures: float, samples: float) -> bool:
+    """The reward function failed (raised or timed out) on every one of a step's `samples`."""
+    return samples > 0 and failures >= samples
 
 
 def update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
@@ -65,10 +75,7 @@ def task_step_metrics(
     """The metrics of `task`'s RL step (without its prefix), summed (`dp_sum(*values)`) or maxed
     (`dp_max(value)`) over the data-parallel ranks, and `tokens`, its trained tokens on all ranks."""
     G = group_size
-    rewards, lengths, gaps = prepared.rewards, scores.lengths, prepared.gaps
-    if not gaps:
-        gaps = {"total": torch.zeros(0), "numerics": torch.zeros(0), "lag": torch.zeros(0)}
-    lag = prepared.lag
+    rewards, lengths, gaps, lag = prepared.rewards, scores.lengths, prepared.gaps, prepared.lag
     (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
      kept_groups, errors, timeouts, tokens, lag_sum, stale) = dp_sum(
         len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),

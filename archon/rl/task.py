@@ -21,6 +21,7 @@ from archon.rl.data import PromptBatchIterator, load_prompt_dataset
 from archon.rl.producer import RolloutProducer
 from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import TASKS_DIR
+from archon.rl.step_metrics import every_reward_failed
 from archon.rl.versions import AdapterHistory
 from archon.trainer import NonFiniteError
 
@@ -136,8 +137,8 @@ class Task:
         self.skipped_steps += int(skipped)
         metrics[p + "skipped_steps"] = self.skipped_steps
         self.skipped_streak = self.skipped_streak + [step] if skipped else []
-        samples = metrics[p + "reward_samples"]
-        failed = samples > 0 and metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"] >= samples
+        failed = every_reward_failed(metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"],
+                                     metrics[p + "reward_samples"])  # fmt: skip
         self.reward_failure_streak = self.reward_failure_streak + [step] if failed else []
         return self._failure(step, metrics)
 
