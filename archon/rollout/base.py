@@ -60,13 +60,17 @@ class Sample:
     version: int
     token_versions: list[int]
     extra: dict = field(default_factory=dict)
+    completion_mask: list[bool] | None = None
+    """Which completion tokens are trained on; None: all of them. A multi-turn trajectory
+    (archon.agents.trajectory) masks out the tokens its environment added between sampled turns."""
 
     def __post_init__(self) -> None:
-        if len(self.token_versions) != len(self.completion_ids):
-            raise ValueError(
-                f"Sample.token_versions has {len(self.token_versions)} entries for {len(self.completion_ids)} "
-                f"completion tokens"
-            )
+        for name in ("token_versions", "logprobs", "completion_mask"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.completion_ids):
+                raise ValueError(
+                    f"Sample.{name} has {len(values)} entries for {len(self.completion_ids)} completion tokens"
+                )
 
 
 class RolloutEngine(Protocol):

@@ -1,0 +1,97 @@
+"""Environments: what a multi-turn episode talks to.
+
+An environment sees messages, never token ids. It is made for one episode from a dataset row:
+
+    class Calculator(Environment):
+        tools = [builtin_tool("python")]
+
+        def reset(self, row):                      # the first messages
+            self.answer = row["answer"]
+            return [{"role": "user", "content": row["prompt"]}]
+
+        def step(self, turn, tool_results):        # the model's turn, and its tool calls' results
+            if turn.tool_calls:
+                return EnvStep(messages=tool_messages(turn, tool_results))
+            return EnvStep(reward=float(turn.content.strip() == self.answer), done=True)
+
+The episode loop (archon/agents/episodes.py) renders the messages, samples the model's turn, runs
+the turn's tool calls in the tool workers, calls `step`, and ends the episode with a StopReason.
+A GRPO group is G environments made from the same row; `group_rewards` may replace the group's
+rewards once all of its episodes are over (a ranking, a pass@k credit).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from archon.agents.renderer import AssistantTurn, Message
+from archon.agents.tools import Tool, ToolResult
+
+if TYPE_CHECKING:
+    from archon.agents.trajectory import Trajectory
+
+
+class StopReason(str, enum.Enum):
+    """Why an episode ended."""
+
+    DONE = "done"
+    """The environment said so."""
+    TURN_LIMIT = "turn_limit"
+    """It reached the most assistant turns allowed."""
+    TOKEN_BUDGET = "token_budget"
+    """Its tokens reached the trajectory's budget, or a turn reached the per-turn limit unfinished."""
+    TOOL_BUDGET = "tool_budget"
+    """A turn asked for more tool calls than the episode had left."""
+    PARSE_ERROR = "parse_error"
+    """The model's turn had a malformed tool call."""
+    TIMEOUT = "timeout"
+    """The environment's reset or step took longer than allowed."""
+    ENV_ERROR = "env_error"
+    """The environment raised."""
+
+
+@dataclass
+class EnvStep:
+    """What the environment answers a turn with: the messages it adds (tool results, a user turn),
+    this step's reward, and whether the episode is over."""
+
+    messages: list[Message] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment:
+    """One episode's world. Subclass it, set `tools`, implement `reset` and `step`."""
+
+    tools: list[Tool] = []
+    """The tools the model is offered (their schemas are rendered into the prompt)."""
+
+    def reset(self, row: dict) -> list[Message]:
+        """The episode's first messages (system, user), from a dataset row."""
+        raise NotImplementedError
+
+    def step(self, turn: AssistantTurn, tool_results: list[ToolResult]) -> EnvStep:
+        """The model's turn and the results of its tool calls (in the order of turn.tool_calls)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the episode holds; called once the episode is over."""
+
+    @classmethod
+    def group_rewards(cls, trajectories: list["Trajectory"]) -> list[float] | None:
+        """Rewards for a whole group (the G episodes of one row, once all are over) in place of
+        their own, or None to keep them."""
+        return None
+
+
+def tool_messages(turn: AssistantTurn, results: list[ToolResult]) -> list[Message]:
+    """One tool message per call of the turn, with its result."""
+    messages = []
+    for call, result in zip(turn.tool_calls, results, strict=True):
+        message: Message = {"role": "tool", "name": call.name, "content": result.content}
+        if call.id is not None:
+            message["tool_call_id"] = call.id
+        messages.append(message)
+    return messages

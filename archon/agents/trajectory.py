@@ -1,0 +1,79 @@
+"""A multi-turn trajectory: one packed sequence of sampled turns and environment tokens.
+
+    prompt_ids       the first rendered prompt (the system and user messages, the tools, the first
+                     assistant header)
+    completion_ids   everything after it, in order: each sampled turn verbatim, then the ids the
+                     renderer bridged in (the environment's messages and the next assistant header)
+    sampled_mask     per completion id: True where the policy sampled it (trained on), False where
+                     the environment added it (masked out of the loss)
+    logprobs         per completion id: the behaviour log-prob of a sampled id, 0.0 for an added one
+    token_versions   per completion id: the adapter version that sampled it; an added id carries the
+                     version of the turn before it, so the staleness bound reads sampled ids only
+
+A trajectory trains as one Sample whose `completion_mask` is sampled_mask: its sampled ids get the
+loss, with their own log-probs and versions, turn after turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from archon.agents.environment import StopReason
+from archon.agents.renderer import Message
+from archon.rollout.base import Sample
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    sampled_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    """The conversation as messages: the first ones, then each turn read back and each addition."""
+    step_rewards: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    stop_reason: StopReason | None = None
+    error: str | None = None
+    """What went wrong, for the stop reasons that are failures."""
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    start_version: int = 0
+
+    def add_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"a sampled turn has {len(ids)} ids, {len(logprobs)} log-probs, {len(versions)} versions")
+        self.completion_ids += ids
+        self.sampled_mask += [True] * len(ids)
+        self.logprobs += logprobs
+        self.token_versions += versions
+
+    def add_environment(self, ids: list[int]) -> None:
+        version = self.token_versions[-1] if self.token_versions else self.start_version
+        self.completion_ids += ids
+        self.sampled_mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.token_versions += [version] * len(ids)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.sampled_mask)
+
+    @property
+    def trajectory_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def to_sample(self, prompt_index: int) -> Sample:
+        """The trajectory as one training Sample (completion_mask: the sampled ids)."""
+        return Sample(
+            prompt_index=prompt_index,
+            prompt_ids=list(self.prompt_ids),
+            completion_ids=list(self.completion_ids),
+            logprobs=list(self.logprobs),
+            finish_reason="stop" if self.stop_reason == StopReason.DONE else "length",
+            version=self.start_version,
+            token_versions=list(self.token_versions),
+            completion_mask=list(self.sampled_mask),
+            extra={"trajectory": self},
+        )
