@@ -55,11 +55,13 @@ class StopReason(str, enum.Enum):
 @dataclass
 class EnvStep:
     """What the environment answers a turn with: the messages it adds (tool results, a user turn),
-    this step's reward, and whether the episode is over."""
+    this step's reward, and whether the episode is over. `answer`: the episode's final answer, for
+    the task's reward function to score (its reward is added to the steps' rewards)."""
 
     messages: list[Message] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
+    answer: str | None = None
 
 
 class Environment:
@@ -95,3 +97,26 @@ def tool_messages(turn: AssistantTurn, results: list[ToolResult]) -> list[Messag
             message["tool_call_id"] = call.id
         messages.append(message)
     return messages
+
+
+class ToolUseEnvironment(Environment):
+    """The built-in environment: the row's prompt (a string, or a message list) as the first
+    messages, after `system_prompt` if given; a turn with tool calls gets their results back as tool
+    messages, and the first turn without one ends the episode, its content the answer that the
+    task's reward function scores."""
+
+    def __init__(self, tools: list[Tool], system_prompt: str | None = None, prompt_field: str = "prompt") -> None:
+        self.tools = tools
+        self.system_prompt, self.prompt_field = system_prompt, prompt_field
+
+    def reset(self, row: dict) -> list[Message]:
+        prompt = row[self.prompt_field]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def step(self, turn: AssistantTurn, tool_results: list[ToolResult]) -> EnvStep:
+        if turn.tool_calls:
+            return EnvStep(messages=tool_messages(turn, tool_results))
+        return EnvStep(done=True, answer=turn.content)

@@ -34,6 +34,9 @@ class Trajectory:
     """The conversation as messages: the first ones, then each turn read back and each addition."""
     step_rewards: list[float] = field(default_factory=list)
     reward: float = 0.0
+    """The steps' rewards summed (or the group's reward, when the environment gives one)."""
+    answer: str | None = None
+    """The final answer the environment handed to the task's reward function, if any."""
     stop_reason: StopReason | None = None
     error: str | None = None
     """What went wrong, for the stop reasons that are failures."""

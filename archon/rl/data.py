@@ -64,6 +64,8 @@ class PromptExample:
     """Where the row came from, e.g. "data/train.jsonl:12" or "data/train.parquet row 11"."""
     prompt_ids: list[int] | None = None
     """The prompt's token ids, when loading tokenized it (for a length limit)."""
+    row: dict | None = None
+    """The whole row, as read (what a multi-turn environment starts from)."""
 
 
 @dataclass
@@ -225,7 +227,7 @@ def load_prompt_dataset(
             if (problem := _length_problem(len(prompt_ids), config, context_length, max_new_tokens)) is not None:
                 dataset.too_long.append(MalformedRow(str(path), row_number, problem, line_numbered))
                 continue
-        dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids))
+        dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids, row))
 
     if dataset.malformed or dataset.too_long:
         logger.warning("prompt dataset %s: %s", path, dataset.report())

@@ -30,6 +30,8 @@ from archon.checkpoint.resume import STEP_DIR
 from archon.lora import lora_parameters, task_view
 from archon.parallel import init_distributed
 from archon.rl.config import RLConfig, validate
+from archon.agents.setup import build_episode_runner
+from archon.rl.episodes import episode_samples, score_episodes
 from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
@@ -108,6 +110,11 @@ class RLRun:
             self.tasks.append(Task(self, index, task_config, prefix))
         for task in self.tasks:  # processes and servers last, so that a failure above leaves none running
             task.scorer = RewardScorer(task.config.reward)
+            if task.config.environment.enabled:
+                task.episodes, task.tool_runner = build_episode_runner(
+                    task.config.environment, self.tokenizer, self.trainer.loaded.hf_config.model_type,
+                    task.config.data.prompt_field,
+                )  # fmt: skip
         if config.rollout.engine == "vllm":
             self.servers = rollout_servers(config, self.tasks, self._longest_prompt, self.eval_new_tokens, self.rank,
                                            self.run_dir)  # fmt: skip
@@ -165,6 +172,9 @@ class RLRun:
 
     def _generate(self, task: Task, examples, sampling: SamplingParams) -> list[Sample]:
         """`task`'s samples of `examples`, with its adapter."""
+        if task.episodes is not None:
+            engine = self.native if self.native is not None else task.rollout
+            return episode_samples(task, examples, sampling, engine, task.index if self.trainer.multi_task else None)
         prompts = self._prompt_ids(task, examples)
         if self.native is not None and self.trainer.multi_task:
             return self.native.generate(prompts, sampling, adapters=[task.index] * len(prompts),
@@ -247,7 +257,7 @@ class RLRun:
         return rollouts
 
     def _own_rollouts(self, step: int) -> dict[str, Rollouts]:
-        if self.native is not None and self.trainer.multi_task:
+        if self.native is not None and self.trainer.multi_task and all(t.episodes is None for t in self.active()):
             return mixed_rollouts(self.native, self.active(), self._prompt_ids, self._sampling, self.dp_rank, self.dp)
         collected = {}
         for task in self.active():
@@ -275,6 +285,8 @@ class RLRun:
     def score(self, task: Task, examples, samples: list[Sample]) -> Scores:
         """Score: the task's rewards of the samples (its reward workers), whether each is correct,
         response lengths."""
+        if task.episodes is not None:
+            return score_episodes(task, examples, samples)
         completions = self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
         rewards, reward_metrics = task.scorer.score(
             [examples[s.prompt_index].prompt for s in samples], completions,

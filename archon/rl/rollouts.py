@@ -26,7 +26,8 @@ from archon.spec import get_spec
 from archon.trainer import TASK_EXTRA
 
 def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_version: int) -> PackedBatch:
-    """The samples packed for training, with every completion token's behaviour (rollout) log-prob
+    """The samples packed for training (loss on their completion tokens, but for those a
+    completion_mask leaves out), with every completion token's behaviour (rollout) log-prob
     and its version lag (`extras["version_lag"]`: trainer_version minus the version that sampled it)."""
     batch = PackedBatch.from_sequences(
         [s.prompt_ids + s.completion_ids for s in samples],
@@ -40,6 +41,8 @@ def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_versi
         span = slice(start, start + len(s.completion_ids))
         rollout_lp[span] = torch.tensor(s.logprobs)
         version_lag[span] = trainer_version - torch.tensor(s.token_versions, dtype=torch.long)
+        if s.completion_mask is not None:  # a multi-turn trajectory: the environment's ids take no loss
+            batch.loss_mask[span] &= torch.tensor(s.completion_mask, dtype=torch.bool)
     batch.rollout_logprobs = rollout_lp
     batch.extras["version_lag"] = version_lag
     return batch

@@ -25,6 +25,9 @@ class Scores:
     correct: torch.Tensor
     lengths: torch.Tensor
     reward_metrics: dict[str, float]
+    episode_sums: dict[str, float] = field(default_factory=dict)
+    """Multi-turn tasks: per-sample quantities summed over this rank's samples (turns, tool calls,
+    environment tokens, one count per stop reason); logged as their means over all ranks."""
 
 
 def _no_gaps() -> dict[str, torch.Tensor]:
@@ -118,6 +121,10 @@ def task_step_metrics(
         "trainer_idle_fraction": rollouts.wait_s / step_s,
         "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
     })  # fmt: skip
+    if scores.episode_sums:
+        names = sorted(scores.episode_sums)
+        for name, total in zip(names, dp_sum(*(scores.episode_sums[k] for k in names))):
+            metrics[name] = total / max(n, 1.0)
     metrics.update({k: v for k, v in sync.items() if k != "sync_s"})
     if updates:
         metrics.update(update_summary(updates))

@@ -80,6 +80,8 @@ class Task:
         self.dir = run.run_dir / TASKS_DIR / self.name if self.name else run.run_dir
         self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
         self.scorer: RewardScorer | None = None
+        self.episodes = self.tool_runner = None
+        """A multi-turn task's EpisodeRunner and ToolRunner (archon.agents)."""
         self.rollout = self.sync = None
         self.producer: RolloutProducer | None = None
         """Makes the task's rollouts ahead (max_staleness >= 1)."""
@@ -173,6 +175,9 @@ class Task:
             self.producer.stop()
         if self.scorer is not None:
             self.scorer.close()
+        if self.tool_runner is not None:
+            self.tool_runner.close()
+            self.episodes.close()
         if self.sync is not None:
             self.sync.close()
 

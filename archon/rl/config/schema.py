@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
+from archon.agents.setup import EnvironmentConfig
 from archon.lora import LoRAConfig
 from archon.load_balance import MoEConfig
 from archon.parallel import ParallelConfig
@@ -191,6 +192,8 @@ class TaskConfig:
     eval_path: str | None = None
     """Held-out prompts of this task (same format as data.path); None: no evaluation."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn episodes (tools, environments); unset: single-turn."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The task's algorithm; ppo_epochs and minibatches must be the same for every task (a
     minibatch update trains every task at once)."""
@@ -213,6 +216,9 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn episodes: an environment, its tools, the chat format and the episode limits
+    (archon.agents); unset: one prompt, one completion."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -243,7 +249,8 @@ class RLConfig:
         if self.tasks:
             return self.tasks
         single = TaskConfig(
-            name="", data=self.data, eval_path=self.eval.path, reward=self.reward, algorithm=self.algorithm,
+            name="", data=self.data, eval_path=self.eval.path, reward=self.reward, environment=self.environment,
+            algorithm=self.algorithm,
             lora=self.lora, optim=self.optim, max_staleness=self.rollout.max_staleness,
         )  # fmt: skip
         return (single,)

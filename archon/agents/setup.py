@@ -1,0 +1,70 @@
+"""A task's multi-turn setup from its configuration: the environment, the renderer, the tools."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+from archon.agents.environment import Environment, ToolUseEnvironment
+from archon.agents.episodes import EpisodeLimits, EpisodeRunner
+from archon.agents.renderer import default_renderer_name, get_renderer
+
+TOOL_USE = "tool_use"
+"""The built-in environment's name (ToolUseEnvironment)."""
+
+
+@dataclass
+class EnvironmentConfig:
+    """Multi-turn episodes for a task. Unset (`name` empty): one prompt, one completion."""
+
+    name: str = ""
+    """"tool_use" (the built-in ToolUseEnvironment: offers `tools`, ends at the first turn without a
+    tool call, whose content the task's reward function scores), or "module:Class" of an
+    archon.agents.Environment subclass made with no arguments (its `tools` are offered)."""
+    tools: tuple[str, ...] = ()
+    """The built-in environment's tools: "python" (the code sandbox) or "module:function"."""
+    system_prompt: str | None = None
+    """The built-in environment's system message."""
+    renderer: str | None = None
+    """The chat format (archon.agents.renderer); default: the model family's."""
+    renderer_options: dict = field(default_factory=dict)
+    """Keyword arguments of the renderer, e.g. {"enable_thinking": false}."""
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    tool_timeout_s: float = 10.0
+    tool_max_output_chars: int = 2048
+    tool_memory_mb: int = 1024
+    tool_workers: int = 2
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name)
+
+
+def environment_factory(config: EnvironmentConfig, prompt_field: str):
+    """(make_env, tools) for the configured environment."""
+    from archon.agents.tools import resolve_tool
+
+    if config.name == TOOL_USE:
+        tools = [resolve_tool(spec) for spec in config.tools]
+        return (lambda: ToolUseEnvironment(tools, config.system_prompt, prompt_field)), tools
+    if config.tools:
+        raise ValueError(f"environment.tools is for the built-in {TOOL_USE!r} environment; {config.name} sets its own")
+    module_name, _, attr = config.name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"environment.name {config.name!r} is neither {TOOL_USE!r} nor \"module:Class\"")
+    cls = getattr(importlib.import_module(module_name), attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"environment.name {config.name!r} is not an archon.agents.environment.Environment subclass")
+    return cls, list(cls.tools)
+
+
+def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, prompt_field: str):
+    """(EpisodeRunner, ToolRunner) of a task; close the ToolRunner when the run ends."""
+    from archon.agents.tools import ToolRunner
+
+    make_env, tools = environment_factory(config, prompt_field)
+    renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **config.renderer_options)
+    tool_runner = ToolRunner(tools, timeout_s=config.tool_timeout_s, max_output_chars=config.tool_max_output_chars,
+                             memory_mb=config.tool_memory_mb, num_workers=config.tool_workers)  # fmt: skip
+    runner = EpisodeRunner(renderer, make_env, tool_runner.call_many, [tool.schema() for tool in tools], config.limits)
+    return runner, tool_runner

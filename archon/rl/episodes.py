@@ -1,0 +1,79 @@
+"""Multi-turn tasks in the RL loop: a task with an environment (archon.agents) makes its samples
+by running episodes, and scores them by their environments' rewards plus its reward function on
+their final answers.
+
+A trajectory is one Sample: its prompt is the first rendered prompt, its completion every later
+id, and `completion_mask` keeps the environment's ids out of the loss; each sampled id keeps its
+own behaviour log-prob and adapter version, so importance weights and the staleness bound work
+per token across turns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from archon.agents.environment import StopReason
+from archon.agents.trajectory import Trajectory
+from archon.rl.step_metrics import Scores
+from archon.rollout.base import Sample, SamplingParams
+from archon.rollout.native import NativeRolloutEngine
+
+
+def _any_rank(running: bool, group, device) -> bool:
+    """Whether any rank of `group` still has episodes running (None: this process alone)."""
+    if group is None:
+        return running
+    flag = torch.tensor([float(running)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def episode_samples(task, examples, sampling: SamplingParams, engine, adapter: int | None) -> list[Sample]:
+    """`task`'s trajectories of `examples` (sampling.n episodes each) as Samples. With the built-in
+    engine every episode keeps its KV cache between turns, and every rank of the engine's sync group
+    runs the same number of turns (a rank whose episodes are over generates nothing, in step).
+    adapter: on a multi-task model, the task's adapter index."""
+    if isinstance(engine, NativeRolloutEngine):
+        def generate(prompts, turn_sampling, sessions):
+            if adapter is None:
+                return engine.generate(prompts, turn_sampling, sessions=sessions)
+            return engine.generate(prompts, turn_sampling, adapters=[adapter] * len(prompts),
+                                   adapter_seeds={adapter: turn_sampling.seed}, sessions=sessions)  # fmt: skip
+
+        group, device = engine.sync_group, engine.device
+        trajectories = task.episodes.run(
+            [example.row for example in examples], sampling.n, sampling, generate, keeps_sessions=True,
+            end_sessions=engine.end_sessions, any_running=lambda running: _any_rank(running, group, device),
+        )  # fmt: skip
+    else:
+        trajectories = task.episodes.run(
+            [example.row for example in examples], sampling.n, sampling,
+            lambda prompts, turn_sampling, sessions: engine.generate(prompts, turn_sampling), keeps_sessions=False,
+        )  # fmt: skip
+    return [trajectory.to_sample(i // sampling.n) for i, trajectory in enumerate(trajectories)]
+
+
+def score_episodes(task, examples, samples: list[Sample]) -> Scores:
+    """Each trajectory's reward: its environment's, plus the task's reward function on its final
+    answer where the environment handed one over; the step's episode counts."""
+    trajectories: list[Trajectory] = [s.extra["trajectory"] for s in samples]
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    answered = [i for i, t in enumerate(trajectories) if t.answer is not None]
+    reward_metrics = {"reward_errors": 0.0, "reward_timeouts": 0.0}
+    if answered:
+        scored, reward_metrics = task.scorer.score(
+            [examples[samples[i].prompt_index].prompt for i in answered], [trajectories[i].answer for i in answered],
+            [examples[samples[i].prompt_index].reference for i in answered],
+        )  # fmt: skip
+        rewards[answered] += scored
+    sums = {
+        "turns_mean": float(sum(t.num_turns for t in trajectories)),
+        "tool_calls_mean": float(sum(t.num_tool_calls for t in trajectories)),
+        "sampled_tokens_mean": float(sum(t.num_sampled for t in trajectories)),
+        "environment_tokens_mean": float(sum(len(t.completion_ids) - t.num_sampled for t in trajectories)),
+    }
+    for reason in StopReason:
+        sums[f"stop_{reason.value}"] = float(sum(t.stop_reason == reason for t in trajectories))
+    lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
+    return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics, episode_sums=sums)
