@@ -1,0 +1,1 @@
+"""Multi-turn agents: tools, environments and the loops that run them."""
