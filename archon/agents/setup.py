@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
 from archon.agents.environment import Environment, ToolUseEnvironment
 from archon.agents.episodes import EpisodeLimits, EpisodeRunner
 from archon.agents.renderer import default_renderer_name, get_renderer
+from archon.rl.reward_fns import import_function
 
 TOOL_USE = "tool_use"
 """The built-in environment's name (ToolUseEnvironment)."""
@@ -42,17 +42,17 @@ class EnvironmentConfig:
 
 def environment_factory(config: EnvironmentConfig, prompt_field: str):
     """(make_env, tools) for the configured environment."""
-    from archon.agents.tools import resolve_tool
+    from archon.agents.sandbox import resolve_tool
 
     if config.name == TOOL_USE:
         tools = [resolve_tool(spec) for spec in config.tools]
         return (lambda: ToolUseEnvironment(tools, config.system_prompt, prompt_field)), tools
     if config.tools:
         raise ValueError(f"environment.tools is for the built-in {TOOL_USE!r} environment; {config.name} sets its own")
-    module_name, _, attr = config.name.partition(":")
-    if not module_name or not attr:
+    if ":" not in config.name:
         raise ValueError(f"environment.name {config.name!r} is neither {TOOL_USE!r} nor \"module:Class\"")
-    cls = getattr(importlib.import_module(module_name), attr, None)
+    module_name, _, attr = config.name.partition(":")
+    cls = import_function(module_name, attr, f"environment.name {config.name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment.name {config.name!r} is not an archon.agents.environment.Environment subclass")
     return cls, list(cls.tools)
