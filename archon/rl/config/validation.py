@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archon.agents.renderer import renderer_names
+from archon.agents.setup import EnvironmentConfig, environment_factory
 from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, importance_sampling_for
@@ -175,6 +177,7 @@ def _task_problems(task: TaskConfig, fields: _TaskFields, config: RLConfig) -> l
         *_lora_problems(task.lora, task.algorithm, fields.prefix, config.rollout),
         *_optim_problems(task.optim, fields.prefix, config.steps),
         *_reward_problems(task.reward, fields.prefix),
+        *_environment_problems(task.environment, fields.prefix),
     ]
 
 
@@ -343,6 +346,31 @@ def _reward_problems(reward: RewardConfig, prefix: str) -> list[str]:
     if (problem := reward_function_problem(reward.function)) is not None:
         return [f"{prefix}reward.function={reward.function!r}: {problem}"]
     return []
+
+
+def _environment_problems(environment: EnvironmentConfig, prefix: str) -> list[str]:
+    """A multi-turn task's environment, tools, chat format and limits."""
+    if not environment.enabled:
+        return []
+    where = f"{prefix}environment"
+    problems = _Problems()
+    try:
+        environment_factory(environment, "prompt")
+    except Exception as exc:  # noqa: BLE001 - an environment or tool that cannot be set up is reported, not raised
+        problems.append(f"{where}.name={environment.name!r}, tools={list(environment.tools)!r}: {exc}")
+    if environment.renderer is not None and environment.renderer not in renderer_names():
+        problems.append(f"{where}.renderer={environment.renderer!r}: unknown; registered renderers: {renderer_names()}")
+    limits = environment.limits
+    for name in ("max_turns", "max_tokens", "max_turn_tokens"):
+        problems.require(getattr(limits, name) >= 1, f"{where}.limits.{name}", getattr(limits, name), "must be at least 1")
+    problems.require(limits.max_tool_calls >= 0, f"{where}.limits.max_tool_calls", limits.max_tool_calls, "must be >= 0")
+    for name in ("step_timeout_s", "tool_timeout_s"):
+        value = getattr(limits, name) if name == "step_timeout_s" else environment.tool_timeout_s
+        field_name = f"{where}.limits.{name}" if name == "step_timeout_s" else f"{where}.{name}"
+        problems.require(value > 0, field_name, value, "must be > 0")
+    for name in ("tool_max_output_chars", "tool_memory_mb", "tool_workers"):
+        problems.require(getattr(environment, name) >= 1, f"{where}.{name}", getattr(environment, name), "must be at least 1")
+    return problems
 
 
 def _file_problems(task: TaskConfig, fields: _TaskFields, model_path: str, student: dict | None) -> list[str]:
