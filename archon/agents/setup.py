@@ -27,8 +27,9 @@ class EnvironmentConfig:
     """The built-in environment's system message."""
     renderer: str | None = None
     """The chat format (archon.agents.renderer); default: the model family's."""
-    renderer_options: dict = field(default_factory=dict)
-    """Keyword arguments of the renderer, e.g. {"enable_thinking": false}."""
+    enable_thinking: bool | None = None
+    """The renderer's thinking switch, for the formats that have one (false: the generation prompt
+    closes an empty reasoning block); None: the format's default."""
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     tool_timeout_s: float = 10.0
     tool_max_output_chars: int = 2048
@@ -58,12 +59,16 @@ def environment_factory(config: EnvironmentConfig, prompt_field: str):
     return cls, list(cls.tools)
 
 
+def renderer_options(config: EnvironmentConfig) -> dict:
+    return {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+
+
 def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, prompt_field: str):
     """(EpisodeRunner, ToolRunner) of a task; close the ToolRunner when the run ends."""
     from archon.agents.tools import ToolRunner
 
     make_env, tools = environment_factory(config, prompt_field)
-    renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **config.renderer_options)
+    renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **renderer_options(config))
     tool_runner = ToolRunner(tools, timeout_s=config.tool_timeout_s, max_output_chars=config.tool_max_output_chars,
                              memory_mb=config.tool_memory_mb, num_workers=config.tool_workers)  # fmt: skip
     runner = EpisodeRunner(renderer, make_env, tool_runner.call_many, [tool.schema() for tool in tools], config.limits)
