@@ -4,6 +4,7 @@ and a tiny random Qwen3 over a character tokenizer with a hermes-style chat form
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import re
 import threading
@@ -396,3 +397,26 @@ def test_agent_groups_record_stop_reasons(random_model, tokenizer):
         if t.stop_reason == StopReason.DONE:
             assert t.reward == float(len(HermesCharRenderer(tokenizer).parse_turn(t.completion_ids).content))
     assert late_errors and "is closed (the agent ran past timeout_s=3.0)" in late_errors[0]
+
+
+@pytest.mark.skipif(
+    "sessions" not in inspect.signature(NativeRolloutEngine.generate).parameters,
+    reason="this NativeRolloutEngine keeps no sessions between generate calls (generate has no sessions=)",
+)
+def test_kept_engine_sessions_prefill_only_the_new_ids(random_model, tokenizer):
+    renderer = HermesCharRenderer(tokenizer)
+    engine = NativeRolloutEngine(random_model)
+    with ChatCompletionsServer(engine, renderer, MODEL, SamplingParams(max_new_tokens=4, temperature=1.0)) as server:
+        session = server.open_session()
+        client = client_for(session.base_url)
+        messages = [{"role": "user", "content": "hi"}]
+        for turn in range(3):
+            reply = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message
+            messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": f"turn {turn}"}]
+        trajectory = server.close_session(session.id)
+    # (closing the server waits for its engine thread, which ends the engine session first)
+    # the first turn prefills its prompt; each later one its previous turn's last id and the bridged ids
+    bridged = [len(list(group)) for sampled, group in itertools.groupby(trajectory.sampled_mask) if not sampled]
+    assert engine.stats.prefill_tokens == len(trajectory.prompt_ids) + sum(1 + n for n in bridged)
+    assert len(bridged) == 2 and engine.session_tokens == 0
+    assert_sampled_logprobs_match_the_model(random_model, trajectory)
