@@ -56,7 +56,11 @@ class HermesCharRenderer(Renderer):
         body = message.get("content") or ""
         for call in message.get("tool_calls", ()):
             function = call["function"]
-            body += "<tool_call>" + json.dumps({"name": function["name"], "arguments": function["arguments"]}) + "</tool_call>"
+            body += (
+                "<tool_call>"
+                + json.dumps({"name": function["name"], "arguments": function["arguments"]})
+                + "</tool_call>"
+            )
         return f"<|{message['role']}|>{body}<|end|>"
 
     def render_prompt(self, messages, tools=None):
@@ -134,7 +138,7 @@ def scripted_model(checkpoint, tokenizer):
     with torch.no_grad():
         model.embed_tokens.weight.mul_(100.0)
         model.lm_head.weight.zero_()
-        for current, following in zip(ids, ids[1:]):
+        for current, following in itertools.pairwise(ids):
             direction = model.norm.weight * model.embed_tokens.weight[current]
             model.lm_head.weight[following] = 3.0 * direction / direction.norm()
     return model
@@ -167,7 +171,10 @@ def reserialised(message) -> dict:
             {
                 "id": call.id,
                 "type": "function",
-                "function": {"name": call.function.name, "arguments": json.dumps(json.loads(call.function.arguments), indent=2, sort_keys=True)},
+                "function": {
+                    "name": call.function.name,
+                    "arguments": json.dumps(json.loads(call.function.arguments), indent=2, sort_keys=True),
+                },
             }
             for call in message.tool_calls
         ]
@@ -189,9 +196,16 @@ def test_tool_conversation_keeps_the_sampled_ids(scripted_model, tokenizer):
             choice = response.choices[0]
             assert choice.finish_reason == "tool_calls"
             [call] = choice.message.tool_calls
-            assert (call.id, call.function.name, json.loads(call.function.arguments)) == (f"call_{turn}", "add", {"a": 1, "b": 2})
+            assert (call.id, call.function.name, json.loads(call.function.arguments)) == (
+                f"call_{turn}",
+                "add",
+                {"a": 1, "b": 2},
+            )
             assert response.usage.completion_tokens == 4
-            messages += [reserialised(choice.message), {"role": "tool", "tool_call_id": call.id, "content": str(3 + turn)}]
+            messages += [
+                reserialised(choice.message),
+                {"role": "tool", "tool_call_id": call.id, "content": str(3 + turn)},
+            ]
         trajectory = server.close_session(session.id)
 
     assert session.rerendered == 0 and session.warnings == []
@@ -204,7 +218,10 @@ def test_tool_conversation_keeps_the_sampled_ids(scripted_model, tokenizer):
     bridges = [renderer.encode(f"<|user|><tool_response>{3 + k}</tool_response><|end|><|assistant|>") for k in range(2)]
     assert trajectory.prompt_ids == prompt
     assert trajectory.completion_ids == call + bridges[0] + call + bridges[1] + call
-    assert trajectory.sampled_mask == [True] * 4 + [False] * len(bridges[0]) + [True] * 4 + [False] * len(bridges[1]) + [True] * 4
+    assert (
+        trajectory.sampled_mask
+        == [True] * 4 + [False] * len(bridges[0]) + [True] * 4 + [False] * len(bridges[1]) + [True] * 4
+    )
     # each turn was prompted with the trajectory so far, verbatim
     assert engine.calls[1][0][0] == prompt + call + bridges[0]
     assert engine.calls[2][0][0] == prompt + call + bridges[0] + call + bridges[1]
@@ -224,13 +241,19 @@ def test_an_edited_history_is_rendered_again(random_model, tokenizer):
         client = client_for(session.base_url)
         messages = [{"role": "user", "content": "hi"}]
         first = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message
-        edited = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first.content}, {"role": "user", "content": "more"}]
+        edited = [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": "more"},
+        ]
         response = client.chat.completions.create(model=MODEL, messages=edited)
         trajectory = server.close_session(session.id)
     assert session.rerendered == 1
     assert "messages[0] (user) differs" in session.warnings[0]
     second = engine.calls[1][2][0]
-    assert trajectory.prompt_ids == renderer.encode(f"<|user|>hello<|end|><|assistant|>{first.content}<|end|><|user|>more<|end|><|assistant|>")
+    assert trajectory.prompt_ids == renderer.encode(
+        f"<|user|>hello<|end|><|assistant|>{first.content}<|end|><|user|>more<|end|><|assistant|>"
+    )
     assert trajectory.completion_ids == second.completion_ids and all(trajectory.sampled_mask)
     assert trajectory.logprobs == second.logprobs
     assert response.choices[0].message.content == renderer.parse_turn(second.completion_ids).content
@@ -253,7 +276,10 @@ def test_concurrent_sessions_are_batched(random_model, tokenizer):
                 barrier.wait()
                 response = client.chat.completions.create(model=MODEL, messages=messages)
                 replies.append(response.choices[0])
-                messages += [{"role": "assistant", "content": response.choices[0].message.content}, {"role": "user", "content": f"next {i}"}]
+                messages += [
+                    {"role": "assistant", "content": response.choices[0].message.content},
+                    {"role": "user", "content": f"next {i}"},
+                ]
             results[i] = replies
 
         threads = [threading.Thread(target=agent, args=(i,)) for i in range(sessions_n)]
@@ -289,7 +315,9 @@ def test_the_session_budget_cuts_then_refuses(random_model, tokenizer):
     prompt_len = len(renderer.render_prompt([{"role": "user", "content": "hi"}]))
     engine = NativeRolloutEngine(random_model)
     budget = prompt_len + 3
-    with ChatCompletionsServer(engine, renderer, MODEL, SamplingParams(max_new_tokens=50, temperature=0), max_session_tokens=budget) as server:
+    with ChatCompletionsServer(
+        engine, renderer, MODEL, SamplingParams(max_new_tokens=50, temperature=0), max_session_tokens=budget
+    ) as server:
         session = server.open_session()
         client = client_for(session.base_url)
         messages = [{"role": "user", "content": "hi"}]
@@ -297,12 +325,18 @@ def test_the_session_budget_cuts_then_refuses(random_model, tokenizer):
         trajectory = session.trajectory
         if response.choices[0].finish_reason == "length":
             assert len(trajectory.trajectory_ids) == budget
-            messages += [{"role": "assistant", "content": response.choices[0].message.content}, {"role": "user", "content": "x"}]
+            messages += [
+                {"role": "assistant", "content": response.choices[0].message.content},
+                {"role": "user", "content": "x"},
+            ]
             with pytest.raises(openai.BadRequestError, match="max_session_tokens"):
                 client.chat.completions.create(model=MODEL, messages=messages)
         else:  # the greedy turn stopped within the budget; the next prompt alone is over it
             assert len(trajectory.trajectory_ids) <= budget
-            messages += [{"role": "assistant", "content": response.choices[0].message.content}, {"role": "user", "content": "x"}]
+            messages += [
+                {"role": "assistant", "content": response.choices[0].message.content},
+                {"role": "user", "content": "x"},
+            ]
             with pytest.raises(openai.BadRequestError, match="max_session_tokens"):
                 client.chat.completions.create(model=MODEL, messages=messages)
 
@@ -325,25 +359,35 @@ def post(url: str, data: bytes) -> tuple[int, dict]:
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": "8"}, "max_tokens"),
         ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]},
          "messages[0].tool_calls[0].function.arguments"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field(random_model, tokenizer, change, param):
-    with ChatCompletionsServer(NativeRolloutEngine(random_model), HermesCharRenderer(tokenizer), MODEL, SamplingParams()) as server:
+    with ChatCompletionsServer(
+        NativeRolloutEngine(random_model), HermesCharRenderer(tokenizer), MODEL, SamplingParams()
+    ) as server:
         session = server.open_session()
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **change}
         body = {k: v for k, v in body.items() if v is not None}
         status, answer = post(f"{session.base_url}/chat/completions", json.dumps(body).encode())
-        assert status == 400 and answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+        assert (
+            status == 400 and answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+        )
         assert f"'{param}'" in answer["error"]["message"]
         assert session.trajectory is None and server.generate_calls == 0
 
 
 def test_unknown_sessions_and_malformed_bodies(random_model, tokenizer):
-    with ChatCompletionsServer(NativeRolloutEngine(random_model), HermesCharRenderer(tokenizer), MODEL, SamplingParams()) as server:
+    with ChatCompletionsServer(
+        NativeRolloutEngine(random_model), HermesCharRenderer(tokenizer), MODEL, SamplingParams()
+    ) as server:
         with pytest.raises(openai.BadRequestError, match="unknown session 'nope'") as caught:
-            client_for(f"{server.url}/sessions/nope/v1").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            client_for(f"{server.url}/sessions/nope/v1").chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}]
+            )
         assert caught.value.body["param"] == "session_id"
         status, body = post(f"{server.url}/v1/chat/completions", b'{"messages": [')
         assert status == 400 and "not valid JSON" in body["error"]["message"]
@@ -352,9 +396,13 @@ def test_unknown_sessions_and_malformed_bodies(random_model, tokenizer):
         session = server.open_session()
         server.close_session(session.id, reason="done here")
         with pytest.raises(openai.BadRequestError, match="is closed \\(done here\\)"):
-            client_for(session.base_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            client_for(session.base_url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}]
+            )
         with pytest.raises(openai.NotFoundError, match="serves 'tiny-policy'"):
-            client_for(f"{server.url}/v1").chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+            client_for(f"{server.url}/v1").chat.completions.create(
+                model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
+            )
 
 
 def test_agent_groups_record_stop_reasons(random_model, tokenizer):
@@ -378,7 +426,9 @@ def test_agent_groups_record_stop_reasons(random_model, tokenizer):
 
     row = {"prompt": "go", "kinds": ["raise", "hang", "ok", "ok"]}
     engine = NativeRolloutEngine(random_model)
-    with ChatCompletionsServer(engine, HermesCharRenderer(tokenizer), MODEL, SamplingParams(max_new_tokens=4)) as server:
+    with ChatCompletionsServer(
+        engine, HermesCharRenderer(tokenizer), MODEL, SamplingParams(max_new_tokens=4)
+    ) as server:
         started = time.monotonic()
         trajectories = run_agent_group(server, agent, row, group_size=4, timeout_s=3.0)
         assert time.monotonic() - started < 20

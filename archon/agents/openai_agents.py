@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from archon.agents.environment import StopReason
 from archon.agents.openai_server import ChatCompletionsServer
@@ -64,7 +64,10 @@ def run_agent_group(
             trajectory.stop_reason = StopReason.ENV_ERROR
             trajectory.error = f"the agent returned {value!r}, not a finite number as its reward"
         elif not trajectory.prompt_ids:
-            trajectory.stop_reason, trajectory.error = StopReason.ENV_ERROR, "the agent made no chat request on its session"
+            trajectory.stop_reason, trajectory.error = (
+                StopReason.ENV_ERROR,
+                "the agent made no chat request on its session",
+            )
         else:
             trajectory.stop_reason, trajectory.reward = StopReason.DONE, float(value)
         trajectories.append(trajectory)

@@ -83,14 +83,19 @@ class ChatRequest:
     seed: int | None
 
 
-def _number(body: dict, name: str, low: float, high: float, integer: bool = False):
+def _number(body: dict, name: str, low: float, high: float, integer: bool = False, above_low: bool = False):
+    """body[name] (None when absent) checked to be a number (an integer) in [low, high], or in
+    (low, high] when above_low."""
     value = body.get(name)
     if value is None:
         return None
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+    in_range = isinstance(value, kinds) and (low < value if above_low else low <= value) and value <= high
+    if isinstance(value, bool) or not in_range:
         what = "an integer" if integer else "a number"
-        raise OpenAIError(400, f"'{name}' must be {what} in [{low}, {high}], got {value!r}", name)
+        raise OpenAIError(
+            400, f"'{name}' must be {what} in {'(' if above_low else '['}{low}, {high}], got {value!r}", name
+        )
     return value
 
 
@@ -104,10 +109,16 @@ def _text(content, where: str) -> str:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise OpenAIError(400, f"'{where}[{j}]' is not a text part ({{'type': 'text', 'text': ...}}): only text content is served", f"{where}[{j}]")
+                raise OpenAIError(
+                    400,
+                    f"'{where}[{j}]' is not a text part ({{'type': 'text', 'text': ...}}): only text content is served",
+                    f"{where}[{j}]",
+                )
             texts.append(part["text"])
         return "".join(texts)
-    raise OpenAIError(400, f"'{where}' must be a string, a list of text parts or null, got {type(content).__name__}", where)
+    raise OpenAIError(
+        400, f"'{where}' must be a string, a list of text parts or null, got {type(content).__name__}", where
+    )
 
 
 def _arguments(arguments, where: str) -> dict:
@@ -143,7 +154,9 @@ def _template_message(message, i: int, call_names: dict[str, str]) -> Message:
         for j, call in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise OpenAIError(400, f"'{where}.tool_calls[{j}].function.name' is missing", f"{where}.tool_calls[{j}].function.name")
+                raise OpenAIError(
+                    400, f"'{where}.tool_calls[{j}].function.name' is missing", f"{where}.tool_calls[{j}].function.name"
+                )
             arguments = _arguments(function.get("arguments", "{}"), f"{where}.tool_calls[{j}].function.arguments")
             converted_call = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
             if isinstance(call.get("id"), str):
@@ -183,8 +196,14 @@ def parse_request(body) -> ChatRequest:
             raise OpenAIError(400, "'tools' must be a list of function tools", "tools")
         for i, tool in enumerate(tools):
             function = tool.get("function") if isinstance(tool, dict) else None
-            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise OpenAIError(400, f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", f"tools[{i}]")
+            if (
+                tool.get("type") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+            ):
+                raise OpenAIError(
+                    400, f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", f"tools[{i}]"
+                )
     tool_choice = body.get("tool_choice", "auto")
     if tool_choice not in ("auto", "none", None):
         raise OpenAIError(400, f"'tool_choice' must be 'auto' or 'none', got {tool_choice!r}", "tool_choice")
@@ -195,7 +214,7 @@ def parse_request(body) -> ChatRequest:
         messages=converted,
         tools=(tools or None) if tool_choice != "none" else None,
         temperature=_number(body, "temperature", 0, 2),
-        top_p=_number(body, "top_p", 1e-9, 1),
+        top_p=_number(body, "top_p", 0, 1, above_low=True),
         max_tokens=max_tokens,
         seed=_number(body, "seed", -(2**63), 2**63 - 1, integer=True),
     )
@@ -356,7 +375,11 @@ class Session:
             if self.closed.is_set():
                 raise OpenAIError(400, f"session {self.id!r} is closed ({self.closed_reason})", "session_id")
             if self._budget_spent:
-                raise OpenAIError(400, f"session {self.id!r} has used its budget of max_session_tokens={server.max_session_tokens} tokens", "max_session_tokens")
+                raise OpenAIError(
+                    400,
+                    f"session {self.id!r} has used its budget of max_session_tokens={server.max_session_tokens} tokens",
+                    "max_session_tokens",
+                )
             new_messages, why = self._extension(request)
             if new_messages is None:
                 if why is not None:
@@ -380,8 +403,14 @@ class Session:
             turn = server.renderer.parse_turn(sample.completion_ids)
             with self.record_lock:
                 if self.closed.is_set():
-                    raise OpenAIError(400, f"session {self.id!r} was closed while its request ran ({self.closed_reason})", "session_id")
-                return self._record(request, request_id, trajectory, new_messages, bridged, sample, turn, len(context), cut)
+                    raise OpenAIError(
+                        400,
+                        f"session {self.id!r} was closed while its request ran ({self.closed_reason})",
+                        "session_id",
+                    )
+                return self._record(
+                    request, request_id, trajectory, new_messages, bridged, sample, turn, len(context), cut
+                )
 
     def _record(self, request, request_id, trajectory, new_messages, bridged, sample, turn, prompt_tokens, cut) -> dict:
         """Add a request that succeeded to the trajectory; its response."""
@@ -417,7 +446,11 @@ def assistant_message(turn: AssistantTurn, first_call: int) -> tuple[dict, int]:
         message["reasoning_content"] = turn.reasoning
     if turn.tool_calls:
         message["tool_calls"] = [
-            {"id": f"call_{first_call + k}", "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+            {
+                "id": f"call_{first_call + k}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+            }
             for k, call in enumerate(turn.tool_calls)
         ]
     return message, first_call + len(turn.tool_calls)
@@ -530,8 +563,12 @@ class ChatCompletionsServer:
             if session_id in self._sessions:
                 return self._sessions[session_id]
             if session_id in self._closed_sessions:
-                raise OpenAIError(400, f"session {session_id!r} is closed ({self._closed_sessions[session_id]})", "session_id")
-        raise OpenAIError(400, f"unknown session {session_id!r}: open it with ChatCompletionsServer.open_session", "session_id")
+                raise OpenAIError(
+                    400, f"session {session_id!r} is closed ({self._closed_sessions[session_id]})", "session_id"
+                )
+        raise OpenAIError(
+            400, f"unknown session {session_id!r}: open it with ChatCompletionsServer.open_session", "session_id"
+        )
 
     def close_session(self, session_id: str, reason: str = "closed by the server's owner") -> Trajectory:
         """End a session: its later requests (and one still running) get an error naming `reason`.
@@ -562,7 +599,9 @@ class ChatCompletionsServer:
             left = self.max_session_tokens - context_len
             if left < 1:
                 raise OpenAIError(
-                    400, f"the conversation takes {context_len} tokens, the session's whole budget of max_session_tokens={self.max_session_tokens}",
+                    400,
+                    f"the conversation takes {context_len} tokens, the session's whole budget of "
+                    f"max_session_tokens={self.max_session_tokens}",
                     "max_session_tokens",
                 )
             cut, max_new = max_new > left, min(max_new, left)
@@ -584,7 +623,11 @@ class ChatCompletionsServer:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }
 
     def chat(self, body, session_id: str | None) -> dict:
@@ -593,7 +636,9 @@ class ChatCompletionsServer:
         request = parse_request(body)
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise OpenAIError(404, f"the model {model!r} does not exist: this endpoint serves {self.model_name!r}", "model")
+            raise OpenAIError(
+                404, f"the model {model!r} does not exist: this endpoint serves {self.model_name!r}", "model"
+            )
         request_id = self._next_request_id()
         if session is not None:
             return session.chat(request, request_id)
@@ -605,7 +650,10 @@ class ChatCompletionsServer:
         return self._completion(request_id, message, sample, len(prompt))
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "archon"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "archon"}],
+        }
 
 
 ROUTE = re.compile(r"^(?:/sessions/(?P<session>[^/]+))?/v1/(?P<endpoint>models|chat/completions)$")
@@ -632,7 +680,11 @@ def _handler_class(server: ChatCompletionsServer):
             try:
                 match = ROUTE.match(urllib.parse.urlsplit(self.path).path)
                 if match is None:
-                    raise OpenAIError(404, f"no route {method} {self.path}: this endpoint serves /v1/models and /v1/chat/completions, also under /sessions/<id>")
+                    raise OpenAIError(
+                        404,
+                        f"no route {method} {self.path}: this endpoint serves /v1/models and /v1/chat/completions, "
+                        "also under /sessions/<id>",
+                    )
                 session_id = match["session"] and urllib.parse.unquote(match["session"])
                 if match["endpoint"] == "models":
                     if method != "GET":
