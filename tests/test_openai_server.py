@@ -360,6 +360,7 @@ def post(url: str, data: bytes) -> tuple[int, dict]:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
+        ({"tools": ["add"]}, "tools[0]"),
         ({"max_tokens": "8"}, "max_tokens"),
         ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]},
          "messages[0].tool_calls[0].function.arguments"),

@@ -197,8 +197,8 @@ def parse_request(body) -> ChatRequest:
         for i, tool in enumerate(tools):
             function = tool.get("function") if isinstance(tool, dict) else None
             if (
-                tool.get("type") != "function"
-                or not isinstance(function, dict)
+                not isinstance(function, dict)
+                or tool.get("type") != "function"
                 or not isinstance(function.get("name"), str)
             ):
                 raise OpenAIError(
