@@ -225,10 +225,38 @@ def gpt_oss_turn_text(full: str) -> str:
     return full[end:]
 
 
-FAMILIES = {"gpt_oss": GPT_OSS}
+# ---- glm4_5 ----------------------------------------------------------------------------------------------
+
+GLM = Family(
+    renderer="glm4_5",
+    template="glm4_5.jinja",
+    special_tokens=["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>",
+                    "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                    "</arg_value>", "<tool_response>", "</tool_response>"],
+    max_calls_per_turn=4,
+    thinking=True,
+)
+
+
+def glm_stop_text(env) -> str:
+    """The model ends a turn with the next message's role token."""
+    return "<|observation|>" if env and env[0]["role"] == "tool" else "<|user|>"
+
+
+def glm_history_form(trajectory_text: str) -> str:
+    """The documented difference: the template renders the reasoning of every turn before the last
+    user message as <think></think>, and has no stop token after the conversation's last turn."""
+    assert trajectory_text.endswith("<|user|>")
+    text = trajectory_text[: -len("<|user|>")]
+    last_user = text.rfind("<|user|>")
+    return re.sub(r"\n<think>.*?</think>", "\n<think></think>", text[:last_user], flags=re.S) + text[last_user:]
+
+
+FAMILIES = {"gpt_oss": GPT_OSS, "glm4_5": GLM}
 TURN_TEXT = {"gpt_oss": gpt_oss_turn_text}
-HISTORY_FORM = {"gpt_oss": gpt_oss_history_form}
-ENV_MARKERS = {"gpt_oss": {"tool": "<|start|>functions.", "user": "<|start|>user"}}
+STOP_TEXT = {"glm4_5": glm_stop_text}
+HISTORY_FORM = {"gpt_oss": gpt_oss_history_form, "glm4_5": glm_history_form}
+ENV_MARKERS = {"gpt_oss": {"tool": "<|start|>functions.", "user": "<|start|>user"}, "glm4_5": {"user": "<|user|>"}}
 
 
 def corpus_for(family: Family, template: str, count: int = 150) -> list[str]:
@@ -265,7 +293,7 @@ def sampled_text(name: str, tokenizer, history, assistant, env) -> str:
     prompt = template_text(tokenizer, family, history, add_generation_prompt=True)
     full = template_text(tokenizer, family, history + [assistant], add_generation_prompt=False)
     if full.startswith(prompt):
-        return full[len(prompt) :]
+        return full[len(prompt) :] + STOP_TEXT.get(name, lambda env: "")(env)
     return TURN_TEXT[name](full)  # the template re-rendered an earlier turn: take this turn's own text
 
 
@@ -275,10 +303,16 @@ def environment_text(name: str, tokenizer, history, assistant, env) -> str:
     with_env = template_text(tokenizer, family, history + [assistant] + env, add_generation_prompt=True)
     upto = template_text(tokenizer, family, history + [assistant], add_generation_prompt=False)
     if with_env.startswith(upto):
-        return with_env[len(upto) :]
+        text = with_env[len(upto) :]
+        stop = STOP_TEXT.get(name, lambda env: "")(env)
+        assert text.startswith(stop)
+        return text[len(stop) :]
     start = with_env.rfind(ENV_MARKERS[name][env[0]["role"]])
     assert start >= 0
-    return with_env[start:]
+    text = with_env[start:]
+    stop = STOP_TEXT.get(name, lambda env: "")(env)
+    assert text.startswith(stop)
+    return text[len(stop) :]
 
 
 def run_episode(name: str, seed: int):
@@ -321,7 +355,8 @@ def test_token_identity_over_generated_episodes(name):
         else:
             assert trajectory == encode(tokenizer, whole), f"seed {seed}"
         retokenized_differs += encode(tokenizer, text) != trajectory
-        template_ids_differ += encode(tokenizer, whole) != trajectory
+        # a family whose turns end with the next message's role token has one after the last turn
+        template_ids_differ += encode(tokenizer, whole) != (trajectory[:-1] if name in STOP_TEXT else trajectory)
     print(
         f"{name}: {NUM_EPISODES} episodes, token identity 100%; re-tokenizing the trajectory's text differs in "
         f"{retokenized_differs}, the template's text of the whole conversation gives other ids in {template_ids_differ}"
@@ -331,6 +366,7 @@ def test_token_identity_over_generated_episodes(name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_parse_turn_reads_back_every_sampled_turn(name):
     renderer = renderer_for(name)
+    renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)  # the tools a turn's calls are read against
     for seed in range(200):
         _, sampled_turns, _ = run_episode(name, seed)
         for sampled, assistant in sampled_turns:
@@ -342,8 +378,11 @@ def test_parse_turn_reads_back_every_sampled_turn(name):
             assert turn.reasoning == EXPECTED_REASONING[name](assistant)
 
 
-EXPECTED_CONTENT = {"gpt_oss": lambda a: "" if a.get("tool_calls") else a["content"]}
-EXPECTED_REASONING = {"gpt_oss": lambda a: a.get("reasoning_content") or (a["content"] or None if a.get("tool_calls") else None)}
+EXPECTED_CONTENT = {"gpt_oss": lambda a: "" if a.get("tool_calls") else a["content"], "glm4_5": lambda a: a["content"].strip()}
+EXPECTED_REASONING = {
+    "gpt_oss": lambda a: a.get("reasoning_content") or (a["content"] or None if a.get("tool_calls") else None),
+    "glm4_5": lambda a: (a.get("reasoning_content") or "").strip() or None,
+}
 
 
 # ---- hand-written conversations --------------------------------------------------------------------------
@@ -456,3 +495,62 @@ def test_gpt_oss_bridge_errors():
         renderer.bridge(final[:-1], [{"role": "user", "content": "u"}])
     with pytest.raises(ValueError, match="not 'assistant' messages"):
         renderer.bridge(final, [{"role": "assistant", "content": "u"}])
+
+
+# ---- glm4_5 specifics ------------------------------------------------------------------------------------
+
+
+def test_glm_thinking_switch_matches_the_template():
+    tokenizer = tokenizer_for("glm4_5")
+    renderer = get_renderer("glm4_5", tokenizer, enable_thinking=False)
+    for cut in (2, 4, 8):
+        text = tokenizer.apply_chat_template(HAND_WRITTEN[:cut], tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        assert renderer.render_prompt(HAND_WRITTEN[:cut], tools=TOOLS) == encode(tokenizer, text)
+    assert text.endswith("/nothink<|assistant|>\n<think></think>")
+    # a user turn bridged after a final answer, without thinking
+    final = encode(tokenizer, "\nDone.<|user|>")
+    follow_up = {"role": "user", "content": "again"}
+    whole = tokenizer.apply_chat_template(HAND_WRITTEN[:7] + [follow_up], tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert whole.endswith(tokenizer.decode(renderer.bridge(final, [follow_up]), skip_special_tokens=False))
+
+
+def test_glm_bridge_after_another_stop_token_writes_the_whole_message():
+    tokenizer = tokenizer_for("glm4_5")
+    renderer = renderer_for("glm4_5")
+    call = "\n<tool_call>now\n</tool_call>"
+    results = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    grouped = "\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|assistant|>"
+    assert renderer.bridge(encode(tokenizer, call + "<|observation|>"), results) == encode(tokenizer, grouped)
+    assert renderer.bridge(encode(tokenizer, call + "<|endoftext|>"), results) == encode(tokenizer, "<|observation|>" + grouped)
+    with pytest.raises(ValueError, match="ended with a stop token"):
+        renderer.bridge(encode(tokenizer, call), results)
+
+
+@pytest.mark.parametrize(
+    "text, calls, content, reasoning, error",
+    [
+        ("\n<think>plan</think>\nLet me look.\n<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>12</arg_value>\n"
+         "<arg_key>limit</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call><|observation|>",
+         [ToolCall("search", {"query": "12", "limit": 3}), ToolCall("now", {})], "Let me look.", "plan", None),
+        # the arguments on the name's line, and a value of an undeclared parameter read as JSON
+        ("<tool_call>search<arg_key>query</arg_key><arg_value>a</arg_value><arg_key>extra</arg_key><arg_value>[1, 2]</arg_value></tool_call><|observation|>",
+         [ToolCall("search", {"query": "a", "extra": [1, 2]})], "", None, None),
+        ("\n<think>unfinished", [], "", "unfinished", "<think> is not closed"),
+        ("<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a</arg_value>\n", [], "", None, "is not closed by </tool_call>"),
+        ("<tool_call>\n<arg_key>query</arg_key>\n<arg_value>a</arg_value>\n</tool_call>", [], "", None, "has no function name"),
+        ("<tool_call>search\n<arg_key>limit</arg_key>\n<arg_value>three</arg_value>\n</tool_call>", [], "", None,
+         "'limit' is declared integer but its value is not JSON"),
+        ("<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a\n</tool_call>", [], "", None, "unreadable arguments"),
+        ("<tool_call>now\n</tool_call> and then some<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>b</arg_value>\n</tool_call><|user|>",
+         [ToolCall("now", {}), ToolCall("search", {"query": "b"})], "", None, "text after tool call 0: 'and then some'"),
+    ],
+)  # fmt: skip
+def test_glm_parse_turn(text, calls, content, reasoning, error):
+    renderer = renderer_for("glm4_5")
+    renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)
+    turn = renderer.parse_turn(encode(tokenizer_for("glm4_5"), text))
+    assert (turn.tool_calls, turn.content, turn.reasoning) == (calls, content, reasoning)
+    if error is None:
+        assert turn.parse_error is None
+    else:
+        assert error in turn.parse_error
