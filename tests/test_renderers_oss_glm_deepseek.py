@@ -9,6 +9,7 @@ documented difference where it is not), on reading back every sampled turn, and 
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass, field
@@ -129,7 +130,8 @@ class Family:
     thinking: bool
     template_kwargs: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
-    assistant_message: Callable | None = None  # (reasoning, content, calls) -> message, where the family differs
+    tools_in_prompt: bool = True  # False: the template renders no tool schemas
+    string_arguments: bool = False  # the template takes a call's arguments as a JSON string
 
 
 def assistant_message(reasoning, content, calls) -> dict:
@@ -172,10 +174,25 @@ def generate_episode(rng: random.Random, family: Family):
     return first, turns
 
 
+def template_messages(family: Family, messages):
+    if not family.string_arguments:
+        return messages
+    return [
+        {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                             for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in messages
+    ]  # fmt: skip
+
+
 def template_text(tokenizer, family: Family, messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
-        messages, tools=TOOLS, add_generation_prompt=add_generation_prompt, tokenize=False, **family.template_kwargs
-    )
+        template_messages(family, messages), tools=family_tools(family), add_generation_prompt=add_generation_prompt,
+        tokenize=False, **family.template_kwargs,
+    )  # fmt: skip
+
+
+def family_tools(family: Family):
+    return TOOLS if family.tools_in_prompt else None
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -252,7 +269,21 @@ def glm_history_form(trajectory_text: str) -> str:
     return re.sub(r"\n<think>.*?</think>", "\n<think></think>", text[:last_user], flags=re.S) + text[last_user:]
 
 
-FAMILIES = {"gpt_oss": GPT_OSS, "glm4_5": GLM}
+# ---- deepseek_v3 -----------------------------------------------------------------------------------------
+
+DEEPSEEK = Family(
+    renderer="deepseek_v3",
+    template="deepseek_v3.jinja",
+    special_tokens=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+                    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+    max_calls_per_turn=4,
+    thinking=False,
+    tools_in_prompt=False,
+    string_arguments=True,
+)
+
+FAMILIES = {"gpt_oss": GPT_OSS, "glm4_5": GLM, "deepseek_v3": DEEPSEEK}
 TURN_TEXT = {"gpt_oss": gpt_oss_turn_text}
 STOP_TEXT = {"glm4_5": glm_stop_text}
 HISTORY_FORM = {"gpt_oss": gpt_oss_history_form, "glm4_5": glm_history_form}
@@ -262,6 +293,7 @@ ENV_MARKERS = {"gpt_oss": {"tool": "<|start|>functions.", "user": "<|start|>user
 def corpus_for(family: Family, template: str, count: int = 150) -> list[str]:
     """Texts like the conversations the tests render (the template's own rendering of them)."""
     tokenizer = build_bpe_tokenizer(family.special_tokens, ["x"], 300, chat_template=template)
+    tokenizer.bos_token = family.special_tokens[0]
     rng = random.Random(12345)
     texts = []
     for _ in range(count):
@@ -279,6 +311,7 @@ def tokenizer_for(name: str):
         family = FAMILIES[name]
         template = (TEMPLATES / family.template).read_text(encoding="utf-8")
         _TOKENIZERS[name] = build_bpe_tokenizer(family.special_tokens, corpus_for(family, template), 3000, chat_template=template)
+        _TOKENIZERS[name].bos_token = family.special_tokens[0]
     return _TOKENIZERS[name]
 
 
@@ -323,7 +356,7 @@ def run_episode(name: str, seed: int):
     renderer = renderer_for(name)
     rng = random.Random(seed)
     first, turns = generate_episode(rng, family)
-    prompt_ids = renderer.render_prompt(first, tools=TOOLS)
+    prompt_ids = renderer.render_prompt(first, tools=family_tools(family))
     assert prompt_ids == encode(tokenizer, template_text(tokenizer, family, first, add_generation_prompt=True))
     trajectory = list(prompt_ids)
     history = list(first)
@@ -366,7 +399,7 @@ def test_token_identity_over_generated_episodes(name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_parse_turn_reads_back_every_sampled_turn(name):
     renderer = renderer_for(name)
-    renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)  # the tools a turn's calls are read against
+    renderer.render_prompt(HAND_WRITTEN[:2], tools=family_tools(FAMILIES[name]))  # the tools calls are read against
     for seed in range(200):
         _, sampled_turns, _ = run_episode(name, seed)
         for sampled, assistant in sampled_turns:
@@ -378,10 +411,15 @@ def test_parse_turn_reads_back_every_sampled_turn(name):
             assert turn.reasoning == EXPECTED_REASONING[name](assistant)
 
 
-EXPECTED_CONTENT = {"gpt_oss": lambda a: "" if a.get("tool_calls") else a["content"], "glm4_5": lambda a: a["content"].strip()}
+EXPECTED_CONTENT = {
+    "gpt_oss": lambda a: "" if a.get("tool_calls") else a["content"],
+    "glm4_5": lambda a: a["content"].strip(),
+    "deepseek_v3": lambda a: a["content"],
+}
 EXPECTED_REASONING = {
     "gpt_oss": lambda a: a.get("reasoning_content") or (a["content"] or None if a.get("tool_calls") else None),
     "glm4_5": lambda a: (a.get("reasoning_content") or "").strip() or None,
+    "deepseek_v3": lambda a: None,
 }
 
 
@@ -407,8 +445,10 @@ def test_render_prompt_matches_the_template(name, cut):
     tokenizer = tokenizer_for(name)
     family = FAMILIES[name]
     messages = HAND_WRITTEN[:cut]
-    for tools in (TOOLS, None):
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **family.template_kwargs)
+    for tools in (family_tools(family), None):
+        text = tokenizer.apply_chat_template(
+            template_messages(family, messages), tools=tools, add_generation_prompt=True, tokenize=False, **family.template_kwargs
+        )
         ids = renderer_for(name).render_prompt(messages, tools=tools)
         assert tokenizer.decode(ids, skip_special_tokens=False) == text
         assert ids == encode(tokenizer, text)
@@ -550,6 +590,49 @@ def test_glm_parse_turn(text, calls, content, reasoning, error):
     renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)
     turn = renderer.parse_turn(encode(tokenizer_for("glm4_5"), text))
     assert (turn.tool_calls, turn.content, turn.reasoning) == (calls, content, reasoning)
+    if error is None:
+        assert turn.parse_error is None
+    else:
+        assert error in turn.parse_error
+
+
+# ---- deepseek_v3 specifics -------------------------------------------------------------------------------
+
+
+def test_deepseek_thinking_prompt_and_turn():
+    tokenizer = tokenizer_for("deepseek_v3")
+    renderer = get_renderer("deepseek_v3", tokenizer, thinking=True)
+    text = tokenizer.apply_chat_template(HAND_WRITTEN[:2], add_generation_prompt=True, tokenize=False, thinking=True)
+    assert renderer.render_prompt(HAND_WRITTEN[:2]) == encode(tokenizer, text)
+    assert text.endswith("<｜Assistant｜><think>")
+    turn = renderer.parse_turn(encode(tokenizer, "I add them.</think>It is 3.5.<｜end▁of▁sentence｜>"))
+    assert (turn.reasoning, turn.content, turn.parse_error) == ("I add them.", "It is 3.5.", None)
+    assert "not closed by </think>" in renderer.parse_turn(encode(tokenizer, "still thinking")).parse_error
+    with pytest.raises(ValueError, match="renders no tool schemas"):
+        renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)
+
+
+CALLS, CALL, SEP, END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+CALLS_END = "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+
+
+@pytest.mark.parametrize(
+    "text, calls, content, error",
+    [
+        (f'Looking.{CALLS}{CALL}search{SEP}{{"query": "a"}}{END}{CALL}now{SEP}{{}}{END}{CALLS_END}',
+         [ToolCall("search", {"query": "a"}), ToolCall("now", {})], "Looking.", None),
+        (f'{CALLS}{CALL}search{SEP}{{"query": }}{END}{CALL}now{SEP}{{}}{END}{CALLS_END}', [ToolCall("now", {})], "", "not valid JSON"),
+        (f'{CALLS}{CALL}search{SEP}"a"{END}{CALLS_END}', [], "", "must be a JSON object, not str"),
+        (f'{CALLS}{CALL}search{SEP}{{}}', [], "", "not closed by <｜tool▁calls▁end｜>"),
+        (f'{CALLS}{CALL}search{SEP}{{}}<｜tool▁calls▁end｜>', [], "", "not closed by <｜tool▁call▁end｜>"),
+        (f'{CALLS}{CALL}search{{}}{END}{CALLS_END}', [], "", "has no <｜tool▁sep｜>"),
+        (f'{CALLS}{CALL}{SEP}{{}}{END}{CALLS_END}', [], "", "has no function name"),
+        (f'{CALLS}{CALL}now{SEP}{{}}{END}<｜tool▁calls▁end｜>trailing<｜end▁of▁sentence｜>', [ToolCall("now", {})], "", "text after the tool calls"),
+    ],
+)  # fmt: skip
+def test_deepseek_parse_turn(text, calls, content, error):
+    turn = renderer_for("deepseek_v3").parse_turn(encode(tokenizer_for("deepseek_v3"), text))
+    assert (turn.tool_calls, turn.content) == (calls, content)
     if error is None:
         assert turn.parse_error is None
     else:
