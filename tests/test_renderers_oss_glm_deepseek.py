@@ -1,4 +1,4 @@
-"""The gpt_oss, glm4_5, deepseek_v3 and kimi_k2 renderers against each family's real chat template
+"""The gpt_oss, glm4_5 and deepseek_v3 renderers against each family's real chat template
 (tests/fixtures/chat_templates/), on byte-level BPE tokenizers with the family's special tokens.
 
 Each family is checked on hand-written conversations (prompt text and ids equal to the template's),
