@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archon.models.common.attention import causal_attention_after_prefix
+from archon.causal_attention import causal_attention_after_prefix
 
 
 @dataclass
