@@ -335,7 +335,10 @@ class ToolRunner:
             requests.append(("call", call.name, arguments))
         if requests:
             with self._lock:
-                outcomes = run_on_workers(self._workers, requests, self.timeout_s)
+                # a worker whose tool hit the memory limit is replaced: its peak memory stays at the
+                # limit for the process's life and would make a later crash read as out-of-memory
+                outcomes = run_on_workers(self._workers, requests, self.timeout_s,
+                                          replace_after=lambda reply: reply[1] == "memory")  # fmt: skip
             for index, outcome in zip(sent, outcomes):
                 results[index] = self._result(calls[index].name, outcome)
         return results

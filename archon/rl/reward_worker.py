@@ -239,10 +239,13 @@ class WorkerOutcome:
     elapsed_s: float = 0.0
 
 
-def run_on_workers(workers: Sequence[WorkerProcess], requests: Sequence[Any], timeout_s: float) -> list[WorkerOutcome]:
+def run_on_workers(
+    workers: Sequence[WorkerProcess], requests: Sequence[Any], timeout_s: float,
+    replace_after: Callable[[Any], bool] | None = None,
+) -> list[WorkerOutcome]:
     """Send each request to the next idle worker (starting dead ones) and wait for the replies, in
     the requests' order. A worker that runs past `timeout_s` on a request, or dies, is stopped; it
-    is started again for the next request."""
+    is started again for the next request, as is one whose reply satisfies `replace_after`."""
     outcomes = [WorkerOutcome() for _ in requests]
     pending = deque(range(len(requests)))
     busy: dict[WorkerProcess, tuple[int, float]] = {}
@@ -271,6 +274,8 @@ def run_on_workers(workers: Sequence[WorkerProcess], requests: Sequence[Any], ti
             if message is not None:
                 del busy[worker]
                 outcomes[index] = WorkerOutcome(reply=message, elapsed_s=time.monotonic() - start)
+                if replace_after is not None and replace_after(message):
+                    worker.stop()
             elif not open_:
                 del busy[worker]
                 reason = worker.exit_reason()
