@@ -89,17 +89,22 @@ def reward_function_problem(spec: str) -> str | None:
     return None
 
 
-def resolve_reward_function(spec: str) -> RewardFn:
-    """"math", "exact" or "package.module:function" -> the callable. Fails clearly on a bad spec."""
-    module_name, attr = _split_spec(spec)
-    module = importlib.import_module(module_name)
-    fn = module
+def import_function(module_name: str, attr: str, label: str) -> Callable:
+    """The callable at `attr` (a dotted attribute path) of module `module_name`; errors begin with `label`."""
+    fn = importlib.import_module(module_name)
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{label}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r} is not callable")
+        raise ValueError(f"{label} is not callable")
+    return fn
+
+
+def resolve_reward_function(spec: str) -> RewardFn:
+    """"math", "exact" or "package.module:function" -> the callable. Fails clearly on a bad spec."""
+    module_name, attr = _split_spec(spec)
+    fn = import_function(module_name, attr, f"reward function {spec!r}")
     if fn is math_verify_reward:
         _math_verify()  # import now, so the first sample's time limit does not include it
     return fn

@@ -1,10 +1,15 @@
-"""A reward worker process: `python -m archon.rl.reward_worker PARENT_PID`, driven by `archon.rl.rewards`.
+"""Worker processes for user code: `python -m MODULE PARENT_PID`, driven by the parent's `WorkerProcess`.
+
+This module is the reward worker (`python -m archon.rl.reward_worker`, driven by `archon.rl.rewards`)
+and holds what every such worker shares: the framing, the worker's loop (`serve`) and the parent's
+side (`WorkerProcess`, `run_on_workers`). It does not import torch.
 
 Messages are length-prefixed pickles (8-byte big-endian length, then the payload), requests on
-stdin and replies on the process's original stdout. Anything the reward function prints goes to
-stderr, so it cannot corrupt the replies.
+stdin and replies on the process's original stdout. Anything the user code prints to the process's
+stdout goes to stderr, and its stdin is /dev/null, so it can neither corrupt nor consume the messages.
 
-    ("init", spec, sys_path)                 -> ("ready", None) | ("init_error", message)
+    ("init", payload, sys_path)              -> ("ready", None) | ("init_error", message)
+    the reward worker's payload is the reward function spec, and its requests are
     ("score", prompt, completion, reference) -> ("ok", float) | ("error", message, traceback text)
 
 The worker exits when stdin closes, and on Linux is killed when its parent dies. The parent
@@ -14,16 +19,26 @@ enforces the time limit by killing the process.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
+import select
+import signal
 import struct
+import subprocess
 import sys
+import time
 import traceback
-from typing import Any, BinaryIO
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Sequence
 
 from archon.rl.reward_fns import call_reward, resolve_reward_function
 
 _HEADER = struct.Struct(">Q")
+WORKER_STARTUP_TIMEOUT_S = 120.0
+EXIT_WAIT_S = 5.0
+"""How long a worker whose output closed gets to finish exiting before it counts as hung."""
 
 
 def write_message(stream: BinaryIO, message: Any) -> None:
@@ -51,10 +66,9 @@ def _describe(exc: BaseException) -> str:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Linux: get SIGKILL when the parent dies, so a worker stuck in a reward function is not orphaned."""
+    """Linux: get SIGKILL when the parent dies, so a worker stuck in user code is not orphaned."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         PR_SET_PDEATHSIG = 1
         with contextlib.suppress(OSError, AttributeError):
@@ -63,35 +77,234 @@ def _exit_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def main() -> None:
+def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> None:
+    """A worker's main loop. ("init", payload, sys_path) puts sys_path first on sys.path and keeps
+    `state = load(payload)`, answering ("ready", None), or ("init_error", message) when load raises;
+    every other request is answered with `handle(state, request)`."""
     if len(sys.argv) > 1:
         _exit_with_parent(int(sys.argv[1]))
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    requests = sys.stdin.buffer
+    requests = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+    with open(os.devnull, "rb") as devnull:  # user code that reads stdin must not read the requests
+        os.dup2(devnull.fileno(), sys.stdin.fileno())
 
-    fn = None
+    state = None
     while (message := read_message(requests)) is not None:
-        kind = message[0]
-        if kind == "init":
-            _, spec, sys_path = message
+        if message[0] == "init":
+            _, payload, sys_path = message
             for entry in reversed(sys_path):
                 if entry not in sys.path:
                     sys.path.insert(0, entry)
             try:
-                fn = resolve_reward_function(spec)
+                state = load(payload)
             except Exception as exc:  # noqa: BLE001 - reported to the parent
                 write_message(replies, ("init_error", _describe(exc)))
                 continue
             write_message(replies, ("ready", None))
-        elif kind == "score":
-            _, prompt, completion, reference = message
-            try:
-                write_message(replies, ("ok", call_reward(fn, prompt, completion, reference)))
-            except Exception as exc:  # noqa: BLE001 - a failing reward is a counted error, not a crash
-                write_message(replies, ("error", _describe(exc), traceback.format_exc()))
         else:
-            write_message(replies, ("error", f"unknown request {kind!r}"))
+            write_message(replies, handle(state, message))
+
+
+class WorkerProcess:
+    """One worker process (`python -m MODULE PARENT_PID`, serving with `serve`), seen from the parent.
+
+    `label` names what it runs in errors ("reward function 'm:f'"). After a death seen by
+    `exit_reason`, `peak_rss_mb` is the process's peak resident memory (None when unknown).
+    """
+
+    def __init__(self, module: str, payload: Any, label: str):
+        self.module = module
+        self.payload = payload
+        self.label = label
+        self.proc: subprocess.Popen | None = None
+        self.peak_rss_mb: float | None = None
+        self._buffer = b""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start the process and send it the payload; raises RuntimeError on failure."""
+        self.stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._buffer = b""
+        self.peak_rss_mb = None
+        self.send(("init", self.payload, list(sys.path)))
+        reply = self.receive(time.monotonic() + WORKER_STARTUP_TIMEOUT_S)
+        if reply is None or reply == "eof":
+            reason = self.exit_reason() if reply == "eof" else f"no reply in {WORKER_STARTUP_TIMEOUT_S:.0f} s"
+            self.stop()
+            raise RuntimeError(f"the worker for {self.label} did not start: {reason}")
+        if reply[0] != "ready":
+            self.stop()
+            raise RuntimeError(f"{self.label} could not be loaded: {reply[1]}")
+
+    def send(self, message: Any) -> None:
+        write_message(self.proc.stdin, message)
+
+    def fileno(self) -> int:
+        return self.proc.stdout.fileno()
+
+    def read_available(self) -> bool:
+        """Read what the pipe holds now; False at end of stream."""
+        chunk = os.read(self.fileno(), 1 << 16)
+        self._buffer += chunk
+        return bool(chunk)
+
+    def take_message(self) -> Any | None:
+        if len(self._buffer) < _HEADER.size:
+            return None
+        (size,) = _HEADER.unpack_from(self._buffer)
+        if len(self._buffer) < _HEADER.size + size:
+            return None
+        frame, self._buffer = self._buffer[: _HEADER.size + size], self._buffer[_HEADER.size + size :]
+        return read_message(io.BytesIO(frame))
+
+    def receive(self, deadline: float) -> Any | None:
+        """Wait for one reply until `deadline`: the message, "eof", or None on timeout."""
+        while (message := self.take_message()) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            readable, _, _ = select.select([self.fileno()], [], [], remaining)
+            if readable and not self.read_available():
+                return "eof"
+        return message
+
+    def _reap(self) -> int | None:
+        """Wait up to EXIT_WAIT_S for the process to end; its exit code (None if still running).
+        Reaped with wait4 so that its peak resident memory is known."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while self.proc.returncode is None:
+            try:
+                pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            except ChildProcessError:  # already reaped
+                return self.proc.poll()
+            if pid:
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                self.peak_rss_mb = usage.ru_maxrss / 1024  # kilobytes on Linux
+            elif time.monotonic() >= deadline:
+                return None
+            else:
+                time.sleep(0.01)
+        return self.proc.returncode
+
+    def exit_reason(self) -> str:
+        """Why the process ended, once its output has closed: its exit code or the signal that killed it."""
+        code = self._reap()
+        if code is None:
+            return f"it closed its output but was still running {EXIT_WAIT_S:.0f} s later"
+        if code >= 0:
+            return f"it exited with code {code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a signal without a name (real-time signals)
+            name = f"signal {-code}"
+        if -code == signal.SIGKILL:
+            return f"it was killed by {name} (the kernel's out-of-memory killer sends SIGKILL; see dmesg)"
+        return f"it was killed by {name}"
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+@dataclass
+class WorkerOutcome:
+    """What became of one request sent by `run_on_workers`."""
+
+    reply: Any = None
+    """The worker's reply; None when it gave none."""
+    failure: str | None = None
+    """None (a reply came), "timeout" (the worker was killed), "died" or "unavailable" (it could not be started)."""
+    detail: str = ""
+    """Why it died or was unavailable."""
+    signal: int | None = None
+    """The signal that killed a worker that died (None if it exited)."""
+    peak_rss_mb: float | None = None
+    """Peak resident memory of a worker that died, when known."""
+    elapsed_s: float = 0.0
+
+
+def run_on_workers(workers: Sequence[WorkerProcess], requests: Sequence[Any], timeout_s: float) -> list[WorkerOutcome]:
+    """Send each request to the next idle worker (starting dead ones) and wait for the replies, in
+    the requests' order. A worker that runs past `timeout_s` on a request, or dies, is stopped; it
+    is started again for the next request."""
+    outcomes = [WorkerOutcome() for _ in requests]
+    pending = deque(range(len(requests)))
+    busy: dict[WorkerProcess, tuple[int, float]] = {}
+    while pending or busy:
+        for worker in workers:
+            if worker in busy or not pending:
+                continue
+            index = pending.popleft()
+            try:
+                if not worker.alive:
+                    worker.start()
+                worker.send(requests[index])
+            except (RuntimeError, OSError) as exc:
+                worker.stop()
+                outcomes[index] = WorkerOutcome(failure="unavailable", detail=str(exc))
+                continue
+            busy[worker] = (index, time.monotonic())
+        if not busy:
+            continue
+        wait = max(0.0, min(start for _, start in busy.values()) + timeout_s - time.monotonic())
+        readable, _, _ = select.select(list(busy), [], [], wait)
+        for worker in readable:
+            index, start = busy[worker]
+            open_ = worker.read_available()
+            message = worker.take_message()
+            if message is not None:
+                del busy[worker]
+                outcomes[index] = WorkerOutcome(reply=message, elapsed_s=time.monotonic() - start)
+            elif not open_:
+                del busy[worker]
+                reason = worker.exit_reason()
+                code = worker.proc.returncode
+                outcomes[index] = WorkerOutcome(
+                    failure="died",
+                    detail=reason,
+                    signal=-code if code is not None and code < 0 else None,
+                    peak_rss_mb=worker.peak_rss_mb,
+                    elapsed_s=time.monotonic() - start,
+                )
+                worker.stop()
+        now = time.monotonic()
+        for worker, (index, start) in list(busy.items()):
+            if start + timeout_s <= now:
+                del busy[worker]
+                worker.stop()
+                outcomes[index] = WorkerOutcome(failure="timeout", elapsed_s=now - start)
+    return outcomes
+
+
+def _score(fn, message: tuple) -> tuple:
+    kind = message[0]
+    if kind != "score":
+        return ("error", f"unknown request {kind!r}")
+    _, prompt, completion, reference = message
+    try:
+        return ("ok", call_reward(fn, prompt, completion, reference))
+    except Exception as exc:  # noqa: BLE001 - a failing reward is a counted error, not a crash
+        return ("error", _describe(exc), traceback.format_exc())
+
+
+def main() -> None:
+    serve(resolve_reward_function, _score)
 
 
 if __name__ == "__main__":

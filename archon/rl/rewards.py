@@ -23,31 +23,22 @@ timer), so the built-in math reward switches them off and relies on these limits
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import os
-import select
 import signal
-import subprocess
-import sys
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from archon.rl.reward_fns import call_reward, resolve_reward_function
-from archon.rl.reward_worker import _HEADER, read_message, write_message
+from archon.rl.reward_worker import WorkerProcess, run_on_workers
 
 logger = logging.getLogger(__name__)
 
-WORKER_STARTUP_TIMEOUT_S = 120.0
 MAX_LOGGED_FAILURES_PER_BATCH = 3
-EXIT_WAIT_S = 5.0
-"""How long a worker whose output closed gets to finish exiting before it counts as hung."""
 
 
 @dataclass
@@ -98,97 +89,6 @@ def _alarm(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-class _WorkerProcess:
-    """One reward worker process, seen from the parent."""
-
-    def __init__(self, spec: str):
-        self.spec = spec
-        self.proc: subprocess.Popen | None = None
-        self._buffer = b""
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def start(self) -> None:
-        """Start the process and load the reward function; raises RuntimeError on failure."""
-        self.stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "archon.rl.reward_worker", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        self._buffer = b""
-        self.send(("init", self.spec, list(sys.path)))
-        reply = self.receive(time.monotonic() + WORKER_STARTUP_TIMEOUT_S)
-        if reply is None or reply == "eof":
-            reason = self.exit_reason() if reply == "eof" else f"no reply in {WORKER_STARTUP_TIMEOUT_S:.0f} s"
-            self.stop()
-            raise RuntimeError(f"reward worker for {self.spec!r} did not start: {reason}")
-        if reply[0] != "ready":
-            self.stop()
-            raise RuntimeError(f"reward function {self.spec!r} could not be loaded: {reply[1]}")
-
-    def send(self, message: Any) -> None:
-        write_message(self.proc.stdin, message)
-
-    def fileno(self) -> int:
-        return self.proc.stdout.fileno()
-
-    def read_available(self) -> bool:
-        """Read what the pipe holds now; False at end of stream."""
-        chunk = os.read(self.fileno(), 1 << 16)
-        self._buffer += chunk
-        return bool(chunk)
-
-    def take_message(self) -> Any | None:
-        if len(self._buffer) < _HEADER.size:
-            return None
-        (size,) = _HEADER.unpack_from(self._buffer)
-        if len(self._buffer) < _HEADER.size + size:
-            return None
-        frame, self._buffer = self._buffer[: _HEADER.size + size], self._buffer[_HEADER.size + size :]
-        return read_message(io.BytesIO(frame))
-
-    def receive(self, deadline: float) -> Any | None:
-        """Wait for one reply until `deadline`: the message, "eof", or None on timeout."""
-        while (message := self.take_message()) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            readable, _, _ = select.select([self.fileno()], [], [], remaining)
-            if readable and not self.read_available():
-                return "eof"
-        return message
-
-    def exit_reason(self) -> str:
-        """Why the process ended, once its output has closed: its exit code or the signal that killed it."""
-        try:
-            code = self.proc.wait(timeout=EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            return f"it closed its output but was still running {EXIT_WAIT_S:.0f} s later"
-        if code >= 0:
-            return f"it exited with code {code}"
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:  # a signal without a name (real-time signals)
-            name = f"signal {-code}"
-        if -code == signal.SIGKILL:
-            return f"it was killed by {name} (the kernel's out-of-memory killer sends SIGKILL; see dmesg)"
-        return f"it was killed by {name}"
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        proc, self.proc = self.proc, None
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
-
-
 class RewardScorer:
     """Scores batches with the configured reward function; see the module doc for the time limits.
 
@@ -202,11 +102,14 @@ class RewardScorer:
         self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
         self.last_traceback: str | None = None
         self._fn = None
-        self._workers: list[_WorkerProcess] = []
+        self._workers: list[WorkerProcess] = []
         if config.num_workers == 0:
             self._fn = resolve_reward_function(config.function)
         else:
-            self._workers = [_WorkerProcess(config.function) for _ in range(config.num_workers)]
+            label = f"reward function {config.function!r}"
+            self._workers = [
+                WorkerProcess("archon.rl.reward_worker", config.function, label) for _ in range(config.num_workers)
+            ]
             try:
                 for worker in self._workers:
                     worker.start()
@@ -287,46 +190,17 @@ class RewardScorer:
     def _score_in_workers(self, samples):
         values = [0.0] * len(samples)
         failures = []
-        pending = deque(range(len(samples)))
-        busy: dict[_WorkerProcess, tuple[int, float]] = {}
-        while pending or busy:
-            for worker in self._workers:
-                if worker in busy or not pending:
-                    continue
-                index = pending.popleft()
-                try:
-                    if not worker.alive:
-                        worker.start()
-                    worker.send(("score", *samples[index]))
-                except (RuntimeError, OSError) as exc:
-                    worker.stop()
-                    failures.append(("error", index, f"reward worker unavailable: {exc}", None))
-                    continue
-                busy[worker] = (index, time.monotonic() + self.config.timeout_s)
-            if not busy:
-                continue
-            wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
-            readable, _, _ = select.select(list(busy), [], [], wait)
-            for worker in readable:
-                index, _ = busy[worker]
-                open_ = worker.read_available()
-                message = worker.take_message()
-                if message is not None:
-                    del busy[worker]
-                    if message[0] == "ok":
-                        values[index] = message[1]
-                    else:
-                        # ("error", description[, traceback text])
-                        failures.append(("error", index, message[1], message[2] if len(message) > 2 else None))
-                elif not open_:
-                    del busy[worker]
-                    reason = worker.exit_reason()
-                    worker.stop()
-                    failures.append(("error", index, f"reward worker died: {reason}", None))
-            now = time.monotonic()
-            for worker, (index, deadline) in list(busy.items()):
-                if deadline <= now:
-                    del busy[worker]
-                    worker.stop()
-                    failures.append(("timeout", index, f"over {self.config.timeout_s} s; worker restarted", None))
+        outcomes = run_on_workers(self._workers, [("score", *sample) for sample in samples], self.config.timeout_s)
+        for index, outcome in enumerate(outcomes):
+            if outcome.failure == "timeout":
+                failures.append(("timeout", index, f"over {self.config.timeout_s} s; worker restarted", None))
+            elif outcome.failure == "died":
+                failures.append(("error", index, f"reward worker died: {outcome.detail}", None))
+            elif outcome.failure == "unavailable":
+                failures.append(("error", index, f"reward worker unavailable: {outcome.detail}", None))
+            elif outcome.reply[0] == "ok":
+                values[index] = outcome.reply[1]
+            else:  # ("error", description[, traceback text])
+                reply = outcome.reply
+                failures.append(("error", index, reply[1], reply[2] if len(reply) > 2 else None))
         return values, failures
