@@ -27,7 +27,7 @@ class EnvironmentConfig:
     """The built-in environment's system message."""
     renderer: str | None = None
     """The chat format (archon.agents.renderer); default: the model family's."""
-    renderer_options: dict = field(default_factory=dict)
+    renderer_options: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Keyword arguments of the renderer, e.g. {"enable_thinking": false}."""
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     tool_timeout_s: float = 10.0
@@ -42,7 +42,7 @@ class EnvironmentConfig:
 
 def environment_factory(config: EnvironmentConfig, prompt_field: str):
     """(make_env, tools) for the configured environment."""
-    from archon.agents.tools import resolve_tool
+    from archon.agents.sandbox import resolve_tool
 
     if config.name == TOOL_USE:
         tools = [resolve_tool(spec) for spec in config.tools]
