@@ -112,3 +112,8 @@ def star_kwargs(word: str, **options: str) -> str:
 
 def unsupported(words: set[str]) -> str:
     return " ".join(words)
+
+
+def return_a_set() -> str:
+    """Returns a value that JSON cannot hold."""
+    return {1, 2}

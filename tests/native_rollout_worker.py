@@ -6,11 +6,14 @@ FSDP: the ranks generate different prompts (rank 1 fewer, and none at all in a s
 a cache table small enough that blocks are refilled, with a stop token, so the ranks need different
 numbers of prefills and decode steps and must keep their collectives in step. TP: both ranks
 generate the same prompts. Each rank's samples must equal those of the unsharded model generating
-the same prompts in one process; rank 0 writes the comparison.
+the same prompts in one process; rank 0 writes the comparison. Under FSDP the ranks also run a
+three-turn episode with kept sessions (each rank its own trajectories, so that the ranks prefill
+different numbers of tokens), against the unsharded model prefilling every trajectory in full.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -47,6 +50,20 @@ def _compare(got, expected) -> dict:
     return {"tokens_equal": bool(tokens_equal), "logprob_max_abs": gap, "samples": len(got)}
 
 
+def _episode(engine, prompts, sampling, keep: bool) -> list:
+    """Three turns over `prompts`, each trajectory extended by its completion and a few fixed
+    environment tokens between turns; every turn's samples."""
+    trajectories = [list(p) for p in prompts]
+    samples = []
+    for turn in range(3):
+        sessions = list(range(len(trajectories))) if keep else None
+        turn_samples = engine.generate(trajectories, sampling, sessions=sessions)
+        samples += turn_samples
+        for i, (trajectory, sample) in enumerate(zip(trajectories, turn_samples)):
+            trajectory += sample.completion_ids + [(31 * turn + 7 * i + k) % 256 for k in range(3 + 2 * i)]
+    return samples
+
+
 def main(out: str, hf_dir: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -70,6 +87,10 @@ def main(out: str, hf_dir: str) -> None:
             prompts = PROMPTS[:2] if rank == 0 else []
             expected = _summary(NativeRolloutEngine(reference).generate(prompts, sampling))
             results["fsdp2_one_rank_idle"] = _compare(_summary(engine.generate(prompts, sampling)), expected)
+            one = dataclasses.replace(sampling, n=1)  # a trajectory per prompt
+            expected = _summary(_episode(NativeRolloutEngine(reference, max_batch_sequences=4), mine[layout], one, keep=False))
+            results["fsdp2_sessions"] = _compare(_summary(_episode(engine, mine[layout], one, keep=True)), expected)
+            results["fsdp2_sessions"]["reused_tokens"] = engine.stats.reused_tokens
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -221,8 +221,9 @@ def test_sinks_and_sliding_windows_decode_equals_full_forward(tiny_checkpoint):
 
 
 def test_fsdp_and_tp_ranks_stay_in_lockstep(tiny_checkpoint, tmp_path):
-    """Under FSDP x2 (ranks with different prompts, one with none) and TP x2, each rank's samples
-    equal one process's, with blocks refilled at different times on each rank."""
+    """Under FSDP x2 (ranks with different prompts, one with none; a multi-turn episode with kept
+    sessions) and TP x2, each rank's samples equal one process's, with blocks refilled at different
+    times on each rank."""
     import json
     import os
     import subprocess
@@ -239,6 +240,7 @@ def test_fsdp_and_tp_ranks_stay_in_lockstep(tiny_checkpoint, tmp_path):
         for layout, figures in results.items():
             assert figures["tokens_equal"] and figures["logprob_max_abs"] <= 1e-5, (rank, layout, figures)
     assert json.loads(out.read_text())[1]["fsdp2_one_rank_idle"]["samples"] == 0
+    assert all(results["fsdp2_sessions"]["reused_tokens"] > 0 for results in json.loads(out.read_text()))
 
 
 def test_static_decode_shapes_equal_the_eager_step(tiny_checkpoint):

@@ -48,16 +48,6 @@ class EpisodeLimits:
     step_timeout_s: float = 60.0
     """Seconds an environment's reset or step may take."""
 
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tokens", "max_turn_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EpisodeLimits.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tool_calls < 0 or self.step_timeout_s <= 0:
-            raise ValueError(
-                f"EpisodeLimits.max_tool_calls must be >= 0 and step_timeout_s > 0, got {self.max_tool_calls}, "
-                f"{self.step_timeout_s}"
-            )
-
 
 class _Episode:
     def __init__(self, key, env: Environment, row: dict, group: int) -> None:
@@ -96,6 +86,9 @@ class EpisodeRunner:
     ) -> None:
         self.renderer, self.make_env, self.run_tools = renderer, make_env, run_tools
         self.tool_schemas = tool_schemas or None
+        for name in ("max_turns", "max_tokens", "max_turn_tokens"):
+            if getattr(limits, name) < 1:
+                raise ValueError(f"EpisodeLimits.{name} must be at least 1, got {getattr(limits, name)}")
         self.limits = limits
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="archon-env")
 

@@ -26,6 +26,7 @@ of each HF model_type in their ModelSpec (`renderers`).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -138,6 +139,10 @@ def get_renderer(name: str, tokenizer, **options) -> Renderer:
     names = renderer_names()
     if name not in _RENDERERS:
         raise ValueError(f"unknown renderer {name!r}; registered renderers: {names}")
+    accepted = inspect.signature(_RENDERERS[name].__init__).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"renderer {name!r} has no option {unknown[0]!r}; its options: {sorted(set(accepted) - {'self', 'tokenizer'})}")
     return _RENDERERS[name](tokenizer, **options)
 
 

@@ -155,7 +155,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
         out_text, out_chars = _read_output(stdout, limits.max_output_chars)
         err_text, err_chars = _read_output(stderr, limits.max_output_chars)
     if returncode:  # the traceback's end stays in view, stdout gives way
-        err_text = truncated("".join(err_text.splitlines(keepends=True)[-TRACEBACK_LINES:]), limits.max_output_chars // 2)
+        err_tail = "".join(err_text.splitlines(keepends=True)[-TRACEBACK_LINES:])
+        err_text = truncated(err_tail, limits.max_output_chars // 2)
         output = truncated(out_text, limits.max_output_chars - len(err_text), out_chars)
         output = f"{output}\n{err_text}" if output and not output.endswith("\n") else output + err_text
     else:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
 from archon.agents.environment import Environment, ToolUseEnvironment
 from archon.agents.episodes import EpisodeLimits, EpisodeRunner
 from archon.agents.renderer import default_renderer_name, get_renderer
+from archon.rl.reward_fns import import_function
 
 TOOL_USE = "tool_use"
 """The built-in environment's name (ToolUseEnvironment)."""
@@ -27,8 +27,9 @@ class EnvironmentConfig:
     """The built-in environment's system message."""
     renderer: str | None = None
     """The chat format (archon.agents.renderer); default: the model family's."""
-    renderer_options: dict[str, bool | int | float | str] = field(default_factory=dict)
-    """Keyword arguments of the renderer, e.g. {"enable_thinking": false}."""
+    enable_thinking: bool | None = None
+    """The renderer's thinking switch, for the formats that have one (false: the generation prompt
+    closes an empty reasoning block); None: the format's default."""
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     tool_timeout_s: float = 10.0
     tool_max_output_chars: int = 2048
@@ -49,13 +50,17 @@ def environment_factory(config: EnvironmentConfig, prompt_field: str):
         return (lambda: ToolUseEnvironment(tools, config.system_prompt, prompt_field)), tools
     if config.tools:
         raise ValueError(f"environment.tools is for the built-in {TOOL_USE!r} environment; {config.name} sets its own")
-    module_name, _, attr = config.name.partition(":")
-    if not module_name or not attr:
+    if ":" not in config.name:
         raise ValueError(f"environment.name {config.name!r} is neither {TOOL_USE!r} nor \"module:Class\"")
-    cls = getattr(importlib.import_module(module_name), attr, None)
+    module_name, _, attr = config.name.partition(":")
+    cls = import_function(module_name, attr, f"environment.name {config.name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment.name {config.name!r} is not an archon.agents.environment.Environment subclass")
     return cls, list(cls.tools)
+
+
+def renderer_options(config: EnvironmentConfig) -> dict:
+    return {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
 
 
 def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, prompt_field: str):
@@ -63,7 +68,7 @@ def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, 
     from archon.agents.tools import ToolRunner
 
     make_env, tools = environment_factory(config, prompt_field)
-    renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **config.renderer_options)
+    renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **renderer_options(config))
     tool_runner = ToolRunner(tools, timeout_s=config.tool_timeout_s, max_output_chars=config.tool_max_output_chars,
                              memory_mb=config.tool_memory_mb, num_workers=config.tool_workers)  # fmt: skip
     runner = EpisodeRunner(renderer, make_env, tool_runner.call_many, [tool.schema() for tool in tools], config.limits)

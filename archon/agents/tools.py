@@ -416,7 +416,8 @@ def _run_tool(state: dict[str, Any], message: tuple) -> tuple[str, ToolStatus, s
             value = state["functions"][name](**arguments)
     except MemoryError as exc:
         detail = f": {exc}" if str(exc) else ""
-        return ("reply", "memory", f"MemoryError{detail} ({name!r} went over its memory limit of {state['memory_mb']} MB)")
+        memory_mb = state["memory_mb"]
+        return ("reply", "memory", f"MemoryError{detail} ({name!r} went over its memory limit of {memory_mb} MB)")
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing tool is shown to the model
         return ("reply", "error", f"{type(exc).__name__}: {exc}")
     try:

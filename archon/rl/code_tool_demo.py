@@ -29,10 +29,9 @@ from pathlib import Path
 from archon.rl.tasks import ArithmeticTaskConfig
 
 RENDERER = "qwen3"
-RENDERER_OPTIONS = {"enable_thinking": False}
 TOOL = "python"
 """The demo's rendering: the Qwen3 chat format without reasoning, the python tool, no system message.
-A run of the demo must use the same (environment_problems)."""
+A run of the demo must use the same (demo_environment_problems)."""
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
                   "</tool_response>", "<think>", "</think>")  # fmt: skip
 END_OF_TEXT, END_OF_TURN = "<|endoftext|>", "<|im_end|>"
@@ -74,17 +73,17 @@ class CodeToolDemoConfig:
             )
 
 
-def environment_problems(environment) -> list[str]:
+def demo_environment_problems(environment) -> list[str]:
     """What keeps a run's environment section from being the one the demo's warm start was made for."""
     problems = []
     if environment.name != "tool_use":
         problems.append(f"environment.name={environment.name!r}: the code-tool demo runs the 'tool_use' environment")
     if set(environment.tools) - {TOOL}:
         problems.append(f"environment.tools={list(environment.tools)}: the code-tool demo offers {TOOL!r} or no tool")
-    if environment.renderer not in (None, RENDERER) or dict(environment.renderer_options) != RENDERER_OPTIONS:
+    if environment.renderer not in (None, RENDERER) or environment.enable_thinking is not False:
         problems.append(
-            f"environment.renderer={environment.renderer!r} with renderer_options={environment.renderer_options}: "
-            f"the code-tool demo's model was warm-started in the {RENDERER!r} format with {RENDERER_OPTIONS}"
+            f"environment.renderer={environment.renderer!r} with enable_thinking={environment.enable_thinking}: the "
+            f"code-tool demo's model was warm-started in the {RENDERER!r} format with enable_thinking false"
         )
     if environment.system_prompt is not None:
         problems.append("environment.system_prompt: the code-tool demo's model was warm-started without one")
@@ -138,7 +137,7 @@ def train_tokenizer(code_tool: CodeToolDemoConfig, conversations: list[dict]):
 def demo_renderer(tokenizer):
     from archon.agents.renderer import get_renderer
 
-    return get_renderer(RENDERER, tokenizer, **RENDERER_OPTIONS)
+    return get_renderer(RENDERER, tokenizer, enable_thinking=False)
 
 
 def operands(prompt: str) -> tuple[str, str]:

@@ -10,8 +10,6 @@ per token across turns.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
 
@@ -36,7 +34,7 @@ def episode_samples(task, examples, sampling: SamplingParams, engine, adapter: i
     engine every episode keeps its KV cache between turns, and every rank of the engine's sync group
     runs the same number of turns (a rank whose episodes are over generates nothing, in step).
     adapter: on a multi-task model, the task's adapter index."""
-    if isinstance(engine, NativeRolloutEngine) and "sessions" in inspect.signature(engine.generate).parameters:
+    if isinstance(engine, NativeRolloutEngine):
         def generate(prompts, turn_sampling, sessions):
             if adapter is None:
                 return engine.generate(prompts, turn_sampling, sessions=sessions)

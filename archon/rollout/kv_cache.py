@@ -10,16 +10,50 @@ A step is one of two kinds, announced by the engine before the forward:
   in the blocks' prefixes and attends over the packed prompts as in training (`attention` returns
   None). A recurrent layer (linear attention) copies the state it reached at the end of the prompt
   to every row of the block.
+  A prompt may continue a kept state (`KeptState`: what an earlier generation left for a prefix of
+  the prompt, `load_kept` puts it in the block first): only the prompt's remaining tokens are packed,
+  at positions `offset`, `offset + 1`, ...; an attention layer then stores their keys/values after
+  the kept ones and returns the attention of the new queries over [kept keys ; new keys] (causal at
+  those positions, sliding windows and sinks included); a recurrent layer starts from the kept conv
+  window and state (`recurrent_state`) instead of zeros.
 - `begin_decode`: one token for each of the first `num_rows` rows, in row order. Each layer writes
   the token's key/value at its suffix position, and attends over the block's prefix (one batched
   product per block for all its rows: the prefix is read once per group) and the row's suffix,
   with one softmax over both. Nothing is gathered or copied per token: prefix and suffix are read
-  in place, masked by each row's lengths.
+  in place, masked by each row's lengths. A row that is done keeps its recurrent state: it stays
+  the one reached after the row's tokens (all but its last sampled one) until the block is refilled.
+
+`row_state` copies out what one row holds for its prompt and all but its last generated token (the
+last has not been through the model), to be kept for the sequence's next turn.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from archon.models.common.attention import causal_attention_after_prefix
+
+
+@dataclass
+class KeptLayerState:
+    """One layer's kept state for a sequence of L tokens: keys [Hkv, L, Dk] and values [Hkv, L, Dv]
+    (attention), or the conv window and recurrent state after the L tokens (a recurrent layer)."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    conv_window: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+
+
+@dataclass
+class KeptState:
+    """What the cache held for one sequence after a generation: `tokens` went through the model, and
+    `layers` hold each layer's state after them."""
+
+    tokens: list[int]
+    layers: list[KeptLayerState]
 
 
 class KVCache:
@@ -41,6 +75,9 @@ class KVCache:
         self.token_blocks: torch.Tensor | None = None
         self.token_positions: torch.Tensor | None = None
         self.prompt_blocks: torch.Tensor | None = None
+        # prefill after kept prefixes: each packed prompt's offset (None when all are 0) and length
+        self.prompt_offsets: torch.Tensor | None = None
+        self.prompt_lens: list[int] = []
         # decode: rows in the step, and the key spans read (upper bounds; the masks do the rest)
         self.num_rows = 0
         self.prefix_span = 0
@@ -48,6 +85,7 @@ class KVCache:
         self.suffix_positions: torch.Tensor | None = None
         self.query_positions: torch.Tensor | None = None
         self.row_prompt_lens: torch.Tensor | None = None
+        self.live_rows: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
 
     @property
@@ -57,14 +95,33 @@ class KVCache:
     def layer(self, index: int) -> "LayerKVCache":
         return self._layers[index]
 
-    def begin_prefill(self, blocks: torch.Tensor, prompt_lens: torch.Tensor) -> None:
-        """blocks, prompt_lens: [N] for the N prompts packed (in this order) in the next forward."""
-        if int(prompt_lens.max()) > self.max_prompt_len:
-            raise ValueError(f"a prompt of {int(prompt_lens.max())} tokens exceeds the cache's {self.max_prompt_len}")
+    def begin_prefill(self, blocks: torch.Tensor, prompt_lens: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
+        """blocks, prompt_lens: [N] for the N prompts packed (in this order) in the next forward.
+        offsets: [N] how many tokens of each prompt its block already holds (`load_kept`), which the
+            packed tokens follow; None: none."""
+        if offsets is not None and not bool(offsets.any()):
+            offsets = None
+        ends = prompt_lens if offsets is None else offsets + prompt_lens
+        if int(ends.max()) > self.max_prompt_len:
+            raise ValueError(f"a prompt of {int(ends.max())} tokens exceeds the cache's {self.max_prompt_len}")
         self.decoding = False
         self.prompt_blocks = blocks.to(self.device)
+        self.prompt_lens = prompt_lens.tolist()
+        self.prompt_offsets = None if offsets is None else offsets.to(self.device)
         self.token_blocks = torch.repeat_interleave(blocks, prompt_lens).to(self.device)
-        self.token_positions = torch.cat([torch.arange(n) for n in prompt_lens.tolist()]).to(self.device)
+        starts = [0] * len(self.prompt_lens) if offsets is None else offsets.tolist()
+        self.token_positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.prompt_lens)]).to(self.device)
+
+    def load_kept(self, block: int, kept: KeptState) -> None:
+        """Put a kept state in `block` (its prefix's first len(kept.tokens) keys/values, or the
+        recurrent state of its rows), for a prefill that continues it (begin_prefill's offsets)."""
+        for layer, state in zip(self._layers, kept.layers):
+            layer.load_kept(block, state)
+
+    def row_state(self, row: int, prompt_len: int, generated: int) -> list[KeptLayerState]:
+        """Each layer's state of `row` after its block's prompt (prompt_len tokens) and its first
+        `generated` generated tokens (copies)."""
+        return [layer.row_state(row, prompt_len, generated) for layer in self._layers]
 
     def begin_decode(
         self,
@@ -73,6 +130,7 @@ class KVCache:
         row_prompt_lens: torch.Tensor,
         prefix_span: int,
         suffix_span: int,
+        live_rows: torch.Tensor | None = None,
     ) -> None:
         """The next forward holds one token for each of rows 0..num_rows-1 (a multiple of group_size).
 
@@ -80,6 +138,8 @@ class KVCache:
             row's generated tokens); row_prompt_lens [num_rows]: the length of the row's prompt.
         prefix_span, suffix_span: how many prefix / suffix keys the step reads, at least the longest
             prompt of the blocks in the step and the largest suffix position + 1.
+        live_rows [num_rows] bool: the rows still generating; the others keep their recurrent state
+            (None: every row updates it).
         """
         if num_rows % self.group_size or num_rows > self.num_rows_total:
             raise ValueError(f"a decode step covers whole blocks: {num_rows} rows for groups of {self.group_size}")
@@ -89,6 +149,7 @@ class KVCache:
         self.num_rows, self.prefix_span, self.suffix_span = num_rows, prefix_span, suffix_span
         self.suffix_positions = suffix_positions
         self.row_prompt_lens = row_prompt_lens
+        self.live_rows = live_rows
         self.query_positions = row_prompt_lens + suffix_positions
         self._masks = {}
 
@@ -124,10 +185,17 @@ class LayerKVCache:
     # ---- recurrent layers ------------------------------------------------------------------------
     def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv windows [N, ...], recurrent states [N, ...]) the step's N packed sequences start
-        from: (None, None) at a prefill (zero), else the first num_rows rows' states, read in place."""
+        from: at a prefill (None, None) (zero), or when prompts continue kept states, those states
+        (zero for the other prompts); at a decode step the first num_rows rows' states, read in place."""
         c = self.cache
-        if not c.decoding or self.recurrent is None:
+        if self.recurrent is None:
             return None, None
+        if not c.decoding:
+            if c.prompt_offsets is None:
+                return None, None
+            rows = c.prompt_blocks * c.group_size  # a block's rows hold the same loaded state
+            kept = c.prompt_offsets > 0
+            return _where_rows(kept, self.conv_window[rows], 0.0), _where_rows(kept, self.recurrent[rows], 0.0)
         return self.conv_window[: c.num_rows], self.recurrent[: c.num_rows]
 
     def store_recurrent_state(self, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
@@ -139,6 +207,9 @@ class LayerKVCache:
             self.recurrent = recurrent.new_zeros(c.num_rows_total, *recurrent.shape[1:])
         conv_window, recurrent = conv_window.detach(), recurrent.detach()
         if c.decoding:
+            if c.live_rows is not None:
+                conv_window = _where_rows(c.live_rows, conv_window, self.conv_window[: c.num_rows])
+                recurrent = _where_rows(c.live_rows, recurrent, self.recurrent[: c.num_rows])
             self.conv_window[: c.num_rows] = conv_window
             self.recurrent[: c.num_rows] = recurrent
             return
@@ -150,7 +221,43 @@ class LayerKVCache:
         g = self.cache.group_size
         return (blocks[:, None] * g + torch.arange(g, device=blocks.device)).reshape(-1)
 
+    # ---- kept states -----------------------------------------------------------------------------
+    def load_kept(self, block: int, state: KeptLayerState) -> None:
+        c = self.cache
+        if state.recurrent is not None:
+            if self.recurrent is None:
+                self.conv_window = state.conv_window.new_zeros(c.num_rows_total, *state.conv_window.shape)
+                self.recurrent = state.recurrent.new_zeros(c.num_rows_total, *state.recurrent.shape)
+            rows = slice(block * c.group_size, (block + 1) * c.group_size)
+            self.conv_window[rows] = state.conv_window
+            self.recurrent[rows] = state.recurrent
+        if state.keys is not None:
+            if self.prefix_k is None:
+                self._allocate(state.keys, state.values)
+            length = state.keys.shape[1]
+            self.prefix_k[block, :, :length] = state.keys
+            self.prefix_v[block, :, :length] = state.values
+
+    def row_state(self, row: int, prompt_len: int, generated: int) -> KeptLayerState:
+        block = row // self.cache.group_size
+        state = KeptLayerState()
+        if self.recurrent is not None:
+            state.conv_window, state.recurrent = self.conv_window[row].clone(), self.recurrent[row].clone()
+        if self.prefix_k is not None:
+            state.keys = torch.cat([self.prefix_k[block, :, :prompt_len], self.suffix_k[row, :, :generated]], dim=1)
+            state.values = torch.cat([self.prefix_v[block, :, :prompt_len], self.suffix_v[row, :, :generated]], dim=1)
+        return state
+
     # ---- attention layers ------------------------------------------------------------------------
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The prefix and suffix tables for keys like k [Hkv, L, Dk] and values v [Hkv, L, Dv]."""
+        c = self.cache
+        hkv, dk, dv = k.shape[0], k.shape[-1], v.shape[-1]
+        self.prefix_k = k.new_zeros(c.num_blocks, hkv, c.max_prompt_len, dk)
+        self.prefix_v = v.new_zeros(c.num_blocks, hkv, c.max_prompt_len, dv)
+        self.suffix_k = k.new_zeros(c.num_rows_total, hkv, c.max_new_tokens, dk)
+        self.suffix_v = v.new_zeros(c.num_rows_total, hkv, c.max_new_tokens, dv)
+
     def attention(
         self,
         q: torch.Tensor,
@@ -161,28 +268,39 @@ class LayerKVCache:
         sliding_window: int | None = None,
     ) -> torch.Tensor | None:
         """Store the step's k [T, Hkv, Dk] and v [T, Hkv, Dv]. At a prefill return None (attend over
-        the packed prompts as usual); at a decode step return the attention output [T, H, Dv] of
-        q [T, H, Dk] over each row's prompt and generated tokens.
+        the packed prompts as usual), or, when prompts continue kept states, the attention output
+        [T, H, Dv] of q [T, H, Dk] over each prompt's kept and new keys; at a decode step the
+        attention output over each row's prompt and generated tokens.
 
         sinks: [H] sink logits that join every softmax denominator (GPT-OSS), or None.
         sliding_window: a query sees itself and the sliding_window - 1 keys before it, or None.
         """
         c = self.cache
         if self.prefix_k is None:
-            hkv = k.shape[1]
-            self.prefix_k = k.new_zeros(c.num_blocks, hkv, c.max_prompt_len, k.shape[2])
-            self.prefix_v = v.new_zeros(c.num_blocks, hkv, c.max_prompt_len, v.shape[2])
-            self.suffix_k = k.new_zeros(c.num_rows_total, hkv, c.max_new_tokens, k.shape[2])
-            self.suffix_v = v.new_zeros(c.num_rows_total, hkv, c.max_new_tokens, v.shape[2])
+            self._allocate(k.transpose(0, 1), v.transpose(0, 1))
         k, v = k.detach(), v.detach()
         if not c.decoding:
             self.prefix_k[c.token_blocks, :, c.token_positions] = k.to(self.prefix_k.dtype)
             self.prefix_v[c.token_blocks, :, c.token_positions] = v.to(self.prefix_v.dtype)
-            return None
+            if c.prompt_offsets is None:
+                return None
+            return self._prefill_attention(q, scale, sinks, sliding_window)
         rows = torch.arange(c.num_rows, device=q.device)
         self.suffix_k[rows, :, c.suffix_positions] = k.to(self.suffix_k.dtype)
         self.suffix_v[rows, :, c.suffix_positions] = v.to(self.suffix_v.dtype)
         return self._decode_attention(q, scale, sinks, sliding_window)
+
+    def _prefill_attention(self, q, scale, sinks, sliding_window) -> torch.Tensor:
+        """q [T, H, Dk] of the packed prompts -> [T, H, Dv]: each prompt's queries over its block's
+        prefix keys up to its last token (the kept ones, then its own), causally at their positions."""
+        c = self.cache
+        ends = (c.prompt_offsets.cpu() + torch.tensor(c.prompt_lens)).tolist()
+        outputs = []
+        for q_seq, block, end in zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), ends):
+            k_seq, v_seq = self.prefix_k[block, :, :end], self.prefix_v[block, :, :end]
+            out = causal_attention_after_prefix(q_seq.transpose(0, 1).to(k_seq.dtype), k_seq, v_seq, scale, sinks, sliding_window)
+            outputs.append(out.transpose(0, 1))
+        return torch.cat(outputs, dim=0)
 
     def _decode_attention(self, q, scale, sinks, sliding_window) -> torch.Tensor:
         """q [R, H, Dk] -> [R, H, Dv]: softmax over [prefix keys | suffix keys (| sink)] per row."""
@@ -213,3 +331,8 @@ class LayerKVCache:
         out = (prefix_probs @ prefix_v).view(nb, hkv, G, rep, Dv).transpose(1, 2).reshape(R, hkv, rep, Dv)
         out = out + probs[..., Lp:] @ suffix_v
         return out.reshape(R, H, Dv)
+
+
+def _where_rows(keep: torch.Tensor, x: torch.Tensor, other) -> torch.Tensor:
+    """x [N, ...] where keep [N] is true, else `other` (a tensor like x, or a number)."""
+    return torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, other)

@@ -18,6 +18,16 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
 - On CUDA (one process, one task), the decode step is captured once per `generate` in a CUDA
   graph and replayed: one launch per step instead of one per op (`cuda_graphs`).
 
+Kept sessions (multi-turn generation): with `generate(..., sessions=)`, each sample's cached state
+(every layer's keys/values; a recurrent layer's conv window and state) for its prompt and all but
+its last completion token (that one has not been through the model yet) is kept under the sample's
+key. When a later prompt under that key starts with those tokens, with the same adapter version and
+task, its block is loaded with the kept state and only the remaining tokens are prefilled, at
+their positions after it (archon/rollout/kv_cache.py); otherwise the prompt is prefilled in full
+and the kept state dropped. A group of `n` samples extends the longest kept state any of its keys
+holds. Kept state is bounded by `max_session_tokens` (least recently used first out); an evicted
+session is prefilled in full next time. `stats` counts the tokens prefilled, reused and decoded.
+
 Log-probs: each token's log-prob is that of the distribution it was actually drawn from, the
 behaviour policy: temperature-scaled logits, truncated by top-k then top-p, renormalised (the same
 as vLLM's `processed_logprobs`, which the vLLM servers are launched with). Without truncation that
@@ -45,7 +55,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +65,7 @@ from torch import nn
 
 from archon.lora import adapter_routing, cached_task_factors, task_names
 from archon.rollout.base import Sample, SamplingParams
-from archon.rollout.kv_cache import KVCache
+from archon.rollout.kv_cache import KeptState, KVCache
 from archon.rollout.policy import ServedPolicy
 
 logger = logging.getLogger(__name__)
@@ -127,6 +138,30 @@ class _Group:
     """The task whose adapter the group samples with (multi-task models)."""
     generator: torch.Generator | None = None
     """The group's own sampling generator (multi-task generation with a seed)."""
+    session_keys: list[Hashable] | None = None
+    """The keys its samples' states are kept under (one per sample), or None."""
+    kept: KeptState | None = None
+    """A kept state for a prefix of the prompt, which the prefill continues."""
+
+
+@dataclass
+class RolloutStats:
+    """Token counts of the engine's generations (since it was built or `reset_stats`)."""
+
+    prefill_tokens: int = 0
+    """Prompt tokens that went through prefills (once per group of samples sharing a prompt)."""
+    reused_tokens: int = 0
+    """Prompt tokens read from kept sessions instead of being prefilled."""
+    decode_tokens: int = 0
+    """Tokens sampled by decode steps (each sample's tokens after the first, which its prefill samples)."""
+
+
+@dataclass
+class _Session:
+    kept: KeptState
+    version: int
+    """The adapter version the state was computed with."""
+    adapter: int
 
 
 ADAPTER_SEED_STRIDE = 1_000_033
@@ -143,7 +178,9 @@ class NativeRolloutEngine:
     cuda_graphs: on a CUDA device, replay the decode step from a CUDA graph (captured once per
     `generate`, over the whole table and the longest spans, so that every step has one shape); a
     model whose step cannot be captured (host syncs in MoE routing or in recurrent layers) decodes
-    eagerly instead. Ignored off CUDA."""
+    eagerly instead. Ignored off CUDA.
+    max_session_tokens: the most tokens of kept session state (`generate(..., sessions=)`) held at
+    once, the least recently used sessions evicted beyond it; None: no bound (`end_sessions` frees)."""
 
     def __init__(
         self,
@@ -154,11 +191,14 @@ class NativeRolloutEngine:
         share_prompt_prefix: bool = True,
         stop_check_interval: int = 8,
         cuda_graphs: bool = True,
+        max_session_tokens: int | None = None,
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
                 f"max_batch_sequences ({max_batch_sequences}) and stop_check_interval ({stop_check_interval}) must be >= 1"
             )
+        if max_session_tokens is not None and max_session_tokens < 0:
+            raise ValueError(f"max_session_tokens must be >= 0 or None, got {max_session_tokens}")
         self.model = model
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
@@ -170,6 +210,55 @@ class NativeRolloutEngine:
         self.sync_group = sync_group
         if sync_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self.sync_group = dist.group.WORLD
+        self.max_session_tokens = max_session_tokens
+        self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
+        """Kept sessions by key, least recently used first."""
+        self._session_tokens = 0
+        self.stats = RolloutStats()
+
+    def reset_stats(self) -> None:
+        self.stats = RolloutStats()
+
+    @property
+    def session_tokens(self) -> int:
+        """Tokens of kept session state held now."""
+        return self._session_tokens
+
+    def end_sessions(self, keys) -> None:
+        """Free the state kept under `keys` (unknown keys are ignored)."""
+        for key in keys:
+            self._drop_session(key)
+
+    def clear_sessions(self) -> None:
+        self._sessions.clear()
+        self._session_tokens = 0
+
+    def _drop_session(self, key) -> _Session | None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._session_tokens -= len(session.kept.tokens)
+        return session
+
+    def _keep_session(self, key, session: _Session) -> None:
+        self._drop_session(key)
+        self._sessions[key] = session
+        self._session_tokens += len(session.kept.tokens)
+        while self.max_session_tokens is not None and self._session_tokens > self.max_session_tokens:
+            self._drop_session(next(iter(self._sessions)))
+
+    def _take_kept_states(self, groups: list[_Group], version: int) -> None:
+        """Give each group the longest state its keys keep for a prefix of its prompt (same adapter
+        version and task, at least one prompt token left to prefill); the call's keys are taken out
+        of the store, to be replaced by its samples' states."""
+        for group in groups:
+            for key in group.session_keys:
+                session = self._drop_session(key)
+                if session is None or session.version != version or session.adapter != group.adapter:
+                    continue
+                tokens = session.kept.tokens
+                if len(tokens) < len(group.prompt) and group.prompt[: len(tokens)] == tokens:
+                    if group.kept is None or len(tokens) > len(group.kept.tokens):
+                        group.kept = session.kept
 
     def _agree(self, admitted: bool, decode_steps: int) -> tuple[bool, int]:
         """(whether any rank prefills, the most decode steps any rank needs) over the sync group."""
@@ -192,10 +281,14 @@ class NativeRolloutEngine:
         sampling: SamplingParams,
         adapters: list[int] | None = None,
         adapter_seeds: dict[int, int] | None = None,
+        sessions: list[Hashable] | None = None,
     ) -> list[Sample]:
         """adapters: on a multi-task model, the task index whose adapter each prompt samples with.
         adapter_seeds: each task's sampling seed (by task index), when a task's samples must not
-        depend on its index (default: sampling.seed + ADAPTER_SEED_STRIDE * task)."""
+        depend on its index (default: sampling.seed + ADAPTER_SEED_STRIDE * task).
+        sessions: a key per returned sample (len(prompts) * sampling.n, in the output order): the
+        sample's cached state is kept under it, and a prompt whose key keeps the state of a prefix
+        of it prefills only the rest (see the module docstring)."""
         if self.share_prompt_prefix and sampling.n > self.max_batch_sequences:
             raise ValueError(
                 f"sampling.n={sampling.n} exceeds max_batch_sequences={self.max_batch_sequences}: the n samples "
@@ -206,6 +299,14 @@ class NativeRolloutEngine:
                 raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
         if adapters is not None and len(adapters) != len(prompts):
             raise ValueError(f"adapters has {len(adapters)} entries for {len(prompts)} prompts")
+        if sessions is not None:
+            if len(sessions) != len(prompts) * sampling.n:
+                raise ValueError(
+                    f"sessions has {len(sessions)} keys for {len(prompts)} prompts x sampling.n={sampling.n} "
+                    "samples: it needs one key per returned sample"
+                )
+            if len(set(sessions)) != len(sessions):
+                raise ValueError("sessions repeats a key: each sample's state needs a key of its own")
         multi_task_model = bool(task_names(self.model))
         if multi_task_model and adapters is None:
             if prompts:
@@ -222,6 +323,9 @@ class NativeRolloutEngine:
             groups = [_Group(i, list(p), sampling.n, task_of_prompt[i]) for i, p in enumerate(prompts)]
         else:
             groups = [_Group(i, list(p), 1, task_of_prompt[i]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        if sessions is not None:  # groups are in the output order
+            for j, group in enumerate(groups):
+                group.session_keys = list(sessions[j * group.samples : (j + 1) * group.samples])
         if adapters is not None and sampling.seed is not None:
             if adapter_seeds is None:
                 adapter_seeds = {task: sampling.seed + ADAPTER_SEED_STRIDE * task for task in set(adapters)}
@@ -239,8 +343,10 @@ class NativeRolloutEngine:
         # the adapters do not change during a generation: every layer stacks its tasks' factors once
         factors = cached_task_factors(self.model) if multi_task_model else contextlib.nullcontext()
         with self.policy.lease() as (_, version), factors:
+            if sessions is not None:
+                self._take_kept_states(groups, version)
             try:
-                samples = _Generation(self, groups, sampling, generator, multi_task=adapters is not None).run()
+                samples = _Generation(self, groups, sampling, generator, multi_task=adapters is not None, version=version).run()
             finally:
                 self.model.train(was_training)
         for s in samples:
@@ -258,8 +364,11 @@ class _Generation:
         sampling: SamplingParams,
         generator,
         multi_task: bool = False,
+        version: int = 0,
     ):
         self.engine, self.model, self.device = engine, engine.model, engine.device
+        self.version = version
+        """The adapter version kept session states are tagged with."""
         self.sampling, self.generator = sampling, generator
         self.groups = groups
         G = groups[0].samples if groups else 1
@@ -335,14 +444,24 @@ class _Generation:
         return torch.tensor([b * G + j for b in blocks for j in range(G)], device=self.device)
 
     def _prefill(self, blocks: list[int]) -> None:
-        """Prefill the prompts of `blocks` (packed) and sample the first token of each of their rows."""
+        """Prefill the prompts of `blocks` (packed; after the kept state a group continues, only the
+        rest of its prompt) and sample the first token of each of their rows."""
         dev = self.device
-        prompts = [self.groups[self.block_group[b]].prompt for b in blocks]
+        offsets = []
+        for b in blocks:
+            group = self.groups[self.block_group[b]]
+            offsets.append(0 if group.kept is None else len(group.kept.tokens))
+            if group.kept is not None:
+                self.cache.load_kept(b, group.kept)
+                group.kept = None  # released once in the cache
+        prompts = [self.groups[self.block_group[b]].prompt[offset:] for b, offset in zip(blocks, offsets)]
         lens = torch.tensor([len(p) for p in prompts])
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
         tokens = torch.tensor([t for p in prompts for t in p], device=dev)
-        positions = torch.cat([torch.arange(n) for n in lens.tolist()]).to(dev)
-        self.cache.begin_prefill(torch.tensor(blocks), lens)
+        positions = torch.cat([torch.arange(o, o + n) for o, n in zip(offsets, lens.tolist())]).to(dev)
+        self.cache.begin_prefill(torch.tensor(blocks), lens, torch.tensor(offsets))
+        self.engine.stats.prefill_tokens += int(lens.sum())
+        self.engine.stats.reused_tokens += sum(offsets)
         rows = self._rows(blocks)
         if self.multi_task:
             block_adapters = torch.tensor([self.groups[self.block_group[b]].adapter for b in blocks], device=dev)
@@ -358,7 +477,7 @@ class _Generation:
         self.tokens[rows, 0], self.logprobs[rows, 0] = first, first_lp
         self.ngen[rows] = 1
         self.done[rows] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
-        self.prompt_lens[rows] = lens.repeat_interleave(self.G).to(dev)
+        self.prompt_lens[rows] = (lens + torch.tensor(offsets)).repeat_interleave(self.G).to(dev)
 
     def _decode(self, busy: list[int]) -> None:
         """One decode step: feed each row its last token. Eager: over the rows of blocks up to the
@@ -413,7 +532,7 @@ class _Generation:
         ngen, done = self.ngen[:R], self.done[:R]
         suffix_pos = (ngen - 1).clamp(min=0)
         last = self.tokens[:R].gather(1, suffix_pos[:, None])[:, 0]
-        self.cache.begin_decode(R, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span)
+        self.cache.begin_decode(R, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span, live_rows=~done)
         logits = self._forward(
             self.row_adapter[:R] if self.multi_task else None,
             last, self.prompt_lens[:R] + suffix_pos, torch.arange(R + 1, device=self.device), 1, cache=self.cache,
@@ -472,6 +591,10 @@ class _Generation:
                 r = i * self.G + j
                 n = int(ngen[r])
                 completion = tokens[r, :n].tolist()
+                self.engine.stats.decode_tokens += n - 1
+                if group.session_keys is not None:  # the last token has not been through the model
+                    kept = KeptState(group.prompt + completion[:-1], self.cache.row_state(b * self.G + j, len(group.prompt), n - 1))
+                    self.engine._keep_session(group.session_keys[j], _Session(kept, self.version, group.adapter))
                 self.samples[self.block_group[b]].append(
                     Sample(
                         prompt_index=group.prompt_index,

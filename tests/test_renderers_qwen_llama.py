@@ -1,0 +1,298 @@
+"""Renderers of the Qwen and Llama families against their real chat templates (tests/fixtures/chat_templates).
+
+For each family: render_prompt gives the template's text and ids on hand-written conversations; over
+1,000 generated episodes the trajectory (prompt, sampled turns verbatim, bridged environment messages)
+is the template's sampled turns plus its environment text, and equals the template's rendering of the
+whole conversation up to the documented differences; parse_turn reads each turn back; malformed
+tool calls give a parse_error that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from archon.agents.renderer import default_renderer_name, get_renderer
+from archon.agents.tools import ToolCall
+from renderer_cases import TOOLS, build_bpe_tokenizer, random_conversation, read_template, simulate_episode
+
+N_EPISODES = 1000
+
+# ---- Qwen3 ---------------------------------------------------------------------------------------------
+
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # fmt: skip
+QWEN3_SPECIAL = [*QWEN_SPECIAL, "<think>", "</think>"]
+QWEN3_HEADER, QWEN_STOPS = "<|im_start|>assistant", ("<|im_end|>",)
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+@functools.cache
+def family_tokenizer(template: str, special: tuple[str, ...], reasoning: bool):
+    """A BPE tokenizer trained on 300 conversations the family's template renders."""
+    chat_template = read_template(template)
+    rng = random.Random(12345)
+    corpus = []
+    for _ in range(300):
+        conversation = random_conversation(rng, special, reasoning=reasoning)
+        rendered, _ = render_jinja_template([conversation.messages()], tools=conversation.tools, chat_template=chat_template)
+        corpus.append(rendered[0])
+    return build_bpe_tokenizer(list(special), corpus, 3000, chat_template=chat_template)
+
+
+def qwen3_tokenizer():
+    return family_tokenizer("qwen3", tuple(QWEN3_SPECIAL), True)
+
+
+def template_ids(tokenizer, messages, tools=None, generation_prompt=True, **options):
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **options
+    )
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+QWEN3_CONVERSATION = [
+    {"role": "system", "content": "You are a careful agent.\nAnswer briefly."},
+    {"role": "user", "content": "Weather in Paris and Tōkyō?  "},
+    {
+        "role": "assistant",
+        "content": "Let me look both up.",
+        "reasoning_content": "Two cities,\ntwo calls.",
+        "tool_calls": [call("get_weather", city="Paris", days=2), call("get_weather", city="東京", units="c")],
+    },
+    {"role": "tool", "content": '{"temp": 21}'},
+    {"role": "tool", "content": "Error: timeout\n"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Retry Tokyo.",
+        "tool_calls": [call("get_weather", city="Tokyo")],
+    },
+    {"role": "tool", "content": "18 °C"},
+    {"role": "assistant", "content": "Paris 21 °C, Tokyo 18 °C.", "reasoning_content": "Done."},
+    {"role": "user", "content": "And in Fahrenheit?\n"},
+    {"role": "assistant", "content": "\n\n70 °F and 64 °F.", "reasoning_content": "\nconvert\n"},
+    {"role": "user", "content": "Thanks! Search for more?"},
+    {
+        "role": "assistant",
+        "content": "Sure:\n",
+        "reasoning_content": "search",
+        "tool_calls": [call("search", query="paris \"weather\" {x}", limit=3)],
+    },
+    {"role": "tool", "content": "[]"},
+]
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no_tools"])
+@pytest.mark.parametrize("enable_thinking", [True, False])
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no_system"])
+def test_qwen3_render_prompt_is_the_template(tools, enable_thinking, system):
+    tokenizer = qwen3_tokenizer()
+    renderer = get_renderer("qwen3", tokenizer, enable_thinking=enable_thinking)
+    conversation = QWEN3_CONVERSATION if system else QWEN3_CONVERSATION[1:]
+    for end in range(1, len(conversation) + 1):
+        if conversation[end - 1]["role"] == "assistant":
+            continue
+        messages = conversation[:end]
+        text, ids = template_ids(tokenizer, messages, tools, enable_thinking=enable_thinking)
+        rendered = renderer.render_prompt(messages, tools=tools)
+        assert renderer.decode(rendered) == text
+        assert rendered == ids
+
+
+def test_qwen3_prompt_by_hand():
+    """The format written out for a short conversation (tools in the system turn, the grouped tool
+    results, the earlier turn's reasoning dropped after the new user message)."""
+    tokenizer = qwen3_tokenizer()
+    renderer = get_renderer("qwen3", tokenizer)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "", "reasoning_content": "R", "tool_calls": [call("f", x="é")]},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "A", "reasoning_content": "R2"},
+        {"role": "user", "content": "Q2"},
+    ]
+    expected = (
+        "<|im_start|>system\nS\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "f", "parameters": {}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nQ<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"x": "é"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert renderer.decode(renderer.render_prompt(messages, tools=[tool])) == expected
+    assert template_ids(tokenizer, messages, [tool])[0] == expected
+
+
+def qwen3_template_text(episode, enable_thinking: bool) -> str:
+    """The template's rendering of the whole episode, from the trajectory's pieces and the documented
+    differences: an assistant turn that is not the last message loses its <think> block when it is at
+    or before the last user query or its reasoning is empty, and is then written with its content as
+    given (the newlines the <think> branch strips kept)."""
+    messages = episode.conversation.messages()
+    last_query = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    segments = [text for _, text, _ in episode.segments]
+    message_index = len(episode.conversation.first) - 1
+    segment_index = 0
+    for assistant, environment in episode.conversation.turns:
+        message_index += 1
+        segment_index += 1  # the turn's segment
+        is_last = message_index == len(messages) - 1
+        reasoning = assistant.get("reasoning_content") or ""
+        if not is_last and (message_index <= last_query or not reasoning):
+            content = assistant["content"]
+            leading_newlines = content[: len(content) - len(content.lstrip("\n"))]
+            if enable_thinking:
+                block = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+                assert segments[segment_index].startswith(block)
+                segments[segment_index] = leading_newlines + segments[segment_index][len(block) :]
+            else:  # the empty block is the end of the generation prompt before the turn
+                assert segments[segment_index - 1].endswith(EMPTY_THINK)
+                segments[segment_index - 1] = segments[segment_index - 1][: -len(EMPTY_THINK)]
+                segments[segment_index] = leading_newlines + segments[segment_index]
+        message_index += len(environment)
+        segment_index += 1 if environment else 0
+    return "".join(segments) + "\n"
+
+
+def test_qwen3_token_identity_over_generated_episodes():
+    tokenizer = qwen3_tokenizer()
+    figures = {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0,
+               "same_text_other_ids": 0}  # fmt: skip
+    for seed in range(N_EPISODES):
+        rng = random.Random(seed)
+        enable_thinking = rng.random() < 0.75
+        conversation = random_conversation(rng, tuple(QWEN3_SPECIAL), reasoning=enable_thinking)
+        renderer = get_renderer("qwen3", tokenizer, enable_thinking=enable_thinking)
+        episode = simulate_episode(
+            renderer, tokenizer, conversation, QWEN3_HEADER, QWEN_STOPS, enable_thinking=enable_thinking
+        )
+        for (assistant, _), turn in zip(conversation.turns, episode.parsed, strict=True):
+            check_parsed_hermes_turn(assistant, turn, reasoning=enable_thinking)
+        whole = tokenizer.apply_chat_template(
+            conversation.messages(), tools=conversation.tools, tokenize=False, enable_thinking=enable_thinking
+        )
+        assert whole == qwen3_template_text(episode, enable_thinking), f"seed {seed}"
+        record_identity(figures, tokenizer, episode, whole, "\n")
+    print("qwen3 token identity:", figures)
+    assert figures["episodes"] == N_EPISODES
+    # the design's motivation: re-rendering the conversation rewrites earlier turns (reasoning dropped)
+    assert figures["template_text_differs"] > 0 and figures["retokenized_ids_differ"] >= figures["template_text_differs"]
+
+
+def record_identity(figures, tokenizer, episode, whole_text, after_last_stop):
+    """Count the episode: does the template's text of the whole conversation differ from the
+    trajectory's, and do its ids (tokenized again) differ from the trajectory's?"""
+    figures["episodes"] += 1
+    figures["turns"] += len(episode.conversation.turns)
+    text_differs = whole_text != episode.text + after_last_stop
+    ids = tokenizer.encode(whole_text, add_special_tokens=False)
+    ids_differ = ids != episode.trajectory + tokenizer.encode(after_last_stop, add_special_tokens=False)
+    figures["template_text_differs"] += text_differs
+    figures["retokenized_ids_differ"] += ids_differ
+    figures["same_text_other_ids"] += ids_differ and not text_differs
+
+
+def check_parsed_hermes_turn(assistant, turn, *, reasoning: bool):
+    """parse_turn gives back the message as the template wrote it (content without its leading
+    newlines in the Qwen3 format, reasoning without surrounding newlines)."""
+    assert turn.parse_error is None
+    expected_calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
+    assert turn.tool_calls == expected_calls
+    assert turn.content == assistant["content"].lstrip("\n")
+    if reasoning:
+        assert turn.reasoning == assistant["reasoning_content"].strip("\n")
+    else:
+        assert turn.reasoning is None
+
+
+# ---- parsing, hand-written -------------------------------------------------------------------------------
+
+
+def qwen3_parse(text, stop=True):
+    renderer = get_renderer("qwen3", qwen3_tokenizer())
+    return renderer.parse_turn(renderer.encode(text + ("<|im_end|>" if stop else "")))
+
+
+def test_qwen3_parse_turn_well_formed():
+    turn = qwen3_parse(
+        '<think>\nplan\n</think>\n\nOK\n<tool_call>\n{"name": "search", "arguments": {"query": "a\\nb"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "python", "arguments": {}}\n</tool_call>'
+    )
+    assert (turn.reasoning, turn.content, turn.parse_error) == ("plan", "OK", None)
+    assert turn.tool_calls == [ToolCall("search", {"query": "a\nb"}), ToolCall("python", {})]
+    assert turn.message()["tool_calls"][0]["function"] == {"name": "search", "arguments": {"query": "a\nb"}}
+    turn = qwen3_parse("just text  \n")
+    assert (turn.reasoning, turn.content, turn.tool_calls, turn.parse_error) == (None, "just text  \n", [], None)
+    turn = qwen3_parse("<think>\n\n</think>\n\nhi", stop=False)  # a turn cut before its stop token
+    assert (turn.reasoning, turn.content) == ("", "hi")
+
+
+GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "text, error, kept",
+    [
+        ('<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>\n' + GOOD_CALL,
+         """tool call 1 is not valid JSON (Expecting value at line 2 column 43): '{"name": "search", "arguments": {"query": }'""", 1),
+        (GOOD_CALL + '\n<tool_call>\n{"name": "python", "arguments": {}}', "tool call 2 is never closed by </tool_call>", 1),
+        ('<tool_call>\n{"name": "a", "arguments": {}}\n' + GOOD_CALL, "tool call 1 is never closed by </tool_call>", 1),
+        ('<tool_call>\n{"arguments": {"query": "x"}}\n</tool_call>', 'tool call 1 has no "name" (a non-empty string)', 0),
+        ('<tool_call>\n{"name": "search", "arguments": "{\\"query\\": 1}"}\n</tool_call>',
+         'tool call 1 (search): "arguments" is a JSON string, not an object', 0),
+        ('<tool_call>\n{"name": "search"}\n</tool_call>', 'tool call 1 (search) has no "arguments"', 0),
+        ('<tool_call>\n["search", {}]\n</tool_call>', 'tool call 1 is a JSON array, not an object with "name" and "arguments"', 0),
+        ('<tool_call>\n{"name": "s", "arguments": {}, "id": 3}\n</tool_call>',
+         "tool call 1 has keys other than \"name\" and \"arguments\": ['id']", 0),
+        (GOOD_CALL + "\nand then I will wait.", "text outside a tool call after call 1: 'and then I will wait.'", 1),
+        ("Here </tool_call> oops", "a </tool_call> with no <tool_call> before it", 0),
+    ],
+    ids=["bad_json", "unclosed_last", "unclosed_then_next", "missing_name", "arguments_string", "no_arguments",
+         "not_an_object", "unknown_key", "text_after", "stray_close"],
+)  # fmt: skip
+def test_qwen3_parse_turn_malformed(text, error, kept):
+    turn = qwen3_parse("Before.\n" + text)
+    assert turn.parse_error == error
+    assert turn.tool_calls == [ToolCall("search", {"query": "x"})] * kept
+    assert turn.content == ("Before." if "<tool_call>" in text else "Before.\n" + text)
+
+
+def test_qwen3_unclosed_reasoning():
+    turn = qwen3_parse("<think>\nstill thinking", stop=False)
+    assert (turn.content, turn.reasoning, turn.parse_error) == ("", "still thinking", "the reasoning is never closed by </think>")
+
+
+def test_qwen3_bad_input():
+    tokenizer = qwen3_tokenizer()
+    renderer = get_renderer("qwen3", tokenizer)
+    turn = renderer.encode("hi<|im_end|>")
+    with pytest.raises(ValueError, match=r"bridge\(\) needs a turn that ended with a stop token"):
+        renderer.bridge(turn[:-1], [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool'\]"):
+        renderer.bridge(turn, [{"role": "assistant", "content": "x"}])
+    with pytest.raises(ValueError, match=r"message 1 \(user\) needs string content, got NoneType"):
+        renderer.render_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": None}])
+    with pytest.raises(ValueError, match=r"tool call 1 \(f\) needs arguments as a dict, got str"):
+        renderer.render_prompt([{"role": "user", "content": "q"},
+                                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}])  # fmt: skip
+    with pytest.raises(ValueError, match=r"the tokenizer has no single token for '<\|im_start\|>'"):
+        get_renderer("qwen3", build_bpe_tokenizer(["<|endoftext|>"], ["some text"], 300))
+
+
+def test_family_names_its_renderers():
+    for model_type, name in {"qwen3": "qwen3", "qwen3_moe": "qwen3"}.items():
+        assert default_renderer_name(model_type) == name
