@@ -209,8 +209,8 @@ def _add_sampled(trajectory, ids: list[int]) -> None:
 
 
 # ---- held-out success in the episode loop ----------------------------------------------------------
-def episode_success(model, device, tokenizer, rows: list[dict], environment) -> dict[str, float]:
-    """Greedy episodes of `rows` under `environment` (an EnvironmentConfig) on one process:
+def episode_success(model, device, tokenizer, rows: list[dict], environment, temperature: float = 0.0) -> dict[str, float]:
+    """Episodes of `rows` under `environment` (an EnvironmentConfig) on one process, greedy by default:
     {"success": the fraction answered exactly, "tool_calls": the fraction that called a tool,
     "tool_success": the fraction that called one and were right}."""
     from archon.agents.setup import build_episode_runner
@@ -221,8 +221,11 @@ def episode_success(model, device, tokenizer, rows: list[dict], environment) -> 
     engine = NativeRolloutEngine(model, device)
     runner, tool_runner = build_episode_runner(environment, tokenizer, RENDERER, "prompt")
     try:
-        trajectories = runner.run(rows, 1, SamplingParams(temperature=0.0),
-                                  lambda prompts, sampling, _: engine.generate(prompts, sampling), keeps_sessions=False)  # fmt: skip
+        trajectories = runner.run(
+            rows, 1, SamplingParams(temperature=temperature),
+            lambda prompts, sampling, sessions: engine.generate(prompts, sampling, sessions=sessions),
+            keeps_sessions=True, end_sessions=engine.end_sessions,
+        )  # fmt: skip
     finally:
         runner.close()
         tool_runner.close()
