@@ -95,6 +95,14 @@ class EpisodeRunner:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def framing_tokens(self, system_prompt: str | None = None) -> int:
+        """The ids a first prompt has beyond its messages' text: the format's framing, the tool
+        schemas and the system prompt (for sizing a server's context)."""
+        messages = [{"role": "user", "content": ""}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return len(self.renderer.render_prompt(messages, self.tool_schemas))
+
     def _call_env(self, episode: _Episode, fn, *args):
         """fn(*args) with the step timeout; (result, None) or (None, (reason, error))."""
         future = self._pool.submit(fn, *args)

@@ -30,6 +30,13 @@ class EnvironmentConfig:
     enable_thinking: bool | None = None
     """The renderer's thinking switch, for the formats that have one (false: the generation prompt
     closes an empty reasoning block); None: the format's default."""
+    agent: str | None = None
+    """"module:function" of an agent written against an OpenAI client, `agent(base_url, row) ->
+    reward`, in place of an environment: its episodes run on an OpenAI-compatible endpoint served
+    from the rollout engine (archon.agents.openai_server), which records the tokens they train on.
+    With the built-in engine, a run of one task on one process."""
+    agent_timeout_s: float = 600.0
+    """Seconds an agent's episode may take."""
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     tool_timeout_s: float = 10.0
     tool_max_output_chars: int = 2048
@@ -38,7 +45,7 @@ class EnvironmentConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.name)
+        return bool(self.name) or self.agent is not None
 
 
 def environment_factory(config: EnvironmentConfig, prompt_field: str):
@@ -64,11 +71,18 @@ def renderer_options(config: EnvironmentConfig) -> dict:
 
 
 def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, prompt_field: str):
-    """(EpisodeRunner, ToolRunner) of a task; close the ToolRunner when the run ends."""
+    """(EpisodeRunner, ToolRunner) of a task, or (AgentEpisodes, None) for an agent function;
+    close the ToolRunner when the run ends."""
     from archon.agents.tools import ToolRunner
 
-    make_env, tools = environment_factory(config, prompt_field)
     renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **renderer_options(config))
+    if config.agent is not None:
+        from archon.agents.openai_agents import AgentEpisodes
+
+        module_name, _, attr = config.agent.partition(":")
+        agent_fn = import_function(module_name, attr, f"environment.agent {config.agent!r}")
+        return AgentEpisodes(agent_fn, renderer, config.limits.max_turn_tokens, config.agent_timeout_s), None
+    make_env, tools = environment_factory(config, prompt_field)
     tool_runner = ToolRunner(tools, timeout_s=config.tool_timeout_s, max_output_chars=config.tool_max_output_chars,
                              memory_mb=config.tool_memory_mb, num_workers=config.tool_workers)  # fmt: skip
     runner = EpisodeRunner(renderer, make_env, tool_runner.call_many, [tool.schema() for tool in tools], config.limits)

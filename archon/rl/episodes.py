@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from archon.agents.environment import StopReason
+from archon.agents.openai_agents import AgentEpisodes
 from archon.agents.trajectory import Trajectory
 from archon.rl.step_metrics import Scores
 from archon.rollout.base import Sample, SamplingParams
@@ -34,7 +35,10 @@ def episode_samples(task, examples, sampling: SamplingParams, engine, adapter: i
     engine every episode keeps its KV cache between turns, and every rank of the engine's sync group
     runs the same number of turns (a rank whose episodes are over generates nothing, in step).
     adapter: on a multi-task model, the task's adapter index."""
-    if isinstance(engine, NativeRolloutEngine):
+    rows = [example.row for example in examples]
+    if isinstance(task.episodes, AgentEpisodes):
+        trajectories = task.episodes.run(rows, sampling.n, sampling, engine)
+    elif isinstance(engine, NativeRolloutEngine):
         def generate(prompts, turn_sampling, sessions):
             if adapter is None:
                 return engine.generate(prompts, turn_sampling, sessions=sessions)
@@ -43,12 +47,12 @@ def episode_samples(task, examples, sampling: SamplingParams, engine, adapter: i
 
         group, device = engine.sync_group, engine.device
         trajectories = task.episodes.run(
-            [example.row for example in examples], sampling.n, sampling, generate, keeps_sessions=True,
+            rows, sampling.n, sampling, generate, keeps_sessions=True,
             end_sessions=engine.end_sessions, any_running=lambda running: _any_rank(running, group, device),
         )  # fmt: skip
     else:
         trajectories = task.episodes.run(
-            [example.row for example in examples], sampling.n, sampling,
+            rows, sampling.n, sampling,
             lambda prompts, turn_sampling, sessions: engine.generate(prompts, turn_sampling), keeps_sessions=False,
         )  # fmt: skip
     return [trajectory.to_sample(i // sampling.n) for i, trajectory in enumerate(trajectories)]

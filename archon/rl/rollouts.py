@@ -172,6 +172,12 @@ def rollout_servers(config, tasks, longest_prompt, eval_new_tokens: int, rank: i
         # tokens) over the tasks
         requests = []
         for task in tasks:
+            if task.episodes is not None:  # whole trajectories: the first prompt, then turns and additions
+                framing = task.episodes.framing_tokens(task.config.environment.system_prompt)
+                examples = task.train_set.examples + (task.eval_set.examples if task.eval_set is not None else [])
+                limits = task.config.environment.limits
+                requests.append((longest_prompt(task, examples) + framing, limits.max_tokens))
+                continue
             requests.append((longest_prompt(task, task.train_set.examples), config.rollout.max_new_tokens))
             if task.eval_set is not None:
                 held_out = task.eval_set.examples[: config.eval.max_prompts]

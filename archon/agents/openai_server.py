@@ -1,0 +1,715 @@
+"""An OpenAI-compatible chat endpoint served from a rollout engine, recording the tokens it samples.
+
+Agent code written against an OpenAI client runs unmodified; each episode gets a session with its
+own base URL, and the session's Trajectory holds exactly the ids the model was prompted with and
+sampled:
+
+    with ChatCompletionsServer(engine, renderer, "policy", SamplingParams(max_new_tokens=256)) as server:
+        session = server.open_session()
+        client = openai.OpenAI(base_url=session.base_url, api_key="unused")
+        ... the agent calls client.chat.completions.create(model="policy", messages=..., tools=...) ...
+        trajectory = server.close_session(session.id)
+
+Within a session each request carries the whole conversation so far. When it extends the previous
+request's messages and the assistant message returned for it (compared as parsed: role, content,
+tool calls' names and arguments, tool_call_id; clients re-serialise arguments and drop reasoning),
+the new messages are bridged onto the recorded ids (`Renderer.bridge`) and nothing sampled is
+re-tokenized. Any other request renders the conversation from scratch: the session counts it in
+`rerendered`, says why in `warnings`, and its trajectory starts again from that render.
+
+Requests of all sessions that arrive together (within `batch_window_s`, at most `max_batch`) and
+sample alike go to the engine in one `generate` call, made from one thread; an engine whose
+`generate` takes `sessions=` keeps each session's KV cache between its turns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import http.server
+import inspect
+import json
+import logging
+import queue
+import re
+import threading
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass, field, replace
+
+from archon.agents.renderer import AssistantTurn, Message, Renderer
+from archon.agents.trajectory import Trajectory
+from archon.rollout.base import Sample, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+ROLES = ("system", "user", "assistant", "tool")
+UNSUPPORTED_WHEN_SET = {
+    # field: the value that leaves it unused
+    "stop": None,
+    "stream": False,
+    "logit_bias": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+}
+
+
+class OpenAIError(Exception):
+    """A request the endpoint refuses: an HTTP status and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChatRequest:
+    """A chat-completions request, checked: the messages (in the renderer's form), the tools offered
+    (None with tool_choice "none"), and what the sampling asks for."""
+
+    messages: list[Message]
+    tools: list[dict] | None
+    temperature: float | None
+    top_p: float | None
+    max_tokens: int | None
+    seed: int | None
+
+
+def _number(body: dict, name: str, low: float, high: float, integer: bool = False, above_low: bool = False):
+    """body[name] (None when absent) checked to be a number (an integer) in [low, high], or in
+    (low, high] when above_low."""
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    in_range = isinstance(value, kinds) and (low < value if above_low else low <= value) and value <= high
+    if isinstance(value, bool) or not in_range:
+        what = "an integer" if integer else "a number"
+        raise OpenAIError(
+            400, f"'{name}' must be {what} in {'(' if above_low else '['}{low}, {high}], got {value!r}", name
+        )
+    return value
+
+
+def _text(content, where: str) -> str:
+    """A message's content as text: a string, null, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(
+                    400,
+                    f"'{where}[{j}]' is not a text part ({{'type': 'text', 'text': ...}}): only text content is served",
+                    f"{where}[{j}]",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise OpenAIError(
+        400, f"'{where}' must be a string, a list of text parts or null, got {type(content).__name__}", where
+    )
+
+
+def _arguments(arguments, where: str) -> dict:
+    """A tool call's arguments, a JSON object (OpenAI sends it as a string), as a dict."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise OpenAIError(400, f"'{where}' is not valid JSON ({e})", where) from None
+    if not isinstance(arguments, dict):
+        raise OpenAIError(400, f"'{where}' must be a JSON object, got {arguments!r}", where)
+    return arguments
+
+
+def _template_message(message, i: int, call_names: dict[str, str]) -> Message:
+    """An OpenAI message as chat templates take it (tool-call arguments a dict). call_names: the
+    names of the tool calls seen so far by id, for tool results that do not name their tool."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise OpenAIError(400, f"'{where}' must be an object, got {type(message).__name__}", where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise OpenAIError(400, f"'{where}.role' must be one of {list(ROLES)}, got {role!r}", f"{where}.role")
+    converted: Message = {"role": role, "content": _text(message.get("content"), f"{where}.content")}
+    if role == "assistant":
+        reasoning = message.get("reasoning_content")
+        if isinstance(reasoning, str):
+            converted["reasoning_content"] = reasoning
+        calls = message.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise OpenAIError(400, f"'{where}.tool_calls' must be a list", f"{where}.tool_calls")
+        converted_calls = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise OpenAIError(
+                    400, f"'{where}.tool_calls[{j}].function.name' is missing", f"{where}.tool_calls[{j}].function.name"
+                )
+            arguments = _arguments(function.get("arguments", "{}"), f"{where}.tool_calls[{j}].function.arguments")
+            converted_call = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+            if isinstance(call.get("id"), str):
+                converted_call["id"] = call["id"]
+                call_names[call["id"]] = function["name"]
+            converted_calls.append(converted_call)
+        if converted_calls:
+            converted["tool_calls"] = converted_calls
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None:
+            converted["tool_call_id"] = call_id
+        name = message.get("name") or call_names.get(call_id)
+        if name is not None:
+            converted["name"] = name
+    return converted
+
+
+def parse_request(body) -> ChatRequest:
+    """A chat-completions body checked and converted; an OpenAIError naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    for name, unused in UNSUPPORTED_WHEN_SET.items():
+        if body.get(name, unused) not in (unused, None):
+            raise OpenAIError(400, f"'{name}' is not supported by this endpoint (got {body[name]!r})", name)
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise OpenAIError(400, f"'n' must be 1: one choice per request, got {n!r}", "n")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "'messages' is required: a non-empty list of chat messages", "messages")
+    call_names: dict[str, str] = {}
+    converted = [_template_message(m, i, call_names) for i, m in enumerate(messages)]
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise OpenAIError(400, "'tools' must be a list of function tools", "tools")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if (
+                not isinstance(function, dict)
+                or tool.get("type") != "function"
+                or not isinstance(function.get("name"), str)
+            ):
+                raise OpenAIError(
+                    400, f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", f"tools[{i}]"
+                )
+    tool_choice = body.get("tool_choice", "auto")
+    if tool_choice not in ("auto", "none", None):
+        raise OpenAIError(400, f"'tool_choice' must be 'auto' or 'none', got {tool_choice!r}", "tool_choice")
+    max_tokens = _number(body, "max_completion_tokens", 1, 2**31, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, 2**31, integer=True)
+    return ChatRequest(
+        messages=converted,
+        tools=(tools or None) if tool_choice != "none" else None,
+        temperature=_number(body, "temperature", 0, 2),
+        top_p=_number(body, "top_p", 0, 1, above_low=True),
+        max_tokens=max_tokens,
+        seed=_number(body, "seed", -(2**63), 2**63 - 1, integer=True),
+    )
+
+
+def canonical(message: Message) -> tuple:
+    """What two messages must share to be the same turn of a conversation: role, text, tool calls
+    (names and arguments), the result's call id. Reasoning is left out: clients drop it."""
+    calls = tuple(
+        (call["function"]["name"], json.dumps(call["function"]["arguments"], sort_keys=True))
+        for call in message.get("tool_calls", ())
+    )
+    return message["role"], message.get("content") or "", calls, message.get("tool_call_id")
+
+
+# ---- the engine's thread ------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    """One request's share of an engine call."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    engine_session: str | None
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    cancelled: threading.Event | None = None
+    """Set when the request's session closed before its call: it is dropped."""
+
+
+class _EngineThread:
+    """Calls the engine from one thread: requests that arrive within `window_s` of the first (at most
+    `max_batch`), grouped by sampling parameters, one `generate` call per group; then the engine
+    sessions that ended."""
+
+    def __init__(self, engine, window_s: float, max_batch: int) -> None:
+        self.engine, self.window_s, self.max_batch = engine, window_s, max_batch
+        self.uses_sessions = "sessions" in inspect.signature(engine.generate).parameters
+        self.generate_calls = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="chat-completions-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, pending: _Pending) -> Sample:
+        self._queue.put(pending)
+        return pending.future.result()
+
+    def end_session(self, key: str) -> None:
+        if self.uses_sessions and hasattr(self.engine, "end_sessions"):
+            self._queue.put(("end", key))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        while not self._queue.empty():  # requests that came after the close
+            item = self._queue.get()
+            if isinstance(item, _Pending):
+                item.future.set_exception(OpenAIError(503, "the server is closing", kind="server_error"))
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            items, deadline, closing = [first], time.monotonic() + self.window_s, False
+            while sum(isinstance(item, _Pending) for item in items) < self.max_batch:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                items.append(item)
+            self._serve(items)
+            if closing:
+                return
+
+    def _serve(self, items: list) -> None:
+        groups: dict[tuple, list[_Pending]] = {}
+        for item in items:
+            if isinstance(item, _Pending):
+                if item.cancelled is not None and item.cancelled.is_set():
+                    item.future.set_exception(OpenAIError(400, "the session was closed", "session_id"))
+                    continue
+                groups.setdefault(tuple(vars(item.sampling).items()), []).append(item)
+        for group in groups.values():
+            sampling = group[0].sampling
+            try:
+                kwargs = {"sessions": [p.engine_session for p in group]} if self.uses_sessions else {}
+                self.generate_calls += 1
+                samples = self.engine.generate([p.prompt_ids for p in group], sampling, **kwargs)
+            except Exception as e:  # handed to each request of the call
+                for p in group:
+                    p.future.set_exception(e)
+                continue
+            for p, sample in zip(group, samples, strict=True):
+                p.future.set_result(sample)
+        ended = [item[1] for item in items if isinstance(item, tuple)]
+        if ended:
+            try:
+                self.engine.end_sessions(ended)
+            except Exception:
+                logger.exception("the engine failed to end sessions %s", ended)
+
+
+# ---- sessions -----------------------------------------------------------------------------------
+
+
+class Session:
+    """One episode's conversation with the endpoint, at `base_url`. `trajectory` is None until the
+    first request; `rerendered` counts the requests that did not extend the recorded conversation,
+    `warnings` says why each did."""
+
+    def __init__(self, server: ChatCompletionsServer, session_id: str) -> None:
+        self.server, self.id = server, session_id
+        self.base_url = f"{server.url}/sessions/{session_id}/v1"
+        self.trajectory: Trajectory | None = None
+        self.rerendered = 0
+        self.warnings: list[str] = []
+        self.closed_reason: str | None = None
+        self.closed = threading.Event()
+        self._lock = threading.Lock()
+        """Held for a whole request: a session's requests run one at a time."""
+        self.record_lock = threading.Lock()
+        """Held while a request records its turn and while the session closes."""
+        self._conversation: list[tuple] = []
+        """The recorded messages, canonical: the last request's and the assistant message returned."""
+        self._tools: list[dict] | None = None
+        self._last_turn: Sample | None = None
+        self._budget_spent = False
+        self._renders = 0
+        self._tool_call_count = 0
+
+    @property
+    def engine_session(self) -> str:
+        """The engine's key for the current trajectory (a fresh one after each re-render)."""
+        return f"{self.id}/{self._renders}"
+
+    def _extension(self, request: ChatRequest) -> tuple[list[Message] | None, str | None]:
+        """(the messages the request adds to the recorded conversation, None), or (None, why it does
+        not extend it)."""
+        if self.trajectory is None:
+            return None, None
+        if request.tools != self._tools:
+            return None, "its tools differ from those of the recorded conversation"
+        recorded = len(self._conversation)
+        if len(request.messages) < recorded:
+            return None, f"it has {len(request.messages)} messages, fewer than the {recorded} recorded"
+        for i, (sent, kept) in enumerate(zip(request.messages, self._conversation)):
+            if canonical(sent) != kept:
+                return None, f"messages[{i}] ({sent['role']}) differs from the recorded conversation"
+        return request.messages[recorded:], None
+
+    def chat(self, request: ChatRequest, request_id: str) -> dict:
+        server = self.server
+        with self._lock:
+            if self.closed.is_set():
+                raise OpenAIError(400, f"session {self.id!r} is closed ({self.closed_reason})", "session_id")
+            if self._budget_spent:
+                raise OpenAIError(
+                    400,
+                    f"session {self.id!r} has used its budget of max_session_tokens={server.max_session_tokens} tokens",
+                    "max_session_tokens",
+                )
+            new_messages, why = self._extension(request)
+            if new_messages is None:
+                if why is not None:
+                    self.rerendered += 1
+                    self.warnings.append(f"request {request_id}: rendered from scratch, because {why}")
+                    server._engine.end_session(self.engine_session)
+                    self._renders += 1
+                trajectory = Trajectory(prompt_ids=server.renderer.render_prompt(request.messages, tools=request.tools))
+                trajectory.messages = copy.deepcopy(request.messages)
+                bridged: list[int] = []
+                context = trajectory.prompt_ids
+            else:
+                trajectory = self.trajectory
+                sampled = list(self._last_turn.completion_ids)
+                # a turn cut by max_tokens is closed with the turn's stop token, as if it had sampled it
+                closing = [] if self._last_turn.finish_reason == "stop" else [server.renderer.stop_token_ids[0]]
+                bridged = closing + server.renderer.bridge(sampled + closing, new_messages)
+                context = trajectory.trajectory_ids + bridged
+            sampling, cut = server._sampling(request, len(context))
+            sample = server._engine.submit(_Pending(context, sampling, self.engine_session, cancelled=self.closed))
+            turn = server.renderer.parse_turn(sample.completion_ids)
+            with self.record_lock:
+                if self.closed.is_set():
+                    raise OpenAIError(
+                        400,
+                        f"session {self.id!r} was closed while its request ran ({self.closed_reason})",
+                        "session_id",
+                    )
+                return self._record(
+                    request, request_id, trajectory, new_messages, bridged, sample, turn, len(context), cut
+                )
+
+    def _record(self, request, request_id, trajectory, new_messages, bridged, sample, turn, prompt_tokens, cut) -> dict:
+        """Add a request that succeeded to the trajectory; its response."""
+        server = self.server
+        message, self._tool_call_count = assistant_message(turn, self._tool_call_count)
+        if turn.parse_error is not None:
+            self.warnings.append(f"request {request_id}: the turn's tool calls did not parse: {turn.parse_error}")
+        if new_messages is None:
+            trajectory.start_version = sample.version
+            self.trajectory, self._tools = trajectory, request.tools
+            self._conversation = [canonical(m) for m in request.messages]
+        else:
+            trajectory.add_environment(bridged)
+            trajectory.messages += copy.deepcopy(new_messages)
+            self._conversation += [canonical(m) for m in new_messages]
+        trajectory.add_sampled(sample.completion_ids, sample.logprobs, sample.token_versions)
+        recorded = _template_form(message)
+        trajectory.messages.append(recorded)
+        trajectory.num_turns += 1
+        trajectory.num_tool_calls += len(turn.tool_calls)
+        self._conversation.append(canonical(recorded))
+        self._last_turn = sample
+        if cut and sample.finish_reason == "length":
+            self._budget_spent = True
+        return server._completion(request_id, message, sample, prompt_tokens)
+
+
+def assistant_message(turn: AssistantTurn, first_call: int) -> tuple[dict, int]:
+    """The turn as an OpenAI assistant message (tool calls numbered from `first_call`: call_<n>,
+    arguments a JSON string), and the next call number."""
+    message: dict = {"role": "assistant", "content": turn.content if turn.content or not turn.tool_calls else None}
+    if turn.reasoning is not None:
+        message["reasoning_content"] = turn.reasoning
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{first_call + k}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+            }
+            for k, call in enumerate(turn.tool_calls)
+        ]
+    return message, first_call + len(turn.tool_calls)
+
+
+def _template_form(message: dict) -> Message:
+    converted = _template_message(message, 0, {})
+    if "reasoning_content" in message:
+        converted["reasoning_content"] = message["reasoning_content"]
+    return converted
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+
+class ChatCompletionsServer:
+    """`POST /v1/chat/completions` and `GET /v1/models` (unrecorded), and the same under each
+    session's base URL `/sessions/<id>/v1` (recorded in the session's Trajectory).
+
+    default_sampling: what a request does not set (max_new_tokens, temperature, top_p, top_k);
+    the stop tokens are always the renderer's. max_session_tokens: the most ids a session's
+    trajectory may hold (prompt, sampled and bridged); a request is cut to what is left (its
+    finish_reason "length"), and the session's later requests are refused.
+    batch_window_s, max_batch: how long the engine's thread waits for more requests after the
+    first, and the most requests it takes into one generate call."""
+
+    def __init__(
+        self,
+        engine,
+        renderer: Renderer,
+        model_name: str,
+        default_sampling: SamplingParams,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_session_tokens: int | None = None,
+        batch_window_s: float = 0.005,
+        max_batch: int = 64,
+    ) -> None:
+        if default_sampling.n != 1:
+            raise ValueError(f"default_sampling.n must be 1 (one choice per request), got {default_sampling.n}")
+        if max_session_tokens is not None and max_session_tokens < 1:
+            raise ValueError(f"max_session_tokens must be >= 1, got {max_session_tokens}")
+        if max_batch < 1 or batch_window_s < 0:
+            raise ValueError(f"max_batch ({max_batch}) must be >= 1 and batch_window_s ({batch_window_s}) >= 0")
+        self.engine, self.renderer, self.model_name = engine, renderer, model_name
+        self.default_sampling = replace(default_sampling, stop_token_ids=tuple(renderer.stop_token_ids))
+        self.max_session_tokens = max_session_tokens
+        self.host, self.port = host, port
+        self.batch_window_s, self.max_batch = batch_window_s, max_batch
+        self._sessions: dict[str, Session] = {}
+        self._closed_sessions: dict[str, str] = {}
+        """Why each closed session closed, so that its late requests are told."""
+        self._lock = threading.Lock()
+        self._request_count = 0
+        self._http: http.server.ThreadingHTTPServer | None = None
+        self._engine: _EngineThread | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> ChatCompletionsServer:
+        if self._http is not None:
+            return self
+        self._engine = _EngineThread(self.engine, self.batch_window_s, self.max_batch)
+        self._http = http.server.ThreadingHTTPServer((self.host, self.port), _handler_class(self))
+        self._http.daemon_threads = True
+        self.port = self._http.server_address[1]
+        threading.Thread(target=self._http.serve_forever, name="chat-completions-http", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving; sessions still open are closed (their trajectories are dropped). Safe to call twice."""
+        if self._http is None:
+            return
+        for session_id in list(self._sessions):
+            self.close_session(session_id, reason="the server closed")
+        self._http.shutdown()
+        self._http.server_close()
+        self._engine.close()
+        self._http = None
+
+    def __enter__(self) -> ChatCompletionsServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        if self._http is None:
+            raise RuntimeError("the server is not started: call start() or use it as a context manager")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def generate_calls(self) -> int:
+        """The engine's generate calls so far (requests that coincide share one)."""
+        return self._engine.generate_calls if self._engine is not None else 0
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def open_session(self, session_id: str | None = None) -> Session:
+        session_id = session_id if session_id is not None else uuid.uuid4().hex[:16]
+        if not SESSION_ID.match(session_id):
+            raise ValueError(f"session id {session_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+        with self._lock:
+            if session_id in self._sessions or session_id in self._closed_sessions:
+                raise ValueError(f"session id {session_id!r} is already used on this server")
+            session = self._sessions[session_id] = Session(self, session_id)
+        return session
+
+    def session(self, session_id: str) -> Session:
+        with self._lock:
+            if session_id in self._sessions:
+                return self._sessions[session_id]
+            if session_id in self._closed_sessions:
+                raise OpenAIError(
+                    400, f"session {session_id!r} is closed ({self._closed_sessions[session_id]})", "session_id"
+                )
+        raise OpenAIError(
+            400, f"unknown session {session_id!r}: open it with ChatCompletionsServer.open_session", "session_id"
+        )
+
+    def close_session(self, session_id: str, reason: str = "closed by the server's owner") -> Trajectory:
+        """End a session: its later requests (and one still running) get an error naming `reason`.
+        Its trajectory (one with no ids when it made no request)."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                raise KeyError(f"no open session {session_id!r}")
+            self._closed_sessions[session_id] = reason
+        with session.record_lock:
+            session.closed_reason = reason
+            session.closed.set()
+        self._engine.end_session(session.engine_session)
+        return session.trajectory if session.trajectory is not None else Trajectory(prompt_ids=[])
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _next_request_id(self) -> str:
+        with self._lock:
+            self._request_count += 1
+            return f"chatcmpl-{self._request_count}"
+
+    def _sampling(self, request: ChatRequest, context_len: int) -> tuple[SamplingParams, bool]:
+        """The request's sampling parameters, and whether the session budget cut its max_tokens."""
+        sampling = self.default_sampling
+        max_new = request.max_tokens or sampling.max_new_tokens
+        cut = False
+        if self.max_session_tokens is not None:
+            left = self.max_session_tokens - context_len
+            if left < 1:
+                raise OpenAIError(
+                    400,
+                    f"the conversation takes {context_len} tokens, the session's whole budget of "
+                    f"max_session_tokens={self.max_session_tokens}",
+                    "max_session_tokens",
+                )
+            cut, max_new = max_new > left, min(max_new, left)
+        updates = {"max_new_tokens": max_new, "seed": request.seed}
+        for name in ("temperature", "top_p"):
+            if getattr(request, name) is not None:
+                updates[name] = getattr(request, name)
+        return replace(sampling, **updates), cut
+
+    def _completion(self, request_id: str, message: dict, sample: Sample, prompt_tokens: int) -> dict:
+        if sample.finish_reason == "length":
+            finish_reason = "length"
+        else:
+            finish_reason = "tool_calls" if message.get("tool_calls") else "stop"
+        completion_tokens = len(sample.completion_ids)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    def chat(self, body, session_id: str | None) -> dict:
+        """One chat-completions request (the body, parsed JSON), in a session or unrecorded."""
+        session = self.session(session_id) if session_id is not None else None
+        request = parse_request(body)
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                404, f"the model {model!r} does not exist: this endpoint serves {self.model_name!r}", "model"
+            )
+        request_id = self._next_request_id()
+        if session is not None:
+            return session.chat(request, request_id)
+        prompt = self.renderer.render_prompt(request.messages, tools=request.tools)
+        sampling, _ = self._sampling(request, len(prompt))
+        sample = self._engine.submit(_Pending(prompt, sampling, engine_session=request_id))
+        self._engine.end_session(request_id)
+        message, _ = assistant_message(self.renderer.parse_turn(sample.completion_ids), 0)
+        return self._completion(request_id, message, sample, len(prompt))
+
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "archon"}],
+        }
+
+
+ROUTE = re.compile(r"^(?:/sessions/(?P<session>[^/]+))?/v1/(?P<endpoint>models|chat/completions)$")
+
+
+def _handler_class(server: ChatCompletionsServer):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args) -> None:
+            logger.debug("%s " + format, self.address_string(), *args)
+
+        def _answer(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _route(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            try:
+                match = ROUTE.match(urllib.parse.urlsplit(self.path).path)
+                if match is None:
+                    raise OpenAIError(
+                        404,
+                        f"no route {method} {self.path}: this endpoint serves /v1/models and /v1/chat/completions, "
+                        "also under /sessions/<id>",
+                    )
+                session_id = match["session"] and urllib.parse.unquote(match["session"])
+                if match["endpoint"] == "models":
+                    if method != "GET":
+                        raise OpenAIError(405, f"{match['endpoint']} takes GET, not {method}")
+                    if session_id is not None:
+                        server.session(session_id)
+                    self._answer(200, server.models())
+                    return
+                if method != "POST":
+                    raise OpenAIError(405, f"chat/completions takes POST, not {method}")
+                try:
+                    body = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise OpenAIError(400, f"the request body is not valid JSON ({e})") from None
+                self._answer(200, server.chat(body, session_id))
+            except OpenAIError as e:
+                self._answer(e.status, e.body())
+            except Exception as e:
+                logger.exception("chat-completions request %s failed", self.path)
+                self._answer(500, OpenAIError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
+
+        def do_GET(self) -> None:
+            self._route("GET")
+
+        def do_POST(self) -> None:
+            self._route("POST")
+
+    return Handler
