@@ -1,6 +1,7 @@
 """GRPO-family RL with LoRA.
 
     torchrun --nproc_per_node 2 recipes/grpo_lora.py                       # the built-in demo
+    torchrun --nproc_per_node 2 recipes/grpo_lora.py --config recipes/configs/code_tool_demo.yaml  # with a tool
     torchrun --nproc_per_node 8 recipes/grpo_lora.py --config recipes/configs/qwen3_math.yaml \\
         --model.path /models/Qwen3-8B --data.path train.jsonl --eval.path test.jsonl
 

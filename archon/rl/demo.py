@@ -1,8 +1,10 @@
-"""The built-in demo's warm start: a small Qwen3 model taught the arithmetic task by a short SFT.
+"""The built-in demos' warm start: a small Qwen3 model taught the demo's task by a short SFT.
 
-Everything is made locally (character tokenizer, random-init model, task data), trained with the
-same Engine the RL loop uses (full fine-tuning, FSDP over the ranks), and cached by its settings so
-later runs skip it.
+Everything is made locally (tokenizer, random-init model, task data), trained with the same Engine
+the RL loop uses (full fine-tuning, FSDP over the ranks), and cached by its settings so later runs
+skip it. The arithmetic demo (demo.kind "arithmetic") has a character tokenizer and learns the
+answers; the code-tool demo (archon.rl.code_tool_demo) has a BPE tokenizer learnt from its
+conversations, shipped beside its weights, and learns to call the python tool on some problems.
 
 The SFT is chaotic: its float arithmetic (vector width, thread count, kernels) differs between
 machines, the runs part within a few dozen steps, and the accuracy rises in a sudden jump whose step
@@ -13,6 +15,7 @@ machine starts RL from the same model. Other settings are warm-started here.
 
     python -m archon.rl.demo                                   # write the demo's warm start
     python -m archon.rl.demo --demo.task.operations + - --demo.task.num-held-out 600 --seed 0
+    python -m archon.rl.demo --config recipes/configs/code_tool_demo.yaml   # the code-tool demo's
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +35,7 @@ from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_file, replace_directory
 from archon.lora.peft import save_merged_hf
 from archon.recipes.grpo_lora import DEMO_CONFIG
+from archon.rl import code_tool_demo
 from archon.rl.config import DemoConfig, load_config_file
 from archon.rl.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
 from archon.rollout.base import SamplingParams
@@ -41,6 +46,9 @@ PACKAGED_WARM_STARTS = Path(__file__).resolve().parent / "warm_starts"
 SFT_MODEL = "sft"
 TRAIN_FILE = "train.jsonl"
 HELD_OUT_FILE = "held_out.jsonl"
+SFT_CONVERSATIONS_FILE = "sft_conversations.jsonl"
+"""The code-tool warm start's conversations, with the sandbox's outputs (made once, on rank 0)."""
+CODE_TOOL_CONTEXT = 256
 
 
 @dataclasses.dataclass
@@ -56,8 +64,15 @@ def _barrier() -> None:
 
 
 def _cache_key(demo, parallel_seed: int) -> str:
-    """A digest of the settings that make the warm start (where it is stored is not one of them)."""
+    """A digest of the settings that make the warm start (where it is stored is not one of them, nor
+    are the other kind's). The arithmetic demo's is what it was before there were kinds, so its
+    shipped warm starts keep their names."""
     settings = {k: v for k, v in dataclasses.asdict(demo).items() if k != "cache_dir"}
+    if demo.kind == "arithmetic":
+        del settings["kind"], settings["code_tool"]
+    else:
+        for name in ("task", "sft_target_accuracy", "sft_checks_at_target", "sft_dev_examples"):
+            del settings[name]
     settings = json.dumps({"demo": settings, "seed": parallel_seed}, sort_keys=True, default=str)
     return hashlib.sha256(settings.encode()).hexdigest()[:12]
 
@@ -65,6 +80,12 @@ def _cache_key(demo, parallel_seed: int) -> str:
 def packaged_warm_start(demo, seed: int) -> Path:
     """Where archon ships the warm start of these settings (the file may not exist)."""
     return PACKAGED_WARM_STARTS / f"{_cache_key(demo, seed)}.safetensors"
+
+
+def packaged_tokenizer(demo, seed: int) -> Path:
+    """Where archon ships the code-tool warm start's tokenizer (tokenizer.json), beside its weights:
+    BPE training may not merge alike everywhere, and the weights are tied to its ids."""
+    return PACKAGED_WARM_STARTS / f"{_cache_key(demo, seed)}.tokenizer.json"
 
 
 def _install_packaged_warm_start(init_dir: Path, weights: Path, model_dir: Path) -> None:
@@ -76,10 +97,9 @@ def _install_packaged_warm_start(init_dir: Path, weights: Path, model_dir: Path)
     replace_directory(staging, model_dir)
 
 
-def _write_init_model(demo, out_dir: Path, seed: int) -> None:
+def _write_init_model(demo, out_dir: Path, seed: int, tokenizer) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = build_char_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=demo.hidden_size,
@@ -88,7 +108,7 @@ def _write_init_model(demo, out_dir: Path, seed: int) -> None:
         num_attention_heads=demo.num_attention_heads,
         num_key_value_heads=demo.num_key_value_heads,
         head_dim=demo.hidden_size // demo.num_attention_heads,
-        max_position_embeddings=128,
+        max_position_embeddings=128 if demo.kind == "arithmetic" else CODE_TOOL_CONTEXT,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -174,20 +194,28 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
         _share_with_other_nodes(made)
         log(f"demo: using the cached warm start in {files.model_dir}")
         return files
+    packaged = packaged_warm_start(demo, seed)
     if rank == 0:
-        train_rows, held_out_rows = arithmetic_splits(demo.task)
+        task = demo.task if demo.kind == "arithmetic" else demo.code_tool.task
+        train_rows, held_out_rows = arithmetic_splits(task)
         write_jsonl(train_rows, files.train_path)
         write_jsonl(held_out_rows, files.held_out_path)
-        _write_init_model(demo, root / "init", seed)
+        if demo.kind == "arithmetic":
+            tokenizer = build_char_tokenizer()
+        else:
+            tokenizer = _code_tool_tokenizer(demo, seed, train_rows, root / SFT_CONVERSATIONS_FILE, log)
+        _write_init_model(demo, root / "init", seed, tokenizer)
     _barrier()
-    packaged = packaged_warm_start(demo, seed)
     if packaged.exists():
         if rank == 0:
             _install_packaged_warm_start(root / "init", packaged, files.model_dir)
         _share_with_other_nodes(made)
         log(f"demo: using the warm start shipped with archon ({packaged.name}), in {files.model_dir}")
         return files
-    _share_with_other_nodes([root / "init", files.train_path, files.held_out_path])  # every rank trains from them
+    sft_inputs = [root / "init", files.train_path, files.held_out_path]
+    if demo.kind == "code_tool":
+        sft_inputs.append(root / SFT_CONVERSATIONS_FILE)
+    _share_with_other_nodes(sft_inputs)  # every rank trains from them
     log(f"demo: warm-starting a {demo.num_hidden_layers}-layer Qwen3 by SFT (at most {demo.sft_steps} steps)")
     trainer = Trainer(
         TrainerConfig(
@@ -201,32 +229,15 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "init")
-
-    def encode(row: dict) -> tuple[list[int], list[int]]:
-        answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        return tokenizer.encode(row["prompt"], add_special_tokens=False), answer
-
-    rows = [json.loads(line) for line in files.train_path.read_text().splitlines()]
-    development, sft_rows = _split_development(rows, demo.sft_dev_examples)
-    dev = {op: [encode(r) for r in op_rows] for op, op_rows in development.items()}
-    examples = [encode(r) for r in sft_rows]
-    rng = random.Random(seed)
-    dp_rank, dp = trainer.dims.dp_rank, trainer.dims.dp
-    checks_at_target = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the float arithmetic of the warm start then does not depend on the core count
     try:
-        for step in range(demo.sft_steps):
-            chosen = rng.sample(examples, demo.sft_batch_size)[dp_rank::dp]
-            batch = PackedBatch.from_sequences([p + a for p, a in chosen], prompt_lens=[len(p) for p, _ in chosen])
-            metrics = trainer.train_step(batch, _sft_loss)
-            if (step + 1) % demo.sft_check_every == 0 or step + 1 == demo.sft_steps:
-                accuracy = _greedy_accuracy_by_operation(trainer, dev, tokenizer.eos_token_id)
-                shown = ", ".join(f"{op} {value:.2f}" for op, value in accuracy.items())
-                log(f"demo SFT step {step + 1}/{demo.sft_steps}: nll {metrics['loss']:.3f}, greedy accuracy {shown}")
-                checks_at_target = checks_at_target + 1 if min(accuracy.values()) >= demo.sft_target_accuracy else 0
-                if checks_at_target == demo.sft_checks_at_target:
-                    break
+        if demo.kind == "arithmetic":
+            rows = [json.loads(line) for line in files.train_path.read_text().splitlines()]
+            _arithmetic_sft(demo, trainer, tokenizer, rows, seed, log)
+        else:
+            plans = [json.loads(line) for line in (root / SFT_CONVERSATIONS_FILE).read_text().splitlines()]
+            _code_tool_sft(demo, trainer, tokenizer, plans, seed, log)
     finally:
         torch.set_num_threads(threads)
     save_merged_hf(
@@ -238,6 +249,69 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
     return files
 
 
+def _arithmetic_sft(demo, trainer: Trainer, tokenizer, rows: list[dict], seed: int, log) -> None:
+    """Train on (prompt, answer) pairs until every operation's development accuracy has been at the
+    target for the checks in a row."""
+
+    def encode(row: dict) -> tuple[list[int], list[int]]:
+        answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        return tokenizer.encode(row["prompt"], add_special_tokens=False), answer
+
+    development, sft_rows = _split_development(rows, demo.sft_dev_examples)
+    dev = {op: [encode(r) for r in op_rows] for op, op_rows in development.items()}
+    examples = [encode(r) for r in sft_rows]
+    rng = random.Random(seed)
+    dp_rank, dp = trainer.dims.dp_rank, trainer.dims.dp
+    checks_at_target = 0
+    for step in range(demo.sft_steps):
+        chosen = rng.sample(examples, demo.sft_batch_size)[dp_rank::dp]
+        batch = PackedBatch.from_sequences([p + a for p, a in chosen], prompt_lens=[len(p) for p, _ in chosen])
+        metrics = trainer.train_step(batch, _sft_loss)
+        if (step + 1) % demo.sft_check_every == 0 or step + 1 == demo.sft_steps:
+            accuracy = _greedy_accuracy_by_operation(trainer, dev, tokenizer.eos_token_id)
+            shown = ", ".join(f"{op} {value:.2f}" for op, value in accuracy.items())
+            log(f"demo SFT step {step + 1}/{demo.sft_steps}: nll {metrics['loss']:.3f}, greedy accuracy {shown}")
+            checks_at_target = checks_at_target + 1 if min(accuracy.values()) >= demo.sft_target_accuracy else 0
+            if checks_at_target == demo.sft_checks_at_target:
+                break
+
+
+def _code_tool_tokenizer(demo, seed: int, train_rows: list[dict], conversations_path: Path, log):
+    """The code-tool demo's tokenizer, shipped or learnt; without shipped weights, also the warm
+    start's conversations (with the sandbox's outputs) in `conversations_path`."""
+    packaged = packaged_tokenizer(demo, seed)
+    if packaged_warm_start(demo, seed).exists():
+        if not packaged.exists():
+            raise FileNotFoundError(
+                f"{packaged_warm_start(demo, seed)} is shipped without its tokenizer {packaged}; write both again "
+                "with python -m archon.rl.demo"
+            )
+        return code_tool_demo.hf_tokenizer(packaged)
+    plans = code_tool_demo.plan_conversations(demo.code_tool, train_rows, seed)
+    log(f"demo: running the warm start's {sum(p['code'] is not None for p in plans)} programs in the python sandbox")
+    code_tool_demo.run_tool_calls(plans)
+    write_jsonl(plans, conversations_path)
+    if packaged.exists():
+        return code_tool_demo.hf_tokenizer(packaged)
+    log("demo: learning the BPE tokenizer's merges from the warm start's conversations")
+    return code_tool_demo.train_tokenizer(demo.code_tool, plans)
+
+
+def _code_tool_sft(demo, trainer: Trainer, tokenizer, plans: list[dict], seed: int, log) -> None:
+    """Train for sft_steps steps on the conversations, the loss on their assistant turns."""
+    from archon.rl.rollouts import rollout_batch
+
+    renderer = code_tool_demo.demo_renderer(tokenizer)
+    examples = [t.to_sample(0) for t in code_tool_demo.sft_trajectories(renderer, plans)]
+    rng = random.Random(seed)
+    dp_rank, dp = trainer.dims.dp_rank, trainer.dims.dp
+    for step in range(demo.sft_steps):
+        chosen = rng.sample(examples, demo.sft_batch_size)[dp_rank::dp]
+        metrics = trainer.train_step(rollout_batch(chosen, torch.zeros(len(chosen)), 0), _sft_loss)
+        if (step + 1) % demo.sft_check_every == 0 or step + 1 == demo.sft_steps:
+            log(f"demo SFT step {step + 1}/{demo.sft_steps}: nll {metrics['loss']:.3f}")
+
+
 @dataclasses.dataclass
 class WarmStartSettings:
     """What `python -m archon.rl.demo` warm-starts: the demo settings and the seed (the run's)."""
@@ -247,21 +321,49 @@ class WarmStartSettings:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Warm-start the demo model of the given settings (recipes/configs/demo.yaml's by default) on one
-    process and write its weights where archon ships them."""
+    """Warm-start the demo model of the given settings (recipes/configs/demo.yaml's by default, or
+    those of the file after a first `--config`) on one process and write its weights where archon
+    ships them; a code-tool warm start also its tokenizer, and it reports the warm start's held-out
+    success in the episode loop under the file's environment."""
     import tempfile
 
     import tyro
 
-    config = load_config_file(DEMO_CONFIG)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path = DEMO_CONFIG
+    if argv[:1] == ["--config"]:
+        if len(argv) < 2:
+            raise SystemExit("--config needs a file")
+        config_path, argv = Path(argv[1]), argv[2:]
+    config = load_config_file(config_path)
     settings = tyro.cli(WarmStartSettings, default=WarmStartSettings(config.demo, config.seed), args=argv)
     with tempfile.TemporaryDirectory() as cache_dir:
         demo = dataclasses.replace(settings.demo, cache_dir=cache_dir)
-        target = packaged_warm_start(demo, settings.seed)
+        target, tokenizer_target = packaged_warm_start(demo, settings.seed), packaged_tokenizer(demo, settings.seed)
         target.unlink(missing_ok=True)  # warm-start anew rather than reuse it
+        tokenizer_target.unlink(missing_ok=True)
         files = prepare_demo(demo, config.parallel, settings.seed, rank=0)
-        shutil.copyfile(files.model_dir / "model.safetensors", target)
-    print(f"wrote {target}")
+        with atomic_file(target) as f:
+            f.write((files.model_dir / "model.safetensors").read_bytes())
+        print(f"wrote {target}")
+        if demo.kind == "code_tool":
+            with atomic_file(tokenizer_target) as f:
+                f.write((files.model_dir / code_tool_demo.TOKENIZER_FILE).read_bytes())
+            print(f"wrote {tokenizer_target}")
+            _report_code_tool_warm_start(files, config, demo)
+
+
+def _report_code_tool_warm_start(files: DemoFiles, config, demo) -> None:
+    from archon.build import build_model
+
+    if not config.environment.enabled:
+        return
+    loaded = build_model(str(files.model_dir), lora=None)
+    tokenizer = code_tool_demo.hf_tokenizer(files.model_dir / code_tool_demo.TOKENIZER_FILE)
+    rows = [json.loads(line) for line in files.held_out_path.read_text().splitlines()][: config.eval.max_prompts]
+    figures = code_tool_demo.episode_success(loaded.model, "cpu", tokenizer, rows, config.environment)
+    shown = ", ".join(f"{name} {value:.3f}" for name, value in figures.items())
+    print(f"held-out episodes of the warm start ({len(rows)} problems, tools {list(config.environment.tools)}): {shown}")
 
 
 if __name__ == "__main__":

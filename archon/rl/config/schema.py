@@ -16,6 +16,7 @@ from archon.load_balance import MoEConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import ALGORITHMS, AlgorithmName, LossConfig, unknown_algorithm
+from archon.rl.code_tool_demo import CodeToolDemoConfig
 from archon.rl.data import DataConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
@@ -148,8 +149,13 @@ class LoggingConfig:
 
 @dataclass
 class DemoConfig:
-    """The built-in demo: a small Qwen3 model warm-started by SFT on synthetic arithmetic."""
+    """The built-in demo: a small Qwen3 model warm-started by SFT, on synthetic arithmetic (kind
+    "arithmetic") or on 3-digit multiplication with the python tool (kind "code_tool")."""
 
+    kind: Literal["arithmetic", "code_tool"] = "arithmetic"
+    """arithmetic: a character tokenizer, `task` answered in one completion; code_tool: the Qwen3
+    chat format, `code_tool`'s problems answered in episodes with the python sandbox
+    (archon.rl.code_tool_demo)."""
     task: ArithmeticTaskConfig = field(
         default_factory=lambda: ArithmeticTaskConfig(
             operations=("+",), min_digits=2, max_digits=2, num_train=6000, num_held_out=200
@@ -161,7 +167,8 @@ class DemoConfig:
     num_key_value_heads: int = 2
     intermediate_size: int = 384
     sft_steps: int = 1500
-    """Upper bound on SFT steps; the warm start stops earlier at sft_target_accuracy."""
+    """Upper bound on SFT steps; the arithmetic warm start stops earlier at sft_target_accuracy, the
+    code-tool one runs them all."""
     sft_target_accuracy: float = 0.25
     """Stop SFT once the greedy accuracy of every operation on its development problems has been at
     least this for sft_checks_at_target checks in a row, so RL starts from a weak but non-zero
@@ -175,6 +182,9 @@ class DemoConfig:
     sft_lr: float = 3e-3
     cache_dir: str = ".cache/archon/demo"
     """Warm-start results are cached here, keyed by the settings above."""
+    code_tool: CodeToolDemoConfig = field(default_factory=CodeToolDemoConfig)
+    """The code-tool demo's problems and warm start (kind "code_tool"); `task` and the SFT's stop
+    rule (sft_target_accuracy, sft_checks_at_target, sft_dev_examples) are the arithmetic demo's."""
 
 
 @dataclass
