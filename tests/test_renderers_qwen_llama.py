@@ -38,16 +38,20 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 @functools.cache
-def family_tokenizer(template: str, special: tuple[str, ...], reasoning: bool):
-    """A BPE tokenizer trained on 300 conversations the family's template renders."""
+def family_tokenizer(template: str, special: tuple[str, ...], reasoning: bool, max_calls: int = 4, bos_token=None):
+    """A BPE tokenizer trained on 300 conversations the family's template renders (turns of up to
+    `max_calls` tool calls), with `bos_token` as its beginning-of-text token when given."""
     chat_template = read_template(template)
     rng = random.Random(12345)
     corpus = []
     for _ in range(300):
-        conversation = random_conversation(rng, special, reasoning=reasoning)
+        conversation = random_conversation(rng, special, reasoning=reasoning, max_calls=max_calls)
         rendered, _ = render_jinja_template([conversation.messages()], tools=conversation.tools, chat_template=chat_template)
         corpus.append(rendered[0])
-    return build_bpe_tokenizer(list(special), corpus, 3000, chat_template=chat_template)
+    tokenizer = build_bpe_tokenizer(list(special), corpus, 3000, chat_template=chat_template)
+    if bos_token is not None:
+        tokenizer.bos_token = bos_token
+    return tokenizer
 
 
 def qwen3_tokenizer():
@@ -598,8 +602,181 @@ def test_qwen3_5_bad_input():
         get_renderer("qwen3_5", build_bpe_tokenizer(["<|endoftext|>"], ["some text"], 300))
 
 
+# ---- Llama 3 -------------------------------------------------------------------------------------------
+
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                  "<|eom_id|>", "<|python_tag|>"]  # fmt: skip
+LLAMA3_HEADER, LLAMA3_STOPS = "<|start_header_id|>assistant<|end_header_id|>\n\n", ("<|eot_id|>", "<|eom_id|>")
+
+
+def llama3_tokenizer():
+    return family_tokenizer("llama3", tuple(LLAMA3_SPECIAL), False, max_calls=1, bos_token="<|begin_of_text|>")
+
+
+LLAMA3_CONVERSATION = [
+    {"role": "system", "content": "  You are a careful agent.\nAnswer briefly.\n"},
+    {"role": "user", "content": "Weather in Paris and Tōkyō?  "},
+    {"role": "assistant", "content": "ignored", "tool_calls": [call("get_weather", city="Paris", days=2)]},
+    {"role": "tool", "content": '{"temp": 21}\n'},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="東京", units="c")]},
+    {"role": "ipython", "content": "Error: timeout"},
+    {"role": "assistant", "content": " Paris 21 °C, Tokyo unknown.\n"},
+    {"role": "user", "content": "Search for more?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("search", query="paris \"weather\" {x}", limit=3)]},
+    {"role": "tool", "content": "[]"},
+]
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no_tools"])
+@pytest.mark.parametrize("tools_in_user_message", [True, False], ids=["in_user", "in_system"])
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no_system"])
+@pytest.mark.parametrize("date_string", [None, "03 Mar 2025"], ids=["default_date", "date"])
+def test_llama3_render_prompt_is_the_template(tools, tools_in_user_message, system, date_string):
+    tokenizer = llama3_tokenizer()
+    options = {"tools_in_user_message": tools_in_user_message} | ({"date_string": date_string} if date_string else {})
+    renderer = get_renderer("llama3", tokenizer, **options)
+    conversation = LLAMA3_CONVERSATION if system else LLAMA3_CONVERSATION[1:]
+    for end in range(1, len(conversation) + 1):
+        if conversation[end - 1]["role"] == "assistant" or (end == 1 and system and tools and tools_in_user_message):
+            continue  # the template needs a user message to put the tools in
+        messages = conversation[:end]
+        text, ids = template_ids(tokenizer, messages, tools, **options)
+        rendered = renderer.render_prompt(messages, tools=tools)
+        assert renderer.decode(rendered) == text
+        assert rendered == ids
+
+
+def test_llama3_prompt_by_hand():
+    """The format written out for a short conversation (the default system turn with the dates, the
+    tools in the first user message, the call without the turn's content, the result as a JSON string)."""
+    tokenizer = llama3_tokenizer()
+    renderer = get_renderer("llama3", tokenizer)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    messages = [
+        {"role": "user", "content": " Q\n"},
+        {"role": "assistant", "content": "dropped", "tool_calls": [call("f", x="é")]},
+        {"role": "tool", "content": "1\n"},
+        {"role": "assistant", "content": "A "},
+        {"role": "user", "content": "Q2"},
+    ]
+    expected = (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please respond with a JSON for a "
+        "function call with its proper arguments that best answers the given prompt.\n\n"
+        'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+        'Do not use variables.\n\n{\n    "type": "function",\n    "function": {\n        "name": "f",\n'
+        '        "parameters": {}\n    }\n}\n\nQ<|eot_id|>'
+        '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "f", "parameters": {"x": "é"}}<|eot_id|>'
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"1\\n"<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nQ2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert renderer.decode(renderer.render_prompt(messages, tools=[tool])) == expected
+    assert template_ids(tokenizer, messages, [tool])[0] == expected
+
+
+def test_llama3_token_identity_over_generated_episodes():
+    tokenizer = llama3_tokenizer()
+    figures = {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0,
+               "same_text_other_ids": 0}  # fmt: skip
+    for seed in range(N_EPISODES):
+        rng = random.Random(seed)
+        options = {"tools_in_user_message": rng.random() < 0.75, "date_string": rng.choice(["26 Jul 2024", "03 Mar 2025"])}
+        conversation = random_conversation(
+            rng, tuple(LLAMA3_SPECIAL), reasoning=False, max_calls=1, tool_roles=("tool", "ipython")
+        )
+        renderer = get_renderer("llama3", tokenizer, **options)
+        episode = simulate_episode(renderer, tokenizer, conversation, LLAMA3_HEADER, LLAMA3_STOPS, **options)
+        for (assistant, _), turn in zip(conversation.turns, episode.parsed, strict=True):
+            assert turn.parse_error is None and turn.reasoning is None
+            expected_calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
+            assert turn.tool_calls == expected_calls
+            assert turn.content == ("" if expected_calls else assistant["content"].strip())
+        whole = tokenizer.apply_chat_template(conversation.messages(), tools=conversation.tools, tokenize=False, **options)
+        record_identity(figures, tokenizer, episode, whole, "")
+    print("llama3 token identity:", figures)
+    assert figures["episodes"] == N_EPISODES
+    # the template is prefix-preserving on the turns it writes itself: its differences come from
+    # turns sampled otherwise (test_llama3_not_prefix_preserving_points)
+    assert figures["template_text_differs"] == figures["retokenized_ids_differ"] == 0
+
+
+def test_llama3_not_prefix_preserving_points():
+    """A turn sampled otherwise than the template writes it is rendered differently once the
+    conversation is rendered again: the call re-serialized, the content trimmed, <|eom_id|> made <|eot_id|>."""
+    tokenizer = llama3_tokenizer()
+    renderer = get_renderer("llama3", tokenizer)
+    messages = [{"role": "user", "content": "q"}]
+    prompt_text = renderer.decode(renderer.render_prompt(messages, tools=TOOLS))
+    for sampled, rendered in [
+        ('{"parameters":{"query":"\\u00e9"},"name":"search"}<|eom_id|>', '{"name": "search", "parameters": {"query": "é"}}<|eot_id|>'),
+        ("  Hi there.\n<|eot_id|>", "Hi there.<|eot_id|>"),
+    ]:  # fmt: skip
+        turn = renderer.parse_turn(renderer.encode(sampled))
+        assert turn.parse_error is None
+        text, _ = template_ids(tokenizer, messages + [turn.message()], TOOLS, generation_prompt=False)
+        assert text == prompt_text + rendered != prompt_text + sampled
+
+
+def llama3_parse(text, stop="<|eot_id|>"):
+    renderer = get_renderer("llama3", llama3_tokenizer())
+    return renderer.parse_turn(renderer.encode(text + stop))
+
+
+def test_llama3_parse_turn_well_formed():
+    for text, stop in [('{"name": "search", "parameters": {"query": "a\\nb"}}', "<|eot_id|>"),
+                       ('<|python_tag|>{"name": "search", "parameters": {"query": "a\\nb"}}', "<|eom_id|>"),
+                       ('\n { "name" : "search", "parameters": {"query": "a\\nb"}} ', "")]:  # fmt: skip
+        turn = llama3_parse(text, stop)
+        assert (turn.content, turn.reasoning, turn.parse_error) == ("", None, None)
+        assert turn.tool_calls == [ToolCall("search", {"query": "a\nb"})]
+        assert turn.message()["tool_calls"][0]["function"] == {"name": "search", "arguments": {"query": "a\nb"}}
+    turn = llama3_parse(' {"answer": 42} is the JSON.\n')
+    assert (turn.content, turn.tool_calls, turn.parse_error) == ('{"answer": 42} is the JSON.', [], None)
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ('{"name": "search", "parameters": {"query": }}',
+         """tool call 1 is not valid JSON (Expecting value at line 1 column 44): '{"name": "search", "parameters": {"query": }}'"""),
+        ('{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}',
+         """tool call 1 is not valid JSON (Extra data at line 1 column 37): '{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}'"""),
+        ('{"name": "search", "arguments": {}}', "tool call 1 has keys other than \"name\" and \"parameters\": ['arguments']"),
+        ('{"name": "search"}', 'tool call 1 (search) has no "parameters"'),
+        ('{"parameters": {}}', 'tool call 1 has no "name" (a non-empty string)'),
+        ('{"name": "search", "parameters": "x"}', 'tool call 1 (search): "parameters" is a JSON string, not an object'),
+        ("<|python_tag|>[1]", 'tool call 1 is a JSON array, not an object with "name" and "parameters"'),
+    ],
+    ids=["bad_json", "two_calls", "arguments_key", "no_parameters", "no_name", "parameters_string", "not_an_object"],
+)  # fmt: skip
+def test_llama3_parse_turn_malformed(text, error):
+    turn = llama3_parse(text)
+    assert (turn.content, turn.tool_calls, turn.parse_error) == ("", [], error)
+
+
+def test_llama3_bad_input():
+    tokenizer = llama3_tokenizer()
+    renderer = get_renderer("llama3", tokenizer)
+    turn = renderer.encode("hi<|eot_id|>")
+    with pytest.raises(ValueError, match=r"bridge\(\) needs a turn that ended with a stop token"):
+        renderer.bridge(turn[:-1], [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool', 'ipython'\]"):
+        renderer.bridge(turn, [{"role": "assistant", "content": "x"}])
+    with pytest.raises(ValueError, match=r"message 1 \(assistant\) has 2 tool calls; the Llama 3 template takes exactly one a turn"):
+        renderer.render_prompt([{"role": "user", "content": "q"},
+                                {"role": "assistant", "content": "", "tool_calls": [call("f"), call("g")]}])  # fmt: skip
+    with pytest.raises(ValueError, match=r"with tools, the first message after the system message must be a user message"):
+        renderer.render_prompt([{"role": "system", "content": "s"}], tools=TOOLS)
+    with pytest.raises(ValueError, match=r"date_string must be a non-empty string such as '26 Jul 2024', got ''"):
+        get_renderer("llama3", tokenizer, date_string="")
+    with pytest.raises(ValueError, match=r"the tokenizer has no single token for '<\|begin_of_text\|>'"):
+        get_renderer("llama3", build_bpe_tokenizer(["<|endoftext|>"], ["some text"], 300))
+
+
 def test_family_names_its_renderers():
     expected = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-                "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}  # fmt: skip
+                "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "llama": "llama3"}  # fmt: skip
     for model_type, name in expected.items():
         assert default_renderer_name(model_type) == name

@@ -7,11 +7,10 @@ tool messages grouped into one) and hermes-style tool calls (`<tool_call>\\n{"na
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from archon.agents.tools import ToolCall
-from archon.models.common.messages import json_type, to_json
+from archon.models.common.messages import parse_json_tool_call, to_json
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -61,7 +60,7 @@ def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:
     content and a call. Only whitespace may stand between and after the calls. A malformed call is
     named in the error and skipped; the calls that parse are kept.
     """
-    head, calls, error = parse_tool_call_blocks(text, _hermes_call)
+    head, calls, error = parse_tool_call_blocks(text, parse_json_tool_call)
     if TOOL_CALL_OPEN in text and head.endswith("\n"):
         head = head[:-1]
     return head, calls, error
@@ -108,23 +107,3 @@ def parse_tool_call_blocks(
             calls.append(call)
         rest = rest[end + len(TOOL_CALL_CLOSE) :]
     return head, calls, "; ".join(errors) or None
-
-
-def _hermes_call(body: str, number: int) -> tuple[ToolCall | None, str | None]:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError as e:
-        return None, f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}"
-    if not isinstance(value, dict):
-        return None, f'tool call {number} is a JSON {json_type(value)}, not an object with "name" and "arguments"'
-    unknown = sorted(set(value) - {"name", "arguments"})
-    if unknown:
-        return None, f'tool call {number} has keys other than "name" and "arguments": {unknown}'
-    name = value.get("name")
-    if not isinstance(name, str) or not name:
-        return None, f'tool call {number} has no "name" (a non-empty string)'
-    if "arguments" not in value:
-        return None, f'tool call {number} ({name}) has no "arguments"'
-    if not isinstance(value["arguments"], dict):
-        return None, f'tool call {number} ({name}): "arguments" is a JSON {json_type(value["arguments"])}, not an object'
-    return ToolCall(name=name, arguments=value["arguments"]), None

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from archon.agents.tools import ToolCall
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def to_json(value: Any) -> str:
+def to_json(value: Any, indent: int | None = None) -> str:
     """The chat templates' `tojson` filter as transformers defines it (non-ASCII kept, default separators)."""
-    return json.dumps(value, ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def json_type(value: Any) -> str:
@@ -20,6 +22,30 @@ def json_type(value: Any) -> str:
     names = {list: "array", dict: "object", str: "string", int: "number", float: "number", bool: "boolean",
              type(None): "null"}  # fmt: skip
     return names.get(type(value), type(value).__name__)
+
+
+def parse_json_tool_call(
+    body: str, number: int, arguments_key: str = "arguments"
+) -> tuple[ToolCall | None, str | None]:
+    """A call written as one JSON object `{"name": ..., ARGUMENTS_KEY: {...}}` -> (call, error); the
+    error names call `number` and what is wrong."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as e:
+        return None, f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}"
+    if not isinstance(value, dict):
+        return None, f'tool call {number} is a JSON {json_type(value)}, not an object with "name" and "{arguments_key}"'
+    unknown = sorted(set(value) - {"name", arguments_key})
+    if unknown:
+        return None, f'tool call {number} has keys other than "name" and "{arguments_key}": {unknown}'
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return None, f'tool call {number} has no "name" (a non-empty string)'
+    if arguments_key not in value:
+        return None, f'tool call {number} ({name}) has no "{arguments_key}"'
+    if not isinstance(value[arguments_key], dict):
+        return None, f'tool call {number} ({name}): "{arguments_key}" is a JSON {json_type(value[arguments_key])}, not an object'
+    return ToolCall(name=name, arguments=value[arguments_key]), None
 
 
 def tool_parameter_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
