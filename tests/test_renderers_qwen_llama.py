@@ -256,7 +256,7 @@ def test_qwen3_parse_turn_well_formed():
 GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
 
 
-@pytest.mark.parametrize(
+HERMES_MALFORMED = pytest.mark.parametrize(
     "text, error, kept",
     [
         ('<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>\n' + GOOD_CALL,
@@ -276,6 +276,9 @@ GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</too
     ids=["bad_json", "unclosed_last", "unclosed_then_next", "missing_name", "arguments_string", "no_arguments",
          "not_an_object", "unknown_key", "text_after", "stray_close"],
 )  # fmt: skip
+
+
+@HERMES_MALFORMED
 def test_qwen3_parse_turn_malformed(text, error, kept):
     turn = qwen3_parse("Before.\n" + text)
     assert turn.parse_error == error
@@ -775,8 +778,142 @@ def test_llama3_bad_input():
         get_renderer("llama3", build_bpe_tokenizer(["<|endoftext|>"], ["some text"], 300))
 
 
+# ---- Qwen2.5 -------------------------------------------------------------------------------------------
+
+QWEN2_HEADER = "<|im_start|>assistant"
+
+
+def qwen2_tokenizer():
+    return family_tokenizer("qwen2", tuple(QWEN_SPECIAL), False)
+
+
+QWEN2_CONVERSATION = [
+    {"role": "system", "content": "You are a careful agent.\nAnswer briefly.\n"},
+    {"role": "user", "content": "Weather in Paris and Tōkyō?  "},
+    {"role": "assistant", "content": "Let me look both up.",
+     "tool_calls": [call("get_weather", city="Paris", days=2), call("get_weather", city="東京", units="c")]},
+    {"role": "tool", "content": '{"temp": 21}'},
+    {"role": "tool", "content": "Error: timeout\n"},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="Tokyo")]},
+    {"role": "tool", "content": "18 °C"},
+    {"role": "assistant", "content": "\nParis 21 °C, Tokyo 18 °C. "},
+    {"role": "system", "content": "Use Fahrenheit from now on."},
+    {"role": "user", "content": "And in Fahrenheit?\n"},
+    {"role": "assistant", "content": "Sure:\n", "tool_calls": [call("search", query="paris \"weather\" {x}", limit=3)]},
+    {"role": "tool", "content": "[]"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no_tools"])
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no_system"])
+def test_qwen2_render_prompt_is_the_template(tools, system):
+    tokenizer = qwen2_tokenizer()
+    renderer = get_renderer("qwen2", tokenizer)
+    conversation = QWEN2_CONVERSATION if system else QWEN2_CONVERSATION[1:]
+    for end in range(1, len(conversation) + 1):
+        if conversation[end - 1]["role"] == "assistant":
+            continue
+        messages = conversation[:end]
+        text, ids = template_ids(tokenizer, messages, tools)
+        rendered = renderer.render_prompt(messages, tools=tools)
+        assert renderer.decode(rendered) == text
+        assert rendered == ids
+
+
+def test_qwen2_prompt_by_hand():
+    """The format written out for a short conversation (the default system message before the tools,
+    the calls after the content, the grouped tool results)."""
+    tokenizer = qwen2_tokenizer()
+    renderer = get_renderer("qwen2", tokenizer)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    messages = [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "C", "tool_calls": [call("f", x="é"), call("f")]},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "A "},
+        {"role": "user", "content": "Q2"},
+    ]
+    expected = (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "f", "parameters": {}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nQ<|im_end|>\n"
+        '<|im_start|>assistant\nC\n<tool_call>\n{"name": "f", "arguments": {"x": "é"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nA <|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert renderer.decode(renderer.render_prompt(messages, tools=[tool])) == expected
+    assert template_ids(tokenizer, messages, [tool])[0] == expected
+
+
+def test_qwen2_token_identity_over_generated_episodes():
+    tokenizer = qwen2_tokenizer()
+    renderer = get_renderer("qwen2", tokenizer)
+    figures = {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0,
+               "same_text_other_ids": 0}  # fmt: skip
+    for seed in range(N_EPISODES):
+        rng = random.Random(seed)
+        conversation = random_conversation(rng, tuple(QWEN_SPECIAL), reasoning=False)
+        episode = simulate_episode(renderer, tokenizer, conversation, QWEN2_HEADER, QWEN_STOPS)
+        for (assistant, _), turn in zip(conversation.turns, episode.parsed, strict=True):
+            assert turn.parse_error is None and turn.reasoning is None
+            expected_calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
+            assert turn.tool_calls == expected_calls
+            assert turn.content == assistant["content"]
+        whole = tokenizer.apply_chat_template(conversation.messages(), tools=conversation.tools, tokenize=False)
+        record_identity(figures, tokenizer, episode, whole, "\n")
+    print("qwen2 token identity:", figures)
+    assert figures["episodes"] == N_EPISODES
+    # the template writes its own turns again as they were; only the tokenization at the start of a
+    # turn that begins with whitespace differs
+    assert figures["template_text_differs"] == 0
+    assert figures["retokenized_ids_differ"] == figures["same_text_other_ids"] > 0
+
+
+def test_qwen2_call_sampled_otherwise_is_rendered_differently():
+    tokenizer = qwen2_tokenizer()
+    renderer = get_renderer("qwen2", tokenizer)
+    messages = [{"role": "user", "content": "q"}]
+    prompt_text = renderer.decode(renderer.render_prompt(messages, tools=TOOLS))
+    sampled = '<tool_call>\n{"arguments":{"query":"\\u00e9"},"name":"search"}\n</tool_call><|im_end|>'
+    turn = renderer.parse_turn(renderer.encode(sampled))
+    assert (turn.content, turn.tool_calls, turn.parse_error) == ("", [ToolCall("search", {"query": "é"})], None)
+    text, _ = template_ids(tokenizer, messages + [turn.message()], TOOLS, generation_prompt=False)
+    rendered = '<tool_call>\n{"name": "search", "arguments": {"query": "é"}}\n</tool_call><|im_end|>\n'
+    assert text == prompt_text + rendered != prompt_text + sampled + "\n"
+
+
+@HERMES_MALFORMED
+def test_qwen2_parse_turn_malformed(text, error, kept):
+    renderer = get_renderer("qwen2", qwen2_tokenizer())
+    turn = renderer.parse_turn(renderer.encode("Before.\n" + text + "<|im_end|>"))
+    assert turn.parse_error == error
+    assert turn.tool_calls == [ToolCall("search", {"query": "x"})] * kept
+    assert turn.content == ("Before." if "<tool_call>" in text else "Before.\n" + text)
+
+
+def test_qwen2_bad_input():
+    tokenizer = qwen2_tokenizer()
+    renderer = get_renderer("qwen2", tokenizer)
+    turn = renderer.encode("hi<|im_end|>")
+    with pytest.raises(ValueError, match=r"bridge\(\) needs a turn that ended with a stop token"):
+        renderer.bridge(turn[:-1], [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool'\]"):
+        renderer.bridge(turn, [{"role": "assistant", "content": "x"}])
+    with pytest.raises(ValueError, match=r"message 0 \(user\) needs string content, got list"):
+        renderer.render_prompt([{"role": "user", "content": ["q"]}])
+    with pytest.raises(ValueError, match=r"the tokenizer has no single token for '<\|im_start\|>'"):
+        get_renderer("qwen2", build_bpe_tokenizer(["<|endoftext|>"], ["some text"], 300))
+
+
 def test_family_names_its_renderers():
     expected = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-                "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "llama": "llama3"}  # fmt: skip
+                "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "llama": "llama3", "qwen2": "qwen2"}  # fmt: skip
     for model_type, name in expected.items():
         assert default_renderer_name(model_type) == name
