@@ -156,13 +156,16 @@ def random_conversation(
     max_calls: int = 4,
     tool_roles: tuple[str, ...] = ("tool",),
     max_turns: int = 5,
+    offered: list[dict] = TOOLS,
+    arguments=None,
 ) -> Conversation:
     """An episode of 1..max_turns assistant turns with 1..max_calls tool calls each but the last, tool
     results (some errors) in one of `tool_roles`, now and then a user follow-up; reasoning on each turn
-    (sometimes empty) when `reasoning`."""
+    (sometimes empty) when `reasoning`. The calls are to the `offered` tools, with arguments from
+    `arguments(rng, forbidden, tool)` when given (else random_arguments, whatever the schema says)."""
     first = [{"role": "system", "content": random_text(rng, forbidden)}] if rng.random() < 0.7 else []
     first.append({"role": "user", "content": random_text(rng, forbidden)})
-    tools = TOOLS if rng.random() < 0.85 else None
+    tools = offered if rng.random() < 0.85 else None
     conversation = Conversation(first=first, tools=tools)
     n_turns = rng.randint(1, max_turns)
     for turn in range(n_turns):
@@ -172,11 +175,13 @@ def random_conversation(
             assistant["reasoning_content"] = random_text(rng, forbidden, empty_ok=True) if rng.random() < 0.9 else ""
         environment = []
         if not last and tools and rng.random() < 0.85:
-            calls = [
-                {"type": "function", "function": {"name": rng.choice(TOOLS)["function"]["name"],
-                                                  "arguments": random_arguments(rng, forbidden)}}
-                for _ in range(rng.randint(1, max_calls))
-            ]  # fmt: skip
+            calls = []
+            for _ in range(rng.randint(1, max_calls)):
+                tool = rng.choice(offered)
+                calls.append({"type": "function", "function": {
+                    "name": tool["function"]["name"],
+                    "arguments": arguments(rng, forbidden, tool) if arguments else random_arguments(rng, forbidden),
+                }})  # fmt: skip
             assistant["tool_calls"] = calls
             role = rng.choice(tool_roles)
             for call in calls:

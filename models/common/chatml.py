@@ -7,11 +7,10 @@ tool messages grouped into one) and hermes-style tool calls (`<tool_call>\\n{"na
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from collections.abc import Callable
 
 from archon.agents.tools import ToolCall
-from archon.models.common.messages import to_json
+from archon.models.common.messages import parse_json_tool_call, to_json
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -61,6 +60,18 @@ def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:
     content and a call. Only whitespace may stand between and after the calls. A malformed call is
     named in the error and skipped; the calls that parse are kept.
     """
+    head, calls, error = parse_tool_call_blocks(text, parse_json_tool_call)
+    if TOOL_CALL_OPEN in text and head.endswith("\n"):
+        head = head[:-1]
+    return head, calls, error
+
+
+def parse_tool_call_blocks(
+    text: str, parse_call: Callable[[str, int], tuple[ToolCall | None, str | None]]
+) -> tuple[str, list[ToolCall], str | None]:
+    """The `<tool_call>...</tool_call>` blocks of a turn's text, each body read by
+    `parse_call(body, number)` -> (call, error): (the text before the first block, the calls that
+    parsed, the errors joined or None). Only whitespace may stand between and after the blocks."""
     first = text.find(TOOL_CALL_OPEN)
     head = text if first == -1 else text[:first]
     errors = []
@@ -68,7 +79,6 @@ def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:
         errors.append(f"a {TOOL_CALL_CLOSE} with no {TOOL_CALL_OPEN} before it")
     if first == -1:
         return head, [], "; ".join(errors) or None
-    content = head[:-1] if head.endswith("\n") else head
     calls: list[ToolCall] = []
     rest, number = text[first:], 0
     while rest:
@@ -90,35 +100,10 @@ def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:
                 break
             rest = rest[nested:]
             continue
-        call, error = _hermes_call(rest[body_start:end], number)
+        call, error = parse_call(rest[body_start:end], number)
         if error is not None:
             errors.append(error)
         else:
             calls.append(call)
         rest = rest[end + len(TOOL_CALL_CLOSE) :]
-    return content, calls, "; ".join(errors) or None
-
-
-def _hermes_call(body: str, number: int) -> tuple[ToolCall | None, str | None]:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError as e:
-        return None, f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}"
-    if not isinstance(value, dict):
-        return None, f'tool call {number} is a JSON {_json_type(value)}, not an object with "name" and "arguments"'
-    unknown = sorted(set(value) - {"name", "arguments"})
-    if unknown:
-        return None, f'tool call {number} has keys other than "name" and "arguments": {unknown}'
-    name = value.get("name")
-    if not isinstance(name, str) or not name:
-        return None, f'tool call {number} has no "name" (a non-empty string)'
-    if "arguments" not in value:
-        return None, f'tool call {number} ({name}) has no "arguments"'
-    if not isinstance(value["arguments"], dict):
-        return None, f'tool call {number} ({name}): "arguments" is a JSON {_json_type(value["arguments"])}, not an object'
-    return ToolCall(name=name, arguments=value["arguments"]), None
-
-
-def _json_type(value: Any) -> str:
-    names = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+    return head, calls, "; ".join(errors) or None

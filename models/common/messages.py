@@ -1,17 +1,128 @@
 """What the renderers of several families share: the checks on the messages they are given, the
-chat templates' `tojson`, and the reading of a sampled turn's ids."""
+chat templates' `tojson`, the reading of a sampled turn's ids, and the typing, by the offered tools'
+schemas, of arguments that a format writes as text."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from archon.agents.tools import ToolCall
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def to_json(value: Any) -> str:
+def to_json(value: Any, indent: int | None = None) -> str:
     """The chat templates' `tojson` filter as transformers defines it (non-ASCII kept, default separators)."""
-    return json.dumps(value, ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def json_type(value: Any) -> str:
+    """The JSON type name of a decoded JSON value."""
+    names = {list: "array", dict: "object", str: "string", int: "number", float: "number", bool: "boolean",
+             type(None): "null"}  # fmt: skip
+    return names.get(type(value), type(value).__name__)
+
+
+def parse_json_tool_call(
+    body: str, number: int, arguments_key: str = "arguments"
+) -> tuple[ToolCall | None, str | None]:
+    """A call written as one JSON object `{"name": ..., ARGUMENTS_KEY: {...}}` -> (call, error); the
+    error names call `number` and what is wrong."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as e:
+        return None, f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}"
+    if not isinstance(value, dict):
+        return None, f'tool call {number} is a JSON {json_type(value)}, not an object with "name" and "{arguments_key}"'
+    unknown = sorted(set(value) - {"name", arguments_key})
+    if unknown:
+        return None, f'tool call {number} has keys other than "name" and "{arguments_key}": {unknown}'
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return None, f'tool call {number} has no "name" (a non-empty string)'
+    if arguments_key not in value:
+        return None, f'tool call {number} ({name}) has no "{arguments_key}"'
+    if not isinstance(value[arguments_key], dict):
+        return None, f'tool call {number} ({name}): "{arguments_key}" is a JSON {json_type(value[arguments_key])}, not an object'
+    return ToolCall(name=name, arguments=value[arguments_key]), None
+
+
+def tool_parameter_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
+    """The offered tools' parameter schemas by function name: {name: {parameter: JSON schema}}."""
+    schemas = {}
+    for tool in tools or []:
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        schemas[function["name"]] = properties if isinstance(properties, dict) else {}
+    return schemas
+
+
+def schema_types(schema: Any) -> set[str] | None:
+    """The JSON types a parameter's schema allows ("type", a list of them, "anyOf"/"oneOf", or the
+    types of an "enum"); None when the schema does not say."""
+    if not isinstance(schema, dict):
+        return None
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return {declared}
+    if isinstance(declared, list) and all(isinstance(name, str) for name in declared):
+        return set(declared)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            alternatives = [schema_types(alternative) for alternative in schema[key]]
+            if any(types is None for types in alternatives):
+                return None
+            return set().union(*alternatives)
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return {"integer" if isinstance(value, int) and not isinstance(value, bool) else json_type(value)
+                for value in schema["enum"]}  # fmt: skip
+    return None
+
+
+# Python's spellings, which templates that write a value with Jinja's `string` filter use.
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+_TYPE_READERS_ORDER = ("null", "boolean", "integer", "number", "object", "array")
+
+
+def typed_argument(text: str, schema: Any) -> tuple[Any, str | None]:
+    """An argument the model wrote as text (a string as itself, anything else as JSON or Python's
+    spelling) -> (value, error), typed by its parameter's JSON schema: the first of the schema's
+    types that reads the text, a string last. Without a type in the schema: JSON, else a Python
+    literal (True, False, None), else the text."""
+    types = schema_types(schema)
+    if types is None:
+        if text in _PYTHON_LITERALS:
+            return _PYTHON_LITERALS[text], None
+        try:
+            return json.loads(text), None
+        except json.JSONDecodeError:
+            return text, None
+    for name in _TYPE_READERS_ORDER:
+        if name in types:
+            found, value = _read_as(name, text)
+            if found:
+                return value, None
+    if "string" in types:
+        return text, None
+    return None, f"{text[:80]!r} is not {' or '.join(sorted(types))} as its schema says"
+
+
+def _read_as(type_name: str, text: str) -> tuple[bool, Any]:
+    if type_name == "null":
+        return text in ("null", "None"), None
+    if type_name == "boolean":
+        values = {"true": True, "false": False, "True": True, "False": False}
+        return text in values, values.get(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False, None
+    expected = {"integer": (int,), "number": (int, float), "object": (dict,), "array": (list,)}[type_name]
+    return isinstance(value, expected) and not isinstance(value, bool), value
 
 
 def check_messages(renderer_name: str, messages: list, roles: tuple[str, ...] = ROLES) -> None:

@@ -31,5 +31,6 @@ spec = register(
             "llama": dict(TINY_DECODER_CONFIG, head_dim=24, rope_parameters=TINY_LLAMA3_ROPE),
         },
         vllm_modes={"llama": "adapter"},
+        renderers={"llama": "llama3"},
     )
 )

@@ -1,1 +1,2 @@
 from archon.models.qwen2 import spec  # noqa: F401  (registers the family)
+from archon.models.qwen2 import renderer  # noqa: F401  (registers the renderer)

@@ -20,5 +20,6 @@ spec = register(
             "qwen2": dict(TINY_DECODER_CONFIG, use_sliding_window=True, sliding_window=8, max_window_layers=1),
         },
         vllm_modes={"qwen2": "adapter"},
+        renderers={"qwen2": "qwen2"},
     )
 )

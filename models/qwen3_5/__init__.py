@@ -1,1 +1,2 @@
 from archon.models.qwen3_5 import spec  # noqa: F401  (registers the family)
+from archon.models.qwen3_5 import renderer  # noqa: F401  (registers the renderer)

@@ -64,5 +64,6 @@ spec = register(
             "qwen3_5_moe_text": dict(_TINY_MOE_TEXT),
             "qwen3_5_moe": dict(text_config=dict(_TINY_MOE_TEXT), vision_config=dict(_TINY_VISION)),
         },
+        renderers={"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"},
     )
 )
