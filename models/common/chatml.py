@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from archon.agents.tools import ToolCall
-from archon.models.common.messages import parse_json_tool_call, to_json
+from archon.models.common.chat_format import parse_json_tool_call, template_json
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -38,7 +38,7 @@ def render_tool_responses(messages: list[dict], index: int) -> str:
 
 def hermes_tools_block(tools: list[dict]) -> str:
     """The tool schemas and calling instructions the Qwen2.5 and Qwen3 templates put in the system turn."""
-    schemas = "".join("\n" + to_json(tool) for tool in tools)
+    schemas = "".join("\n" + template_json(tool) for tool in tools)
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -49,8 +49,8 @@ def hermes_tools_block(tools: list[dict]) -> str:
     )
 
 
-def hermes_tool_call(function: dict) -> str:
-    return f'{TOOL_CALL_OPEN}\n{{"name": "{function["name"]}", "arguments": {to_json(function["arguments"])}}}\n{TOOL_CALL_CLOSE}'
+def hermes_tool_call(call: ToolCall) -> str:
+    return f'{TOOL_CALL_OPEN}\n{{"name": "{call.name}", "arguments": {template_json(call.arguments)}}}\n{TOOL_CALL_CLOSE}'
 
 
 def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:

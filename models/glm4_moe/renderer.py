@@ -43,8 +43,8 @@ from archon.models.common.chat_format import (
     message_text,
     message_tool_calls,
     require_stop,
-    split_stop,
     template_json,
+    turn_text,
 )
 
 TOOLS_PREAMBLE = (
@@ -187,8 +187,7 @@ class Glm45Renderer(Renderer):
         return ToolCall(name, arguments)
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
-        body_ids, _ = split_stop(self, sampled_ids)
-        text = self.decode(body_ids)
+        text = turn_text(self, sampled_ids)
         errors: list[str] = []
         reasoning = None
         stripped = text.lstrip("\n")

@@ -46,7 +46,7 @@ from archon.models.common.chatml import (
     parse_hermes_turn,
     render_tool_responses,
 )
-from archon.models.common.messages import check_messages, check_turn_closed, tool_call_functions, turn_text
+from archon.models.common.chat_format import check_messages, message_tool_calls, require_stop, turn_text
 
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
@@ -69,7 +69,7 @@ class Qwen2Renderer(Renderer):
         return self.encode(self._render(messages, tools) + f"{IM_START}assistant\n")
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
-        check_turn_closed(self, sampled_ids)
+        require_stop(self, sampled_ids)
         check_messages(self.name, messages, roles=("system", "user", "tool"))
         body = "".join(self._render_message(messages, index) for index in range(len(messages)))
         return self.encode("\n" + body + f"{IM_START}assistant\n")
@@ -90,8 +90,8 @@ class Qwen2Renderer(Renderer):
         message = messages[index]
         if message["role"] == "tool":
             return render_tool_responses(messages, index)
-        functions = tool_call_functions(message) if message["role"] == "assistant" else []
-        if not functions:
+        calls = message_tool_calls(message, index) if message["role"] == "assistant" else []
+        if not calls:
             return chatml_message(message["role"], message["content"])
         text = f"{IM_START}assistant" + ("\n" + message["content"] if message["content"] else "")
-        return text + "".join("\n" + hermes_tool_call(function) for function in functions) + f"{IM_END}\n"
+        return text + "".join("\n" + hermes_tool_call(call) for call in calls) + f"{IM_END}\n"

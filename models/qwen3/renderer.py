@@ -61,7 +61,7 @@ from archon.models.common.chatml import (
     parse_hermes_turn,
     render_tool_responses,
 )
-from archon.models.common.messages import check_messages, check_turn_closed, tool_call_functions, turn_text
+from archon.models.common.chat_format import check_messages, message_tool_calls, require_stop, turn_text
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -87,7 +87,7 @@ class Qwen3Renderer(Renderer):
         return self.encode(self._render(messages, tools) + self._generation_prompt())
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
-        check_turn_closed(self, sampled_ids)
+        require_stop(self, sampled_ids)
         check_messages(self.name, messages, roles=("system", "user", "tool"))
         body = "".join(self._render_message(messages, index, last_query_index=-1) for index in range(len(messages)))
         return self.encode("\n" + body + self._generation_prompt())
@@ -150,8 +150,8 @@ class Qwen3Renderer(Renderer):
             text = f"{IM_START}assistant\n{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{shown_content}"
         else:
             text = f"{IM_START}assistant\n{content}"
-        for number, function in enumerate(tool_call_functions(message)):
+        for number, call in enumerate(message_tool_calls(message, index)):
             if number > 0 or content:
                 text += "\n"
-            text += hermes_tool_call(function)
+            text += hermes_tool_call(call)
         return text + f"{IM_END}\n"

@@ -74,11 +74,11 @@ from archon.models.common.chatml import (
     parse_tool_call_blocks,
     render_tool_responses,
 )
-from archon.models.common.messages import (
+from archon.models.common.chat_format import (
     check_messages,
-    check_turn_closed,
-    to_json,
-    tool_call_functions,
+    message_tool_calls,
+    require_stop,
+    template_json,
     tool_parameter_schemas,
     turn_text,
     typed_argument,
@@ -128,7 +128,7 @@ class Qwen3_5Renderer(Renderer):
         return self.encode(self._render(messages, tools) + self._generation_prompt())
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
-        check_turn_closed(self, sampled_ids)
+        require_stop(self, sampled_ids)
         check_messages(self.name, messages, roles=("user", "tool"))
         messages = _trimmed(messages)
         body = "".join(self._render_message(messages, index, last_query_index=-1) for index in range(len(messages)))
@@ -162,7 +162,7 @@ class Qwen3_5Renderer(Renderer):
         has_system = bool(messages) and messages[0]["role"] == "system"
         text = ""
         if tools:
-            schemas = "".join("\n" + to_json(tool) for tool in tools)
+            schemas = "".join("\n" + template_json(tool) for tool in tools)
             system = "\n\n" + messages[0]["content"] if has_system and messages[0]["content"] else ""
             tools_block = f"# Tools\n\nYou have access to the following functions:\n\n<tools>{schemas}\n</tools>"
             text += chatml_message("system", tools_block + TOOLS_INSTRUCTIONS + system)
@@ -204,12 +204,12 @@ class Qwen3_5Renderer(Renderer):
             text = f"{IM_START}assistant\n{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
         else:
             text = f"{IM_START}assistant\n{content}"
-        for number, function in enumerate(tool_call_functions(message)):
+        for number, call in enumerate(message_tool_calls(message, index)):
             if number > 0:
                 text += "\n"
             elif content.strip():
                 text += "\n\n"
-            text += _xml_tool_call(function)
+            text += _xml_tool_call(call)
         return text + f"{IM_END}\n"
 
     # ---- reading a call back ----------------------------------------------------------------------
@@ -252,9 +252,9 @@ def _trimmed(messages: list[Message]) -> list[Message]:
     return [dict(message, content=message["content"].strip()) for message in messages]
 
 
-def _xml_tool_call(function: dict) -> str:
-    text = f"{TOOL_CALL_OPEN}\n{FUNCTION_OPEN}{function['name']}>\n"
-    for key, value in function["arguments"].items():
-        written = to_json(value) if isinstance(value, (dict, list, tuple)) else str(value)
+def _xml_tool_call(call: ToolCall) -> str:
+    text = f"{TOOL_CALL_OPEN}\n{FUNCTION_OPEN}{call.name}>\n"
+    for key, value in call.arguments.items():
+        written = template_json(value) if isinstance(value, (dict, list, tuple)) else str(value)
         text += f"{PARAMETER_OPEN}{key}>\n{written}\n{PARAMETER_CLOSE}\n"
     return text + f"{FUNCTION_CLOSE}\n{TOOL_CALL_CLOSE}"
