@@ -12,6 +12,8 @@ from archon.agents.renderer import Message
 from archon.agents.tools import ToolCall
 
 ROLES = ("system", "user", "assistant", "tool")
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 
 
 def template_json(value: Any, indent: int | None = None) -> str:
@@ -65,6 +67,18 @@ def message_reasoning(message: Message) -> str | None:
     return reasoning if isinstance(reasoning, str) else None
 
 
+def reasoning_and_content(reasoning: str | None, content: str) -> tuple[str, str]:
+    """An assistant message's reasoning and content as the templates that write `<think>` read them:
+    the message's own reasoning, else the reasoning its content opens with (`...</think>`, which
+    the content then loses), else ""."""
+    if reasoning is not None:
+        return reasoning, content
+    if THINK_CLOSE not in content:
+        return "", content
+    reasoning = content.split(THINK_CLOSE)[0].rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
+    return reasoning, content.split(THINK_CLOSE)[-1].lstrip("\n")
+
+
 def message_tool_calls(message: Message, index: int) -> list[ToolCall]:
     """An assistant message's tool calls, arguments as a dict (a JSON object string is read)."""
     calls = []
@@ -111,6 +125,14 @@ def check_messages(renderer_name: str, messages: list, roles: tuple[str, ...] = 
                     f"{where}: tool call {number} ({function['name']}) needs arguments as a dict, "
                     f"got {type(function.get('arguments')).__name__}"
                 )
+
+
+def check_environment_messages(messages: list[Message]) -> None:
+    """What bridge() takes after a sampled turn: tool results and user turns, nothing else."""
+    for index, message in enumerate(messages):
+        role = message_role(message, index)
+        if role not in ("tool", "user"):
+            raise ValueError(f"message {index}: an environment adds tool results and user turns, not {role!r} messages")
 
 
 # ---- a sampled turn -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from archon.agents.renderer import AssistantTurn, Message, Renderer, register_re
 from archon.agents.tools import ToolCall
 from archon.models.common.chat_format import (
     call_function,
+    check_environment_messages,
     message_role,
     message_text,
     message_tool_calls,
@@ -118,9 +119,7 @@ class DeepseekV31Renderer(Renderer):
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
         require_stop(self, sampled_ids)
-        for index, message in enumerate(messages):
-            if message_role(message, index) not in ("tool", "user"):
-                raise ValueError(f"message {index}: an environment adds tool results and user turns, not {message['role']!r} messages")
+        check_environment_messages(messages)
         text, _, after_tool, _ = self.messages_text(messages, False, False, False)
         return self.encode(text if after_tool else text + self.generation_prompt())
 
