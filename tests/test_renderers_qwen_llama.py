@@ -69,6 +69,28 @@ def call(name, **arguments):
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def expected_tool_calls(assistant) -> list[ToolCall]:
+    return [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
+
+
+def assert_prompts_are_the_template(renderer, tokenizer, conversation, tools, first_end=1, **options):
+    """render_prompt of every prefix of `conversation` (from `first_end` messages) that does not end
+    with an assistant turn gives the template's text and ids."""
+    for end in range(first_end, len(conversation) + 1):
+        if conversation[end - 1]["role"] == "assistant":
+            continue
+        messages = conversation[:end]
+        text, ids = template_ids(tokenizer, messages, tools, **options)
+        rendered = renderer.render_prompt(messages, tools=tools)
+        assert renderer.decode(rendered) == text
+        assert rendered == ids
+
+
+def new_identity_figures() -> dict[str, int]:
+    """The counts record_identity keeps over a test's generated episodes."""
+    return {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0, "same_text_other_ids": 0}
+
+
 QWEN3_CONVERSATION = [
     {"role": "system", "content": "You are a careful agent.\nAnswer briefly."},
     {"role": "user", "content": "Weather in Paris and Tōkyō?  "},
@@ -108,14 +130,7 @@ def test_qwen3_render_prompt_is_the_template(tools, enable_thinking, system):
     tokenizer = qwen3_tokenizer()
     renderer = get_renderer("qwen3", tokenizer, enable_thinking=enable_thinking)
     conversation = QWEN3_CONVERSATION if system else QWEN3_CONVERSATION[1:]
-    for end in range(1, len(conversation) + 1):
-        if conversation[end - 1]["role"] == "assistant":
-            continue
-        messages = conversation[:end]
-        text, ids = template_ids(tokenizer, messages, tools, enable_thinking=enable_thinking)
-        rendered = renderer.render_prompt(messages, tools=tools)
-        assert renderer.decode(rendered) == text
-        assert rendered == ids
+    assert_prompts_are_the_template(renderer, tokenizer, conversation, tools, enable_thinking=enable_thinking)
 
 
 def test_qwen3_prompt_by_hand():
@@ -182,8 +197,7 @@ def qwen3_template_text(episode, enable_thinking: bool) -> str:
 
 def test_qwen3_token_identity_over_generated_episodes():
     tokenizer = qwen3_tokenizer()
-    figures = {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0,
-               "same_text_other_ids": 0}  # fmt: skip
+    figures = new_identity_figures()
     for seed in range(N_EPISODES):
         rng = random.Random(seed)
         enable_thinking = rng.random() < 0.75
@@ -222,8 +236,7 @@ def check_parsed_hermes_turn(assistant, turn, *, reasoning: bool):
     """parse_turn gives back the message as the template wrote it (content without its leading
     newlines in the Qwen3 format, reasoning without surrounding newlines)."""
     assert turn.parse_error is None
-    expected_calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
-    assert turn.tool_calls == expected_calls
+    assert turn.tool_calls == expected_tool_calls(assistant)
     assert turn.content == assistant["content"].lstrip("\n")
     if reasoning:
         assert turn.reasoning == assistant["reasoning_content"].strip("\n")
@@ -404,14 +417,9 @@ def test_qwen3_5_render_prompt_is_the_template(tools, enable_thinking, system):
     tokenizer = qwen3_5_tokenizer()
     renderer = get_renderer("qwen3_5", tokenizer, enable_thinking=enable_thinking)
     conversation = QWEN3_5_CONVERSATION if system else QWEN3_5_CONVERSATION[1:]
-    for end in range(2 if system else 1, len(conversation) + 1):
-        if conversation[end - 1]["role"] == "assistant":
-            continue
-        messages = conversation[:end]
-        text, ids = template_ids(tokenizer, messages, tools, enable_thinking=enable_thinking)
-        rendered = renderer.render_prompt(messages, tools=tools)
-        assert renderer.decode(rendered) == text
-        assert rendered == ids
+    assert_prompts_are_the_template(
+        renderer, tokenizer, conversation, tools, first_end=2 if system else 1, enable_thinking=enable_thinking
+    )
 
 
 def test_qwen3_5_prompt_by_hand():
@@ -479,8 +487,7 @@ def qwen3_5_template_text(episode, enable_thinking: bool) -> str:
 
 def test_qwen3_5_token_identity_over_generated_episodes():
     tokenizer = qwen3_5_tokenizer()
-    figures = {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0,
-               "same_text_other_ids": 0}  # fmt: skip
+    figures = new_identity_figures()
     renderers = {thinking: get_renderer("qwen3_5", tokenizer, enable_thinking=thinking) for thinking in (True, False)}
     for seed in range(N_EPISODES):
         rng = random.Random(seed)
@@ -494,8 +501,7 @@ def test_qwen3_5_token_identity_over_generated_episodes():
         )
         for (assistant, _), turn in zip(conversation.turns, episode.parsed, strict=True):
             assert turn.parse_error is None
-            expected_calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
-            assert turn.tool_calls == expected_calls
+            assert turn.tool_calls == expected_tool_calls(assistant)
             assert turn.content == assistant["content"].strip()
             assert turn.reasoning == (assistant["reasoning_content"].strip() if enable_thinking else None)
         whole = tokenizer.apply_chat_template(
@@ -639,14 +645,9 @@ def test_llama3_render_prompt_is_the_template(tools, tools_in_user_message, syst
     options = {"tools_in_user_message": tools_in_user_message} | ({"date_string": date_string} if date_string else {})
     renderer = get_renderer("llama3", tokenizer, **options)
     conversation = LLAMA3_CONVERSATION if system else LLAMA3_CONVERSATION[1:]
-    for end in range(1, len(conversation) + 1):
-        if conversation[end - 1]["role"] == "assistant" or (end == 1 and system and tools and tools_in_user_message):
-            continue  # the template needs a user message to put the tools in
-        messages = conversation[:end]
-        text, ids = template_ids(tokenizer, messages, tools, **options)
-        rendered = renderer.render_prompt(messages, tools=tools)
-        assert renderer.decode(rendered) == text
-        assert rendered == ids
+    # the template needs a user message to put the tools in
+    first_end = 2 if system and tools and tools_in_user_message else 1
+    assert_prompts_are_the_template(renderer, tokenizer, conversation, tools, first_end, **options)
 
 
 def test_llama3_prompt_by_hand():
@@ -681,8 +682,7 @@ def test_llama3_prompt_by_hand():
 
 def test_llama3_token_identity_over_generated_episodes():
     tokenizer = llama3_tokenizer()
-    figures = {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0,
-               "same_text_other_ids": 0}  # fmt: skip
+    figures = new_identity_figures()
     for seed in range(N_EPISODES):
         rng = random.Random(seed)
         options = {"tools_in_user_message": rng.random() < 0.75, "date_string": rng.choice(["26 Jul 2024", "03 Mar 2025"])}
@@ -693,7 +693,7 @@ def test_llama3_token_identity_over_generated_episodes():
         episode = simulate_episode(renderer, tokenizer, conversation, LLAMA3_HEADER, LLAMA3_STOPS, **options)
         for (assistant, _), turn in zip(conversation.turns, episode.parsed, strict=True):
             assert turn.parse_error is None and turn.reasoning is None
-            expected_calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
+            expected_calls = expected_tool_calls(assistant)
             assert turn.tool_calls == expected_calls
             assert turn.content == ("" if expected_calls else assistant["content"].strip())
         whole = tokenizer.apply_chat_template(conversation.messages(), tools=conversation.tools, tokenize=False, **options)
@@ -810,14 +810,7 @@ def test_qwen2_render_prompt_is_the_template(tools, system):
     tokenizer = qwen2_tokenizer()
     renderer = get_renderer("qwen2", tokenizer)
     conversation = QWEN2_CONVERSATION if system else QWEN2_CONVERSATION[1:]
-    for end in range(1, len(conversation) + 1):
-        if conversation[end - 1]["role"] == "assistant":
-            continue
-        messages = conversation[:end]
-        text, ids = template_ids(tokenizer, messages, tools)
-        rendered = renderer.render_prompt(messages, tools=tools)
-        assert renderer.decode(rendered) == text
-        assert rendered == ids
+    assert_prompts_are_the_template(renderer, tokenizer, conversation, tools)
 
 
 def test_qwen2_prompt_by_hand():
@@ -855,16 +848,14 @@ def test_qwen2_prompt_by_hand():
 def test_qwen2_token_identity_over_generated_episodes():
     tokenizer = qwen2_tokenizer()
     renderer = get_renderer("qwen2", tokenizer)
-    figures = {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0,
-               "same_text_other_ids": 0}  # fmt: skip
+    figures = new_identity_figures()
     for seed in range(N_EPISODES):
         rng = random.Random(seed)
         conversation = random_conversation(rng, tuple(QWEN_SPECIAL), reasoning=False)
         episode = simulate_episode(renderer, tokenizer, conversation, QWEN2_HEADER, QWEN_STOPS)
         for (assistant, _), turn in zip(conversation.turns, episode.parsed, strict=True):
             assert turn.parse_error is None and turn.reasoning is None
-            expected_calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
-            assert turn.tool_calls == expected_calls
+            assert turn.tool_calls == expected_tool_calls(assistant)
             assert turn.content == assistant["content"]
         whole = tokenizer.apply_chat_template(conversation.messages(), tools=conversation.tools, tokenize=False)
         record_identity(figures, tokenizer, episode, whole, "\n")

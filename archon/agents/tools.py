@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 from archon.rl.reward_fns import import_function
-from archon.rl.reward_worker import WorkerProcess, run_on_workers, serve
+from archon.rl.reward_worker import WorkerPool, run_on_workers, serve
 
 ToolStatus = Literal["ok", "error", "timeout", "unknown_tool", "bad_arguments", "output_truncated", "memory"]
 
@@ -251,7 +251,7 @@ def arguments_problem(tool: Tool, arguments: Any) -> tuple[dict[str, Any] | None
     return arguments, None
 
 
-class ToolRunner:
+class ToolRunner(WorkerPool):
     """Runs tool calls in `num_workers` worker processes, with limits on each call:
 
     - `timeout_s`: wall-clock time; the worker is killed and replaced (status "timeout");
@@ -292,27 +292,7 @@ class ToolRunner:
         self._lock = threading.Lock()
         label = f"tools {', '.join(self.tools)}"
         payload = {"functions": functions, "memory_mb": memory_mb, "max_output_chars": max_output_chars}
-        self._workers = [WorkerProcess("archon.agents.tools", payload, label) for _ in range(num_workers)]
-        try:
-            for worker in self._workers:
-                worker.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __enter__(self) -> "ToolRunner":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-    def close(self) -> None:
-        for worker in getattr(self, "_workers", []):
-            worker.stop()
+        self.start_workers("archon.agents.tools", payload, label, num_workers)
 
     def call(self, call: ToolCall) -> ToolResult:
         return self.call_many([call])[0]

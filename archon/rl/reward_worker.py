@@ -2,7 +2,7 @@
 
 This module is the reward worker (`python -m archon.rl.reward_worker`, driven by `archon.rl.rewards`)
 and holds what every such worker shares: the framing, the worker's loop (`serve`) and the parent's
-side (`WorkerProcess`, `run_on_workers`). It does not import torch.
+side (`WorkerProcess`, `WorkerPool`, `run_on_workers`). It does not import torch.
 
 Messages are length-prefixed pickles (8-byte big-endian length, then the payload), requests on
 stdin and replies on the process's original stdout. Anything the user code prints to the process's
@@ -31,7 +31,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Self, Sequence
 
 from archon.rl.reward_fns import call_reward, resolve_reward_function
 
@@ -220,6 +220,37 @@ class WorkerProcess:
             proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+class WorkerPool:
+    """Base of what owns worker processes (`_workers`): close() stops them, as do leaving a `with`
+    block and garbage collection."""
+
+    _workers: Sequence[WorkerProcess] = ()
+
+    def start_workers(self, module: str, payload: Any, label: str, count: int) -> None:
+        """Start `count` workers (see WorkerProcess); when one fails to start, stop all and raise."""
+        self._workers = [WorkerProcess(module, payload, label) for _ in range(count)]
+        try:
+            for worker in self._workers:
+                worker.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop()
 
 
 @dataclass

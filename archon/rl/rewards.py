@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from archon.rl.reward_fns import call_reward, resolve_reward_function
-from archon.rl.reward_worker import WorkerProcess, run_on_workers
+from archon.rl.reward_worker import WorkerPool, run_on_workers
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _alarm(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-class RewardScorer:
+class RewardScorer(WorkerPool):
     """Scores batches with the configured reward function; see the module doc for the time limits.
 
     Keeps running totals over its lifetime in `totals` (samples, errors, timeouts), and in
@@ -102,34 +102,11 @@ class RewardScorer:
         self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
         self.last_traceback: str | None = None
         self._fn = None
-        self._workers: list[WorkerProcess] = []
         if config.num_workers == 0:
             self._fn = resolve_reward_function(config.function)
         else:
             label = f"reward function {config.function!r}"
-            self._workers = [
-                WorkerProcess("archon.rl.reward_worker", config.function, label) for _ in range(config.num_workers)
-            ]
-            try:
-                for worker in self._workers:
-                    worker.start()
-            except BaseException:
-                self.close()
-                raise
-
-    def __enter__(self) -> "RewardScorer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-    def close(self) -> None:
-        for worker in getattr(self, "_workers", []):
-            worker.stop()
+            self.start_workers("archon.rl.reward_worker", config.function, label, config.num_workers)
 
     def score(
         self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[Any] | None = None

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from archon.agents.renderer import Message, Renderer
 from archon.agents.tools import ToolCall
-from archon.models.common.messages import parse_json_tool_call, to_json
+from archon.models.common.chat_format import check_messages, parse_json_tool_call, require_stop, template_json
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -20,8 +21,52 @@ TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 
 
+class ChatMLRenderer(Renderer):
+    """A renderer of ChatML turns: a turn ends with <|im_end|>, after which the templates write "\\n"
+    (the first thing bridge() writes), then the environment's messages and the next generation prompt.
+
+    Subclasses set `environment_roles` and implement `environment_text` and `generation_prompt`."""
+
+    environment_roles: tuple[str, ...] = ("system", "user", "tool")
+    """The roles of the messages bridge() takes."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.token_id(IM_START)
+        self._im_end_id = self.token_id(IM_END)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (self._im_end_id,)
+
+    def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
+        require_stop(self, sampled_ids)
+        check_messages(self.name, messages, roles=self.environment_roles)
+        return self.encode("\n" + self.environment_text(messages) + self.generation_prompt())
+
+    def environment_text(self, messages: list[Message]) -> str:
+        """The messages an environment adds after a sampled turn, as the template writes them there."""
+        raise NotImplementedError
+
+    def generation_prompt(self) -> str:
+        """What opens the assistant turn the model samples next."""
+        raise NotImplementedError
+
+
 def chatml_message(role: str, content: str) -> str:
     return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def last_query_index(messages: list[Message]) -> int | None:
+    """The index of the last user query: a user message that is not a tool result wrapped in
+    <tool_response> (None when there is none)."""
+    for index in range(len(messages) - 1, -1, -1):
+        content = messages[index]["content"]
+        if messages[index]["role"] == "user" and not (
+            content.startswith(TOOL_RESPONSE_OPEN) and content.endswith(TOOL_RESPONSE_CLOSE)
+        ):
+            return index
+    return None
 
 
 def render_tool_responses(messages: list[dict], index: int) -> str:
@@ -38,7 +83,7 @@ def render_tool_responses(messages: list[dict], index: int) -> str:
 
 def hermes_tools_block(tools: list[dict]) -> str:
     """The tool schemas and calling instructions the Qwen2.5 and Qwen3 templates put in the system turn."""
-    schemas = "".join("\n" + to_json(tool) for tool in tools)
+    schemas = "".join("\n" + template_json(tool) for tool in tools)
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -49,8 +94,8 @@ def hermes_tools_block(tools: list[dict]) -> str:
     )
 
 
-def hermes_tool_call(function: dict) -> str:
-    return f'{TOOL_CALL_OPEN}\n{{"name": "{function["name"]}", "arguments": {to_json(function["arguments"])}}}\n{TOOL_CALL_CLOSE}'
+def hermes_tool_call(call: ToolCall) -> str:
+    return f'{TOOL_CALL_OPEN}\n{{"name": "{call.name}", "arguments": {template_json(call.arguments)}}}\n{TOOL_CALL_CLOSE}'
 
 
 def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:

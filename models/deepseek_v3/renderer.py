@@ -26,13 +26,15 @@ from __future__ import annotations
 from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
 from archon.agents.tools import ToolCall
 from archon.models.common.chat_format import (
+    call_function,
+    check_environment_messages,
     message_role,
     message_text,
     message_tool_calls,
     parse_arguments,
     require_stop,
-    split_stop,
     template_json,
+    turn_text,
 )
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -46,7 +48,7 @@ def raw_arguments(message: Message, index: int) -> list[str]:
     """Each call's arguments as the template writes them: a JSON string as given, an object as JSON."""
     texts = []
     for call, parsed in zip(message["tool_calls"], message_tool_calls(message, index)):
-        arguments = (call.get("function") or call).get("arguments")
+        arguments = call_function(call).get("arguments")
         texts.append(arguments if isinstance(arguments, str) else template_json(parsed.arguments))
     return texts
 
@@ -117,15 +119,12 @@ class DeepseekV31Renderer(Renderer):
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
         require_stop(self, sampled_ids)
-        for index, message in enumerate(messages):
-            if message_role(message, index) not in ("tool", "user"):
-                raise ValueError(f"message {index}: an environment adds tool results and user turns, not {message['role']!r} messages")
+        check_environment_messages(messages)
         text, _, after_tool, _ = self.messages_text(messages, False, False, False)
         return self.encode(text if after_tool else text + self.generation_prompt())
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
-        body_ids, _ = split_stop(self, sampled_ids)
-        text = self.decode(body_ids)
+        text = turn_text(self, sampled_ids)
         errors: list[str] = []
         reasoning = None
         if self.thinking and "</think>" in text:

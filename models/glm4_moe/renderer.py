@@ -38,13 +38,15 @@ import re
 from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
 from archon.agents.tools import ToolCall
 from archon.models.common.chat_format import (
+    check_environment_messages,
     message_reasoning,
     message_role,
     message_text,
     message_tool_calls,
+    reasoning_and_content,
     require_stop,
-    split_stop,
     template_json,
+    turn_text,
 )
 
 TOOLS_PREAMBLE = (
@@ -91,12 +93,7 @@ class Glm45Renderer(Renderer):
     @staticmethod
     def assistant_text(message: Message, index: int, keeps_reasoning: bool) -> str:
         content = message_text(message, index)
-        reasoning = message_reasoning(message)
-        if reasoning is None:
-            reasoning = ""
-            if "</think>" in content:
-                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                content = content.split("</think>")[-1].lstrip("\n")
+        reasoning, content = reasoning_and_content(message_reasoning(message), content)
         text = "<|assistant|>" + (f"\n<think>{reasoning.strip()}</think>" if keeps_reasoning and reasoning else "\n<think></think>")
         if content.strip():
             text += "\n" + content.strip()
@@ -140,9 +137,7 @@ class Glm45Renderer(Renderer):
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
         stop = require_stop(self, sampled_ids)
-        for index, message in enumerate(messages):
-            if message_role(message, index) not in ("tool", "user"):
-                raise ValueError(f"message {index}: an environment adds tool results and user turns, not {message['role']!r} messages")
+        check_environment_messages(messages)
         text = self.messages_text(messages, "assistant", last_user_index=-1)
         if messages:
             opening = "<|observation|>" if messages[0]["role"] == "tool" else "<|user|>"
@@ -187,8 +182,7 @@ class Glm45Renderer(Renderer):
         return ToolCall(name, arguments)
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
-        body_ids, _ = split_stop(self, sampled_ids)
-        text = self.decode(body_ids)
+        text = turn_text(self, sampled_ids)
         errors: list[str] = []
         reasoning = None
         stripped = text.lstrip("\n")

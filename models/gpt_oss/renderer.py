@@ -36,6 +36,7 @@ import re
 from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
 from archon.agents.tools import ToolCall
 from archon.models.common.chat_format import (
+    check_environment_messages,
     message_reasoning,
     message_role,
     message_text,
@@ -230,16 +231,14 @@ class GptOssRenderer(Renderer):
         require_stop(self, sampled_ids)
         calls = self.parse_turn(sampled_ids).tool_calls
         last_call = calls[-1].name if calls else None
+        check_environment_messages(messages)
         text = ""
         for index, message in enumerate(messages):
-            role = message_role(message, index)
-            if role == "tool":
+            if message["role"] == "tool":
                 text += self.tool_result_text(last_call, message, index)
-            elif role == "user":
+            else:
                 text += f"<|start|>user<|message|>{message_text(message, index)}<|end|>"
                 last_call = None
-            else:
-                raise ValueError(f"message {index}: an environment adds tool results and user turns, not {role!r} messages")
         return self.encode(text + "<|start|>assistant")
 
     # ---- reading a sampled turn ---------------------------------------------------------------------

@@ -43,13 +43,13 @@ from __future__ import annotations
 import re
 
 from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
-from archon.models.common.messages import (
+from archon.models.common.chat_format import (
     ROLES,
     check_messages,
-    check_turn_closed,
+    message_tool_calls,
     parse_json_tool_call,
-    to_json,
-    tool_call_functions,
+    require_stop,
+    template_json,
     turn_text,
 )
 
@@ -92,7 +92,7 @@ class Llama3Renderer(Renderer):
         return self.encode(self._render(messages, tools) + _header("assistant"))
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
-        check_turn_closed(self, sampled_ids)
+        require_stop(self, sampled_ids)
         check_messages(self.name, messages, roles=("system", "user", "tool", "ipython"))
         body = "".join(self._render_message(message, index) for index, message in enumerate(messages))
         return self.encode(body + _header("assistant"))
@@ -135,16 +135,16 @@ class Llama3Renderer(Renderer):
 
     def _render_message(self, message: Message, index: int) -> str:
         if message["role"] in ("tool", "ipython"):
-            return _header("ipython") + to_json(message["content"]) + EOT
+            return _header("ipython") + template_json(message["content"]) + EOT
         if "tool_calls" not in message:
             return _header(message["role"]) + message["content"].strip() + EOT
-        functions = tool_call_functions(message)
-        if len(functions) != 1:
+        calls = message_tool_calls(message, index)
+        if len(calls) != 1:
             raise ValueError(
-                f"renderer {self.name!r}: message {index} ({message['role']}) has {len(functions)} tool calls; "
+                f"renderer {self.name!r}: message {index} ({message['role']}) has {len(calls)} tool calls; "
                 f"the Llama 3 template takes exactly one a turn"
             )
-        call = f'{{"name": "{functions[0]["name"]}", "parameters": {to_json(functions[0]["arguments"])}}}'
+        call = f'{{"name": "{calls[0].name}", "parameters": {template_json(calls[0].arguments)}}}'
         return _header("assistant") + call + EOT
 
 
@@ -153,4 +153,4 @@ def _header(role: str) -> str:
 
 
 def _tool_schemas(tools: list[dict]) -> str:
-    return "".join(to_json(tool, indent=4) + "\n\n" for tool in tools)
+    return "".join(template_json(tool, indent=4) + "\n\n" for tool in tools)

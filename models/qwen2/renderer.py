@@ -36,49 +36,41 @@ the ids the model was prompted with and sampled):
 
 from __future__ import annotations
 
-from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
+from archon.agents.renderer import AssistantTurn, Message, register_renderer
+from archon.models.common.chat_format import check_messages, message_tool_calls, turn_text
 from archon.models.common.chatml import (
     IM_END,
     IM_START,
+    ChatMLRenderer,
     chatml_message,
     hermes_tool_call,
     hermes_tools_block,
     parse_hermes_turn,
     render_tool_responses,
 )
-from archon.models.common.messages import check_messages, check_turn_closed, tool_call_functions, turn_text
 
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
 @register_renderer
-class Qwen2Renderer(Renderer):
+class Qwen2Renderer(ChatMLRenderer):
     name = "qwen2"
-
-    def __init__(self, tokenizer) -> None:
-        super().__init__(tokenizer)
-        self.token_id(IM_START)
-        self._im_end_id = self.token_id(IM_END)
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return (self._im_end_id,)
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         check_messages(self.name, messages)
-        return self.encode(self._render(messages, tools) + f"{IM_START}assistant\n")
-
-    def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
-        check_turn_closed(self, sampled_ids)
-        check_messages(self.name, messages, roles=("system", "user", "tool"))
-        body = "".join(self._render_message(messages, index) for index in range(len(messages)))
-        return self.encode("\n" + body + f"{IM_START}assistant\n")
+        return self.encode(self._render(messages, tools) + self.generation_prompt())
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
         content, calls, error = parse_hermes_turn(turn_text(self, sampled_ids))
         return AssistantTurn(content=content, tool_calls=calls, parse_error=error)
 
     # ---- the template, in Python ------------------------------------------------------------------
+    def generation_prompt(self) -> str:
+        return f"{IM_START}assistant\n"
+
+    def environment_text(self, messages: list[Message]) -> str:
+        return "".join(self._render_message(messages, index) for index in range(len(messages)))
+
     def _render(self, messages: list[Message], tools: list[dict] | None) -> str:
         has_system = bool(messages) and messages[0]["role"] == "system"
         system = messages[0]["content"] if has_system else DEFAULT_SYSTEM
@@ -90,8 +82,8 @@ class Qwen2Renderer(Renderer):
         message = messages[index]
         if message["role"] == "tool":
             return render_tool_responses(messages, index)
-        functions = tool_call_functions(message) if message["role"] == "assistant" else []
-        if not functions:
+        calls = message_tool_calls(message, index) if message["role"] == "assistant" else []
+        if not calls:
             return chatml_message(message["role"], message["content"])
         text = f"{IM_START}assistant" + ("\n" + message["content"] if message["content"] else "")
-        return text + "".join("\n" + hermes_tool_call(function) for function in functions) + f"{IM_END}\n"
+        return text + "".join("\n" + hermes_tool_call(call) for call in calls) + f"{IM_END}\n"

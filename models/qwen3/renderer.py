@@ -51,46 +51,41 @@ the ids the model was prompted with and sampled):
 
 from __future__ import annotations
 
-from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
+from archon.agents.renderer import AssistantTurn, Message, register_renderer
+from archon.models.common.chat_format import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    check_messages,
+    message_tool_calls,
+    reasoning_and_content,
+    turn_text,
+)
 from archon.models.common.chatml import (
     IM_END,
     IM_START,
+    ChatMLRenderer,
     chatml_message,
     hermes_tool_call,
     hermes_tools_block,
+    last_query_index,
     parse_hermes_turn,
     render_tool_responses,
 )
-from archon.models.common.messages import check_messages, check_turn_closed, tool_call_functions, turn_text
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 EMPTY_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 
 
 @register_renderer
-class Qwen3Renderer(Renderer):
+class Qwen3Renderer(ChatMLRenderer):
     name = "qwen3"
 
     def __init__(self, tokenizer, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)
         self.enable_thinking = enable_thinking
-        self.token_id(IM_START)
-        self._im_end_id = self.token_id(IM_END)
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return (self._im_end_id,)
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         check_messages(self.name, messages)
-        return self.encode(self._render(messages, tools) + self._generation_prompt())
-
-    def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
-        check_turn_closed(self, sampled_ids)
-        check_messages(self.name, messages, roles=("system", "user", "tool"))
-        body = "".join(self._render_message(messages, index, last_query_index=-1) for index in range(len(messages)))
-        return self.encode("\n" + body + self._generation_prompt())
+        return self.encode(self._render(messages, tools) + self.generation_prompt())
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
         text = turn_text(self, sampled_ids)
@@ -108,8 +103,11 @@ class Qwen3Renderer(Renderer):
         return AssistantTurn(content=content, reasoning=reasoning, tool_calls=calls, parse_error=error)
 
     # ---- the template, in Python ------------------------------------------------------------------
-    def _generation_prompt(self) -> str:
+    def generation_prompt(self) -> str:
         return f"{IM_START}assistant\n" + ("" if self.enable_thinking else EMPTY_THINK)
+
+    def environment_text(self, messages: list[Message]) -> str:
+        return "".join(self._render_message(messages, index, last_query=-1) for index in range(len(messages)))
 
     def _render(self, messages: list[Message], tools: list[dict] | None) -> str:
         has_system = bool(messages) and messages[0]["role"] == "system"
@@ -119,39 +117,29 @@ class Qwen3Renderer(Renderer):
             text += chatml_message("system", system + hermes_tools_block(tools))
         elif has_system:
             text += chatml_message("system", messages[0]["content"])
-        last_query_index = len(messages) - 1
-        for index in range(len(messages) - 1, -1, -1):
-            message = messages[index]
-            if message["role"] == "user" and not (
-                message["content"].startswith("<tool_response>") and message["content"].endswith("</tool_response>")
-            ):
-                last_query_index = index
-                break
+        last_query = last_query_index(messages)
+        if last_query is None:
+            last_query = len(messages) - 1
         for index in range(1 if has_system else 0, len(messages)):
-            text += self._render_message(messages, index, last_query_index)
+            text += self._render_message(messages, index, last_query)
         return text
 
-    def _render_message(self, messages: list[Message], index: int, last_query_index: int) -> str:
+    def _render_message(self, messages: list[Message], index: int, last_query: int) -> str:
         message = messages[index]
         if message["role"] in ("user", "system"):
             return chatml_message(message["role"], message["content"])
         if message["role"] == "tool":
             return render_tool_responses(messages, index)
         content = message["content"]
-        reasoning = message.get("reasoning_content")
-        if reasoning is None:
-            reasoning = ""
-            if THINK_CLOSE in content:
-                reasoning = content.split(THINK_CLOSE)[0].rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
-                content = content.split(THINK_CLOSE)[-1].lstrip("\n")
+        reasoning, content = reasoning_and_content(message.get("reasoning_content"), content)
         is_last = index == len(messages) - 1
-        if index > last_query_index and (is_last or reasoning):
+        if index > last_query and (is_last or reasoning):
             reasoning, shown_content = reasoning.strip("\n"), content.lstrip("\n")
             text = f"{IM_START}assistant\n{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{shown_content}"
         else:
             text = f"{IM_START}assistant\n{content}"
-        for number, function in enumerate(tool_call_functions(message)):
+        for number, call in enumerate(message_tool_calls(message, index)):
             if number > 0 or content:
                 text += "\n"
-            text += hermes_tool_call(function)
+            text += hermes_tool_call(call)
         return text + f"{IM_END}\n"

@@ -61,31 +61,31 @@ the ids the model was prompted with and sampled):
 
 from __future__ import annotations
 
-from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
+from archon.agents.renderer import AssistantTurn, Message, register_renderer
 from archon.agents.tools import ToolCall
+from archon.models.common.chat_format import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    check_messages,
+    message_tool_calls,
+    reasoning_and_content,
+    template_json,
+    tool_parameter_schemas,
+    turn_text,
+    typed_argument,
+)
 from archon.models.common.chatml import (
     IM_END,
     IM_START,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
-    TOOL_RESPONSE_CLOSE,
-    TOOL_RESPONSE_OPEN,
+    ChatMLRenderer,
     chatml_message,
+    last_query_index,
     parse_tool_call_blocks,
     render_tool_responses,
 )
-from archon.models.common.messages import (
-    check_messages,
-    check_turn_closed,
-    to_json,
-    tool_call_functions,
-    tool_parameter_schemas,
-    turn_text,
-    typed_argument,
-)
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
 PARAMETER_OPEN = "<parameter="
@@ -107,32 +107,20 @@ TOOLS_INSTRUCTIONS = (
 
 
 @register_renderer
-class Qwen3_5Renderer(Renderer):
+class Qwen3_5Renderer(ChatMLRenderer):
     name = "qwen3_5"
+    environment_roles = ("user", "tool")
 
     def __init__(self, tokenizer, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)
         self.enable_thinking = enable_thinking
-        self.token_id(IM_START)
-        self._im_end_id = self.token_id(IM_END)
         self._parameter_schemas: dict[str, dict] = {}
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return (self._im_end_id,)
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         check_messages(self.name, messages)
         if tools:
             self._parameter_schemas = tool_parameter_schemas(tools)
-        return self.encode(self._render(messages, tools) + self._generation_prompt())
-
-    def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
-        check_turn_closed(self, sampled_ids)
-        check_messages(self.name, messages, roles=("user", "tool"))
-        messages = _trimmed(messages)
-        body = "".join(self._render_message(messages, index, last_query_index=-1) for index in range(len(messages)))
-        return self.encode("\n" + body + self._generation_prompt())
+        return self.encode(self._render(messages, tools) + self.generation_prompt())
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
         text = turn_text(self, sampled_ids)
@@ -149,8 +137,12 @@ class Qwen3_5Renderer(Renderer):
         return AssistantTurn(content=head.strip(), reasoning=reasoning, tool_calls=calls, parse_error=error)
 
     # ---- the template, in Python ------------------------------------------------------------------
-    def _generation_prompt(self) -> str:
+    def generation_prompt(self) -> str:
         return f"{IM_START}assistant\n{THINK_OPEN}\n" + ("" if self.enable_thinking else f"\n{THINK_CLOSE}\n\n")
+
+    def environment_text(self, messages: list[Message]) -> str:
+        messages = _trimmed(messages)
+        return "".join(self._render_message(messages, index, last_query=-1) for index in range(len(messages)))
 
     def _render(self, messages: list[Message], tools: list[dict] | None) -> str:
         messages = _trimmed(messages)
@@ -162,30 +154,23 @@ class Qwen3_5Renderer(Renderer):
         has_system = bool(messages) and messages[0]["role"] == "system"
         text = ""
         if tools:
-            schemas = "".join("\n" + to_json(tool) for tool in tools)
+            schemas = "".join("\n" + template_json(tool) for tool in tools)
             system = "\n\n" + messages[0]["content"] if has_system and messages[0]["content"] else ""
             tools_block = f"# Tools\n\nYou have access to the following functions:\n\n<tools>{schemas}\n</tools>"
             text += chatml_message("system", tools_block + TOOLS_INSTRUCTIONS + system)
         elif has_system:
             text += chatml_message("system", messages[0]["content"])
-        last_query_index = None
-        for index in range(len(messages) - 1, -1, -1):
-            content = messages[index]["content"]
-            if messages[index]["role"] == "user" and not (
-                content.startswith(TOOL_RESPONSE_OPEN) and content.endswith(TOOL_RESPONSE_CLOSE)
-            ):
-                last_query_index = index
-                break
-        if last_query_index is None:
+        last_query = last_query_index(messages)
+        if last_query is None:
             raise ValueError(
                 f"renderer {self.name!r}: the conversation has no user query (a user message that is not a "
                 f"wrapped tool response); the template needs one"
             )
         for index in range(1 if has_system else 0, len(messages)):
-            text += self._render_message(messages, index, last_query_index)
+            text += self._render_message(messages, index, last_query)
         return text
 
-    def _render_message(self, messages: list[Message], index: int, last_query_index: int) -> str:
+    def _render_message(self, messages: list[Message], index: int, last_query: int) -> str:
         """Message `index` of `messages`, whose contents are already trimmed."""
         message = messages[index]
         if message["role"] == "user":
@@ -193,23 +178,18 @@ class Qwen3_5Renderer(Renderer):
         if message["role"] == "tool":
             return render_tool_responses(messages, index)
         content = message["content"]
-        reasoning = message.get("reasoning_content")
-        if reasoning is None:
-            reasoning = ""
-            if THINK_CLOSE in content:
-                reasoning = content.split(THINK_CLOSE)[0].rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
-                content = content.split(THINK_CLOSE)[-1].lstrip("\n")
+        reasoning, content = reasoning_and_content(message.get("reasoning_content"), content)
         reasoning = reasoning.strip()
-        if index > last_query_index or reasoning:
+        if index > last_query or reasoning:
             text = f"{IM_START}assistant\n{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
         else:
             text = f"{IM_START}assistant\n{content}"
-        for number, function in enumerate(tool_call_functions(message)):
+        for number, call in enumerate(message_tool_calls(message, index)):
             if number > 0:
                 text += "\n"
             elif content.strip():
                 text += "\n\n"
-            text += _xml_tool_call(function)
+            text += _xml_tool_call(call)
         return text + f"{IM_END}\n"
 
     # ---- reading a call back ----------------------------------------------------------------------
@@ -252,9 +232,9 @@ def _trimmed(messages: list[Message]) -> list[Message]:
     return [dict(message, content=message["content"].strip()) for message in messages]
 
 
-def _xml_tool_call(function: dict) -> str:
-    text = f"{TOOL_CALL_OPEN}\n{FUNCTION_OPEN}{function['name']}>\n"
-    for key, value in function["arguments"].items():
-        written = to_json(value) if isinstance(value, (dict, list, tuple)) else str(value)
+def _xml_tool_call(call: ToolCall) -> str:
+    text = f"{TOOL_CALL_OPEN}\n{FUNCTION_OPEN}{call.name}>\n"
+    for key, value in call.arguments.items():
+        written = template_json(value) if isinstance(value, (dict, list, tuple)) else str(value)
         text += f"{PARAMETER_OPEN}{key}>\n{written}\n{PARAMETER_CLOSE}\n"
     return text + f"{FUNCTION_CLOSE}\n{TOOL_CALL_CLOSE}"
