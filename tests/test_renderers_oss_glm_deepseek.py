@@ -687,3 +687,89 @@ def test_deepseek_parse_turn(text, calls, content, error):
         assert turn.parse_error is None
     else:
         assert error in turn.parse_error
+
+
+# ---- kimi_k2 specifics -----------------------------------------------------------------------------------
+
+
+def test_kimi_prompt_without_system_and_with_names():
+    tokenizer = tokenizer_for("kimi_k2")
+    renderer = renderer_for("kimi_k2")
+    named = [{"role": "user", "name": "alice", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
+             {"role": "user", "content": [{"type": "text", "text": "again "}, {"type": "text", "text": "please"}]}]  # fmt: skip
+    for messages in (HAND_WRITTEN[1:2], named):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert renderer.render_prompt(messages) == encode(tokenizer, text)
+    assert "<|im_user|>alice<|im_middle|>hi" in text and "<think></think>hello" in text
+
+
+def test_kimi_input_errors():
+    renderer = renderer_for("kimi_k2")
+    tokenizer = tokenizer_for("kimi_k2")
+    no_id = [HAND_WRITTEN[1], {**HAND_WRITTEN[2], "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": {}}}]}]
+    with pytest.raises(ValueError, match=r"tool call 0 \(now\) has no 'id'"):
+        renderer.render_prompt(no_id)
+    with pytest.raises(ValueError, match="no 'tool_call_id'"):
+        renderer.render_prompt(HAND_WRITTEN[1:3] + [{"role": "tool", "content": "r"}])
+    with pytest.raises(ValueError, match="role 'developer' is not one the kimi_k2 format renders"):
+        renderer.render_prompt([{"role": "developer", "content": "d"}])
+    final = encode(tokenizer, "<think>x</think>Done.<|im_end|>")
+    with pytest.raises(ValueError, match="ended with a stop token"):
+        renderer.bridge(final[:-1], [{"role": "user", "content": "u"}])
+    with pytest.raises(ValueError, match="not 'assistant' messages"):
+        renderer.bridge(final, [{"role": "assistant", "content": "u"}])
+    with pytest.raises(ValueError, match="no 'tool_call_id'"):
+        renderer.bridge(final, [{"role": "tool", "name": "now", "content": "r"}])
+
+
+SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|><|im_end|>"
+KCALL, KARG, KEND = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+@pytest.mark.parametrize(
+    "text, calls, content, reasoning, error",
+    [
+        (f'<think>look it up</think>Looking.{SECTION}{KCALL}functions.search:0{KARG}{{"query": "a"}}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+         [ToolCall("search", {"query": "a"}, "functions.search:0"), ToolCall("now", {}, "functions.now:1")], "Looking.", "look it up", None),
+        ("<think></think>The answer.<|im_end|>", [], "The answer.", "", None),
+        ("no reasoning<|im_end|>", [], "no reasoning", None, None),
+        ("<think>unfinished", [], "", "unfinished", "<think> is not closed by </think>"),
+        (f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}{{"query": }}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+         [ToolCall("now", {}, "functions.now:1")], "", "", "arguments are not valid JSON"),
+        (f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}"a"{KEND}{SECTION_END}', [], "", "", "must be a JSON object, not str"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}', [ToolCall("now", {}, "functions.now:0")], "", "",
+         "not closed by <|tool_calls_section_end|>"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{SECTION_END}', [], "", "", "not closed by <|tool_call_end|>"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{{}}{KEND}{SECTION_END}', [], "", "", "has no <|tool_call_argument_begin|>"),
+        (f'<think></think>{SECTION}{KCALL}now:0{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'now:0' is not functions.NAME:IDX"),
+        (f'<think></think>{SECTION}{KCALL}functions.now{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'functions.now' is not functions.NAME:IDX"),
+        (f'<think></think>{SECTION}{KCALL}functions.:0{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'functions.:0' is not functions.NAME:IDX"),
+        (f'<think></think>{SECTION} {KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}', [ToolCall("now", {}, "functions.now:0")], "", "",
+         "text between <|tool_calls_section_begin|> and the first call: ' '"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}and{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+         [ToolCall("now", {}, "functions.now:0"), ToolCall("now", {}, "functions.now:1")], "", "", "text after tool call 0: 'and'"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}<|tool_calls_section_end|>trailing<|im_end|>',
+         [ToolCall("now", {}, "functions.now:0")], "", "", "text after the tool calls: 'trailing'"),
+    ],
+)  # fmt: skip
+def test_kimi_parse_turn(text, calls, content, reasoning, error):
+    turn = renderer_for("kimi_k2").parse_turn(encode(tokenizer_for("kimi_k2"), text))
+    assert (turn.tool_calls, turn.content, turn.reasoning) == (calls, content, reasoning)
+    if error is None:
+        assert turn.parse_error is None
+    else:
+        assert error in turn.parse_error
+
+
+def test_kimi_turn_read_back_feeds_the_next_prompt():
+    """A parsed turn's message (its call ids) and the environment's tool messages render as the template does."""
+    tokenizer = tokenizer_for("kimi_k2")
+    renderer = renderer_for("kimi_k2")
+    sampled = encode(tokenizer, f'<think>plan</think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}')
+    turn = renderer.parse_turn(sampled)
+    results = [{"role": "tool", "name": call.name, "tool_call_id": call.id, "content": "12:00"} for call in turn.tool_calls]
+    messages = HAND_WRITTEN[:2] + [turn.message()] + results
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    prompt = renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)
+    assert prompt + sampled + renderer.bridge(sampled, results) == encode(tokenizer, text)
+    assert renderer.render_prompt(messages, tools=TOOLS) == encode(tokenizer, text)
