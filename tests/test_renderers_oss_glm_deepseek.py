@@ -1,4 +1,4 @@
-"""The gpt_oss, glm4_5 and deepseek_v3 renderers against each family's real chat template
+"""The gpt_oss, glm4_5, deepseek_v3 and kimi_k2 renderers against each family's real chat template
 (tests/fixtures/chat_templates/), on byte-level BPE tokenizers with the family's special tokens.
 
 Each family is checked on hand-written conversations (prompt text and ids equal to the template's),
@@ -132,6 +132,7 @@ class Family:
     options: dict = field(default_factory=dict)
     tools_in_prompt: bool = True  # False: the template renders no tool schemas
     string_arguments: bool = False  # the template takes a call's arguments as a JSON string
+    call_ids: bool = False  # calls carry ids (functions.NAME:IDX), tool results the id they answer
 
 
 def assistant_message(reasoning, content, calls) -> dict:
@@ -140,7 +141,10 @@ def assistant_message(reasoning, content, calls) -> dict:
         message["reasoning_content"] = reasoning
         message["thinking"] = reasoning  # the gpt_oss template's name for it
     if calls:
-        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        message["tool_calls"] = [
+            {"type": "function", **({"id": c.id} if c.id is not None else {}), "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
     return message
 
 
@@ -151,6 +155,7 @@ def generate_episode(rng: random.Random, family: Family):
         first.append({"role": "system", "content": random_text(rng, 1, 15)})
     first.append({"role": "user", "content": random_text(rng, 1, 15)})
     turns = []
+    call_count = 0
     num_turns = rng.randint(1, 5)
     for t in range(num_turns):
         last = t == num_turns - 1
@@ -159,7 +164,9 @@ def generate_episode(rng: random.Random, family: Family):
             calls = []
             for _ in range(rng.randint(1, family.max_calls_per_turn)):
                 name = rng.choice([tool["function"]["name"] for tool in TOOLS])
-                calls.append(ToolCall(name, random_arguments(rng, name)))
+                call_id = f"functions.{name}:{call_count}" if family.call_ids else None
+                call_count += 1
+                calls.append(ToolCall(name, random_arguments(rng, name), call_id))
             content = "" if reasoning is not None or rng.random() < 0.5 else random_text(rng)
             env = []
             for call in calls:
@@ -167,6 +174,8 @@ def generate_episode(rng: random.Random, family: Family):
                 if rng.random() < 0.2:
                     result = f"Error: {call.name} failed:{rng.choice(SPACES)}{random_text(rng, 1, 6)}"
                 env.append({"role": "tool", "name": call.name, "content": result})
+                if call.id is not None:
+                    env[-1]["tool_call_id"] = call.id
             turns.append((assistant_message(reasoning, content, calls), env))
         else:
             env = [] if last else [{"role": "user", "content": random_text(rng, 1, 15)}]
@@ -283,10 +292,47 @@ DEEPSEEK = Family(
     string_arguments=True,
 )
 
-FAMILIES = {"gpt_oss": GPT_OSS, "glm4_5": GLM, "deepseek_v3": DEEPSEEK}
+# ---- kimi_k2 ---------------------------------------------------------------------------------------------
+
+KIMI = Family(
+    renderer="kimi_k2",
+    template="kimi_k2.jinja",
+    special_tokens=["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<think>", "</think>",
+                    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                    "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+    max_calls_per_turn=4,
+    thinking=True,
+    call_ids=True,
+)
+
+_KIMI_TURN = re.compile(r"(<\|im_assistant\|>assistant<\|im_middle\|><think>)(.*?)(</think>.*?<\|im_end\|>)", re.S)
+
+
+def kimi_final_turn_text(full: str, assistant) -> str:
+    """A final answer as the model samples it: the template renders the conversation's last turn
+    without tool calls with an empty <think></think>; the model wrote its reasoning there."""
+    turn = full[full.rindex("<|im_assistant|>assistant<|im_middle|>") + len("<|im_assistant|>assistant<|im_middle|>") :]
+    assert turn.startswith("<think></think>")
+    return f"<think>{assistant.get('reasoning_content') or ''}</think>" + turn[len("<think></think>") :]
+
+
+def kimi_history_form(trajectory_text: str) -> str:
+    """The documented difference: the template renders the reasoning of the last turn without tool
+    calls and of every turn before it as <think></think>."""
+    turns = list(_KIMI_TURN.finditer(trajectory_text))
+    final_answers = [i for i, turn in enumerate(turns) if "<|tool_calls_section_begin|>" not in turn.group(3)]
+    text, at = "", 0
+    for turn in turns[: final_answers[-1] + 1]:
+        text += trajectory_text[at : turn.start()] + turn.group(1) + turn.group(3)
+        at = turn.end()
+    return text + trajectory_text[at:]
+
+
+FAMILIES = {"gpt_oss": GPT_OSS, "glm4_5": GLM, "deepseek_v3": DEEPSEEK, "kimi_k2": KIMI}
 TURN_TEXT = {"gpt_oss": gpt_oss_turn_text}
+FINAL_TURN_TEXT = {"kimi_k2": kimi_final_turn_text}
 STOP_TEXT = {"glm4_5": glm_stop_text}
-HISTORY_FORM = {"gpt_oss": gpt_oss_history_form, "glm4_5": glm_history_form}
+HISTORY_FORM = {"gpt_oss": gpt_oss_history_form, "glm4_5": glm_history_form, "kimi_k2": kimi_history_form}
 ENV_MARKERS = {"gpt_oss": {"tool": "<|start|>functions.", "user": "<|start|>user"}, "glm4_5": {"user": "<|user|>"}}
 
 
@@ -325,6 +371,8 @@ def sampled_text(name: str, tokenizer, history, assistant, env) -> str:
     family = FAMILIES[name]
     prompt = template_text(tokenizer, family, history, add_generation_prompt=True)
     full = template_text(tokenizer, family, history + [assistant], add_generation_prompt=False)
+    if name in FINAL_TURN_TEXT and not assistant.get("tool_calls"):
+        return FINAL_TURN_TEXT[name](full, assistant)
     if full.startswith(prompt):
         return full[len(prompt) :] + STOP_TEXT.get(name, lambda env: "")(env)
     return TURN_TEXT[name](full)  # the template re-rendered an earlier turn: take this turn's own text
@@ -415,11 +463,13 @@ EXPECTED_CONTENT = {
     "gpt_oss": lambda a: "" if a.get("tool_calls") else a["content"],
     "glm4_5": lambda a: a["content"].strip(),
     "deepseek_v3": lambda a: a["content"],
+    "kimi_k2": lambda a: a["content"],
 }
 EXPECTED_REASONING = {
     "gpt_oss": lambda a: a.get("reasoning_content") or (a["content"] or None if a.get("tool_calls") else None),
     "glm4_5": lambda a: (a.get("reasoning_content") or "").strip() or None,
     "deepseek_v3": lambda a: None,
+    "kimi_k2": lambda a: a.get("reasoning_content") or "",
 }
 
 
@@ -429,11 +479,11 @@ HAND_WRITTEN = [
     {"role": "system", "content": "You are a careful assistant.\nAnswer briefly."},
     {"role": "user", "content": "Find my notes on 日本語 and sum 1, 2.5 🙂"},
     {"role": "assistant", "content": "", "reasoning_content": "I should search first.", "thinking": "I should search first.",
-     "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": {"query": "日本語 notes", "limit": 3}}}]},
-    {"role": "tool", "name": "search", "content": "[\"note 1\", \"note 2\"]"},
+     "tool_calls": [{"type": "function", "id": "functions.search:0", "function": {"name": "search", "arguments": {"query": "日本語 notes", "limit": 3}}}]},
+    {"role": "tool", "name": "search", "tool_call_id": "functions.search:0", "content": "[\"note 1\", \"note 2\"]"},
     {"role": "assistant", "content": "", "reasoning_content": "Now compute.", "thinking": "Now compute.",
-     "tool_calls": [{"type": "function", "function": {"name": "compute", "arguments": {"expression": "a+b", "values": [1, 2.5], "options": {"precision": 2, "unit": "m"}}}}]},
-    {"role": "tool", "name": "compute", "content": "Error: unit 'm' is unknown"},
+     "tool_calls": [{"type": "function", "id": "functions.compute:1", "function": {"name": "compute", "arguments": {"expression": "a+b", "values": [1, 2.5], "options": {"precision": 2, "unit": "m"}}}}]},
+    {"role": "tool", "name": "compute", "tool_call_id": "functions.compute:1", "content": "Error: unit 'm' is unknown"},
     {"role": "assistant", "content": "Two notes; the sum is 3.5.", "reasoning_content": "Done.", "thinking": "Done."},
     {"role": "user", "content": "  Thanks!\nNow write it down.  "},
 ]
@@ -637,3 +687,89 @@ def test_deepseek_parse_turn(text, calls, content, error):
         assert turn.parse_error is None
     else:
         assert error in turn.parse_error
+
+
+# ---- kimi_k2 specifics -----------------------------------------------------------------------------------
+
+
+def test_kimi_prompt_without_system_and_with_names():
+    tokenizer = tokenizer_for("kimi_k2")
+    renderer = renderer_for("kimi_k2")
+    named = [{"role": "user", "name": "alice", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
+             {"role": "user", "content": [{"type": "text", "text": "again "}, {"type": "text", "text": "please"}]}]  # fmt: skip
+    for messages in (HAND_WRITTEN[1:2], named):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert renderer.render_prompt(messages) == encode(tokenizer, text)
+    assert "<|im_user|>alice<|im_middle|>hi" in text and "<think></think>hello" in text
+
+
+def test_kimi_input_errors():
+    renderer = renderer_for("kimi_k2")
+    tokenizer = tokenizer_for("kimi_k2")
+    no_id = [HAND_WRITTEN[1], {**HAND_WRITTEN[2], "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": {}}}]}]
+    with pytest.raises(ValueError, match=r"tool call 0 \(now\) has no 'id'"):
+        renderer.render_prompt(no_id)
+    with pytest.raises(ValueError, match="no 'tool_call_id'"):
+        renderer.render_prompt(HAND_WRITTEN[1:3] + [{"role": "tool", "content": "r"}])
+    with pytest.raises(ValueError, match="role 'developer' is not one the kimi_k2 format renders"):
+        renderer.render_prompt([{"role": "developer", "content": "d"}])
+    final = encode(tokenizer, "<think>x</think>Done.<|im_end|>")
+    with pytest.raises(ValueError, match="ended with a stop token"):
+        renderer.bridge(final[:-1], [{"role": "user", "content": "u"}])
+    with pytest.raises(ValueError, match="not 'assistant' messages"):
+        renderer.bridge(final, [{"role": "assistant", "content": "u"}])
+    with pytest.raises(ValueError, match="no 'tool_call_id'"):
+        renderer.bridge(final, [{"role": "tool", "name": "now", "content": "r"}])
+
+
+SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|><|im_end|>"
+KCALL, KARG, KEND = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+@pytest.mark.parametrize(
+    "text, calls, content, reasoning, error",
+    [
+        (f'<think>look it up</think>Looking.{SECTION}{KCALL}functions.search:0{KARG}{{"query": "a"}}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+         [ToolCall("search", {"query": "a"}, "functions.search:0"), ToolCall("now", {}, "functions.now:1")], "Looking.", "look it up", None),
+        ("<think></think>The answer.<|im_end|>", [], "The answer.", "", None),
+        ("no reasoning<|im_end|>", [], "no reasoning", None, None),
+        ("<think>unfinished", [], "", "unfinished", "<think> is not closed by </think>"),
+        (f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}{{"query": }}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+         [ToolCall("now", {}, "functions.now:1")], "", "", "arguments are not valid JSON"),
+        (f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}"a"{KEND}{SECTION_END}', [], "", "", "must be a JSON object, not str"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}', [ToolCall("now", {}, "functions.now:0")], "", "",
+         "not closed by <|tool_calls_section_end|>"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{SECTION_END}', [], "", "", "not closed by <|tool_call_end|>"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{{}}{KEND}{SECTION_END}', [], "", "", "has no <|tool_call_argument_begin|>"),
+        (f'<think></think>{SECTION}{KCALL}now:0{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'now:0' is not functions.NAME:IDX"),
+        (f'<think></think>{SECTION}{KCALL}functions.now{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'functions.now' is not functions.NAME:IDX"),
+        (f'<think></think>{SECTION}{KCALL}functions.:0{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'functions.:0' is not functions.NAME:IDX"),
+        (f'<think></think>{SECTION} {KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}', [ToolCall("now", {}, "functions.now:0")], "", "",
+         "text between <|tool_calls_section_begin|> and the first call: ' '"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}and{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+         [ToolCall("now", {}, "functions.now:0"), ToolCall("now", {}, "functions.now:1")], "", "", "text after tool call 0: 'and'"),
+        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}<|tool_calls_section_end|>trailing<|im_end|>',
+         [ToolCall("now", {}, "functions.now:0")], "", "", "text after the tool calls: 'trailing'"),
+    ],
+)  # fmt: skip
+def test_kimi_parse_turn(text, calls, content, reasoning, error):
+    turn = renderer_for("kimi_k2").parse_turn(encode(tokenizer_for("kimi_k2"), text))
+    assert (turn.tool_calls, turn.content, turn.reasoning) == (calls, content, reasoning)
+    if error is None:
+        assert turn.parse_error is None
+    else:
+        assert error in turn.parse_error
+
+
+def test_kimi_turn_read_back_feeds_the_next_prompt():
+    """A parsed turn's message (its call ids) and the environment's tool messages render as the template does."""
+    tokenizer = tokenizer_for("kimi_k2")
+    renderer = renderer_for("kimi_k2")
+    sampled = encode(tokenizer, f'<think>plan</think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}')
+    turn = renderer.parse_turn(sampled)
+    results = [{"role": "tool", "name": call.name, "tool_call_id": call.id, "content": "12:00"} for call in turn.tool_calls]
+    messages = HAND_WRITTEN[:2] + [turn.message()] + results
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    prompt = renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)
+    assert prompt + sampled + renderer.bridge(sampled, results) == encode(tokenizer, text)
+    assert renderer.render_prompt(messages, tools=TOOLS) == encode(tokenizer, text)
