@@ -22,6 +22,7 @@ import contextlib
 import io
 import os
 import pickle
+import resource
 import select
 import signal
 import struct
@@ -110,7 +111,8 @@ class WorkerProcess:
     """One worker process (`python -m MODULE PARENT_PID`, serving with `serve`), seen from the parent.
 
     `label` names what it runs in errors ("reward function 'm:f'"). After a death seen by
-    `exit_reason`, `peak_rss_mb` is the process's peak resident memory (None when unknown).
+    `exit_reason`, `peak_rss_mb` is the process's peak resident memory (None when unknown: when it
+    did not exceed the peak of the process that started it, which the kernel reports in its place).
     """
 
     def __init__(self, module: str, payload: Any, label: str):
@@ -135,6 +137,9 @@ class WorkerProcess:
         )
         self._buffer = b""
         self.peak_rss_mb = None
+        # Linux carries the spawning process's peak memory into the child's (fork and exec keep the
+        # larger of the two), so only a peak above this one is the worker's own
+        self._inherited_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.send(("init", self.payload, list(sys.path)))
         reply = self.receive(time.monotonic() + WORKER_STARTUP_TIMEOUT_S)
         if reply is None or reply == "eof":
@@ -188,7 +193,8 @@ class WorkerProcess:
                 return self.proc.poll()
             if pid:
                 self.proc.returncode = os.waitstatus_to_exitcode(status)
-                self.peak_rss_mb = usage.ru_maxrss / 1024  # kilobytes on Linux
+                peak = usage.ru_maxrss / 1024  # kilobytes on Linux
+                self.peak_rss_mb = peak if peak > self._inherited_rss_mb else None
             elif time.monotonic() >= deadline:
                 return None
             else:
