@@ -33,8 +33,11 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
     """Mistral without a window is Llama: the scaffold imports and aligns with HF + PEFT as written."""
     assert main(["mistral", "--like", "llama", "--root", str(root)]) == 0
     family = root / "models" / "mistral"
-    assert sorted(p.name for p in family.glob("*.py")) == sorted(p.name for p in (root / "models" / "llama").glob("*.py"))
+    like_files = sorted(p.name for p in (root / "models" / "llama").glob("*.py"))
+    assert sorted(p.name for p in family.glob("*.py")) == [name for name in like_files if name != "renderer.py"]
     code = "\n".join(p.read_text() for p in family.glob("*.py"))
+    # no renderer of its own yet: the new model type speaks Llama 3's chat format
+    assert 'renderers={"mistral": "llama3"}' in code and "renderer" not in (family / "__init__.py").read_text()
     assert "LlamaArgs" not in code and "archon.models.llama" not in code
     assert "class MistralArgs" in code and "class MistralModel" in code and "class MistralStateDictConverter" in code
     registry = (root / "models" / "__init__.py").read_text()
@@ -54,7 +57,9 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
         "from archon.tools.align import AlignArgs, run_alignment\n"
         "spec = get_spec('mistral')\n"
         "report = run_alignment(AlignArgs(model_type='mistral', config_overrides={'sliding_window': None}, lora_rank=4))\n"
+        "from archon.agents.renderer import default_renderer_name\n"
         "print(json.dumps({'family': spec.name, 'module': spec.model_cls.__module__, 'file': sys.modules['archon.models'].__file__,"
+        " 'renderer': default_renderer_name('mistral'),"
         " 'pass': report['pass'], 'failures': report['failures']}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -63,6 +68,7 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["file"] == str(root / "models" / "__init__.py")
     assert (result["family"], result["module"]) == ("mistral", "archon.models.mistral.model")
+    assert result["renderer"] == "llama3"
     assert result["pass"], result["failures"]
 
 

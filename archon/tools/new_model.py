@@ -167,7 +167,26 @@ def adapt_spec(source: str, spec_file: Path, name: str, model_type: str, like_ty
                 break
         else:
             raise ValueError(f"tiny_hf_config in {spec_file} has no entry for {like_type!r}")
+    renderers = next((k.value for k in call.keywords if k.arg == "renderers"), None)
+    if renderers is not None:
+        # the new family speaks the like-family's chat format until it has a renderer of its own
+        try:
+            like_renderer = ast.literal_eval(renderers)[like_type]
+        except (ValueError, KeyError):
+            raise ValueError(f"renderers in {spec_file} must be a dict literal with an entry for {like_type!r}") from None
+        edits.append((renderers, f'{{"{model_type}": "{like_renderer}"}}'))
     return _replace_segments(source, edits)
+
+
+def is_renderer_module(path: Path) -> bool:
+    """A family's chat-format module (renderer.py, <format>_renderer.py): it registers renderers by
+    name, so a scaffold does not copy it (the new family's spec names the like-family's renderer)."""
+    return path.suffix == ".py" and (path.stem == "renderer" or path.stem.endswith("_renderer"))
+
+
+def drop_renderer_imports(init_source: str, like: str) -> str:
+    """A family's __init__.py without the lines that import its renderer modules."""
+    return re.sub(rf"^from archon\.models\.{like} import \w*renderer\b.*\n", "", init_source, flags=re.M)
 
 
 def adapt_test(source: str, like_type: str, model_type: str) -> str:
@@ -240,13 +259,15 @@ def scaffold(args: NewModelArgs) -> Scaffold:
     outputs: dict[Path, str | bytes] = {}
     originals: dict[Path, str] = {}
     for src in sorted(like_dir.rglob("*")):
-        if not src.is_file() or "__pycache__" in src.parts or src.suffix == ".pyc":
+        if not src.is_file() or "__pycache__" in src.parts or src.suffix == ".pyc" or is_renderer_module(src):
             continue
         dest = family_dir / src.relative_to(like_dir)
         if src.suffix in _TEXT_SUFFIXES:
             text = originals[dest] = src.read_text()
             if src.relative_to(like_dir) == Path("spec.py"):
                 text = adapt_spec(text, src, args.name, model_type, like_type)
+            elif src.relative_to(like_dir) == Path("__init__.py"):
+                text = drop_renderer_imports(text, args.like)
             outputs[dest] = rename(text)
         else:
             outputs[dest] = src.read_bytes()
