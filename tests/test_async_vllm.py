@@ -15,8 +15,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[v
 
 from archon.rl.config import parse_config  # noqa: E402
 from archon.rl.loop import RLRun  # noqa: E402
-from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
-from archon.rollout.vllm_worker import WORKER_SECRET_ENV  # noqa: E402
+from tests.helpers import vllm_test_server  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -25,15 +24,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 @pytest.fixture(scope="module")
 def server(demo_cache, tmp_path_factory):
     _, files = demo_cache
-    config = VLLMConfig(port=8151, transport="collective", max_lora_rank=16, max_loras=4)
-    engine = VLLMRolloutEngine(config, model_path=str(files.model_dir), lora_rank=16,
-                               log_dir=tmp_path_factory.mktemp("async_vllm"))  # fmt: skip
-    try:
-        os.environ[WORKER_SECRET_ENV] = engine.servers.worker_secret
+    with vllm_test_server(files.model_dir, 8151, tmp_path_factory.mktemp("async_vllm")) as engine:
         yield engine
-    finally:
-        os.environ.pop(WORKER_SECRET_ENV, None)
-        engine.close()
 
 
 def _args(demo_cache, server, run_dir, steps: int, max_staleness: int, *extra: str) -> list[str]:

@@ -272,3 +272,33 @@ def _read_as(type_name: str, text: str) -> tuple[bool, Any]:
         return False, None
     expected = {"integer": (int,), "number": (int, float), "object": (dict,), "array": (list,)}[type_name]
     return isinstance(value, expected) and not isinstance(value, bool), value
+
+
+def delimited_tool_calls(
+    text: str, section_begin: str, section_end: str, call_begin: str, call_end: str, errors: list[str]
+) -> tuple[str, list[tuple[int, str]]]:
+    """A turn whose tool calls form one section of delimited calls (DeepSeek, Kimi K2): the content
+    before the section, and (index, body) of each call closed in it; what is malformed (an unclosed
+    section or call, text around the calls) is added to `errors`."""
+    content, opened, section = text.partition(section_begin)
+    bodies: list[tuple[int, str]] = []
+    if not opened:
+        return content, bodies
+    section, closed, after = section.partition(section_end)
+    if not closed:
+        errors.append(f"the tool calls are not closed by {section_end}")
+    elif after:
+        errors.append(f"text after the tool calls: {after!r}")
+    for number, part in enumerate(section.split(call_begin)):
+        if number == 0:
+            if part:
+                errors.append(f"text between {section_begin} and the first call: {part!r}")
+            continue
+        body, call_closed, rest = part.partition(call_end)
+        if not call_closed:
+            errors.append(f"tool call {number - 1} is not closed by {call_end}: {part!r}")
+            continue
+        if rest:
+            errors.append(f"text after tool call {number - 1}: {rest!r}")
+        bodies.append((number - 1, body))
+    return content, bodies

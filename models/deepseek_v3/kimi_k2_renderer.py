@@ -29,6 +29,7 @@ import re
 from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
 from archon.agents.tools import ToolCall
 from archon.models.common.chat_format import (
+    delimited_tool_calls,
     message_role,
     message_text,
     message_tool_calls,
@@ -144,36 +145,20 @@ class KimiK2Renderer(Renderer):
             else:
                 errors.append("<think> is not closed by </think>")
                 text = ""
-        content, opened, section = text.partition(SECTION_BEGIN)
+        content, bodies = delimited_tool_calls(text, SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END, errors)
         calls: list[ToolCall] = []
-        if opened:
-            section, closed, after = section.partition(SECTION_END)
-            if not closed:
-                errors.append(f"the tool calls are not closed by {SECTION_END}")
-            elif after:
-                errors.append(f"text after the tool calls: {after!r}")
-            for number, part in enumerate(section.split(CALL_BEGIN)):
-                if number == 0:
-                    if part:
-                        errors.append(f"text between {SECTION_BEGIN} and the first call: {part!r}")
-                    continue
-                body, call_closed, rest = part.partition(CALL_END)
-                if not call_closed:
-                    errors.append(f"tool call {number - 1} is not closed by {CALL_END}: {part!r}")
-                    continue
-                if rest:
-                    errors.append(f"text after tool call {number - 1}: {rest!r}")
-                call_id, separated, arguments_text = body.partition(ARGUMENT_BEGIN)
-                if not separated:
-                    errors.append(f"tool call {number - 1} has no {ARGUMENT_BEGIN} between its id and arguments: {body!r}")
-                    continue
-                match = _CALL_ID.fullmatch(call_id)
-                if match is None:
-                    errors.append(f"tool call {number - 1}: id {call_id!r} is not functions.NAME:IDX (a function name and a call index)")
-                    continue
-                arguments, error = parse_arguments(arguments_text, match.group("name"))
-                if error:
-                    errors.append(error)
-                else:
-                    calls.append(ToolCall(match.group("name"), arguments, call_id))
+        for index, body in bodies:
+            call_id, separated, arguments_text = body.partition(ARGUMENT_BEGIN)
+            if not separated:
+                errors.append(f"tool call {index} has no {ARGUMENT_BEGIN} between its id and arguments: {body!r}")
+                continue
+            match = _CALL_ID.fullmatch(call_id)
+            if match is None:
+                errors.append(f"tool call {index}: id {call_id!r} is not functions.NAME:IDX (a function name and a call index)")
+                continue
+            arguments, error = parse_arguments(arguments_text, match.group("name"))
+            if error:
+                errors.append(error)
+            else:
+                calls.append(ToolCall(match.group("name"), arguments, call_id))
         return AssistantTurn(content=content, reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None)

@@ -28,6 +28,7 @@ from archon.agents.tools import ToolCall
 from archon.models.common.chat_format import (
     call_function,
     check_environment_messages,
+    delimited_tool_calls,
     message_role,
     message_text,
     message_tool_calls,
@@ -131,35 +132,19 @@ class DeepseekV31Renderer(Renderer):
             reasoning, _, text = text.partition("</think>")
         elif self.thinking and not text.startswith(CALLS_BEGIN):
             errors.append("the reasoning is not closed by </think>")
-        content, opened, section = text.partition(CALLS_BEGIN)
+        content, bodies = delimited_tool_calls(text, CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, errors)
         calls: list[ToolCall] = []
-        if opened:
-            section, closed, after = section.partition(CALLS_END)
-            if not closed:
-                errors.append(f"the tool calls are not closed by {CALLS_END}")
-            elif after:
-                errors.append(f"text after the tool calls: {after!r}")
-            for number, part in enumerate(section.split(CALL_BEGIN)):
-                if number == 0:
-                    if part:
-                        errors.append(f"text between {CALLS_BEGIN} and the first call: {part!r}")
-                    continue
-                body, call_closed, rest = part.partition(CALL_END)
-                if not call_closed:
-                    errors.append(f"tool call {number - 1} is not closed by {CALL_END}: {part!r}")
-                    continue
-                if rest:
-                    errors.append(f"text after tool call {number - 1}: {rest!r}")
-                name, sep, arguments_text = body.partition(CALL_SEP)
-                if not sep:
-                    errors.append(f"tool call {number - 1} has no {CALL_SEP} between name and arguments: {body!r}")
-                    continue
-                if not name.strip():
-                    errors.append(f"tool call {number - 1} has no function name")
-                    continue
-                arguments, error = parse_arguments(arguments_text, name)
-                if error:
-                    errors.append(error)
-                else:
-                    calls.append(ToolCall(name, arguments))
+        for index, body in bodies:
+            name, sep, arguments_text = body.partition(CALL_SEP)
+            if not sep:
+                errors.append(f"tool call {index} has no {CALL_SEP} between name and arguments: {body!r}")
+                continue
+            if not name.strip():
+                errors.append(f"tool call {index} has no function name")
+                continue
+            arguments, error = parse_arguments(arguments_text, name)
+            if error:
+                errors.append(error)
+            else:
+                calls.append(ToolCall(name, arguments))
         return AssistantTurn(content=content, reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None)
