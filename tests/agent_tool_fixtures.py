@@ -51,6 +51,20 @@ def sleep(seconds: float) -> str:
     return f"slept {seconds} s"
 
 
+def rendezvous(directory: str, parties: int) -> str:
+    """Arrives in `directory` and waits (up to 3 s) for `parties` arrivals in all: "met" if they all
+    came, so calls that run one after another can never meet."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, str(os.getpid())), "w"):
+        pass
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if len(os.listdir(directory)) >= parties:
+            return "met"
+        time.sleep(0.01)
+    return "alone"
+
+
 def print_megabytes(megabytes: int) -> None:
     """Prints this many megabytes."""
     chunk = "x" * 2**20
