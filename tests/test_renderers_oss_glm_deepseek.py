@@ -130,8 +130,8 @@ class Family:
     thinking: bool
     template_kwargs: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
-    tools_in_prompt: bool = True  # False: the template renders no tool schemas
     string_arguments: bool = False  # the template takes a call's arguments as a JSON string
+    tools_template: str | None = None  # a template that writes the tools into the system prompt the family's template renders
     call_ids: bool = False  # calls carry ids (functions.NAME:IDX), tool results the id they answer
 
 
@@ -193,15 +193,22 @@ def template_messages(family: Family, messages):
     ]  # fmt: skip
 
 
-def template_text(tokenizer, family: Family, messages, add_generation_prompt: bool) -> str:
+def template_text(tokenizer, family: Family, messages, add_generation_prompt: bool, tools=TOOLS) -> str:
+    if family.tools_template and tools:
+        messages, tools = tools_system_messages(tokenizer, family, messages, tools), None
     return tokenizer.apply_chat_template(
-        template_messages(family, messages), tools=family_tools(family), add_generation_prompt=add_generation_prompt,
+        template_messages(family, messages), tools=tools, add_generation_prompt=add_generation_prompt,
         tokenize=False, **family.template_kwargs,
     )  # fmt: skip
 
 
-def family_tools(family: Family):
-    return TOOLS if family.tools_in_prompt else None
+def tools_system_messages(tokenizer, family: Family, messages, tools):
+    """`messages` with their system messages replaced by the one system prompt, tools included, that
+    `family.tools_template` writes between the BOS token and the first user turn (DeepSeek's `<｜User｜>`)."""
+    template = (TEMPLATES / family.tools_template).read_text(encoding="utf-8")
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False, **family.template_kwargs)
+    system_prompt = text.split(tokenizer.bos_token, 1)[1].split("<｜User｜>", 1)[0]
+    return [{"role": "system", "content": system_prompt}] + [m for m in messages if m["role"] != "system"]
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -288,8 +295,8 @@ DEEPSEEK = Family(
                     "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
     max_calls_per_turn=4,
     thinking=False,
-    tools_in_prompt=False,
     string_arguments=True,
+    tools_template="deepseek_v3_tools.jinja",  # vLLM's template for V3.1, with the model card's tools block
 )
 
 # ---- kimi_k2 ---------------------------------------------------------------------------------------------
@@ -404,7 +411,7 @@ def run_episode(name: str, seed: int):
     renderer = renderer_for(name)
     rng = random.Random(seed)
     first, turns = generate_episode(rng, family)
-    prompt_ids = renderer.render_prompt(first, tools=family_tools(family))
+    prompt_ids = renderer.render_prompt(first, tools=TOOLS)
     assert prompt_ids == encode(tokenizer, template_text(tokenizer, family, first, add_generation_prompt=True))
     trajectory = list(prompt_ids)
     history = list(first)
@@ -447,7 +454,7 @@ def test_token_identity_over_generated_episodes(name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_parse_turn_reads_back_every_sampled_turn(name):
     renderer = renderer_for(name)
-    renderer.render_prompt(HAND_WRITTEN[:2], tools=family_tools(FAMILIES[name]))  # the tools calls are read against
+    renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)  # the tools calls are read against
     for seed in range(200):
         _, sampled_turns, _ = run_episode(name, seed)
         for sampled, assistant in sampled_turns:
@@ -495,10 +502,8 @@ def test_render_prompt_matches_the_template(name, cut):
     tokenizer = tokenizer_for(name)
     family = FAMILIES[name]
     messages = HAND_WRITTEN[:cut]
-    for tools in (family_tools(family), None):
-        text = tokenizer.apply_chat_template(
-            template_messages(family, messages), tools=tools, add_generation_prompt=True, tokenize=False, **family.template_kwargs
-        )
+    for tools in (TOOLS, None):
+        text = template_text(tokenizer, family, messages, add_generation_prompt=True, tools=tools)
         ids = renderer_for(name).render_prompt(messages, tools=tools)
         assert tokenizer.decode(ids, skip_special_tokens=False) == text
         assert ids == encode(tokenizer, text)
@@ -658,8 +663,38 @@ def test_deepseek_thinking_prompt_and_turn():
     turn = renderer.parse_turn(encode(tokenizer, "I add them.</think>It is 3.5.<｜end▁of▁sentence｜>"))
     assert (turn.reasoning, turn.content, turn.parse_error) == ("I add them.", "It is 3.5.", None)
     assert "not closed by </think>" in renderer.parse_turn(encode(tokenizer, "still thinking")).parse_error
-    with pytest.raises(ValueError, match="renders no tool schemas"):
-        renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)
+    messages = tools_system_messages(tokenizer, DEEPSEEK, HAND_WRITTEN[:2], TOOLS)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, thinking=True)
+    assert renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS) == encode(tokenizer, text)
+
+
+@pytest.mark.parametrize("tools", [TOOLS[:1], TOOLS], ids=["one tool", "four tools"])
+@pytest.mark.parametrize("messages", [HAND_WRITTEN[:2], HAND_WRITTEN[1:2], HAND_WRITTEN[:6], HAND_WRITTEN[1:8]],
+                         ids=["system", "no system", "system, calls", "no system, calls"])  # fmt: skip
+def test_deepseek_tools_match_the_vllm_template(messages, tools):
+    """The tools' block is the system prompt that vLLM's V3.1 template renders (after its BOS token,
+    before the first user turn); the rest of the prompt is V3.1's own template's."""
+    tokenizer = tokenizer_for("deepseek_v3")
+    with_system_prompt = tools_system_messages(tokenizer, DEEPSEEK, messages, tools)
+    system_prompt = with_system_prompt[0]["content"]
+    systems = [m["content"] for m in messages if m["role"] == "system"]
+    assert system_prompt.startswith("\n\n".join(systems) + "\n\n## Tools\nYou have access to the following tools:\n\n### search\n")
+    assert system_prompt.count("\n### ") == len(tools)
+    v31_text = tokenizer.apply_chat_template(template_messages(DEEPSEEK, with_system_prompt), add_generation_prompt=True, tokenize=False)
+    ids = renderer_for("deepseek_v3").render_prompt(messages, tools=tools)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == v31_text
+    assert ids == encode(tokenizer, v31_text)
+    assert ids != renderer_for("deepseek_v3").render_prompt(messages)
+
+
+def test_deepseek_tool_errors():
+    renderer = renderer_for("deepseek_v3")
+    with pytest.raises(ValueError, match="tool 0 is not an OpenAI function tool"):
+        renderer.render_prompt(HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"description": "d"}}])
+    with pytest.raises(ValueError, match="'now': the deepseek_v3 format needs a description string"):
+        renderer.render_prompt(HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"name": "now", "parameters": {}}}])
+    with pytest.raises(ValueError, match="'now': the deepseek_v3 format needs the parameters' JSON schema"):
+        renderer.render_prompt(HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"name": "now", "description": "d"}}])
 
 
 CALLS, CALL, SEP, END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"

@@ -13,6 +13,14 @@ when thinking), and a turn ends with `<｜end▁of▁sentence｜>`. Calls follow
 Tool results are `<｜tool▁output▁begin｜>{result}<｜tool▁output▁end｜>`, one after another; after
 them the model continues without an assistant header.
 
+V3.1's template renders no tool schemas; its model card declares the tools in a Markdown block
+appended to the system prompt after a blank line (`{system prompt}\n\n## Tools\n...`, the blank
+line kept with no system message: `<｜begin▁of▁sentence｜>\n\n## Tools...`). `render_prompt(tools=...)`
+writes that block as vLLM's template for V3.1 renders it (vllm-project/vllm,
+`examples/tool_chat_template_deepseekv31.jinja`): a `### NAME` section per tool with its
+description and its parameters as `tojson` writes them, then the calling instructions (that template
+writes `{{additional_tool_calls}}` and a blank line after `Where:`). The rest of the prompt is V3.1's.
+
 Where the template is not prefix-preserving: with thinking on, the model samples
 `{reasoning}</think>{content}` after `<｜Assistant｜><think>`, and the template renders that turn in
 history as `<｜Assistant｜></think>{content}` (the reasoning dropped); the trajectory keeps what was
@@ -43,6 +51,32 @@ EOS = "<｜end▁of▁sentence｜>"
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+
+
+TOOLS_INSTRUCTIONS = (
+    "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{CALL_SEP}tool_call_arguments{CALL_END}{{{{additional_tool_calls}}}}{CALLS_END}\n"
+    "\nWhere:\n\n"
+    "- `tool_call_name` must be an exact match to one of the available tools\n"
+    "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+    "- For multiple tool calls, chain them directly without separators or spaces\n"
+)
+
+
+def tools_text(tools: list[dict]) -> str:
+    """The tools' Markdown block that follows the system prompt: a section per tool, then how to call them."""
+    text = "## Tools\nYou have access to the following tools:\n"
+    for i, tool in enumerate(tools):
+        function = call_function(tool)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tool {i} is not an OpenAI function tool ({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}")
+        name = function["name"]
+        if not isinstance(function.get("description"), str):
+            raise ValueError(f"tool {name!r}: the deepseek_v3 format needs a description string")
+        if "parameters" not in function:
+            raise ValueError(f"tool {name!r}: the deepseek_v3 format needs the parameters' JSON schema")
+        text += f"\n### {name}\nDescription: {function['description']}\n\nParameters: {template_json(function['parameters'])}\n"
+    return text + TOOLS_INSTRUCTIONS
 
 
 def raw_arguments(message: Message, index: int) -> list[str]:
@@ -106,14 +140,12 @@ class DeepseekV31Renderer(Renderer):
         return text, after_user, after_tool, only_system
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
-        if tools:
-            raise ValueError(
-                "renderer 'deepseek_v3': the DeepSeek-V3.1 template renders no tool schemas; describe the tools "
-                "in the system message and pass tools=None"
-            )
         systems = [message_text(m, i) for i, m in enumerate(messages) if message_role(m, i) == "system"]
         text, after_user, after_tool, only_system = self.messages_text(messages, False, False, bool(systems))
-        prompt = BOS + "\n\n".join(systems) + text
+        system_prompt = "\n\n".join(systems)
+        if tools:
+            system_prompt += "\n\n" + tools_text(tools)
+        prompt = BOS + system_prompt + text
         if not after_tool:
             prompt += self.generation_prompt()
         return self.encode(prompt)
