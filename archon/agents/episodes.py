@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +28,7 @@ from archon.agents.environment import Environment, EnvStep, StopReason
 from archon.agents.renderer import AssistantTurn, Message, Renderer
 from archon.agents.tools import ToolCall, ToolResult
 from archon.agents.trajectory import Trajectory
+from archon.rl.reward_worker import describe_exception
 from archon.rollout.base import Sample, SamplingParams
 
 Generate = Callable[[list[list[int]], SamplingParams, list | None], list[Sample]]
@@ -61,12 +61,6 @@ class _Episode:
     def stop(self, reason: StopReason, error: str | None = None) -> None:
         self.trajectory.stop_reason = reason
         self.trajectory.error = error
-
-
-def _describe(exc: BaseException) -> str:
-    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 class EpisodeRunner:
@@ -112,7 +106,7 @@ class EpisodeRunner:
             # the thread cannot be stopped; the episode no longer waits for it
             return None, (StopReason.TIMEOUT, f"the environment took more than {self.limits.step_timeout_s} s")
         except Exception as exc:  # noqa: BLE001 - an environment's failure ends its episode, not the run
-            return None, (StopReason.ENV_ERROR, _describe(exc))
+            return None, (StopReason.ENV_ERROR, describe_exception(exc))
 
     def run(
         self,
@@ -171,7 +165,7 @@ class EpisodeRunner:
                 try:
                     prompt_ids = self.renderer.render_prompt(list(messages), self.tool_schemas)
                 except Exception as exc:  # noqa: BLE001 - messages the format cannot render
-                    failure = (StopReason.ENV_ERROR, f"rendering the first messages failed: {_describe(exc)}")
+                    failure = (StopReason.ENV_ERROR, f"rendering the first messages failed: {describe_exception(exc)}")
             if failure is not None:
                 # an empty trajectory: it trains nothing, and keeps its group whole
                 episode.trajectory = Trajectory(prompt_ids=self.renderer.render_prompt([{"role": "user", "content": ""}]))
@@ -257,7 +251,7 @@ class EpisodeRunner:
         try:
             added = self.renderer.bridge(last_turn_ids(trajectory), messages)
         except Exception as exc:  # noqa: BLE001 - messages the format cannot render
-            episode.stop(StopReason.ENV_ERROR, f"rendering the environment's messages failed: {_describe(exc)}")
+            episode.stop(StopReason.ENV_ERROR, f"rendering the environment's messages failed: {describe_exception(exc)}")
             return
         if len(trajectory.completion_ids) + len(added) >= self.limits.max_tokens:
             episode.stop(StopReason.TOKEN_BUDGET)

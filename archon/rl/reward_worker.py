@@ -60,7 +60,8 @@ def read_message(stream: BinaryIO) -> Any | None:
     return pickle.loads(payload)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_exception(exc: BaseException) -> str:
+    """`Type: message (at file:line)` of the innermost frame, for a user function's error shown in one line."""
     last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
     return f"{type(exc).__name__}: {exc}{where}"
@@ -100,7 +101,7 @@ def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> No
             try:
                 state = load(payload)
             except Exception as exc:  # noqa: BLE001 - reported to the parent
-                write_message(replies, ("init_error", _describe(exc)))
+                write_message(replies, ("init_error", describe_exception(exc)))
                 continue
             write_message(replies, ("ready", None))
         else:
@@ -342,7 +343,7 @@ def _score(fn, message: tuple) -> tuple:
     try:
         return ("ok", call_reward(fn, prompt, completion, reference))
     except Exception as exc:  # noqa: BLE001 - a failing reward is a counted error, not a crash
-        return ("error", _describe(exc), traceback.format_exc())
+        return ("error", describe_exception(exc), traceback.format_exc())
 
 
 def main() -> None:
