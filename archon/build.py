@@ -357,7 +357,10 @@ def build_model(
 
     if dims is not None:
         parallel = parallel or ParallelConfig()
-        needs_pipeline = dims.distributed or parallel.activation_checkpoint != "none" or parallel.compile
+        needs_pipeline = (
+            dims.distributed or parallel.activation_checkpoint != "none" or parallel.activation_offload
+            or parallel.compile
+        )  # fmt: skip
         if needs_pipeline:
             if spec.parallelize_fn is None:
                 raise ValueError(f"model family {spec.name!r} has no parallelize function (ModelSpec.parallelize_fn)")

@@ -1,10 +1,16 @@
 """Parallelism: degrees and mesh, LoRA-aware tensor parallelism, expert parallelism, activation
-checkpointing, FSDP2."""
+checkpointing and offload, FSDP2."""
 
 from archon.parallel.activation_checkpoint import (
     AC_MODES,
     apply_activation_checkpointing,
     checkpoint_module,
+)
+from archon.parallel.activation_offload import (
+    OFFLOAD_MIN_BYTES,
+    ActivationOffload,
+    OffloadStats,
+    apply_activation_offload,
 )
 from archon.parallel.dims import ParallelDims, init_distributed, require_divisible
 from archon.parallel.expert_parallel import ExpertParallelGroup, all_to_all, shard_experts
@@ -29,6 +35,10 @@ from archon.parallel.tensor_parallel import (
 
 __all__ = [
     "AC_MODES",
+    "ActivationOffload",
+    "OFFLOAD_MIN_BYTES",
+    "OffloadStats",
+    "apply_activation_offload",
     "ColwiseLoRAParallel",
     "ExpertParallelGroup",
     "ParallelConfig",

@@ -1,6 +1,6 @@
 """The generic parallelize pipeline a model family calls from its own `parallelize.py`.
 
-Order: tensor parallelism, then activation checkpointing, then torch.compile, then FSDP2 per block
+Order: tensor parallelism, then activation checkpointing and offload, then torch.compile, then FSDP2 per block
 and at the root. Every step keeps parameter names unchanged, so HF loading, LoRA export and
 checkpoints see the same names with or without parallelism.
 
@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing
+from archon.parallel.activation_offload import apply_activation_offload, check_activation_offload
 from archon.parallel.dims import ParallelDims
 from archon.parallel.expert_parallel import shard_experts
 from archon.parallel.tensor_parallel import apply_tp_plan
@@ -72,6 +73,11 @@ class ParallelConfig:
     dp_shard and each MoE family's expert count); tokens reach their experts by all-to-all."""
     activation_checkpoint: ACMode = "none"
     """Per-block activation checkpointing: none, full or selective."""
+    activation_offload: bool = False
+    """Keep the activations each block saves for the backward in pinned host memory between its forward
+    and its backward, copied back ahead of use (CUDA: on a side stream, overlapping compute). Frees
+    device memory for long sequences at the cost of host copies; with activation checkpointing it
+    offloads the saved block inputs. Not on CPU devices, nor with compile."""
     compile: bool = False
     """torch.compile each block."""
     compile_backend: str = "inductor"
@@ -140,7 +146,8 @@ def parallelize_decoder(
     routed_experts: Sequence[nn.Module] = (),
     num_experts: int = 0,
 ) -> nn.Module:
-    """Apply TP -> EP -> activation checkpointing -> compile -> FSDP2 to a decoder-only model.
+    """Apply TP -> EP -> activation checkpointing -> activation offload -> compile -> FSDP2 to a
+    decoder-only model. With offload, `model.activation_offload` is the ActivationOffload (its stats).
 
     blocks: the transformer blocks, each becomes one FSDP unit (and one checkpoint/compile unit).
     model_tp_plan: styles for modules outside the blocks, names relative to `model`.
@@ -168,6 +175,9 @@ def parallelize_decoder(
             shard_experts(experts, num_experts, expert_mesh)
             expert_params.update(experts.parameters())
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
+    if config.activation_offload:
+        check_activation_offload(config.activation_offload, dims.device_type, config.compile)
+        model.activation_offload = apply_activation_offload(blocks)
     if config.compile:
         for block in blocks:
             block.compile(backend=config.compile_backend, fullgraph=False)

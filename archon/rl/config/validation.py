@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archon import device as devices
 from archon.agents.renderer import renderer_names
 from archon.agents.setup import EnvironmentConfig, environment_factory
 from archon.checkpoint.hf import check_model_dir, read_json_file
@@ -29,6 +30,7 @@ from archon.rl.rewards import RewardConfig
 from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
 from archon.rollout.vllm_server import max_position_embeddings
 from archon.optim import OptimConfig
+from archon.parallel.activation_offload import check_activation_offload
 
 MAX_STALENESS = 64
 """The largest rollout.max_staleness (and tasks[i].max_staleness): one or two steps ahead already
@@ -480,13 +482,21 @@ def _parallel_problems(config: RLConfig, world_size: int) -> list[str]:
         dims = config.parallel.dims(world_size, "cpu")
     except (ValueError, NotImplementedError) as e:
         return [f"parallel: {e}"]
+    problems = []
     if config.rollout.prompts_per_step < dims.dp:
-        return [
+        problems.append(
             f"rollout.prompts_per_step={config.rollout.prompts_per_step}: smaller than the data-parallel size "
             f"{dims.dp} (world size {world_size}, parallel.tp={dims.tp}); every data-parallel rank needs at "
             "least one prompt per step"
-        ]
-    return []
+        )
+    if config.parallel.activation_offload:
+        try:
+            check_activation_offload(True, devices.device_type(config.model.device), config.parallel.compile)
+        except ValueError as e:
+            problems.append(str(e))
+        except RuntimeError:
+            pass  # a device that is not there fails the run when it starts, naming model.device
+    return problems
 
 
 def _read_model_config(directory: str, field_name: str) -> dict | None:
