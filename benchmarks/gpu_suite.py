@@ -18,12 +18,16 @@ Checks (each runs on its own: a failure is recorded and the next check still run
                  width in bf16: tokens/s and MFU with grouped-GEMM experts, and the speed-up over
                  the loop over experts; and, on one device (no expert parallelism), grouped experts
                  against the loop in fp32 and bf16: outputs and gradients agree
+    offload      a LoRA train step of a small Qwen3 at a long sequence with activation offload and
+                 without (its hooks only counting): peak device memory, step time, the two ratios,
+                 and the first forward-backward's loss and gradients against the run without
 
 What --tiny changes: everything runs on the CPU at tiny sizes. bf16 runs where it checks numerics
 (alignment, train), but attention takes the per-sequence SDPA path, as the flash varlen kernel is
 CUDA-only; peak memory is the storage the head's tensors allocate (as tests/memory_tracking.py
 counts it), not torch.cuda.max_memory_allocated; throughput runs in fp32 against the fp32 matmul
-peak, and its figures say nothing about a GPU.
+peak, and its figures say nothing about a GPU; offload copies CPU tensors into fresh host buffers
+(offload_host_tensors), so only its saved-activation counts, not device memory, are measured.
 
 The last line printed is JSON: {"pass": ..., "checks": {name: {"pass": ..., figures...}}, ...}.
 DIR gets gpu_suite.log (progress, figures, tracebacks) and gpu_suite.json (the same JSON).
@@ -55,7 +59,7 @@ import torch  # noqa: E402
 
 log = logging.getLogger("gpu_suite")
 
-CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe")
+CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe", "offload")
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3), so a bf16 model is judged against the
 # error that HF itself makes in bf16, both measured against HF in fp32 on the same inputs. archon
@@ -105,6 +109,14 @@ class Sizes:
     moe_config: dict[str, Any]
     """A Qwen3-MoE config (HF kwargs) for the MoE step; throughput_* give its batch and dtype."""
     lora_rank: int
+    offload_config: dict[str, Any]
+    """A Qwen3 config (HF kwargs) for the activation-offload step."""
+    offload_tokens: int
+    offload_sequences: int
+    offload_min_bytes: int
+    """Saved tensors offloaded from this size up (archon's OFFLOAD_MIN_BYTES on CUDA)."""
+    offload_steps: int
+    """Timed train steps of each run (the median is reported)."""
 
 
 TINY = Sizes(
@@ -132,6 +144,13 @@ TINY = Sizes(
                     num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=512,
                     tie_word_embeddings=False),  # fmt: skip
     lora_rank=4,
+    offload_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        tie_word_embeddings=False),  # fmt: skip
+    offload_tokens=512,
+    offload_sequences=2,
+    offload_min_bytes=4096,
+    offload_steps=3,
 )
 FULL = Sizes(
     align_seq_lens=(9, 1, 16, 31, 64, 200),
@@ -161,6 +180,14 @@ FULL = Sizes(
                     num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=32768,
                     tie_word_embeddings=False),  # fmt: skip
     lora_rank=16,
+    # A small Qwen3 at one 16K-token sequence: the saved activations outweigh the weights.
+    offload_config=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+                        tie_word_embeddings=False),  # fmt: skip
+    offload_tokens=16384,
+    offload_sequences=1,
+    offload_min_bytes=1 << 20,
+    offload_steps=3,
 )
 TRAIN_FAMILIES = {"dense": "qwen3", "moe": "qwen3_moe"}
 GEN_FAMILIES = ("qwen3", "qwen3_moe")
@@ -174,7 +201,7 @@ class SuiteArgs:
     tiny: bool = False
     """Tiny sizes on the CPU (what CI runs); without it the suite needs CUDA."""
     only: tuple[str, ...] = ()
-    """Run just these checks (default: all of alignment, train, generation, memory, throughput)."""
+    """Run just these checks (default: all of them, CHECKS)."""
     seed: int = 0
 
 
@@ -334,14 +361,17 @@ def _train_batch(vocab: int, seq_lens: tuple[int, ...], seed: int):
     return PackedBatch.from_sequences(seqs, prompt_lens=[max(1, n // 3) for n in seq_lens])
 
 
-def _engine(ctx: Context, path: Path, dtype: str, lora_rank: int, lr: float, micro_batch_tokens: int):
+def _engine(ctx: Context, path: Path, dtype: str, lora_rank: int, lr: float, micro_batch_tokens: int,
+            parallel=None):  # fmt: skip
     from archon.lora import LoRAConfig
+    from archon.parallel import ParallelConfig
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
     lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules="all-linear")
     return Trainer(TrainerConfig(
         model_path=str(path), lora=lora, dtype=dtype, device=ctx.device.type,
         optim=OptimConfig(lr=lr, max_grad_norm=1.0), micro_batch_tokens=micro_batch_tokens, seed=ctx.seed,
+        parallel=parallel or ParallelConfig(),
     ))  # fmt: skip
 
 
@@ -830,6 +860,108 @@ def check_moe(ctx: Context) -> dict[str, Any]:
     }
 
 
+# ---- 7. activation offload ---------------------------------------------------------------------------
+
+# The first forward-backward with offload against the one without, on the same weights and tokens:
+# the copies are exact, so on the CPU the gradients are equal; CUDA's attention backward may add in
+# another order from one run to the next, so there the largest gradient difference, relative to the
+# gradient's largest magnitude, is held to a few bf16 roundoffs.
+OFFLOAD_GRAD_RTOL = 2e-2
+
+
+def _offload_run(ctx: Context, path: Path, batch, offload: bool) -> dict[str, Any]:
+    """One run's first forward-backward (loss, LoRA gradients) and timed train steps. Offload comes
+    from `parallel.activation_offload` on CUDA and is forced on the CPU; without it the same hooks
+    only count the saved activations."""
+    from archon.lora import is_lora_param
+    from archon.parallel import ParallelConfig, apply_activation_offload
+
+    sizes = ctx.sizes
+    parallel = ParallelConfig(activation_offload=offload and ctx.cuda)
+    trainer = _engine(ctx, path, sizes.throughput_dtype, sizes.lora_rank, 1e-5, batch.num_tokens, parallel)
+    if offload and ctx.cuda:
+        hooks = trainer.model.activation_offload
+    else:
+        hooks = apply_activation_offload(trainer.model.layers, offload=offload, offload_host_tensors=not ctx.cuda,
+                                         min_bytes=sizes.offload_min_bytes)  # fmt: skip
+    with torch.no_grad():  # B non-zero, so every factor has a gradient
+        g = torch.Generator().manual_seed(ctx.seed)
+        for name, param in trainer.model.named_parameters():
+            if is_lora_param(name):
+                param.copy_((torch.randn(param.shape, generator=g) * 0.02).to(param.dtype))
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    first = trainer.forward_backward(batch, _pg_loss)
+    stats = dict(vars(hooks.stats))
+    grads = {name: p.grad.float().cpu() for name, p in trainer.model.named_parameters() if is_lora_param(name)}
+    for p in trainer.trainable:
+        p.grad = None
+    times = []
+    for _ in range(sizes.offload_steps):
+        ctx.synchronize()
+        start = time.perf_counter()
+        trainer.train_step(batch, _pg_loss)
+        ctx.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
+    del trainer, hooks
+    _release(ctx)
+    return {"loss": first["loss"], "grads": grads, "stats": stats, "step_s": sorted(times)[len(times) // 2],
+            "peak_memory_bytes": peak}  # fmt: skip
+
+
+def check_offload(ctx: Context) -> dict[str, Any]:
+    from archon.batch import PackedBatch
+
+    sizes = ctx.sizes
+    dtype = getattr(torch, sizes.throughput_dtype)
+    path = _random_checkpoint(ctx, sizes.offload_config, dtype, "offload-qwen3")
+    _release(ctx)
+    lengths = throughput_lengths(sizes.offload_tokens, sizes.offload_sequences, ctx.seed)
+    g = torch.Generator().manual_seed(ctx.seed)
+    vocab = sizes.offload_config["vocab_size"]
+    batch = PackedBatch.from_sequences(
+        [torch.randint(0, vocab, (n,), generator=g) for n in lengths],
+        prompt_lens=[sizes.throughput_prompt_len] * len(lengths),
+        advantages=torch.randn(len(lengths), generator=g).tolist(),
+    )
+    plain = _offload_run(ctx, path, batch, offload=False)
+    offloaded = _offload_run(ctx, path, batch, offload=True)
+    grad_rel_diff = max(
+        ((offloaded["grads"][name] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+        for name, g in plain["grads"].items()
+    )
+    grads_equal = all(torch.equal(offloaded["grads"][name], g) for name, g in plain["grads"].items())
+    stats = offloaded["stats"]
+    saved_peak_ratio = stats["peak_resident_bytes"] / plain["stats"]["peak_resident_bytes"]
+    result = {
+        "config": {**sizes.offload_config, "lora_rank": sizes.lora_rank, "dtype": sizes.throughput_dtype},
+        "tokens": batch.num_tokens,
+        "sequences": len(lengths),
+        "min_bytes": sizes.offload_min_bytes,
+        "tensors_offloaded_per_step": stats["tensors_offloaded"],
+        "bytes_offloaded_per_step": stats["bytes_offloaded"],
+        "saved_peak_bytes": {"plain": plain["stats"]["peak_resident_bytes"], "offload": stats["peak_resident_bytes"]},
+        "saved_peak_ratio": saved_peak_ratio,
+        "step_s": {"plain": plain["step_s"], "offload": offloaded["step_s"]},
+        "step_time_ratio": offloaded["step_s"] / plain["step_s"],
+        "loss": {"plain": plain["loss"], "offload": offloaded["loss"]},
+        "grads_equal": grads_equal,
+        "grad_max_rel_diff": grad_rel_diff,
+    }
+    passed = stats["tensors_offloaded"] > 0 and saved_peak_ratio < 1
+    if ctx.cuda:
+        memory_ratio = offloaded["peak_memory_bytes"] / plain["peak_memory_bytes"]
+        result["peak_memory_gb"] = {"plain": plain["peak_memory_bytes"] / 2**30,
+                                    "offload": offloaded["peak_memory_bytes"] / 2**30}  # fmt: skip
+        result["peak_memory_ratio"] = memory_ratio
+        passed = passed and memory_ratio < 1 and grad_rel_diff <= OFFLOAD_GRAD_RTOL
+    else:
+        passed = passed and grads_equal and offloaded["loss"] == plain["loss"]
+    result["pass"] = passed
+    return result
+
+
 # ---- driver ------------------------------------------------------------------------------------------
 
 CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -839,6 +971,7 @@ CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "memory": check_memory,
     "throughput": check_throughput,
     "moe": check_moe,
+    "offload": check_offload,
 }
 
 
