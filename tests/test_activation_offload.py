@@ -49,7 +49,7 @@ def _first_step(path, activation_checkpoint: str, offload: bool | None):
     return result["loss"], grads, hooks
 
 
-@pytest.mark.parametrize("activation_checkpoint", ["none", "full"])
+@pytest.mark.parametrize("activation_checkpoint", ["none", "full", "selective"])
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5"])
 def test_offload_gives_the_same_loss_and_gradients(checkpoints, model_type, activation_checkpoint):
     path = checkpoints[model_type]
@@ -124,3 +124,14 @@ def test_parameters_and_small_tensors_stay_put():
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     assert hooks.stats.tensors_offloaded == 2 and hooks.stats.bytes_offloaded == 2 * x.numel() * 4
     assert hooks.stats.resident_bytes == 0
+
+
+def test_run_config_validation_names_the_field():
+    import dataclasses
+
+    from archon.rl.config.schema import ModelConfig, RLConfig
+    from archon.rl.config.validation import _parallel_problems
+
+    config = RLConfig(model=ModelConfig(device="cpu"), parallel=ParallelConfig(activation_offload=True))
+    assert any("parallel.activation_offload" in p and "host memory" in p for p in _parallel_problems(config, 1))
+    assert _parallel_problems(dataclasses.replace(config, parallel=ParallelConfig()), 1) == []
