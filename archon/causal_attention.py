@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def causal_mask(seqlen: int, sliding_window: int | None, device: torch.device, num_keys: int | None = None) -> torch.Tensor:
@@ -59,5 +60,10 @@ def causal_attention_after_prefix(
     Query i sits at position Lk - L + i and sees the keys up to it (within the sliding window)."""
     if sinks is not None:
         return attention_with_sinks(q, k, v, scale, sinks, sliding_window)
+    gqa = q.shape[0] != k.shape[0]
+    if sliding_window is None:
+        # a lower-right causal bias lets CUDA's flash kernel run without an [L, Lk] mask in memory
+        mask = causal_lower_right(q.shape[1], k.shape[1])
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)[0]
     mask = causal_mask(q.shape[1], sliding_window, q.device, k.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

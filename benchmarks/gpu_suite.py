@@ -14,6 +14,9 @@ Checks (each runs on its own: a failure is recorded and the next check still run
     memory       the chunked log-prob head's peak memory grows with O(T x D), not O(T x V)
     throughput   a dense LoRA train step at a realistic width in bf16: tokens/s, and model FLOPs
                  utilisation against the bf16 matmul peak measured in the same run
+    prefill      native generation from one long prompt (32K tokens on CUDA) prefilled in one forward
+                 and in chunks of rollout.prefill_chunk_tokens, in fp32: the same greedy tokens and
+                 log-probs, and on CUDA the peak memory of each (the chunked one's activations are a chunk's)
     moe          an MoE LoRA train step (Qwen3-MoE, LoRA on attention and experts) at a realistic
                  width in bf16: tokens/s and MFU with grouped-GEMM experts, and the speed-up over
                  the loop over experts; and, on one device (no expert parallelism), grouped experts
@@ -27,7 +30,8 @@ What --tiny changes: everything runs on the CPU at tiny sizes. bf16 runs where i
 CUDA-only; peak memory is the storage the head's tensors allocate (as tests/memory_tracking.py
 counts it), not torch.cuda.max_memory_allocated; throughput runs in fp32 against the fp32 matmul
 peak, and its figures say nothing about a GPU; offload copies CPU tensors into fresh host buffers
-(offload_host_tensors), so only its saved-activation counts, not device memory, are measured.
+(offload_host_tensors), so only its saved-activation counts, not device memory, are measured; prefill compares tokens and log-probs only (the storage meter
+cannot follow the causal-bias tensor that attention after a prefix passes to SDPA).
 
 The last line printed is JSON: {"pass": ..., "checks": {name: {"pass": ..., figures...}}, ...}.
 DIR gets gpu_suite.log (progress, figures, tracebacks) and gpu_suite.json (the same JSON).
@@ -59,7 +63,7 @@ import torch  # noqa: E402
 
 log = logging.getLogger("gpu_suite")
 
-CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe", "offload")
+CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe", "offload", "prefill")
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3), so a bf16 model is judged against the
 # error that HF itself makes in bf16, both measured against HF in fp32 on the same inputs. archon
@@ -117,6 +121,12 @@ class Sizes:
     """Saved tensors offloaded from this size up (archon's OFFLOAD_MIN_BYTES on CUDA)."""
     offload_steps: int
     """Timed train steps of each run (the median is reported)."""
+    prefill_config: dict[str, Any]
+    """HF kwargs over the tiny Qwen3 config for the prefill check's model."""
+    prefill_tokens: int
+    """The prefill check's prompt length."""
+    prefill_chunk: int
+    """Its prefill_chunk_tokens."""
 
 
 TINY = Sizes(
@@ -151,6 +161,9 @@ TINY = Sizes(
     offload_sequences=2,
     offload_min_bytes=4096,
     offload_steps=3,
+    prefill_config={},
+    prefill_tokens=480,
+    prefill_chunk=64,
 )
 FULL = Sizes(
     align_seq_lens=(9, 1, 16, 31, 64, 200),
@@ -188,6 +201,12 @@ FULL = Sizes(
     offload_sequences=1,
     offload_min_bytes=1 << 20,
     offload_steps=3,
+    # As many key/value heads as query heads: in fp32 on CUDA, grouped-query attention has no
+    # memory-efficient SDPA kernel, and the one-shot prefill's fallback would hold [H, T, T] scores.
+    prefill_config=dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                        num_attention_heads=16, num_key_value_heads=16, head_dim=64, max_position_embeddings=40960),
+    prefill_tokens=32768,
+    prefill_chunk=2048,
 )
 TRAIN_FAMILIES = {"dense": "qwen3", "moe": "qwen3_moe"}
 GEN_FAMILIES = ("qwen3", "qwen3_moe")
@@ -520,6 +539,21 @@ def _load_peak_allocated():
     return module.PeakAllocated
 
 
+def _peak_bytes(ctx: Context, run: Callable[[], Any]) -> int:
+    """Peak bytes allocated while run() runs, above what was allocated before: on CUDA
+    torch.cuda.max_memory_allocated, on the CPU the storage its tensors hold (tests/memory_tracking.py)."""
+    if ctx.cuda:
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device)
+        run()
+        torch.cuda.synchronize(ctx.device)
+        return torch.cuda.max_memory_allocated(ctx.device) - before
+    with _load_peak_allocated()() as tracker:
+        run()
+    return tracker.peak
+
+
 def _head_peak_bytes(ctx: Context, T: int, chunked: bool) -> int:
     """Peak bytes allocated by one forward and backward of the label log-prob head over T tokens."""
     from archon.head import label_logprobs
@@ -538,16 +572,7 @@ def _head_peak_bytes(ctx: Context, T: int, chunked: bool) -> int:
             lp = torch.log_softmax((hidden @ weight.t()).float(), -1).gather(-1, labels[:, None])[:, 0]
         lp.sum().backward()
 
-    if ctx.cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    with _load_peak_allocated()() as tracker:
-        run()
-    return tracker.peak
+    return _peak_bytes(ctx, run)
 
 
 def check_memory(ctx: Context) -> dict[str, Any]:
@@ -960,6 +985,59 @@ def check_offload(ctx: Context) -> dict[str, Any]:
         passed = passed and grads_equal and offloaded["loss"] == plain["loss"]
     result["pass"] = passed
     return result
+# ---- 8. chunked prefill ------------------------------------------------------------------------------
+
+
+def check_prefill(ctx: Context) -> dict[str, Any]:
+    from archon.build import build_model
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+
+    sizes = ctx.sizes
+    path = _tiny_checkpoint(ctx, "qwen3", "prefill-qwen3", **sizes.prefill_config)
+    model = build_model(path, device=ctx.device).model.eval()
+    args = model.args
+    g = torch.Generator().manual_seed(ctx.seed)
+    prompt = torch.randint(0, args.vocab_size, (sizes.prefill_tokens,), generator=g).tolist()
+    sampling = SamplingParams(max_new_tokens=sizes.gen_max_new_tokens, temperature=0)
+    NativeRolloutEngine(model, ctx.device).generate([prompt[:64]], sampling)  # warm-up: library workspaces
+    runs = {}
+    for name, budget in (("one_shot", None), ("chunked", sizes.prefill_chunk)):
+        _release(ctx)
+        engine = NativeRolloutEngine(model, ctx.device, prefill_chunk_tokens=budget)
+        samples = []
+        start = time.perf_counter()
+        run = lambda: samples.extend(engine.generate([prompt], sampling))  # noqa: E731
+        peak = _peak_bytes(ctx, run) if ctx.cuda else run()
+        runs[name] = {"sample": samples[0], "peak": peak, "generate_seconds": time.perf_counter() - start,
+                      "forwards": engine.stats.prefill_forwards, "largest": engine.stats.max_prefill_forward_tokens}  # fmt: skip
+    del model
+    _release(ctx)
+    one_shot, chunked = runs["one_shot"], runs["chunked"]
+    tokens_equal = one_shot["sample"].completion_ids == chunked["sample"].completion_ids
+    gap = max(abs(a - b) for a, b in zip(one_shot["sample"].logprobs, chunked["sample"].logprobs))
+    # both runs hold the same cache: keys and values of every layer for the prompt and the new tokens
+    kv_cache = args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 4 * (
+        sizes.prefill_tokens + sizes.gen_max_new_tokens
+    )  # fmt: skip
+    peaks = [one_shot["peak"], chunked["peak"]] if ctx.cuda else None
+    return {
+        "meter": "torch.cuda.max_memory_allocated" if ctx.cuda else None,
+        "prompt_tokens": sizes.prefill_tokens,
+        "prefill_chunk_tokens": sizes.prefill_chunk,
+        "dtype": "float32",
+        "prefill_forwards": [one_shot["forwards"], chunked["forwards"]],
+        "largest_forward_tokens": [one_shot["largest"], chunked["largest"]],
+        "peak_mb": [p / 2**20 for p in peaks] if peaks else None,
+        "peak_ratio_chunked_to_one_shot": peaks[1] / peaks[0] if peaks else None,
+        "kv_cache_mb": kv_cache / 2**20,
+        "generate_seconds": [one_shot["generate_seconds"], chunked["generate_seconds"]],
+        "greedy_tokens_equal": tokens_equal,
+        "max_abs_logprob_diff": gap,
+        "pass": tokens_equal and gap <= LOGPROB_ATOL and chunked["largest"] <= sizes.prefill_chunk
+                and chunked["forwards"] == -(-sizes.prefill_tokens // sizes.prefill_chunk)
+                and (peaks is None or peaks[1] < peaks[0]),
+    }  # fmt: skip
 
 
 # ---- driver ------------------------------------------------------------------------------------------
@@ -972,6 +1050,7 @@ CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "throughput": check_throughput,
     "moe": check_moe,
     "offload": check_offload,
+    "prefill": check_prefill,
 }
 
 

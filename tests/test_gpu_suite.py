@@ -37,7 +37,8 @@ def test_tiny_suite_passes_every_check(tmp_path):
     failed = {name: check for name, check in result["checks"].items() if not check["pass"]}
     assert not failed, json.dumps(failed, indent=1)[-6000:]
     assert result["pass"] and proc.returncode == 0, proc.stderr[-4000:]
-    assert set(result["checks"]) == {"alignment", "train", "generation", "memory", "throughput", "moe", "offload"}
+    assert set(result["checks"]) == {"alignment", "train", "generation", "memory", "throughput", "moe", "offload",
+                                     "prefill"}
     assert result["mode"] == "tiny-cpu"
 
     checks = result["checks"]
@@ -57,6 +58,10 @@ def test_tiny_suite_passes_every_check(tmp_path):
         assert parity["grouped_mm_calls"] > 0 and "gate_up_proj_lora.lora_a" in parity["compared"]
     offload = checks["offload"]
     assert offload["grads_equal"] and offload["tensors_offloaded_per_step"] > 0 and offload["saved_peak_ratio"] < 1
+    prefill = checks["prefill"]  # one forward against several of at most the budget, the same samples
+    assert prefill["prefill_forwards"][0] == 1 and prefill["prefill_forwards"][1] > 1
+    assert prefill["largest_forward_tokens"][1] <= prefill["prefill_chunk_tokens"] < prefill["largest_forward_tokens"][0]
+    assert prefill["greedy_tokens_equal"]
 
     assert json.loads((out / "gpu_suite.json").read_text()) == result
     log = (out / "gpu_suite.log").read_text()

@@ -100,7 +100,9 @@ def test_group_of_samples_shares_a_kept_prefix(tiny_checkpoint):
     sampling = SamplingParams(max_new_tokens=5, temperature=1.0, seed=4, n=3)
     engine.reset_stats()
     got = engine.generate([prompt], sampling, sessions=["a", "b", "c"])
-    assert engine.stats == RolloutStats(prefill_tokens=4, reused_tokens=len(prompt) - 4, decode_tokens=12)
+    assert engine.stats == RolloutStats(
+        prefill_tokens=4, reused_tokens=len(prompt) - 4, decode_tokens=12, prefill_forwards=1, max_prefill_forward_tokens=4
+    )
     expected = reference.generate([prompt], sampling)
     _assert_same_turns([got], [expected], LOGPROB_ATOL["qwen3_5_text"])
     assert len({tuple(s.completion_ids) for s in got}) > 1

@@ -123,7 +123,8 @@ class RLRun:
                 self.channel = WorkerChannel(self.servers.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
         else:  # on the training model; a multi-task model generates every task's prompts in one batch
             self.native = NativeRolloutEngine(self.trainer.model, self.device,
-                                              max_batch_sequences=config.rollout.max_batch_sequences)  # fmt: skip
+                                              max_batch_sequences=config.rollout.max_batch_sequences,
+                                              prefill_chunk_tokens=config.rollout.prefill_chunk_tokens)  # fmt: skip
         for task in self.tasks:
             if self.native is not None:
                 task.rollout = self.native

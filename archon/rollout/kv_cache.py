@@ -15,7 +15,8 @@ A step is one of two kinds, announced by the engine before the forward:
   at positions `offset`, `offset + 1`, ...; an attention layer then stores their keys/values after
   the kept ones and returns the attention of the new queries over [kept keys ; new keys] (causal at
   those positions, sliding windows and sinks included); a recurrent layer starts from the kept conv
-  window and state (`recurrent_state`) instead of zeros.
+  window and state (`recurrent_state`) instead of zeros. A chunked prefill continues the same way
+  from what the block holds after the prefill's previous forward: its prompts' first tokens.
 - `begin_decode`: one token for each of the first `num_rows` rows, in row order. Each layer writes
   the token's key/value at its suffix position, and attends over the block's prefix (one batched
   product per block for all its rows: the prefix is read once per group) and the row's suffix,
@@ -292,12 +293,15 @@ class LayerKVCache:
 
     def _prefill_attention(self, q, scale, sinks, sliding_window) -> torch.Tensor:
         """q [T, H, Dk] of the packed prompts -> [T, H, Dv]: each prompt's queries over its block's
-        prefix keys up to its last token (the kept ones, then its own), causally at their positions."""
+        prefix keys up to its last token (the kept ones, then its own), causally at their positions.
+        Under a sliding window only the keys from the window of the first query on are read."""
         c = self.cache
-        ends = (c.prompt_offsets.cpu() + torch.tensor(c.prompt_lens)).tolist()
+        offsets = c.prompt_offsets.tolist()
         outputs = []
-        for q_seq, block, end in zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), ends):
-            k_seq, v_seq = self.prefix_k[block, :, :end], self.prefix_v[block, :, :end]
+        for q_seq, block, offset, length in zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), offsets, c.prompt_lens):
+            first = 0 if sliding_window is None else max(0, offset - sliding_window + 1)
+            k_seq = self.prefix_k[block, :, first : offset + length]
+            v_seq = self.prefix_v[block, :, first : offset + length]
             out = causal_attention_after_prefix(q_seq.transpose(0, 1).to(k_seq.dtype), k_seq, v_seq, scale, sinks, sliding_window)
             outputs.append(out.transpose(0, 1))
         return torch.cat(outputs, dim=0)

@@ -15,6 +15,12 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
   reads the done flags once every `stop_check_interval` decode steps (only when there are stop
   tokens: without them, when a row ends is known in advance) and the finished rows' tokens once.
 - The head runs on the last position of each sequence only.
+- Chunked prefill. With `prefill_chunk_tokens`, a prefill of more prompt tokens than that runs as
+  successive forwards of at most that many tokens: a long prompt is split across forwards, short
+  ones share one, and each forward continues its prompts from what the cache holds after the
+  previous one (as a kept session is continued, below). The activations of a prefill are then
+  bounded by the budget rather than by the prompts' length; the results are the one-shot
+  prefill's. Only the forward that ends a prompt computes its logits and samples its first token.
 - On CUDA (one process, one task), the decode step is captured once per `generate` in a CUDA
   graph and replayed: one launch per step instead of one per op (`cuda_graphs`).
 
@@ -39,8 +45,8 @@ log_softmax(logits).
 
 Lockstep: under FSDP/TP every rank of the sync group runs the same number of forwards. The engine
 works in rounds (admit and prefill, then up to `stop_check_interval` decode steps); at the start
-of each round the ranks agree, in one all-reduce, on whether any rank prefills and how many decode
-steps the busiest rank needs, and a rank with nothing to do runs one-token forwards instead.
+of each round the ranks agree, in one all-reduce, on how many prefill forwards and how many decode
+steps the busiest rank needs, and a rank with less to do runs one-token forwards instead.
 Data-parallel ranks generate their own share of the prompts.
 
 Several tasks (a multi-task model, archon.lora.MultiLoRALinear): `generate(..., adapters=)` gives
@@ -154,6 +160,10 @@ class RolloutStats:
     """Prompt tokens read from kept sessions instead of being prefilled."""
     decode_tokens: int = 0
     """Tokens sampled by decode steps (each sample's tokens after the first, which its prefill samples)."""
+    prefill_forwards: int = 0
+    """Forwards that prefilled prompts (a prefill over `prefill_chunk_tokens` takes several)."""
+    max_prefill_forward_tokens: int = 0
+    """The most prompt tokens packed in one prefill forward."""
 
 
 @dataclass
@@ -180,7 +190,10 @@ class NativeRolloutEngine:
     model whose step cannot be captured (host syncs in MoE routing or in recurrent layers) decodes
     eagerly instead. Ignored off CUDA.
     max_session_tokens: the most tokens of kept session state (`generate(..., sessions=)`) held at
-    once, the least recently used sessions evicted beyond it; None: no bound (`end_sessions` frees)."""
+    once, the least recently used sessions evicted beyond it; None: no bound (`end_sessions` frees).
+    prefill_chunk_tokens: the most prompt tokens one prefill forward takes; a prefill of more runs as
+    several forwards, each continuing its prompts from the cache (see the module docstring). None:
+    every prefill in one forward."""
 
     def __init__(
         self,
@@ -192,6 +205,7 @@ class NativeRolloutEngine:
         stop_check_interval: int = 8,
         cuda_graphs: bool = True,
         max_session_tokens: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
@@ -199,6 +213,8 @@ class NativeRolloutEngine:
             )
         if max_session_tokens is not None and max_session_tokens < 0:
             raise ValueError(f"max_session_tokens must be >= 0 or None, got {max_session_tokens}")
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1 or None (one forward per prefill), got {prefill_chunk_tokens}")
         self.model = model
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
@@ -211,6 +227,7 @@ class NativeRolloutEngine:
         if sync_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self.sync_group = dist.group.WORLD
         self.max_session_tokens = max_session_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
         """Kept sessions by key, least recently used first."""
         self._session_tokens = 0
@@ -260,13 +277,13 @@ class NativeRolloutEngine:
                     if group.kept is None or len(tokens) > len(group.kept.tokens):
                         group.kept = session.kept
 
-    def _agree(self, admitted: bool, decode_steps: int) -> tuple[bool, int]:
-        """(whether any rank prefills, the most decode steps any rank needs) over the sync group."""
+    def _agree(self, prefill_forwards: int, decode_steps: int) -> tuple[int, int]:
+        """(the most prefill forwards, the most decode steps any rank needs) over the sync group."""
         if self.sync_group is None:
-            return admitted, decode_steps
-        t = torch.tensor([int(admitted), decode_steps], device=self.device)
+            return prefill_forwards, decode_steps
+        t = torch.tensor([prefill_forwards, decode_steps], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
-        return bool(t[0]), int(t[1])
+        return int(t[0]), int(t[1])
 
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
@@ -419,12 +436,13 @@ class _Generation:
                     self.block_steps[block] = 1  # the prefill samples the first token
             busy = [b for b, g in enumerate(self.block_group) if g is not None]
             needed = min(interval, max((self.max_new - self.block_steps[b] for b in busy), default=0))
-            any_prefill, steps = self.engine._agree(bool(admitted), needed)
-            if not any_prefill and steps == 0:  # every rank is done
+            chunks = self._prefill_chunks(admitted)
+            prefill_forwards, steps = self.engine._agree(len(chunks), needed)
+            if prefill_forwards == 0 and steps == 0:  # every rank is done
                 break
             if admitted:
-                self._prefill(admitted)
-            elif any_prefill:
+                self._prefill(admitted, chunks)
+            for _ in range(prefill_forwards - len(chunks)):
                 self._idle_forward()
             for _ in range(steps):
                 if busy:
@@ -443,41 +461,79 @@ class _Generation:
         G = self.G
         return torch.tensor([b * G + j for b in blocks for j in range(G)], device=self.device)
 
-    def _prefill(self, blocks: list[int]) -> None:
-        """Prefill the prompts of `blocks` (packed; after the kept state a group continues, only the
-        rest of its prompt) and sample the first token of each of their rows."""
-        dev = self.device
-        offsets = []
+    def _prefill_chunks(self, blocks: list[int]) -> list[list[tuple[int, int, int]]]:
+        """The forwards that prefill `blocks`: each a list of (block, start, end), the slice
+        prompt[start:end] of the block's prompt it packs, in block order. A prompt starts after the
+        kept state it continues; with `prefill_chunk_tokens` no forward packs more tokens than that,
+        a prompt that does not fit continues in the next forward, and a block appears at most once
+        per forward. No blocks: no forwards."""
+        budget = self.engine.prefill_chunk_tokens
+        forwards: list[list[tuple[int, int, int]]] = []
+        pieces: list[tuple[int, int, int]] = []
+        room = budget
         for b in blocks:
             group = self.groups[self.block_group[b]]
-            offsets.append(0 if group.kept is None else len(group.kept.tokens))
+            start, end = (0 if group.kept is None else len(group.kept.tokens)), len(group.prompt)
+            if budget is None:
+                pieces.append((b, start, end))
+                continue
+            while start < end:
+                take = min(end - start, room)
+                pieces.append((b, start, start + take))
+                start, room = start + take, room - take
+                if room == 0:
+                    forwards.append(pieces)
+                    pieces, room = [], budget
+        if pieces:
+            forwards.append(pieces)
+        return forwards
+
+    def _prefill(self, blocks: list[int], chunks: list[list[tuple[int, int, int]]]) -> None:
+        """Prefill the prompts of `blocks` (after the kept state a group continues, only the rest of
+        its prompt) in the forwards `chunks` (`_prefill_chunks`), and sample the first token of each
+        of their rows."""
+        dev = self.device
+        kept_lens = []
+        for b in blocks:
+            group = self.groups[self.block_group[b]]
+            kept_lens.append(0 if group.kept is None else len(group.kept.tokens))
             if group.kept is not None:
                 self.cache.load_kept(b, group.kept)
                 group.kept = None  # released once in the cache
-        prompts = [self.groups[self.block_group[b]].prompt[offset:] for b, offset in zip(blocks, offsets)]
-        lens = torch.tensor([len(p) for p in prompts])
-        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
-        positions = torch.cat([torch.arange(o, o + n) for o, n in zip(offsets, lens.tolist())]).to(dev)
-        self.cache.begin_prefill(torch.tensor(blocks), lens, torch.tensor(offsets))
-        self.engine.stats.prefill_tokens += int(lens.sum())
-        self.engine.stats.reused_tokens += sum(offsets)
+        prompt_of = {b: self.groups[self.block_group[b]].prompt for b in blocks}
+        stats = self.engine.stats
+        stats.reused_tokens += sum(kept_lens)
         rows = self._rows(blocks)
         if self.multi_task:
-            block_adapters = torch.tensor([self.groups[self.block_group[b]].adapter for b in blocks], device=dev)
-            self.row_adapter[rows] = block_adapters.repeat_interleave(self.G)
-        token_adapters = block_adapters.repeat_interleave(lens.to(dev)) if self.multi_task else None
-        logits = self._forward(
-            token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
-            logits_rows=(cu_seqlens[1:] - 1).to(dev),
-        )  # [len(blocks), V]
+            adapter_of = {b: self.groups[self.block_group[b]].adapter for b in blocks}
+            self.row_adapter[rows] = torch.tensor([adapter_of[b] for b in blocks], device=dev).repeat_interleave(self.G)
+        last_logits = []  # [prompts ending in the forward, V] per forward, in block order
+        for pieces in chunks:
+            lens = torch.tensor([end - start for _, start, end in pieces])
+            cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+            tokens = torch.tensor([t for b, start, end in pieces for t in prompt_of[b][start:end]], device=dev)
+            positions = torch.cat([torch.arange(start, end) for _, start, end in pieces]).to(dev)
+            starts = torch.tensor([start for _, start, _ in pieces])
+            self.cache.begin_prefill(torch.tensor([b for b, _, _ in pieces]), lens, starts)
+            ends_prompt = torch.tensor([end == len(prompt_of[b]) for b, _, end in pieces])
+            token_adapters = None
+            if self.multi_task:
+                token_adapters = torch.tensor([adapter_of[b] for b, _, _ in pieces], device=dev).repeat_interleave(lens.to(dev))
+            last_logits.append(self._forward(
+                token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
+                logits_rows=(cu_seqlens[1:] - 1)[ends_prompt].to(dev),
+            ))  # fmt: skip
+            stats.prefill_tokens += int(lens.sum())
+            stats.prefill_forwards += 1
+            stats.max_prefill_forward_tokens = max(stats.max_prefill_forward_tokens, int(lens.sum()))
+        logits = torch.cat(last_logits)  # [len(blocks), V]
         first, first_lp = sample_next_tokens(
             logits.repeat_interleave(self.G, dim=0), self.sampling, self.generator, self._group_race(blocks, logits)
         )
         self.tokens[rows, 0], self.logprobs[rows, 0] = first, first_lp
         self.ngen[rows] = 1
         self.done[rows] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
-        self.prompt_lens[rows] = (lens + torch.tensor(offsets)).repeat_interleave(self.G).to(dev)
+        self.prompt_lens[rows] = torch.tensor([len(prompt_of[b]) for b in blocks]).repeat_interleave(self.G).to(dev)
 
     def _decode(self, busy: list[int]) -> None:
         """One decode step: feed each row its last token. Eager: over the rows of blocks up to the

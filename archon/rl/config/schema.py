@@ -67,6 +67,11 @@ class RolloutConfig:
     top_k: int = 0
     max_batch_sequences: int = 512
     """Sequences generated together by the native engine."""
+    prefill_chunk_tokens: int | None = None
+    """The most prompt tokens one prefill forward of the native engine takes: a prefill of more runs
+    as successive forwards of at most this many tokens (a long prompt split across them, short ones
+    sharing one), which bounds the prefill's activation memory, with the one-shot prefill's results.
+    None: every prefill in one forward."""
     max_staleness: int = 0
     """Asynchronous RL: with N >= 1 the rollouts of later steps are generated (vLLM) while the
     current step trains, and a sample made with adapter version v is trained on only at trainer

@@ -167,6 +167,10 @@ def _run_problems(config: RLConfig) -> list[str]:
         f"must be at least rollout.group_size={rollout.group_size}: the native engine keeps a prompt's samples "
         "in one block of its cache table",
     )  # fmt: skip
+    problems.require(
+        rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1, "rollout.prefill_chunk_tokens",
+        rollout.prefill_chunk_tokens, "must be at least 1 (None: every prefill in one forward)",
+    )  # fmt: skip
     evaluation, checkpoint = config.eval, config.checkpoint
     problems.require(evaluation.every >= 0, "eval.every", evaluation.every, "must be >= 0 (0 disables evaluation)")
     problems.require(evaluation.max_prompts >= 0, "eval.max_prompts", evaluation.max_prompts, "must be >= 0")
