@@ -55,6 +55,7 @@ from archon.lora.peft import save_peft_adapter
 from archon.loss_context import LossContext, LossFn, MetricReports, loss_counts
 from archon.optim import AdapterOptimizer, OptimConfig
 from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
+from archon.parallel.context_parallel import TokenSlice, context_parallel_group
 from archon.parallel.parallelize import DTYPES, DTypeName
 
 SINGLE_ADAPTER = ""
@@ -164,6 +165,7 @@ class Trainer:
             self.adapters[SINGLE_ADAPTER] = AdapterOptimizer(self.trainable, config.optim)
         self.routers = routers(self.model)
         self._check_moe_config(config.moe)
+        self.context_parallel = context_parallel_group(self.dims)
 
     # ---- the single adapter's optimizer state (a trainer without tasks) -------------------------
     @property
@@ -187,6 +189,12 @@ class Trainer:
             raise ValueError(
                 f"moe.bias_update_rate={moe.bias_update_rate} but the routers of {family} have no "
                 "score-correction bias (aux-loss-free balancing applies to DeepSeek-V3-style routers)"
+            )
+        if self.dims.cp_enabled and (moe.aux_loss_coef > 0 or moe.bias_update_rate > 0):
+            # each context-parallel rank routes only its slice of the tokens
+            raise ValueError(
+                f"MoE load balancing (moe.aux_loss_coef, moe.bias_update_rate) is not supported with "
+                f"parallel.cp={self.dims.cp}; leave both at 0"
             )
 
     def _lora(self, name: str) -> LoRAConfig | None:
@@ -222,8 +230,9 @@ class Trainer:
             self._all_reduce(count, dist.ReduceOp.MAX)
         return micro, int(count)
 
-    def _routing(self, batch: PackedBatch):
-        """Each token's adapter, for a multi-task model (nothing to do for one adapter)."""
+    def _routing(self, batch: PackedBatch, tokens_of: TokenSlice | None = None):
+        """Each token's adapter (of this rank's slice under context parallelism), for a multi-task
+        model (nothing to do for one adapter)."""
         if not self.multi_task:
             return contextlib.nullcontext()
         if TASK_EXTRA not in batch.extras:
@@ -231,21 +240,36 @@ class Trainer:
                 f"a multi-task trainer needs each token's task: PackedBatch.extras[{TASK_EXTRA!r}] ([T] task indices "
                 f"into {list(self.adapters)})"
             )
-        return adapter_routing(self.model, batch.extras[TASK_EXTRA])
+        task_of_token = batch.extras[TASK_EXTRA]
+        return adapter_routing(self.model, task_of_token if tokens_of is None else tokens_of.local(task_of_token))
 
     def _forward_logprobs(self, batch: PackedBatch, temperature: float, with_entropy: bool):
-        with self._routing(batch):
-            hidden = self.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
-        index = batch.loss_mask.nonzero()[:, 0]
+        """[T] log-probs (and entropies) of the labels at the loss-mask positions, 0 elsewhere. With
+        context parallelism this rank runs its slice of the tokens and the slices are gathered."""
+        tokens, positions, cu_seqlens, max_seqlen = batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen
+        labels, loss_mask = batch.labels, batch.loss_mask
+        tokens_of = None
+        if self.context_parallel is not None:
+            tokens_of = TokenSlice.of(cu_seqlens, self.context_parallel)
+            tokens, labels, loss_mask = tokens_of.local(tokens), tokens_of.local(labels), tokens_of.local(loss_mask)
+            positions, cu_seqlens, max_seqlen = tokens_of.local_positions(positions), tokens_of.cu_seqlens, tokens_of.max_seqlen
+        with self._routing(batch, tokens_of):
+            hidden = self.model(
+                tokens, positions, cu_seqlens, max_seqlen, return_hidden=True, context_parallel=self.context_parallel
+            )
+        index = loss_mask.nonzero()[:, 0]
         lp, ent = label_logprobs(
-            hidden[index], self.model.output_weight, batch.labels[index], temperature,
+            hidden[index], self.model.output_weight, labels[index], temperature,
             self.config.head_chunk_size, with_entropy,
         )
-        T = batch.num_tokens
+        T = tokens.shape[0]
         logprobs = torch.zeros(T, dtype=torch.float32, device=hidden.device).index_copy(0, index, lp)
         entropy = None
         if with_entropy:
             entropy = torch.zeros(T, dtype=torch.float32, device=hidden.device).index_copy(0, index, ent)
+        if tokens_of is not None:
+            logprobs = tokens_of.gather(logprobs)
+            entropy = None if entropy is None else tokens_of.gather(entropy)
         return logprobs, entropy
 
     def sequences_by_adapter(self, batch: PackedBatch) -> dict[str, list[int]]:

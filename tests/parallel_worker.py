@@ -72,7 +72,8 @@ def parity(args) -> None:
             export_dir = Path(args.out).parent / f"peft-{model_type}-{layout}"
             expert_parallel = layout.startswith("ep")
             result = cases.run_case(
-                trainer, vocab, export_dir=export_dir, merged=expert_parallel, generate=expert_parallel
+                trainer, vocab, export_dir=export_dir, merged=expert_parallel,
+                generate=expert_parallel or layout.startswith("cp"),
             )
             result["read_elements"] = [int(t) for t in gathered]
             result["checkpoint_elements"] = total

@@ -1,14 +1,17 @@
 """Parallel degrees, the DeviceMesh they make, and process-group start-up.
 
-Mesh dimensions, outermost first: dp_replicate, dp_shard_mod_ep, ep, tp, where
+Mesh dimensions, outermost first: dp_replicate, dp_shard_mod_ep, ep, cp, tp, where
 dp_shard = dp_shard_mod_ep x ep. Data-parallel ranks (dp_replicate x dp_shard) see different data;
-the ranks of one tensor-parallel group see the same data. Expert-parallel ranks are data-parallel
+the ranks of one context-parallel or tensor-parallel group see the same data (context-parallel
+ranks each run a slice of its tokens, archon/parallel/context_parallel.py). Expert-parallel ranks are data-parallel
 ranks too: `ep` is carved out of `dp_shard`, so EP adds no ranks of its own.
 
 Flattened dimensions the rest of the code uses:
-- dp_shard = (dp_shard_mod_ep, ep): FSDP2 shards every non-expert parameter over it.
+- dp_shard = (dp_shard_mod_ep, ep): FSDP2 shards every non-expert parameter over it; with cp > 1,
+  dp_shard_cp = (dp_shard_mod_ep, ep, cp) instead (context-parallel ranks hold the same parameters
+  and their gradients are summed like data-parallel ones).
 - dp = (dp_replicate, dp_shard_mod_ep, ep): all data-parallel ranks (loss and metric reductions).
-Routed experts under EP live on the 3-D (dp_replicate, dp_shard_mod_ep, ep) part of the mesh.
+Routed experts under EP live on the (dp_replicate, dp_shard_mod_ep, ep[, cp]) part of the mesh.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.distributed as dist
 
 from archon import device as devices
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 
 @dataclass
@@ -32,6 +35,9 @@ class ParallelDims:
     dp_replicate: replicas of the sharded model (HSDP when dp_shard > 1 too).
     dp_shard: FSDP2 sharding degree.
     tp: tensor-parallel degree.
+    cp: context-parallel degree: each packed batch is split along its tokens over `cp` ranks, which
+        trade the token split for a head split inside each token mixer (Ulysses). It must divide
+        every mixer's heads per tensor-parallel rank (the family checks).
     ep: expert-parallel degree. It must divide dp_shard: the routed experts (and their LoRA factors)
         are split over `ep` data-parallel ranks, each holding num_experts / ep of them as DTensor
         shards (Shard(0) on the `ep` mesh dimension), and tokens travel to their experts by
@@ -49,28 +55,30 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "dp_replicate", "tp", "ep"):
+        for name in ("world_size", "dp_replicate", "tp", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel degree {name}={value!r} must be a positive integer")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp
+            rest = self.dp_replicate * self.cp * self.tp
             if self.world_size % rest:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by dp_replicate*tp = "
-                    f"{self.dp_replicate}*{self.tp} = {rest}, so dp_shard=-1 cannot fill it; "
+                    f"world size {self.world_size} is not divisible by dp_replicate*cp*tp = "
+                    f"{self.dp_replicate}*{self.cp}*{self.tp} = {rest}, so dp_shard=-1 cannot fill it; "
                     f"choose degrees whose product is {self.world_size}"
                 )
             self.dp_shard = self.world_size // rest
         if not isinstance(self.dp_shard, int) or self.dp_shard < 1:
             raise ValueError(f"parallel degree dp_shard={self.dp_shard!r} must be a positive integer or -1")
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} "
+                f"x tp={self.tp} "
                 f"= {product}, but the world size is {self.world_size}; their product must equal the world size "
                 f"(set dp_shard=-1 to let it take the remainder)"
             )
@@ -88,7 +96,11 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1 or self.dp_replicate > 1
+        return self.dp_shard > 1 or self.dp_replicate > 1 or self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -110,15 +122,18 @@ class ParallelDims:
 
     @cached_property
     def mesh(self):
-        """The 4-D DeviceMesh (dp_replicate, dp_shard_mod_ep, ep, tp) with the flattened dimensions
-        dp_shard and dp; None for a single process."""
+        """The 5-D DeviceMesh (dp_replicate, dp_shard_mod_ep, ep, cp, tp) with the flattened
+        dimensions dp_shard (dp_shard_cp with cp > 1) and dp; None for a single process."""
         if not self.distributed:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.tp)
+        shape = (self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.cp, self.tp)
         mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
-        self._flat_dp_shard_mesh = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        if self.cp_enabled:
+            self._flat_dp_shard_mesh = mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
+        else:
+            self._flat_dp_shard_mesh = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         self._flat_dp_mesh = mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
         return mesh
 
@@ -128,12 +143,17 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self):
-        """The mesh FSDP2 shards over: 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) for HSDP."""
+        """The mesh FSDP2 shards over: 1-D (dp_shard, or dp_shard_cp) or 2-D (dp_replicate,
+        dp_shard[_cp]) for HSDP."""
         if self.mesh is None:
             return None
         if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
+            return self.mesh["dp_replicate", "dp_shard_cp" if self.cp_enabled else "dp_shard"]
         return self._flat_dp_shard_mesh
+
+    @property
+    def cp_mesh(self):
+        return None if self.mesh is None else self.mesh["cp"]
 
     @property
     def ep_mesh(self):
@@ -141,9 +161,13 @@ class ParallelDims:
 
     @property
     def expert_mesh(self):
-        """The 3-D mesh (dp_replicate, dp_shard_mod_ep, ep) routed experts live on: sharded over ep,
-        replicated over the data-parallel ranks that hold the same shard."""
-        return None if self.mesh is None else self.mesh["dp_replicate", "dp_shard_mod_ep", "ep"]
+        """The mesh (dp_replicate, dp_shard_mod_ep, ep[, cp]) routed experts live on: sharded over ep,
+        replicated over the data-parallel (and context-parallel) ranks that hold the same shard."""
+        if self.mesh is None:
+            return None
+        if self.cp_enabled:
+            return self.mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]
+        return self.mesh["dp_replicate", "dp_shard_mod_ep", "ep"]
 
     @property
     def dp_mesh(self):

@@ -103,11 +103,12 @@ class ExpertParallelGroup:
 
 def shard_experts(experts: nn.Module, num_experts: int, expert_mesh) -> None:
     """Split every parameter of `experts` (each stacked on dim 0 over `num_experts`) over the `ep`
-    dimension (the last) of `expert_mesh`, replicated over the others, and give the module its
+    dimension of `expert_mesh`, replicated over the others, and give the module its
     ExpertParallelGroup as `experts.expert_parallel`."""
     ep_mesh = expert_mesh["ep"]
     size = ep_mesh.size()
-    placements = [Replicate()] * (expert_mesh.ndim - 1) + [Shard(0)]
+    ep_dim = expert_mesh.mesh_dim_names.index("ep")
+    placements = [Shard(0) if i == ep_dim else Replicate() for i in range(expert_mesh.ndim)]
     for name, param in list(experts.named_parameters()):
         if param.shape[0] != num_experts:
             raise ValueError(

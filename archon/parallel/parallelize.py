@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing
+from archon.parallel.context_parallel import require_context_parallel_heads
 from archon.parallel.activation_offload import apply_activation_offload, check_activation_offload
 from archon.parallel.dims import ParallelDims
 from archon.parallel.expert_parallel import shard_experts
@@ -71,6 +72,11 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree: routed experts split over this many data-parallel ranks (it must divide
     dp_shard and each MoE family's expert count); tokens reach their experts by all-to-all."""
+    cp: int = 1
+    """Context-parallel degree: each packed micro-batch is split along its tokens over this many
+    ranks (Ulysses: every token mixer trades the token split for a head split by all-to-all), so one
+    sequence's activations are spread over them. It must divide each mixer's heads per tensor-parallel
+    rank; context-parallel ranks see the same data, like tensor-parallel ones."""
     activation_checkpoint: ACMode = "none"
     """Per-block activation checkpointing: none, full or selective."""
     activation_offload: bool = False
@@ -95,6 +101,7 @@ class ParallelConfig:
             dp_shard=self.dp_shard,
             tp=self.tp,
             ep=self.ep,
+            cp=self.cp,
             device_type=device_type,
         )
 
@@ -145,6 +152,8 @@ def parallelize_decoder(
     block_tp_plan: Callable[[int, nn.Module], Mapping[str, ParallelStyle]] | None = None,
     routed_experts: Sequence[nn.Module] = (),
     num_experts: int = 0,
+    context_parallel_heads: Mapping[str, int] | None = None,
+    context_parallel_kv_heads: Mapping[str, int] | None = None,
 ) -> nn.Module:
     """Apply TP -> EP -> activation checkpointing -> activation offload -> compile -> FSDP2 to a
     decoder-only model. With offload, `model.activation_offload` is the ActivationOffload (its stats).
@@ -156,7 +165,15 @@ def parallelize_decoder(
     routed_experts: the MoE layers' routed-expert modules, every parameter stacked over `num_experts`
         on dim 0; split over the expert-parallel ranks when ep > 1. The family checks first that ep
         divides its expert count (`require_divisible`).
+    context_parallel_heads / context_parallel_kv_heads: the config fields counting each token mixer's
+        heads (query heads, DeltaNet key heads, MLA heads) and key/value heads, which cp > 1 splits
+        over the context-parallel ranks (archon/parallel/context_parallel.py); a family that gives
+        none has no context parallelism.
     """
+    if dims.cp_enabled:
+        if not context_parallel_heads:
+            raise ValueError(f"parallel.cp={dims.cp} requested but {type(model).__name__} has no context-parallel support")
+        require_context_parallel_heads(dims, type(model).__name__, context_parallel_heads, context_parallel_kv_heads)
     if dims.ep_enabled and not routed_experts:
         raise ValueError(f"ep={dims.ep} requested but {type(model).__name__} has no routed experts to split")
     if dims.tp_enabled:

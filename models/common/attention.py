@@ -13,6 +13,13 @@ from torch import nn
 
 from archon.causal_attention import attention_with_sinks, causal_mask
 from archon.lora import LoRAConfig, linear
+from archon.parallel.context_parallel import (
+    ContextParallelGroup,
+    heads_of_rank,
+    heads_to_tokens,
+    kv_heads_for,
+    tokens_to_heads,
+)
 from archon.parallel.tensor_parallel import local_tensor
 
 
@@ -50,6 +57,7 @@ def packed_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    context_parallel: ContextParallelGroup | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence, never across boundaries.
 
@@ -58,7 +66,16 @@ def packed_attention(
         nothing (GPT-OSS attention sinks), or None.
     sliding_window: each query sees itself and the `sliding_window - 1` tokens before it (the HF
         convention), or None for full causal attention.
+    context_parallel: with a group, q, k, v hold this rank's slice of the tokens (T/cp of them) and
+        cu_seqlens describes the whole batch; attention runs on every token of this rank's heads
+        (Ulysses) and returns this rank's slice, [T/cp, H, Dv].
     """
+    if context_parallel is not None:
+        cp = context_parallel
+        q, k, v = tokens_to_heads(q, cp), tokens_to_heads(kv_heads_for(k, cp), cp), tokens_to_heads(kv_heads_for(v, cp), cp)
+        sinks = None if sinks is None else heads_of_rank(sinks, cp)
+        out = packed_attention(q, k, v, cu_seqlens, max_seqlen, scale, sinks, sliding_window)
+        return heads_to_tokens(out, cp)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
@@ -160,9 +177,10 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         cache=None,
+        context_parallel: ContextParallelGroup | None = None,
     ) -> torch.Tensor:
         """x: [T, dim] -> [T, dim]. `cache`: a layer's KV cache during generation (see
-        archon/rollout/kv_cache.py), or None."""
+        archon/rollout/kv_cache.py), or None. context_parallel: see packed_attention."""
         T = x.shape[0]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_proj(x).view(T, -1, self.head_dim)
@@ -175,6 +193,8 @@ class Attention(nn.Module):
         sinks = None if self.sinks is None else local_tensor(self.sinks)
         out = None if cache is None else cache.attention(q, k, v, self.scale, sinks, self.sliding_window)
         if out is None:  # training, or a prefill (the cache has stored k and v)
-            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, sinks, self.sliding_window)
+            out = packed_attention(
+                q, k, v, cu_seqlens, max_seqlen, self.scale, sinks, self.sliding_window, context_parallel
+            )
         return self.o_proj(out.reshape(T, -1))
 

@@ -44,8 +44,8 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache, context_parallel)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -78,17 +78,21 @@ class PackedDecoderLM(nn.Module):
         return_hidden: bool = False,
         cache=None,
         logits_rows: torch.Tensor | None = None,
+        context_parallel=None,
     ) -> torch.Tensor:
         """tokens, positions: [T]; cu_seqlens: [N+1]. Returns logits [T, V] or final hidden states [T, dim].
 
         cache: a KVCache (archon/rollout/kv_cache.py) during generation; each layer gets its own slice.
         logits_rows: [M] the positions whose logits to return ([M, V]; generation needs only each
         sequence's last), or None for all.
+        context_parallel: a ContextParallelGroup (archon/parallel/context_parallel.py) when tokens and
+        positions are this rank's slice of the batch that cu_seqlens describes; the token mixers then
+        work on every token of their share of the heads.
         """
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i))
+            h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i), context_parallel)
         if logits_rows is not None:
             h = h[logits_rows]
         h = self.norm(h)

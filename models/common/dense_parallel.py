@@ -64,4 +64,6 @@ def parallelize_dense_decoder(
         model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
         block_tp_plan=lambda index, block: dense_block if dense[index] else attention,
         routed_experts=experts, num_experts=num_experts,
+        context_parallel_heads={"num_attention_heads": args.num_attention_heads},
+        context_parallel_kv_heads={"num_key_value_heads": args.num_key_value_heads},
     )

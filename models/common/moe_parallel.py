@@ -36,7 +36,8 @@ def parallelize_moe_decoder(
     num_experts_field: str = "n_routed_experts",
 ) -> nn.Module:
     """attention_plan: styles for one block's attention (names relative to the block);
-    attention_sizes: the config fields that plan shards, which the TP degree must divide;
+    attention_sizes: the config fields that plan shards, which the TP degree must divide (and the
+        attention's head counts, which context parallelism splits);
     dense_and_shared_experts: the model has leading dense MLPs (`first_k_dense_replace`) and
         shared experts (`SharedExpertsMoE`, `moe_intermediate_size`), both sharded. False for a
         family whose every MLP is a router plus routed experts (GPT-OSS): TP leaves MLPs whole.
@@ -64,4 +65,6 @@ def parallelize_moe_decoder(
     return parallelize_decoder(
         model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
         block_tp_plan=block_plan, routed_experts=experts, num_experts=num_experts,
+        context_parallel_heads={k: n for k, n in attention_sizes.items() if k != "num_key_value_heads"},
+        context_parallel_kv_heads={k: n for k, n in attention_sizes.items() if k == "num_key_value_heads"},
     )

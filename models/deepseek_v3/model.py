@@ -65,8 +65,9 @@ class MultiHeadLatentAttention(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         cache=None,
+        context_parallel=None,
     ) -> torch.Tensor:
-        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> [T, dim]. `cache`: a layer's KV cache during
+        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> [T, dim]. context_parallel: see packed_attention. `cache`: a layer's KV cache during
         generation (archon/rollout/kv_cache.py), which holds the expanded per-head keys and values."""
         T = x.shape[0]
         if self.q_proj is not None:
@@ -87,7 +88,9 @@ class MultiHeadLatentAttention(nn.Module):
             # The flash varlen kernel takes one head size for q, k and v: values are zero-padded up
             # to the query/key size and the padding is cut from the output.
             pad = max(self.qk_head_dim - self.v_dim, 0)
-            out = packed_attention(q, k, F.pad(v, (0, pad)), cu_seqlens, max_seqlen, self.scale)[..., : self.v_dim]
+            out = packed_attention(
+                q, k, F.pad(v, (0, pad)), cu_seqlens, max_seqlen, self.scale, context_parallel=context_parallel
+            )[..., : self.v_dim]
         return self.o_proj(out.reshape(T, -1))
 
 

@@ -34,6 +34,7 @@ from archon.models.qwen3_5.args import LINEAR_ATTENTION, Qwen3_5Args
 from torch import nn
 
 from archon.lora import LoRAConfig, linear
+from archon.parallel.context_parallel import heads_of_rank, heads_to_tokens, tokens_to_heads
 from archon.parallel.tensor_parallel import local_tensor
 
 logger = logging.getLogger(__name__)
@@ -238,29 +239,44 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_head_dim, args.rms_norm_eps)
         self.out_proj = linear(n_v * self.value_head_dim, dim, False, "out_proj", lora)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None) -> torch.Tensor:
         """x: [T, dim] -> [T, dim]. cos/sin are unused (no positions in a recurrence). `cache`: a
-        layer cache (archon/rollout/kv_cache.py) holding each sequence's conv window and state."""
-        T = x.shape[0]
-        dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
-        seqs = PaddedSequences(cu_seqlens, max_seqlen)
-        window, state = (None, None) if cache is None else cache.recurrent_state()
+        layer cache (archon/rollout/kv_cache.py) holding each sequence's conv window and state.
 
-        qkv, window = causal_conv1d(seqs.pad(self.in_proj_qkv(x)), local_tensor(self.conv1d.weight), seqs.lengths, window)
-        qkv = seqs.unpad(qkv).view(T, -1, 2 * dk + r * dv)  # [T, Hk, 2 dk + r dv], this rank's key heads
+        With context_parallel (a ContextParallelGroup) x is this rank's slice of the tokens: the projections run on it,
+        then the conv and the delta rule run on every token of this rank's key heads (each with its
+        value heads; conv channels, A_log and dt_bias are per head), and the output comes back to
+        the slice before the gated norm."""
+        dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
+        cp = context_parallel
+        window, state = (None, None) if cache is None else cache.recurrent_state()
+        qkv = self.in_proj_qkv(x)  # [T, Hk * (2 dk + r dv)], this rank's key heads
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv]
+        conv_weight, A_log, dt_bias = (local_tensor(t) for t in (self.conv1d.weight, self.A_log, self.dt_bias))
+        if cp is not None:
+            qkv = tokens_to_heads(qkv.view(x.shape[0], -1, 2 * dk + r * dv), cp).flatten(1)
+            b, a = (tokens_to_heads(t[..., None], cp)[..., 0] for t in (b, a))
+            conv_weight, A_log, dt_bias = (heads_of_rank(t, cp) for t in (conv_weight, A_log, dt_bias))
+        T = qkv.shape[0]
+        seqs = PaddedSequences(cu_seqlens, max_seqlen)
+
+        qkv, window = causal_conv1d(seqs.pad(qkv), conv_weight, seqs.lengths, window)
+        qkv = seqs.unpad(qkv).view(T, -1, 2 * dk + r * dv)  # [T, Hk, 2 dk + r dv]
         q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
         q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # value head h reads key head h // r
         v = v.reshape(T, -1, dv)  # [T, Hv, dv]
 
-        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
-        g = -local_tensor(self.A_log).float().exp() * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
+        beta = b.sigmoid()  # [T, Hv]
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
         o, state = gated_delta_rule(q, k, v, g, beta, seqs, state)
         if cache is not None:
             cache.store_recurrent_state(window, state)
+        if cp is not None:
+            o = heads_to_tokens(o, cp)
 
-        z = self.in_proj_z(x).view(T, -1, dv)
+        z = self.in_proj_z(x).view(x.shape[0], -1, dv)
         o = self.norm(o.to(x.dtype), z)  # [T, Hv, dv]
-        return self.out_proj(o.reshape(T, -1))
+        return self.out_proj(o.reshape(x.shape[0], -1))
 
 
 class GatedAttention(nn.Module):
@@ -285,8 +301,9 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(hd, args.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(hd, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None) -> torch.Tensor:
-        """x: [T, dim] -> [T, dim]. `cache`: a layer's KV cache during generation, or None."""
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None) -> torch.Tensor:
+        """x: [T, dim] -> [T, dim]. `cache`: a layer's KV cache during generation, or None.
+        context_parallel: see packed_attention."""
         T, hd = x.shape[0], self.head_dim
         q, gate = self.q_proj(x).view(T, -1, 2 * hd).split(hd, dim=-1)  # [T, H, hd] each
         k = self.k_proj(x).view(T, -1, hd)
@@ -294,7 +311,7 @@ class GatedAttention(nn.Module):
         q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         out = None if cache is None else cache.attention(q, k, v, self.scale)
         if out is None:  # training, or a prefill (the cache has stored k and v)
-            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, context_parallel=context_parallel)
         return self.o_proj((out * torch.sigmoid(gate)).reshape(T, -1))
 
 
@@ -338,8 +355,8 @@ class Qwen3_5DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None):
-        x = x + self.mixer(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None):
+        x = x + self.mixer(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache, context_parallel)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

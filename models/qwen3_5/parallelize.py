@@ -69,4 +69,7 @@ def parallelize_qwen3_5(model: Qwen3_5Model, dims: ParallelDims, config: Paralle
     return parallelize_decoder(
         model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
         block_tp_plan=block_plan, routed_experts=routed_experts(model), num_experts=args.num_experts,
+        context_parallel_heads=dict(num_attention_heads=args.num_attention_heads,
+                                    linear_num_key_heads=args.linear_num_key_heads),
+        context_parallel_kv_heads=dict(num_key_value_heads=args.num_key_value_heads),
     )

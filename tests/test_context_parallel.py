@@ -1,0 +1,138 @@
+"""Context parallelism (Ulysses, gloo, CPU) against a single process: every token-mixer kind
+(grouped-query attention, GPT-OSS sinks and sliding windows, Qwen3.5 gated DeltaNet and gated
+attention, DeepSeek-V3 MLA), with micro-batches whose sequences straddle the token split, then with
+FSDP and with TP; checkpoints moving between layouts; and the refused configurations."""
+
+from __future__ import annotations
+
+import parallel_cases as cases
+import pytest
+import torch
+from test_parallel import TOL, _check_export
+
+from archon.checkpoint.hf import HFCheckpoint
+from archon.parallel import ParallelDims
+from archon.parallel.context_parallel import TokenSlice, require_context_parallel_heads
+from archon.trainer import Trainer
+
+MODEL_TYPES = ("qwen3", "qwen3_5_text", "deepseek_v3", "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("context_parallel")
+    return {t: make_tiny_hf_checkpoint(t, root / t, seed=0) for t in MODEL_TYPES}
+
+
+def _vocab(path) -> int:
+    return HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+
+
+def _check_first_step(result, reference):
+    """What one step computes: log-probs, entropies, reference log-probs, the loss, the LoRA gradients
+    and their norm. (The later steps of these tiny random models amplify 1e-7 differences; the same
+    single-process run under another CPU arithmetic moves Qwen3.5's third gradient norm by 4%.)"""
+    for key in ("logprobs", "entropy", "ref_logprobs"):
+        torch.testing.assert_close(result[key], reference[key], atol=TOL, rtol=0, msg=key)
+    assert result["first_loss"] == pytest.approx(reference["first_loss"], abs=TOL)
+    assert result["grads"].keys() == reference["grads"].keys()
+    for name, ref in reference["grads"].items():
+        scale = ref.abs().max().item()
+        assert scale > 0, f"reference gradient of {name} is zero: the comparison would be empty"
+        err = (result["grads"][name] - ref).abs().max().item() / scale
+        assert err <= TOL, f"LoRA gradient {name}: relative error {err:.2e}"
+    assert result["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=TOL)
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoints, tmp_path_factory):
+    out = {}
+    for model_type, path in checkpoints.items():
+        export_dir = tmp_path_factory.mktemp("single") / model_type
+        result = cases.run_case(Trainer(cases.engine_config(path)), _vocab(path), export_dir=export_dir, generate=True)
+        result["export_dir"] = str(export_dir)
+        out[model_type] = result
+    return out
+
+
+def _run(checkpoints, tmp_path_factory, nproc, layouts, model_types):
+    out = tmp_path_factory.mktemp(f"cp_world{nproc}") / "results.pt"
+    ckpts = [f"{t}={checkpoints[t]}" for t in model_types]
+    cases.launch(nproc, "parity", "--out", str(out), "--layouts", *layouts, "--ckpt", *ckpts)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def two_process(checkpoints, tmp_path_factory):
+    return _run(checkpoints, tmp_path_factory, 2, ["cp2"], MODEL_TYPES)
+
+
+@pytest.fixture(scope="module")
+def four_process(checkpoints, tmp_path_factory):
+    fsdp = _run(checkpoints, tmp_path_factory, 4, ["cp2_fsdp2"], ["qwen3_5_text"])
+    tp = _run(checkpoints, tmp_path_factory, 4, ["cp2_tp2"], ["qwen3"])
+    return {**fsdp, **tp}
+
+
+def test_micro_batches_straddle_the_token_split():
+    """The parity batches split sequences between the two context-parallel ranks and need padding."""
+    batch = cases.make_batch(256)
+    micro = batch.split_by_tokens(cases.MICRO_BATCH_TOKENS)
+    straddling = padded = 0
+    for mb in micro:
+        half = -(-mb.num_tokens // 2)
+        bounds = mb.cu_seqlens.tolist()
+        straddling += any(a < half < b for a, b in zip(bounds, bounds[1:]))
+        padded += mb.num_tokens % 2
+    assert straddling >= 2 and padded >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_context_parallel_matches_single_process(two_process, single_process, model_type):
+    """Log-probs, entropies, the first loss and LoRA gradients (1e-5), the exported adapter, and the
+    built-in engine's greedy completions (generation runs whole sequences on every rank)."""
+    result, reference = two_process[(model_type, "cp2")], single_process[model_type]
+    _check_first_step(result, reference)
+    _check_export(result, reference)
+    assert result["generated"] == reference["generated"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_type", "layout"), [("qwen3_5_text", "cp2_fsdp2"), ("qwen3", "cp2_tp2")])
+def test_context_parallel_composes_with_fsdp_and_tp(four_process, single_process, model_type, layout):
+    result, reference = four_process[(model_type, layout)], single_process[model_type]
+    _check_first_step(result, reference)
+    _check_export(result, reference)
+    assert result["generated"] == reference["generated"]
+
+
+def test_token_slices_pad_to_a_multiple_of_cp():
+    class Group:
+        size, rank = 2, 1
+
+    cu = torch.tensor([0, 3, 7])
+    tokens_of = TokenSlice.of(cu, Group())
+    assert tokens_of.padded_tokens == 8 and tokens_of.cu_seqlens.tolist() == [0, 3, 7, 8] and tokens_of.max_seqlen == 4
+    assert tokens_of.local(torch.arange(7)).tolist() == [4, 5, 6, 0]
+    assert tokens_of.local_positions(torch.tensor([0, 1, 2, 0, 1, 2, 3])).tolist() == [1, 2, 3, 0]
+
+
+def test_cp_degree_is_part_of_the_world_size():
+    assert ParallelDims(world_size=8, cp=2, tp=2).dp_shard == 2
+    with pytest.raises(ValueError, match=r"dp_replicate\*cp\*tp"):
+        ParallelDims(world_size=6, cp=4)
+    with pytest.raises(ValueError, match="cp=0"):
+        ParallelDims(world_size=2, cp=0)
+
+
+def test_cp_must_split_whole_heads():
+    dims = ParallelDims(world_size=8, cp=4, tp=2)
+    with pytest.raises(ValueError, match=r"parallel.cp=4 .*num_attention_heads=4 \(needs a multiple of tp x cp = 8\)"):
+        require_context_parallel_heads(dims, "qwen3", {"num_attention_heads": 4}, {"num_key_value_heads": 2})
+    # 3 key/value heads per tensor-parallel rank can neither be split over 4 ranks nor repeated up to 4
+    with pytest.raises(ValueError, match=r"num_key_value_heads=6 \(3 per tensor-parallel rank"):
+        require_context_parallel_heads(dims, "qwen3", {"num_attention_heads": 16}, {"num_key_value_heads": 6})
+    require_context_parallel_heads(dims, "qwen3", {"num_attention_heads": 16}, {"num_key_value_heads": 2})
