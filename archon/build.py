@@ -201,7 +201,7 @@ class SizeCheck:
             return
         limit, where = available
         total, lora = sizes.for_layers(num_layers)
-        share = 1 if self.dims is None else self.dims.dp_shard * self.dims.tp
+        share = 1 if self.dims is None else self.dims.dp_shard * self.dims.cp * self.dims.tp
         holders = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(self.device).type == "cpu" else 1
         needed = total * holders // share
         if needed <= limit:

@@ -370,11 +370,13 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     assert torch.isfinite(torch.tensor([record["distill/loss"], record["kl/loss"]])).all()
 
 
-@pytest.mark.parametrize("layout", [(), ("--parallel.tp", "2"), ("--parallel.ep", "2")], ids=["fsdp", "tp", "ep"])
+@pytest.mark.parametrize("layout", [(), ("--parallel.tp", "2"), ("--parallel.ep", "2"), ("--parallel.cp", "2")],
+                         ids=["fsdp", "tp", "ep", "cp"])
 def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path, layout):
     """Two tasks (their own LoRA ranks, learning rates and rewards) for two RL steps on two ranks,
-    FSDP (each rank a share of every task's prompts), TP (both ranks the whole batch) or, on a MoE
-    model with LoRA on its experts, EP (each rank half of the experts and a share of the prompts):
+    FSDP (each rank a share of every task's prompts), TP (both ranks the whole batch), CP (both ranks
+    the whole batch, each half of every micro-batch's tokens) or, on a MoE model with LoRA on its
+    experts, EP (each rank half of the experts and a share of the prompts):
     the per-task losses, gradient norms and final adapters equal the one-process run's. Both runs
     train on the same recorded rollouts (tests/multi_task_worker.py), the part of a step that
     depends on the layout by design."""

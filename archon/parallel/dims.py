@@ -135,6 +135,7 @@ class ParallelDims:
         else:
             self._flat_dp_shard_mesh = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         self._flat_dp_mesh = mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+        self._flat_same_data_mesh = mesh["cp", "tp"]._flatten("cp_tp")
         return mesh
 
     @property
@@ -189,6 +190,19 @@ class ParallelDims:
     @property
     def tp_rank(self) -> int:
         return 0 if self.mesh is None else self.tp_mesh.get_local_rank()
+
+    @property
+    def same_data_size(self) -> int:
+        """Ranks that are given the same data: the cp x tp ranks of one data-parallel rank."""
+        return self.cp * self.tp
+
+    @property
+    def same_data_group(self):
+        return None if self.mesh is None or self.same_data_size == 1 else self._flat_same_data_mesh.get_group()
+
+    @property
+    def same_data_rank(self) -> int:
+        return 0 if self.mesh is None else self._flat_same_data_mesh.get_local_rank()
 
 
 def init_distributed(device_kind: str = "auto") -> tuple[torch.device, int, int]:

@@ -134,10 +134,12 @@ class RLRun:
                 config.rollout, task.rollout, lora=task.config.lora, sync_dir=self.run_dir / "vllm_adapters",
                 task=task.name or None, channel=self.channel,
             )  # fmt: skip
-        # vLLM serves every rank alike, so the first rank of each tensor-parallel group generates and
-        # sends the rollouts to its peers (the built-in engine generates on every rank, in lockstep)
-        self.share_rollouts_over_tp = config.rollout.engine == "vllm" and self.trainer.dims.tp > 1
-        self.generates_rollouts = not self.share_rollouts_over_tp or self.trainer.dims.tp_rank == 0
+        # vLLM serves every rank alike, so the first of the ranks given the same data (the context- and
+        # tensor-parallel ranks of one data-parallel rank) generates and sends the rollouts to the others
+        # (the built-in engine generates on every rank, in lockstep, with the same seeds)
+        dims = self.trainer.dims
+        self.share_rollouts = config.rollout.engine == "vllm" and dims.same_data_size > 1
+        self.generates_rollouts = not self.share_rollouts or dims.same_data_rank == 0
         self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -251,9 +253,9 @@ class RLRun:
             except Exception as error:  # raised below, once every rank knows
                 failure = error
         self._stop_if_any_rank_failed(step, failure)
-        if self.share_rollouts_over_tp:
+        if self.share_rollouts:
             shared = [rollouts]
-            dist.broadcast_object_list(shared, group=self.trainer.dims.tp_group, group_src=0)
+            dist.broadcast_object_list(shared, group=self.trainer.dims.same_data_group, group_src=0)
             rollouts = shared[0]
         return rollouts
 

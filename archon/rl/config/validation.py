@@ -490,7 +490,8 @@ def _parallel_problems(config: RLConfig, world_size: int) -> list[str]:
     if config.rollout.prompts_per_step < dims.dp:
         problems.append(
             f"rollout.prompts_per_step={config.rollout.prompts_per_step}: smaller than the data-parallel size "
-            f"{dims.dp} (world size {world_size}, parallel.tp={dims.tp}); every data-parallel rank needs at "
+            f"{dims.dp} (world size {world_size}, parallel.cp={dims.cp}, parallel.tp={dims.tp}); every data-parallel "
+            "rank needs at "
             "least one prompt per step"
         )
     if config.parallel.activation_offload:
