@@ -339,9 +339,9 @@ def test_a_non_finite_loss_on_one_rank_is_skipped_on_every_rank(checkpoints, tmp
 
 
 def test_degrees_must_multiply_to_world_size():
-    with pytest.raises(ValueError, match=r"dp_replicate=1 x dp_shard=2 x tp=2 = 4, but the world size is 8"):
+    with pytest.raises(ValueError, match=r"dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 = 4, but the world size is 8"):
         ParallelDims(world_size=8, dp_shard=2, tp=2)
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by dp_replicate\*tp = 1\*4"):
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by dp_replicate\*cp\*tp = 1\*1\*4"):
         ParallelDims(world_size=6, tp=4)
     with pytest.raises(ValueError, match="tp=0"):
         ParallelDims(world_size=2, tp=0)

@@ -11,7 +11,7 @@ from archon.models.common.norms import RMSNorm
 from archon.models.common.rope import apply_rotary
 from torch import nn
 
-from archon.causal_attention import attention_with_sinks, causal_mask
+from archon.causal_attention import attention_with_sinks, causal_attention_after_prefix
 from archon.lora import LoRAConfig, linear
 from archon.parallel.context_parallel import (
     ContextParallelGroup,
@@ -46,6 +46,26 @@ def _flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window_size)
     return varlen.varlen_attn(
         q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **gqa
     )
+
+
+# Sliding-window attention (without the flash kernel) runs this many queries at a time at least, each
+# block against only the keys its window reaches, so its memory grows with T x window, not T^2.
+MIN_WINDOW_QUERY_BLOCK = 256
+
+
+def windowed_attention(q, k, v, scale: float, sinks: torch.Tensor | None, sliding_window: int) -> torch.Tensor:
+    """One sequence, q: [H, L, D], k: [Hkv, L, D], v: [Hkv, L, Dv] -> [H, L, Dv], in blocks of
+    max(2 x window, MIN_WINDOW_QUERY_BLOCK) queries, each attending to the keys its window reaches."""
+    length = q.shape[1]
+    block = max(2 * sliding_window, MIN_WINDOW_QUERY_BLOCK)
+    outputs = []
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        first_key = max(0, start - sliding_window + 1)
+        outputs.append(causal_attention_after_prefix(
+            q[:, start:end], k[:, first_key:end], v[:, first_key:end], scale, sinks, sliding_window
+        ))  # fmt: skip
+    return torch.cat(outputs, dim=1)
 
 
 def packed_attention(
@@ -89,13 +109,10 @@ def packed_attention(
     # zero-filled [T, ...] gradient per sequence.
     for q_seq, k_seq, v_seq in zip(*(t.split(lengths) for t in (q, k, v))):
         q_seq, k_seq, v_seq = q_seq.transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1)
-        if sinks is not None:
+        if sliding_window is not None:
+            out = windowed_attention(q_seq, k_seq, v_seq, scale, sinks, sliding_window)
+        elif sinks is not None:
             out = attention_with_sinks(q_seq, k_seq, v_seq, scale, sinks, sliding_window)
-        elif sliding_window is not None:
-            out = F.scaled_dot_product_attention(
-                q_seq, k_seq, v_seq, attn_mask=causal_mask(q_seq.shape[1], sliding_window, q.device),
-                scale=scale, enable_gqa=n_heads != n_kv_heads,
-            )
         else:
             # With a batch dimension CPU runs its fused (flash) kernel, forward and backward; 3-D
             # inputs fall back to the unfused math path (about 2x slower).

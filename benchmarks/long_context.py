@@ -1,0 +1,216 @@
+"""Long-context benchmark: one LoRA train step on one sequence of T tokens, in one process, with
+context parallelism over two ranks, and with activation offload.
+
+    python benchmarks/long_context.py [--lengths 4096 8192 16384 32768] [--families qwen3 qwen3_5]
+                                      [--threads 2]
+
+Models (random weights, fp32, LoRA r=16 on every linear layer, untied head):
+    qwen3    hidden 256, 4 layers, 4 heads and 2 KV heads of 64, MLP 768, vocabulary 4096, full attention
+    qwen3_5  the same sizes, 3 gated DeltaNet layers (4 q/k heads and 4 v heads of 64) and 1 gated
+             attention layer
+Each sequence is a 256-token prompt and a completion; the loss is a token-level policy gradient on
+the completion. Per (family, T), each run in fresh processes after a short warm-up step:
+    single   one process on `threads` threads
+    cp2      torchrun, 2 ranks of `threads` / 2 threads each, parallel.cp = 2: each rank holds half
+             the tokens (Ulysses all-to-all in every token mixer)
+    offload  one process whose blocks copy what autograd saves into separate host buffers and back
+             (the CPU has no device memory to free, so the copies are forced: what this measures is
+             the bookkeeping's cost and how many saved-activation bytes stay with the compute)
+Figures per run: the step's peak RSS growth per rank (sampled every 5 ms, loading excluded), the
+step time, tokens/s per rank, and the peak bytes of saved activations resident with the compute
+(counted by the offload hooks, in counting-only mode for single and cp2). Then per family and
+option, the longest T that fits in 8 GB per rank, from a line fitted to the two longest lengths
+(memory grows linearly in T here: attention runs the fused kernel, the head is chunked), and, on
+paper, Qwen3.6-27B at 64K tokens with CP 1, 2, 4, 8 from the measured per-token bytes.
+The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Measure the checkout this script belongs to, whatever an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from train_step import PeakRSS  # noqa: E402  (benchmarks/ is the script's own folder)
+
+SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=65536, tie_word_embeddings=False)  # fmt: skip
+QWEN3_5_SIZES = dict(
+    SIZES, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+)
+MODEL_TYPES = {"qwen3": ("qwen3", dict(SIZES, use_sliding_window=False)), "qwen3_5": ("qwen3_5_text", QWEN3_5_SIZES)}
+PROMPT_TOKENS = 256
+WARMUP_TOKENS = 512
+LORA_RANK = 16
+MEMORY_BUDGET_MB = 8192
+RUNS = ("single", "cp2", "offload")
+
+# Qwen3.6-27B's language model (the figures of docs/parallelism.md): 64 layers of hidden 5120, bf16,
+# FSDP2 over the 8 devices of a node; fixed per-device terms from that page's table at 8 ranks.
+LARGE_LAYERS, LARGE_HIDDEN, LARGE_TOKENS = 64, 5120, 65536
+LARGE_FIXED_GB = {"base weights / 8": 6.72, "LoRA state / 8": 0.47, "gathered block": 1.53, "head chunk": 1.02}
+
+
+@dataclass
+class Args:
+    lengths: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    families: tuple[str, ...] = ("qwen3", "qwen3_5")
+    threads: int = 2
+    worker: str = ""
+    """Internal: run one measurement (single, cp2 or offload) and write its JSON to --out."""
+    checkpoint: str = ""
+    length: int = 0
+    out: str = ""
+
+
+def _pg_loss(mb, logprobs, ctx):
+    return -(logprobs * mb.advantages * mb.loss_mask).sum() / ctx.global_tokens, {}
+
+
+def _batch(vocab: int, length: int, seed: int):
+    import torch
+
+    from archon.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    return PackedBatch.from_sequences([torch.randint(0, vocab, (length,), generator=g)],
+                                      prompt_lens=[PROMPT_TOKENS], advantages=[1.0])  # fmt: skip
+
+
+def worker(args: Args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from archon.lora import LoRAConfig
+    from archon.parallel import ParallelConfig, apply_activation_offload
+    from archon.trainer import Trainer, TrainerConfig
+
+    cp = 2 if args.worker == "cp2" else 1
+    trainer = Trainer(TrainerConfig(
+        model_path=args.checkpoint, lora=LoRAConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK, target_modules="all-linear"),
+        parallel=ParallelConfig(cp=cp), device="cpu", micro_batch_tokens=args.length + 1,
+    ))  # fmt: skip
+    hooks = apply_activation_offload(trainer.model.layers, offload=args.worker == "offload",
+                                     offload_host_tensors=True)  # fmt: skip
+    vocab = trainer.model.args.vocab_size
+    trainer.train_step(_batch(vocab, WARMUP_TOKENS, seed=1), _pg_loss)
+    batch = _batch(vocab, args.length, seed=2)
+    hooks.reset_stats()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        metrics = trainer.train_step(batch, _pg_loss)
+        step_s = time.perf_counter() - start
+    result = {
+        "peak_mb": rss.peak_mb - rss.start_mb,
+        "step_s": step_s,
+        "tokens_per_s_per_rank": args.length / cp / step_s,
+        "saved_peak_bytes": hooks.stats.peak_resident_bytes,
+        "bytes_offloaded": hooks.stats.bytes_offloaded,
+        "loss": metrics["loss"],
+    }
+    results = [result]
+    if dist.is_initialized():
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+    if trainer.rank == 0:
+        merged = {key: max(r[key] for r in results) for key in ("peak_mb", "step_s", "saved_peak_bytes", "bytes_offloaded")}
+        merged.update(tokens_per_s_per_rank=min(r["tokens_per_s_per_rank"] for r in results), loss=result["loss"])
+        Path(args.out).write_text(json.dumps(merged))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _measure(run: str, checkpoint: Path, length: int, threads: int, out: Path) -> dict:
+    script = str(Path(__file__).resolve())
+    common = ["--worker", run, "--checkpoint", str(checkpoint), "--length", str(length), "--out", str(out)]
+    if run == "cp2":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *common]
+        per_rank = max(threads // 2, 1)
+    else:
+        cmd = [sys.executable, script, *common]
+        per_rank = threads
+    env = {**os.environ, "OMP_NUM_THREADS": str(per_rank)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{run} at T={length} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def longest_fitting(points: dict[int, float], budget_mb: float) -> int | None:
+    """T where the line through the two longest measured lengths reaches the budget."""
+    (t1, m1), (t2, m2) = sorted(points.items())[-2:]
+    slope = (m2 - m1) / (t2 - t1)
+    if slope <= 0:
+        return None
+    return int(t2 + (budget_mb - m2) / slope)
+
+
+def large_model_estimate(per_token_bytes_per_layer_width: float) -> dict[str, float]:
+    """GB per device for Qwen3.6-27B LoRA at 64K tokens with CP 1, 2, 4, 8 (8 devices, FSDP over
+    all of them): the measured activation bytes per token, per layer and per unit of hidden width
+    (fp32, no checkpointing) scaled to 64 layers of 5120 in bf16 for the tokens each rank holds,
+    plus the fixed terms of docs/parallelism.md."""
+    fixed = sum(LARGE_FIXED_GB.values())
+    per_token = per_token_bytes_per_layer_width * LARGE_LAYERS * LARGE_HIDDEN / 2  # bf16: half of fp32
+    return {f"cp{cp}": round(fixed + per_token * LARGE_TOKENS / cp / 1e9, 1) for cp in (1, 2, 4, 8)}
+
+
+def main(args: Args) -> dict:
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    load_start = os.getloadavg()[0]
+    figures: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families:
+            model_type, sizes = MODEL_TYPES[family]
+            checkpoint = make_tiny_hf_checkpoint(model_type, Path(tmp) / family, seed=0, **sizes)
+            runs: dict = {run: {} for run in RUNS}
+            for length in args.lengths:
+                for run in RUNS:
+                    runs[run][length] = _measure(run, checkpoint, length, args.threads, Path(tmp) / "out.json")
+                    print(f"{family} T={length} {run}: {runs[run][length]}", file=sys.stderr, flush=True)
+            ratios = {
+                length: {
+                    "cp2_vs_single_peak": runs["cp2"][length]["peak_mb"] / runs["single"][length]["peak_mb"],
+                    "offload_vs_single_saved_peak": (runs["offload"][length]["saved_peak_bytes"]
+                                                     / runs["single"][length]["saved_peak_bytes"]),
+                    "offload_vs_single_step_time": runs["offload"][length]["step_s"] / runs["single"][length]["step_s"],
+                    "cp2_loss_minus_single": runs["cp2"][length]["loss"] - runs["single"][length]["loss"],
+                }
+                for length in args.lengths
+            }  # fmt: skip
+            fits = {run: longest_fitting({t: r["peak_mb"] for t, r in runs[run].items()}, MEMORY_BUDGET_MB)
+                    for run in ("single", "cp2")}  # fmt: skip
+            figures[family] = {"runs": runs, "ratios": ratios, "longest_T_in_8GB": fits}
+            if len(args.lengths) >= 2:
+                (t1, r1), (t2, r2) = sorted(runs["single"].items())[-2:]
+                per_token_mb = (r2["peak_mb"] - r1["peak_mb"]) / (t2 - t1)
+                figures[family]["single_mb_per_token"] = per_token_mb
+                if family == "qwen3_5":
+                    width_layers = sizes["hidden_size"] * sizes["num_hidden_layers"]
+                    figures["qwen3_6_27b_64k_gb_per_device"] = large_model_estimate(per_token_mb * 2**20 / width_layers)
+    return {
+        "config": {"sizes": SIZES, "qwen3_5_sizes": QWEN3_5_SIZES, "lora_rank": LORA_RANK, "threads": args.threads,
+                   "prompt_tokens": PROMPT_TOKENS},
+        "figures": figures,
+        "load_average": [load_start, os.getloadavg()[0]],
+    }
+
+
+if __name__ == "__main__":
+    import tyro
+
+    cli = tyro.cli(Args)
+    if cli.worker:
+        worker(cli)
+    else:
+        print(json.dumps(main(cli)))
