@@ -24,6 +24,8 @@ Checks (each runs on its own: a failure is recorded and the next check still run
     offload      a LoRA train step of a small Qwen3 at a long sequence with activation offload and
                  without (its hooks only counting): peak device memory, step time, the two ratios,
                  and the first forward-backward's loss and gradients against the run without
+Context parallelism needs two devices and is not checked here (the suite runs on one); its CPU
+tests run CP against one process with gloo, and benchmarks/long_context.py measures it.
 
 What --tiny changes: everything runs on the CPU at tiny sizes. bf16 runs where it checks numerics
 (alignment, train), but attention takes the per-sequence SDPA path, as the flash varlen kernel is
