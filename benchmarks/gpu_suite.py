@@ -670,9 +670,20 @@ def _pg_loss(mb, logprobs, lctx):
     return -(logprobs * mb.advantages * mb.loss_mask).sum() / lctx.global_tokens, {}
 
 
-def check_throughput(ctx: Context) -> dict[str, Any]:
+def _pg_batch(ctx: Context, vocab: int, lengths: list[int]):
+    """Random sequences of `lengths`, each a throughput_prompt_len-token prompt and a completion with
+    a random advantage."""
     from archon.batch import PackedBatch
 
+    g = torch.Generator().manual_seed(ctx.seed)
+    return PackedBatch.from_sequences(
+        [torch.randint(0, vocab, (n,), generator=g) for n in lengths],
+        prompt_lens=[ctx.sizes.throughput_prompt_len] * len(lengths),
+        advantages=torch.randn(len(lengths), generator=g).tolist(),
+    )
+
+
+def check_throughput(ctx: Context) -> dict[str, Any]:
     sizes = ctx.sizes
     dtype = getattr(torch, sizes.throughput_dtype)
     peak = matmul_peak_flops(ctx, dtype)
@@ -681,13 +692,7 @@ def check_throughput(ctx: Context) -> dict[str, Any]:
     _release(ctx)
     checkpoint_s = time.perf_counter() - start
     lengths = throughput_lengths(sizes.throughput_tokens, sizes.throughput_sequences, ctx.seed)
-    g = torch.Generator().manual_seed(ctx.seed)
-    vocab = sizes.throughput_config["vocab_size"]
-    batch = PackedBatch.from_sequences(
-        [torch.randint(0, vocab, (n,), generator=g) for n in lengths],
-        prompt_lens=[sizes.throughput_prompt_len] * len(lengths),
-        advantages=torch.randn(len(lengths), generator=g).tolist(),
-    )
+    batch = _pg_batch(ctx, sizes.throughput_config["vocab_size"], lengths)
     start = time.perf_counter()
     trainer = _engine(ctx, path, sizes.throughput_dtype, sizes.lora_rank, 1e-5, batch.num_tokens)
     load_s = time.perf_counter() - start
@@ -938,20 +943,12 @@ def _offload_run(ctx: Context, path: Path, batch, offload: bool) -> dict[str, An
 
 
 def check_offload(ctx: Context) -> dict[str, Any]:
-    from archon.batch import PackedBatch
-
     sizes = ctx.sizes
     dtype = getattr(torch, sizes.throughput_dtype)
     path = _random_checkpoint(ctx, sizes.offload_config, dtype, "offload-qwen3")
     _release(ctx)
     lengths = throughput_lengths(sizes.offload_tokens, sizes.offload_sequences, ctx.seed)
-    g = torch.Generator().manual_seed(ctx.seed)
-    vocab = sizes.offload_config["vocab_size"]
-    batch = PackedBatch.from_sequences(
-        [torch.randint(0, vocab, (n,), generator=g) for n in lengths],
-        prompt_lens=[sizes.throughput_prompt_len] * len(lengths),
-        advantages=torch.randn(len(lengths), generator=g).tolist(),
-    )
+    batch = _pg_batch(ctx, sizes.offload_config["vocab_size"], lengths)
     plain = _offload_run(ctx, path, batch, offload=False)
     offloaded = _offload_run(ctx, path, batch, offload=True)
     grad_rel_diff = max(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import parallel_cases as cases
 import pytest
 import torch
-from test_parallel import TOL, _check_export
+from test_parallel import TOL, _check_export, check_first_step
 
 from archon.checkpoint.hf import HFCheckpoint
 from archon.parallel import ParallelDims
@@ -28,22 +28,6 @@ def checkpoints(tmp_path_factory):
 
 def _vocab(path) -> int:
     return HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
-
-
-def _check_first_step(result, reference):
-    """What one step computes: log-probs, entropies, reference log-probs, the loss, the LoRA gradients
-    and their norm. (The later steps of these tiny random models amplify 1e-7 differences; the same
-    single-process run under another CPU arithmetic moves Qwen3.5's third gradient norm by 4%.)"""
-    for key in ("logprobs", "entropy", "ref_logprobs"):
-        torch.testing.assert_close(result[key], reference[key], atol=TOL, rtol=0, msg=key)
-    assert result["first_loss"] == pytest.approx(reference["first_loss"], abs=TOL)
-    assert result["grads"].keys() == reference["grads"].keys()
-    for name, ref in reference["grads"].items():
-        scale = ref.abs().max().item()
-        assert scale > 0, f"reference gradient of {name} is zero: the comparison would be empty"
-        err = (result["grads"][name] - ref).abs().max().item() / scale
-        assert err <= TOL, f"LoRA gradient {name}: relative error {err:.2e}"
-    assert result["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=TOL)
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +77,11 @@ def test_micro_batches_straddle_the_token_split():
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_context_parallel_matches_single_process(two_process, single_process, model_type):
     """Log-probs, entropies, the first loss and LoRA gradients (1e-5), the exported adapter, and the
-    built-in engine's greedy completions (generation runs whole sequences on every rank)."""
+    built-in engine's greedy completions (generation runs whole sequences on every rank). The later
+    steps are not compared: these tiny random models amplify 1e-7 differences (the same one-process
+    run under another CPU arithmetic moves Qwen3.5's third gradient norm by 4%)."""
     result, reference = two_process[(model_type, "cp2")], single_process[model_type]
-    _check_first_step(result, reference)
+    check_first_step(result, reference)
     _check_export(result, reference)
     assert result["generated"] == reference["generated"]
 
@@ -104,7 +90,7 @@ def test_context_parallel_matches_single_process(two_process, single_process, mo
 @pytest.mark.parametrize(("model_type", "layout"), [("qwen3_5_text", "cp2_fsdp2"), ("qwen3", "cp2_tp2")])
 def test_context_parallel_composes_with_fsdp_and_tp(four_process, single_process, model_type, layout):
     result, reference = four_process[(model_type, layout)], single_process[model_type]
-    _check_first_step(result, reference)
+    check_first_step(result, reference)
     _check_export(result, reference)
     assert result["generated"] == reference["generated"]
 

@@ -40,30 +40,18 @@ class ContextParallelGroup:
     rank: int
 
 
-class _TokensToHeads(torch.autograd.Function):
-    """[T/cp, H, ...] (this rank's tokens, all heads) -> [T, H/cp, ...] (all tokens, this rank's heads)."""
+class _Exchange(torch.autograd.Function):
+    """to_heads: [T/cp, H, ...] (this rank's tokens, all heads) -> [T, H/cp, ...] (all tokens, this
+    rank's heads); otherwise the inverse. The backward is the other exchange."""
 
     @staticmethod
-    def forward(ctx, x, cp: ContextParallelGroup):
-        ctx.cp = cp
-        return _tokens_to_heads(x, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_tokens(grad, ctx.cp), None
-
-
-class _HeadsToTokens(torch.autograd.Function):
-    """The inverse of _TokensToHeads."""
-
-    @staticmethod
-    def forward(ctx, x, cp: ContextParallelGroup):
-        ctx.cp = cp
-        return _heads_to_tokens(x, cp)
+    def forward(ctx, x, cp: ContextParallelGroup, to_heads: bool):
+        ctx.cp, ctx.to_heads = cp, to_heads
+        return _tokens_to_heads(x, cp) if to_heads else _heads_to_tokens(x, cp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _tokens_to_heads(grad, ctx.cp), None
+        return (_heads_to_tokens(grad, ctx.cp) if ctx.to_heads else _tokens_to_heads(grad, ctx.cp)), None, None
 
 
 def _tokens_to_heads(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
@@ -87,12 +75,12 @@ def tokens_to_heads(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
     """Differentiable [T/cp, H, ...] -> [T, H/cp, ...]; H must be a multiple of cp."""
     if x.shape[1] % cp.size:
         raise ValueError(f"context parallelism: {x.shape[1]} heads cannot be split over cp={cp.size} ranks")
-    return _TokensToHeads.apply(x, cp)
+    return _Exchange.apply(x, cp, True)
 
 
 def heads_to_tokens(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
     """Differentiable [T, H/cp, ...] -> [T/cp, H, ...]."""
-    return _HeadsToTokens.apply(x, cp)
+    return _Exchange.apply(x, cp, False)
 
 
 def heads_of_rank(x: torch.Tensor, cp: ContextParallelGroup, dim: int = 0) -> torch.Tensor:
