@@ -19,9 +19,11 @@ the completion. Per (family, T), each run in fresh processes after a short warm-
 Figures per run: the step's peak RSS growth per rank (sampled every 5 ms, loading excluded), the
 step time, tokens/s per rank, and the peak bytes of saved activations resident with the compute
 (counted by the offload hooks, in counting-only mode for single and cp2). Then per family and
-option, the longest T that fits in 8 GB per rank, from a line fitted to the two longest lengths
+option, the longest T that fits in 8 GB per rank, from the line through the two shortest lengths
 (memory grows linearly in T here: attention runs the fused kernel, the head is chunked), and, on
-paper, Qwen3.6-27B at 64K tokens with CP 1, 2, 4, 8 from the measured per-token bytes.
+paper, Qwen3.6-27B at 64K tokens with CP 1, 2, 4, 8 from the saved bytes per token measured on
+the small Qwen3.5 (large_model_estimate). Peak RSS understates long steps on a host whose kernel
+reclaims cold pages while they run (the saved-activation counts do not depend on it).
 The last line printed is JSON.
 """
 
@@ -87,7 +89,6 @@ def _batch(vocab: int, length: int, seed: int):
 
 
 def worker(args: Args) -> None:
-    import torch
     import torch.distributed as dist
 
     from archon.lora import LoRAConfig
@@ -146,22 +147,60 @@ def _measure(run: str, checkpoint: Path, length: int, threads: int, out: Path) -
 
 
 def longest_fitting(points: dict[int, float], budget_mb: float) -> int | None:
-    """T where the line through the two longest measured lengths reaches the budget."""
-    (t1, m1), (t2, m2) = sorted(points.items())[-2:]
+    """T where the line through the two shortest measured lengths reaches the budget (their steps
+    take seconds: the kernel's reclaim of cold pages has not yet thinned the RSS of longer ones)."""
+    (t1, m1), (t2, m2) = sorted(points.items())[:2]
     slope = (m2 - m1) / (t2 - t1)
     if slope <= 0:
         return None
     return int(t2 + (budget_mb - m2) / slope)
 
 
-def large_model_estimate(per_token_bytes_per_layer_width: float) -> dict[str, float]:
-    """GB per device for Qwen3.6-27B LoRA at 64K tokens with CP 1, 2, 4, 8 (8 devices, FSDP over
-    all of them): the measured activation bytes per token, per layer and per unit of hidden width
-    (fp32, no checkpointing) scaled to 64 layers of 5120 in bf16 for the tokens each rank holds,
-    plus the fixed terms of docs/parallelism.md."""
+def large_model_estimate(saved_bytes_per_token_layer_width: float) -> dict[str, dict[str, float]]:
+    """GB per device for Qwen3.6-27B LoRA at 64K tokens with CP 1, 2, 4, 8 (8 devices, FSDP over all
+    of them): the fixed terms of docs/parallelism.md plus activations, from the measured bytes that
+    autograd saves per token, per layer and per unit of hidden width (fp32, Qwen3.5's layer mix),
+    halved for bf16 and scaled to 64 layers of 5120 for the tokens each rank holds:
+        none       every layer's saved activations
+        full       activation checkpointing: each layer's bf16 input, plus one layer recomputed
+        full+offload   the inputs in host memory too (two layers' worth stay on the device)
+    """
     fixed = sum(LARGE_FIXED_GB.values())
-    per_token = per_token_bytes_per_layer_width * LARGE_LAYERS * LARGE_HIDDEN / 2  # bf16: half of fp32
-    return {f"cp{cp}": round(fixed + per_token * LARGE_TOKENS / cp / 1e9, 1) for cp in (1, 2, 4, 8)}
+    layer = saved_bytes_per_token_layer_width * LARGE_HIDDEN / 2  # bytes per token of one layer, bf16
+    block_input = LARGE_HIDDEN * 2
+    out = {}
+    for cp in (1, 2, 4, 8):
+        tokens = LARGE_TOKENS / cp
+        out[f"cp{cp}"] = {
+            "none": round(fixed + LARGE_LAYERS * layer * tokens / 1e9, 1),
+            "full": round(fixed + (LARGE_LAYERS * block_input + layer) * tokens / 1e9, 1),
+            "full+offload": round(fixed + (2 * block_input + layer) * tokens / 1e9, 1),
+        }
+    return out
+
+
+def derived_figures(runs: dict) -> dict:
+    """Ratios per length, the longest T in 8 GB per rank and the saved bytes per token, from one
+    family's runs ({run: {T: figures}})."""
+    lengths = sorted(runs["single"])
+    single, cp2, offload = runs["single"], runs["cp2"], runs["offload"]
+    ratios = {
+        t: {
+            "cp2_vs_single_peak": cp2[t]["peak_mb"] / single[t]["peak_mb"],
+            "cp2_vs_single_saved_peak": cp2[t]["saved_peak_bytes"] / single[t]["saved_peak_bytes"],
+            "offload_vs_single_saved_peak": offload[t]["saved_peak_bytes"] / single[t]["saved_peak_bytes"],
+            "offload_vs_single_step_time": offload[t]["step_s"] / single[t]["step_s"],
+            "cp2_loss_minus_single": cp2[t]["loss"] - single[t]["loss"],
+        }
+        for t in lengths
+    }
+    out = {"runs": runs, "ratios": ratios}
+    if len(lengths) >= 2:
+        out["longest_T_in_8GB"] = {run: longest_fitting({t: r["peak_mb"] for t, r in runs[run].items()}, MEMORY_BUDGET_MB)
+                                   for run in ("single", "cp2")}  # fmt: skip
+        (t1, r1), (t2, r2) = sorted(single.items())[-2:]
+        out["saved_bytes_per_token"] = (r2["saved_peak_bytes"] - r1["saved_peak_bytes"]) / (t2 - t1)
+    return out
 
 
 def main(args: Args) -> dict:
@@ -178,26 +217,11 @@ def main(args: Args) -> dict:
                 for run in RUNS:
                     runs[run][length] = _measure(run, checkpoint, length, args.threads, Path(tmp) / "out.json")
                     print(f"{family} T={length} {run}: {runs[run][length]}", file=sys.stderr, flush=True)
-            ratios = {
-                length: {
-                    "cp2_vs_single_peak": runs["cp2"][length]["peak_mb"] / runs["single"][length]["peak_mb"],
-                    "offload_vs_single_saved_peak": (runs["offload"][length]["saved_peak_bytes"]
-                                                     / runs["single"][length]["saved_peak_bytes"]),
-                    "offload_vs_single_step_time": runs["offload"][length]["step_s"] / runs["single"][length]["step_s"],
-                    "cp2_loss_minus_single": runs["cp2"][length]["loss"] - runs["single"][length]["loss"],
-                }
-                for length in args.lengths
-            }  # fmt: skip
-            fits = {run: longest_fitting({t: r["peak_mb"] for t, r in runs[run].items()}, MEMORY_BUDGET_MB)
-                    for run in ("single", "cp2")}  # fmt: skip
-            figures[family] = {"runs": runs, "ratios": ratios, "longest_T_in_8GB": fits}
-            if len(args.lengths) >= 2:
-                (t1, r1), (t2, r2) = sorted(runs["single"].items())[-2:]
-                per_token_mb = (r2["peak_mb"] - r1["peak_mb"]) / (t2 - t1)
-                figures[family]["single_mb_per_token"] = per_token_mb
-                if family == "qwen3_5":
-                    width_layers = sizes["hidden_size"] * sizes["num_hidden_layers"]
-                    figures["qwen3_6_27b_64k_gb_per_device"] = large_model_estimate(per_token_mb * 2**20 / width_layers)
+            figures[family] = derived_figures(runs)
+            if family == "qwen3_5" and len(args.lengths) >= 2:
+                figures["qwen3_6_27b_64k_gb_per_device"] = large_model_estimate(
+                    figures[family]["saved_bytes_per_token"] / (sizes["hidden_size"] * sizes["num_hidden_layers"])
+                )
     return {
         "config": {"sizes": SIZES, "qwen3_5_sizes": QWEN3_5_SIZES, "lora_rank": LORA_RANK, "threads": args.threads,
                    "prompt_tokens": PROMPT_TOKENS},
