@@ -38,11 +38,13 @@ LAYOUTS = {
     "ep2_fsdp2": (4, dict(dp_shard=4, ep=2)),
     "ep2_tp2": (4, dict(dp_shard=2, ep=2, tp=2)),
     # Context parallelism: each micro-batch's tokens split over 2 ranks (sequences straddle the
-    # split); then with FSDP over the 2 data-parallel ranks, and under TP (one key/value head per
-    # tensor-parallel rank, repeated for the 2 context-parallel ranks).
+    # split); then with FSDP over the 2 data-parallel ranks, under TP (one key/value head per
+    # tensor-parallel rank, repeated for the 2 context-parallel ranks), and with the experts split over
+    # the 2 data-parallel ranks (each expert shard replicated over cp).
     "cp2": (2, dict(dp_shard=1, cp=2, activation_checkpoint="full")),
     "cp2_fsdp2": (4, dict(dp_shard=2, cp=2)),
     "cp2_tp2": (4, dict(dp_shard=1, cp=2, tp=2)),
+    "cp2_ep2": (4, dict(dp_shard=2, cp=2, ep=2)),
 }
 # FSDP2 mixed precision (compute in bf16), with and without expert parallelism (FSDP2 leaves
 # expert-parallel experts alone).

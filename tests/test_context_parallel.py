@@ -16,6 +16,7 @@ from archon.parallel.context_parallel import TokenSlice, require_context_paralle
 from archon.trainer import Trainer
 
 MODEL_TYPES = ("qwen3", "qwen3_5_text", "deepseek_v3", "gpt_oss")
+EXPERT_PARALLEL_MODEL = "qwen3_moe"
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def checkpoints(tmp_path_factory):
     from archon.tools.align import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("context_parallel")
-    return {t: make_tiny_hf_checkpoint(t, root / t, seed=0) for t in MODEL_TYPES}
+    return {t: make_tiny_hf_checkpoint(t, root / t, seed=0) for t in (*MODEL_TYPES, EXPERT_PARALLEL_MODEL)}
 
 
 def _vocab(path) -> int:
@@ -57,7 +58,8 @@ def two_process(checkpoints, tmp_path_factory):
 def four_process(checkpoints, tmp_path_factory):
     fsdp = _run(checkpoints, tmp_path_factory, 4, ["cp2_fsdp2"], ["qwen3_5_text"])
     tp = _run(checkpoints, tmp_path_factory, 4, ["cp2_tp2"], ["qwen3"])
-    return {**fsdp, **tp}
+    ep = _run(checkpoints, tmp_path_factory, 4, ["cp2_ep2"], [EXPERT_PARALLEL_MODEL])
+    return {**fsdp, **tp, **ep}
 
 
 def test_micro_batches_straddle_the_token_split():
@@ -87,8 +89,10 @@ def test_context_parallel_matches_single_process(two_process, single_process, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model_type", "layout"), [("qwen3_5_text", "cp2_fsdp2"), ("qwen3", "cp2_tp2")])
-def test_context_parallel_composes_with_fsdp_and_tp(four_process, single_process, model_type, layout):
+@pytest.mark.parametrize(
+    ("model_type", "layout"), [("qwen3_5_text", "cp2_fsdp2"), ("qwen3", "cp2_tp2"), (EXPERT_PARALLEL_MODEL, "cp2_ep2")]
+)
+def test_context_parallel_composes_with_fsdp_tp_and_ep(four_process, single_process, model_type, layout):
     result, reference = four_process[(model_type, layout)], single_process[model_type]
     check_first_step(result, reference)
     _check_export(result, reference)
