@@ -92,7 +92,7 @@ def test_offload_is_refused_with_compile():
     from archon.parallel.activation_offload import check_activation_offload
 
     with pytest.raises(ValueError, match=r"parallel\.activation_offload.*parallel\.compile"):
-        check_activation_offload(True, "cuda", compile=True)
+        check_activation_offload("cuda", compile=True)
 
 
 def test_two_process_fsdp_with_offload_equals_without(checkpoints, tmp_path):

@@ -150,7 +150,7 @@ class ActivationOffload:
             finally:
                 self._current = None
                 self._last_block = weakref.ref(group)
-                self._release_copied(wait=False)
+                self._release_copied()
 
         module.forward = offloaded_forward
         return module
@@ -188,28 +188,21 @@ class ActivationOffload:
     def _to_host(self, record: _Saved) -> None:
         t = record.device_tensor
         if t.device.type == "cuda":
-            compute = torch.cuda.current_stream(t.device)
-            side = self._side_stream(t.device)
-            side.wait_stream(compute)
-            with torch.cuda.stream(side):
-                record.host = torch.empty_like(t, device="cpu", pin_memory=True)
-                record.host.copy_(t, non_blocking=True)
-                record.event = torch.cuda.Event()
-                record.event.record(side)
+            record.host = torch.empty_like(t, device="cpu", pin_memory=True)
+            record.event = self._copy_on_side_stream(record.host, t, t.device)
             # The device tensor may be freed (and its memory reused by the compute stream) only once
             # the side stream has read it.
             self._copying.append(record)
-            self._release_copied(wait=False)
+            self._release_copied()
             return
         record.host = torch.empty_like(t, device="cpu")
         record.host.copy_(t)
         self._drop_device_tensor(record)
 
-    def _release_copied(self, wait: bool) -> None:
+    def _release_copied(self) -> None:
+        """Let go of the device tensors whose copy to host has finished."""
         still_copying = []
         for record in self._copying:
-            if wait:
-                record.event.synchronize()
             if record.event.query():
                 self._drop_device_tensor(record)
             else:
@@ -256,34 +249,36 @@ class ActivationOffload:
 
     def _bring_back_record(self, record: _Saved) -> None:
         host = record.host
+        # Allocated on the compute stream, which uses it; on CUDA written by the side stream once the
+        # compute stream is past any earlier use of that memory.
+        tensor = torch.empty_like(host, device=record.device)
         if record.device.type == "cuda":
-            compute = torch.cuda.current_stream(record.device)
-            # Allocated on the compute stream, which uses it; written by the side stream once the
-            # compute stream is past any earlier use of that memory.
-            tensor = torch.empty_like(host, device=record.device)
-            side = self._side_stream(record.device)
-            side.wait_stream(compute)
-            with torch.cuda.stream(side):
-                tensor.copy_(host, non_blocking=True)
-                record.event = torch.cuda.Event()
-                record.event.record(side)
+            record.event = self._copy_on_side_stream(tensor, host, record.device)
         else:
-            tensor = torch.empty_like(host, device=record.device)
             tensor.copy_(host)
         record.device_tensor = tensor
         record.set_resident(True)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
+    def _copy_on_side_stream(self, dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> torch.cuda.Event:
+        """dst.copy_(src) on the device's side stream, after the work queued so far on the compute
+        stream; returns the event recorded after the copy."""
+        side = self._side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
+
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._side_streams:
             self._side_streams[device] = torch.cuda.Stream(device)
         return self._side_streams[device]
 
 
-def check_activation_offload(offload: bool, device_type: str, compile: bool) -> None:
-    """Refuse `parallel.activation_offload` where it cannot help or cannot run."""
-    if not offload:
-        return
+def check_activation_offload(device_type: str, compile: bool) -> None:
+    """Refuse `parallel.activation_offload=True` where it cannot help or cannot run."""
     if device_type == "cpu":
         raise ValueError(
             "parallel.activation_offload=True on a CPU device: activations already live in host memory, "

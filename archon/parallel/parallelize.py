@@ -193,7 +193,7 @@ def parallelize_decoder(
             expert_params.update(experts.parameters())
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
     if config.activation_offload:
-        check_activation_offload(config.activation_offload, dims.device_type, config.compile)
+        check_activation_offload(dims.device_type, config.compile)
         model.activation_offload = apply_activation_offload(blocks)
     if config.compile:
         for block in blocks:

@@ -496,7 +496,7 @@ def _parallel_problems(config: RLConfig, world_size: int) -> list[str]:
         )
     if config.parallel.activation_offload:
         try:
-            check_activation_offload(True, devices.device_type(config.model.device), config.parallel.compile)
+            check_activation_offload(devices.device_type(config.model.device), config.parallel.compile)
         except ValueError as e:
             problems.append(str(e))
         except RuntimeError:
