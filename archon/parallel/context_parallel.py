@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from archon.parallel.dims import ParallelDims
+from archon.parallel.expert_parallel import all_to_all
 
 
 @dataclass(frozen=True)
@@ -40,47 +41,26 @@ class ContextParallelGroup:
     rank: int
 
 
-class _Exchange(torch.autograd.Function):
-    """to_heads: [T/cp, H, ...] (this rank's tokens, all heads) -> [T, H/cp, ...] (all tokens, this
-    rank's heads); otherwise the inverse. The backward is the other exchange."""
-
-    @staticmethod
-    def forward(ctx, x, cp: ContextParallelGroup, to_heads: bool):
-        ctx.cp, ctx.to_heads = cp, to_heads
-        return _tokens_to_heads(x, cp) if to_heads else _heads_to_tokens(x, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (_heads_to_tokens(grad, ctx.cp) if ctx.to_heads else _tokens_to_heads(grad, ctx.cp)), None, None
-
-
-def _tokens_to_heads(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    local_tokens, heads = x.shape[0], x.shape[1]
-    # [T/cp, cp, H/cp, ...] -> [cp, T/cp, H/cp, ...]: chunk j of the heads goes to rank j
-    send = x.reshape(local_tokens, cp.size, heads // cp.size, *x.shape[2:]).transpose(0, 1).contiguous()
-    received = torch.empty_like(send)  # [cp, T/cp, H/cp, ...]: slice i of the tokens from rank i
-    dist.all_to_all_single(received, send, group=cp.group)
-    return received.reshape(cp.size * local_tokens, heads // cp.size, *x.shape[2:])
-
-
-def _heads_to_tokens(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    tokens, local_heads = x.shape[0], x.shape[1]
-    send = x.reshape(cp.size, tokens // cp.size, local_heads, *x.shape[2:]).contiguous()
-    received = torch.empty_like(send)  # [cp, T/cp, H/cp, ...]: head chunk j from rank j
-    dist.all_to_all_single(received, send, group=cp.group)
-    return received.transpose(0, 1).reshape(tokens // cp.size, cp.size * local_heads, *x.shape[2:])
-
-
 def tokens_to_heads(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    """Differentiable [T/cp, H, ...] -> [T, H/cp, ...]; H must be a multiple of cp."""
-    if x.shape[1] % cp.size:
-        raise ValueError(f"context parallelism: {x.shape[1]} heads cannot be split over cp={cp.size} ranks")
-    return _Exchange.apply(x, cp, True)
+    """Differentiable [T/cp, H, ...] (this rank's tokens, all heads) -> [T, H/cp, ...] (all tokens,
+    this rank's heads); H must be a multiple of cp. The backward is the reverse exchange."""
+    local_tokens, heads, rest = x.shape[0], x.shape[1], x.shape[2:]
+    if heads % cp.size:
+        raise ValueError(f"context parallelism: {heads} heads cannot be split over cp={cp.size} ranks")
+    # [T/cp, cp, H/cp, ...] -> [cp, T/cp, H/cp, ...]: chunk j of the heads goes to rank j, and slice i
+    # of the tokens comes back from rank i, in token order
+    send = x.reshape(local_tokens, cp.size, heads // cp.size, *rest).transpose(0, 1)
+    splits = [local_tokens] * cp.size
+    return all_to_all(send.reshape(cp.size * local_tokens, heads // cp.size, *rest), splits, splits, cp.group)
 
 
 def heads_to_tokens(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    """Differentiable [T, H/cp, ...] -> [T/cp, H, ...]."""
-    return _Exchange.apply(x, cp, False)
+    """Differentiable [T, H/cp, ...] -> [T/cp, H, ...], the inverse of tokens_to_heads."""
+    tokens, local_heads, rest = x.shape[0], x.shape[1], x.shape[2:]
+    splits = [tokens // cp.size] * cp.size
+    received = all_to_all(x, splits, splits, cp.group)  # [cp x T/cp, H/cp, ...]: head chunk j from rank j
+    received = received.reshape(cp.size, tokens // cp.size, local_heads, *rest).transpose(0, 1)
+    return received.reshape(tokens // cp.size, cp.size * local_heads, *rest)
 
 
 def heads_of_rank(x: torch.Tensor, cp: ContextParallelGroup, dim: int = 0) -> torch.Tensor:
