@@ -41,6 +41,7 @@ from archon.lora import (
 )
 from archon.lora.peft import peft_adapter_config
 from archon.parallel import ParallelConfig, ParallelDims
+from archon.quant import QuantFormat, QuantizedCheckpoint, quant_format_from_config, quantize_base_weights
 from archon.spec import ModelSpec, get_spec
 
 __all__ = ["LoadedModel", "build_model", "init_lora_weights", "load_hf_config"]
@@ -61,6 +62,10 @@ class LoadedModel:
     path: Path
     lora: LoRAConfig | None
     dims: ParallelDims | None = None
+    quant_format: QuantFormat | None = None
+    """The checkpoint's low-precision format (None for a plain checkpoint)."""
+    quantized_hf_keys: frozenset[str] = frozenset()
+    """The HF weights the checkpoint stores in `quant_format` (what a requantized export writes so)."""
 
 
 def load_hf_config(path: str | os.PathLike, option: str | None = None):
@@ -83,6 +88,19 @@ def _configure_lora(
         configure_task_adapters(model, task_loras, converter.hf_name)
     elif lora is not None:
         configure_lora_modules(model, lora, converter.hf_name)
+
+
+def _keep_quantized(model: nn.Module, converter, checkpoint: QuantizedCheckpoint, dtype: torch.dtype) -> None:
+    """Store every base weight of the meta `model` whose checkpoint tensors are quantized in their
+    format (archon.quant.quantize_base_weights)."""
+    hf_keys = checkpoint.keys()
+    keys = {}
+    for key in (k for k, _ in model.named_parameters() if not is_lora_param(k)):
+        sources = converter.hf_sources(key, hf_keys)
+        quantized = [s for s in sources if s in checkpoint.quantized]
+        if quantized:
+            keys[key] = checkpoint.fmt
+    quantize_base_weights(model, keys, dtype)
 
 
 def _meta_model(spec: ModelSpec, args, lora, task_loras, converter) -> nn.Module:
@@ -129,7 +147,8 @@ def parameter_bytes(model: nn.Module, dtype: torch.dtype) -> ParameterBytes:
     sizes = ParameterBytes(0, 0, [0] * len(model.layers), [0] * len(model.layers))
     for name, param in model.named_parameters():
         lora = is_lora_param(name)
-        nbytes = param.numel() * (4 if lora else base_size)  # LoRA factors are kept in fp32
+        # LoRA factors are kept in fp32; quantized storage (uint8 / int32) keeps its own width
+        nbytes = param.numel() * (4 if lora else base_size if param.is_floating_point() else param.element_size())
         layer = layer_of.get(id(param))
         if layer is None:
             sizes.outside_layers += nbytes
@@ -281,6 +300,7 @@ def build_model(
     seed: int = 0,
     path_option: str | None = None,
     task_loras: dict[str, LoRAConfig] | None = None,
+    quantized_base: str = "keep",
 ) -> LoadedModel:
     """Build the archon model for the HF checkpoint at `path` and load its weights.
 
@@ -293,6 +313,10 @@ def build_model(
     single-adapter model with its config and `seed` would. Under FSDP2, TP and EP each task's
     factors are laid out as a single adapter's; parallel.compile, and LoRA dropout under TP, are
     refused.
+    A quantized checkpoint (FP8 block-scaled or MXFP4, named by its config's `quantization_config`)
+    keeps its quantized weights in their format, frozen, dequantized per GEMM
+    (`quantized_base="keep"`, archon.quant), or is dequantized into `dtype` as it loads
+    (`quantized_base="dequantize"`).
     """
     path = Path(path)
     hf_config = load_hf_config(path, path_option)
@@ -312,6 +336,14 @@ def build_model(
     elif lora is not None:
         lora.validate(spec.lora_targets, spec.name)
     checkpoint = HFCheckpoint(path)
+    quantization_config = getattr(hf_config, "quantization_config", None)
+    if quantization_config is not None and not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    quant_format = quant_format_from_config(quantization_config, str(path / "config.json"))
+    if quantized_base not in ("keep", "dequantize"):
+        raise ValueError(f"model.quantized_base={quantized_base!r}; expected 'keep' or 'dequantize'")
+    if quant_format is not None:
+        checkpoint = QuantizedCheckpoint(checkpoint, quant_format)
     if task_loras is not None and dims is not None:
         _check_multi_task_layout(task_loras, dims, parallel)
     if task_loras is not None:
@@ -327,6 +359,8 @@ def build_model(
         with warnings.catch_warnings():  # rank patterns of deeper layers match nothing in the shallow copy
             warnings.simplefilter("ignore")
             shallow = _meta_model(spec, shallow_args, lora, task_loras, shallow_converter)
+        if quant_format is not None and quantized_base == "keep":
+            _keep_quantized(shallow, shallow_converter, checkpoint, dtype)
         size.check(parameter_bytes(shallow, dtype), args.num_hidden_layers)
         del shallow
     with torch.device("meta"):
@@ -338,6 +372,8 @@ def build_model(
     elif lora is not None and (problem := lora_rank_problem(model, lora, converter.hf_name)) is not None:
         raise ValueError(problem)
     _configure_lora(model, lora, task_loras, converter)
+    if quant_format is not None and quantized_base == "keep":
+        _keep_quantized(model, converter, checkpoint, dtype)
     size.check(parameter_bytes(model, dtype), args.num_hidden_layers)
     if task_loras is not None:
         for task, task_lora in task_loras.items():
@@ -367,13 +403,14 @@ def build_model(
             model = spec.parallelize_fn(model, dims, parallel)
     model.to_empty(device=device)
     load_hf_weights(model, converter, checkpoint)
+    quantization = (quant_format, frozenset(checkpoint.quantized)) if quant_format is not None else (None, frozenset())
     if task_loras is not None:
         for task in task_loras:
             with task_view(model, task):
                 init_lora_weights(model, seed)
-        return LoadedModel(model, spec, args, converter, hf_config, path, None, dims)
+        return LoadedModel(model, spec, args, converter, hf_config, path, None, dims, *quantization)
     if lora is not None:
         init_lora_weights(model, seed)
-    return LoadedModel(model, spec, args, converter, hf_config, path, lora, dims)
+    return LoadedModel(model, spec, args, converter, hf_config, path, lora, dims, *quantization)
 
 

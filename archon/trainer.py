@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,9 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dtype: DTypeName = "float32"
     """Base-weight dtype (LoRA factors are always fp32). Use float32 on CPU."""
+    quantized_base: Literal["keep", "dequantize"] = "keep"
+    """For an FP8 or MXFP4 checkpoint: keep its weights quantized and frozen, dequantized per GEMM
+    (keep), or dequantize them into `dtype` as they load (dequantize)."""
     device: str = "auto"
     micro_batch_tokens: int = 8192
     """Token budget of one forward/backward; whole sequences are packed up to it."""
@@ -148,7 +151,14 @@ class Trainer:
             dims=self.dims,
             seed=config.seed,
             task_loras={task.name: task.lora for task in config.tasks} if config.tasks else None,
+            quantized_base=config.quantized_base,
         )
+        if loaded.quant_format is not None and config.quantized_base == "keep" and config.lora is None and not config.tasks:
+            raise ValueError(
+                f"{config.model_path!r} is a {loaded.quant_format} checkpoint, kept quantized and frozen "
+                "(model.quantized_base='keep'), so full fine-tuning (lora=None) has nothing to train; train a LoRA "
+                "adapter, or set model.quantized_base='dequantize'"
+            )
         self.loaded = loaded
         self.model = loaded.model
         self.converter = loaded.converter

@@ -175,9 +175,16 @@ def expected_base_params(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, converter: StateDictConverter, checkpoint: HFCheckpoint) -> None:
     """Copy every base weight from `checkpoint` into `model`; fail naming any missing, unexpected or
-    mis-shaped key before anything is copied."""
+    mis-shaped key before anything is copied. A quantized checkpoint (archon.quant.QuantizedCheckpoint)
+    fills the weights the model keeps quantized with their storage and dequantizes the others."""
+    from archon.quant.checkpoint import load_quantized_weight
+    from archon.quant.modules import is_quantized_storage, quantized_weights
+
+    quantized = quantized_weights(model)
     hf_keys = checkpoint.keys()
-    expected = expected_base_params(model)
+    expected = {k: v for k, v in expected_base_params(model).items() if not is_quantized_storage(k)}
+    for key, (module, name) in quantized.items():
+        expected[key] = torch.empty(module._quantized[name].shape, device="meta")
     plan: dict[str, list[str]] = {}
     missing: list[str] = []
     for key in expected:
@@ -199,8 +206,11 @@ def load_hf_weights(model: nn.Module, converter: StateDictConverter, checkpoint:
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     for key, sources in plan.items():
-        check_source_shapes(converter, checkpoint, key, sources, tuple(params[key].shape))
+        check_source_shapes(converter, checkpoint, key, sources, tuple(expected[key].shape))
     for key, sources in plan.items():
+        if key in quantized:
+            load_quantized_weight(*quantized[key], converter, checkpoint, key, sources)
+            continue
         target = params[key]
         local = read_local(converter, checkpoint, key, sources, target)
         warn_non_finite(sources[0] if len(sources) == 1 else key, local, checkpoint.file_of(sources[0]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,7 +31,8 @@ from archon.checkpoint.hf import (
 )
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
-from archon.lora.layers import ExpertLoRA, LoRALinear
+from archon.quant.formats import QuantFormat
+from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, merged_weight
 from archon.lora.utils import (
     is_lora_param,
     lora_modules,
@@ -50,6 +52,22 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         return t.full_tensor()
     return t
+
+
+def merged_named_tensors(model: nn.Module, named_params) -> Iterator[tuple[str, torch.Tensor]]:
+    """(archon name, gathered tensor) of each base parameter in `named_params`, with the delta of
+    the LoRA module owning it (its `delta_weight()`) added in fp32 where it has one."""
+    deltas: dict[str, dict[str, torch.Tensor]] = {}
+    for name, param in named_params:
+        if is_lora_param(name):
+            continue
+        module_path, _, param_name = name.rpartition(".")
+        if module_path not in deltas:
+            owner = model.get_submodule(module_path)
+            deltas[module_path] = owner.delta_weight() if isinstance(owner, LoRAModule) else {}
+        tensor = full_tensor(param.detach())
+        delta = deltas[module_path].get(param_name)
+        yield name, tensor if delta is None else merged_weight(tensor, full_tensor(delta))
 
 
 def peft_target_module_names(model: nn.Module, converter: StateDictConverter) -> list[str]:
@@ -307,16 +325,38 @@ def save_merged_hf(
     hf_config: dict,
     source_dir: str | os.PathLike | None = None,
     write: bool = True,
+    requantize: tuple[QuantFormat, frozenset[str]] | None = None,
 ) -> Path:
     """Write base + s*B@A as a plain HF checkpoint (merged in fp32), leaving the model unmerged.
 
     Without LoRA this writes the model as it is (e.g. after full fine-tuning). Under FSDP/TP every
     rank calls this (shards are gathered); only `write=True` ranks write. `source_dir`, the checkpoint
     the model was built from, gives the tokenizer files and the weights archon does not build but
-    the export must carry (`StateDictConverter.carried_hf_keys`, e.g. a vision tower)."""
-    merge_lora(model)
+    the export must carry (`StateDictConverter.carried_hf_keys`, e.g. a vision tower).
+
+    A quantized base (archon.quant) is written dequantized, in its build dtype, with W + s*B@A and
+    no `quantization_config`, unless `requantize` = (format, the HF weights the source stored in it)
+    quantizes those weights again after the merge (archon.quant.requantized)."""
+    from archon.quant import dense_base_tensors, quantized_weights
+    from archon.quant.export import requantized
+
+    quantized = bool(quantized_weights(model))
+    if quantized:
+        hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+        if requantize is not None:
+            hf_config["quantization_config"] = requantize[0].quantization_config()
+    elif requantize is not None:
+        raise ValueError("requantize applies to a model built from a quantized checkpoint; this one has no quantized base")
+    else:
+        merge_lora(model)
     try:
-        base = {k: full_tensor(v) for k, v in model.state_dict().items() if not is_lora_param(k)}
+        if quantized:  # the adapter is added to a dequantized copy of each weight
+            base = dict(merged_named_tensors(model, dense_base_tensors(model)))
+            for key, value in model.state_dict().items():  # persistent buffers
+                if not is_lora_param(key) and not key.endswith(("_qdata", "_qscale")) and key not in base:
+                    base[key] = full_tensor(value)
+        else:
+            base = {k: full_tensor(v) for k, v in model.state_dict().items() if not is_lora_param(k)}
         extra = {}
         if source_dir is not None:
             for f in Path(source_dir).iterdir():
@@ -325,11 +365,14 @@ def save_merged_hf(
         path = Path(out_dir)
         if write:
             tensors = converter.iter_to_hf(base.items())
+            if requantize is not None:
+                tensors = requantized(tensors, *requantize)
             if source_dir is not None and converter.carried_hf_keys:
                 tensors = itertools.chain(tensors, _carried_tensors(converter, source_dir))
             save_hf_checkpoint(tensors, out_dir, hf_config, extra_files=extra)
     finally:
-        unmerge_lora(model)
+        if not quantized:
+            unmerge_lora(model)
     return path
 
 

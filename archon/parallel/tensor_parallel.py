@@ -92,6 +92,7 @@ class _LinearParallel(ParallelStyle):
         placements = {}
         for name, _ in module.named_parameters():
             role = ".".join(name.split(".")[-2:]) if is_lora_param(name) else name
+            role = role.removesuffix("_qdata").removesuffix("_qscale")  # a quantized weight's storage (archon.quant)
             if role not in self.param_placements:
                 raise ValueError(f"{type(self).__name__}: no placement for parameter {name!r} of {type(module).__name__}")
             placements[name] = self.param_placements[role]

@@ -90,7 +90,8 @@ class RLRun:
             TrainerConfig(
                 model_path=config.model.path, lora=None if config.tasks else config.lora, parallel=config.parallel,
                 optim=config.optim.for_run(config.steps),  # schedules count RL steps and last the run unless set
-                dtype=config.model.dtype, device=config.model.device, micro_batch_tokens=config.micro_batch_tokens,
+                dtype=config.model.dtype, quantized_base=config.model.quantized_base, device=config.model.device,
+                micro_batch_tokens=config.micro_batch_tokens,
                 seed=config.seed, moe=config.model.moe,
                 tasks=tuple(TrainerTask(t.name, t.lora, t.optim.for_run(config.steps)) for t in config.tasks),
             )

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from archon.checkpoint.state_dict_converter import StateDictConverter
-from archon.lora.layers import LoRALinear, LoRAModule, merged_weight
-from archon.lora.peft import full_tensor, peft_state_dict
-from archon.lora.utils import is_lora_param
+from archon.lora.layers import LoRALinear, LoRAModule
+from archon.lora.peft import merged_named_tensors, peft_state_dict
+from archon.quant import dense_base_tensors
 
 
 def adapter_payload(model: nn.Module, converter: StateDictConverter) -> dict[str, torch.Tensor]:
@@ -31,28 +31,12 @@ def _sync_unit(path: str, module: LoRAModule) -> str:
     return path.rpartition(".")[0] or path
 
 
-def _merged_tensors(model: nn.Module, named_params) -> Iterator[tuple[str, torch.Tensor]]:
-    """(archon name, gathered tensor) of each base parameter in `named_params`, with the delta of
-    the LoRA module owning it (its `delta_weight()`) added in fp32 where it has one."""
-    deltas: dict[str, dict[str, torch.Tensor]] = {}
-    for name, param in named_params:
-        if is_lora_param(name):
-            continue
-        module_path, _, param_name = name.rpartition(".")
-        if module_path not in deltas:
-            owner = model.get_submodule(module_path)
-            deltas[module_path] = owner.delta_weight() if isinstance(owner, LoRAModule) else {}
-        tensor = full_tensor(param.detach())
-        delta = deltas[module_path].get(param_name)
-        yield name, tensor if delta is None else merged_weight(tensor, full_tensor(delta))
-
-
 @torch.no_grad()
 def merged_payload(model: nn.Module, converter: StateDictConverter) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named weights of every module that holds LoRA-adapted weights (an attention, an MLP, a
     shared-expert MLP, a stacked-experts module), with W + s*B@A (computed in fp32, cast to the base
     dtype) where a LoRA applies and the base weights elsewhere. The model's own weights are not
-    touched.
+    touched. A quantized base (archon.quant) goes dequantized, in the build dtype.
 
     The holder's other weights go too, because servers fuse siblings (q/k/v, gate/up, all experts
     and their biases) into one tensor, and vLLM's in-place reload leaves the part of a fused tensor
@@ -60,7 +44,7 @@ def merged_payload(model: nn.Module, converter: StateDictConverter) -> Iterator[
     units = list(dict.fromkeys(_sync_unit(path, module) for path, module in model.named_modules()
                                if isinstance(module, LoRAModule) and module.adapter_params()))  # fmt: skip
     for unit in units:
-        for name, tensor in _merged_tensors(model, model.get_submodule(unit).named_parameters(prefix=unit)):
+        for name, tensor in merged_named_tensors(model, dense_base_tensors(model.get_submodule(unit), prefix=unit)):
             yield from converter.to_hf(name, tensor.cpu())
 
 
@@ -70,5 +54,5 @@ def full_payload(model: nn.Module, converter: StateDictConverter) -> Iterator[tu
     sync, and the merged mode of a model trained without LoRA). Buffers stay as the server loaded
     them: the persistent ones (a router's score-correction bias) are not trained by gradients, and
     vLLM leaves them alone on a reload."""
-    for name, tensor in _merged_tensors(model, model.named_parameters()):
+    for name, tensor in merged_named_tensors(model, dense_base_tensors(model)):
         yield from converter.to_hf(name, tensor.cpu())

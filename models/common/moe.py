@@ -103,21 +103,28 @@ class GroupedExperts(nn.Module, LoRAModule):
     def _project(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight_name: str,
         bias: torch.Tensor | None,
         lora: ExpertLoRA | None,
         groups: ExpertGroups,
         task_of_row: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows x[N, in], sorted by expert, through their expert's slice of a stacked weight (plus bias
-        and LoRA): [N, out]. `task_of_row` picks each row's task adapter in a multi-task model."""
-        weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
-        out = expert_matmul(x, weight_in_out, groups)
+        """Rows x[N, in], sorted by expert, through their expert's slice of the stacked weight
+        `weight_name` (plus bias and LoRA): [N, out]. `task_of_row` picks each row's task adapter in
+        a multi-task model."""
+        out = self._expert_matmul(x, weight_name, groups)
         if bias is not None:
             out = out + local_expert_weight(bias, out.dtype)[groups.expert_of_row]
         if self._lora_active:
             out = out + lora(x, groups, task_of_row).to(out.dtype)
         return out
+
+    def _expert_matmul(self, x: torch.Tensor, weight_name: str, groups: ExpertGroups) -> torch.Tensor:
+        """x [N, in] (rows sorted by expert) times each row's expert's slice of `weight_name`: [N, out].
+        A quantized base (archon.quant) dequantizes here instead."""
+        weight = getattr(self, weight_name)
+        weight_in_out = weight if self.input_major else weight.transpose(1, 2)  # [E, in, out]
+        return expert_matmul(x, weight_in_out, groups)
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2*hidden] -> [n, hidden]: silu(gate) * up."""
@@ -130,10 +137,10 @@ class GroupedExperts(nn.Module, LoRAModule):
         """The experts on rows sorted by expert: x_sorted [N, dim] -> [N, dim] (unweighted); task_of_row
         [N]: each row's task in a multi-task model (None otherwise)."""
         gate_up = self._project(
-            x_sorted, self.gate_up_proj, self.gate_up_proj_bias, self.gate_up_proj_lora, groups, task_of_row
+            x_sorted, "gate_up_proj", self.gate_up_proj_bias, self.gate_up_proj_lora, groups, task_of_row
         )
         h = self._activation(gate_up)
-        return self._project(h, self.down_proj, self.down_proj_bias, self.down_proj_lora, groups, task_of_row)
+        return self._project(h, "down_proj", self.down_proj_bias, self.down_proj_lora, groups, task_of_row)
 
     def forward(self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
         """x: [T, dim], top_weights/top_indices: [T, k] -> [T, dim]."""

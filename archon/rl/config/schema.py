@@ -46,6 +46,9 @@ class ModelConfig:
     """Tokenizer directory; default: the model path."""
     dtype: DTypeName = "float32"
     """Base-weight dtype; use float32 on CPU."""
+    quantized_base: Literal["keep", "dequantize"] = "keep"
+    """For an FP8 (block-scaled) or MXFP4 checkpoint: keep its quantized weights in their format,
+    frozen, dequantized per GEMM (keep), or dequantize them into `dtype` as they load (dequantize)."""
     device: str = "auto"
     """auto, cuda, npu or cpu."""
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -1,0 +1,223 @@
+"""A quantized HF checkpoint seen by its logical weights: `q_proj.weight` is one key whether it is
+stored plain or as data and scale tensors. `get` dequantizes (what loading with
+model.quantized_base='dequantize' uses); `storage` reads the in-memory storage of a quantized
+weight (archon.quant.formats) for a base kept quantized."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from archon.checkpoint.hf import HFCheckpoint
+from archon.quant.formats import (
+    QuantFormat,
+    dequantize,
+    fp8_rows_from_checkpoint,
+    mxfp4_rows_from_checkpoint,
+)
+
+_FP8_DTYPE = "F8_E4M3"
+
+
+class QuantizedCheckpoint:
+    """`checkpoint` (an HFCheckpoint whose config names `fmt`) by logical HF weight name."""
+
+    def __init__(self, checkpoint: HFCheckpoint, fmt: QuantFormat) -> None:
+        self.checkpoint = checkpoint
+        self.fmt = fmt
+        self.path = checkpoint.path
+        stored = checkpoint.keys()
+        self.quantized: dict[str, tuple[str, str]] = {}  # logical name -> (data key, scale key)
+        for key in sorted(stored):
+            if fmt.method == "fp8":
+                if self._stored_dtype(key) == _FP8_DTYPE:
+                    self.quantized[key] = fmt.stored_keys(key)
+                elif key.endswith("_scale_inv") and key.removesuffix("_scale_inv") not in stored:
+                    raise KeyError(self._orphan(key, key.removesuffix("_scale_inv")))
+            elif key.endswith(("_blocks", "_scales")):
+                self.quantized[fmt.logical_name(key)] = fmt.stored_keys(fmt.logical_name(key))
+        for name, (data_key, scale_key) in self.quantized.items():
+            for needed, other in ((data_key, scale_key), (scale_key, data_key)):
+                if needed not in stored:
+                    raise KeyError(
+                        f"checkpoint {str(self.path)!r}: {other!r} (in {self.checkpoint.file_of(other).name!r}) has "
+                        f"no {needed!r}; a {fmt} weight needs both"
+                    )
+        self._plain = stored - {k for pair in self.quantized.values() for k in pair}
+
+    def _stored_dtype(self, key: str) -> str:
+        return self.checkpoint._handle(key).get_slice(key).get_dtype()
+
+    def _orphan(self, scale_key: str, weight_key: str) -> str:
+        return (
+            f"checkpoint {str(self.path)!r}: scale {scale_key!r} in {self.checkpoint.file_of(scale_key).name!r} "
+            f"has no weight {weight_key!r}"
+        )
+
+    # ---- the HFCheckpoint interface, by logical name ------------------------------------------
+    def keys(self) -> set[str]:
+        return self._plain | set(self.quantized)
+
+    def file_of(self, key: str):
+        return self.checkpoint.file_of(self.quantized[key][0] if key in self.quantized else key)
+
+    def shape(self, key: str) -> list[int]:
+        if key not in self.quantized:
+            return self.checkpoint.shape(key)
+        rows = self._rows_shape(key)
+        return [*rows[:-2], rows[-1], rows[-2]] if self.fmt.hf_transposed() else rows
+
+    def dtype(self, key: str) -> torch.dtype:
+        return torch.float32 if key in self.quantized else self.checkpoint.dtype(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor, dequantized to fp32 when stored quantized (as the HF model holds it)."""
+        if key not in self.quantized:
+            return self.checkpoint.get(key)
+        weight = dequantize(self.fmt, *self.storage(key), torch.float32)
+        return weight.transpose(-1, -2) if self.fmt.hf_transposed() else weight
+
+    def get_slice(self, key: str, region: tuple[slice, ...]) -> torch.Tensor:
+        if key not in self.quantized:
+            return self.checkpoint.get_slice(key, region)
+        return self.get(key)[region]
+
+    def config(self) -> dict:
+        return self.checkpoint.config()
+
+    # ---- quantized storage --------------------------------------------------------------------
+    def _rows_shape(self, key: str) -> list[int]:
+        """[..., out, in] of quantized weight `key`."""
+        data_key, _ = self.quantized[key]
+        shape = self.checkpoint.shape(data_key)
+        if self.fmt.method == "fp8":
+            return shape
+        return [*shape[:-2], shape[-2] * shape[-1] * 2]
+
+    def storage(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scale) of quantized weight `key` in archon's in-memory storage (rows [..., out]),
+        after checking the stored shapes; errors name the tensor and its file."""
+        data_key, scale_key = self.quantized[key]
+        data_shape, scale_shape = self.checkpoint.shape(data_key), self.checkpoint.shape(scale_key)
+        if self.fmt.method == "fp8":
+            br, bc = self.fmt.block_size
+            want = [*data_shape[:-2], math.ceil(data_shape[-2] / br), math.ceil(data_shape[-1] / bc)]
+            why = f"weight_block_size [{br}, {bc}] over {data_key!r} of shape {tuple(data_shape)}"
+        else:
+            want = data_shape[:-1]
+            why = f"one e8m0 exponent per 32 values of {data_key!r} of shape {tuple(data_shape)}"
+            if data_shape[-1] != 16:
+                raise ValueError(
+                    f"mxfp4 blocks {data_key!r} in {self.checkpoint.file_of(data_key).name!r} have shape "
+                    f"{tuple(data_shape)}; the last dimension must be 16 (32 packed e2m1 values)"
+                )
+        if list(scale_shape) != list(want):
+            raise ValueError(
+                f"scale {scale_key!r} in {self.checkpoint.file_of(scale_key).name!r} has shape {tuple(scale_shape)}, "
+                f"but {why} needs {tuple(want)}"
+            )
+        data, scale = self.checkpoint.get(data_key), self.checkpoint.get(scale_key)
+        if self.fmt.method == "fp8":
+            return fp8_rows_from_checkpoint(data, scale, self.fmt.block_size[0])
+        if data.dtype != torch.uint8 or scale.dtype != torch.uint8:
+            raise ValueError(
+                f"mxfp4 tensors {data_key!r} / {scale_key!r} in {self.checkpoint.file_of(data_key).name!r} are "
+                f"{data.dtype} / {scale.dtype}; both must be uint8"
+            )
+        return mxfp4_rows_from_checkpoint(data, scale)
+
+
+def _source_rows(converter, key: str, shapes: list[torch.Size]) -> torch.Tensor:
+    """Where each row of archon weight `key` comes from, for sources of row-major `shapes`
+    [..., rows, cols]: an index into the sources' rows taken in order (leading dims flattened), of
+    the combined shape without its column dim. The converter's `combine` runs on probes of two
+    columns (row id, -row id - 1): a converter that only moves rows keeps each pair intact."""
+    probes, offset = [], 0
+    for shape in shapes:
+        n = shape[:-1].numel()
+        ids = torch.arange(offset, offset + n, dtype=torch.float64).reshape(shape[:-1])
+        probes.append(torch.stack((ids, -ids - 1), dim=-1))
+        offset += n
+    try:
+        out = converter.combine(key, probes)
+    except Exception as e:
+        raise ValueError(
+            f"{key!r}: its converter cannot combine the checkpoint's quantized rows ({e}); load the base with "
+            "model.quantized_base='dequantize'"
+        ) from None
+    ids = out[..., 0]
+    if not torch.equal(out[..., 1], -ids - 1) or not torch.equal(ids, ids.round()) or (ids < 0).any() or (ids >= offset).any():
+        raise ValueError(
+            f"{key!r}: its converter changes values or columns, not only the order of rows, so the quantized "
+            "blocks cannot be kept; load the base with model.quantized_base='dequantize'"
+        )
+    return ids.long()
+
+
+def _combined_storage(converter, checkpoint: QuantizedCheckpoint, key: str, sources: list[str]):
+    """(data, scale) storage of archon weight `key` from its quantized checkpoint `sources`."""
+    pairs = [checkpoint.storage(s) for s in sources]
+    rows = _source_rows(converter, key, [data.shape for data, _ in pairs])
+    out = []
+    for part in range(2):
+        flat = torch.cat([pair[part].reshape(-1, pair[part].shape[-1]) for pair in pairs])
+        out.append(flat[rows.reshape(-1)].reshape(*rows.shape, flat.shape[-1]))
+    return out
+
+
+def _stacked_storage(checkpoint: QuantizedCheckpoint, sources: list[str], num_stacked: int, experts: slice, rows: slice):
+    """(data, scale) of the stacked experts `experts` (rows `rows`) from per-expert sources, each
+    expert's sources concatenated on rows; only those experts' tensors are read."""
+    per_expert = len(sources) // num_stacked
+    datas, scales = [], []
+    for expert in range(experts.start, experts.stop):
+        pairs = [checkpoint.storage(s) for s in sources[expert * per_expert : (expert + 1) * per_expert]]
+        datas.append(torch.cat([p[0] for p in pairs])[rows])
+        scales.append(torch.cat([p[1] for p in pairs])[rows])
+    return torch.stack(datas), torch.stack(scales)
+
+
+def load_quantized_weight(module, name: str, converter, checkpoint: QuantizedCheckpoint, key: str, sources: list[str]) -> None:
+    """Fill the storage of quantized weight `name` of `module` (archon key `key`) from its
+    checkpoint `sources`, reading only this rank's experts when they are stacked from per-expert
+    tensors."""
+    from archon.checkpoint.hf import _combine_is_stack_of_cat, copy_local_into, local_region
+
+    info = module._quantized[name]
+    plain = [s for s in sources if s not in checkpoint.quantized]
+    if plain:
+        raise ValueError(
+            f"{key!r} is built from quantized and plain checkpoint tensors ({plain[0]!r} in "
+            f"{checkpoint.file_of(plain[0]).name!r} is plain); archon keeps a weight quantized only when all are"
+        )
+    data_param, scale_param = module.storage(name)
+    data_region, scale_region = local_region(data_param), local_region(scale_param)
+    if data_region is not None and info.fmt.column_block > 1:
+        first_data, first_scale = data_region[-1].start, scale_region[-1].start
+        per_byte = 2 if info.fmt.method == "mxfp4" else 1
+        if first_data * per_byte != first_scale * info.fmt.column_block:
+            raise ValueError(
+                f"{key!r}: this rank's part starts at input column {first_data * per_byte}, inside a block of "
+                f"{info.fmt.column_block} columns that shares one scale; under tensor parallelism the input "
+                f"features ({info.rows_shape[-1]}) must be a multiple of tp x {info.fmt.column_block}"
+            )
+    stacked = (
+        data_region is not None and len(sources) > 1 and len(info.rows_shape) == 3
+        and _combine_is_stack_of_cat(converter, key, len(sources), info.rows_shape[0])
+    )  # fmt: skip
+    if stacked:
+        data, scale = _stacked_storage(checkpoint, sources, info.rows_shape[0], data_region[0], data_region[1])
+        data, scale = data[..., data_region[-1]], scale[..., scale_region[-1]]
+    else:
+        data, scale = _combined_storage(converter, checkpoint, key, sources)
+        want = info.fmt.storage_shapes(info.rows_shape)[0]
+        if tuple(data.shape) != tuple(want):
+            raise ValueError(
+                f"checkpoint tensor {sources[0]!r} in {checkpoint.file_of(sources[0]).name!r} gives {key!r} "
+                f"{info.fmt} storage of shape {tuple(data.shape)}, but the model expects {tuple(want)}"
+            )
+        if data_region is not None:
+            data, scale = data[data_region], scale[scale_region]
+    copy_local_into(data_param, data, f"{key}_qdata")
+    copy_local_into(scale_param, scale, f"{key}_qscale")

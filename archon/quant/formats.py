@@ -1,0 +1,221 @@
+"""Block-scaled weight formats of published low-precision checkpoints, and their arithmetic.
+
+Two formats are read from a checkpoint's `quantization_config`:
+
+- **fp8** (DeepSeek-V3, Kimi K2, GLM-4.5-FP8, Qwen3-FP8, ...): `X.weight` in float8_e4m3fn [out, in]
+  and `X.weight_scale_inv` in fp32 [ceil(out/br), ceil(in/bc)], one scale per br x bc block
+  (`weight_block_size = [br, bc]`); w = q * scale. Edge blocks may be partial.
+- **mxfp4** (GPT-OSS experts, OCP microscaling): `X_blocks` uint8 [..., out, in/32, 16], two e2m1
+  values per byte (low nibble first), and `X_scales` uint8 [..., out, in/32], an e8m0 exponent per
+  32 inputs; w = fp4 * 2^(scale - 127). The dequantized HF tensor is [..., in, out] (transposed).
+
+In memory archon keeps every quantized weight *row-major with one scale per row and column block*:
+data [..., out, in'] (uint8 bytes: fp8 bits, or packed fp4 pairs) and scale [..., out, ceil(in/bc)].
+An fp8 block's scale is repeated over its br rows (a few percent of the fp8 bytes), which makes any
+concatenation or split along rows exact (stacked experts, fused gate/up, tensor-parallel columns,
+FSDP's row shards) even when the rows are not a multiple of the block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MXFP4_BLOCK = 32
+# The 16 e2m1 values by nibble (bit 3 is the sign).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A checkpoint's weight format: `method` "fp8" (block scales of `block_size` = (rows, cols))
+    or "mxfp4" (block_size (1, 32))."""
+
+    method: str
+    block_size: tuple[int, int]
+
+    @property
+    def column_block(self) -> int:
+        return self.block_size[1]
+
+    def __str__(self) -> str:
+        if self.method == "fp8":
+            return f"fp8 e4m3 with {self.block_size[0]}x{self.block_size[1]} block scales"
+        return "mxfp4 (e2m1, e8m0 scale per 32)"
+
+    # ---- checkpoint names -------------------------------------------------------------------
+    def stored_keys(self, hf_name: str) -> tuple[str, str]:
+        """(data key, scale key) in the checkpoint of the HF weight `hf_name`."""
+        if self.method == "fp8":
+            return hf_name, f"{hf_name}_scale_inv"
+        return f"{hf_name}_blocks", f"{hf_name}_scales"
+
+    def logical_name(self, stored_key: str) -> str | None:
+        """The HF weight a checkpoint key stores (data or scale key), or None for a plain key."""
+        if self.method == "fp8":
+            return stored_key.removesuffix("_scale_inv") if stored_key.endswith("_scale_inv") else None
+        for suffix in ("_blocks", "_scales"):
+            if stored_key.endswith(suffix):
+                return stored_key.removesuffix(suffix)
+        return None
+
+    def hf_transposed(self) -> bool:
+        """Whether the HF model's dequantized tensor is the transpose of the stored rows (mxfp4)."""
+        return self.method == "mxfp4"
+
+    def quantization_config(self) -> dict:
+        """`quantization_config` for a config.json of this format."""
+        if self.method == "fp8":
+            return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": list(self.block_size)}  # fmt: skip
+        return {"quant_method": "mxfp4"}
+
+    # ---- storage ------------------------------------------------------------------------------
+    def data_columns(self, in_features: int) -> int:
+        return in_features // 2 if self.method == "mxfp4" else in_features
+
+    def scale_columns(self, in_features: int) -> int:
+        return math.ceil(in_features / self.column_block)
+
+    def storage_shapes(self, rows_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(data, scale) shapes of the in-memory storage of a weight of row-major shape [..., out, in]."""
+        *lead, in_features = rows_shape
+        return (*lead, self.data_columns(in_features)), (*lead, self.scale_columns(in_features))
+
+    def scale_dtype(self) -> torch.dtype:
+        # fp8 scales are fp32 kept as their int32 bits: FSDP2's mixed-precision cast leaves
+        # non-floating parameters alone, and a bf16-rounded scale would move every weight of its block.
+        return torch.int32 if self.method == "fp8" else torch.uint8
+
+
+def quant_format_from_config(quantization_config: dict | None, where: str = "config.json") -> QuantFormat | None:
+    """The format named by a checkpoint's `quantization_config`, None when there is none; an error
+    naming the field for a method or layout archon does not read."""
+    if not quantization_config:
+        return None
+    method = quantization_config.get("quant_method")
+    if method == "fp8":
+        fmt = quantization_config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"{where}: quantization_config.fmt={fmt!r}; archon reads fp8 e4m3 checkpoints only")
+        block = quantization_config.get("weight_block_size")
+        if (
+            not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)
+        ):  # fmt: skip
+            raise ValueError(
+                f"{where}: quantization_config.weight_block_size={block!r}; archon reads block-scaled fp8 "
+                "checkpoints, which name two positive block sizes (e.g. [128, 128])"
+            )
+        return QuantFormat("fp8", (int(block[0]), int(block[1])))
+    if method == "mxfp4":
+        return QuantFormat("mxfp4", (1, MXFP4_BLOCK))
+    raise ValueError(
+        f"{where}: quantization_config.quant_method={method!r}; archon reads 'fp8' (block-scaled e4m3) and "
+        "'mxfp4' checkpoints"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8
+# ---------------------------------------------------------------------------------------------
+
+
+def fp8_rows_from_checkpoint(weight: torch.Tensor, scale_inv: torch.Tensor, row_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint fp8 `weight` [out, in] and `scale_inv` [ceil(out/br), nb] -> storage (uint8 bits
+    [out, in], int32 bits of the fp32 scale repeated per row [out, nb])."""
+    rows = weight.shape[-2]
+    scale = scale_inv.to(torch.float32).repeat_interleave(row_block, dim=-2)[..., :rows, :]
+    return weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in `dtype`."""
+    in_features = data.shape[-1]
+    values = data.view(torch.float8_e4m3fn).to(torch.float32)
+    scale = scale.view(torch.float32).repeat_interleave(column_block, dim=-1)[..., :in_features]
+    return (values * scale).to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published block recipe: per br x bc block, scale = amax / 448 and q = w / scale in e4m3.
+    weight [out, in] -> (float8_e4m3fn [out, in], fp32 scale_inv [ceil(out/br), ceil(in/bc)])."""
+    br, bc = block_size
+    out_features, in_features = weight.shape[-2:]
+    nr, nc = math.ceil(out_features / br), math.ceil(in_features / bc)
+    padded = torch.zeros(*weight.shape[:-2], nr * br, nc * bc, dtype=torch.float32, device=weight.device)
+    padded[..., :out_features, :in_features] = weight.float()
+    blocks = padded.unflatten(-1, (nc, bc)).unflatten(-3, (nr, br))  # [..., nr, br, nc, bc]
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)  # [..., nr, nc]
+    scale = amax / FP8_MAX
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.flatten(-2).flatten(-3, -2)[..., :out_features, :in_features]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+# ---------------------------------------------------------------------------------------------
+# mxfp4
+# ---------------------------------------------------------------------------------------------
+
+
+def mxfp4_rows_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint `X_blocks` [..., out, G, 16] and `X_scales` [..., out, G] -> storage
+    (uint8 [..., out, 16 G], uint8 [..., out, G])."""
+    return blocks.flatten(-2).contiguous(), scales.contiguous()
+
+
+def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Storage [..., out, in/2] (two e2m1 per byte, low nibble first) and [..., out, in/32] (e8m0)
+    -> weight [..., out, in] in `dtype`. Every product is exact in bf16 or wider."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=data.device)
+    values = torch.stack((lut[(data & 0x0F).long()], lut[(data >> 4).long()]), dim=-1).flatten(-2)  # [..., out, in]
+    exponent = scale.to(torch.int32) - 127
+    values = torch.ldexp(values.unflatten(-1, (-1, MXFP4_BLOCK)), exponent[..., None].to(torch.float32))
+    return values.flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX quantization: per 32 inputs, a shared exponent e = floor(log2(amax)) - 2 (e2m1's largest
+    exponent), elements rounded to the nearest e2m1 value of w / 2^e.
+    weight [..., out, in] -> (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32])."""
+    in_features = weight.shape[-1]
+    if in_features % MXFP4_BLOCK:
+        raise ValueError(f"mxfp4 needs a multiple of {MXFP4_BLOCK} inputs, got a weight of shape {tuple(weight.shape)}")
+    groups = weight.float().unflatten(-1, (-1, MXFP4_BLOCK))  # [..., out, G, 32]
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - 2, torch.zeros_like(amax))
+    exponent = exponent.clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    lut = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=weight.device)
+    magnitude = (scaled.abs().clamp(max=6.0)[..., None] - lut).abs().argmin(dim=-1)  # nearest |value|
+    nibbles = (magnitude | ((scaled < 0).to(torch.long) << 3)).to(torch.uint8)  # [..., out, G, 32]
+    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # [..., out, G, 16]
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# either
+# ---------------------------------------------------------------------------------------------
+
+
+def dequantize(fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """In-memory storage -> row-major weight [..., out, in] in `dtype`."""
+    if fmt.method == "fp8":
+        return dequantize_fp8(data, scale, fmt.column_block, dtype)
+    return dequantize_mxfp4(data, scale, dtype)
+
+
+def quantize_to_checkpoint(fmt: QuantFormat, hf_name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors (names and values) that store HF weight `hf_name` (as the HF model
+    holds it: [out, in] for fp8, [..., in, out] for mxfp4) in format `fmt`."""
+    data_key, scale_key = fmt.stored_keys(hf_name)
+    if fmt.method == "fp8":
+        if weight.ndim != 2:
+            raise ValueError(f"fp8 block quantization takes 2-D weights; {hf_name!r} has shape {tuple(weight.shape)}")
+        q, scale = quantize_fp8(weight, fmt.block_size)
+        return [(data_key, q), (scale_key, scale)]
+    blocks, scales = quantize_mxfp4(weight.transpose(-1, -2))
+    return [(data_key, blocks), (scale_key, scales)]

@@ -1,0 +1,242 @@
+"""A frozen quantized base in the model: weights stay in their stored format and are dequantized
+per GEMM, in the forward and again in the backward, with LoRA on top in the training dtype.
+
+`quantize_base_weights` turns chosen base weights of a (meta-device) model into storage
+parameters `<name>_qdata` and `<name>_qscale` (archon.quant.formats); the module's class becomes
+its quantized variant, which still answers `module.<name>` with the dequantized weight (so every
+reader of the weight keeps working) and runs its GEMMs through `_DequantizedLinear` /
+`_DequantizedExpertMatmul`, which keep no dequantized weight between the forward and the backward.
+
+Under tensor parallelism the linear's GEMM takes the DTensor path (the dequantized local shard,
+wrapped as a DTensor with the storage's layout, which autograd then keeps for the backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from archon.grouped_mm import ExpertGroups, expert_matmul
+from archon.lora.layers import LoRALinear
+from archon.models.common.moe import GroupedExperts
+from archon.quant.formats import QuantFormat, dequantize
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """What a storage pair holds: `rows_shape` [..., out, in] of the whole weight in format `fmt`;
+    `transposed` when the module's weight is [..., in, out] (input-major experts); `dtype` of the
+    dequantized weight read as `module.<name>`."""
+
+    fmt: QuantFormat
+    rows_shape: tuple[int, ...]
+    transposed: bool
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The module weight's shape."""
+        if self.transposed:
+            return (*self.rows_shape[:-2], self.rows_shape[-1], self.rows_shape[-2])
+        return self.rows_shape
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class QuantizedWeights:
+    """Mixin of a module some of whose base weights are stored quantized (`_quantized`: name ->
+    QuantizedWeight)."""
+
+    _quantized: dict[str, QuantizedWeight]
+
+    def __getattr__(self, name: str):
+        quantized = self.__dict__.get("_quantized")
+        if quantized is not None and name in quantized:
+            return self.dequantized(name)
+        return super().__getattr__(name)
+
+    def storage(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scale) parameters of quantized weight `name`."""
+        return getattr(self, f"{name}_qdata"), getattr(self, f"{name}_qscale")
+
+    def dequantized(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Weight `name` in the module's layout and `dtype` (default: the build dtype). Storage
+        sharded as DTensors (FSDP2, TP, EP) gives a DTensor of the same layout."""
+        info = self._quantized[name]
+        data, scale = self.storage(name)
+        weight = dequantize(info.fmt, _local(data), _local(scale), dtype or info.dtype)
+        if info.transposed:
+            weight = weight.transpose(-1, -2)
+        if not isinstance(data, DTensor):
+            return weight
+        placements = []
+        for p in data.placements:
+            if isinstance(p, Shard) and info.transposed and p.dim % len(info.rows_shape) >= len(info.rows_shape) - 2:
+                p = Shard(2 * len(info.rows_shape) - 3 - p.dim % len(info.rows_shape))
+            placements.append(p)
+        return DTensor.from_local(
+            weight, data.device_mesh, placements, run_check=False, shape=torch.Size(info.shape),
+            stride=torch.empty(info.shape, device="meta").stride(),
+        )  # fmt: skip
+
+    def merge_lora(self) -> None:
+        raise ValueError(
+            f"{type(self).__name__}: a quantized base cannot take the adapter in place; merged exports and "
+            "merged weight sync add it to a dequantized copy (archon.quant.dense_base_tensors)"
+        )
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """x W^T with W dequantized from its storage in the forward and again in the backward (W is
+    frozen: only x gets a gradient), so no dequantized weight outlives its GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, data, scale, fmt):
+        ctx.save_for_backward(data, scale)
+        ctx.fmt = fmt
+        return F.linear(x, dequantize(fmt, data, scale, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        data, scale = ctx.saved_tensors
+        return grad_out @ dequantize(ctx.fmt, data, scale, grad_out.dtype), None, None, None
+
+
+class _DequantizedExpertMatmul(torch.autograd.Function):
+    """Rows x [N, in] sorted by expert times their expert's dequantized weight: [N, out]; this
+    rank's experts are dequantized together, in the forward and again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, data, scale, fmt, groups):
+        ctx.save_for_backward(data, scale)
+        ctx.fmt, ctx.groups = fmt, groups
+        weight = dequantize(fmt, data, scale, x.dtype)  # [E, out, in]
+        return expert_matmul(x, weight.transpose(1, 2), groups)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        data, scale = ctx.saved_tensors
+        weight = dequantize(ctx.fmt, data, scale, grad_out.dtype)  # [E, out, in]
+        return expert_matmul(grad_out, weight, ctx.groups), None, None, None, None
+
+
+def _quantized_linear(module: QuantizedWeights, x: torch.Tensor) -> torch.Tensor:
+    """x W^T + b for a module whose `weight` is quantized."""
+    data, scale = module.storage("weight")
+    if isinstance(data, DTensor):  # tensor parallel: a DTensor GEMM on the dequantized local shard
+        return F.linear(x, module.weight, module.bias)
+    out = _DequantizedLinear.apply(x, data, scale, module._quantized["weight"].fmt)
+    return out if module.bias is None else out + module.bias
+
+
+class QuantizedLinear(QuantizedWeights, nn.Linear):
+    """nn.Linear with a quantized frozen weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _quantized_linear(self, x)
+
+
+class QuantizedLoRALinear(QuantizedWeights, LoRALinear):
+    """LoRALinear on a quantized frozen weight: y = deq(W) x + b + s B A dropout(x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _quantized_linear(self, x)
+        if not self.lora_enabled:
+            return out
+        h = self.lora_dropout(x.to(self.lora_a.weight.dtype))
+        return out + (self.lora_b(self.lora_a(h)) * self.scaling).to(out.dtype)
+
+
+class QuantizedExperts(QuantizedWeights):
+    """Mixin of stacked experts whose `gate_up_proj` / `down_proj` are quantized."""
+
+    def _expert_matmul(self, x: torch.Tensor, weight_name: str, groups: ExpertGroups) -> torch.Tensor:
+        if weight_name not in self._quantized:
+            return super()._expert_matmul(x, weight_name, groups)
+        data, scale = (_local(t) for t in self.storage(weight_name))
+        return _DequantizedExpertMatmul.apply(x, data, scale, self._quantized[weight_name].fmt, groups)
+
+
+_QUANTIZED_CLASSES: dict[type, type] = {nn.Linear: QuantizedLinear, LoRALinear: QuantizedLoRALinear}
+
+
+def quantized_class(cls: type, key: str) -> type:
+    """The quantized variant of module class `cls` (made once per class); an error naming the
+    parameter `key` for a module that cannot hold a quantized weight."""
+    if cls not in _QUANTIZED_CLASSES:
+        if issubclass(cls, GroupedExperts):
+            mixin = QuantizedExperts
+        elif issubclass(cls, nn.Linear):  # other linears (a multi-task LoRA linear) dequantize via `weight`
+            mixin = QuantizedWeights
+        else:
+            raise TypeError(
+                f"checkpoint stores {key!r} quantized, but archon's {cls.__name__} cannot hold a quantized weight "
+                "(linear layers and stacked experts can); load it with model.quantized_base='dequantize'"
+            )
+        _QUANTIZED_CLASSES[cls] = type(f"Quantized{cls.__name__}", (mixin, cls), {"__doc__": cls.__doc__})
+    return _QUANTIZED_CLASSES[cls]
+
+
+def quantize_base_weights(model: nn.Module, keys: dict[str, QuantFormat], dtype: torch.dtype) -> None:
+    """Replace each base parameter `keys` names (archon key -> its checkpoint's format) by empty
+    storage parameters, frozen; `dtype` is what reading `module.<name>` dequantizes to."""
+    for key, fmt in keys.items():
+        path, _, name = key.rpartition(".")
+        module = model.get_submodule(path)
+        param = module._parameters.get(name)
+        if param is None:
+            raise KeyError(f"{key!r} is not a parameter of the model")
+        cls = type(module) if isinstance(module, QuantizedWeights) else quantized_class(type(module), key)
+        transposed = isinstance(module, GroupedExperts) and module.input_major and name in ("gate_up_proj", "down_proj")
+        shape = tuple(param.shape)
+        rows_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+        if fmt.method == "mxfp4" and rows_shape[-1] % 32:
+            raise ValueError(f"{key!r}: mxfp4 needs a multiple of 32 inputs, the model has {rows_shape[-1]}")
+        data_shape, scale_shape = fmt.storage_shapes(rows_shape)
+        del module._parameters[name]
+        for suffix, storage_shape, storage_dtype in (
+            ("qdata", data_shape, torch.uint8), ("qscale", scale_shape, fmt.scale_dtype())
+        ):  # fmt: skip
+            storage = torch.empty(storage_shape, dtype=storage_dtype, device=param.device)
+            module.register_parameter(f"{name}_{suffix}", nn.Parameter(storage, requires_grad=False))
+        module.__dict__.setdefault("_quantized", {})[name] = QuantizedWeight(fmt, rows_shape, transposed, dtype)
+        module.__class__ = cls
+
+
+def quantized_weights(model: nn.Module) -> dict[str, tuple[QuantizedWeights, str]]:
+    """archon key of every quantized weight -> (its module, its name there)."""
+    out = {}
+    for path, module in model.named_modules():
+        for name in getattr(module, "_quantized", {}) if isinstance(module, QuantizedWeights) else ():
+            out[f"{path}.{name}" if path else name] = (module, name)
+    return out
+
+
+def is_quantized_storage(key: str) -> bool:
+    return key.endswith(("_qdata", "_qscale"))
+
+
+def dense_base_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `module`'s parameters, each quantized weight's storage pair replaced by the
+    weight dequantized in its build dtype (whole: DTensor shards gathered)."""
+    from archon.lora.peft import full_tensor
+
+    out = []
+    for path, sub in module.named_modules(prefix=prefix):
+        for name, param in sub.named_parameters(recurse=False):
+            if name.endswith("_qscale"):
+                continue
+            if name.endswith("_qdata"):
+                name = name.removesuffix("_qdata")
+                info = sub._quantized[name]
+                data, scale = (full_tensor(t.detach()) for t in sub.storage(name))
+                param = dequantize(info.fmt, data, scale, info.dtype)
+                param = param.transpose(-1, -2) if info.transposed else param
+            out.append((f"{path}.{name}" if path else name, param))
+    return out
