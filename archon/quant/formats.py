@@ -136,7 +136,10 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int, d
     """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in `dtype`."""
     in_features = data.shape[-1]
     values = data.view(torch.float8_e4m3fn).to(torch.float32)
-    scale = scale.view(torch.float32).repeat_interleave(column_block, dim=-1)[..., :in_features]
+    scale = scale.view(torch.float32)
+    if in_features % column_block == 0:  # whole blocks: scale each block in a view, no repeated scales
+        return (values.unflatten(-1, (-1, column_block)) * scale[..., None]).flatten(-2).to(dtype)
+    scale = scale.repeat_interleave(column_block, dim=-1)[..., :in_features]
     return (values * scale).to(dtype)
 
 
@@ -170,11 +173,21 @@ def mxfp4_rows_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tu
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Storage [..., out, in/2] (two e2m1 per byte, low nibble first) and [..., out, in/32] (e8m0)
     -> weight [..., out, in] in `dtype`. Every product is exact in bf16 or wider."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=data.device)
-    values = torch.stack((lut[(data & 0x0F).long()], lut[(data >> 4).long()]), dim=-1).flatten(-2)  # [..., out, in]
-    exponent = scale.to(torch.int32) - 127
-    values = torch.ldexp(values.unflatten(-1, (-1, MXFP4_BLOCK)), exponent[..., None].to(torch.float32))
-    return values.flatten(-2).to(dtype)
+    values = _fp4_pairs(data.device)[data.long()].flatten(-2)  # [..., out, in]: one lookup per byte
+    multiplier = torch.exp2(scale.to(torch.float32) - 127)  # [..., out, in/32]
+    return (values.unflatten(-1, (-1, MXFP4_BLOCK)) * multiplier[..., None]).flatten(-2).to(dtype)
+
+
+_FP4_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp4_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: the two e2m1 values (low nibble, high nibble) of each byte."""
+    if device not in _FP4_PAIRS:
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        byte = torch.arange(256)
+        _FP4_PAIRS[device] = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1).to(device)
+    return _FP4_PAIRS[device]
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
