@@ -5,8 +5,6 @@ weight (archon.quant.formats) for a base kept quantized."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from archon.checkpoint.hf import HFCheckpoint
@@ -33,8 +31,8 @@ class QuantizedCheckpoint:
             if fmt.method == "fp8":
                 if self._stored_dtype(key) == _FP8_DTYPE:
                     self.quantized[key] = fmt.stored_keys(key)
-                elif key.endswith("_scale_inv") and key.removesuffix("_scale_inv") not in stored:
-                    raise KeyError(self._orphan(key, key.removesuffix("_scale_inv")))
+                elif key.endswith(fmt.scale_suffix) and key.removesuffix(fmt.scale_suffix) not in stored:
+                    raise KeyError(self._orphan(key, key.removesuffix(fmt.scale_suffix)))
             elif key.endswith(("_blocks", "_scales")):
                 self.quantized[fmt.logical_name(key)] = fmt.stored_keys(fmt.logical_name(key))
         for name, (data_key, scale_key) in self.quantized.items():
@@ -44,7 +42,13 @@ class QuantizedCheckpoint:
                         f"checkpoint {str(self.path)!r}: {other!r} (in {self.checkpoint.file_of(other).name!r}) has "
                         f"no {needed!r}; a {fmt} weight needs both"
                     )
-        self._plain = stored - {k for pair in self.quantized.values() for k in pair}
+        # Static activation scales (`X.input_scale` beside an fp8 `X.weight`) serve fp8 GEMM kernels;
+        # archon's GEMMs run in the training dtype on dequantized weights, so they are not needed.
+        activation_scales = {
+            key for key in stored
+            if key.endswith(".input_scale") and key.removesuffix("input_scale") + "weight" in self.quantized
+        }  # fmt: skip
+        self._plain = stored - {k for pair in self.quantized.values() for k in pair} - activation_scales
 
     def _stored_dtype(self, key: str) -> str:
         return self.checkpoint._handle(key).get_slice(key).get_dtype()
@@ -101,9 +105,10 @@ class QuantizedCheckpoint:
         data_key, scale_key = self.quantized[key]
         data_shape, scale_shape = self.checkpoint.shape(data_key), self.checkpoint.shape(scale_key)
         if self.fmt.method == "fp8":
-            br, bc = self.fmt.block_size
-            want = [*data_shape[:-2], math.ceil(data_shape[-2] / br), math.ceil(data_shape[-1] / bc)]
-            why = f"weight_block_size [{br}, {bc}] over {data_key!r} of shape {tuple(data_shape)}"
+            want = self.fmt.checkpoint_scale_shape(data_shape)
+            why = f"{self.fmt} over {data_key!r} of shape {tuple(data_shape)}"
+            if want == [1] and list(scale_shape) in ([], [1, 1]):
+                want = list(scale_shape)  # one scale for the tensor, stored with any layout of one value
         else:
             want = data_shape[:-1]
             why = f"one e8m0 exponent per 32 values of {data_key!r} of shape {tuple(data_shape)}"
@@ -193,7 +198,7 @@ def load_quantized_weight(module, name: str, converter, checkpoint: QuantizedChe
         )
     data_param, scale_param = module.storage(name)
     data_region, scale_region = local_region(data_param), local_region(scale_param)
-    if data_region is not None and info.fmt.column_block > 1:
+    if data_region is not None and (info.fmt.column_block or 1) > 1:
         first_data, first_scale = data_region[-1].start, scale_region[-1].start
         per_byte = 2 if info.fmt.method == "mxfp4" else 1
         if first_data * per_byte != first_scale * info.fmt.column_block:

@@ -19,7 +19,7 @@ FSDP's row shards) even when the rows are not a multiple of the block.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,33 +31,45 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A checkpoint's weight format: `method` "fp8" (block scales of `block_size` = (rows, cols))
-    or "mxfp4" (block_size (1, 32))."""
+    """A checkpoint's weight format.
+
+    `method` "fp8": e4m3 weights with a scale per block of `block_size` = (rows, cols), where None
+    is the whole dimension ((1, None): one scale per output row; (None, None): one per tensor); the
+    scale is stored as `<weight><scale_suffix>`. "mxfp4": block_size (1, 32).
+    `config` is the checkpoint's `quantization_config`, written back by a requantized export.
+    """
 
     method: str
-    block_size: tuple[int, int]
+    block_size: tuple[int | None, int | None]
+    scale_suffix: str = "_scale_inv"
+    config: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
-    def column_block(self) -> int:
+    def column_block(self) -> int | None:
+        """Inputs that share a scale; None: all of a row's."""
         return self.block_size[1]
 
     def __str__(self) -> str:
-        if self.method == "fp8":
-            return f"fp8 e4m3 with {self.block_size[0]}x{self.block_size[1]} block scales"
-        return "mxfp4 (e2m1, e8m0 scale per 32)"
+        if self.method == "mxfp4":
+            return "mxfp4 (e2m1, e8m0 scale per 32)"
+        rows, cols = self.block_size
+        if rows is None and cols is None:
+            return "fp8 e4m3 with a scale per tensor"
+        if rows == 1 and cols is None:
+            return "fp8 e4m3 with a scale per output channel"
+        return f"fp8 e4m3 with {rows}x{cols} block scales"
 
     # ---- checkpoint names -------------------------------------------------------------------
     def stored_keys(self, hf_name: str) -> tuple[str, str]:
         """(data key, scale key) in the checkpoint of the HF weight `hf_name`."""
         if self.method == "fp8":
-            return hf_name, f"{hf_name}_scale_inv"
+            return hf_name, f"{hf_name}{self.scale_suffix}"
         return f"{hf_name}_blocks", f"{hf_name}_scales"
 
     def logical_name(self, stored_key: str) -> str | None:
         """The HF weight a checkpoint key stores (data or scale key), or None for a plain key."""
-        if self.method == "fp8":
-            return stored_key.removesuffix("_scale_inv") if stored_key.endswith("_scale_inv") else None
-        for suffix in ("_blocks", "_scales"):
+        suffixes = (self.scale_suffix,) if self.method == "fp8" else ("_blocks", "_scales")
+        for suffix in suffixes:
             if stored_key.endswith(suffix):
                 return stored_key.removesuffix(suffix)
         return None
@@ -67,7 +79,10 @@ class QuantFormat:
         return self.method == "mxfp4"
 
     def quantization_config(self) -> dict:
-        """`quantization_config` for a config.json of this format."""
+        """`quantization_config` for a config.json of this format: the source checkpoint's, or the
+        published layout of the format."""
+        if self.config:
+            return dict(self.config)
         if self.method == "fp8":
             return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": list(self.block_size)}  # fmt: skip
@@ -78,7 +93,17 @@ class QuantFormat:
         return in_features // 2 if self.method == "mxfp4" else in_features
 
     def scale_columns(self, in_features: int) -> int:
-        return math.ceil(in_features / self.column_block)
+        return 1 if self.column_block is None else math.ceil(in_features / self.column_block)
+
+    def checkpoint_scale_shape(self, data_shape: list[int]) -> list[int]:
+        """The scale tensor's shape in the checkpoint for a data tensor of `data_shape`."""
+        if self.method == "mxfp4":
+            return list(data_shape[:-1])
+        rows, cols = self.block_size
+        if rows is None and cols is None:
+            return [1]
+        *lead, out_features, in_features = data_shape
+        return [*lead, math.ceil(out_features / (rows or out_features)), math.ceil(in_features / (cols or in_features))]
 
     def storage_shapes(self, rows_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(data, scale) shapes of the in-memory storage of a weight of row-major shape [..., out, in]."""
@@ -110,13 +135,69 @@ def quant_format_from_config(quantization_config: dict | None, where: str = "con
                 f"{where}: quantization_config.weight_block_size={block!r}; archon reads block-scaled fp8 "
                 "checkpoints, which name two positive block sizes (e.g. [128, 128])"
             )
-        return QuantFormat("fp8", (int(block[0]), int(block[1])))
+        return QuantFormat("fp8", (int(block[0]), int(block[1])), config=dict(quantization_config))
     if method == "mxfp4":
-        return QuantFormat("mxfp4", (1, MXFP4_BLOCK))
+        return QuantFormat("mxfp4", (1, MXFP4_BLOCK), config=dict(quantization_config))
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(quantization_config, where)
     raise ValueError(
-        f"{where}: quantization_config.quant_method={method!r}; archon reads 'fp8' (block-scaled e4m3) and "
-        "'mxfp4' checkpoints"
+        f"{where}: quantization_config.quant_method={method!r}; archon reads 'fp8' (block-scaled e4m3), "
+        "'compressed-tensors' (float-quantized fp8) and 'mxfp4' checkpoints"
     )
+
+
+_COMPRESSED_TENSORS_BLOCKS = {"tensor": (None, None), "channel": (1, None)}
+
+
+def _compressed_tensors_format(config: dict, where: str) -> QuantFormat:
+    """The fp8 weight layout of a compressed-tensors checkpoint (`format` float-quantized: e4m3
+    weights, `weight_scale` per tensor, per output channel or per block)."""
+    field_name = "quantization_config"
+    if config.get("format") != "float-quantized":
+        raise ValueError(
+            f"{where}: {field_name}.format={config.get('format')!r}; of compressed-tensors checkpoints archon reads "
+            "the fp8 ones ('float-quantized')"
+        )
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}: {field_name}.config_groups must name at least one group of weights")
+    blocks = set()
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise ValueError(f"{where}: {field_name}.config_groups.{name}.weights is missing")
+        if weights.get("type") != "float" or weights.get("num_bits") != 8 or not weights.get("symmetric", True):
+            raise ValueError(
+                f"{where}: {field_name}.config_groups.{name}.weights is type={weights.get('type')!r}, "
+                f"num_bits={weights.get('num_bits')!r}; archon reads symmetric 8-bit float weights"
+            )
+        strategy = weights.get("strategy")
+        if strategy == "block":
+            block = weights.get("block_structure")
+            if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+                raise ValueError(f"{where}: {field_name}.config_groups.{name}.weights.block_structure={block!r}")
+            blocks.add((int(block[0]), int(block[1])))
+        elif strategy in _COMPRESSED_TENSORS_BLOCKS:
+            blocks.add(_COMPRESSED_TENSORS_BLOCKS[strategy])
+        else:
+            raise ValueError(
+                f"{where}: {field_name}.config_groups.{name}.weights.strategy={strategy!r}; archon reads 'tensor', "
+                "'channel' and 'block'"
+            )
+    if len(blocks) != 1:
+        raise ValueError(f"{where}: {field_name}.config_groups mix weight strategies {sorted(map(str, blocks))}")
+    return QuantFormat("fp8", blocks.pop(), scale_suffix="_scale", config=dict(config))
+
+
+def compressed_tensors_config(strategy: str, block: tuple[int, int] | None = None) -> dict:
+    """A compressed-tensors `quantization_config` for fp8 weights with dynamic per-token fp8
+    activations, as published fp8 checkpoints of that format carry."""
+    weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False, "strategy": strategy}
+    if block is not None:
+        weights["block_structure"] = list(block)
+    activations = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": True, "strategy": "token"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,30 +205,40 @@ def quant_format_from_config(quantization_config: dict | None, where: str = "con
 # ---------------------------------------------------------------------------------------------
 
 
-def fp8_rows_from_checkpoint(weight: torch.Tensor, scale_inv: torch.Tensor, row_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint fp8 `weight` [out, in] and `scale_inv` [ceil(out/br), nb] -> storage (uint8 bits
-    [out, in], int32 bits of the fp32 scale repeated per row [out, nb])."""
+def fp8_rows_from_checkpoint(
+    weight: torch.Tensor, scale: torch.Tensor, row_block: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint fp8 `weight` [..., out, in] and its scale ([..., ceil(out/br), nb], or one per
+    tensor) -> storage (uint8 bits [..., out, in], int32 bits of the fp32 scale repeated per row
+    [..., out, nb]). `row_block` None: the scale covers every row."""
     rows = weight.shape[-2]
-    scale = scale_inv.to(torch.float32).repeat_interleave(row_block, dim=-2)[..., :rows, :]
+    scale = scale.to(torch.float32)
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1)
+    scale = scale.repeat_interleave(row_block or rows, dim=-2)[..., :rows, :]
     return weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
 
 
-def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int, dtype: torch.dtype) -> torch.Tensor:
-    """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in `dtype`."""
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in
+    `dtype`. `column_block` None: one scale per row."""
     in_features = data.shape[-1]
     values = data.view(torch.float8_e4m3fn).to(torch.float32)
     scale = scale.view(torch.float32)
+    if column_block is None or scale.shape[-1] == 1 and in_features <= column_block:
+        return (values * scale).to(dtype)
     if in_features % column_block == 0:  # whole blocks: scale each block in a view, no repeated scales
         return (values.unflatten(-1, (-1, column_block)) * scale[..., None]).flatten(-2).to(dtype)
     scale = scale.repeat_interleave(column_block, dim=-1)[..., :in_features]
     return (values * scale).to(dtype)
 
 
-def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The published block recipe: per br x bc block, scale = amax / 448 and q = w / scale in e4m3.
-    weight [out, in] -> (float8_e4m3fn [out, in], fp32 scale_inv [ceil(out/br), ceil(in/bc)])."""
-    br, bc = block_size
+def quantize_fp8(weight: torch.Tensor, block_size: tuple[int | None, int | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published block recipe: per br x bc block, scale = amax / 448 and q = w / scale in e4m3
+    (None: the whole dimension). weight [out, in] -> (float8_e4m3fn [out, in], fp32 scale
+    [ceil(out/br), ceil(in/bc)])."""
     out_features, in_features = weight.shape[-2:]
+    br, bc = block_size[0] or out_features, block_size[1] or in_features
     nr, nc = math.ceil(out_features / br), math.ceil(in_features / bc)
     padded = torch.zeros(*weight.shape[:-2], nr * br, nc * bc, dtype=torch.float32, device=weight.device)
     padded[..., :out_features, :in_features] = weight.float()
@@ -229,6 +320,8 @@ def quantize_to_checkpoint(fmt: QuantFormat, hf_name: str, weight: torch.Tensor)
         if weight.ndim != 2:
             raise ValueError(f"fp8 block quantization takes 2-D weights; {hf_name!r} has shape {tuple(weight.shape)}")
         q, scale = quantize_fp8(weight, fmt.block_size)
+        if fmt.block_size == (None, None):
+            scale = scale.reshape(1)  # one scale per tensor, stored as [1]
         return [(data_key, q), (scale_key, scale)]
     blocks, scales = quantize_mxfp4(weight.transpose(-1, -2))
     return [(data_key, blocks), (scale_key, scales)]
