@@ -229,8 +229,10 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int | 
         return (values * scale).to(dtype)
     if in_features % column_block == 0:  # whole blocks: scale each block in a view, no repeated scales
         return (values.unflatten(-1, (-1, column_block)) * scale[..., None]).flatten(-2).to(dtype)
-    scale = scale.repeat_interleave(column_block, dim=-1)[..., :in_features]
-    return (values * scale).to(dtype)
+    # A gather rather than repeat_interleave: inductor (torch 2.13, CPU) miscompiles the latter
+    # after the bit views above.
+    block_of_column = torch.arange(in_features, device=data.device) // column_block
+    return (values * scale[..., block_of_column]).to(dtype)
 
 
 def quantize_fp8(weight: torch.Tensor, block_size: tuple[int | None, int | None]) -> tuple[torch.Tensor, torch.Tensor]:
