@@ -270,7 +270,13 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
             view.lora_a, view.lora_b, view.scaling = adapter.lora_a, adapter.lora_b, adapter.scaling
             view.lora_dropout = nn.Dropout(adapter.dropout) if adapter.dropout > 0 else nn.Identity()
             view.lora_enabled = self.lora_enabled
-        view.weight, view.bias = self.weight, self.bias
+        if "weight" in self.__dict__.get("_quantized", {}):  # a quantized base: the view shares its storage
+            from archon.quant.modules import share_quantized_weight
+
+            share_quantized_weight(self, view, "weight")
+        else:
+            view.weight = self.weight
+        view.bias = self.bias
         object.__setattr__(view, "owner", self)  # not a submodule: its parameters are not the view's
         return view.train(self.training)
 

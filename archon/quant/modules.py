@@ -209,6 +209,17 @@ def quantize_base_weights(model: nn.Module, keys: dict[str, QuantFormat], dtype:
         module.__class__ = cls
 
 
+def share_quantized_weight(owner: QuantizedWeights, view: nn.Module, name: str) -> None:
+    """Make `view` hold `owner`'s quantized weight `name` (the same storage parameters) in place of
+    its own parameter `name`, as a quantized module (a multi-task layer's single-task view)."""
+    view._parameters.pop(name, None)
+    for suffix in ("qdata", "qscale"):
+        view.register_parameter(f"{name}_{suffix}", owner._parameters[f"{name}_{suffix}"])
+    view.__dict__.setdefault("_quantized", {})[name] = owner._quantized[name]
+    if not isinstance(view, QuantizedWeights):
+        view.__class__ = quantized_class(type(view), name)
+
+
 def quantized_weights(model: nn.Module) -> dict[str, tuple[QuantizedWeights, str]]:
     """archon key of every quantized weight -> (its module, its name there)."""
     out = {}
