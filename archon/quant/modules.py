@@ -13,6 +13,7 @@ wrapped as a DTensor with the storage's layout, which autograd then keeps for th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -233,12 +234,11 @@ def is_quantized_storage(key: str) -> bool:
     return key.endswith(("_qdata", "_qscale"))
 
 
-def dense_base_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of `module`'s parameters, each quantized weight's storage pair replaced by the
-    weight dequantized in its build dtype (whole: DTensor shards gathered)."""
+def dense_base_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `module`'s parameters, one at a time, each quantized weight's storage pair
+    replaced by the weight dequantized in its build dtype (whole: DTensor shards gathered)."""
     from archon.lora.peft import full_tensor
 
-    out = []
     for path, sub in module.named_modules(prefix=prefix):
         for name, param in sub.named_parameters(recurse=False):
             if name.endswith("_qscale"):
@@ -249,5 +249,4 @@ def dense_base_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, t
                 data, scale = (full_tensor(t.detach()) for t in sub.storage(name))
                 param = dequantize(info.fmt, data, scale, info.dtype)
                 param = param.transpose(-1, -2) if info.transposed else param
-            out.append((f"{path}.{name}" if path else name, param))
-    return out
+            yield f"{path}.{name}" if path else name, param

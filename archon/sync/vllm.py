@@ -53,6 +53,7 @@ from archon.rollout.vllm_network import (
 from archon.rollout.vllm_server import VLLMServers
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
 from archon.sync.buckets import send_tensors
+from archon.quant import QuantFormat
 from archon.sync.payload import adapter_payload, full_payload, merged_payload
 from archon.sync.process_group import StatelessGroup
 
@@ -300,9 +301,13 @@ class CollectiveMergedSync(_VLLMSync):
     """Merged (or, without LoRA, all) weights reloaded into the served base weights; requests then
     use the base model. The swap runs with no request in flight on any trainer rank."""
 
-    def __init__(self, rollout: VLLMRolloutEngine, channel: WorkerChannel) -> None:
+    def __init__(
+        self, rollout: VLLMRolloutEngine, channel: WorkerChannel,
+        requantize: tuple[QuantFormat, frozenset[str]] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(rollout)
         self.channel = channel
+        self.requantize = requantize
 
     def _publish(self, model, converter, lora, version) -> dict[str, float]:
         payload = merged_payload if lora is not None else full_payload
@@ -311,7 +316,7 @@ class CollectiveMergedSync(_VLLMSync):
         with self.policy.exclusive():
             if _distributed():  # every rank's requests in flight have ended
                 dist.barrier()
-            weights = payload(model, converter)  # gathered on every rank
+            weights = payload(model, converter, self.requantize)  # gathered on every rank
             try:
                 if self.rank == 0:
                     stats = self.channel.send("archon_receive_weights", {}, weights, _model_device(model))
