@@ -33,8 +33,16 @@ class QuantizedCheckpoint:
             if fmt.method == "fp8":
                 if self._stored_dtype(key) == _FP8_DTYPE:
                     self.quantized[key] = fmt.stored_keys(key)
-                elif key.endswith("_scale_inv") and key.removesuffix("_scale_inv") not in stored:
-                    raise KeyError(self._orphan(key, key.removesuffix("_scale_inv")))
+                elif key.endswith("_scale_inv"):
+                    weight = key.removesuffix("_scale_inv")
+                    if weight not in stored:
+                        raise KeyError(self._orphan(key, weight))
+                    if self._stored_dtype(weight) != _FP8_DTYPE:
+                        raise ValueError(
+                            f"checkpoint {str(self.path)!r}: {weight!r} in {self.checkpoint.file_of(weight).name!r} "
+                            f"has a scale ({key!r}) but is stored as {self._stored_dtype(weight)}, not {_FP8_DTYPE}; "
+                            f"the config's quantization_config names {fmt}"
+                        )
             elif key.endswith(("_blocks", "_scales")):
                 self.quantized[fmt.logical_name(key)] = fmt.stored_keys(fmt.logical_name(key))
         for name, (data_key, scale_key) in self.quantized.items():
@@ -42,7 +50,7 @@ class QuantizedCheckpoint:
                 if needed not in stored:
                     raise KeyError(
                         f"checkpoint {str(self.path)!r}: {other!r} (in {self.checkpoint.file_of(other).name!r}) has "
-                        f"no {needed!r}; a {fmt} weight needs both"
+                        f"no {needed!r}; a weight stored as {fmt} needs both"
                     )
         self._plain = stored - {k for pair in self.quantized.values() for k in pair}
 
