@@ -26,6 +26,7 @@ from archon.tools.align import (
     main,
     make_tiny_hf_checkpoint,
     packed_batch,
+    quantize_option_format,
     reference_dequantize_fp8,
     reference_dequantize_mxfp4,
     run_alignment,
@@ -169,9 +170,7 @@ def test_kept_quantized_base_matches_hf_and_peft(case):
     report = run_alignment(
         AlignArgs(model_type=model_type, quantize=quantize, config_overrides=overrides, lora_rank=4, seq_lens=SEQ_LENS)
     )
-    assert report["quantization"] == str(
-        QuantFormat("fp8", (128, 128)) if quantize == "fp8" else QuantFormat("fp8", (16, 24))
-    )
+    assert report["quantization"] == str(quantize_option_format(quantize))
     _check_report(report)
 
 
@@ -229,8 +228,8 @@ def test_kept_quantized_and_dequantized_at_load_give_the_same_logits(case, quant
 
 def _weight_shaped_saved_tensors(path: Path, quantized_base: str, weights: dict[str, set]) -> tuple[list, dict]:
     """Forward and backward of a LoRA model on `path`: the floating tensors autograd saved for the
-    backward that have the shape of a weight of `weights` (archon key -> shapes) and are not a
-    parameter of another weight (a plain weight may share a shape), and the LoRA gradients."""
+    backward that have the shape of a weight of `weights` (archon key -> shapes) and are not one of
+    the model's other parameters (a plain weight may share a shape), and the LoRA gradients."""
     lora = LoRAConfig(rank=4, alpha=8, target_modules="all-linear")
     model = build_model(path, lora=lora, quantized_base=quantized_base).model
     weight_shapes = set().union(*weights.values())
@@ -243,7 +242,9 @@ def _weight_shaped_saved_tensors(path: Path, quantized_base: str, weights: dict[
     found = []
 
     def pack(t: torch.Tensor):
-        if t.is_floating_point() and tuple(t.shape) in weight_shapes and t.untyped_storage().data_ptr() not in other_params:
+        if not t.is_floating_point() or t.untyped_storage().data_ptr() in other_params:
+            return t
+        if tuple(t.shape) in weight_shapes:
             found.append(tuple(t.shape))
         return t
 

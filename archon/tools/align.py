@@ -229,7 +229,9 @@ def _e2m1_value(nibble: int) -> float:
     return sign * 2.0 ** (exponent - 1) * (1.0 + mantissa / 2)
 
 
-def reference_dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int], name: str) -> torch.Tensor:
+def reference_dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int], name: str
+) -> torch.Tensor:
     """fp8 e4m3 `weight` [..., rows, cols] with `scale_inv` [..., ceil(rows/br), ceil(cols/bc)] ->
     fp32: for each br x bc block (i, j), partial edge blocks included, w = q * scale_inv[i, j]."""
     br, bc = block_size
@@ -321,15 +323,19 @@ def write_dequantized_reference(source: Path, out_dir: Path) -> tuple[Path, int]
                     tensor = reference_dequantize_mxfp4(tensor, checkpoint.get(f"{name}_scales"), name)
                     key, dequantized = name, dequantized + 1
             else:
-                raise ValueError(f"{str(source / 'config.json')!r}: quantization_config.quant_method={method!r} has no reference dequantization")
+                raise ValueError(
+                    f"{str(source / 'config.json')!r}: quantization_config.quant_method={method!r} has no "
+                    "reference dequantization"
+                )
             tensors[key] = tensor
         save_file(tensors, str(out_dir / file.name), metadata={"format": "pt"})
         weight_map.update({key: file.name for key in tensors})
     if (source / "model.safetensors.index.json").exists():
         (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in source.iterdir():
-        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
+    for extra in source.iterdir():  # tokenizer, generation config
+        written = ("config.json", "model.safetensors.index.json")
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in written:
             (out_dir / extra.name).write_bytes(extra.read_bytes())
     return out_dir, dequantized
 
@@ -460,6 +466,8 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
                 ("lora_grad_max_rel_err", MAX_LORA_GRAD_REL_ERR),
             ]
     failures = [name for name, tol in checks if not report[name] <= tol]
+    if report["quantized_tensors"] and not report["archon_quantized_weights"]:
+        failures.append("archon_quantized_weights")  # the check is of a base kept quantized
     if args.lora_rank is not None:
         if report["peft_missing_keys"] or report["peft_unexpected_keys"]:
             failures.append("peft_keys")
