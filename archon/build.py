@@ -337,7 +337,7 @@ def build_model(
         lora.validate(spec.lora_targets, spec.name)
     checkpoint = HFCheckpoint(path)
     quantization_config = getattr(hf_config, "quantization_config", None)
-    if quantization_config is not None and not isinstance(quantization_config, dict):
+    if hasattr(quantization_config, "to_dict"):
         quantization_config = quantization_config.to_dict()
     quant_format = quant_format_from_config(quantization_config, str(path / "config.json"))
     if quantized_base not in ("keep", "dequantize"):

@@ -31,8 +31,16 @@ class QuantizedCheckpoint:
             if fmt.method == "fp8":
                 if self._stored_dtype(key) == _FP8_DTYPE:
                     self.quantized[key] = fmt.stored_keys(key)
-                elif key.endswith(fmt.scale_suffix) and key.removesuffix(fmt.scale_suffix) not in stored:
-                    raise KeyError(self._orphan(key, key.removesuffix(fmt.scale_suffix)))
+                elif key.endswith("weight" + fmt.scale_suffix):
+                    weight = key.removesuffix(fmt.scale_suffix)
+                    if weight not in stored:
+                        raise KeyError(self._orphan(key, weight))
+                    if self._stored_dtype(weight) != _FP8_DTYPE:
+                        raise ValueError(
+                            f"checkpoint {str(self.path)!r}: {weight!r} in {self.checkpoint.file_of(weight).name!r} "
+                            f"has a scale ({key!r}) but is stored as {self._stored_dtype(weight)}, not {_FP8_DTYPE}; "
+                            f"the config's quantization_config names {fmt}"
+                        )
             elif key.endswith(("_blocks", "_scales")):
                 self.quantized[fmt.logical_name(key)] = fmt.stored_keys(fmt.logical_name(key))
         for name, (data_key, scale_key) in self.quantized.items():
@@ -40,13 +48,13 @@ class QuantizedCheckpoint:
                 if needed not in stored:
                     raise KeyError(
                         f"checkpoint {str(self.path)!r}: {other!r} (in {self.checkpoint.file_of(other).name!r}) has "
-                        f"no {needed!r}; a {fmt} weight needs both"
+                        f"no {needed!r}; a weight stored as {fmt} needs both"
                     )
         # Static activation scales (`X.input_scale` beside an fp8 `X.weight`) serve fp8 GEMM kernels;
         # archon's GEMMs run in the training dtype on dequantized weights, so they are not needed.
         activation_scales = {
-            key for key in stored
-            if key.endswith(".input_scale") and key.removesuffix("input_scale") + "weight" in self.quantized
+            key for key in stored for suffix in ("input_scale", "activation_scale")
+            if key.endswith("." + suffix) and key.removesuffix(suffix) + "weight" in self.quantized
         }  # fmt: skip
         self._plain = stored - {k for pair in self.quantized.values() for k in pair} - activation_scales
 
@@ -106,7 +114,11 @@ class QuantizedCheckpoint:
         data_shape, scale_shape = self.checkpoint.shape(data_key), self.checkpoint.shape(scale_key)
         if self.fmt.method == "fp8":
             want = self.fmt.checkpoint_scale_shape(data_shape)
-            why = f"{self.fmt} over {data_key!r} of shape {tuple(data_shape)}"
+            layout = (
+                f"weight_block_size {list(self.fmt.block_size)}" if self.fmt.config.get("quant_method", "fp8") == "fp8"
+                else f"{self.fmt} (quantization_config.config_groups)"
+            )  # fmt: skip
+            why = f"{layout} over {data_key!r} of shape {tuple(data_shape)}"
             if want == [1] and list(scale_shape) in ([], [1, 1]):
                 want = list(scale_shape)  # one scale for the tensor, stored with any layout of one value
         else:

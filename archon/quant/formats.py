@@ -119,6 +119,12 @@ class QuantFormat:
 def quant_format_from_config(quantization_config: dict | None, where: str = "config.json") -> QuantFormat | None:
     """The format named by a checkpoint's `quantization_config`, None when there is none; an error
     naming the field for a method or layout archon does not read."""
+    if quantization_config is None:
+        return None
+    if not isinstance(quantization_config, dict):
+        raise ValueError(
+            f"{where}: quantization_config={quantization_config!r}; expected an object with a quant_method"
+        )
     if not quantization_config:
         return None
     method = quantization_config.get("quant_method")
@@ -129,7 +135,7 @@ def quant_format_from_config(quantization_config: dict | None, where: str = "con
         block = quantization_config.get("weight_block_size")
         if (
             not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and b > 0 for b in block)
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
         ):  # fmt: skip
             raise ValueError(
                 f"{where}: quantization_config.weight_block_size={block!r}; archon reads block-scaled fp8 "

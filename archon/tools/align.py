@@ -2,11 +2,20 @@
 
     python -m archon.tools.align --model-type qwen3 [--lora-rank 8] [--seed 0]
     python -m archon.tools.align --hf-path DIR [--lora-rank 8]
+    python -m archon.tools.align --model-type qwen3 --quantize fp8:128x128 [--lora-rank 8]
 
 Without --hf-path a tiny random-weight HF model is built from the transformers config class of
 the type (sizes from the family's ModelSpec.tiny_hf_config) and saved to a temp dir; with it, the
 type is read from DIR/config.json. Both models run a packed batch of several sequences of
 different lengths; HF runs each sequence on its own.
+
+A quantized checkpoint (a `quantization_config` of quant_method fp8 or mxfp4 in DIR/config.json, or
+one made by --quantize) is checked with archon keeping its base quantized, against HF transformers
+on a plain fp32 copy of the checkpoint dequantized here by the published recipe
+(`write_dequantized_reference`). transformers' own dequantizing load is not the reference: in
+transformers 5.19 its CPU fp8 path derives the block size from the weight and scale shapes instead
+of reading `weight_block_size`, so it raises (or, where the division comes out even, uses wrong
+blocks) on weights whose sides are not multiples of the block, as real checkpoints have.
 The last line printed is JSON; the exit code is non-zero when a tolerance is exceeded.
 """
 
@@ -28,6 +37,8 @@ from archon.build import build_model, load_hf_config
 from archon.checkpoint.hf import read_json_file
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import save_peft_adapter
+from archon.quant import QuantFormat, quant_format_from_config, quantized_weights
+from archon.quant.formats import compressed_tensors_config
 from archon.spec import get_spec
 
 MAX_ABS_LOGITS_DIFF = 1e-4
@@ -50,6 +61,11 @@ class AlignArgs:
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra kwargs for the tiny HF config (ignored with --hf-path); for a vision-language type they
     set fields of its text_config."""
+    quantize: str | None = None
+    """Store the checkpoint's weights in a published low-precision format before comparing: fp8
+    (block-scaled e4m3, 128x128 blocks), fp8:RxC (R x C blocks, e.g. fp8:16x24), fp8-channel or
+    fp8-tensor (compressed-tensors e4m3 with a scale per output channel or per tensor) or mxfp4 (the
+    routed experts, GPT-OSS's layout)."""
 
 
 def hf_model_class(config):
@@ -167,6 +183,182 @@ def resolve_model_type(args: AlignArgs) -> str:
     return model_type
 
 
+def quantize_option_format(option: str) -> QuantFormat:
+    """The format an `--quantize` value names: fp8 (128x128 blocks), fp8:RxC, fp8-channel,
+    fp8-tensor or mxfp4."""
+    method, _, blocks = option.partition(":")
+    if method == "mxfp4" and not blocks:
+        return QuantFormat("mxfp4", (1, 32))
+    if method in ("fp8-channel", "fp8-tensor") and not blocks:
+        return quant_format_from_config(compressed_tensors_config(method.removeprefix("fp8-")))
+    if method == "fp8":
+        if not blocks:
+            return QuantFormat("fp8", (128, 128))
+        rows, x, cols = blocks.partition("x")
+        if x and rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0:
+            return QuantFormat("fp8", (int(rows), int(cols)))
+    raise ValueError(
+        f"--quantize {option!r}: expected fp8 (128x128 blocks), fp8:RxC (blocks of R rows and C columns, "
+        "e.g. fp8:16x24), fp8-channel, fp8-tensor or mxfp4"
+    )
+
+
+def _checkpoint_quantization_config(path: Path) -> dict | None:
+    return read_json_file(path / "config.json", "model config").get("quantization_config")
+
+
+def check_quantize_option(args: AlignArgs) -> None:
+    """An error naming the option when --quantize is malformed or the --hf-path checkpoint is quantized already."""
+    if args.quantize is None:
+        return
+    quantize_option_format(args.quantize)
+    if args.hf_path is not None and _checkpoint_quantization_config(Path(args.hf_path)) is not None:
+        raise ValueError(
+            f"--quantize {args.quantize!r}: {str(Path(args.hf_path) / 'config.json')!r} has a quantization_config "
+            "already; check a quantized checkpoint with --hf-path alone"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference dequantization of a quantized checkpoint, written out by the published recipes one
+# block at a time. It shares no code with archon.quant, whose vectorised dequantization it checks.
+# ---------------------------------------------------------------------------------------------
+
+
+def _e2m1_value(nibble: int) -> float:
+    """OCP e2m1: sign bit, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is subnormal."""
+    sign = -1.0 if nibble & 0b1000 else 1.0
+    exponent, mantissa = (nibble >> 1) & 0b11, nibble & 0b1
+    if exponent == 0:
+        return sign * mantissa * 0.5
+    return sign * 2.0 ** (exponent - 1) * (1.0 + mantissa / 2)
+
+
+def reference_dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int], name: str
+) -> torch.Tensor:
+    """fp8 e4m3 `weight` [..., rows, cols] with `scale_inv` [..., ceil(rows/br), ceil(cols/bc)] ->
+    fp32: for each br x bc block (i, j), partial edge blocks included, w = q * scale_inv[i, j]."""
+    br, bc = block_size
+    *lead, rows, cols = weight.shape
+    grid = (math.ceil(rows / br), math.ceil(cols / bc))
+    if tuple(scale_inv.shape) != (*lead, *grid):
+        raise ValueError(
+            f"{name}_scale_inv has shape {tuple(scale_inv.shape)}; blocks of {br}x{bc} over {name} of shape "
+            f"{tuple(weight.shape)} need {(*lead, *grid)}"
+        )
+    q = weight.reshape(-1, rows, cols)
+    scales = scale_inv.reshape(-1, *grid)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for m in range(q.shape[0]):
+        for i in range(grid[0]):
+            row_block = slice(i * br, min((i + 1) * br, rows))
+            for j in range(grid[1]):
+                col_block = slice(j * bc, min((j + 1) * bc, cols))
+                out[m, row_block, col_block] = q[m, row_block, col_block].float() * scales[m, i, j].float()
+    return out.reshape(weight.shape)
+
+
+def reference_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    """`blocks` uint8 [..., out, G, 16] (32 e2m1 values per group, two per byte, low nibble first)
+    and `scales` uint8 [..., out, G] (e8m0) -> the HF weight, fp32 [..., G*32, out]:
+    w = e2m1 * 2^(scale - 127), rows [..., out, in] transposed to the HF layout [..., in, out]."""
+    if blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ValueError(
+            f"{name}_blocks of shape {tuple(blocks.shape)} and {name}_scales of shape {tuple(scales.shape)}: "
+            "expected [..., out, G, 16] and [..., out, G]"
+        )
+    values = torch.tensor([_e2m1_value(n) for n in range(16)], dtype=torch.float32)
+    low, high = values[(blocks & 0x0F).long()], values[(blocks >> 4).long()]
+    groups = torch.stack((low, high), dim=-1).flatten(-2)  # [..., out, G, 32]: low nibble first
+    multiplier = torch.exp2(scales.to(torch.float64) - 127).to(torch.float32)  # 2^-127 is an fp32 subnormal
+    rows = (groups * multiplier[..., None]).flatten(-2)  # [..., out, in]
+    return rows.transpose(-1, -2).contiguous()
+
+
+def write_dequantized_reference(source: Path, out_dir: Path) -> tuple[Path, int]:
+    """A plain fp32 copy of the quantized HF checkpoint `source` (same shard files, config without
+    `quantization_config`), each quantized weight dequantized by its published recipe. Returns the
+    copy's directory and the number of weights that were stored quantized."""
+    from safetensors.torch import save_file
+
+    from archon.checkpoint.hf import HFCheckpoint
+
+    config = read_json_file(source / "config.json", "model config")
+    quantization = config.pop("quantization_config")
+    method = quantization.get("quant_method")
+    checkpoint = HFCheckpoint(source)
+    keys = checkpoint.keys()
+
+    def where(key: str) -> str:
+        return f"{key!r} in {str(checkpoint.file_of(key))!r}"
+
+    files: dict[Path, list[str]] = {}
+    for key in sorted(keys):
+        files.setdefault(checkpoint.file_of(key), []).append(key)
+    out_dir.mkdir(parents=True)
+    weight_map, dequantized = {}, 0
+    # fp8: the scale's name and the block of one scale, (rows, cols); None is the whole dimension
+    if method == "fp8":
+        scale_suffix, block = "_scale_inv", tuple(quantization["weight_block_size"])
+    elif method == "compressed-tensors":
+        (weights,) = {json.dumps(group["weights"], sort_keys=True) for group in quantization["config_groups"].values()}
+        weights = json.loads(weights)
+        scale_suffix = "_scale"
+        block = {"tensor": (None, None), "channel": (1, None)}.get(weights["strategy"]) or tuple(weights["block_structure"])
+    for file, file_keys in sorted(files.items()):
+        tensors = {}
+        for key in file_keys:
+            if method in ("fp8", "compressed-tensors"):
+                if key.endswith("weight" + scale_suffix):
+                    if key.removesuffix(scale_suffix) not in keys:
+                        raise KeyError(f"scale {where(key)} has no weight {key.removesuffix(scale_suffix)!r}")
+                    continue
+                if key.endswith((".input_scale", ".activation_scale")):  # activation scales: not weights
+                    continue
+                tensor = checkpoint.get(key)
+                if f"{key}{scale_suffix}" in keys:
+                    if tensor.dtype != torch.float8_e4m3fn:
+                        raise ValueError(f"{where(key)} has a scale but is {tensor.dtype}, not float8_e4m3fn")
+                    rows, cols = tensor.shape[-2:]
+                    whole = (block[0] or rows, block[1] or cols)
+                    scale = checkpoint.get(f"{key}{scale_suffix}")
+                    if scale.numel() == 1:  # one scale for the tensor
+                        scale = scale.reshape(1, 1)
+                    tensor = reference_dequantize_fp8(tensor, scale, whole, key)
+                    dequantized += 1
+                elif tensor.dtype == torch.float8_e4m3fn:
+                    raise KeyError(f"fp8 weight {where(key)} has no {key + scale_suffix!r}")
+            elif method == "mxfp4":
+                if key.endswith("_scales"):
+                    if key.removesuffix("_scales") + "_blocks" not in keys:
+                        raise KeyError(f"scales {where(key)} have no {key.removesuffix('_scales') + '_blocks'!r}")
+                    continue
+                tensor = checkpoint.get(key)
+                if key.endswith("_blocks"):
+                    name = key.removesuffix("_blocks")
+                    if f"{name}_scales" not in keys:
+                        raise KeyError(f"mxfp4 blocks {where(key)} have no {name + '_scales'!r}")
+                    tensor = reference_dequantize_mxfp4(tensor, checkpoint.get(f"{name}_scales"), name)
+                    key, dequantized = name, dequantized + 1
+            else:
+                raise ValueError(
+                    f"{str(source / 'config.json')!r}: quantization_config.quant_method={method!r} has no "
+                    "reference dequantization"
+                )
+            tensors[key] = tensor
+        save_file(tensors, str(out_dir / file.name), metadata={"format": "pt"})
+        weight_map.update({key: file.name for key in tensors})
+    if (source / "model.safetensors.index.json").exists():
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in source.iterdir():  # tokenizer, generation config
+        written = ("config.json", "model.safetensors.index.json")
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in written:
+            (out_dir / extra.name).write_bytes(extra.read_bytes())
+    return out_dir, dequantized
+
+
 def packed_batch(seq_lens, vocab_size: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, vocab_size, (n,), generator=g) for n in seq_lens]
@@ -200,12 +392,29 @@ def _hf_forward(hf_model, seqs):
 
 def run_alignment(args: AlignArgs) -> dict[str, Any]:
     model_type = resolve_model_type(args)
+    check_quantize_option(args)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         if args.hf_path is None:
             hf_path = make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **args.config_overrides)
         else:
             hf_path = Path(args.hf_path)
+        if args.quantize is not None:
+            from archon.quant.export import QUANTIZED_WEIGHTS, quantize_checkpoint
+
+            fmt = quantize_option_format(args.quantize)
+            hf_path = quantize_checkpoint(hf_path, Path(tmp) / "quantized", fmt)
+
+        # HF runs on a plain copy of a quantized checkpoint, dequantized by the reference recipe.
+        quant_format = quant_format_from_config(_checkpoint_quantization_config(hf_path), str(hf_path / "config.json"))
+        hf_reference_path, quantized_tensors = hf_path, 0
+        if quant_format is not None:
+            hf_reference_path, quantized_tensors = write_dequantized_reference(hf_path, Path(tmp) / "reference")
+        if args.quantize is not None and quantized_tensors == 0:
+            raise ValueError(
+                f"--quantize {args.quantize!r}: no weight of the {model_type} checkpoint is one {quant_format.method} "
+                f"stores (HF names matching {QUANTIZED_WEIGHTS[quant_format.method]!r})"
+            )
 
         hf_config = load_hf_config(hf_path)
         hf_class = hf_model_class(hf_config)
@@ -217,11 +426,12 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
             )
 
         def load_hf():
-            return hf_class.from_pretrained(hf_path, dtype=torch.float32, attn_implementation="eager").eval()
+            return hf_class.from_pretrained(hf_reference_path, dtype=torch.float32, attn_implementation="eager").eval()
 
         hf_model = load_hf()
         loaded = build_model(hf_path)
         model = loaded.model.eval()
+        kept_quantized = len(quantized_weights(model))
         seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed)
         max_seqlen = max(args.seq_lens)
         with torch.no_grad():
@@ -231,7 +441,10 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
         logprob_diff = (label_logprobs(archon_logits, seqs) - label_logprobs(hf_logits, seqs)).abs().max().item()
         report: dict[str, Any] = {
             "model_type": model_type,
-            "hf_path": None if args.hf_path is None else str(hf_path),
+            "hf_path": None if args.hf_path is None else str(args.hf_path),
+            "quantization": None if quant_format is None else str(quant_format),
+            "quantized_tensors": quantized_tensors,
+            "archon_quantized_weights": kept_quantized,
             "tokens": int(tokens.numel()),
             "sequences": len(seqs),
             "max_abs_logits_diff": max_diff,
@@ -272,6 +485,8 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
                 ("lora_grad_max_rel_err", MAX_LORA_GRAD_REL_ERR),
             ]
     failures = [name for name, tol in checks if not report[name] <= tol]
+    if report["quantized_tensors"] and not report["archon_quantized_weights"]:
+        failures.append("archon_quantized_weights")  # the check is of a base kept quantized
     if args.lora_rank is not None:
         if report["peft_missing_keys"] or report["peft_unexpected_keys"]:
             failures.append("peft_keys")
@@ -336,6 +551,11 @@ def format_report(report: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [f"archon vs HF transformers: {report['model_type']} ({report['sequences']} packed sequences, "
              f"{report['tokens']} tokens, fp32)"]
+    if report.get("quantization"):
+        lines.append(
+            f"quantized checkpoint: {report['quantization']}, {report['quantized_tensors']} weights stored quantized; "
+            f"archon keeps {report['archon_quantized_weights']} weights quantized, HF runs on the reference dequantization"
+        )
     for i, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
         if i == 0:
@@ -355,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(AlignArgs, args=argv)
     try:
         args = dataclasses.replace(args, model_type=resolve_model_type(args))
+        check_quantize_option(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
