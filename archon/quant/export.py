@@ -30,12 +30,20 @@ def requantized(
 
     Requantizing a merged weight rounds W + s*B@A to the format's grid again: an adapter delta
     smaller than half a quantization step of its block is lost, so a requantized merge is an
-    approximation of the trained model (the dequantized merge is exact)."""
+    approximation of the trained model (the dequantized merge is exact). A name of `hf_keys` that
+    `named_tensors` does not hold is an error, raised after the last tensor."""
+    missing = set(hf_keys)
     for name, tensor in named_tensors:
         if name in hf_keys:
+            missing.discard(name)
             yield from quantize_to_checkpoint(fmt, name, tensor)
         else:
             yield name, tensor
+    if missing:
+        raise KeyError(
+            f"requantizing to {fmt}: {len(missing)} HF weight(s) to quantize are not among the exported tensors, "
+            f"e.g. {sorted(missing)[0]!r}; pass the quantized_hf_keys of the model being exported"
+        )
 
 
 def quantize_checkpoint(
