@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +29,13 @@ from archon.checkpoint.hf import HFCheckpoint, save_hf_checkpoint
 from archon.lora import LoRAConfig, is_lora_param, lora_parameters
 from archon.lora.peft import save_merged_hf
 from archon.optim import OptimConfig
-from archon.quant import QuantFormat, QuantizedCheckpoint, quant_format_from_config, quantized_weights
+from archon.quant import (
+    QuantFormat,
+    QuantizedCheckpoint,
+    quant_format_from_config,
+    quantize_to_checkpoint,
+    quantized_weights,
+)
 from archon.quant.export import quantize_checkpoint
 from archon.quant.formats import FP4_VALUES, FP8_MAX
 from archon.rl.losses import aggregate_token_losses
@@ -39,9 +46,12 @@ from archon.tools.align import make_tiny_hf_checkpoint, packed_batch
 from archon.trainer import Trainer, TrainerConfig
 
 FP8_PARTIAL = QuantFormat("fp8", (16, 24))
-FP8_WHOLE = QuantFormat("fp8", (16, 32))  # divides every width of the tiny Qwen3-MoE
 MXFP4 = QuantFormat("mxfp4", (1, 32))
-CASES = {"fp8": ("qwen3_moe", FP8_PARTIAL), "mxfp4": ("gpt_oss", MXFP4)}
+CASES = {
+    "fp8": ("qwen3_moe", FP8_PARTIAL),
+    "fp8-whole-blocks": ("qwen3_moe", QuantFormat("fp8", (16, 32))),  # 16 x 32 divides every width
+    "mxfp4": ("gpt_oss", MXFP4),
+}
 LOGITS_TOL = 1e-4
 LORA = LoRAConfig(rank=4, alpha=8)  # every linear and the experts
 
@@ -65,17 +75,17 @@ def write_dequantized_copy(quantized: Path, out_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def quantized_model(tmp_path_factory):
-    """Factory: case ("fp8", "mxfp4", or a (model_type, format) pair) -> QuantizedModel, made once per module."""
-    made: dict = {}
+    """Factory: a key of CASES -> QuantizedModel, made once per module."""
+    made: dict[str, QuantizedModel] = {}
 
-    def make(case) -> QuantizedModel:
-        model_type, fmt = CASES[case] if isinstance(case, str) else case
-        if (model_type, fmt) not in made:
-            root = tmp_path_factory.mktemp(f"{model_type}_{fmt.method}")
+    def make(case: str) -> QuantizedModel:
+        if case not in made:
+            model_type, fmt = CASES[case]
+            root = tmp_path_factory.mktemp(case)
             source = make_tiny_hf_checkpoint(model_type, root / "hf", seed=0)
             quantized = quantize_checkpoint(source, root / "quantized", fmt)
-            made[model_type, fmt] = QuantizedModel(source, quantized, write_dequantized_copy(quantized, root / "dequantized"))
-        return made[model_type, fmt]
+            made[case] = QuantizedModel(source, quantized, write_dequantized_copy(quantized, root / "dequantized"))
+        return made[case]
 
     return make
 
@@ -114,7 +124,7 @@ def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 # dequantized at load, so its numbers agree bit for bit. GPT-OSS stores its experts input-major
 # ([E, in, out]); kept quantized they are dequantized row-major and read transposed, so the expert
 # GEMMs round differently (~1e-7 relative).
-EXACT = {"fp8": True, "mxfp4": False}
+EXACT = {"fp8": True, "mxfp4": False}  # by format
 
 
 # ---- 1. PEFT export ------------------------------------------------------------------------------
@@ -150,7 +160,7 @@ def test_peft_adapter_trained_on_a_quantized_base_is_the_dequantized_bases(quant
         adapter_dir = trainer.export_peft(tmp_path / mode)
         adapters[mode] = load_file(str(adapter_dir / "adapter_model.safetensors"))
     assert quantized_weights(trainers["keep"].model) and not quantized_weights(trainers["dequantize"].model)
-    _assert_same_tensors(adapters["keep"], adapters["dequantize"], exact=EXACT[case])
+    _assert_same_tensors(adapters["keep"], adapters["dequantize"], exact=EXACT[CASES[case][1].method])
     assert all(v.abs().max() > 0 for k, v in adapters["keep"].items() if "lora_B" in k)  # it trained
 
     hf = AutoModelForCausalLM.from_pretrained(paths.dequantized, dtype=torch.float32)
@@ -213,9 +223,7 @@ def _whole_blocks(checkpoint: QuantizedCheckpoint) -> bool:
     )
 
 
-@pytest.mark.parametrize(
-    "case", ["fp8", ("qwen3_moe", FP8_WHOLE), "mxfp4"], ids=["fp8-partial-blocks", "fp8-whole-blocks", "mxfp4"]
-)
+@pytest.mark.parametrize("case", ["fp8", "fp8-whole-blocks", "mxfp4"])
 def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tmp_path, case):
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
@@ -238,7 +246,7 @@ def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tm
     plain_too = save_merged_hf(dequantized.model, dequantized.converter, tmp_path / "plain_too", dequantized.hf_config.to_dict())
     assert "quantization_config" not in json.loads((plain_too / "config.json").read_text())
     _assert_same_tensors(load_file(str(plain_too / "model.safetensors")), load_file(str(plain / "model.safetensors")),
-                         exact=EXACT[case if isinstance(case, str) else "fp8"])  # fmt: skip
+                         exact=True)  # fmt: skip
 
     # requantized: the source's tensors (names, dtypes, shapes) and quantization_config
     requantized = save_merged_hf(
@@ -267,13 +275,12 @@ def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tm
         step = 2.0**-3 if fmt.method == "fp8" else 0.5  # e4m3 / e2m1 relative spacing, times the block's max
         error = (again.get(key) - merged[key]).abs().max()
         assert error <= step * merged[key].abs().max(), key
-    # the model dequantized at load requantizes to the same bytes
+    # the model dequantized at load (same adapter) requantizes to the same bytes
     requantized_too = save_merged_hf(
         dequantized.model, dequantized.converter, tmp_path / "requantized_too", dequantized.hf_config.to_dict(),
         requantize=(dequantized.quant_format, dequantized.quantized_hf_keys),
     )  # fmt: skip
-    if EXACT[case if isinstance(case, str) else "fp8"]:
-        _assert_same_tensors(load_file(str(requantized_too / "model.safetensors")), stored, exact=True)
+    _assert_same_tensors(load_file(str(requantized_too / "model.safetensors")), stored, exact=True)
 
     # archon loads the requantized export kept quantized; HF agrees on a dequantized copy of it,
     # and, where its CPU dequantization is right, loading the export itself
@@ -381,7 +388,7 @@ def test_grpo_steps_on_a_kept_quantized_base(quantized_grpo_setup, tmp_path, mon
     kept, dequantized = _records(tmp_path / "keep"), _records(tmp_path / "dequantize")
     assert kept[0]["loss"] == pytest.approx(dequantized[0]["loss"], abs=1e-5)
     assert first_grads["keep"].keys() == first_grads["dequantize"].keys()
-    assert all(is_lora_param(n) for n in first_grads["keep"])
+    assert first_grads["keep"] and all(is_lora_param(n) for n in first_grads["keep"])
     for name, grad in first_grads["keep"].items():
         torch.testing.assert_close(grad, first_grads["dequantize"][name], rtol=0, atol=1e-5, msg=name)
 
@@ -421,3 +428,44 @@ def test_sync_payloads_of_a_quantized_base_are_the_dequantized_bases(quantized_m
         assert any(k in kept.quantized_hf_keys for k in sent)
         _assert_same_tensors(sent, dict(payload(dequantized.model, dequantized.converter)), exact=True)
 
+
+
+class _RecordingChannel:
+    """A WorkerChannel that keeps what it is given to send."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, torch.Tensor]] = []
+
+    def send(self, method: str, spec: dict, tensors, device) -> dict[str, float]:
+        assert method == "archon_receive_weights"
+        self.sent = [(name, tensor.clone()) for name, tensor in tensors]
+        return {"bytes": sum(t.numel() * t.element_size() for _, t in self.sent), "buckets": 1}
+
+
+@pytest.mark.parametrize("case", ["fp8", "mxfp4"])
+def test_merged_sync_sends_weights_in_the_served_checkpoints_format(quantized_model, case):
+    """To a server of the quantized checkpoint the merged weights go requantized, as its checkpoint
+    tensors (names, dtypes, shapes); to a server of a plain checkpoint, dequantized."""
+    from archon.rollout.policy import ServedPolicy
+    from archon.sync.vllm import CollectiveMergedSync, served_quantization
+
+    paths = quantized_model(case)
+    kept = _build(paths.quantized, "keep")
+    assert served_quantization(str(paths.dequantized)) is None
+    assert served_quantization(str(paths.quantized)) == (kept.quant_format, kept.quantized_hf_keys)
+    plain = dict(merged_payload(kept.model, kept.converter))
+    source = load_file(str(paths.quantized / "model.safetensors"))
+    for served, expected_format in ((paths.quantized, kept.quant_format), (paths.dequantized, None)):
+        channel = _RecordingChannel()
+        rollout = SimpleNamespace(servers=None, policy=ServedPolicy(version=0), rank=0, model=str(served), session="s")
+        CollectiveMergedSync(rollout, channel).publish(kept.model, kept.converter, LORA, 1)
+        sent = dict(channel.sent)
+        if expected_format is None:
+            _assert_same_tensors(sent, plain, exact=True)
+            continue
+        assert set(sent) <= set(source) and any(expected_format.stored_keys(k)[1] in sent for k in kept.quantized_hf_keys)
+        for key, tensor in sent.items():
+            assert tensor.dtype == source[key].dtype and tensor.shape == source[key].shape, key
+        for key in kept.quantized_hf_keys & set(plain):
+            for stored_key, stored in quantize_to_checkpoint(expected_format, key, plain[key]):
+                assert torch.equal(sent[stored_key], stored), stored_key

@@ -370,7 +370,7 @@ def save_merged_hf(
         if write:
             tensors = converter.iter_to_hf(base.items())
             if requantize is not None:
-                tensors = requantized(tensors, *requantize)
+                tensors = requantized(tensors, *requantize, complete=True)
             if source_dir is not None and converter.carried_hf_keys:
                 tensors = itertools.chain(tensors, _carried_tensors(converter, source_dir))
             save_hf_checkpoint(tensors, out_dir, hf_config, extra_files=extra)
