@@ -334,20 +334,24 @@ def save_merged_hf(
     the model was built from, gives the tokenizer files and the weights archon does not build but
     the export must carry (`StateDictConverter.carried_hf_keys`, e.g. a vision tower).
 
-    A quantized base (archon.quant) is written dequantized, in its build dtype, with W + s*B@A and
-    no `quantization_config`, unless `requantize` = (format, the HF weights the source stored in it)
-    quantizes those weights again after the merge (archon.quant.requantized)."""
+    A model built from a quantized checkpoint (archon.quant; kept quantized or dequantized at load)
+    is written by default dequantized, in its build dtype, as W + s*B@A, without
+    `quantization_config`: that is the trained model exactly. `requantize` = (format, the HF weights
+    the source stored in it), i.e. (LoadedModel.quant_format, LoadedModel.quantized_hf_keys), writes
+    those weights again in the source's format after the merge, with the same tensor names, dtypes
+    and shapes as the source and its `quantization_config`: a checkpoint of the source's size that
+    the source's serving kernels run, but rounded to the format's grid, so adapter deltas smaller
+    than half a quantization step of their block are lost (archon.quant.export.requantized)."""
     from archon.quant import dense_base_tensors, quantized_weights
     from archon.quant.export import requantized
 
     quantized = bool(quantized_weights(model))
-    if quantized:
-        hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
-        if requantize is not None:
-            hf_config["quantization_config"] = requantize[0].quantization_config()
-    elif requantize is not None:
-        raise ValueError("requantize applies to a model built from a quantized checkpoint; this one has no quantized base")
-    else:
+    # The written weights are in the format `requantize` names, or plain: the source's
+    # quantization_config (which a model dequantized at load has too) describes neither.
+    hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    if requantize is not None:
+        hf_config["quantization_config"] = requantize[0].quantization_config()
+    if not quantized:
         merge_lora(model)
     try:
         if quantized:  # the adapter is added to a dequantized copy of each weight
@@ -366,7 +370,7 @@ def save_merged_hf(
         if write:
             tensors = converter.iter_to_hf(base.items())
             if requantize is not None:
-                tensors = requantized(tensors, *requantize)
+                tensors = requantized(tensors, *requantize, complete=True)
             if source_dir is not None and converter.carried_hf_keys:
                 tensors = itertools.chain(tensors, _carried_tensors(converter, source_dir))
             save_hf_checkpoint(tensors, out_dir, hf_config, extra_files=extra)

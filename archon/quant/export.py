@@ -24,18 +24,27 @@ QUANTIZED_WEIGHTS = {
 
 
 def requantized(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], fmt: QuantFormat, hf_keys: frozenset[str]
+    named_tensors: Iterable[tuple[str, torch.Tensor]], fmt: QuantFormat, hf_keys: frozenset[str], complete: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors with those named in `hf_keys` quantized to `fmt` (data and scale tensors).
+    """HF tensors with those named in `hf_keys` quantized to `fmt` (data and scale tensors, by the
+    checkpoint's names). `complete`: `named_tensors` is a whole checkpoint, so a name of `hf_keys`
+    it does not hold is an error (raised after the last tensor).
 
     Requantizing a merged weight rounds W + s*B@A to the format's grid again: an adapter delta
     smaller than half a quantization step of its block is lost, so a requantized merge is an
     approximation of the trained model (the dequantized merge is exact)."""
+    missing = set(hf_keys)
     for name, tensor in named_tensors:
         if name in hf_keys:
+            missing.discard(name)
             yield from quantize_to_checkpoint(fmt, name, tensor)
         else:
             yield name, tensor
+    if complete and missing:
+        raise KeyError(
+            f"requantizing to {fmt}: {len(missing)} HF weight(s) to quantize are not among the exported tensors, "
+            f"e.g. {sorted(missing)[0]!r}; pass the quantized_hf_keys of the model being exported"
+        )
 
 
 def quantize_checkpoint(

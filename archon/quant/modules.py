@@ -143,10 +143,59 @@ class QuantizedLinear(QuantizedWeights, nn.Linear):
         return _quantized_linear(self, x)
 
 
+class _DequantizedLoRALinear(torch.autograd.Function):
+    """y = x W^T + b + s (x A^T) B^T with W dequantized from its storage in the forward and again in
+    the backward, W and b frozen, no dropout. The GEMMs are those of LoRALinear's training path
+    (archon.lora.layers._FrozenBaseLoRALinear), in the same order, so a kept-quantized base gives
+    the numbers of the same base dequantized at load, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, data, scale, fmt, bias, lora_a, lora_b, scaling):
+        x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+        out = F.linear(x2, dequantize(fmt, data, scale, x.dtype), bias)  # [N, out]
+        h = x2.to(lora_a.dtype) @ lora_a.t()  # [N, r]
+        if out.dtype == h.dtype:
+            out = torch.addmm(out, h, lora_b.t(), alpha=scaling)
+        else:
+            out = out + (h @ lora_b.t() * scaling).to(out.dtype)
+        ctx.save_for_backward(x2, data, scale, lora_a, lora_b, h)
+        ctx.fmt, ctx.scaling, ctx.x_shape = fmt, scaling, x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, data, scale, lora_a, lora_b, h = ctx.saved_tensors
+        need_x, _, _, _, _, need_a, need_b, _ = ctx.needs_input_grad
+        g = grad_out.reshape(-1, grad_out.shape[-1])  # [N, out]
+        g_lora = g.to(lora_b.dtype)
+        grad_h = (g_lora @ lora_b).mul_(ctx.scaling)  # [N, r]
+        grad_x = grad_a = grad_b = None
+        if need_x:
+            grad_x = g @ dequantize(ctx.fmt, data, scale, g.dtype)  # [N, in]
+            if grad_x.dtype == grad_h.dtype:
+                grad_x.addmm_(grad_h, lora_a)
+            else:
+                grad_x += (grad_h @ lora_a).to(grad_x.dtype)
+            grad_x = grad_x.view(ctx.x_shape)
+        if need_a:
+            grad_a = grad_h.t() @ x2.to(lora_a.dtype)  # [r, in]
+        if need_b:
+            grad_b = (g_lora.t() @ h).mul_(ctx.scaling)  # [out, r]
+        return grad_x, None, None, None, None, grad_a, grad_b, None
+
+
 class QuantizedLoRALinear(QuantizedWeights, LoRALinear):
     """LoRALinear on a quantized frozen weight: y = deq(W) x + b + s B A dropout(x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        data, scale = self.storage("weight")
+        frozen_bias = self.bias is None or not self.bias.requires_grad
+        no_dropout = isinstance(self.lora_dropout, nn.Identity) or not self.training
+        if self.lora_enabled and frozen_bias and no_dropout and not isinstance(data, DTensor):
+            return _DequantizedLoRALinear.apply(
+                x, data, scale, self._quantized["weight"].fmt, self.bias, self.lora_a.weight, self.lora_b.weight,
+                self.scaling,
+            )  # fmt: skip
         out = _quantized_linear(self, x)
         if not self.lora_enabled:
             return out

@@ -126,8 +126,6 @@ class RLRun:
             self.native = NativeRolloutEngine(self.trainer.model, self.device,
                                               max_batch_sequences=config.rollout.max_batch_sequences,
                                               prefill_chunk_tokens=config.rollout.prefill_chunk_tokens)  # fmt: skip
-        loaded = self.trainer.loaded  # vLLM servers load the checkpoint as it is stored
-        served_quantization = (loaded.quant_format, loaded.quantized_hf_keys) if loaded.quant_format else None
         for task in self.tasks:
             if self.native is not None:
                 task.rollout = self.native
@@ -135,7 +133,7 @@ class RLRun:
                 task.rollout = task_servers(self.servers) if task.name else self.servers
             task.sync = build_weight_sync(
                 config.rollout, task.rollout, lora=task.config.lora, sync_dir=self.run_dir / "vllm_adapters",
-                task=task.name or None, channel=self.channel, requantize=served_quantization,
+                task=task.name or None, channel=self.channel,
             )  # fmt: skip
         # vLLM serves every rank alike, so the first of the ranks given the same data (the context- and
         # tensor-parallel ranks of one data-parallel rank) generates and sends the rollouts to the others

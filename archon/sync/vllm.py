@@ -12,7 +12,8 @@ generation uses it. No sync sees the trainer, only its model, state-dict convert
   builds the adapter in memory; the server then registers it under the new name.
 - collective + merged: the weights of every module that holds LoRA-adapted weights, with
   W + s*B@A where adapted, in HF names, reloaded into the served base weights; requests then use
-  the base model name. Without LoRA (full-parameter training) all weights go.
+  the base model name. Without LoRA (full-parameter training) all weights go. They go in the
+  served checkpoint's format: plain, or requantized to its FP8 / MXFP4 format.
 
 Updates during generation (generation may run in another thread): in adapter mode a request in
 flight keeps the adapter it started with; a replaced adapter is unloaded (and its files or tensors
@@ -36,10 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from archon.checkpoint.hf import HFCheckpoint
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.device import collective_backend
 from archon.lora.config import LoRAConfig
 from archon.lora.peft import peft_adapter_config, save_peft_adapter
+from archon.quant import QuantizedCheckpoint, quant_format_from_config
 from archon.rollout.vllm import VLLMRolloutEngine
 from archon.rollout.vllm_launch import WORKER_EXTENSION
 from archon.rollout.vllm_network import (
@@ -50,11 +53,10 @@ from archon.rollout.vllm_network import (
     is_local_address,
     is_loopback_host,
 )
-from archon.rollout.vllm_server import VLLMServers
+from archon.rollout.vllm_server import VLLMServers, read_model_config
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
 from archon.sync.buckets import send_tensors
-from archon.quant import QuantFormat
-from archon.sync.payload import adapter_payload, full_payload, merged_payload
+from archon.sync.payload import Requantize, adapter_payload, full_payload, merged_payload
 from archon.sync.process_group import StatelessGroup
 
 
@@ -297,17 +299,32 @@ class CollectiveAdapterSync(_AdapterSync):
             self.channel.close()
 
 
+def served_quantization(model: str) -> Requantize | None:
+    """(format, the HF weights it stores so) of the served checkpoint `model` when its config.json
+    names a `quantization_config` (archon.quant); None for a plain checkpoint, or a model that is
+    not a local directory (a hub name)."""
+    model_config = read_model_config(model)
+    where = str(Path(model) / "config.json")
+    fmt = quant_format_from_config((model_config or {}).get("quantization_config"), where)
+    if fmt is None:
+        return None
+    return fmt, frozenset(QuantizedCheckpoint(HFCheckpoint(model), fmt).quantized)
+
+
 class CollectiveMergedSync(_VLLMSync):
     """Merged (or, without LoRA, all) weights reloaded into the served base weights; requests then
-    use the base model. The swap runs with no request in flight on any trainer rank."""
+    use the base model. The swap runs with no request in flight on any trainer rank.
 
-    def __init__(
-        self, rollout: VLLMRolloutEngine, channel: WorkerChannel,
-        requantize: tuple[QuantFormat, frozenset[str]] | None = None,
-    ) -> None:  # fmt: skip
+    The weights go in the served checkpoint's format: dequantized (the trainer's build dtype) to a
+    server of a plain checkpoint, whatever the trainer's base; requantized to the format of a
+    served FP8 / MXFP4 checkpoint, whose quantized layers vLLM's in-place reload fills from
+    checkpoint tensors (data and scale) as it loads them from disk (`served_quantization`)."""
+
+    def __init__(self, rollout: VLLMRolloutEngine, channel: WorkerChannel) -> None:
         super().__init__(rollout)
         self.channel = channel
-        self.requantize = requantize
+        self.requantize = served_quantization(self.model_name) if self.rank == 0 else None
+        """Rank 0's (format, HF weights) of the served checkpoint; None: send plain weights."""
 
     def _publish(self, model, converter, lora, version) -> dict[str, float]:
         payload = merged_payload if lora is not None else full_payload
@@ -316,7 +333,7 @@ class CollectiveMergedSync(_VLLMSync):
         with self.policy.exclusive():
             if _distributed():  # every rank's requests in flight have ended
                 dist.barrier()
-            weights = payload(model, converter, self.requantize)  # gathered on every rank
+            weights = payload(model, converter, self.requantize)  # gathered on every rank; only rank 0 quantizes
             try:
                 if self.rank == 0:
                     stats = self.channel.send("archon_receive_weights", {}, weights, _model_device(model))

@@ -21,7 +21,6 @@ from torch import nn
 
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
-from archon.quant import QuantFormat
 from archon.rollout.base import RolloutEngine
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
@@ -64,7 +63,7 @@ class InProcessSync:
 
 def build_weight_sync(
     config: RolloutConfig, rollout: RolloutEngine, *, lora: LoRAConfig | None, sync_dir: str | Path,
-    task: str | None = None, channel=None, requantize: tuple[QuantFormat, frozenset[str]] | None = None,
+    task: str | None = None, channel=None,
 ) -> WeightSync:
     """The sync for `config.engine` and, with vLLM, `config.vllm.transport` and the servers' mode
     (`rollout.mode`: rollout.vllm.mode, or the family's). `sync_dir`: where the disk transport
@@ -74,10 +73,7 @@ def build_weight_sync(
     names of their own, side by side with the other tasks'), `rollout` is the task's view of the
     servers (its own policy), and the collective transport's `channel` (a WorkerChannel) is shared
     by the tasks' syncs and closed by the caller. Merged mode serves one set of weights, so it
-    cannot serve several tasks: it is refused.
-
-    `requantize` = (format, HF weights) for a model built from a quantized checkpoint: the servers
-    loaded that checkpoint, so merged weights go to them quantized again in its format."""
+    cannot serve several tasks: it is refused."""
     if config.engine == "native":
         if not isinstance(rollout, NativeRolloutEngine):
             raise TypeError(f"rollout.engine='native' needs a NativeRolloutEngine, got {type(rollout).__name__}")
@@ -109,4 +105,4 @@ def build_weight_sync(
     channel = WorkerChannel(rollout.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
     if mode == "adapter":
         return CollectiveAdapterSync(rollout, channel)
-    return CollectiveMergedSync(rollout, channel, requantize)
+    return CollectiveMergedSync(rollout, channel)
