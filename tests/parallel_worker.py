@@ -117,11 +117,13 @@ def quantized(args) -> None:
         result = cases.run_case(trainer, vocab, export_dir=export_dir, merged=True, generate=True)
         del trainer
         result.update(read_elements=read, storage=storage, export_dir=str(export_dir))
-        result["checkpoint_elements"] = sum(torch.Size(HFCheckpoint(path).shape(k)).numel() for k in HFCheckpoint(path).keys())
+        checkpoint = HFCheckpoint(path)
+        result["checkpoint_elements"] = sum(torch.Size(checkpoint.shape(k)).numel() for k in checkpoint.keys())
         if layout == "fsdp2":
             bf16 = ParallelConfig(**kwargs, param_dtype="bfloat16")
             result["mixed_precision"] = {
-                base: cases.run_mixed_precision(path, vocab, bf16, quantized_base=base) for base in ("keep", "dequantize")
+                base: cases.run_mixed_precision(path, vocab, bf16, quantized_base=base)
+                for base in ("keep", "dequantize")
             }
         results[(name, layout)] = result
     if dist.get_rank() == 0:

@@ -192,9 +192,9 @@ def test_tensor_parallel_refuses_a_quantized_base_it_would_split_inside_a_block(
     from archon.lora import LoRAConfig
     from archon.parallel import ParallelConfig, ParallelDims
 
-    with pytest.raises(ValueError, match=r"^layers\.0\.self_attn\.o_proj: tensor parallelism \(tp=2\) splits its 64 input "
-                                         r"features inside a block of 24 columns .*fp8 e4m3 with 16x24 block scales.*"
-                                         r"model\.quantized_base='dequantize'"):  # fmt: skip
+    message = (r"^layers\.0\.self_attn\.o_proj: tensor parallelism \(tp=2\) splits its 64 input features inside a "
+               r"block of 24 columns .*fp8 e4m3 with 16x24 block scales.*model\.quantized_base='dequantize'")
+    with pytest.raises(ValueError, match=message):
         build_model(checkpoints["fp8"], lora=LoRAConfig(rank=4), dims=ParallelDims(world_size=2, dp_shard=1, tp=2),
                     parallel=ParallelConfig(tp=2))  # fmt: skip
 

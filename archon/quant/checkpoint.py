@@ -131,7 +131,8 @@ class QuantizedCheckpoint:
             block_rows = slice(rows.start // br, math.ceil(rows.stop / br))
             scale_inv = self.checkpoint.get_slice(scale_key, (*lead, block_rows, scale_region[-1]))
             skip = rows.start - block_rows.start * br
-            scale = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2)[..., skip : skip + rows.stop - rows.start, :]
+            scale = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2)
+            scale = scale[..., skip : skip + rows.stop - rows.start, :]
             return data.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
         # mxfp4: storage columns are bytes of the flattened [G, 16] blocks.
         groups = slice(columns.start // 16, math.ceil(columns.stop / 16))
