@@ -4,6 +4,7 @@ the batch, the loss, the engine settings and the measurements compared between l
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -273,10 +274,10 @@ def run_multi_task_case(hf_path, vocab_size: int, parallel: ParallelConfig | Non
     return result
 
 
-def run_mixed_precision(hf_path, vocab_size: int, parallel: ParallelConfig) -> dict:
+def run_mixed_precision(hf_path, vocab_size: int, parallel: ParallelConfig, **config) -> dict:
     """Log-probs (every rank's, in global order) and the loss of one training step of a layout whose
-    parallel.param_dtype differs from the parameters' dtype."""
-    trainer = Trainer(engine_config(hf_path, parallel))
+    parallel.param_dtype differs from the parameters' dtype. `config`: other TrainerConfig fields."""
+    trainer = Trainer(engine_config(hf_path, parallel, **config))
     full = make_batch(vocab_size)
     indices = list(range(trainer.dims.dp_rank, full.num_sequences, trainer.dims.dp))
     batch = full.select(indices)
@@ -286,6 +287,38 @@ def run_mixed_precision(hf_path, vocab_size: int, parallel: ParallelConfig) -> d
     first = trainer.train_step(batch, loss_fn, with_entropy=True)
     return {"logprobs": _gather_per_sequence(indices, policy.logprobs, batch), "first_loss": first["loss"]}
 
+
+
+def quantized_storage_layout(model: torch.nn.Module) -> dict[str, dict]:
+    """Where this rank's part of each quantized base weight (archon.quant) lies: per archon key, the
+    box of the whole data and scale storage it holds (`local_region`, None for the whole), their
+    placements, the number of shards the layout cuts them into, and the bytes held here and in all."""
+    from torch.distributed.tensor import DTensor
+
+    from archon.quant import quantized_weights
+
+    def shards(t):  # FSDP2 over TP shards dim 0 twice: Shard on one mesh dim, _StridedShard on the other
+        if not isinstance(t, DTensor):
+            return 1
+        return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if not p.is_replicate())
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    out = {}
+    for key, (module, name) in quantized_weights(model).items():
+        data, scale = module.storage(name)
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in (data, scale)]
+        out[key] = {
+            "regions": [local_region(data), local_region(scale)],
+            "placements": [str(t.placements) if isinstance(t, DTensor) else None for t in (data, scale)],
+            "shards": [shards(data), shards(scale)],
+            "local_bytes": sum(nbytes(t) for t in local),
+            "bytes": sum(nbytes(t) for t in (data, scale)),
+            "column_block": module._quantized[name].fmt.column_block,
+            "inputs_per_byte": 2 if module._quantized[name].fmt.method == "mxfp4" else 1,
+        }
+    return out
 
 
 def run_full_finetune(hf_path, vocab_size: int, parallel: ParallelConfig | None = None, steps: int = 2) -> list[float]:

@@ -6,6 +6,7 @@
     ... tests/parallel_worker.py skip --out OUT --ckpt qwen3=DIR --layouts fsdp2 tp2
     ... tests/parallel_worker.py reshard --out OUT --ckpt qwen3_moe=DIR gpt_oss=DIR --layouts ep2 fsdp2
     ... tests/parallel_worker.py multi_task --out OUT --ckpt qwen3=DIR qwen3_moe=DIR --layouts fsdp2 tp2 ep2
+    ... tests/parallel_worker.py quantized --out OUT --ckpt fp8=DIR mxfp4=DIR --layouts fp8:fsdp2 mxfp4:ep2
 
 Rank 0 writes its results with torch.save to OUT (a file for parity, a directory for resume).
 """
@@ -87,6 +88,44 @@ def parity(args) -> None:
                     for name, kwargs in cases.MIXED_PRECISION_LAYOUTS.items()
                 }
             results[(model_type, layout)] = result
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+
+
+def quantized(args) -> None:
+    """Quantized bases (archon.quant) under each layout, `--layouts NAME:LAYOUT` picking the
+    checkpoint named NAME in --ckpt: what `parity` measures (with the merged payload and the native
+    engine's completions), the checkpoint elements each rank read, and where each rank's part of
+    every quantized weight lies (cases.quantized_storage_layout, all ranks'); under fsdp2 also one
+    bf16 step (parallel.param_dtype) with the base kept quantized and dequantized at load."""
+    ckpts = dict(item.split("=", 1) for item in args.ckpt)
+    counter = count_reads()
+    results = {}
+    for item in args.layouts:
+        name, layout = item.split(":")
+        path = ckpts[name]
+        vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+        world, kwargs = cases.LAYOUTS[layout]
+        assert world == int(os.environ["WORLD_SIZE"]), (layout, world)
+        counter["elements"] = 0
+        trainer = Trainer(cases.engine_config(path, ParallelConfig(**kwargs)))
+        read = [None] * dist.get_world_size()
+        dist.all_gather_object(read, counter["elements"])
+        storage = [None] * dist.get_world_size()
+        dist.all_gather_object(storage, cases.quantized_storage_layout(trainer.model))
+        export_dir = Path(args.out).parent / f"peft-{name}-{layout}"
+        result = cases.run_case(trainer, vocab, export_dir=export_dir, merged=True, generate=True)
+        del trainer
+        result.update(read_elements=read, storage=storage, export_dir=str(export_dir))
+        checkpoint = HFCheckpoint(path)
+        result["checkpoint_elements"] = sum(torch.Size(checkpoint.shape(k)).numel() for k in checkpoint.keys())
+        if layout == "fsdp2":
+            bf16 = ParallelConfig(**kwargs, param_dtype="bfloat16")
+            result["mixed_precision"] = {
+                base: cases.run_mixed_precision(path, vocab, bf16, quantized_base=base)
+                for base in ("keep", "dequantize")
+            }
+        results[(name, layout)] = result
     if dist.get_rank() == 0:
         torch.save(results, args.out)
 
@@ -229,7 +268,7 @@ def resume_batch(trainer: Trainer, vocab: int, step: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["parity", "resume", "skip", "reshard", "multi_task"])
+    parser.add_argument("scenario", choices=["parity", "resume", "skip", "reshard", "multi_task", "quantized"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", nargs="+", required=True)
     parser.add_argument("--layouts", nargs="*", default=[])
@@ -244,6 +283,8 @@ def main() -> None:
         reshard(args)
     elif args.scenario == "multi_task":
         multi_task(args)
+    elif args.scenario == "quantized":
+        quantized(args)
     else:
         resume(args)
     dist.barrier()

@@ -53,7 +53,7 @@ from archon.parallel.context_parallel import require_context_parallel_heads
 from archon.parallel.activation_offload import apply_activation_offload, check_activation_offload
 from archon.parallel.dims import ParallelDims
 from archon.parallel.expert_parallel import shard_experts
-from archon.parallel.tensor_parallel import apply_tp_plan
+from archon.parallel.tensor_parallel import apply_tp_plan, require_whole_scale_blocks
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -179,11 +179,17 @@ def parallelize_decoder(
     if dims.tp_enabled:
         if block_tp_plan is None:
             raise ValueError(f"tp={dims.tp} requested but {type(model).__name__} has no tensor-parallel plan")
+        block_plans = [block_tp_plan(index, block) for index, block in enumerate(blocks)]
+        name_of = {id(module): name for name, module in model.named_modules()}
+        # Before any mesh exists: a quantized base whose scale blocks the plan would split fails here.
+        require_whole_scale_blocks(model, model_tp_plan or {}, dims.tp)
+        for block, plan in zip(blocks, block_plans):
+            require_whole_scale_blocks(block, plan, dims.tp, prefix=f"{name_of[id(block)]}.")
         tp_mesh = dims.tp_mesh
         if model_tp_plan:
             apply_tp_plan(model, tp_mesh, model_tp_plan)
-        for index, block in enumerate(blocks):
-            apply_tp_plan(block, tp_mesh, block_tp_plan(index, block))
+        for block, plan in zip(blocks, block_plans):
+            apply_tp_plan(block, tp_mesh, plan)
     expert_params: set[nn.Parameter] = set()
     if dims.ep_enabled:
         # One mesh object for every layer: the gradient norm reduces the shards of each mesh once.

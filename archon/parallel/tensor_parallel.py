@@ -19,6 +19,7 @@ e.g. {"layers.*.self_attn.q_proj": colwise()}.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping
 
 import torch
@@ -237,9 +238,11 @@ def swiglu_plan(prefix: str = "mlp", gate: str = "gate_proj", up: str = "up_proj
     return {f"{prefix}.{gate}": colwise(), f"{prefix}.{up}": colwise(), f"{prefix}.{down}": rowwise()}
 
 
-def apply_tp_plan(module: nn.Module, tp_mesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
-    """Apply each style to the submodule(s) its key names; a key that matches nothing is an error."""
+def _plan_matches(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, ParallelStyle]]:
+    """(submodule name, style) for every submodule each plan key names; a key that matches nothing
+    is an error."""
     names = [name for name, _ in module.named_modules() if name]
+    out = []
     for pattern, style in plan.items():
         if any(ch in pattern for ch in "*?["):
             parts = pattern.split(".")
@@ -250,9 +253,54 @@ def apply_tp_plan(module: nn.Module, tp_mesh, plan: Mapping[str, ParallelStyle])
             raise KeyError(
                 f"tensor-parallel plan entry {pattern!r} matches no submodule of {type(module).__name__}"
             )
-        for name in matches:
-            style._apply(module.get_submodule(name), tp_mesh)
+        out.extend((name, style) for name in matches)
+    return out
+
+
+def apply_tp_plan(module: nn.Module, tp_mesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
+    """Apply each style to the submodule(s) its key names; a key that matches nothing is an error."""
+    for name, style in _plan_matches(module, plan):
+        style._apply(module.get_submodule(name), tp_mesh)
     return module
+
+
+def _whole_scale_blocks_per_rank(fmt, in_features: int, tp: int) -> bool:
+    """Whether splitting a quantized weight's storage on its input dim over `tp` ranks (DTensor's
+    Shard: chunks of ceil(n / tp), data and scale each) starts every rank's columns on the scale
+    block its scale shard starts with."""
+    data_columns, scale_columns = fmt.data_columns(in_features), fmt.scale_columns(in_features)
+    inputs_per_byte = in_features // data_columns
+    data_chunk, scale_chunk = math.ceil(data_columns / tp), math.ceil(scale_columns / tp)
+    for rank in range(1, tp):
+        first_input = min(rank * data_chunk, data_columns) * inputs_per_byte
+        first_block = min(rank * scale_chunk, scale_columns)
+        if first_input != min(first_block * fmt.column_block, in_features):
+            return False
+    return True
+
+
+def require_whole_scale_blocks(module: nn.Module, plan: Mapping[str, ParallelStyle], tp: int, prefix: str = "") -> None:
+    """Refuse a plan that splits a quantized weight (archon.quant) through its scale blocks: a
+    row-parallel linear shards the weight's input features, and each rank must hold the scales of
+    exactly its columns. Column-parallel linears split rows, which the storage allows anywhere.
+    `prefix`: `module`'s name in the model, for the error."""
+    from archon.quant.modules import QuantizedWeights
+
+    for name, style in _plan_matches(module, plan):
+        sub = module.get_submodule(name)
+        if not isinstance(style, _LinearParallel) or style.param_placements["weight"] != Shard(1):
+            continue
+        info = sub._quantized.get("weight") if isinstance(sub, QuantizedWeights) else None
+        if info is None:
+            continue
+        in_features, block = info.rows_shape[-1], info.fmt.column_block
+        if not _whole_scale_blocks_per_rank(info.fmt, in_features, tp):
+            raise ValueError(
+                f"{prefix}{name}: tensor parallelism (tp={tp}) splits its {in_features} input features inside a "
+                f"block of {block} columns that shares one scale ({info.fmt}); keep the weight quantized with a tp "
+                f"for which {in_features} is a multiple of tp x {block}, or load the base dequantized "
+                "(model.quantized_base='dequantize')"
+            )
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -285,6 +333,7 @@ __all__ = [
     "head_sharded_qk_norm",
     "local_tensor",
     "reduce_partial_grads",
+    "require_whole_scale_blocks",
     "rowwise",
     "swiglu_plan",
     "vocab_parallel_embedding",

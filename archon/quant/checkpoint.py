@@ -8,12 +8,7 @@ from __future__ import annotations
 import torch
 
 from archon.checkpoint.hf import HFCheckpoint
-from archon.quant.formats import (
-    QuantFormat,
-    dequantize,
-    fp8_rows_from_checkpoint,
-    mxfp4_rows_from_checkpoint,
-)
+from archon.quant.formats import QuantFormat, dequantize
 
 _FP8_DTYPE = "F8_E4M3"
 
@@ -107,9 +102,17 @@ class QuantizedCheckpoint:
             return shape
         return [*shape[:-2], shape[-2] * shape[-1] * 2]
 
-    def storage(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def storage_shape(self, key: str) -> tuple[int, ...]:
+        """Shape of the in-memory storage data of quantized weight `key` ([..., out, in'])."""
+        return self.fmt.storage_shapes(tuple(self._rows_shape(key)))[0]
+
+    def storage(
+        self, key: str, data_region: tuple[slice, ...] | None = None, scale_region: tuple[slice, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(data, scale) of quantized weight `key` in archon's in-memory storage (rows [..., out]),
-        after checking the stored shapes; errors name the tensor and its file."""
+        after checking the stored shapes; errors name the tensor and its file. `data_region` and
+        `scale_region` (one slice per storage dim, a rank's shard as `local_region` gives it, the
+        same rows in both): only that box is read."""
         data_key, scale_key = self.quantized[key]
         data_shape, scale_shape = self.checkpoint.shape(data_key), self.checkpoint.shape(scale_key)
         if self.fmt.method == "fp8":
@@ -134,15 +137,32 @@ class QuantizedCheckpoint:
                 f"scale {scale_key!r} in {self.checkpoint.file_of(scale_key).name!r} has shape {tuple(scale_shape)}, "
                 f"but {why} needs {tuple(want)}"
             )
-        data, scale = self.checkpoint.get(data_key), self.checkpoint.get(scale_key)
+        if data_region is None:
+            data_storage, scale_storage = self.fmt.storage_shapes(tuple(self._rows_shape(key)))
+            data_region = tuple(slice(0, n) for n in data_storage)
+            scale_region = tuple(slice(0, n) for n in scale_storage)
+        *lead, rows, columns = data_region
         if self.fmt.method == "fp8":
-            return fp8_rows_from_checkpoint(data, scale, self.fmt.block_size[0])
-        if data.dtype != torch.uint8 or scale.dtype != torch.uint8:
+            data = self.checkpoint.get_slice(data_key, data_region)
+            # Scale rows of the blocks these rows lie in, repeated per row (archon.quant.formats).
+            block_rows = slice(rows.start // br, math.ceil(rows.stop / br))
+            scale_inv = self.checkpoint.get_slice(scale_key, (*lead, block_rows, scale_region[-1]))
+            skip = rows.start - block_rows.start * br
+            scale = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2)
+            scale = scale[..., skip : skip + rows.stop - rows.start, :]
+            return data.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
+        # mxfp4: storage columns are bytes of the flattened [G, 16] blocks.
+        groups = slice(columns.start // 16, math.ceil(columns.stop / 16))
+        blocks = self.checkpoint.get_slice(data_key, (*lead, rows, groups, slice(0, 16)))
+        scale = self.checkpoint.get_slice(scale_key, (*lead, rows, scale_region[-1]))
+        if blocks.dtype != torch.uint8 or scale.dtype != torch.uint8:
             raise ValueError(
                 f"mxfp4 tensors {data_key!r} / {scale_key!r} in {self.checkpoint.file_of(data_key).name!r} are "
-                f"{data.dtype} / {scale.dtype}; both must be uint8"
+                f"{blocks.dtype} / {scale.dtype}; both must be uint8"
             )
-        return mxfp4_rows_from_checkpoint(data, scale)
+        skip = columns.start - groups.start * 16
+        data = blocks.flatten(-2)[..., skip : skip + columns.stop - columns.start]
+        return data.contiguous(), scale.contiguous()
 
 
 def _source_rows(converter, key: str, shapes: list[torch.Size]) -> torch.Tensor:
@@ -172,10 +192,10 @@ def _source_rows(converter, key: str, shapes: list[torch.Size]) -> torch.Tensor:
     return ids.long()
 
 
-def _combined_storage(converter, checkpoint: QuantizedCheckpoint, key: str, sources: list[str]):
-    """(data, scale) storage of archon weight `key` from its quantized checkpoint `sources`."""
+def _combined_storage(checkpoint: QuantizedCheckpoint, sources: list[str], rows: torch.Tensor):
+    """(data, scale) storage of an archon weight from its quantized checkpoint `sources`, row `i`
+    of the result being row `rows[i]` of the sources' rows taken in order (`_source_rows`)."""
     pairs = [checkpoint.storage(s) for s in sources]
-    rows = _source_rows(converter, key, [data.shape for data, _ in pairs])
     out = []
     for part in range(2):
         flat = torch.cat([pair[part].reshape(-1, pair[part].shape[-1]) for pair in pairs])
@@ -227,14 +247,20 @@ def load_quantized_weight(module, name: str, converter, checkpoint: QuantizedChe
         data, scale = _stacked_storage(checkpoint, sources, info.rows_shape[0], data_region[0], data_region[1])
         data, scale = data[..., data_region[-1]], scale[..., scale_region[-1]]
     else:
-        data, scale = _combined_storage(converter, checkpoint, key, sources)
-        want = info.fmt.storage_shapes(info.rows_shape)[0]
-        if tuple(data.shape) != tuple(want):
+        shapes = [torch.Size(checkpoint.storage_shape(s)) for s in sources]
+        rows = _source_rows(converter, key, shapes)
+        got, want = (*rows.shape, shapes[0][-1]), info.fmt.storage_shapes(info.rows_shape)[0]
+        if tuple(got) != tuple(want):
             raise ValueError(
                 f"checkpoint tensor {sources[0]!r} in {checkpoint.file_of(sources[0]).name!r} gives {key!r} "
-                f"{info.fmt} storage of shape {tuple(data.shape)}, but the model expects {tuple(want)}"
+                f"{info.fmt} storage of shape {tuple(got)}, but the model expects {tuple(want)}"
             )
-        if data_region is not None:
-            data, scale = data[data_region], scale[scale_region]
+        one_to_one = len(sources) == 1 and torch.equal(rows.reshape(-1), torch.arange(rows.numel()))
+        if data_region is not None and one_to_one:  # read this rank's shard only
+            data, scale = checkpoint.storage(sources[0], data_region, scale_region)
+        else:
+            data, scale = _combined_storage(checkpoint, sources, rows)
+            if data_region is not None:
+                data, scale = data[data_region], scale[scale_region]
     copy_local_into(data_param, data, f"{key}_qdata")
     copy_local_into(scale_param, scale, f"{key}_qscale")

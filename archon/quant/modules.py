@@ -94,19 +94,21 @@ class QuantizedWeights:
 
 
 class _DequantizedLinear(torch.autograd.Function):
-    """x W^T with W dequantized from its storage in the forward and again in the backward (W is
-    frozen: only x gets a gradient), so no dequantized weight outlives its GEMM."""
+    """x W^T + b with W dequantized from its storage in the forward and again in the backward (W is
+    frozen: x, and b when it is trained, get gradients), so no dequantized weight outlives its GEMM."""
 
     @staticmethod
-    def forward(ctx, x, data, scale, fmt):
+    def forward(ctx, x, data, scale, bias, fmt):
         ctx.save_for_backward(data, scale)
         ctx.fmt = fmt
-        return F.linear(x, dequantize(fmt, data, scale, x.dtype))
+        return F.linear(x, dequantize(fmt, data, scale, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         data, scale = ctx.saved_tensors
-        return grad_out @ dequantize(ctx.fmt, data, scale, grad_out.dtype), None, None, None
+        grad_x = grad_out @ dequantize(ctx.fmt, data, scale, grad_out.dtype)
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
+        return grad_x, None, None, grad_bias, None
 
 
 class _DequantizedExpertMatmul(torch.autograd.Function):
@@ -132,8 +134,7 @@ def _quantized_linear(module: QuantizedWeights, x: torch.Tensor) -> torch.Tensor
     data, scale = module.storage("weight")
     if isinstance(data, DTensor):  # tensor parallel: a DTensor GEMM on the dequantized local shard
         return F.linear(x, module.weight, module.bias)
-    out = _DequantizedLinear.apply(x, data, scale, module._quantized["weight"].fmt)
-    return out if module.bias is None else out + module.bias
+    return _DequantizedLinear.apply(x, data, scale, module.bias, module._quantized["weight"].fmt)
 
 
 class QuantizedLinear(QuantizedWeights, nn.Linear):
@@ -199,8 +200,15 @@ class QuantizedLoRALinear(QuantizedWeights, LoRALinear):
         out = _quantized_linear(self, x)
         if not self.lora_enabled:
             return out
-        h = self.lora_dropout(x.to(self.lora_a.weight.dtype))
-        return out + (self.lora_b(self.lora_a(h)) * self.scaling).to(out.dtype)
+        h = self.lora_a(self.lora_dropout(x.to(self.lora_a.weight.dtype)))  # [..., r]
+        fused = isinstance(self.lora_dropout, nn.Identity) or not self.training
+        if fused and out.dtype == h.dtype:
+            # Base and adapter summed in one rounding, as LoRALinear does on a dense frozen base, so
+            # a bf16 forward (FSDP2's param_dtype) matches the base dequantized at load.
+            out2 = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_b.weight.t(),
+                               alpha=self.scaling)  # fmt: skip
+            return out2.view(*out.shape)
+        return out + (self.lora_b(h) * self.scaling).to(out.dtype)
 
 
 class QuantizedExperts(QuantizedWeights):
