@@ -17,7 +17,8 @@ import torch
 from test_parallel import TOL, _check_against_single_process, _check_export, _check_merged_payload, check_first_step
 
 from archon.checkpoint.hf import HFCheckpoint
-from archon.quant import QuantFormat
+from archon.quant import QuantFormat, quant_format_from_config
+from archon.quant.formats import compressed_tensors_config
 from archon.trainer import Trainer
 
 # 16x24 blocks: the tiny models' 64 inputs are 2 2/3 column blocks and their 32-row experts and
@@ -27,10 +28,14 @@ from archon.trainer import Trainer
 FP8 = QuantFormat("fp8", (16, 24))
 FP8_TP = QuantFormat("fp8", (24, 16))
 MXFP4 = QuantFormat("mxfp4", (1, 32))
-CHECKPOINTS = {"fp8": ("qwen3_moe", FP8), "fp8_tp": ("qwen3_moe", FP8_TP), "mxfp4": ("gpt_oss", MXFP4)}
+# GLM-4.5-FP8's layout (compressed-tensors, a scale per output channel): a row-parallel split
+# replicates the scales, which cover every input.
+FP8_CHANNEL = quant_format_from_config(compressed_tensors_config("channel"))
+CHECKPOINTS = {"fp8": ("qwen3_moe", FP8), "fp8_tp": ("qwen3_moe", FP8_TP), "mxfp4": ("gpt_oss", MXFP4),
+               "fp8_channel": ("glm4_moe", FP8_CHANNEL)}  # fmt: skip
 
 TWO_RANK_CASES = [("fp8", "fsdp2"), ("fp8", "ep2"), ("fp8_tp", "tp2"), ("mxfp4", "fsdp2"), ("mxfp4", "ep2"),
-                  ("fp8", "cp2")]  # fmt: skip
+                  ("fp8", "cp2"), ("fp8_channel", "tp2")]  # fmt: skip
 FOUR_RANK_CASES = [("fp8_tp", "fsdp2_tp2"), ("fp8", "ep2_fsdp2")]
 
 
@@ -108,9 +113,13 @@ def test_quantized_storage_shards_with_its_scales(parallel_results, single_proce
         parts = [rank[key] for rank in per_rank]
         for part in parts:
             data_placements, scale_placements = part["placements"]
-            assert data_placements == scale_placements, f"{key}: data {data_placements}, scale {scale_placements}"
             assert part["bytes"] == reference["bytes"], key
             data_region, scale_region = part["regions"]
+            if part["column_block"] is None:  # a scale per row covers all inputs: replicated over their split
+                assert scale_placements == (data_placements and data_placements.replace("Shard(dim=1)", "Replicate()")), key
+                assert scale_region is None or data_region[:-1] == scale_region[:-1], key
+                continue
+            assert data_placements == scale_placements, f"{key}: data {data_placements}, scale {scale_placements}"
             if data_region is None:
                 assert scale_region is None and part["local_bytes"] == part["bytes"], key
                 continue
@@ -119,11 +128,14 @@ def test_quantized_storage_shards_with_its_scales(parallel_results, single_proce
             first_input = data_region[-1].start * part["inputs_per_byte"]
             assert first_input == scale_region[-1].start * part["column_block"], (key, data_region, scale_region)
         shards = parts[0]["shards"][0]
-        assert all(part["shards"] == [shards, shards] for part in parts), key
+        per_row_scale_replicated = parts[0]["column_block"] is None and parts[0]["shards"][1] == 1
+        assert all(part["shards"] == [shards, 1 if per_row_scale_replicated else shards] for part in parts), key
         if shards > 1:
             sharded.add(key)
-            # These tiny shapes split evenly: every rank holds 1/shards of the bytes.
-            assert all(part["local_bytes"] * shards == part["bytes"] for part in parts), (key, shards)
+            # These tiny shapes split evenly: every rank holds 1/shards of the bytes (of the data
+            # alone where the scales are replicated).
+            if not per_row_scale_replicated:
+                assert all(part["local_bytes"] * shards == part["bytes"] for part in parts), (key, shards)
             distinct = {tuple((s.start, s.stop) for s in part["regions"][0]) for part in parts}
             assert len(distinct) == shards, (key, distinct)
     quantized_bytes = sum(reference["bytes"] for reference in whole.values())

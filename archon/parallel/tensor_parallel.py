@@ -97,6 +97,9 @@ class _LinearParallel(ParallelStyle):
             if role not in self.param_placements:
                 raise ValueError(f"{type(self).__name__}: no placement for parameter {name!r} of {type(module).__name__}")
             placements[name] = self.param_placements[role]
+            if name.endswith("_qscale") and module._quantized[role].fmt.column_block is None:
+                # one scale per row covers every input: each rank of a row-parallel split needs all of it
+                placements[name] = Replicate() if placements[name] == Shard(1) else placements[name]
         return placements
 
     def __repr__(self) -> str:
@@ -268,6 +271,8 @@ def _whole_scale_blocks_per_rank(fmt, in_features: int, tp: int) -> bool:
     """Whether splitting a quantized weight's storage on its input dim over `tp` ranks (DTensor's
     Shard: chunks of ceil(n / tp), data and scale each) starts every rank's columns on the scale
     block its scale shard starts with."""
+    if fmt.column_block is None:  # a scale per row (or tensor) covers every column: replicated
+        return True
     data_columns, scale_columns = fmt.data_columns(in_features), fmt.scale_columns(in_features)
     inputs_per_byte = in_features // data_columns
     data_chunk, scale_chunk = math.ceil(data_columns / tp), math.ceil(scale_columns / tp)

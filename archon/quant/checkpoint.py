@@ -5,6 +5,8 @@ weight (archon.quant.formats) for a base kept quantized."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from archon.checkpoint.hf import HFCheckpoint
@@ -144,7 +146,12 @@ class QuantizedCheckpoint:
         *lead, rows, columns = data_region
         if self.fmt.method == "fp8":
             data = self.checkpoint.get_slice(data_key, data_region)
+            if self.fmt.block_size == (None, None):  # one scale for the tensor
+                value = self.checkpoint.get(scale_key).to(torch.float32).reshape(())
+                scale = torch.full((*data.shape[:-1], 1), value.item(), dtype=torch.float32)
+                return data.contiguous().view(torch.uint8), scale.view(torch.int32)
             # Scale rows of the blocks these rows lie in, repeated per row (archon.quant.formats).
+            br = self.fmt.block_size[0]
             block_rows = slice(rows.start // br, math.ceil(rows.stop / br))
             scale_inv = self.checkpoint.get_slice(scale_key, (*lead, block_rows, scale_region[-1]))
             skip = rows.start - block_rows.start * br
