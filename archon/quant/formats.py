@@ -134,13 +134,8 @@ def fp8_rows_from_checkpoint(weight: torch.Tensor, scale_inv: torch.Tensor, row_
 
 def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int, dtype: torch.dtype) -> torch.Tensor:
     """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in `dtype`."""
-    in_features = data.shape[-1]
-    values = data.view(torch.float8_e4m3fn).to(torch.float32)
-    scale = scale.view(torch.float32)
-    if in_features % column_block == 0:  # whole blocks: scale each block in a view, no repeated scales
-        return (values.unflatten(-1, (-1, column_block)) * scale[..., None]).flatten(-2).to(dtype)
-    scale = scale.repeat_interleave(column_block, dim=-1)[..., :in_features]
-    return (values * scale).to(dtype)
+    values = _lookup(_fp8_values(data.device), data)  # [..., out, in] fp32
+    return _scale_column_blocks(values, scale.view(torch.float32), column_block).to(dtype)
 
 
 def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,21 +168,19 @@ def mxfp4_rows_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tu
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Storage [..., out, in/2] (two e2m1 per byte, low nibble first) and [..., out, in/32] (e8m0)
     -> weight [..., out, in] in `dtype`. Every product is exact in bf16 or wider."""
-    values = _fp4_pairs(data.device)[data.long()].flatten(-2)  # [..., out, in]: one lookup per byte
+    values = _lookup(_fp4_pairs(data.device), data).flatten(-2)  # [..., out, in] fp32
     multiplier = torch.exp2(scale.to(torch.float32) - 127)  # [..., out, in/32]
-    return (values.unflatten(-1, (-1, MXFP4_BLOCK)) * multiplier[..., None]).flatten(-2).to(dtype)
-
-
-_FP4_PAIRS: dict[torch.device, torch.Tensor] = {}
+    return _scale_column_blocks(values, multiplier, MXFP4_BLOCK).to(dtype)
 
 
 def _fp4_pairs(device: torch.device) -> torch.Tensor:
     """[256, 2] fp32: the two e2m1 values (low nibble, high nibble) of each byte."""
-    if device not in _FP4_PAIRS:
+    key = ("fp4 pairs", device)
+    if key not in _TABLES:
         lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
         byte = torch.arange(256)
-        _FP4_PAIRS[device] = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1).to(device)
-    return _FP4_PAIRS[device]
+        _TABLES[key] = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1).to(device)
+    return _TABLES[key]
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,6 +200,51 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = (magnitude | ((scaled < 0).to(torch.long) << 3)).to(torch.uint8)  # [..., out, G, 32]
     packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # [..., out, G, 16]
     return packed, (exponent + 127).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantization by table lookup
+# ---------------------------------------------------------------------------------------------
+#
+# Converting float8 to float32 element by element is slow on CPUs (several ns a value), so both
+# formats look their bytes up in a 256-entry table of exact fp32 values (int32 indices: int64 ones
+# would take twice the memory traffic), then scale block by block in place. Where the weight dtype
+# is narrower than fp32, the product is still formed in fp32 and rounded once, as the published
+# recipes do.
+
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+# Bytes looked up per index_select on the CPU: the int32 indices of a chunk stay in cache.
+_LOOKUP_CHUNK = 1 << 20
+
+
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    """[256] fp32: the float8_e4m3fn value of each byte (NaN for the two NaN codes)."""
+    key = ("fp8 values", device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).to(device)
+    return _TABLES[key]
+
+
+def _lookup(table: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """table [256, *tail] indexed by every byte of data [...] (uint8) -> [..., *tail] in table's dtype."""
+    flat = data.reshape(-1)
+    out = torch.empty(flat.numel(), *table.shape[1:], dtype=table.dtype, device=data.device)
+    chunk = _LOOKUP_CHUNK if data.device.type == "cpu" else max(flat.numel(), 1)
+    for start in range(0, flat.numel(), chunk):
+        torch.index_select(table, 0, flat[start : start + chunk].int(), out=out[start : start + chunk])
+    return out.view(*data.shape, *table.shape[1:])
+
+
+def _scale_column_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """values [..., in] (fp32) times scale [..., ceil(in/block)], one scale per `block` columns (the
+    last block may be partial), in place; returns values."""
+    in_features = values.shape[-1]
+    whole = in_features - in_features % block
+    blocks = whole // block
+    values[..., :whole].unflatten(-1, (blocks, block)).mul_(scale[..., :blocks, None])
+    if whole < in_features:
+        values[..., whole:].mul_(scale[..., blocks:])
+    return values
 
 
 # ---------------------------------------------------------------------------------------------
