@@ -134,8 +134,7 @@ def fp8_rows_from_checkpoint(weight: torch.Tensor, scale_inv: torch.Tensor, row_
 
 def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int, dtype: torch.dtype) -> torch.Tensor:
     """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in `dtype`."""
-    values = _lookup(_fp8_values(data.device), data)  # [..., out, in] fp32
-    return _scale_column_blocks(values, scale.view(torch.float32), column_block).to(dtype)
+    return _dequantize_rows(_fp8_values(data.device), data, scale.view(torch.float32), column_block, dtype)
 
 
 def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,9 +167,8 @@ def mxfp4_rows_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tu
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Storage [..., out, in/2] (two e2m1 per byte, low nibble first) and [..., out, in/32] (e8m0)
     -> weight [..., out, in] in `dtype`. Every product is exact in bf16 or wider."""
-    values = _lookup(_fp4_pairs(data.device), data).flatten(-2)  # [..., out, in] fp32
     multiplier = torch.exp2(scale.to(torch.float32) - 127)  # [..., out, in/32]
-    return _scale_column_blocks(values, multiplier, MXFP4_BLOCK).to(dtype)
+    return _dequantize_rows(_fp4_pairs(data.device), data, multiplier, MXFP4_BLOCK, dtype)
 
 
 def _fp4_pairs(device: torch.device) -> torch.Tensor:
@@ -208,13 +206,14 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #
 # Converting float8 to float32 element by element is slow on CPUs (several ns a value), so both
 # formats look their bytes up in a 256-entry table of exact fp32 values (int32 indices: int64 ones
-# would take twice the memory traffic), then scale block by block in place. Where the weight dtype
-# is narrower than fp32, the product is still formed in fp32 and rounded once, as the published
-# recipes do.
+# would double the traffic) and scale block by block in place, a chunk of rows at a time: the fp32
+# values of a chunk stay in cache, and a narrower weight dtype never has a whole fp32 copy beside
+# it. The product is formed in fp32 and rounded once to the weight's dtype either way.
 
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
-# Bytes looked up per index_select on the CPU: the int32 indices of a chunk stay in cache.
-_LOOKUP_CHUNK = 1 << 20
+# Elements dequantized per chunk: 4 MB of fp32 on a CPU; on an accelerator, few enough launches.
+_CHUNK_ELEMENTS = {"cpu": 1 << 20}
+_DEVICE_CHUNK_ELEMENTS = 1 << 24
 
 
 def _fp8_values(device: torch.device) -> torch.Tensor:
@@ -225,26 +224,39 @@ def _fp8_values(device: torch.device) -> torch.Tensor:
     return _TABLES[key]
 
 
-def _lookup(table: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """table [256, *tail] indexed by every byte of data [...] (uint8) -> [..., *tail] in table's dtype."""
-    flat = data.reshape(-1)
-    out = torch.empty(flat.numel(), *table.shape[1:], dtype=table.dtype, device=data.device)
-    chunk = _LOOKUP_CHUNK if data.device.type == "cpu" else max(flat.numel(), 1)
-    for start in range(0, flat.numel(), chunk):
-        torch.index_select(table, 0, flat[start : start + chunk].int(), out=out[start : start + chunk])
-    return out.view(*data.shape, *table.shape[1:])
+def _dequantize_rows(
+    table: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """data [..., out, in_bytes] (uint8) looked up in table [256] or [256, k] (k values per byte) and
+    times scale [..., out, ceil(in/block)] (fp32, one per `block` columns, the last block may be
+    partial) -> [..., out, in] in `dtype`, in = in_bytes * k."""
+    *lead, in_bytes = data.shape
+    in_features = in_bytes * (table.shape[1] if table.ndim == 2 else 1)
+    data_rows = data.reshape(-1, in_bytes)
+    scale_rows = scale.reshape(-1, scale.shape[-1])
+    out = torch.empty(data_rows.shape[0], in_features, dtype=dtype, device=data.device)
+    step = max(1, _CHUNK_ELEMENTS.get(data.device.type, _DEVICE_CHUNK_ELEMENTS) // max(in_features, 1))
+    for start in range(0, data_rows.shape[0], step):
+        indices = data_rows[start : start + step].reshape(-1).int()
+        if dtype == torch.float32:  # look up straight into the output
+            values = out[start : start + step]
+            torch.index_select(table, 0, indices, out=values.view(-1, *table.shape[1:]))
+        else:
+            values = table.index_select(0, indices).view(-1, in_features)
+        _scale_column_blocks(values, scale_rows[start : start + step], block)
+        if dtype != torch.float32:
+            out[start : start + step] = values
+    return out.view(*lead, in_features)
 
 
-def _scale_column_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    """values [..., in] (fp32) times scale [..., ceil(in/block)], one scale per `block` columns (the
-    last block may be partial), in place; returns values."""
+def _scale_column_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> None:
+    """values [rows, in] (fp32) *= scale [rows, ceil(in/block)], one scale per `block` columns."""
     in_features = values.shape[-1]
     whole = in_features - in_features % block
     blocks = whole // block
-    values[..., :whole].unflatten(-1, (blocks, block)).mul_(scale[..., :blocks, None])
+    values[:, :whole].unflatten(-1, (blocks, block)).mul_(scale[:, :blocks, None])
     if whole < in_features:
-        values[..., whole:].mul_(scale[..., blocks:])
-    return values
+        values[:, whole:].mul_(scale[:, blocks:])
 
 
 # ---------------------------------------------------------------------------------------------
