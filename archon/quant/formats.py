@@ -172,12 +172,14 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def _fp4_pairs(device: torch.device) -> torch.Tensor:
-    """[256, 2] fp32: the two e2m1 values (low nibble, high nibble) of each byte."""
+    """[256] int64: the two e2m1 values of each byte (low nibble first) as an fp32 pair in one 8-byte
+    word (index_select gathers a 1-D table of words faster than rows of a [256, 2] one)."""
     key = ("fp4 pairs", device)
     if key not in _TABLES:
         lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
         byte = torch.arange(256)
-        _TABLES[key] = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1).to(device)
+        pairs = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1)  # [256, 2] fp32
+        _TABLES[key] = pairs.view(torch.int64).reshape(256).to(device)
     return _TABLES[key]
 
 
@@ -227,11 +229,12 @@ def _fp8_values(device: torch.device) -> torch.Tensor:
 def _dequantize_rows(
     table: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """data [..., out, in_bytes] (uint8) looked up in table [256] or [256, k] (k values per byte) and
-    times scale [..., out, ceil(in/block)] (fp32, one per `block` columns, the last block may be
-    partial) -> [..., out, in] in `dtype`, in = in_bytes * k."""
+    """data [..., out, in_bytes] (uint8) looked up in table [256] (each entry the fp32 value, or
+    values, of one byte) and times scale [..., out, ceil(in/block)] (fp32, one per `block` columns,
+    the last block may be partial) -> [..., out, in] in `dtype`."""
     *lead, in_bytes = data.shape
-    in_features = in_bytes * (table.shape[1] if table.ndim == 2 else 1)
+    per_byte = table.element_size() // 4  # fp32 values per table entry
+    in_features = in_bytes * per_byte
     data_rows = data.reshape(-1, in_bytes)
     scale_rows = scale.reshape(-1, scale.shape[-1])
     out = torch.empty(data_rows.shape[0], in_features, dtype=dtype, device=data.device)
@@ -240,9 +243,9 @@ def _dequantize_rows(
         indices = data_rows[start : start + step].reshape(-1).int()
         if dtype == torch.float32:  # look up straight into the output
             values = out[start : start + step]
-            torch.index_select(table, 0, indices, out=values.view(-1, *table.shape[1:]))
+            torch.index_select(table, 0, indices, out=values.view(table.dtype).view(-1))
         else:
-            values = table.index_select(0, indices).view(-1, in_features)
+            values = table.index_select(0, indices).view(torch.float32).view(-1, in_features)
         _scale_column_blocks(values, scale_rows[start : start + step], block)
         if dtype != torch.float32:
             out[start : start + step] = values
