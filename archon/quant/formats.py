@@ -77,6 +77,10 @@ class QuantFormat:
     def data_columns(self, in_features: int) -> int:
         return in_features // 2 if self.method == "mxfp4" else in_features
 
+    def in_features(self, data_columns: int) -> int:
+        """The inputs a storage row of `data_columns` bytes holds (the inverse of data_columns)."""
+        return data_columns * 2 if self.method == "mxfp4" else data_columns
+
     def scale_columns(self, in_features: int) -> int:
         return math.ceil(in_features / self.column_block)
 
@@ -132,9 +136,13 @@ def fp8_rows_from_checkpoint(weight: torch.Tensor, scale_inv: torch.Tensor, row_
     return weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
 
 
-def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int, dtype: torch.dtype) -> torch.Tensor:
-    """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in `dtype`."""
-    return _dequantize_rows(_fp8_values(data.device), data, scale.view(torch.float32), column_block, dtype)
+def dequantize_fp8(
+    data: torch.Tensor, scale: torch.Tensor, column_block: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in `dtype`
+    (written into `out` when given)."""
+    table = _fp8_pair_values(data.device) if data.shape[-1] % 2 == 0 else _fp8_values(data.device)
+    return _dequantize_rows(table, data, scale.view(torch.float32), column_block, dtype, out)
 
 
 def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,11 +172,14 @@ def mxfp4_rows_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tu
     return blocks.flatten(-2).contiguous(), scales.contiguous()
 
 
-def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_mxfp4(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Storage [..., out, in/2] (two e2m1 per byte, low nibble first) and [..., out, in/32] (e8m0)
-    -> weight [..., out, in] in `dtype`. Every product is exact in bf16 or wider."""
+    -> weight [..., out, in] in `dtype` (written into `out` when given). Every product is exact in
+    bf16 or wider."""
     multiplier = torch.exp2(scale.to(torch.float32) - 127)  # [..., out, in/32]
-    return _dequantize_rows(_fp4_pairs(data.device), data, multiplier, MXFP4_BLOCK, dtype)
+    return _dequantize_rows(_fp4_pairs(data.device), data, multiplier, MXFP4_BLOCK, dtype, out)
 
 
 def _fp4_pairs(device: torch.device) -> torch.Tensor:
@@ -207,10 +218,10 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 #
 # Converting float8 to float32 element by element is slow on CPUs (several ns a value), so both
-# formats look their bytes up in a 256-entry table of exact fp32 values (int32 indices: int64 ones
-# would double the traffic) and scale block by block in place, a chunk of rows at a time: the fp32
-# values of a chunk stay in cache, and a narrower weight dtype never has a whole fp32 copy beside
-# it. The product is formed in fp32 and rounded once to the weight's dtype either way.
+# formats look their bytes up in a table of exact fp32 values (fp8: two bytes at a time; int32
+# indices: int64 ones would double the traffic) and scale block by block in place, a chunk of rows
+# at a time: the fp32 values of a chunk stay in cache, and a narrower weight dtype never has a whole
+# fp32 copy beside it. The product is formed in fp32 and rounded once to the weight's dtype either way.
 
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 # Elements dequantized per chunk: 4 MB of fp32 on a CPU; on an accelerator, few enough launches.
@@ -226,30 +237,56 @@ def _fp8_values(device: torch.device) -> torch.Tensor:
     return _TABLES[key]
 
 
+def _fp8_pair_values(device: torch.device) -> torch.Tensor:
+    """[65536] int64: for each pair of bytes read as one uint16, their two float8_e4m3fn values as an
+    fp32 pair in one 8-byte word (half the lookups of the byte table)."""
+    key = ("fp8 pair values", device)
+    if key not in _TABLES:
+        # the bytes of every uint16 in memory order, whatever the machine's byte order
+        byte_pairs = torch.arange(65536, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(65536, 2)
+        pairs = _fp8_values(torch.device("cpu"))[byte_pairs.long()]  # [65536, 2] fp32
+        _TABLES[key] = pairs.view(torch.int64).reshape(65536).to(device)
+    return _TABLES[key]
+
+
 def _dequantize_rows(
-    table: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype
+    table: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """data [..., out, in_bytes] (uint8) looked up in table [256] (each entry the fp32 value, or
-    values, of one byte) and times scale [..., out, ceil(in/block)] (fp32, one per `block` columns,
-    the last block may be partial) -> [..., out, in] in `dtype`."""
+    """data [..., out, in_bytes] (uint8) looked up in `table` and times scale [..., out, ceil(in/block)]
+    (fp32, one per `block` columns, the last block may be partial) -> [..., out, in] in `dtype`.
+    `table` has 256 entries (indexed by a byte) or 65536 (by two bytes read as one uint16), each the
+    fp32 value or values (in one wider word) that its bytes stand for. `out`, when given, is a
+    contiguous tensor of the result's shape and dtype to write into."""
     *lead, in_bytes = data.shape
-    per_byte = table.element_size() // 4  # fp32 values per table entry
-    in_features = in_bytes * per_byte
+    index_bytes = 2 if table.numel() == 65536 else 1
+    values_per_entry = table.element_size() // 4
+    in_features = in_bytes // index_bytes * values_per_entry
     data_rows = data.reshape(-1, in_bytes)
     scale_rows = scale.reshape(-1, scale.shape[-1])
-    out = torch.empty(data_rows.shape[0], in_features, dtype=dtype, device=data.device)
+    shape = (*lead, in_features)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=data.device)
+    elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"dequantize: out must be a contiguous {dtype} tensor of shape {shape}, "
+                         f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+    out_rows = out.view(-1, in_features)
     step = max(1, _CHUNK_ELEMENTS.get(data.device.type, _DEVICE_CHUNK_ELEMENTS) // max(in_features, 1))
     for start in range(0, data_rows.shape[0], step):
-        indices = data_rows[start : start + step].reshape(-1).int()
+        chunk = data_rows[start : start + step]
+        if index_bytes == 2:
+            chunk = chunk.contiguous() if chunk.storage_offset() % 2 == 0 else chunk.clone()
+            chunk = chunk.view(torch.uint16)
+        indices = chunk.reshape(-1).int()
         if dtype == torch.float32:  # look up straight into the output
-            values = out[start : start + step]
+            values = out_rows[start : start + step]
             torch.index_select(table, 0, indices, out=values.view(table.dtype).view(-1))
         else:
             values = table.index_select(0, indices).view(torch.float32).view(-1, in_features)
         _scale_column_blocks(values, scale_rows[start : start + step], block)
         if dtype != torch.float32:
-            out[start : start + step] = values
-    return out.view(*lead, in_features)
+            out_rows[start : start + step] = values
+    return out
 
 
 def _scale_column_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> None:
@@ -267,11 +304,14 @@ def _scale_column_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) 
 # ---------------------------------------------------------------------------------------------
 
 
-def dequantize(fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """In-memory storage -> row-major weight [..., out, in] in `dtype`."""
+def dequantize(
+    fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """In-memory storage -> row-major weight [..., out, in] in `dtype` (written into `out`, a
+    contiguous tensor of that shape and dtype, when given)."""
     if fmt.method == "fp8":
-        return dequantize_fp8(data, scale, fmt.column_block, dtype)
-    return dequantize_mxfp4(data, scale, dtype)
+        return dequantize_fp8(data, scale, fmt.column_block, dtype, out)
+    return dequantize_mxfp4(data, scale, dtype, out)
 
 
 def quantize_to_checkpoint(fmt: QuantFormat, hf_name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -13,6 +13,8 @@ wrapped as a DTensor with the storage's layout, which autograd then keeps for th
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +94,33 @@ class QuantizedWeights:
         )
 
 
+class _GemmWorkspace(threading.local):
+    """Per thread, a flat buffer per (device, dtype) that a weight dequantized for one GEMM is written
+    into. Only on the CPU: there every fresh allocation of a large weight is mapped in page by page
+    on first touch, which costs about as much as dequantizing it (an accelerator's caching allocator
+    reuses its blocks). The buffer grows to the largest such weight and is kept."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+_WORKSPACE = _GemmWorkspace()
+
+
+def _dequantized_for_gemm(fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of storage (data, scale) in `dtype`, for a GEMM that consumes it at once: on the
+    CPU, in eager mode, it lives in this thread's workspace and is overwritten by the next one."""
+    if data.device.type != "cpu" or torch.compiler.is_compiling():
+        return dequantize(fmt, data, scale, dtype)
+    shape = (*data.shape[:-1], fmt.in_features(data.shape[-1]))
+    numel = math.prod(shape)
+    key = (data.device, dtype)
+    buffer = _WORKSPACE.buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _WORKSPACE.buffers[key] = torch.empty(numel, dtype=dtype, device=data.device)
+    return dequantize(fmt, data, scale, dtype, out=buffer[:numel].view(shape))
+
+
 class _DequantizedLinear(torch.autograd.Function):
     """x W^T with W dequantized from its storage in the forward and again in the backward (W is
     frozen: only x gets a gradient), so no dequantized weight outlives its GEMM."""
@@ -100,12 +129,12 @@ class _DequantizedLinear(torch.autograd.Function):
     def forward(ctx, x, data, scale, fmt):
         ctx.save_for_backward(data, scale)
         ctx.fmt = fmt
-        return F.linear(x, dequantize(fmt, data, scale, x.dtype))
+        return F.linear(x, _dequantized_for_gemm(fmt, data, scale, x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
         data, scale = ctx.saved_tensors
-        return grad_out @ dequantize(ctx.fmt, data, scale, grad_out.dtype), None, None, None
+        return grad_out @ _dequantized_for_gemm(ctx.fmt, data, scale, grad_out.dtype), None, None, None
 
 
 class _DequantizedExpertMatmul(torch.autograd.Function):
@@ -116,13 +145,13 @@ class _DequantizedExpertMatmul(torch.autograd.Function):
     def forward(ctx, x, data, scale, fmt, groups):
         ctx.save_for_backward(data, scale)
         ctx.fmt, ctx.groups = fmt, groups
-        weight = dequantize(fmt, data, scale, x.dtype)  # [E, out, in]
+        weight = _dequantized_for_gemm(fmt, data, scale, x.dtype)  # [E, out, in]
         return expert_matmul(x, weight.transpose(1, 2), groups)
 
     @staticmethod
     def backward(ctx, grad_out):
         data, scale = ctx.saved_tensors
-        weight = dequantize(ctx.fmt, data, scale, grad_out.dtype)  # [E, out, in]
+        weight = _dequantized_for_gemm(ctx.fmt, data, scale, grad_out.dtype)  # [E, out, in]
         return expert_matmul(grad_out, weight, ctx.groups), None, None, None, None
 
 
