@@ -26,7 +26,7 @@ Each measurement runs in its own process:
            backward) against the same base dequantized at load. The two trainers run in one process,
            their steps alternated (`steps` rounds after one warm-up each), so both see the same load;
            medians of wall time and of process CPU time, and the median of the per-round ratios.
-           Also the time to dequantize every quantized weight once, twice per step.
+           Also the time to dequantize every quantized weight once (a step does it twice).
     logprob_gap   the trainer's log-probs on the kept-quantized base (fp32) against HF transformers
            on the same checkpoint dequantized by transformers itself (FineGrainedFP8Config /
            Mxfp4Config with dequantize=True, fp32; its mxfp4 path dequantizes into bf16, which holds
@@ -202,18 +202,23 @@ def _trainer(args: Args, base: str):
 
 
 def _dequantize_all_s(model) -> float:
-    """Seconds to dequantize every quantized weight of `model` once in fp32 (median of 3)."""
+    """Seconds to dequantize every quantized weight of `model` once in fp32 (median of 3), into one
+    reused buffer as the GEMMs do on the CPU."""
     import torch
 
     from archon.quant import dequantize, quantized_weights
 
-    weights = list(quantized_weights(model).values())
+    weights = []
+    for module, name in quantized_weights(model).values():
+        data, scale = module.storage(name)
+        fmt = module._quantized[name].fmt
+        weights.append((fmt, data, scale, (*data.shape[:-1], fmt.in_features(data.shape[-1]))))
+    buffer = torch.empty(max(_numel(shape) for *_, shape in weights))
 
     def once() -> float:
         start = time.perf_counter()
-        for module, name in weights:
-            data, scale = module.storage(name)
-            dequantize(module._quantized[name].fmt, data, scale, torch.float32)
+        for fmt, data, scale, shape in weights:
+            dequantize(fmt, data, scale, torch.float32, out=buffer[: _numel(shape)].view(shape))
         return time.perf_counter() - start
 
     return statistics.median(once() for _ in range(3))
