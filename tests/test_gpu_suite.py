@@ -38,7 +38,7 @@ def test_tiny_suite_passes_every_check(tmp_path):
     assert not failed, json.dumps(failed, indent=1)[-6000:]
     assert result["pass"] and proc.returncode == 0, proc.stderr[-4000:]
     assert set(result["checks"]) == {"alignment", "train", "generation", "memory", "throughput", "moe", "offload",
-                                     "prefill"}
+                                     "prefill", "quantized"}
     assert result["mode"] == "tiny-cpu"
 
     checks = result["checks"]
@@ -62,6 +62,12 @@ def test_tiny_suite_passes_every_check(tmp_path):
     assert prefill["prefill_forwards"][0] == 1 and prefill["prefill_forwards"][1] > 1
     assert prefill["largest_forward_tokens"][1] <= prefill["prefill_chunk_tokens"] < prefill["largest_forward_tokens"][0]
     assert prefill["greedy_tokens_equal"]
+    quantized = checks["quantized"]["formats"]  # both formats trained and sampled on the kept-quantized base
+    assert set(quantized) == {"fp8", "mxfp4"}
+    for fmt in quantized.values():
+        assert fmt["greedy_tokens_equal"] and fmt["lora_grads_checked"] > 0 and not fmt["bad_lora_grads"]
+        assert fmt["base_param_bytes_ratio"] < 1
+        assert fmt["first_loss_rel_diff"] <= checks["quantized"]["loss_rtol_kept_vs_dequantized"]
 
     assert json.loads((out / "gpu_suite.json").read_text()) == result
     log = (out / "gpu_suite.log").read_text()

@@ -92,6 +92,10 @@ class QuantFormat:
     def data_columns(self, in_features: int) -> int:
         return in_features // 2 if self.method == "mxfp4" else in_features
 
+    def in_features(self, data_columns: int) -> int:
+        """The inputs a storage row of `data_columns` bytes holds (the inverse of data_columns)."""
+        return data_columns * 2 if self.method == "mxfp4" else data_columns
+
     def scale_columns(self, in_features: int) -> int:
         return 1 if self.column_block is None else math.ceil(in_features / self.column_block)
 
@@ -225,20 +229,15 @@ def fp8_rows_from_checkpoint(
     return weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
 
 
-def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, column_block: int | None, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8(
+    data: torch.Tensor, scale: torch.Tensor, column_block: int | None, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in
-    `dtype`. `column_block` None: one scale per row."""
-    in_features = data.shape[-1]
-    values = data.view(torch.float8_e4m3fn).to(torch.float32)
-    scale = scale.view(torch.float32)
-    if column_block is None or scale.shape[-1] == 1 and in_features <= column_block:
-        return (values * scale).to(dtype)
-    if in_features % column_block == 0:  # whole blocks: scale each block in a view, no repeated scales
-        return (values.unflatten(-1, (-1, column_block)) * scale[..., None]).flatten(-2).to(dtype)
-    # A gather rather than repeat_interleave: inductor (torch 2.13, CPU) miscompiles the latter
-    # after the bit views above.
-    block_of_column = torch.arange(in_features, device=data.device) // column_block
-    return (values * scale[..., block_of_column]).to(dtype)
+    `dtype` (written into `out` when given). `column_block` None: one scale per row."""
+    table = _fp8_pair_values(data.device) if data.shape[-1] % 2 == 0 else _fp8_values(data.device)
+    block = column_block or data.shape[-1]
+    return _dequantize_rows(table, data, scale.view(torch.float32), block, dtype, out)
 
 
 def quantize_fp8(weight: torch.Tensor, block_size: tuple[int | None, int | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,24 +268,26 @@ def mxfp4_rows_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tu
     return blocks.flatten(-2).contiguous(), scales.contiguous()
 
 
-def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_mxfp4(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Storage [..., out, in/2] (two e2m1 per byte, low nibble first) and [..., out, in/32] (e8m0)
-    -> weight [..., out, in] in `dtype`. Every product is exact in bf16 or wider."""
-    values = _fp4_pairs(data.device)[data.long()].flatten(-2)  # [..., out, in]: one lookup per byte
+    -> weight [..., out, in] in `dtype` (written into `out` when given). Every product is exact in
+    bf16 or wider."""
     multiplier = torch.exp2(scale.to(torch.float32) - 127)  # [..., out, in/32]
-    return (values.unflatten(-1, (-1, MXFP4_BLOCK)) * multiplier[..., None]).flatten(-2).to(dtype)
-
-
-_FP4_PAIRS: dict[torch.device, torch.Tensor] = {}
+    return _dequantize_rows(_fp4_pairs(data.device), data, multiplier, MXFP4_BLOCK, dtype, out)
 
 
 def _fp4_pairs(device: torch.device) -> torch.Tensor:
-    """[256, 2] fp32: the two e2m1 values (low nibble, high nibble) of each byte."""
-    if device not in _FP4_PAIRS:
+    """[256] int64: the two e2m1 values of each byte (low nibble first) as an fp32 pair in one 8-byte
+    word (index_select gathers a 1-D table of words faster than rows of a [256, 2] one)."""
+    key = ("fp4 pairs", device)
+    if key not in _TABLES:
         lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
         byte = torch.arange(256)
-        _FP4_PAIRS[device] = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1).to(device)
-    return _FP4_PAIRS[device]
+        pairs = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1)  # [256, 2] fp32
+        _TABLES[key] = pairs.view(torch.int64).reshape(256).to(device)
+    return _TABLES[key]
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,15 +310,104 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
+# dequantization by table lookup
+# ---------------------------------------------------------------------------------------------
+#
+# Converting float8 to float32 element by element is slow on CPUs (several ns a value), so both
+# formats look their bytes up in a table of exact fp32 values (fp8: two bytes at a time; int32
+# indices: int64 ones would double the traffic) and scale block by block in place, a chunk of rows
+# at a time: the fp32 values of a chunk stay in cache, and a narrower weight dtype never has a whole
+# fp32 copy beside it. The product is formed in fp32 and rounded once to the weight's dtype either way.
+
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+# Elements dequantized per chunk: 4 MB of fp32 on a CPU; on an accelerator, few enough launches.
+_CHUNK_ELEMENTS = {"cpu": 1 << 20}
+_DEVICE_CHUNK_ELEMENTS = 1 << 24
+
+
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    """[256] fp32: the float8_e4m3fn value of each byte (NaN for the two NaN codes)."""
+    key = ("fp8 values", device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).to(device)
+    return _TABLES[key]
+
+
+def _fp8_pair_values(device: torch.device) -> torch.Tensor:
+    """[65536] int64: for each pair of bytes read as one uint16, their two float8_e4m3fn values as an
+    fp32 pair in one 8-byte word (half the lookups of the byte table)."""
+    key = ("fp8 pair values", device)
+    if key not in _TABLES:
+        # the bytes of every uint16 in memory order, whatever the machine's byte order
+        byte_pairs = torch.arange(65536, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(65536, 2)
+        pairs = _fp8_values(torch.device("cpu"))[byte_pairs.long()]  # [65536, 2] fp32
+        _TABLES[key] = pairs.view(torch.int64).reshape(65536).to(device)
+    return _TABLES[key]
+
+
+def _dequantize_rows(
+    table: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """data [..., out, in_bytes] (uint8) looked up in `table` and times scale [..., out, ceil(in/block)]
+    (fp32, one per `block` columns, the last block may be partial) -> [..., out, in] in `dtype`.
+    `table` has 256 entries (indexed by a byte) or 65536 (by two bytes read as one uint16), each the
+    fp32 value or values (in one wider word) that its bytes stand for. `out`, when given, is a
+    contiguous tensor of the result's shape and dtype to write into."""
+    *lead, in_bytes = data.shape
+    index_bytes = 2 if table.numel() == 65536 else 1
+    values_per_entry = table.element_size() // 4
+    in_features = in_bytes // index_bytes * values_per_entry
+    data_rows = data.reshape(-1, in_bytes)
+    scale_rows = scale.reshape(-1, scale.shape[-1])
+    shape = (*lead, in_features)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=data.device)
+    elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"dequantize: out must be a contiguous {dtype} tensor of shape {shape}, "
+                         f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+    out_rows = out.view(-1, in_features)
+    step = max(1, _CHUNK_ELEMENTS.get(data.device.type, _DEVICE_CHUNK_ELEMENTS) // max(in_features, 1))
+    for start in range(0, data_rows.shape[0], step):
+        chunk = data_rows[start : start + step]
+        if index_bytes == 2:
+            chunk = chunk.contiguous() if chunk.storage_offset() % 2 == 0 else chunk.clone()
+            chunk = chunk.view(torch.uint16)
+        indices = chunk.reshape(-1).int()
+        if dtype == torch.float32:  # look up straight into the output
+            values = out_rows[start : start + step]
+            torch.index_select(table, 0, indices, out=values.view(table.dtype).view(-1))
+        else:
+            values = table.index_select(0, indices).view(torch.float32).view(-1, in_features)
+        _scale_column_blocks(values, scale_rows[start : start + step], block)
+        if dtype != torch.float32:
+            out_rows[start : start + step] = values
+    return out
+
+
+def _scale_column_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> None:
+    """values [rows, in] (fp32) *= scale [rows, ceil(in/block)], one scale per `block` columns."""
+    in_features = values.shape[-1]
+    whole = in_features - in_features % block
+    blocks = whole // block
+    values[:, :whole].unflatten(-1, (blocks, block)).mul_(scale[:, :blocks, None])
+    if whole < in_features:
+        values[:, whole:].mul_(scale[:, blocks:])
+
+
+# ---------------------------------------------------------------------------------------------
 # either
 # ---------------------------------------------------------------------------------------------
 
 
-def dequantize(fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """In-memory storage -> row-major weight [..., out, in] in `dtype`."""
+def dequantize(
+    fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """In-memory storage -> row-major weight [..., out, in] in `dtype` (written into `out`, a
+    contiguous tensor of that shape and dtype, when given)."""
     if fmt.method == "fp8":
-        return dequantize_fp8(data, scale, fmt.column_block, dtype)
-    return dequantize_mxfp4(data, scale, dtype)
+        return dequantize_fp8(data, scale, fmt.column_block, dtype, out)
+    return dequantize_mxfp4(data, scale, dtype, out)
 
 
 def quantize_to_checkpoint(fmt: QuantFormat, hf_name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

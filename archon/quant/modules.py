@@ -13,6 +13,8 @@ wrapped as a DTensor with the storage's layout, which autograd then keeps for th
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,6 +95,33 @@ class QuantizedWeights:
         )
 
 
+class _GemmWorkspace(threading.local):
+    """Per thread, a flat buffer per (device, dtype) that a weight dequantized for one GEMM is written
+    into. Only on the CPU: there every fresh allocation of a large weight is mapped in page by page
+    on first touch, which costs about as much as dequantizing it (an accelerator's caching allocator
+    reuses its blocks). The buffer grows to the largest such weight and is kept."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+_WORKSPACE = _GemmWorkspace()
+
+
+def _dequantized_for_gemm(fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of storage (data, scale) in `dtype`, for a GEMM that consumes it at once: on the
+    CPU, in eager mode, it lives in this thread's workspace and is overwritten by the next one."""
+    if data.device.type != "cpu" or torch.compiler.is_compiling():
+        return dequantize(fmt, data, scale, dtype)
+    shape = (*data.shape[:-1], fmt.in_features(data.shape[-1]))
+    numel = math.prod(shape)
+    key = (data.device, dtype)
+    buffer = _WORKSPACE.buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _WORKSPACE.buffers[key] = torch.empty(numel, dtype=dtype, device=data.device)
+    return dequantize(fmt, data, scale, dtype, out=buffer[:numel].view(shape))
+
+
 class _DequantizedLinear(torch.autograd.Function):
     """x W^T + b with W dequantized from its storage in the forward and again in the backward (W is
     frozen: x, and b when it is trained, get gradients), so no dequantized weight outlives its GEMM."""
@@ -101,12 +130,12 @@ class _DequantizedLinear(torch.autograd.Function):
     def forward(ctx, x, data, scale, bias, fmt):
         ctx.save_for_backward(data, scale)
         ctx.fmt = fmt
-        return F.linear(x, dequantize(fmt, data, scale, x.dtype), bias)
+        return F.linear(x, _dequantized_for_gemm(fmt, data, scale, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         data, scale = ctx.saved_tensors
-        grad_x = grad_out @ dequantize(ctx.fmt, data, scale, grad_out.dtype)
+        grad_x = grad_out @ _dequantized_for_gemm(ctx.fmt, data, scale, grad_out.dtype)
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
         return grad_x, None, None, grad_bias, None
 
@@ -119,13 +148,13 @@ class _DequantizedExpertMatmul(torch.autograd.Function):
     def forward(ctx, x, data, scale, fmt, groups):
         ctx.save_for_backward(data, scale)
         ctx.fmt, ctx.groups = fmt, groups
-        weight = dequantize(fmt, data, scale, x.dtype)  # [E, out, in]
+        weight = _dequantized_for_gemm(fmt, data, scale, x.dtype)  # [E, out, in]
         return expert_matmul(x, weight.transpose(1, 2), groups)
 
     @staticmethod
     def backward(ctx, grad_out):
         data, scale = ctx.saved_tensors
-        weight = dequantize(ctx.fmt, data, scale, grad_out.dtype)  # [E, out, in]
+        weight = _dequantized_for_gemm(ctx.fmt, data, scale, grad_out.dtype)  # [E, out, in]
         return expert_matmul(grad_out, weight, ctx.groups), None, None, None, None
 
 
@@ -153,7 +182,7 @@ class _DequantizedLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, data, scale, fmt, bias, lora_a, lora_b, scaling):
         x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-        out = F.linear(x2, dequantize(fmt, data, scale, x.dtype), bias)  # [N, out]
+        out = F.linear(x2, _dequantized_for_gemm(fmt, data, scale, x.dtype), bias)  # [N, out]
         h = x2.to(lora_a.dtype) @ lora_a.t()  # [N, r]
         if out.dtype == h.dtype:
             out = torch.addmm(out, h, lora_b.t(), alpha=scaling)
@@ -172,7 +201,7 @@ class _DequantizedLoRALinear(torch.autograd.Function):
         grad_h = (g_lora @ lora_b).mul_(ctx.scaling)  # [N, r]
         grad_x = grad_a = grad_b = None
         if need_x:
-            grad_x = g @ dequantize(ctx.fmt, data, scale, g.dtype)  # [N, in]
+            grad_x = g @ _dequantized_for_gemm(ctx.fmt, data, scale, g.dtype)  # [N, in]
             if grad_x.dtype == grad_h.dtype:
                 grad_x.addmm_(grad_h, lora_a)
             else:
