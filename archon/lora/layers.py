@@ -161,13 +161,7 @@ class _FrozenBaseLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
         x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-        out = F.linear(x2, weight, bias)  # [N, out]
-        h = x2.to(lora_a.dtype) @ lora_a.t()  # [N, r]
-        # Not in place: selective activation checkpointing keeps F.linear's output as it was made.
-        if out.dtype == h.dtype:
-            out = torch.addmm(out, h, lora_b.t(), alpha=scaling)
-        else:
-            out = out + (h @ lora_b.t() * scaling).to(out.dtype)
+        out, h = frozen_base_lora_forward(x2, weight, bias, lora_a, lora_b, scaling)
         ctx.save_for_backward(x2, weight, lora_a, lora_b, h)
         ctx.scaling = scaling
         ctx.x_shape = x.shape
@@ -177,22 +171,45 @@ class _FrozenBaseLoRALinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, weight, lora_a, lora_b, h = ctx.saved_tensors
         need_x, _, _, need_a, need_b, _ = ctx.needs_input_grad
-        g = grad_out.reshape(-1, grad_out.shape[-1])  # [N, out]
-        g_lora = g.to(lora_b.dtype)
-        grad_h = (g_lora @ lora_b).mul_(ctx.scaling)  # [N, r]: d/dh of s h B^T
-        grad_x = grad_a = grad_b = None
-        if need_x:
-            grad_x = g @ weight  # [N, in]
-            if grad_x.dtype == grad_h.dtype:
-                grad_x.addmm_(grad_h, lora_a)
-            else:
-                grad_x += (grad_h @ lora_a).to(grad_x.dtype)
-            grad_x = grad_x.view(ctx.x_shape)
-        if need_a:
-            grad_a = grad_h.t() @ x2.to(lora_a.dtype)  # [r, in]
-        if need_b:
-            grad_b = (g_lora.t() @ h).mul_(ctx.scaling)  # [out, r]
-        return grad_x, None, None, grad_a, grad_b, None
+        grad_x, grad_a, grad_b = frozen_base_lora_backward(
+            grad_out, x2, lambda: weight, lora_a, lora_b, h, ctx.scaling, (need_x, need_a, need_b)
+        )
+        return None if grad_x is None else grad_x.view(ctx.x_shape), None, None, grad_a, grad_b, None
+
+
+def frozen_base_lora_forward(x2, weight, bias, lora_a, lora_b, scaling):
+    """x2 [N, in] -> (x2 W^T + b + s (x2 A^T) B^T [N, out], h = x2 A^T [N, r]): the low-rank term
+    folded into the GEMMs (`_FrozenBaseLoRALinear`)."""
+    out = F.linear(x2, weight, bias)  # [N, out]
+    h = x2.to(lora_a.dtype) @ lora_a.t()  # [N, r]
+    # Not in place: selective activation checkpointing keeps F.linear's output as it was made.
+    if out.dtype == h.dtype:
+        out = torch.addmm(out, h, lora_b.t(), alpha=scaling)
+    else:
+        out = out + (h @ lora_b.t() * scaling).to(out.dtype)
+    return out, h
+
+
+def frozen_base_lora_backward(grad_out, x2, weight_fn, lora_a, lora_b, h, scaling, needs):
+    """Gradients (x2 [N, in], A [r, in], B [out, r]; None where `needs` = (x, A, B) says so) of
+    `frozen_base_lora_forward`, for grad_out [..., out]. `weight_fn()` gives W [out, in], asked for
+    only when x needs a gradient (a quantized base dequantizes it there)."""
+    need_x, need_a, need_b = needs
+    g = grad_out.reshape(-1, grad_out.shape[-1])  # [N, out]
+    g_lora = g.to(lora_b.dtype)
+    grad_h = (g_lora @ lora_b).mul_(scaling)  # [N, r]: d/dh of s h B^T
+    grad_x = grad_a = grad_b = None
+    if need_x:
+        grad_x = g @ weight_fn()  # [N, in]
+        if grad_x.dtype == grad_h.dtype:
+            grad_x.addmm_(grad_h, lora_a)
+        else:
+            grad_x += (grad_h @ lora_a).to(grad_x.dtype)
+    if need_a:
+        grad_a = grad_h.t() @ x2.to(lora_a.dtype)  # [r, in]
+    if need_b:
+        grad_b = (g_lora.t() @ h).mul_(scaling)  # [out, r]
+    return grad_x, grad_a, grad_b
 
 
 def linear(

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from archon.grouped_mm import ExpertGroups, expert_matmul
-from archon.lora.layers import LoRALinear
+from archon.lora.layers import LoRALinear, frozen_base_lora_backward, frozen_base_lora_forward
 from archon.models.common.moe import GroupedExperts
 from archon.quant.formats import QuantFormat, dequantize
 
@@ -182,12 +182,8 @@ class _DequantizedLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, data, scale, fmt, bias, lora_a, lora_b, scaling):
         x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-        out = F.linear(x2, _dequantized_for_gemm(fmt, data, scale, x.dtype), bias)  # [N, out]
-        h = x2.to(lora_a.dtype) @ lora_a.t()  # [N, r]
-        if out.dtype == h.dtype:
-            out = torch.addmm(out, h, lora_b.t(), alpha=scaling)
-        else:
-            out = out + (h @ lora_b.t() * scaling).to(out.dtype)
+        weight = _dequantized_for_gemm(fmt, data, scale, x.dtype)
+        out, h = frozen_base_lora_forward(x2, weight, bias, lora_a, lora_b, scaling)
         ctx.save_for_backward(x2, data, scale, lora_a, lora_b, h)
         ctx.fmt, ctx.scaling, ctx.x_shape = fmt, scaling, x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -196,21 +192,11 @@ class _DequantizedLoRALinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, data, scale, lora_a, lora_b, h = ctx.saved_tensors
         need_x, _, _, _, _, need_a, need_b, _ = ctx.needs_input_grad
-        g = grad_out.reshape(-1, grad_out.shape[-1])  # [N, out]
-        g_lora = g.to(lora_b.dtype)
-        grad_h = (g_lora @ lora_b).mul_(ctx.scaling)  # [N, r]
-        grad_x = grad_a = grad_b = None
-        if need_x:
-            grad_x = g @ _dequantized_for_gemm(ctx.fmt, data, scale, g.dtype)  # [N, in]
-            if grad_x.dtype == grad_h.dtype:
-                grad_x.addmm_(grad_h, lora_a)
-            else:
-                grad_x += (grad_h @ lora_a).to(grad_x.dtype)
-            grad_x = grad_x.view(ctx.x_shape)
-        if need_a:
-            grad_a = grad_h.t() @ x2.to(lora_a.dtype)  # [r, in]
-        if need_b:
-            grad_b = (g_lora.t() @ h).mul_(ctx.scaling)  # [out, r]
+        grad_x, grad_a, grad_b = frozen_base_lora_backward(
+            grad_out, x2, lambda: _dequantized_for_gemm(ctx.fmt, data, scale, grad_out.dtype), lora_a, lora_b, h,
+            ctx.scaling, (need_x, need_a, need_b),
+        )  # fmt: skip
+        grad_x = None if grad_x is None else grad_x.view(ctx.x_shape)
         return grad_x, None, None, None, None, grad_a, grad_b, None
 
 
