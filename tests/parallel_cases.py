@@ -348,3 +348,34 @@ def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+def resumed_across_layouts(tmp_path, name: str, path, first: str, second: str, tol: float, reshard_batch) -> dict:
+    """Runs `name` (the checkpoint at `path`) under layouts `first` and `second` with checkpoints,
+    resumes each checkpoint under the other layout (tests/parallel_worker.py `reshard`) and the
+    `first` one in this process (steps 2 and 3 on `reshard_batch(trainer, vocab, step)`); checks that
+    every resumed run continues with the uninterrupted `first` run's losses (to `tol`) and gradient
+    norms, and that a fresh model's do not. Returns the results by (name, layout[, resumed layout])."""
+    from archon.checkpoint.hf import HFCheckpoint
+    from archon.checkpoint.resume import CheckpointManager
+
+    launch(2, "reshard", "--out", str(tmp_path), "--layouts", first, second, "--ckpt", f"{name}={path}")
+    results = torch.load(tmp_path / "reshard.pt")
+    uninterrupted = results[(name, first)]
+
+    def check(got):  # [(loss, grad norm)] per step
+        for (loss, norm), (want_loss, want_norm) in zip(got, uninterrupted, strict=True):
+            assert abs(loss - want_loss) <= tol and abs(norm - want_norm) <= 1e-4 * abs(want_norm)
+
+    for key in ((name, second), (name, first, second), (name, second, first)):
+        check(results[key])
+    vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
+    resumed = Trainer(engine_config(path))
+    resumed.load_checkpoint(CheckpointManager(tmp_path / f"{name}-{first}", keep_last=1))
+    steps = [resumed.train_step(reshard_batch(resumed, vocab, step), loss_fn, with_entropy=True) for step in (2, 3)]
+    check([(m["loss"], m["grad_norm"]) for m in steps])
+    # Without the checkpoint the same steps give other gradients: the comparison has teeth.
+    fresh = Trainer(engine_config(path))
+    fresh_norm = fresh.train_step(reshard_batch(fresh, vocab, 2), loss_fn, with_entropy=True)["grad_norm"]
+    assert abs(fresh_norm / uninterrupted[0][1] - 1) > 1e-2
+    return results

@@ -134,25 +134,5 @@ def test_checkpoints_move_between_context_parallel_and_other_layouts(checkpoints
     each continuing with the losses and gradient norms of the uninterrupted run."""
     from test_parallel import _reshard_batch
 
-    from archon.checkpoint.resume import CheckpointManager
-
     path = checkpoints["qwen3"]
-    cases.launch(2, "reshard", "--out", str(tmp_path), "--layouts", "cp2", "fsdp2", "--ckpt", f"qwen3={path}")
-    results = torch.load(tmp_path / "reshard.pt")
-    uninterrupted = results[("qwen3", "cp2")]
-
-    def check(got):  # [(loss, grad norm)] per step
-        for (loss, norm), (want_loss, want_norm) in zip(got, uninterrupted, strict=True):
-            assert loss == pytest.approx(want_loss, abs=TOL) and norm == pytest.approx(want_norm, rel=1e-4)
-
-    for key in (("qwen3", "fsdp2"), ("qwen3", "cp2", "fsdp2"), ("qwen3", "fsdp2", "cp2")):
-        check(results[key])
-    resumed = Trainer(cases.engine_config(path))
-    resumed.load_checkpoint(CheckpointManager(tmp_path / "qwen3-cp2", keep_last=1))
-    vocab = _vocab(path)
-    check([(m["loss"], m["grad_norm"]) for m in (
-        resumed.train_step(_reshard_batch(resumed, vocab, step), cases.loss_fn, with_entropy=True) for step in (2, 3))])
-    # Without the checkpoint the same steps give other gradients: the comparison has teeth.
-    fresh = Trainer(cases.engine_config(path))
-    fresh_norm = fresh.train_step(_reshard_batch(fresh, vocab, 2), cases.loss_fn, with_entropy=True)["grad_norm"]
-    assert abs(fresh_norm / uninterrupted[0][1] - 1) > 1e-2
+    cases.resumed_across_layouts(tmp_path, "qwen3", path, "cp2", "fsdp2", TOL, _reshard_batch)

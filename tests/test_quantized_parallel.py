@@ -222,26 +222,8 @@ def test_quantized_run_checkpoints_move_between_layouts(checkpoints, tmp_path):
     from archon.checkpoint.resume import CheckpointManager
 
     path = checkpoints["fp8"]
-    cases.launch(2, "reshard", "--out", str(tmp_path), "--layouts", "ep2", "fsdp2", "--ckpt", f"fp8={path}")
-    results = torch.load(tmp_path / "reshard.pt")
-    uninterrupted = results[("fp8", "ep2")]
-
-    def check(got):  # [(loss, grad norm)] per step
-        for (loss, norm), (want_loss, want_norm) in zip(got, uninterrupted, strict=True):
-            assert loss == pytest.approx(want_loss, abs=TOL) and norm == pytest.approx(want_norm, rel=1e-4)
-
-    for key in (("fp8", "fsdp2"), ("fp8", "ep2", "fsdp2"), ("fp8", "fsdp2", "ep2")):
-        check(results[key])
+    cases.resumed_across_layouts(tmp_path, "fp8", path, "ep2", "fsdp2", TOL, _reshard_batch)
     manager = CheckpointManager(tmp_path / "fp8-ep2", keep_last=1)
     stored = FileSystemReader(manager.latest()).read_metadata().state_dict_metadata
     model_keys = [k.removeprefix("model.") for k in stored if k.startswith("model.")]
     assert model_keys and all("lora" in k for k in model_keys), model_keys
-    resumed = Trainer(cases.engine_config(path))
-    resumed.load_checkpoint(manager)
-    vocab = _vocab(path)
-    check([(m["loss"], m["grad_norm"]) for m in (
-        resumed.train_step(_reshard_batch(resumed, vocab, step), cases.loss_fn, with_entropy=True) for step in (2, 3))])
-    # Without the checkpoint the same steps give other gradients: the comparison has teeth.
-    fresh = Trainer(cases.engine_config(path))
-    fresh_norm = fresh.train_step(_reshard_batch(fresh, vocab, 2), cases.loss_fn, with_entropy=True)["grad_norm"]
-    assert abs(fresh_norm / uninterrupted[0][1] - 1) > 1e-2
