@@ -21,10 +21,11 @@ Each measurement runs in its own process:
            anonymous resident memory over the build (after freeing the heap the load left behind)
     step   a LoRA train step (r=16 on every linear layer and the experts; token-level policy
            gradient on the RL-shaped batch of benchmarks/train_step.py: 16 sequences of 64-256
-           tokens, 2238 tokens) in fp32, because bf16 matmuls are about 250x slower than fp32 on
-           this CPU: the base kept quantized (dequantized in every GEMM's forward and again in its
-           backward) against the same base dequantized at load. The two trainers run in one process,
-           their steps alternated (`steps` rounds after one warm-up each), so both see the same load;
+           tokens, 2238 tokens) in each compute dtype of --step-dtypes (default fp32, as a bf16 step
+           takes about 7x as long on this CPU; LoRA factors stay fp32): the base kept quantized
+           (dequantized in every GEMM's forward and again in its backward) against the same base
+           dequantized at load into that dtype. The two trainers run in one process, their steps
+           alternated (`steps` rounds after one warm-up each), so both see the same load;
            medians of wall time and of process CPU time, and the median of the per-round ratios.
            Also the time to dequantize every quantized weight once (a step does it twice).
     logprob_gap   the trainer's log-probs on the kept-quantized base (fp32) against HF transformers
@@ -74,6 +75,9 @@ class Args:
     formats: tuple[str, ...] = ("fp8", "mxfp4")
     steps: int = 5
     """Alternated rounds of timed train steps (after one warm-up step of each trainer)."""
+    step_dtypes: tuple[str, ...] = ("float32",)
+    """Compute dtypes of the timed train steps (base and activations; LoRA factors stay fp32). fp32 by
+    default: a bf16 LoRA step of these models takes about 7x as long as an fp32 one on this CPU."""
     threads: int = 2
     """Intra-op threads of every measurement."""
     seed: int = 0
@@ -85,6 +89,8 @@ class Args:
     """Internal: the quantized HF checkpoint."""
     base: str = "keep"
     """Internal: quantized_base of the memory measurement."""
+    dtype: str = "float32"
+    """Internal: compute dtype of the step measurement."""
 
 
 def _quant_format(name: str):
@@ -190,19 +196,19 @@ def _pg_loss(mb, logprobs, ctx):
     return -(logprobs * mb.advantages * mb.loss_mask).sum() / ctx.global_tokens, {}
 
 
-def _trainer(args: Args, base: str):
+def _trainer(args: Args, base: str, dtype: str = "float32"):
     from archon.lora import LoRAConfig
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
     return Trainer(TrainerConfig(
         model_path=args.checkpoint, lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear"),
-        quantized_base=base, device="cpu", micro_batch_tokens=8192, optim=OptimConfig(lr=1e-4, max_grad_norm=1.0),
-        seed=args.seed,
+        quantized_base=base, dtype=dtype, device="cpu", micro_batch_tokens=8192,
+        optim=OptimConfig(lr=1e-4, max_grad_norm=1.0), seed=args.seed,
     ))  # fmt: skip
 
 
-def _dequantize_all_s(model) -> float:
-    """Seconds to dequantize every quantized weight of `model` once in fp32 (median of 3), into one
+def _dequantize_all_s(model, dtype) -> float:
+    """Seconds to dequantize every quantized weight of `model` once in `dtype` (median of 3), into one
     reused buffer as the GEMMs do on the CPU."""
     import torch
 
@@ -213,12 +219,12 @@ def _dequantize_all_s(model) -> float:
         data, scale = module.storage(name)
         fmt = module._quantized[name].fmt
         weights.append((fmt, data, scale, (*data.shape[:-1], fmt.in_features(data.shape[-1]))))
-    buffer = torch.empty(max(_numel(shape) for *_, shape in weights))
+    buffer = torch.empty(max(_numel(shape) for *_, shape in weights), dtype=dtype)
 
     def once() -> float:
         start = time.perf_counter()
         for fmt, data, scale, shape in weights:
-            dequantize(fmt, data, scale, torch.float32, out=buffer[: _numel(shape)].view(shape))
+            dequantize(fmt, data, scale, dtype, out=buffer[: _numel(shape)].view(shape))
         return time.perf_counter() - start
 
     return statistics.median(once() for _ in range(3))
@@ -228,7 +234,7 @@ def run_step(args: Args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    trainers = {"keep": _trainer(args, "keep"), "dequantize": _trainer(args, "dequantize")}
+    trainers = {"keep": _trainer(args, "keep", args.dtype), "dequantize": _trainer(args, "dequantize", args.dtype)}
     batch = _batch(trainers["keep"].model.args.vocab_size, args.seed)
     for trainer in trainers.values():
         trainer.train_step(batch, _pg_loss)  # warm-up
@@ -242,9 +248,10 @@ def run_step(args: Args) -> dict:
             losses[name].append(trainers[name].train_step(batch, _pg_loss)["loss"])
             wall[name].append(time.perf_counter() - wall_start)
             cpu[name].append(time.process_time() - cpu_start)
-    dequantize_s = _dequantize_all_s(trainers["keep"].model)
+    dequantize_s = _dequantize_all_s(trainers["keep"].model, getattr(torch, args.dtype))
     ratios = [k / d for k, d in zip(wall["keep"], wall["dequantize"])]
     return {
+        "dtype": args.dtype,
         "tokens": batch.num_tokens,
         "trainable_params": sum(p.numel() for p in trainers["keep"].trainable),
         "wall_s": {name: statistics.median(t) for name, t in wall.items()},
@@ -475,14 +482,14 @@ def print_paper_table(table: dict, bytes_per_param: dict[str, float]) -> None:
 # ---- driver -------------------------------------------------------------------------------------------
 
 
-def _measure(role: str, args: Args, checkpoint: Path, base: str = "keep") -> dict:
+def _measure(role: str, args: Args, checkpoint: Path, base: str = "keep", dtype: str = "float32") -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--checkpoint", str(checkpoint),
-           "--base", base, "--steps", str(args.steps), "--threads", str(args.threads),
+           "--base", base, "--dtype", dtype, "--steps", str(args.steps), "--threads", str(args.threads),
            "--seed", str(args.seed)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"{role} ({base}) on {checkpoint} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{role} ({base}, {dtype}) on {checkpoint} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -494,7 +501,7 @@ def measure_format(args: Args, fmt_name: str, workdir: Path) -> dict:
     source = make_tiny_hf_checkpoint(model_type, workdir / f"{fmt_name}-source", seed=args.seed, **sizes)
     checkpoint = quantize_checkpoint(source, workdir / f"{fmt_name}-quantized", _quant_format(fmt_name))
     memory = {base: _measure("memory", args, checkpoint, base) for base in ("keep", "dequantize")}
-    step = _measure("step", args, checkpoint)
+    step = {dtype: _measure("step", args, checkpoint, dtype=dtype) for dtype in args.step_dtypes}
     gap = _measure("logprob_gap", args, checkpoint)
     keep, bf16 = memory["keep"], memory["dequantize"]
     if keep["quantized_params"] != bf16["quantized_params"] or keep["base_params"] != bf16["base_params"]:
@@ -529,7 +536,8 @@ def main(args: Args) -> dict:
         bytes_per_param["bf16"] = r["bytes_per_param"]["bf16"]
     return {
         "config": {"lora_rank": LORA_RANK, "lora_targets": "all-linear (experts included)", "threads": args.threads,
-                   "steps": args.steps, "step_dtype": "float32", "memory_dtype": "bfloat16", "fp8_block": FP8_BLOCK},
+                   "steps": args.steps, "step_dtypes": args.step_dtypes, "memory_dtype": "bfloat16",
+                   "fp8_block": FP8_BLOCK},
         "goals": GOALS,
         "formats": results,
         "paper_bytes_per_param": bytes_per_param,
@@ -547,17 +555,19 @@ def _paper_bytes_per_param() -> dict[str, float]:
 
 def _print_summary(summary: dict) -> None:
     for fmt_name, r in summary["formats"].items():
-        keep, bf16, step, gap = r["memory"]["keep"], r["memory"]["dequantize"], r["step"], r["logprob_gap"]
+        keep, bf16, gap = r["memory"]["keep"], r["memory"]["dequantize"], r["logprob_gap"]
         print(f"{fmt_name} ({r['model_type']}, {r['params'] / 1e6:.0f}M parameters, "
               f"{r['quantized_params'] / 1e6:.0f}M quantized): base {keep['base_bytes'] / 2**20:.0f} MB kept vs "
               f"{bf16['base_bytes'] / 2**20:.0f} MB bf16 = {r['base_over_bf16']:.3f}; quantized weights "
               f"{r['quantized_over_bf16']:.3f}; anonymous RSS growth {keep['rss_anon_growth_mb']:.0f} vs "
               f"{bf16['rss_anon_growth_mb']:.0f} MB = {r['rss_growth_over_bf16']:.3f}")  # fmt: skip
-        print(f"  LoRA step (fp32, {step['tokens']} tokens): kept {step['wall_s']['keep']:.2f} s, dequantized "
-              f"{step['wall_s']['dequantize']:.2f} s, ratio {step['step_time_ratio']:.2f} (CPU time "
-              f"{step['step_time_ratio_cpu']:.2f}); dequantizing every weight once "
-              f"{step['dequantize_every_weight_once_s']:.2f} s; log-prob gap to HF dequantized: max "
-              f"{gap['max_abs_logprob_diff']:.2e} over {gap['tokens']} tokens")  # fmt: skip
+        for dtype, step in r["step"].items():
+            print(f"  LoRA step ({dtype}, {step['tokens']} tokens): kept {step['wall_s']['keep']:.2f} s, "
+                  f"dequantized {step['wall_s']['dequantize']:.2f} s, ratio {step['step_time_ratio']:.2f} (CPU time "
+                  f"{step['step_time_ratio_cpu']:.2f}); dequantizing every weight once "
+                  f"{step['dequantize_every_weight_once_s']:.2f} s")  # fmt: skip
+        print(f"  log-prob gap to HF dequantized (fp32): max {gap['max_abs_logprob_diff']:.2e} over "
+              f"{gap['tokens']} tokens")  # fmt: skip
     print_paper_table(summary["paper"], summary["paper_bytes_per_param"])
     print(f"1-minute load average at start and end: {summary['load_average_1m_start_end']}")
 
