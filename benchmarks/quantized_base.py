@@ -524,6 +524,12 @@ def measure_format(args: Args, fmt_name: str, workdir: Path) -> dict:
 
 
 def main(args: Args) -> dict:
+    unknown = [f for f in args.formats if f not in MODELS]
+    if unknown:
+        raise ValueError(f"--formats names {unknown}; expected some of {list(MODELS)}")
+    bad_dtypes = [d for d in args.step_dtypes if d not in ("float32", "bfloat16")]
+    if bad_dtypes:
+        raise ValueError(f"--step-dtypes names {bad_dtypes}; expected float32 and/or bfloat16")
     load_start = os.getloadavg()[0]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

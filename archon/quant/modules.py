@@ -117,7 +117,9 @@ def _dequantized_for_gemm(fmt: QuantFormat, data: torch.Tensor, scale: torch.Ten
     numel = math.prod(shape)
     key = (data.device, dtype)
     buffer = _WORKSPACE.buffers.get(key)
-    if buffer is None or buffer.numel() < numel:
+    # a buffer made under torch.inference_mode cannot be written outside it
+    stale = buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled()
+    if buffer is None or buffer.numel() < numel or stale:
         buffer = _WORKSPACE.buffers[key] = torch.empty(numel, dtype=dtype, device=data.device)
     return dequantize(fmt, data, scale, dtype, out=buffer[:numel].view(shape))
 
