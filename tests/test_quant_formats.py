@@ -130,3 +130,27 @@ def test_formats_from_quantization_config():
 def test_unreadable_quantization_configs_name_the_field(config, field):
     with pytest.raises(ValueError, match="m/config.json: quantization_config.*" + re.escape(field)):
         quant_format_from_config(config, "m/config.json")
+
+
+@pytest.mark.parametrize("columns", [37, 38, 64])
+def test_table_lookup_covers_every_byte_chunk_edges_offsets_and_out(monkeypatch, columns):
+    """The table-lookup dequantization equals float8 -> fp32 conversion times the block scales for
+    every byte value (NaN codes included), odd and even widths, chunks of a few rows, data at an odd
+    byte offset, and writes into a given `out`."""
+    import archon.quant.formats as formats
+
+    monkeypatch.setitem(formats._CHUNK_ELEMENTS, "cpu", 3 * columns)  # chunks of 3 rows
+    rows, block = 13, 16
+    data = (torch.arange(rows * (columns + 1)) * 7 % 256).to(torch.uint8).reshape(rows, columns + 1)
+    for view in (data[:, :columns], data[:, 1:]):  # the second starts at an odd byte offset
+        scale = torch.rand(rows, math.ceil(columns / block)) + 0.5
+        expected = view.contiguous().view(torch.float8_e4m3fn).float() * scale.repeat_interleave(block, -1)[:, :columns]
+        got = dequantize_fp8(view, scale.view(torch.int32), block, torch.float32)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+        out = torch.empty(rows, columns, dtype=torch.bfloat16)
+        dequantize_fp8(view, scale.view(torch.int32), block, torch.bfloat16, out=out)
+        torch.testing.assert_close(out, expected.bfloat16(), rtol=0, atol=0, equal_nan=True)
+    bytes_ = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every pair of e2m1 nibbles
+    exponents = torch.tensor([[127], [100], [130], [127], [0], [200], [127], [120]], dtype=torch.uint8)
+    got = dequantize_mxfp4(bytes_, exponents.repeat(1, 2), torch.float32)
+    assert torch.equal(got, _hand_mxfp4(bytes_.reshape(8, 2, 16), exponents.repeat(1, 2)))

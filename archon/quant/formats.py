@@ -371,7 +371,10 @@ def _dequantize_rows(
     for start in range(0, data_rows.shape[0], step):
         chunk = data_rows[start : start + step]
         if index_bytes == 2:
-            chunk = chunk.contiguous() if chunk.storage_offset() % 2 == 0 else chunk.clone()
+            if chunk.stride(-1) != 1 or chunk.stride(0) % 2 or chunk.storage_offset() % 2:
+                # two bytes read as one uint16 need even, packed rows (a row of a wider tensor, even
+                # one alone, keeps the wider stride)
+                chunk = torch.empty(chunk.shape, dtype=chunk.dtype, device=chunk.device).copy_(chunk)
             chunk = chunk.view(torch.uint16)
         indices = chunk.reshape(-1).int()
         if dtype == torch.float32:  # look up straight into the output
