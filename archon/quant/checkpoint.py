@@ -10,7 +10,7 @@ import math
 import torch
 
 from archon.checkpoint.hf import HFCheckpoint
-from archon.quant.formats import QuantFormat, dequantize
+from archon.quant.formats import QuantFormat, dequantize, fp8_rows_from_checkpoint
 
 _FP8_DTYPE = "F8_E4M3"
 
@@ -146,18 +146,13 @@ class QuantizedCheckpoint:
         *lead, rows, columns = data_region
         if self.fmt.method == "fp8":
             data = self.checkpoint.get_slice(data_key, data_region)
-            if self.fmt.block_size == (None, None):  # one scale for the tensor
-                value = self.checkpoint.get(scale_key).to(torch.float32).reshape(())
-                scale = torch.full((*data.shape[:-1], 1), value.item(), dtype=torch.float32)
-                return data.contiguous().view(torch.uint8), scale.view(torch.int32)
-            # Scale rows of the blocks these rows lie in, repeated per row (archon.quant.formats).
             br = self.fmt.block_size[0]
+            if self.fmt.block_size == (None, None):  # one scale for the tensor
+                return fp8_rows_from_checkpoint(data, self.checkpoint.get(scale_key), None)
+            # Scale rows of the blocks these rows lie in, repeated per row (archon.quant.formats).
             block_rows = slice(rows.start // br, math.ceil(rows.stop / br))
-            scale_inv = self.checkpoint.get_slice(scale_key, (*lead, block_rows, scale_region[-1]))
-            skip = rows.start - block_rows.start * br
-            scale = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2)
-            scale = scale[..., skip : skip + rows.stop - rows.start, :]
-            return data.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
+            scale = self.checkpoint.get_slice(scale_key, (*lead, block_rows, scale_region[-1]))
+            return fp8_rows_from_checkpoint(data, scale, br, first_row=rows.start - block_rows.start * br)
         # mxfp4: storage columns are bytes of the flattened [G, 16] blocks.
         groups = slice(columns.start // 16, math.ceil(columns.stop / 16))
         blocks = self.checkpoint.get_slice(data_key, (*lead, rows, groups, slice(0, 16)))

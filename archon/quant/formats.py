@@ -216,16 +216,18 @@ def compressed_tensors_config(strategy: str, block: tuple[int, int] | None = Non
 
 
 def fp8_rows_from_checkpoint(
-    weight: torch.Tensor, scale: torch.Tensor, row_block: int | None
+    weight: torch.Tensor, scale: torch.Tensor, row_block: int | None, first_row: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint fp8 `weight` [..., out, in] and its scale ([..., ceil(out/br), nb], or one per
-    tensor) -> storage (uint8 bits [..., out, in], int32 bits of the fp32 scale repeated per row
-    [..., out, nb]). `row_block` None: the scale covers every row."""
+    """Checkpoint fp8 `weight` [..., out, in] and the scale rows of its blocks ([..., nr, nb], or one
+    per tensor) -> storage (uint8 bits [..., out, in], int32 bits of the fp32 scale repeated per row
+    [..., out, nb]). `row_block` None: the scale covers every row. `first_row`: where `weight`'s rows
+    start within the first block of `scale` (a rank's part that begins inside a block)."""
     rows = weight.shape[-2]
     scale = scale.to(torch.float32)
-    if scale.numel() == 1:
-        scale = scale.reshape(1, 1)
-    scale = scale.repeat_interleave(row_block or rows, dim=-2)[..., :rows, :]
+    if scale.numel() == 1:  # one scale for the tensor
+        scale = scale.reshape(1, 1).expand(*weight.shape[:-1], 1)
+    else:
+        scale = scale.repeat_interleave(row_block or rows, dim=-2)[..., first_row : first_row + rows, :]
     return weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.int32)
 
 
