@@ -7,7 +7,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.norms import RMSNorm
+from archon.models.common.norms import OffsetRMSNorm, RMSNorm
 from archon.models.common.rope import apply_rotary
 from torch import nn
 
@@ -215,3 +215,40 @@ class Attention(nn.Module):
             )
         return self.o_proj(out.reshape(T, -1))
 
+
+class GatedAttention(nn.Module):
+    """Full attention with a per-head output gate, QK-norm and partial rotary; HF name `self_attn`.
+
+    q_proj: [H * 2 * head_dim, dim], each head's query rows then its gate rows. `args` needs the HF
+    fields hidden_size, head_dim, num_attention_heads, num_key_value_heads, attention_bias and
+    rms_norm_eps (Qwen3.5, Qwen3-Next).
+    """
+
+    def __init__(self, args, lora: LoRAConfig | None) -> None:
+        super().__init__()
+        dim, hd = args.hidden_size, args.head_dim
+        n_heads, n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
+        bias = args.attention_bias
+        self.head_dim = hd
+        self.scale = hd**-0.5
+        self.q_proj = linear(dim, n_heads * 2 * hd, bias, "q_proj", lora)
+        self.k_proj = linear(dim, n_kv_heads * hd, bias, "k_proj", lora)
+        self.v_proj = linear(dim, n_kv_heads * hd, bias, "v_proj", lora)
+        self.o_proj = linear(n_heads * hd, dim, bias, "o_proj", lora)
+        self.q_norm = OffsetRMSNorm(hd, args.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(hd, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None) -> torch.Tensor:
+        """x: [T, dim] -> [T, dim]. `cache`: a layer's KV cache during generation, or None.
+        context_parallel: see packed_attention."""
+        T, hd = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(T, -1, 2 * hd).split(hd, dim=-1)  # [T, H, hd] each
+        k = self.k_proj(x).view(T, -1, hd)
+        v = self.v_proj(x).view(T, -1, hd)
+        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        out = None if cache is None else cache.attention(q, k, v, self.scale)
+        if out is None:  # training, or a prefill (the cache has stored k and v)
+            out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, context_parallel=context_parallel)
+        return self.o_proj((out * torch.sigmoid(gate)).reshape(T, -1))

@@ -10,7 +10,7 @@ from torch import nn
 
 from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_expert_weight
 from archon.load_balance import Router
-from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule
+from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule, linear
 
 
 class SoftmaxTopKRouter(Router):
@@ -334,3 +334,23 @@ def group_limited_moe_mlp(args: GroupLimitedMoEArgs, layer_idx: int, lora: LoRAC
         GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, lora),
         SwiGLUMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, bias=False, lora=lora),
     )
+
+
+class SharedExpertMoE(nn.Module):
+    """Routed experts (softmax top-k, renormalised) plus one shared expert scaled per token by
+    sigmoid(shared_expert_gate(x)); HF names gate, experts, shared_expert, shared_expert_gate. `args` needs the HF fields hidden_size,
+    num_experts, num_experts_per_tok, moe_intermediate_size and shared_expert_intermediate_size
+    (Qwen3.5 MoE, Qwen3-Next)."""
+
+    def __init__(self, args, lora: LoRAConfig | None) -> None:
+        super().__init__()
+        dim = args.hidden_size
+        self.gate = SoftmaxTopKRouter(dim, args.num_experts, args.num_experts_per_tok, norm_topk_prob=True)
+        self.experts = GroupedExperts(args.num_experts, dim, args.moe_intermediate_size, lora)
+        self.shared_expert = SwiGLUMLP(dim, args.shared_expert_intermediate_size, bias=False, lora=lora)
+        self.shared_expert_gate = linear(dim, 1, False, "shared_expert_gate", lora)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_weights, top_indices = self.gate(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, top_weights, top_indices) + shared

@@ -17,7 +17,7 @@ from helpers import randomise_lora
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_merged_hf, save_peft_adapter
-from archon.models.qwen3_5.model import DELTA_RULE_CHUNK_SIZE, chunked_gated_delta_rule
+from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE, chunked_gated_delta_rule
 from archon.tools.align import packed_batch
 
 # One sequence longer than a chunk of the chunked delta rule, one of a single token.

@@ -1,0 +1,159 @@
+"""The gated delta rule (gated DeltaNet) on packed sequences, in PyTorch, with an optional CUDA kernel.
+
+Per value head with state S [dk, dv] and for each token t:
+    S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+
+Packed sequences are laid out as a zero-padded batch (`PaddedSequences`); the padding has g = 0 and
+beta = 0, so it leaves each sequence's state as it is. The short causal conv before the rule and the
+state restart at every sequence. Families: Qwen3.5 / Qwen3.6, Qwen3-Next.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# Tokens per chunk of the chunked delta rule: within a chunk the updates are solved at once, chunks
+# are scanned one after another.
+DELTA_RULE_CHUNK_SIZE = 64
+
+
+class PaddedSequences:
+    """The N packed sequences of a [T, ...] tensor laid out as a zero-padded [N, L, ...] batch."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        self.lengths = lengths
+        self.num_seqs, self.max_len = len(lengths), int(max_seqlen)
+        self.seq_index = torch.repeat_interleave(torch.arange(self.num_seqs, device=cu_seqlens.device), lengths)
+        token = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+        self.offset = token - cu_seqlens[:-1][self.seq_index]  # position of each token within its sequence
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [N, max_len, ...], zeros after each sequence."""
+        out = x.new_zeros(self.num_seqs, self.max_len, *x.shape[1:])
+        return out.index_put((self.seq_index, self.offset), x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, L, ...] -> [T, ...]."""
+        return x[self.seq_index, self.offset]
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor, initial_window: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv then silu, per sequence of a padded batch.
+
+    x: [N, L, C] (zeros after each sequence's `lengths[n]` tokens); weight: [C, 1, K];
+    initial_window: [N, K-1, C], the inputs that precede each sequence (zeros when None).
+    Returns (out [N, L, C], window [N, K-1, C]: the last K-1 inputs of each sequence, to continue from).
+    """
+    n, length, channels = x.shape
+    width = weight.shape[-1]
+    if initial_window is None:
+        initial_window = x.new_zeros(n, width - 1, channels)
+    extended = torch.cat([initial_window.to(x.dtype), x], dim=1)  # [N, K-1+L, C]
+    out = F.conv1d(extended.transpose(1, 2), weight.to(x.dtype), groups=channels).transpose(1, 2)
+    # The window after sequence n is extended[n, lengths[n] : lengths[n] + K-1].
+    index = lengths[:, None] + torch.arange(width - 1, device=x.device)[None, :]  # [N, K-1]
+    window = extended.gather(1, index[:, :, None].expand(-1, -1, channels))
+    return F.silu(out), window
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    chunk_size: int = DELTA_RULE_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a padded batch, in fp32, a chunk of tokens at a time.
+
+    q, k: [N, H, L, dk] (q already scaled); v: [N, H, L, dv]; g (log decay), beta: [N, H, L], zero
+    after each sequence so the padding leaves the state as it is; initial_state: [N, H, dk, dv] or None.
+    Returns (o [N, H, L, dv], final state [N, H, dk, dv]).
+
+    Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i, the
+    updates are solved at once (the WY form of the delta rule): with A = I + strictly_lower(
+    beta_i k_i.k_j D[i, j]), U = A^-1 (beta v) and W = A^-1 (beta exp(G) k), the chunk reads the
+    state S it starts from as v_new = U - W S and o = exp(G) q S + (q k^T * D) v_new, and leaves
+    S' = exp(G_last) S + (exp(G_last - G) k)^T v_new.
+    """
+    n_seqs, n_heads, length, dk = k.shape
+    dv = v.shape[-1]
+    chunk = min(chunk_size, length)
+    pad = (-length) % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n_chunks = (length + pad) // chunk
+    q, k, v = (t.reshape(n_seqs, n_heads, n_chunks, chunk, -1) for t in (q, k, v))
+    g, beta = (t.reshape(n_seqs, n_heads, n_chunks, chunk) for t in (g, beta))
+
+    cum_g = g.cumsum(dim=-1)  # [N, H, n, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum_g[..., :, None] - cum_g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, n, C, C]
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower triangle is read
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum_g.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum_g.exp()[..., None]
+    k_to_chunk_end = k * (cum_g[..., -1:] - cum_g).exp()[..., None]
+    chunk_decay = cum_g[..., -1].exp()[..., None, None]  # [N, H, n, 1, 1]
+
+    state = q.new_zeros(n_seqs, n_heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    outputs = []
+    for i in range(n_chunks):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_to_chunk_end[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(outputs, dim=2).reshape(n_seqs, n_heads, n_chunks * chunk, dv)
+    return o[:, :, :length], state
+
+
+@functools.cache
+def _fla_chunk_gated_delta_rule():
+    """flash-linear-attention's kernel when it imports (the `kernels` extra), else None, said once."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        logger.warning(
+            "flash-linear-attention is not importable (%s); gated DeltaNet layers use the PyTorch chunked "
+            "delta rule. Install archon[kernels] for the fused CUDA kernel.", e,
+        )
+        return None
+    logger.info("gated DeltaNet layers use flash-linear-attention's chunk_gated_delta_rule")
+    return chunk_gated_delta_rule
+
+
+def gated_delta_rule(q, k, v, g, beta, seqs: PaddedSequences, initial_state):
+    """q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H] (packed, fp32 g) -> (o [T, H, dv], state [N, H, dk, dv]).
+
+    q and k are L2-normalised here and q scaled by dk^-0.5. The rule runs in fp32 (or fp64 for an fp64 model)."""
+    dk = q.shape[-1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    q, k = l2_normalize(q), l2_normalize(k)
+    kernel = _fla_chunk_gated_delta_rule() if q.is_cuda else None
+    if kernel is not None:
+        cu_seqlens = torch.cat([seqs.lengths.new_zeros(1), seqs.lengths.cumsum(0)])
+        o, state = kernel(
+            q[None], k[None], v[None], g[None], beta[None], scale=dk**-0.5,
+            initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+        )
+        return o[0], state
+    padded = [seqs.pad(t).transpose(1, 2) for t in (q * dk**-0.5, k, v, g, beta)]  # [N, H, L, ...]
+    o, state = chunked_gated_delta_rule(*padded, initial_state=initial_state)
+    return seqs.unpad(o.transpose(1, 2)), state
