@@ -7,6 +7,7 @@ from typing import Any
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"  # a recurrent (gated DeltaNet) layer in a hybrid
 
 
 @dataclass

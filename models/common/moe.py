@@ -337,15 +337,16 @@ def group_limited_moe_mlp(args: GroupLimitedMoEArgs, layer_idx: int, lora: LoRAC
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts (softmax top-k, renormalised) plus one shared expert scaled per token by
-    sigmoid(shared_expert_gate(x)); HF names gate, experts, shared_expert, shared_expert_gate. `args` needs the HF fields hidden_size,
-    num_experts, num_experts_per_tok, moe_intermediate_size and shared_expert_intermediate_size
-    (Qwen3.5 MoE, Qwen3-Next)."""
+    """Routed experts (softmax top-k, renormalised over the k unless `norm_topk_prob` is False) plus
+    one shared expert scaled per token by sigmoid(shared_expert_gate(x)); HF names gate, experts,
+    shared_expert, shared_expert_gate. `args` needs the HF fields hidden_size, num_experts,
+    num_experts_per_tok, moe_intermediate_size and shared_expert_intermediate_size (Qwen3.5 MoE,
+    which always renormalises, and Qwen3-Next, whose config says)."""
 
-    def __init__(self, args, lora: LoRAConfig | None) -> None:
+    def __init__(self, args, lora: LoRAConfig | None, norm_topk_prob: bool = True) -> None:
         super().__init__()
         dim = args.hidden_size
-        self.gate = SoftmaxTopKRouter(dim, args.num_experts, args.num_experts_per_tok, norm_topk_prob=True)
+        self.gate = SoftmaxTopKRouter(dim, args.num_experts, args.num_experts_per_tok, norm_topk_prob)
         self.experts = GroupedExperts(args.num_experts, dim, args.moe_intermediate_size, lora)
         self.shared_expert = SwiGLUMLP(dim, args.shared_expert_intermediate_size, bias=False, lora=lora)
         self.shared_expert_gate = linear(dim, 1, False, "shared_expert_gate", lora)

@@ -2,10 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from archon.models.common.args import DecoderArgs, decoder_fields_from_hf
-
-LINEAR_ATTENTION = "linear_attention"
-FULL_ATTENTION = "full_attention"
+from archon.models.common.args import FULL_ATTENTION, LINEAR_ATTENTION, DecoderArgs, decoder_fields_from_hf
 
 
 @dataclass

@@ -11,11 +11,11 @@ every tensor-parallel rank (FSDP2 shards the experts on their expert dimension).
 
 from __future__ import annotations
 
+from archon.models.common.args import LINEAR_ATTENTION
 from archon.models.common.dense_parallel import vocab_parallel_plan
+from archon.models.common.linear_attention import gated_deltanet_plan
 from archon.models.common.moe import routed_experts
-from archon.models.qwen3_5.args import LINEAR_ATTENTION
 from archon.models.qwen3_5.model import Qwen3_5Model
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel import (
@@ -26,20 +26,6 @@ from archon.parallel import (
     require_divisible,
     swiglu_plan,
 )
-from archon.parallel.tensor_parallel import (
-    ReplicatedParallel,
-    ShardedParameters,
-    colwise,
-    rowwise,
-)
-
-
-def gated_deltanet_plan(prefix: str = "linear_attn") -> dict[str, ParallelStyle]:
-    plan = {f"{prefix}.{name}": colwise() for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
-    plan[f"{prefix}.out_proj"] = rowwise()
-    plan[f"{prefix}.norm"] = ReplicatedParallel(Shard(1))  # on [T, heads, dv]
-    plan[prefix] = ShardedParameters({"conv1d.weight": Shard(0), "dt_bias": Shard(0), "A_log": Shard(0)})
-    return plan
 
 
 def parallelize_qwen3_5(model: Qwen3_5Model, dims: ParallelDims, config: ParallelConfig) -> Qwen3_5Model:

@@ -1,21 +1,21 @@
-"""Qwen3.5: tensor-parallel plan, then the generic AC / compile / FSDP2 pipeline.
+"""Qwen3-Next: tensor-parallel plan, then the generic AC / compile / FSDP2 pipeline.
 
 TP shards heads. Gated attention as any GQA attention (q_proj's rows are per head, query then
 gate, so a head's gate stays with it). Gated DeltaNet by key head, with the value heads each key
-head serves: in_proj_qkv (rows grouped per key head), in_proj_z, in_proj_b and in_proj_a are
-column-parallel, the conv channels, dt_bias and A_log are sharded with them, the gated norm runs
-on the local heads, and out_proj is row-parallel. Dense MLPs and the MoE shared expert shard their
+head serves: in_proj_qkvz and in_proj_ba (HF already groups their rows per key head) are
+column-parallel, the conv channels, dt_bias and A_log are sharded with them, the gated norm runs on
+the local heads, and out_proj is row-parallel. Dense MLPs and the shared expert shard their
 intermediate dimension; the router, the routed experts and the shared-expert gate stay whole on
 every tensor-parallel rank (FSDP2 shards the experts on their expert dimension).
 """
 
 from __future__ import annotations
 
+from archon.models.common.args import LINEAR_ATTENTION
 from archon.models.common.dense_parallel import vocab_parallel_plan
+from archon.models.common.linear_attention import gated_deltanet_plan
 from archon.models.common.moe import routed_experts
-from archon.models.qwen3_next.args import LINEAR_ATTENTION
 from archon.models.qwen3_next.model import Qwen3NextModel
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel import (
@@ -26,44 +26,33 @@ from archon.parallel import (
     require_divisible,
     swiglu_plan,
 )
-from archon.parallel.tensor_parallel import (
-    ReplicatedParallel,
-    ShardedParameters,
-    colwise,
-    rowwise,
-)
-
-
-def gated_deltanet_plan(prefix: str = "linear_attn") -> dict[str, ParallelStyle]:
-    plan = {f"{prefix}.{name}": colwise() for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
-    plan[f"{prefix}.out_proj"] = rowwise()
-    plan[f"{prefix}.norm"] = ReplicatedParallel(Shard(1))  # on [T, heads, dv]
-    plan[prefix] = ShardedParameters({"conv1d.weight": Shard(0), "dt_bias": Shard(0), "A_log": Shard(0)})
-    return plan
 
 
 def parallelize_qwen3_next(model: Qwen3NextModel, dims: ParallelDims, config: ParallelConfig) -> Qwen3NextModel:
     args = model.args
-    moe = args.num_experts > 0
+    moe_layers = [i for i in range(args.num_hidden_layers) if args.is_moe_layer(i)]
+    dense = len(moe_layers) < args.num_hidden_layers
     if dims.tp_enabled:
-        mlp_size = {"shared_expert_intermediate_size": args.shared_expert_intermediate_size} if moe else {
-            "intermediate_size": args.intermediate_size
-        }
+        mlp_sizes = {}
+        if moe_layers:
+            mlp_sizes["shared_expert_intermediate_size"] = args.shared_expert_intermediate_size
+        if dense:
+            mlp_sizes["intermediate_size"] = args.intermediate_size
         require_divisible(
-            "tp", dims.tp, "qwen3_5", num_attention_heads=args.num_attention_heads,
+            "tp", dims.tp, "qwen3_next", num_attention_heads=args.num_attention_heads,
             num_key_value_heads=args.num_key_value_heads, linear_num_key_heads=args.linear_num_key_heads,
-            vocab_size=args.vocab_size, **mlp_size,
+            vocab_size=args.vocab_size, **mlp_sizes,
         )
     if dims.ep_enabled:
-        if not moe:
-            raise ValueError(f"ep={dims.ep} requested but this qwen3_5 model has no routed experts")
-        require_divisible("ep", dims.ep, "qwen3_5", num_experts=args.num_experts)
+        if not moe_layers:
+            raise ValueError(f"ep={dims.ep} requested but this qwen3_next model has no routed experts")
+        require_divisible("ep", dims.ep, "qwen3_next", num_experts=args.num_experts)
     attention = attention_plan(qk_norm=("q_norm", "k_norm"))
-    deltanet = gated_deltanet_plan()
-    mlp = swiglu_plan("mlp.shared_expert") if moe else swiglu_plan()
+    deltanet = gated_deltanet_plan(fused_projections=True)
 
     def block_plan(index, block) -> dict[str, ParallelStyle]:
         mixer = deltanet if block.layer_type == LINEAR_ATTENTION else attention
+        mlp = swiglu_plan("mlp.shared_expert") if args.is_moe_layer(index) else swiglu_plan()
         return {**mixer, **mlp}
 
     return parallelize_decoder(

@@ -1,12 +1,12 @@
-"""HF Qwen3.5 keys <-> archon.
+"""HF Qwen3-Next keys <-> archon.
 
-- A vision-language checkpoint keeps the language model under `model.language_model.` (and the
-  vision tower under `model.visual.`, which archon neither loads nor changes); a text-only one
-  under `model.`. `lm_head` is top-level in both. Multi-token-prediction weights (`mtp.*`) are
-  not part of the causal LM and are skipped.
-- `in_proj_qkv` rows and `conv1d` channels are stored per key head in archon (see model.py) and
-  q | k | v in HF; the rows of in_proj_qkv's LoRA B follow its weight.
-- MoE experts: stacked, per-expert checkpoints read too (`StackedExpertsAdapter`).
+- Module names follow HF without `model.`; multi-token-prediction weights (`mtp.*`) are not part of
+  the causal LM and are skipped.
+- `conv1d` channels are stored per key head in archon ([q_h | k_h | v of h's value heads], as the
+  rows of in_proj_qkvz they convolve) and q | k | v in HF. in_proj_qkvz and in_proj_ba are already
+  grouped per key head in HF, so they, and their LoRA factors, map unchanged.
+- MoE experts: stacked, per-expert checkpoints (`mlp.experts.<e>.gate_proj.weight`, as released) read
+  and written too (`StackedExpertsAdapter`).
 """
 
 from __future__ import annotations
@@ -14,49 +14,27 @@ from __future__ import annotations
 import re
 
 import torch
+from archon.models.common.linear_attention import qkv_rows_by_key_head
 from archon.models.common.state_dict import StackedExpertsAdapter
 
-_GROUPED_ROWS = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight|in_proj_qkv\.lora_b\.weight)")
+_CONV_WEIGHT = re.compile(r"layers\.\d+\.linear_attn\.conv1d\.weight")
 
 
 class Qwen3NextStateDictConverter(StackedExpertsAdapter):
-    ignored_hf_keys = (*StackedExpertsAdapter.ignored_hf_keys, r"^mtp\.", r"^model\.visual\.")
-    carried_hf_keys = (r"^model\.visual\.",)
+    ignored_hf_keys = (*StackedExpertsAdapter.ignored_hf_keys, r"^mtp\.")
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        self.hf_prefix = "model.language_model." if args.vision_language else "model."
-        self._archon_rows = _grouped_row_order(args)  # archon row i is HF row _archon_rows[i]
-
-    def _to_archon_rows(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not _GROUPED_ROWS.fullmatch(key):
-            return tensor
-        return tensor.index_select(0, self._archon_rows.to(tensor.device))
-
-    def _to_hf_rows(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not _GROUPED_ROWS.fullmatch(key):
-            return tensor
-        return tensor.new_empty(tensor.shape).index_copy_(0, self._archon_rows.to(tensor.device), tensor)
+        self._archon_channels = qkv_rows_by_key_head(args)  # archon channel i is HF channel _archon_channels[i]
 
     def combine(self, archon_key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return self._to_archon_rows(archon_key, super().combine(archon_key, tensors))
+        tensor = super().combine(archon_key, tensors)
+        if not _CONV_WEIGHT.fullmatch(archon_key):
+            return tensor
+        return tensor.index_select(0, self._archon_channels.to(tensor.device))
 
     def to_hf(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return super().to_hf(archon_key, self._to_hf_rows(archon_key, tensor))
+        if _CONV_WEIGHT.fullmatch(archon_key):
+            tensor = tensor.new_empty(tensor.shape).index_copy_(0, self._archon_channels.to(tensor.device), tensor)
+        return super().to_hf(archon_key, tensor)
 
-    def lora_to_peft(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return super().lora_to_peft(archon_key, self._to_hf_rows(archon_key, tensor))
-
-    def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-        return self._to_archon_rows(archon_key, super().lora_from_peft(archon_key, tensors, shape))
-
-
-def _grouped_row_order(args) -> torch.Tensor:
-    """For each archon row of in_proj_qkv (key head h: its q rows, k rows, then the v rows of its
-    value heads), the HF row (all q, all k, all v)."""
-    n_k, dk = args.linear_num_key_heads, args.linear_key_head_dim
-    group_v = args.linear_value_heads_per_key_head * args.linear_value_head_dim
-    q_rows = torch.arange(n_k * dk).view(n_k, dk)
-    k_rows = n_k * dk + q_rows
-    v_rows = 2 * n_k * dk + torch.arange(n_k * group_v).view(n_k, group_v)
-    return torch.cat([q_rows, k_rows, v_rows], dim=1).reshape(-1)
