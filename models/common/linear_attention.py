@@ -231,15 +231,15 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = linear(n_v * dv, dim, False, "out_proj", lora)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x: [T, dim] -> qkv [T, Hk, 2 dk + r dv], z [T, Hv, dv], b and a [T, Hv], for this rank's heads."""
+        """x: [T, dim] -> qkv [T, Hk, 2 dk + r dv], b and a [T, Hv], z [T, Hv, dv], for this rank's heads."""
         dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
         T = x.shape[0]
         if self.fused_projections:
             qkv, z = self.in_proj_qkvz(x).view(T, -1, 2 * dk + 2 * r * dv).split([2 * dk + r * dv, r * dv], dim=-1)
             b, a = self.in_proj_ba(x).view(T, -1, 2 * r).split(r, dim=-1)  # [T, Hk, r] each
-            return qkv, z.reshape(T, -1, dv), b.reshape(T, -1), a.reshape(T, -1)
+            return qkv, b.reshape(T, -1), a.reshape(T, -1), z.reshape(T, -1, dv)
         qkv = self.in_proj_qkv(x).view(T, -1, 2 * dk + r * dv)
-        return qkv, self.in_proj_z(x).view(T, -1, dv), self.in_proj_b(x), self.in_proj_a(x)
+        return qkv, self.in_proj_b(x), self.in_proj_a(x), self.in_proj_z(x).view(T, -1, dv)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None) -> torch.Tensor:
         """x: [T, dim] -> [T, dim]. cos/sin are unused (no positions in a recurrence). `cache`: a
@@ -252,7 +252,7 @@ class GatedDeltaNet(nn.Module):
         dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
         cp = context_parallel
         window, state = (None, None) if cache is None else cache.recurrent_state()
-        qkv, z, b, a = self._project(x)  # qkv: [T, Hk, 2 dk + r dv], this rank's key heads
+        qkv, b, a, z = self._project(x)  # qkv: [T, Hk, 2 dk + r dv], this rank's key heads
         conv_weight, A_log, dt_bias = (local_tensor(t) for t in (self.conv1d.weight, self.A_log, self.dt_bias))
         if cp is not None:
             qkv = tokens_to_heads(qkv, cp)
