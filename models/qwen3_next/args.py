@@ -47,12 +47,6 @@ class Qwen3NextArgs(DecoderArgs):
     def from_hf_config(cls, config) -> "Qwen3NextArgs":
         fields = decoder_fields_from_hf(config)
         partial_rotary_factor = float(fields["rope_parameters"].get("partial_rotary_factor", 1.0))
-        top_level_factor = getattr(config, "partial_rotary_factor", None)
-        if top_level_factor is not None and float(top_level_factor) != partial_rotary_factor:
-            raise ValueError(
-                f"config.partial_rotary_factor={top_level_factor} differs from "
-                f"config.rope_parameters['partial_rotary_factor']={partial_rotary_factor}; HF's rotary reads the latter"
-            )
         attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
         if attention_dropout != 0.0:
             raise ValueError(f"config.attention_dropout={attention_dropout} is not supported; archon's attention has no dropout")
