@@ -46,6 +46,9 @@ LORA_TARGETS = (
     "experts",
 )
 
+# HF config fields the math does not depend on (the rest are read by Qwen3NextArgs.from_hf_config):
+#   partial_rotary_factor: HF's rotary reads rope_parameters["partial_rotary_factor"], which the
+#     config fills from this top-level field; archon reads it there too.
 spec = register(
     ModelSpec(
         name="qwen3_next",

@@ -219,3 +219,22 @@ def test_dense_and_sparse_layers_follow_the_config():
     args = Qwen3NextArgs.from_hf_config(config)
     assert [args.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     assert args.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
+
+
+def test_merged_export_loads_in_hf_with_the_adapted_logits(tiny_checkpoint, lora_model, tmp_path):
+    """The merged export (the vLLM merged mode's weights) writes HF's layout back, conv channels in
+    q | k | v order included: it loads into HF's model with no missing or unexpected weight and gives
+    the adapted model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from archon.lora.peft import save_merged_hf
+
+    path = tiny_checkpoint("qwen3_next")
+    loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
+    save_merged_hf(loaded.model, loaded.converter, tmp_path / "merged", loaded.hf_config.to_dict(), path)
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    seqs, tokens, positions, cu_seqlens = packed_batch((DELTA_RULE_CHUNK_SIZE + 6,), 256, seed=0)
+    with torch.no_grad():
+        expected = loaded.model.eval()(tokens, positions, cu_seqlens, DELTA_RULE_CHUNK_SIZE + 6)
+        torch.testing.assert_close(merged.eval()(seqs[0][None]).logits[0], expected, rtol=0, atol=1e-4)
