@@ -47,9 +47,6 @@ class Qwen3NextArgs(DecoderArgs):
     def from_hf_config(cls, config) -> "Qwen3NextArgs":
         fields = decoder_fields_from_hf(config)
         partial_rotary_factor = float(fields["rope_parameters"].get("partial_rotary_factor", 1.0))
-        attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-        if attention_dropout != 0.0:
-            raise ValueError(f"config.attention_dropout={attention_dropout} is not supported; archon's attention has no dropout")
         args = cls(
             **fields,
             layer_types=list(config.layer_types),

@@ -46,9 +46,6 @@ LORA_TARGETS = (
     "experts",
 )
 
-# HF config fields the math does not depend on (the rest are read by Qwen3NextArgs.from_hf_config):
-#   partial_rotary_factor: HF's rotary reads rope_parameters["partial_rotary_factor"], which the
-#     config fills from this top-level field; archon reads it there too.
 spec = register(
     ModelSpec(
         name="qwen3_next",
@@ -63,5 +60,8 @@ spec = register(
         tiny_hf_config={"qwen3_next": dict(_TINY_CONFIG)},
         # Qwen3-Next's chat template is Qwen3's (ChatML, JSON tool calls in <tool_call>).
         renderers={"qwen3_next": "qwen3"},
+        inert_hf_config_fields={
+            "partial_rotary_factor": "the config class copies it into rope_parameters, where HF's modeling code and archon read it",
+        },
     )
 )

@@ -8,6 +8,7 @@ import pytest
 import torch
 from family_checks import (
     assert_aligned,
+    assert_gate_fails,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
@@ -16,7 +17,10 @@ from transformers import AutoConfig
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE
+from archon.models.common import linear_attention
+from archon.models.common.attention import GatedAttention
+from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE, HybridDecoderLM
+from archon.models.common.moe import SharedExpertMoE
 from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm, RMSNorm
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.qwen3_next.args import Qwen3NextArgs
@@ -46,9 +50,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_parity_lora_and_peft_export(case):
-    assert_aligned("qwen3_next", CASES[case], lora_rank=8, seq_lens=SEQ_LENS)
+def test_parity_lora_and_peft_export(case, dtype):
+    assert_aligned("qwen3_next", CASES[case], lora_rank=8, seq_lens=SEQ_LENS, dtype=dtype)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -61,54 +66,73 @@ def test_meta_weights_complete(case):
     assert_meta_weights_complete("qwen3_next", CASES[case])
 
 
-def _sigmoid_one(module, inputs, output):
-    """A forward hook that makes the output a gate of sigmoid(30) ~ 1: the gate switched off."""
-    return torch.full_like(output, 30.0)
+def _after_init(monkeypatch, cls, mutate) -> None:
+    """Every `cls` built from now on is mutated by `mutate(module)` after its __init__ (hooks and
+    attributes survive the checkpoint load that follows)."""
+    original = cls.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        mutate(self)
+
+    monkeypatch.setattr(cls, "__init__", init)
 
 
-def _attention_gate_off(model, monkeypatch):
-    hd = model.layers[1].self_attn.head_dim
+def _constant_output(value: float):
+    """A forward hook replacing a module's output with `value` everywhere (30: a sigmoid gate of ~1)."""
+    return lambda module, inputs, output: torch.full_like(output, value)
 
+
+def _attention_gate_off(monkeypatch):
     def open_gate(module, inputs, output):  # q_proj: [T, H * 2 hd], each head's query then its gate
-        out = output.view(output.shape[0], -1, 2, hd).clone()
+        out = output.view(output.shape[0], -1, 2, module.head_dim).clone()
         out[:, :, 1] = 30.0
         return out.view_as(output)
 
-    model.layers[1].self_attn.q_proj.register_forward_hook(open_gate)
+    def mutate(attention):
+        attention.q_proj.head_dim = attention.head_dim
+        attention.q_proj.register_forward_hook(open_gate)
+
+    _after_init(monkeypatch, GatedAttention, mutate)
 
 
-def _offset_norms_plain(model, monkeypatch):
-    monkeypatch.setattr(OffsetRMSNorm, "forward", RMSNorm.forward)  # weight instead of (1 + weight)
+def _qk_norm_off(monkeypatch):
+    def mutate(attention):
+        for norm in (attention.q_norm, attention.k_norm):
+            norm.register_forward_hook(lambda module, inputs, output: inputs[0])
+
+    _after_init(monkeypatch, GatedAttention, mutate)
 
 
-def _output_norm_ungated(model, monkeypatch):
-    monkeypatch.setattr(GatedRMSNorm, "forward", lambda self, x, gate: RMSNorm.forward(self, x))
+def _full_rotary(monkeypatch):
+    def mutate(model):
+        args = model.args
+        model.rotary = RotaryEmbedding(args.rope_parameters, args.head_dim, args.max_position_embeddings)
+
+    _after_init(monkeypatch, HybridDecoderLM, mutate)
 
 
-def _qk_norm_off(model, monkeypatch):
-    attention = model.layers[1].self_attn
-    attention.q_norm, attention.k_norm = torch.nn.Identity(), torch.nn.Identity()
+def _conv_window_off(monkeypatch):  # each channel sees its own token only
+    conv = linear_attention.causal_conv1d
+
+    def last_tap_only(x, weight, lengths, window):
+        mask = torch.zeros_like(weight)
+        mask[..., -1] = 1.0
+        return conv(x, weight * mask, lengths, window)
+
+    monkeypatch.setattr(linear_attention, "causal_conv1d", last_tap_only)
 
 
-def _full_rotary(model, monkeypatch):
-    args = model.args
-    model.rotary = RotaryEmbedding(args.rope_parameters, args.head_dim, args.max_position_embeddings)
+def _decay_off(monkeypatch):  # g = 0: the state is never decayed
+    rule = linear_attention.gated_delta_rule
+    monkeypatch.setattr(
+        linear_attention, "gated_delta_rule", lambda q, k, v, g, *rest: rule(q, k, v, torch.zeros_like(g), *rest)
+    )
 
 
-def _conv_window_off(model, monkeypatch):  # each channel sees its own token only
-    for i in (0, 2):
-        with torch.no_grad():
-            model.layers[i].linear_attn.conv1d.weight[..., :-1] = 0.0
-
-
-def _decay_off(model, monkeypatch):  # g = -exp(A_log) * softplus(...) = 0
-    for i in (0, 2):
-        with torch.no_grad():
-            model.layers[i].linear_attn.A_log.fill_(float("-inf"))
-
-
-def _value_heads_tiled(model, monkeypatch):
-    """Value head h reads key head h % Hk instead of h // r (the grouping of in_proj_qkvz)."""
+def _value_heads_tiled(monkeypatch):
+    """Value head h reads key head h % Hk instead of h // r (archon's [T, H, d] DeltaNet q and k only;
+    HF repeats [B, L, H, d] tensors on dim 2)."""
     original = torch.Tensor.repeat_interleave
 
     def tiled(self, repeats, dim=None, **kwargs):
@@ -119,26 +143,25 @@ def _value_heads_tiled(model, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", tiled)
 
 
-def _shared_expert_gate_off(model, monkeypatch):
-    for i in (0, 2):
-        model.layers[i].mlp.shared_expert_gate.register_forward_hook(_sigmoid_one)
+def _shared_expert_gate_off(monkeypatch):
+    _after_init(monkeypatch, SharedExpertMoE, lambda moe: moe.shared_expert_gate.register_forward_hook(_constant_output(30.0)))
 
 
-def _shared_expert_off(model, monkeypatch):
-    for i in (0, 2):
-        model.layers[i].mlp.shared_expert.register_forward_hook(lambda m, inputs, output: torch.zeros_like(output))
+def _shared_expert_off(monkeypatch):
+    _after_init(monkeypatch, SharedExpertMoE, lambda moe: moe.shared_expert.register_forward_hook(_constant_output(0.0)))
 
 
-def _top_k_not_renormalised(model, monkeypatch):
-    for i in (0, 2):
-        model.layers[i].mlp.gate.norm_topk_prob = False
+def _top_k_not_renormalised(monkeypatch):
+    _after_init(monkeypatch, SharedExpertMoE, lambda moe: setattr(moe.gate, "norm_topk_prob", False))
 
 
-# Each feature the registered tiny config turns on, switched off in the archon model.
+# Each feature the registered tiny config turns on, switched off in archon's model (HF's is untouched).
 MUTATIONS = {
     "attention-output-gate": _attention_gate_off,
-    "zero-centred-norms": _offset_norms_plain,
-    "deltanet-output-gate": _output_norm_ungated,
+    "zero-centred-norms": lambda monkeypatch: monkeypatch.setattr(OffsetRMSNorm, "forward", RMSNorm.forward),
+    "deltanet-output-gate": lambda monkeypatch: monkeypatch.setattr(
+        GatedRMSNorm, "forward", lambda self, x, gate: RMSNorm.forward(self, x)
+    ),
     "qk-norm": _qk_norm_off,
     "partial-rotary": _full_rotary,
     "conv-window": _conv_window_off,
@@ -150,28 +173,12 @@ MUTATIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def registered_model_and_logits(tmp_path_factory):
-    from archon.tools.align import make_tiny_hf_checkpoint
-
-    path = make_tiny_hf_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "hf")
-    _, tokens, positions, cu_seqlens = packed_batch(SEQ_LENS, 256, seed=0)
-    batch = (tokens, positions, cu_seqlens, max(SEQ_LENS))
-    with torch.no_grad():
-        reference = build_model(path).model.eval()(*batch)
-    return path, batch, reference
-
-
 @pytest.mark.parametrize("feature", sorted(MUTATIONS))
-def test_the_tiny_config_exercises_each_feature(registered_model_and_logits, monkeypatch, feature):
-    """Switching a feature off in the archon model moves the logits far beyond the gate's 1e-4: the
-    registered tiny config reaches every feature, so the gate checks it."""
-    path, batch, reference = registered_model_and_logits
-    model = build_model(path).model.eval()
-    MUTATIONS[feature](model, monkeypatch)
-    with torch.no_grad():
-        mutated = model(*batch)
-    assert (mutated - reference).abs().max().item() > 1e-3, feature
+def test_the_gate_fails_with_each_feature_switched_off(monkeypatch, feature):
+    """The registered tiny config reaches every feature: with one switched off in archon's model the
+    gate fails (logits off by more than 1e-3)."""
+    MUTATIONS[feature](monkeypatch)
+    assert_gate_fails("qwen3_next", {}, seq_lens=SEQ_LENS)
 
 
 def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
