@@ -166,3 +166,76 @@ def group_limited_moe_fields_from_hf(config) -> dict[str, Any]:
         routed_scaling_factor=float(config.routed_scaling_factor),
         first_k_dense_replace=config.first_k_dense_replace or 0,
     )
+
+
+@dataclass
+class HybridDeltaNetArgs(DecoderArgs):
+    """A hybrid of gated DeltaNet and gated attention layers (Qwen3.5 / Qwen3.6, Qwen3-Next), named as
+    in the HF (text) config, with the sizes of the shared-expert MoE (num_experts == 0: none).
+
+    layer_types: per layer, "linear_attention" (gated DeltaNet) or "full_attention" (gated attention).
+    Each of the linear_num_key_heads key heads serves linear_num_value_heads / linear_num_key_heads
+    value heads; RoPE turns the first partial_rotary_factor of each attention head.
+    """
+
+    layer_types: list[str] = field(default_factory=list)
+    attention_bias: bool = False
+    partial_rotary_factor: float = 1.0
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_value_heads_per_key_head(self) -> int:
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    def validate(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"config.layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"config.layer_types holds {unknown}; supported: {LINEAR_ATTENTION!r}, {FULL_ATTENTION!r}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"config.linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"config.linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"rope_parameters.partial_rotary_factor={self.partial_rotary_factor} with head_dim={self.head_dim} "
+                f"gives {self.rotary_dim} rotary features; it must be a positive even number"
+            )
+
+
+def hybrid_deltanet_fields_from_hf(config) -> dict[str, Any]:
+    """The HybridDeltaNetArgs fields of an HF (text) config (DecoderArgs fields included)."""
+    fields = decoder_fields_from_hf(config)
+    return dict(
+        fields,
+        layer_types=list(config.layer_types),
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        partial_rotary_factor=float(fields["rope_parameters"].get("partial_rotary_factor", 1.0)),
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        num_experts=getattr(config, "num_experts", 0) or 0,
+        num_experts_per_tok=getattr(config, "num_experts_per_tok", 0) or 0,
+        moe_intermediate_size=getattr(config, "moe_intermediate_size", 0) or 0,
+        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+    )

@@ -8,8 +8,7 @@ beta = 0, so it leaves each sequence's state as it is. The short causal conv bef
 state restart at every sequence. Families: Qwen3.5 / Qwen3.6, Qwen3-Next.
 
 `GatedDeltaNet` is the mixer around the rule (HF name `linear_attn`), with its tensor-parallel plan
-(`gated_deltanet_plan`); `HybridDecoderLayer` and `HybridDecoderLM` mix it with gated attention by
-`layer_types`.
+(`gated_deltanet_plan`); models/common/hybrid.py mixes it with gated attention by `layer_types`.
 """
 
 from __future__ import annotations
@@ -19,11 +18,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.args import LINEAR_ATTENTION
-from archon.models.common.attention import GatedAttention
-from archon.models.common.decoder import PackedDecoderLM
-from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm
-from archon.models.common.rope import RotaryEmbedding
+from archon.models.common.norms import GatedRMSNorm
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -292,38 +287,3 @@ def gated_deltanet_plan(prefix: str = "linear_attn", fused_projections: bool = F
     plan[prefix] = ShardedParameters({"conv1d.weight": Shard(0), "dt_bias": Shard(0), "A_log": Shard(0)})
     return plan
 
-
-class HybridDecoderLayer(nn.Module):
-    """h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)), with zero-centred
-    norms, where the mixer is `linear_attn` (gated DeltaNet) or `self_attn` (gated attention) as
-    `args.layer_types[layer_idx]` says (Qwen3.5, Qwen3-Next)."""
-
-    def __init__(
-        self, args, layer_idx: int, mlp: nn.Module, lora: LoRAConfig | None, fused_projections: bool = False
-    ) -> None:
-        super().__init__()
-        self.layer_type = args.layer_types[layer_idx]
-        self.input_layernorm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
-        if self.layer_type == LINEAR_ATTENTION:
-            self.linear_attn = GatedDeltaNet(args, lora, fused_projections)
-        else:
-            self.self_attn = GatedAttention(args, lora)
-        self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = mlp
-
-    @property
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
-
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None):
-        x = x + self.mixer(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache, context_parallel)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class HybridDecoderLM(PackedDecoderLM):
-    """A `PackedDecoderLM` of `HybridDecoderLayer`s: RoPE on the first `args.rotary_dim` features of
-    each attention head, and a zero-centred final norm."""
-
-    def __init__(self, args, layers) -> None:
-        super().__init__(args, RotaryEmbedding(args.rope_parameters, args.rotary_dim, args.max_position_embeddings), layers)
-        self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)

@@ -20,7 +20,7 @@ contiguous shard of them (tensor parallelism) holds whole heads. Module names ot
 
 from __future__ import annotations
 
-from archon.models.common.linear_attention import HybridDecoderLayer, HybridDecoderLM
+from archon.models.common.hybrid import HybridDecoderLayer, HybridDecoderLM
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import SharedExpertMoE
 from archon.models.qwen3_5.args import Qwen3_5Args

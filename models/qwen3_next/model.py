@@ -13,7 +13,7 @@ as the rows they convolve, so that a contiguous shard holds whole heads (tensor 
 
 from __future__ import annotations
 
-from archon.models.common.linear_attention import HybridDecoderLayer, HybridDecoderLM
+from archon.models.common.hybrid import HybridDecoderLayer, HybridDecoderLM
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import SharedExpertMoE
 from archon.models.qwen3_next.args import Qwen3NextArgs

@@ -1,64 +1,28 @@
-"""Qwen3-Next: tensor-parallel plan, then the generic AC / compile / FSDP2 pipeline.
-
-TP shards heads. Gated attention as any GQA attention (q_proj's rows are per head, query then
-gate, so a head's gate stays with it). Gated DeltaNet by key head, with the value heads each key
-head serves: in_proj_qkvz and in_proj_ba (HF already groups their rows per key head) are
-column-parallel, the conv channels, dt_bias and A_log are sharded with them, the gated norm runs on
-the local heads, and out_proj is row-parallel. Dense MLPs and the shared expert shard their
-intermediate dimension; the router, the routed experts and the shared-expert gate stay whole on
-every tensor-parallel rank (FSDP2 shards the experts on their expert dimension).
+"""Qwen3-Next: the hybrid decoder's tensor-parallel plan (models/common/hybrid.py), with
+in_proj_qkvz and in_proj_ba (HF already groups their rows per key head) column-parallel; dense MLPs
+and the shared experts of the sparse layers shard their intermediate dimension.
 """
 
 from __future__ import annotations
 
-from archon.models.common.args import LINEAR_ATTENTION
-from archon.models.common.dense_parallel import vocab_parallel_plan
-from archon.models.common.linear_attention import gated_deltanet_plan
-from archon.models.common.moe import routed_experts
+from archon.models.common.hybrid import parallelize_hybrid_decoder
 from archon.models.qwen3_next.model import Qwen3NextModel
-from torch.distributed.tensor.parallel import ParallelStyle
 
-from archon.parallel import (
-    ParallelConfig,
-    ParallelDims,
-    attention_plan,
-    parallelize_decoder,
-    require_divisible,
-    swiglu_plan,
-)
+from archon.parallel import ParallelConfig, ParallelDims, swiglu_plan
 
 
 def parallelize_qwen3_next(model: Qwen3NextModel, dims: ParallelDims, config: ParallelConfig) -> Qwen3NextModel:
     args = model.args
-    moe_layers = [i for i in range(args.num_hidden_layers) if args.is_moe_layer(i)]
-    dense = len(moe_layers) < args.num_hidden_layers
-    if dims.tp_enabled:
-        mlp_sizes = {}
-        if moe_layers:
-            mlp_sizes["shared_expert_intermediate_size"] = args.shared_expert_intermediate_size
-        if dense:
-            mlp_sizes["intermediate_size"] = args.intermediate_size
-        require_divisible(
-            "tp", dims.tp, "qwen3_next", num_attention_heads=args.num_attention_heads,
-            num_key_value_heads=args.num_key_value_heads, linear_num_key_heads=args.linear_num_key_heads,
-            vocab_size=args.vocab_size, **mlp_sizes,
-        )
-    if dims.ep_enabled:
-        if not moe_layers:
-            raise ValueError(f"ep={dims.ep} requested but this qwen3_next model has no routed experts")
-        require_divisible("ep", dims.ep, "qwen3_next", num_experts=args.num_experts)
-    attention = attention_plan(qk_norm=("q_norm", "k_norm"))
-    deltanet = gated_deltanet_plan(fused_projections=True)
+    sparse = [args.is_moe_layer(i) for i in range(args.num_hidden_layers)]
+    mlp_sizes = {}
+    if any(sparse):
+        mlp_sizes["shared_expert_intermediate_size"] = args.shared_expert_intermediate_size
+    if not all(sparse):
+        mlp_sizes["intermediate_size"] = args.intermediate_size
 
-    def block_plan(index, block) -> dict[str, ParallelStyle]:
-        mixer = deltanet if block.layer_type == LINEAR_ATTENTION else attention
-        mlp = swiglu_plan("mlp.shared_expert") if args.is_moe_layer(index) else swiglu_plan()
-        return {**mixer, **mlp}
+    def mlp_plan(layer_idx: int):
+        return swiglu_plan("mlp.shared_expert") if sparse[layer_idx] else swiglu_plan()
 
-    return parallelize_decoder(
-        model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
-        block_tp_plan=block_plan, routed_experts=routed_experts(model), num_experts=args.num_experts,
-        context_parallel_heads=dict(num_attention_heads=args.num_attention_heads,
-                                    linear_num_key_heads=args.linear_num_key_heads),
-        context_parallel_kv_heads=dict(num_key_value_heads=args.num_key_value_heads),
+    return parallelize_hybrid_decoder(
+        model, dims, config, "qwen3_next", mlp_plan, mlp_sizes, fused_projections=True
     )

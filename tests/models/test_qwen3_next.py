@@ -19,7 +19,8 @@ from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.models.common import linear_attention
 from archon.models.common.attention import GatedAttention
-from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE, HybridDecoderLM
+from archon.models.common.hybrid import HybridDecoderLM
+from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE
 from archon.models.common.moe import SharedExpertMoE
 from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm, RMSNorm
 from archon.models.common.rope import RotaryEmbedding
