@@ -70,6 +70,13 @@ def decoder_fields_from_hf(config, mlp_activations: tuple[str, ...] = ("silu",))
     )
 
 
+
+def is_sparse_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: list[int]) -> bool:
+    """The Qwen MoE rule (Qwen2-MoE, Qwen3-MoE, Qwen3-Next) for whether layer `layer_idx` has routed
+    experts: the model has some, the layer is not in mlp_only_layers, and (layer_idx + 1) is a
+    multiple of decoder_sparse_step."""
+    return num_experts > 0 and layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0
+
 @dataclass
 class SlidingWindowDecoderArgs(DecoderArgs):
     """DecoderArgs with Qwen2-style per-layer sliding windows (Qwen2/2.5, dense Qwen3).
