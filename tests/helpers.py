@@ -54,6 +54,27 @@ def randomised_lora_model(path, lora: LoRAConfig, seed: int = 7, scale: float = 
     return loaded
 
 
+
+def assert_native_greedy_equals_hf_generate(path, prompts: list[list[int]], max_new_tokens: int = 8) -> None:
+    """archon's native engine, greedy, gives the tokens of HF's `generate` on the checkpoint at `path`,
+    for each prompt (generated together in the engine, one at a time in HF)."""
+    from transformers import AutoConfig
+
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.tools.align import hf_model_class
+
+    hf_model = hf_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
+    engine = NativeRolloutEngine(build_model(path).model)
+    samples = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+    for prompt, sample in zip(prompts, samples):
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                attention_mask=torch.ones(1, len(prompt)), pad_token_id=0, eos_token_id=None,
+            )
+        assert sample.completion_ids == out[0, len(prompt) :].tolist(), prompt
+
 def assert_no_state_leaks_across_packed_sequences(model: nn.Module, target_len: int, other_lens, vocab_size: int = 256):
     """A sequence's logits and LoRA gradients are the same alone and packed after another one of each
     length in `other_lens` (of other content each time): the state of a recurrent layer (and its conv

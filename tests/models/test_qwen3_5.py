@@ -12,7 +12,11 @@ from family_checks import (
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
-from helpers import assert_no_state_leaks_across_packed_sequences, randomise_lora
+from helpers import (
+    assert_native_greedy_equals_hf_generate,
+    assert_no_state_leaks_across_packed_sequences,
+    randomise_lora,
+)
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -138,23 +142,8 @@ def test_vision_language_export_keys_and_merged_checkpoint(tiny_checkpoint, lora
 def test_native_greedy_equals_hf_generate(tiny_checkpoint, model_type):
     """Greedy generation through the per-sequence cache (KV for attention layers, conv window and
     recurrent state for DeltaNet layers) gives HF's greedy tokens; a prompt longer than a chunk too."""
-    from archon.rollout.base import SamplingParams
-    from archon.rollout.native import NativeRolloutEngine
-    from archon.tools.align import hf_model_class
-    from transformers import AutoConfig
-
-    path = tiny_checkpoint(model_type)
-    hf_model = hf_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
-    engine = NativeRolloutEngine(build_model(path).model)
     prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + DELTA_RULE_CHUNK_SIZE + 5))]
-    samples = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))
-    for prompt, sample in zip(prompts, samples):
-        with torch.no_grad():
-            out = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, len(prompt)),
-                pad_token_id=0, eos_token_id=None,
-            )
-        assert sample.completion_ids == out[0, len(prompt) :].tolist()
+    assert_native_greedy_equals_hf_generate(tiny_checkpoint(model_type), prompts)
 
 
 def test_native_logprobs_equal_the_trainers(tiny_checkpoint):

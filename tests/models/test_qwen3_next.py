@@ -12,7 +12,11 @@ from family_checks import (
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
-from helpers import assert_no_state_leaks_across_packed_sequences, randomise_lora
+from helpers import (
+    assert_native_greedy_equals_hf_generate,
+    assert_no_state_leaks_across_packed_sequences,
+    randomise_lora,
+)
 from transformers import AutoConfig
 
 from archon.build import build_model
@@ -189,6 +193,15 @@ def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
     randomise_lora(lora_parameters(model), 0.1, torch.Generator().manual_seed(0))
     assert_no_state_leaks_across_packed_sequences(model, DELTA_RULE_CHUNK_SIZE + 9, (3, DELTA_RULE_CHUNK_SIZE + 20))
 
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_native_greedy_equals_hf_generate(tiny_checkpoint, case):
+    """Greedy generation through the per-sequence cache (KV for attention layers, conv window and
+    recurrent state for DeltaNet layers) gives HF's greedy tokens, for prompts of one token, a few,
+    and more than a delta-rule chunk."""
+    prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + DELTA_RULE_CHUNK_SIZE + 5))]
+    assert_native_greedy_equals_hf_generate(tiny_checkpoint("qwen3_next", **CASES[case]), prompts)
 
 def _config(**overrides):
     return AutoConfig.for_model("qwen3_next", **tiny_config_kwargs("qwen3_next", **overrides))
