@@ -1,6 +1,5 @@
 import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_autograd
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -52,8 +51,8 @@ class ProjectionRMSNorm(nn.Module):
         h = x.float()
         sum_of_squares = h.pow(2).sum(-1, keepdim=True)
         if isinstance(self.weight, DTensor) and self.weight.placements[0].is_shard():
-            group = self.weight.device_mesh.get_group()
-            sum_of_squares = dist_autograd.all_reduce(sum_of_squares, op=dist.ReduceOp.SUM, group=group)
+            # differentiable: the backward sums the gradient over the group as well
+            sum_of_squares = funcol.all_reduce(sum_of_squares, "sum", self.weight.device_mesh.get_group())
         full_width = self.weight.shape[0]  # the global width, a DTensor's too
         h = h * torch.rsqrt(sum_of_squares / full_width + self.eps)
         return (local_tensor(self.weight) * h).to(x.dtype)
