@@ -2,7 +2,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archon.models.common.args import SlidingWindowDecoderArgs, decoder_fields_from_hf
+from archon.models.common.args import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SlidingWindowDecoderArgs,
+    decoder_fields_from_hf,
+)
 
 
 @dataclass
@@ -39,9 +44,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def layer_type_rope_parameters(rope_parameters: dict, layer_types: list[str]) -> dict[str, dict]:
     """The rope parameters of each layer type in `layer_types`, as HF's Olmo3RotaryEmbedding reads
-    them (`rope_parameters[layer_type]`; top-level keys beside those are not read by HF)."""
+    them (`rope_parameters[layer_type]`; top-level keys beside those are not read by HF). A layer type
+    other than full or sliding attention is left to SlidingWindowDecoderArgs to refuse by name."""
     by_layer_type = {}
-    for layer_type in sorted(set(layer_types)):
+    for layer_type in sorted(set(layer_types) & {FULL_ATTENTION, SLIDING_ATTENTION}):
         params = (rope_parameters or {}).get(layer_type)
         field = f"config.rope_parameters[{layer_type!r}]"
         if not isinstance(params, dict) or "rope_theta" not in params:

@@ -1,11 +1,38 @@
-"""Olmo3 against HF transformers and PEFT."""
+"""OLMo 3 against HF transformers and PEFT: post-norm layers, QK-norms over the whole projections,
+sliding windows and RoPE (YaRN on full-attention layers) per layer type, biases, tied and untied heads."""
 
 import pytest
+import torch
 from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
 
 MODEL_TYPE = "olmo3"
 # Tiny-config overrides (on top of the ModelSpec's tiny_hf_config) that exercise the family's features.
-CASES = {"tiny": {}}
+CASES = {
+    # The registered tiny config: a sliding layer (window 8, theta 1e4) then a full one (YaRN, theta 5e5),
+    # head_dim 24 != hidden / heads, GQA 2:1, untied head.
+    "yarn-full-layers": {},
+    # HF's default layer pattern (three sliding layers, then a full one), YaRN with an explicit
+    # attention_factor as the released configs have it, q/k/v/o biases, multi-head, tied head.
+    "default-pattern-bias-tied": dict(
+        num_hidden_layers=4,
+        layer_types=None,
+        sliding_window=5,
+        head_dim=16,
+        num_key_value_heads=4,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 500000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "attention_factor": 1.5,
+            },
+        },
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -21,3 +48,148 @@ def test_state_dict_round_trip(case, tiny_checkpoint):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_meta_weights_complete(case):
     assert_meta_weights_complete(MODEL_TYPE, CASES[case])
+
+
+def test_config_is_read_as_hf_resolves_it():
+    from archon.models.olmo3.args import Olmo3Args
+    from transformers import AutoConfig
+
+    from archon.tools.align import tiny_config_kwargs
+
+    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **CASES["default-pattern-bias-tied"]))
+    args = Olmo3Args.from_hf_config(config)
+    assert args.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    assert [args.layer_sliding_window(i) for i in range(4)] == [5, 5, 5, None]
+    assert args.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert args.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    assert args.attention_bias and args.tie_word_embeddings and args.head_dim == 16
+
+
+def _without_window(model):
+    for layer in model.layers:
+        layer.self_attn.sliding_window = None
+
+
+def _qk_norm_per_head(model):
+    """The q/k norms' statistics taken per head instead of over the whole projection."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        for norm in (attn.q_norm, attn.k_norm):
+            def per_head(x, norm=norm, head_dim=attn.head_dim):
+                h = x.float().unflatten(-1, (-1, head_dim))
+                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+                return (norm.weight * h.flatten(-2)).to(x.dtype)
+
+            norm.forward = per_head
+
+
+def _without_qk_norm(model):
+    for layer in model.layers:
+        layer.self_attn.q_norm.forward = layer.self_attn.k_norm.forward = lambda x: x
+
+
+def _without_post_attention_norm(model):
+    for layer in model.layers:
+        layer.post_attention_layernorm.forward = lambda x: x
+
+
+def _without_post_feedforward_norm(model):
+    for layer in model.layers:
+        layer.post_feedforward_layernorm.forward = lambda x: x
+
+
+def _rope_of_the_other_layer_type(model):
+    tables = model.rotary.by_layer_type
+    tables["sliding_attention"], tables["full_attention"] = tables["full_attention"], tables["sliding_attention"]
+
+
+def _without_yarn(model):
+    from archon.models.common.rope import RotaryEmbedding
+
+    full = dict(model.args.rope_parameters["full_attention"], rope_type="default")
+    model.rotary.by_layer_type["full_attention"] = RotaryEmbedding(full, model.args.head_dim, 512)
+
+
+def _without_yarn_attention_factor(model):
+    model.rotary.by_layer_type["full_attention"].attention_scaling = 1.0
+
+
+MUTATIONS = {
+    "sliding-window": _without_window,
+    "qk-norm-over-the-projection": _qk_norm_per_head,
+    "qk-norm": _without_qk_norm,
+    "post-attention-norm": _without_post_attention_norm,
+    "post-feedforward-norm": _without_post_feedforward_norm,
+    "rope-per-layer-type": _rope_of_the_other_layer_type,
+    "yarn": _without_yarn,
+    "yarn-attention-factor": _without_yarn_attention_factor,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path_factory.mktemp("olmo3") / "hf", seed=0)
+
+
+@pytest.mark.parametrize("feature", sorted(MUTATIONS))
+def test_the_tiny_config_exercises(feature, tiny_hf_dir):
+    """Switching one feature off in archon moves the logits of the gate's batch: the parity tests check it."""
+    from archon.build import build_model
+    from archon.tools.align import packed_batch
+
+    model = build_model(tiny_hf_dir).model.eval()
+    _, tokens, positions, cu_seqlens = packed_batch((7, 1, 13, 33), 256, seed=0)
+    with torch.no_grad():
+        reference = model(tokens, positions, cu_seqlens, 33)
+        MUTATIONS[feature](model)
+        mutated = model(tokens, positions, cu_seqlens, 33)
+    assert (reference - mutated).abs().max() > 1e-3, feature
+
+
+def _config(**overrides):
+    from transformers import AutoConfig
+
+    from archon.tools.align import tiny_config_kwargs
+
+    return AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **overrides))
+
+
+REFUSED = {
+    "attention_dropout": dict(attention_dropout=0.1),
+    "hidden_act": dict(hidden_act="gelu"),
+    r"rope_parameters\['full_attention'\]\['rope_type'\]": dict(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+        }
+    ),
+    r"rope_parameters\['sliding_attention'\]\['partial_rotary_factor'\]": dict(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    ),
+    r"layer_types\[1\]": dict(layer_types=["sliding_attention", "chunked_attention"]),
+}
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_unsupported_config_values_are_refused_by_name(field):
+    from archon.models.olmo3.args import Olmo3Args
+
+    config = _config()
+    for name, value in REFUSED[field].items():
+        setattr(config, name, value)
+    with pytest.raises(ValueError, match=field):
+        Olmo3Args.from_hf_config(config)
+
+
+def test_a_sliding_layer_without_a_window_is_refused():
+    from archon.models.olmo3.args import Olmo3Args
+
+    config = _config()
+    config.sliding_window = None
+    with pytest.raises(ValueError, match=r"layer_types\[0\].*sliding_window"):
+        Olmo3Args.from_hf_config(config)
