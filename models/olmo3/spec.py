@@ -24,7 +24,7 @@ TINY_OLMO3_ROPE = {
 spec = register(
     ModelSpec(
         name="olmo3",
-        hf_model_types=("olmo3",),
+        hf_model_types=("olmo3", "olmo2"),
         args_cls=Olmo3Args,
         model_cls=Olmo3Model,
         state_dict_converter_cls=Olmo3StateDictConverter,
@@ -41,7 +41,14 @@ spec = register(
                 rope_parameters=TINY_OLMO3_ROPE,
                 max_position_embeddings=512,
             ),
+            # OLMo 2: every layer full attention, one set of rope parameters.
+            "olmo2": dict(
+                TINY_DECODER_CONFIG,
+                head_dim=24,
+                rope_parameters=TINY_OLMO3_ROPE["full_attention"],
+                max_position_embeddings=512,
+            ),
         },
-        vllm_modes={"olmo3": "adapter"},
+        vllm_modes={"olmo3": "adapter", "olmo2": "adapter"},
     )
 )

@@ -1,5 +1,6 @@
 """OLMo 3 against HF transformers and PEFT: post-norm layers, QK-norms over the whole projections,
-sliding windows and RoPE (YaRN on full-attention layers) per layer type, biases, tied and untied heads."""
+sliding windows and RoPE (YaRN on full-attention layers) per layer type, biases, tied and untied heads;
+OLMo 2 (the same layers, every one full attention, one set of rope parameters) from the same family."""
 
 import pytest
 import torch
@@ -35,19 +36,28 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_parity_lora_and_peft_export(case):
-    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8)
+# OLMo 2's registered tiny config: YaRN, head_dim 24, GQA, untied; then biases and a tied head.
+OLMO2_CASES = {"yarn": {}, "bias-tied": dict(attention_bias=True, tie_word_embeddings=True)}
+ALL_CASES = [(MODEL_TYPE, case) for case in sorted(CASES)] + [("olmo2", case) for case in sorted(OLMO2_CASES)]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_state_dict_round_trip(case, tiny_checkpoint):
-    assert_state_dict_round_trip(tiny_checkpoint(MODEL_TYPE, **CASES[case]))
+def _overrides(model_type, case):
+    return (CASES if model_type == MODEL_TYPE else OLMO2_CASES)[case]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_meta_weights_complete(case):
-    assert_meta_weights_complete(MODEL_TYPE, CASES[case])
+@pytest.mark.parametrize("model_type, case", ALL_CASES)
+def test_parity_lora_and_peft_export(model_type, case):
+    assert_aligned(model_type, _overrides(model_type, case), lora_rank=8)
+
+
+@pytest.mark.parametrize("model_type, case", ALL_CASES)
+def test_state_dict_round_trip(model_type, case, tiny_checkpoint):
+    assert_state_dict_round_trip(tiny_checkpoint(model_type, **_overrides(model_type, case)))
+
+
+@pytest.mark.parametrize("model_type, case", ALL_CASES)
+def test_meta_weights_complete(model_type, case):
+    assert_meta_weights_complete(model_type, _overrides(model_type, case))
 
 
 def test_config_is_read_as_hf_resolves_it():
@@ -63,6 +73,17 @@ def test_config_is_read_as_hf_resolves_it():
     assert args.rope_parameters["full_attention"]["rope_type"] == "yarn"
     assert args.rope_parameters["sliding_attention"]["rope_type"] == "default"
     assert args.attention_bias and args.tie_word_embeddings and args.head_dim == 16
+
+
+def test_olmo2_config_is_read_as_full_attention_with_one_rope():
+    from archon.models.olmo3.args import Olmo3Args
+    from transformers import AutoConfig
+
+    from archon.tools.align import tiny_config_kwargs
+
+    args = Olmo3Args.from_hf_config(AutoConfig.for_model("olmo2", **tiny_config_kwargs("olmo2")))
+    assert args.layer_types == ["full_attention"] * 2 and args.sliding_window is None
+    assert list(args.rope_parameters) == ["full_attention"] and args.rope_parameters["full_attention"]["rope_type"] == "yarn"
 
 
 def _without_window(model):
@@ -148,12 +169,12 @@ def test_the_tiny_config_exercises(feature, tiny_hf_dir):
     assert (reference - mutated).abs().max() > 1e-3, feature
 
 
-def _config(**overrides):
+def _config(model_type=MODEL_TYPE, **overrides):
     from transformers import AutoConfig
 
     from archon.tools.align import tiny_config_kwargs
 
-    return AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **overrides))
+    return AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
 
 
 REFUSED = {
@@ -183,6 +204,15 @@ def test_unsupported_config_values_are_refused_by_name(field):
     for name, value in REFUSED[field].items():
         setattr(config, name, value)
     with pytest.raises(ValueError, match=field):
+        Olmo3Args.from_hf_config(config)
+
+
+def test_olmo2_rope_type_is_refused_by_name():
+    from archon.models.olmo3.args import Olmo3Args
+
+    config = _config("olmo2")
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 1e4}
+    with pytest.raises(ValueError, match=r"config.rope_parameters\['rope_type'\]"):
         Olmo3Args.from_hf_config(config)
 
 
