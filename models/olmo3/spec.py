@@ -49,6 +49,8 @@ spec = register(
                 max_position_embeddings=512,
             ),
         },
+        # HF config fields the math does not depend on: none beyond the generic ones (token ids, use_cache,
+        # initializer_range); from_hf_config reads every other field of Olmo3Config and Olmo2Config.
         vllm_modes={"olmo3": "adapter", "olmo2": "adapter"},
     )
 )
