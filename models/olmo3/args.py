@@ -24,12 +24,6 @@ class Olmo3Args(SlidingWindowDecoderArgs):
 
     @classmethod
     def from_hf_config(cls, config) -> "Olmo3Args":
-        attention_dropout = config.attention_dropout
-        if attention_dropout:
-            raise ValueError(
-                f"config.attention_dropout={attention_dropout} is not supported by the olmo3 family "
-                "(attention without dropout only)"
-            )
         if config.model_type == "olmo2":  # no windows, one set of rope parameters
             layer_types = [FULL_ATTENTION] * config.num_hidden_layers
             sliding_window = None
