@@ -38,6 +38,20 @@ CASES = {
             },
         },
     ),
+    # The rope fields as the released config.json files write them: rope_theta and a YaRN rope_scaling,
+    # which HF applies to the full-attention layers only.
+    "released-rope-scaling-format": dict(
+        rope_parameters=None,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 1.2079441541679836,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),
 }
 
 
@@ -83,6 +97,18 @@ def test_config_is_read_as_hf_resolves_it():
     assert args.rope_parameters["full_attention"]["rope_type"] == "yarn"
     assert args.rope_parameters["sliding_attention"]["rope_type"] == "default"
     assert args.attention_bias and args.tie_word_embeddings and args.head_dim == 16
+
+
+def test_released_rope_scaling_reaches_the_full_attention_layers_only():
+    from archon.models.olmo3.args import Olmo3Args
+    from transformers import AutoConfig
+
+    from archon.tools.align import tiny_config_kwargs
+
+    overrides = CASES["released-rope-scaling-format"]
+    args = Olmo3Args.from_hf_config(AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **overrides)))
+    assert args.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert args.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 500000.0}
 
 
 def test_olmo2_config_is_read_as_full_attention_with_one_rope():
