@@ -3,13 +3,7 @@ sliding windows and RoPE (YaRN on full-attention layers) per layer type, biases,
 OLMo 2 (the same layers, every one full attention, one set of rope parameters) from the same family."""
 
 import pytest
-import torch
-from family_checks import (
-    assert_aligned,
-    assert_gate_fails,
-    assert_meta_weights_complete,
-    assert_state_dict_round_trip,
-)
+from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
 
 MODEL_TYPE = "olmo3"
 # Tiny-config overrides (on top of the ModelSpec's tiny_hf_config) that exercise the family's features.
@@ -122,82 +116,8 @@ def test_olmo2_config_is_read_as_full_attention_with_one_rope():
     assert list(args.rope_parameters) == ["full_attention"] and args.rope_parameters["full_attention"]["rope_type"] == "yarn"
 
 
-def _without_window(model):
-    for layer in model.layers:
-        layer.self_attn.sliding_window = None
-
-
-def _qk_norm_per_head(model):
-    """The q/k norms' statistics taken per head instead of over the whole projection."""
-    for layer in model.layers:
-        attn = layer.self_attn
-        for norm in (attn.q_norm, attn.k_norm):
-            def per_head(x, norm=norm, head_dim=attn.head_dim):
-                h = x.float().unflatten(-1, (-1, head_dim))
-                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
-                return (norm.weight * h.flatten(-2)).to(x.dtype)
-
-            norm.forward = per_head
-
-
-def _without_qk_norm(model):
-    for layer in model.layers:
-        layer.self_attn.q_norm.forward = layer.self_attn.k_norm.forward = lambda x: x
-
-
-def _without_post_attention_norm(model):
-    for layer in model.layers:
-        layer.post_attention_layernorm.forward = lambda x: x
-
-
-def _without_post_feedforward_norm(model):
-    for layer in model.layers:
-        layer.post_feedforward_layernorm.forward = lambda x: x
-
-
-def _rope_of_the_other_layer_type(model):
-    tables = model.rotary.by_layer_type
-    tables["sliding_attention"], tables["full_attention"] = tables["full_attention"], tables["sliding_attention"]
-
-
-def _without_yarn(model):
-    from archon.models.common.rope import RotaryEmbedding
-
-    full = dict(model.args.rope_parameters["full_attention"], rope_type="default")
-    model.rotary.by_layer_type["full_attention"] = RotaryEmbedding(full, model.args.head_dim, 512)
-
-
-def _without_yarn_attention_factor(model):
-    model.rotary.by_layer_type["full_attention"].attention_scaling = 1.0
-
-
-MUTATIONS = {
-    "sliding-window": _without_window,
-    "qk-norm-over-the-projection": _qk_norm_per_head,
-    "qk-norm": _without_qk_norm,
-    "post-attention-norm": _without_post_attention_norm,
-    "post-feedforward-norm": _without_post_feedforward_norm,
-    "rope-per-layer-type": _rope_of_the_other_layer_type,
-    "yarn": _without_yarn,
-    "yarn-attention-factor": _without_yarn_attention_factor,
-}
-
-
-@pytest.mark.parametrize("feature", sorted(MUTATIONS))
-def test_the_gate_fails_without(feature, monkeypatch):
-    """Switching one feature off in the archon model the gate builds fails the gate on the registered
-    tiny config: the parity tests check each feature."""
-    import archon.tools.align as align
-
-    build_model = align.build_model
-
-    def build_mutated(*args, **kwargs):
-        loaded = build_model(*args, **kwargs)
-        MUTATIONS[feature](loaded.model)
-        return loaded
-
-    monkeypatch.setattr(align, "build_model", build_mutated)
-    assert_gate_fails(MODEL_TYPE, {})
+# The mutation checks (each feature switched off fails the gate) are the olmo3 and olmo2 cases of
+# tests/models/test_feature_sensitivity.py.
 
 
 def _config(model_type=MODEL_TYPE, **overrides):
