@@ -8,7 +8,6 @@ import pytest
 import torch
 from family_checks import (
     assert_aligned,
-    assert_gate_fails,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
@@ -21,13 +20,7 @@ from transformers import AutoConfig
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.models.common import linear_attention
-from archon.models.common.attention import GatedAttention
-from archon.models.common.hybrid import HybridDecoderLM
 from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE
-from archon.models.common.moe import SharedExpertMoE
-from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm, RMSNorm
-from archon.models.common.rope import RotaryEmbedding
 from archon.models.qwen3_next.args import Qwen3NextArgs
 from archon.tools.align import packed_batch, tiny_config_kwargs
 
@@ -71,119 +64,8 @@ def test_meta_weights_complete(case):
     assert_meta_weights_complete("qwen3_next", CASES[case])
 
 
-def _after_init(monkeypatch, cls, mutate) -> None:
-    """Every `cls` built from now on is mutated by `mutate(module)` after its __init__ (hooks and
-    attributes survive the checkpoint load that follows)."""
-    original = cls.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        mutate(self)
-
-    monkeypatch.setattr(cls, "__init__", init)
-
-
-def _constant_output(value: float):
-    """A forward hook replacing a module's output with `value` everywhere (30: a sigmoid gate of ~1)."""
-    return lambda module, inputs, output: torch.full_like(output, value)
-
-
-def _attention_gate_off(monkeypatch):
-    def open_gate(module, inputs, output):  # q_proj: [T, H * 2 hd], each head's query then its gate
-        out = output.view(output.shape[0], -1, 2, module.head_dim).clone()
-        out[:, :, 1] = 30.0
-        return out.view_as(output)
-
-    def mutate(attention):
-        attention.q_proj.head_dim = attention.head_dim
-        attention.q_proj.register_forward_hook(open_gate)
-
-    _after_init(monkeypatch, GatedAttention, mutate)
-
-
-def _qk_norm_off(monkeypatch):
-    def mutate(attention):
-        for norm in (attention.q_norm, attention.k_norm):
-            norm.register_forward_hook(lambda module, inputs, output: inputs[0])
-
-    _after_init(monkeypatch, GatedAttention, mutate)
-
-
-def _full_rotary(monkeypatch):
-    def mutate(model):
-        args = model.args
-        model.rotary = RotaryEmbedding(args.rope_parameters, args.head_dim, args.max_position_embeddings)
-
-    _after_init(monkeypatch, HybridDecoderLM, mutate)
-
-
-def _conv_window_off(monkeypatch):  # each channel sees its own token only
-    conv = linear_attention.causal_conv1d
-
-    def last_tap_only(x, weight, lengths, window):
-        mask = torch.zeros_like(weight)
-        mask[..., -1] = 1.0
-        return conv(x, weight * mask, lengths, window)
-
-    monkeypatch.setattr(linear_attention, "causal_conv1d", last_tap_only)
-
-
-def _decay_off(monkeypatch):  # g = 0: the state is never decayed
-    rule = linear_attention.gated_delta_rule
-    monkeypatch.setattr(
-        linear_attention, "gated_delta_rule", lambda q, k, v, g, *rest: rule(q, k, v, torch.zeros_like(g), *rest)
-    )
-
-
-def _value_heads_tiled(monkeypatch):
-    """Value head h reads key head h % Hk instead of h // r (archon's [T, H, d] DeltaNet q and k only;
-    HF repeats [B, L, H, d] tensors on dim 2)."""
-    original = torch.Tensor.repeat_interleave
-
-    def tiled(self, repeats, dim=None, **kwargs):
-        if isinstance(repeats, int) and dim == 1 and self.dim() == 3:
-            return self.repeat(1, repeats, 1)
-        return original(self, repeats, dim=dim, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "repeat_interleave", tiled)
-
-
-def _shared_expert_gate_off(monkeypatch):
-    _after_init(monkeypatch, SharedExpertMoE, lambda moe: moe.shared_expert_gate.register_forward_hook(_constant_output(30.0)))
-
-
-def _shared_expert_off(monkeypatch):
-    _after_init(monkeypatch, SharedExpertMoE, lambda moe: moe.shared_expert.register_forward_hook(_constant_output(0.0)))
-
-
-def _top_k_not_renormalised(monkeypatch):
-    _after_init(monkeypatch, SharedExpertMoE, lambda moe: setattr(moe.gate, "norm_topk_prob", False))
-
-
-# Each feature the registered tiny config turns on, switched off in archon's model (HF's is untouched).
-MUTATIONS = {
-    "attention-output-gate": _attention_gate_off,
-    "zero-centred-norms": lambda monkeypatch: monkeypatch.setattr(OffsetRMSNorm, "forward", RMSNorm.forward),
-    "deltanet-output-gate": lambda monkeypatch: monkeypatch.setattr(
-        GatedRMSNorm, "forward", lambda self, x, gate: RMSNorm.forward(self, x)
-    ),
-    "qk-norm": _qk_norm_off,
-    "partial-rotary": _full_rotary,
-    "conv-window": _conv_window_off,
-    "decay": _decay_off,
-    "value-heads-per-key-head": _value_heads_tiled,
-    "shared-expert-gate": _shared_expert_gate_off,
-    "shared-expert": _shared_expert_off,
-    "norm-topk-prob": _top_k_not_renormalised,
-}
-
-
-@pytest.mark.parametrize("feature", sorted(MUTATIONS))
-def test_the_gate_fails_with_each_feature_switched_off(monkeypatch, feature):
-    """The registered tiny config reaches every feature: with one switched off in archon's model the
-    gate fails (logits off by more than 1e-3)."""
-    MUTATIONS[feature](monkeypatch)
-    assert_gate_fails("qwen3_next", {}, seq_lens=SEQ_LENS)
+# The mutation checks (each feature switched off fails the gate) are the qwen3_next cases of
+# tests/models/test_feature_sensitivity.py.
 
 
 def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
