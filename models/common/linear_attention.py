@@ -182,6 +182,7 @@ def qkv_rows_by_key_head(args) -> torch.Tensor:
     v_rows = 2 * n_k * dk + torch.arange(n_k * group_v).view(n_k, group_v)
     return torch.cat([q_rows, k_rows, v_rows], dim=1).reshape(-1)
 
+
 class GatedDeltaNet(nn.Module):
     """The gated DeltaNet mixer (Qwen3.5, Qwen3-Next), HF name `linear_attn`.
 
