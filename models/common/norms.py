@@ -1,6 +1,10 @@
 import torch
+import torch.distributed.nn.functional as dist_functional
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
+
+from archon.parallel.tensor_parallel import ShardedParameters, local_tensor
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +23,50 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """RMSNorm over a whole attention projection x [T, heads * head_dim], every head's features in
+    one mean of squares, with a weight per feature (MiniMax-M2's q_norm and k_norm).
+
+    Under tensor parallelism (`projection_sharded_norm()`) x and the weight hold this rank's heads:
+    the sum of squares is summed over the tensor-parallel group before the mean, so every rank
+    normalises by the statistic of the whole projection.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.dim = dim
+        self.tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return super().forward(x)
+        dtype = x.dtype
+        h = x.float()
+        # all_reduce of torch.distributed.nn sums the gradients of the statistic over the group too.
+        sum_of_squares = dist_functional.all_reduce(h.pow(2).sum(-1, keepdim=True), group=self.tp_group)
+        h = h * torch.rsqrt(sum_of_squares / self.dim + self.eps)
+        return local_tensor(self.weight) * h.to(dtype)
+
+
+class ProjectionShardedNorm(ShardedParameters):
+    """A `ProjectionRMSNorm` on a column-parallel projection: its weight sharded as the projection's
+    features (Shard(0)), its statistic reduced over the tensor-parallel group."""
+
+    def __init__(self) -> None:
+        super().__init__({"weight": Shard(0)})
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, ProjectionRMSNorm):
+            raise TypeError(f"ProjectionShardedNorm applies to ProjectionRMSNorm, not {type(module).__name__}")
+        super()._apply(module, device_mesh)
+        module.tp_group = device_mesh.get_group()
+        return module
+
+
+def projection_sharded_norm() -> ProjectionShardedNorm:
+    return ProjectionShardedNorm()
 
 
 class OffsetRMSNorm(nn.Module):
