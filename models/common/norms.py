@@ -1,5 +1,5 @@
 import torch
-import torch.distributed.nn.functional as dist_functional
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -25,6 +25,24 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """The sum of a tensor over a process group; its gradient is summed over the group as well, since each
+    rank's loss sees the sum only through its own shard."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class ProjectionRMSNorm(RMSNorm):
     """RMSNorm over a whole attention projection x [T, heads * head_dim], every head's features in
     one mean of squares, with a weight per feature (MiniMax-M2's q_norm and k_norm).
@@ -44,8 +62,7 @@ class ProjectionRMSNorm(RMSNorm):
             return super().forward(x)
         dtype = x.dtype
         h = x.float()
-        # all_reduce of torch.distributed.nn sums the gradients of the statistic over the group too.
-        sum_of_squares = dist_functional.all_reduce(h.pow(2).sum(-1, keepdim=True), group=self.tp_group)
+        sum_of_squares = _SumOverGroup.apply(h.pow(2).sum(-1, keepdim=True), self.tp_group)
         h = h * torch.rsqrt(sum_of_squares / self.dim + self.eps)
         return local_tensor(self.weight) * h.to(dtype)
 

@@ -21,6 +21,8 @@ CASES = {
     "deepseek_v3-no-q-lora": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False), ("tp2",)),
     # The registered tiny config: sinks, q/k/v/o bias, window on even layers, untied head.
     "gpt_oss": ("gpt_oss", {}, ("tp2", "fsdp2")),
+    # q_norm / k_norm over the whole projection: sharded with it, the statistic summed over the ranks.
+    "minimax_m2": ("minimax_m2", {}, ("tp2", "fsdp2")),
 }
 
 
