@@ -64,23 +64,24 @@ class MinimaxM2Args(DecoderArgs):
 
 def _refuse_unimplemented(config) -> None:
     """Config values of MiniMax checkpoints that change the math in a way archon (and HF's MiniMax-M2) does
-    not implement, each refused by name. Fields HF's config class lacks are read only when present."""
+    not implement, each refused by name. Fields HF's config class lacks are read only when present (and
+    not None)."""
     if config.router_jitter_noise:
         raise ValueError(f"config.router_jitter_noise={config.router_jitter_noise} is not supported; it must be 0")
     if config.attention_dropout:
         raise ValueError(f"config.attention_dropout={config.attention_dropout} is not supported; it must be 0")
     # HF normalises q and k over the whole projection and adds the routing bias whatever these say.
-    if getattr(config, "use_qk_norm", True) is not True:
+    if getattr(config, "use_qk_norm", None) is False:
         raise ValueError(f"config.use_qk_norm={config.use_qk_norm!r} is not supported; MiniMax-M2 normalises q and k")
-    qk_norm_type = getattr(config, "qk_norm_type", "per_layer")
-    if qk_norm_type != "per_layer":
+    qk_norm_type = getattr(config, "qk_norm_type", None)
+    if qk_norm_type not in (None, "per_layer"):
         raise ValueError(
             f"config.qk_norm_type={qk_norm_type!r} is not supported; only 'per_layer' (one norm over all heads)"
         )
-    scoring_func = getattr(config, "scoring_func", "sigmoid")
-    if scoring_func != "sigmoid":
+    scoring_func = getattr(config, "scoring_func", None)
+    if scoring_func not in (None, "sigmoid"):
         raise ValueError(f"config.scoring_func={scoring_func!r} is not supported; only 'sigmoid'")
-    if getattr(config, "use_routing_bias", True) is not True:
+    if getattr(config, "use_routing_bias", None) is False:
         raise ValueError(
             f"config.use_routing_bias={config.use_routing_bias!r} is not supported; the router adds "
             "e_score_correction_bias"

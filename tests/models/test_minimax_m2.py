@@ -1,8 +1,10 @@
-"""GLM-4.5 (glm4_moe) against HF transformers and PEFT: partial rotary, QK-norm and q/k/v bias on or
-off, dense first layers, group-limited sigmoid routing with score-correction bias and routed scaling,
-shared experts, and LoRA on attention, dense MLP, shared experts and experts."""
+"""MiniMax-M2 (minimax_m2) against HF transformers and PEFT: q_norm / k_norm over the whole projection,
+partial rotary (from rotary_dim or from partial_rotary_factor), sigmoid routing with a correction bias
+used for the choice only and the chosen weights renormalised, stacked experts stored per expert in the
+Mixtral layout, LoRA on attention and experts; the fields real configs carry beside HF's class."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -12,28 +14,32 @@ from family_checks import (
     assert_state_dict_round_trip,
 )
 from helpers import randomised_lora_model
+from transformers import AutoConfig
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.lora.peft import (
-    ADAPTER_CONFIG,
-    load_peft_adapter,
-    lora_config_from_peft,
-    save_peft_adapter,
-)
+from archon.lora.peft import ADAPTER_CONFIG, load_peft_adapter, lora_config_from_peft, save_peft_adapter
+from archon.models.common.norms import ProjectionRMSNorm
+from archon.models.common.rope import RotaryEmbedding
+from archon.models.minimax_m2.args import MinimaxM2Args
 from archon.tools.align import packed_batch
 
 MODEL_TYPE = "minimax_m2"
 
 CASES = {
-    # The registered tiny config: QK-norm, q/k/v bias, RoPE on half of each head, 1 dense layer,
-    # 2 groups of 4 experts with one group allowed per token, routed_scaling_factor 1.5.
-    "qknorm-bias-half-rotary": {},
-    # GLM-4.5's own routing shape (one group), no QK-norm and no bias, YaRN on a quarter of each
-    # head, two dense layers, top-3 without renormalisation, two shared experts, tied head.
-    "plain-attn-quarter-rotary-yarn": dict(
-        use_qk_norm=False,
-        attention_bias=False,
+    # The registered tiny config: head_dim 24 (q projection 96 wide, k 48), GQA, RoPE on 12 features
+    # given as rotary_dim, default RoPE, 8 experts top-2, untied head.
+    "gqa-rotary-dim": {},
+    # HF's config class alone (no rotary_dim or scoring fields): MHA with head_dim = hidden / heads,
+    # YaRN on a quarter of each head given as partial_rotary_factor, top-3, tied head.
+    "mha-quarter-rotary-yarn-tied": dict(
+        head_dim=16,
+        num_key_value_heads=4,
+        rotary_dim=None,
+        scoring_func=None,
+        use_routing_bias=None,
+        use_qk_norm=None,
+        qk_norm_type=None,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 10000.0,
@@ -41,12 +47,7 @@ CASES = {
             "original_max_position_embeddings": 128,
             "partial_rotary_factor": 0.25,
         },
-        first_k_dense_replace=2,
-        n_group=1,
-        topk_group=1,
         num_experts_per_tok=3,
-        norm_topk_prob=False,
-        n_shared_experts=2,
         tie_word_embeddings=True,
     ),
 }
@@ -64,77 +65,128 @@ def test_state_dict_round_trip(case, tiny_checkpoint):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_meta_weights_complete(case):
+    """On HF's in-memory names (stacked experts, `mlp.e_score_correction_bias`); the round trip above
+    checks the checkpoint's (`block_sparse_moe.experts.<e>.w1`, ...)."""
     assert_meta_weights_complete(MODEL_TYPE, CASES[case])
 
 
+def test_checkpoint_keeps_the_mixtral_layout(tiny_checkpoint):
+    from safetensors import safe_open
+
+    path = tiny_checkpoint(MODEL_TYPE)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in keys
+    assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in keys
+    assert not any(".mlp." in key for key in keys)
+    converter = build_model(path).converter
+    assert [k for k, _ in converter.to_hf("layers.0.mlp.gate.e_score_correction_bias", torch.zeros(8))] == [
+        "model.layers.0.block_sparse_moe.e_score_correction_bias"
+    ]
+
+
 def test_adapter_config_and_import_round_trip(tiny_checkpoint, tmp_path):
-    """Dense-MLP and shared-expert LoRA go to PEFT as `<name>.weight` target_parameters, beside the
-    stacked experts: as target_modules PEFT would refold gate/up/down_proj into expert LoRA."""
+    """Attention LoRA goes to PEFT as target_modules, expert LoRA as the stacked experts'
+    target_parameters under HF's in-memory module paths (`mlp.experts`)."""
     path = tiny_checkpoint(MODEL_TYPE)
     lora = LoRAConfig(rank=4, alpha=8)
     loaded = randomised_lora_model(path, lora, seed=5)
     save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    assert sorted(config["target_parameters"]) == [
-        "down_proj.weight", "gate_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "up_proj.weight"
-    ]
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
     imported = lora_config_from_peft(tmp_path / "adapter")
-    assert set(imported.target_modules) == {
-        "k_proj", "o_proj", "q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "experts"
-    }
+    assert set(imported.target_modules) == {"k_proj", "o_proj", "q_proj", "v_proj", "experts"}
     fresh = build_model(path, lora=imported)
     load_peft_adapter(fresh.model, fresh.converter, tmp_path / "adapter")
     original, restored = lora_parameters(loaded.model), lora_parameters(fresh.model)
     assert original.keys() == restored.keys()
-    assert any(".shared_experts." in k for k in original) and any("layers.0.mlp.gate_proj" in k for k in original)
+    assert any(".experts." in k for k in original)
     for name in original:
         assert torch.equal(original[name], restored[name]), name
 
 
-def test_partial_rotary_and_routing_features_change_the_output(tiny_checkpoint):
-    """The parity cases would catch a wrong rotary width, a dropped score-correction bias or a
-    dropped group limit: each changes the logits of the tiny model."""
-    from archon.models.common.rope import RotaryEmbedding
+def _per_head_norm(self, x):
+    """The per-head (Qwen3-style) statistic instead of the whole projection's."""
+    heads = x.view(x.shape[0], -1, 24)
+    h = heads.float() * torch.rsqrt(heads.float().pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.weight * h.view_as(x).to(x.dtype)
 
-    model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
-    assert model.rotary.rotary_dim == 8 and model.layers[0].self_attn.head_dim == 16
-    _, tokens, positions, cu_seqlens = packed_batch((33, 13), 256, seed=0)
 
-    def logits():
-        with torch.no_grad():
-            return model(tokens, positions, cu_seqlens, 33)
+def _full_rotary(model):
+    model.rotary = RotaryEmbedding(model.args.rope_parameters, model.args.head_dim, model.args.max_position_embeddings)
 
-    reference = logits()
-    rotary = model.rotary
-    model.rotary = RotaryEmbedding(model.args.rope_parameters, 16, model.args.max_position_embeddings)
-    assert (logits() - reference).abs().max() > 1e-3
-    model.rotary = rotary
 
-    router = model.layers[1].mlp.gate
-    bias = router.e_score_correction_bias.clone()
-    router.e_score_correction_bias.zero_()
-    assert (logits() - reference).abs().max() > 1e-3
-    router.e_score_correction_bias.copy_(bias)
+def _no_correction_bias(model):
+    for layer in model.layers:
+        layer.mlp.gate.e_score_correction_bias.zero_()
 
-    for layer in model.layers[1:]:
-        layer.mlp.gate.topk_group = layer.mlp.gate.n_group
-    assert (logits() - reference).abs().max() > 1e-3
+
+def _no_renormalisation(model):
+    for layer in model.layers:
+        layer.mlp.gate.norm_topk_prob = False
+
+
+def _biased_weights(model):
+    """The chosen experts weighted by their biased scores (HF uses the bias for the choice only)."""
+    for layer in model.layers:
+        router = layer.mlp.gate
+        unbiased_forward = router.forward
+
+        def forward(x, router=router, unbiased_forward=unbiased_forward):
+            _, top_indices = unbiased_forward(x)
+            biased = torch.sigmoid(x.float() @ router.weight.float().T) + router.e_score_correction_bias
+            weights = biased.gather(1, top_indices)
+            return weights / weights.sum(-1, keepdim=True), top_indices
+
+        router.forward = forward
+
+
+MUTATIONS = {
+    "qk-norm-over-whole-projection": lambda model, monkeypatch: monkeypatch.setattr(
+        ProjectionRMSNorm, "forward", _per_head_norm
+    ),
+    "partial-rotary": lambda model, monkeypatch: _full_rotary(model),
+    "correction-bias": lambda model, monkeypatch: _no_correction_bias(model),
+    "bias-for-choice-only": lambda model, monkeypatch: _biased_weights(model),
+    "top-k-renormalised": lambda model, monkeypatch: _no_renormalisation(model),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_and_logits(tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    path = make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path_factory.mktemp(MODEL_TYPE) / "hf", seed=0)
+    batch = packed_batch((33, 13, 7), 256, seed=0)[1:]
+    model = build_model(path).model.eval()
+    assert model.rotary.rotary_dim == 12 and model.layers[0].self_attn.head_dim == 24
+    with torch.no_grad():
+        return path, batch, model(*batch, 33)
+
+
+@pytest.mark.parametrize("feature", sorted(MUTATIONS))
+def test_each_feature_changes_the_logits(feature, tiny_model_and_logits, monkeypatch):
+    """Switching a feature off in the archon model moves the tiny model's logits: the parity cases
+    exercise it."""
+    path, batch, reference = tiny_model_and_logits
+    model = build_model(path).model.eval()
+    MUTATIONS[feature](model, monkeypatch)
+    with torch.no_grad():
+        assert (model(*batch, 33) - reference).abs().max() > 1e-3
 
 
 def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
-    """Real GLM-4.5 checkpoints carry an MTP layer numbered num_hidden_layers; HF and archon skip it.
-    Any other stray key still fails the load, by name."""
-    import shutil
-
+    """Released checkpoints carry `num_mtp_modules` MTP layers numbered from num_hidden_layers on; HF's
+    causal LM and archon skip them. Any other stray key still fails the load, by name."""
     from safetensors.torch import load_file, save_file
 
     path = tiny_checkpoint(MODEL_TYPE)
     reference = build_model(path).model.eval()
     state = load_file(str(path / "model.safetensors"))
-    for suffix in ("eh_proj.weight", "enorm.weight", "mlp.gate.weight"):
-        state[f"model.layers.3.{suffix}"] = torch.zeros(4, 4)
+    for suffix in ("self_attn.q_proj.weight", "block_sparse_moe.gate.weight", "enorm.weight"):
+        state[f"model.layers.2.{suffix}"] = torch.zeros(4, 4)
     with_mtp = tmp_path / "with_mtp"
     shutil.copytree(path, with_mtp)
     save_file(state, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
@@ -142,18 +194,50 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
     for name, tensor in reference.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
 
-    state["model.layers.1.mlp.gate.stray"] = torch.zeros(2)
+    state["model.layers.1.block_sparse_moe.stray"] = torch.zeros(2)
     save_file(state, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=r"unexpected 1 key\(s\): 'model\.layers\.1\.mlp\.gate\.stray'"):
+    with pytest.raises(KeyError, match=r"unexpected 1 key\(s\): 'model\.layers\.1\.block_sparse_moe\.stray'"):
         build_model(with_mtp)
 
 
-def test_odd_rotary_width_is_refused():
-    from archon.models.minimax_m2.args import MinimaxM2Args
-    from transformers import AutoConfig
+REFUSED = {
+    "router_jitter_noise": dict(router_jitter_noise=0.1),
+    "attention_dropout": dict(attention_dropout=0.1),
+    "use_qk_norm": dict(use_qk_norm=False),
+    "qk_norm_type": dict(qk_norm_type="per_head"),
+    "scoring_func": dict(scoring_func="softmax"),
+    "use_routing_bias": dict(use_routing_bias=False),
+    "shared_intermediate_size": dict(shared_intermediate_size=64),
+    r"attn_type_list\[1\]": dict(attn_type_list=[1, 0]),
+    "attn_type_list has 1 entries": dict(attn_type_list=[1]),
+    "sliding_window": dict(sliding_window=8),
+    "rotary_dim=8 disagrees": dict(
+        rotary_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    ),
+    "partial_rotary_factor=0.5 with head_dim=10 gives 5": dict(
+        head_dim=10, rotary_dim=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    ),
+    "num_experts_per_tok=9": dict(num_experts_per_tok=9),
+    "hidden_act": dict(hidden_act="gelu"),
+}
 
-    config = AutoConfig.for_model(
-        MODEL_TYPE, head_dim=10, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
-    )
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 with head_dim=10 gives 5"):
+
+@pytest.mark.parametrize("match", sorted(REFUSED))
+def test_unimplemented_config_values_are_refused_by_name(match):
+    from archon.tools.align import tiny_config_kwargs
+
+    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **REFUSED[match]))
+    with pytest.raises(ValueError, match=match):
         MinimaxM2Args.from_hf_config(config)
+
+
+def test_real_config_fields_are_accepted():
+    """The fields released MiniMax-M2 configs set beside HF's class, at their released values."""
+    from archon.tools.align import tiny_config_kwargs
+
+    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(
+        MODEL_TYPE, attn_type_list=[1, 1], shared_intermediate_size=0, num_mtp_modules=3, mtp_transformer_layers=1,
+        use_mtp=True,
+    ))  # fmt: skip
+    args = MinimaxM2Args.from_hf_config(config)
+    assert args.rotary_dim == 12 and args.num_experts == 8
