@@ -241,3 +241,20 @@ def test_real_config_fields_are_accepted():
     ))  # fmt: skip
     args = MinimaxM2Args.from_hf_config(config)
     assert args.rotary_dim == 12 and args.num_experts == 8
+
+
+def test_fp8_release_layout_kept_quantized_matches_hf(tmp_path):
+    """Released MiniMax-M2 checkpoints store the attention projections and every expert's w1 / w2 / w3
+    in fp8 with block scales (router, correction bias, norms, embeddings and head plain). Blocks of
+    16x24 leave partial blocks at the tiny widths; the per-expert scales are stacked with their experts."""
+    from archon.quant import QuantFormat
+    from archon.quant.export import quantize_checkpoint
+    from archon.tools.align import AlignArgs, make_tiny_hf_checkpoint, run_alignment
+
+    source = make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path / "hf")
+    released = r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
+    quantized = quantize_checkpoint(source, tmp_path / "fp8", QuantFormat("fp8", (16, 24)), pattern=released)
+    report = run_alignment(AlignArgs(hf_path=str(quantized), lora_rank=8))
+    assert report["pass"], report
+    assert report["quantized_tensors"] == 2 * (4 + 8 * 3)
+    assert report["archon_quantized_weights"] == 2 * (4 + 2)  # the experts stacked, quantized as stored
