@@ -125,13 +125,12 @@ def packed_attention(
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional QK RMSNorm and q/k/v/o bias.
+    """Grouped-query attention with optional per-head QK RMSNorm (Qwen3) and q/k/v/o bias.
 
-    qk_norm_eps: with a value, q and k are RMS-normalised per head (Qwen3), or over the whole
-        projection with `qk_norm_over_projection` (MiniMax-M2: q_norm [H * head_dim], k_norm
-        [Hkv * head_dim], before the split into heads).
     attention_sinks: a learned per-head sink logit, `sinks` [H] (GPT-OSS).
     sliding_window: attend only to the last `sliding_window` tokens (this one included).
+    qk_norm_over_projection: the QK norms (with qk_norm_eps) normalize the whole q and k projections,
+        [T, H * D], before they split into heads (OLMo 2/3), rather than each head.
     """
 
     def __init__(
@@ -209,11 +208,12 @@ class Attention(nn.Module):
         """x: [T, dim] -> [T, dim]. `cache`: a layer's KV cache during generation (see
         archon/rollout/kv_cache.py), or None. context_parallel: see packed_attention."""
         T = x.shape[0]
-        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q, k = self.q_proj(x), self.k_proj(x)
         if self.qk_norm_over_projection:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.view(T, -1, self.head_dim), k.view(T, -1, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = q.view(T, -1, self.head_dim)
+        k = k.view(T, -1, self.head_dim)
         v = self.v_proj(x).view(T, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_over_projection:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -1,89 +1,68 @@
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor
 
-from archon.parallel.tensor_parallel import ShardedParameters, local_tensor
+from archon.parallel.tensor_parallel import local_tensor
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, scaled after casting back (the HF order of operations)."""
+    """RMSNorm computed in fp32, scaled after casting back (the HF order of operations).
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    scale_in_fp32: scale the fp32 normalized values, then cast back (OLMo 2/3's order).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, scale_in_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """The sum of a tensor over a process group; its gradient is summed over the group as well, since each
-    rank's loss sees the sum only through its own shard."""
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole attention projection, [T, H * D] (OLMo 2/3's q_norm and k_norm, not per
+    head), scaled in fp32 and then cast back; with `scale_in_fp32=False` cast back, then scaled
+    (MiniMax-M2's).
 
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class ProjectionRMSNorm(RMSNorm):
-    """RMSNorm over a whole attention projection x [T, heads * head_dim], every head's features in
-    one mean of squares, with a weight per feature (MiniMax-M2's q_norm and k_norm).
-
-    Under tensor parallelism (`projection_sharded_norm()`) x and the weight hold this rank's heads:
-    the sum of squares is summed over the tensor-parallel group before the mean, so every rank
-    normalises by the statistic of the whole projection.
+    Under tensor parallelism the column-parallel projection leaves each rank the columns of its
+    heads, and the weight is sharded with them (a DTensor, Shard(0)): the mean of squares is then
+    the sum over every rank's columns (an all-reduce over the weight's mesh) divided by the full
+    width. Without it the weight is a plain tensor and the norm is the usual one.
     """
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps)
-        self.dim = dim
-        self.tp_group = None
+    def __init__(self, dim: int, eps: float, scale_in_fp32: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is None:
-            return super().forward(x)
-        dtype = x.dtype
+        """x: [T, dim], or [T, dim / tp] (this rank's columns) when the weight is sharded."""
         h = x.float()
-        sum_of_squares = _SumOverGroup.apply(h.pow(2).sum(-1, keepdim=True), self.tp_group)
-        h = h * torch.rsqrt(sum_of_squares / self.dim + self.eps)
-        return local_tensor(self.weight) * h.to(dtype)
+        sum_of_squares = h.pow(2).sum(-1, keepdim=True)
+        if isinstance(self.weight, DTensor) and self.weight.placements[0].is_shard():
+            # differentiable: the backward sums the gradient over the group as well
+            sum_of_squares = funcol.all_reduce(sum_of_squares, "sum", self.weight.device_mesh.get_group())
+        full_width = self.weight.shape[0]  # the global width, a DTensor's too
+        h = h * torch.rsqrt(sum_of_squares / full_width + self.eps)
+        if not self.scale_in_fp32:
+            return local_tensor(self.weight) * h.to(x.dtype)
+        return (local_tensor(self.weight) * h).to(x.dtype)
 
-
-class ProjectionShardedNorm(ShardedParameters):
-    """A `ProjectionRMSNorm` on a column-parallel projection: its weight sharded as the projection's
-    features (Shard(0)), its statistic reduced over the tensor-parallel group."""
-
-    def __init__(self) -> None:
-        super().__init__({"weight": Shard(0)})
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not isinstance(module, ProjectionRMSNorm):
-            raise TypeError(f"ProjectionShardedNorm applies to ProjectionRMSNorm, not {type(module).__name__}")
-        super()._apply(module, device_mesh)
-        module.tp_group = device_mesh.get_group()
-        return module
-
-
-def projection_sharded_norm() -> ProjectionShardedNorm:
-    return ProjectionShardedNorm()
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
 
 class OffsetRMSNorm(nn.Module):

@@ -38,6 +38,8 @@ class MinimaxM2DecoderLayer(PreNormDecoderLayer):
         self_attn = Attention.from_args(
             args, lora, qkv_bias=False, o_bias=False, qk_norm_eps=args.rms_norm_eps, qk_norm_over_projection=True
         )
+        # HF's MiniMax-M2 RMSNorm casts the normalised values back before the weight (OLMo's scales in fp32).
+        self_attn.q_norm.scale_in_fp32 = self_attn.k_norm.scale_in_fp32 = False
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, minimax_m2_moe(args, lora))
 
 

@@ -7,18 +7,19 @@ splits them)."""
 from __future__ import annotations
 
 from archon.models.common.moe_parallel import parallelize_moe_decoder
-from archon.models.common.norms import projection_sharded_norm
 from archon.models.minimax_m2.model import MinimaxM2Model
+from torch.distributed.tensor import Shard
 
-from archon.parallel import ParallelConfig, ParallelDims, attention_plan
+from archon.parallel import ParallelConfig, ParallelDims, ShardedParameters, attention_plan
 
 
 def parallelize_minimax_m2(model: MinimaxM2Model, dims: ParallelDims, config: ParallelConfig) -> MinimaxM2Model:
     args = model.args
+    # A ProjectionRMSNorm whose weight is sharded reduces its statistic over the weight's mesh.
     plan = {
         **attention_plan(),
-        "self_attn.q_norm": projection_sharded_norm(),
-        "self_attn.k_norm": projection_sharded_norm(),
+        "self_attn.q_norm": ShardedParameters({"weight": Shard(0)}),
+        "self_attn.k_norm": ShardedParameters({"weight": Shard(0)}),
     }
     return parallelize_moe_decoder(
         model,

@@ -258,3 +258,19 @@ def test_fp8_release_layout_kept_quantized_matches_hf(tmp_path):
     assert report["pass"], report
     assert report["quantized_tensors"] == 2 * (4 + 8 * 3)
     assert report["archon_quantized_weights"] == 2 * (4 + 2)  # the experts stacked, quantized as stored
+
+
+def test_qk_norm_rounds_as_hf_in_bf16(tiny_model_and_logits):
+    """HF's MiniMax-M2 RMSNorm casts back to bf16 before the weight; the model's q_norm does the same
+    (OLMo's whole-projection norm scales in fp32 instead), bit for bit."""
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
+
+    path, _, _ = tiny_model_and_logits
+    q_norm = build_model(path).model.layers[0].self_attn.q_norm
+    reference = MiniMaxM2RMSNorm(96, q_norm.eps)
+    with torch.no_grad():
+        reference.weight.copy_(q_norm.weight)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q_norm, reference = q_norm.bfloat16(), reference.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(q_norm(x), reference(x))
