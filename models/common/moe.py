@@ -232,7 +232,7 @@ class SparseMoE(nn.Module):
 
 
 class SigmoidGroupTopKRouter(Router):
-    """Group-limited sigmoid routing (DeepSeek-V3, Kimi K2, GLM-4.5), in fp32.
+    """Group-limited sigmoid routing (DeepSeek-V3, Kimi K2, GLM-4.5; one group: MiniMax-M2), in fp32.
 
     scores = sigmoid(x W^T). The choice uses scores + e_score_correction_bias: the experts form
     `n_group` equal groups, each scored by the sum of its two best biased scores; only experts in the

@@ -6,6 +6,10 @@ from archon.models.minimax_m2.state_dict_converter import MinimaxM2StateDictConv
 
 from archon.spec import ModelSpec, register
 
+# HF config fields the math does not depend on (ModelSpec.inert_hf_config_fields once it exists):
+#   num_mtp_modules, mtp_transformer_layers, use_mtp: the multi-token-prediction modules, which neither
+#       HF's causal LM nor archon builds; their weights are skipped at load;
+#   partial_rotary_factor: HF copies it (or rotary_dim / head_dim) into rope_parameters, which is read.
 spec = register(
     ModelSpec(
         name="minimax_m2",
