@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archon.models.common.args import DecoderArgs, decoder_fields_from_hf
+from archon.models.common.args import DecoderArgs, decoder_fields_from_hf, partial_rotary_factor_from_hf
 
 # attn_type_list entries: 1 is softmax attention, the only kind MiniMax-M2 has (MiniMax-Text-01's 0,
 # lightning attention, is not implemented).
@@ -35,18 +35,13 @@ class MinimaxM2Args(DecoderArgs):
     def from_hf_config(cls, config) -> "MinimaxM2Args":
         fields = decoder_fields_from_hf(config)
         _refuse_unimplemented(config)
-        partial_rotary_factor = float(fields["rope_parameters"].get("partial_rotary_factor", 1.0))
+        partial_rotary_factor = partial_rotary_factor_from_hf(fields["rope_parameters"], fields["head_dim"])
         args = cls(
             **fields,
             num_local_experts=config.num_local_experts,
             num_experts_per_tok=config.num_experts_per_tok,
             partial_rotary_factor=partial_rotary_factor,
         )
-        if args.rotary_dim < 2 or args.rotary_dim % 2:
-            raise ValueError(
-                f"rope_parameters.partial_rotary_factor={partial_rotary_factor} with head_dim={args.head_dim} gives "
-                f"{args.rotary_dim} rotary features; it must be a positive even number"
-            )
         rotary_dim = getattr(config, "rotary_dim", None)
         if rotary_dim is not None and rotary_dim != args.rotary_dim:
             # HF rotates partial_rotary_factor * head_dim features and ignores rotary_dim when both are given
