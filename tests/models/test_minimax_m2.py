@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from family_checks import (
     assert_aligned,
+    assert_gate_fails,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
@@ -19,10 +21,11 @@ from transformers import AutoConfig
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import ADAPTER_CONFIG, load_peft_adapter, lora_config_from_peft, save_peft_adapter
+from archon.models.common.moe import SigmoidGroupTopKRouter
 from archon.models.common.norms import ProjectionRMSNorm
 from archon.models.common.rope import RotaryEmbedding
+from archon.models.minimax_m2 import model as minimax_m2_model
 from archon.models.minimax_m2.args import MinimaxM2Args
-from archon.tools.align import packed_batch
 
 MODEL_TYPE = "minimax_m2"
 
@@ -53,9 +56,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_parity_lora_and_peft_export(case):
-    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8)
+def test_parity_lora_and_peft_export(case, dtype):
+    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8, dtype=dtype)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -108,73 +112,71 @@ def test_adapter_config_and_import_round_trip(tiny_checkpoint, tmp_path):
 
 
 def _per_head_norm(self, x):
-    """The per-head (Qwen3-style) statistic instead of the whole projection's."""
-    heads = x.view(x.shape[0], -1, 24)
-    h = heads.float() * torch.rsqrt(heads.float().pow(2).mean(-1, keepdim=True) + self.eps)
+    """The per-head (Qwen3-style) statistic instead of the whole projection's (head_dim 24)."""
+    heads = x.float().view(x.shape[0], -1, 24)
+    h = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + self.eps)
     return self.weight * h.view_as(x).to(x.dtype)
 
 
-def _full_rotary(model):
-    model.rotary = RotaryEmbedding(model.args.rope_parameters, model.args.head_dim, model.args.max_position_embeddings)
+def _router_forward_with(change):
+    """SigmoidGroupTopKRouter.forward run on a router changed by `change(router)` (undone after)."""
+    forward = SigmoidGroupTopKRouter.forward
+
+    def changed(self, x):
+        undo = change(self)
+        try:
+            return forward(self, x)
+        finally:
+            undo()
+
+    return changed
 
 
-def _no_correction_bias(model):
-    for layer in model.layers:
-        layer.mlp.gate.e_score_correction_bias.zero_()
+def _without_correction_bias(router):
+    bias = router.e_score_correction_bias
+    router.e_score_correction_bias = torch.zeros_like(bias)
+    return lambda: setattr(router, "e_score_correction_bias", bias)
 
 
-def _no_renormalisation(model):
-    for layer in model.layers:
-        layer.mlp.gate.norm_topk_prob = False
+def _without_renormalisation(router):
+    router.norm_topk_prob = False
+    return lambda: setattr(router, "norm_topk_prob", True)
 
 
-def _biased_weights(model):
+def _biased_weights(self, x):
     """The chosen experts weighted by their biased scores (HF uses the bias for the choice only)."""
-    for layer in model.layers:
-        router = layer.mlp.gate
-        unbiased_forward = router.forward
+    scores = torch.sigmoid(F.linear(x.float(), self.weight.float())) + self.e_score_correction_bias
+    top_weights, top_indices = scores.topk(self.top_k, dim=-1)
+    return top_weights / top_weights.sum(-1, keepdim=True), top_indices
 
-        def forward(x, router=router, unbiased_forward=unbiased_forward):
-            _, top_indices = unbiased_forward(x)
-            biased = torch.sigmoid(x.float() @ router.weight.float().T) + router.e_score_correction_bias
-            weights = biased.gather(1, top_indices)
-            return weights / weights.sum(-1, keepdim=True), top_indices
 
-        router.forward = forward
+def _full_rotary(rope_parameters, rotary_dim, max_position_embeddings):
+    """RoPE on all 24 features of each head instead of the first rotary_dim."""
+    return RotaryEmbedding(rope_parameters, 24, max_position_embeddings)
 
 
 MUTATIONS = {
-    "qk-norm-over-whole-projection": lambda model, monkeypatch: monkeypatch.setattr(
-        ProjectionRMSNorm, "forward", _per_head_norm
-    ),
-    "partial-rotary": lambda model, monkeypatch: _full_rotary(model),
-    "correction-bias": lambda model, monkeypatch: _no_correction_bias(model),
-    "bias-for-choice-only": lambda model, monkeypatch: _biased_weights(model),
-    "top-k-renormalised": lambda model, monkeypatch: _no_renormalisation(model),
+    "qk-norm-over-whole-projection": (ProjectionRMSNorm, "forward", _per_head_norm),
+    "partial-rotary": (minimax_m2_model, "RotaryEmbedding", _full_rotary),
+    "correction-bias": (SigmoidGroupTopKRouter, "forward", _router_forward_with(_without_correction_bias)),
+    "bias-for-choice-only": (SigmoidGroupTopKRouter, "forward", _biased_weights),
+    "top-k-renormalised": (SigmoidGroupTopKRouter, "forward", _router_forward_with(_without_renormalisation)),
 }
 
 
+@pytest.mark.parametrize("feature", sorted(MUTATIONS))
+def test_the_gate_fails_with_each_feature_switched_off(feature, monkeypatch):
+    """Each feature switched off in archon's model: the gate fails on the registered tiny config, so
+    the parity cases exercise it."""
+    monkeypatch.setattr(*MUTATIONS[feature])
+    assert_gate_fails(MODEL_TYPE, {})
+
+
 @pytest.fixture(scope="module")
-def tiny_model_and_logits(tmp_path_factory):
+def tiny_checkpoint_path(tmp_path_factory):
     from archon.tools.align import make_tiny_hf_checkpoint
 
-    path = make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path_factory.mktemp(MODEL_TYPE) / "hf", seed=0)
-    batch = packed_batch((33, 13, 7), 256, seed=0)[1:]
-    model = build_model(path).model.eval()
-    assert model.rotary.rotary_dim == 12 and model.layers[0].self_attn.head_dim == 24
-    with torch.no_grad():
-        return path, batch, model(*batch, 33)
-
-
-@pytest.mark.parametrize("feature", sorted(MUTATIONS))
-def test_each_feature_changes_the_logits(feature, tiny_model_and_logits, monkeypatch):
-    """Switching a feature off in the archon model moves the tiny model's logits: the parity cases
-    exercise it."""
-    path, batch, reference = tiny_model_and_logits
-    model = build_model(path).model.eval()
-    MUTATIONS[feature](model, monkeypatch)
-    with torch.no_grad():
-        assert (model(*batch, 33) - reference).abs().max() > 1e-3
+    return make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path_factory.mktemp(MODEL_TYPE) / "hf", seed=0)
 
 
 def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
@@ -202,7 +204,7 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
 
 REFUSED = {
     "router_jitter_noise": dict(router_jitter_noise=0.1),
-    "attention_dropout": dict(attention_dropout=0.1),
+    "attention_dropout": dict(attention_dropout=0.1),  # refused for every family
     "use_qk_norm": dict(use_qk_norm=False),
     "qk_norm_type": dict(qk_norm_type="per_head"),
     "scoring_func": dict(scoring_func="softmax"),
@@ -260,13 +262,12 @@ def test_fp8_release_layout_kept_quantized_matches_hf(tmp_path):
     assert report["archon_quantized_weights"] == 2 * (4 + 2)  # the experts stacked, quantized as stored
 
 
-def test_qk_norm_rounds_as_hf_in_bf16(tiny_model_and_logits):
+def test_qk_norm_rounds_as_hf_in_bf16(tiny_checkpoint_path):
     """HF's MiniMax-M2 RMSNorm casts back to bf16 before the weight; the model's q_norm does the same
     (OLMo's whole-projection norm scales in fp32 instead), bit for bit."""
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
 
-    path, _, _ = tiny_model_and_logits
-    q_norm = build_model(path).model.layers[0].self_attn.q_norm
+    q_norm = build_model(tiny_checkpoint_path).model.layers[0].self_attn.q_norm
     reference = MiniMaxM2RMSNorm(96, q_norm.eps)
     with torch.no_grad():
         reference.weight.copy_(q_norm.weight)
