@@ -211,3 +211,15 @@ def test_tolerances_name_their_dtype():
     for limits in TOLERANCES.values():
         assert set(limits) == {"max_abs_logits_diff", "mean_kl", "lora_grad_max_rel_err"}
         assert all(0 < v < 1 and math.isfinite(v) for v in limits.values())
+
+
+def test_the_alignment_table_has_a_row_per_type_and_dtype(capsys):
+    from archon.tools.alignment_table import main as table_main
+
+    assert table_main(["--model-types", "qwen2", "--lora-rank", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith("| qwen2 |")).strip("|").split("|")
+    figures = [float(cell) for cell in row[1:9]]
+    assert all(f < 1e-4 for f in figures[0::2]) and all(f < 1e-9 for f in figures[1::2]), row
+    assert row[9].strip() == "0"
+    assert lines[-3].startswith("| tolerance | 1e-04 | 1e-09 |")
