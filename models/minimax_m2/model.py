@@ -20,7 +20,11 @@ from archon.lora import LoRAConfig
 
 def minimax_m2_moe(args: MinimaxM2Args, lora: LoRAConfig | None) -> SparseMoE:
     """HF keeps e_score_correction_bias on the MoE block (`mlp.e_score_correction_bias`); archon keeps it
-    on the router, as the other sigmoid-routed families do, and the converter maps the name."""
+    on the router, as the other sigmoid-routed families do, and the converter maps the name.
+
+    The router's logits are computed in fp32 whatever the model dtype, as vLLM's MiniMax-M2 gate
+    computes them; HF's computes them in the weight's dtype, which is the same function in fp32 and
+    fp64 but rounds them to bf16 in a bf16 model."""
     router = SigmoidGroupTopKRouter(
         args.hidden_size,
         args.num_local_experts,
