@@ -5,6 +5,7 @@ Mixtral layout, LoRA on attention and experts; the fields real configs carry bes
 
 import json
 import shutil
+import types
 
 import pytest
 import torch
@@ -21,10 +22,7 @@ from transformers import AutoConfig
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import ADAPTER_CONFIG, load_peft_adapter, lora_config_from_peft, save_peft_adapter
-from archon.models.common.moe import SigmoidGroupTopKRouter
-from archon.models.common.norms import ProjectionRMSNorm
 from archon.models.common.rope import RotaryEmbedding
-from archon.models.minimax_m2 import model as minimax_m2_model
 from archon.models.minimax_m2.args import MinimaxM2Args
 
 MODEL_TYPE = "minimax_m2"
@@ -118,31 +116,6 @@ def _per_head_norm(self, x):
     return self.weight * h.view_as(x).to(x.dtype)
 
 
-def _router_forward_with(change):
-    """SigmoidGroupTopKRouter.forward run on a router changed by `change(router)` (undone after)."""
-    forward = SigmoidGroupTopKRouter.forward
-
-    def changed(self, x):
-        undo = change(self)
-        try:
-            return forward(self, x)
-        finally:
-            undo()
-
-    return changed
-
-
-def _without_correction_bias(router):
-    bias = router.e_score_correction_bias
-    router.e_score_correction_bias = torch.zeros_like(bias)
-    return lambda: setattr(router, "e_score_correction_bias", bias)
-
-
-def _without_renormalisation(router):
-    router.norm_topk_prob = False
-    return lambda: setattr(router, "norm_topk_prob", True)
-
-
 def _biased_weights(self, x):
     """The chosen experts weighted by their biased scores (HF uses the bias for the choice only)."""
     scores = torch.sigmoid(F.linear(x.float(), self.weight.float())) + self.e_score_correction_bias
@@ -150,25 +123,59 @@ def _biased_weights(self, x):
     return top_weights / top_weights.sum(-1, keepdim=True), top_indices
 
 
-def _full_rotary(rope_parameters, rotary_dim, max_position_embeddings):
-    """RoPE on all 24 features of each head instead of the first rotary_dim."""
-    return RotaryEmbedding(rope_parameters, 24, max_position_embeddings)
+def _norms_per_head(model):
+    for layer in model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.forward = types.MethodType(_per_head_norm, norm)
+
+
+def _full_rotary(model):
+    model.rotary = RotaryEmbedding(model.args.rope_parameters, model.args.head_dim, model.args.max_position_embeddings)
+
+
+def _routers(model):
+    return [layer.mlp.gate for layer in model.layers]
+
+
+def _no_correction_bias(model):
+    with torch.no_grad():
+        for router in _routers(model):
+            router.e_score_correction_bias.zero_()
+
+
+def _biased_router_weights(model):
+    for router in _routers(model):
+        router.forward = types.MethodType(_biased_weights, router)
+
+
+def _no_renormalisation(model):
+    for router in _routers(model):
+        router.norm_topk_prob = False
 
 
 MUTATIONS = {
-    "qk-norm-over-whole-projection": (ProjectionRMSNorm, "forward", _per_head_norm),
-    "partial-rotary": (minimax_m2_model, "RotaryEmbedding", _full_rotary),
-    "correction-bias": (SigmoidGroupTopKRouter, "forward", _router_forward_with(_without_correction_bias)),
-    "bias-for-choice-only": (SigmoidGroupTopKRouter, "forward", _biased_weights),
-    "top-k-renormalised": (SigmoidGroupTopKRouter, "forward", _router_forward_with(_without_renormalisation)),
+    "qk-norm-over-whole-projection": _norms_per_head,
+    "partial-rotary": _full_rotary,
+    "correction-bias": _no_correction_bias,
+    "bias-for-choice-only": _biased_router_weights,
+    "top-k-renormalised": _no_renormalisation,
 }
 
 
 @pytest.mark.parametrize("feature", sorted(MUTATIONS))
 def test_the_gate_fails_with_each_feature_switched_off(feature, monkeypatch):
-    """Each feature switched off in archon's model: the gate fails on the registered tiny config, so
-    the parity cases exercise it."""
-    monkeypatch.setattr(*MUTATIONS[feature])
+    """Each feature switched off in the archon model the gate builds: the gate fails on the registered
+    tiny config, so the parity cases exercise it."""
+    from archon.tools import align
+
+    build_model_of_gate = align.build_model
+
+    def build_and_switch_off(*args, **kwargs):
+        loaded = build_model_of_gate(*args, **kwargs)
+        MUTATIONS[feature](loaded.model)
+        return loaded
+
+    monkeypatch.setattr(align, "build_model", build_and_switch_off)
     assert_gate_fails(MODEL_TYPE, {})
 
 
