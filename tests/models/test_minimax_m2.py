@@ -282,3 +282,23 @@ def test_qk_norm_rounds_as_hf_in_bf16(tiny_checkpoint_path):
     q_norm, reference = q_norm.bfloat16(), reference.bfloat16()
     with torch.no_grad():
         assert torch.equal(q_norm(x), reference(x))
+
+
+def test_a_checkpoint_in_hf_in_memory_layout_loads_the_same(tiny_checkpoint_path, tmp_path):
+    """A checkpoint written from HF's in-memory state dict (`mlp.experts.gate_up_proj` stacked,
+    `mlp.e_score_correction_bias`) loads to the same archon model as the Mixtral-layout one."""
+    from safetensors.torch import save_file
+
+    from archon.tools.align import hf_model_class
+
+    hf_model = hf_model_class(AutoConfig.from_pretrained(tiny_checkpoint_path)).from_pretrained(tiny_checkpoint_path)
+    in_memory = tmp_path / "in_memory"
+    shutil.copytree(tiny_checkpoint_path, in_memory)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state and "model.layers.0.mlp.e_score_correction_bias" in state
+    save_file(state, str(in_memory / "model.safetensors"), metadata={"format": "pt"})
+    reference = build_model(tiny_checkpoint_path).model.state_dict()
+    loaded = build_model(in_memory).model.state_dict()
+    assert reference.keys() == loaded.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(tensor, loaded[name]), name
