@@ -405,6 +405,33 @@ def _gate_up_halves(self, gate_up):
     return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+def qk_norm_per_head(model, monkeypatch):
+    """QK-norm over the whole projection (MiniMax-M2) computed per head: each head's own statistic."""
+
+    def per_head(norm, x, head_dim):
+        heads = x.float().view(x.shape[0], -1, head_dim)
+        h = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + norm.eps)
+        return norm.weight * h.view_as(x).to(x.dtype)
+
+    for attn in modules(model, Attention):
+        assert attn.qk_norm_over_projection
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.forward = lambda x, norm=norm, head_dim=attn.head_dim: per_head(norm, x, head_dim)
+
+
+def correction_bias_in_weights(model, monkeypatch):
+    """The chosen experts weighted by their biased scores (the bias is for the choice only)."""
+
+    def biased(router, x):
+        scores = torch.sigmoid(F.linear(x.float(), router.weight.float())) + router.e_score_correction_bias
+        top_weights, top_indices = scores.topk(router.top_k, dim=-1)
+        return top_weights / top_weights.sum(-1, keepdim=True), top_indices
+
+    for router in modules(model, SigmoidGroupTopKRouter):
+        assert router.norm_topk_prob and router.n_group == 1
+        router.forward = lambda x, router=router: biased(router, x)
+
+
 CASES = [
     # Llama: llama3-scaled RoPE, GQA, optional attention and MLP biases.
     Case("llama", "llama3-rope-as-default", plain_rope_frequencies),
@@ -483,6 +510,14 @@ CASES = [
     Case("qwen3_5_moe_text", "shared-expert", no_shared_expert),
     Case("qwen3_5_moe_text", "shared-expert-gate", ungated_shared_expert),
     Case("qwen3_5_moe_text", "norm-one-plus-weight", norm_without_offset),
+    # MiniMax-M2: QK-norm over the whole projection, partial rotary, sigmoid routing with the correction
+    # bias for the choice only, renormalised weights.
+    Case("minimax_m2", "qk-norm", no_qk_norm),
+    Case("minimax_m2", "qk-norm-over-whole-projection", qk_norm_per_head),
+    Case("minimax_m2", "partial-rotary", full_rotary),
+    Case("minimax_m2", "score-correction-bias", no_score_correction_bias),
+    Case("minimax_m2", "correction-bias-for-choice-only", correction_bias_in_weights),
+    Case("minimax_m2", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
 ]
 
 
