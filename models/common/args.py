@@ -82,6 +82,20 @@ def is_sparse_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int, 
     multiple of decoder_sparse_step."""
     return num_experts > 0 and layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0
 
+
+def partial_rotary_factor_from_hf(rope_parameters: dict[str, Any], head_dim: int) -> float:
+    """rope_parameters["partial_rotary_factor"] (1.0 when absent): the share of each head's features
+    that RoPE rotates (the first ones). Refused unless it gives a positive even number of them."""
+    factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(
+            f"rope_parameters.partial_rotary_factor={factor} with head_dim={head_dim} gives {rotary_dim} rotary "
+            "features; it must be a positive even number"
+        )
+    return factor
+
+
 @dataclass
 class SlidingWindowDecoderArgs(DecoderArgs):
     """DecoderArgs with Qwen2-style per-layer sliding windows (Qwen2/2.5, dense Qwen3).
@@ -226,11 +240,6 @@ class HybridDeltaNetArgs(DecoderArgs):
                 f"config.linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                 f"config.linear_num_key_heads ({self.linear_num_key_heads})"
             )
-        if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise ValueError(
-                f"rope_parameters.partial_rotary_factor={self.partial_rotary_factor} with head_dim={self.head_dim} "
-                f"gives {self.rotary_dim} rotary features; it must be a positive even number"
-            )
 
 
 def hybrid_deltanet_fields_from_hf(config) -> dict[str, Any]:
@@ -240,7 +249,7 @@ def hybrid_deltanet_fields_from_hf(config) -> dict[str, Any]:
         fields,
         layer_types=list(config.layer_types),
         attention_bias=bool(getattr(config, "attention_bias", False)),
-        partial_rotary_factor=float(fields["rope_parameters"].get("partial_rotary_factor", 1.0)),
+        partial_rotary_factor=partial_rotary_factor_from_hf(fields["rope_parameters"], fields["head_dim"]),
         linear_conv_kernel_dim=config.linear_conv_kernel_dim,
         linear_key_head_dim=config.linear_key_head_dim,
         linear_value_head_dim=config.linear_value_head_dim,

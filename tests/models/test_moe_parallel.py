@@ -29,6 +29,8 @@ CASES = {
         dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1]),
         ("tp2", "fsdp2"),
     ),
+    # q_norm / k_norm over the whole projection: sharded with it, the statistic summed over the ranks.
+    "minimax_m2": ("minimax_m2", {}, ("tp2", "fsdp2")),
 }
 
 
