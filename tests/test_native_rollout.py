@@ -36,7 +36,7 @@ def _assert_greedy_steps_match_full_forward(model, samples) -> None:
                 ids.append(token)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "deepseek_v32", "glm_moe_dsa"])
 def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
     model = _lora_model(tiny_checkpoint(model_type))
     trainer = NativeRolloutEngine(model)
@@ -63,7 +63,7 @@ def _truncated_logprob(logits, temperature, top_k, top_p, token):
     return math.log(float(probs[token]) / sum(float(probs[i]) for i in kept))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "deepseek_v32", "glm_moe_dsa"])
 def test_greedy_equals_hf_generate(tiny_checkpoint, model_type):
     """Greedy tokens equal HF generate's, for groups of 2 sharing a prompt prefix in a table
     refilled as groups finish."""

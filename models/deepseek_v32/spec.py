@@ -8,7 +8,7 @@ from archon.spec import ModelSpec, register
 
 # One dense layer, then MoE layers with 4 groups of 2 experts (2 groups allowed per token); MLA with
 # the query bottleneck; interleaved YaRN RoPE whose mscale_all_dim scales the softmax; an indexer of
-# 4 heads of 16 (8 rotary) that keeps 4 keys per query, far fewer than the gate's sequences hold.
+# 16 heads of 16 (8 rotary) that keeps 4 keys per query, far fewer than the gate's sequences hold.
 _TINY_DSA = dict(
     TINY_DECODER_CONFIG,
     moe_intermediate_size=32,
@@ -29,7 +29,7 @@ _TINY_DSA = dict(
     norm_topk_prob=True,
     index_topk=4,
     index_head_dim=16,
-    index_n_heads=4,
+    index_n_heads=16,
     rope_parameters={
         "rope_type": "yarn",
         "rope_theta": 10000.0,
