@@ -1,7 +1,8 @@
-"""DeepSeek-V3 / Kimi K2 (deepseek_v3) against HF transformers and PEFT: MLA with and without the
-query bottleneck (q_lora_rank), interleaved or half-split RoPE, YaRN whose mscale_all_dim scales the
-softmax, dense first layers, group-limited sigmoid routing, shared experts, and LoRA on the MLA
-projections, dense MLP, shared experts and experts."""
+"""DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa) against HF transformers and PEFT: DeepSeek
+sparse attention (MLA reading only the lightning indexer's top-k keys per query, the indexer's RoPE
+half-split or interleaved, GLM-5's layers that share an earlier layer's selection), interleaved YaRN
+MLA, dense and sparse MLP layers, group-limited sigmoid routing, shared experts, and LoRA on the MLA
+projections, MLPs, shared experts and experts (the indexer is frozen)."""
 
 import json
 
@@ -16,188 +17,216 @@ from family_checks import (
 from archon.build import build_model
 from archon.lora import LoRAConfig
 from archon.lora.peft import ADAPTER_CONFIG, save_peft_adapter
-from archon.tools.align import packed_batch
-
-MODEL_TYPE = "deepseek_v32"
+from archon.tools.align import AlignArgs, packed_batch, run_alignment
 
 CASES = {
-    # The registered tiny config: q_lora_rank 32, kv_lora_rank 24, nope 16 + rope 8, v 12;
-    # interleaved YaRN (factor 4, mscale 1, mscale_all_dim 0.8); 4 groups of 2 experts, 2 groups
-    # allowed, top-3, routed_scaling_factor 2.5; one dense layer.
-    "q-lora-interleaved-yarn": {},
-    # Kimi-K2-like routing (one group) and no query bottleneck: q_proj straight from the hidden
-    # state; half-split plain RoPE; biased kv_a_proj_with_mqa and o_proj; two dense layers, top-2
-    # without renormalisation, two shared experts, tied head, rms_norm_eps apart from the latent norms'.
-    "no-q-lora-plain-rope-bias": dict(
-        q_lora_rank=None,
-        rope_interleave=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        attention_bias=True,
-        first_k_dense_replace=2,
-        n_group=1,
-        topk_group=1,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        n_shared_experts=2,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
+    # The registered tiny configs: q_lora_rank 32, kv_lora_rank 24, nope 16 + rope 8, v 12;
+    # interleaved YaRN (factor 4, mscale_all_dim 0.8); an indexer of 16 heads of 16 keeping 4 keys;
+    # 4 groups of 2 experts, 2 groups allowed, top-3; one dense layer. GLM-5's middle layer shares
+    # the first layer's selection, and its indexer's rotary features are interleaved.
+    "deepseek_v32": ("deepseek_v32", {}),
+    "glm_moe_dsa": ("glm_moe_dsa", {}),
+    # Plain RoPE, biased latent projections and o_proj, a dense layer between sparse ones (listed in
+    # mlp_layer_types), one expert group, top-2 without renormalisation, two shared experts, tied
+    # head, 9 keys per query.
+    "deepseek_v32-plain-rope-bias": (
+        "deepseek_v32",
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+            attention_bias=True,
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            n_shared_experts=2,
+            tie_word_embeddings=True,
+            index_topk=9,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    # GLM-5 with the shared layer last, after two full ones, and plain RoPE.
+    "glm_moe_dsa-shared-last": (
+        "glm_moe_dsa",
+        dict(indexer_types=["full", "full", "shared"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_lora_and_peft_export(case):
-    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8)
+    model_type, overrides = CASES[case]
+    assert_aligned(model_type, overrides, lora_rank=8)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_state_dict_round_trip(case, tiny_checkpoint):
-    assert_state_dict_round_trip(tiny_checkpoint(MODEL_TYPE, **CASES[case]))
+    model_type, overrides = CASES[case]
+    assert_state_dict_round_trip(tiny_checkpoint(model_type, **overrides))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_meta_weights_complete(case):
-    assert_meta_weights_complete(MODEL_TYPE, CASES[case])
+    model_type, overrides = CASES[case]
+    assert_meta_weights_complete(model_type, overrides)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_adapter_targets_name_the_mla_projections(case, tiny_checkpoint, tmp_path):
-    path = tiny_checkpoint(MODEL_TYPE, **CASES[case])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_indexer_weights_load_and_are_no_lora_target(model_type, tiny_checkpoint, tmp_path):
+    """The indexer's weights load from the checkpoint (GLM-5's shared layer has none), are not
+    wrapped by LoRA, and the exported adapter names the MLA projections and MLPs only."""
+    from safetensors.torch import load_file
+
+    path = tiny_checkpoint(model_type)
     lora = LoRAConfig(rank=4, alpha=8)
     loaded = build_model(path, lora=lora)
+    checkpoint = load_file(str(path / "model.safetensors"))
+    for i, layer in enumerate(loaded.model.layers):
+        indexer = layer.self_attn.indexer
+        assert (indexer is None) == (loaded.args.indexer_types[i] == "shared")
+        if indexer is not None:
+            for name, param in indexer.named_parameters():
+                assert torch.equal(param, checkpoint[f"model.layers.{i}.self_attn.indexer.{name}"]), name
+                assert not name.startswith("lora"), name
     save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
-    query = ["q_a_proj", "q_b_proj"] if loaded.args.q_lora_rank else ["q_proj"]
-    assert config["target_modules"] == sorted(["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *query])
+    assert config["target_modules"] == sorted(["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"])
     assert sorted(config["target_parameters"]) == [
         "down_proj.weight", "gate_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "up_proj.weight"
     ]
 
 
-def test_interleave_and_softmax_mscale_change_the_output(tiny_checkpoint):
-    """The parity cases would catch a half-split RoPE on interleaved weights or a softmax scale
-    without YaRN's mscale: each changes the logits of the tiny model."""
-    model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
-    attention = [layer.self_attn for layer in model.layers]
-    plain_scale = attention[0].qk_head_dim ** -0.5
-    assert attention[0].scale == pytest.approx(plain_scale * (0.1 * 0.8 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
-    _, tokens, positions, cu_seqlens = packed_batch((33, 13), 256, seed=0)
-
-    def logits():
-        with torch.no_grad():
-            return model(tokens, positions, cu_seqlens, 33)
-
-    reference = logits()
-    for attn in attention:
-        attn.interleaved = False
-    assert (logits() - reference).abs().max() > 1e-3
-    for attn in attention:
-        attn.interleaved, attn.scale = True, plain_scale
-    assert (logits() - reference).abs().max() > 1e-3
+def test_selection_binds_and_stays_causal_within_each_sequence(tiny_checkpoint):
+    """Each query reads min(index_topk, position + 1) keys, all at or before it in its own sequence;
+    and the indexer gets no gradient (its top-k is not differentiable, as in HF)."""
+    model = build_model(tiny_checkpoint("deepseek_v32")).model
+    lengths = (7, 1, 13, 33)
+    _, tokens, positions, cu_seqlens = packed_batch(lengths, 256, seed=0)
+    model(tokens, positions, cu_seqlens, 33).logsumexp(-1).sum().backward()
+    for layer in model.layers:
+        masks = layer.self_attn.selection
+        assert [m.shape for m in masks] == [(n, n) for n in lengths]
+        for mask in masks:
+            assert not mask.triu(1).any()
+            assert torch.equal(mask.sum(-1), (torch.arange(mask.shape[0]) + 1).clamp(max=4))
+        assert all(p.grad is None for p in layer.self_attn.indexer.parameters())
+        assert layer.self_attn.q_a_proj.weight.grad is not None
 
 
-@pytest.mark.parametrize(
-    "hf_router, n_group, topk_group, top_k, norm",
-    [
-        ("deepseek_v3.modeling_deepseek_v32.DeepseekV32TopkRouter", 4, 2, 3, True),
-        ("deepseek_v3.modeling_deepseek_v32.DeepseekV32TopkRouter", 8, 3, 4, False),
-        ("glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter", 1, 1, 2, True),
-        ("glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter", 2, 1, 4, True),
-    ],
-)
-def test_group_limited_router_matches_hf(hf_router, n_group, topk_group, top_k, norm):
-    import importlib
+def test_without_the_indexer_the_gate_fails(monkeypatch):
+    """Attending to every causal key (a port without the indexer) fails the gate on the tiny config."""
+    from archon.models.deepseek_v32.model import LightningIndexer
 
-    from archon.models.common.moe import SigmoidGroupTopKRouter
-    from transformers import AutoConfig
+    monkeypatch.setattr(LightningIndexer, "select", lambda self, q, k, weights, visible: visible)
+    report = run_alignment(AlignArgs(model_type="deepseek_v32", seq_lens=(7, 1, 13, 33)))
+    assert report["pass"] is False and report["max_abs_logits_diff"] > 1e-3
 
-    module_name, class_name = hf_router.rsplit(".", 1)
-    hf_cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
-    config = AutoConfig.for_model(
-        module_name.split(".")[0], hidden_size=32, n_routed_experts=16, num_experts_per_tok=top_k, n_group=n_group,
-        topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.0,
-    )
-    g = torch.Generator().manual_seed(0)
-    hf = hf_cls(config)
-    ours = SigmoidGroupTopKRouter(32, 16, top_k, n_group, topk_group, norm, 2.0)
+
+def _attend_to_every_key_in_shared_layers(monkeypatch):
+    from archon.models.deepseek_v32.model import SparseLatentAttention
+
+    from archon.causal_attention import causal_mask
+
+    select = SparseLatentAttention._select
+
+    def all_causal_keys_when_shared(self, x, q_latent, cos, sin, cu_seqlens, cache):
+        if self.indexer is not None:
+            return select(self, x, q_latent, cos, sin, cu_seqlens, cache)
+        return [causal_mask(int(n), None, x.device) for n in cu_seqlens[1:] - cu_seqlens[:-1]]
+
+    monkeypatch.setattr(SparseLatentAttention, "_select", all_causal_keys_when_shared)
+
+
+def _scale_indexer_weights_to_one(monkeypatch):
+    from archon.models.deepseek_v32.model import LightningIndexer
+
+    forward = LightningIndexer.forward
+    monkeypatch.setattr(LightningIndexer, "forward", lambda self, *a: (*forward(self, *a)[:2], torch.ones(a[0].shape[0], self.n_heads)))
+
+
+def _set_on_attention(model, **values):
+    for layer in model.layers:
+        for name, value in values.items():
+            setattr(layer.self_attn, name, value(layer.self_attn) if callable(value) else value)
+
+
+def _without_shared_experts(monkeypatch):
+    from archon.models.common.moe import SharedExpertsMoE, SparseMoE
+
+    monkeypatch.setattr(SharedExpertsMoE, "forward", SparseMoE.forward)
+
+
+MUTATIONS = {
+    # (model_type, switch-off: fn(model, monkeypatch))
+    "indexer-off": ("glm_moe_dsa", lambda m, mp: mp.setattr(
+        "archon.models.deepseek_v32.model.LightningIndexer.select", lambda self, q, k, w, visible: visible)),
+    "indexer-half-split-rope": ("glm_moe_dsa", lambda m, mp: [
+        setattr(layer.self_attn.indexer, "interleaved", False) for layer in m.layers if layer.self_attn.indexer]),
+    "indexer-interleaved-rope": ("deepseek_v32", lambda m, mp: [
+        setattr(layer.self_attn.indexer, "interleaved", True) for layer in m.layers]),
+    "indexer-key-norm": ("deepseek_v32", lambda m, mp: [
+        setattr(layer.self_attn.indexer, "k_norm", torch.nn.Identity()) for layer in m.layers]),
+    "indexer-head-weights": ("deepseek_v32", lambda m, mp: _scale_indexer_weights_to_one(mp)),
+    "shared-layer-selection": ("glm_moe_dsa", lambda m, mp: _attend_to_every_key_in_shared_layers(mp)),
+    "mla-interleaved-rope": ("deepseek_v32", lambda m, mp: _set_on_attention(m, interleaved=False)),
+    "yarn-softmax-mscale": ("deepseek_v32", lambda m, mp: _set_on_attention(m, scale=lambda a: a.qk_head_dim**-0.5)),
+    "routing-bias": ("deepseek_v32", lambda m, mp: [
+        layer.mlp.gate.e_score_correction_bias.zero_() for layer in m.layers[1:]]),
+    "shared-experts": ("deepseek_v32", lambda m, mp: _without_shared_experts(mp)),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(MUTATIONS))
+def test_switching_a_feature_off_moves_the_logits(feature, tiny_checkpoint, monkeypatch):
+    """Each feature the tiny configs turn on changes their logits: a port without it fails the gate."""
+    model_type, switch_off = MUTATIONS[feature]
+    model = build_model(tiny_checkpoint(model_type)).model.eval()
+    _, tokens, positions, cu_seqlens = packed_batch((7, 1, 13, 33, 70), 256, seed=0)
     with torch.no_grad():
-        hf.weight.copy_(torch.randn(16, 32, generator=g) / 32**0.5)
-        hf.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
-        ours.weight.copy_(hf.weight)
-        ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
-        x = torch.randn(64, 32, generator=g)
-        _, hf_weights, hf_indices = hf(x)
-        weights, indices = ours(x)
-    hf_order, order = hf_indices.argsort(dim=-1), indices.argsort(dim=-1)
-    assert torch.equal(indices.gather(1, order), hf_indices.gather(1, hf_order))
-    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order), rtol=0, atol=1e-6)
+        reference = model(tokens, positions, cu_seqlens, 70)
+        switch_off(model, monkeypatch)
+        changed = model(tokens, positions, cu_seqlens, 70)
+    assert (changed - reference).abs().max() > 1e-3
 
 
-def test_score_correction_bias_stays_fp32_in_a_bf16_model(tiny_checkpoint):
-    model = build_model(tiny_checkpoint(MODEL_TYPE), dtype=torch.bfloat16).model
-    router = model.layers[1].mlp.gate
-    assert router.weight.dtype == torch.bfloat16
-    assert router.e_score_correction_bias.dtype == torch.float32
-    expected = build_model(tiny_checkpoint(MODEL_TYPE)).model.layers[1].mlp.gate.e_score_correction_bias
-    assert torch.equal(router.e_score_correction_bias, expected)
-
-
-def test_generation_with_kv_cache_equals_full_forward(tiny_checkpoint):
-    """MLA keeps its expanded keys/values in the rollout KV cache: greedy tokens and log-probs equal
-    those of step-by-step full forwards."""
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_generation_with_kv_cache_equals_full_forward(model_type, tiny_checkpoint):
+    """The cache keeps each layer's indexer keys; a decode step selects over them: greedy tokens and
+    log-probs equal those of step-by-step full forwards (contexts up to 19 tokens, 4 selected)."""
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
 
-    model = build_model(tiny_checkpoint(MODEL_TYPE, q_lora_rank=None)).model.eval()
-    prompts = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106]]
-    samples = NativeRolloutEngine(model).generate(prompts, SamplingParams(max_new_tokens=5, temperature=0))
+    model = build_model(tiny_checkpoint(model_type)).model.eval()
+    prompts = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112]]
+    samples = NativeRolloutEngine(model).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))
     with torch.no_grad():
         for sample in samples:
             ids = list(sample.prompt_ids)
             for token, logprob in zip(sample.completion_ids, sample.logprobs):
-                seq = torch.tensor(ids)
-                logits = model(seq, torch.arange(len(ids)), torch.tensor([0, len(ids)]), len(ids))[-1]
+                logits = model(torch.tensor(ids), torch.arange(len(ids)), torch.tensor([0, len(ids)]), len(ids))[-1]
                 assert token == int(logits.argmax())
                 assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
                 ids.append(token)
 
 
-def test_missing_latent_rank_is_refused():
+@pytest.mark.parametrize(
+    "model_type, overrides, field",
+    [
+        ("deepseek_v32", dict(q_lora_rank=0), "config.q_lora_rank"),
+        ("deepseek_v32", dict(index_topk=0), "config.index_topk"),
+        ("deepseek_v32", dict(index_head_dim=4), "config.index_head_dim"),
+        ("deepseek_v32", dict(layer_types=["indexed_attention", "full_attention", "indexed_attention"]), "config.layer_types"),
+        ("glm_moe_dsa", dict(indexer_types=["shared", "full", "full"]), r"config.indexer_types\[0\]"),
+        ("glm_moe_dsa", dict(indexer_types=["full", "sparse", "full"]), "config.indexer_types"),
+        ("deepseek_v32", dict(kv_lora_rank=0), "config.kv_lora_rank"),
+    ],
+)
+def test_unsupported_config_values_are_refused_by_name(model_type, overrides, field):
     from archon.models.deepseek_v32.args import DeepseekV32Args
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(MODEL_TYPE, hidden_size=64, kv_lora_rank=0)
-    with pytest.raises(ValueError, match="config.kv_lora_rank=0"):
+    from archon.tools.align import tiny_config_kwargs
+
+    config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
+    with pytest.raises(ValueError, match=field):
         DeepseekV32Args.from_hf_config(config)
-
-
-def test_flash_path_gets_one_head_size(tiny_checkpoint, monkeypatch):
-    """On CUDA, packed attention runs torch's varlen flash kernel, which takes one head size for q, k
-    and v. MLA's values (12) are narrower than its queries/keys (24): a stand-in kernel that
-    enforces that contract must give the same logits as the CPU path."""
-    import archon.models.common.attention as attention
-    import torch.nn.attention.varlen as varlen
-    import torch.nn.functional as F
-
-    calls = []
-
-    def one_head_size_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size, enable_gqa):
-        assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, k.shape, v.shape)
-        calls.append(v.shape)
-        bounds = cu_q.tolist()
-        return torch.cat([
-            F.scaled_dot_product_attention(
-                *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale
-            ).transpose(0, 1)
-            for s, e in zip(bounds[:-1], bounds[1:])
-        ])
-
-    model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
-    _, tokens, positions, cu_seqlens = packed_batch((7, 1, 13), 256, seed=0)
-    with torch.no_grad():
-        reference = model(tokens, positions, cu_seqlens, 13)
-        monkeypatch.setattr(attention, "_flash_varlen_usable", lambda q: True)
-        monkeypatch.setattr(varlen, "varlen_attn", one_head_size_kernel)
-        flash = model(tokens, positions, cu_seqlens, 13)
-    assert len(calls) == 3 and calls[0][-1] == 24
-    torch.testing.assert_close(flash, reference, rtol=0, atol=1e-5)
