@@ -21,6 +21,9 @@ CASES = {
     "deepseek_v3-no-q-lora": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False), ("tp2",)),
     # The registered tiny config: sinks, q/k/v/o bias, window on even layers, untied head.
     "gpt_oss": ("gpt_oss", {}, ("tp2", "fsdp2")),
+    # DeepSeek sparse attention (GLM-5: a layer sharing an earlier layer's selection): the indexer
+    # replicated, every rank selecting the same keys for its own heads.
+    "glm_moe_dsa": ("glm_moe_dsa", {}, ("tp2", "fsdp2")),
 }
 
 
