@@ -14,7 +14,11 @@ selection of the nearest full layer before it.
 The indexer is frozen and is not a LoRA target: the selection is a top-k (not differentiable),
 and its scores reach nothing else, so no gradient reaches its weights. HF computes it under
 no_grad; archon too. LoRA on MLA's q_a_proj still moves the selection, since the indexer's queries
-are made from the query latent. Scores are computed in float32 whatever the model dtype, as HF does.
+are made from the query latent. Scores are computed in float32 whatever the model dtype, as HF does
+(HF also stores weights_proj in fp32 in a bf16 model; archon stores it in the model dtype and
+computes with it in fp32). torch.topk orders tied scores as it likes, in HF as here: the tiny
+configs use 16 indexer heads, so that no query's k-th and (k+1)-th scores tie (at 0, where every
+head's ReLU is 0).
 
 Training and prefill build, per packed sequence, the [L, L] mask of selected keys (queries in
 blocks, so the [block, index_n_heads, L] score tensor stays bounded); attention runs masked per
@@ -124,7 +128,11 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         self.indexer = LightningIndexer(args) if selection_source is None else None
         # a plain list, so the source is not registered (its parameters would be listed twice)
         self._selection_source = [] if selection_source is None else [selection_source]
-        # the last forward's selection, which the shared layers after this one read
+        if selection_source is not None:
+            selection_source.keeps_selection = True
+        # keeps_selection: a shared layer reads this layer's last selection (`selection`), which is
+        # otherwise not kept past the forward
+        self.keeps_selection = False
         self.selection = None
 
     def _select(self, x, q_latent, cos, sin, cu_seqlens, cache):
@@ -152,10 +160,12 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         if context_parallel is not None:
             raise ValueError("context parallelism is not implemented for DeepSeek sparse attention (index_topk)")
         q, k, v, q_latent = self.project(x, cos, sin)
-        self.selection = self._select(x, q_latent, cos, sin, cu_seqlens, cache)
-        out = None if cache is None else cache.attention(q, k, v, self.scale, selected=self.selection)
+        selection = self._select(x, q_latent, cos, sin, cu_seqlens, cache)
+        if self.keeps_selection:
+            self.selection = selection
+        out = None if cache is None else cache.attention(q, k, v, self.scale, selected=selection)
         if out is None:  # training, or a prefill from empty blocks (the cache has stored k and v)
-            out = sparse_packed_attention(q, k, v, cu_seqlens, self.scale, self.selection)
+            out = sparse_packed_attention(q, k, v, cu_seqlens, self.scale, selection)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

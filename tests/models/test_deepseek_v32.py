@@ -100,6 +100,8 @@ def test_selection_binds_and_stays_causal_within_each_sequence(tiny_checkpoint):
     """Each query reads min(index_topk, position + 1) keys, all at or before it in its own sequence;
     and the indexer gets no gradient (its top-k is not differentiable, as in HF)."""
     model = build_model(tiny_checkpoint("deepseek_v32")).model
+    for layer in model.layers:
+        layer.self_attn.keeps_selection = True
     lengths = (7, 1, 13, 33)
     _, tokens, positions, cu_seqlens = packed_batch(lengths, 256, seed=0)
     model(tokens, positions, cu_seqlens, 33).logsumexp(-1).sum().backward()
