@@ -70,5 +70,12 @@ spec = register(
             "glm_moe_dsa": dict(_TINY_DSA, indexer_types=["full", "shared", "full"], rms_norm_eps=1e-5),
         },
         vllm_modes={"deepseek_v32": "merged", "glm_moe_dsa": "merged"},
+        inert_hf_config_fields={
+            "mlp_bias": "HF builds the DSA families' MLPs and experts without bias whatever it says",
+            "num_nextn_predict_layers": "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded",
+            "index_topk_pattern": "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read",
+            "index_topk_freq": "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read",
+            "index_skip_topk_offset": "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read",
+        },
     )
 )
