@@ -1,4 +1,4 @@
-from archon.models.common.decoder import TINY_DECODER_CONFIG
+from archon.models.deepseek_v3.spec import spec as DEEPSEEK_V3_SPEC
 from archon.models.deepseek_v32.args import DeepseekV32Args
 from archon.models.deepseek_v32.model import DeepseekV32Model
 from archon.models.deepseek_v32.parallelize import parallelize_deepseek_v32
@@ -6,40 +6,16 @@ from archon.models.deepseek_v32.state_dict_converter import DeepseekV32StateDict
 
 from archon.spec import ModelSpec, register
 
-# One dense layer, then MoE layers with 4 groups of 2 experts (2 groups allowed per token); MLA with
-# the query bottleneck; interleaved YaRN RoPE whose mscale_all_dim scales the softmax; an indexer of
-# 16 heads of 16 (8 rotary) that keeps 4 keys per query, far fewer than the gate's sequences hold.
+# DeepSeek-V3's tiny config (one dense layer, then MoE layers with 4 groups of 2 experts, 2 groups
+# allowed per token; MLA with the query bottleneck; interleaved YaRN RoPE whose mscale_all_dim scales
+# the softmax) without rope_interleave, which the DSA configs do not have (their MLA always
+# interleaves), plus an indexer of 16 heads of 16 (8 rotary) that keeps 4 keys per query, far fewer
+# than the gate's sequences hold.
 _TINY_DSA = dict(
-    TINY_DECODER_CONFIG,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    num_key_value_heads=4,  # MLA: every head has its own keys and values
-    q_lora_rank=32,
-    kv_lora_rank=24,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    n_routed_experts=8,
-    num_experts_per_tok=3,
-    n_group=4,
-    topk_group=2,
-    n_shared_experts=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
+    {k: v for k, v in DEEPSEEK_V3_SPEC.tiny_hf_config["deepseek_v3"].items() if k != "rope_interleave"},
     index_topk=4,
     index_head_dim=16,
     index_n_heads=16,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 128,
-        "mscale": 1.0,
-        "mscale_all_dim": 0.8,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
 )
 
 spec = register(
@@ -51,18 +27,9 @@ spec = register(
         state_dict_converter_cls=DeepseekV32StateDictConverter,
         parallelize_fn=parallelize_deepseek_v32,
         # The indexer (wq_b, wk, weights_proj) is frozen: its top-k selection is not differentiable
-        # and its scores reach nothing else (HF computes it under no_grad), so LoRA there would learn nothing.
-        lora_targets=(
-            "q_a_proj",
-            "q_b_proj",
-            "kv_a_proj_with_mqa",
-            "kv_b_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "experts",
-        ),
+        # and its scores reach nothing else (HF computes it under no_grad), so LoRA there would learn
+        # nothing. No q_proj: the query bottleneck is required.
+        lora_targets=tuple(target for target in DEEPSEEK_V3_SPEC.lora_targets if target != "q_proj"),
         tiny_hf_config={
             "deepseek_v32": _TINY_DSA,
             # GLM-5: the indexer's rotary features interleaved; the middle layer shares the first
