@@ -24,6 +24,10 @@ A step is one of two kinds, announced by the engine before the forward:
   in place, masked by each row's lengths. A row that is done keeps its recurrent state: it stays
   the one reached after the row's tokens (all but its last sampled one) until the block is refilled.
 
+A sparse-attention layer (DeepSeek-V3.2's indexer) also stores one indexer key per token beside its
+keys and values (`index_keys`, in prefix and suffix tables like theirs), selects the keys each query
+reads over the keys that call returns, and hands the selection to `attention` (`selected=`).
+
 `row_state` copies out what one row holds for its prompt and all but its last generated token (the
 last has not been through the model), to be kept for the sequence's next turn.
 """
@@ -269,7 +273,7 @@ class LayerKVCache:
         self.prefix_index_k = keys.new_zeros(c.num_blocks, c.max_prompt_len, keys.shape[-1])
         self.suffix_index_k = keys.new_zeros(c.num_rows_total, c.max_new_tokens, keys.shape[-1])
 
-    def index_keys(self, keys: torch.Tensor):
+    def index_keys(self, keys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor] | None:
         """Store the step's indexer keys [T, Di] (one per token, next to its keys and values) and
         return those each query may select from:
         - a prefill from empty blocks: None (the packed prompts' own keys, as in training);
@@ -349,7 +353,8 @@ class LayerKVCache:
         c = self.cache
         offsets = c.prompt_offsets.tolist()
         outputs = []
-        for i, (q_seq, block, offset, length) in enumerate(zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), offsets, c.prompt_lens)):
+        prompts = zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), offsets, c.prompt_lens)
+        for i, (q_seq, block, offset, length) in enumerate(prompts):
             first = 0 if sliding_window is None else max(0, offset - sliding_window + 1)
             k_seq = self.prefix_k[block, :, first : offset + length]
             v_seq = self.prefix_v[block, :, first : offset + length]
