@@ -2,7 +2,8 @@
 sparse attention (MLA reading only the lightning indexer's top-k keys per query, the indexer's RoPE
 half-split or interleaved, GLM-5's layers that share an earlier layer's selection), interleaved YaRN
 MLA, dense and sparse MLP layers, group-limited sigmoid routing, shared experts, and LoRA on the MLA
-projections, MLPs, shared experts and experts (the indexer is frozen)."""
+projections, MLPs, shared experts and experts (the indexer is frozen). The mutation checks of these
+features (the gate fails with each switched off) are in tests/models/test_feature_sensitivity.py."""
 
 import json
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 from family_checks import (
     assert_aligned,
-    assert_gate_fails,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
@@ -119,103 +119,6 @@ def test_selection_binds_and_stays_causal_within_each_sequence(tiny_checkpoint):
             assert torch.equal(mask.sum(-1), (torch.arange(mask.shape[0]) + 1).clamp(max=4))
         assert all(p.grad is None for p in layer.self_attn.indexer.parameters())
         assert layer.self_attn.q_a_proj.weight.grad is not None
-
-
-def _mutate_built_models(monkeypatch, mutate):
-    """Every model the gate builds is changed by `mutate(model)` before use."""
-    import archon.tools.align as align
-
-    build = align.build_model
-
-    def build_and_mutate(*args, **kwargs):
-        loaded = build(*args, **kwargs)
-        mutate(loaded.model)
-        return loaded
-
-    monkeypatch.setattr(align, "build_model", build_and_mutate)
-
-
-def _indexers(model):
-    return [layer.self_attn.indexer for layer in model.layers if layer.self_attn.indexer is not None]
-
-
-def _attend_to_every_key_in_shared_layers(monkeypatch):
-    from archon.models.deepseek_v32.model import SparseLatentAttention
-
-    from archon.causal_attention import causal_mask
-
-    select = SparseLatentAttention._select
-
-    def all_causal_keys_when_shared(self, x, q_latent, cos, sin, cu_seqlens, cache):
-        if self.indexer is not None:
-            return select(self, x, q_latent, cos, sin, cu_seqlens, cache)
-        return [causal_mask(int(n), None, x.device) for n in cu_seqlens[1:] - cu_seqlens[:-1]]
-
-    monkeypatch.setattr(SparseLatentAttention, "_select", all_causal_keys_when_shared)
-
-
-def _equal_indexer_head_weights(monkeypatch):
-    from archon.models.deepseek_v32.model import LightningIndexer
-
-    forward = LightningIndexer.forward
-
-    def equal_weights(self, x, *rest):
-        q, k, _ = forward(self, x, *rest)
-        return q, k, torch.ones(x.shape[0], self.n_heads)
-
-    monkeypatch.setattr(LightningIndexer, "forward", equal_weights)
-
-
-def _without_shared_experts(monkeypatch):
-    from archon.models.common.moe import SharedExpertsMoE, SparseMoE
-
-    monkeypatch.setattr(SharedExpertsMoE, "forward", SparseMoE.forward)
-
-
-def _set_on_attention(monkeypatch, **values):
-    def mutate(model):
-        for layer in model.layers:
-            for name, value in values.items():
-                setattr(layer.self_attn, name, value(layer.self_attn) if callable(value) else value)
-
-    _mutate_built_models(monkeypatch, mutate)
-
-
-def _set_on_indexers(monkeypatch, name, value):
-    _mutate_built_models(monkeypatch, lambda model: [setattr(indexer, name, value) for indexer in _indexers(model)])
-
-
-def _zero_routing_bias(monkeypatch):
-    def mutate(model):
-        for layer in model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.zero_()
-
-    _mutate_built_models(monkeypatch, mutate)
-
-
-# feature -> (model_type, switch it off: fn(monkeypatch))
-MUTATIONS = {
-    "indexer-off": ("glm_moe_dsa", lambda mp: mp.setattr(
-        "archon.models.deepseek_v32.model.LightningIndexer.select", lambda self, q, k, w, visible: visible)),
-    "indexer-half-split-rope": ("glm_moe_dsa", lambda mp: _set_on_indexers(mp, "interleaved", False)),
-    "indexer-interleaved-rope": ("deepseek_v32", lambda mp: _set_on_indexers(mp, "interleaved", True)),
-    "indexer-key-norm": ("deepseek_v32", lambda mp: _set_on_indexers(mp, "k_norm", torch.nn.Identity())),
-    "indexer-head-weights": ("deepseek_v32", _equal_indexer_head_weights),
-    "shared-layer-selection": ("glm_moe_dsa", _attend_to_every_key_in_shared_layers),
-    "mla-interleaved-rope": ("deepseek_v32", lambda mp: _set_on_attention(mp, interleaved=False)),
-    "yarn-softmax-mscale": ("deepseek_v32", lambda mp: _set_on_attention(mp, scale=lambda a: a.qk_head_dim**-0.5)),
-    "routing-bias": ("deepseek_v32", _zero_routing_bias),
-    "shared-experts": ("deepseek_v32", _without_shared_experts),
-}
-
-
-@pytest.mark.parametrize("feature", sorted(MUTATIONS))
-def test_switching_a_feature_off_fails_the_gate(feature, monkeypatch):
-    """Each feature the tiny configs turn on is reached by the gate: a port without it fails."""
-    model_type, switch_off = MUTATIONS[feature]
-    switch_off(monkeypatch)
-    assert_gate_fails(model_type, {})
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
