@@ -22,7 +22,7 @@ head's ReLU is 0).
 
 Training and prefill build, per packed sequence, the [L, L] mask of selected keys (queries in
 blocks, so the [block, index_n_heads, L] score tensor stays bounded); attention runs masked per
-sequence (no flash varlen kernel). During generation the cache keeps each layer's indexer keys
+sequence (SDPA with that mask; the flash varlen kernel takes no mask). During generation the cache keeps each layer's indexer keys
 next to its keys and values (archon/rollout/kv_cache.py), and a decode step selects over them.
 """
 
@@ -42,8 +42,9 @@ from archon.lora import LoRAConfig
 
 # HF builds the indexer's k_norm with this eps, not config.rms_norm_eps.
 INDEXER_KEY_NORM_EPS = 1e-6
-# Queries scored at once when selecting over a packed sequence: bounds the [block, heads, L] scores.
-SELECTION_QUERY_BLOCK = 1024
+# Scores held at once when selecting over a packed sequence: the queries go in blocks whose
+# [block, index_n_heads, L] fp32 scores stay within this many elements (256 MiB).
+SELECTION_SCORE_ELEMENTS = 2**26
 
 
 def top_k_selection(
@@ -98,10 +99,10 @@ class LightningIndexer(nn.Module):
         for q_seq, k_seq, w_seq in zip(q.split(lengths), k.split(lengths), weights.split(lengths)):
             length = k_seq.shape[0]
             causal = causal_mask(length, None, k_seq.device)
+            block = max(1, SELECTION_SCORE_ELEMENTS // (self.n_heads * length))
             masks.append(torch.cat([
-                self.select(q_seq[s : s + SELECTION_QUERY_BLOCK], k_seq, w_seq[s : s + SELECTION_QUERY_BLOCK],
-                            causal[s : s + SELECTION_QUERY_BLOCK])
-                for s in range(0, length, SELECTION_QUERY_BLOCK)
+                self.select(q_seq[s : s + block], k_seq, w_seq[s : s + block], causal[s : s + block])
+                for s in range(0, length, block)
             ]))  # fmt: skip
         return masks
 

@@ -162,3 +162,16 @@ def test_unsupported_config_values_are_refused_by_name(model_type, overrides, fi
     config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
     with pytest.raises(ValueError, match=field):
         DeepseekV32Args.from_hf_config(config)
+
+
+def test_selection_in_query_blocks_equals_one_block(tiny_checkpoint, monkeypatch):
+    """Long sequences select in blocks of queries (bounded scores): the masks are those of one block."""
+    import archon.models.deepseek_v32.model as dsa
+
+    model = build_model(tiny_checkpoint("deepseek_v32")).model.eval()
+    _, tokens, positions, cu_seqlens = packed_batch((33, 70), 256, seed=0)
+    with torch.no_grad():
+        whole = model(tokens, positions, cu_seqlens, 70)
+        monkeypatch.setattr(dsa, "SELECTION_SCORE_ELEMENTS", 16 * 70 * 5)  # 5 queries of the 70-token sequence at a time
+        blocked = model(tokens, positions, cu_seqlens, 70)
+    torch.testing.assert_close(blocked, whole, rtol=0, atol=1e-6)
