@@ -165,7 +165,7 @@ def _assert_same_samples(got, expected):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
 def test_shared_prefix_equals_one_prefill_per_sample(tiny_checkpoint, model_type):
     """The G samples of a prompt read one prefill of it (a recurrent layer's state copied to each):
     the same tokens and log-probs as prefilling it once per sample, greedy and seeded sampling."""
