@@ -38,7 +38,9 @@ def mlp_activation_from_hf(config, supported: tuple[str, ...] = ("silu",)) -> st
     return found[0] if found else "silu"
 
 
-def decoder_fields_from_hf(config, mlp_activations: tuple[str, ...] = ("silu",)) -> dict[str, Any]:
+def decoder_fields_from_hf(
+    config, mlp_activations: tuple[str, ...] = ("silu",), rope_parameters: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The DecoderArgs fields of an HF config, as HF's modeling code resolves them.
 
     head_dim falls back to hidden_size // num_attention_heads when the config has none (or None);
@@ -46,14 +48,17 @@ def decoder_fields_from_hf(config, mlp_activations: tuple[str, ...] = ("silu",))
     without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE). The MLP activation must be
     one of `mlp_activations` (the family reads which with `mlp_activation_from_hf`); attention
     dropout must be 0, since archon's attention has none.
+    rope_parameters: the family's own reading of config.rope_parameters (OLMo 3's, one entry per
+    layer type), taken as it is; otherwise config.rope_parameters must hold rope_theta.
     """
     mlp_activation_from_hf(config, mlp_activations)
     attention_dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if attention_dropout != 0.0:
         raise ValueError(f"config.attention_dropout={attention_dropout!r} is not supported; archon's attention has no dropout")
-    rope_parameters = getattr(config, "rope_parameters", None)
-    if not rope_parameters or "rope_theta" not in rope_parameters:
-        raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
+    if rope_parameters is None:
+        rope_parameters = getattr(config, "rope_parameters", None)
+        if not rope_parameters or "rope_theta" not in rope_parameters:
+            raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
     return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
