@@ -17,6 +17,11 @@ from archon.parallel import ParallelConfig, ParallelDims
 
 def parallelize_deepseek_v32(model: DeepseekV32Model, dims: ParallelDims, config: ParallelConfig) -> DeepseekV32Model:
     args = model.args
+    if dims.cp > 1:
+        raise ValueError(
+            f"deepseek_v32: context parallelism (cp={dims.cp}) is not implemented for DeepSeek sparse attention "
+            "(each query's top-k selection reads every earlier key of its sequence)"
+        )
     return parallelize_moe_decoder(
         model, dims, config, "deepseek_v32", mla_plan(args), dict(num_attention_heads=args.num_attention_heads)
     )

@@ -175,3 +175,13 @@ def test_selection_in_query_blocks_equals_one_block(tiny_checkpoint, monkeypatch
         monkeypatch.setattr(dsa, "SELECTION_SCORE_ELEMENTS", 16 * 70 * 5)  # 5 queries of the 70-token sequence at a time
         blocked = model(tokens, positions, cu_seqlens, 70)
     torch.testing.assert_close(blocked, whole, rtol=0, atol=1e-6)
+
+
+def test_context_parallelism_is_refused_by_name(tiny_checkpoint):
+    from archon.models.deepseek_v32.parallelize import parallelize_deepseek_v32
+
+    from archon.parallel import ParallelConfig, ParallelDims
+
+    model = build_model(tiny_checkpoint("deepseek_v32")).model
+    with pytest.raises(ValueError, match="context parallelism"):
+        parallelize_deepseek_v32(model, ParallelDims(world_size=2, cp=2), ParallelConfig())
