@@ -13,8 +13,9 @@ selection of the nearest full layer before it.
 
 The indexer is frozen and is not a LoRA target: the selection is a top-k (not differentiable),
 and its scores reach nothing else, so no gradient reaches its weights. HF computes it under
-no_grad; archon too. LoRA on MLA's q_a_proj still moves the selection, since the indexer's queries
-are made from the query latent. Scores are computed in float32 whatever the model dtype, as HF does
+no_grad; archon too. (DeepSeek trained the indexer with a loss of its own, a KL divergence to the
+main attention's distribution; archon does not implement it.) LoRA on MLA's q_a_proj still moves
+the selection, since the indexer's queries are made from the query latent. Scores are computed in float32 whatever the model dtype, as HF does
 (HF also stores weights_proj in fp32 in a bf16 model; archon stores it in the model dtype and
 computes with it in fp32). torch.topk orders tied scores as it likes, in HF as here: the tiny
 configs use 16 indexer heads, so that no query's k-th and (k+1)-th scores tie (at 0, where every
