@@ -200,3 +200,19 @@ def test_vllm_cpu_refuses_deepseek_sparse_attention():
     )
     with pytest.raises(NotImplementedError, match="Sparse Attention is not supported on CPU"):
         CpuPlatform.get_attn_backend_cls(None, config)
+
+
+def test_vllm_cpu_cannot_route_minimax_m2():
+    """MiniMax-M2 (minimax_m2) is not served by vllm-cpu 0.32.0: its MoE asks FusedMoE for sigmoid scores
+    with a correction bias and no grouped top-k, and the CPU router (CPURouter, which vLLM takes on every
+    CPU) implements sigmoid scores only with grouped top-k (`assert self.scoring_func == "softmax"`), so
+    the server fails on its first forward. The native engine is the tested rollout path for this family.
+    When this test fails, vLLM routes it: add minimax_m2 to FAMILIES (head_dim 32 in
+    CPU_HEAD_SIZE_OVERRIDES) and measure the merged mode."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    router = CPURouter(
+        top_k=2, global_num_experts=8, renormalize=True, scoring_func="sigmoid", e_score_correction_bias=torch.zeros(8)
+    )
+    with pytest.raises(AssertionError):
+        router._compute_routing(torch.zeros(3, 4), torch.randn(3, 8), None)

@@ -74,6 +74,19 @@ def decoder_fields_from_hf(
     )
 
 
+def partial_rotary_factor_from_hf(rope_parameters: dict[str, Any], head_dim: int) -> float:
+    """rope_parameters["partial_rotary_factor"] (1.0 when absent): the share of each head's features
+    that RoPE rotates (the first ones). Refused unless it gives a positive even number of them."""
+    factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(
+            f"rope_parameters.partial_rotary_factor={factor} with head_dim={head_dim} gives {rotary_dim} rotary "
+            "features; it must be a positive even number"
+        )
+    return factor
+
+
 @dataclass
 class SlidingWindowDecoderArgs(DecoderArgs):
     """DecoderArgs with Qwen2-style per-layer sliding windows (Qwen2/2.5, dense Qwen3).

@@ -491,6 +491,19 @@ def no_full_attention_rope_attention_factor(model, monkeypatch):
     rotary.attention_scaling = 1.0
 
 
+def correction_bias_in_weights(model, monkeypatch):
+    """The chosen experts weighted by their biased scores (the bias is for the choice only)."""
+
+    def biased(router, x):
+        scores = torch.sigmoid(F.linear(x.float(), router.weight.float())) + router.e_score_correction_bias
+        top_weights, top_indices = scores.topk(router.top_k, dim=-1)
+        return top_weights / top_weights.sum(-1, keepdim=True), top_indices
+
+    for router in modules(model, SigmoidGroupTopKRouter):
+        assert router.norm_topk_prob and router.n_group == 1
+        router.forward = lambda x, router=router: biased(router, x)
+
+
 CASES = [
     # Llama: llama3-scaled RoPE, GQA, optional attention and MLP biases.
     Case("llama", "llama3-rope-as-default", plain_rope_frequencies),
@@ -600,6 +613,14 @@ CASES = [
     Case("olmo2", "qk-norm-over-the-projection", qk_norm_per_head),
     Case("olmo2", "post-feedforward-norm", no_post_norm("post_feedforward_layernorm")),
     Case("olmo2", "yarn-rope-as-default", full_attention_rope_as_default),
+    # MiniMax-M2: QK-norm over the whole projection, partial rotary, sigmoid routing with the correction
+    # bias for the choice only, renormalised weights.
+    Case("minimax_m2", "qk-norm", no_qk_norm),
+    Case("minimax_m2", "qk-norm-over-whole-projection", qk_norm_per_head),
+    Case("minimax_m2", "partial-rotary", full_rotary),
+    Case("minimax_m2", "score-correction-bias", no_score_correction_bias),
+    Case("minimax_m2", "correction-bias-for-choice-only", correction_bias_in_weights),
+    Case("minimax_m2", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
 ]
 
 

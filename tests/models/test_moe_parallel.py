@@ -24,6 +24,8 @@ CASES = {
     # DeepSeek sparse attention (GLM-5: a layer sharing an earlier layer's selection): the indexer
     # replicated, every rank selecting the same keys for its own heads.
     "glm_moe_dsa": ("glm_moe_dsa", {}, ("tp2", "fsdp2")),
+    # q_norm / k_norm over the whole projection: sharded with it, the statistic summed over the ranks.
+    "minimax_m2": ("minimax_m2", {}, ("tp2", "fsdp2")),
 }
 
 
