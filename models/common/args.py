@@ -115,7 +115,7 @@ class SlidingWindowDecoderArgs(DecoderArgs):
             if layer_type == SLIDING_ATTENTION and self.sliding_window is None:
                 raise ValueError(
                     f"config.layer_types[{i}] is {SLIDING_ATTENTION!r} but config.sliding_window is None "
-                    "(HF sets it to None unless use_sliding_window=True)"
+                    "(Qwen2/Qwen3 configs set it to None unless use_sliding_window=True)"
                 )
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
