@@ -37,6 +37,9 @@ spec = register(
             "glm_moe_dsa": dict(_TINY_DSA, indexer_types=["full", "shared", "full"], rms_norm_eps=1e-5),
         },
         vllm_modes={"deepseek_v32": "merged", "glm_moe_dsa": "merged"},
+        # HF marks every layer 'indexed_attention' (it picks the cache class); what varies per layer is
+        # mlp_layer_types and GLM-5's indexer_types, which the tiny configs mix.
+        one_kind_layer_patterns=("layer_types",),
         inert_hf_config_fields={
             "mlp_bias": "HF builds the DSA families' MLPs and experts without bias whatever it says",
             "num_nextn_predict_layers": "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded",
