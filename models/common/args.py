@@ -24,18 +24,19 @@ class DecoderArgs:
     tie_word_embeddings: bool
 
 
-def decoder_fields_from_hf(config) -> dict[str, Any]:
+def decoder_fields_from_hf(config, rope: bool = True) -> dict[str, Any]:
     """The DecoderArgs fields of an HF config, as HF's modeling code resolves them.
 
     head_dim falls back to hidden_size // num_attention_heads when the config has none (or None);
     num_key_value_heads falls back to num_attention_heads; intermediate_size is 0 for a config
-    without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE).
+    without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE). rope=False: a model without
+    rotary embeddings (Kimi Linear), whose rope_parameters are {}.
     """
     hidden_act = getattr(config, "hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"config.hidden_act={hidden_act!r} is not supported; the SwiGLU MLP uses 'silu'")
-    rope_parameters = getattr(config, "rope_parameters", None)
-    if not rope_parameters or "rope_theta" not in rope_parameters:
+    rope_parameters = getattr(config, "rope_parameters", None) if rope else {}
+    if rope and (not rope_parameters or "rope_theta" not in rope_parameters):
         raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
     return dict(
         vocab_size=config.vocab_size,

@@ -53,9 +53,10 @@ class PackedDecoderLM(nn.Module):
     """embed_tokens -> rotary -> layers -> norm -> lm_head (or the tied embedding).
 
     `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings.
+    rotary None: no layer reads positions (cos and sin reach the layers as None).
     """
 
-    def __init__(self, args, rotary: RotaryEmbedding, layers: Iterable[nn.Module]) -> None:
+    def __init__(self, args, rotary: RotaryEmbedding | None, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -90,7 +91,7 @@ class PackedDecoderLM(nn.Module):
         work on every token of their share of the heads.
         """
         h = self.embed_tokens(tokens)
-        cos, sin = self.rotary(positions, h.dtype)
+        cos, sin = (None, None) if self.rotary is None else self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i), context_parallel)
         if logits_rows is not None:

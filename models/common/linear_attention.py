@@ -1,11 +1,15 @@
-"""The gated delta rule (gated DeltaNet) on packed sequences, in PyTorch, with an optional CUDA kernel.
+"""The gated delta rule (gated DeltaNet, Kimi Delta Attention) on packed sequences, in PyTorch, with an
+optional CUDA kernel for the per-head decay.
 
-Per value head with state S [dk, dv] and for each token t:
-    S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+Per head with state S [dk, dv] and for each token t:
+    S_t = diag(exp(g_t)) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+where the log decay g_t is one number per head (gated DeltaNet: the diagonal is exp(g_t) I) or one per
+key channel, [dk] (Kimi Delta Attention, KDA). The decay acts on the state before the delta update.
 
 Packed sequences are laid out as a zero-padded batch (`PaddedSequences`); the padding has g = 0 and
 beta = 0, so it leaves each sequence's state as it is. The short causal conv before the rule and the
-state restart at every sequence. Families: Qwen3.5 / Qwen3.6, Qwen3-Next.
+state restart at every sequence. Families: Qwen3.5 / Qwen3.6, Qwen3-Next (per-head decay), Kimi
+Linear (per-channel decay).
 """
 
 from __future__ import annotations
@@ -80,38 +84,51 @@ def chunked_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a padded batch, in fp32, a chunk of tokens at a time.
 
-    q, k: [N, H, L, dk] (q already scaled); v: [N, H, L, dv]; g (log decay), beta: [N, H, L], zero
-    after each sequence so the padding leaves the state as it is; initial_state: [N, H, dk, dv] or None.
+    q, k: [N, H, L, dk] (q already scaled); v: [N, H, L, dv]; g (log decay): [N, H, L] per head or
+    [N, H, L, dk] per key channel; beta: [N, H, L]; g and beta are zero after each sequence so the
+    padding leaves the state as it is; initial_state: [N, H, dk, dv] or None.
     Returns (o [N, H, L, dv], final state [N, H, dk, dv]).
 
-    Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i, the
-    updates are solved at once (the WY form of the delta rule): with A = I + strictly_lower(
-    beta_i k_i.k_j D[i, j]), U = A^-1 (beta v) and W = A^-1 (beta exp(G) k), the chunk reads the
-    state S it starts from as v_new = U - W S and o = exp(G) q S + (q k^T * D) v_new, and leaves
-    S' = exp(G_last) S + (exp(G_last - G) k)^T v_new.
+    Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i (per
+    channel: D[i, j, c] = exp(G_i[c] - G_j[c]), and x.D.y = sum_c x[c] D[i, j, c] y[c]), the updates
+    are solved at once (the WY form of the delta rule): with A = I + strictly_lower(beta_i k_i.D.k_j),
+    U = A^-1 (beta v) and W = A^-1 (beta exp(G) k), the chunk reads the state S it starts from as
+    v_new = U - W S and o = (exp(G) q) S + (q_i.D.k_j)_{j<=i} v_new, and leaves
+    S' = exp(G_last) S + (exp(G_last - G) k)^T v_new. The per-channel form materialises D as
+    [.., C, C, dk] per chunk.
     """
     n_seqs, n_heads, length, dk = k.shape
     dv = v.shape[-1]
+    per_channel = g.dim() == 4
     chunk = min(chunk_size, length)
     pad = (-length) % chunk
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+        g = F.pad(g, (0, 0, 0, pad)) if per_channel else F.pad(g, (0, pad))
+        beta = F.pad(beta, (0, pad))
     n_chunks = (length + pad) // chunk
     q, k, v = (t.reshape(n_seqs, n_heads, n_chunks, chunk, -1) for t in (q, k, v))
-    g, beta = (t.reshape(n_seqs, n_heads, n_chunks, chunk) for t in (g, beta))
-
-    cum_g = g.cumsum(dim=-1)  # [N, H, n, C]
+    beta = beta.reshape(n_seqs, n_heads, n_chunks, chunk)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (cum_g[..., :, None] - cum_g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, n, C, C]
     k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower triangle is read
+    if per_channel:
+        cum_g = g.reshape(n_seqs, n_heads, n_chunks, chunk, dk).cumsum(dim=-2)  # [N, H, n, C, dk]
+        decay = (cum_g[..., :, None, :] - cum_g[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+        system = (k_beta[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)  # [N, H, n, C, C]
+        intra = (q[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)
+        channel_cum_g = cum_g
+        chunk_decay = cum_g[..., -1, :].exp()[..., None]  # [N, H, n, dk, 1]
+    else:
+        cum_g = g.reshape(n_seqs, n_heads, n_chunks, chunk).cumsum(dim=-1)  # [N, H, n, C]
+        decay = (cum_g[..., :, None] - cum_g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, n, C, C]
+        system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower triangle is read
+        intra = (q @ k.transpose(-1, -2)) * decay
+        channel_cum_g = cum_g[..., None]  # [N, H, n, C, 1]
+        chunk_decay = cum_g[..., -1].exp()[..., None, None]  # [N, H, n, 1, 1]
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum_g.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum_g.exp()[..., None]
-    k_to_chunk_end = k * (cum_g[..., -1:] - cum_g).exp()[..., None]
-    chunk_decay = cum_g[..., -1].exp()[..., None, None]  # [N, H, n, 1, 1]
+    w = torch.linalg.solve_triangular(system, k_beta * channel_cum_g.exp(), upper=False, unitriangular=True)
+    q_decayed = q * channel_cum_g.exp()
+    k_to_chunk_end = k * (channel_cum_g[..., -1:, :] - channel_cum_g).exp()
 
     state = q.new_zeros(n_seqs, n_heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     outputs = []
@@ -139,14 +156,17 @@ def _fla_chunk_gated_delta_rule():
 
 
 def gated_delta_rule(q, k, v, g, beta, seqs: PaddedSequences, initial_state):
-    """q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H] (packed, fp32 g) -> (o [T, H, dv], state [N, H, dk, dv]).
+    """q, k: [T, H, dk]; v: [T, H, dv]; g: [T, H] (per-head decay) or [T, H, dk] (per-channel decay,
+    KDA); beta: [T, H] (packed, fp32 g) -> (o [T, H, dv], state [N, H, dk, dv]).
 
-    q and k are L2-normalised here and q scaled by dk^-0.5. The rule runs in fp32 (or fp64 for an fp64 model)."""
+    q and k are L2-normalised here and q scaled by dk^-0.5. The rule runs in fp32 (or fp64 for an fp64
+    model). The CUDA kernel serves the per-head decay; the per-channel decay runs the PyTorch path on
+    every device."""
     dk = q.shape[-1]
     dtype = torch.promote_types(q.dtype, torch.float32)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     q, k = l2_normalize(q), l2_normalize(k)
-    kernel = _fla_chunk_gated_delta_rule() if q.is_cuda else None
+    kernel = _fla_chunk_gated_delta_rule() if q.is_cuda and g.dim() == 2 else None
     if kernel is not None:
         cu_seqlens = torch.cat([seqs.lengths.new_zeros(1), seqs.lengths.cumsum(0)])
         o, state = kernel(

@@ -68,6 +68,8 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
     # In an MoE model PEFT (under transformers v5) reads these target_modules names as per-expert
     # projections and refolds them into the stacked experts.
     peft_reserved_module_names = ("gate_proj", "up_proj", "down_proj", "gate")
+    # The per-expert checkpoint names of each stacked weight's parts, in stacking order.
+    hf_expert_parts: dict[str, tuple[str, ...]] = _HF_EXPERT_PARTS
 
     def _num_experts(self) -> int:
         return self.args.num_experts
@@ -94,14 +96,14 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
         return [
             f"{self.hf_name(prefix)}.{e}.{part}.weight"
             for e in range(self._num_experts())
-            for part in _HF_EXPERT_PARTS[which]
+            for part in self.hf_expert_parts[which]
         ]
 
     def combine(self, archon_key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         match = _EXPERT_WEIGHT.fullmatch(archon_key)
         if match is None or len(tensors) == 1:
             return super().combine(archon_key, tensors)
-        n_parts = len(_HF_EXPERT_PARTS[match.group(2)])
+        n_parts = len(self.hf_expert_parts[match.group(2)])
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) != 1:
             raise ValueError(f"per-expert tensors for {archon_key!r} have differing shapes {sorted(shapes)}")
@@ -114,7 +116,7 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
         if match is None:
             return super().to_hf(archon_key, tensor)
         prefix, which = match.groups()
-        parts = _HF_EXPERT_PARTS[which]
+        parts = self.hf_expert_parts[which]
         out = []
         for e in range(tensor.shape[0]):
             for part, chunk in zip(parts, tensor[e].chunk(len(parts), dim=0)):
