@@ -56,6 +56,13 @@ class KimiLinearArgs(GroupLimitedMoEArgs):
             )
         if not getattr(config, "mla_use_nope", True):
             raise ValueError("config.mla_use_nope=False (RoPE in the MLA layers) is not supported; HF's Kimi Linear is NoPE")
+        if config.tie_word_embeddings:
+            raise ValueError(
+                "config.tie_word_embeddings=True is not supported: HF's KimiLinearForCausalLM never ties its head "
+                "(it keeps a separate lm_head), so the flag does not say what the checkpoint computes"
+            )
+        if getattr(config, "attention_dropout", 0.0):
+            raise ValueError(f"config.attention_dropout={config.attention_dropout} is not supported; archon trains without dropout")
         n_shared_experts = config.n_shared_experts
         if not n_shared_experts:
             raise ValueError(f"config.n_shared_experts={n_shared_experts!r} is not supported; it must be at least 1")

@@ -32,6 +32,9 @@ _TINY = dict(
     n_shared_experts=1,
     routed_scaling_factor=2.5,
     norm_topk_prob=True,
+    pad_token_id=None,  # the released ids lie outside the tiny vocabulary
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 # The KDA projections (q/k/v/o as attention's), the MLA projections, MLPs, shared experts and experts.

@@ -1,53 +1,53 @@
-"""DeepSeek-V3 / Kimi K2 (deepseek_v3) against HF transformers and PEFT: MLA with and without the
-query bottleneck (q_lora_rank), interleaved or half-split RoPE, YaRN whose mscale_all_dim scales the
-softmax, dense first layers, group-limited sigmoid routing, shared experts, and LoRA on the MLA
-projections, dense MLP, shared experts and experts."""
-
-import json
+"""Kimi Linear (kimi_linear) against HF transformers and PEFT: Kimi Delta Attention (per-channel
+decay, short convs, sigmoid-gated output norm) and NoPE MLA layers mixed, dense and MoE layers
+(group-limited sigmoid routing, shared experts), LoRA on every projection, packed sequences longer
+than a delta-rule chunk, the chunked rule against the recurrence, and the refused config values."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from family_checks import (
     assert_aligned,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
+from helpers import randomise_lora
 
 from archon.build import build_model
-from archon.lora import LoRAConfig
-from archon.lora.peft import ADAPTER_CONFIG, save_peft_adapter
+from archon.lora import LoRAConfig, lora_parameters
+from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE, chunked_gated_delta_rule
 from archon.tools.align import packed_batch
 
 MODEL_TYPE = "kimi_linear"
+# One sequence longer than a chunk of the chunked delta rule, one of a single token.
+SEQ_LENS = (7, 1, 13, DELTA_RULE_CHUNK_SIZE + 6)
 
 CASES = {
-    # The registered tiny config: q_lora_rank 32, kv_lora_rank 24, nope 16 + rope 8, v 12;
-    # interleaved YaRN (factor 4, mscale 1, mscale_all_dim 0.8); 4 groups of 2 experts, 2 groups
-    # allowed, top-3, routed_scaling_factor 2.5; one dense layer.
-    "q-lora-interleaved-yarn": {},
-    # Kimi-K2-like routing (one group) and no query bottleneck: q_proj straight from the hidden
-    # state; half-split plain RoPE; biased kv_a_proj_with_mqa and o_proj; two dense layers, top-2
-    # without renormalisation, two shared experts, tied head, rms_norm_eps apart from the latent norms'.
-    "no-q-lora-plain-rope-bias": dict(
-        q_lora_rank=None,
-        rope_interleave=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    # The registered tiny config: layers KDA, MLA, KDA; dense then two MoE layers (4 groups of 2
+    # experts, 2 groups allowed, top-2, scaling 2.5, one shared expert); no query bottleneck.
+    "registered": {},
+    # MLA first, with a query bottleneck and biased q_a_proj / kv_a_proj_with_mqa / o_proj; the dense
+    # layer between two MoE layers; one expert group, top-3 without renormalisation, two shared
+    # experts; a conv of 3 taps; another norm eps.
+    "mla-first-q-lora-bias": dict(
+        layer_types=["full_attention", "linear_attention", "linear_attention"],
+        mlp_layer_types=["sparse", "dense", "sparse"],
+        q_lora_rank=32,
         attention_bias=True,
-        first_k_dense_replace=2,
         n_group=1,
         topk_group=1,
-        num_experts_per_tok=2,
+        num_experts_per_tok=3,
         norm_topk_prob=False,
         n_shared_experts=2,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
+        linear_conv_kernel_dim=3,
+        rms_norm_eps=1e-6,
     ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_lora_and_peft_export(case):
-    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8)
+    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8, seq_lens=SEQ_LENS)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -60,144 +60,186 @@ def test_meta_weights_complete(case):
     assert_meta_weights_complete(MODEL_TYPE, CASES[case])
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_adapter_targets_name_the_mla_projections(case, tiny_checkpoint, tmp_path):
-    path = tiny_checkpoint(MODEL_TYPE, **CASES[case])
-    lora = LoRAConfig(rank=4, alpha=8)
-    loaded = build_model(path, lora=lora)
-    save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
-    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
-    query = ["q_a_proj", "q_b_proj"] if loaded.args.q_lora_rank else ["q_proj"]
-    assert config["target_modules"] == sorted(["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *query])
-    assert sorted(config["target_parameters"]) == [
-        "down_proj.weight", "gate_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "up_proj.weight"
-    ]
+def _naive_kimi_delta_rule(q, k, v, g, beta, state):
+    """Token by token: S = diag(exp(g)) S; S += k (beta (v - S^T k))^T; o = S^T q. g: [N, H, L, dk]."""
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None]
+        k_t = k[:, :, t]
+        delta = beta[:, :, t][..., None] * (v[:, :, t] - (state * k_t[..., None]).sum(-2))
+        state = state + k_t[..., None] * delta[..., None, :]
+        outputs.append((state * q[:, :, t][..., None]).sum(-2))
+    return torch.stack(outputs, dim=2), state
 
 
-def test_interleave_and_softmax_mscale_change_the_output(tiny_checkpoint):
-    """The parity cases would catch a half-split RoPE on interleaved weights or a softmax scale
-    without YaRN's mscale: each changes the logits of the tiny model."""
-    model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
-    attention = [layer.self_attn for layer in model.layers]
-    plain_scale = attention[0].qk_head_dim ** -0.5
-    assert attention[0].scale == pytest.approx(plain_scale * (0.1 * 0.8 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
-    _, tokens, positions, cu_seqlens = packed_batch((33, 13), 256, seed=0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 5, DELTA_RULE_CHUNK_SIZE, 2 * DELTA_RULE_CHUNK_SIZE + 3])
+def test_chunked_kimi_delta_rule_equals_the_recurrence(length, dtype):
+    """The chunked (WY) form with a per-channel decay against the rule written out per token, from a
+    non-zero state; decays spread over channels so that a per-head decay could not pass."""
+    g_ = torch.Generator().manual_seed(length)
+    n, h, dk, dv = 2, 3, 8, 4
+    q = F.normalize(torch.randn(n, h, length, dk, generator=g_, dtype=dtype), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(n, h, length, dk, generator=g_, dtype=dtype), dim=-1)
+    v = torch.randn(n, h, length, dv, generator=g_, dtype=dtype)
+    g = -torch.rand(n, h, length, dk, generator=g_, dtype=dtype) * torch.linspace(0.01, 2.0, dk, dtype=dtype)
+    beta = torch.rand(n, h, length, generator=g_, dtype=dtype)
+    state = torch.randn(n, h, dk, dv, generator=g_, dtype=dtype)
+    o, final = chunked_gated_delta_rule(q, k, v, g, beta, state)
+    o_ref, final_ref = _naive_kimi_delta_rule(q, k, v, g, beta, state)
+    atol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=atol)
+    torch.testing.assert_close(final, final_ref, rtol=0, atol=atol)
 
-    def logits():
-        with torch.no_grad():
-            return model(tokens, positions, cu_seqlens, 33)
 
-    reference = logits()
-    for attn in attention:
-        attn.interleaved = False
-    assert (logits() - reference).abs().max() > 1e-3
-    for attn in attention:
-        attn.interleaved, attn.scale = True, plain_scale
-    assert (logits() - reference).abs().max() > 1e-3
+def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
+    """A sequence's logits and LoRA gradients are the same alone and packed after another one (of a
+    different content each time): the conv windows and the recurrent state restart at each boundary."""
+    model = build_model(tiny_checkpoint(MODEL_TYPE), lora=LoRAConfig(rank=4, alpha=8)).model
+    g = torch.Generator().manual_seed(0)
+    randomise_lora(lora_parameters(model), 0.1, g)
+    target = torch.randint(0, 256, (DELTA_RULE_CHUNK_SIZE + 9,), generator=g)
+
+    def logits_and_grads(before: torch.Tensor | None):
+        seqs = [target] if before is None else [before, target]
+        tokens = torch.cat(seqs)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])
+        cu_seqlens = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()])
+        model.zero_grad()
+        logits = model(tokens, positions, cu_seqlens, max(len(s) for s in seqs))[-len(target) :]
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in lora_parameters(model).items()}
+
+    alone, grads_alone = logits_and_grads(None)
+    for length in (3, DELTA_RULE_CHUNK_SIZE + 20):
+        packed, grads_packed = logits_and_grads(torch.randint(0, 256, (length,), generator=g))
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+        for name in grads_alone:
+            torch.testing.assert_close(grads_packed[name], grads_alone[name], rtol=1e-4, atol=1e-7)
+
+
+def _per_head_mean_decay(forget_gate, original):
+    def forward(x):
+        g = original(x)
+        return g.mean(dim=-1, keepdim=True).expand_as(g)
+
+    return forward
+
+
+def _without_conv(x, weight, lengths, initial_window):
+    from archon.models.common.linear_attention import causal_conv1d
+
+    _, window = causal_conv1d(x, weight, lengths, initial_window)
+    return F.silu(x), window
+
+
+def _switch_off(model, monkeypatch, feature):
+    """Switch one feature of the tiny config off in `model` (a KimiLinearModel)."""
+    import archon.models.kimi_linear.model as kimi
+
+    kda = [layer.self_attn for layer in model.layers if layer.layer_type == "linear_attention"]
+    routers = [layer.mlp.gate for layer in model.layers if hasattr(layer.mlp, "gate")]
+    if feature == "per-channel decay":  # each head's channels decay at their mean rate
+        for attn in kda:
+            monkeypatch.setattr(attn.forget_gate, "forward", _per_head_mean_decay(attn.forget_gate, attn.forget_gate.forward))
+    elif feature == "short conv":
+        monkeypatch.setattr(kimi, "causal_conv1d", _without_conv)
+    elif feature == "output gate":
+        for attn in kda:
+            monkeypatch.setattr(attn.o_norm, "gate_activation", torch.ones_like)
+    elif feature == "sigmoid output gate":  # Qwen3.5's silu instead
+        for attn in kda:
+            monkeypatch.setattr(attn.o_norm, "gate_activation", F.silu)
+    elif feature == "beta":
+        for attn in kda:
+            monkeypatch.setattr(attn.b_proj, "forward", lambda x, width=attn.b_proj.weight.shape[0]: x.new_zeros(*x.shape[:-1], width))
+    elif feature == "routing bias":
+        for router in routers:
+            router.e_score_correction_bias.zero_()
+    elif feature == "group limit":
+        for router in routers:
+            monkeypatch.setattr(router, "topk_group", router.n_group)
+    elif feature == "routed scaling":
+        for router in routers:
+            monkeypatch.setattr(router, "routed_scaling_factor", 1.0)
+    elif feature == "shared experts":
+        for layer in model.layers:
+            if hasattr(layer.mlp, "shared_experts"):
+                monkeypatch.setattr(layer.mlp.shared_experts, "forward", torch.zeros_like)
+    else:
+        raise AssertionError(feature)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_and_logits(tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    path = make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path_factory.mktemp(MODEL_TYPE) / "hf")
+    model = build_model(path).model.eval()
+    batch = packed_batch(SEQ_LENS, 256, seed=0)[1:]
+    with torch.no_grad():
+        reference = model(*batch, max(SEQ_LENS))
+    return path, batch, reference
 
 
 @pytest.mark.parametrize(
-    "hf_router, n_group, topk_group, top_k, norm",
+    "feature",
     [
-        ("deepseek_v3.modeling_kimi_linear.KimiLinearTopkRouter", 4, 2, 3, True),
-        ("deepseek_v3.modeling_kimi_linear.KimiLinearTopkRouter", 8, 3, 4, False),
-        ("glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter", 1, 1, 2, True),
-        ("glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter", 2, 1, 4, True),
+        "per-channel decay", "short conv", "output gate", "sigmoid output gate", "beta",
+        "routing bias", "group limit", "routed scaling", "shared experts",
     ],
 )
-def test_group_limited_router_matches_hf(hf_router, n_group, topk_group, top_k, norm):
-    import importlib
+def test_each_feature_moves_the_logits(feature, tiny_model_and_logits, monkeypatch):
+    """The tiny config exercises each feature: with it switched off, the logits move."""
+    path, batch, reference = tiny_model_and_logits
+    model = build_model(path).model.eval()
+    _switch_off(model, monkeypatch, feature)
+    with torch.no_grad():
+        mutated = model(*batch, max(SEQ_LENS))
+    assert (mutated - reference).abs().max() > 1e-3
 
-    from archon.models.common.moe import SigmoidGroupTopKRouter
+
+def _config(**overrides):
     from transformers import AutoConfig
 
-    module_name, class_name = hf_router.rsplit(".", 1)
-    hf_cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
-    config = AutoConfig.for_model(
-        module_name.split(".")[0], hidden_size=32, n_routed_experts=16, num_experts_per_tok=top_k, n_group=n_group,
-        topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.0,
-    )
-    g = torch.Generator().manual_seed(0)
-    hf = hf_cls(config)
-    ours = SigmoidGroupTopKRouter(32, 16, top_k, n_group, topk_group, norm, 2.0)
-    with torch.no_grad():
-        hf.weight.copy_(torch.randn(16, 32, generator=g) / 32**0.5)
-        hf.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
-        ours.weight.copy_(hf.weight)
-        ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
-        x = torch.randn(64, 32, generator=g)
-        _, hf_weights, hf_indices = hf(x)
-        weights, indices = ours(x)
-    hf_order, order = hf_indices.argsort(dim=-1), indices.argsort(dim=-1)
-    assert torch.equal(indices.gather(1, order), hf_indices.gather(1, hf_order))
-    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order), rtol=0, atol=1e-6)
+    from archon.tools.align import tiny_config_kwargs
+
+    return AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **overrides))
 
 
-def test_score_correction_bias_stays_fp32_in_a_bf16_model(tiny_checkpoint):
-    model = build_model(tiny_checkpoint(MODEL_TYPE), dtype=torch.bfloat16).model
-    router = model.layers[1].mlp.gate
-    assert router.weight.dtype == torch.bfloat16
-    assert router.e_score_correction_bias.dtype == torch.float32
-    expected = build_model(tiny_checkpoint(MODEL_TYPE)).model.layers[1].mlp.gate.e_score_correction_bias
-    assert torch.equal(router.e_score_correction_bias, expected)
-
-
-def test_generation_with_kv_cache_equals_full_forward(tiny_checkpoint):
-    """MLA keeps its expanded keys/values in the rollout KV cache: greedy tokens and log-probs equal
-    those of step-by-step full forwards."""
-    from archon.rollout.base import SamplingParams
-    from archon.rollout.native import NativeRolloutEngine
-
-    model = build_model(tiny_checkpoint(MODEL_TYPE, q_lora_rank=None)).model.eval()
-    prompts = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106]]
-    samples = NativeRolloutEngine(model).generate(prompts, SamplingParams(max_new_tokens=5, temperature=0))
-    with torch.no_grad():
-        for sample in samples:
-            ids = list(sample.prompt_ids)
-            for token, logprob in zip(sample.completion_ids, sample.logprobs):
-                seq = torch.tensor(ids)
-                logits = model(seq, torch.arange(len(ids)), torch.tensor([0, len(ids)]), len(ids))[-1]
-                assert token == int(logits.argmax())
-                assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
-                ids.append(token)
-
-
-def test_missing_latent_rank_is_refused():
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(mla_use_nope=False), "mla_use_nope"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(n_shared_experts=0), "n_shared_experts"),
+        (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention"]), r"layer_types\[1\]"),
+        (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+        (dict(kv_lora_rank=0), "kv_lora_rank"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+    ],
+)
+def test_unsupported_config_is_refused(overrides, field):
     from archon.models.kimi_linear.args import KimiLinearArgs
-    from transformers import AutoConfig
 
-    config = AutoConfig.for_model(MODEL_TYPE, hidden_size=64, kv_lora_rank=0)
-    with pytest.raises(ValueError, match="config.kv_lora_rank=0"):
-        KimiLinearArgs.from_hf_config(config)
+    with pytest.raises(ValueError, match=field):
+        KimiLinearArgs.from_hf_config(_config(**overrides))
 
 
-def test_flash_path_gets_one_head_size(tiny_checkpoint, monkeypatch):
-    """On CUDA, packed attention runs torch's varlen flash kernel, which takes one head size for q, k
-    and v. MLA's values (12) are narrower than its queries/keys (24): a stand-in kernel that
-    enforces that contract must give the same logits as the CPU path."""
-    import archon.models.common.attention as attention
-    import torch.nn.attention.varlen as varlen
-    import torch.nn.functional as F
+def test_checkpoint_and_in_memory_names(tiny_checkpoint):
+    """The converter writes the names `save_pretrained` writes (block_sparse_moe, w1/w2/w3 experts,
+    q/k/v_conv1d, the forget gate on self_attn), and reads a released checkpoint's dense `mlp` too."""
+    from archon.models.kimi_linear.state_dict_converter import in_memory_name
 
-    calls = []
-
-    def one_head_size_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size, enable_gqa):
-        assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, k.shape, v.shape)
-        calls.append(v.shape)
-        bounds = cu_q.tolist()
-        return torch.cat([
-            F.scaled_dot_product_attention(
-                *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale
-            ).transpose(0, 1)
-            for s, e in zip(bounds[:-1], bounds[1:])
-        ])
-
-    model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
-    _, tokens, positions, cu_seqlens = packed_batch((7, 1, 13), 256, seed=0)
-    with torch.no_grad():
-        reference = model(tokens, positions, cu_seqlens, 13)
-        monkeypatch.setattr(attention, "_flash_varlen_usable", lambda q: True)
-        monkeypatch.setattr(varlen, "varlen_attn", one_head_size_kernel)
-        flash = model(tokens, positions, cu_seqlens, 13)
-    assert len(calls) == 3 and calls[0][-1] == 24
-    torch.testing.assert_close(flash, reference, rtol=0, atol=1e-5)
+    loaded = build_model(tiny_checkpoint(MODEL_TYPE))
+    converter = loaded.converter
+    names = {key for key, _ in converter.iter_to_hf((k, v) for k, v in loaded.model.state_dict().items())}
+    assert "model.layers.0.self_attn.A_log" in names and "model.layers.0.self_attn.q_conv1d.weight" in names
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate_proj.weight" in names
+    released = {"model.layers.0.mlp.gate_proj.weight"}
+    assert converter.hf_sources("layers.0.mlp.gate_proj.weight", released) == ["model.layers.0.mlp.gate_proj.weight"]
+    assert in_memory_name("model.layers.0.self_attn.f_b_proj.lora_A.weight") == (
+        "model.layers.0.self_attn.forget_gate.f_b_proj.lora_A.weight"
+    )
