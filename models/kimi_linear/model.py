@@ -16,7 +16,7 @@ The MLA layers are DeepSeek-V3's attention without positions (NoPE): the shared 
 
 Layout differences from HF's in-memory model (the state-dict converter maps them): the conv is three
 modules, `q_conv1d`, `k_conv1d`, `v_conv1d`, as in released checkpoints (HF concatenates them into one
-`conv1d`), and `forget_gate.A_log` is [H] (HF: [1, 1, H, 1]).
+`conv1d`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from archon.parallel.tensor_parallel import local_tensor
 
 class KimiForgetGate(nn.Module):
     """The per-channel log decay of KDA, HF name `forget_gate`: f_a_proj [d, dim] (a low-rank
-    bottleneck of one head's width), f_b_proj [H * d, d], dt_bias [H * d], A_log [H]."""
+    bottleneck of one head's width), f_b_proj [H * d, d], dt_bias [H * d], A_log [1, 1, H, 1] (HF's shape)."""
 
     def __init__(self, args: KimiLinearArgs, lora: LoRAConfig | None) -> None:
         super().__init__()
@@ -46,12 +46,12 @@ class KimiForgetGate(nn.Module):
         self.f_a_proj = linear(args.hidden_size, head_dim, False, "f_a_proj", lora)
         self.f_b_proj = linear(head_dim, n_heads * head_dim, False, "f_b_proj", lora)
         self.dt_bias = nn.Parameter(torch.zeros(n_heads * head_dim))
-        self.A_log = nn.Parameter(torch.zeros(n_heads))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, n_heads, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] -> g [T, H, d] (fp32, or fp64 for an fp64 model), the log decay of each key channel."""
         dtype = torch.promote_types(x.dtype, torch.float32)
-        dt_bias, A_log = local_tensor(self.dt_bias).to(dtype), local_tensor(self.A_log).to(dtype)
+        dt_bias, A_log = local_tensor(self.dt_bias).to(dtype), local_tensor(self.A_log).to(dtype).reshape(-1)
         g = (self.f_b_proj(self.f_a_proj(x)).to(dtype) + dt_bias).view(x.shape[0], -1, self.head_dim)
         return -A_log.exp()[:, None] * F.softplus(g)
 

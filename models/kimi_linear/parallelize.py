@@ -28,8 +28,8 @@ def kimi_delta_attention_plan(prefix: str = "self_attn") -> dict[str, ParallelSt
     }
     plan[f"{prefix}.o_proj"] = rowwise()
     plan[f"{prefix}.o_norm"] = ReplicatedParallel(Shard(1))  # on [T, heads, d]
-    per_head = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "forget_gate.dt_bias", "forget_gate.A_log")
-    plan[prefix] = ShardedParameters({name: Shard(0) for name in per_head})
+    per_head = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "forget_gate.dt_bias")
+    plan[prefix] = ShardedParameters({**{name: Shard(0) for name in per_head}, "forget_gate.A_log": Shard(2)})  # [1, 1, H, 1]
     return plan
 
 

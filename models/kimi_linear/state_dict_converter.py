@@ -21,7 +21,6 @@ import torch
 from archon.models.common.state_dict import StackedExpertsAdapter
 
 _CONV = re.compile(r"(layers\.\d+\.self_attn)\.([qkv])_conv1d\.weight")
-_A_LOG = re.compile(r"layers\.\d+\.self_attn\.forget_gate\.A_log")
 _CHECKPOINT_FORGET_GATE = re.compile(r"(\.self_attn)\.(f_a_proj|f_b_proj|dt_bias|A_log)\b")
 _CHECKPOINT_MLP = ".block_sparse_moe."
 
@@ -59,14 +58,7 @@ class KimiLinearStateDictConverter(StackedExpertsAdapter):
         if conv is not None and len(tensors) == 1 and tensors[0].shape[0] == 3 * self._kda_width():
             index = "qkv".index(conv.group(2))  # HF's fused conv1d: [q | k | v] channels
             return tensors[0].narrow(0, index * self._kda_width(), self._kda_width())
-        if _A_LOG.fullmatch(archon_key):
-            return super().combine(archon_key, tensors).reshape(-1)
         return super().combine(archon_key, tensors)
-
-    def to_hf(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if _A_LOG.fullmatch(archon_key):
-            tensor = tensor.reshape(1, 1, -1, 1)
-        return super().to_hf(archon_key, tensor)
 
     def lora_to_peft(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return [(in_memory_name(key), t) for key, t in super().lora_to_peft(archon_key, tensor)]

@@ -21,6 +21,8 @@ CASES = {
     "deepseek_v3-no-q-lora": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False), ("tp2",)),
     # The registered tiny config: sinks, q/k/v/o bias, window on even layers, untied head.
     "gpt_oss": ("gpt_oss", {}, ("tp2", "fsdp2")),
+    # KDA layers sharded by head (projections, convs, forget gate, gated norm) around an MLA layer.
+    "kimi_linear": ("kimi_linear", {}, ("tp2", "fsdp2")),
 }
 
 
