@@ -47,11 +47,8 @@ class KimiLinearStateDictConverter(StackedExpertsAdapter):
             in_memory = [f"{self.hf_prefix}{conv.group(1)}.conv1d.weight"]
         else:
             in_memory = [in_memory_name(self.hf_name(archon_key))]
-        released = [s.replace(_CHECKPOINT_MLP, ".mlp.") for s in sources]  # a released dense layer
-        for candidate in (in_memory, released):
-            if all(s in hf_keys for s in candidate):
-                return candidate
-        return sources
+        # HF's in-memory names, which are also a released checkpoint's names of a dense layer's MLP
+        return in_memory if all(s in hf_keys for s in in_memory) else sources
 
     def combine(self, archon_key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         conv = _CONV.fullmatch(archon_key)
