@@ -58,6 +58,9 @@ LORA_TARGETS = (
     "experts",
 )
 
+# HF config fields that from_hf_config does not read, and why the math does not depend on them:
+#   qk_head_dim: the config derives it from qk_nope_head_dim + qk_rope_head_dim, which are read;
+#   pretraining_tp: HF's modeling code does not read it.
 spec = register(
     ModelSpec(
         name="kimi_linear",
