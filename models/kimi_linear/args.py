@@ -61,8 +61,6 @@ class KimiLinearArgs(GroupLimitedMoEArgs):
                 "config.tie_word_embeddings=True is not supported: HF's KimiLinearForCausalLM never ties its head "
                 "(it keeps a separate lm_head), so the flag does not say what the checkpoint computes"
             )
-        if getattr(config, "attention_dropout", 0.0):
-            raise ValueError(f"config.attention_dropout={config.attention_dropout} is not supported; archon trains without dropout")
         n_shared_experts = config.n_shared_experts
         if not n_shared_experts:
             raise ValueError(f"config.n_shared_experts={n_shared_experts!r} is not supported; it must be at least 1")
