@@ -58,9 +58,6 @@ LORA_TARGETS = (
     "experts",
 )
 
-# HF config fields that from_hf_config does not read, and why the math does not depend on them:
-#   qk_head_dim: the config derives it from qk_nope_head_dim + qk_rope_head_dim, which are read;
-#   pretraining_tp: HF's modeling code does not read it.
 spec = register(
     ModelSpec(
         name="kimi_linear",
@@ -73,5 +70,9 @@ spec = register(
         tiny_hf_config={"kimi_linear": _TINY},
         # An MoE family: vLLM's MoE LoRA takes no stacked expert adapters, so the merged weights are served.
         vllm_modes={"kimi_linear": "merged"},
+        inert_hf_config_fields={
+            "qk_head_dim": "derived by the config from qk_nope_head_dim + qk_rope_head_dim, which are read",
+            "pretraining_tp": "a pretraining sharding detail that HF's modeling code ignores",
+        },
     )
 )
