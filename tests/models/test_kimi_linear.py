@@ -171,6 +171,14 @@ def _switch_off(model, monkeypatch, feature):
         for layer in model.layers:
             if hasattr(layer.mlp, "shared_experts"):
                 monkeypatch.setattr(layer.mlp.shared_experts, "forward", torch.zeros_like)
+    elif feature == "no positions in MLA":  # RoPE on the shared key part, as DeepSeek-V3 has
+        from archon.models.common.rope import RotaryEmbedding
+
+        args = model.args
+        model.rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, args.qk_rope_head_dim, 512)
+        for layer in model.layers:
+            if layer.layer_type == "full_attention":
+                monkeypatch.setattr(layer.self_attn, "rotary", True)
     else:
         raise AssertionError(feature)
 
@@ -179,7 +187,7 @@ def _switch_off(model, monkeypatch, feature):
     "feature",
     [
         "per-channel decay", "short conv", "output gate", "sigmoid output gate", "beta",
-        "routing bias", "group limit", "routed scaling", "shared experts",
+        "routing bias", "group limit", "routed scaling", "shared experts", "no positions in MLA",
     ],
 )
 def test_gate_fails_with_each_feature_switched_off(feature, monkeypatch):
@@ -242,3 +250,24 @@ def test_checkpoint_and_in_memory_names(tiny_checkpoint):
     assert in_memory_name("model.layers.0.self_attn.f_b_proj.lora_A.weight") == (
         "model.layers.0.self_attn.forget_gate.f_b_proj.lora_A.weight"
     )
+
+
+def test_native_logprobs_equal_the_trainers(tiny_checkpoint):
+    """Rollout log-probs (KDA state and conv windows, MLA keys and values in the cache) equal
+    Trainer.logprobs on the same tokens (sampled, with LoRA), a prompt longer than a chunk too."""
+    from archon.batch import PackedBatch
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.trainer import Trainer, TrainerConfig
+
+    trainer = Trainer(TrainerConfig(model_path=str(tiny_checkpoint(MODEL_TYPE)), lora=LoRAConfig(rank=4, alpha=8)))
+    randomise_lora(lora_parameters(trainer.model), 0.1)
+    rollout = NativeRolloutEngine(trainer.model)
+    prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + DELTA_RULE_CHUNK_SIZE + 5))]
+    samples = rollout.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.8, n=2, seed=3))
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
+    )
+    expected = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
+    torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
