@@ -54,6 +54,28 @@ class KimiLinearArgs(GroupLimitedMoEArgs):
                 f"config.num_key_value_heads={config.num_key_value_heads} differs from config.num_attention_heads="
                 f"{config.num_attention_heads}; MLA expands every head's keys and values from the latent"
             )
+        # Fields of released config.json files (read by their remote code) that HF's model implements
+        # one way only: values that would need another are refused.
+        if getattr(config, "moe_router_activation_func", "sigmoid") != "sigmoid":
+            raise ValueError(
+                f"config.moe_router_activation_func={config.moe_router_activation_func!r} is not supported; "
+                "HF's Kimi Linear routes with sigmoid scores"
+            )
+        if getattr(config, "moe_layer_freq", 1) != 1:
+            raise ValueError(
+                f"config.moe_layer_freq={config.moe_layer_freq!r} is not supported; HF's Kimi Linear takes its MoE "
+                "layers from mlp_layer_types (every layer from first_k_dense_replace on)"
+            )
+        if not getattr(config, "use_grouped_topk", True) and (config.n_group or 1) > 1:
+            raise ValueError(
+                f"config.use_grouped_topk=False with config.n_group={config.n_group} is not supported; HF's Kimi "
+                "Linear always limits routing to the top groups"
+            )
+        if getattr(config, "num_nextn_predict_layers", 0):
+            raise ValueError(
+                f"config.num_nextn_predict_layers={config.num_nextn_predict_layers} is not supported; HF's Kimi "
+                "Linear has no multi-token-prediction layers"
+            )
         if not getattr(config, "mla_use_nope", True):
             raise ValueError("config.mla_use_nope=False (RoPE in the MLA layers) is not supported; HF's Kimi Linear is NoPE")
         if config.tie_word_embeddings:

@@ -73,6 +73,11 @@ spec = register(
         inert_hf_config_fields={
             "qk_head_dim": "derived by the config from qk_nope_head_dim + qk_rope_head_dim, which are read",
             "pretraining_tp": "a pretraining sharding detail that HF's modeling code ignores",
+            "linear_attn_config": "a released config's KDA settings, resolved by the config into layer_types, "
+            "linear_num_heads, linear_head_dim and linear_conv_kernel_dim, which are read",
+            "first_k_dense_replace": "resolved by the config into mlp_layer_types, which is read",
+            "rope_theta": "HF's Kimi Linear applies no RoPE (its MLA layers are NoPE)",
+            "rope_parameters": "HF's Kimi Linear applies no RoPE (its MLA layers are NoPE)",
         },
     )
 )

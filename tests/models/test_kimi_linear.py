@@ -224,6 +224,10 @@ def _config(**overrides):
         (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention"]), r"layer_types\[1\]"),
         (dict(tie_word_embeddings=True), "tie_word_embeddings"),
         (dict(kv_lora_rank=0), "kv_lora_rank"),
+        (dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
+        (dict(moe_layer_freq=2), "moe_layer_freq"),
+        (dict(use_grouped_topk=False), "use_grouped_topk"),
+        (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers"),
         (dict(attention_dropout=0.1), "attention_dropout"),
     ],
 )
@@ -232,6 +236,47 @@ def test_unsupported_config_is_refused(overrides, field):
 
     with pytest.raises(ValueError, match=field):
         KimiLinearArgs.from_hf_config(_config(**overrides))
+
+
+def _released_layout(src, dst):
+    """The tiny checkpoint as Moonshot's release lays it out: config.json with `linear_attn_config`
+    (1-based layer lists), `first_k_dense_replace` and the fields its remote code reads, and the dense
+    layer's MLP under `mlp.` (transformers' save_pretrained writes `block_sparse_moe.`)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    config = json.loads((src / "config.json").read_text())
+    layer_types, mlp_layer_types = config.pop("layer_types"), config.pop("mlp_layer_types")
+    first_dense = mlp_layer_types.index("sparse")
+    config.update(
+        linear_attn_config={
+            "kda_layers": [i + 1 for i, t in enumerate(layer_types) if t == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, t in enumerate(layer_types) if t == "full_attention"],
+            "head_dim": config.pop("linear_head_dim"),
+            "num_heads": config.pop("linear_num_heads"),
+            "short_conv_kernel_size": config.pop("linear_conv_kernel_dim"),
+        },
+        first_k_dense_replace=first_dense, moe_layer_freq=1, moe_router_activation_func="sigmoid",
+        use_grouped_topk=True, num_nextn_predict_layers=0, mla_use_nope=True, rope_theta=10000.0,
+    )
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(src / "model.safetensors"))
+    dense = tuple(f"model.layers.{i}.block_sparse_moe." for i in range(first_dense))
+    renamed = {
+        (key.replace(".block_sparse_moe.", ".mlp.") if key.startswith(dense) else key): t for key, t in tensors.items()
+    }
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_checkpoint_laid_out_as_released_aligns(tiny_checkpoint, tmp_path):
+    from archon.tools.align import AlignArgs, run_alignment
+
+    path = _released_layout(tiny_checkpoint(MODEL_TYPE), tmp_path / "released")
+    report = run_alignment(AlignArgs(hf_path=str(path), lora_rank=4, seq_lens=SEQ_LENS))
+    assert report["pass"] and report["unaccounted_config_fields"] == [], report
 
 
 def test_checkpoint_and_in_memory_names(tiny_checkpoint):
