@@ -2,7 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from archon.models.common.args import GroupLimitedMoEArgs, decoder_fields_from_hf
+from archon.models.common.args import (
+    LatentAttentionMoEArgs,
+    group_limited_moe_fields_from_hf,
+    latent_attention_fields_from_hf,
+)
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -11,7 +15,7 @@ SPARSE_MLP = "sparse"
 
 
 @dataclass
-class KimiLinearArgs(GroupLimitedMoEArgs):
+class KimiLinearArgs(LatentAttentionMoEArgs):
     """Kimi Linear hyper-parameters, named as in the HF config (KimiLinearConfig).
 
     layer_types: per layer, "linear_attention" (Kimi Delta Attention) or "full_attention" (MLA
@@ -19,35 +23,25 @@ class KimiLinearArgs(GroupLimitedMoEArgs):
         A checkpoint's `linear_attn_config` (1-based `kda_layers` / `full_attn_layers`) is resolved
         into it by the HF config.
     mlp_layer_types: per layer, "dense" (SwiGLU of intermediate_size) or "sparse" (group-limited
-        sigmoid routing over the routed experts, plus the shared experts).
-    MLA: `kv_lora_rank` latent, `q_lora_rank` query bottleneck (None: q_proj), a query/key head of
-        qk_nope_head_dim + qk_rope_head_dim features, a value head of v_head_dim.
+        sigmoid routing over the routed experts, plus the shared experts). HF derives it from
+        `first_k_dense_replace` unless the config lists it; it decides, not first_k_dense_replace.
+    MLA: see LatentAttentionMoEArgs; the qk_rope_head_dim features are used without rotation.
     KDA: linear_num_heads heads of linear_head_dim (queries, keys and values alike), short convs of
         linear_conv_kernel_dim taps.
     """
 
     layer_types: list[str] = field(default_factory=list)
     mlp_layer_types: list[str] = field(default_factory=list)
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    attention_bias: bool = False
     linear_num_heads: int = 0
     linear_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.mlp_layer_types[layer_idx] == SPARSE_MLP
 
     @classmethod
     def from_hf_config(cls, config) -> "KimiLinearArgs":
-        fields = decoder_fields_from_hf(config, rope=False)
+        fields = group_limited_moe_fields_from_hf(config, num_experts_field="num_local_experts", rope=False)
         fields["head_dim"] = config.qk_rope_head_dim
         if config.num_key_value_heads != config.num_attention_heads:
             raise ValueError(
@@ -83,10 +77,7 @@ class KimiLinearArgs(GroupLimitedMoEArgs):
                 "config.tie_word_embeddings=True is not supported: HF's KimiLinearForCausalLM never ties its head "
                 "(it keeps a separate lm_head), so the flag does not say what the checkpoint computes"
             )
-        n_shared_experts = config.n_shared_experts
-        if not n_shared_experts:
-            raise ValueError(f"config.n_shared_experts={n_shared_experts!r} is not supported; it must be at least 1")
-        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "linear_num_heads", "linear_head_dim"):
+        for name in ("linear_num_heads", "linear_head_dim"):
             if not getattr(config, name, None):
                 raise ValueError(f"config.{name}={getattr(config, name, None)!r}; it must be a positive integer")
         if config.num_local_experts % (config.n_group or 1):
@@ -95,23 +86,9 @@ class KimiLinearArgs(GroupLimitedMoEArgs):
             )
         args = cls(
             **fields,
-            n_routed_experts=config.num_local_experts,
-            num_experts_per_tok=config.num_experts_per_tok,
-            moe_intermediate_size=config.moe_intermediate_size,
-            n_shared_experts=n_shared_experts,
-            n_group=config.n_group or 1,
-            topk_group=config.topk_group or 1,
-            norm_topk_prob=bool(config.norm_topk_prob),
-            routed_scaling_factor=float(config.routed_scaling_factor),
-            first_k_dense_replace=0,  # unused: mlp_layer_types says which layers are dense
+            **latent_attention_fields_from_hf(config),
             layer_types=list(config.layer_types),
             mlp_layer_types=list(config.mlp_layer_types),
-            q_lora_rank=config.q_lora_rank or None,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            attention_bias=bool(config.attention_bias),
             linear_num_heads=config.linear_num_heads,
             linear_head_dim=config.linear_head_dim,
             linear_conv_kernel_dim=config.linear_conv_kernel_dim,

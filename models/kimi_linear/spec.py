@@ -75,7 +75,6 @@ spec = register(
             "pretraining_tp": "a pretraining sharding detail that HF's modeling code ignores",
             "linear_attn_config": "a released config's KDA settings, resolved by the config into layer_types, "
             "linear_num_heads, linear_head_dim and linear_conv_kernel_dim, which are read",
-            "first_k_dense_replace": "resolved by the config into mlp_layer_types, which is read",
             "rope_theta": "HF's Kimi Linear applies no RoPE (its MLA layers are NoPE)",
             "rope_parameters": "HF's Kimi Linear applies no RoPE (its MLA layers are NoPE)",
         },
