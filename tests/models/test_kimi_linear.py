@@ -316,3 +316,24 @@ def test_native_logprobs_equal_the_trainers(tiny_checkpoint):
     expected = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
     rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
     torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
+
+
+def test_native_greedy_equals_hf_generate(tiny_checkpoint):
+    """Greedy generation through the per-sequence cache (MLA keys and values; KDA conv windows and
+    state) gives HF's greedy tokens, for a prompt longer than a delta-rule chunk too."""
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(MODEL_TYPE, layer_types=["full_attention", "linear_attention", "linear_attention"])
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = NativeRolloutEngine(build_model(path).model)
+    prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + DELTA_RULE_CHUNK_SIZE + 5))]
+    samples = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))
+    for prompt, sample in zip(prompts, samples):
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, len(prompt)),
+                pad_token_id=0, eos_token_id=None,
+            )
+        assert sample.completion_ids == out[0, len(prompt) :].tolist()
