@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 # Tokens per chunk of the chunked delta rule: within a chunk the updates are solved at once, chunks
 # are scanned one after another.
 DELTA_RULE_CHUNK_SIZE = 64
+# Tokens per sub-chunk of a chunk, for the per-channel decay's pairwise products (see
+# `decayed_pair_products`).
+DECAY_SUB_CHUNK_SIZE = 16
 
 
 class PaddedSequences:
@@ -73,6 +76,36 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def decayed_pair_products(
+    x: torch.Tensor, y: torch.Tensor, cum_g: torch.Tensor, sub_chunk: int = DECAY_SUB_CHUNK_SIZE
+) -> torch.Tensor:
+    """M[..., i, j] = sum_c x_i[c] y_j[c] exp(G_i[c] - G_j[c]) for j <= i, and 0 above the diagonal.
+
+    x, y, cum_g (G): [..., C, dk]; G is a cumulative log decay, so it does not increase along C.
+    Returns [..., C, C]. Pairs in different sub-chunks (j in sub-chunk b < a, i in a) go through one
+    matmul per pair of sub-chunks, with both sides decayed to the first row r of sub-chunk a:
+    exp(G_i - G_r) and exp(G_r - G_j), each at most 1 since j < r <= i, so neither overflows. Pairs
+    within a sub-chunk are summed over the channels directly. This holds [.., C, C / S, dk] and
+    [.., C, S, dk] terms rather than the [.., C, C, dk] of every pair.
+    """
+    *lead, length, dk = x.shape
+    size = sub_chunk if length % sub_chunk == 0 else length
+    n_sub = length // size
+    xs, ys, gs = (t.reshape(*lead, n_sub, size, dk) for t in (x, y, cum_g))
+    ref = gs[..., :1, :]  # [.., n_sub, 1, dk]: G at each sub-chunk's first row
+    x_to_ref = xs * (gs - ref).exp()
+    earlier = torch.ones(n_sub, n_sub, dtype=torch.bool, device=x.device).tril(-1)  # [a, b]: b < a
+    from_ref = (ref[..., :, None, :, :] - gs[..., None, :, :, :]).masked_fill(~earlier[:, :, None, None], float("-inf"))
+    y_from_ref = ys[..., None, :, :, :] * from_ref.exp()  # [.., n_sub (a), n_sub (b), S, dk]
+    across = x_to_ref[..., :, None, :, :] @ y_from_ref.transpose(-1, -2)  # [.., a, b, S, S], zero for b >= a
+    causal = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
+    pair_decay = (gs[..., :, None, :] - gs[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    within = (xs[..., :, None, :] * pair_decay * ys[..., None, :, :]).sum(-1)  # [.., n_sub, S, S]
+    same = torch.eye(n_sub, dtype=torch.bool, device=x.device)[:, :, None, None]
+    blocks = torch.where(same, within[..., :, None, :, :], across)  # [.., a, b, S, S]
+    return blocks.transpose(-3, -2).reshape(*lead, length, length)
+
+
 def chunked_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,8 +127,8 @@ def chunked_gated_delta_rule(
     are solved at once (the WY form of the delta rule): with A = I + strictly_lower(beta_i k_i.D.k_j),
     U = A^-1 (beta v) and W = A^-1 (beta exp(G) k), the chunk reads the state S it starts from as
     v_new = U - W S and o = (exp(G) q) S + (q_i.D.k_j)_{j<=i} v_new, and leaves
-    S' = exp(G_last) S + (exp(G_last - G) k)^T v_new. The per-channel form materialises D as
-    [.., C, C, dk] per chunk.
+    S' = exp(G_last) S + (exp(G_last - G) k)^T v_new. The per-channel products x.D.y come from
+    `decayed_pair_products`.
     """
     n_seqs, n_heads, length, dk = k.shape
     dv = v.shape[-1]
@@ -113,9 +146,8 @@ def chunked_gated_delta_rule(
     k_beta = k * beta[..., None]
     if per_channel:
         cum_g = g.reshape(n_seqs, n_heads, n_chunks, chunk, dk).cumsum(dim=-2)  # [N, H, n, C, dk]
-        decay = (cum_g[..., :, None, :] - cum_g[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
-        system = (k_beta[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)  # [N, H, n, C, C]
-        intra = (q[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)
+        system = decayed_pair_products(k_beta, k, cum_g)  # [N, H, n, C, C]
+        intra = decayed_pair_products(q, k, cum_g)
         channel_cum_g = cum_g
         chunk_decay = cum_g[..., -1, :].exp()[..., None]  # [N, H, n, dk, 1]
     else:

@@ -77,17 +77,19 @@ def _naive_kimi_delta_rule(q, k, v, g, beta, state):
     return torch.stack(outputs, dim=2), state
 
 
+@pytest.mark.parametrize("max_decay", [2.0, 60.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("length", [1, 5, DELTA_RULE_CHUNK_SIZE, 2 * DELTA_RULE_CHUNK_SIZE + 3])
-def test_chunked_kimi_delta_rule_equals_the_recurrence(length, dtype):
+def test_chunked_kimi_delta_rule_equals_the_recurrence(length, dtype, max_decay):
     """The chunked (WY) form with a per-channel decay against the rule written out per token, from a
-    non-zero state; decays spread over channels so that a per-head decay could not pass."""
+    non-zero state; decays spread over channels so that a per-head decay could not pass, and strong
+    enough (up to 60 per token, far past exp's range over a chunk) that no factor may overflow."""
     g_ = torch.Generator().manual_seed(length)
     n, h, dk, dv = 2, 3, 8, 4
     q = F.normalize(torch.randn(n, h, length, dk, generator=g_, dtype=dtype), dim=-1) * dk**-0.5
     k = F.normalize(torch.randn(n, h, length, dk, generator=g_, dtype=dtype), dim=-1)
     v = torch.randn(n, h, length, dv, generator=g_, dtype=dtype)
-    g = -torch.rand(n, h, length, dk, generator=g_, dtype=dtype) * torch.linspace(0.01, 2.0, dk, dtype=dtype)
+    g = -torch.rand(n, h, length, dk, generator=g_, dtype=dtype) * torch.linspace(0.01, max_decay, dk, dtype=dtype)
     beta = torch.rand(n, h, length, generator=g_, dtype=dtype)
     state = torch.randn(n, h, dk, dv, generator=g_, dtype=dtype)
     o, final = chunked_gated_delta_rule(q, k, v, g, beta, state)
