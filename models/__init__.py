@@ -10,3 +10,4 @@ from archon.models import (
     qwen3_5,  # noqa: F401
 )
 from archon.models import kimi_linear  # noqa: F401
+from archon.models import olmo3  # noqa: F401

@@ -38,23 +38,27 @@ def mlp_activation_from_hf(config, supported: tuple[str, ...] = ("silu",)) -> st
     return found[0] if found else "silu"
 
 
-def decoder_fields_from_hf(config, mlp_activations: tuple[str, ...] = ("silu",), rope: bool = True) -> dict[str, Any]:
+def decoder_fields_from_hf(
+    config, mlp_activations: tuple[str, ...] = ("silu",), rope_parameters: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The DecoderArgs fields of an HF config, as HF's modeling code resolves them.
 
     head_dim falls back to hidden_size // num_attention_heads when the config has none (or None);
     num_key_value_heads falls back to num_attention_heads; intermediate_size is 0 for a config
     without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE). The MLP activation must be
     one of `mlp_activations` (the family reads which with `mlp_activation_from_hf`); attention
-    dropout must be 0, since archon's attention has none. rope=False: a model without rotary
-    embeddings (Kimi Linear), whose rope_parameters are {}.
+    dropout must be 0, since archon's attention has none.
+    rope_parameters: the family's own reading of config.rope_parameters (OLMo 3's, one entry per
+    layer type), taken as it is; otherwise config.rope_parameters must hold rope_theta.
     """
     mlp_activation_from_hf(config, mlp_activations)
     attention_dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if attention_dropout != 0.0:
         raise ValueError(f"config.attention_dropout={attention_dropout!r} is not supported; archon's attention has no dropout")
-    rope_parameters = getattr(config, "rope_parameters", None) if rope else {}
-    if rope and (not rope_parameters or "rope_theta" not in rope_parameters):
-        raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
+    if rope_parameters is None:
+        rope_parameters = getattr(config, "rope_parameters", None)
+        if not rope_parameters or "rope_theta" not in rope_parameters:
+            raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
     return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -150,17 +154,17 @@ class GroupLimitedMoEArgs(DecoderArgs):
 
 
 def group_limited_moe_fields_from_hf(
-    config, num_experts_field: str = "n_routed_experts", rope: bool = True
+    config, num_experts_field: str = "n_routed_experts", rope_parameters: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The GroupLimitedMoEArgs fields of an HF config (DecoderArgs fields included).
 
     num_experts_field: the config field that counts the routed experts (Kimi Linear's is
-    num_local_experts); rope: as in `decoder_fields_from_hf`."""
+    num_local_experts); rope_parameters: as in `decoder_fields_from_hf`."""
     n_shared_experts = getattr(config, "n_shared_experts", None)
     if not n_shared_experts:
         raise ValueError(f"config.n_shared_experts={n_shared_experts!r} is not supported; it must be at least 1")
     return dict(
-        decoder_fields_from_hf(config, rope=rope),
+        decoder_fields_from_hf(config, rope_parameters=rope_parameters),
         n_routed_experts=getattr(config, num_experts_field),
         num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.moe_intermediate_size,

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 from archon.models.common.norms import RMSNorm
-from archon.models.common.rope import RotaryEmbedding
+from archon.models.common.rope import LayerTypeRotaryEmbedding, RotaryEmbedding
 from torch import nn
 
 from archon.head import full_vocab_logits
@@ -52,17 +52,25 @@ class PreNormDecoderLayer(nn.Module):
 class PackedDecoderLM(nn.Module):
     """embed_tokens -> rotary -> layers -> norm -> lm_head (or the tied embedding).
 
-    `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings.
+    `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings, and
+    layer_types when `rotary` is a LayerTypeRotaryEmbedding (each layer then gets its type's tables).
+    norm: the final norm, RMSNorm(hidden_size, rms_norm_eps) unless given.
     rotary None: no layer reads positions (cos and sin reach the layers as None).
     """
 
-    def __init__(self, args, rotary: RotaryEmbedding | None, layers: Iterable[nn.Module]) -> None:
+    def __init__(
+        self,
+        args,
+        rotary: RotaryEmbedding | LayerTypeRotaryEmbedding | None,
+        layers: Iterable[nn.Module],
+        norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rotary = rotary
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if norm is None else norm
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
@@ -91,8 +99,9 @@ class PackedDecoderLM(nn.Module):
         work on every token of their share of the heads.
         """
         h = self.embed_tokens(tokens)
-        cos, sin = (None, None) if self.rotary is None else self.rotary(positions, h.dtype)
+        tables = (None, None) if self.rotary is None else self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.args.layer_types[i]] if isinstance(tables, dict) else tables
             h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i), context_parallel)
         if logits_rows is not None:
             h = h[logits_rows]

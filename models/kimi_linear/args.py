@@ -41,7 +41,8 @@ class KimiLinearArgs(LatentAttentionMoEArgs):
 
     @classmethod
     def from_hf_config(cls, config) -> "KimiLinearArgs":
-        fields = group_limited_moe_fields_from_hf(config, num_experts_field="num_local_experts", rope=False)
+        # no rope_parameters: HF's Kimi Linear has no rotary embedding
+        fields = group_limited_moe_fields_from_hf(config, num_experts_field="num_local_experts", rope_parameters={})
         fields["head_dim"] = config.qk_rope_head_dim
         if config.num_key_value_heads != config.num_attention_heads:
             raise ValueError(
