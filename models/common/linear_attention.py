@@ -142,7 +142,6 @@ def chunked_gated_delta_rule(
     n_chunks = (length + pad) // chunk
     q, k, v = (t.reshape(n_seqs, n_heads, n_chunks, chunk, -1) for t in (q, k, v))
     beta = beta.reshape(n_seqs, n_heads, n_chunks, chunk)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     k_beta = k * beta[..., None]
     if per_channel:
         cum_g = g.reshape(n_seqs, n_heads, n_chunks, chunk, dk).cumsum(dim=-2)  # [N, H, n, C, dk]
@@ -152,6 +151,7 @@ def chunked_gated_delta_rule(
         chunk_decay = cum_g[..., -1, :].exp()[..., None]  # [N, H, n, dk, 1]
     else:
         cum_g = g.reshape(n_seqs, n_heads, n_chunks, chunk).cumsum(dim=-1)  # [N, H, n, C]
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
         decay = (cum_g[..., :, None] - cum_g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, n, C, C]
         system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower triangle is read
         intra = (q @ k.transpose(-1, -2)) * decay

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from family_checks import (
     assert_aligned,
-    assert_gate_fails,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
@@ -125,87 +124,8 @@ def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
             torch.testing.assert_close(grads_packed[name], grads_alone[name], rtol=1e-4, atol=1e-7)
 
 
-def _per_head_mean_decay(forget_gate, original):
-    def forward(x):
-        g = original(x)
-        return g.mean(dim=-1, keepdim=True).expand_as(g)
-
-    return forward
-
-
-def _without_conv(x, weight, lengths, initial_window):
-    from archon.models.common.linear_attention import causal_conv1d
-
-    _, window = causal_conv1d(x, weight, lengths, initial_window)
-    return F.silu(x), window
-
-
-def _switch_off(model, monkeypatch, feature):
-    """Switch one feature of the tiny config off in `model` (a KimiLinearModel)."""
-    import archon.models.kimi_linear.model as kimi
-
-    kda = [layer.self_attn for layer in model.layers if layer.layer_type == "linear_attention"]
-    routers = [layer.mlp.gate for layer in model.layers if hasattr(layer.mlp, "gate")]
-    if feature == "per-channel decay":  # each head's channels decay at their mean rate
-        for attn in kda:
-            monkeypatch.setattr(attn.forget_gate, "forward", _per_head_mean_decay(attn.forget_gate, attn.forget_gate.forward))
-    elif feature == "short conv":
-        monkeypatch.setattr(kimi, "causal_conv1d", _without_conv)
-    elif feature == "output gate":
-        for attn in kda:
-            monkeypatch.setattr(attn.o_norm, "gate_activation", torch.ones_like)
-    elif feature == "sigmoid output gate":  # Qwen3.5's silu instead
-        for attn in kda:
-            monkeypatch.setattr(attn.o_norm, "gate_activation", F.silu)
-    elif feature == "beta":
-        for attn in kda:
-            monkeypatch.setattr(attn.b_proj, "forward", lambda x, width=attn.b_proj.weight.shape[0]: x.new_zeros(*x.shape[:-1], width))
-    elif feature == "routing bias":
-        for router in routers:
-            router.e_score_correction_bias.zero_()
-    elif feature == "group limit":
-        for router in routers:
-            monkeypatch.setattr(router, "topk_group", router.n_group)
-    elif feature == "routed scaling":
-        for router in routers:
-            monkeypatch.setattr(router, "routed_scaling_factor", 1.0)
-    elif feature == "shared experts":
-        for layer in model.layers:
-            if hasattr(layer.mlp, "shared_experts"):
-                monkeypatch.setattr(layer.mlp.shared_experts, "forward", torch.zeros_like)
-    elif feature == "no positions in MLA":  # RoPE on the shared key part, as DeepSeek-V3 has
-        from archon.models.common.rope import RotaryEmbedding
-
-        args = model.args
-        model.rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, args.qk_rope_head_dim, 512)
-        for layer in model.layers:
-            if layer.layer_type == "full_attention":
-                monkeypatch.setattr(layer.self_attn, "rotary", True)
-    else:
-        raise AssertionError(feature)
-
-
-@pytest.mark.parametrize(
-    "feature",
-    [
-        "per-channel decay", "short conv", "output gate", "sigmoid output gate", "beta",
-        "routing bias", "group limit", "routed scaling", "shared experts", "no positions in MLA",
-    ],
-)
-def test_gate_fails_with_each_feature_switched_off(feature, monkeypatch):
-    """The registered tiny config exercises each feature: with it switched off in archon's model, the
-    gate fails."""
-    import archon.tools.align as align
-
-    build = align.build_model
-
-    def build_and_switch_off(*args, **kwargs):
-        loaded = build(*args, **kwargs)
-        _switch_off(loaded.model, monkeypatch, feature)
-        return loaded
-
-    monkeypatch.setattr(align, "build_model", build_and_switch_off)
-    assert_gate_fails(MODEL_TYPE, {}, seq_lens=SEQ_LENS)
+# The mutation checks (each feature switched off fails the gate) are the kimi_linear cases of
+# tests/models/test_feature_sensitivity.py.
 
 
 def _config(**overrides):
