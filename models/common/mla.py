@@ -64,23 +64,19 @@ class MultiHeadLatentAttention(nn.Module):
         # it for its own heads only; the TP plan makes this module sum those gradient shares.
         self.shared_rope_key = nn.Identity()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-        cache=None,
-        context_parallel=None,
-    ) -> torch.Tensor:
-        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> [T, dim]. context_parallel: see packed_attention. `cache`: a layer's KV cache during
-        generation (archon/rollout/kv_cache.py), which holds the expanded per-head keys and values."""
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> q [T, H, qk_head_dim], k [T, H, qk_head_dim],
+        v [T, H, v_head_dim] and the query latent q_a_layernorm(q_a_proj(x)) [T, q_lora_rank] (None
+        without the query bottleneck). H is this rank's share of the heads under tensor parallelism."""
         T = x.shape[0]
         if self.q_proj is not None:
+            q_latent = None
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q_nope, q_rot = q.view(T, -1, self.qk_head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -93,6 +89,21 @@ class MultiHeadLatentAttention(nn.Module):
         k_rot = self.shared_rope_key(k_rot)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1)), dim=-1)
+        return q, k, v, q_latent
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        cache=None,
+        context_parallel=None,
+    ) -> torch.Tensor:
+        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> [T, dim]. context_parallel: see packed_attention. `cache`: a layer's KV cache during
+        generation (archon/rollout/kv_cache.py), which holds the expanded per-head keys and values."""
+        q, k, v, _ = self.project(x, cos, sin)
         out = None if cache is None else cache.attention(q, k, v, self.scale)
         if out is None:  # training, or a prefill (the cache has stored k and v)
             # The flash varlen kernel takes one head size for q, k and v: values are zero-padded up
@@ -101,7 +112,7 @@ class MultiHeadLatentAttention(nn.Module):
             out = packed_attention(
                 q, k, F.pad(v, (0, pad)), cu_seqlens, max_seqlen, self.scale, context_parallel=context_parallel
             )[..., : self.v_dim]
-        return self.o_proj(out.reshape(T, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class SharedAcrossHeads(ParallelStyle):

@@ -35,6 +35,7 @@ from archon.models.common.moe import (
 )
 from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm, ProjectionRMSNorm
 from archon.models.common.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from archon.models.deepseek_v32.model import LightningIndexer, SparseLatentAttention
 from archon.models.kimi_linear import model as kimi_linear_model
 from archon.models.kimi_linear.model import KimiDeltaAttention, KimiForgetGate
 
@@ -433,6 +434,45 @@ def _gate_up_halves(self, gate_up):
     return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+def every_causal_key(model, monkeypatch):
+    """Sparse attention without its indexer: every query reads all its causal keys."""
+    modules(model, LightningIndexer)
+    monkeypatch.setattr(LightningIndexer, "select", lambda self, q, k, weights, visible: visible)
+
+
+def shared_layers_read_every_key(model, monkeypatch):
+    """GLM-5's shared layers attend to all causal keys instead of reusing the selection before them."""
+    from archon.causal_attention import causal_mask
+
+    assert any(attn.indexer is None for attn in modules(model, SparseLatentAttention))
+    select = SparseLatentAttention._select
+
+    def select_unless_shared(self, x, q_latent, cos, sin, cu_seqlens, cache):
+        if self.indexer is not None:
+            return select(self, x, q_latent, cos, sin, cu_seqlens, cache)
+        return [causal_mask(int(n), None, x.device) for n in cu_seqlens[1:] - cu_seqlens[:-1]]
+
+    monkeypatch.setattr(SparseLatentAttention, "_select", select_unless_shared)
+
+
+def indexer_key_not_normed(model, monkeypatch):
+    """The indexer's keys without their LayerNorm (k_norm)."""
+    for indexer in modules(model, LightningIndexer):
+        indexer.k_norm = nn.Identity()
+
+
+def indexer_heads_weighted_equally(model, monkeypatch):
+    """The indexer's per-head score weights (weights_proj) all 1."""
+    modules(model, LightningIndexer)
+    forward = LightningIndexer.forward
+
+    def equal_weights(self, x, *rest):
+        q, k, _ = forward(self, x, *rest)
+        return q, k, torch.ones(x.shape[0], self.n_heads)
+
+    monkeypatch.setattr(LightningIndexer, "forward", equal_weights)
+
+
 def qk_norm_per_head(model, monkeypatch):
     """OLMo's QK-norms over the whole q and k projections taken per head instead (same weights)."""
 
@@ -586,6 +626,20 @@ CASES = [
     Case("deepseek_v3", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
     Case("deepseek_v3", "routed-scaling-factor", set_on(SigmoidGroupTopKRouter, routed_scaling_factor=1.0)),
     Case("deepseek_v3", "shared-experts", no_shared_experts),
+    # DeepSeek-V3.2: DeepSeek-V3's MLA and routing plus the indexer's top-k selection (half-split
+    # indexer RoPE); GLM-5: the indexer's RoPE interleaved, a layer sharing the selection before it.
+    Case("deepseek_v32", "indexer-top-k", every_causal_key),
+    Case("deepseek_v32", "indexer-rope-half-split", set_on(LightningIndexer, interleaved=True)),
+    Case("deepseek_v32", "indexer-key-norm", indexer_key_not_normed),
+    Case("deepseek_v32", "indexer-head-weights", indexer_heads_weighted_equally),
+    Case("deepseek_v32", "yarn-softmax-mscale", no_yarn_softmax_mscale),
+    Case("deepseek_v32", "rope-interleave", rope_not_interleaved),
+    Case("deepseek_v32", "latent-norms", no_latent_norms),
+    Case("deepseek_v32", "score-correction-bias", no_score_correction_bias),
+    Case("deepseek_v32", "shared-experts", no_shared_experts),
+    Case("glm_moe_dsa", "indexer-top-k", every_causal_key),
+    Case("glm_moe_dsa", "indexer-rope-interleaved", set_on(LightningIndexer, interleaved=False)),
+    Case("glm_moe_dsa", "shared-layer-selection", shared_layers_read_every_key),
     # Qwen3.5 dense: zero-centred norms, gated attention (QK-norm, partial rotary, output gate),
     # gated DeltaNet (short conv, decay, write strength, L2-normed q/k, dt_bias, gated output norm).
     Case("qwen3_5_text", "norm-one-plus-weight", norm_without_offset),
