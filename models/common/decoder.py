@@ -55,12 +55,13 @@ class PackedDecoderLM(nn.Module):
     `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings, and
     layer_types when `rotary` is a LayerTypeRotaryEmbedding (each layer then gets its type's tables).
     norm: the final norm, RMSNorm(hidden_size, rms_norm_eps) unless given.
+    rotary None: no layer reads positions (cos and sin reach the layers as None).
     """
 
     def __init__(
         self,
         args,
-        rotary: RotaryEmbedding | LayerTypeRotaryEmbedding,
+        rotary: RotaryEmbedding | LayerTypeRotaryEmbedding | None,
         layers: Iterable[nn.Module],
         norm: nn.Module | None = None,
     ) -> None:
@@ -98,7 +99,7 @@ class PackedDecoderLM(nn.Module):
         work on every token of their share of the heads.
         """
         h = self.embed_tokens(tokens)
-        tables = self.rotary(positions, h.dtype)
+        tables = (None, None) if self.rotary is None else self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.args.layer_types[i]] if isinstance(tables, dict) else tables
             h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i), context_parallel)

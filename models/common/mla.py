@@ -29,21 +29,24 @@ class MultiHeadLatentAttention(nn.Module):
     [latent | k_rot] = kv_a_proj_with_mqa(x): [kv_lora_rank | rope]; k_rot is one key for all heads
     [k_nope | v] = kv_b_proj(kv_a_layernorm(latent)): [H, nope + v]
     k = [k_nope | RoPE(k_rot)], q = [q_nope | RoPE(q_rot)]; softmax scale qk_head_dim^-0.5 * YaRN mscale.
+    With rotary=False (Kimi Linear's NoPE layers) q_rot and k_rot are used as they are, and the scale
+    is qk_head_dim^-0.5.
 
     `args` needs the HF fields hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank,
-    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, attention_bias, rope_interleave and
-    rope_parameters, and qk_head_dim (nope + rope). Families: DeepSeek-V3 / Kimi K2 and those built on
-    its attention.
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, attention_bias, and qk_head_dim (nope + rope);
+    with rotary, rope_interleave and rope_parameters too. Families: DeepSeek-V3 / Kimi K2 and those
+    built on its attention (Kimi Linear).
     """
 
-    def __init__(self, args, lora: LoRAConfig | None) -> None:
+    def __init__(self, args, lora: LoRAConfig | None, rotary: bool = True) -> None:
         super().__init__()
         dim, n_heads = args.hidden_size, args.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_lora_rank = args.kv_lora_rank
         self.qk_head_dim = args.qk_head_dim
-        self.interleaved = args.rope_interleave
-        self.scale = self.qk_head_dim**-0.5 * yarn_softmax_mscale(args.rope_parameters)
+        self.rotary = rotary
+        self.interleaved = args.rope_interleave if rotary else False
+        self.scale = self.qk_head_dim**-0.5 * (yarn_softmax_mscale(args.rope_parameters) if rotary else 1.0)
         if args.q_lora_rank is None:
             self.q_proj = linear(dim, n_heads * self.qk_head_dim, False, "q_proj", lora)
         else:
@@ -79,8 +82,11 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, nope], [T, H, v]
-        q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
-        k_rot = self.shared_rope_key(apply_rotary(k_rot[:, None, :], cos, sin, self.interleaved))  # [T, 1, rope]
+        k_rot = k_rot[:, None, :]  # [T, 1, rope]
+        if self.rotary:
+            q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
+            k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
+        k_rot = self.shared_rope_key(k_rot)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1)), dim=-1)
         return q, k, v, q_latent

@@ -21,7 +21,6 @@ CASES = {
     "deepseek_v3-no-q-lora": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False), ("tp2",)),
     # The registered tiny config: sinks, q/k/v/o bias, window on even layers, untied head.
     "gpt_oss": ("gpt_oss", {}, ("tp2", "fsdp2")),
-<<<<<<< HEAD
     # A DeltaNet layer (fused in_proj_qkvz / in_proj_ba sharded by key head) with a sparse MLP, then a
     # gated attention layer with a dense one. Two layers: at three the fp32 noise of the DeltaNet
     # layers reaches the tolerance (grad_max_rel 1.2e-5).
@@ -30,13 +29,13 @@ CASES = {
         dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1]),
         ("tp2", "fsdp2"),
     ),
-=======
     # DeepSeek sparse attention (GLM-5: a layer sharing an earlier layer's selection): the indexer
     # replicated, every rank selecting the same keys for its own heads.
     "glm_moe_dsa": ("glm_moe_dsa", {}, ("tp2", "fsdp2")),
->>>>>>> w-dsa
     # q_norm / k_norm over the whole projection: sharded with it, the statistic summed over the ranks.
     "minimax_m2": ("minimax_m2", {}, ("tp2", "fsdp2")),
+    # KDA layers sharded by head (projections, convs, forget gate, gated norm) around an MLA layer.
+    "kimi_linear": ("kimi_linear", {}, ("tp2", "fsdp2")),
 }
 
 
