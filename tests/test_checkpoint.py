@@ -234,3 +234,28 @@ def test_a_pattern_only_the_checkpoint_has_is_a_difference(tmp_path):
     with pytest.raises(CheckpointError, match=r"lora.alpha_pattern.q_proj: checkpoint 64.0, this run None"):
         check_same_settings(tmp_path, saved, {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0))})
     check_same_settings(tmp_path, saved, {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0, alpha_pattern={"q_proj": 64.0}))})
+
+
+def test_a_reshaping_combine_is_read_whole_for_a_shard(tmp_path, monkeypatch):
+    """A converter whose combine only reshapes (Kimi Linear's A_log, stored [1, 1, H, 1], is [H] in
+    archon) looks like the identity on a probe of the parameter's rank; the sharded read must not
+    take the one-to-one path for it, which would slice the stored tensor with the parameter's region."""
+    from safetensors.torch import save_file
+
+    import archon.checkpoint.hf as hf
+    from archon.checkpoint.state_dict_converter import StateDictConverter
+
+    class Reshaping(StateDictConverter):
+        def hf_sources(self, key, hf_keys):
+            return ["A_log"]
+
+        def combine(self, key, tensors):
+            return tensors[0].reshape(-1)
+
+    stored = torch.arange(8, dtype=torch.float32).reshape(1, 1, 8, 1)
+    save_file({"A_log": stored}, str(tmp_path / "model.safetensors"))
+    checkpoint = HFCheckpoint(tmp_path)
+    converter = Reshaping.__new__(Reshaping)
+    monkeypatch.setattr(hf, "local_region", lambda t: (slice(4, 8),))
+    part = read_local(converter, checkpoint, "A_log", ["A_log"], torch.empty(8))
+    assert torch.equal(part, torch.arange(4, 8, dtype=torch.float32))

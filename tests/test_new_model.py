@@ -196,3 +196,33 @@ def test_a_combined_renderer_import_keeps_the_spec(root):
     assert (root / "models" / "minimax_like" / "__init__.py").read_text().startswith(
         "from archon.models.minimax_like import spec  # noqa: F401"
     )
+
+
+def test_registration_joins_the_grouped_import_in_name_order():
+    from archon.tools.new_model import registered
+
+    grouped = '"""Families."""\n\nfrom archon.models import (\n    llama,  # noqa: F401\n    qwen3,  # noqa: F401\n)\n'
+    assert registered(grouped, "mistral") == (
+        '"""Families."""\n\nfrom archon.models import (\n    llama,  # noqa: F401\n    mistral,  # noqa: F401\n'
+        "    qwen3,  # noqa: F401\n)\n"
+    )
+    assert registered(registered(grouped, "zeta"), "zeta").count("zeta") == 1
+    assert registered(REGISTRY, "mistral") == REGISTRY + "from archon.models import mistral  # noqa: F401\n"
+
+
+def test_hf_module_paths_are_not_renamed():
+    """A test that imports HF's own router for the like-family keeps that path: HF's module names the
+    like-family's type, and a half-renamed path (`deepseek_v3.modeling_kimi_linear`) does not exist."""
+    from archon.tools.new_model import Renamer
+
+    rename = Renamer("deepseek_v3", "kimi_linear", "DeepseekV3", "KimiLinear")
+    text = (
+        'router = "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter.forward"\n'
+        "from archon.models.deepseek_v3.args import DeepseekV3Args\n"
+        "parallelize_deepseek_v3(DEEPSEEK_V3_CASES)\n"
+    )
+    assert rename(text) == (
+        'router = "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter.forward"\n'
+        "from archon.models.kimi_linear.args import KimiLinearArgs\n"
+        "parallelize_kimi_linear(KIMI_LINEAR_CASES)\n"
+    )

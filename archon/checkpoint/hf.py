@@ -285,7 +285,8 @@ def read_local(
     checkpoint than needed when the adapter maps the key one to one or stacks per-expert tensors."""
     region = local_region(target)
     want = tuple(target.shape)
-    if region is not None and len(sources) == 1 and _combine_is_identity(converter, key, len(want)):
+    # probed in the stored tensor's rank: a combine that only reshapes ([1, 1, H, 1] -> [H]) is no identity
+    if region is not None and len(sources) == 1 and _combine_is_identity(converter, key, len(checkpoint.shape(sources[0]))):
         got = tuple(checkpoint.shape(sources[0]))
         if got != want:
             raise _shape_error(key, sources, got, want)

@@ -105,6 +105,8 @@ class Renamer:
     def __init__(self, like: str, name: str, like_prefix: str, new_prefix: str) -> None:
         self.like_prefix = like_prefix
         rules = [
+            # HF's module paths name the like-family's HF type, which stays true of HF
+            (rf"\btransformers(\.\w+)+", None),
             (rf"\barchon\.models\.{like}\b", f"archon.models.{name}"),
             (rf"\bfrom archon\.models import {like}\b", f"from archon.models import {name}"),
             (rf"\b{like_prefix}(?=[A-Z])", new_prefix),  # LlamaArgs, LlamaModel, ...
@@ -116,7 +118,11 @@ class Renamer:
         self._replacements = {f"r{i}": replacement for i, (_, replacement) in enumerate(rules)}
 
     def __call__(self, text: str) -> str:
-        return self._pattern.sub(lambda match: self._replacements[match.lastgroup], text)
+        def replace(match: re.Match) -> str:
+            replacement = self._replacements[match.lastgroup]
+            return match.group(0) if replacement is None else replacement
+
+        return self._pattern.sub(replace, text)
 
 
 def _replace_segments(source: str, edits: list[tuple[ast.AST, str]]) -> str:
@@ -259,12 +265,21 @@ def test_meta_weights_complete(case):
 '''
 
 
-def register_line(registry_source: str, name: str) -> str | None:
-    """The line to append to models/__init__.py, or None when the family is imported already."""
-    if re.search(rf"^\s*(from archon\.models import {name}\b|import archon\.models\.{name}\b|from archon\.models\.{name}\b)",
-                 registry_source, flags=re.M):
-        return None
-    return f"from archon.models import {name}  # noqa: F401\n"
+def registered(registry_source: str, name: str) -> str:
+    """models/__init__.py with family `name` imported: added to its `from archon.models import (...)`
+    block in name order, or as a line of its own when there is no block; unchanged when the family is
+    imported already."""
+    if re.search(rf"^\s*(from archon\.models import {name}\b|import archon\.models\.{name}\b|"
+                 rf"from archon\.models\.{name}\b|{name},)", registry_source, flags=re.M):
+        return registry_source
+    block = re.search(r"^from archon\.models import \(\n(.*?)^\)", registry_source, flags=re.M | re.S)
+    if block is None:
+        return registry_source + ("" if registry_source.endswith("\n") else "\n") + f"from archon.models import {name}  # noqa: F401\n"
+    lines = block.group(1).splitlines(keepends=True)
+    names = [line.strip().split(",")[0] for line in lines]
+    position = sum(existing < name for existing in names)
+    lines.insert(position, f"    {name},  # noqa: F401\n")
+    return registry_source[: block.start(1)] + "".join(lines) + registry_source[block.end(1):]
 
 
 def scaffold(args: NewModelArgs) -> Scaffold:
@@ -331,9 +346,7 @@ def scaffold(args: NewModelArgs) -> Scaffold:
         test_file.unlink(missing_ok=True)
         raise
     registry = registry_file.read_text()
-    line = register_line(registry, args.name)
-    if line is not None:
-        registry_file.write_text(registry + ("" if registry.endswith("\n") else "\n") + line)
+    registry_file.write_text(registered(registry, args.name))
     changed = [line for dest, original in originals.items() for line in _changed_lines(dest, original, outputs[dest])]
     return Scaffold(family_dir, test_file, registry_file, model_type, _mentions(written, args.like, rename), changed)
 
