@@ -9,3 +9,4 @@ from archon.models import (
     qwen3,  # noqa: F401
     qwen3_5,  # noqa: F401
 )
+from archon.models import gemma3  # noqa: F401

@@ -24,18 +24,34 @@ class DecoderArgs:
     tie_word_embeddings: bool
 
 
-def decoder_fields_from_hf(config) -> dict[str, Any]:
+def decoder_fields_from_hf(
+    config,
+    activation_field: str = "hidden_act",
+    activations: tuple[str, ...] = ("silu",),
+    rope_per_layer_type: bool = False,
+) -> dict[str, Any]:
     """The DecoderArgs fields of an HF config, as HF's modeling code resolves them.
 
     head_dim falls back to hidden_size // num_attention_heads when the config has none (or None);
     num_key_value_heads falls back to num_attention_heads; intermediate_size is 0 for a config
     without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE).
+
+    activation_field, activations: the config field naming the gated MLP's activation and the values
+    the family implements (Gemma reads `hidden_activation`, not `hidden_act`).
+    rope_per_layer_type: `rope_parameters` is a dict of RoPE parameters per entry of
+    `config.layer_types` (Gemma 3: another theta, and scaling, on full-attention layers); it is kept
+    keyed by layer type.
     """
-    hidden_act = getattr(config, "hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"config.hidden_act={hidden_act!r} is not supported; the SwiGLU MLP uses 'silu'")
+    activation = getattr(config, activation_field, activations[0])
+    if activation not in activations:
+        raise ValueError(
+            f"config.{activation_field}={activation!r} is not supported; the gated MLP implements "
+            + " or ".join(repr(a) for a in activations)
+        )
     rope_parameters = getattr(config, "rope_parameters", None)
-    if not rope_parameters or "rope_theta" not in rope_parameters:
+    if rope_per_layer_type:
+        rope_parameters = _rope_parameters_per_layer_type(rope_parameters, config.layer_types)
+    elif not rope_parameters or "rope_theta" not in rope_parameters:
         raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
     return dict(
         vocab_size=config.vocab_size,
@@ -46,10 +62,26 @@ def decoder_fields_from_hf(config) -> dict[str, Any]:
         num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=dict(rope_parameters),
+        rope_parameters=rope_parameters if rope_per_layer_type else dict(rope_parameters),
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(config.tie_word_embeddings),
     )
+
+
+def _rope_parameters_per_layer_type(rope_parameters, layer_types) -> dict[str, dict[str, Any]]:
+    """{layer type: its RoPE parameters} for every type in layer_types, each with a rope_theta."""
+    if not isinstance(rope_parameters, dict):
+        raise ValueError(f"config.rope_parameters must be a dict keyed by layer type, got {rope_parameters!r}")
+    per_type = {}
+    for layer_type in dict.fromkeys(layer_types):
+        params = rope_parameters.get(layer_type)
+        if not isinstance(params, dict) or "rope_theta" not in params:
+            raise ValueError(
+                f"config.rope_parameters[{layer_type!r}] must hold rope_theta (config.layer_types has "
+                f"{layer_type!r} layers), got {params!r}"
+            )
+        per_type[layer_type] = dict(params)
+    return per_type
 
 
 @dataclass

@@ -53,13 +53,24 @@ class PackedDecoderLM(nn.Module):
     """embed_tokens -> rotary -> layers -> norm -> lm_head (or the tied embedding).
 
     `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings.
+    rotary: one RotaryEmbedding for every layer, or one per layer type ({"sliding_attention": ...,
+        "full_attention": ...}, Gemma 3), each layer taking the tables of its `args.layer_types` entry.
+    embedding_scale: a factor on the embeddings, rounded to their dtype first as HF does
+        (Gemma: sqrt(hidden_size)), or None.
     """
 
-    def __init__(self, args, rotary: RotaryEmbedding, layers: Iterable[nn.Module]) -> None:
+    def __init__(
+        self,
+        args,
+        rotary: RotaryEmbedding | dict[str, RotaryEmbedding],
+        layers: Iterable[nn.Module],
+        embedding_scale: float | None = None,
+    ) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.rotary = rotary
+        self.embedding_scale = embedding_scale
+        self.rotary = nn.ModuleDict(rotary) if isinstance(rotary, dict) else rotary
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -68,6 +79,13 @@ class PackedDecoderLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         """The [V, dim] unembedding (the embedding itself when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [T, rotary_dim] per layer, computed once per table."""
+        if isinstance(self.rotary, nn.ModuleDict):
+            tables = {layer_type: rotary(positions, dtype) for layer_type, rotary in self.rotary.items()}
+            return [tables[layer_type] for layer_type in self.args.layer_types]
+        return [self.rotary(positions, dtype)] * len(self.layers)
 
     def forward(
         self,
@@ -90,8 +108,9 @@ class PackedDecoderLM(nn.Module):
         work on every token of their share of the heads.
         """
         h = self.embed_tokens(tokens)
-        cos, sin = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
+        if self.embedding_scale is not None:
+            h = h * torch.tensor(self.embedding_scale, dtype=h.dtype, device=h.device)
+        for i, (layer, (cos, sin)) in enumerate(zip(self.layers, self._rotary_tables(positions, h.dtype))):
             h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i), context_parallel)
         if logits_rows is not None:
             h = h[logits_rows]
