@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from archon.models.common.rope import ROPE_TYPES
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -79,6 +81,11 @@ def _rope_parameters_per_layer_type(rope_parameters, layer_types) -> dict[str, d
             raise ValueError(
                 f"config.rope_parameters[{layer_type!r}] must hold rope_theta (config.layer_types has "
                 f"{layer_type!r} layers), got {params!r}"
+            )
+        if params.get("rope_type", "default") not in ROPE_TYPES:
+            raise ValueError(
+                f"config.rope_parameters[{layer_type!r}]['rope_type']={params['rope_type']!r} is not supported; "
+                f"supported: {', '.join(ROPE_TYPES)}"
             )
         per_type[layer_type] = dict(params)
     return per_type

@@ -1,11 +1,46 @@
-"""Gemma3 against HF transformers and PEFT."""
+"""Gemma 3 text (gemma3_text) against HF transformers and PEFT: scaled embeddings, zero-centred sandwich
+norms, per-head QK-norm, the GeGLU MLP, the query_pre_attn_scalar softmax scale, sliding and full
+layers with RoPE per layer type, tied and untied heads, attention bias, and the config values archon
+refuses."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
+from torch import nn
+from transformers import AutoConfig
+
+from archon.build import build_model
+from archon.models.common.mlp import GeGLUMLP
+from archon.models.common.norms import OffsetRMSNorm
+from archon.models.common.rope import RotaryEmbedding
+from archon.models.gemma3.args import Gemma3Args
+from archon.tools.align import packed_batch, tiny_config_kwargs
 
 MODEL_TYPE = "gemma3_text"
-# Tiny-config overrides (on top of the ModelSpec's tiny_hf_config) that exercise the family's features.
-CASES = {"tiny": {}}
+
+CASES = {
+    # The registered tiny config: layers sliding (window 8), full, sliding; theta 1e4 on sliding layers,
+    # 1e6 with linear scaling x8 on the full one; head_dim 24, query_pre_attn_scalar 32; tied head.
+    "tiny": {},
+    # A config.json as released: layer_types derived from sliding_window_pattern, RoPE from the legacy
+    # rope_theta / rope_local_base_freq / rope_scaling; plus q/k/v/o bias, an untied head, GQA 4:1 and
+    # a window of 3.
+    "legacy-rope-pattern-bias-untied": dict(
+        layer_types=None,
+        sliding_window_pattern=2,
+        sliding_window=3,
+        rope_parameters=None,
+        rope_theta=10_000.0,
+        rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        attention_bias=True,
+        tie_word_embeddings=False,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -21,3 +56,91 @@ def test_state_dict_round_trip(case, tiny_checkpoint):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_meta_weights_complete(case):
     assert_meta_weights_complete(MODEL_TYPE, CASES[case])
+
+
+def test_legacy_config_resolves_as_hf_does():
+    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **CASES["legacy-rope-pattern-bias-untied"]))
+    args = Gemma3Args.from_hf_config(config)
+    assert args.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert args.rope_parameters["sliding_attention"]["rope_theta"] == 100.0
+    assert args.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0}
+
+
+def _without_rope_scaling(model):
+    params = dict(model.args.rope_parameters["full_attention"], rope_type="default")
+    model.rotary["full_attention"] = RotaryEmbedding(params, model.args.head_dim, model.args.max_position_embeddings)
+
+
+def _layers(model, name, value):
+    for layer in model.layers:
+        setattr(layer, name, value() if callable(value) else value)
+
+
+# Each switches one feature of the registered tiny config off in the archon model (a monkeypatch for
+# the class-level ones).
+MUTATIONS = {
+    "embedding-scale": lambda model, mp: setattr(model, "embedding_scale", None),
+    "sliding-window": lambda model, mp: [setattr(layer.self_attn, "sliding_window", None) for layer in model.layers],
+    "qk-norm": lambda model, mp: [
+        (setattr(layer.self_attn, "q_norm", None), setattr(layer.self_attn, "k_norm", None)) for layer in model.layers
+    ],
+    "softmax-scale": lambda model, mp: [
+        setattr(layer.self_attn, "scale", model.args.head_dim**-0.5) for layer in model.layers
+    ],
+    "zero-centred-norms": lambda model, mp: mp.setattr(
+        OffsetRMSNorm, "forward", lambda self, x: self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
+    ),
+    "post-attention-norm": lambda model, mp: _layers(model, "post_attention_layernorm", nn.Identity),
+    "pre-feedforward-norm": lambda model, mp: _layers(model, "pre_feedforward_layernorm", nn.Identity),
+    "post-feedforward-norm": lambda model, mp: _layers(model, "post_feedforward_layernorm", nn.Identity),
+    "gelu-tanh-activation": lambda model, mp: mp.setattr(GeGLUMLP, "activation", lambda self, gate: F.silu(gate)),
+    "rope-per-layer-type": lambda model, mp: setattr(model, "rotary", model.rotary["sliding_attention"]),
+    "full-layer-rope-scaling": lambda model, mp: _without_rope_scaling(model),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path_factory.mktemp(MODEL_TYPE) / "hf", seed=0)
+
+
+@pytest.mark.parametrize("feature", sorted(MUTATIONS))
+def test_tiny_config_exercises_each_feature(feature, tiny_path, monkeypatch):
+    """Switching one feature off moves the logits: the aligned tiny config reaches every feature."""
+    model = build_model(tiny_path).model.eval()
+    _, tokens, positions, cu_seqlens = packed_batch((33, 13), 256, seed=0)
+    with torch.no_grad():
+        reference = model(tokens, positions, cu_seqlens, 33)
+        MUTATIONS[feature](model, monkeypatch)
+        mutated = model(tokens, positions, cu_seqlens, 33)
+    assert (reference - mutated).abs().max() > 1e-3, feature
+
+
+REFUSED = {
+    "attn_logit_softcapping": dict(attn_logit_softcapping=50.0),
+    "final_logit_softcapping": dict(final_logit_softcapping=30.0),
+    "use_bidirectional_attention": dict(use_bidirectional_attention=True),
+    "hidden_activation": dict(hidden_activation="gelu"),
+    r"rope_parameters\['full_attention'\]\['rope_type'\]": dict(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "dynamic", "rope_theta": 1_000_000.0, "factor": 2.0},
+        }
+    ),
+    r"layer_types\[1\]='chunked_attention'": dict(
+        layer_types=["sliding_attention", "chunked_attention", "full_attention"],
+        rope_parameters={
+            layer_type: {"rope_type": "default", "rope_theta": 10_000.0}
+            for layer_type in ("sliding_attention", "chunked_attention", "full_attention")
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_unsupported_config_values_name_the_field(field):
+    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **REFUSED[field]))
+    with pytest.raises(ValueError, match=field):
+        Gemma3Args.from_hf_config(config)
