@@ -16,7 +16,14 @@ TOLERANCE = 1e-5
 CASES = {
     "llama": dict(attention_bias=True, mlp_bias=True),
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "gemma3_text": dict(),
 }
+# Layouts other than tp2 a case is also checked under.
+MORE_LAYOUTS = {"gemma3_text": ("fsdp2",)}
+
+
+def _layouts(model_type: str) -> tuple[str, ...]:
+    return ("tp2", *MORE_LAYOUTS.get(model_type, ()))
 
 
 def _free_port() -> int:
@@ -30,12 +37,14 @@ def test_tp2_matches_one_process(tiny_checkpoint, tmp_path):
     dirs = {model_type: str(tiny_checkpoint(model_type, **overrides)) for model_type, overrides in CASES.items()}
     out = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(WORKER), str(out), *dirs.values()]
+           str(_free_port()), str(WORKER), str(out),
+           *(f"{hf_dir}@{','.join(_layouts(model_type))}" for model_type, hf_dir in dirs.items())]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     for model_type, hf_dir in dirs.items():
-        figures = results[hf_dir]["tp2"]
-        assert figures["hidden_max_abs"] <= TOLERANCE, (model_type, figures)
-        assert figures["logprob_max_abs"] <= TOLERANCE, (model_type, figures)
-        assert figures["grad_max_rel"] <= TOLERANCE, (model_type, figures)
+        for layout in _layouts(model_type):
+            figures = results[hf_dir][layout]
+            assert figures["hidden_max_abs"] <= TOLERANCE, (model_type, layout, figures)
+            assert figures["logprob_max_abs"] <= TOLERANCE, (model_type, layout, figures)
+            assert figures["grad_max_rel"] <= TOLERANCE, (model_type, layout, figures)
