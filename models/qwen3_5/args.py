@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from archon.models.common.args import DecoderArgs, decoder_fields_from_hf
+from archon.models.common.args import DecoderArgs, language_model_fields_from_hf
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -47,9 +47,7 @@ class Qwen3_5Args(DecoderArgs):
         qwen3_5_moe) whose `text_config` is read, but for `tie_word_embeddings`, read at the top
         level as HF's vision-language model reads it."""
         text = config.get_text_config()
-        fields = decoder_fields_from_hf(text)
-        if text is not config:  # HF's vision-language model ties its head by the top-level flag
-            fields["tie_word_embeddings"] = bool(config.tie_word_embeddings)
+        fields = language_model_fields_from_hf(config)
         args = cls(
             **fields,
             layer_types=list(text.layer_types),

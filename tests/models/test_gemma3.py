@@ -1,7 +1,10 @@
-"""Gemma 3 text (gemma3_text) against HF transformers and PEFT: scaled embeddings, zero-centred sandwich
-norms, per-head QK-norm, the GeGLU MLP, the query_pre_attn_scalar softmax scale, sliding and full
-layers with RoPE per layer type, tied and untied heads, attention bias, and the config values archon
+"""Gemma 3 (gemma3_text, and the language model of the gemma3 vision-language composite) against HF
+transformers and PEFT: scaled embeddings, zero-centred sandwich norms, per-head QK-norm, the GeGLU
+MLP, the query_pre_attn_scalar softmax scale, sliding and full layers with RoPE per layer type, tied
+and untied heads, attention bias, the composite's checkpoint layout, and the config values archon
 refuses."""
+
+import json
 
 import pytest
 import torch
@@ -22,11 +25,15 @@ MODEL_TYPE = "gemma3_text"
 CASES = {
     # The registered tiny config: layers sliding (window 8), full, sliding; theta 1e4 on sliding layers,
     # 1e6 with linear scaling x8 on the full one; head_dim 24, query_pre_attn_scalar 32; tied head.
-    "tiny": {},
+    "tiny": (MODEL_TYPE, {}),
+    # The vision-language composite as HF saves it (language_model.model.*, vision_tower.*,
+    # multi_modal_projector.*), tied as released and untied (language_model.lm_head).
+    "vision-language": ("gemma3", {}),
+    "vision-language-untied": ("gemma3", dict(tie_word_embeddings=False)),
     # A config.json as released: layer_types derived from sliding_window_pattern, RoPE from the legacy
     # rope_theta / rope_local_base_freq / rope_scaling; plus q/k/v/o bias, an untied head, GQA 4:1 and
     # a window of 3.
-    "legacy-rope-pattern-bias-untied": dict(
+    "legacy-rope-pattern-bias-untied": (MODEL_TYPE, dict(
         layer_types=None,
         sliding_window_pattern=2,
         sliding_window=3,
@@ -39,27 +46,65 @@ CASES = {
         num_key_value_heads=1,
         head_dim=16,
         query_pre_attn_scalar=16,
-    ),
+    )),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_lora_and_peft_export(case):
-    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8)
+    model_type, overrides = CASES[case]
+    assert_aligned(model_type, overrides, lora_rank=8)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_state_dict_round_trip(case, tiny_checkpoint):
-    assert_state_dict_round_trip(tiny_checkpoint(MODEL_TYPE, **CASES[case]))
+    model_type, overrides = CASES[case]
+    assert_state_dict_round_trip(tiny_checkpoint(model_type, **overrides))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_meta_weights_complete(case):
-    assert_meta_weights_complete(MODEL_TYPE, CASES[case])
+    model_type, overrides = CASES[case]
+    assert_meta_weights_complete(model_type, overrides)
+
+
+def test_vision_language_export_keys_and_merged_checkpoint(tiny_checkpoint, lora_model, tmp_path):
+    """From the composite: the adapter names the language model's modules by path (the vision tower's
+    q/k/v_proj stay unadapted), and the merged export keeps the vision tower and projector as they
+    were, loads into HF's composite with no missing or unexpected weight and gives the adapted logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    from archon.lora import LoRAConfig
+    from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_merged_hf, save_peft_adapter
+
+    path = tiny_checkpoint("gemma3")
+    lora = LoRAConfig(rank=4, alpha=8)
+    loaded = lora_model(path, lora)
+    save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
+    with safe_open(str(tmp_path / "adapter" / ADAPTER_WEIGHTS), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.model.language_model.layers.") for k in keys), keys[:3]
+    targets = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())["target_modules"]
+    assert "model.language_model.layers.0.self_attn.q_proj" in targets and "q_proj" not in targets
+
+    save_merged_hf(loaded.model, loaded.converter, tmp_path / "merged", loaded.hf_config.to_dict(), path)
+    original = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    merged, info = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    kept = dict(original.model.vision_tower.named_parameters()) | dict(original.model.multi_modal_projector.named_parameters())
+    for name, param in [*merged.model.vision_tower.named_parameters(), *merged.model.multi_modal_projector.named_parameters()]:
+        assert torch.equal(param, kept[name]), name
+    seqs, tokens, positions, cu_seqlens = packed_batch((9,), 256, seed=0)
+    with torch.no_grad():
+        expected = loaded.model.eval()(tokens, positions, cu_seqlens, 9)
+        torch.testing.assert_close(merged.eval()(seqs[0][None]).logits[0], expected, rtol=0, atol=1e-4)
 
 
 def test_legacy_config_resolves_as_hf_does():
-    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **CASES["legacy-rope-pattern-bias-untied"]))
+    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **CASES["legacy-rope-pattern-bias-untied"][1]))
     args = Gemma3Args.from_hf_config(config)
     assert args.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert args.rope_parameters["sliding_attention"]["rope_theta"] == 100.0
