@@ -38,9 +38,14 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 and narrower inputs; fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_temp: float) -> torch.Tensor:
-    """[c, D] x [V_local, D] -> fp32 [c, V_local] scaled logits."""
-    logits = F.linear(h, weight).float()
+    """[c, D] x [V_local, D] -> fp32 (fp64 for fp64 inputs) [c, V_local] scaled logits."""
+    logits = F.linear(h, weight).to(_accumulation_dtype(h.dtype))
     if inv_temp != 1.0:
         logits.mul_(inv_temp)
     return logits
@@ -82,7 +87,7 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, inv_temp, chunk_size, vocab_start, group, with_entropy,
                 directions):  # fmt: skip
         N = hidden.shape[0]
-        f32 = dict(dtype=torch.float32, device=hidden.device)
+        f32 = dict(dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
         logprobs = torch.empty(N, **f32)
         lse_all = torch.empty(N, **f32)
         entropy = torch.empty(N, **f32) if with_entropy else None
@@ -101,11 +106,11 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
             if directions:
                 rows, cols = _label_rows(labels[start:end], vocab_start, weight.shape[0])
                 # u = (onehot - p) W ; e = -(p (log p + H)) W, with log p = z - lse (in place on z)
-                u_chunk = -(probs.to(weight.dtype) @ weight).float()
-                u_chunk[rows] += weight[cols].float()
+                u_chunk = -(probs.to(weight.dtype) @ weight).to(f32["dtype"])
+                u_chunk[rows] += weight[cols].to(f32["dtype"])
                 if with_entropy:
                     coef = logits.sub_(lse[:, None]).add_(ent[:, None]).mul_(probs)
-                    e_chunk = -(coef.to(weight.dtype) @ weight).float()
+                    e_chunk = -(coef.to(weight.dtype) @ weight).to(f32["dtype"])
                     packed = _all_reduce(torch.stack([u_chunk, e_chunk]), dist.ReduceOp.SUM, group)
                     u[start:end], e[start:end] = packed[0], packed[1]
                 else:
@@ -134,8 +139,9 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
             return grad.to(hidden_dtype), None, None, None, None, None, None, None, None
         hidden, weight, labels, lse_all, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        acc = _accumulation_dtype(hidden.dtype)
+        grad_hidden = torch.zeros_like(hidden, dtype=acc) if need_h else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_w else None
         V_local = weight.shape[0]
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
@@ -159,7 +165,7 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
             if need_h:
                 grad_hidden[start:end] = grad_z @ weight
             if need_w:
-                grad_weight += grad_z.t().float() @ h.float()
+                grad_weight += grad_z.t().to(acc) @ h.to(acc)
             del grad_z
         if need_h:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, group)
@@ -209,7 +215,8 @@ def label_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of `labels` [N] under softmax(hidden[N, D] @ weight[V, D]^T / temperature), fp32 [N],
+    """Log-prob of `labels` [N] under softmax(hidden[N, D] @ weight[V, D]^T / temperature), fp32 [N]
+    (fp64 for an fp64 model),
     and the entropy of that distribution [N] (or None). `weight` may be a vocab-sharded DTensor."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -222,3 +229,25 @@ def label_logprobs(
         hidden, local_weight, labels, 1.0 / temperature, chunk_size, vocab_start, group, with_entropy, directions
     )
     return logprobs, (entropy if with_entropy else None)
+
+
+def model_label_logprobs(
+    model,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    rows: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+    context_parallel=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The path training scores labels by: the model's final hidden states ([T, D], packed input as
+    in the model's forward), then the chunked head on the positions `rows` [N] with `labels` [N].
+    Returns (log-probs [N], entropies [N] or None). Whatever a family puts between its last norm
+    and the unembedding must therefore be inside `return_hidden=True`'s output or the output weight,
+    not only in its logits."""
+    hidden = model(tokens, positions, cu_seqlens, max_seqlen, return_hidden=True, context_parallel=context_parallel)
+    return label_logprobs(hidden[rows], model.output_weight, labels, temperature, chunk_size, with_entropy)

@@ -44,6 +44,10 @@ class ModelSpec:
         worker: `hook(weights, after_reload) -> weights` rewrites the stream of (HF name, tensor)
         into the form the family's vLLM loader reloads in place, and may set pairs aside in the
         list `after_reload`, which are loaded once the reload is done.
+    inert_hf_config_fields: HF config fields of this family's types that its math does not depend
+        on, each with the reason. Every other field of the config must be read by
+        `args_cls.from_hf_config` (archon/config_coverage.py checks this; fields that no family
+        reads, such as token ids, are listed there).
     """
 
     name: str
@@ -59,6 +63,17 @@ class ModelSpec:
     vllm_cpu_attention_backends: dict[str, str] = field(default_factory=dict)
     vllm_reload_weights: Callable[[Iterator[tuple[str, Any]], list], Iterator[tuple[str, Any]]] | None = None
     renderers: dict[str, str] = field(default_factory=dict)
+    inert_hf_config_fields: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        per_type = ("tiny_hf_config", "vllm_modes", "vllm_hf_overrides", "vllm_cpu_attention_backends", "renderers")
+        for name in per_type:
+            unknown = sorted(set(getattr(self, name)) - set(self.hf_model_types))
+            if unknown:
+                raise ValueError(
+                    f"ModelSpec {self.name!r}: {name} has keys {unknown} that are not among its hf_model_types "
+                    f"{list(self.hf_model_types)}"
+                )
 
     def vllm_mode(self, model_type: str) -> Literal["adapter", "merged"]:
         """How vLLM serves the LoRA of `model_type` (one of this family's)."""

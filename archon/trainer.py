@@ -34,7 +34,7 @@ from archon import device as devices
 from archon.batch import PackedBatch
 from archon.build import build_model
 from archon.checkpoint.resume import lora_settings
-from archon.head import DEFAULT_CHUNK_SIZE, label_logprobs
+from archon.head import DEFAULT_CHUNK_SIZE, model_label_logprobs
 from archon.load_balance import (
     MoEConfig,
     all_reduce_step_counts,
@@ -263,20 +263,17 @@ class Trainer:
             tokens_of = TokenSlice.of(cu_seqlens, self.context_parallel)
             tokens, labels, loss_mask = tokens_of.local(tokens), tokens_of.local(labels), tokens_of.local(loss_mask)
             positions, cu_seqlens, max_seqlen = tokens_of.local_positions(positions), tokens_of.cu_seqlens, tokens_of.max_seqlen
-        with self._routing(batch, tokens_of):
-            hidden = self.model(
-                tokens, positions, cu_seqlens, max_seqlen, return_hidden=True, context_parallel=self.context_parallel
-            )
         index = loss_mask.nonzero()[:, 0]
-        lp, ent = label_logprobs(
-            hidden[index], self.model.output_weight, labels[index], temperature,
-            self.config.head_chunk_size, with_entropy,
-        )
+        with self._routing(batch, tokens_of):
+            lp, ent = model_label_logprobs(
+                self.model, tokens, positions, cu_seqlens, max_seqlen, index, labels[index], temperature,
+                self.config.head_chunk_size, with_entropy, context_parallel=self.context_parallel,
+            )
         T = tokens.shape[0]
-        logprobs = torch.zeros(T, dtype=torch.float32, device=hidden.device).index_copy(0, index, lp)
+        logprobs = torch.zeros(T, dtype=lp.dtype, device=lp.device).index_copy(0, index, lp)
         entropy = None
         if with_entropy:
-            entropy = torch.zeros(T, dtype=torch.float32, device=hidden.device).index_copy(0, index, ent)
+            entropy = torch.zeros(T, dtype=ent.dtype, device=lp.device).index_copy(0, index, ent)
         if tokens_of is not None:
             logprobs = tokens_of.gather(logprobs)
             entropy = None if entropy is None else tokens_of.gather(entropy)

@@ -132,3 +132,53 @@ def test_every_changed_line_is_listed(root, capsys):
                     assert f"{path}:{number}: {a.strip()}  (was: {b.strip()})" in result.changed_lines
     assert expected > 0 and len(result.changed_lines) >= expected
     assert any("spec.py" in line and '"mistral"' in line for line in result.changed_lines)
+
+
+def test_a_name_that_extends_the_like_family_is_not_renamed_twice(root):
+    """qwen3_next from qwen3 (like-type qwen3_moe): the renames of qwen3's identifiers must not reach
+    the new names, and every per-type table keeps the MoE type's entry under the new type (its vLLM
+    mode `merged`), never a renamed key such as `qwen3_next_moe`. The spec must load as a ModelSpec."""
+    scaffold(NewModelArgs(name="qwen3_next", like="qwen3", like_type="qwen3_moe", root=root))
+    family = root / "models" / "qwen3_next"
+    spec_source = (family / "spec.py").read_text()
+    call = next(n for n in ast.walk(ast.parse(spec_source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelSpec")
+    keywords = {k.arg: k.value for k in call.keywords}
+    assert ast.literal_eval(keywords["name"]) == "qwen3_next"
+    assert ast.literal_eval(keywords["hf_model_types"]) == ("qwen3_next",)
+    assert ast.literal_eval(keywords["vllm_modes"]) == {"qwen3_next": "merged"}
+    assert ast.literal_eval(keywords["renderers"]) == {"qwen3_next": "qwen3"}
+    assert [ast.literal_eval(k) for k in keywords["tiny_hf_config"].keys] == ["qwen3_next"]
+    every_file = "".join(p.read_text() for p in family.glob("*.py"))
+    assert "qwen3_next_next" not in every_file
+    literals = {n.value for n in ast.walk(ast.parse(spec_source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert "qwen3_next_moe" not in literals  # (a comment may say it: changed lines are listed for review)
+    assert "class Qwen3NextArgs" in every_file and "parallelize_qwen3_next" in every_file
+    code = (
+        "import sys; sys.path.insert(0, {root!r})\n"
+        "import archon.models as m; m.__path__.insert(0, {models!r})\n"
+        "from archon.models.qwen3_next.spec import *\n"
+        "from archon.spec import get_spec\n"
+        "spec = get_spec('qwen3_next'); print(spec.name, spec.vllm_mode('qwen3_next'))\n"
+    ).format(root=str(root), models=str(root / "models"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["qwen3_next", "merged"]
+
+
+def test_the_default_root_is_the_current_checkout(root, tmp_path, monkeypatch, capsys):
+    """Without --root the scaffold goes into the checkout the command runs in, not into the one archon
+    happens to be imported from; it warns when the two differ, and outside a checkout it says so."""
+    (root / "archon").mkdir()
+    (root / "archon" / "__init__.py").write_text("")
+    monkeypatch.chdir(root)
+    assert main(["mistral", "--like", "llama"]) == 0
+    assert (root / "models" / "mistral" / "spec.py").is_file()
+    assert not (REPO / "models" / "mistral").exists()
+    out = capsys.readouterr().out
+    assert f"warning: archon is imported from {REPO}" in out and f"pip install -e {root}" in out
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["gemma", "--like", "llama"]) == 1
+    assert "is not an archon checkout" in capsys.readouterr().err

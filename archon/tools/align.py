@@ -3,6 +3,20 @@
     python -m archon.tools.align --model-type qwen3 [--lora-rank 8] [--seed 0]
     python -m archon.tools.align --hf-path DIR [--lora-rank 8]
     python -m archon.tools.align --model-type qwen3 --quantize fp8:128x128 [--lora-rank 8]
+    python -m archon.tools.align --model-type qwen3 --dtype float64 --set sliding_window=8 use_sliding_window=true
+
+What is compared, on the same weights:
+- logits of archon's forward against HF transformers' (max |diff|, mean KL);
+- the path training takes (`archon.head.model_label_logprobs`: the final hidden states through the
+  chunked head), against the log-softmax of HF's logits at the label tokens. A family that puts
+  something between its hidden states and its logits only in `forward` (a soft-cap) fails here;
+- with --lora-rank, a random LoRA against PEFT on the HF model: logits, the training path, and the
+  LoRA gradients of the training path's summed log-probs against PEFT's;
+- config coverage: every field of the HF config is read by the family's `from_hf_config` or
+  declared inert (archon/config_coverage.py).
+--dtype float64 runs both sides in fp64, which tells rounding (recurrences, deep stacks) from a
+wrong port; its tolerances are its own (`TOLERANCES`). HF's RMSNorms compute in fp32 whatever the
+model dtype, and so do archon's, so fp64 agreement is bounded by fp32 rounding inside the norms.
 
 Without --hf-path a tiny random-weight HF model is built from the transformers config class of
 the type (sizes from the family's ModelSpec.tiny_hf_config) and saved to a temp dir; with it, the
@@ -21,6 +35,7 @@ The last line printed is JSON; the exit code is non-zero when a tolerance is exc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -29,11 +44,13 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from archon.build import build_model, load_hf_config
+from archon.config_coverage import unaccounted_fields
+from archon.head import model_label_logprobs
 from archon.checkpoint.hf import read_json_file
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import save_peft_adapter
@@ -44,6 +61,19 @@ from archon.spec import get_spec
 MAX_ABS_LOGITS_DIFF = 1e-4
 MAX_MEAN_KL = 1e-8
 MAX_LORA_GRAD_REL_ERR = 1e-4
+
+# The gate's tolerances by the dtype both sides run in. Log-prob differences (the training path)
+# are held to the logits tolerance.
+TOLERANCES: dict[str, dict[str, float]] = {
+    "float32": dict(max_abs_logits_diff=MAX_ABS_LOGITS_DIFF, mean_kl=MAX_MEAN_KL, lora_grad_max_rel_err=MAX_LORA_GRAD_REL_ERR),
+    # fp64 on both sides, fp32 islands kept in fp64 (`fp32_islands_in_fp64`): what is left is fp64
+    # rounding (about 1e-14 on the tiny models), so anything near these limits is a difference of the math.
+    "float64": dict(max_abs_logits_diff=1e-9, mean_kl=1e-15, lora_grad_max_rel_err=1e-9),
+}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# Rows of the chunked head per chunk in the gate's training-path check: small, so the packed batch
+# spans several chunks.
+GATE_HEAD_CHUNK_SIZE = 16
 
 
 @dataclass
@@ -61,11 +91,36 @@ class AlignArgs:
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra kwargs for the tiny HF config (ignored with --hf-path); for a vision-language type they
     set fields of its text_config."""
+    set: tuple[str, ...] = ()
+    """Config overrides as KEY=VALUE (the value read as JSON, else as a string), e.g.
+    `--set sliding_window=8 use_sliding_window=true 'rope_parameters={"rope_type": "default", "rope_theta": 10000}'`;
+    they join config_overrides (tiny models only)."""
+    dtype: Literal["float32", "float64"] = "float32"
+    """The dtype both sides run in; float64 tells fp32 rounding from a wrong port (see TOLERANCES)."""
     quantize: str | None = None
     """Store the checkpoint's weights in a published low-precision format before comparing: fp8
     (block-scaled e4m3, 128x128 blocks), fp8:RxC (R x C blocks, e.g. fp8:16x24), fp8-channel or
     fp8-tensor (compressed-tensors e4m3 with a scale per output channel or per tensor) or mxfp4 (the
     routed experts, GPT-OSS's layout)."""
+
+
+def parse_config_assignments(assignments: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """["key=value", ...] -> {key: value}; a value is read as JSON (numbers, true/false/null, lists,
+    objects), else kept as a string. `None` is null too."""
+    overrides: dict[str, Any] = {}
+    for item in assignments:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY a config field name")
+        if text.strip() == "None":
+            overrides[key] = None
+            continue
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    return overrides
 
 
 def hf_model_class(config):
@@ -163,6 +218,9 @@ def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0,
 
 def resolve_model_type(args: AlignArgs) -> str:
     """args.model_type, else the model_type of args.hf_path/config.json; a supported type either way."""
+    overrides = parse_config_assignments(args.set)
+    if args.hf_path is not None and (overrides or args.config_overrides):
+        raise ValueError("--set / config_overrides change the tiny model's config; a --hf-path checkpoint is checked as it is")
     if args.hf_path is None:
         if args.model_type is None:
             raise ValueError("give --model-type (to check a tiny random model of that type) or --hf-path DIR")
@@ -390,13 +448,95 @@ def _hf_forward(hf_model, seqs):
     return torch.cat([hf_model(seq[None]).logits[0] for seq in seqs])
 
 
+def label_positions(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [M], labels [M]) of the packed batch: each position but a sequence's last, and the next
+    token, in the order of `label_logprobs`."""
+    rows, labels, start = [], [], 0
+    for seq in seqs:
+        n = len(seq)
+        rows.append(torch.arange(start, start + n - 1))
+        labels.append(seq[1:])
+        start += n
+    return torch.cat(rows), torch.cat(labels)
+
+
+def training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs) -> torch.Tensor:
+    """Label log-probs [M] the way the trainer computes them (hidden states, then the chunked head)."""
+    rows, labels = label_positions(seqs)
+    lp, _ = model_label_logprobs(
+        model, tokens, positions, cu_seqlens, max_seqlen, rows, labels, chunk_size=GATE_HEAD_CHUNK_SIZE
+    )
+    return lp
+
+
+def _fp64_for_fp32(value):
+    return torch.float64 if value is torch.float32 else value
+
+
+@contextlib.contextmanager
+def fp32_islands_in_fp64():
+    """While active, fp64 tensors are not cast down to fp32: `t.float()`, `t.to(torch.float32, ...)`,
+    `t.type(torch.float32)` and `softmax(..., dtype=torch.float32)` of an fp64 tensor stay fp64.
+
+    Both HF's modeling code and archon's compute some steps in fp32 whatever the model dtype (RMSNorm
+    statistics, attention softmax, the recurrence of linear attention). In an fp64 comparison those
+    islands would round each side differently and bound the agreement at fp32 precision; with them
+    kept in fp64 the two sides compute the same math in fp64, and any difference above fp64 rounding
+    is a difference of the math."""
+    tensor_to, tensor_float, tensor_type = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
+    softmax, torch_softmax, tensor_softmax = torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax
+
+    def to(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(_fp64_for_fp32(a) for a in args)
+            kwargs = {k: _fp64_for_fp32(v) for k, v in kwargs.items()}
+        return tensor_to(self, *args, **kwargs)
+
+    def to_type(self, *args, **kwargs):
+        if self.dtype == torch.float64 and (args or kwargs):
+            args = tuple(_fp64_for_fp32(a) for a in args)
+            kwargs = {k: _fp64_for_fp32(v) for k, v in kwargs.items()}
+        return tensor_type(self, *args, **kwargs)
+
+    def to_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else tensor_float(self, *args, **kwargs)
+
+    def keeping_fp64(function):
+        def wrapped(input, *args, **kwargs):
+            if input.dtype == torch.float64:
+                args = tuple(_fp64_for_fp32(a) for a in args)
+                kwargs = {k: _fp64_for_fp32(v) for k, v in kwargs.items()}
+            return function(input, *args, **kwargs)
+
+        return wrapped
+
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, to_float, to_type
+    torch.nn.functional.softmax, torch.softmax = keeping_fp64(softmax), keeping_fp64(torch_softmax)
+    torch.Tensor.softmax = keeping_fp64(tensor_softmax)
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = tensor_to, tensor_float, tensor_type
+        torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax = softmax, torch_softmax, tensor_softmax
+
+
 def run_alignment(args: AlignArgs) -> dict[str, Any]:
+    if args.dtype == "float64":
+        with fp32_islands_in_fp64():
+            return _run_alignment(args)
+    return _run_alignment(args)
+
+
+def _run_alignment(args: AlignArgs) -> dict[str, Any]:
     model_type = resolve_model_type(args)
     check_quantize_option(args)
+    dtype = DTYPES[args.dtype]
+    tolerances = TOLERANCES[args.dtype]
+    overrides = {**args.config_overrides, **parse_config_assignments(args.set)}
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         if args.hf_path is None:
-            hf_path = make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **args.config_overrides)
+            hf_path = make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **overrides)
         else:
             hf_path = Path(args.hf_path)
         if args.quantize is not None:
@@ -422,26 +562,35 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
         for pattern in one_kind:
             warnings.warn(
                 f"the tiny {model_type} config has one kind of layer only in {pattern}: the gate cannot tell "
-                "the kinds apart; add both (config_overrides or the family's tiny_hf_config)", stacklevel=2,
+                "the kinds apart; add both (config_overrides or the family's tiny_hf_config)", stacklevel=3,
             )
+        unread = unaccounted_fields(get_spec(model_type), hf_config)
 
         def load_hf():
-            return hf_class.from_pretrained(hf_reference_path, dtype=torch.float32, attn_implementation="eager").eval()
+            # HF's grouped-GEMM experts have no fp64 kernel; its eager experts loop over them
+            experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+            return hf_class.from_pretrained(
+                hf_reference_path, dtype=dtype, attn_implementation="eager", **experts
+            ).eval()
 
         hf_model = load_hf()
-        loaded = build_model(hf_path)
-        model = loaded.model.eval()
+        loaded = build_model(hf_path, dtype=dtype)
+        model = loaded.model.to(dtype).eval()
         kept_quantized = len(quantized_weights(model))
         seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed)
         max_seqlen = max(args.seq_lens)
         with torch.no_grad():
             archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
             hf_logits = _hf_forward(hf_model, seqs)
+            hf_logprobs = label_logprobs(hf_logits, seqs)
+            train_logprobs = training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs)
         max_diff, mean_kl = _compare_logits(archon_logits, hf_logits)
-        logprob_diff = (label_logprobs(archon_logits, seqs) - label_logprobs(hf_logits, seqs)).abs().max().item()
+        logprob_diff = (label_logprobs(archon_logits, seqs) - hf_logprobs).abs().max().item()
         report: dict[str, Any] = {
             "model_type": model_type,
             "hf_path": None if args.hf_path is None else str(args.hf_path),
+            "dtype": args.dtype,
+            "config_overrides": overrides,
             "quantization": None if quant_format is None else str(quant_format),
             "quantized_tensors": quantized_tensors,
             "archon_quantized_weights": kept_quantized,
@@ -450,17 +599,24 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
             "max_abs_logits_diff": max_diff,
             "mean_kl": mean_kl,
             "max_abs_logprob_diff": logprob_diff,
+            "max_abs_train_logprob_diff": (train_logprobs.double() - hf_logprobs).abs().max().item(),
             "lora_max_abs_logits_diff": None,
             "lora_grad_max_rel_err": None,
             "single_kind_patterns": one_kind,
+            "unaccounted_config_fields": unread,
         }
-        checks = [("max_abs_logits_diff", MAX_ABS_LOGITS_DIFF), ("mean_kl", MAX_MEAN_KL)]
+        logits_tol = tolerances["max_abs_logits_diff"]
+        checks = [
+            ("max_abs_logits_diff", logits_tol),
+            ("mean_kl", tolerances["mean_kl"]),
+            ("max_abs_train_logprob_diff", logits_tol),
+        ]
         del model, loaded
 
         if args.lora_rank is not None:
             lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules="all-linear")
-            loaded = build_model(hf_path, lora=lora)
-            model = loaded.model.eval()
+            loaded = build_model(hf_path, lora=lora, dtype=dtype)
+            model = loaded.model.to(dtype).eval()
             g = torch.Generator().manual_seed(args.seed + 1)
             with torch.no_grad():
                 for name, p in lora_parameters(model).items():
@@ -470,21 +626,29 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
             peft_model, keys_report = _load_peft(load_hf(), adapter_dir)
             report.update(keys_report)
 
-            archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
+            with torch.no_grad():
+                archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
             peft_logits = _hf_forward(peft_model, seqs)
-            lora_diff, lora_kl = _compare_logits(archon_logits.detach(), peft_logits.detach())
+            lora_diff, lora_kl = _compare_logits(archon_logits, peft_logits.detach())
             report["lora_max_abs_logits_diff"] = lora_diff
             report["lora_mean_kl"] = lora_kl
             report["lora_effect_max_abs"] = (peft_logits.detach() - hf_logits).abs().max().item()
 
-            (-label_logprobs(archon_logits, seqs).sum()).backward()
-            (-label_logprobs(peft_logits, seqs).sum()).backward()
+            # LoRA gradients of the summed label log-probs: archon's through the training path.
+            peft_logprobs = label_logprobs(peft_logits, seqs)
+            train_logprobs = training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs)
+            report["lora_max_abs_train_logprob_diff"] = (train_logprobs.detach().double() - peft_logprobs.detach()).abs().max().item()
+            (-train_logprobs.sum()).backward()
+            (-peft_logprobs.sum()).backward()
             report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.converter, peft_model)
             checks += [
-                ("lora_max_abs_logits_diff", MAX_ABS_LOGITS_DIFF),
-                ("lora_grad_max_rel_err", MAX_LORA_GRAD_REL_ERR),
+                ("lora_max_abs_logits_diff", logits_tol),
+                ("lora_max_abs_train_logprob_diff", logits_tol),
+                ("lora_grad_max_rel_err", tolerances["lora_grad_max_rel_err"]),
             ]
     failures = [name for name, tol in checks if not report[name] <= tol]
+    if unread:
+        failures.append("unaccounted_config_fields")  # read each in from_hf_config, or declare it inert
     if report["quantized_tensors"] and not report["archon_quantized_weights"]:
         failures.append("archon_quantized_weights")  # the check is of a base kept quantized
     if args.lora_rank is not None:
@@ -537,8 +701,10 @@ def format_report(report: dict[str, Any]) -> str:
         "max_abs_logits_diff",
         "mean_kl",
         "max_abs_logprob_diff",
+        "max_abs_train_logprob_diff",
         "lora_max_abs_logits_diff",
         "lora_mean_kl",
+        "lora_max_abs_train_logprob_diff",
         "lora_effect_max_abs",
         "lora_grad_max_rel_err",
     ):
@@ -550,7 +716,7 @@ def format_report(report: dict[str, Any]) -> str:
         rows.append((key, f"{value:.3e}", "" if tol is None else f"{tol:.0e}", ok))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [f"archon vs HF transformers: {report['model_type']} ({report['sequences']} packed sequences, "
-             f"{report['tokens']} tokens, fp32)"]
+             f"{report['tokens']} tokens, {report['dtype']})"]
     if report.get("quantization"):
         lines.append(
             f"quantized checkpoint: {report['quantization']}, {report['quantized_tensors']} weights stored quantized; "
@@ -560,6 +726,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    if report.get("unaccounted_config_fields"):
+        lines.append(
+            "config fields neither read by from_hf_config nor declared inert (ModelSpec.inert_hf_config_fields): "
+            + ", ".join(report["unaccounted_config_fields"])
+        )
     for pattern in report.get("single_kind_patterns", []):
         lines.append(f"warning: every layer of the checked config is of one kind in {pattern}")
     if "peft_missing_keys" in report:

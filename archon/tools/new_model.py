@@ -39,7 +39,7 @@ class NewModelArgs:
     like_type: str | None = None
     """Which of the like-family's HF model types to start from (its tiny config); default its first."""
     root: Path | None = None
-    """Repository root holding models/ and tests/; default: where the `models` package is imported from."""
+    """Repository root holding models/ and tests/; default: the current directory, which must be one."""
 
 
 @dataclass
@@ -56,11 +56,27 @@ class Scaffold:
     comments and strings, so each one is for review."""
 
 
+def is_checkout(path: Path) -> bool:
+    return (path / "models" / "__init__.py").is_file() and (path / "archon" / "__init__.py").is_file()
+
+
 def default_root() -> Path:
+    """The current directory, when it is an archon checkout (models/ and archon/ side by side)."""
+    cwd = Path.cwd()
+    if not is_checkout(cwd):
+        raise FileNotFoundError(
+            f"{cwd} is not an archon checkout (no models/__init__.py and archon/__init__.py); run from the "
+            "repository root or pass --root"
+        )
+    return cwd
+
+
+def imported_root() -> Path | None:
+    """The checkout the `archon.models` package is imported from (None when it cannot be found)."""
     found = importlib.util.find_spec("archon.models")
     if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError("cannot locate the `archon.models` package (the repository's models/); pass --root")
-    return Path(list(found.submodule_search_locations)[0]).parent
+        return None
+    return Path(list(found.submodule_search_locations)[0]).parent.resolve()
 
 
 def families(models_dir: Path) -> list[str]:
@@ -83,23 +99,24 @@ def class_prefix(family_dir: Path, family: str) -> str:
 
 
 class Renamer:
-    """Text substitutions that turn the like-family's identifiers into the new family's."""
+    """Text substitutions that turn the like-family's identifiers into the new family's, in one pass
+    over the text (so a new name that extends the old one, qwen3 -> qwen3_next, is not renamed again)."""
 
     def __init__(self, like: str, name: str, like_prefix: str, new_prefix: str) -> None:
         self.like_prefix = like_prefix
-        self._rules = [
-            (re.compile(rf"\barchon\.models\.{like}\b"), f"archon.models.{name}"),
-            (re.compile(rf"\bfrom archon\.models import {like}\b"), f"from archon.models import {name}"),
-            (re.compile(rf"\b{like_prefix}(?=[A-Z])"), new_prefix),  # LlamaArgs, LlamaModel, ...
-            (re.compile(rf"\b{like.upper()}(?=_)"), name.upper()),  # LLAMA_CASES
-            (re.compile(rf"(?<=_){like}\b"), name),  # parallelize_llama, test_llama
-            (re.compile(rf"\b{like}(?=_)"), name),  # llama_plan
+        rules = [
+            (rf"\barchon\.models\.{like}\b", f"archon.models.{name}"),
+            (rf"\bfrom archon\.models import {like}\b", f"from archon.models import {name}"),
+            (rf"\b{like_prefix}(?=[A-Z])", new_prefix),  # LlamaArgs, LlamaModel, ...
+            (rf"\b{like.upper()}(?=_)", name.upper()),  # LLAMA_CASES
+            (rf"(?<=_){like}\b", name),  # parallelize_llama, test_llama
+            (rf"\b{like}(?=_)", name),  # llama_plan
         ]
+        self._pattern = re.compile("|".join(f"(?P<r{i}>{pattern})" for i, (pattern, _) in enumerate(rules)))
+        self._replacements = {f"r{i}": replacement for i, (_, replacement) in enumerate(rules)}
 
     def __call__(self, text: str) -> str:
-        for pattern, replacement in self._rules:
-            text = pattern.sub(replacement, text)
-        return text
+        return self._pattern.sub(lambda match: self._replacements[match.lastgroup], text)
 
 
 def _replace_segments(source: str, edits: list[tuple[ast.AST, str]]) -> str:
@@ -141,40 +158,49 @@ def like_model_types(spec_file: Path) -> tuple[str, ...]:
         raise ValueError(f"hf_model_types in {spec_file} must be a literal tuple of strings") from None
 
 
+# ModelSpec fields keyed by HF model_type: the scaffold keeps the like-type's entry, keyed by the new
+# type. (The renderer entry keeps the like-family's chat format until the new family has its own.)
+PER_TYPE_FIELDS = ("tiny_hf_config", "vllm_modes", "vllm_hf_overrides", "vllm_cpu_attention_backends", "renderers")
+# Stands for the new family's name and HF type in the text until the like-family's identifiers are
+# renamed, so that a new name that extends the old one (qwen3 -> qwen3_next) is not renamed twice.
+NAME_SLOT, TYPE_SLOT = "@@ARCHON_NEW_FAMILY@@", "@@ARCHON_NEW_MODEL_TYPE@@"
+
+
+def fill_slots(text: str, name: str, model_type: str) -> str:
+    return text.replace(NAME_SLOT, name).replace(TYPE_SLOT, model_type)
+
+
+def _per_type_entry(source: str, field: ast.Dict, like_type: str, field_name: str, spec_file: Path) -> str:
+    """The dict literal `field` reduced to its `like_type` entry, keyed by the new type."""
+    for key, value in zip(field.keys, field.values):
+        if isinstance(key, ast.Constant) and key.value == like_type:
+            # Keep the entry's own indentation so its multi-line value stays aligned.
+            lines = source.splitlines()
+            entry_indent = " " * key.col_offset
+            closing_indent = re.match(r"\s*", lines[field.end_lineno - 1]).group(0)
+            if field.lineno == field.end_lineno:
+                return f'{{"{TYPE_SLOT}": {ast.get_source_segment(source, value)}}}'
+            return f'{{\n{entry_indent}"{TYPE_SLOT}": {ast.get_source_segment(source, value)},\n{closing_indent}}}'
+    if field_name == "tiny_hf_config":
+        raise ValueError(f"tiny_hf_config in {spec_file} has no entry for {like_type!r}")
+    return "{}"
+
+
 def adapt_spec(source: str, spec_file: Path, name: str, model_type: str, like_type: str) -> str:
-    """Make the ModelSpec call name the new family and serve `model_type` with `like_type`'s tiny config."""
+    """Make the ModelSpec call name the new family and serve `model_type`; each per-type field keeps
+    `like_type`'s entry (its tiny config, vLLM mode, renderer ...) under the new type. The names are
+    left as slots (`fill_slots`)."""
     call = _model_spec_call(ast.parse(source), spec_file)
     edits: list[tuple[ast.AST, str]] = [
-        (_keyword(call, "name", spec_file), f'"{name}"'),
-        (_keyword(call, "hf_model_types", spec_file), f'("{model_type}",)'),
+        (_keyword(call, "name", spec_file), f'"{NAME_SLOT}"'),
+        (_keyword(call, "hf_model_types", spec_file), f'("{TYPE_SLOT}",)'),
     ]
-    tiny = next((k.value for k in call.keywords if k.arg == "tiny_hf_config"), None)
-    if tiny is not None:
-        if not isinstance(tiny, ast.Dict):
-            raise ValueError(f"tiny_hf_config in {spec_file} must be a dict literal keyed by model_type")
-        for key, value in zip(tiny.keys, tiny.values):
-            if isinstance(key, ast.Constant) and key.value == like_type:
-                # Keep the entry's own indentation so its multi-line value stays aligned.
-                lines = source.splitlines()
-                entry_indent = " " * key.col_offset
-                closing_indent = re.match(r"\s*", lines[tiny.end_lineno - 1]).group(0)
-                if tiny.lineno == tiny.end_lineno:
-                    text = f'{{"{model_type}": {ast.get_source_segment(source, value)}}}'
-                else:
-                    text = (f'{{\n{entry_indent}"{model_type}": {ast.get_source_segment(source, value)},'
-                            f"\n{closing_indent}}}")
-                edits.append((tiny, text))
-                break
-        else:
-            raise ValueError(f"tiny_hf_config in {spec_file} has no entry for {like_type!r}")
-    renderers = next((k.value for k in call.keywords if k.arg == "renderers"), None)
-    if renderers is not None:
-        # the new family speaks the like-family's chat format until it has a renderer of its own
-        try:
-            like_renderer = ast.literal_eval(renderers)[like_type]
-        except (ValueError, KeyError):
-            raise ValueError(f"renderers in {spec_file} must be a dict literal with an entry for {like_type!r}") from None
-        edits.append((renderers, f'{{"{model_type}": "{like_renderer}"}}'))
+    for keyword in call.keywords:
+        if keyword.arg not in PER_TYPE_FIELDS:
+            continue
+        if not isinstance(keyword.value, ast.Dict):
+            raise ValueError(f"{keyword.arg} in {spec_file} must be a dict literal keyed by model_type")
+        edits.append((keyword.value, _per_type_entry(source, keyword.value, like_type, keyword.arg, spec_file)))
     return _replace_segments(source, edits)
 
 
@@ -189,8 +215,9 @@ def drop_renderer_imports(init_source: str, like: str) -> str:
     return re.sub(rf"^from archon\.models\.{like} import \w*renderer\b.*\n", "", init_source, flags=re.M)
 
 
-def adapt_test(source: str, like_type: str, model_type: str) -> str:
-    return re.sub(rf"([\"']){re.escape(like_type)}\1", lambda m: f"{m.group(1)}{model_type}{m.group(1)}", source)
+def adapt_test(source: str, like_type: str) -> str:
+    """The like-family's test with its type's string literals as the new type's slot."""
+    return re.sub(rf"([\"']){re.escape(like_type)}\1", lambda m: f"{m.group(1)}{TYPE_SLOT}{m.group(1)}", source)
 
 
 def generic_test(name: str, model_type: str) -> str:
@@ -268,13 +295,13 @@ def scaffold(args: NewModelArgs) -> Scaffold:
                 text = adapt_spec(text, src, args.name, model_type, like_type)
             elif src.relative_to(like_dir) == Path("__init__.py"):
                 text = drop_renderer_imports(text, args.like)
-            outputs[dest] = rename(text)
+            outputs[dest] = fill_slots(rename(text), args.name, model_type)
         else:
             outputs[dest] = src.read_bytes()
     like_test = root / "tests" / "models" / f"test_{args.like}.py"
     if like_test.is_file():
         originals[test_file] = like_test.read_text()
-        outputs[test_file] = rename(adapt_test(originals[test_file], like_type, model_type))
+        outputs[test_file] = fill_slots(rename(adapt_test(originals[test_file], like_type)), args.name, model_type)
     else:
         outputs[test_file] = generic_test(args.name, model_type)
 
@@ -343,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lines that still name {args.like!r} (rewrite or confirm):")
         for mention in result.like_mentions:
             print(f"  {mention}")
+    imported = imported_root()
+    if imported is not None and imported != result.family_dir.parent.parent.resolve():
+        print(
+            f"warning: archon is imported from {imported}, not from {result.family_dir.parent.parent}: the new "
+            f"family is invisible to `python -m archon.tools.align` until you run it from that checkout with it "
+            f"installed (pip install -e {result.family_dir.parent.parent})"
+        )
     print("next: follow skills/add-model/SKILL.md, then gate with")
     print(f"  python -m archon.tools.align --model-type {result.model_type} --lora-rank 8")
     return 0

@@ -26,30 +26,39 @@ class DecoderArgs:
     tie_word_embeddings: bool
 
 
+def mlp_activation_from_hf(config, supported: tuple[str, ...] = ("silu",)) -> str:
+    """The MLP's activation, from `hidden_act` or (Gemma) `hidden_activation`; 'silu' when the
+    config has neither. A value outside `supported`, in either field, is refused, naming the field."""
+    found = []
+    for name in ("hidden_act", "hidden_activation"):
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if value not in supported:
+            raise ValueError(f"config.{name}={value!r} is not supported; expected one of {list(supported)}")
+        found.append(value)
+    return found[0] if found else "silu"
+
+
 def decoder_fields_from_hf(
-    config,
-    activation_field: str = "hidden_act",
-    activations: tuple[str, ...] = ("silu",),
-    rope_per_layer_type: bool = False,
+    config, mlp_activations: tuple[str, ...] = ("silu",), rope_per_layer_type: bool = False
 ) -> dict[str, Any]:
     """The DecoderArgs fields of an HF config, as HF's modeling code resolves them.
 
     head_dim falls back to hidden_size // num_attention_heads when the config has none (or None);
     num_key_value_heads falls back to num_attention_heads; intermediate_size is 0 for a config
-    without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE).
+    without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE). The MLP activation must be
+    one of `mlp_activations` (the family reads which with `mlp_activation_from_hf`); attention
+    dropout must be 0, since archon's attention has none.
 
-    activation_field, activations: the config field naming the gated MLP's activation and the values
-    the family implements (Gemma reads `hidden_activation`, not `hidden_act`).
     rope_per_layer_type: `rope_parameters` is a dict of RoPE parameters per entry of
     `config.layer_types` (Gemma 3: another theta, and scaling, on full-attention layers); it is kept
     keyed by layer type.
     """
-    activation = getattr(config, activation_field, activations[0])
-    if activation not in activations:
-        raise ValueError(
-            f"config.{activation_field}={activation!r} is not supported; the gated MLP implements "
-            + " or ".join(repr(a) for a in activations)
-        )
+    mlp_activation_from_hf(config, mlp_activations)
+    attention_dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if attention_dropout != 0.0:
+        raise ValueError(f"config.attention_dropout={attention_dropout!r} is not supported; archon's attention has no dropout")
     rope_parameters = getattr(config, "rope_parameters", None)
     if rope_per_layer_type:
         rope_parameters = _rope_parameters_per_layer_type(rope_parameters, config.layer_types)
@@ -141,10 +150,12 @@ def sliding_window_fields_from_hf(config) -> dict[str, Any]:
     """The SlidingWindowDecoderArgs fields of an HF config (DecoderArgs fields included)."""
     fields = decoder_fields_from_hf(config)
     use_sliding_window = bool(getattr(config, "use_sliding_window", False))
-    sliding_window = getattr(config, "sliding_window", None) if use_sliding_window else None
+    sliding_window = getattr(config, "sliding_window", None)
+    if not use_sliding_window:
+        sliding_window = None
+    max_window_layers = getattr(config, "max_window_layers", fields["num_hidden_layers"])
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # configs from before layer_types existed
-        max_window_layers = getattr(config, "max_window_layers", fields["num_hidden_layers"])
         layer_types = [
             SLIDING_ATTENTION if sliding_window is not None and i >= max_window_layers else FULL_ATTENTION
             for i in range(fields["num_hidden_layers"])

@@ -37,6 +37,12 @@ class DeepseekV3Args(GroupLimitedMoEArgs):
         for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             if not getattr(config, name, None):
                 raise ValueError(f"config.{name}={getattr(config, name, None)!r}; it must be a positive integer")
+        qk_head_dim = getattr(config, "qk_head_dim", None)
+        if qk_head_dim is not None and qk_head_dim != config.qk_nope_head_dim + config.qk_rope_head_dim:
+            raise ValueError(
+                f"config.qk_head_dim={qk_head_dim} is not qk_nope_head_dim + qk_rope_head_dim "
+                f"({config.qk_nope_head_dim} + {config.qk_rope_head_dim})"
+            )
         if config.qk_rope_head_dim % 2:
             raise ValueError(f"config.qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         return cls(

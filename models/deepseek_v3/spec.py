@@ -64,6 +64,10 @@ spec = register(
         # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
         vllm_modes={"deepseek_v3": "merged"},
         renderers={"deepseek_v3": "deepseek_v3"},
+        inert_hf_config_fields={
+            "pretraining_tp": "a pretraining sharding detail that HF's modeling code ignores",
+            "num_nextn_predict_layers": "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded",
+        },
         # vLLM creates the router's e_score_correction_bias only for topk_method "noaux_tc" and scores
         # with softmax unless scoring_func is "sigmoid"; transformers' config has neither field (its
         # model always does both), released DeepSeek-V3 checkpoints carry both

@@ -30,13 +30,6 @@ class Gemma3Args(SlidingWindowDecoderArgs):
         read (the composite's fields mm_tokens_per_image, boi/eoi/image_token_index only place image
         embeddings, which a text-only sequence has none of)."""
         text = config.get_text_config()
-        # Inert HF config fields (the math does not depend on them; for the spec's
-        # inert_hf_config_fields once the field exists):
-        #   attention_dropout: dropout on the attention weights, off in evaluation, and archon's
-        #     attention has no dropout (the trainer runs HF's eval-mode math);
-        #   pad_token_id: HF's embedding padding_idx only keeps the pad row's gradient zero, and
-        #     archon never trains the embedding;
-        #   sliding_window_pattern: read by HF only to derive layer_types, which is read instead.
         for field in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(text, field)
             if value is not None:
@@ -51,8 +44,7 @@ class Gemma3Args(SlidingWindowDecoderArgs):
             )
         return cls(
             **language_model_fields_from_hf(
-                config, activation_field="hidden_activation", activations=(GEMMA3_ACTIVATION,),
-                rope_per_layer_type=True,
+                config, mlp_activations=(GEMMA3_ACTIVATION,), rope_per_layer_type=True
             ),
             sliding_window=text.sliding_window,
             layer_types=list(text.layer_types),

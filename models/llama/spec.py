@@ -32,5 +32,8 @@ spec = register(
         },
         vllm_modes={"llama": "adapter"},
         renderers={"llama": "llama3"},
+        inert_hf_config_fields={
+            "pretraining_tp": "a pretraining sharding detail that HF's modeling code ignores",
+        },
     )
 )

@@ -65,5 +65,8 @@ spec = register(
             "qwen3_5_moe": dict(text_config=dict(_TINY_MOE_TEXT), vision_config=dict(_TINY_VISION)),
         },
         renderers={"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"},
+        inert_hf_config_fields={
+            "partial_rotary_factor": "the config class copies it into rope_parameters, where HF's modeling code and archon read it",
+        },
     )
 )

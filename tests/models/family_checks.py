@@ -7,32 +7,43 @@ from pathlib import Path
 
 import torch
 
-from archon.tools.align import (
-    MAX_ABS_LOGITS_DIFF,
-    MAX_LORA_GRAD_REL_ERR,
-    MAX_MEAN_KL,
-    AlignArgs,
-    run_alignment,
-)
+from archon.tools.align import TOLERANCES, AlignArgs, run_alignment
 
 # Odd lengths, one of a single token, the longest above any tiny sliding window.
 SEQ_LENS = (7, 1, 13, 33)
 
 
-def assert_aligned(model_type: str, overrides: dict, lora_rank: int | None = 8, seq_lens=SEQ_LENS) -> dict:
-    """archon vs HF (and, with lora_rank, vs PEFT on HF) on a packed batch, within the contract."""
+def assert_aligned(
+    model_type: str, overrides: dict, lora_rank: int | None = 8, seq_lens=SEQ_LENS, dtype: str = "float32"
+) -> dict:
+    """archon vs HF (and, with lora_rank, vs PEFT on HF) on a packed batch, within the contract of
+    `dtype` (archon.tools.align.TOLERANCES): logits, the training path (hidden states through the
+    chunked head), LoRA gradients, PEFT keys, and config-field coverage."""
     report = run_alignment(
-        AlignArgs(model_type=model_type, config_overrides=overrides, lora_rank=lora_rank, seq_lens=seq_lens)
+        AlignArgs(model_type=model_type, config_overrides=overrides, lora_rank=lora_rank, seq_lens=seq_lens, dtype=dtype)
     )
-    assert report["max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
-    assert report["mean_kl"] <= MAX_MEAN_KL, report
+    tolerances = TOLERANCES[dtype]
+    assert report["max_abs_logits_diff"] <= tolerances["max_abs_logits_diff"], report
+    assert report["max_abs_train_logprob_diff"] <= tolerances["max_abs_logits_diff"], report
+    assert report["mean_kl"] <= tolerances["mean_kl"], report
+    assert report["unaccounted_config_fields"] == [], report
     if lora_rank is not None:
-        assert report["lora_max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
-        assert report["lora_grad_max_rel_err"] <= MAX_LORA_GRAD_REL_ERR, report
+        assert report["lora_max_abs_logits_diff"] <= tolerances["max_abs_logits_diff"], report
+        assert report["lora_max_abs_train_logprob_diff"] <= tolerances["max_abs_logits_diff"], report
+        assert report["lora_grad_max_rel_err"] <= tolerances["lora_grad_max_rel_err"], report
         assert report["peft_missing_keys"] == [], report
         assert report["peft_unexpected_keys"] == [], report
         assert report["lora_effect_max_abs"] > 1e-3, report  # the adapter really acts
     assert report["pass"], report
+    return report
+
+
+def assert_gate_fails(model_type: str, overrides: dict, seq_lens=SEQ_LENS) -> dict:
+    """The gate (fp32, no LoRA) fails: for mutation checks, where a feature of the archon model is
+    switched off (monkeypatched) and the tiny config must be one that notices."""
+    report = run_alignment(AlignArgs(model_type=model_type, config_overrides=overrides, seq_lens=seq_lens))
+    assert not report["pass"], f"{model_type} passes the gate with the feature switched off: {report}"
+    assert report["max_abs_logits_diff"] > 1e-3 or report["max_abs_train_logprob_diff"] > 1e-3, report
     return report
 
 

@@ -9,15 +9,19 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
-from torch import nn
+from family_checks import (
+    assert_aligned,
+    assert_gate_fails,
+    assert_meta_weights_complete,
+    assert_state_dict_round_trip,
+)
 from transformers import AutoConfig
 
-from archon.build import build_model
 from archon.models.common.mlp import GeGLUMLP
 from archon.models.common.norms import OffsetRMSNorm
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.gemma3.args import Gemma3Args
+from archon.models.gemma3.model import Gemma3Model
 from archon.tools.align import packed_batch, tiny_config_kwargs
 
 MODEL_TYPE = "gemma3_text"
@@ -54,6 +58,12 @@ CASES = {
 def test_parity_lora_and_peft_export(case):
     model_type, overrides = CASES[case]
     assert_aligned(model_type, overrides, lora_rank=8)
+
+
+@pytest.mark.parametrize("case", ["legacy-rope-pattern-bias-untied", "vision-language"])
+def test_parity_float64(case):
+    model_type, overrides = CASES[case]
+    assert_aligned(model_type, overrides, lora_rank=8, dtype="float64")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -116,51 +126,44 @@ def _without_rope_scaling(model):
     model.rotary["full_attention"] = RotaryEmbedding(params, model.args.head_dim, model.args.max_position_embeddings)
 
 
-def _layers(model, name, value):
-    for layer in model.layers:
-        setattr(layer, name, value() if callable(value) else value)
+def _identity(modules):
+    """The modules pass their input through (their weights stay, so the checkpoint still loads)."""
+    for module in modules:
+        module.forward = lambda x: x
 
 
-# Each switches one feature of the registered tiny config off in the archon model (a monkeypatch for
-# the class-level ones).
+# Each switches one feature of the registered tiny config off in a freshly built archon model.
 MUTATIONS = {
-    "embedding-scale": lambda model, mp: setattr(model, "embedding_scale", None),
-    "sliding-window": lambda model, mp: [setattr(layer.self_attn, "sliding_window", None) for layer in model.layers],
-    "qk-norm": lambda model, mp: [
-        (setattr(layer.self_attn, "q_norm", None), setattr(layer.self_attn, "k_norm", None)) for layer in model.layers
+    "embedding-scale": lambda model: setattr(model, "embedding_scale", None),
+    "sliding-window": lambda model: [setattr(layer.self_attn, "sliding_window", None) for layer in model.layers],
+    "qk-norm": lambda model: _identity(m for layer in model.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)),
+    "softmax-scale": lambda model: [setattr(layer.self_attn, "scale", model.args.head_dim**-0.5) for layer in model.layers],
+    "zero-centred-norms": lambda model: [
+        setattr(norm, "forward", lambda x, norm=norm: norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.eps))
+        for norm in model.modules() if isinstance(norm, OffsetRMSNorm)
     ],
-    "softmax-scale": lambda model, mp: [
-        setattr(layer.self_attn, "scale", model.args.head_dim**-0.5) for layer in model.layers
+    "post-attention-norm": lambda model: _identity(layer.post_attention_layernorm for layer in model.layers),
+    "pre-feedforward-norm": lambda model: _identity(layer.pre_feedforward_layernorm for layer in model.layers),
+    "post-feedforward-norm": lambda model: _identity(layer.post_feedforward_layernorm for layer in model.layers),
+    "gelu-tanh-activation": lambda model: [
+        setattr(layer.mlp, "activation", F.silu) for layer in model.layers if isinstance(layer.mlp, GeGLUMLP)
     ],
-    "zero-centred-norms": lambda model, mp: mp.setattr(
-        OffsetRMSNorm, "forward", lambda self, x: self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
-    ),
-    "post-attention-norm": lambda model, mp: _layers(model, "post_attention_layernorm", nn.Identity),
-    "pre-feedforward-norm": lambda model, mp: _layers(model, "pre_feedforward_layernorm", nn.Identity),
-    "post-feedforward-norm": lambda model, mp: _layers(model, "post_feedforward_layernorm", nn.Identity),
-    "gelu-tanh-activation": lambda model, mp: mp.setattr(GeGLUMLP, "activation", lambda self, gate: F.silu(gate)),
-    "rope-per-layer-type": lambda model, mp: setattr(model, "rotary", model.rotary["sliding_attention"]),
-    "full-layer-rope-scaling": lambda model, mp: _without_rope_scaling(model),
+    "rope-per-layer-type": lambda model: setattr(model, "rotary", model.rotary["sliding_attention"]),
+    "full-layer-rope-scaling": _without_rope_scaling,
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from archon.tools.align import make_tiny_hf_checkpoint
-
-    return make_tiny_hf_checkpoint(MODEL_TYPE, tmp_path_factory.mktemp(MODEL_TYPE) / "hf", seed=0)
-
-
 @pytest.mark.parametrize("feature", sorted(MUTATIONS))
-def test_tiny_config_exercises_each_feature(feature, tiny_path, monkeypatch):
-    """Switching one feature off moves the logits: the aligned tiny config reaches every feature."""
-    model = build_model(tiny_path).model.eval()
-    _, tokens, positions, cu_seqlens = packed_batch((33, 13), 256, seed=0)
-    with torch.no_grad():
-        reference = model(tokens, positions, cu_seqlens, 33)
-        MUTATIONS[feature](model, monkeypatch)
-        mutated = model(tokens, positions, cu_seqlens, 33)
-    assert (reference - mutated).abs().max() > 1e-3, feature
+def test_gate_fails_with_each_feature_switched_off(feature, monkeypatch):
+    """The tiny config reaches every feature: with one switched off in the archon model the gate fails."""
+    build = Gemma3Model.__init__
+
+    def build_then_switch_off(self, args, lora=None):
+        build(self, args, lora)
+        MUTATIONS[feature](self)
+
+    monkeypatch.setattr(Gemma3Model, "__init__", build_then_switch_off)
+    assert_gate_fails(MODEL_TYPE, {})
 
 
 REFUSED = {
@@ -168,6 +171,7 @@ REFUSED = {
     "final_logit_softcapping": dict(final_logit_softcapping=30.0),
     "use_bidirectional_attention": dict(use_bidirectional_attention=True),
     "hidden_activation": dict(hidden_activation="gelu"),
+    "attention_dropout": dict(attention_dropout=0.1),
     r"rope_parameters\['full_attention'\]\['rope_type'\]": dict(
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -188,4 +192,10 @@ REFUSED = {
 def test_unsupported_config_values_name_the_field(field):
     config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **REFUSED[field]))
     with pytest.raises(ValueError, match=field):
+        Gemma3Args.from_hf_config(config)
+
+
+def test_composite_refusals_read_the_text_config():
+    config = AutoConfig.for_model("gemma3", **tiny_config_kwargs("gemma3", final_logit_softcapping=30.0))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
         Gemma3Args.from_hf_config(config)
