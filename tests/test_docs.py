@@ -401,3 +401,22 @@ def test_the_readme_test_command_is_what_ci_runs():
     ci = [normal(c) for c in shell_commands((ROOT / ".ci" / "run").read_text(encoding="utf-8"))]
     for command in shell_commands(block):
         assert normal(command) in ci, f"the README's test step {shlex.join(command)!r} is not in .ci/run"
+
+
+def test_the_skill_calls_the_generation_cache_as_it_is():
+    """Each `cache.<method>(...)` the add-model skill tells a layer to call is a method of
+    LayerKVCache taking that many arguments."""
+    import inspect
+
+    from archon.rollout.kv_cache import LayerKVCache
+
+    skill = (ROOT / "skills" / "add-model" / "SKILL.md").read_text()
+    calls = re.findall(r"cache\.(\w+)\(([^()]*)\)", skill)
+    assert {name for name, _ in calls} >= {"attention", "recurrent_state", "store_recurrent_state"}
+    for name, arguments in calls:
+        method = getattr(LayerKVCache, name, None)
+        assert method is not None, f"SKILL.md calls cache.{name}, which LayerKVCache has not"
+        given = [a for a in arguments.split(",") if a.strip()]
+        parameters = list(inspect.signature(method).parameters.values())[1:]
+        required = [p for p in parameters if p.default is inspect.Parameter.empty]
+        assert len(required) <= len(given) <= len(parameters), (name, arguments, parameters)

@@ -46,6 +46,9 @@ spec = register(
         parallelize_fn=parallelize_gpt_oss,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"),
         tiny_hf_config={
+            # swiglu_limit stays at its default 7, which no activation of the tiny model reaches: vLLM's
+            # GPT-OSS experts clamp at a fixed 7.0 (and alpha 1.702) whatever the config says. The clamp
+            # is checked with swiglu_limit=1.0 (tests/models/test_gpt_oss.py, test_feature_sensitivity.py).
             "gpt_oss": dict(
                 TINY_DECODER_CONFIG,
                 intermediate_size=32,  # per expert

@@ -1,0 +1,514 @@
+"""The alignment gate notices each feature a family's tiny config turns on being switched off.
+
+A tiny config that never reaches a feature (a window longer than every sequence, a clamp no
+activation hits, a bias the checkpoint leaves at zero) lets a port pass the gate that ignores the
+feature. Each case here builds the archon model as the gate does, switches one feature off the way a
+wrong port would (`switch_off(model, monkeypatch)`, applied to every model the gate builds), and
+asserts that the gate fails with logits or training-path log-probs moved by more than 1e-3.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+from family_checks import assert_aligned, assert_gate_fails
+from torch import nn
+
+import archon.tools.align as align
+from archon.models.common import attention as attention_module
+from archon.models.common import linear_attention
+from archon.models.common.attention import Attention, GatedAttention, packed_attention
+from archon.models.common.mla import MultiHeadLatentAttention
+from archon.models.common.moe import (
+    ClampedSwiGLUExperts,
+    SharedExpertMoE,
+    SharedExpertsMoE,
+    SigmoidGroupTopKRouter,
+    SoftmaxTopKRouter,
+    TopKSoftmaxRouter,
+)
+from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm
+from archon.models.common.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from archon.models.qwen3_5 import model as qwen3_5_model
+from archon.models.qwen3_5.model import GatedDeltaNet
+
+# Odd lengths, one of a single token, the longest above every tiny sliding window.
+SEQ_LENS = (7, 1, 33)
+
+SwitchOff = Callable[[nn.Module, pytest.MonkeyPatch], None]
+
+
+@dataclass(frozen=True)
+class Case:
+    model_type: str
+    feature: str
+    switch_off: SwitchOff
+    overrides: dict = field(default_factory=dict)
+    """Tiny-config overrides that turn the feature on, where the registered tiny config has it off."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.model_type}-{self.feature}"
+
+
+def modules(model: nn.Module, cls: type) -> list[nn.Module]:
+    found = [m for m in model.modules() if isinstance(m, cls)]
+    assert found, f"the model has no {cls.__name__}"
+    return found
+
+
+class Zero(nn.Module):
+    """An MLP that contributes nothing: x -> 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+# ---- Mutations: each switches one feature off in a built model, as a wrong port would ----------
+
+
+def zero_biases(*names: str) -> SwitchOff:
+    """The biases of the linear layers named `names` (attention projections, MLP projections) are zero."""
+
+    def switch_off(model, monkeypatch):
+        layers = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in names]
+        assert layers and all(layer.bias is not None for layer in layers), names
+        with torch.no_grad():
+            for layer in layers:
+                layer.bias.zero_()
+
+    return switch_off
+
+
+def no_qk_norm(model, monkeypatch):
+    """Queries and keys are not normalised per head."""
+    for attn in [m for m in model.modules() if isinstance(m, (Attention, GatedAttention))]:
+        assert attn.q_norm is not None
+        attn.q_norm = attn.k_norm = nn.Identity()
+
+
+def no_sliding_window(model, monkeypatch):
+    """Sliding layers attend to the whole prefix."""
+    sliding = [m for m in modules(model, Attention) if m.sliding_window is not None]
+    assert sliding
+    for attn in sliding:
+        attn.sliding_window = None
+
+
+def window_on_every_layer(model, monkeypatch):
+    """The window applies to the full-attention layers too (the per-layer pattern ignored)."""
+    window = model.args.sliding_window
+    full = [m for m in modules(model, Attention) if m.sliding_window is None]
+    assert full and window
+    for attn in full:
+        attn.sliding_window = window
+
+
+def gqa_heads_tiled(model, monkeypatch):
+    """Query head h reads key/value head h % n_kv_heads instead of h // (n_heads / n_kv_heads)."""
+
+    def tiled(q, k, v, *args, **kwargs):
+        repeats = q.shape[1] // k.shape[1]
+        assert repeats > 1
+        return packed_attention(q, k.repeat(1, repeats, 1), v.repeat(1, repeats, 1), *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "packed_attention", tiled)
+
+
+def no_attention_sinks(model, monkeypatch):
+    for attn in modules(model, Attention):
+        assert attn.sinks is not None
+        attn.sinks = None
+
+
+def rope_frequencies(model, rope_parameters: dict) -> torch.Tensor:
+    """The inverse frequencies `rope_parameters` give the model's rotary dims."""
+    inv_freq, _ = rope_inv_freq(rope_parameters, model.rotary.rotary_dim, model.args.max_position_embeddings)
+    return inv_freq
+
+
+def use_rope_frequencies(model, inv_freq: torch.Tensor) -> None:
+    model.rotary._inv_freq = {torch.device("cpu"): inv_freq}
+
+
+def plain_rope_frequencies(model, monkeypatch):
+    """The scaled RoPE (llama3, YaRN) computed as default RoPE of the same theta; YaRN's attention
+    factor on cos/sin is kept."""
+    rope_parameters = model.args.rope_parameters
+    assert rope_parameters["rope_type"] != "default"
+    default = {"rope_type": "default", "rope_theta": rope_parameters["rope_theta"]}
+    use_rope_frequencies(model, rope_frequencies(model, default))
+
+
+def rope_frequencies_with(**changes) -> SwitchOff:
+    """RoPE frequencies from rope_parameters with `changes` (a YaRN `truncate` ignored); the
+    attention factor is kept."""
+
+    def switch_off(model, monkeypatch):
+        rope_parameters = model.args.rope_parameters
+        assert any(rope_parameters.get(k) != v for k, v in changes.items()), changes
+        use_rope_frequencies(model, rope_frequencies(model, {**rope_parameters, **changes}))
+
+    return switch_off
+
+
+def llama3_without_smoothing(model, monkeypatch):
+    """llama3 RoPE without its smooth band: wavelengths above original / low_freq_factor divided by
+    factor, the rest kept."""
+    params = model.args.rope_parameters
+    inv_freq = rope_frequencies(model, {"rope_type": "default", "rope_theta": params["rope_theta"]})
+    long = 2 * math.pi / inv_freq > params["original_max_position_embeddings"] / params["low_freq_factor"]
+    use_rope_frequencies(model, torch.where(long, inv_freq / params["factor"], inv_freq))
+
+
+def no_rope_attention_factor(model, monkeypatch):
+    """YaRN's attention factor (the scale of cos and sin) is dropped."""
+    assert model.rotary.attention_scaling != 1.0
+    model.rotary.attention_scaling = 1.0
+
+
+def full_rotary(model, monkeypatch):
+    """Partial rotary applied to every feature of the head."""
+    args = model.args
+    assert model.rotary.rotary_dim < args.head_dim
+    model.rotary = RotaryEmbedding(args.rope_parameters, args.head_dim, args.max_position_embeddings)
+
+
+def rope_not_interleaved(model, monkeypatch):
+    """MLA's rotary features read in half-split order, not as interleaved pairs."""
+    for attn in modules(model, MultiHeadLatentAttention):
+        assert attn.interleaved
+        attn.interleaved = False
+
+
+def no_yarn_softmax_mscale(model, monkeypatch):
+    """MLA's softmax scale without YaRN's mscale(factor, mscale_all_dim)**2."""
+    for attn in modules(model, MultiHeadLatentAttention):
+        assert not math.isclose(attn.scale, attn.qk_head_dim**-0.5)
+        attn.scale = attn.qk_head_dim**-0.5
+
+
+def no_latent_norms(model, monkeypatch):
+    """MLA's query and key/value latents are not RMS-normalised."""
+    for attn in modules(model, MultiHeadLatentAttention):
+        attn.q_a_layernorm = attn.kv_a_layernorm = nn.Identity()
+
+
+def no_output_gate(model, monkeypatch):
+    """Gated attention without its per-head sigmoid output gate (the gate rows of q_proj unused)."""
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None):
+        T, hd = x.shape[0], self.head_dim
+        q, _ = self.q_proj(x).view(T, -1, 2 * hd).split(hd, dim=-1)
+        k, v = self.k_proj(x).view(T, -1, hd), self.v_proj(x).view(T, -1, hd)
+        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        out = packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+
+    monkeypatch.setattr(GatedAttention, "forward", forward)
+
+
+def norm_without_offset(model, monkeypatch):
+    """Zero-centred RMSNorms scaled by w instead of (1 + w)."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+    modules(model, OffsetRMSNorm)
+    monkeypatch.setattr(OffsetRMSNorm, "forward", forward)
+
+
+def conv_identity(model, monkeypatch):
+    """DeltaNet's short causal conv passes each channel's current input through (silu still applied)."""
+    with torch.no_grad():
+        for mixer in modules(model, GatedDeltaNet):
+            weight = mixer.conv1d.weight  # [C, 1, K]
+            weight.zero_()
+            weight[..., -1] = 1.0
+
+
+def delta_rule_with(transform: Callable[[dict], None]) -> SwitchOff:
+    """Every DeltaNet layer calls the gated delta rule with its inputs changed by `transform`."""
+
+    def switch_off(model, monkeypatch):
+        modules(model, GatedDeltaNet)
+        rule = linear_attention.gated_delta_rule
+
+        def changed(q, k, v, g, beta, seqs, initial_state):
+            inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
+            transform(inputs)
+            return rule(**inputs, seqs=seqs, initial_state=initial_state)
+
+        monkeypatch.setattr(qwen3_5_model, "gated_delta_rule", changed)
+
+    return switch_off
+
+
+def _no_decay(inputs):
+    inputs["g"] = torch.zeros_like(inputs["g"])
+
+
+def _full_write_strength(inputs):
+    inputs["beta"] = torch.ones_like(inputs["beta"])
+
+
+def value_heads_tiled(model, monkeypatch):
+    """Value head h reads key head h % n_key_heads instead of h // (value heads per key head)."""
+    per_key_head = model.args.linear_value_heads_per_key_head
+    assert per_key_head > 1
+
+    def tile(inputs):
+        for name in ("q", "k"):
+            key_heads = inputs[name][:, ::per_key_head]  # [T, Hk, dk]
+            inputs[name] = key_heads.repeat(1, per_key_head, 1)
+
+    delta_rule_with(tile)(model, monkeypatch)
+
+
+def no_qk_l2_norm(model, monkeypatch):
+    """The delta rule's queries and keys are not L2-normalised."""
+    modules(model, GatedDeltaNet)
+    monkeypatch.setattr(linear_attention, "l2_normalize", lambda x, eps=1e-6: x)
+
+
+def zero_dt_bias(model, monkeypatch):
+    with torch.no_grad():
+        for mixer in modules(model, GatedDeltaNet):
+            mixer.dt_bias.zero_()
+
+
+def no_output_norm_gate(model, monkeypatch):
+    """DeltaNet's output RMSNorm without its silu(z) gate."""
+
+    def forward(self, x, gate):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    modules(model, GatedRMSNorm)
+    monkeypatch.setattr(GatedRMSNorm, "forward", forward)
+
+
+def set_on(cls: type, **values) -> SwitchOff:
+    """Set attributes on every module of class `cls` (a router's norm_topk_prob, a scaling factor)."""
+
+    def switch_off(model, monkeypatch):
+        for module in modules(model, cls):
+            for name, value in values.items():
+                assert getattr(module, name) != value, (cls.__name__, name)
+                setattr(module, name, value)
+
+    return switch_off
+
+
+def topk_before_softmax(model, monkeypatch):
+    """A softmax-then-top-k router computed as top-k then softmax over the chosen k."""
+
+    def forward(self, x):
+        top_logits, top_indices = torch.topk(F.linear(x, self.weight), self.top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype), top_indices
+
+    modules(model, SoftmaxTopKRouter)
+    monkeypatch.setattr(SoftmaxTopKRouter, "forward", forward)
+
+
+def softmax_before_topk(model, monkeypatch):
+    """A top-k-then-softmax router computed as softmax over all experts, then top-k (not renormalised)."""
+
+    def forward(self, x):
+        probs = torch.softmax(F.linear(x, self.weight, self.bias), dim=-1, dtype=torch.float32)
+        top_weights, top_indices = torch.topk(probs, self.top_k, dim=-1)
+        return top_weights.to(x.dtype), top_indices
+
+    modules(model, TopKSoftmaxRouter)
+    monkeypatch.setattr(TopKSoftmaxRouter, "forward", forward)
+
+
+def zero_router_bias(model, monkeypatch):
+    with torch.no_grad():
+        for router in modules(model, TopKSoftmaxRouter):
+            router.bias.zero_()
+
+
+def no_score_correction_bias(model, monkeypatch):
+    """Expert choice without e_score_correction_bias."""
+    for router in modules(model, SigmoidGroupTopKRouter):
+        assert router.e_score_correction_bias.abs().max() > 0
+        router.e_score_correction_bias.zero_()
+
+
+def no_shared_experts(model, monkeypatch):
+    for moe in modules(model, SharedExpertsMoE):
+        moe.shared_experts = Zero()
+
+
+def no_shared_expert(model, monkeypatch):
+    for moe in modules(model, SharedExpertMoE):
+        moe.shared_expert = Zero()
+
+
+def ungated_shared_expert(model, monkeypatch):
+    """Qwen3.5's shared expert added without its sigmoid(shared_expert_gate(x)) scale."""
+
+    def forward(self, x):
+        top_weights, top_indices = self.gate(x)
+        return self.experts(x, top_weights, top_indices) + self.shared_expert(x)
+
+    modules(model, SharedExpertMoE)
+    monkeypatch.setattr(SharedExpertMoE, "forward", forward)
+
+
+def zero_expert_biases(model, monkeypatch):
+    with torch.no_grad():
+        for experts in modules(model, ClampedSwiGLUExperts):
+            experts.gate_up_proj_bias.zero_()
+            experts.down_proj_bias.zero_()
+
+
+def swiglu_activation(activation: Callable) -> SwitchOff:
+    """GPT-OSS experts with `activation(experts, gate_up [n, 2*hidden]) -> [n, hidden]`."""
+
+    def switch_off(model, monkeypatch):
+        modules(model, ClampedSwiGLUExperts)
+        monkeypatch.setattr(ClampedSwiGLUExperts, "_activation", activation)
+
+    return switch_off
+
+
+def _unclamped(self, gate_up):
+    gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def _without_up_offset(self, gate_up):
+    gate = gate_up[:, 0::2].clamp(max=self.limit)
+    up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+    return up * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def _plain_silu(self, gate_up):
+    gate = gate_up[:, 0::2].clamp(max=self.limit)
+    up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+    return (up + 1) * F.silu(gate)
+
+
+def _gate_up_halves(self, gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+CASES = [
+    # Llama: llama3-scaled RoPE, GQA, optional attention and MLP biases.
+    Case("llama", "llama3-rope-as-default", plain_rope_frequencies),
+    Case("llama", "llama3-smoothing", llama3_without_smoothing),
+    Case("llama", "gqa-head-mapping", gqa_heads_tiled),
+    Case("llama", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
+    Case("llama", "mlp-bias", zero_biases("gate_proj", "up_proj", "down_proj"), dict(mlp_bias=True)),
+    # Qwen2: q/k/v bias, a sliding window on layers from max_window_layers on.
+    Case("qwen2", "qkv-bias", zero_biases("q_proj", "k_proj", "v_proj")),
+    Case("qwen2", "sliding-window", no_sliding_window),
+    Case("qwen2", "max-window-layers", window_on_every_layer),
+    # Qwen3: QK-norm, per-layer windows as Qwen2, optional attention bias.
+    Case("qwen3", "qk-norm", no_qk_norm),
+    Case("qwen3", "sliding-window", no_sliding_window),
+    Case("qwen3", "max-window-layers", window_on_every_layer),
+    Case("qwen3", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
+    # Qwen3-MoE: QK-norm, softmax-then-top-k routing, norm_topk_prob.
+    Case("qwen3_moe", "qk-norm", no_qk_norm),
+    Case("qwen3_moe", "norm-topk-prob", set_on(SoftmaxTopKRouter, norm_topk_prob=False)),
+    # With the chosen k renormalised the two orders agree; without, they differ.
+    Case("qwen3_moe", "softmax-then-topk", topk_before_softmax, dict(norm_topk_prob=False)),
+    # GPT-OSS: sinks, alternating windows, YaRN, biased top-k-then-softmax router, clamped SwiGLU.
+    Case("gpt_oss", "attention-sinks", no_attention_sinks),
+    Case("gpt_oss", "sliding-window", no_sliding_window),
+    Case("gpt_oss", "window-layer-pattern", window_on_every_layer),
+    Case("gpt_oss", "yarn-rope-as-default", plain_rope_frequencies),
+    Case("gpt_oss", "yarn-attention-factor", no_rope_attention_factor),
+    Case("gpt_oss", "yarn-no-truncation", rope_frequencies_with(truncate=True)),
+    Case("gpt_oss", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj")),
+    Case("gpt_oss", "router-bias", zero_router_bias),
+    Case("gpt_oss", "topk-then-softmax", softmax_before_topk),
+    Case("gpt_oss", "expert-biases", zero_expert_biases),
+    # The registered tiny config's activations stay below its clamp limit of 7 (gate at most about
+    # 4.7, |up| about 3.7), so only a lower limit reaches the clamp. The registered config keeps 7:
+    # vLLM's GPT-OSS experts clamp at a fixed 7.0 whatever the config says.
+    Case("gpt_oss", "swiglu-clamp", swiglu_activation(_unclamped), dict(swiglu_limit=1.0)),
+    Case("gpt_oss", "swiglu-up-plus-one", swiglu_activation(_without_up_offset)),
+    Case("gpt_oss", "swiglu-alpha", swiglu_activation(_plain_silu)),
+    Case("gpt_oss", "interleaved-gate-up", swiglu_activation(_gate_up_halves)),
+    # GLM-4.5: partial rotary, QK-norm, q/k/v bias, group-limited sigmoid routing with correction bias,
+    # renormalised and scaled weights, shared experts.
+    Case("glm4_moe", "partial-rotary", full_rotary),
+    Case("glm4_moe", "qk-norm", no_qk_norm),
+    Case("glm4_moe", "qkv-bias", zero_biases("q_proj", "k_proj", "v_proj")),
+    Case("glm4_moe", "score-correction-bias", no_score_correction_bias),
+    Case("glm4_moe", "group-limited-routing", set_on(SigmoidGroupTopKRouter, topk_group=2)),
+    Case("glm4_moe", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
+    Case("glm4_moe", "routed-scaling-factor", set_on(SigmoidGroupTopKRouter, routed_scaling_factor=1.0)),
+    Case("glm4_moe", "shared-experts", no_shared_experts),
+    # DeepSeek-V3: MLA (latent norms, interleaved YaRN RoPE, softmax mscale), routing as GLM-4.5.
+    Case("deepseek_v3", "yarn-rope-as-default", plain_rope_frequencies),
+    Case("deepseek_v3", "yarn-attention-factor", no_rope_attention_factor),
+    Case("deepseek_v3", "yarn-softmax-mscale", no_yarn_softmax_mscale),
+    Case("deepseek_v3", "rope-interleave", rope_not_interleaved),
+    Case("deepseek_v3", "latent-norms", no_latent_norms),
+    Case("deepseek_v3", "score-correction-bias", no_score_correction_bias),
+    Case("deepseek_v3", "group-limited-routing", set_on(SigmoidGroupTopKRouter, topk_group=4)),
+    Case("deepseek_v3", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
+    Case("deepseek_v3", "routed-scaling-factor", set_on(SigmoidGroupTopKRouter, routed_scaling_factor=1.0)),
+    Case("deepseek_v3", "shared-experts", no_shared_experts),
+    # Qwen3.5 dense: zero-centred norms, gated attention (QK-norm, partial rotary, output gate),
+    # gated DeltaNet (short conv, decay, write strength, L2-normed q/k, dt_bias, gated output norm).
+    Case("qwen3_5_text", "norm-one-plus-weight", norm_without_offset),
+    Case("qwen3_5_text", "attention-output-gate", no_output_gate),
+    Case("qwen3_5_text", "qk-norm", no_qk_norm),
+    Case("qwen3_5_text", "partial-rotary", full_rotary),
+    Case("qwen3_5_text", "short-conv", conv_identity),
+    Case("qwen3_5_text", "delta-rule-decay", delta_rule_with(_no_decay)),
+    Case("qwen3_5_text", "delta-rule-beta", delta_rule_with(_full_write_strength)),
+    Case("qwen3_5_text", "value-heads-per-key-head", value_heads_tiled),
+    Case("qwen3_5_text", "qk-l2-norm", no_qk_l2_norm),
+    Case("qwen3_5_text", "dt-bias", zero_dt_bias),
+    Case("qwen3_5_text", "output-norm-gate", no_output_norm_gate),
+    # Qwen3.5 MoE: renormalised softmax routing, the gated shared expert, zero-centred norms.
+    Case("qwen3_5_moe_text", "norm-topk-prob", set_on(SoftmaxTopKRouter, norm_topk_prob=False)),
+    Case("qwen3_5_moe_text", "shared-expert", no_shared_expert),
+    Case("qwen3_5_moe_text", "shared-expert-gate", ungated_shared_expert),
+    Case("qwen3_5_moe_text", "norm-one-plus-weight", norm_without_offset),
+]
+
+
+# Each (type, overrides) the cases check, once: the gate passes it unmutated, so a failure above is the
+# mutation's.
+CONFIGS = {
+    "-".join([case.model_type, *(f"{k}={v}" for k, v in case.overrides.items())]): (case.model_type, case.overrides)
+    for case in CASES
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_gate_passes_without_mutation(config):
+    model_type, overrides = CONFIGS[config]
+    assert_aligned(model_type, overrides, lora_rank=None, seq_lens=SEQ_LENS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_gate_fails_with_feature_switched_off(case: Case, monkeypatch):
+    build_model = align.build_model
+
+    def build_and_switch_off(*args, **kwargs):
+        loaded = build_model(*args, **kwargs)
+        case.switch_off(loaded.model, monkeypatch)
+        return loaded
+
+    monkeypatch.setattr(align, "build_model", build_and_switch_off)
+    report = assert_gate_fails(case.model_type, case.overrides, seq_lens=SEQ_LENS)
+    print(f"{case.id}: max |dlogits| {report['max_abs_logits_diff']:.3e}")
