@@ -23,6 +23,7 @@ import archon.tools.align as align
 from archon.models.common import attention as attention_module
 from archon.models.common import linear_attention
 from archon.models.common.attention import Attention, GatedAttention, packed_attention
+from archon.models.common.mlp import GeGLUMLP
 from archon.models.common.mla import MultiHeadLatentAttention
 from archon.models.common.moe import (
     ClampedSwiGLUExperts,
@@ -296,6 +297,51 @@ def no_output_norm_gate(model, monkeypatch):
     monkeypatch.setattr(GatedRMSNorm, "forward", forward)
 
 
+def no_embedding_scale(model, monkeypatch):
+    """Embeddings enter the first layer unscaled (Gemma multiplies them by sqrt(hidden_size))."""
+    assert model.embedding_scale is not None
+    model.embedding_scale = None
+
+
+def no_layer_norm(name: str) -> SwitchOff:
+    """Every layer's norm `name` (a sandwich norm) passes its input through."""
+
+    def switch_off(model, monkeypatch):
+        for layer in model.layers:
+            assert isinstance(getattr(layer, name), OffsetRMSNorm), name
+            setattr(layer, name, nn.Identity())
+
+    return switch_off
+
+
+def head_dim_softmax_scale(model, monkeypatch):
+    """The softmax scale is head_dim**-0.5, not query_pre_attn_scalar**-0.5."""
+    for attn in modules(model, Attention):
+        assert attn.scale != attn.head_dim**-0.5
+        attn.scale = attn.head_dim**-0.5
+
+
+def silu_gate(model, monkeypatch):
+    """GeGLU's gelu (tanh) gate computed as SwiGLU's silu."""
+    modules(model, GeGLUMLP)
+    monkeypatch.setattr(GeGLUMLP, "activation", lambda self, gate: F.silu(gate))
+
+
+def one_rope_for_every_layer_type(model, monkeypatch):
+    """Every layer rotates with the sliding layers' RoPE (the full layers' theta and scaling ignored)."""
+    assert isinstance(model.rotary, nn.ModuleDict)
+    model.rotary = model.rotary["sliding_attention"]
+
+
+def full_layer_rope_unscaled(model, monkeypatch):
+    """The full-attention layers' RoPE scaling dropped, their theta kept."""
+    rotary, params = model.rotary["full_attention"], model.args.rope_parameters["full_attention"]
+    assert params["rope_type"] != "default"
+    default = {"rope_type": "default", "rope_theta": params["rope_theta"]}
+    inv_freq, _ = rope_inv_freq(default, rotary.rotary_dim, model.args.max_position_embeddings)
+    rotary._inv_freq = {torch.device("cpu"): inv_freq}
+
+
 def set_on(cls: type, **values) -> SwitchOff:
     """Set attributes on every module of class `cls` (a router's norm_topk_prob, a scaling factor)."""
 
@@ -483,6 +529,21 @@ CASES = [
     Case("qwen3_5_moe_text", "shared-expert", no_shared_expert),
     Case("qwen3_5_moe_text", "shared-expert-gate", ungated_shared_expert),
     Case("qwen3_5_moe_text", "norm-one-plus-weight", norm_without_offset),
+    # Gemma 3: scaled embeddings, zero-centred sandwich norms, QK-norm, query_pre_attn_scalar, the GeGLU
+    # gate, sliding layers, RoPE per layer type with scaling on the full layers, attention bias.
+    Case("gemma3_text", "embedding-scale", no_embedding_scale),
+    Case("gemma3_text", "norm-one-plus-weight", norm_without_offset),
+    Case("gemma3_text", "post-attention-norm", no_layer_norm("post_attention_layernorm")),
+    Case("gemma3_text", "pre-feedforward-norm", no_layer_norm("pre_feedforward_layernorm")),
+    Case("gemma3_text", "post-feedforward-norm", no_layer_norm("post_feedforward_layernorm")),
+    Case("gemma3_text", "qk-norm", no_qk_norm),
+    Case("gemma3_text", "query-pre-attn-scalar", head_dim_softmax_scale),
+    Case("gemma3_text", "gelu-tanh-gate", silu_gate),
+    Case("gemma3_text", "sliding-window", no_sliding_window),
+    Case("gemma3_text", "window-layer-pattern", window_on_every_layer),
+    Case("gemma3_text", "rope-per-layer-type", one_rope_for_every_layer_type),
+    Case("gemma3_text", "full-layer-rope-scaling", full_layer_rope_unscaled),
+    Case("gemma3_text", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
 ]
 
 
