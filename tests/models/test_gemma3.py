@@ -115,6 +115,35 @@ def test_legacy_config_resolves_as_hf_does():
     assert args.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0}
 
 
+# The fields of Gemma 3 1B's config.json (google/gemma-3-1b-it), in the legacy RoPE form it ships.
+RELEASED_1B_CONFIG = dict(
+    architectures=["Gemma3ForCausalLM"], attention_bias=False, attention_dropout=0.0, attn_logit_softcapping=None,
+    bos_token_id=2, cache_implementation="hybrid", eos_token_id=[1, 106], final_logit_softcapping=None, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", hidden_size=1152, initializer_range=0.02, intermediate_size=6912,
+    max_position_embeddings=32768, model_type=MODEL_TYPE, num_attention_heads=4, num_hidden_layers=26,
+    num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_local_base_freq=10000,
+    rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6, torch_dtype="bfloat16",
+    use_cache=True, vocab_size=262144,
+)
+
+
+def test_released_config_resolves_and_every_field_is_accounted_for():
+    from transformers import Gemma3TextConfig
+
+    from archon.config_coverage import unaccounted_fields
+    from archon.spec import get_spec
+
+    config = Gemma3TextConfig.from_dict(RELEASED_1B_CONFIG)
+    args = Gemma3Args.from_hf_config(config)
+    assert args.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2
+    assert args.rope_parameters == {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000},
+    }
+    assert (args.sliding_window, args.query_pre_attn_scalar, args.tie_word_embeddings) == (512, 256, True)
+    assert unaccounted_fields(get_spec(MODEL_TYPE), config) == []
+
+
 REFUSED = {
     "attn_logit_softcapping": dict(attn_logit_softcapping=50.0),
     "final_logit_softcapping": dict(final_logit_softcapping=30.0),
