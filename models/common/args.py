@@ -41,7 +41,7 @@ def mlp_activation_from_hf(config, supported: tuple[str, ...] = ("silu",)) -> st
 
 
 def decoder_fields_from_hf(
-    config, mlp_activations: tuple[str, ...] = ("silu",), rope_per_layer_type: bool = False
+    config, mlp_activations: tuple[str, ...] = ("silu",), rope_parameters: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The DecoderArgs fields of an HF config, as HF's modeling code resolves them.
 
@@ -50,20 +50,17 @@ def decoder_fields_from_hf(
     without one (an MoE whose every MLP is routed, e.g. Qwen3.5-MoE). The MLP activation must be
     one of `mlp_activations` (the family reads which with `mlp_activation_from_hf`); attention
     dropout must be 0, since archon's attention has none.
-
-    rope_per_layer_type: `rope_parameters` is a dict of RoPE parameters per entry of
-    `config.layer_types` (Gemma 3: another theta, and scaling, on full-attention layers); it is kept
-    keyed by layer type.
+    rope_parameters: the family's own reading of config.rope_parameters (OLMo 3's, one entry per
+    layer type), taken as it is; otherwise config.rope_parameters must hold rope_theta.
     """
     mlp_activation_from_hf(config, mlp_activations)
     attention_dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if attention_dropout != 0.0:
         raise ValueError(f"config.attention_dropout={attention_dropout!r} is not supported; archon's attention has no dropout")
-    rope_parameters = getattr(config, "rope_parameters", None)
-    if rope_per_layer_type:
-        rope_parameters = _rope_parameters_per_layer_type(rope_parameters, config.layer_types)
-    elif not rope_parameters or "rope_theta" not in rope_parameters:
-        raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
+    if rope_parameters is None:
+        rope_parameters = getattr(config, "rope_parameters", None)
+        if not rope_parameters or "rope_theta" not in rope_parameters:
+            raise ValueError(f"config.rope_parameters must hold rope_theta, got {rope_parameters!r}")
     return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -73,7 +70,7 @@ def decoder_fields_from_hf(
         num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=rope_parameters if rope_per_layer_type else dict(rope_parameters),
+        rope_parameters=dict(rope_parameters),
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(config.tie_word_embeddings),
     )
@@ -90,25 +87,34 @@ def language_model_fields_from_hf(config, **options) -> dict[str, Any]:
     return fields
 
 
-def _rope_parameters_per_layer_type(rope_parameters, layer_types) -> dict[str, dict[str, Any]]:
-    """{layer type: its RoPE parameters} for every type in layer_types, each with a rope_theta."""
-    if not isinstance(rope_parameters, dict):
-        raise ValueError(f"config.rope_parameters must be a dict keyed by layer type, got {rope_parameters!r}")
-    per_type = {}
-    for layer_type in dict.fromkeys(layer_types):
-        params = rope_parameters.get(layer_type)
-        if not isinstance(params, dict) or "rope_theta" not in params:
-            raise ValueError(
-                f"config.rope_parameters[{layer_type!r}] must hold rope_theta (config.layer_types has "
-                f"{layer_type!r} layers), got {params!r}"
-            )
-        if params.get("rope_type", "default") not in ROPE_TYPES:
-            raise ValueError(
-                f"config.rope_parameters[{layer_type!r}]['rope_type']={params['rope_type']!r} is not supported; "
-                f"supported: {', '.join(ROPE_TYPES)}"
-            )
-        per_type[layer_type] = dict(params)
-    return per_type
+def checked_rope_parameters(params, field: str, family: str) -> dict[str, Any]:
+    """One set of rope parameters (`field` names where it is in the config), refused by name unless
+    archon implements it: a rope_type of ROPE_TYPES, every feature of a head rotated."""
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ValueError(f"{field} must be a dict holding rope_theta, got {params!r}")
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{field}['rope_type']={rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    partial_rotary_factor = params.get("partial_rotary_factor", 1.0)
+    if partial_rotary_factor != 1.0:
+        raise ValueError(
+            f"{field}['partial_rotary_factor']={partial_rotary_factor} is not supported by the {family} family "
+            "(every feature of a head rotates)"
+        )
+    return dict(params)
+
+
+def rope_parameters_by_layer_type(config, family: str) -> dict[str, dict[str, Any]]:
+    """config.rope_parameters as HF's per-layer-type rotary embeddings read it (OLMo 3, Gemma 3):
+    `rope_parameters[layer_type]` for each full or sliding type in config.layer_types (top-level keys
+    beside the layer types are not read; another layer type is refused by name with layer_types)."""
+    rope_parameters = config.rope_parameters or {}
+    return {
+        layer_type: checked_rope_parameters(
+            rope_parameters.get(layer_type), f"config.rope_parameters[{layer_type!r}]", family
+        )
+        for layer_type in sorted(set(config.layer_types) & {FULL_ATTENTION, SLIDING_ATTENTION})
+    }
 
 
 @dataclass

@@ -7,7 +7,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.norms import OffsetRMSNorm, RMSNorm
+from archon.models.common.norms import OffsetRMSNorm, ProjectionRMSNorm, RMSNorm
 from archon.models.common.rope import apply_rotary
 from torch import nn
 
@@ -129,6 +129,8 @@ class Attention(nn.Module):
 
     attention_sinks: a learned per-head sink logit, `sinks` [H] (GPT-OSS).
     sliding_window: attend only to the last `sliding_window` tokens (this one included).
+    qk_norm_over_projection: the QK norms (with qk_norm_eps) normalize the whole q and k projections,
+        [T, H * D], before they split into heads (OLMo 2/3), rather than each head.
     softmax_scale: the factor on q.k, head_dim**-0.5 when None (Gemma 3: query_pre_attn_scalar**-0.5).
     zero_centred_qk_norm: the QK-norms scale by (1 + weight) (OffsetRMSNorm, Gemma 3).
     """
@@ -145,6 +147,7 @@ class Attention(nn.Module):
         lora: LoRAConfig | None,
         attention_sinks: bool = False,
         sliding_window: int | None = None,
+        qk_norm_over_projection: bool = False,
         softmax_scale: float | None = None,
         zero_centred_qk_norm: bool = False,
     ) -> None:
@@ -157,7 +160,11 @@ class Attention(nn.Module):
         self.k_proj = linear(dim, n_kv_heads * head_dim, qkv_bias, "k_proj", lora)
         self.v_proj = linear(dim, n_kv_heads * head_dim, qkv_bias, "v_proj", lora)
         self.o_proj = linear(n_heads * head_dim, dim, o_bias, "o_proj", lora)
-        if qk_norm_eps is not None:
+        self.qk_norm_over_projection = qk_norm_over_projection
+        if qk_norm_eps is not None and qk_norm_over_projection:
+            self.q_norm = ProjectionRMSNorm(n_heads * head_dim, qk_norm_eps)
+            self.k_norm = ProjectionRMSNorm(n_kv_heads * head_dim, qk_norm_eps)
+        elif qk_norm_eps is not None:
             norm_cls = OffsetRMSNorm if zero_centred_qk_norm else RMSNorm
             self.q_norm = norm_cls(head_dim, qk_norm_eps)
             self.k_norm = norm_cls(head_dim, qk_norm_eps)
@@ -176,6 +183,7 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         attention_sinks: bool = False,
         sliding_window: int | None = None,
+        qk_norm_over_projection: bool = False,
         softmax_scale: float | None = None,
         zero_centred_qk_norm: bool = False,
     ) -> "Attention":
@@ -191,6 +199,7 @@ class Attention(nn.Module):
             lora=lora,
             attention_sinks=attention_sinks,
             sliding_window=sliding_window,
+            qk_norm_over_projection=qk_norm_over_projection,
             softmax_scale=softmax_scale,
             zero_centred_qk_norm=zero_centred_qk_norm,
         )
@@ -208,11 +217,14 @@ class Attention(nn.Module):
         """x: [T, dim] -> [T, dim]. `cache`: a layer's KV cache during generation (see
         archon/rollout/kv_cache.py), or None. context_parallel: see packed_attention."""
         T = x.shape[0]
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm_over_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.q_proj(x).view(T, -1, self.head_dim)
-        k = self.k_proj(x).view(T, -1, self.head_dim)
+        q = q.view(T, -1, self.head_dim)
+        k = k.view(T, -1, self.head_dim)
         v = self.v_proj(x).view(T, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_over_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Under tensor parallelism the sinks are sharded with the q heads; this rank's shard matches its heads.

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 from archon.models.common.norms import RMSNorm
-from archon.models.common.rope import RotaryEmbedding
+from archon.models.common.rope import LayerTypeRotaryEmbedding, RotaryEmbedding
 from torch import nn
 
 from archon.head import full_vocab_logits
@@ -52,9 +52,9 @@ class PreNormDecoderLayer(nn.Module):
 class PackedDecoderLM(nn.Module):
     """embed_tokens -> rotary -> layers -> norm -> lm_head (or the tied embedding).
 
-    `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings.
-    rotary: one RotaryEmbedding for every layer, or one per layer type ({"sliding_attention": ...,
-        "full_attention": ...}, Gemma 3), each layer taking the tables of its `args.layer_types` entry.
+    `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings, and
+    layer_types when `rotary` is a LayerTypeRotaryEmbedding (each layer then gets its type's tables).
+    norm: the final norm, RMSNorm(hidden_size, rms_norm_eps) unless given.
     embedding_scale: a factor on the embeddings, rounded to their dtype first as HF does
         (Gemma: sqrt(hidden_size)), or None.
     """
@@ -62,30 +62,24 @@ class PackedDecoderLM(nn.Module):
     def __init__(
         self,
         args,
-        rotary: RotaryEmbedding | dict[str, RotaryEmbedding],
+        rotary: RotaryEmbedding | LayerTypeRotaryEmbedding,
         layers: Iterable[nn.Module],
+        norm: nn.Module | None = None,
         embedding_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.embedding_scale = embedding_scale
-        self.rotary = nn.ModuleDict(rotary) if isinstance(rotary, dict) else rotary
+        self.rotary = rotary
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if norm is None else norm
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
     def output_weight(self) -> torch.Tensor:
         """The [V, dim] unembedding (the embedding itself when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def _rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(cos, sin) [T, rotary_dim] per layer, computed once per table."""
-        if isinstance(self.rotary, nn.ModuleDict):
-            tables = {layer_type: rotary(positions, dtype) for layer_type, rotary in self.rotary.items()}
-            return [tables[layer_type] for layer_type in self.args.layer_types]
-        return [self.rotary(positions, dtype)] * len(self.layers)
 
     def forward(
         self,
@@ -110,7 +104,9 @@ class PackedDecoderLM(nn.Module):
         h = self.embed_tokens(tokens)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype, device=h.device)
-        for i, (layer, (cos, sin)) in enumerate(zip(self.layers, self._rotary_tables(positions, h.dtype))):
+        tables = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.args.layer_types[i]] if isinstance(tables, dict) else tables
             h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i), context_parallel)
         if logits_rows is not None:
             h = h[logits_rows]

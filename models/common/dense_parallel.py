@@ -11,10 +11,12 @@ from __future__ import annotations
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import routed_experts
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from archon.parallel import (
     ParallelConfig,
     ParallelDims,
+    ShardedParameters,
     attention_plan,
     parallelize_decoder,
     require_divisible,
@@ -39,8 +41,11 @@ def parallelize_dense_decoder(
     qk_norm: tuple[str, str] | None = None,
     family: str | None = None,
     num_experts_field: str | None = None,
+    projection_qk_norm: tuple[str, str] | None = None,
 ) -> nn.Module:
     """qk_norm: the names of per-head q/k norms inside `self_attn`, replicated over head shards.
+    projection_qk_norm: the names of q/k norms over the whole projections inside `self_attn`
+    (`ProjectionRMSNorm`, OLMo 2/3): their weights are sharded with the projections' columns.
     Blocks whose MLP is not a `SwiGLUMLP` (Qwen3-MoE's sparse blocks) keep it whole on every
     tensor-parallel rank; FSDP2 shards their stacked experts on the expert dimension, or expert
     parallelism (ep > 1) splits them; `num_experts_field` is the config field counting them."""
@@ -59,6 +64,8 @@ def parallelize_dense_decoder(
             sizes["intermediate_size"] = args.intermediate_size
         require_divisible("tp", dims.tp, family, **sizes, vocab_size=args.vocab_size)
     attention = attention_plan(qk_norm=qk_norm)
+    for name in projection_qk_norm or ():
+        attention[f"self_attn.{name}"] = ShardedParameters({"weight": Shard(0)})
     dense_block = {**attention, **swiglu_plan()}
     return parallelize_decoder(
         model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),

@@ -118,13 +118,43 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
+class LayerTypeRotaryEmbedding(nn.Module):
+    """One RoPE per layer type (`config.layer_types`), each with its own `rope_parameters` entry:
+    OLMo 3 scales only its full-attention layers with YaRN. Returns {layer type: (cos, sin)}, and
+    `PackedDecoderLM` hands each layer the tables of its type.
+
+    fp32_tables: keep cos/sin in fp32 whatever the model dtype (OLMo 3 rotates in fp32, then casts
+    q and k back).
+    """
+
+    def __init__(
+        self,
+        rope_parameters_by_layer_type: dict[str, dict[str, Any]],
+        rotary_dim: int,
+        max_position_embeddings: int,
+        fp32_tables: bool = False,
+    ) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.fp32_tables = fp32_tables
+        self.by_layer_type = nn.ModuleDict({
+            layer_type: RotaryEmbedding(params, rotary_dim, max_position_embeddings)
+            for layer_type, params in rope_parameters_by_layer_type.items()
+        })  # fmt: skip
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        dtype = torch.float32 if self.fp32_tables else dtype
+        return {layer_type: rotary(positions, dtype) for layer_type, rotary in self.by_layer_type.items()}
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """x[T, H, D] with cos/sin [T, R], R <= D (half-split layout, as HF's rotate_half).
+    """x[T, H, D] with cos/sin [T, R], R <= D (half-split layout, as HF's rotate_half). The result
+    has x's dtype (fp32 tables rotate a bf16 x in fp32).
 
     With R < D only the first R features of each head rotate and the rest pass through (partial
     rotary, e.g. GLM-4.5). `interleaved`: the R rotary features are stored as pairs (x0, x1),
@@ -135,5 +165,5 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     if interleaved:
         rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    rot = rot * cos + rotate_half(rot) * sin
+    rot = (rot * cos + rotate_half(rot) * sin).to(x.dtype)
     return rot if rest.shape[-1] == 0 else torch.cat((rot, rest), dim=-1)

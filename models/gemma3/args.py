@@ -2,7 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archon.models.common.args import SlidingWindowDecoderArgs, language_model_fields_from_hf
+from archon.models.common.args import (
+    SlidingWindowDecoderArgs,
+    language_model_fields_from_hf,
+    rope_parameters_by_layer_type,
+)
 
 # The MLP gate's activation, HF's `hidden_activation` (gelu with the tanh approximation).
 GEMMA3_ACTIVATION = "gelu_pytorch_tanh"
@@ -44,7 +48,9 @@ class Gemma3Args(SlidingWindowDecoderArgs):
             )
         return cls(
             **language_model_fields_from_hf(
-                config, mlp_activations=(GEMMA3_ACTIVATION,), rope_per_layer_type=True
+                config,
+                mlp_activations=(GEMMA3_ACTIVATION,),
+                rope_parameters=rope_parameters_by_layer_type(text, "gemma3"),
             ),
             sliding_window=text.sliding_window,
             layer_types=list(text.layer_types),

@@ -15,7 +15,7 @@ from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM
 from archon.models.common.mlp import GeGLUMLP
 from archon.models.common.norms import OffsetRMSNorm
-from archon.models.common.rope import RotaryEmbedding
+from archon.models.common.rope import LayerTypeRotaryEmbedding
 from archon.models.gemma3.args import Gemma3Args
 
 from archon.lora import LoRAConfig
@@ -53,14 +53,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3Model(PackedDecoderLM):
     def __init__(self, args: Gemma3Args, lora: LoRAConfig | None = None) -> None:
-        rotary = {
-            layer_type: RotaryEmbedding(params, args.head_dim, args.max_position_embeddings)
-            for layer_type, params in args.rope_parameters.items()
-        }
         super().__init__(
             args,
-            rotary,
+            LayerTypeRotaryEmbedding(args.rope_parameters, args.head_dim, args.max_position_embeddings),
             (Gemma3DecoderLayer(args, i, lora) for i in range(args.num_hidden_layers)),
+            norm=OffsetRMSNorm(args.hidden_size, args.rms_norm_eps),
             embedding_scale=args.hidden_size**0.5,
         )
-        self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)

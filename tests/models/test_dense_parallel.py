@@ -1,6 +1,7 @@
 """TP x2 (gloo, two processes) gives the single-process hidden states and LoRA gradients with the
 dense families' TP plan: llama with attention and MLP biases (column- and row-parallel biases),
-qwen2 with a sliding window. FSDP2 is the families' shared pipeline and is tested with it."""
+qwen2 with a sliding window, olmo3 with QK-norms over the whole projections (and under FSDP x2).
+FSDP2 is the families' shared pipeline and is tested with it."""
 
 import json
 import os
@@ -16,14 +17,12 @@ TOLERANCE = 1e-5
 CASES = {
     "llama": dict(attention_bias=True, mlp_bias=True),
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    # QK-norms over the whole projections: the sum of squares spans both ranks' heads.
+    "olmo3": dict(),
     "gemma3_text": dict(),
 }
-# Layouts other than tp2 a case is also checked under.
-MORE_LAYOUTS = {"gemma3_text": ("fsdp2",)}
-
-
-def _layouts(model_type: str) -> tuple[str, ...]:
-    return ("tp2", *MORE_LAYOUTS.get(model_type, ()))
+# Layouts of the worker per case (tp2 when not listed).
+LAYOUTS = {"olmo3": ("tp2", "fsdp2"), "gemma3_text": ("tp2", "fsdp2")}
 
 
 def _free_port() -> int:
@@ -38,12 +37,12 @@ def test_tp2_matches_one_process(tiny_checkpoint, tmp_path):
     out = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(_free_port()), str(WORKER), str(out),
-           *(f"{hf_dir}@{','.join(_layouts(model_type))}" for model_type, hf_dir in dirs.items())]
+           *(f"{hf_dir}@{','.join(LAYOUTS.get(model_type, ('tp2',)))}" for model_type, hf_dir in dirs.items())]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     for model_type, hf_dir in dirs.items():
-        for layout in _layouts(model_type):
+        for layout in LAYOUTS.get(model_type, ("tp2",)):
             figures = results[hf_dir][layout]
             assert figures["hidden_max_abs"] <= TOLERANCE, (model_type, layout, figures)
             assert figures["logprob_max_abs"] <= TOLERANCE, (model_type, layout, figures)

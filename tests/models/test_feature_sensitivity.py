@@ -33,7 +33,7 @@ from archon.models.common.moe import (
     SoftmaxTopKRouter,
     TopKSoftmaxRouter,
 )
-from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm
+from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm, ProjectionRMSNorm
 from archon.models.common.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
 from archon.models.qwen3_5 import model as qwen3_5_model
 from archon.models.qwen3_5.model import GatedDeltaNet
@@ -303,17 +303,6 @@ def no_embedding_scale(model, monkeypatch):
     model.embedding_scale = None
 
 
-def no_layer_norm(name: str) -> SwitchOff:
-    """Every layer's norm `name` (a sandwich norm) passes its input through."""
-
-    def switch_off(model, monkeypatch):
-        for layer in model.layers:
-            assert isinstance(getattr(layer, name), OffsetRMSNorm), name
-            setattr(layer, name, nn.Identity())
-
-    return switch_off
-
-
 def head_dim_softmax_scale(model, monkeypatch):
     """The softmax scale is head_dim**-0.5, not query_pre_attn_scalar**-0.5."""
     for attn in modules(model, Attention):
@@ -325,21 +314,6 @@ def silu_gate(model, monkeypatch):
     """GeGLU's gelu (tanh) gate computed as SwiGLU's silu."""
     modules(model, GeGLUMLP)
     monkeypatch.setattr(GeGLUMLP, "activation", lambda self, gate: F.silu(gate))
-
-
-def one_rope_for_every_layer_type(model, monkeypatch):
-    """Every layer rotates with the sliding layers' RoPE (the full layers' theta and scaling ignored)."""
-    assert isinstance(model.rotary, nn.ModuleDict)
-    model.rotary = model.rotary["sliding_attention"]
-
-
-def full_layer_rope_unscaled(model, monkeypatch):
-    """The full-attention layers' RoPE scaling dropped, their theta kept."""
-    rotary, params = model.rotary["full_attention"], model.args.rope_parameters["full_attention"]
-    assert params["rope_type"] != "default"
-    default = {"rope_type": "default", "rope_theta": params["rope_theta"]}
-    inv_freq, _ = rope_inv_freq(default, rotary.rotary_dim, model.args.max_position_embeddings)
-    rotary._inv_freq = {torch.device("cpu"): inv_freq}
 
 
 def set_on(cls: type, **values) -> SwitchOff:
@@ -451,6 +425,54 @@ def _gate_up_halves(self, gate_up):
     return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+def qk_norm_per_head(model, monkeypatch):
+    """OLMo's QK-norms over the whole q and k projections taken per head instead (same weights)."""
+
+    def forward(self, x):
+        head_dim = model.args.head_dim
+        h = x.float().unflatten(-1, (-1, head_dim))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h.flatten(-2)).to(x.dtype)
+
+    modules(model, ProjectionRMSNorm)
+    monkeypatch.setattr(ProjectionRMSNorm, "forward", forward)
+
+
+def no_post_norm(name: str) -> SwitchOff:
+    """A layer without its norm `name` (a post norm: the block's output added to the residual as it
+    is; Gemma's pre-feedforward norm: the MLP's input as it is)."""
+
+    def switch_off(model, monkeypatch):
+        for layer in model.layers:
+            setattr(layer, name, nn.Identity())
+
+    return switch_off
+
+
+def rope_of_the_other_layer_type(model, monkeypatch):
+    """Each layer gets the rotary tables of the other layer type (OLMo 3's RoPE per layer type)."""
+    tables = model.rotary.by_layer_type
+    assert set(tables) == {"full_attention", "sliding_attention"}
+    tables["full_attention"], tables["sliding_attention"] = tables["sliding_attention"], tables["full_attention"]
+
+
+def full_attention_rope_as_default(model, monkeypatch):
+    """The full-attention layers' scaled RoPE (OLMo 3's YaRN, Gemma 3's linear) computed as default
+    RoPE of the same theta (attention factor kept)."""
+    rotary = model.rotary.by_layer_type["full_attention"]
+    rope_parameters = model.args.rope_parameters["full_attention"]
+    assert rope_parameters["rope_type"] != "default"
+    default = {"rope_type": "default", "rope_theta": rope_parameters["rope_theta"]}
+    inv_freq, _ = rope_inv_freq(default, rotary.rotary_dim, model.args.max_position_embeddings)
+    rotary._inv_freq = {torch.device("cpu"): inv_freq}
+
+
+def no_full_attention_rope_attention_factor(model, monkeypatch):
+    rotary = model.rotary.by_layer_type["full_attention"]
+    assert rotary.attention_scaling != 1.0
+    rotary.attention_scaling = 1.0
+
+
 CASES = [
     # Llama: llama3-scaled RoPE, GQA, optional attention and MLP biases.
     Case("llama", "llama3-rope-as-default", plain_rope_frequencies),
@@ -529,20 +551,37 @@ CASES = [
     Case("qwen3_5_moe_text", "shared-expert", no_shared_expert),
     Case("qwen3_5_moe_text", "shared-expert-gate", ungated_shared_expert),
     Case("qwen3_5_moe_text", "norm-one-plus-weight", norm_without_offset),
+    # OLMo 3: post-norm layers, QK-norm over the whole projections, windows and RoPE per layer type
+    # (YaRN on the full-attention layers), GQA; q/k/v/o biases when attention_bias is set.
+    Case("olmo3", "qk-norm", no_qk_norm),
+    Case("olmo3", "qk-norm-over-the-projection", qk_norm_per_head),
+    Case("olmo3", "post-attention-norm", no_post_norm("post_attention_layernorm")),
+    Case("olmo3", "post-feedforward-norm", no_post_norm("post_feedforward_layernorm")),
+    Case("olmo3", "sliding-window", no_sliding_window),
+    Case("olmo3", "window-per-layer", window_on_every_layer),
+    Case("olmo3", "rope-per-layer-type", rope_of_the_other_layer_type),
+    Case("olmo3", "yarn-rope-as-default", full_attention_rope_as_default),
+    Case("olmo3", "yarn-attention-factor", no_full_attention_rope_attention_factor),
+    Case("olmo3", "gqa", gqa_heads_tiled),
+    Case("olmo3", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
+    # OLMo 2: the same layers with every layer full attention and one (here YaRN) RoPE.
+    Case("olmo2", "qk-norm-over-the-projection", qk_norm_per_head),
+    Case("olmo2", "post-feedforward-norm", no_post_norm("post_feedforward_layernorm")),
+    Case("olmo2", "yarn-rope-as-default", full_attention_rope_as_default),
     # Gemma 3: scaled embeddings, zero-centred sandwich norms, QK-norm, query_pre_attn_scalar, the GeGLU
     # gate, sliding layers, RoPE per layer type with scaling on the full layers, attention bias.
     Case("gemma3_text", "embedding-scale", no_embedding_scale),
     Case("gemma3_text", "norm-one-plus-weight", norm_without_offset),
-    Case("gemma3_text", "post-attention-norm", no_layer_norm("post_attention_layernorm")),
-    Case("gemma3_text", "pre-feedforward-norm", no_layer_norm("pre_feedforward_layernorm")),
-    Case("gemma3_text", "post-feedforward-norm", no_layer_norm("post_feedforward_layernorm")),
+    Case("gemma3_text", "post-attention-norm", no_post_norm("post_attention_layernorm")),
+    Case("gemma3_text", "pre-feedforward-norm", no_post_norm("pre_feedforward_layernorm")),
+    Case("gemma3_text", "post-feedforward-norm", no_post_norm("post_feedforward_layernorm")),
     Case("gemma3_text", "qk-norm", no_qk_norm),
     Case("gemma3_text", "query-pre-attn-scalar", head_dim_softmax_scale),
     Case("gemma3_text", "gelu-tanh-gate", silu_gate),
     Case("gemma3_text", "sliding-window", no_sliding_window),
     Case("gemma3_text", "window-layer-pattern", window_on_every_layer),
-    Case("gemma3_text", "rope-per-layer-type", one_rope_for_every_layer_type),
-    Case("gemma3_text", "full-layer-rope-scaling", full_layer_rope_unscaled),
+    Case("gemma3_text", "rope-per-layer-type", rope_of_the_other_layer_type),
+    Case("gemma3_text", "linear-rope-as-default", full_attention_rope_as_default),
     Case("gemma3_text", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
 ]
 
