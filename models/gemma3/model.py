@@ -1,4 +1,4 @@
-"""Gemma 3 (text) on packed sequences.
+"""Gemma 3's language model (gemma3_text, or the text part of the gemma3 composite) on packed sequences.
 
 Embeddings scaled by sqrt(hidden_size); zero-centred (1 + weight) RMSNorms everywhere, four per
 layer (sandwich: a norm before and after attention and before and after the MLP); per-head QK-norm;

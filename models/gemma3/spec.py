@@ -25,8 +25,8 @@ TINY_GEMMA3_TEXT = dict(
 )
 
 # A one-layer vision tower, so that the composite checkpoint is laid out as released ones
-# (model.language_model.*, model.vision_tower.*, model.multi_modal_projector.*, lm_head.*): 2 x 2
-# patches of 14 pixels pooled into 4 image tokens.
+# (language_model.model.*, vision_tower.*, multi_modal_projector.*): 2 x 2 patches of 14 pixels
+# pooled into 4 image tokens.
 _TINY_VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
 )
