@@ -9,5 +9,7 @@ from archon.models import (
     qwen3,  # noqa: F401
     qwen3_5,  # noqa: F401
 )
+from archon.models import qwen3_next  # noqa: F401
+from archon.models import minimax_m2  # noqa: F401
 from archon.models import olmo3  # noqa: F401
 from archon.models import gemma3  # noqa: F401

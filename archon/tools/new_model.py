@@ -159,8 +159,9 @@ def like_model_types(spec_file: Path) -> tuple[str, ...]:
 
 
 # ModelSpec fields keyed by HF model_type: the scaffold keeps the like-type's entry, keyed by the new
-# type. (The renderer entry keeps the like-family's chat format until the new family has its own.)
-PER_TYPE_FIELDS = ("tiny_hf_config", "vllm_modes", "vllm_hf_overrides", "vllm_cpu_attention_backends", "renderers")
+# type. The renderer table is emptied: another family's chat format would train on the wrong tokens
+# without a word, while no renderer is a clear error until the family names one (SKILL.md 7b).
+PER_TYPE_FIELDS = ("tiny_hf_config", "vllm_modes", "vllm_hf_overrides", "vllm_cpu_attention_backends")
 # Stands for the new family's name and HF type in the text until the like-family's identifiers are
 # renamed, so that a new name that extends the old one (qwen3 -> qwen3_next) is not renamed twice.
 NAME_SLOT, TYPE_SLOT = "@@ARCHON_NEW_FAMILY@@", "@@ARCHON_NEW_MODEL_TYPE@@"
@@ -188,14 +189,17 @@ def _per_type_entry(source: str, field: ast.Dict, like_type: str, field_name: st
 
 def adapt_spec(source: str, spec_file: Path, name: str, model_type: str, like_type: str) -> str:
     """Make the ModelSpec call name the new family and serve `model_type`; each per-type field keeps
-    `like_type`'s entry (its tiny config, vLLM mode, renderer ...) under the new type. The names are
-    left as slots (`fill_slots`)."""
+    `like_type`'s entry (its tiny config, vLLM mode ...) under the new type, and the renderer table
+    is emptied. The names are left as slots (`fill_slots`)."""
     call = _model_spec_call(ast.parse(source), spec_file)
     edits: list[tuple[ast.AST, str]] = [
         (_keyword(call, "name", spec_file), f'"{NAME_SLOT}"'),
         (_keyword(call, "hf_model_types", spec_file), f'("{TYPE_SLOT}",)'),
     ]
     for keyword in call.keywords:
+        if keyword.arg == "renderers":
+            edits.append((keyword.value, "{}"))
+            continue
         if keyword.arg not in PER_TYPE_FIELDS:
             continue
         if not isinstance(keyword.value, ast.Dict):
@@ -206,13 +210,21 @@ def adapt_spec(source: str, spec_file: Path, name: str, model_type: str, like_ty
 
 def is_renderer_module(path: Path) -> bool:
     """A family's chat-format module (renderer.py, <format>_renderer.py): it registers renderers by
-    name, so a scaffold does not copy it (the new family's spec names the like-family's renderer)."""
+    name, so a scaffold does not copy it (the new family names a renderer when it has its format)."""
     return path.suffix == ".py" and (path.stem == "renderer" or path.stem.endswith("_renderer"))
 
 
 def drop_renderer_imports(init_source: str, like: str) -> str:
-    """A family's __init__.py without the lines that import its renderer modules."""
-    return re.sub(rf"^from archon\.models\.{like} import \w*renderer\b.*\n", "", init_source, flags=re.M)
+    """A family's __init__.py without its renderer modules in the imports (`from archon.models.glm4_moe
+    import renderer, spec` keeps `spec`); a line left with nothing to import goes."""
+
+    def keep_others(match: re.Match) -> str:
+        names = [n.strip() for n in match.group(2).split(",") if n.strip()]
+        kept = [n for n in names if not (n == "renderer" or n.endswith("_renderer"))]
+        return f"{match.group(1)}{', '.join(kept)}{match.group(3)}\n" if kept else ""
+
+    pattern = rf"^(from archon\.models\.{like} import )([\w ,]+?)(\s*#.*)?$\n?"
+    return re.sub(pattern, keep_others, init_source, flags=re.M)
 
 
 def adapt_test(source: str, like_type: str) -> str:
@@ -377,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             f"family is invisible to `python -m archon.tools.align` until you run it from that checkout with it "
             f"installed (pip install -e {result.family_dir.parent.parent})"
         )
+    print(
+        "renderers: none yet. Multi-turn episodes need the family's chat format: name an existing renderer "
+        "in the spec if the chat template is the same, or write one (skills/add-model/SKILL.md, 7b)"
+    )
     print("next: follow skills/add-model/SKILL.md, then gate with")
     print(f"  python -m archon.tools.align --model-type {result.model_type} --lora-rank 8")
     return 0

@@ -9,6 +9,7 @@ from archon.models.common.rope import ROPE_TYPES
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"  # a recurrent (gated DeltaNet) layer in a hybrid
 
 
 @dataclass
@@ -76,12 +77,32 @@ def decoder_fields_from_hf(
     )
 
 
-def language_model_fields_from_hf(config, **options) -> dict[str, Any]:
-    """decoder_fields_from_hf (with its `options`) of the language model's config: `config` itself,
-    or the `text_config` of a vision-language composite, whose head HF's whole model ties by the
-    composite's own top-level tie_word_embeddings."""
+def is_sparse_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: list[int]) -> bool:
+    """The Qwen MoE rule (Qwen2-MoE, Qwen3-MoE, Qwen3-Next) for whether layer `layer_idx` has routed
+    experts: the model has some, the layer is not in mlp_only_layers, and (layer_idx + 1) is a
+    multiple of decoder_sparse_step."""
+    return num_experts > 0 and layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0
+
+
+def partial_rotary_factor_from_hf(rope_parameters: dict[str, Any], head_dim: int) -> float:
+    """rope_parameters["partial_rotary_factor"] (1.0 when absent): the share of each head's features
+    that RoPE rotates (the first ones). Refused unless it gives a positive even number of them."""
+    factor = float(rope_parameters.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(
+            f"rope_parameters.partial_rotary_factor={factor} with head_dim={head_dim} gives {rotary_dim} rotary "
+            "features; it must be a positive even number"
+        )
+    return factor
+
+
+def language_model_fields_from_hf(config, fields_from_hf=None, **options) -> dict[str, Any]:
+    """`fields_from_hf` (decoder_fields_from_hf unless given; with `options`) of the language model's
+    config: `config` itself, or the `text_config` of a vision-language composite (Qwen3.5, Gemma 3),
+    whose head HF's whole model ties by the composite's own top-level tie_word_embeddings."""
     text = config.get_text_config()
-    fields = decoder_fields_from_hf(text, **options)
+    fields = (fields_from_hf or decoder_fields_from_hf)(text, **options)
     if text is not config:
         fields["tie_word_embeddings"] = bool(config.tie_word_embeddings)
     return fields
@@ -145,7 +166,7 @@ class SlidingWindowDecoderArgs(DecoderArgs):
             if layer_type == SLIDING_ATTENTION and self.sliding_window is None:
                 raise ValueError(
                     f"config.layer_types[{i}] is {SLIDING_ATTENTION!r} but config.sliding_window is None "
-                    "(HF sets it to None unless use_sliding_window=True)"
+                    "(Qwen2/Qwen3 configs set it to None unless use_sliding_window=True)"
                 )
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
@@ -212,4 +233,72 @@ def group_limited_moe_fields_from_hf(config) -> dict[str, Any]:
         norm_topk_prob=bool(config.norm_topk_prob),
         routed_scaling_factor=float(config.routed_scaling_factor),
         first_k_dense_replace=config.first_k_dense_replace or 0,
+    )
+
+
+@dataclass
+class HybridDeltaNetArgs(DecoderArgs):
+    """A hybrid of gated DeltaNet and gated attention layers (Qwen3.5 / Qwen3.6, Qwen3-Next), named as
+    in the HF (text) config, with the sizes of the shared-expert MoE (num_experts == 0: none).
+
+    layer_types: per layer, "linear_attention" (gated DeltaNet) or "full_attention" (gated attention).
+    Each of the linear_num_key_heads key heads serves linear_num_value_heads / linear_num_key_heads
+    value heads; RoPE turns the first partial_rotary_factor of each attention head.
+    """
+
+    layer_types: list[str] = field(default_factory=list)
+    attention_bias: bool = False
+    partial_rotary_factor: float = 1.0
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_value_heads_per_key_head(self) -> int:
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    def validate(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"config.layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"config.layer_types holds {unknown}; supported: {LINEAR_ATTENTION!r}, {FULL_ATTENTION!r}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"config.linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"config.linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+
+
+def hybrid_deltanet_fields_from_hf(config) -> dict[str, Any]:
+    """The HybridDeltaNetArgs fields of an HF (text) config (DecoderArgs fields included)."""
+    fields = decoder_fields_from_hf(config)
+    return dict(
+        fields,
+        layer_types=list(config.layer_types),
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        partial_rotary_factor=partial_rotary_factor_from_hf(fields["rope_parameters"], fields["head_dim"]),
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        num_experts=getattr(config, "num_experts", 0) or 0,
+        num_experts_per_tok=getattr(config, "num_experts_per_tok", 0) or 0,
+        moe_intermediate_size=getattr(config, "moe_intermediate_size", 0) or 0,
+        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
     )

@@ -6,6 +6,9 @@ Per value head with state S [dk, dv] and for each token t:
 Packed sequences are laid out as a zero-padded batch (`PaddedSequences`); the padding has g = 0 and
 beta = 0, so it leaves each sequence's state as it is. The short causal conv before the rule and the
 state restart at every sequence. Families: Qwen3.5 / Qwen3.6, Qwen3-Next.
+
+`GatedDeltaNet` is the mixer around the rule (HF name `linear_attn`), with its tensor-parallel plan
+(`gated_deltanet_plan`); models/common/hybrid.py mixes it with gated attention by `layer_types`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from archon.models.common.norms import GatedRMSNorm
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from archon.lora import LoRAConfig, linear
+from archon.parallel.context_parallel import heads_of_rank, heads_to_tokens, tokens_to_heads
+from archon.parallel.tensor_parallel import ReplicatedParallel, ShardedParameters, colwise, local_tensor, rowwise
 
 logger = logging.getLogger(__name__)
 
@@ -157,3 +168,123 @@ def gated_delta_rule(q, k, v, g, beta, seqs: PaddedSequences, initial_state):
     padded = [seqs.pad(t).transpose(1, 2) for t in (q * dk**-0.5, k, v, g, beta)]  # [N, H, L, ...]
     o, state = chunked_gated_delta_rule(*padded, initial_state=initial_state)
     return seqs.unpad(o.transpose(1, 2)), state
+
+
+def qkv_rows_by_key_head(args) -> torch.Tensor:
+    """The order archon keeps a DeltaNet's q/k/v rows (and conv channels) in: for each archon row (key
+    head h: its q rows, its k rows, then the v rows of its value heads), the HF row (all q, all k,
+    all v). `args` needs linear_num_key_heads, linear_key_head_dim, linear_num_value_heads and
+    linear_value_head_dim."""
+    n_k, dk = args.linear_num_key_heads, args.linear_key_head_dim
+    group_v = args.linear_num_value_heads // n_k * args.linear_value_head_dim
+    q_rows = torch.arange(n_k * dk).view(n_k, dk)
+    k_rows = n_k * dk + q_rows
+    v_rows = 2 * n_k * dk + torch.arange(n_k * group_v).view(n_k, group_v)
+    return torch.cat([q_rows, k_rows, v_rows], dim=1).reshape(-1)
+
+
+class GatedDeltaNet(nn.Module):
+    """The gated DeltaNet mixer (Qwen3.5, Qwen3-Next), HF name `linear_attn`.
+
+    Per value head, after a short causal depthwise conv (then silu) over the q/k/v projection:
+    L2-normed q and k, q scaled by dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias),
+    the gated delta rule, then the output gated-RMSNormed with silu(z) before out_proj. Key heads
+    serve `linear_num_value_heads / linear_num_key_heads` value heads each.
+
+    Projections, by `fused_projections`:
+    - False (Qwen3.5): in_proj_qkv [Hk * (2 dk + r dv), dim], rows grouped per key head
+      ([q_h | k_h | v of h's value heads]; HF stores all q | all k | all v and the converter permutes);
+      in_proj_z [Hv * dv, dim]; in_proj_b, in_proj_a [Hv, dim].
+    - True (Qwen3-Next, as HF stores them): in_proj_qkvz [Hk * (2 dk + 2 r dv), dim], per key head
+      [q_h | k_h | v of h's value heads | z of h's value heads]; in_proj_ba [2 Hv, dim], per key head
+      [b of h's value heads | a of h's value heads].
+    Either way a contiguous shard of the projection rows holds whole key heads (tensor parallelism).
+    conv1d.weight: [C, 1, K], C = Hk * (2 dk + r dv) channels grouped per key head as in_proj_qkv's
+    rows; dt_bias, A_log: [Hv]; norm.weight: [dv]; out_proj: [dim, Hv * dv].
+    """
+
+    def __init__(self, args, lora: LoRAConfig | None, fused_projections: bool = False) -> None:
+        super().__init__()
+        dim = args.hidden_size
+        self.key_head_dim, self.value_head_dim = args.linear_key_head_dim, args.linear_value_head_dim
+        self.value_heads_per_key_head = args.linear_num_value_heads // args.linear_num_key_heads
+        self.fused_projections = fused_projections
+        n_k, n_v = args.linear_num_key_heads, args.linear_num_value_heads
+        dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
+        conv_dim = n_k * (2 * dk + r * dv)
+        if fused_projections:
+            self.in_proj_qkvz = linear(dim, n_k * (2 * dk + 2 * r * dv), False, "in_proj_qkvz", lora)
+            self.in_proj_ba = linear(dim, 2 * n_v, False, "in_proj_ba", lora)
+        else:
+            self.in_proj_qkv = linear(dim, conv_dim, False, "in_proj_qkv", lora)
+            self.in_proj_z = linear(dim, n_v * dv, False, "in_proj_z", lora)
+            self.in_proj_b = linear(dim, n_v, False, "in_proj_b", lora)
+            self.in_proj_a = linear(dim, n_v, False, "in_proj_a", lora)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, args.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(n_v))
+        self.A_log = nn.Parameter(torch.zeros(n_v))
+        self.norm = GatedRMSNorm(dv, args.rms_norm_eps)
+        self.out_proj = linear(n_v * dv, dim, False, "out_proj", lora)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [T, dim] -> qkv [T, Hk, 2 dk + r dv], b and a [T, Hv], z [T, Hv, dv], for this rank's heads."""
+        dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
+        T = x.shape[0]
+        if self.fused_projections:
+            qkv, z = self.in_proj_qkvz(x).view(T, -1, 2 * dk + 2 * r * dv).split([2 * dk + r * dv, r * dv], dim=-1)
+            b, a = self.in_proj_ba(x).view(T, -1, 2 * r).split(r, dim=-1)  # [T, Hk, r] each
+            return qkv, b.reshape(T, -1), a.reshape(T, -1), z.reshape(T, -1, dv)
+        qkv = self.in_proj_qkv(x).view(T, -1, 2 * dk + r * dv)
+        return qkv, self.in_proj_b(x), self.in_proj_a(x), self.in_proj_z(x).view(T, -1, dv)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None) -> torch.Tensor:
+        """x: [T, dim] -> [T, dim]. cos/sin are unused (no positions in a recurrence). `cache`: a
+        layer cache (archon/rollout/kv_cache.py) holding each sequence's conv window and state.
+
+        With context_parallel (a ContextParallelGroup) x is this rank's slice of the tokens: the projections run on it,
+        then the conv and the delta rule run on every token of this rank's key heads (each with its
+        value heads; conv channels, A_log and dt_bias are per head), and the output comes back to
+        the slice before the gated norm."""
+        dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
+        cp = context_parallel
+        window, state = (None, None) if cache is None else cache.recurrent_state()
+        qkv, b, a, z = self._project(x)  # qkv: [T, Hk, 2 dk + r dv], this rank's key heads
+        conv_weight, A_log, dt_bias = (local_tensor(t) for t in (self.conv1d.weight, self.A_log, self.dt_bias))
+        if cp is not None:
+            qkv = tokens_to_heads(qkv, cp)
+            b, a = (tokens_to_heads(t[..., None], cp)[..., 0] for t in (b, a))
+            conv_weight, A_log, dt_bias = (heads_of_rank(t, cp) for t in (conv_weight, A_log, dt_bias))
+        T = qkv.shape[0]
+        seqs = PaddedSequences(cu_seqlens, max_seqlen)
+
+        qkv, window = causal_conv1d(seqs.pad(qkv.reshape(T, -1)), conv_weight, seqs.lengths, window)
+        qkv = seqs.unpad(qkv).view(T, -1, 2 * dk + r * dv)  # [T, Hk, 2 dk + r dv]
+        q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
+        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # value head h reads key head h // r
+        v = v.reshape(T, -1, dv)  # [T, Hv, dv]
+
+        beta = b.sigmoid()  # [T, Hv]
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        o, state = gated_delta_rule(q, k, v, g, beta, seqs, state)
+        if cache is not None:
+            cache.store_recurrent_state(window, state)
+        if cp is not None:
+            o = heads_to_tokens(o, cp)
+
+        o = self.norm(o.to(x.dtype), z)  # [T, Hv, dv]
+        return self.out_proj(o.reshape(x.shape[0], -1))
+
+
+def gated_deltanet_plan(prefix: str = "linear_attn", fused_projections: bool = False) -> dict[str, ParallelStyle]:
+    """TP plan of a `GatedDeltaNet` by key head, with the value heads each key head serves: the input
+    projections column-parallel (their rows are grouped per key head), the conv channels, dt_bias and
+    A_log sharded with them, the gated norm on the local heads, out_proj row-parallel."""
+    projections = ("in_proj_qkvz", "in_proj_ba") if fused_projections else (
+        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"
+    )
+    plan = {f"{prefix}.{name}": colwise() for name in projections}
+    plan[f"{prefix}.out_proj"] = rowwise()
+    plan[f"{prefix}.norm"] = ReplicatedParallel(Shard(1))  # on [T, heads, dv]
+    plan[prefix] = ShardedParameters({"conv1d.weight": Shard(0), "dt_bias": Shard(0), "A_log": Shard(0)})
+    return plan
+

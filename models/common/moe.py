@@ -232,7 +232,7 @@ class SparseMoE(nn.Module):
 
 
 class SigmoidGroupTopKRouter(Router):
-    """Group-limited sigmoid routing (DeepSeek-V3, Kimi K2, GLM-4.5), in fp32.
+    """Group-limited sigmoid routing (DeepSeek-V3, Kimi K2, GLM-4.5; one group: MiniMax-M2), in fp32.
 
     scores = sigmoid(x W^T). The choice uses scores + e_score_correction_bias: the experts form
     `n_group` equal groups, each scored by the sum of its two best biased scores; only experts in the
@@ -291,12 +291,7 @@ class SigmoidGroupTopKRouter(Router):
         """x: [T, dim] -> (weights [T, k] in fp32, expert indices [T, k])."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         biased = scores + self.e_score_correction_bias
-        per_group = biased.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
-        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-        top_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-        expert_mask = group_mask.repeat_interleave(per_group.shape[-1], dim=1)  # [T, E]
-        candidates = biased.masked_fill(~expert_mask, float("-inf"))
+        candidates = biased if self.n_group == 1 else self._in_top_groups(biased)
         top_indices = candidates.topk(self.top_k, dim=-1, sorted=False).indices
         if self.training:
             self.routing.record(scores / scores.sum(dim=-1, keepdim=True), top_indices)
@@ -304,6 +299,15 @@ class SigmoidGroupTopKRouter(Router):
         if self.norm_topk_prob:
             top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
         return top_weights * self.routed_scaling_factor, top_indices
+
+    def _in_top_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """biased [T, E] with the experts outside each token's `topk_group` best groups set to -inf."""
+        per_group = biased.view(biased.shape[0], self.n_group, -1)  # [T, G, E/G]
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        top_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        expert_mask = group_mask.repeat_interleave(per_group.shape[-1], dim=1)  # [T, E]
+        return biased.masked_fill(~expert_mask, float("-inf"))
 
 
 class SharedExpertsMoE(SparseMoE):
@@ -337,15 +341,16 @@ def group_limited_moe_mlp(args: GroupLimitedMoEArgs, layer_idx: int, lora: LoRAC
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts (softmax top-k, renormalised) plus one shared expert scaled per token by
-    sigmoid(shared_expert_gate(x)); HF names gate, experts, shared_expert, shared_expert_gate. `args` needs the HF fields hidden_size,
-    num_experts, num_experts_per_tok, moe_intermediate_size and shared_expert_intermediate_size
-    (Qwen3.5 MoE, Qwen3-Next)."""
+    """Routed experts (softmax top-k, renormalised over the k unless `norm_topk_prob` is False) plus
+    one shared expert scaled per token by sigmoid(shared_expert_gate(x)); HF names gate, experts,
+    shared_expert, shared_expert_gate. `args` needs the HF fields hidden_size, num_experts,
+    num_experts_per_tok, moe_intermediate_size and shared_expert_intermediate_size (Qwen3.5 MoE,
+    which always renormalises, and Qwen3-Next, whose config says)."""
 
-    def __init__(self, args, lora: LoRAConfig | None) -> None:
+    def __init__(self, args, lora: LoRAConfig | None, norm_topk_prob: bool = True) -> None:
         super().__init__()
         dim = args.hidden_size
-        self.gate = SoftmaxTopKRouter(dim, args.num_experts, args.num_experts_per_tok, norm_topk_prob=True)
+        self.gate = SoftmaxTopKRouter(dim, args.num_experts, args.num_experts_per_tok, norm_topk_prob)
         self.experts = GroupedExperts(args.num_experts, dim, args.moe_intermediate_size, lora)
         self.shared_expert = SwiGLUMLP(dim, args.shared_expert_intermediate_size, bias=False, lora=lora)
         self.shared_expert_gate = linear(dim, 1, False, "shared_expert_gate", lora)

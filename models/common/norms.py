@@ -33,7 +33,8 @@ class RMSNorm(nn.Module):
 
 class ProjectionRMSNorm(nn.Module):
     """RMSNorm over a whole attention projection, [T, H * D] (OLMo 2/3's q_norm and k_norm, not per
-    head), scaled in fp32 and then cast back.
+    head), scaled in fp32 and then cast back; with `scale_in_fp32=False` cast back, then scaled
+    (MiniMax-M2's).
 
     Under tensor parallelism the column-parallel projection leaves each rank the columns of its
     heads, and the weight is sharded with them (a DTensor, Shard(0)): the mean of squares is then
@@ -41,9 +42,10 @@ class ProjectionRMSNorm(nn.Module):
     width. Without it the weight is a plain tensor and the norm is the usual one.
     """
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, scale_in_fp32: bool = True) -> None:
         super().__init__()
         self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +57,8 @@ class ProjectionRMSNorm(nn.Module):
             sum_of_squares = funcol.all_reduce(sum_of_squares, "sum", self.weight.device_mesh.get_group())
         full_width = self.weight.shape[0]  # the global width, a DTensor's too
         h = h * torch.rsqrt(sum_of_squares / full_width + self.eps)
+        if not self.scale_in_fp32:
+            return local_tensor(self.weight) * h.to(x.dtype)
         return (local_tensor(self.weight) * h).to(x.dtype)
 
     def reset_parameters(self) -> None:

@@ -21,7 +21,6 @@ from archon.checkpoint.state_dict_converter import PEFT_PREFIX, StateDictConvert
 
 _EXPERT_WEIGHT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 _EXPERT_LORA = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)_lora\.lora_([ab])")
-_HF_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 _PEFT_WRAPPER = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
@@ -68,6 +67,13 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
     # In an MoE model PEFT (under transformers v5) reads these target_modules names as per-expert
     # projections and refolds them into the stacked experts.
     peft_reserved_module_names = ("gate_proj", "up_proj", "down_proj", "gate")
+    # The per-expert checkpoint weights each stacked weight is made of, in row order.
+    hf_expert_parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+    def per_expert_hf_name(self, experts: str) -> str:
+        """The checkpoint name of the experts module `experts` (an archon name), whose per-expert
+        weights are `<name>.<e>.<part>.weight`."""
+        return self.hf_name(experts)
 
     def _num_experts(self) -> int:
         return self.args.num_experts
@@ -92,16 +98,16 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
             return [stacked]
         prefix, which = match.groups()
         return [
-            f"{self.hf_name(prefix)}.{e}.{part}.weight"
+            f"{self.per_expert_hf_name(prefix)}.{e}.{part}.weight"
             for e in range(self._num_experts())
-            for part in _HF_EXPERT_PARTS[which]
+            for part in self.hf_expert_parts[which]
         ]
 
     def combine(self, archon_key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         match = _EXPERT_WEIGHT.fullmatch(archon_key)
         if match is None or len(tensors) == 1:
             return super().combine(archon_key, tensors)
-        n_parts = len(_HF_EXPERT_PARTS[match.group(2)])
+        n_parts = len(self.hf_expert_parts[match.group(2)])
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) != 1:
             raise ValueError(f"per-expert tensors for {archon_key!r} have differing shapes {sorted(shapes)}")
@@ -114,11 +120,11 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
         if match is None:
             return super().to_hf(archon_key, tensor)
         prefix, which = match.groups()
-        parts = _HF_EXPERT_PARTS[which]
+        parts = self.hf_expert_parts[which]
         out = []
         for e in range(tensor.shape[0]):
             for part, chunk in zip(parts, tensor[e].chunk(len(parts), dim=0)):
-                out.append((f"{self.hf_name(prefix)}.{e}.{part}.weight", chunk))
+                out.append((f"{self.per_expert_hf_name(prefix)}.{e}.{part}.weight", chunk))
         return out
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from archon.models.common.args import (
     GroupLimitedMoEArgs,
     group_limited_moe_fields_from_hf,
+    partial_rotary_factor_from_hf,
 )
 
 
@@ -27,16 +28,9 @@ class Glm4MoeArgs(GroupLimitedMoEArgs):
     @classmethod
     def from_hf_config(cls, config) -> "Glm4MoeArgs":
         fields = group_limited_moe_fields_from_hf(config)
-        partial_rotary_factor = float(fields["rope_parameters"].get("partial_rotary_factor", 1.0))
-        args = cls(
+        return cls(
             **fields,
             attention_bias=bool(getattr(config, "attention_bias", False)),
             use_qk_norm=bool(getattr(config, "use_qk_norm", False)),
-            partial_rotary_factor=partial_rotary_factor,
+            partial_rotary_factor=partial_rotary_factor_from_hf(fields["rope_parameters"], fields["head_dim"]),
         )
-        if args.rotary_dim < 2 or args.rotary_dim % 2:
-            raise ValueError(
-                f"rope_parameters.partial_rotary_factor={partial_rotary_factor} with head_dim={args.head_dim} gives "
-                f"{args.rotary_dim} rotary features; it must be a positive even number"
-            )
-        return args

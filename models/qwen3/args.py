@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from archon.models.common.args import SlidingWindowDecoderArgs, sliding_window_fields_from_hf
+from archon.models.common.args import SlidingWindowDecoderArgs, is_sparse_layer, sliding_window_fields_from_hf
 
 
 @dataclass
@@ -20,11 +20,7 @@ class Qwen3Args(SlidingWindowDecoderArgs):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return (
-            self.num_experts > 0
-            and layer_idx not in self.mlp_only_layers
-            and (layer_idx + 1) % self.decoder_sparse_step == 0
-        )
+        return is_sparse_layer(layer_idx, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
 
     @classmethod
     def from_hf_config(cls, config) -> "Qwen3Args":

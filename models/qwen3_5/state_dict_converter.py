@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import torch
+from archon.models.common.linear_attention import qkv_rows_by_key_head
 from archon.models.common.state_dict import StackedExpertsAdapter
 
 _GROUPED_ROWS = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight|in_proj_qkv\.lora_b\.weight)")
@@ -26,7 +27,7 @@ class Qwen3_5StateDictConverter(StackedExpertsAdapter):
     def __init__(self, args) -> None:
         super().__init__(args)
         self.hf_prefix = "model.language_model." if args.vision_language else "model."
-        self._archon_rows = _grouped_row_order(args)  # archon row i is HF row _archon_rows[i]
+        self._archon_rows = qkv_rows_by_key_head(args)  # archon row i is HF row _archon_rows[i]
 
     def _to_archon_rows(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if not _GROUPED_ROWS.fullmatch(key):
@@ -50,13 +51,3 @@ class Qwen3_5StateDictConverter(StackedExpertsAdapter):
     def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
         return self._to_archon_rows(archon_key, super().lora_from_peft(archon_key, tensors, shape))
 
-
-def _grouped_row_order(args) -> torch.Tensor:
-    """For each archon row of in_proj_qkv (key head h: its q rows, k rows, then the v rows of its
-    value heads), the HF row (all q, all k, all v)."""
-    n_k, dk = args.linear_num_key_heads, args.linear_key_head_dim
-    group_v = args.linear_value_heads_per_key_head * args.linear_value_head_dim
-    q_rows = torch.arange(n_k * dk).view(n_k, dk)
-    k_rows = n_k * dk + q_rows
-    v_rows = 2 * n_k * dk + torch.arange(n_k * group_v).view(n_k, group_v)
-    return torch.cat([q_rows, k_rows, v_rows], dim=1).reshape(-1)

@@ -25,6 +25,7 @@ from archon.models.common import linear_attention
 from archon.models.common.attention import Attention, GatedAttention, packed_attention
 from archon.models.common.mlp import GeGLUMLP
 from archon.models.common.mla import MultiHeadLatentAttention
+from archon.models.common.linear_attention import GatedDeltaNet, qkv_rows_by_key_head
 from archon.models.common.moe import (
     ClampedSwiGLUExperts,
     SharedExpertMoE,
@@ -35,8 +36,6 @@ from archon.models.common.moe import (
 )
 from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm, ProjectionRMSNorm
 from archon.models.common.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
-from archon.models.qwen3_5 import model as qwen3_5_model
-from archon.models.qwen3_5.model import GatedDeltaNet
 
 # Odd lengths, one of a single token, the longest above every tiny sliding window.
 SEQ_LENS = (7, 1, 33)
@@ -247,7 +246,7 @@ def delta_rule_with(transform: Callable[[dict], None]) -> SwitchOff:
             transform(inputs)
             return rule(**inputs, seqs=seqs, initial_state=initial_state)
 
-        monkeypatch.setattr(qwen3_5_model, "gated_delta_rule", changed)
+        monkeypatch.setattr(linear_attention, "gated_delta_rule", changed)
 
     return switch_off
 
@@ -295,6 +294,32 @@ def no_output_norm_gate(model, monkeypatch):
 
     modules(model, GatedRMSNorm)
     monkeypatch.setattr(GatedRMSNorm, "forward", forward)
+
+
+def fused_projections_read_flat(model, monkeypatch):
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba read as [all q | all k | all v | all z] and
+    [all b | all a] instead of grouped per key head, as HF stores them."""
+    mixers = modules(model, GatedDeltaNet)
+    assert all(mixer.fused_projections for mixer in mixers)
+
+    def project(self, x):
+        dk, dv, r = self.key_head_dim, self.value_head_dim, self.value_heads_per_key_head
+        T, n_k = x.shape[0], self.conv1d.weight.shape[0] // (2 * dk + r * dv)
+        q, k, v, z = self.in_proj_qkvz(x).split([n_k * dk, n_k * dk, n_k * r * dv, n_k * r * dv], dim=-1)
+        qkv = torch.cat([q.view(T, n_k, dk), k.view(T, n_k, dk), v.view(T, n_k, r * dv)], dim=-1)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+        return qkv, b, a, z.reshape(T, -1, dv)
+
+    monkeypatch.setattr(GatedDeltaNet, "_project", project)
+
+
+def conv_channels_in_hf_order(model, monkeypatch):
+    """DeltaNet's conv channels kept in HF's q | k | v order while the rows they convolve are grouped
+    per key head (a converter that does not reorder them)."""
+    hf_order = torch.argsort(qkv_rows_by_key_head(model.args))
+    with torch.no_grad():
+        for mixer in modules(model, GatedDeltaNet):
+            mixer.conv1d.weight.copy_(mixer.conv1d.weight[hf_order])
 
 
 def no_embedding_scale(model, monkeypatch):
@@ -473,6 +498,19 @@ def no_full_attention_rope_attention_factor(model, monkeypatch):
     rotary.attention_scaling = 1.0
 
 
+def correction_bias_in_weights(model, monkeypatch):
+    """The chosen experts weighted by their biased scores (the bias is for the choice only)."""
+
+    def biased(router, x):
+        scores = torch.sigmoid(F.linear(x.float(), router.weight.float())) + router.e_score_correction_bias
+        top_weights, top_indices = scores.topk(router.top_k, dim=-1)
+        return top_weights / top_weights.sum(-1, keepdim=True), top_indices
+
+    for router in modules(model, SigmoidGroupTopKRouter):
+        assert router.norm_topk_prob and router.n_group == 1
+        router.forward = lambda x, router=router: biased(router, x)
+
+
 CASES = [
     # Llama: llama3-scaled RoPE, GQA, optional attention and MLP biases.
     Case("llama", "llama3-rope-as-default", plain_rope_frequencies),
@@ -551,6 +589,26 @@ CASES = [
     Case("qwen3_5_moe_text", "shared-expert", no_shared_expert),
     Case("qwen3_5_moe_text", "shared-expert-gate", ungated_shared_expert),
     Case("qwen3_5_moe_text", "norm-one-plus-weight", norm_without_offset),
+    # Qwen3-Next: the Qwen3.5 mixers with the DeltaNet's projections fused per key head (in_proj_qkvz,
+    # in_proj_ba), its conv channels reordered on load, sparse layers with a gated shared expert
+    # (softmax top-k renormalised by norm_topk_prob) beside a dense one; q/k/v/o bias when set.
+    Case("qwen3_next", "norm-one-plus-weight", norm_without_offset),
+    Case("qwen3_next", "attention-output-gate", no_output_gate),
+    Case("qwen3_next", "qk-norm", no_qk_norm),
+    Case("qwen3_next", "partial-rotary", full_rotary),
+    Case("qwen3_next", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
+    Case("qwen3_next", "fused-projections-per-key-head", fused_projections_read_flat),
+    Case("qwen3_next", "conv-channel-order", conv_channels_in_hf_order),
+    Case("qwen3_next", "short-conv", conv_identity),
+    Case("qwen3_next", "delta-rule-decay", delta_rule_with(_no_decay)),
+    Case("qwen3_next", "delta-rule-beta", delta_rule_with(_full_write_strength)),
+    Case("qwen3_next", "value-heads-per-key-head", value_heads_tiled),
+    Case("qwen3_next", "qk-l2-norm", no_qk_l2_norm),
+    Case("qwen3_next", "dt-bias", zero_dt_bias),
+    Case("qwen3_next", "output-norm-gate", no_output_norm_gate),
+    Case("qwen3_next", "norm-topk-prob", set_on(SoftmaxTopKRouter, norm_topk_prob=False)),
+    Case("qwen3_next", "shared-expert", no_shared_expert),
+    Case("qwen3_next", "shared-expert-gate", ungated_shared_expert),
     # OLMo 3: post-norm layers, QK-norm over the whole projections, windows and RoPE per layer type
     # (YaRN on the full-attention layers), GQA; q/k/v/o biases when attention_bias is set.
     Case("olmo3", "qk-norm", no_qk_norm),
@@ -568,6 +626,14 @@ CASES = [
     Case("olmo2", "qk-norm-over-the-projection", qk_norm_per_head),
     Case("olmo2", "post-feedforward-norm", no_post_norm("post_feedforward_layernorm")),
     Case("olmo2", "yarn-rope-as-default", full_attention_rope_as_default),
+    # MiniMax-M2: QK-norm over the whole projection, partial rotary, sigmoid routing with the correction
+    # bias for the choice only, renormalised weights.
+    Case("minimax_m2", "qk-norm", no_qk_norm),
+    Case("minimax_m2", "qk-norm-over-whole-projection", qk_norm_per_head),
+    Case("minimax_m2", "partial-rotary", full_rotary),
+    Case("minimax_m2", "score-correction-bias", no_score_correction_bias),
+    Case("minimax_m2", "correction-bias-for-choice-only", correction_bias_in_weights),
+    Case("minimax_m2", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
     # Gemma 3: scaled embeddings, zero-centred sandwich norms, QK-norm, query_pre_attn_scalar, the GeGLU
     # gate, sliding layers, RoPE per layer type with scaling on the full layers, attention bias.
     Case("gemma3_text", "embedding-scale", no_embedding_scale),

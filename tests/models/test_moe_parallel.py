@@ -21,6 +21,16 @@ CASES = {
     "deepseek_v3-no-q-lora": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False), ("tp2",)),
     # The registered tiny config: sinks, q/k/v/o bias, window on even layers, untied head.
     "gpt_oss": ("gpt_oss", {}, ("tp2", "fsdp2")),
+    # A DeltaNet layer (fused in_proj_qkvz / in_proj_ba sharded by key head) with a sparse MLP, then a
+    # gated attention layer with a dense one. Two layers: at three the fp32 noise of the DeltaNet
+    # layers reaches the tolerance (grad_max_rel 1.2e-5).
+    "qwen3_next": (
+        "qwen3_next",
+        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1]),
+        ("tp2", "fsdp2"),
+    ),
+    # q_norm / k_norm over the whole projection: sharded with it, the statistic summed over the ranks.
+    "minimax_m2": ("minimax_m2", {}, ("tp2", "fsdp2")),
 }
 
 

@@ -12,7 +12,11 @@ from family_checks import (
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
-from helpers import randomise_lora
+from helpers import (
+    assert_native_greedy_equals_hf_generate,
+    assert_no_state_leaks_across_packed_sequences,
+    randomise_lora,
+)
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -97,26 +101,8 @@ def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
     """A sequence's logits and gradients are the same alone and packed after another one (of a
     different content each time): the conv window and the recurrent state restart at each boundary."""
     model = build_model(tiny_checkpoint("qwen3_5_text"), lora=LoRAConfig(rank=4, alpha=8)).model
-    g = torch.Generator().manual_seed(0)
-    randomise_lora(lora_parameters(model), 0.1, g)
-    target = torch.randint(0, 256, (DELTA_RULE_CHUNK_SIZE + 9,), generator=g)
-
-    def logits_and_grads(before: torch.Tensor | None):
-        seqs = [target] if before is None else [before, target]
-        tokens = torch.cat(seqs)
-        positions = torch.cat([torch.arange(len(s)) for s in seqs])
-        cu_seqlens = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()])
-        model.zero_grad()
-        logits = model(tokens, positions, cu_seqlens, max(len(s) for s in seqs))[-len(target) :]
-        logits.square().mean().backward()
-        return logits.detach(), {n: p.grad.clone() for n, p in lora_parameters(model).items()}
-
-    alone, grads_alone = logits_and_grads(None)
-    for length in (3, DELTA_RULE_CHUNK_SIZE + 20):
-        packed, grads_packed = logits_and_grads(torch.randint(0, 256, (length,), generator=g))
-        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
-        for name in grads_alone:
-            torch.testing.assert_close(grads_packed[name], grads_alone[name], rtol=1e-4, atol=1e-7)
+    randomise_lora(lora_parameters(model), 0.1, torch.Generator().manual_seed(0))
+    assert_no_state_leaks_across_packed_sequences(model, DELTA_RULE_CHUNK_SIZE + 9, (3, DELTA_RULE_CHUNK_SIZE + 20))
 
 
 def test_vision_language_export_keys_and_merged_checkpoint(tiny_checkpoint, lora_model, tmp_path):
@@ -156,23 +142,8 @@ def test_vision_language_export_keys_and_merged_checkpoint(tiny_checkpoint, lora
 def test_native_greedy_equals_hf_generate(tiny_checkpoint, model_type):
     """Greedy generation through the per-sequence cache (KV for attention layers, conv window and
     recurrent state for DeltaNet layers) gives HF's greedy tokens; a prompt longer than a chunk too."""
-    from archon.rollout.base import SamplingParams
-    from archon.rollout.native import NativeRolloutEngine
-    from archon.tools.align import hf_model_class
-    from transformers import AutoConfig
-
-    path = tiny_checkpoint(model_type)
-    hf_model = hf_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
-    engine = NativeRolloutEngine(build_model(path).model)
     prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + DELTA_RULE_CHUNK_SIZE + 5))]
-    samples = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))
-    for prompt, sample in zip(prompts, samples):
-        with torch.no_grad():
-            out = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, len(prompt)),
-                pad_token_id=0, eos_token_id=None,
-            )
-        assert sample.completion_ids == out[0, len(prompt) :].tolist()
+    assert_native_greedy_equals_hf_generate(tiny_checkpoint(model_type), prompts)
 
 
 def test_native_logprobs_equal_the_trainers(tiny_checkpoint):

@@ -1,0 +1,39 @@
+"""Qwen3-Next on packed sequences: a hybrid of gated DeltaNet layers (`linear_attn`) and gated
+full-attention layers (`self_attn`) as `layer_types` says, zero-centred RMSNorms, RoPE on the first
+`partial_rotary_factor` of each attention head, and per layer either a sparse MLP (softmax top-k
+routed experts plus a shared expert gated by sigmoid(shared_expert_gate x)) or a dense SwiGLU MLP
+(`mlp_only_layers`, `decoder_sparse_step`).
+
+The mixers are those of Qwen3.5 (models/common/linear_attention.py, models/common/attention.py);
+Qwen3-Next's DeltaNet fuses its input projections as HF stores them: `in_proj_qkvz` (per key head,
+q | k | v | z) and `in_proj_ba` (per key head, b | a). Layout difference from HF (the state-dict
+converter maps it): the conv channels are ordered per key head, [q_h, k_h, v of h's value heads],
+as the rows they convolve, so that a contiguous shard holds whole heads (tensor parallelism).
+"""
+
+from __future__ import annotations
+
+from archon.models.common.hybrid import HybridDecoderLayer, HybridDecoderLM
+from archon.models.common.mlp import SwiGLUMLP
+from archon.models.common.moe import SharedExpertMoE
+from archon.models.qwen3_next.args import Qwen3NextArgs
+from torch import nn
+
+from archon.lora import LoRAConfig
+
+
+def qwen3_next_mlp(args: Qwen3NextArgs, layer_idx: int, lora: LoRAConfig | None) -> nn.Module:
+    if args.is_moe_layer(layer_idx):
+        return SharedExpertMoE(args, lora, norm_topk_prob=args.norm_topk_prob)
+    return SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=False, lora=lora)
+
+
+class Qwen3NextModel(HybridDecoderLM):
+    def __init__(self, args: Qwen3NextArgs, lora: LoRAConfig | None = None) -> None:
+        super().__init__(
+            args,
+            (
+                HybridDecoderLayer(args, i, qwen3_next_mlp(args, i, lora), lora, fused_projections=True)
+                for i in range(args.num_hidden_layers)
+            ),
+        )
