@@ -54,10 +54,17 @@ def causal_attention_after_prefix(
     scale: float,
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence whose L queries follow a prefix of keys already computed: q [H, L, D],
     k [Hkv, Lk, D], v [Hkv, Lk, Dv] (the prefix's Lk - L keys, then the queries' own) -> [H, L, Dv].
-    Query i sits at position Lk - L + i and sees the keys up to it (within the sliding window)."""
+    Query i sits at position Lk - L + i and sees the keys up to it (within the sliding window).
+    key_mask: [L, Lk] bool, the keys each query may read besides (a sparse-attention selection), or None."""
+    if key_mask is not None:
+        if sinks is not None:
+            raise ValueError("a key mask (sparse attention) with attention sinks is not implemented")
+        mask = causal_mask(q.shape[1], sliding_window, q.device, k.shape[1]) & key_mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
     if sinks is not None:
         return attention_with_sinks(q, k, v, scale, sinks, sliding_window)
     gqa = q.shape[0] != k.shape[0]

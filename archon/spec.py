@@ -44,6 +44,9 @@ class ModelSpec:
         worker: `hook(weights, after_reload) -> weights` rewrites the stream of (HF name, tensor)
         into the form the family's vLLM loader reloads in place, and may set pairs aside in the
         list `after_reload`, which are loaded once the reload is done.
+    one_kind_layer_patterns: per-layer pattern fields of the config (`layer_types`, ...) that hold one
+        kind on every layer in this architecture (DeepSeek-V3.2 marks every layer
+        'indexed_attention'), so the alignment gate does not ask the tiny config for two kinds.
     inert_hf_config_fields: HF config fields of this family's types that its math does not depend
         on, each with the reason. Every other field of the config must be read by
         `args_cls.from_hf_config` (archon/config_coverage.py checks this; fields that no family
@@ -64,6 +67,7 @@ class ModelSpec:
     vllm_reload_weights: Callable[[Iterator[tuple[str, Any]], list], Iterator[tuple[str, Any]]] | None = None
     renderers: dict[str, str] = field(default_factory=dict)
     inert_hf_config_fields: dict[str, str] = field(default_factory=dict)
+    one_kind_layer_patterns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         per_type = ("tiny_hf_config", "vllm_modes", "vllm_hf_overrides", "vllm_cpu_attention_backends", "renderers")

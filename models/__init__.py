@@ -10,6 +10,8 @@ from archon.models import (
     qwen3_5,  # noqa: F401
 )
 from archon.models import qwen3_next  # noqa: F401
+from archon.models import deepseek_v32  # noqa: F401
 from archon.models import minimax_m2  # noqa: F401
+from archon.models import kimi_linear  # noqa: F401
 from archon.models import olmo3  # noqa: F401
 from archon.models import gemma3  # noqa: F401

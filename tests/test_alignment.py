@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from archon.spec import supported_model_types
+from archon.spec import get_spec, supported_model_types
 from archon.tools.align import (
     MAX_ABS_LOGITS_DIFF,
     MAX_LORA_GRAD_REL_ERR,
@@ -102,6 +102,12 @@ def test_single_kind_per_layer_patterns_are_named():
     assert patterns("qwen3_5") == []
     assert patterns("qwen3_5", layer_types=["linear_attention"] * 3) == ["layer_types (every layer 'linear_attention')"]
     assert patterns("glm4_moe", first_k_dense_replace=0, num_hidden_layers=2) == ["first_k_dense_replace=0 of 2 layers"]
+    # every list field named *_types with an entry per layer is a pattern (GLM-5's indexer_types) ...
+    assert "indexer_types (every layer 'full')" in patterns("glm_moe_dsa", indexer_types=["full"] * 3)
+    # ... but the one the family declares single-kind by definition (every layer 'indexed_attention')
+    config = AutoConfig.for_model("glm_moe_dsa", **tiny_config_kwargs("glm_moe_dsa"))
+    assert single_kind_patterns(config) == ["layer_types (every layer 'indexed_attention')"]
+    assert single_kind_patterns(config, get_spec("glm_moe_dsa").one_kind_layer_patterns) == []
 
 
 @pytest.mark.parametrize("model_type", supported_model_types())
@@ -113,7 +119,8 @@ def test_every_tiny_config_holds_both_kinds_of_each_per_layer_pattern(model_type
 
     from archon.tools.align import single_kind_patterns, tiny_config_kwargs
 
-    assert single_kind_patterns(AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type))) == []
+    config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type))
+    assert single_kind_patterns(config, get_spec(model_type).one_kind_layer_patterns) == []
 
 
 def test_qwen3_moe_sliding_window_is_refused():

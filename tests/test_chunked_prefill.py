@@ -16,7 +16,7 @@ from archon.rollout.native import NativeRolloutEngine
 
 # Lengths around the tiny models' sliding window (8) and the gated delta rule's chunk (64).
 PROMPT_LENGTHS = [23, 5, 70, 1, 12]
-FAMILIES = ["qwen3", "qwen3_5_text", "deepseek_v3", "gpt_oss"]
+FAMILIES = ["qwen3", "qwen3_5_text", "deepseek_v3", "gpt_oss", "deepseek_v32", "glm_moe_dsa"]
 # As in tests/test_native_sessions.py: a Qwen3.5 prefill continued from a state sums the gated delta
 # rule in another order, and the tiny model's fp32 log-probs are themselves 3.3e-5 off fp64's.
 LOGPROB_ATOL = {"qwen3_5_text": 5e-5}

@@ -36,7 +36,7 @@ def _assert_greedy_steps_match_full_forward(model, samples) -> None:
                 ids.append(token)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "deepseek_v32", "glm_moe_dsa"])
 def test_greedy_equals_stepwise_argmax(tiny_checkpoint, model_type):
     model = _lora_model(tiny_checkpoint(model_type))
     trainer = NativeRolloutEngine(model)
@@ -63,7 +63,7 @@ def _truncated_logprob(logits, temperature, top_k, top_p, token):
     return math.log(float(probs[token]) / sum(float(probs[i]) for i in kept))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "olmo3", "olmo2", "minimax_m2", "qwen3_next", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "olmo3", "olmo2", "minimax_m2", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "gemma3_text"])
 def test_greedy_equals_hf_generate(tiny_checkpoint, model_type):
     """Greedy tokens equal HF generate's, for groups of 2 sharing a prompt prefix in a table
     refilled as groups finish."""
@@ -165,7 +165,7 @@ def _assert_same_samples(got, expected):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
 def test_shared_prefix_equals_one_prefill_per_sample(tiny_checkpoint, model_type):
     """The G samples of a prompt read one prefill of it (a recurrent layer's state copied to each):
     the same tokens and log-probs as prefilling it once per sample, greedy and seeded sampling."""

@@ -13,7 +13,7 @@ from archon.rollout.native import NativeRolloutEngine, RolloutStats
 
 # Different lengths; the longest trajectories outgrow the tiny models' sliding windows of 8.
 FIRST_PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
-FAMILIES = ["qwen3", "qwen2", "llama", "glm4_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text"]
+FAMILIES = ["qwen3", "qwen2", "llama", "glm4_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text", "deepseek_v32", "glm_moe_dsa"]
 # The gated delta rule sums a trajectory's chunks in another order when it starts from a kept state:
 # on the tiny Qwen3.5 model the fp32 log-probs of a full prefill are themselves up to 3.3e-5 off the
 # fp64 forward's, so the two fp32 runs are compared to that floor (a wrong state is off by far more).

@@ -153,6 +153,8 @@ PARITY_CASES = {
     "deepseek_v3-fp8-128x128": ("deepseek_v3", "fp8", {"kv_lora_rank": 136}),
     # Kimi K2: one expert group, no query bottleneck (tests/models/test_deepseek_v3.py's case).
     "kimi_k2-fp8-16x24": ("deepseek_v3", "fp8:16x24", DEEPSEEK_V3_CASES["no-q-lora-plain-rope-bias"]),
+    # GLM-5 (DeepSeek sparse attention): the indexer's wq_b, wk and weights_proj stored in fp8 too.
+    "glm_moe_dsa-fp8-16x24": ("glm_moe_dsa", "fp8:16x24", {}),
 }
 
 

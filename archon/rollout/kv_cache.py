@@ -24,6 +24,10 @@ A step is one of two kinds, announced by the engine before the forward:
   in place, masked by each row's lengths. A row that is done keeps its recurrent state: it stays
   the one reached after the row's tokens (all but its last sampled one) until the block is refilled.
 
+A sparse-attention layer (DeepSeek-V3.2's indexer) also stores one indexer key per token beside its
+keys and values (`index_keys`, in prefix and suffix tables like theirs), selects the keys each query
+reads over the keys that call returns, and hands the selection to `attention` (`selected=`).
+
 `row_state` copies out what one row holds for its prompt and all but its last generated token (the
 last has not been through the model), to be kept for the sequence's next turn.
 """
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archon.causal_attention import causal_attention_after_prefix
+from archon.causal_attention import causal_attention_after_prefix, causal_mask
 
 
 @dataclass
@@ -44,6 +48,7 @@ class KeptLayerState:
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None  # [L, Di]: a sparse-attention indexer's keys
     conv_window: torch.Tensor | None = None
     recurrent: torch.Tensor | None = None
 
@@ -182,6 +187,13 @@ class LayerKVCache:
         self.suffix_v: torch.Tensor | None = None
         self.conv_window: torch.Tensor | None = None  # [num_rows_total, ...]
         self.recurrent: torch.Tensor | None = None
+        # a sparse-attention indexer's keys (DeepSeek-V3.2): one per token, [.., max_len, Di]
+        self.prefix_index_k: torch.Tensor | None = None  # [num_blocks, max_prompt_len, Di]
+        self.suffix_index_k: torch.Tensor | None = None  # [num_rows_total, max_new_tokens, Di]
+
+    @property
+    def decoding(self) -> bool:
+        return self.cache.decoding
 
     # ---- recurrent layers ------------------------------------------------------------------------
     def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -238,6 +250,10 @@ class LayerKVCache:
             length = state.keys.shape[1]
             self.prefix_k[block, :, :length] = state.keys
             self.prefix_v[block, :, :length] = state.values
+        if state.index_keys is not None:
+            if self.prefix_index_k is None:
+                self._allocate_index_keys(state.index_keys)
+            self.prefix_index_k[block, : state.index_keys.shape[0]] = state.index_keys
 
     def row_state(self, row: int, prompt_len: int, generated: int) -> KeptLayerState:
         block = row // self.cache.group_size
@@ -247,7 +263,42 @@ class LayerKVCache:
         if self.prefix_k is not None:
             state.keys = torch.cat([self.prefix_k[block, :, :prompt_len], self.suffix_k[row, :, :generated]], dim=1)
             state.values = torch.cat([self.prefix_v[block, :, :prompt_len], self.suffix_v[row, :, :generated]], dim=1)
+        if self.prefix_index_k is not None:
+            state.index_keys = torch.cat([self.prefix_index_k[block, :prompt_len], self.suffix_index_k[row, :generated]])
         return state
+
+    # ---- a sparse-attention indexer's keys -------------------------------------------------------
+    def _allocate_index_keys(self, keys: torch.Tensor) -> None:
+        c = self.cache
+        self.prefix_index_k = keys.new_zeros(c.num_blocks, c.max_prompt_len, keys.shape[-1])
+        self.suffix_index_k = keys.new_zeros(c.num_rows_total, c.max_new_tokens, keys.shape[-1])
+
+    def index_keys(self, keys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor] | None:
+        """Store the step's indexer keys [T, Di] (one per token, next to its keys and values) and
+        return those each query may select from:
+        - a prefill from empty blocks: None (the packed prompts' own keys, as in training);
+        - a prefill after kept prefixes: one (keys [offset + L, Di], visible [L, offset + L] bool)
+          per prompt, its kept keys then its own, visible causally;
+        - a decode step: (keys [R, prefix_span + suffix_span, Di], visible [R, prefix_span + suffix_span]),
+          each row's prefix keys then its suffix keys.
+        """
+        c = self.cache
+        if self.prefix_index_k is None:
+            self._allocate_index_keys(keys)
+        keys = keys.detach()
+        if not c.decoding:
+            self.prefix_index_k[c.token_blocks, c.token_positions] = keys.to(self.prefix_index_k.dtype)
+            if c.prompt_offsets is None:
+                return None
+            context = []
+            for block, offset, length in zip(c.prompt_blocks.tolist(), c.prompt_offsets.tolist(), c.prompt_lens):
+                visible = causal_mask(length, None, keys.device, offset + length)
+                context.append((self.prefix_index_k[block, : offset + length], visible))
+            return context
+        rows = torch.arange(c.num_rows, device=keys.device)
+        self.suffix_index_k[rows, c.suffix_positions] = keys.to(self.suffix_index_k.dtype)
+        prefix = self.prefix_index_k[rows // c.group_size, : c.prefix_span]
+        return torch.cat([prefix, self.suffix_index_k[: c.num_rows, : c.suffix_span]], dim=1), c.visible_keys(None)
 
     # ---- attention layers ------------------------------------------------------------------------
     def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -267,6 +318,7 @@ class LayerKVCache:
         scale: float,
         sinks: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        selected=None,
     ) -> torch.Tensor | None:
         """Store the step's k [T, Hkv, Dk] and v [T, Hkv, Dv]. At a prefill return None (attend over
         the packed prompts as usual), or, when prompts continue kept states, the attention output
@@ -275,6 +327,9 @@ class LayerKVCache:
 
         sinks: [H] sink logits that join every softmax denominator (GPT-OSS), or None.
         sliding_window: a query sees itself and the sliding_window - 1 keys before it, or None.
+        selected: the keys a sparse-attention indexer lets each query read, over those `index_keys`
+            returned: [R, prefix_span + suffix_span] bool at a decode step, one [L, offset + L] per
+            prompt at a prefill after kept prefixes; a prefill from empty blocks ignores it.
         """
         c = self.cache
         if self.prefix_k is None:
@@ -285,28 +340,32 @@ class LayerKVCache:
             self.prefix_v[c.token_blocks, :, c.token_positions] = v.to(self.prefix_v.dtype)
             if c.prompt_offsets is None:
                 return None
-            return self._prefill_attention(q, scale, sinks, sliding_window)
+            return self._prefill_attention(q, scale, sinks, sliding_window, selected)
         rows = torch.arange(c.num_rows, device=q.device)
         self.suffix_k[rows, :, c.suffix_positions] = k.to(self.suffix_k.dtype)
         self.suffix_v[rows, :, c.suffix_positions] = v.to(self.suffix_v.dtype)
-        return self._decode_attention(q, scale, sinks, sliding_window)
+        return self._decode_attention(q, scale, sinks, sliding_window, selected)
 
-    def _prefill_attention(self, q, scale, sinks, sliding_window) -> torch.Tensor:
+    def _prefill_attention(self, q, scale, sinks, sliding_window, selected=None) -> torch.Tensor:
         """q [T, H, Dk] of the packed prompts -> [T, H, Dv]: each prompt's queries over its block's
         prefix keys up to its last token (the kept ones, then its own), causally at their positions.
         Under a sliding window only the keys from the window of the first query on are read."""
         c = self.cache
         offsets = c.prompt_offsets.tolist()
         outputs = []
-        for q_seq, block, offset, length in zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), offsets, c.prompt_lens):
+        prompts = zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), offsets, c.prompt_lens)
+        for i, (q_seq, block, offset, length) in enumerate(prompts):
             first = 0 if sliding_window is None else max(0, offset - sliding_window + 1)
             k_seq = self.prefix_k[block, :, first : offset + length]
             v_seq = self.prefix_v[block, :, first : offset + length]
-            out = causal_attention_after_prefix(q_seq.transpose(0, 1).to(k_seq.dtype), k_seq, v_seq, scale, sinks, sliding_window)
+            key_mask = None if selected is None else selected[i][:, first:]
+            out = causal_attention_after_prefix(
+                q_seq.transpose(0, 1).to(k_seq.dtype), k_seq, v_seq, scale, sinks, sliding_window, key_mask
+            )
             outputs.append(out.transpose(0, 1))
         return torch.cat(outputs, dim=0)
 
-    def _decode_attention(self, q, scale, sinks, sliding_window) -> torch.Tensor:
+    def _decode_attention(self, q, scale, sinks, sliding_window, selected=None) -> torch.Tensor:
         """q [R, H, Dk] -> [R, H, Dv]: softmax over [prefix keys | suffix keys (| sink)] per row."""
         c = self.cache
         R, H, Dk = q.shape
@@ -323,7 +382,8 @@ class LayerKVCache:
         prefix_scores = prefix_scores.transpose(1, 2).reshape(R, hkv, rep, Lp)
         suffix_scores = q.view(R, hkv, rep, Dk) @ suffix_k.transpose(-1, -2)  # [R, Hkv, rep, Ls]
         scores = torch.cat([prefix_scores, suffix_scores], dim=-1).float() * scale
-        scores = scores.masked_fill(~c.visible_keys(sliding_window)[:, None, None, :], float("-inf"))
+        visible = c.visible_keys(sliding_window) if selected is None else c.visible_keys(sliding_window) & selected
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         if sinks is not None:
             sink_logits = sinks.float().view(1, hkv, rep, 1).expand(R, hkv, rep, 1)
             probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]

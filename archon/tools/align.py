@@ -170,15 +170,22 @@ def _drop_special_tokens_outside_vocab(config) -> None:
         setattr(text, name, (kept or None) if isinstance(value, list) else None)
 
 
-def single_kind_patterns(config) -> list[str]:
+def single_kind_patterns(config, one_kind_by_definition: tuple[str, ...] = ()) -> list[str]:
     """The per-layer patterns of `config` whose every layer is of one kind. A tiny config like that
-    lets a port pass that treats the kinds alike (RoPE on NoPE layers, a window on every layer)."""
+    lets a port pass that treats the kinds alike (RoPE on NoPE layers, a window on every layer).
+    Patterns are `no_rope_layers` and every list field named `*_types` with an entry per layer
+    (`layer_types`, `mlp_layer_types`, `indexer_types`), but those the family declares to have one
+    kind by definition (`ModelSpec.one_kind_layer_patterns`)."""
     text = config.get_text_config()
     n_layers = text.num_hidden_layers
     found = []
-    for name in ("layer_types", "no_rope_layers"):
+    per_layer = [
+        name for name, value in sorted(text.to_dict().items())
+        if name.endswith("_types") and isinstance(value, list) and len(value) == n_layers
+    ]  # fmt: skip
+    for name in ("no_rope_layers", *per_layer):
         pattern = getattr(text, name, None)
-        if pattern and len(set(pattern)) == 1:
+        if pattern and len(set(map(str, pattern))) == 1 and name not in one_kind_by_definition:
             found.append(f"{name} (every layer {pattern[0]!r})")
     routed = any(getattr(text, name, None) for name in ("num_experts", "n_routed_experts", "num_local_experts"))
     if routed and (hasattr(text, "decoder_sparse_step") or hasattr(text, "mlp_only_layers")):
@@ -558,7 +565,8 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
 
         hf_config = load_hf_config(hf_path)
         hf_class = hf_model_class(hf_config)
-        one_kind = single_kind_patterns(hf_config) if args.hf_path is None else []
+        one_kind_by_definition = get_spec(model_type).one_kind_layer_patterns
+        one_kind = single_kind_patterns(hf_config, one_kind_by_definition) if args.hf_path is None else []
         for pattern in one_kind:
             warnings.warn(
                 f"the tiny {model_type} config has one kind of layer only in {pattern}: the gate cannot tell "

@@ -217,14 +217,19 @@ class GroupLimitedMoEArgs(DecoderArgs):
         return layer_idx >= self.first_k_dense_replace
 
 
-def group_limited_moe_fields_from_hf(config) -> dict[str, Any]:
-    """The GroupLimitedMoEArgs fields of an HF config (DecoderArgs fields included)."""
+def group_limited_moe_fields_from_hf(
+    config, num_experts_field: str = "n_routed_experts", rope_parameters: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The GroupLimitedMoEArgs fields of an HF config (DecoderArgs fields included).
+
+    num_experts_field: the config field that counts the routed experts (Kimi Linear's is
+    num_local_experts); rope_parameters: as in `decoder_fields_from_hf`."""
     n_shared_experts = getattr(config, "n_shared_experts", None)
     if not n_shared_experts:
         raise ValueError(f"config.n_shared_experts={n_shared_experts!r} is not supported; it must be at least 1")
     return dict(
-        decoder_fields_from_hf(config),
-        n_routed_experts=config.n_routed_experts,
+        decoder_fields_from_hf(config, rope_parameters=rope_parameters),
+        n_routed_experts=getattr(config, num_experts_field),
         num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.moe_intermediate_size,
         n_shared_experts=n_shared_experts,
@@ -232,7 +237,51 @@ def group_limited_moe_fields_from_hf(config) -> dict[str, Any]:
         topk_group=config.topk_group or 1,
         norm_topk_prob=bool(config.norm_topk_prob),
         routed_scaling_factor=float(config.routed_scaling_factor),
-        first_k_dense_replace=config.first_k_dense_replace or 0,
+        first_k_dense_replace=getattr(config, "first_k_dense_replace", None) or 0,
+    )
+
+
+@dataclass
+class LatentAttentionMoEArgs(GroupLimitedMoEArgs):
+    """GroupLimitedMoEArgs plus the fields of multi-head latent attention (DeepSeek-V3, Kimi Linear).
+
+    Queries come through a `q_lora_rank` bottleneck (or straight from `q_proj` when it is None); keys
+    and values are expanded from one shared `kv_lora_rank` latent. A query/key head is
+    `qk_nope_head_dim` features without position plus `qk_rope_head_dim` ones (rotary in DeepSeek-V3,
+    used as they are in Kimi Linear); a value head is `v_head_dim`. `attention_bias` puts a bias on
+    q_a_proj, kv_a_proj_with_mqa and o_proj.
+    """
+
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def latent_attention_fields_from_hf(config) -> dict[str, Any]:
+    """The LatentAttentionMoEArgs fields of an HF config that GroupLimitedMoEArgs does not have."""
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        if not getattr(config, name, None):
+            raise ValueError(f"config.{name}={getattr(config, name, None)!r}; it must be a positive integer")
+    qk_head_dim = getattr(config, "qk_head_dim", None)
+    if qk_head_dim is not None and qk_head_dim != config.qk_nope_head_dim + config.qk_rope_head_dim:
+        raise ValueError(
+            f"config.qk_head_dim={qk_head_dim} is not qk_nope_head_dim + qk_rope_head_dim "
+            f"({config.qk_nope_head_dim} + {config.qk_rope_head_dim})"
+        )
+    return dict(
+        q_lora_rank=config.q_lora_rank or None,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        attention_bias=bool(getattr(config, "attention_bias", False)),
     )
 
 

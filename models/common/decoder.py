@@ -55,6 +55,7 @@ class PackedDecoderLM(nn.Module):
     `args` needs the HF fields vocab_size, hidden_size, rms_norm_eps and tie_word_embeddings, and
     layer_types when `rotary` is a LayerTypeRotaryEmbedding (each layer then gets its type's tables).
     norm: the final norm, RMSNorm(hidden_size, rms_norm_eps) unless given.
+    rotary None: no layer reads positions (cos and sin reach the layers as None).
     embedding_scale: a factor on the embeddings, rounded to their dtype first as HF does
         (Gemma: sqrt(hidden_size)), or None.
     """
@@ -62,7 +63,7 @@ class PackedDecoderLM(nn.Module):
     def __init__(
         self,
         args,
-        rotary: RotaryEmbedding | LayerTypeRotaryEmbedding,
+        rotary: RotaryEmbedding | LayerTypeRotaryEmbedding | None,
         layers: Iterable[nn.Module],
         norm: nn.Module | None = None,
         embedding_scale: float | None = None,
@@ -104,7 +105,7 @@ class PackedDecoderLM(nn.Module):
         h = self.embed_tokens(tokens)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype, device=h.device)
-        tables = self.rotary(positions, h.dtype)
+        tables = (None, None) if self.rotary is None else self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.args.layer_types[i]] if isinstance(tables, dict) else tables
             h = layer(h, cos, sin, cu_seqlens, max_seqlen, None if cache is None else cache.layer(i), context_parallel)

@@ -1,11 +1,15 @@
-"""The gated delta rule (gated DeltaNet) on packed sequences, in PyTorch, with an optional CUDA kernel.
+"""The gated delta rule (gated DeltaNet, Kimi Delta Attention) on packed sequences, in PyTorch, with an
+optional CUDA kernel for the per-head decay.
 
-Per value head with state S [dk, dv] and for each token t:
-    S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+Per head with state S [dk, dv] and for each token t:
+    S_t = diag(exp(g_t)) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+where the log decay g_t is one number per head (gated DeltaNet: the diagonal is exp(g_t) I) or one per
+key channel, [dk] (Kimi Delta Attention, KDA). The decay acts on the state before the delta update.
 
 Packed sequences are laid out as a zero-padded batch (`PaddedSequences`); the padding has g = 0 and
 beta = 0, so it leaves each sequence's state as it is. The short causal conv before the rule and the
-state restart at every sequence. Families: Qwen3.5 / Qwen3.6, Qwen3-Next.
+state restart at every sequence. Families: Qwen3.5 / Qwen3.6, Qwen3-Next (per-head decay), Kimi
+Linear (per-channel decay).
 
 `GatedDeltaNet` is the mixer around the rule (HF name `linear_attn`), with its tensor-parallel plan
 (`gated_deltanet_plan`); models/common/hybrid.py mixes it with gated attention by `layer_types`.
@@ -32,6 +36,9 @@ logger = logging.getLogger(__name__)
 # Tokens per chunk of the chunked delta rule: within a chunk the updates are solved at once, chunks
 # are scanned one after another.
 DELTA_RULE_CHUNK_SIZE = 64
+# Tokens per sub-chunk of a chunk, for the per-channel decay's pairwise products (see
+# `decayed_pair_products`).
+DECAY_SUB_CHUNK_SIZE = 16
 
 
 class PaddedSequences:
@@ -80,6 +87,36 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def decayed_pair_products(
+    x: torch.Tensor, y: torch.Tensor, cum_g: torch.Tensor, sub_chunk: int = DECAY_SUB_CHUNK_SIZE
+) -> torch.Tensor:
+    """M[..., i, j] = sum_c x_i[c] y_j[c] exp(G_i[c] - G_j[c]) for j <= i, and 0 above the diagonal.
+
+    x, y, cum_g (G): [..., C, dk]; G is a cumulative log decay, so it does not increase along C.
+    Returns [..., C, C]. Pairs in different sub-chunks (j in sub-chunk b < a, i in a) go through one
+    matmul per pair of sub-chunks, with both sides decayed to the first row r of sub-chunk a:
+    exp(G_i - G_r) and exp(G_r - G_j), each at most 1 since j < r <= i, so neither overflows. Pairs
+    within a sub-chunk are summed over the channels directly. This holds [.., C, C / S, dk] and
+    [.., C, S, dk] terms rather than the [.., C, C, dk] of every pair.
+    """
+    *lead, length, dk = x.shape
+    size = sub_chunk if length % sub_chunk == 0 else length
+    n_sub = length // size
+    xs, ys, gs = (t.reshape(*lead, n_sub, size, dk) for t in (x, y, cum_g))
+    ref = gs[..., :1, :]  # [.., n_sub, 1, dk]: G at each sub-chunk's first row
+    x_to_ref = xs * (gs - ref).exp()
+    earlier = torch.ones(n_sub, n_sub, dtype=torch.bool, device=x.device).tril(-1)  # [a, b]: b < a
+    from_ref = (ref[..., :, None, :, :] - gs[..., None, :, :, :]).masked_fill(~earlier[:, :, None, None], float("-inf"))
+    y_from_ref = ys[..., None, :, :, :] * from_ref.exp()  # [.., n_sub (a), n_sub (b), S, dk]
+    across = x_to_ref[..., :, None, :, :] @ y_from_ref.transpose(-1, -2)  # [.., a, b, S, S], zero for b >= a
+    causal = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
+    pair_decay = (gs[..., :, None, :] - gs[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    within = (xs[..., :, None, :] * pair_decay * ys[..., None, :, :]).sum(-1)  # [.., n_sub, S, S]
+    same = torch.eye(n_sub, dtype=torch.bool, device=x.device)[:, :, None, None]
+    blocks = torch.where(same, within[..., :, None, :, :], across)  # [.., a, b, S, S]
+    return blocks.transpose(-3, -2).reshape(*lead, length, length)
+
+
 def chunked_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,38 +128,50 @@ def chunked_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a padded batch, in fp32, a chunk of tokens at a time.
 
-    q, k: [N, H, L, dk] (q already scaled); v: [N, H, L, dv]; g (log decay), beta: [N, H, L], zero
-    after each sequence so the padding leaves the state as it is; initial_state: [N, H, dk, dv] or None.
+    q, k: [N, H, L, dk] (q already scaled); v: [N, H, L, dv]; g (log decay): [N, H, L] per head or
+    [N, H, L, dk] per key channel; beta: [N, H, L]; g and beta are zero after each sequence so the
+    padding leaves the state as it is; initial_state: [N, H, dk, dv] or None.
     Returns (o [N, H, L, dv], final state [N, H, dk, dv]).
 
-    Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i, the
-    updates are solved at once (the WY form of the delta rule): with A = I + strictly_lower(
-    beta_i k_i.k_j D[i, j]), U = A^-1 (beta v) and W = A^-1 (beta exp(G) k), the chunk reads the
-    state S it starts from as v_new = U - W S and o = exp(G) q S + (q k^T * D) v_new, and leaves
-    S' = exp(G_last) S + (exp(G_last - G) k)^T v_new.
+    Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i (per
+    channel: D[i, j, c] = exp(G_i[c] - G_j[c]), and x.D.y = sum_c x[c] D[i, j, c] y[c]), the updates
+    are solved at once (the WY form of the delta rule): with A = I + strictly_lower(beta_i k_i.D.k_j),
+    U = A^-1 (beta v) and W = A^-1 (beta exp(G) k), the chunk reads the state S it starts from as
+    v_new = U - W S and o = (exp(G) q) S + (q_i.D.k_j)_{j<=i} v_new, and leaves
+    S' = exp(G_last) S + (exp(G_last - G) k)^T v_new. The per-channel products x.D.y come from
+    `decayed_pair_products`.
     """
     n_seqs, n_heads, length, dk = k.shape
     dv = v.shape[-1]
+    per_channel = g.dim() == 4
     chunk = min(chunk_size, length)
     pad = (-length) % chunk
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+        g = F.pad(g, (0, 0, 0, pad)) if per_channel else F.pad(g, (0, pad))
+        beta = F.pad(beta, (0, pad))
     n_chunks = (length + pad) // chunk
     q, k, v = (t.reshape(n_seqs, n_heads, n_chunks, chunk, -1) for t in (q, k, v))
-    g, beta = (t.reshape(n_seqs, n_heads, n_chunks, chunk) for t in (g, beta))
-
-    cum_g = g.cumsum(dim=-1)  # [N, H, n, C]
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (cum_g[..., :, None] - cum_g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, n, C, C]
+    beta = beta.reshape(n_seqs, n_heads, n_chunks, chunk)
     k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower triangle is read
+    if per_channel:
+        cum_g = g.reshape(n_seqs, n_heads, n_chunks, chunk, dk).cumsum(dim=-2)  # [N, H, n, C, dk]
+        system = decayed_pair_products(k_beta, k, cum_g)  # [N, H, n, C, C]
+        intra = decayed_pair_products(q, k, cum_g)
+        channel_cum_g = cum_g
+        chunk_decay = cum_g[..., -1, :].exp()[..., None]  # [N, H, n, dk, 1]
+    else:
+        cum_g = g.reshape(n_seqs, n_heads, n_chunks, chunk).cumsum(dim=-1)  # [N, H, n, C]
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+        decay = (cum_g[..., :, None] - cum_g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, n, C, C]
+        system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower triangle is read
+        intra = (q @ k.transpose(-1, -2)) * decay
+        channel_cum_g = cum_g[..., None]  # [N, H, n, C, 1]
+        chunk_decay = cum_g[..., -1].exp()[..., None, None]  # [N, H, n, 1, 1]
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum_g.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum_g.exp()[..., None]
-    k_to_chunk_end = k * (cum_g[..., -1:] - cum_g).exp()[..., None]
-    chunk_decay = cum_g[..., -1].exp()[..., None, None]  # [N, H, n, 1, 1]
+    w = torch.linalg.solve_triangular(system, k_beta * channel_cum_g.exp(), upper=False, unitriangular=True)
+    q_decayed = q * channel_cum_g.exp()
+    k_to_chunk_end = k * (channel_cum_g[..., -1:, :] - channel_cum_g).exp()
 
     state = q.new_zeros(n_seqs, n_heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     outputs = []
@@ -150,14 +199,17 @@ def _fla_chunk_gated_delta_rule():
 
 
 def gated_delta_rule(q, k, v, g, beta, seqs: PaddedSequences, initial_state):
-    """q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H] (packed, fp32 g) -> (o [T, H, dv], state [N, H, dk, dv]).
+    """q, k: [T, H, dk]; v: [T, H, dv]; g: [T, H] (per-head decay) or [T, H, dk] (per-channel decay,
+    KDA); beta: [T, H] (packed, fp32 g) -> (o [T, H, dv], state [N, H, dk, dv]).
 
-    q and k are L2-normalised here and q scaled by dk^-0.5. The rule runs in fp32 (or fp64 for an fp64 model)."""
+    q and k are L2-normalised here and q scaled by dk^-0.5. The rule runs in fp32 (or fp64 for an fp64
+    model). The CUDA kernel serves the per-head decay; the per-channel decay runs the PyTorch path on
+    every device."""
     dk = q.shape[-1]
     dtype = torch.promote_types(q.dtype, torch.float32)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     q, k = l2_normalize(q), l2_normalize(k)
-    kernel = _fla_chunk_gated_delta_rule() if q.is_cuda else None
+    kernel = _fla_chunk_gated_delta_rule() if q.is_cuda and g.dim() == 2 else None
     if kernel is not None:
         cu_seqlens = torch.cat([seqs.lengths.new_zeros(1), seqs.lengths.cumsum(0)])
         o, state = kernel(

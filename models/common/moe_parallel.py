@@ -9,7 +9,7 @@ GLM-4.5) also have the intermediate dimension of their dense MLPs and shared exp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from archon.models.common.dense_parallel import vocab_parallel_plan
 from archon.models.common.moe import SharedExpertsMoE, routed_experts
@@ -30,12 +30,13 @@ def parallelize_moe_decoder(
     dims: ParallelDims,
     config: ParallelConfig,
     family: str,
-    attention_plan: Mapping[str, ParallelStyle],
+    attention_plan: Mapping[str, ParallelStyle] | Callable[[nn.Module], Mapping[str, ParallelStyle]],
     attention_sizes: Mapping[str, int],
     dense_and_shared_experts: bool = True,
     num_experts_field: str = "n_routed_experts",
 ) -> nn.Module:
-    """attention_plan: styles for one block's attention (names relative to the block);
+    """attention_plan: styles for one block's attention (names relative to the block), or a function
+        of the block that returns them (a hybrid whose blocks have different token mixers);
     attention_sizes: the config fields that plan shards, which the TP degree must divide (and the
         attention's head counts, which context parallelism splits);
     dense_and_shared_experts: the model has leading dense MLPs (`first_k_dense_replace`) and
@@ -52,15 +53,16 @@ def parallelize_moe_decoder(
         sizes = dict(attention_sizes, vocab_size=args.vocab_size)
         if dense_and_shared_experts:
             sizes["moe_intermediate_size"] = args.moe_intermediate_size
-            if args.first_k_dense_replace > 0:
+            if any(not args.is_moe_layer(i) for i in range(args.num_hidden_layers)):
                 sizes["intermediate_size"] = args.intermediate_size
         require_divisible("tp", dims.tp, family, **sizes)
 
     def block_plan(index: int, block: nn.Module) -> dict[str, ParallelStyle]:
+        mixer = attention_plan(block) if callable(attention_plan) else attention_plan
         if not dense_and_shared_experts:
-            return dict(attention_plan)
+            return dict(mixer)
         is_moe = isinstance(block.mlp, SharedExpertsMoE)
-        return {**attention_plan, **swiglu_plan("mlp.shared_experts" if is_moe else "mlp")}
+        return {**mixer, **swiglu_plan("mlp.shared_experts" if is_moe else "mlp")}
 
     return parallelize_decoder(
         model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),

@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -80,15 +82,18 @@ class OffsetRMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """weight * RMSNorm(x), cast back to x's dtype, times silu(gate) in fp32."""
+    """weight * RMSNorm(x), cast back to x's dtype, times activation(gate) in fp32.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    gate_activation: silu (Qwen3.5, Qwen3-Next) or sigmoid (Kimi Linear's output gate)."""
+
+    def __init__(self, dim: int, eps: float, gate_activation: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
         self.eps = eps
+        self.gate_activation = gate_activation
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        return (h * self.gate_activation(gate.float())).to(x.dtype)

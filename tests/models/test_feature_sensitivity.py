@@ -36,6 +36,9 @@ from archon.models.common.moe import (
 )
 from archon.models.common.norms import GatedRMSNorm, OffsetRMSNorm, ProjectionRMSNorm
 from archon.models.common.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from archon.models.deepseek_v32.model import LightningIndexer, SparseLatentAttention
+from archon.models.kimi_linear import model as kimi_linear_model
+from archon.models.kimi_linear.model import KimiDeltaAttention, KimiForgetGate
 
 # Odd lengths, one of a single token, the longest above every tiny sliding window.
 SEQ_LENS = (7, 1, 33)
@@ -234,11 +237,12 @@ def conv_identity(model, monkeypatch):
             weight[..., -1] = 1.0
 
 
-def delta_rule_with(transform: Callable[[dict], None]) -> SwitchOff:
-    """Every DeltaNet layer calls the gated delta rule with its inputs changed by `transform`."""
+def delta_rule_with(transform: Callable[[dict], None], family=linear_attention, mixer: type = GatedDeltaNet) -> SwitchOff:
+    """Every `mixer` layer calls the gated delta rule with its inputs changed by `transform`; `family` is
+    the module the mixer is defined in, whose name for the rule is replaced."""
 
     def switch_off(model, monkeypatch):
-        modules(model, GatedDeltaNet)
+        modules(model, mixer)
         rule = linear_attention.gated_delta_rule
 
         def changed(q, k, v, g, beta, seqs, initial_state):
@@ -246,7 +250,7 @@ def delta_rule_with(transform: Callable[[dict], None]) -> SwitchOff:
             transform(inputs)
             return rule(**inputs, seqs=seqs, initial_state=initial_state)
 
-        monkeypatch.setattr(linear_attention, "gated_delta_rule", changed)
+        monkeypatch.setattr(family, "gated_delta_rule", changed)
 
     return switch_off
 
@@ -450,6 +454,45 @@ def _gate_up_halves(self, gate_up):
     return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+def every_causal_key(model, monkeypatch):
+    """Sparse attention without its indexer: every query reads all its causal keys."""
+    modules(model, LightningIndexer)
+    monkeypatch.setattr(LightningIndexer, "select", lambda self, q, k, weights, visible: visible)
+
+
+def shared_layers_read_every_key(model, monkeypatch):
+    """GLM-5's shared layers attend to all causal keys instead of reusing the selection before them."""
+    from archon.causal_attention import causal_mask
+
+    assert any(attn.indexer is None for attn in modules(model, SparseLatentAttention))
+    select = SparseLatentAttention._select
+
+    def select_unless_shared(self, x, q_latent, cos, sin, cu_seqlens, cache):
+        if self.indexer is not None:
+            return select(self, x, q_latent, cos, sin, cu_seqlens, cache)
+        return [causal_mask(int(n), None, x.device) for n in cu_seqlens[1:] - cu_seqlens[:-1]]
+
+    monkeypatch.setattr(SparseLatentAttention, "_select", select_unless_shared)
+
+
+def indexer_key_not_normed(model, monkeypatch):
+    """The indexer's keys without their LayerNorm (k_norm)."""
+    for indexer in modules(model, LightningIndexer):
+        indexer.k_norm = nn.Identity()
+
+
+def indexer_heads_weighted_equally(model, monkeypatch):
+    """The indexer's per-head score weights (weights_proj) all 1."""
+    modules(model, LightningIndexer)
+    forward = LightningIndexer.forward
+
+    def equal_weights(self, x, *rest):
+        q, k, _ = forward(self, x, *rest)
+        return q, k, torch.ones(x.shape[0], self.n_heads)
+
+    monkeypatch.setattr(LightningIndexer, "forward", equal_weights)
+
+
 def qk_norm_per_head(model, monkeypatch):
     """OLMo's QK-norms over the whole q and k projections taken per head instead (same weights)."""
 
@@ -498,6 +541,40 @@ def no_full_attention_rope_attention_factor(model, monkeypatch):
     rotary.attention_scaling = 1.0
 
 
+def kda_decay_per_head(model, monkeypatch):
+    """KDA's per-channel decay replaced by its mean over each head's channels (a per-head decay)."""
+    per_channel = KimiForgetGate.forward
+
+    def per_head(self, x):
+        g = per_channel(self, x)
+        return g.mean(dim=-1, keepdim=True).expand_as(g)
+
+    modules(model, KimiForgetGate)
+    monkeypatch.setattr(KimiForgetGate, "forward", per_head)
+
+
+def kda_conv_identity(model, monkeypatch):
+    """KDA's short causal convs pass each channel's current input through (silu still applied)."""
+    with torch.no_grad():
+        for mixer in modules(model, KimiDeltaAttention):
+            for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
+                conv.weight.zero_()
+                conv.weight[..., -1] = 1.0
+
+
+def kda_zero_dt_bias(model, monkeypatch):
+    with torch.no_grad():
+        for gate in modules(model, KimiForgetGate):
+            gate.dt_bias.zero_()
+
+
+def mla_with_rope(model, monkeypatch):
+    """Kimi Linear's NoPE MLA given RoPE on its qk_rope_head_dim features, as DeepSeek-V3 has."""
+    args = model.args
+    model.rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, args.qk_rope_head_dim, 512)
+    for attn in modules(model, MultiHeadLatentAttention):
+        assert not attn.rotary
+        attn.rotary = True
 def correction_bias_in_weights(model, monkeypatch):
     """The chosen experts weighted by their biased scores (the bias is for the choice only)."""
 
@@ -571,6 +648,20 @@ CASES = [
     Case("deepseek_v3", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
     Case("deepseek_v3", "routed-scaling-factor", set_on(SigmoidGroupTopKRouter, routed_scaling_factor=1.0)),
     Case("deepseek_v3", "shared-experts", no_shared_experts),
+    # DeepSeek-V3.2: DeepSeek-V3's MLA and routing plus the indexer's top-k selection (half-split
+    # indexer RoPE); GLM-5: the indexer's RoPE interleaved, a layer sharing the selection before it.
+    Case("deepseek_v32", "indexer-top-k", every_causal_key),
+    Case("deepseek_v32", "indexer-rope-half-split", set_on(LightningIndexer, interleaved=True)),
+    Case("deepseek_v32", "indexer-key-norm", indexer_key_not_normed),
+    Case("deepseek_v32", "indexer-head-weights", indexer_heads_weighted_equally),
+    Case("deepseek_v32", "yarn-softmax-mscale", no_yarn_softmax_mscale),
+    Case("deepseek_v32", "rope-interleave", rope_not_interleaved),
+    Case("deepseek_v32", "latent-norms", no_latent_norms),
+    Case("deepseek_v32", "score-correction-bias", no_score_correction_bias),
+    Case("deepseek_v32", "shared-experts", no_shared_experts),
+    Case("glm_moe_dsa", "indexer-top-k", every_causal_key),
+    Case("glm_moe_dsa", "indexer-rope-interleaved", set_on(LightningIndexer, interleaved=False)),
+    Case("glm_moe_dsa", "shared-layer-selection", shared_layers_read_every_key),
     # Qwen3.5 dense: zero-centred norms, gated attention (QK-norm, partial rotary, output gate),
     # gated DeltaNet (short conv, decay, write strength, L2-normed q/k, dt_bias, gated output norm).
     Case("qwen3_5_text", "norm-one-plus-weight", norm_without_offset),
@@ -634,6 +725,22 @@ CASES = [
     Case("minimax_m2", "score-correction-bias", no_score_correction_bias),
     Case("minimax_m2", "correction-bias-for-choice-only", correction_bias_in_weights),
     Case("minimax_m2", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
+    # Kimi Linear: KDA (per-channel decay, short convs, sigmoid-gated output norm) and NoPE MLA layers,
+    # group-limited sigmoid routing with shared experts.
+    Case("kimi_linear", "kda-per-channel-decay", kda_decay_per_head),
+    Case("kimi_linear", "kda-decay", delta_rule_with(_no_decay, kimi_linear_model, KimiDeltaAttention)),
+    Case("kimi_linear", "kda-dt-bias", kda_zero_dt_bias),
+    Case("kimi_linear", "kda-beta", delta_rule_with(_full_write_strength, kimi_linear_model, KimiDeltaAttention)),
+    Case("kimi_linear", "kda-short-conv", kda_conv_identity),
+    Case("kimi_linear", "kda-output-norm-gate", no_output_norm_gate),
+    Case("kimi_linear", "kda-sigmoid-output-gate", set_on(GatedRMSNorm, gate_activation=F.silu)),
+    Case("kimi_linear", "mla-nope", mla_with_rope),
+    Case("kimi_linear", "latent-norms", no_latent_norms),
+    Case("kimi_linear", "score-correction-bias", no_score_correction_bias),
+    Case("kimi_linear", "group-limited-routing", set_on(SigmoidGroupTopKRouter, topk_group=4)),
+    Case("kimi_linear", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
+    Case("kimi_linear", "routed-scaling-factor", set_on(SigmoidGroupTopKRouter, routed_scaling_factor=1.0)),
+    Case("kimi_linear", "shared-experts", no_shared_experts),
     # Gemma 3: scaled embeddings, zero-centred sandwich norms, QK-norm, query_pre_attn_scalar, the GeGLU
     # gate, sliding layers, RoPE per layer type with scaling on the full layers, attention bias.
     Case("gemma3_text", "embedding-scale", no_embedding_scale),

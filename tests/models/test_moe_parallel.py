@@ -29,8 +29,13 @@ CASES = {
         dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1]),
         ("tp2", "fsdp2"),
     ),
+    # DeepSeek sparse attention (GLM-5: a layer sharing an earlier layer's selection): the indexer
+    # replicated, every rank selecting the same keys for its own heads.
+    "glm_moe_dsa": ("glm_moe_dsa", {}, ("tp2", "fsdp2")),
     # q_norm / k_norm over the whole projection: sharded with it, the statistic summed over the ranks.
     "minimax_m2": ("minimax_m2", {}, ("tp2", "fsdp2")),
+    # KDA layers sharded by head (projections, convs, forget gate, gated norm) around an MLA layer.
+    "kimi_linear": ("kimi_linear", {}, ("tp2", "fsdp2")),
 }
 
 

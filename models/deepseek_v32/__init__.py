@@ -1,0 +1,1 @@
+from archon.models.deepseek_v32 import spec  # noqa: F401  (registers the family)
