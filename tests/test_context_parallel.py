@@ -15,7 +15,7 @@ from archon.parallel import ParallelDims
 from archon.parallel.context_parallel import TokenSlice, require_context_parallel_heads
 from archon.trainer import Trainer
 
-MODEL_TYPES = ("qwen3", "qwen3_5_text", "deepseek_v3", "gpt_oss")
+MODEL_TYPES = ("qwen3", "qwen3_5_text", "deepseek_v3", "gpt_oss", "gemma3_text")
 EXPERT_PARALLEL_MODEL = "qwen3_moe"
 
 

@@ -63,7 +63,7 @@ def _truncated_logprob(logits, temperature, top_k, top_p, token):
     return math.log(float(probs[token]) / sum(float(probs[i]) for i in kept))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "olmo3", "olmo2", "minimax_m2", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "kimi_linear"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "olmo3", "olmo2", "minimax_m2", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "gemma3_text"])
 def test_greedy_equals_hf_generate(tiny_checkpoint, model_type):
     """Greedy tokens equal HF generate's, for groups of 2 sharing a prompt prefix in a table
     refilled as groups finish."""

@@ -46,7 +46,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["12+34=", "hello world", "7*8", "abc"]
 MAX_NEW_TOKENS = 10
 LORA_RANK = 8
-FAMILIES = ["qwen3_moe", "llama", "qwen2", "gpt_oss", "glm4_moe", "deepseek_v3", "olmo3", "olmo2"]
+FAMILIES = ["qwen3_moe", "llama", "qwen2", "gpt_oss", "glm4_moe", "deepseek_v3", "olmo3", "olmo2", "gemma3_text"]
 # the mode that gives archon's tokens on vllm-cpu 0.32.0 is the family's to say
 VLLM_MODE = {model_type: get_spec(model_type).vllm_mode(model_type) for model_type in FAMILIES}
 BASE_PORT = 8140  # family i is served on BASE_PORT + i
@@ -62,6 +62,7 @@ CPU_HEAD_SIZE_OVERRIDES = {
     "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64),
     "olmo3": dict(head_dim=32),
     "olmo2": dict(head_dim=32),
+    "gemma3_text": dict(head_dim=32),
 }
 # The checkpoint as released checkpoints of the family are: vLLM serves no mix of sliding-window and
 # full layers ("Sliding window for some but all layers is not supported"); released Qwen2/2.5
@@ -231,3 +232,18 @@ def test_vllm_cpu_cannot_route_minimax_m2():
     )
     with pytest.raises(AssertionError):
         router._compute_routing(torch.zeros(3, 4), torch.randn(3, 8), None)
+def test_vllm_cannot_load_gemma3_vision_language_without_torchvision():
+    """The Gemma 3 vision-language composite (gemma3: 4B-27B as released) is not served by vllm-cpu
+    0.32.0 here: vLLM's module for it (vllm/model_executor/models/gemma3_mm.py) imports transformers'
+    Gemma 3 image processor, which imports torchvision (see the Qwen3.5 test above). The text model
+    (gemma3_text) is in FAMILIES. When this test fails, torchvision imports: measure gemma3 too."""
+    import importlib
+
+    try:
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError):
+        pass
+    else:
+        pytest.fail("torchvision imports now: serve gemma3 (vision-language) and measure its vLLM mode")
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.gemma3_mm")

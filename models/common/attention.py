@@ -131,6 +131,8 @@ class Attention(nn.Module):
     sliding_window: attend only to the last `sliding_window` tokens (this one included).
     qk_norm_over_projection: the QK norms (with qk_norm_eps) normalize the whole q and k projections,
         [T, H * D], before they split into heads (OLMo 2/3), rather than each head.
+    softmax_scale: the factor on q.k, head_dim**-0.5 when None (Gemma 3: query_pre_attn_scalar**-0.5).
+    zero_centred_qk_norm: the QK-norms scale by (1 + weight) (OffsetRMSNorm, Gemma 3).
     """
 
     def __init__(
@@ -146,12 +148,14 @@ class Attention(nn.Module):
         attention_sinks: bool = False,
         sliding_window: int | None = None,
         qk_norm_over_projection: bool = False,
+        softmax_scale: float | None = None,
+        zero_centred_qk_norm: bool = False,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
         self.q_proj = linear(dim, n_heads * head_dim, qkv_bias, "q_proj", lora)
         self.k_proj = linear(dim, n_kv_heads * head_dim, qkv_bias, "k_proj", lora)
         self.v_proj = linear(dim, n_kv_heads * head_dim, qkv_bias, "v_proj", lora)
@@ -161,8 +165,9 @@ class Attention(nn.Module):
             self.q_norm = ProjectionRMSNorm(n_heads * head_dim, qk_norm_eps)
             self.k_norm = ProjectionRMSNorm(n_kv_heads * head_dim, qk_norm_eps)
         elif qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            norm_cls = OffsetRMSNorm if zero_centred_qk_norm else RMSNorm
+            self.q_norm = norm_cls(head_dim, qk_norm_eps)
+            self.k_norm = norm_cls(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.empty(n_heads)) if attention_sinks else None
@@ -179,6 +184,8 @@ class Attention(nn.Module):
         attention_sinks: bool = False,
         sliding_window: int | None = None,
         qk_norm_over_projection: bool = False,
+        softmax_scale: float | None = None,
+        zero_centred_qk_norm: bool = False,
     ) -> "Attention":
         """Sized by the DecoderArgs fields hidden_size, num_attention_heads, num_key_value_heads, head_dim."""
         return cls(
@@ -193,6 +200,8 @@ class Attention(nn.Module):
             attention_sinks=attention_sinks,
             sliding_window=sliding_window,
             qk_norm_over_projection=qk_norm_over_projection,
+            softmax_scale=softmax_scale,
+            zero_centred_qk_norm=zero_centred_qk_norm,
         )
 
     def forward(

@@ -56,6 +56,8 @@ class PackedDecoderLM(nn.Module):
     layer_types when `rotary` is a LayerTypeRotaryEmbedding (each layer then gets its type's tables).
     norm: the final norm, RMSNorm(hidden_size, rms_norm_eps) unless given.
     rotary None: no layer reads positions (cos and sin reach the layers as None).
+    embedding_scale: a factor on the embeddings, rounded to their dtype first as HF does
+        (Gemma: sqrt(hidden_size)), or None.
     """
 
     def __init__(
@@ -64,10 +66,12 @@ class PackedDecoderLM(nn.Module):
         rotary: RotaryEmbedding | LayerTypeRotaryEmbedding | None,
         layers: Iterable[nn.Module],
         norm: nn.Module | None = None,
+        embedding_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embedding_scale = embedding_scale
         self.rotary = rotary
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if norm is None else norm
@@ -99,6 +103,8 @@ class PackedDecoderLM(nn.Module):
         work on every token of their share of the heads.
         """
         h = self.embed_tokens(tokens)
+        if self.embedding_scale is not None:
+            h = h * torch.tensor(self.embedding_scale, dtype=h.dtype, device=h.device)
         tables = (None, None) if self.rotary is None else self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.args.layer_types[i]] if isinstance(tables, dict) else tables

@@ -14,5 +14,16 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = linear(dim, hidden_dim, bias, "up_proj", lora)
         self.down_proj = linear(hidden_dim, dim, bias, "down_proj", lora)
 
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """down(gelu_tanh(gate(x)) * up(x)): HF's `gelu_pytorch_tanh` gate (Gemma). The same layers and
+    tensor-parallel plan as SwiGLUMLP."""
+
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")

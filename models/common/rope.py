@@ -72,6 +72,10 @@ def yarn_softmax_mscale(rope_parameters: dict[str, Any]) -> float:
     return _yarn_mscale(rope_parameters["factor"], rope_parameters["mscale_all_dim"]) ** 2
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""The `rope_parameters["rope_type"]` values `rope_inv_freq` implements."""
+
+
 def rope_inv_freq(
     rope_parameters: dict[str, Any], rotary_dim: int, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
@@ -86,9 +90,7 @@ def rope_inv_freq(
         return _llama3_inv_freq(_default_inv_freq(base, rotary_dim), rope_parameters), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(base, rotary_dim, rope_parameters, max_position_embeddings)
-    raise ValueError(
-        f"unsupported rope_type {rope_type!r} in rope_parameters; supported: default, linear, llama3, yarn"
-    )
+    raise ValueError(f"unsupported rope_type {rope_type!r} in rope_parameters; supported: {', '.join(ROPE_TYPES)}")
 
 
 class RotaryEmbedding(nn.Module):

@@ -4,9 +4,10 @@ from dataclasses import dataclass
 
 from archon.models.common.args import (
     FULL_ATTENTION,
-    SLIDING_ATTENTION,
     SlidingWindowDecoderArgs,
+    checked_rope_parameters,
     decoder_fields_from_hf,
+    rope_parameters_by_layer_type,
 )
 
 
@@ -27,40 +28,16 @@ class Olmo3Args(SlidingWindowDecoderArgs):
         if config.model_type == "olmo2":  # no windows, one set of rope parameters
             layer_types = [FULL_ATTENTION] * config.num_hidden_layers
             sliding_window = None
-            rope_parameters = {FULL_ATTENTION: checked_rope_parameters(config.rope_parameters, "config.rope_parameters")}
+            rope_parameters = {
+                FULL_ATTENTION: checked_rope_parameters(config.rope_parameters, "config.rope_parameters", "olmo3")
+            }
         else:
             layer_types = list(config.layer_types)
             sliding_window = config.sliding_window
-            rope_parameters = {
-                layer_type: checked_rope_parameters(
-                    (config.rope_parameters or {}).get(layer_type), f"config.rope_parameters[{layer_type!r}]"
-                )
-                # another layer type is refused by name in __post_init__
-                for layer_type in sorted(set(layer_types) & {FULL_ATTENTION, SLIDING_ATTENTION})
-            }
+            rope_parameters = rope_parameters_by_layer_type(config, "olmo3")
         return cls(
             **decoder_fields_from_hf(config, rope_parameters=rope_parameters),
             sliding_window=sliding_window,
             layer_types=layer_types,
             attention_bias=bool(config.attention_bias),
         )
-
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def checked_rope_parameters(params, field: str) -> dict:
-    """One layer type's rope parameters (HF's Olmo3RotaryEmbedding reads `rope_parameters[layer_type]`;
-    top-level keys beside the layer types are not read), refused by `field` unless archon implements them."""
-    if not isinstance(params, dict) or "rope_theta" not in params:
-        raise ValueError(f"{field} must be a dict holding rope_theta, got {params!r}")
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"{field}['rope_type']={rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    partial_rotary_factor = params.get("partial_rotary_factor", 1.0)
-    if partial_rotary_factor != 1.0:
-        raise ValueError(
-            f"{field}['partial_rotary_factor']={partial_rotary_factor} is not supported by the olmo3 family "
-            "(every feature of a head rotates)"
-        )
-    return dict(params)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archon.models.common.args import HybridDeltaNetArgs, hybrid_deltanet_fields_from_hf
+from archon.models.common.args import HybridDeltaNetArgs, hybrid_deltanet_fields_from_hf, language_model_fields_from_hf
 
 
 @dataclass
@@ -23,9 +23,7 @@ class Qwen3_5Args(HybridDeltaNetArgs):
         qwen3_5_moe) whose `text_config` is read, but for `tie_word_embeddings`, read at the top
         level as HF's vision-language model reads it."""
         text = config.get_text_config()
-        fields = hybrid_deltanet_fields_from_hf(text)
-        if text is not config:  # HF's vision-language model ties its head by the top-level flag
-            fields["tie_word_embeddings"] = bool(config.tie_word_embeddings)
+        fields = language_model_fields_from_hf(config, hybrid_deltanet_fields_from_hf)
         args = cls(**fields, vision_language=text is not config)
         args.validate()
         return args

@@ -19,9 +19,10 @@ CASES = {
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
     # QK-norms over the whole projections: the sum of squares spans both ranks' heads.
     "olmo3": dict(),
+    "gemma3_text": dict(),
 }
 # Layouts of the worker per case (tp2 when not listed).
-LAYOUTS = {"olmo3": ("tp2", "fsdp2")}
+LAYOUTS = {"olmo3": ("tp2", "fsdp2"), "gemma3_text": ("tp2", "fsdp2")}
 
 
 def _free_port() -> int:

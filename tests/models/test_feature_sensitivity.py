@@ -23,6 +23,7 @@ import archon.tools.align as align
 from archon.models.common import attention as attention_module
 from archon.models.common import linear_attention
 from archon.models.common.attention import Attention, GatedAttention, packed_attention
+from archon.models.common.mlp import GeGLUMLP
 from archon.models.common.mla import MultiHeadLatentAttention
 from archon.models.common.linear_attention import GatedDeltaNet, qkv_rows_by_key_head
 from archon.models.common.moe import (
@@ -299,7 +300,6 @@ def no_output_norm_gate(model, monkeypatch):
     monkeypatch.setattr(GatedRMSNorm, "forward", forward)
 
 
-
 def fused_projections_read_flat(model, monkeypatch):
     """Qwen3-Next's in_proj_qkvz and in_proj_ba read as [all q | all k | all v | all z] and
     [all b | all a] instead of grouped per key head, as HF stores them."""
@@ -324,6 +324,26 @@ def conv_channels_in_hf_order(model, monkeypatch):
     with torch.no_grad():
         for mixer in modules(model, GatedDeltaNet):
             mixer.conv1d.weight.copy_(mixer.conv1d.weight[hf_order])
+
+
+def no_embedding_scale(model, monkeypatch):
+    """Embeddings enter the first layer unscaled (Gemma multiplies them by sqrt(hidden_size))."""
+    assert model.embedding_scale is not None
+    model.embedding_scale = None
+
+
+def head_dim_softmax_scale(model, monkeypatch):
+    """The softmax scale is head_dim**-0.5, not query_pre_attn_scalar**-0.5."""
+    for attn in modules(model, Attention):
+        assert attn.scale != attn.head_dim**-0.5
+        attn.scale = attn.head_dim**-0.5
+
+
+def silu_gate(model, monkeypatch):
+    """GeGLU's gelu (tanh) gate computed as SwiGLU's silu."""
+    modules(model, GeGLUMLP)
+    monkeypatch.setattr(GeGLUMLP, "activation", lambda self, gate: F.silu(gate))
+
 
 def set_on(cls: type, **values) -> SwitchOff:
     """Set attributes on every module of class `cls` (a router's norm_topk_prob, a scaling factor)."""
@@ -487,7 +507,8 @@ def qk_norm_per_head(model, monkeypatch):
 
 
 def no_post_norm(name: str) -> SwitchOff:
-    """A post-norm layer without its norm `name` (the block's output added to the residual as it is)."""
+    """A layer without its norm `name` (a post norm: the block's output added to the residual as it
+    is; Gemma's pre-feedforward norm: the MLP's input as it is)."""
 
     def switch_off(model, monkeypatch):
         for layer in model.layers:
@@ -504,10 +525,11 @@ def rope_of_the_other_layer_type(model, monkeypatch):
 
 
 def full_attention_rope_as_default(model, monkeypatch):
-    """The full-attention layers' YaRN computed as default RoPE of the same theta (attention factor kept)."""
+    """The full-attention layers' scaled RoPE (OLMo 3's YaRN, Gemma 3's linear) computed as default
+    RoPE of the same theta (attention factor kept)."""
     rotary = model.rotary.by_layer_type["full_attention"]
     rope_parameters = model.args.rope_parameters["full_attention"]
-    assert rope_parameters["rope_type"] == "yarn"
+    assert rope_parameters["rope_type"] != "default"
     default = {"rope_type": "default", "rope_theta": rope_parameters["rope_theta"]}
     inv_freq, _ = rope_inv_freq(default, rotary.rotary_dim, model.args.max_position_embeddings)
     rotary._inv_freq = {torch.device("cpu"): inv_freq}
@@ -719,6 +741,21 @@ CASES = [
     Case("kimi_linear", "norm-topk-prob", set_on(SigmoidGroupTopKRouter, norm_topk_prob=False)),
     Case("kimi_linear", "routed-scaling-factor", set_on(SigmoidGroupTopKRouter, routed_scaling_factor=1.0)),
     Case("kimi_linear", "shared-experts", no_shared_experts),
+    # Gemma 3: scaled embeddings, zero-centred sandwich norms, QK-norm, query_pre_attn_scalar, the GeGLU
+    # gate, sliding layers, RoPE per layer type with scaling on the full layers, attention bias.
+    Case("gemma3_text", "embedding-scale", no_embedding_scale),
+    Case("gemma3_text", "norm-one-plus-weight", norm_without_offset),
+    Case("gemma3_text", "post-attention-norm", no_post_norm("post_attention_layernorm")),
+    Case("gemma3_text", "pre-feedforward-norm", no_post_norm("pre_feedforward_layernorm")),
+    Case("gemma3_text", "post-feedforward-norm", no_post_norm("post_feedforward_layernorm")),
+    Case("gemma3_text", "qk-norm", no_qk_norm),
+    Case("gemma3_text", "query-pre-attn-scalar", head_dim_softmax_scale),
+    Case("gemma3_text", "gelu-tanh-gate", silu_gate),
+    Case("gemma3_text", "sliding-window", no_sliding_window),
+    Case("gemma3_text", "window-layer-pattern", window_on_every_layer),
+    Case("gemma3_text", "rope-per-layer-type", rope_of_the_other_layer_type),
+    Case("gemma3_text", "linear-rope-as-default", full_attention_rope_as_default),
+    Case("gemma3_text", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
 ]
 
 

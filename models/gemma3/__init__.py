@@ -1,0 +1,1 @@
+from archon.models.gemma3 import spec  # noqa: F401  (registers the family)
