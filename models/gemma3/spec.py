@@ -51,7 +51,6 @@ spec = register(
         inert_hf_config_fields={
             "sliding_window_pattern": "HF derives layer_types from it when the config has none; layer_types is read",
             "_sliding_window_pattern": "HF's stored copy of sliding_window_pattern; layer_types is read",
-            "cache_implementation": "the cache class HF's generate uses (released configs say 'hybrid')",
         },
     )
 )
