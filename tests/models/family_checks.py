@@ -3,8 +3,10 @@ weight completeness on the meta device. Each takes an HF model_type and tiny-con
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from archon.tools.align import TOLERANCES, AlignArgs, run_alignment
@@ -102,3 +104,30 @@ def assert_meta_weights_complete(model_type: str, overrides: dict) -> None:
         used.update(sources)
     assert hf_keys == used, f"HF weights archon does not load: {sorted(hf_keys - used)}"
     assert all(p.is_meta for p in model.parameters())
+
+
+def assert_extra_layer_keys_are_skipped(path: Path, tmp_path: Path, extra_keys: list[str], stray_key: str) -> None:
+    """A checkpoint with `extra_keys` added (multi-token-prediction layers numbered from
+    num_hidden_layers on, as released checkpoints carry them) loads to the same model; one with
+    `stray_key` added as well fails the load, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from archon.build import build_model
+
+    reference = build_model(path).model.eval()
+    state = load_file(str(path / "model.safetensors"))
+    for key in extra_keys:
+        state[key] = torch.zeros(4, 4)
+    with_extra = tmp_path / "with_extra_layers"
+    shutil.copytree(path, with_extra)
+    save_file(state, str(with_extra / "model.safetensors"), metadata={"format": "pt"})
+    loaded = build_model(with_extra).model
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+    state[stray_key] = torch.zeros(2)
+    save_file(state, str(with_extra / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=rf"unexpected 1 key\(s\): '{re.escape(stray_key)}'"):
+        build_model(with_extra)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from family_checks import (
     assert_aligned,
+    assert_extra_layer_keys_are_skipped,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
@@ -126,26 +127,11 @@ def test_partial_rotary_and_routing_features_change_the_output(tiny_checkpoint):
 def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
     """Real GLM-4.5 checkpoints carry an MTP layer numbered num_hidden_layers; HF and archon skip it.
     Any other stray key still fails the load, by name."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    path = tiny_checkpoint(MODEL_TYPE)
-    reference = build_model(path).model.eval()
-    state = load_file(str(path / "model.safetensors"))
-    for suffix in ("eh_proj.weight", "enorm.weight", "mlp.gate.weight"):
-        state[f"model.layers.3.{suffix}"] = torch.zeros(4, 4)
-    with_mtp = tmp_path / "with_mtp"
-    shutil.copytree(path, with_mtp)
-    save_file(state, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
-    loaded = build_model(with_mtp).model
-    for name, tensor in reference.state_dict().items():
-        assert torch.equal(tensor, loaded.state_dict()[name]), name
-
-    state["model.layers.1.mlp.gate.stray"] = torch.zeros(2)
-    save_file(state, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=r"unexpected 1 key\(s\): 'model\.layers\.1\.mlp\.gate\.stray'"):
-        build_model(with_mtp)
+    assert_extra_layer_keys_are_skipped(
+        tiny_checkpoint(MODEL_TYPE), tmp_path,
+        [f"model.layers.3.{suffix}" for suffix in ("eh_proj.weight", "enorm.weight", "mlp.gate.weight")],
+        "model.layers.1.mlp.gate.stray",
+    )
 
 
 def test_odd_rotary_width_is_refused():

@@ -11,7 +11,7 @@ from family_checks import (
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
-from helpers import randomise_lora
+from helpers import assert_no_state_leaks_across_packed_sequences, randomise_lora
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
@@ -104,24 +104,7 @@ def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
     model = build_model(tiny_checkpoint(MODEL_TYPE), lora=LoRAConfig(rank=4, alpha=8)).model
     g = torch.Generator().manual_seed(0)
     randomise_lora(lora_parameters(model), 0.1, g)
-    target = torch.randint(0, 256, (DELTA_RULE_CHUNK_SIZE + 9,), generator=g)
-
-    def logits_and_grads(before: torch.Tensor | None):
-        seqs = [target] if before is None else [before, target]
-        tokens = torch.cat(seqs)
-        positions = torch.cat([torch.arange(len(s)) for s in seqs])
-        cu_seqlens = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()])
-        model.zero_grad()
-        logits = model(tokens, positions, cu_seqlens, max(len(s) for s in seqs))[-len(target) :]
-        logits.square().mean().backward()
-        return logits.detach(), {n: p.grad.clone() for n, p in lora_parameters(model).items()}
-
-    alone, grads_alone = logits_and_grads(None)
-    for length in (3, DELTA_RULE_CHUNK_SIZE + 20):
-        packed, grads_packed = logits_and_grads(torch.randint(0, 256, (length,), generator=g))
-        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
-        for name in grads_alone:
-            torch.testing.assert_close(grads_packed[name], grads_alone[name], rtol=1e-4, atol=1e-7)
+    assert_no_state_leaks_across_packed_sequences(model, DELTA_RULE_CHUNK_SIZE + 9, (3, DELTA_RULE_CHUNK_SIZE + 20))
 
 
 # The mutation checks (each feature switched off fails the gate) are the kimi_linear cases of

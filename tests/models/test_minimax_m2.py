@@ -11,6 +11,7 @@ import pytest
 import torch
 from family_checks import (
     assert_aligned,
+    assert_extra_layer_keys_are_skipped,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
@@ -116,24 +117,11 @@ def tiny_checkpoint_path(tmp_path_factory):
 def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
     """Released checkpoints carry `num_mtp_modules` MTP layers numbered from num_hidden_layers on; HF's
     causal LM and archon skip them. Any other stray key still fails the load, by name."""
-    from safetensors.torch import load_file, save_file
-
-    path = tiny_checkpoint(MODEL_TYPE)
-    reference = build_model(path).model.eval()
-    state = load_file(str(path / "model.safetensors"))
-    for suffix in ("self_attn.q_proj.weight", "block_sparse_moe.gate.weight", "enorm.weight"):
-        state[f"model.layers.2.{suffix}"] = torch.zeros(4, 4)
-    with_mtp = tmp_path / "with_mtp"
-    shutil.copytree(path, with_mtp)
-    save_file(state, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
-    loaded = build_model(with_mtp).model
-    for name, tensor in reference.state_dict().items():
-        assert torch.equal(tensor, loaded.state_dict()[name]), name
-
-    state["model.layers.1.block_sparse_moe.stray"] = torch.zeros(2)
-    save_file(state, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=r"unexpected 1 key\(s\): 'model\.layers\.1\.block_sparse_moe\.stray'"):
-        build_model(with_mtp)
+    assert_extra_layer_keys_are_skipped(
+        tiny_checkpoint(MODEL_TYPE), tmp_path,
+        [f"model.layers.2.{suffix}" for suffix in ("self_attn.q_proj.weight", "block_sparse_moe.gate.weight", "enorm.weight")],
+        "model.layers.1.block_sparse_moe.stray",
+    )
 
 
 REFUSED = {
