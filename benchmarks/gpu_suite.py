@@ -361,7 +361,7 @@ def _align_family(ctx: Context, model_type: str) -> dict[str, Any]:
     path = _tiny_checkpoint(ctx, model_type, f"align-{model_type}")
     seq_lens = ctx.sizes.align_seq_lens
     hf32 = _hf_model(path, torch.float32, device)
-    seqs, tokens, positions, cu_seqlens = packed_batch(seq_lens, hf32.config.vocab_size, ctx.seed)
+    seqs, tokens, positions, cu_seqlens = packed_batch(seq_lens, hf32.config.get_text_config().vocab_size, ctx.seed)
     seqs = [s.to(device) for s in seqs]
     packed = (tokens.to(device), positions.to(device), cu_seqlens.to(device), max(seq_lens))
 
