@@ -51,6 +51,9 @@ def main() -> None:
     results = {"plain": first_step(path, offload=False), "offloaded": first_step(path, offload=True)}
     if dist.get_rank() == 0:
         torch.save(results, out)
+    # every rank done before any tears its group down: a rank exiting while another's gloo
+    # threads still run can abort that rank at exit
+    dist.barrier()
     dist.destroy_process_group()
 
 

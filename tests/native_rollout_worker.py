@@ -96,6 +96,9 @@ def main(out: str, hf_dir: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+    # every rank done before any tears its group down: a rank exiting while another's gloo
+    # threads still run can abort that rank at exit
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -84,6 +84,9 @@ def main(out: str, checkpoints: list[str]) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    # every rank done before any tears its group down: a rank exiting while another's gloo
+    # threads still run can abort that rank at exit
+    dist.barrier()
     dist.destroy_process_group()
 
 
