@@ -66,6 +66,9 @@ class PromptExample:
     """The prompt's token ids, when loading tokenized it (for a length limit)."""
     row: dict | None = None
     """The whole row, as read (what a multi-turn environment starts from)."""
+    data_source: str = ""
+    """The row's `data_source` (verl's field: which dataset it came from, which routes its reward
+    and its teacher); "" when the row has none."""
 
 
 @dataclass
@@ -227,7 +230,8 @@ def load_prompt_dataset(
             if (problem := _length_problem(len(prompt_ids), config, context_length, max_new_tokens)) is not None:
                 dataset.too_long.append(MalformedRow(str(path), row_number, problem, line_numbered))
                 continue
-        dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids, row))
+        source = row.get("data_source") if isinstance(row.get("data_source"), str) else ""
+        dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids, row, source))
 
     if dataset.malformed or dataset.too_long:
         logger.warning("prompt dataset %s: %s", path, dataset.report())

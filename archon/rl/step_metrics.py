@@ -25,6 +25,9 @@ class Scores:
     correct: torch.Tensor
     lengths: torch.Tensor
     reward_metrics: dict[str, float]
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each reward term's unweighted value per sample ([B] float32, by term name), when the reward
+    has several terms; the rewards are their weighted sum."""
     episode_sums: dict[str, float] = field(default_factory=dict)
     """Multi-turn tasks: per-sample quantities summed over this rank's samples (turns, tool calls,
     environment tokens, one count per stop reason); logged as their means over all ranks."""
