@@ -25,6 +25,7 @@ from archon.trainer import Trainer  # noqa: E402
 
 sys.path.append(_TESTS_DIR)
 import parallel_cases as cases  # noqa: E402
+from worker_exit import exit_when_every_rank_is_done  # noqa: E402
 
 MIN_BYTES = 1024  # below the tiny model's hidden states on one rank's sequences
 
@@ -51,10 +52,7 @@ def main() -> None:
     results = {"plain": first_step(path, offload=False), "offloaded": first_step(path, offload=True)}
     if dist.get_rank() == 0:
         torch.save(results, out)
-    # every rank done before any tears its group down: a rank exiting while another's gloo
-    # threads still run can abort that rank at exit
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_when_every_rank_is_done()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from archon.lora import LoRAConfig, lora_parameters
 from archon.parallel import ParallelConfig
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+from worker_exit import exit_when_every_rank_is_done  # the script's folder, tests/, is on sys.path
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105], [5, 6, 7], [11, 12]]
@@ -96,10 +97,7 @@ def main(out: str, hf_dir: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
-    # every rank done before any tears its group down: a rank exiting while another's gloo
-    # threads still run can abort that rank at exit
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_when_every_rank_is_done()
 
 
 if __name__ == "__main__":

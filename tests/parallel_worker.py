@@ -34,6 +34,7 @@ from archon.trainer import Trainer  # noqa: E402
 
 sys.path.append(_TESTS_DIR)
 import parallel_cases as cases  # noqa: E402
+from worker_exit import exit_when_every_rank_is_done  # noqa: E402
 
 
 def count_reads():
@@ -287,8 +288,7 @@ def main() -> None:
         quantized(args)
     else:
         resume(args)
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_when_every_rank_is_done()
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def test_offload_is_refused_with_compile():
 def test_two_process_fsdp_with_offload_equals_without(checkpoints, tmp_path):
     """FSDP2 over two gloo ranks: with offload forced, the same loss and gradients."""
     out = tmp_path / "result.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # PYTHONFAULTHANDLER: a worker that crashes prints where it was
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(checkpoints["qwen3"]), str(out)]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]

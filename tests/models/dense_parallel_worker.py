@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import full_tensor
 from archon.parallel import ParallelConfig, reduce_partial_grads
 from archon.tools.align import packed_batch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/
+from worker_exit import exit_when_every_rank_is_done  # noqa: E402
 
 LAYOUTS = {"tp2": dict(tp=2, dp_shard=1), "fsdp2": dict(tp=1, dp_shard=2)}
 DEFAULT_LAYOUTS = ("tp2",)
@@ -84,10 +88,7 @@ def main(out: str, checkpoints: list[str]) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    # every rank done before any tears its group down: a rank exiting while another's gloo
-    # threads still run can abort that rank at exit
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_when_every_rank_is_done()
 
 
 if __name__ == "__main__":
