@@ -150,8 +150,12 @@ def test_verl_row_without_ground_truth_is_counted_with_its_row_number(tmp_path, 
 def test_verl_rows_need_a_tokenizer_with_a_chat_template(tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_verl_rows(2)), path)
-    with pytest.raises(ValueError, match="chat template"):
+    with pytest.raises(ValueError, match="verl rows are chat messages, which need a tokenizer"):
         load_prompt_dataset(DataConfig(path=str(path)))
+    no_template = build_char_tokenizer()
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="verl rows are chat messages, but the tokenizer has no chat template"):
+        load_prompt_dataset(DataConfig(path=str(path)), no_template)
     with pytest.raises(ValueError, match="DataConfig.schema must be one of auto, plain, verl"):
         DataConfig(path=str(path), schema="parquet")
 
@@ -216,7 +220,7 @@ def test_names_and_paths_are_told_apart(tmp_path, monkeypatch):
     (tmp_path / "openai").mkdir()
     (tmp_path / "openai" / "gsm8k").mkdir()  # a local path that exists wins over the name
     assert not looks_like_hub_name("openai/gsm8k")
-    assert data_path_problem("missing.jsonl") == "'missing.jsonl': no such file or directory (nor a Hugging Face dataset name, owner/name)"
+    assert data_path_problem("missing.jsonl") == "no such file or directory (nor a Hugging Face dataset name, owner/name)"
     assert data_path_problem("someone/data") is None  # its cache is looked at when loading
 
 
@@ -301,7 +305,7 @@ def test_bad_reasoning_gym_sources(path, message, tokenizer):
 
 def test_config_validation_names_bad_sources_and_overlapping_held_out_sets(tiny_model):
     args = ["--model.path", str(tiny_model), "--reward.function", "reasoning_gym", "--rollout.max-new-tokens", "4"]
-    with pytest.raises(ValueError, match=r"data.path: 'reasoning_gym:leg_countin'.*close matches: leg_counting"):
+    with pytest.raises(ValueError, match=r"data.path='reasoning_gym:leg_countin': reasoning-gym has no task 'leg_countin' \(close matches: leg_counting"):
         validate(parse_config([*args, "--data.path", "reasoning_gym:leg_countin"]))
     train = "reasoning_gym:chain_sum?size=100&seed=0"
     with pytest.raises(ValueError, match="eval.path=.*seeds 60..109 .* from 0..99: 40 held-out entries would be training entries.*use seed=100"):

@@ -259,9 +259,9 @@ def _plain(value: Any) -> Any:
 
 
 def _iter_reasoning_gym(path: str, system_prompt: str | None) -> Iterator[tuple[int, Any, str | None]]:
-    source = reasoning_gym.parse_source(path)
     if (problem := reasoning_gym.source_problem(path)) is not None:
-        raise ValueError(f"data path {problem}")
+        raise ValueError(f"data path {path!r}: {problem}")
+    source = reasoning_gym.parse_source(path)
     for index, (messages, entry) in enumerate(reasoning_gym.load_entries(source, system_prompt)):
         yield index, {"data_source": source.task, "prompt": messages, "entry": entry}, None
 
@@ -288,7 +288,7 @@ def data_path_problem(path: str) -> str | None:
         return reasoning_gym.source_problem(path)
     if Path(path).exists() or looks_like_hub_name(path):
         return None
-    return f"{path!r}: no such file or directory (nor a Hugging Face dataset name, owner/name)"
+    return "no such file or directory (nor a Hugging Face dataset name, owner/name)"
 
 
 def _rows(config: DataConfig) -> tuple[Iterator[tuple[int, Any, str | None]], bool]:
@@ -349,14 +349,13 @@ def load_prompt_dataset(
     a missing file, an unknown format, a Hugging Face dataset that cannot be loaded, a bad
     reasoning-gym source, a missing tokenizer, or no valid row.
     """
+    if (config.apply_chat_template or config.max_prompt_tokens or context_length is not None) and tokenizer is None:
+        raise ValueError("apply_chat_template, max_prompt_tokens and context_length need a tokenizer")
     rows, line_numbered = _rows(config)
     rows, schema, why = _detect_schema(rows, config)
     render = config.apply_chat_template or schema in ("verl", "reasoning_gym")
-    if (render or config.max_prompt_tokens or context_length is not None) and tokenizer is None:
-        raise ValueError(
-            f"prompt dataset {config.path}: the chat template (apply_chat_template, or {schema} rows), "
-            "max_prompt_tokens and context_length need a tokenizer"
-        )
+    if render and tokenizer is None:
+        raise ValueError(f"prompt dataset {config.path}: {schema} rows are chat messages, which need a tokenizer")
     if render and not getattr(tokenizer, "chat_template", None):
         setting = "apply_chat_template is set" if config.apply_chat_template else f"{schema} rows are chat messages"
         raise ValueError(f"prompt dataset {config.path}: {setting}, but the tokenizer has no chat template")

@@ -66,20 +66,20 @@ def _value(text: str) -> Any:
 def parse_source(path: str) -> ReasoningGymSource:
     """`reasoning_gym:<task>[?key=value&...]` -> the source. Checks the form only (see source_problem)."""
     if not is_source(path):
-        raise ValueError(f"{path!r} is not a reasoning-gym source (reasoning_gym:<task>?size=N&seed=S)")
+        raise ValueError("not a reasoning-gym source (reasoning_gym:<task>?size=N&seed=S)")
     body = path[len(SOURCE_PREFIX) :]
     task, _, query = body.partition("?")
     if not task:
-        raise ValueError(f"{path!r} names no task: write reasoning_gym:<task>, e.g. reasoning_gym:chain_sum")
+        raise ValueError("names no task: write reasoning_gym:<task>, e.g. reasoning_gym:chain_sum")
     settings = {}
     for key, text in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
         if key in settings:
-            raise ValueError(f"{path!r}: setting {key!r} is given twice")
+            raise ValueError(f"setting {key!r} is given twice")
         settings[key] = _value(text)
     size, seed = settings.pop("size", DEFAULT_SIZE), settings.pop("seed", DEFAULT_SEED)
     for name, value, low in (("size", size, 1), ("seed", seed, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{path!r}: {name}={value!r} must be an integer >= {low}")
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
     return ReasoningGymSource(task, size, seed, settings)
 
 
@@ -129,15 +129,15 @@ def task_problem(task: str) -> str | None:
 
 
 def source_problem(path: str) -> str | None:
-    """What is wrong with a reasoning-gym source (its form, the task name, a setting the task's config
-    lacks), or None. Makes no entries."""
+    """What is wrong with the reasoning-gym source `path` (its form, the task name, a setting the
+    task's config lacks), or None. Makes no entries."""
     try:
         source = parse_source(path)
     except (ValueError, ImportError) as e:
         return str(e)
     try:
         if (problem := task_problem(source.task)) is not None:
-            return f"{path!r}: {problem}"
+            return problem
     except ImportError as e:
         return str(e)
     _, config_cls = _registry()[source.task]
@@ -145,7 +145,7 @@ def source_problem(path: str) -> str | None:
     unknown = sorted(set(source.settings) - known)
     if unknown:
         settable = sorted(known - {"size", "seed"})
-        return f"{path!r}: task {source.task!r} has no setting {', '.join(map(repr, unknown))} (its settings: {', '.join(settable)})"
+        return f"task {source.task!r} has no setting {', '.join(map(repr, unknown))} (its settings: {', '.join(settable)})"
     return None
 
 

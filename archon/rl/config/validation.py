@@ -417,9 +417,9 @@ def _file_problems(task: TaskConfig, fields: _TaskFields, model_path: str, stude
             f"{data_path} is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)"
         )
     elif (problem := data_path_problem(task.data.path)) is not None:
-        problems.append(f"{data_path}: {problem}")
+        problems.append(f"{data_path}={task.data.path!r}: {problem}")
     if task.eval_path and (problem := data_path_problem(task.eval_path)) is not None:
-        problems.append(f"{fields.eval_path}: {problem}")
+        problems.append(f"{fields.eval_path}={task.eval_path!r}: {problem}")
     elif task.eval_path and (overlap := reasoning_gym_overlap(task.data.path, task.eval_path)) is not None:
         problems.append(f"{fields.eval_path}={task.eval_path!r}: {overlap}")
     teacher_path, where = task.algorithm.teacher_path, f"{fields.prefix}algorithm.teacher_path"
