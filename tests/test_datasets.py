@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from archon.rl.config import parse_config, validate
-from archon.rl.data import DataConfig, data_path_problem, load_prompt_dataset, looks_like_hub_name
+from archon.rl.data import DataConfig, data_path_problem, hub_name, load_prompt_dataset
 from archon.rl.reasoning_gym import (
     load_entries,
     parse_source,
@@ -90,9 +90,15 @@ def _verl_rows(count: int) -> list[dict]:
     return [_verl_row(i, f"{i % 7}+{i % 5}=?", str(i % 7 + i % 5)) for i in range(count)]
 
 
-def test_verl_parquet_written_by_pyarrow_is_detected_and_rendered(tmp_path, tokenizer, caplog):
+@pytest.mark.parametrize("writer", ["pyarrow", "datasets"])
+def test_verl_parquet_is_detected_and_rendered(writer, tmp_path, tokenizer, caplog):
     path = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist(_verl_rows(6)), path)
+    if writer == "pyarrow":
+        pq.write_table(pa.Table.from_pylist(_verl_rows(6)), path)
+    else:  # as verl's preprocessing scripts write it
+        import datasets
+
+        datasets.Dataset.from_list(_verl_rows(6)).to_parquet(str(path))
     assert pa.types.is_struct(pq.read_schema(path).field("reward_model").type)  # nested struct columns
     with caplog.at_level(logging.INFO, logger="archon.rl.data"):
         dataset = load_prompt_dataset(DataConfig(path=str(path)), tokenizer)
@@ -214,12 +220,16 @@ def _plain_rows(count: int, offset: int = 0) -> list[dict]:
 
 def test_names_and_paths_are_told_apart(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert looks_like_hub_name("openai/gsm8k") and looks_like_hub_name("org-x/data.v2")
-    assert not looks_like_hub_name("data/train.jsonl") and not looks_like_hub_name("a/b/c")
-    assert not looks_like_hub_name("train.jsonl") and not looks_like_hub_name("/abs/dir")
+    assert hub_name("openai/gsm8k") == ("openai/gsm8k", {}) and hub_name("org-x/data.v2") == ("org-x/data.v2", {})
+    assert hub_name("openai/gsm8k?subset=main&split=test") == ("openai/gsm8k", {"subset": "main", "split": "test"})
+    for path in ("data/train.jsonl", "a/b/c", "train.jsonl", "/abs/dir", "reasoning_gym:x"):
+        assert hub_name(path) is None, path
     (tmp_path / "openai").mkdir()
     (tmp_path / "openai" / "gsm8k").mkdir()  # a local path that exists wins over the name
-    assert not looks_like_hub_name("openai/gsm8k")
+    assert hub_name("openai/gsm8k") is None
+    assert data_path_problem("someone/data?splt=test") == (
+        "unknown option 'splt' after the dataset name (options: subset, split)"
+    )
     assert data_path_problem("missing.jsonl") == "no such file or directory (nor a Hugging Face dataset name, owner/name)"
     assert data_path_problem("someone/data") is None  # its cache is looked at when loading
 
@@ -235,6 +245,8 @@ def test_cached_hub_dataset_loads_offline_by_name(tmp_path, tokenizer, offline_d
     assert train[0].source == "someone/sums row 0"
     test = load_prompt_dataset(DataConfig(path="someone/sums", subset="main", split="test"), tokenizer)
     assert [e.reference for e in test.examples] == ["101", "102", "103"]
+    by_name = load_prompt_dataset(DataConfig(path="someone/sums?split=test", subset="main"), tokenizer)
+    assert [e.reference for e in by_name.examples] == ["101", "102", "103"]
     assert len(load_prompt_dataset(DataConfig(path="someone/sums", subset="other"), tokenizer)) == 2
     with pytest.raises(ValueError, match=r"(?s)'someone/sums' \(subset 'missing'\).*Available configs in the cache"):
         load_prompt_dataset(DataConfig(path="someone/sums", subset="missing"), tokenizer)
@@ -258,10 +270,10 @@ def test_cached_hub_dataset_drives_a_short_run(tmp_path, tiny_model, offline_dat
         {"train": _plain_rows(8), "test": _plain_rows(4, offset=50)}, tmp_path,
     )  # fmt: skip
     run, _ = _short_run(
-        tiny_model, tmp_path / "run", "--data.path", "someone/sums", "--eval.path", "someone/sums",
-        "--data.split", "train", "--reward.function", "exact",
+        tiny_model, tmp_path / "run", "--data.path", "someone/sums", "--eval.path", "someone/sums?split=test",
+        "--reward.function", "exact",
     )  # fmt: skip
-    assert len(run.tasks[0].train_set) == 8
+    assert len(run.tasks[0].train_set) == 8 and len(run.tasks[0].eval_set) == 4
 
 
 # ---- reasoning-gym ------------------------------------------------------------------------------

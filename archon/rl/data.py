@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+from urllib.parse import parse_qsl
 
 from archon.rl import reasoning_gym
 
@@ -49,7 +50,8 @@ class DataConfig:
 
     path: str = ""
     """A .jsonl file, a .parquet file, a directory written by datasets' save_to_disk, a Hugging Face
-    dataset name (owner/name, loaded with datasets.load_dataset; a local path that exists wins), or
+    dataset name (owner/name, loaded with datasets.load_dataset; a local path that exists wins;
+    owner/name?split=test&subset=main overrides split and subset), or
     reasoning_gym:<task>?size=N&seed=S&<task setting>=<value>... (see docs/datasets.md)."""
     schema: str = "auto"
     """How rows are read: plain (prompt_field and answer_field), verl (verl's rows: the prompt is a
@@ -266,28 +268,54 @@ def _iter_reasoning_gym(path: str, system_prompt: str | None) -> Iterator[tuple[
         yield index, {"data_source": source.task, "prompt": messages, "entry": entry}, None
 
 
-def looks_like_hub_name(path: str) -> bool:
-    """A path that names a Hugging Face dataset (owner/name) rather than a local file: it does not
-    exist locally, has exactly one slash between two non-empty names, and no file suffix of ours."""
-    if not path or Path(path).exists() or path.count("/") != 1:
-        return False
-    owner, name = path.split("/")
-    return bool(_HUB_PART.fullmatch(owner) and _HUB_PART.fullmatch(name)) and not name.lower().endswith(
-        (".jsonl", ".ndjson", ".parquet")
-    )
-
-
+HUB_OPTIONS = ("subset", "split")
+"""What a Hugging Face dataset name may set after a "?" (owner/name?split=test), over data.subset and data.split."""
 _HUB_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def hub_name(path: str) -> tuple[str, dict[str, str]] | None:
+    """(owner/name, options) when `path` names a Hugging Face dataset rather than a local file, else
+    None. A name does not exist locally, has exactly one slash between two names, no file suffix
+    of ours, and may end in ?subset=...&split=... (see HUB_OPTIONS; checked by data_path_problem)."""
+    if not path or Path(path).exists():
+        return None
+    name, _, query = path.partition("?")
+    if name.count("/") != 1:
+        return None
+    owner, repo = name.split("/")
+    if not (_HUB_PART.fullmatch(owner) and _HUB_PART.fullmatch(repo)):
+        return None
+    if repo.lower().endswith((".jsonl", ".ndjson", ".parquet")):
+        return None
+    return name, dict(parse_qsl(query, keep_blank_values=True))
+
+
+def _hub_options_problem(path: str) -> str | None:
+    _, _, query = path.partition("?")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as e:
+        return f"cannot read the options after '?': {e}"
+    keys = [key for key, _ in pairs]
+    unknown = sorted(set(keys) - set(HUB_OPTIONS))
+    if unknown:
+        return f"unknown option {', '.join(map(repr, unknown))} after the dataset name (options: {', '.join(HUB_OPTIONS)})"
+    if len(keys) != len(set(keys)) or any(not value for _, value in pairs):
+        return "each option after the dataset name is given once, with a value"
+    return None
 
 
 def data_path_problem(path: str) -> str | None:
     """What is wrong with a data or eval path that can be told without loading it, or None: a
-    reasoning-gym source with a bad form, task or setting, or a local path that does not exist and
-    is not shaped like a Hugging Face dataset name (whose cache is looked at only when loading)."""
+    reasoning-gym source with a bad form, task or setting, a Hugging Face dataset name with bad
+    options, or a local path that does not exist and is not shaped like a dataset name (whose cache
+    is looked at only when loading)."""
     if reasoning_gym.is_source(path):
         return reasoning_gym.source_problem(path)
-    if Path(path).exists() or looks_like_hub_name(path):
+    if Path(path).exists():
         return None
+    if hub_name(path) is not None:
+        return _hub_options_problem(path)
     return "no such file or directory (nor a Hugging Face dataset name, owner/name)"
 
 
@@ -295,8 +323,12 @@ def _rows(config: DataConfig) -> tuple[Iterator[tuple[int, Any, str | None]], bo
     path = Path(config.path)
     if reasoning_gym.is_source(config.path):
         return _iter_reasoning_gym(config.path, config.system_prompt), False
-    if not path.exists() and looks_like_hub_name(config.path):
-        return _open_hub(config.path, config.subset, config.split), False
+    if (named := hub_name(config.path)) is not None:
+        if (problem := _hub_options_problem(config.path)) is not None:
+            raise ValueError(f"data path {config.path!r}: {problem}")
+        name, options = named
+        subset, split = options.get("subset", config.subset), options.get("split", config.split)
+        return _open_hub(name, subset, split), False
     if path.is_dir():
         if not any((path / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
             raise ValueError(f"{path} is a directory but not one written by datasets' save_to_disk")
