@@ -166,7 +166,7 @@ def test_verl_rows_need_a_tokenizer_with_a_chat_template(tmp_path):
         DataConfig(path=str(path), schema="parquet")
 
 
-def test_verl_parquet_drives_a_short_run(tmp_path, tiny_model):
+def test_verl_parquet_drives_a_short_run(tmp_path, tiny_model, capsys):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_verl_rows(8)), path)
     pq.write_table(pa.Table.from_pylist(_verl_rows(4)), tmp_path / "test.parquet")
@@ -175,6 +175,9 @@ def test_verl_parquet_drives_a_short_run(tmp_path, tiny_model):
         "--reward.function", "exact",
     )  # fmt: skip
     assert run.tasks[0].train_set.schema == "verl" and run.tasks[0].eval_set.schema == "verl"
+    out = capsys.readouterr().out
+    assert "train data: 8 prompts, verl rows (detected: the first row has a reward_model object)" in out
+    assert "held-out data: 4 prompts, verl rows" in out
     assert "eval_accuracy" in records[-1]
 
 
