@@ -399,6 +399,7 @@ def load_prompt_dataset(
 
     for row_number, row, problem in rows:
         location = _location(path, row_number, line_numbered)
+        prompt, reference = "", None
         if problem is None:
             if schema != "reasoning_gym":  # its entries go to the task's scorer exactly as made
                 row = _plain(row)
