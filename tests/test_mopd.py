@@ -240,3 +240,13 @@ def test_a_run_distills_each_source_from_its_teacher(setup, tmp_path, monkeypatc
         assert record[f"{prefix}distill_logprob_gap"] == pytest.approx(both, abs=1e-5)
     if tasks:
         assert not any(key.startswith("plain/distill") for key in records[-1])
+    # the adapter's model card names the teachers
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load((run_dir / "tasks" / "mopd" if tasks else run_dir) / "adapter" / "README.md")
+    assert "on-policy-distillation" in card.data.tags
+    assert f"| teacher of `add` | `{setup / 'teacher_a'}` |" in card.text
+    assert f"| teacher of `sub` | `{setup / 'teacher_b'}` |" in card.text
+    assert "- data sources: `add` " in card.text
+    if tasks:
+        assert "task `mopd` of the run" in card.text

@@ -111,7 +111,7 @@ def model_card(run, task, step: int, final: bool, command: str | None = None) ->
         f"the adapter at RL step {step} of {config.steps}")
     lines = [
         "---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-        f"# LoRA adapter: {Path(base).name}, {algorithm.name}", "",
+        f"# {Path(base).name} + LoRA ({algorithm.name})", "",
         f"A LoRA adapter of `{base}` trained by archon with {algorithm.spec.summary.split(':')[0]} "
         f"({name}the run in `{run.run_dir}`): {state}. It is a PEFT adapter directory.", "",
         "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
@@ -198,7 +198,7 @@ def _result_lines(run_dir: Path, step: int, prefix: str) -> list[str]:
     if "step" in found:
         lines.append(f"From `metrics.jsonl`, RL step {found['step']}:")
         lines.append("")
-        lines += [f"- {text}: {found[key]:.4f}" for key, text in RESULT_METRICS if key in found]
+        lines += [f"- {text}: {found[key]:.6g}" for key, text in RESULT_METRICS if key in found]
     if "eval_accuracy" in found:
-        lines.append(f"- held-out accuracy (greedy, step {found['eval_step']}): {found['eval_accuracy']:.4f}")
+        lines.append(f"- held-out accuracy (greedy, step {found['eval_step']}): {found['eval_accuracy']:.6g}")
     return lines
