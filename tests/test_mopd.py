@@ -250,3 +250,44 @@ def test_a_run_distills_each_source_from_its_teacher(setup, tmp_path, monkeypatc
     assert "- data sources: `add` " in card.text
     if tasks:
         assert "task `mopd` of the run" in card.text
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_equals_the_one_process_run(setup, tmp_path):
+    """The run with a teacher per source on two data-parallel ranks (each a share of the prompts,
+    scoring its own samples with their sources' teachers) trains on the same recorded rollouts as
+    one process (tests/multi_task_worker.py): the per-source log-prob gaps (summed over the ranks),
+    losses, gradient norms and final adapter equal the one-process run's."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    algorithm = (f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, "
+                 f"{{data_source: sub, path: {setup / 'teacher_b'}}}], distillation_weight: 0.5}}")  # fmt: skip
+    worker = Path(__file__).with_name("multi_task_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(worker.parent)}
+    runs = {}
+    for name, launcher, mode in (("one", [], "record"), ("two", ["-m", "torch.distributed.run", "--standalone",
+                                                                 "--nproc_per_node", "2"], "replay")):  # fmt: skip
+        run_dir = tmp_path / name
+        config = _config_file(setup, run_dir, algorithm, steps=2)
+        cmd = [sys.executable, *launcher, str(worker), mode, str(tmp_path / "rollouts.pkl"), "--config", str(config),
+               "--optim.lr", "1e-3"]  # fmt: skip
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        runs[name] = run_dir
+    one, two = ({r["step"]: r for r in _records_of(runs[name])} for name in ("one", "two"))
+    for step in (1, 2):
+        keys = ["loss", "grad_norm", "distill_logprob_gap", "distill_logprob_gap/add", "distill_logprob_gap/sub"]
+        for key in keys:
+            assert two[step][key] == pytest.approx(one[step][key], abs=1e-5), (step, key)
+    expected = load_file(str(runs["one"] / "adapter" / "adapter_model.safetensors"))
+    got = load_file(str(runs["two"] / "adapter" / "adapter_model.safetensors"))
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
+
+
+def _records_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
