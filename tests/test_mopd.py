@@ -291,3 +291,12 @@ def test_a_two_rank_run_equals_the_one_process_run(setup, tmp_path):
 
 def _records_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_source_teacher_with_another_tokenizer_is_refused_naming_its_entry(setup, tmp_path):
+    from test_bad_input_config import _teacher
+
+    other = _teacher(setup / "model", tmp_path / "other", "tokenizer")
+    algorithm = f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, {{data_source: sub, path: {other}}}]}}"
+    with pytest.raises(ValueError, match=r"algorithm\.teachers\[1\]\.path='.*other': the teacher's tokenizer gives"):
+        _run(setup, tmp_path / "run", algorithm)
