@@ -305,9 +305,9 @@ class RLRun:
     ) -> tuple[PackedBatch, dict[str, Prepared], float]:
         """Prepare: each task's advantages and batch filters, every task's kept samples packed in one
         batch (`extras["task"]` in a multi-task run), and the log-probs the losses need: proximal
-        policy and reference in one forward each, each sequence's teacher (its data source's) on it; and the
-        seconds spent scoring with the trainer. A task whose reward function failed on every sample
-        (on every rank) has nothing to learn from and takes no update this step."""
+        policy and reference in one forward each, each sequence's teacher (its data source's) on it;
+        and the seconds spent scoring with the trainer. A task whose reward function failed on every
+        sample (on every rank) has nothing to learn from and takes no update this step."""
         G = self.config.rollout.group_size
         parts: list[PackedBatch] = []
         sources: list[str] = []  # the data source of each sequence of the batch (its prompt's row's)
@@ -606,8 +606,9 @@ class RLRun:
     def save(self, step: int, final: bool = False) -> None:
         """Each active task's resume checkpoint for RL step `step` and its PEFT adapter with its model
         card (README.md, archon.rl.model_card): TASK_DIR/adapter at the end, TASK_DIR/adapters/step_NNNNNN
-        before it (the newest checkpoint.keep_last_adapters kept), where TASK_DIR is the run directory for a run without tasks and RUN_DIR/tasks/<name>
-        for a named task. A stopped task keeps its last ones.
+        before it (the newest checkpoint.keep_last_adapters kept), where TASK_DIR is the run directory
+        for a run without tasks and RUN_DIR/tasks/<name> for a named task. A stopped task keeps its
+        last ones.
 
         The data position saved is that of the last trained step: rollouts a producer made ahead
         are not saved, and a resumed run samples their prompts again (nothing lost, nothing trained

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from archon.rl.metrics import read_metrics
+from archon.rl.metrics import METRICS_FILE, read_metrics
 
 RESULT_METRICS = (
     ("reward_mean", "mean reward"),
@@ -61,7 +61,7 @@ def card_metrics(run_dir: Path, step: int, prefix: str) -> dict[str, Any]:
     """The metrics of RUN_DIR/metrics.jsonl a card reports for a task (its metrics' `prefix`) at RL
     step `step`: the last record up to `step` (its step, and each of RESULT_METRICS it has), and the
     latest held-out accuracy up to `step` with its step."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     records = [r for r in read_metrics(run_dir) if r["step"] <= step] if path.exists() else []
     found: dict[str, Any] = {}
     trained = [r for r in records if r["step"] > 0]
@@ -107,6 +107,9 @@ def model_card(run, task, step: int, final: bool, command: str | None = None) ->
         tags.append("on-policy-distillation")
     front = {"base_model": base, "library_name": "peft", "pipeline_tag": "text-generation", "tags": tags}
     name = f"task `{task.name}` of " if task.name else ""
+    load = f"AutoModelForCausalLM.from_pretrained({base!r}), {str(task_export_dir(task, step, final))!r}"
+    tokenizer = f" (tokenizer: `{config.model.tokenizer}`)" if config.model.tokenizer else ""
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
     state = f"the final adapter, after {step} of {config.steps} RL steps" if final else (
         f"the adapter at RL step {step} of {config.steps}")
     lines = [
@@ -115,15 +118,14 @@ def model_card(run, task, step: int, final: bool, command: str | None = None) ->
         f"A LoRA adapter of `{base}` trained by archon with {algorithm.spec.summary.split(':')[0]} "
         f"({name}the run in `{run.run_dir}`): {state}. It is a PEFT adapter directory.", "",
         "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
-        f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(task_export_dir(task, step, final))!r})",
+        f"model = PeftModel.from_pretrained({load})",
         "```", "",
-        "## Base model", "", f"`{base}`" + (f" (tokenizer: `{config.model.tokenizer}`)" if config.model.tokenizer else "")
-        + f", weights in {config.model.dtype}.", "",
+        "## Base model", "", f"`{base}`{tokenizer}, weights in {config.model.dtype}.", "",
         "## LoRA", "",
         *_table([
             ("rank (r)", lora.rank), ("alpha", lora.alpha),
             ("scaling", "alpha / sqrt(r) (rsLoRA)" if lora.use_rslora else "alpha / r"),
-            ("target modules", lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)),
+            ("target modules", targets),
             ("dropout", lora.dropout), ("rank pattern", dict(lora.rank_pattern)),
             ("alpha pattern", dict(lora.alpha_pattern)), ("MoE experts", lora.experts),
         ]), "",
