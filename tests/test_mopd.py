@@ -300,3 +300,21 @@ def test_a_source_teacher_with_another_tokenizer_is_refused_naming_its_entry(set
     algorithm = f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, {{data_source: sub, path: {other}}}]}}"
     with pytest.raises(ValueError, match=r"algorithm\.teachers\[1\]\.path='.*other': the teacher's tokenizer gives"):
         _run(setup, tmp_path / "run", algorithm)
+
+
+def test_a_teacher_of_a_source_the_data_lacks_is_not_loaded(setup, tmp_path, monkeypatch, caplog):
+    import shutil
+
+    from archon.rl import loop
+
+    unused = shutil.copytree(setup / "teacher_a", tmp_path / "code_teacher")
+    loads = []
+    load_teacher = loop.load_teacher
+    monkeypatch.setattr(loop, "load_teacher", lambda path, *args: loads.append(path) or load_teacher(path, *args))
+    run = _run(setup, tmp_path / "run", f"{{teacher_path: {setup / 'teacher_a'}, teachers: [{{data_source: code, path: {unused}}}]}}")
+    try:
+        assert loads == [str(setup / "teacher_a")]
+        assert set(run.tasks[0].teachers) == {"add", "sub"}
+        assert "algorithm.teachers[0].data_source='code': no training prompt of" in caplog.text
+    finally:
+        run.close()
