@@ -555,11 +555,12 @@ class Trainer:
         )
 
     def export_peft(
-        self, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None, task: str | None = None
+        self, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None, task: str | None = None,
+        model_card: str | None = None,
     ) -> Path:
         """Write the adapter (of `task`, in a multi-task trainer: an adapter that loads alone) in PEFT
-        format (gathered from all shards; rank 0 writes). Refuses (NonFiniteError) an adapter with
-        NaN or inf values."""
+        format (gathered from all shards; rank 0 writes), with `model_card` as its README.md when
+        given (rank 0's). Refuses (NonFiniteError) an adapter with NaN or inf values."""
         name, _ = self._adapter(task)
         lora = self._lora(name)
         if lora is None:
@@ -568,7 +569,7 @@ class Trainer:
         with self._view(name):
             path = save_peft_adapter(
                 self.model, self.converter, lora, out_dir,
-                base_model_name_or_path or str(self.loaded.path), write=self.rank == 0,
+                base_model_name_or_path or str(self.loaded.path), write=self.rank == 0, model_card=model_card,
             )
         if dist.is_initialized():
             dist.barrier()

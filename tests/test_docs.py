@@ -134,11 +134,16 @@ def with_stand_ins(config, stand_ins, substituted: list[str]):
                 instance = _replaced(instance, name, str(stand_in))
         return instance
 
+    def swap_teachers(instance, prefix):  # algorithm.teachers[i].path
+        teachers = tuple(swap(teacher, ("path",), checkpoint, f"{prefix}algorithm.teachers[{j}].")
+                         for j, teacher in enumerate(instance.algorithm.teachers))  # fmt: skip
+        return dataclasses.replace(instance, algorithm=dataclasses.replace(instance.algorithm, teachers=teachers))
+
     config = swap(config, MODEL_PATHS, checkpoint, "")
-    config = swap(config, DATA_PATHS, data, "")
+    config = swap_teachers(swap(config, DATA_PATHS, data, ""), "")
     tasks = []
     for i, task in enumerate(config.tasks):
-        task = swap(task, TASK_MODEL_PATHS, checkpoint, f"tasks[{i}].")
+        task = swap_teachers(swap(task, TASK_MODEL_PATHS, checkpoint, f"tasks[{i}]."), f"tasks[{i}].")
         tasks.append(swap(task, TASK_DATA_PATHS, data, f"tasks[{i}]."))
     return dataclasses.replace(config, tasks=tuple(tasks))
 

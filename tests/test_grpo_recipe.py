@@ -127,6 +127,9 @@ def test_two_process_run_and_resume(tiny_setup, tmp_path):
         assert STEP_FIELDS <= record.keys(), STEP_FIELDS - record.keys()
     after = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert first.keys() == after.keys()
+    # the model card names torchrun's command line
+    card = (run_dir / "adapter" / "README.md").read_text()
+    assert "-m torch.distributed.run --standalone --nproc_per_node 2" in card and "--resume" in card
     assert any(not torch.equal(first[k], after[k]) for k in first)
 
     from peft import PeftModel

@@ -17,6 +17,7 @@ from torch import nn
 
 from archon.checkpoint.atomic import (
     atomic_directory,
+    atomic_file,
     atomic_save_safetensors,
     atomic_write_json,
 )
@@ -43,6 +44,7 @@ from archon.lora.utils import (
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CARD = "README.md"
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -143,8 +145,10 @@ def save_peft_adapter(
     out_dir: str | os.PathLike,
     base_model_name_or_path: str,
     write: bool = True,
+    model_card: str | None = None,
 ) -> Path:
-    """Export the adapter atomically. Under FSDP/TP every rank calls this; only `write=True` ranks write."""
+    """Export the adapter atomically. Under FSDP/TP every rank calls this; only `write=True` ranks write.
+    `model_card`: the text of the directory's README.md (PEFT's model card), written with the adapter."""
     tensors = peft_state_dict(model, converter)
     if not tensors:
         raise ValueError("model has no LoRA parameters to export")
@@ -154,6 +158,9 @@ def save_peft_adapter(
         with atomic_directory(out_dir) as tmp:
             atomic_save_safetensors(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
             atomic_write_json(tmp / ADAPTER_CONFIG, config)
+            if model_card is not None:
+                with atomic_file(tmp / ADAPTER_CARD, "w") as f:
+                    f.write(model_card)
     return out_dir
 
 

@@ -244,7 +244,7 @@ class Algorithm:
     @property
     def needs_teacher(self) -> bool:
         """The token advantages come (at least in part) from a teacher's log-probs."""
-        return self.config.teacher_path is not None
+        return distills(self.config)
 
     @property
     def uses_reward_advantages(self) -> bool:
@@ -371,10 +371,28 @@ def importance_sampling_for(loss: LossConfig, max_staleness: int) -> ImportanceS
     return "token" if max_staleness > 0 or loss.icepop_band is not None else "none"
 
 
+def distills(config: AlgorithmConfig) -> bool:
+    """On-policy distillation: a teacher (algorithm.teacher_path) or teachers per data source
+    (algorithm.teachers) give the token advantages, at least in part."""
+    return config.teacher_path is not None or bool(config.teachers)
+
+
+def teacher_setting(config: AlgorithmConfig, data_source: str, where: str = "algorithm") -> tuple[str, str] | None:
+    """(path, the setting that names it) of the teacher of the samples of rows with `data_source`:
+    the entry of config.teachers for it, else the default teacher config.teacher_path; None when
+    neither is set. `where` is the algorithm section's place (algorithm, or tasks[i].algorithm)."""
+    for i, teacher in enumerate(config.teachers):
+        if teacher.data_source == data_source:
+            return teacher.path, f"{where}.teachers[{i}].path"
+    if config.teacher_path is not None:
+        return config.teacher_path, f"{where}.teacher_path"
+    return None
+
+
 def uses_reward_advantages(config: AlgorithmConfig) -> bool:
-    """The token advantages include the rewards' advantages: always but with a teacher alone
-    (algorithm.teacher_path set and algorithm.distillation_weight not)."""
-    return config.teacher_path is None or config.distillation_weight is not None
+    """The token advantages include the rewards' advantages: always but with teachers alone
+    (algorithm.teacher_path or algorithm.teachers set and algorithm.distillation_weight not)."""
+    return not distills(config) or config.distillation_weight is not None
 
 
 def group_size_problem(name: str, group_size: int) -> str | None:

@@ -33,11 +33,13 @@ from archon.rl.config import RLConfig, validate
 from archon.agents.setup import build_episode_runner
 from archon.rl.episodes import episode_samples, score_episodes
 from archon.rl.metrics import MetricsLogger
+from archon.rl.model_card import model_card, task_export_dir
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
 from archon.rl.step_metrics import Prepared, Scores, every_reward_failed, task_step_metrics
 from archon.rl.rollouts import (
     concat_batches,
+    distill_from_teachers,
     filler_batch,
     load_teacher,
     mixed_rollouts,
@@ -47,7 +49,6 @@ from archon.rl.rollouts import (
     rollout_servers,
     stop_token_ids,
     task_servers,
-    teacher_logprobs,
 )
 from archon.rl.run_dir import TASKS_DIR, PreparedRunDir, prepare_run_dir, prune_adapter_exports
 from archon.rl.task import STOPPED_FILE, Task, resume_named_tasks
@@ -105,7 +106,7 @@ class RLRun:
                                         "model.tokenizer" if config.model.tokenizer else "model.path")  # fmt: skip
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.trainer.loaded.hf_config)
         self.teachers: dict[str, torch.nn.Module] = {}
-        """The frozen teachers by path: tasks that name the same teacher share one copy."""
+        """The frozen teachers by path: tasks and data sources that name the same teacher share one copy."""
         for index, task_config in enumerate(task_configs):
             prefix = f"{task_config.name}/" if len(task_configs) > 1 else ""
             self.tasks.append(Task(self, index, task_config, prefix))
@@ -304,11 +305,12 @@ class RLRun:
     ) -> tuple[PackedBatch, dict[str, Prepared], float]:
         """Prepare: each task's advantages and batch filters, every task's kept samples packed in one
         batch (`extras["task"]` in a multi-task run), and the log-probs the losses need: proximal
-        policy and reference in one forward each, a task's teacher on its own sequences; and the
-        seconds spent scoring with the trainer. A task whose reward function failed on every sample
-        (on every rank) has nothing to learn from and takes no update this step."""
+        policy and reference in one forward each, each sequence's teacher (its data source's) on it;
+        and the seconds spent scoring with the trainer. A task whose reward function failed on every
+        sample (on every rank) has nothing to learn from and takes no update this step."""
         G = self.config.rollout.group_size
         parts: list[PackedBatch] = []
+        sources: list[str] = []  # the data source of each sequence of the batch (its prompt's row's)
         prepared: dict[str, Prepared] = {}
         for task in tasks:
             s = scores[task.name]
@@ -330,6 +332,8 @@ class RLRun:
                 if self.trainer.multi_task:
                     part.extras[TASK_EXTRA] = torch.full((part.num_tokens,), task.index, dtype=torch.long)
                 parts.append(part)
+                examples = collected[task.name].examples
+                sources += [examples[sample.prompt_index].data_source for sample in kept]
             prepared[task.name] = Prepared(rewards, keep, trains=trains)
         batch = concat_batches(parts) if parts else filler_batch(self.trainer.multi_task, 0)
         trained = [task for task in tasks if prepared[task.name].trains]
@@ -351,13 +355,13 @@ class RLRun:
             prepared[task.name].gaps = self._logprob_gaps(task, batch, mine)
             prepared[task.name].lag = batch.extras["version_lag"][mine].double()
             prepared[task.name].tokens = float(of_task.sum()) if parts else 0.0
-            if task.teacher is None or task.name not in sequences:
+            if not task.teachers or not parts or task.name not in sequences:
                 continue
-            sub = batch.select(sequences[task.name])
-            batch.advantages[of_task] = task.algorithm.token_advantages(
-                sub.advantages, sub.old_logprobs, teacher_logprobs(task.teacher, sub, self.device, temperature),
-                sub.loss_mask,
-            )
+            mine = sequences[task.name]
+            prepared[task.name].distill_gaps = distill_from_teachers(
+                batch, mine, [task.teachers[sources[i]] for i in mine], [sources[i] for i in mine], task.algorithm,
+                self.device, temperature,
+            )  # fmt: skip
         return batch, prepared, time.perf_counter() - score_start
 
     def _tokens_of(self, batch: PackedBatch, tasks: list[Task]) -> torch.Tensor:
@@ -600,17 +604,20 @@ class RLRun:
                 self.prepared_run_dir.release()
 
     def save(self, step: int, final: bool = False) -> None:
-        """Each active task's resume checkpoint for RL step `step` and its PEFT adapter: TASK_DIR/adapter
-        at the end, TASK_DIR/adapters/step_NNNNNN before it (the newest checkpoint.keep_last_adapters
-        kept), where TASK_DIR is the run directory for a run without tasks and RUN_DIR/tasks/<name>
-        for a named task. A stopped task keeps its last ones.
+        """Each active task's resume checkpoint for RL step `step` and its PEFT adapter with its model
+        card (README.md, archon.rl.model_card): TASK_DIR/adapter at the end, TASK_DIR/adapters/step_NNNNNN
+        before it (the newest checkpoint.keep_last_adapters kept), where TASK_DIR is the run directory
+        for a run without tasks and RUN_DIR/tasks/<name> for a named task. A stopped task keeps its
+        last ones.
 
         The data position saved is that of the last trained step: rollouts a producer made ahead
         are not saved, and a resumed run samples their prompts again (nothing lost, nothing trained
         twice)."""
         for task in self.active():
             self.trainer.save_checkpoint(task.checkpoints, step, task.state(), task=task.name)
-            out = task.dir / ("adapter" if final else f"adapters/step_{step:06d}")
-            self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.name)
+            out = task_export_dir(task, step, final)
+            card = model_card(self, task, step, final) if self.rank == 0 else None
+            self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.name,
+                                     model_card=card)  # fmt: skip
             if not final and self.rank == 0:
                 prune_adapter_exports(task.dir / "adapters", self.config.checkpoint.keep_last_adapters)

@@ -123,6 +123,41 @@ def teacher_logprobs(teacher: torch.nn.Module, batch: PackedBatch, device, tempe
     return lp.float().cpu() * batch.loss_mask
 
 
+def distill_from_teachers(
+    batch: PackedBatch, sequences: list[int], teachers: list[torch.nn.Module], sources: list[str], algorithm,
+    device, temperature: float,
+) -> dict[str, tuple[float, float]]:
+    """On-policy distillation of the sequences `sequences` of `batch`, sequence sequences[k] from the
+    teacher teachers[k] (its prompt's data source's, sources[k]): writes their token advantages
+    (`algorithm.token_advantages` of the teacher's log-probs and batch.old_logprobs) into
+    batch.advantages, with one teacher forward over all the sequences of each distinct teacher
+    (sources sharing a teacher share its forward). Returns, by source, the sum over its loss tokens
+    of the log-prob gap log pi_student - log pi_teacher and the number of those tokens.
+
+    The teachers are whole, unsharded models on every rank (no collectives in their forward), so a
+    rank runs the forwards of the teachers its own samples need, whatever the other ranks run."""
+    by_teacher: dict[int, list[int]] = {}
+    for k, teacher in enumerate(teachers):
+        by_teacher.setdefault(id(teacher), []).append(k)
+    bounds = batch.cu_seqlens.tolist()
+    gaps: dict[str, tuple[float, float]] = {}
+    for ks in by_teacher.values():
+        chosen = [sequences[k] for k in ks]
+        sub = batch.select(chosen)
+        teacher_lp = teacher_logprobs(teachers[ks[0]], sub, device, temperature)
+        tokens = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in chosen])
+        batch.advantages[tokens] = algorithm.token_advantages(
+            sub.advantages, sub.old_logprobs, teacher_lp, sub.loss_mask
+        )
+        gap = (sub.old_logprobs.double() - teacher_lp.double()) * sub.loss_mask
+        sub_bounds = sub.cu_seqlens.tolist()
+        for j, k in enumerate(ks):
+            span = slice(sub_bounds[j], sub_bounds[j + 1])
+            total, count = gaps.get(sources[k], (0.0, 0.0))
+            gaps[sources[k]] = (total + float(gap[span].sum()), count + float(sub.loss_mask[span].sum()))
+    return gaps
+
+
 def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
     """The sequences of `batches` in one packed batch, in order (extras kept where all have them)."""
     values = {}

@@ -50,6 +50,9 @@ class Prepared:
     gaps: dict[str, torch.Tensor] = field(default_factory=lambda: _no_gaps())
     lag: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
     tokens: float = 0.0
+    distill_gaps: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """On-policy distillation: by data source, the summed log-prob gap log pi_student - log pi_teacher
+    over the source's trained loss tokens on this rank, and their count."""
 
 
 def every_reward_failed(failures: float, samples: float) -> bool:
@@ -128,7 +131,29 @@ def task_step_metrics(
         names = sorted(scores.episode_sums)
         for name, total in zip(names, dp_sum(*(scores.episode_sums[k] for k in names))):
             metrics[name] = total / max(n, 1.0)
+    metrics.update(distill_metrics(task, prepared, dp_sum))
     metrics.update({k: v for k, v in sync.items() if k != "sync_s"})
     if updates:
         metrics.update(update_summary(updates))
+    return metrics
+
+
+NO_SOURCE = "(none)"
+"""How a metric names the data source of rows without one."""
+
+
+def distill_metrics(task, prepared: Prepared, dp_sum) -> dict[str, float]:
+    """With distillation: the mean log-prob gap log pi_student - log pi_teacher (the per-token
+    reverse KL to the teacher on the student's samples) over the task's trained loss tokens on all
+    ranks, `distill_logprob_gap`, and per data source (`distill_logprob_gap/<source>`, of the sources
+    with tokens this step). Every rank sums the same list, its task's sources (those of its data)."""
+    if not task.teachers:
+        return {}
+    sources = sorted(task.teachers)
+    totals = dp_sum(*[value for source in sources for value in prepared.distill_gaps.get(source, (0.0, 0.0))])
+    metrics = {}
+    for source, total, count in zip(sources, totals[0::2], totals[1::2]):
+        if count > 0:
+            metrics[f"distill_logprob_gap/{source or NO_SOURCE}"] = total / count
+    metrics["distill_logprob_gap"] = sum(totals[0::2]) / max(sum(totals[1::2]), 1.0)
     return metrics

@@ -14,10 +14,12 @@ import zlib
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from archon.checkpoint.resume import CheckpointManager
-from archon.rl.algorithms import get_algorithm
-from archon.rl.config import TaskConfig
-from archon.rl.data import PromptBatchIterator, load_prompt_dataset
+from archon.rl.algorithms import get_algorithm, teacher_setting
+from archon.rl.config import AlgorithmConfig, TaskConfig
+from archon.rl.data import PromptBatchIterator, PromptExample, load_prompt_dataset
 from archon.rl.producer import RolloutProducer
 from archon.rl.rewards import RewardScorer
 from archon.rl.run_dir import TASKS_DIR
@@ -44,6 +46,36 @@ def read_stopped_record(path: Path) -> dict:
     if not isinstance(record, dict) or not isinstance(record.get("reason"), str) or "step" not in record:
         raise ValueError(f"{path} is not a record of a stopped task (a JSON object with 'step' and 'reason'): {advice}")
     return record
+
+
+def source_teachers(
+    algorithm: AlgorithmConfig, examples: list[PromptExample], data_path: str, where: str
+) -> dict[str, tuple[str, str]]:
+    """(teacher path, the setting naming it) of each data source of `examples` (the training
+    prompts of `data_path`), by algorithm.teachers and the default algorithm.teacher_path; a source
+    with neither is a ValueError naming the source, its rows and the settings (`where`: the
+    algorithm section's place). A listed source the data lacks is logged, not loaded."""
+    rows: dict[str, list[PromptExample]] = {}
+    for example in examples:
+        rows.setdefault(example.data_source, []).append(example)
+    chosen = {}
+    for source in sorted(rows):
+        setting = teacher_setting(algorithm, source, where)
+        if setting is None:
+            named = f"data_source {source!r}" if source else "no data_source"
+            listed = ", ".join(repr(t.data_source) for t in algorithm.teachers)
+            raise ValueError(
+                f"{where}.teachers: {len(rows[source])} training prompt(s) of {data_path} have {named} (e.g. "
+                f"{rows[source][0].source}) and no teacher: {where}.teachers lists {listed} and "
+                f"{where}.teacher_path (the teacher of the sources not listed) is not set; add "
+                f"{{data_source: {source!r}, path: ...}} to {where}.teachers or set {where}.teacher_path"
+            )
+        chosen[source] = setting
+    for i, teacher in enumerate(algorithm.teachers):
+        if teacher.data_source not in rows:
+            logger.warning("%s.teachers[%d].data_source=%r: no training prompt of %s has this source; its teacher "
+                           "(%s) is not used", where, i, teacher.data_source, data_path, teacher.path)  # fmt: skip
+    return chosen
 
 
 class Task:
@@ -74,9 +106,16 @@ class Task:
             self.eval_set = load_prompt_dataset(eval_data, run.tokenizer, context, run.eval_new_tokens)
             self._report(run, f"{where}held-out", self.eval_set)
         self.teacher = None
+        """The default teacher (algorithm.teacher_path), when a source of the data takes it."""
+        self.teachers: dict[str, torch.nn.Module] = {}
+        """The teacher of each data source of the training prompts, with distillation (teachers
+        shared between sources, or with other tasks, are one model)."""
         if self.algorithm.needs_teacher:
-            option = f"tasks[{index}].algorithm.teacher_path" if self.name else "algorithm.teacher_path"
-            self.teacher = run.teacher(config.algorithm.teacher_path, option)
+            where = f"tasks[{index}].algorithm" if self.name else "algorithm"
+            chosen = source_teachers(config.algorithm, self.train_set.examples, config.data.path, where)
+            self.teachers = {source: run.teacher(path, option) for source, (path, option) in chosen.items()}
+            default = [source for source, (_, option) in chosen.items() if option == f"{where}.teacher_path"]
+            self.teacher = self.teachers[default[0]] if default else None
         self.dir = run.run_dir / TASKS_DIR / self.name if self.name else run.run_dir
         self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
         self.scorer: RewardScorer | None = None

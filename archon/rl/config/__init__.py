@@ -20,6 +20,7 @@ from archon.rl.config.schema import (
     RLConfig,
     RolloutConfig,
     TaskConfig,
+    TeacherConfig,
     warn_renamed,
 )
 from archon.rl.config.validation import MAX_STALENESS, TASK_NAME, TASK_NAME_MAX_CHARS, validate
@@ -37,6 +38,7 @@ __all__ = [
     "RLConfig",
     "RolloutConfig",
     "TaskConfig",
+    "TeacherConfig",
     "load_config_file",
     "merge_into",
     "parse_config",

@@ -88,6 +88,18 @@ class RolloutConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """A teacher of multi-teacher on-policy distillation: the samples of the prompts whose row's
+    `data_source` is `data_source` are distilled from the model at `path`."""
+
+    data_source: str = ""
+    """The rows' `data_source` value (the dataset they came from) that this teacher serves."""
+    path: str = ""
+    """HF checkpoint directory, loaded read-only; it must share the student's tokenizer. Sources
+    (and tasks) naming the same path share one copy."""
+
+
+@dataclass
 class AlgorithmConfig:
     name: AlgorithmName = "grpo"
     """The algorithm (archon.rl.algorithms): grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp or
@@ -111,12 +123,18 @@ class AlgorithmConfig:
     teacher_path: str | None = None
     """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
     -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged
-    (unless distillation_weight is set)."""
+    (unless distillation_weight is set). With `teachers`: the teacher of the data sources they do
+    not list."""
+    teachers: tuple[TeacherConfig, ...] = ()
+    """Multi-teacher on-policy distillation: a teacher per data source (the rows' `data_source`),
+    e.g. [{data_source: gsm8k, path: /models/math}, {data_source: code, path: /models/coder}];
+    each sample is distilled from its prompt's source's teacher, as with teacher_path. A source
+    not listed takes teacher_path, and without it is an error at start."""
     distillation_weight: float | None = None
     """On-policy distillation mixed with task rewards: the per-token advantage becomes the reward
     advantage plus distillation_weight * (log pi_teacher - log pi_theta), one advantage per token
     clipped as one surrogate (archon.rl.advantages.mixed_distillation_advantages). Needs
-    teacher_path; must be > 0. None: the teacher's advantage alone."""
+    teacher_path or teachers; must be > 0. None: the teacher's advantage alone."""
     max_skipped_steps: int = 3
     """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
     left as they were, the LR schedule still follows the RL step; counted in the metric

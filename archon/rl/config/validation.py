@@ -22,7 +22,7 @@ from archon.agents.renderer import renderer_names
 from archon.agents.setup import EnvironmentConfig, environment_factory
 from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
-from archon.rl.algorithms import ALGORITHMS, algorithm_problems, importance_sampling_for
+from archon.rl.algorithms import ALGORITHMS, algorithm_problems, distills, importance_sampling_for
 from archon.rl.code_tool_demo import demo_environment_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
 from archon.rl.data import data_path_problem
@@ -54,7 +54,7 @@ def validate(config: RLConfig, world_size: int | None = None) -> None:
     run is under way.
 
     world_size: processes in the run; default: the process group's size, else torchrun's
-    WORLD_SIZE, else 1. Reads the config.json of model.path and of each teacher_path (no weights).
+    WORLD_SIZE, else 1. Reads the config.json of model.path and of each teacher (no weights).
 
     A config equal to the one last passed, for the same world size, is not checked again: parse_config
     validates, and RLRun's validate() of the parsed config returns at once. A config changed since,
@@ -302,13 +302,24 @@ def _algorithm_problems(
         )  # fmt: skip
     if algorithm.distillation_weight is not None:
         problems.require(
-            algorithm.teacher_path is not None, f"{where}.distillation_weight", algorithm.distillation_weight,
-            f"weights a teacher's advantage, but {where}.teacher_path is not set",
+            distills(algorithm), f"{where}.distillation_weight", algorithm.distillation_weight,
+            f"weights a teacher's advantage, but neither {where}.teacher_path nor {where}.teachers is set",
         )  # fmt: skip
         problems.require(
             algorithm.distillation_weight > 0, f"{where}.distillation_weight", algorithm.distillation_weight,
             "must be > 0 (None: the teacher's advantage alone)",
         )  # fmt: skip
+    sources = [teacher.data_source for teacher in algorithm.teachers]
+    for i, teacher in enumerate(algorithm.teachers):
+        problems.require(
+            bool(teacher.data_source), f"{where}.teachers[{i}].data_source", teacher.data_source,
+            f"must name a data source (the rows' data_source); the teacher of rows without one is {where}.teacher_path",
+        )  # fmt: skip
+        problems.require(
+            sources.index(teacher.data_source) == i, f"{where}.teachers[{i}].data_source", teacher.data_source,
+            f"already has a teacher ({where}.teachers[{sources.index(teacher.data_source)}]); one teacher a source",
+        )  # fmt: skip
+        problems.require(bool(teacher.path), f"{where}.teachers[{i}].path", teacher.path, "must be a model directory")
     problems.require(
         algorithm.max_skipped_steps >= 1, f"{where}.max_skipped_steps", algorithm.max_skipped_steps,
         "must be at least 1",
@@ -422,8 +433,11 @@ def _file_problems(task: TaskConfig, fields: _TaskFields, model_path: str, stude
         problems.append(f"{fields.eval_path}={task.eval_path!r}: {problem}")
     elif task.eval_path and (overlap := reasoning_gym_overlap(task.data.path, task.eval_path)) is not None:
         problems.append(f"{fields.eval_path}={task.eval_path!r}: {overlap}")
-    teacher_path, where = task.algorithm.teacher_path, f"{fields.prefix}algorithm.teacher_path"
-    if teacher_path is not None:
+    teachers = [(task.algorithm.teacher_path, f"{fields.prefix}algorithm.teacher_path")]
+    teachers += [(t.path, f"{fields.prefix}algorithm.teachers[{i}].path") for i, t in enumerate(task.algorithm.teachers)]
+    for teacher_path, where in teachers:
+        if not teacher_path:
+            continue
         teacher = _read_model_config(teacher_path, where)
         if teacher is None:
             problems.append(f"{where}={teacher_path!r}: no config.json there; expected an HF model directory")
