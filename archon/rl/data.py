@@ -69,6 +69,9 @@ class PromptExample:
     data_source: str = ""
     """The row's `data_source` (verl's field: which dataset it came from, which routes its reward
     and its teacher); "" when the row has none."""
+    extra_info: Any = None
+    """The row's `extra_info` (verl's field: anything a reward function needs beside the reference,
+    passed to functions that take it); None when the row has none."""
 
 
 @dataclass
@@ -192,6 +195,19 @@ def _rows(path: Path, split: str) -> tuple[Iterator[tuple[int, Any, str | None]]
     raise ValueError(f"{path}: unknown dataset format {suffix!r}; expected .jsonl, .parquet or a datasets directory")
 
 
+def data_sources_of(path: str, split: str = "train") -> set[str]:
+    """The `data_source` values of a dataset's rows ("" for rows without one), read without
+    tokenizing: what the reward routing is checked against before a model is loaded. Malformed
+    rows are left out (loading reports them)."""
+    rows, _ = _rows(Path(path), split)
+    found = set()
+    for _, row, problem in rows:
+        if problem is None and isinstance(row, dict):
+            source = row.get("data_source")
+            found.add(source if isinstance(source, str) else "")
+    return found
+
+
 def tokenize_prompt(tokenizer, text: str, chat_template_applied: bool) -> list[int]:
     """Token ids of a prompt. A rendered chat template already holds its special tokens, so none are
     added then; a raw prompt gets the tokenizer's usual ones (a BOS, for example)."""
@@ -231,7 +247,9 @@ def load_prompt_dataset(
                 dataset.too_long.append(MalformedRow(str(path), row_number, problem, line_numbered))
                 continue
         source = row.get("data_source") if isinstance(row.get("data_source"), str) else ""
-        dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids, row, source))
+        dataset.examples.append(
+            PromptExample(prompt, reference, location, prompt_ids, row, source, row.get("extra_info"))
+        )
 
     if dataset.malformed or dataset.too_long:
         logger.warning("prompt dataset %s: %s", path, dataset.report())
