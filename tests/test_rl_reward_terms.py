@@ -4,6 +4,7 @@ judge) against local HTTP servers that work, are slow, fail, reply garbage or ne
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import socket
@@ -407,3 +408,83 @@ def test_http_terms_run_beside_the_worker_terms(reward_server, terms):
         batch = scorer.score_batch(["p"] * 2, ["xy", "xyz"], [None] * 2, data_sources=["a", "b"])
     assert batch.rewards.tolist() == [2.0, 33.0]
     assert torch.equal(batch.parts["length"], torch.tensor([0.0, 3.0]))
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+def test_terms_and_routing_load_from_a_yaml_file(tmp_path):
+    from archon.rl.config import load_config_file
+
+    path = tmp_path / "run.yaml"
+    path.write_text(textwrap.dedent("""
+        reward:
+          terms:
+            - {name: correct, function: math}
+            - {name: rm, kind: server, weight: 0.5, server: {url: "http://rm:8000/score", batch_size: 16}}
+            - name: judge
+              kind: judge
+              judge: {base_url: "http://judge:8000/v1", model: m, prompt: "{completion}", score_range: [0, 10]}
+          sources: {gsm8k: [correct], chat: [rm, judge]}
+          default_terms: [correct]
+    """))
+    reward = load_config_file(path).reward
+    assert [t.name for t in reward.terms] == ["correct", "rm", "judge"]
+    assert reward.terms[1].server.batch_size == 16 and reward.terms[1].weight == 0.5
+    assert reward.terms[2].judge.score_range == (0.0, 10.0)
+    assert reward.sources == {"gsm8k": ("correct",), "chat": ("rm", "judge")}
+    assert reward.default_terms == ("correct",)
+
+
+def _invalid(reward: RewardConfig, run_dir, data_path=None) -> str:
+    from archon.rl.config import RLConfig
+    from archon.rl.loop import RLRun
+
+    config = RLConfig()
+    config = dataclasses.replace(config, reward=reward, logging=dataclasses.replace(config.logging, run_dir=str(run_dir)))
+    if data_path is not None:
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(data_path)))
+    with pytest.raises(ValueError) as error:
+        RLRun(config)  # validation is its first act: no model is built
+    return str(error.value)
+
+
+def _judge_term(**judge):
+    settings = {"base_url": "http://judge:8000/v1", "model": "m", "prompt": "{completion}", **judge}
+    return _term("judge", kind="judge", judge=JudgeConfig(**settings))
+
+
+@pytest.mark.parametrize(
+    "reward, culprit",
+    [
+        (RewardConfig(terms=(_term("a", "exact"), _term("a", "exact"))), "reward.terms[1].name='a': is the name of an earlier term"),
+        (RewardConfig(terms=(_term("a b", "exact"),)), "reward.terms[0].name='a b': must be letters"),
+        (RewardConfig(terms=(_term("a", "nope_module:f"),)), "reward.terms[0].function='nope_module:f': no module named"),
+        (RewardConfig(terms=(_term("a", "exact", weight=float("nan")),)), "reward.terms[0].weight=nan"),
+        (RewardConfig(terms=(_term("a", "exact"),), sources={"gsm": ("b",)}), "reward.sources['gsm']=['b']: names no term 'b'"),
+        (RewardConfig(terms=(_term("a", "exact"),), default_terms=("a",)), "reward.default_terms=['a']: only applies"),
+        (RewardConfig(terms=(_term("rm", kind="server"),)), "reward.terms[0].server.url='': must be an http"),
+        (RewardConfig(terms=(_term("rm", kind="server", server=RewardServerConfig(url="http://x", batch_size=0)),)),
+         "reward.terms[0].server.batch_size=0"),
+        (RewardConfig(terms=(_judge_term(prompt=""),)), "reward.terms[0].judge.prompt is not set"),
+        (RewardConfig(terms=(_judge_term(prompt="{answer}"),)), "reward.terms[0].judge.prompt: KeyError: 'answer'"),
+        (RewardConfig(terms=(_judge_term(model=""),)), "reward.terms[0].judge.model=''"),
+        (RewardConfig(terms=(_judge_term(score_range=(1.0, 0.0)),)), "reward.terms[0].judge.score_range=[1.0, 0.0]"),
+        (RewardConfig(terms=(_judge_term(score_regex="(unclosed"),)), "judge.score_regex='(unclosed': not a regular"),
+        (RewardConfig(terms=(_judge_term(score_range=(0.0, 1000.0), structured_output="choice"),)),
+         "with structured_output=choice must hold 1 to 101 integers"),
+    ],
+)  # fmt: skip
+def test_invalid_reward_terms_fail_before_anything_is_built(reward, culprit, tmp_path):
+    assert culprit in _invalid(reward, tmp_path / "run")
+
+
+def test_a_data_source_without_terms_fails_before_a_model_is_built(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1", "answer": "2", "data_source": "gsm"}, {"prompt": "x", "answer": "y", "data_source": "code"},
+            {"prompt": "z", "answer": "z"}]  # fmt: skip
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reward = RewardConfig(terms=(_term("exact", "exact"),), sources={"gsm": ("exact",)})
+    message = _invalid(reward, tmp_path / "run", data)
+    assert "data_source '', 'code' has no reward terms: reward.sources does not list it" in message
+    assert str(data) in message

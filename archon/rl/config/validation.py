@@ -385,7 +385,8 @@ def _reward_problems(reward: RewardConfig, prefix: str, task: TaskConfig | None 
     for name in reward.default_terms or ():
         problems.require(name in names, f"{where}.default_terms", list(reward.default_terms),
                          f"names no term {name!r} (the terms: {sorted(names)})")  # fmt: skip
-    problems.require(reward.default_terms is None or reward.sources, f"{where}.default_terms", reward.default_terms,
+    problems.require(reward.default_terms is None or reward.sources, f"{where}.default_terms",
+                     None if reward.default_terms is None else list(reward.default_terms),
                      "only applies with reward.sources (without it every term scores every sample)")  # fmt: skip
     if task is not None and reward.sources and reward.default_terms is None and not problems:
         for path, label in ((task.data.path, "data.path"), (task.eval_path, "eval path")):
