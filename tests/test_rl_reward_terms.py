@@ -488,3 +488,46 @@ def test_a_data_source_without_terms_fails_before_a_model_is_built(tmp_path):
     message = _invalid(reward, tmp_path / "run", data)
     assert "data_source '', 'code' has no reward terms: reward.sources does not list it" in message
     assert str(data) in message
+
+
+# ---- in the RL loop -----------------------------------------------------------------------------
+
+
+def test_a_run_logs_each_term_and_each_source(tmp_path):
+    """A tiny GRPO run whose rows come from two sources, routed to different terms: every step logs
+    the per-term and per-source metrics, and the step's reward is their weighted sum."""
+    from test_grpo_recipe import _args, write_tiny_setup
+
+    from archon.rl.config import parse_config
+    from archon.rl.loop import RLRun
+
+    root = write_tiny_setup(tmp_path / "setup")
+    rows = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["data_source"] = "digits" if i % 2 else "exact"
+    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    yaml_path = tmp_path / "reward.yaml"
+    yaml_path.write_text(textwrap.dedent("""
+        reward:
+          num_workers: 0
+          terms:
+            - {name: digits, function: "reward_fixtures:digits_or_raise", weight: 2.0}
+            - {name: exact, function: exact}
+          sources: {digits: [digits], exact: [exact]}
+    """))
+    args = [*_args(root, tmp_path / "run", steps=2), "--eval.every", "0", "--config", str(yaml_path)]
+    args = [a for a in args if a not in ("--reward.function", "reward_fixtures:digits_or_raise")]
+    RLRun(parse_config(args)).run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [record for record in records if "reward_mean" in record]
+    assert len(records) == 2
+    for record in records:
+        for key in ("reward/digits_mean", "reward/exact_mean", "reward/digits_errors", "source/digits/reward_mean",
+                    "source/exact/accuracy", "source/digits/count", "source/exact/count"):  # fmt: skip
+            assert key in record, key
+        assert record["source/digits/count"] + record["source/exact/count"] == 16
+        assert record["reward/digits_samples"] == record["source/digits/count"]
+        total = 2.0 * record["reward/digits_mean"] * record["reward/digits_samples"] + (
+            record["reward/exact_mean"] * record["reward/exact_samples"]
+        )
+        assert record["reward_mean"] == pytest.approx(total / 16, abs=1e-6)

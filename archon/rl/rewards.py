@@ -112,6 +112,12 @@ class RewardConfig:
             return self.terms
         return (RewardTermConfig(name=self.function.rpartition(":")[2] or "reward", function=self.function),)
 
+    def describe(self) -> str:
+        """"the reward function 'math'" or "the reward terms 'a', 'b'", for messages."""
+        if not self.terms:
+            return f"the reward function {self.function!r}"
+        return "the reward terms " + ", ".join(repr(term.name) for term in self.terms)
+
     def unrouted_sources(self, data_sources: Sequence[str]) -> list[str]:
         """Of `data_sources`, those `sources` and `default_terms` give no terms (in order, once each)."""
         if not self.sources or self.default_terms is not None:
@@ -194,8 +200,8 @@ class RewardScorer(WorkerPool):
     """Scores batches with the configured reward terms; see the module doc for the time limits.
 
     Keeps running totals over its lifetime in `totals` (samples, errors, timeouts), and in
-    `last_traceback` the traceback text of the first exception of the last batch (None when no
-    sample of it raised). `data_sources`: the data_sources the run's rows have; each gets its own
+    `last_traceback` the traceback text of the first exception of the last batch, or the first
+    failed request of a server or judge term (None when no sample of it raised or failed so). `data_sources`: the data_sources the run's rows have; each gets its own
     metrics when there are several or `sources` routes them, and one without terms is an
     UnroutedSourceError here, before any worker starts. Call close() (or use it as a context
     manager) to stop the worker processes.
@@ -294,7 +300,8 @@ class RewardScorer(WorkerPool):
                     if failure is None:
                         values[t][i] = value
                     else:
-                        failures.append((t, failure[0], i, failure[1], None))
+                        # no traceback to show: the request's failure stands in for one
+                        failures.append((t, failure[0], i, failure[1], f"term {self.terms[t].name!r}: {failure[1]}"))
         # call_reward rejects NaN and inf; a value beyond the float32 range becomes inf here.
         parts = {}
         failed = {(t, i) for t, _, i, _, _ in failures}

@@ -169,7 +169,7 @@ class Task:
         if len(self.reward_failure_streak) >= limit:
             cause = self.reward_traceback or "(every sample timed out, or failed on another rank)"
             return RewardFunctionError(
-                f"RL step {step}: {where}the reward function {self.config.reward.function!r} failed on every sample "
+                f"RL step {step}: {where}{self.config.reward.describe()} failed on every sample "
                 f"for {len(self.reward_failure_streak)} steps in a row (steps {self.reward_failure_streak[0]}-{step}, "
                 f"reward.max_failed_steps={limit}). First failure of step {step}:\n{cause}"
             )

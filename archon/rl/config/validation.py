@@ -201,7 +201,7 @@ def _task_problems(task: TaskConfig, fields: _TaskFields, config: RLConfig) -> l
         *_algorithm_problems(task.algorithm, task.max_staleness, fields, config.rollout),
         *_lora_problems(task.lora, task.algorithm, fields.prefix, config.rollout),
         *_optim_problems(task.optim, fields.prefix, config.steps),
-        *_reward_problems(task.reward, fields.prefix, task),
+        *_reward_problems(task.reward, fields.prefix, task, evaluates=bool(config.eval.every)),
         *_environment_problems(task.environment, fields.prefix),
     ]
 
@@ -367,9 +367,12 @@ def _optim_problems(optim: OptimConfig, prefix: str, steps: int) -> list[str]:
     return problems
 
 
-def _reward_problems(reward: RewardConfig, prefix: str, task: TaskConfig | None = None) -> list[str]:
+def _reward_problems(
+    reward: RewardConfig, prefix: str, task: TaskConfig | None = None, evaluates: bool = False
+) -> list[str]:
     """The reward's function or terms, its routing by data_source and, when routing leaves some
-    sources without terms, the sources of the task's data (read now, before a model is loaded)."""
+    sources without terms, the sources of the task's data and (`evaluates`) held-out data, read
+    now, before a model is loaded."""
     where = f"{prefix}reward"
     if not reward.terms:
         problems = _Problems()
@@ -389,7 +392,7 @@ def _reward_problems(reward: RewardConfig, prefix: str, task: TaskConfig | None 
                      None if reward.default_terms is None else list(reward.default_terms),
                      "only applies with reward.sources (without it every term scores every sample)")  # fmt: skip
     if task is not None and reward.sources and reward.default_terms is None and not problems:
-        for path, label in ((task.data.path, "data.path"), (task.eval_path, "eval path")):
+        for path, label in ((task.data.path, "data.path"), (task.eval_path if evaluates else "", "eval path")):
             if not path or not Path(path).exists():
                 continue
             try:
