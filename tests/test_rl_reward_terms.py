@@ -209,6 +209,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         server = self.server
         with server.lock:
             server.requests.append((self.path, body))
+            server.authorizations.append(self.headers.get("Authorization"))
         if self.path == "/slow":
             time.sleep(2.0)
         if self.path == "/error":
@@ -243,7 +244,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 def reward_server():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
-    server.requests, server.seen, server.lock = [], set(), threading.Lock()
+    server.requests, server.authorizations, server.seen, server.lock = [], [], set(), threading.Lock()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -302,6 +303,15 @@ def test_the_reward_server_scores_in_batches(reward_server):
     sample = reward_server.requests[0][1]["samples"][0]
     assert set(sample) == {"prompt", "completion", "reference", "data_source", "extra_info"}
     assert batch.metrics["reward/rm_errors"] == 0 and batch.metrics["reward_errors"] == 0
+
+
+def test_the_api_key_is_sent_as_a_bearer_token(reward_server, monkeypatch):
+    monkeypatch.setenv("ARCHON_TEST_RM_KEY", "secret-token")
+    reward_server.authorizations.clear()
+    with _server_scorer(_url(reward_server, "/ok"), api_key_env="ARCHON_TEST_RM_KEY") as scorer:
+        batch = scorer.score_batch(["p"], ["abc"], [None])
+    assert batch.parts["rm"].tolist() == [3.0]
+    assert reward_server.authorizations == ["Bearer secret-token"]
 
 
 def test_failed_requests_are_retried_with_backoff(reward_server):
@@ -467,6 +477,9 @@ def _judge_term(**judge):
         (RewardConfig(terms=(_term("rm", kind="server", server=RewardServerConfig(url="http://x", batch_size=0)),)),
          "reward.terms[0].server.batch_size=0"),
         (RewardConfig(terms=(_judge_term(prompt=""),)), "reward.terms[0].judge.prompt is not set"),
+        (RewardConfig(function="exact", terms=(_term("a", "exact"),)), "reward.function='exact': is not used"),
+        (RewardConfig(terms=(_judge_term(api_key_env="ARCHON_TEST_UNSET_KEY"),)),
+         "judge.api_key_env='ARCHON_TEST_UNSET_KEY': names an environment variable that is not set"),
         (RewardConfig(terms=(_judge_term(prompt="{answer}"),)), "reward.terms[0].judge.prompt: KeyError: 'answer'"),
         (RewardConfig(terms=(_judge_term(model=""),)), "reward.terms[0].judge.model=''"),
         (RewardConfig(terms=(_judge_term(score_range=(1.0, 0.0)),)), "reward.terms[0].judge.score_range=[1.0, 0.0]"),

@@ -380,6 +380,8 @@ def _reward_problems(
             problems.append(f"{where}.function={reward.function!r}: {problem}")
     else:
         problems = _reward_term_problems(reward, where)
+        problems.require(reward.function == RewardConfig.function, f"{where}.function", reward.function,
+                         "is not used when reward.terms is set (make it one of the terms)")  # fmt: skip
     names = {term.name for term in reward.term_configs()}
     for source, terms in reward.sources.items():
         for name in terms:
@@ -432,6 +434,8 @@ def _http_problems(config: RewardServerConfig | JudgeConfig, at: str, url: str, 
     problems.require(config.retries >= 0, f"{at}.retries", config.retries, "must be 0 or more")
     problems.require(config.backoff_s >= 0, f"{at}.backoff_s", config.backoff_s, "must be 0 or more")
     problems.require(config.concurrency >= 1, f"{at}.concurrency", config.concurrency, "must be 1 or more")
+    problems.require(not config.api_key_env or bool(os.environ.get(config.api_key_env)), f"{at}.api_key_env",
+                     config.api_key_env, "names an environment variable that is not set")  # fmt: skip
     if isinstance(config, RewardServerConfig):
         problems.require(config.batch_size >= 1, f"{at}.batch_size", config.batch_size, "must be 1 or more")
     return problems
