@@ -99,16 +99,17 @@ def test_samples_are_routed_by_data_source_with_per_source_metrics(terms):
         terms=(_term("exact", "exact"), _term("length", f"{terms}:length", weight=0.5)),
         sources={"gsm": ("exact",), "essay": ("length",), "both": ("exact", "length")}, default_terms=("exact",),
     )  # fmt: skip
-    with RewardScorer(config, data_sources=["essay", "gsm", "both", "other"]) as scorer:
+    with RewardScorer(config, data_sources=["essay", "gsm", "both", "other", ""]) as scorer:
         batch = scorer.score_batch(
-            ["p"] * 5, ["1", "abcd", "1", "1", "xy"], ["1", "1", "1", "2", "1"],
-            data_sources=["gsm", "essay", "both", "other", "gsm"],
+            ["p"] * 6, ["1", "abcd", "1", "1", "xy", "1"], ["1", "1", "1", "2", "1", "1"],
+            data_sources=["gsm", "essay", "both", "other", "gsm", ""],
         )  # fmt: skip
-    assert batch.rewards.tolist() == [1.0, 2.0, 1.5, 0.0, 0.0]
+    assert batch.rewards.tolist() == [1.0, 2.0, 1.5, 0.0, 0.0, 1.0]
     # a term's values are kept only where it scored; its mean is over those samples
-    assert batch.parts["length"].tolist() == [0.0, 4.0, 1.0, 0.0, 0.0]
+    assert batch.parts["length"].tolist() == [0.0, 4.0, 1.0, 0.0, 0.0, 0.0]
     assert batch.metrics["reward/length_samples"] == 2 and batch.metrics["reward/length_mean"] == 2.5
-    assert batch.metrics["reward/exact_samples"] == 4 and batch.metrics["reward/exact_mean"] == 0.5
+    assert batch.metrics["reward/exact_samples"] == 5 and batch.metrics["reward/exact_mean"] == 0.6
+    assert batch.metrics["source/none/count"] == 1 and batch.metrics["source/none/accuracy"] == 1.0
     assert batch.metrics["source/gsm/count"] == 2 and batch.metrics["source/gsm/accuracy"] == 0.5
     assert batch.metrics["source/essay/reward_mean"] == 2.0 and batch.metrics["source/essay/accuracy"] == 1.0
     assert batch.metrics["source/both/reward_mean"] == 1.5

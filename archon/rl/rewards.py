@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGGED_FAILURES_PER_BATCH = 3
 TERM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+NO_SOURCE = "none"
+"""The name the per-source metrics give rows without a data_source."""
 
 RewardTermKind = Literal["function", "group", "server", "judge"]
 
@@ -201,9 +203,11 @@ class RewardScorer(WorkerPool):
 
     Keeps running totals over its lifetime in `totals` (samples, errors, timeouts), and in
     `last_traceback` the traceback text of the first exception of the last batch, or the first
-    failed request of a server or judge term (None when no sample of it raised or failed so). `data_sources`: the data_sources the run's rows have; each gets its own
-    metrics when there are several or `sources` routes them, and one without terms is an
-    UnroutedSourceError here, before any worker starts. Call close() (or use it as a context
+    failed request of a server or judge term (None when no sample of it raised or failed so).
+
+    `data_sources`: the data_sources the run's rows have; each gets its own metrics when there are
+    several or `sources` routes them (rows without one as source "none"), and one without terms is
+    an UnroutedSourceError here, before any worker starts. Call close() (or use it as a context
     manager) to stop the worker processes.
     """
 
@@ -362,9 +366,10 @@ class RewardScorer(WorkerPool):
                     sums[f"{key}_retries"] = float(outcome.retries if outcome else 0)
         for source in self.logged_sources:
             mine = torch.tensor([s == source for s in data_sources], dtype=torch.bool)
-            sums[f"source/{source}/reward_sum"] = float(rewards.double()[mine].sum())
-            sums[f"source/{source}/correct"] = float((rewards[mine] >= 1.0).sum())
-            sums[f"source/{source}/count"] = float(mine.sum())
+            key = f"source/{source or NO_SOURCE}"
+            sums[f"{key}/reward_sum"] = float(rewards.double()[mine].sum())
+            sums[f"{key}/correct"] = float((rewards[mine] >= 1.0).sum())
+            sums[f"{key}/count"] = float(mine.sum())
         return sums
 
     def _score_functions(self, samples, groups, members, values, failures) -> None:
