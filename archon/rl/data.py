@@ -99,6 +99,9 @@ class PromptExample:
     data_source: str = ""
     """The row's `data_source` (verl's field: which dataset it came from, which routes its reward
     and its teacher); "" when the row has none."""
+    extra_info: Any = None
+    """The row's `extra_info` (verl's field: anything a reward function needs beside the reference,
+    passed to functions that take it); None when the row has none."""
 
 
 @dataclass
@@ -365,6 +368,19 @@ def _detect_schema(
     return rows, "plain", "detected: the first row has no reward_model object"
 
 
+def data_sources_of(config: DataConfig) -> set[str]:
+    """The `data_source` values of the rows of config.path ("" for rows without one), read without
+    tokenizing: what the reward routing is checked against before a model is loaded. Malformed
+    rows are left out (loading reports them)."""
+    rows, _ = _rows(config)
+    found = set()
+    for _, row, problem in rows:
+        if problem is None and isinstance(row, dict):
+            source = row.get("data_source")
+            found.add(source if isinstance(source, str) else "")
+    return found
+
+
 def tokenize_prompt(tokenizer, text: str, chat_template_applied: bool) -> list[int]:
     """Token ids of a prompt. A rendered chat template already holds its special tokens, so none are
     added then; a raw prompt gets the tokenizer's usual ones (a BOS, for example)."""
@@ -414,7 +430,9 @@ def load_prompt_dataset(
                 dataset.too_long.append(MalformedRow(path, row_number, problem, line_numbered))
                 continue
         source = row.get("data_source") if isinstance(row.get("data_source"), str) else ""
-        dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids, row, source))
+        dataset.examples.append(
+            PromptExample(prompt, reference, location, prompt_ids, row, source, row.get("extra_info"))
+        )
 
     if dataset.malformed or dataset.too_long:
         logger.warning("prompt dataset %s: %s", path, dataset.report())

@@ -64,13 +64,16 @@ def score_episodes(task, examples, samples: list[Sample]) -> Scores:
     trajectories: list[Trajectory] = [s.extra["trajectory"] for s in samples]
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     answered = [i for i, t in enumerate(trajectories) if t.answer is not None]
-    reward_metrics = {"reward_errors": 0.0, "reward_timeouts": 0.0}
+    rows = [examples[samples[i].prompt_index] for i in answered]
+    # scored even when empty: every rank reports the same per-term and per-source totals
+    scored = task.scorer.score_batch(
+        [row.prompt for row in rows], [trajectories[i].answer for i in answered], [row.reference for row in rows],
+        [row.data_source for row in rows], [row.extra_info for row in rows],
+        [samples[i].prompt_index for i in answered],
+    )  # fmt: skip
+    reward_metrics = scored.metrics
     if answered:
-        scored, reward_metrics = task.scorer.score(
-            [examples[samples[i].prompt_index].prompt for i in answered], [trajectories[i].answer for i in answered],
-            [examples[samples[i].prompt_index].reference for i in answered],
-        )  # fmt: skip
-        rewards[answered] += scored
+        rewards[answered] += scored.rewards
     sums = {
         "turns_mean": float(sum(t.num_turns for t in trajectories)),
         "tool_calls_mean": float(sum(t.num_tool_calls for t in trajectories)),
@@ -80,4 +83,5 @@ def score_episodes(task, examples, samples: list[Sample]) -> Scores:
     for reason in StopReason:
         sums[f"stop_{reason.value}"] = float(sum(t.stop_reason == reason for t in trajectories))
     lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
-    return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics, episode_sums=sums)
+    return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics, episode_sums=sums,
+                  reward_sums=scored.sums)  # fmt: skip

@@ -111,7 +111,7 @@ class RLRun:
             prefix = f"{task_config.name}/" if len(task_configs) > 1 else ""
             self.tasks.append(Task(self, index, task_config, prefix))
         for task in self.tasks:  # processes and servers last, so that a failure above leaves none running
-            task.scorer = RewardScorer(task.config.reward)
+            task.scorer = RewardScorer(task.config.reward, task.data_sources())
             if task.config.environment.enabled:
                 task.episodes, task.tool_runner = build_episode_runner(
                     task.config.environment, self.tokenizer, self.trainer.loaded.hf_config.model_type,
@@ -293,12 +293,14 @@ class RLRun:
         if task.episodes is not None:
             return score_episodes(task, examples, samples)
         completions = self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
-        rewards, reward_metrics = task.scorer.score(
-            [examples[s.prompt_index].prompt for s in samples], completions,
-            [examples[s.prompt_index].reference for s in samples],
+        rows = [examples[s.prompt_index] for s in samples]
+        scored = task.scorer.score_batch(
+            [row.prompt for row in rows], completions, [row.reference for row in rows],
+            [row.data_source for row in rows], [row.extra_info for row in rows], [s.prompt_index for s in samples],
         )  # fmt: skip
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
-        return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics)
+        return Scores(scored.rewards, (scored.rewards >= 1.0).float(), lengths, scored.metrics, scored.parts,
+                      reward_sums=scored.sums)  # fmt: skip
 
     def prepare(
         self, tasks: list[Task], collected: dict[str, Rollouts], scores: dict[str, Scores]

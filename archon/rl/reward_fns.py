@@ -1,8 +1,16 @@
-"""Built-in reward functions and the lookup of user ones ("module:function").
+"""Built-in reward functions, the lookup of user ones ("module:function") and how they are called.
 
 A reward function is `fn(prompt: str, completion: str, reference) -> float` (bool and int are
 accepted). It sees the prompt text as given to the model, the decoded completion and the reference
-answer from the dataset. This module does not import torch: reward worker processes load it.
+answer from the dataset. A function that also names a parameter `data_source` or `extra_info` (or
+takes **kwargs) gets the row's `data_source` and `extra_info` as keywords. A function in verl's
+form, `compute_score(data_source, solution_str, ground_truth, extra_info=None)` (detected by a
+parameter named `solution_str`, or a first parameter named `data_source`), is called with those
+keywords instead, and may return a dict with a "score" entry as verl's do.
+
+A group reward function, `fn(prompt, completions: list[str], reference) -> list[float]`, scores all
+the completions of one prompt at once (a pairwise or ranking judge) and gets the same keywords.
+This module does not import torch: reward worker processes load it.
 """
 
 from __future__ import annotations
@@ -10,9 +18,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any, Callable
 
 RewardFn = Callable[[str, str, Any], float]
@@ -111,14 +121,64 @@ def resolve_reward_function(spec: str) -> RewardFn:
     return fn
 
 
-def call_reward(fn: RewardFn, prompt: str, completion: str, reference: Any) -> float:
-    """Call a reward function and check that it returned a finite number."""
-    value = fn(prompt, completion, reference)
+@dataclass(frozen=True)
+class CallStyle:
+    """How a reward function is called, read from its signature (see the module doc)."""
+
+    verl: bool = False
+    """verl's form: keywords data_source, solution_str, ground_truth (and extra_info)."""
+    keywords: tuple[str, ...] = ()
+    """Of data_source and extra_info, the keywords it takes beside (prompt, completion, reference)."""
+
+
+def call_style(fn: Callable) -> CallStyle:
+    """The CallStyle of `fn`, from its parameter names; a callable without a signature gets the plain style."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins and C callables
+        return CallStyle()
+    names = list(parameters)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if "solution_str" in names or (names and names[0] == "data_source"):
+        return CallStyle(verl=True, keywords=tuple(k for k in ("extra_info",) if k in names or takes_any))
+    return CallStyle(keywords=tuple(k for k in ("data_source", "extra_info") if k in names or takes_any))
+
+
+def _call(fn: Callable, style: CallStyle, prompt: str, completion: Any, reference: Any, data_source: str,
+          extra_info: Any) -> Any:
+    extras = {"data_source": data_source, "extra_info": extra_info}
+    if style.verl:
+        kwargs = {k: extras[k] for k in style.keywords}
+        return fn(data_source=data_source, solution_str=completion, ground_truth=reference, **kwargs)
+    return fn(prompt, completion, reference, **{k: extras[k] for k in style.keywords})
+
+
+def _as_reward(value: Any, what: str) -> float:
+    if isinstance(value, dict) and "score" in value:  # verl's functions may return {"score": ..., ...}
+        value = value["score"]
     if isinstance(value, bool):
         return float(value)
     if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward function returned {type(value).__name__}, expected a float")
+        raise TypeError(f"{what} returned {type(value).__name__}, expected a float")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"reward function returned {value}")
+        raise ValueError(f"{what} returned {value}")
     return value
+
+
+def call_reward(fn: RewardFn, prompt: str, completion: str, reference: Any, data_source: str = "",
+                extra_info: Any = None, style: CallStyle | None = None) -> float:
+    """Call a reward function (in its CallStyle) and check that it returned a finite number."""
+    style = call_style(fn) if style is None else style
+    return _as_reward(_call(fn, style, prompt, completion, reference, data_source, extra_info), "reward function")
+
+
+def call_group_reward(fn: Callable, prompt: str, completions: list[str], reference: Any, data_source: str = "",
+                      extra_info: Any = None, style: CallStyle | None = None) -> list[float]:
+    """Call a group reward function on one prompt's completions; checks it returned one finite number each."""
+    style = call_style(fn) if style is None else style
+    values = _call(fn, style, prompt, list(completions), reference, data_source, extra_info)
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        shown = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(f"group reward function returned {shown} for {len(completions)} completions")
+    return [_as_reward(value, "group reward function") for value in values]

@@ -9,8 +9,10 @@ stdin and replies on the process's original stdout. Anything the user code print
 stdout goes to stderr, and its stdin is /dev/null, so it can neither corrupt nor consume the messages.
 
     ("init", payload, sys_path)              -> ("ready", None) | ("init_error", message)
-    the reward worker's payload is the reward function spec, and its requests are
-    ("score", prompt, completion, reference) -> ("ok", float) | ("error", message, traceback text)
+    the reward worker's payload is the list of its reward function specs, and its requests name one by index:
+    ("score", index, prompt, completion, reference, data_source, extra_info) -> ("ok", float)
+    ("score_group", index, prompt, completions, reference, data_source, extra_info) -> ("ok", [float, ...])
+    either of them                                          -> ("error", message, traceback text)
 
 The worker exits when stdin closes, and on Linux is killed when its parent dies. The parent
 enforces the time limit by killing the process.
@@ -34,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Self, Sequence
 
-from archon.rl.reward_fns import call_reward, resolve_reward_function
+from archon.rl.reward_fns import call_group_reward, call_reward, call_style, resolve_reward_function
 
 _HEADER = struct.Struct(">Q")
 WORKER_STARTUP_TIMEOUT_S = 120.0
@@ -335,19 +337,28 @@ def run_on_workers(
     return outcomes
 
 
-def _score(fn, message: tuple) -> tuple:
+def load_reward_functions(specs: Sequence[str]) -> list[tuple[Callable, Any]]:
+    """Each spec's function and its CallStyle."""
+    functions = [resolve_reward_function(spec) for spec in specs]
+    return [(fn, call_style(fn)) for fn in functions]
+
+
+def score_request(functions: Sequence[tuple[Callable, Any]], message: tuple) -> tuple:
+    """The reply to one "score" or "score_group" request (see the module doc)."""
     kind = message[0]
-    if kind != "score":
+    if kind not in ("score", "score_group"):
         return ("error", f"unknown request {kind!r}")
-    _, prompt, completion, reference = message
+    _, index, prompt, completion, reference, data_source, extra_info = message
+    fn, style = functions[index]
+    call = call_reward if kind == "score" else call_group_reward
     try:
-        return ("ok", call_reward(fn, prompt, completion, reference))
+        return ("ok", call(fn, prompt, completion, reference, data_source, extra_info, style))
     except Exception as exc:  # noqa: BLE001 - a failing reward is a counted error, not a crash
         return ("error", describe_exception(exc), traceback.format_exc())
 
 
 def main() -> None:
-    serve(resolve_reward_function, _score)
+    serve(load_reward_functions, score_request)
 
 
 if __name__ == "__main__":

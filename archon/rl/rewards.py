@@ -4,12 +4,20 @@
     rewards, metrics = scorer.score(prompts, completions, references)   # rewards: [B] float32
     scorer.close()
 
+A reward is one function (`function`), or the weighted sum of several terms (`terms`): per-sample
+functions, group functions that score all the completions of a prompt at once, a reward server
+(archon.rl.reward_http) and an LLM judge. `sources` routes each sample, by its row's `data_source`,
+to the terms of its source (`default_terms` for sources not listed). `score_batch` also returns
+each term's unweighted values and the per-term and per-source totals the RL step logs.
+
 A reward function that raises, returns something that is not a finite float32 number (NaN, inf,
 or beyond about 3.4e38), kills its process or runs past `timeout_s` gives that sample reward 0 and
 is counted (metrics `reward_errors`, `reward_timeouts`); the run goes on, and the RL loop stops it
 only when every sample fails for `max_failed_steps` steps in a row, showing `last_traceback`. A
 reward function spec that cannot be loaded at all is a configuration error and raises when the
-scorer is built.
+scorer is built. With several terms a failing term contributes 0 to the sample's reward, the others
+count as usual, and the sample counts once in `reward_errors` (or `reward_timeouts`, when one of
+its terms timed out) and under each failing term (`reward/<term>_errors`, ...).
 
 Time limits. By default (num_workers >= 1) reward functions run in persistent worker processes
 (`python -m archon.rl.reward_worker`, which does not import torch); a sample that overruns has its
@@ -17,28 +25,56 @@ worker killed and replaced, so any hang is stopped, in Python or in C code (a hu
 computation, for example). num_workers=0 runs the function in this process under a SIGALRM timer:
 no process start-up, but it works only on the main thread and only interrupts Python bytecode.
 math-verify's own timeouts are also SIGALRM-based (main thread only, and they would cancel an outer
-timer), so the built-in math reward switches them off and relies on these limits instead.
+timer), so the built-in math reward switches them off and relies on these limits instead. A group
+function's time limit is per call (one prompt's completions). Server and judge terms run in threads
+of this process under their own time limits and retries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import threading
 import time
-import traceback
-from dataclasses import dataclass
-from typing import Any, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
 
 import torch
 
-from archon.rl.reward_fns import call_reward, resolve_reward_function
-from archon.rl.reward_worker import WorkerPool, run_on_workers
+from archon.rl.reward_http import HttpOutcome, JudgeConfig, RewardServerConfig, judge_rewards, server_rewards
+from archon.rl.reward_worker import WorkerPool, load_reward_functions, run_on_workers, score_request
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGGED_FAILURES_PER_BATCH = 3
+TERM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+NO_SOURCE = "none"
+"""The name the per-source metrics give rows without a data_source."""
+
+RewardTermKind = Literal["function", "group", "server", "judge"]
+
+
+@dataclass
+class RewardTermConfig:
+    """One term of a reward: its values times `weight` are added to the sample's reward."""
+
+    name: str = ""
+    """The term's name in the metrics (reward/<name>_mean) and in `sources`: letters, digits, _ . -"""
+    kind: RewardTermKind = "function"
+    """function: `function` per sample; group: `function` on all the completions of a prompt at
+    once, returning one value each; server: a reward server (`server`); judge: an LLM judge (`judge`)."""
+    function: str = ""
+    """For function and group terms: math, exact or package.module:function (see docs/rewards.md for
+    the signatures, verl's included)."""
+    weight: float = 1.0
+    """The term's weight in the sum."""
+    server: RewardServerConfig = field(default_factory=RewardServerConfig)
+    """For server terms."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """For judge terms."""
 
 
 @dataclass
@@ -47,7 +83,7 @@ class RewardConfig:
 
     function: str = "math"
     """math (math-verify against the reference), exact (exact match), or package.module:function
-    taking (prompt, completion, reference) and returning a float."""
+    taking (prompt, completion, reference) and returning a float. Used when `terms` is empty."""
     timeout_s: float = 10.0
     """Per-sample time limit; a sample over it gets reward 0 and counts as a timeout."""
     num_workers: int = 1
@@ -56,6 +92,13 @@ class RewardConfig:
     max_failed_steps: int = 3
     """Stop the run, showing the reward function's traceback, when it fails (raises or times out)
     on every sample of this many steps in a row."""
+    terms: tuple[RewardTermConfig, ...] = ()
+    """Several reward terms, each weighted; the reward is their weighted sum. Empty: `function` alone."""
+    sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Which terms score each data_source (the rows' `data_source` field), by term name. Empty:
+    every term scores every sample."""
+    default_terms: tuple[str, ...] | None = None
+    """With `sources`: the terms of a data_source not listed there. None: such a source is an error."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -64,6 +107,72 @@ class RewardConfig:
             raise ValueError(f"RewardConfig.num_workers must be >= 0, got {self.num_workers}")
         if self.max_failed_steps < 1:
             raise ValueError(f"RewardConfig.max_failed_steps must be >= 1, got {self.max_failed_steps}")
+
+    def term_configs(self) -> tuple[RewardTermConfig, ...]:
+        """The terms; without `terms`, the one term `function` (named after it)."""
+        if self.terms:
+            return self.terms
+        return (RewardTermConfig(name=self.function.rpartition(":")[2] or "reward", function=self.function),)
+
+    def describe(self) -> str:
+        """"the reward function 'math'" or "the reward terms 'a', 'b'", for messages."""
+        if not self.terms:
+            return f"the reward function {self.function!r}"
+        return "the reward terms " + ", ".join(repr(term.name) for term in self.terms)
+
+    def unrouted_sources(self, data_sources: Sequence[str]) -> list[str]:
+        """Of `data_sources`, those `sources` and `default_terms` give no terms (in order, once each)."""
+        if not self.sources or self.default_terms is not None:
+            return []
+        return sorted({source for source in data_sources if source not in self.sources})
+
+
+class UnroutedSourceError(ValueError):
+    """A sample's data_source has no reward terms."""
+
+
+def unrouted_message(sources: Sequence[str], where: str = "reward") -> str:
+    shown = ", ".join(repr(source) for source in sources[:10])
+    return (
+        f"data_source {shown} has no reward terms: {where}.sources does not list it and {where}.default_terms "
+        f"is not set (list it in {where}.sources, or set {where}.default_terms for the sources not listed)"
+    )
+
+
+def reward_breakdown(sums: dict[str, float]) -> dict[str, float]:
+    """The metrics of summed per-term and per-source totals (RewardBatch.sums, possibly summed over
+    ranks): reward/<term>_mean over the samples the term scored, its _samples and failure counts;
+    source/<source>/reward_mean, /accuracy (reward >= 1) and /count."""
+    metrics = {}
+    for key, value in sums.items():
+        if key.startswith("source/"):
+            prefix, _, what = key.rpartition("/")
+            count = max(sums[f"{prefix}/count"], 1.0)
+            if what == "reward_sum":
+                metrics[f"{prefix}/reward_mean"] = value / count
+            elif what == "correct":
+                metrics[f"{prefix}/accuracy"] = value / count
+            else:
+                metrics[key] = value
+        elif key.endswith("_sum"):
+            metrics[key[: -len("_sum")] + "_mean"] = value / max(sums[key[: -len("_sum")] + "_count"], 1.0)
+        elif key.endswith("_count"):
+            metrics[key[: -len("_count")] + "_samples"] = value
+        else:
+            metrics[key] = value
+    return metrics
+
+
+@dataclass
+class RewardBatch:
+    """A scored batch: rewards [B] (float32), the batch's metrics, each term's unweighted values
+    (parts, [B] float32 by term name; only with `terms`), and `sums`, the per-term and per-source
+    totals to add over ranks and turn into metrics with reward_breakdown."""
+
+    rewards: torch.Tensor
+    metrics: dict[str, float]
+    parts: dict[str, torch.Tensor]
+    sums: dict[str, float]
 
 
 class RewardTimeout(BaseException):
@@ -90,94 +199,238 @@ def _alarm(seconds: float):
 
 
 class RewardScorer(WorkerPool):
-    """Scores batches with the configured reward function; see the module doc for the time limits.
+    """Scores batches with the configured reward terms; see the module doc for the time limits.
 
     Keeps running totals over its lifetime in `totals` (samples, errors, timeouts), and in
-    `last_traceback` the traceback text of the first exception of the last batch (None when no
-    sample of it raised). Call close() (or use it as a context manager) to stop the worker processes.
+    `last_traceback` the traceback text of the first exception of the last batch, or the first
+    failed request of a server or judge term (None when no sample of it raised or failed so).
+
+    `data_sources`: the data_sources the run's rows have; each gets its own metrics when there are
+    several or `sources` routes them (rows without one as source "none"), and one without terms is
+    an UnroutedSourceError here, before any worker starts. Call close() (or use it as a context
+    manager) to stop the worker processes.
     """
 
-    def __init__(self, config: RewardConfig):
+    def __init__(self, config: RewardConfig, data_sources: Sequence[str] = ()):
         self.config = config
+        self.terms = config.term_configs()
+        self.several = bool(config.terms)
         self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
         self.last_traceback: str | None = None
-        self._fn = None
-        if config.num_workers == 0:
-            self._fn = resolve_reward_function(config.function)
-        else:
-            label = f"reward function {config.function!r}"
-            self.start_workers("archon.rl.reward_worker", config.function, label, config.num_workers)
+        if unrouted := config.unrouted_sources(data_sources):
+            raise UnroutedSourceError(unrouted_message(unrouted))
+        known = sorted(set(data_sources))
+        self.logged_sources = known if len(known) > 1 or config.sources else []
+        self._term_index = {term.name: t for t, term in enumerate(self.terms)}
+        self._routes: dict[str, list[int]] = {}
+        # function and group terms share the workers: the t-th term is function _worker_slot[t] there
+        specs = [term.function for term in self.terms if term.kind in ("function", "group")]
+        self._worker_slot = {}
+        for t, term in enumerate(self.terms):
+            if term.kind in ("function", "group"):
+                self._worker_slot[t] = len(self._worker_slot)
+        self._functions = None
+        if specs and config.num_workers == 0:
+            self._functions = load_reward_functions(specs)
+        elif specs:
+            label = f"reward function {specs[0]!r}" if len(specs) == 1 else f"reward functions {specs!r}"
+            self.start_workers("archon.rl.reward_worker", specs, label, config.num_workers)
+
+    def route(self, data_source: str) -> list[int]:
+        """The indices of the terms that score a sample of `data_source`; UnroutedSourceError when none are set."""
+        if data_source not in self._routes:
+            config = self.config
+            if not config.sources:
+                names = [term.name for term in self.terms]
+            elif data_source in config.sources:
+                names = list(config.sources[data_source])
+            elif config.default_terms is not None:
+                names = list(config.default_terms)
+            else:
+                raise UnroutedSourceError(unrouted_message([data_source]))
+            self._routes[data_source] = [self._term_index[name] for name in names]
+        return self._routes[data_source]
 
     def score(
         self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[Any] | None = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards [B] (float32) for B completions, and metrics for this batch:
         reward_mean, reward_std (population), reward_errors, reward_timeouts, reward_seconds."""
-        if references is None:
-            references = [None] * len(completions)
-        if not len(prompts) == len(completions) == len(references):
+        batch = self.score_batch(prompts, completions, references)
+        return batch.rewards, batch.metrics
+
+    def score_batch(
+        self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[Any] | None = None,
+        data_sources: Sequence[str] | None = None, extra_infos: Sequence[Any] | None = None,
+        groups: Sequence[int] | None = None,
+    ) -> RewardBatch:
+        """Score B samples. data_sources route them (default ""), extra_infos are the rows'
+        `extra_info` (default None) and groups the index of each sample's prompt: group terms score
+        the samples of one group together (default: every sample its own group). The metrics are
+        score()'s and, with several terms or logged sources, reward_breakdown's of this batch."""
+        count = len(completions)
+        references = [None] * count if references is None else references
+        data_sources = [""] * count if data_sources is None else data_sources
+        extra_infos = [None] * count if extra_infos is None else extra_infos
+        groups = list(range(count)) if groups is None else groups
+        lengths = {len(prompts), len(references), len(data_sources), len(extra_infos), len(groups)}
+        if lengths != {count}:
             raise ValueError(
-                f"score() got {len(prompts)} prompts, {len(completions)} completions, {len(references)} references"
+                f"score() got {len(prompts)} prompts, {count} completions, {len(references)} references, "
+                f"{len(data_sources)} data_sources, {len(extra_infos)} extra_infos, {len(groups)} groups"
             )
         start = time.monotonic()
-        samples = list(zip(prompts, completions, references))
-        if self._fn is not None:
-            values, failures = self._score_in_process(samples)
-        else:
-            values, failures = self._score_in_workers(samples)
-        rewards = torch.tensor(values, dtype=torch.float32)
+        routes = [self.route(source) for source in data_sources]
+        samples = [
+            {"prompt": p, "completion": c, "reference": r, "data_source": d, "extra_info": e}
+            for p, c, r, d, e in zip(prompts, completions, references, data_sources, extra_infos)
+        ]
+        members = [[i for i in range(count) if t in routes[i]] for t in range(len(self.terms))]
+        values = [[0.0] * count for _ in self.terms]
+        failures: list[tuple[int, str, int, str, str | None]] = []  # (term, kind, sample, message, traceback)
+        http_counts: dict[int, HttpOutcome] = {}
+        http_terms = [t for t, term in enumerate(self.terms) if term.kind in ("server", "judge") and members[t]]
+        with ThreadPoolExecutor(max_workers=max(1, len(http_terms))) as pool:
+            futures = {}
+            for t in http_terms:
+                term = self.terms[t]
+                call = server_rewards if term.kind == "server" else judge_rewards
+                futures[t] = pool.submit(call, term.server if term.kind == "server" else term.judge,
+                                         [samples[i] for i in members[t]])  # fmt: skip
+            self._score_functions(samples, groups, members, values, failures)
+            for t, future in futures.items():
+                outcome = http_counts[t] = future.result()
+                for i, value, failure in zip(members[t], outcome.values, outcome.failures):
+                    if failure is None:
+                        values[t][i] = value
+                    else:
+                        # no traceback to show: the request's failure stands in for one
+                        failures.append((t, failure[0], i, failure[1], f"term {self.terms[t].name!r}: {failure[1]}"))
         # call_reward rejects NaN and inf; a value beyond the float32 range becomes inf here.
-        for index in (~torch.isfinite(rewards)).nonzero()[:, 0].tolist():
-            failures.append(("error", index, f"reward {values[index]!r} is not a finite float32 number", None))
-            rewards[index] = 0.0
-        failures.sort(key=lambda failure: failure[1])
-        self.last_traceback = next((tb for kind, _, _, tb in failures if tb is not None), None)
-        errors = sum(1 for kind, _, _, _ in failures if kind == "error")
-        timeouts = len(failures) - errors
-        for kind, index, message, _ in failures[:MAX_LOGGED_FAILURES_PER_BATCH]:
-            logger.warning("reward %s for sample %d (reward 0): %s", kind, index, message)
+        parts = {}
+        failed = {(t, i) for t, _, i, _, _ in failures}
+        for t, term in enumerate(self.terms):
+            part = torch.tensor(values[t], dtype=torch.float32)
+            for i in (~torch.isfinite(part)).nonzero()[:, 0].tolist():
+                if (t, i) not in failed:
+                    failures.append((t, "error", i, f"reward {values[t][i]!r} is not a finite float32 number", None))
+                part[i] = 0.0
+            parts[term.name] = part
+        rewards = torch.zeros(count, dtype=torch.float64)
+        for term in self.terms:
+            rewards += term.weight * parts[term.name].double()
+        rewards = rewards.float()
+        failures.sort(key=lambda failure: (failure[2], failure[0]))
+        self.last_traceback = next((tb for *_, tb in failures if tb is not None), None)
+        sample_kinds: dict[int, str] = {}
+        for _, kind, i, _, _ in failures:
+            sample_kinds[i] = "timeout" if kind == "timeout" or sample_kinds.get(i) == "timeout" else "error"
+        errors = sum(1 for kind in sample_kinds.values() if kind == "error")
+        timeouts = len(sample_kinds) - errors
+        for t, kind, index, message, _ in failures[:MAX_LOGGED_FAILURES_PER_BATCH]:
+            term = f" (term {self.terms[t].name!r})" if self.several else ""
+            logger.warning("reward %s for sample %d%s: %s", kind, index, term, message)
         if len(failures) > MAX_LOGGED_FAILURES_PER_BATCH:
             unlogged = len(failures) - MAX_LOGGED_FAILURES_PER_BATCH
             logger.warning("... and %d more reward failures in this batch", unlogged)
-        self.totals["samples"] += len(samples)
+        self.totals["samples"] += count
         self.totals["errors"] += errors
         self.totals["timeouts"] += timeouts
+        sums = self._sums(members, parts, failures, http_counts, rewards, data_sources)
         metrics = {
-            "reward_mean": rewards.double().mean().item() if len(values) else 0.0,
-            "reward_std": rewards.double().std(correction=0).item() if len(values) else 0.0,
+            "reward_mean": rewards.double().mean().item() if count else 0.0,
+            "reward_std": rewards.double().std(correction=0).item() if count else 0.0,
             "reward_errors": float(errors),
             "reward_timeouts": float(timeouts),
             "reward_seconds": time.monotonic() - start,
+            **reward_breakdown(sums),
         }
-        return rewards, metrics
+        return RewardBatch(rewards, metrics, parts if self.several else {}, sums)
 
-    def _score_in_process(self, samples):
-        values = [0.0] * len(samples)
-        failures = []
-        for index, (prompt, completion, reference) in enumerate(samples):
+    def _sums(self, members, parts, failures, http_counts, rewards, data_sources) -> dict[str, float]:
+        """RewardBatch.sums: the same keys, in the same order, for every batch."""
+        sums: dict[str, float] = {}
+        if self.several:
+            for t, term in enumerate(self.terms):
+                key = f"reward/{term.name}"
+                kinds = [kind for u, kind, _, _, _ in failures if u == t]
+                sums[f"{key}_sum"] = float(parts[term.name].double()[members[t]].sum()) if members[t] else 0.0
+                sums[f"{key}_count"] = float(len(members[t]))
+                sums[f"{key}_errors"] = float(kinds.count("error"))
+                sums[f"{key}_timeouts"] = float(kinds.count("timeout"))
+                if term.kind == "judge":
+                    sums[f"{key}_parse_failures"] = float(kinds.count("parse"))
+                if term.kind in ("server", "judge"):
+                    outcome = http_counts.get(t)
+                    sums[f"{key}_requests"] = float(outcome.requests if outcome else 0)
+                    sums[f"{key}_retries"] = float(outcome.retries if outcome else 0)
+        for source in self.logged_sources:
+            mine = torch.tensor([s == source for s in data_sources], dtype=torch.bool)
+            key = f"source/{source or NO_SOURCE}"
+            sums[f"{key}/reward_sum"] = float(rewards.double()[mine].sum())
+            sums[f"{key}/correct"] = float((rewards[mine] >= 1.0).sum())
+            sums[f"{key}/count"] = float(mine.sum())
+        return sums
+
+    def _score_functions(self, samples, groups, members, values, failures) -> None:
+        """Fill in the values (and failures) of the function and group terms."""
+        requests, targets = [], []  # targets: (term, the sample indices the request scores)
+        for t, term in enumerate(self.terms):
+            if term.kind == "function":
+                for i in members[t]:
+                    sample = samples[i]
+                    requests.append(("score", self._worker_slot[t], sample["prompt"], sample["completion"],
+                                     sample["reference"], sample["data_source"], sample["extra_info"]))  # fmt: skip
+                    targets.append((t, [i]))
+            elif term.kind == "group":
+                by_group: dict[int, list[int]] = {}
+                for i in members[t]:
+                    by_group.setdefault(groups[i], []).append(i)
+                for indices in by_group.values():
+                    first = samples[indices[0]]
+                    requests.append(("score_group", self._worker_slot[t], first["prompt"],
+                                     [samples[i]["completion"] for i in indices], first["reference"],
+                                     first["data_source"], first["extra_info"]))  # fmt: skip
+                    targets.append((t, indices))
+        if not requests:
+            return
+        replies = self._run_in_process(requests) if self._functions is not None else self._run_in_workers(requests)
+        for (t, indices), (kind, detail, tb) in zip(targets, replies):
+            if kind == "ok":
+                for i, value in zip(indices, detail if isinstance(detail, list) else [detail]):
+                    values[t][i] = value
+            else:
+                failures.extend((t, kind, i, detail, tb) for i in indices)
+
+    def _run_in_process(self, requests) -> list[tuple[str, Any, str | None]]:
+        """Each request's (kind, value or message, traceback): kind "ok", "error" or "timeout"."""
+        replies = []
+        for request in requests:
             try:
                 with _alarm(self.config.timeout_s):
-                    values[index] = call_reward(self._fn, prompt, completion, reference)
+                    reply = score_request(self._functions, request)
             except RewardTimeout:
-                failures.append(("timeout", index, f"over {self.config.timeout_s} s", None))
-            except Exception as exc:  # noqa: BLE001 - a failing reward is counted, not fatal
-                failures.append(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return values, failures
+                replies.append(("timeout", f"over {self.config.timeout_s} s", None))
+                continue
+            replies.append(_reply(reply))
+        return replies
 
-    def _score_in_workers(self, samples):
-        values = [0.0] * len(samples)
-        failures = []
-        outcomes = run_on_workers(self._workers, [("score", *sample) for sample in samples], self.config.timeout_s)
-        for index, outcome in enumerate(outcomes):
+    def _run_in_workers(self, requests) -> list[tuple[str, Any, str | None]]:
+        replies = []
+        for outcome in run_on_workers(self._workers, requests, self.config.timeout_s):
             if outcome.failure == "timeout":
-                failures.append(("timeout", index, f"over {self.config.timeout_s} s; worker restarted", None))
+                replies.append(("timeout", f"over {self.config.timeout_s} s; worker restarted", None))
             elif outcome.failure == "died":
-                failures.append(("error", index, f"reward worker died: {outcome.detail}", None))
+                replies.append(("error", f"reward worker died: {outcome.detail}", None))
             elif outcome.failure == "unavailable":
-                failures.append(("error", index, f"reward worker unavailable: {outcome.detail}", None))
-            elif outcome.reply[0] == "ok":
-                values[index] = outcome.reply[1]
-            else:  # ("error", description[, traceback text])
-                reply = outcome.reply
-                failures.append(("error", index, reply[1], reply[2] if len(reply) > 2 else None))
-        return values, failures
+                replies.append(("error", f"reward worker unavailable: {outcome.detail}", None))
+            else:
+                replies.append(_reply(outcome.reply))
+        return replies
+
+
+def _reply(reply: tuple) -> tuple[str, Any, str | None]:
+    """A worker's reply as (kind, value or message, traceback)."""
+    if reply[0] == "ok":
+        return ("ok", reply[1], None)
+    return ("error", reply[1], reply[2] if len(reply) > 2 else None)

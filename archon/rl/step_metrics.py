@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archon.rl.producer import Rollouts
+from archon.rl.rewards import NO_SOURCE, reward_breakdown
 
 UPDATE_BOOKKEEPING = {
     "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches", "optimizer_steps", "time_s", "num_tokens",
@@ -31,6 +32,9 @@ class Scores:
     episode_sums: dict[str, float] = field(default_factory=dict)
     """Multi-turn tasks: per-sample quantities summed over this rank's samples (turns, tool calls,
     environment tokens, one count per stop reason); logged as their means over all ranks."""
+    reward_sums: dict[str, float] = field(default_factory=dict)
+    """Per-term and per-source reward totals of this rank's samples (RewardBatch.sums: the same keys
+    on every rank), summed over the ranks and logged through rewards.reward_breakdown."""
 
 
 def _no_gaps() -> dict[str, torch.Tensor]:
@@ -132,14 +136,13 @@ def task_step_metrics(
         for name, total in zip(names, dp_sum(*(scores.episode_sums[k] for k in names))):
             metrics[name] = total / max(n, 1.0)
     metrics.update(distill_metrics(task, prepared, dp_sum))
+    if scores.reward_sums:
+        names = list(scores.reward_sums)
+        metrics.update(reward_breakdown(dict(zip(names, dp_sum(*(scores.reward_sums[k] for k in names))))))
     metrics.update({k: v for k, v in sync.items() if k != "sync_s"})
     if updates:
         metrics.update(update_summary(updates))
     return metrics
-
-
-NO_SOURCE = "(none)"
-"""How a metric names the data source of rows without one."""
 
 
 def distill_metrics(task, prepared: Prepared, dp_sum) -> dict[str, float]:

@@ -21,7 +21,7 @@ from archon.rl.algorithms import get_algorithm, teacher_setting
 from archon.rl.config import AlgorithmConfig, TaskConfig
 from archon.rl.data import PromptBatchIterator, PromptExample, load_prompt_dataset
 from archon.rl.producer import RolloutProducer
-from archon.rl.rewards import RewardScorer
+from archon.rl.rewards import RewardScorer, UnroutedSourceError, unrouted_message
 from archon.rl.run_dir import TASKS_DIR
 from archon.rl.step_metrics import every_reward_failed
 from archon.rl.versions import AdapterHistory
@@ -105,6 +105,9 @@ class Task:
             eval_data = replace(config.data, path=config.eval_path)
             self.eval_set = load_prompt_dataset(eval_data, run.tokenizer, context, run.eval_new_tokens)
             self._report(run, f"{where}held-out", self.eval_set)
+        held_out = self.eval_set.examples if self.eval_set is not None else []
+        if unrouted := config.reward.unrouted_sources([e.data_source for e in self.train_set.examples + held_out]):
+            raise UnroutedSourceError(unrouted_message(unrouted, f"tasks[{index}].reward" if self.name else "reward"))
         self.teacher = None
         """The default teacher (algorithm.teacher_path), when a source of the data takes it."""
         self.teachers: dict[str, torch.nn.Module] = {}
@@ -144,6 +147,10 @@ class Task:
         self.extremes: dict[str, float] = {}
         """The largest |reward| and |advantage| of the last step (for the non-finite error)."""
         self.reward_traceback: str | None = None
+
+    def data_sources(self) -> list[str]:
+        """The data_source of every training row (their metrics are logged by source)."""
+        return sorted({example.data_source for example in self.train_set.examples})
 
     @staticmethod
     def _report(run, name: str, dataset) -> None:
@@ -203,7 +210,7 @@ class Task:
         if len(self.reward_failure_streak) >= limit:
             cause = self.reward_traceback or "(every sample timed out, or failed on another rank)"
             return RewardFunctionError(
-                f"RL step {step}: {where}the reward function {self.config.reward.function!r} failed on every sample "
+                f"RL step {step}: {where}{self.config.reward.describe()} failed on every sample "
                 f"for {len(self.reward_failure_streak)} steps in a row (steps {self.reward_failure_streak[0]}-{step}, "
                 f"reward.max_failed_steps={limit}). First failure of step {step}:\n{cause}"
             )

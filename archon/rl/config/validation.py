@@ -10,9 +10,11 @@ rollout.max_staleness); RLConfig.task_configs() gives the tasks, _TaskFields whe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,9 @@ from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, Ta
 from archon.rl.data import data_path_problem
 from archon.rl.reasoning_gym import reasoning_gym_overlap
 from archon.rl.reward_fns import reward_function_problem
-from archon.rl.rewards import RewardConfig
+from archon.rl.data import data_sources_of
+from archon.rl.reward_http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
+from archon.rl.rewards import TERM_NAME, RewardConfig, unrouted_message
 from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
 from archon.rollout.vllm_server import max_position_embeddings
 from archon.optim import OptimConfig
@@ -200,7 +204,7 @@ def _task_problems(task: TaskConfig, fields: _TaskFields, config: RLConfig) -> l
         *_algorithm_problems(task.algorithm, task.max_staleness, fields, config.rollout),
         *_lora_problems(task.lora, task.algorithm, fields.prefix, config.rollout),
         *_optim_problems(task.optim, fields.prefix, config.steps),
-        *_reward_problems(task.reward, fields.prefix),
+        *_reward_problems(task.reward, fields.prefix, task, evaluates=bool(config.eval.every)),
         *_environment_problems(task.environment, fields.prefix),
     ]
 
@@ -377,10 +381,104 @@ def _optim_problems(optim: OptimConfig, prefix: str, steps: int) -> list[str]:
     return problems
 
 
-def _reward_problems(reward: RewardConfig, prefix: str) -> list[str]:
-    if (problem := reward_function_problem(reward.function)) is not None:
-        return [f"{prefix}reward.function={reward.function!r}: {problem}"]
-    return []
+def _reward_problems(
+    reward: RewardConfig, prefix: str, task: TaskConfig | None = None, evaluates: bool = False
+) -> list[str]:
+    """The reward's function or terms, its routing by data_source and, when routing leaves some
+    sources without terms, the sources of the task's data and (`evaluates`) held-out data, read
+    now, before a model is loaded."""
+    where = f"{prefix}reward"
+    if not reward.terms:
+        problems = _Problems()
+        if (problem := reward_function_problem(reward.function)) is not None:
+            problems.append(f"{where}.function={reward.function!r}: {problem}")
+    else:
+        problems = _reward_term_problems(reward, where)
+        problems.require(reward.function == RewardConfig.function, f"{where}.function", reward.function,
+                         "is not used when reward.terms is set (make it one of the terms)")  # fmt: skip
+    names = {term.name for term in reward.term_configs()}
+    for source, terms in reward.sources.items():
+        for name in terms:
+            problems.require(name in names, f"{where}.sources[{source!r}]", list(terms),
+                             f"names no term {name!r} (the terms: {sorted(names)})")  # fmt: skip
+    for name in reward.default_terms or ():
+        problems.require(name in names, f"{where}.default_terms", list(reward.default_terms),
+                         f"names no term {name!r} (the terms: {sorted(names)})")  # fmt: skip
+    problems.require(reward.default_terms is None or reward.sources, f"{where}.default_terms",
+                     None if reward.default_terms is None else list(reward.default_terms),
+                     "only applies with reward.sources (without it every term scores every sample)")  # fmt: skip
+    if task is not None and reward.sources and reward.default_terms is None and not problems:
+        for path, label in ((task.data.path, "data.path"), (task.eval_path if evaluates else "", "eval path")):
+            if not path or not Path(path).exists():
+                continue
+            try:
+                found = data_sources_of(dataclasses.replace(task.data, path=path))
+            except (OSError, ValueError):  # the loading reports what is wrong with the file
+                continue
+            if unrouted := reward.unrouted_sources(found):
+                problems.append(f"{label} {path!r}: {unrouted_message(unrouted, where)}")
+    return problems
+
+
+def _reward_term_problems(reward: RewardConfig, where: str) -> _Problems:
+    problems = _Problems()
+    seen = set()
+    for i, term in enumerate(reward.terms):
+        at = f"{where}.terms[{i}]"
+        problems.require(bool(TERM_NAME.fullmatch(term.name)), f"{at}.name", term.name,
+                         "must be letters, digits, _ . or - (it names the term's metrics)")  # fmt: skip
+        problems.require(term.name not in seen, f"{at}.name", term.name, "is the name of an earlier term")
+        seen.add(term.name)
+        problems.require(math.isfinite(term.weight), f"{at}.weight", term.weight, "must be a finite number")
+        if term.kind in ("function", "group"):
+            if (problem := reward_function_problem(term.function)) is not None:
+                problems.append(f"{at}.function={term.function!r}: {problem}")
+        elif term.kind == "server":
+            problems += _http_problems(term.server, f"{at}.server", term.server.url, "url")
+        else:
+            problems += _judge_problems(term.judge, f"{at}.judge")
+    return problems
+
+
+def _http_problems(config: RewardServerConfig | JudgeConfig, at: str, url: str, url_name: str) -> list[str]:
+    problems = _Problems()
+    problems.require(urllib.parse.urlsplit(url).scheme in ("http", "https") and bool(urllib.parse.urlsplit(url).netloc),
+                     f"{at}.{url_name}", url, "must be an http:// or https:// URL")  # fmt: skip
+    problems.require(config.timeout_s > 0, f"{at}.timeout_s", config.timeout_s, "must be positive")
+    problems.require(config.retries >= 0, f"{at}.retries", config.retries, "must be 0 or more")
+    problems.require(config.backoff_s >= 0, f"{at}.backoff_s", config.backoff_s, "must be 0 or more")
+    problems.require(config.concurrency >= 1, f"{at}.concurrency", config.concurrency, "must be 1 or more")
+    problems.require(not config.api_key_env or bool(os.environ.get(config.api_key_env)), f"{at}.api_key_env",
+                     config.api_key_env, "names an environment variable that is not set")  # fmt: skip
+    if isinstance(config, RewardServerConfig):
+        problems.require(config.batch_size >= 1, f"{at}.batch_size", config.batch_size, "must be 1 or more")
+    return problems
+
+
+def _judge_problems(judge: JudgeConfig, at: str) -> list[str]:
+    problems = _Problems(_http_problems(judge, at, judge.base_url, "base_url"))
+    problems.require(bool(judge.model), f"{at}.model", judge.model, "must name the model the endpoint serves")
+    problems.require(judge.max_tokens >= 1, f"{at}.max_tokens", judge.max_tokens, "must be 1 or more")
+    if not judge.prompt:
+        problems.append(f"{at}.prompt is not set: the rubric, with {{prompt}}, {{completion}} and {{reference}}")
+    else:
+        try:
+            judge.prompt.format(prompt="", completion="", reference="")
+        except (KeyError, IndexError, ValueError) as e:
+            problems.append(f"{at}.prompt: {type(e).__name__}: {e} (the template may use {{prompt}}, {{completion}} "
+                            "and {reference}; write a literal brace twice)")  # fmt: skip
+    low, high = judge.score_range
+    problems.require(math.isfinite(low) and math.isfinite(high) and low < high, f"{at}.score_range",
+                     list(judge.score_range), "must be two finite numbers, the lowest first")  # fmt: skip
+    if judge.score_regex:
+        try:
+            re.compile(judge.score_regex)
+        except re.error as e:
+            problems.append(f"{at}.score_regex={judge.score_regex!r}: not a regular expression: {e}")
+    if judge.structured_output == "choice":
+        problems.require(0 < len(judge_choices(judge)) <= MAX_CHOICES, f"{at}.score_range", list(judge.score_range),
+                         f"with structured_output=choice must hold 1 to {MAX_CHOICES} integers (the choices)")  # fmt: skip
+    return problems
 
 
 def _environment_problems(environment: EnvironmentConfig, prefix: str) -> list[str]:
