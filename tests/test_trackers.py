@@ -319,6 +319,9 @@ def test_a_run_logs_to_every_backend_and_a_resumed_run_continues_their_runs(tiny
     assert all(r["lag"] == 0 and r["version"] == 1 and r["stop"] in ("stop", "length") for r in rows)
     assert all(r["source"].startswith(str(tiny_setup / "train.jsonl")) for r in rows)
     assert len(read_table(table_path(run_dir, 3, evaluation=True))) == 8  # 8 held-out prompts, group of 1
+    from archon.tools.show_samples import show
+
+    assert show(run_dir).count("\n== group ") == 8 and show(run_dir, 3, evaluation=True).count("lag 0") == 8
 
     mlflow = read_mlflow(run_dir, first_state["mlflow"]["run_id"])  # one run, continued
     assert same_history(mlflow["history"], expected)
@@ -404,3 +407,41 @@ def test_the_tensorboard_setting_still_works_warns_and_must_agree_with_backends(
             "mlflow", "tensorboard")
     with pytest.raises(ValueError, match=r"logging\.samples_per_table=0: must be at least 1"):
         validate(RLConfig(logging=LoggingConfig(samples_per_table=0)))
+
+
+# ---- show_samples ---------------------------------------------------------------------------------
+
+
+def test_show_samples_prints_a_recorded_step_and_names_what_is_missing(tmp_path, capsys):
+    from archon.rl.samples import write_table
+    from archon.tools.show_samples import main
+
+    assert main([str(tmp_path)]) == 1
+    assert "samples does not exist: no sample tables were recorded" in capsys.readouterr().err
+    rows = _rows()
+    rows[0] = {**rows[0], "task": "add", "completion": "x" * 1000}
+    write_table(tmp_path, 10, rows)
+    write_table(tmp_path, 20, rows[1:2])
+    write_table(tmp_path, 10, rows[:1], evaluation=True)
+
+    assert main([str(tmp_path)]) == 0  # the latest step
+    out = capsys.readouterr().out
+    assert out.startswith("training samples of step 20 (1)") and out.count("\n== ") == 1
+    assert "== group 0  reward 0.1  (answer 0.2, format 1)  stop stop  version 3  lag 0  data_source src0  from " \
+           "train.jsonl:1\n-- prompt\n    a\n-- completion\n    bc" in out  # fmt: skip
+
+    assert main([str(tmp_path), "--step", "10", "--task", "add"]) == 0
+    out = capsys.readouterr().out
+    assert "== [add]  group 0  reward 0  " in out and out.count("\n== ") == 1
+    assert "[... 601 characters; --full shows all ...]" in out and "x" * 1000 not in out
+    assert main([str(tmp_path), "--step", "10", "--task", "add", "--full"]) == 0
+    assert "x" * 1000 in capsys.readouterr().out
+    assert main([str(tmp_path), "--step", "10", "--eval"]) == 0
+    assert capsys.readouterr().out.startswith("evaluation samples of step 10 (1)")
+
+    assert main([str(tmp_path), "--step", "15"]) == 1
+    assert "step 15 has no training sample table in" in capsys.readouterr().err
+    assert main([str(tmp_path), "--step", "20", "--eval"]) == 1
+    assert "recorded steps: 10" in capsys.readouterr().err
+    assert main([str(tmp_path), "--step", "10", "--task", "sub"]) == 1
+    assert "no sample of task 'sub'; its tasks: ['', 'add']" in capsys.readouterr().err
