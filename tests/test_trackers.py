@@ -445,3 +445,37 @@ def test_show_samples_prints_a_recorded_step_and_names_what_is_missing(tmp_path,
     assert "recorded steps: 10" in capsys.readouterr().err
     assert main([str(tmp_path), "--step", "10", "--task", "sub"]) == 1
     assert "no sample of task 'sub'; its tasks: ['', 'add']" in capsys.readouterr().err
+
+
+def test_a_multi_task_run_tables_each_tasks_groups_with_its_name(tmp_path):
+    from archon.rl.loop import RLRun
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+    from archon.tools.show_samples import show
+    from test_grpo_recipe import write_tiny_setup
+
+    root = write_tiny_setup(tmp_path / "setup")
+    train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("-",), num_train=16, num_held_out=4))
+    write_jsonl(train, root / "sub.jsonl")
+    write_jsonl(held_out, root / "sub_held_out.jsonl")
+    tasks = "".join(
+        f"  - name: {name}\n    data: {{path: {data}}}\n    eval_path: {held}\n"
+        "    reward: {function: 'reward_fixtures:digits_or_raise', num_workers: 0}\n    lora: {rank: 4, alpha: 8}\n"
+        for name, data, held in (("add", root / "train.jsonl", root / "held_out.jsonl"),
+                                 ("sub", root / "sub.jsonl", root / "sub_held_out.jsonl"))
+    )  # fmt: skip
+    config = tmp_path / "multi.yaml"
+    config.write_text(
+        f"steps: 1\nmodel: {{path: {root / 'model'}, device: cpu}}\n"
+        "rollout: {group_size: 2, prompts_per_step: 4, max_new_tokens: 3}\neval: {every: 1, max_prompts: 3}\n"
+        f"logging: {{run_dir: {tmp_path / 'run'}, backends: [], progress: false, samples_every: 1, "
+        f"samples_per_table: 4}}\ntasks:\n{tasks}"
+    )
+    RLRun(parse_config(["--config", str(config)])).run()
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "tensorboard").exists() and not (run_dir / "trackers.json").exists()
+    rows = read_table(table_path(run_dir, 1))
+    assert [(r["task"], r["group"]) for r in rows] == [("add", 0)] * 2 + [("add", 1)] * 2 + [("sub", 0)] * 2 + [("sub", 1)] * 2
+    assert all(r["version"] == 0 and r["lag"] == 0 for r in rows)
+    evaluated = read_table(table_path(run_dir, 1, evaluation=True))
+    assert [r["task"] for r in evaluated] == ["add"] * 3 + ["sub"] * 3  # groups of 1 (greedy), 3 prompts each
+    assert show(run_dir, 1, task="sub").count("\n== [sub]  group ") == 4
