@@ -197,6 +197,27 @@ def test_sample_rows_take_whole_groups_with_their_reward_terms_version_and_lag()
     }  # fmt: skip
 
 
+def test_a_multi_turn_sample_shows_its_whole_trajectory_and_the_episode_stop_reason():
+    """A trajectory's completion is every id after the first prompt, special tokens (turn markers)
+    kept; its stop is the episode's reason."""
+    from types import SimpleNamespace
+
+    from archon.agents.environment import StopReason
+    from archon.rl.data import PromptExample
+    from archon.rl.samples import sample_rows
+    from archon.rollout.base import Sample
+
+    class Marked(_Tokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("<|turn|>" if i == 0 else chr(ord("a") + i) for i in ids if i or not skip_special_tokens)
+
+    sample = Sample(0, [1], [2, 0, 3], [0.0] * 3, "length", 5, [5] * 3, extra={
+        "trajectory": SimpleNamespace(stop_reason=StopReason.TOOL_BUDGET)})  # fmt: skip
+    scores = Scores(torch.tensor([0.5]), torch.tensor([0.0]), torch.tensor([3.0]), {})
+    (row,) = sample_rows("agent", [PromptExample("q", None, "x.jsonl:1")], [sample], scores, Marked(), 6, 8)
+    assert (row["completion"], row["stop"], row["lag"], row["parts"]) == ("c<|turn|>d", "tool_budget", 1, {})
+
+
 def test_every_backend_gets_every_scalar_the_config_and_the_tables(tmp_path, local_stores):
     run_dir = tmp_path / "run"
     settings = LoggingConfig(run_dir=str(run_dir), backends=ALL, run_name="unit")
