@@ -500,3 +500,27 @@ def test_a_multi_task_run_tables_each_tasks_groups_with_its_name(tmp_path):
     evaluated = read_table(table_path(run_dir, 1, evaluation=True))
     assert [r["task"] for r in evaluated] == ["add"] * 3 + ["sub"] * 3  # groups of 1 (greedy), 3 prompts each
     assert show(run_dir, 1, task="sub").count("\n== [sub]  group ") == 4
+
+
+@pytest.mark.slow
+def test_a_two_process_run_gathers_each_ranks_groups_into_one_table(tiny_setup, tmp_path):
+    """Two data-parallel ranks, 2 prompts each (groups of 4), a table of 8 rows: one whole group from
+    each rank (rank 0 alone would give 4 rows), numbered 0 and 1."""
+    import os
+    import subprocess
+    import sys
+
+    from test_grpo_recipe import REPO
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "recipes" / "grpo_lora.py"), *_run_args(tiny_setup, run_dir, 1), "--logging.backends",
+           "tensorboard", "--logging.samples-every", "1", "--logging.samples-per-table", "8"]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = read_table(table_path(run_dir, 1))
+    assert [r["group"] for r in rows] == [0] * 4 + [1] * 4
+    assert rows[0]["source"] != rows[4]["source"]
+    assert len(read_table(table_path(run_dir, 1, evaluation=True))) == 8  # 4 held-out prompts on each rank
+    assert same_history(read_tensorboard(run_dir)["history"], {r["step"]: _numbers(r) for r in read_metrics(run_dir)})
