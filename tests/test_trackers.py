@@ -92,7 +92,8 @@ def read_wandb(run_dir: Path) -> dict:
                     node[leaf] = json.loads(item.value_json)
                 for key, value in logged.items():
                     if isinstance(value, dict) and value.get("_type") == "table-file":
-                        tables.setdefault(key, {})[step] = json.loads((run_file.parent / "files" / value["path"]).read_text())
+                        table = run_file.parent / "files" / value["path"]
+                        tables.setdefault(key, {})[step] = json.loads(table.read_text())
                     elif not key.startswith("_"):
                         history.setdefault(step, {})[key] = value
     config = {k: v["value"] if isinstance(v, dict) and "value" in v else v for k, v in config.items()}
@@ -148,7 +149,8 @@ def read_tensorboard(run_dir: Path) -> dict:
             history.setdefault(event.step, {})[key] = event.value
     for tag in events.Tags()["tensors"]:
         for event in events.Tensors(tag):
-            texts.setdefault(tag.removesuffix("/text_summary"), {})[event.step] = event.tensor_proto.string_val[0].decode()
+            text = event.tensor_proto.string_val[0].decode()
+            texts.setdefault(tag.removesuffix("/text_summary"), {})[event.step] = text
     return {"history": history, "texts": texts}
 
 
@@ -307,7 +309,8 @@ def test_a_run_logs_to_every_backend_and_a_resumed_run_continues_their_runs(tiny
     run_dir = tmp_path / "run"
 
     def args(*extra):
-        return parse_config([*_run_args(tiny_setup, run_dir, 3), "--logging.backends", *ALL, "--logging.samples-every", "2",
+        return parse_config([*_run_args(tiny_setup, run_dir, 3), "--logging.backends", *ALL,
+                             "--logging.samples-every", "2",
                              "--logging.samples-per-table", "8", "--eval.every", "2", "--checkpoint.every", "2",
                              "--logging.run-name", "tiny", *extra])  # fmt: skip
 
@@ -371,7 +374,7 @@ def test_an_unknown_backend_is_refused_naming_the_known_ones(tmp_path):
     path.write_text("logging: {backends: [tensorboard, neptune]}\n")
     with pytest.raises(ValueError, match=r"logging\.backends.*'tensorboard', 'wandb', 'mlflow', 'trackio'"):
         load_config_file(path)
-    with pytest.raises(ValueError, match="unknown backend 'neptune'; the known ones are tensorboard, wandb, mlflow, trackio"):
+    with pytest.raises(ValueError, match="unknown backend .neptune.; the known ones are tensorboard, wandb, mlflow, "):
         validate(RLConfig(logging=LoggingConfig(backends=("neptune",))))
 
 
@@ -495,7 +498,7 @@ def test_a_multi_task_run_tables_each_tasks_groups_with_its_name(tmp_path):
     run_dir = tmp_path / "run"
     assert not (run_dir / "tensorboard").exists() and not (run_dir / "trackers.json").exists()
     rows = read_table(table_path(run_dir, 1))
-    assert [(r["task"], r["group"]) for r in rows] == [("add", 0)] * 2 + [("add", 1)] * 2 + [("sub", 0)] * 2 + [("sub", 1)] * 2
+    assert [(r["task"], r["group"]) for r in rows] == [(t, g) for t in ("add", "sub") for g in (0, 1) for _ in range(2)]
     assert all(r["version"] == 0 and r["lag"] == 0 for r in rows)
     evaluated = read_table(table_path(run_dir, 1, evaluation=True))
     assert [r["task"] for r in evaluated] == ["add"] * 3 + ["sub"] * 3  # groups of 1 (greedy), 3 prompts each

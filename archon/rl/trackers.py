@@ -28,7 +28,9 @@ TRACKERS_STATE = "trackers.json"
 TRACKER_DIRS = ("tensorboard", "wandb", "mlruns")
 """What the backends write under RUN_DIR: TensorBoard's event files, wandb's run files and the
 default MLflow file store."""
-EXTRAS = {"tensorboard": "archon[rl]", "wandb": "archon[wandb]", "mlflow": "archon[mlflow]", "trackio": "archon[trackio]"}
+EXTRAS = {
+    "tensorboard": "archon[rl]", "wandb": "archon[wandb]", "mlflow": "archon[mlflow]", "trackio": "archon[trackio]",
+}  # fmt: skip
 MLFLOW_PARAMS_PER_CALL = 100  # MLflow's limit of params in one log_batch
 MLFLOW_PARAM_CHARS = 6000  # MLflow's limit of one param value
 
@@ -83,7 +85,8 @@ def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
     for row in rows:
         fields = dict(zip(columns, row))
         header = ", ".join(f"**{k}** {v}" for k, v in fields.items() if k not in ("prompt", "completion"))
-        text = "\n".join(f"    {line}" for line in f"{fields.get('prompt', '')}{fields.get('completion', '')}".splitlines())
+        text = f"{fields.get('prompt', '')}{fields.get('completion', '')}"
+        text = "\n".join(f"    {line}" for line in text.splitlines())
         blocks.append(f"{header}\n\n{text}")
     return "\n\n---\n\n".join(blocks)
 
@@ -179,7 +182,8 @@ class MlflowTracker:
             if self.run_id is not None:
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
-                self.run_id = self.client.create_run(experiment_id, run_name=settings.run_name or run_dir.name).info.run_id
+                run_name = settings.run_name or run_dir.name
+                self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         except Exception as e:
             raise TrackerError(
                 f"logging.backends: mlflow could not start a run at tracking URI {uri!r} ({setting}), experiment "

@@ -198,7 +198,8 @@ def _logging_problems(config: RLConfig) -> list[str]:
     problems = _Problems()
     problems += [unknown_tracker(name) for name in logging.backends if name not in TRACKERS]
     if not logging.tensorboard and "tensorboard" in logging.backends and tuple(logging.backends) != ("tensorboard",):
-        problems.append(str(both_spellings_error("logging.tensorboard", False, "logging.backends", list(logging.backends))))
+        conflict = both_spellings_error("logging.tensorboard", False, "logging.backends", list(logging.backends))
+        problems.append(str(conflict))
     problems.require(logging.samples_every >= 0, "logging.samples_every", logging.samples_every,
                      "must be >= 0 (0: no sample tables)")  # fmt: skip
     problems.require(logging.samples_per_table >= 1, "logging.samples_per_table", logging.samples_per_table,
