@@ -251,6 +251,17 @@ class TrackioTracker:
 BACKENDS = {cls.name: cls for cls in (TensorBoardTracker, WandbTracker, MlflowTracker, TrackioTracker)}
 
 
+def check_tracker_packages(settings) -> tuple[str, ...]:
+    """The backends of `settings` (a LoggingConfig), each checked to be known and importable (a
+    TrackerError otherwise): what can be known before a run starts anything."""
+    names = tracker_names(settings)
+    for name in names:
+        if name not in BACKENDS:
+            raise TrackerError(unknown_tracker(name))
+        _import(name, name)
+    return names
+
+
 def open_trackers(settings, run_dir: str | os.PathLike, config: dict[str, Any]) -> list:
     """Start the backends of `settings` (a LoggingConfig) and log `config` (the run's RLConfig as a
     nested dict) to each; their run ids go to RUN_DIR/trackers.json. A backend that cannot start
@@ -258,11 +269,7 @@ def open_trackers(settings, run_dir: str | os.PathLike, config: dict[str, Any]) 
     run_dir = Path(run_dir)
     state_path = run_dir / TRACKERS_STATE
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    names = tracker_names(settings)
-    for name in names:  # every package first, before anything is written
-        if name not in BACKENDS:
-            raise TrackerError(unknown_tracker(name))
-        _import(name, name)
+    names = check_tracker_packages(settings)  # every package first, before anything is written
     trackers = []
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
