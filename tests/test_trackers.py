@@ -401,6 +401,22 @@ def test_a_backend_whose_package_is_missing_stops_the_run_before_the_model_is_bu
     assert not built
     with pytest.raises(TrackerError):  # the directory was released: the same error again, not "in use"
         loop.RLRun(config)
+    monkeypatch.undo()
+
+
+def test_a_run_that_fails_to_start_leaves_no_tracker_files(tiny_setup, tmp_path, local_stores, monkeypatch):
+    """The trackers start before the model is built; when the build fails, what they wrote in the run
+    directory goes, and the same directory takes the next run without --overwrite."""
+    from archon.rl import loop
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no room for the model")
+
+    monkeypatch.setattr(loop, "Trainer", broken)
+    config = parse_config([*_run_args(tiny_setup, tmp_path / "run", 1), "--logging.backends", *ALL])
+    with pytest.raises(RuntimeError, match="no room for the model"):
+        loop.RLRun(config)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name != "run.lock") == []
 
 
 def test_mlflow_with_an_unusable_tracking_uri_is_an_error_naming_the_setting(tmp_path):

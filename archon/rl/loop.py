@@ -38,7 +38,7 @@ from archon.rl.metrics import MetricsLogger
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
 from archon.rl.samples import merge_rank_rows, sample_rows
-from archon.rl.trackers import close_trackers, open_trackers
+from archon.rl.trackers import close_trackers, open_trackers, remove_tracker_outputs, tracker_outputs
 from archon.rl.step_metrics import Prepared, Scores, every_reward_failed, task_step_metrics
 from archon.rl.rollouts import (
     concat_batches,
@@ -82,13 +82,16 @@ class RLRun:
         self.metrics = self.native = self.servers = self.channel = None
         self.trackers: list = []
         self._eval_rows: dict[str, list[dict]] = {}
+        first_rank = (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0
+        logs, tracker_files = config.logging, tracker_outputs(config.logging.run_dir)
         try:
-            # before the model is built, so that a tracker that cannot start stops the run at once
-            if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
-                self.trackers = open_trackers(config.logging, config.logging.run_dir, dataclasses.asdict(config))
+            if first_rank:  # before the model is built, so that a tracker that cannot start stops the run at once
+                self.trackers = open_trackers(logs, logs.run_dir, dataclasses.asdict(config))
             self._build()
         except BaseException:
             self.close()
+            if first_rank:  # a run that did not start leaves no tracker files of its own
+                remove_tracker_outputs(logs.run_dir, tracker_outputs(logs.run_dir) - tracker_files)
             raise
 
     def _build(self) -> None:

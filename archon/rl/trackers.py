@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -299,3 +300,19 @@ def close_trackers(trackers: list) -> None:
         except Exception as e:  # the run's own outputs are written; a tracker's end is not worth an error
             logging.getLogger("archon.rl").error("closing the %s tracker failed: %s: %s", tracker.name,
                                                  type(e).__name__, e)  # fmt: skip
+
+
+def tracker_outputs(run_dir: str | os.PathLike) -> set[str]:
+    """The names of what the backends write under `run_dir` that exist now."""
+    return {name for name in (*TRACKER_DIRS, TRACKERS_STATE) if (Path(run_dir) / name).exists()}
+
+
+def remove_tracker_outputs(run_dir: str | os.PathLike, names: set[str]) -> None:
+    """Delete these backend outputs of `run_dir` (those a run that failed to start created), so that
+    its directory can be used again as it was."""
+    for name in names:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
