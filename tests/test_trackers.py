@@ -3,6 +3,7 @@ the sample tables, read back from its own local store (wandb's offline run file,
 Trackio's SQLite store, TensorBoard's event files); bad settings are errors at the start."""
 
 import json
+import os
 import re
 import struct
 import warnings
@@ -419,11 +420,24 @@ def test_a_run_that_fails_to_start_leaves_no_tracker_files(tiny_setup, tmp_path,
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name != "run.lock") == []
 
 
-def test_mlflow_with_an_unusable_tracking_uri_is_an_error_naming_the_setting(tmp_path):
+def test_mlflow_with_an_unusable_tracking_uri_is_an_error_naming_the_setting(tmp_path, monkeypatch):
     settings = LoggingConfig(run_dir=str(tmp_path), backends=("tensorboard", "mlflow"), mlflow_tracking_uri="bogus://x")
     with pytest.raises(TrackerError, match=r"mlflow could not start a run at tracking URI 'bogus://x' "
                                            r"\(logging\.mlflow_tracking_uri\)"):  # fmt: skip
         open_trackers(settings, tmp_path, {})
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    start = time.monotonic()
+    with pytest.raises(TrackerError, match=rf"tracking URI 'http://127.0.0.1:{port}' \(MLFLOW_TRACKING_URI\)"):
+        open_trackers(LoggingConfig(run_dir=str(tmp_path), backends=("mlflow",)), tmp_path, {})
+    assert time.monotonic() - start < 60  # not MLflow's minutes of retries
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # restored
 
 
 def test_the_tensorboard_setting_still_works_warns_and_must_agree_with_backends(tmp_path):
@@ -525,7 +539,6 @@ def test_a_multi_task_run_tables_each_tasks_groups_with_its_name(tmp_path):
 def test_a_two_process_run_gathers_each_ranks_groups_into_one_table(tiny_setup, tmp_path):
     """Two data-parallel ranks, 2 prompts each (groups of 4), a table of 8 rows: one whole group from
     each rank (rank 0 alone would give 4 rows), numbered 0 and 1."""
-    import os
     import subprocess
     import sys
 

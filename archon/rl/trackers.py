@@ -12,6 +12,7 @@ resumed run continues the same tracker runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -155,6 +156,21 @@ class WandbTracker:
         self.run.finish()
 
 
+@contextlib.contextmanager
+def _few_http_retries():
+    """MLflow retries a failed HTTP request 7 times with backoff (minutes): starting a run, an
+    unreachable server is reported after one retry, unless MLFLOW_HTTP_REQUEST_MAX_RETRIES or
+    MLFLOW_HTTP_REQUEST_TIMEOUT are set. Logging later retries as MLflow does."""
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+    added = [name for name in quick if name not in os.environ]
+    os.environ.update({name: quick[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 class MlflowTracker:
     """An MLflow run in logging.mlflow_experiment (default: logging.project) at
     logging.mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns.
@@ -165,8 +181,6 @@ class MlflowTracker:
 
     def __init__(self, settings, run_dir: Path, state: dict) -> None:
         _import("mlflow", self.name)
-        from mlflow import MlflowClient
-
         uri = settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         setting = "logging.mlflow_tracking_uri" if settings.mlflow_tracking_uri else "MLFLOW_TRACKING_URI"
         if not uri:
@@ -176,15 +190,8 @@ class MlflowTracker:
             uri, setting = (run_dir / "mlruns").resolve().as_uri(), "the default store RUN_DIR/mlruns"
         experiment = settings.mlflow_experiment or settings.project
         try:
-            self.client = MlflowClient(tracking_uri=uri)
-            found = self.client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
-            self.run_id = state.get("run_id") if state.get("tracking_uri") == uri else None
-            if self.run_id is not None:
-                self.client.update_run(self.run_id, status="RUNNING")
-            else:
-                run_name = settings.run_name or run_dir.name
-                self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            with _few_http_retries():
+                self._start(uri, experiment, settings.run_name or run_dir.name, state)
         except Exception as e:
             raise TrackerError(
                 f"logging.backends: mlflow could not start a run at tracking URI {uri!r} ({setting}), experiment "
@@ -192,6 +199,19 @@ class MlflowTracker:
             ) from None
         self.resumed = state.get("run_id") == self.run_id
         state.update(tracking_uri=uri, run_id=self.run_id)
+
+    def _start(self, uri: str, experiment: str, run_name: str, state: dict) -> None:
+        """The client, the experiment (made if new) and the run: the one `state` names at this URI, or a new one."""
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        self.run_id = state.get("run_id") if state.get("tracking_uri") == uri else None
+        if self.run_id is not None:
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
 
     def log_config(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
