@@ -239,15 +239,16 @@ class MlflowTracker:
 
 class TrackioTracker:
     """A Trackio run in project logging.project, in Trackio's local store (TRACKIO_DIR, by default
-    ~/.cache/huggingface/trackio); a resumed run continues the run of the same name."""
+    ~/.cache/huggingface/trackio); a resumed run continues the latest run of its name."""
 
     name = "trackio"
 
     def __init__(self, settings, run_dir: Path, state: dict) -> None:
         self.trackio = trackio = _import("trackio", self.name)
         run_name = state.get("name") or settings.run_name or run_dir.name
+        resume = "allow" if state.get("name") else "never"  # a new run beside an earlier one of the same name
         try:
-            self.run = trackio.init(project=settings.project, name=run_name, resume="allow", embed=False,
+            self.run = trackio.init(project=settings.project, name=run_name, resume=resume, embed=False,
                                     auto_log_cpu=False, auto_log_gpu=False)  # fmt: skip
         except Exception as e:
             raise TrackerError(
