@@ -293,6 +293,19 @@ def test_a_tracker_failing_mid_run_is_dropped_and_the_metrics_file_goes_on(tmp_p
     assert Failing.closed and "step 2: the flaky tracker failed (ConnectionError: server went away)" in caplog.text
 
 
+def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_path):
+    logger = MetricsLogger(tmp_path)
+    for step in (1, 2, 3, 4):
+        logger.log(step, {"loss": float(step)})
+    logger.close()
+    resumed = MetricsLogger(tmp_path)
+    resumed.drop_after(2)
+    resumed.log(3, {"loss": 30.0})
+    resumed.close()
+    assert read_tensorboard(tmp_path)["history"] == {1: {"loss": 1.0}, 2: {"loss": 2.0}, 3: {"loss": 30.0}}
+    assert [r["loss"] for r in read_metrics(tmp_path)] == [1.0, 2.0, 30.0]
+
+
 # ---- a real run ---------------------------------------------------------------------------------
 
 

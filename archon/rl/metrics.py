@@ -78,6 +78,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         drop_tables_after(self.run_dir, step)
+        for tracker in self.trackers:
+            if isinstance(tracker, TensorBoardTracker):  # the one backend that can take steps back
+                tracker.drop_after(step)
         if not self.path.exists():
             return
         kept = [line for record, line in _read_records(self.path) if record["step"] <= step]

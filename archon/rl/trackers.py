@@ -102,7 +102,15 @@ class TensorBoardTracker:
         _import("tensorboard", self.name)
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.log_dir = str(run_dir / "tensorboard")
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+
+    def drop_after(self, step: int) -> None:
+        """Hide the events of steps after `step` (a resumed run logs them again)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step + 1)
 
     def log_config(self, config: dict[str, Any]) -> None:
         self.writer.add_text("config", "    " + json.dumps(config, indent=2, default=str).replace("\n", "\n    "), 0)
