@@ -3,7 +3,8 @@ to TensorBoard, Weights & Biases, MLflow or Trackio (`logging.backends`), on ran
 
 Every backend is one class with the same four methods, driven by archon.rl.metrics.MetricsLogger:
 `log_config(config)` once at the start, `log_scalars(step, scalars)` each step,
-`log_table(name, step, columns, rows)` for the sample tables (archon.rl.samples) and `close()`.
+`log_table(name, step, columns, rows)` for the sample tables (archon.rl.samples) and `close()`
+(and TensorBoard's `drop_after(step)`, for a resumed run: the one store that can take steps back).
 A backend is started (its package imported, its run created or continued) before the model is
 built, so a missing package or an unusable setting stops the run at once with an error naming the
 backend and the setting. The ids of the tracker runs are kept in RUN_DIR/trackers.json, so that a
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import typing
 import uuid
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +26,7 @@ from typing import Any, Literal
 from archon.checkpoint.atomic import atomic_write_json
 
 TrackerName = Literal["tensorboard", "wandb", "mlflow", "trackio"]
-TRACKERS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow", "trackio")
+TRACKERS: tuple[str, ...] = typing.get_args(TrackerName)
 TRACKERS_STATE = "trackers.json"
 """RUN_DIR/trackers.json: each backend's run id (and where it lives), to continue it on --resume."""
 TRACKER_DIRS = ("tensorboard", "wandb", "mlruns")
