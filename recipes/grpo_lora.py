@@ -49,6 +49,7 @@ def _train_and_report(config, prepared, rank: int) -> dict:
     """The run in the directory `prepared` (prepare_run_dir's), then on rank 0 its plot and summary."""
     from archon.rl.demo import prepare_demo
     from archon.rl.loop import RLRun
+    from archon.rl.trackers import check_tracker_packages
     from archon.tools.plot import plot_run
 
     def log(message: str) -> None:
@@ -56,6 +57,7 @@ def _train_and_report(config, prepared, rank: int) -> dict:
             print(message, flush=True)
 
     if config.model.path is None:
+        check_tracker_packages(config.logging)  # a missing tracker package: now, not after the warm start
         files = prepare_demo(config.demo, config.parallel, config.seed, rank, log)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(files.model_dir)))
         if not config.tasks:  # each task names its own data

@@ -222,7 +222,7 @@ def test_overwrite_deletes_the_earlier_run_and_nothing_else(finished_run, tiny_s
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in records] == [0, 1]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000001"]
-    assert sorted(p.name for p in run_dir.iterdir()) == ["adapter", "checkpoints", "metrics.jsonl"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["adapter", "checkpoints", "metrics.jsonl", "samples"]
 
 
 def test_a_bare_resume_means_the_newest_checkpoint():

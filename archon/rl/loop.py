@@ -15,7 +15,9 @@ of each tensor-parallel group generates and sends the rollouts to its peers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -36,6 +38,8 @@ from archon.rl.metrics import MetricsLogger
 from archon.rl.model_card import model_card, task_export_dir
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
+from archon.rl.samples import merge_rank_rows, sample_rows
+from archon.rl.trackers import close_trackers, open_trackers, remove_tracker_outputs, tracker_outputs
 from archon.rl.step_metrics import Prepared, Scores, every_reward_failed, task_step_metrics
 from archon.rl.rollouts import (
     concat_batches,
@@ -77,10 +81,18 @@ class RLRun:
         self.resume_from = run_dir.resume_from
         self.tasks: list[Task] = []
         self.metrics = self.native = self.servers = self.channel = None
+        self.trackers: list = []
+        self._eval_rows: dict[str, list[dict]] = {}
+        first_rank = (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0
+        logs, tracker_files = config.logging, tracker_outputs(config.logging.run_dir)
         try:
+            if first_rank:  # before the model is built, so that a tracker that cannot start stops the run at once
+                self.trackers = open_trackers(logs, logs.run_dir, dataclasses.asdict(config))
             self._build()
         except BaseException:
             self.close()
+            if first_rank:  # a run that did not start leaves no tracker files of its own
+                remove_tracker_outputs(logs.run_dir, tracker_outputs(logs.run_dir) - tracker_files)
             raise
 
     def _build(self) -> None:
@@ -142,7 +154,7 @@ class RLRun:
         dims = self.trainer.dims
         self.share_rollouts = config.rollout.engine == "vllm" and dims.same_data_size > 1
         self.generates_rollouts = not self.share_rollouts or dims.same_data_rank == 0
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard, enabled=self.rank == 0)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=False, enabled=self.rank == 0, trackers=self.trackers)
 
     # ---- helpers ------------------------------------------------------------------------------
     def teacher(self, path: str, option: str) -> torch.nn.Module:
@@ -209,6 +221,13 @@ class RLRun:
             task.trained_iterator_state = collected[task.name].iterator_state
             scores[task.name] = self.score(task, collected[task.name].examples, collected[task.name].samples)
             task.reward_traceback = task.scorer.last_traceback
+        every = self.config.logging.samples_every
+        if every and (step + 1) % every == 0:
+            rows = []
+            for task in tasks:
+                rollouts = collected[task.name]
+                rows += self._table_rows(task, rollouts.examples, rollouts.samples, scores[task.name])
+            self.metrics.log_samples(step + 1, rows)
         batch, prepared, score_s = self.prepare(tasks, collected, scores)
         train_start = time.perf_counter()
         updates = self.train(batch, [task for task in tasks if prepared[task.name].trains])
@@ -232,6 +251,17 @@ class RLRun:
         if len(self.tasks) > 1:
             metrics["active_tasks"] = float(len(tasks))
         return metrics
+
+    def _table_rows(self, task: Task, examples, samples: list[Sample], scores: Scores | None) -> list[dict]:
+        """The sample-table rows (archon.rl.samples) of the task's scored samples, whole groups of
+        every data-parallel rank's, at most logging.samples_per_table rows (on every rank)."""
+        limit = self.config.logging.samples_per_table
+        rows = sample_rows(task.name, examples, samples, scores, self.tokenizer, task.version, limit, self.dp)
+        per_rank = [rows]
+        if self.dp > 1:
+            per_rank = [None] * self.dp
+            dist.all_gather_object(per_rank, rows, group=self.trainer.dims.dp_group)
+        return merge_rank_rows(per_rank, limit)
 
     def generate_rollouts(self, task: Task, task_step: int) -> Rollouts:
         """The task's next prompt batch (this rank's share) and its samples, from its adapter version
@@ -482,14 +512,20 @@ class RLRun:
         samples = self._generate(task, examples, sampling) if examples else []
         if not examples:  # keep the collectives of the generation in step with the other ranks
             self._generate(task, [task.eval_set.examples[0]], sampling)
-        rewards = self.score(task, examples, samples).rewards if samples else torch.zeros(0)
+        scores = self.score(task, examples, samples) if samples else None
+        rewards = scores.rewards if scores is not None else torch.zeros(0)
+        if self.config.logging.samples_every:
+            self._eval_rows[task.name] = self._table_rows(task, examples, samples, scores)
         correct, total = self._sum(float((rewards >= 1.0).sum()), float(len(samples)))
         return correct / max(total, 1.0)
 
-    def _evaluate_all(self, metrics: dict[str, float]) -> None:
+    def _evaluate_all(self, metrics: dict[str, float], step: int) -> None:
+        """Each active task's held-out accuracy into `metrics`, and the evaluation's sample table."""
+        self._eval_rows = {}
         for task in self.active():
             if task.eval_set is not None:
                 metrics[task.prefix + "eval_accuracy"] = self.evaluate(task)
+        self.metrics.log_samples(step, [row for rows in self._eval_rows.values() for row in rows], evaluation=True)
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
@@ -545,7 +581,7 @@ class RLRun:
         last: dict[str, float] = {}
         evaluates = cfg.eval.every and any(task.eval_set is not None for task in self.tasks)
         if evaluates and first == 0:
-            self._evaluate_all(last)
+            self._evaluate_all(last, 0)
             self.metrics.log(0, dict(last))
         for task in self.tasks:  # every rank: the version-gap forwards run on all of them
             if task.adapter_history is not None:
@@ -558,7 +594,7 @@ class RLRun:
             metrics = self.step(step)
             done = step + 1
             if evaluates and (done % cfg.eval.every == 0 or done == cfg.steps):
-                self._evaluate_all(metrics)
+                self._evaluate_all(metrics, done)
             try:
                 self._check_progress(done, metrics)
             finally:
@@ -591,7 +627,9 @@ class RLRun:
             for task in self.tasks:
                 task.close()  # stops the producers: no new steps; the servers' closing ends a generation under way
             if self.metrics is not None:
-                self.metrics.close()
+                self.metrics.close()  # and the trackers
+            else:
+                close_trackers(self.trackers)
             if self.native is not None:
                 self.native.close()
             if self.channel is not None:

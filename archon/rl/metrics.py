@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON object a line in RUN_DIR/metrics.jsonl, mirrored to TensorBoard."""
+"""Per-step metrics: one JSON object a line in RUN_DIR/metrics.jsonl, mirrored to the experiment
+trackers (archon.rl.trackers), with the sample tables (archon.rl.samples)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from archon.checkpoint.atomic import atomic_file
+from archon.rl.samples import drop_tables_after, tracker_table, write_table
+from archon.rl.trackers import TensorBoardTracker, close_trackers
 
 METRICS_FILE = "metrics.jsonl"
 logger = logging.getLogger("archon.rl")
@@ -24,20 +27,23 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends `{"step": s, **metrics}` lines (flushed each step, so a crash loses nothing written)."""
+    """Appends `{"step": s, **metrics}` lines (flushed each step, so a crash loses nothing written)
+    and sends each record's numbers to `trackers` (started by archon.rl.trackers.open_trackers;
+    `tensorboard`: add a TensorBoard one in RUN_DIR/tensorboard). A tracker that fails while logging
+    is reported and dropped for the rest of the run; metrics.jsonl and the sample files go on."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True) -> None:
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True,
+                 trackers: list | None = None) -> None:  # fmt: skip
         self.enabled = enabled
-        self.path = Path(run_dir) / METRICS_FILE
-        self._writer = None
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.trackers = list(trackers or [])
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self.trackers.append(TensorBoardTracker(None, self.run_dir, {}))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -45,15 +51,37 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
+        self._to_trackers(step, "log_scalars", step, scalars)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]], evaluation: bool = False) -> None:
+        """A sample table (archon.rl.samples rows) of `step`: to RUN_DIR/samples and each tracker."""
+        if not self.enabled or not rows:
+            return
+        write_table(self.run_dir, step, rows, evaluation)
+        columns, values = tracker_table(rows)
+        self._to_trackers(step, "log_table", "eval_samples" if evaluation else "samples", step, columns, values)
+
+    def _to_trackers(self, step: int, method: str, *args) -> None:
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as e:  # noqa: BLE001 - a tracker's failure must not end the run
+                self.trackers.remove(tracker)
+                logger.error("step %d: the %s tracker failed (%s: %s); it gets nothing more in this run. %s has every "
+                             "step.", step, tracker.name, type(e).__name__, e, self.path)  # fmt: skip
+                close_trackers([tracker])
 
     def drop_after(self, step: int) -> None:
-        """Remove the records of steps after `step` (a resumed run logs them again)."""
-        if not self.enabled or not self.path.exists():
+        """Remove the records and sample tables of steps after `step` (a resumed run logs them again)."""
+        if not self.enabled:
+            return
+        drop_tables_after(self.run_dir, step)
+        for tracker in self.trackers:
+            if isinstance(tracker, TensorBoardTracker):  # the one backend that can take steps back
+                tracker.drop_after(step)
+        if not self.path.exists():
             return
         kept = [line for record, line in _read_records(self.path) if record["step"] <= step]
         self._file.close()
@@ -64,8 +92,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self.enabled:
             self._file.close()
-            if self._writer is not None:
-                self._writer.close()
+            close_trackers(self.trackers)
+            self.trackers = []
 
 
 def _read_records(path: Path) -> list[tuple[dict[str, Any], bytes]]:

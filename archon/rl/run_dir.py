@@ -38,6 +38,8 @@ from archon.checkpoint.resume import (
     lora_settings,
     read_trainer_state,
 )
+from archon.rl.samples import SAMPLES_DIR
+from archon.rl.trackers import TRACKER_DIRS, TRACKERS_STATE
 
 logger = logging.getLogger("archon.rl")
 
@@ -51,7 +53,7 @@ ADAPTER_EXPORT = re.compile(r"step_(\d+)")
 # Everything a run writes into its directory; `--overwrite` deletes these and nothing else.
 RUN_OUTPUTS = (
     CHECKPOINTS, "adapter", ADAPTERS, SUPERSEDED, "metrics.jsonl", "tensorboard", "curves.png", "vllm_logs", "vllm_adapters",
-    TASKS_DIR,
+    TASKS_DIR, SAMPLES_DIR, TRACKERS_STATE, *TRACKER_DIRS,
 )  # fmt: skip
 
 

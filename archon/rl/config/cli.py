@@ -49,6 +49,14 @@ def _algorithm_name_alias(argv: list[str]) -> list[str]:
     return out
 
 
+def _warn_on_tensorboard_flag(argv: list[str]) -> None:
+    """`--logging.no-tensorboard`, the spelling before --logging.backends, still works until the next
+    release (with a FutureWarning)."""
+    for arg in argv:
+        if arg in ("--logging.tensorboard", "--logging.no-tensorboard") or arg.startswith("--logging.tensorboard="):
+            warn_renamed(arg.split("=")[0], "--logging.backends")
+
+
 def parse_config(argv: list[str] | None = None) -> RLConfig:
     """`--config FILE` (optional) supplies defaults; every other flag overrides them. The result is
     checked with validate(), once: RLRun does not check it again."""
@@ -56,6 +64,7 @@ def parse_config(argv: list[str] | None = None) -> RLConfig:
 
     argv = _bare_resume_means_latest(list(sys.argv[1:] if argv is None else argv))
     argv = _algorithm_name_alias(argv)
+    _warn_on_tensorboard_flag(argv)
     default = RLConfig()
     if "--config" in argv:
         i = argv.index("--config")

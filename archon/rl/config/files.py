@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from archon.rl.algorithms import AlgorithmName
-from archon.rl.config.schema import AlgorithmConfig, RLConfig, both_spellings_error, warn_renamed
+from archon.rl.config.schema import AlgorithmConfig, LoggingConfig, RLConfig, both_spellings_error, warn_renamed
 
 try:
     import tomllib
@@ -166,6 +166,8 @@ def merge_into(instance: Any, values: dict[str, Any], where: str = "") -> Any:
         raise _WrongType(f"{where or 'the config'}: expected {_expected(type(instance))}, got {_shown(values)}")
     if isinstance(instance, AlgorithmConfig):
         values = _algorithm_name_alias(values, where)
+    if isinstance(instance, LoggingConfig) and "tensorboard" in values:
+        warn_renamed(f"{where}.tensorboard", f"{where}.backends")
     hints = typing.get_type_hints(type(instance))
     names = [f.name for f in dataclasses.fields(instance) if f.init]
     changes = {}

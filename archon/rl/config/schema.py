@@ -20,6 +20,7 @@ from archon.rl.code_tool_demo import CodeToolDemoConfig
 from archon.rl.data import DataConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
+from archon.rl.trackers import TrackerName
 from archon.rollout.vllm import VLLMConfig
 from archon.optim import OptimConfig
 
@@ -169,8 +170,31 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     run_dir: str = "runs/grpo_lora"
+    backends: tuple[TrackerName, ...] = ("tensorboard",)
+    """Experiment trackers each step's metrics, the run's config and the sample tables go to, on
+    rank 0 (archon.rl.trackers): any of tensorboard (RUN_DIR/tensorboard), wandb, mlflow, trackio.
+    metrics.jsonl is always written. Empty: none."""
     tensorboard: bool = True
+    """Deprecated, until the next release: false means `backends` without tensorboard."""
     progress: bool = True
+    project: str = "archon"
+    """The wandb project, the default MLflow experiment and the Trackio project."""
+    run_name: str | None = None
+    """The tracker run's name; default: the run directory's name."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """wandb's mode; None: WANDB_MODE, else online."""
+    wandb_entity: str | None = None
+    """The wandb team or user; None: wandb's default."""
+    mlflow_tracking_uri: str | None = None
+    """Where MLflow runs are recorded; None: MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns."""
+    mlflow_experiment: str | None = None
+    """The MLflow experiment; None: `project`."""
+    samples_every: int = 10
+    """A table of samples (prompt, completion, reward and its terms, stop reason, adapter version,
+    lag) every N steps, to RUN_DIR/samples/step_N.jsonl and each tracker; evaluations write one
+    each (step_N.eval.jsonl). 0: none."""
+    samples_per_table: int = 64
+    """Rows per task in a sample table, in whole groups (at least one), from every data-parallel rank."""
 
 
 @dataclass
@@ -269,7 +293,7 @@ class RLConfig:
     checkpoint is damaged (the error names the newest intact one)."""
     overwrite: bool = False
     """Start a new run in a run directory that holds an earlier run: its outputs (checkpoints,
-    adapters, metrics, TensorBoard logs, plots, vLLM logs) are deleted first. Anything else in the
+    adapters, metrics, sample tables, tracker files, plots, vLLM logs) are deleted first. Anything else in the
     directory is never deleted; such a directory is refused. Without this flag or --resume, a
     non-empty run directory is refused."""
     tasks: tuple[TaskConfig, ...] = ()

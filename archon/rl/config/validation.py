@@ -26,13 +26,13 @@ from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, distills, importance_sampling_for
 from archon.rl.code_tool_demo import demo_environment_problems
-from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
-from archon.rl.data import data_path_problem
+from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig, both_spellings_error
+from archon.rl.data import data_path_problem, data_sources_of
 from archon.rl.reasoning_gym import reasoning_gym_overlap
 from archon.rl.reward_fns import reward_function_problem
-from archon.rl.data import data_sources_of
 from archon.rl.reward_http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
 from archon.rl.rewards import TERM_NAME, RewardConfig, unrouted_message
+from archon.rl.trackers import TRACKERS, unknown_tracker
 from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
 from archon.rollout.vllm_server import max_position_embeddings
 from archon.optim import OptimConfig
@@ -91,6 +91,7 @@ def _problems(config: RLConfig, world_size: int) -> list[str]:
     problems += _parallel_problems(config, world_size)
     problems += _model_problems(config)
     problems += _agent_problems(config, world_size)
+    problems += _logging_problems(config)
     return problems
 
 
@@ -192,6 +193,22 @@ def _run_problems(config: RLConfig) -> list[str]:
         checkpoint.keep_last_adapters >= 1, "checkpoint.keep_last_adapters", checkpoint.keep_last_adapters,
         "must be at least 1",
     )  # fmt: skip
+    return problems
+
+
+def _logging_problems(config: RLConfig) -> list[str]:
+    """Trackers named right, the deprecated logging.tensorboard not contradicting logging.backends,
+    the sample tables' cadence and size."""
+    logging = config.logging
+    problems = _Problems()
+    problems += [unknown_tracker(name) for name in logging.backends if name not in TRACKERS]
+    if not logging.tensorboard and "tensorboard" in logging.backends and tuple(logging.backends) != ("tensorboard",):
+        conflict = both_spellings_error("logging.tensorboard", False, "logging.backends", list(logging.backends))
+        problems.append(str(conflict))
+    problems.require(logging.samples_every >= 0, "logging.samples_every", logging.samples_every,
+                     "must be >= 0 (0: no sample tables)")  # fmt: skip
+    problems.require(logging.samples_per_table >= 1, "logging.samples_per_table", logging.samples_per_table,
+                     "must be at least 1")  # fmt: skip
     return problems
 
 
