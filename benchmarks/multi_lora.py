@@ -71,7 +71,7 @@ def _common(model_dir: Path, args: BenchArgs, run_dir: Path) -> str:
         f"micro_batch_tokens: {args.micro_batch_tokens}\n"
         f"rollout: {{group_size: 8, prompts_per_step: {args.prompts_per_step}, max_new_tokens: 5}}\n"
         "eval: {every: 0}\ncheckpoint: {every: 0}\n"
-        f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\noverwrite: true\n"
+        f"logging: {{run_dir: {run_dir}, backends: [], progress: false}}\noverwrite: true\n"
     )
 
 

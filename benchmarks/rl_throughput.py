@@ -77,7 +77,7 @@ def _run(files, server, staleness: int, args: BenchArgs, out: Path) -> dict:
         "--eval.path", str(files.held_out_path), "--steps", str(args.steps), "--eval.every", str(args.steps),
         "--checkpoint.every", "0", "--rollout.engine", "vllm", "--rollout.vllm.urls", server.servers[0].url,
         "--rollout.vllm.transport", "collective", "--rollout.max-staleness", str(staleness),
-        "--logging.run-dir", str(run_dir), "--overwrite", "--logging.no-progress", "--logging.no-tensorboard",
+        "--logging.run-dir", str(run_dir), "--overwrite", "--logging.no-progress", "--logging.backends",
         *args.extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", WORKER_SECRET_ENV: server.servers.worker_secret}

@@ -43,7 +43,7 @@ def test_the_staleness_bound_holds_for_every_sampled_token_across_turns(demo_fil
         "--steps", str(STEPS), "--eval.every", "0", "--checkpoint.every", "0", "--rollout.engine", "vllm",
         "--rollout.vllm.urls", server.servers[0].url, "--rollout.vllm.transport", "collective",
         "--rollout.max-staleness", str(MAX_STALENESS), "--rollout.prompts-per-step", "4", "--rollout.group-size", "4",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.no-tensorboard",
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
     ]  # fmt: skip
     run = RLRun(parse_config(args))
     trained = []

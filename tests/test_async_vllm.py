@@ -37,7 +37,7 @@ def _args(demo_cache, server, run_dir, steps: int, max_staleness: int, *extra: s
         "--eval.path", str(files.held_out_path), "--steps", str(steps), "--eval.every", "0",
         "--checkpoint.every", "0", "--rollout.engine", "vllm", "--rollout.vllm.urls", server.servers[0].url,
         "--rollout.vllm.transport", "collective", "--rollout.max-staleness", str(max_staleness),
-        "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.no-tensorboard", *extra,
+        "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends", *extra,
     ]  # fmt: skip
 
 

@@ -710,7 +710,7 @@ def test_a_parsed_config_is_validated_once(tiny_model, tmp_path, monkeypatch):
     config = parse_config([
         "--model.path", str(tiny_model), "--data.path", str(path), "--rollout.prompts-per-step", "2",
         "--rollout.group-size", "2", "--rollout.max-new-tokens", "4", "--reward.function", "exact",
-        "--reward.num-workers", "0", "--logging.run-dir", str(tmp_path / "run"), "--logging.no-tensorboard",
+        "--reward.num-workers", "0", "--logging.run-dir", str(tmp_path / "run"), "--logging.backends",
     ])  # fmt: skip
     assert len(checked) == 1
     run = RLRun(config)
@@ -767,7 +767,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, m
     path = tmp_path / "run.yaml"
     path.write_text(
         f"model: {{path: {tiny_model}}}\nrollout: {{group_size: 2, prompts_per_step: 2, max_new_tokens: 4}}\n"
-        f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\n{text}"
+        f"logging: {{run_dir: {tmp_path / 'run'}, backends: [], progress: false}}\n{text}"
     )
     with pytest.raises(ValueError, match=culprit):  # a vocabulary of another size is found when parsed
         config = parse_config(["--config", str(path)])
@@ -896,7 +896,7 @@ def test_errors_under_torchrun_print_the_field_not_only_child_failed(model, flag
         str(repo / "recipes" / "grpo_lora.py"), "--model.path", str(odd_models / model),
         "--data.path", str(odd_models / "train.jsonl"), "--rollout.prompts-per-step", "2",
         "--rollout.group-size", "2", "--rollout.max-new-tokens", "4", "--reward.num-workers", "0",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-tensorboard", "--logging.no-progress", *flags,
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.backends", "--logging.no-progress", *flags,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -95,7 +95,7 @@ def test_a_short_run_calls_the_tool_more_and_is_rewarded_more(shipped, tmp_path,
     config = parse_config([
         "--config", str(CONFIG), "--model.path", str(files.model_dir), "--data.path", str(files.train_path),
         "--eval.every", "0", "--steps", "6", "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress",
-        "--logging.no-tensorboard",
+        "--logging.backends",
     ])  # fmt: skip
     RLRun(config).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -61,7 +61,7 @@ def _short_run(model: Path, run_dir: Path, *args: str):
         "--model.path", str(model), "--steps", "2", "--eval.every", "1",
         "--rollout.prompts-per-step", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "4",
         "--reward.num-workers", "0", "--logging.run-dir", str(run_dir), "--logging.no-progress",
-        "--logging.no-tensorboard", "--lora.rank", "2", "--lora.alpha", "4", *args,
+        "--logging.backends", "--lora.rank", "2", "--lora.alpha", "4", *args,
     ])  # fmt: skip
     validate(config)
     run = RLRun(config)

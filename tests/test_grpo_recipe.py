@@ -62,7 +62,7 @@ def _args(root: Path, run_dir: Path, steps: int) -> list[str]:
         "--eval.path", str(root / "held_out.jsonl"), "--eval.every", "1", "--steps", str(steps),
         "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "4",
         "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0",
-        "--optim.lr", "1e-2", "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.no-tensorboard",
+        "--optim.lr", "1e-2", "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
         "--lora.rank", "4", "--lora.alpha", "8",
     ]  # fmt: skip
 
@@ -380,7 +380,7 @@ def _shortened_demo_args(run_dir: Path, cache_dir: Path) -> list[str]:
     return [
         "--config", str(grpo_lora.DEMO_CONFIG), "--steps", str(SHORTENED_DEMO_STEPS),
         "--eval.every", str(SHORTENED_DEMO_STEPS), "--logging.run-dir", str(run_dir),
-        "--demo.cache-dir", str(cache_dir), "--logging.no-progress", "--logging.no-tensorboard",
+        "--demo.cache-dir", str(cache_dir), "--logging.no-progress", "--logging.backends",
         "--checkpoint.every", "0",
     ]  # fmt: skip
 

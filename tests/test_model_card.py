@@ -30,7 +30,7 @@ def finished_run(tmp_path_factory):
         "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "4",
         "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0",
         "--checkpoint.every", "1", "--checkpoint.keep-last-adapters", "2", "--optim.lr", "1e-2",
-        "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.no-tensorboard",
+        "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
         "--lora.rank", "4", "--lora.alpha", "8", "--lora.target-modules", "q_proj", "v_proj", "--lora.dropout", "0.05",
     ]  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:

@@ -106,7 +106,7 @@ def _config_file(root: Path, run_dir: Path, algorithm: str, steps: int = 1, task
         f"steps: {steps}\nmodel: {{path: {root / 'model'}, device: cpu}}\n"
         "rollout: {group_size: 2, prompts_per_step: 8, max_new_tokens: 4, temperature: 0.7}\n"
         "eval: {every: 0}\nlora: {rank: 4, alpha: 8}\noptim: {lr: 1e-2}\n"
-        f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\n"
+        f"logging: {{run_dir: {run_dir}, backends: [], progress: false}}\n"
         + (f"algorithm: {algorithm}\n" if algorithm else "") + data + tasks
     )
     return path

@@ -57,7 +57,7 @@ def _config_file(root: Path, run_dir: Path, steps: int, tasks: str) -> Path:
         f"steps: {steps}\nmodel: {{path: {root / 'model'}, device: cpu}}\n"
         "rollout: {group_size: 4, prompts_per_step: 4, max_new_tokens: 4}\n"
         f"eval: {{every: {steps}, max_prompts: 4}}\n"
-        f"logging: {{run_dir: {run_dir}, tensorboard: false, progress: false}}\n"
+        f"logging: {{run_dir: {run_dir}, backends: [], progress: false}}\n"
         f"tasks:\n{tasks}"
     )
     return path
@@ -312,7 +312,7 @@ def test_two_tasks_learn_two_skills_at_once_on_the_demo_base_on_two_ranks(two_sk
         f"steps: {steps}\nmodel: {{path: {model_dir}, device: cpu}}\n"
         "rollout: {group_size: 8, prompts_per_step: 32, max_new_tokens: 5}\n"
         f"eval: {{every: {steps}, max_prompts: {TWO_SKILL_HELD_OUT}}}\n"
-        f"logging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\ntasks:\n{tasks}"
+        f"logging: {{run_dir: {tmp_path / 'run'}, backends: [], progress: false}}\ntasks:\n{tasks}"
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(Path(__file__).resolve().parents[1] / "recipes" / "grpo_lora.py"), "--config", str(config_path)]  # fmt: skip

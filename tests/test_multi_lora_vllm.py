@@ -114,7 +114,7 @@ def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
         f"steps: 3\nmodel: {{path: {setup['server'].model}, device: cpu}}\n"
         "rollout: {engine: vllm, group_size: 2, prompts_per_step: 2, max_new_tokens: 4, "
         f"vllm: {{urls: [{setup['server'].servers[0].url}], transport: disk, mode: adapter}}}}\n"
-        f"eval: {{every: 0}}\nlogging: {{run_dir: {tmp_path / 'run'}, tensorboard: false, progress: false}}\n"
+        f"eval: {{every: 0}}\nlogging: {{run_dir: {tmp_path / 'run'}, backends: [], progress: false}}\n"
         f"tasks:\n{tasks}"
     )
     RLRun(parse_config(["--config", str(config_path)])).run()

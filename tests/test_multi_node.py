@@ -50,7 +50,7 @@ def _args(root: Path, run_dir: Path, *extra: str) -> list[str]:
         "--eval.path", str(root / "held_out.jsonl"), "--eval.every", "1", "--steps", str(STEPS),
         "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "4",
         "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0",
-        "--optim.lr", "1e-2", "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.no-tensorboard",
+        "--optim.lr", "1e-2", "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
         "--lora.rank", "8", "--lora.alpha", "16", "--checkpoint.every", "1", *extra,
     ]  # fmt: skip
 
@@ -238,7 +238,7 @@ def test_the_demo_runs_on_two_nodes_that_share_no_cache_directory(tmp_path):
     run_dir = tmp_path / "shared" / "run"
     args = ["--steps", "1", "--optim.warmup-steps", "0", "--eval.every", "0", "--rollout.prompts-per-step", "4",
             "--rollout.group-size", "2", "--checkpoint.every", "0", "--logging.run-dir", str(run_dir), "--logging.no-progress",
-            "--logging.no-tensorboard"]  # fmt: skip
+            "--logging.backends"]  # fmt: skip
     workdirs = (tmp_path / "node0", tmp_path / "node1")
     outputs = run_two_nodes(workdirs, args, _env())
     assert sum("adapter (PEFT):" in output for output in outputs) == 1

@@ -443,7 +443,7 @@ def _grpo_args(setup, tmp_path) -> list[str]:
         "--model.path", str(setup["model_dir"]), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
         "--eval.every", "0", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
         "--rollout.max-new-tokens", "4", "--reward.num-workers", "0", "--optim.lr", "1e-2",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.no-tensorboard",
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
         "--lora.rank", "8", "--lora.alpha", "16",
         "--rollout.engine", "vllm", "--rollout.vllm.urls", setup["server"].servers[0].url,
         "--rollout.vllm.transport", "collective",

@@ -125,7 +125,7 @@ def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, mon
     launches = _fake_launches(monkeypatch, "")
     args = ["--model.path", str(model), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
             "--rollout.max-new-tokens", str(new_tokens), "--logging.run-dir", str(tmp_path / "run"),
-            "--lora.rank", "8", "--logging.no-tensorboard", "--reward.num-workers", "0",
+            "--lora.rank", "8", "--logging.backends", "--reward.num-workers", "0",
             "--rollout.prompts-per-step", "2", "--eval.path", str(tmp_path / "held_out.jsonl"),
             "--eval.max-new-tokens", "3"]  # fmt: skip
     with pytest.raises(VLLMServerError):

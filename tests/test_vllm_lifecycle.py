@@ -233,7 +233,7 @@ def test_sigterm_stops_the_servers_the_run_launched(tmp_path):
             "--rollout.vllm.port", str(free_port("127.0.0.1")), "--logging.run-dir", str(tmp_path / "run"),
             "--steps", "2", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
             "--rollout.max-new-tokens", "4", "--lora.rank", "8", "--eval.every", "0", "--reward.num-workers", "0",
-            "--logging.no-progress", "--logging.no-tensorboard"]  # fmt: skip
+            "--logging.no-progress", "--logging.backends"]  # fmt: skip
     trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "grpo_lora.py"), *args], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     server_pid = None
