@@ -24,6 +24,7 @@ from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, importance_sampling_for
 from archon.rl.code_tool_demo import demo_environment_problems
+from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
@@ -540,6 +541,8 @@ def _model_problems(config: RLConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         if config.demo.kind == "code_tool":
             return [problem for task in config.task_configs() for problem in demo_environment_problems(task.environment)]
+        if config.demo.kind == "reasoning_gym":
+            return reasoning_gym_demo_problems(config.demo.reasoning_gym, config.data, config.eval.path, config.tasks)
         return []
     problems = []
     try:
