@@ -1,4 +1,5 @@
-"""Prompt datasets for RL: JSONL, Parquet or a local HF `datasets` directory, and a resumable batch iterator.
+"""Prompt datasets for RL: JSONL, Parquet, a local HF `datasets` directory, a Hugging Face dataset by
+name, or a reasoning-gym task; and a resumable batch iterator.
 
     dataset = load_prompt_dataset(DataConfig(path="train.jsonl", apply_chat_template=True), tokenizer)
     batches = PromptBatchIterator(dataset.examples, batch_size=8, seed=0)
@@ -11,20 +12,35 @@ is skipped, counted and reported with its file and row number; it never stops lo
 prompt too long for the model's context (see load_prompt_dataset): prompts are never truncated
 or altered. Row numbers: JSONL rows are 1-based line numbers (as an editor shows them), Parquet
 and `datasets` rows are 0-based indices.
+
+Schemas (DataConfig.schema): "plain" rows hold the prompt and reference in prompt_field and
+answer_field; "verl" rows are verl's (data_source, prompt as a chat message list, ability,
+reward_model.ground_truth as the reference, extra_info), always rendered with the chat template;
+"auto" picks verl when the first row has a reward_model object. A reasoning_gym:<task> source (see
+archon.rl.reasoning_gym) has its own rows: the question as a chat after a system prompt, the
+reasoning-gym entry as the reference, the task as data_source.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+from urllib.parse import parse_qsl
+
+from archon.rl import reasoning_gym
 
 logger = logging.getLogger(__name__)
 
 MAX_REPORTED_ROWS = 10
+SCHEMAS = ("auto", "plain", "verl")
+VERL_FIELDS = ("prompt", "reward_model.ground_truth")
+"""Where a verl row holds its prompt and its reference."""
 
 
 @dataclass
@@ -33,9 +49,18 @@ class DataConfig:
     prompts per batch)."""
 
     path: str = ""
-    """A .jsonl file, a .parquet file, or a directory written by datasets' save_to_disk."""
+    """A .jsonl file, a .parquet file, a directory written by datasets' save_to_disk, a Hugging Face
+    dataset name (owner/name, loaded with datasets.load_dataset; a local path that exists wins;
+    owner/name?split=test&subset=main overrides split and subset), or
+    reasoning_gym:<task>?size=N&seed=S&<task setting>=<value>... (see docs/datasets.md)."""
+    schema: str = "auto"
+    """How rows are read: plain (prompt_field and answer_field), verl (verl's rows: the prompt is a
+    chat message list rendered with the chat template, the reference reward_model.ground_truth), or
+    auto (verl when the first row has a reward_model object, else plain). The log says which."""
     split: str = "train"
-    """The split to use when the datasets directory holds a DatasetDict."""
+    """The split of a Hugging Face dataset, or of a datasets directory holding a DatasetDict."""
+    subset: str | None = None
+    """The configuration (subset) of a Hugging Face dataset named by path, e.g. "main" for openai/gsm8k."""
     prompt_field: str = "prompt"
     """Field with the prompt: a string, or a list of {role, content} chat messages. Dots reach
     into nested objects (e.g. extra.question) when no field has the dotted name itself."""
@@ -44,7 +69,8 @@ class DataConfig:
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (with the generation prompt appended)."""
     system_prompt: str | None = None
-    """A system message put before each prompt when the chat template is applied."""
+    """A system message put before each prompt when the chat template is applied (for a reasoning_gym
+    source it replaces reasoning-gym's own instruction to answer inside <answer> </answer>)."""
     max_prompt_tokens: int | None = None
     """Skip (and count) prompts longer than this many tokens; needs a tokenizer."""
     shuffle: bool = True
@@ -52,6 +78,10 @@ class DataConfig:
     """Seed of the per-epoch shuffle: the same seed gives the same batches."""
     drop_last: bool = True
     """Skip an epoch's last, incomplete batch, so every batch is full."""
+
+    def __post_init__(self) -> None:
+        if self.schema not in SCHEMAS:
+            raise ValueError(f"DataConfig.schema must be one of {', '.join(SCHEMAS)}, got {self.schema!r}")
 
 
 @dataclass
@@ -96,6 +126,8 @@ class PromptDataset:
     """Rows skipped because the prompt had more tokens than max_prompt_tokens or than the model's
     context leaves for it."""
     chat_template_applied: bool = False
+    schema: str = "plain"
+    """How the rows were read: plain, verl or reasoning_gym."""
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -177,11 +209,130 @@ def _iter_datasets_dir(path: Path, split: str) -> Iterator[tuple[int, Any, str |
         yield index, row, None
 
 
-def _rows(path: Path, split: str) -> tuple[Iterator[tuple[int, Any, str | None]], bool]:
+def _hub_cache_dir(name: str) -> Path:
+    """Where datasets keeps the prepared copy of Hugging Face dataset `name` (owner/name)."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+
+    owner, repo = name.split("/")
+    return Path(datasets.config.HF_DATASETS_CACHE) / f"{owner}___{camelcase_to_snakecase(repo)}"
+
+
+def _open_hub(name: str, subset: str | None, split: str) -> Iterator[tuple[int, Any, str | None]]:
+    """The rows of a Hugging Face dataset, through datasets.load_dataset: its cache first, the Hub
+    only when online (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE make it use the cache alone)."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        loaded = datasets.load_dataset(name, subset, split=split)
+    except (ConnectionError, FileNotFoundError, ValueError, DatasetNotFoundError) as e:
+        raise ValueError(_hub_problem(name, subset, split, e)) from e
+    return ((index, row, None) for index, row in enumerate(loaded))
+
+
+def _hub_problem(name: str, subset: str | None, split: str, error: Exception) -> str:
+    import datasets
+
+    which = f"Hugging Face dataset {name!r}" + (f" (subset {subset!r})" if subset else "") + f", split {split!r}"
+    cached = _hub_cache_dir(name)
+    message = f"data path: {which} could not be loaded: {type(error).__name__}: {error}"
+    if cached.is_dir():
+        return message
+    offline = " (offline mode is on: HF_DATASETS_OFFLINE or HF_HUB_OFFLINE)" if datasets.config.HF_HUB_OFFLINE else ""
+    load = f"datasets.load_dataset({name!r}" + (f", {subset!r}" if subset else "") + ")"
+    return (
+        f"{message}. It is not in the local datasets cache (looked in {cached}) and the Hub could not be "
+        f"reached{offline}. Download it first where the Hub can be reached, with the same HF_HOME or "
+        f"HF_DATASETS_CACHE: python -c \"import datasets; {load}\"; or set data.path to a local "
+        ".jsonl/.parquet file or save_to_disk directory (a local path that exists is always used as one)."
+    )
+
+
+def _plain(value: Any) -> Any:
+    """The value with numpy arrays and scalars (as pandas reads Parquet back) made lists and Python numbers."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    return value
+
+
+def _iter_reasoning_gym(path: str, system_prompt: str | None) -> Iterator[tuple[int, Any, str | None]]:
+    if (problem := reasoning_gym.source_problem(path)) is not None:
+        raise ValueError(f"data path {path!r}: {problem}")
+    source = reasoning_gym.parse_source(path)
+    for index, (messages, entry) in enumerate(reasoning_gym.load_entries(source, system_prompt)):
+        yield index, {"data_source": source.task, "prompt": messages, "entry": entry}, None
+
+
+HUB_OPTIONS = ("subset", "split")
+"""What a Hugging Face dataset name may set after a "?" (owner/name?split=test), over data.subset and data.split."""
+_HUB_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def hub_name(path: str) -> tuple[str, dict[str, str]] | None:
+    """(owner/name, options) when `path` names a Hugging Face dataset rather than a local file, else
+    None. A name does not exist locally, has exactly one slash between two names, no file suffix
+    of ours, and may end in ?subset=...&split=... (see HUB_OPTIONS; checked by data_path_problem)."""
+    if not path or Path(path).exists():
+        return None
+    name, _, query = path.partition("?")
+    if name.count("/") != 1:
+        return None
+    owner, repo = name.split("/")
+    if not (_HUB_PART.fullmatch(owner) and _HUB_PART.fullmatch(repo)):
+        return None
+    if repo.lower().endswith((".jsonl", ".ndjson", ".parquet")):
+        return None
+    return name, dict(parse_qsl(query, keep_blank_values=True))
+
+
+def _hub_options_problem(path: str) -> str | None:
+    _, _, query = path.partition("?")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as e:
+        return f"cannot read the options after '?': {e}"
+    keys = [key for key, _ in pairs]
+    unknown = sorted(set(keys) - set(HUB_OPTIONS))
+    if unknown:
+        return f"unknown option {', '.join(map(repr, unknown))} after the dataset name (options: {', '.join(HUB_OPTIONS)})"
+    if len(keys) != len(set(keys)) or any(not value for _, value in pairs):
+        return "each option after the dataset name is given once, with a value"
+    return None
+
+
+def data_path_problem(path: str) -> str | None:
+    """What is wrong with a data or eval path that can be told without loading it, or None: a
+    reasoning-gym source with a bad form, task or setting, a Hugging Face dataset name with bad
+    options, or a local path that does not exist and is not shaped like a dataset name (whose cache
+    is looked at only when loading)."""
+    if reasoning_gym.is_source(path):
+        return reasoning_gym.source_problem(path)
+    if Path(path).exists():
+        return None
+    if hub_name(path) is not None:
+        return _hub_options_problem(path)
+    return "no such file or directory (nor a Hugging Face dataset name, owner/name)"
+
+
+def _rows(config: DataConfig) -> tuple[Iterator[tuple[int, Any, str | None]], bool]:
+    path = Path(config.path)
+    if reasoning_gym.is_source(config.path):
+        return _iter_reasoning_gym(config.path, config.system_prompt), False
+    if (named := hub_name(config.path)) is not None:
+        if (problem := _hub_options_problem(config.path)) is not None:
+            raise ValueError(f"data path {config.path!r}: {problem}")
+        name, options = named
+        subset, split = options.get("subset", config.subset), options.get("split", config.split)
+        return _open_hub(name, subset, split), False
     if path.is_dir():
         if not any((path / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
             raise ValueError(f"{path} is a directory but not one written by datasets' save_to_disk")
-        return _iter_datasets_dir(path, split), False
+        return _iter_datasets_dir(path, config.split), False
     if not path.exists():
         raise FileNotFoundError(f"prompt dataset {str(path)!r} does not exist")
     suffix = path.suffix.lower()
@@ -190,6 +341,26 @@ def _rows(path: Path, split: str) -> tuple[Iterator[tuple[int, Any, str | None]]
     if suffix == ".parquet":
         return _iter_parquet(path), False
     raise ValueError(f"{path}: unknown dataset format {suffix!r}; expected .jsonl, .parquet or a datasets directory")
+
+
+def _detect_schema(
+    rows: Iterator[tuple[int, Any, str | None]], config: DataConfig
+) -> tuple[Iterator[tuple[int, Any, str | None]], str, str]:
+    """(the same rows, the schema to read them with, why). A reasoning_gym source has its own; auto
+    looks at the first row that is an object."""
+    if reasoning_gym.is_source(config.path):
+        return rows, "reasoning_gym", "a reasoning-gym source"
+    if config.schema != "auto":
+        return rows, config.schema, "set by data.schema"
+    seen = []
+    for item in rows:
+        seen.append(item)
+        if isinstance(item[1], dict):
+            break
+    rows = itertools.chain(seen, rows)
+    if seen and isinstance(seen[-1][1], dict) and isinstance(seen[-1][1].get("reward_model"), dict):
+        return rows, "verl", "detected: the first row has a reward_model object"
+    return rows, "plain", "detected: the first row has no reward_model object"
 
 
 def tokenize_prompt(tokenizer, text: str, chat_template_applied: bool) -> list[int]:
@@ -205,30 +376,39 @@ def load_prompt_dataset(
 
     context_length: the model's context (max_position_embeddings). A prompt that leaves less than
     max_new_tokens of it for the response is skipped and counted, like one over max_prompt_tokens.
-    The tokenizer is needed for apply_chat_template, max_prompt_tokens and context_length. Raises only
-    for problems with the whole dataset: a missing file, an unknown format, a missing tokenizer, or
-    no valid row.
+    The tokenizer is needed for the chat template (apply_chat_template, verl rows, reasoning_gym
+    sources), max_prompt_tokens and context_length. Raises only for problems with the whole dataset:
+    a missing file, an unknown format, a Hugging Face dataset that cannot be loaded, a bad
+    reasoning-gym source, a missing tokenizer, or no valid row.
     """
     if (config.apply_chat_template or config.max_prompt_tokens or context_length is not None) and tokenizer is None:
         raise ValueError("apply_chat_template, max_prompt_tokens and context_length need a tokenizer")
-    if config.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("apply_chat_template is set but the tokenizer has no chat template")
-    path = Path(config.path)
-    rows, line_numbered = _rows(path, config.split)
-    dataset = PromptDataset(examples=[], chat_template_applied=config.apply_chat_template)
+    rows, line_numbered = _rows(config)
+    rows, schema, why = _detect_schema(rows, config)
+    render = config.apply_chat_template or schema in ("verl", "reasoning_gym")
+    if render and tokenizer is None:
+        raise ValueError(f"prompt dataset {config.path}: {schema} rows are chat messages, which need a tokenizer")
+    if render and not getattr(tokenizer, "chat_template", None):
+        setting = "apply_chat_template is set" if config.apply_chat_template else f"{schema} rows are chat messages"
+        raise ValueError(f"prompt dataset {config.path}: {setting}, but the tokenizer has no chat template")
+    logger.info("prompt dataset %s: schema %s (%s)", config.path, schema, why)
+    path = config.path
+    dataset = PromptDataset(examples=[], chat_template_applied=render, schema=schema)
 
     for row_number, row, problem in rows:
-        location = _location(str(path), row_number, line_numbered)
+        location = _location(path, row_number, line_numbered)
         if problem is None:
-            prompt, reference, problem = _parse_row(row, config, tokenizer)
+            if schema != "reasoning_gym":  # its entries go to the task's scorer exactly as made
+                row = _plain(row)
+            prompt, reference, problem = _parse_row(row, config, tokenizer, schema, render)
         if problem is not None:
-            dataset.malformed.append(MalformedRow(str(path), row_number, problem, line_numbered))
+            dataset.malformed.append(MalformedRow(path, row_number, problem, line_numbered))
             continue
         prompt_ids = None
         if config.max_prompt_tokens is not None or context_length is not None:
-            prompt_ids = tokenize_prompt(tokenizer, prompt, config.apply_chat_template)
+            prompt_ids = tokenize_prompt(tokenizer, prompt, render)
             if (problem := _length_problem(len(prompt_ids), config, context_length, max_new_tokens)) is not None:
-                dataset.too_long.append(MalformedRow(str(path), row_number, problem, line_numbered))
+                dataset.too_long.append(MalformedRow(path, row_number, problem, line_numbered))
                 continue
         source = row.get("data_source") if isinstance(row.get("data_source"), str) else ""
         dataset.examples.append(PromptExample(prompt, reference, location, prompt_ids, row, source))
@@ -251,33 +431,43 @@ def _length_problem(num_tokens: int, config: DataConfig, context_length: int | N
     return None
 
 
-def _parse_row(row: Any, config: DataConfig, tokenizer) -> tuple[str, Any, str | None]:
-    """(prompt text, reference, None) or ("", None, why the row is malformed)."""
+def _fields(config: DataConfig, schema: str) -> tuple[str, str | None]:
+    """(prompt field, reference field) of a row read with `schema`."""
+    if schema == "verl":
+        return VERL_FIELDS
+    if schema == "reasoning_gym":
+        return "prompt", "entry"
+    return config.prompt_field, config.answer_field
+
+
+def _parse_row(row: Any, config: DataConfig, tokenizer, schema: str, render: bool) -> tuple[str, Any, str | None]:
+    """(prompt text, reference, None) or ("", None, why the row is malformed). render: apply the chat template."""
     if not isinstance(row, dict):
         return "", None, f"row is a JSON {type(row).__name__}, not an object"
-    prompt = _get_field(row, config.prompt_field)
+    prompt_field, answer_field = _fields(config, schema)
+    prompt = _get_field(row, prompt_field)
     if prompt is None:
-        return "", None, f"missing field {config.prompt_field!r}"
+        return "", None, f"missing field {prompt_field!r}"
     reference = None
-    if config.answer_field is not None:
-        reference = _get_field(row, config.answer_field)
+    if answer_field is not None:
+        reference = _get_field(row, answer_field)
         if reference is None:
-            return "", None, f"missing field {config.answer_field!r}"
+            return "", None, f"missing field {answer_field!r}"
         if not isinstance(reference, (str, int, float, list, dict)) or isinstance(reference, bool):
-            return "", None, f"field {config.answer_field!r} is {type(reference).__name__}, expected a string or number"
+            return "", None, f"field {answer_field!r} is {type(reference).__name__}, expected a string or number"
     if isinstance(prompt, str):
         if not prompt.strip():
-            return "", None, f"field {config.prompt_field!r} is empty"
+            return "", None, f"field {prompt_field!r} is empty"
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list):
         if (problem := _check_messages(prompt)) is not None:
-            return "", None, f"field {config.prompt_field!r} {problem}"
-        if not config.apply_chat_template:
-            return "", None, f"field {config.prompt_field!r} is a message list; set apply_chat_template"
+            return "", None, f"field {prompt_field!r} {problem}"
+        if not render:
+            return "", None, f"field {prompt_field!r} is a message list; set apply_chat_template"
         messages = list(prompt)
     else:
-        return "", None, f"field {config.prompt_field!r} is {type(prompt).__name__}, expected a string or message list"
-    if not config.apply_chat_template:
+        return "", None, f"field {prompt_field!r} is {type(prompt).__name__}, expected a string or message list"
+    if not render:
         return prompt, reference, None
     if config.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": config.system_prompt}, *messages]

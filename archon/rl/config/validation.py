@@ -26,6 +26,8 @@ from archon.rl.algorithms import ALGORITHMS, algorithm_problems, importance_samp
 from archon.rl.code_tool_demo import demo_environment_problems
 from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
+from archon.rl.data import data_path_problem
+from archon.rl.reasoning_gym import reasoning_gym_overlap
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
@@ -415,10 +417,12 @@ def _file_problems(task: TaskConfig, fields: _TaskFields, model_path: str, stude
         problems.append(
             f"{data_path} is not set: it is required with model.path (a .jsonl, .parquet or datasets directory)"
         )
-    elif not Path(task.data.path).exists():
-        problems.append(f"{data_path}={task.data.path!r}: no such file or directory")
-    if task.eval_path and not Path(task.eval_path).exists():
-        problems.append(f"{fields.eval_path}={task.eval_path!r}: no such file or directory")
+    elif (problem := data_path_problem(task.data.path)) is not None:
+        problems.append(f"{data_path}={task.data.path!r}: {problem}")
+    if task.eval_path and (problem := data_path_problem(task.eval_path)) is not None:
+        problems.append(f"{fields.eval_path}={task.eval_path!r}: {problem}")
+    elif task.eval_path and (overlap := reasoning_gym_overlap(task.data.path, task.eval_path)) is not None:
+        problems.append(f"{fields.eval_path}={task.eval_path!r}: {overlap}")
     teacher_path, where = task.algorithm.teacher_path, f"{fields.prefix}algorithm.teacher_path"
     if teacher_path is not None:
         teacher = _read_model_config(teacher_path, where)
