@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from archon.rl.config import load_config_file, parse_config
-from archon.rl.data import load_prompt_dataset
+from archon.rl.data import load_prompt_dataset, tokenize_prompt
 from archon.rl.demo import packaged_warm_start, prepare_demo
 from archon.rl.reasoning_gym import reasoning_gym_reward
 from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig, sft_rows
@@ -77,8 +77,9 @@ def test_warm_start_problems_are_the_runs_prompts_answered_as_the_scorer_reads_t
     # the run's data source renders the same prompt ids for the same entries
     data = dataclasses.replace(_config().data, path=problems.held_out, system_prompt=problems.system_prompt)
     dataset = load_prompt_dataset(data, tokenizer)
+    assert dataset.chat_template_applied and [r["prompt"] for r in held_out] == [e.prompt for e in dataset.examples]
     assert [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in held_out] == [
-        e.prompt_ids for e in dataset.examples
+        tokenize_prompt(tokenizer, e.prompt, dataset.chat_template_applied) for e in dataset.examples
     ]
     # reasoning-gym's scorer (through archon's reward) gives the warm start's answers full marks
     for row, example in zip(held_out[:20], dataset.examples):

@@ -52,7 +52,7 @@ def reasoning_gym_demo_problems(config: ReasoningGymDemoConfig, data, eval_path:
                 f"got {getattr(config, name)!r}"
             ]
         if (problem := reasoning_gym.source_problem(getattr(config, name))) is not None:
-            return [f"demo.reasoning_gym.{name}: {problem}"]
+            return [f"demo.reasoning_gym.{name}={getattr(config, name)!r}: {problem}"]
     if not same_problems(config.sft_data, config.held_out):
         return [
             f"demo.reasoning_gym.held_out {config.held_out!r} must name the task and settings of "
