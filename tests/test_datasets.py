@@ -117,7 +117,7 @@ def test_verl_parquet_is_detected_and_rendered(writer, tmp_path, tokenizer, capl
         load_prompt_dataset(DataConfig(path=str(path), schema="plain", apply_chat_template=True), tokenizer)
 
 
-def test_verl_parquet_written_by_pandas_with_numpy_arrays(tmp_path, tokenizer):
+def test_verl_rows_with_numpy_arrays_from_pandas_and_datasets(tmp_path, tokenizer):
     pd = pytest.importorskip("pandas")
     rows = _verl_rows(4)
     for index, row in enumerate(rows):
@@ -129,7 +129,12 @@ def test_verl_parquet_written_by_pandas_with_numpy_arrays(tmp_path, tokenizer):
     assert isinstance(frame["extra_info"][1]["terms"], np.ndarray)
     second = tmp_path / "second.parquet"
     frame.to_parquet(second)
-    for path in (first, second):
+    import datasets
+
+    numpy_dir = tmp_path / "numpy_format"  # a datasets directory whose rows come back as numpy arrays
+    datasets.Dataset.from_list(rows).with_format("numpy").save_to_disk(str(numpy_dir))
+    assert isinstance(datasets.load_from_disk(str(numpy_dir))[0]["prompt"], np.ndarray)
+    for path in (first, second, numpy_dir):
         dataset = load_prompt_dataset(DataConfig(path=str(path)), tokenizer)
         assert dataset.schema == "verl" and len(dataset) == 4
         assert dataset[1].reference == "2"
@@ -166,7 +171,7 @@ def test_verl_rows_need_a_tokenizer_with_a_chat_template(tmp_path):
         DataConfig(path=str(path), schema="parquet")
 
 
-def test_verl_parquet_drives_a_short_run(tmp_path, tiny_model):
+def test_verl_parquet_drives_a_short_run(tmp_path, tiny_model, capsys):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_verl_rows(8)), path)
     pq.write_table(pa.Table.from_pylist(_verl_rows(4)), tmp_path / "test.parquet")
@@ -175,6 +180,9 @@ def test_verl_parquet_drives_a_short_run(tmp_path, tiny_model):
         "--reward.function", "exact",
     )  # fmt: skip
     assert run.tasks[0].train_set.schema == "verl" and run.tasks[0].eval_set.schema == "verl"
+    out = capsys.readouterr().out
+    assert "train data: 8 prompts, verl rows (detected: the first row has a reward_model object)" in out
+    assert "held-out data: 4 prompts, verl rows" in out
     assert "eval_accuracy" in records[-1]
 
 

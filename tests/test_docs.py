@@ -129,7 +129,7 @@ def with_stand_ins(config, stand_ins, substituted: list[str]):
     def swap(instance, fields, stand_in, prefix):
         for name in fields:
             value = _get(instance, name)
-            if value and not Path(value).exists():
+            if value and not Path(value).exists() and not value.startswith("reasoning_gym:"):  # validated as it is
                 substituted.append(f"{prefix}{name}={value} -> {stand_in.name}")
                 instance = _replaced(instance, name, str(stand_in))
         return instance

@@ -128,6 +128,8 @@ class PromptDataset:
     chat_template_applied: bool = False
     schema: str = "plain"
     """How the rows were read: plain, verl or reasoning_gym."""
+    schema_reason: str = ""
+    """Why that schema: set by data.schema, or what auto detection saw."""
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -393,10 +395,11 @@ def load_prompt_dataset(
         raise ValueError(f"prompt dataset {config.path}: {setting}, but the tokenizer has no chat template")
     logger.info("prompt dataset %s: schema %s (%s)", config.path, schema, why)
     path = config.path
-    dataset = PromptDataset(examples=[], chat_template_applied=render, schema=schema)
+    dataset = PromptDataset(examples=[], chat_template_applied=render, schema=schema, schema_reason=why)
 
     for row_number, row, problem in rows:
         location = _location(path, row_number, line_numbered)
+        prompt, reference = "", None
         if problem is None:
             if schema != "reasoning_gym":  # its entries go to the task's scorer exactly as made
                 row = _plain(row)

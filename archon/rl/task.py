@@ -108,6 +108,8 @@ class Task:
 
     @staticmethod
     def _report(run, name: str, dataset) -> None:
+        if run.rank == 0:
+            print(f"{name} data: {len(dataset)} prompts, {dataset.schema} rows ({dataset.schema_reason})", flush=True)
         if (dataset.malformed or dataset.too_long) and run.rank == 0:
             logger.warning("%s data: %s", name, dataset.report())
 
