@@ -70,8 +70,9 @@ def _barrier() -> None:
 
 def _cache_key(demo, parallel_seed: int) -> str:
     """A digest of the settings that make the warm start (where it is stored is not one of them, nor
-    are the other kind's). The arithmetic demo's is what it was before there were kinds, so its
-    shipped warm starts keep their names."""
+    are the other kinds'). The arithmetic demo's is what it was before there were kinds, and the
+    code-tool demo's what it was before the reasoning-gym kind, so their shipped warm starts keep
+    their names."""
     settings = {k: v for k, v in dataclasses.asdict(demo).items() if k != "cache_dir"}
     other_kinds = {
         "arithmetic": ("kind", "code_tool", "reasoning_gym"),
@@ -263,7 +264,7 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
 
 def _arithmetic_sft(demo, trainer: Trainer, tokenizer, rows: list[dict], seed: int, log) -> None:
     """Train on (prompt, answer) pairs until every operation's development accuracy has been at the
-    target for the checks in a row."""
+    target for the checks in a row (the reasoning-gym demo's rows: the task is their one operation)."""
 
     def encode(row: dict) -> tuple[list[int], list[int]]:
         answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]

@@ -24,10 +24,10 @@ from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, importance_sampling_for
 from archon.rl.code_tool_demo import demo_environment_problems
-from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
 from archon.rl.data import data_path_problem
 from archon.rl.reasoning_gym import reasoning_gym_overlap
+from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import RewardConfig
 from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
