@@ -60,7 +60,9 @@ def _train_and_report(config, prepared, rank: int) -> dict:
         check_tracker_packages(config.logging)  # a missing tracker package: now, not after the warm start
         files = prepare_demo(config.demo, config.parallel, config.seed, rank, log)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(files.model_dir)))
-        if not config.tasks:  # each task names its own data
+        if config.demo.kind == "reasoning_gym":  # data.path names the task's source; the demo's held-out set
+            config = _with_reasoning_gym_demo_data(config)
+        elif not config.tasks:  # each task names its own data
             config = dataclasses.replace(
                 config,
                 data=dataclasses.replace(config.data, path=str(files.train_path)),
@@ -80,6 +82,15 @@ def _train_and_report(config, prepared, rank: int) -> dict:
         print(f"metrics: {run_dir / 'metrics.jsonl'}")
         print(f"plot: {plot}")
     return last
+
+
+def _with_reasoning_gym_demo_data(config):
+    """The reasoning-gym demo's run: eval.path and data.system_prompt, when unset, are the demo's held-out
+    problems and system prompt (validation checks that set ones are the same)."""
+    problems = config.demo.reasoning_gym
+    data = dataclasses.replace(config.data, system_prompt=problems.system_prompt if config.data.system_prompt is None else config.data.system_prompt)
+    evaluation = dataclasses.replace(config.eval, path=config.eval.path or problems.held_out)
+    return dataclasses.replace(config, data=data, eval=evaluation)
 
 
 def _exit_with_error(error: BaseException, every_rank: bool) -> None:

@@ -4,7 +4,9 @@ Everything is made locally (tokenizer, random-init model, task data), trained wi
 the RL loop uses (full fine-tuning, FSDP over the ranks), and cached by its settings so later runs
 skip it. The arithmetic demo (demo.kind "arithmetic") has a character tokenizer and learns the
 answers; the code-tool demo (archon.rl.code_tool_demo) has a BPE tokenizer learnt from its
-conversations, shipped beside its weights, and learns to call the python tool on some problems.
+conversations, shipped beside its weights, and learns to call the python tool on some problems; the
+reasoning-gym demo (demo.kind "reasoning_gym", archon.rl.reasoning_gym_demo) has the character
+tokenizer and learns a reasoning-gym task's answers in its <answer> </answer> format.
 
 The SFT is chaotic: its float arithmetic (vector width, thread count, kernels) differs between
 machines, the runs part within a few dozen steps, and the accuracy rises in a sudden jump whose step
@@ -16,6 +18,7 @@ machine starts RL from the same model. Other settings are warm-started here.
     python -m archon.rl.demo                                   # write the demo's warm start
     python -m archon.rl.demo --demo.task.operations + - --demo.task.num-held-out 600 --seed 0
     python -m archon.rl.demo --config recipes/configs/code_tool_demo.yaml   # the code-tool demo's
+    python -m archon.rl.demo --config recipes/configs/reasoning_gym_demo.yaml   # the reasoning-gym demo's
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_file, replace_directory
 from archon.lora.peft import save_merged_hf
 from archon.recipes.grpo_lora import DEMO_CONFIG
-from archon.rl import code_tool_demo
+from archon.rl import code_tool_demo, reasoning_gym_demo
 from archon.rl.config import DemoConfig, load_config_file
 from archon.rl.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
 from archon.rollout.base import SamplingParams
@@ -49,6 +52,8 @@ HELD_OUT_FILE = "held_out.jsonl"
 SFT_CONVERSATIONS_FILE = "sft_conversations.jsonl"
 """The code-tool warm start's conversations, with the sandbox's outputs (made once, on rank 0)."""
 CODE_TOOL_CONTEXT = 256
+CONTEXT = {"arithmetic": 128, "code_tool": CODE_TOOL_CONTEXT, "reasoning_gym": 256}
+"""The demo model's max_position_embeddings, by kind."""
 
 
 @dataclasses.dataclass
@@ -65,14 +70,17 @@ def _barrier() -> None:
 
 def _cache_key(demo, parallel_seed: int) -> str:
     """A digest of the settings that make the warm start (where it is stored is not one of them, nor
-    are the other kind's). The arithmetic demo's is what it was before there were kinds, so its
-    shipped warm starts keep their names."""
+    are the other kinds'). The arithmetic demo's is what it was before there were kinds, and the
+    code-tool demo's what it was before the reasoning-gym kind, so their shipped warm starts keep
+    their names."""
     settings = {k: v for k, v in dataclasses.asdict(demo).items() if k != "cache_dir"}
-    if demo.kind == "arithmetic":
-        del settings["kind"], settings["code_tool"]
-    else:
-        for name in ("task", "sft_target_accuracy", "sft_checks_at_target", "sft_dev_examples"):
-            del settings[name]
+    other_kinds = {
+        "arithmetic": ("kind", "code_tool", "reasoning_gym"),
+        "code_tool": ("task", "sft_target_accuracy", "sft_checks_at_target", "sft_dev_examples", "reasoning_gym"),
+        "reasoning_gym": ("task", "code_tool"),
+    }
+    for name in other_kinds[demo.kind]:
+        del settings[name]
     settings = json.dumps({"demo": settings, "seed": parallel_seed}, sort_keys=True, default=str)
     return hashlib.sha256(settings.encode()).hexdigest()[:12]
 
@@ -108,7 +116,7 @@ def _write_init_model(demo, out_dir: Path, seed: int, tokenizer) -> None:
         num_attention_heads=demo.num_attention_heads,
         num_key_value_heads=demo.num_key_value_heads,
         head_dim=demo.hidden_size // demo.num_attention_heads,
-        max_position_embeddings=128 if demo.kind == "arithmetic" else CODE_TOOL_CONTEXT,
+        max_position_embeddings=CONTEXT[demo.kind],
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -196,13 +204,18 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
         return files
     packaged = packaged_warm_start(demo, seed)
     if rank == 0:
-        task = demo.task if demo.kind == "arithmetic" else demo.code_tool.task
-        train_rows, held_out_rows = arithmetic_splits(task)
+        if demo.kind == "reasoning_gym":
+            tokenizer = build_char_tokenizer()
+            train_rows, held_out_rows, left_out = reasoning_gym_demo.sft_rows(demo.reasoning_gym, tokenizer)
+            log(f"demo: {len(train_rows)} warm-start problems ({left_out} left out for asking a held-out question)")
+        else:
+            task = demo.task if demo.kind == "arithmetic" else demo.code_tool.task
+            train_rows, held_out_rows = arithmetic_splits(task)
         write_jsonl(train_rows, files.train_path)
         write_jsonl(held_out_rows, files.held_out_path)
         if demo.kind == "arithmetic":
             tokenizer = build_char_tokenizer()
-        else:
+        elif demo.kind == "code_tool":
             tokenizer = _code_tool_tokenizer(demo, seed, train_rows, root / SFT_CONVERSATIONS_FILE, log)
         _write_init_model(demo, root / "init", seed, tokenizer)
     _barrier()
@@ -232,7 +245,7 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the float arithmetic of the warm start then does not depend on the core count
     try:
-        if demo.kind == "arithmetic":
+        if demo.kind in ("arithmetic", "reasoning_gym"):
             rows = [json.loads(line) for line in files.train_path.read_text().splitlines()]
             _arithmetic_sft(demo, trainer, tokenizer, rows, seed, log)
         else:
@@ -251,7 +264,7 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
 
 def _arithmetic_sft(demo, trainer: Trainer, tokenizer, rows: list[dict], seed: int, log) -> None:
     """Train on (prompt, answer) pairs until every operation's development accuracy has been at the
-    target for the checks in a row."""
+    target for the checks in a row (the reasoning-gym demo's rows: the task is their one operation)."""
 
     def encode(row: dict) -> tuple[list[int], list[int]]:
         answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]

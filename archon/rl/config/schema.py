@@ -17,6 +17,7 @@ from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import ALGORITHMS, AlgorithmName, LossConfig, unknown_algorithm
 from archon.rl.code_tool_demo import CodeToolDemoConfig
+from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig
 from archon.rl.data import DataConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
@@ -200,12 +201,14 @@ class LoggingConfig:
 @dataclass
 class DemoConfig:
     """The built-in demo: a small Qwen3 model warm-started by SFT, on synthetic arithmetic (kind
-    "arithmetic") or on 3-digit multiplication with the python tool (kind "code_tool")."""
+    "arithmetic"), on 3-digit multiplication with the python tool (kind "code_tool") or on a
+    reasoning-gym task (kind "reasoning_gym")."""
 
-    kind: Literal["arithmetic", "code_tool"] = "arithmetic"
+    kind: Literal["arithmetic", "code_tool", "reasoning_gym"] = "arithmetic"
     """arithmetic: a character tokenizer, `task` answered in one completion; code_tool: the Qwen3
     chat format, `code_tool`'s problems answered in episodes with the python sandbox
-    (archon.rl.code_tool_demo)."""
+    (archon.rl.code_tool_demo); reasoning_gym: a character tokenizer, `reasoning_gym`'s task
+    answered inside <answer> </answer> (archon.rl.reasoning_gym_demo)."""
     task: ArithmeticTaskConfig = field(
         default_factory=lambda: ArithmeticTaskConfig(
             operations=("+",), min_digits=2, max_digits=2, num_train=6000, num_held_out=200
@@ -235,6 +238,9 @@ class DemoConfig:
     code_tool: CodeToolDemoConfig = field(default_factory=CodeToolDemoConfig)
     """The code-tool demo's problems and warm start (kind "code_tool"); `task` and the SFT's stop
     rule (sft_target_accuracy, sft_checks_at_target, sft_dev_examples) are the arithmetic demo's."""
+    reasoning_gym: ReasoningGymDemoConfig = field(default_factory=ReasoningGymDemoConfig)
+    """The reasoning-gym demo's problems (kind "reasoning_gym"; its warm start stops by the same rule
+    as the arithmetic demo's, the task's problems being one "operation")."""
 
 
 @dataclass

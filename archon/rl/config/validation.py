@@ -29,6 +29,7 @@ from archon.rl.code_tool_demo import demo_environment_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig, both_spellings_error
 from archon.rl.data import data_path_problem, data_sources_of
 from archon.rl.reasoning_gym import reasoning_gym_overlap
+from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.reward_http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
 from archon.rl.rewards import TERM_NAME, RewardConfig, unrouted_message
@@ -673,6 +674,8 @@ def _model_problems(config: RLConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         if config.demo.kind == "code_tool":
             return [problem for task in config.task_configs() for problem in demo_environment_problems(task.environment)]
+        if config.demo.kind == "reasoning_gym":
+            return reasoning_gym_demo_problems(config.demo.reasoning_gym, config.data, config.eval.path, config.tasks)
         return []
     problems = []
     try:
