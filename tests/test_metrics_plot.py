@@ -86,3 +86,14 @@ def test_a_bad_metrics_line_is_named_and_the_file_kept(tmp_path, bad_line):
     assert (tmp_path / "metrics.jsonl").read_text() == text
     with pytest.raises(ValueError, match="metrics.jsonl:2: "):
         read_metrics(tmp_path)
+
+
+def test_the_plot_command_takes_the_run_directory_as_it_is_documented(tmp_path):
+    from archon.tools.plot import main
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for step in range(3):
+        logger.log(step, {"reward_mean": 0.1 * step, "accuracy": 0.05 * step})
+    logger.close()
+    assert main([str(tmp_path)]) == 0
+    assert (tmp_path / "curves.png").stat().st_size > 0

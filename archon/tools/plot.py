@@ -8,7 +8,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
 
 from archon.rl.metrics import read_metrics
 
@@ -22,7 +24,7 @@ TASK_LINE_STYLES = {"reward_mean": "-", "accuracy": "--", "eval_accuracy": ":"}
 
 @dataclass
 class PlotArgs:
-    run_dir: str
+    run_dir: Annotated[str, tyro.conf.Positional]
     """Directory holding metrics.jsonl."""
     out: str | None = None
     """PNG path; default RUN_DIR/curves.png."""
@@ -78,8 +80,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
-
     args = tyro.cli(PlotArgs, args=argv)
     print(plot_run(args.run_dir, args.out))
     return 0
