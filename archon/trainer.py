@@ -52,6 +52,7 @@ from archon.lora import (
     task_view,
 )
 from archon.lora.peft import save_peft_adapter
+from archon.models.common.moe import replayed_routing
 from archon.loss_context import LossContext, LossFn, MetricReports, loss_counts
 from archon.optim import AdapterOptimizer, OptimConfig
 from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
@@ -70,6 +71,11 @@ class TrainerTask:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
+
+ROUTED_EXPERTS_EXTRA = "routed_experts"
+"""PackedBatch.extras key of the expert ids to replay: [T, L_moe, k] (int16; -1 rows: the router's
+own choice). A batch that carries it is scored and trained with every MoE router taking these ids
+instead of its own top-k (archon.models.common.moe.replayed_routing)."""
 
 TASK_EXTRA = "task"
 """PackedBatch.extras key of a multi-task batch: [T] long, each token's task index (TrainerConfig.tasks order)."""
@@ -264,7 +270,10 @@ class Trainer:
             tokens, labels, loss_mask = tokens_of.local(tokens), tokens_of.local(labels), tokens_of.local(loss_mask)
             positions, cu_seqlens, max_seqlen = tokens_of.local_positions(positions), tokens_of.cu_seqlens, tokens_of.max_seqlen
         index = loss_mask.nonzero()[:, 0]
-        with self._routing(batch, tokens_of):
+        experts = batch.extras.get(ROUTED_EXPERTS_EXTRA)
+        if experts is not None and tokens_of is not None:
+            experts = tokens_of.local(experts, fill=-1)
+        with self._routing(batch, tokens_of), replayed_routing(self.model, experts):
             lp, ent = model_label_logprobs(
                 self.model, tokens, positions, cu_seqlens, max_seqlen, index, labels[index], temperature,
                 self.config.head_chunk_size, with_entropy, context_parallel=self.context_parallel,

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from archon.load_balance import routers
 from archon.lora.utils import multi_task_layers, routing_set
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -81,18 +82,28 @@ def checkpoint_module(module: nn.Module, mode: ACMode) -> nn.Module:
     forward = module.forward
     extra = {"context_fn": _selective_context} if mode == "selective" else {}
     routed_layers = multi_task_layers(module)
+    moe_routers = routers(module)
 
     @functools.wraps(forward)
     def checkpointed_forward(*args, **kwargs):
-        # The recomputation runs in the backward pass, after `adapter_routing` has exited: it takes
-        # the routing of this forward again.
+        # The recomputation runs in the backward pass, after `adapter_routing` and `replayed_routing`
+        # have exited: it takes the adapter routing and the replayed expert ids of this forward again.
         routing = {layer: layer.routing for layer in routed_layers}
+        replayed = {router: router.replayed_experts for router in moe_routers}
 
         def run(*args, **kwargs):
-            with routing_set(routing):
-                return forward(*args, **kwargs)
+            previous = {router: router.replayed_experts for router in replayed}
+            for router, experts in replayed.items():
+                router.replayed_experts = experts
+            try:
+                with routing_set(routing):
+                    return forward(*args, **kwargs)
+            finally:
+                for router, experts in previous.items():
+                    router.replayed_experts = experts
 
-        return checkpoint(run if routed_layers else forward, *args, use_reentrant=False, preserve_rng_state=True,
+        uses_state = routed_layers or any(experts is not None for experts in replayed.values())
+        return checkpoint(run if uses_state else forward, *args, use_reentrant=False, preserve_rng_state=True,
                           **extra, **kwargs)  # fmt: skip
 
     module.forward = checkpointed_forward

@@ -29,6 +29,7 @@ from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_write_json
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import STEP_DIR
+from archon.load_balance import routers
 from archon.lora import lora_parameters, task_view
 from archon.parallel import init_distributed
 from archon.rl.config import RLConfig, validate
@@ -122,6 +123,12 @@ class RLRun:
         for index, task_config in enumerate(task_configs):
             prefix = f"{task_config.name}/" if len(task_configs) > 1 else ""
             self.tasks.append(Task(self, index, task_config, prefix))
+        replay = any(task.config.algorithm.routing_replay == "rollout" for task in self.tasks)
+        if replay and not routers(self.trainer.model):
+            raise ValueError(
+                f"algorithm.routing_replay='rollout' needs an MoE model; model.path={config.model.path!r} "
+                f"({self.trainer.loaded.hf_config.model_type}) has no MoE layer: set it to 'off'"
+            )
         for task in self.tasks:  # processes and servers last, so that a failure above leaves none running
             task.scorer = RewardScorer(task.config.reward, task.data_sources())
             if task.config.environment.enabled:
@@ -138,7 +145,8 @@ class RLRun:
         else:  # on the training model; a multi-task model generates every task's prompts in one batch
             self.native = NativeRolloutEngine(self.trainer.model, self.device,
                                               max_batch_sequences=config.rollout.max_batch_sequences,
-                                              prefill_chunk_tokens=config.rollout.prefill_chunk_tokens)  # fmt: skip
+                                              prefill_chunk_tokens=config.rollout.prefill_chunk_tokens,
+                                              record_routing=replay)  # fmt: skip
         for task in self.tasks:
             if self.native is not None:
                 task.rollout = self.native
@@ -360,7 +368,8 @@ class RLRun:
             trains = not every_reward_failed(errors, samples)
             kept = [sample for sample, k in zip(collected[task.name].samples, keep.tolist()) if k] if trains else []
             if kept:
-                part = rollout_batch(kept, advantages[keep], trainer_version=task.version)
+                part = rollout_batch(kept, advantages[keep], trainer_version=task.version,
+                                     routed_experts=task.config.algorithm.routing_replay == "rollout")  # fmt: skip
                 if self.trainer.multi_task:
                     part.extras[TASK_EXTRA] = torch.full((part.num_tokens,), task.index, dtype=torch.long)
                 parts.append(part)

@@ -20,15 +20,20 @@ from archon.rl.data import tokenize_prompt
 from archon.rl.producer import Rollouts
 from archon.rl.versions import stale_groups
 from archon.rollout.base import Sample
+from archon.rollout.native import ROUTED_EXPERTS
 from archon.rollout.policy import ServedPolicy
 from archon.rollout.vllm import VLLMRolloutEngine
 from archon.spec import get_spec
-from archon.trainer import TASK_EXTRA
+from archon.trainer import ROUTED_EXPERTS_EXTRA, TASK_EXTRA
 
-def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_version: int) -> PackedBatch:
+def rollout_batch(
+    samples: list[Sample], advantages: torch.Tensor, trainer_version: int, routed_experts: bool = False
+) -> PackedBatch:
     """The samples packed for training (loss on their completion tokens, but for those a
     completion_mask leaves out), with every completion token's behaviour (rollout) log-prob
-    and its version lag (`extras["version_lag"]`: trainer_version minus the version that sampled it)."""
+    and its version lag (`extras["version_lag"]`: trainer_version minus the version that sampled it).
+    routed_experts: also the expert ids the engine routed every token to (`extras["routed_experts"]`,
+    [T, L_moe, k] from each sample's `extra["routed_experts"]`), for the trainer to replay."""
     batch = PackedBatch.from_sequences(
         [s.prompt_ids + s.completion_ids for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
@@ -45,7 +50,33 @@ def rollout_batch(samples: list[Sample], advantages: torch.Tensor, trainer_versi
             batch.loss_mask[span] &= torch.tensor(s.completion_mask, dtype=torch.bool)
     batch.rollout_logprobs = rollout_lp
     batch.extras["version_lag"] = version_lag
+    if routed_experts:
+        batch.extras[ROUTED_EXPERTS_EXTRA] = packed_routed_experts(samples, batch)
     return batch
+
+
+def packed_routed_experts(samples: list[Sample], batch: PackedBatch) -> torch.Tensor:
+    """[T, L_moe, k] int16: each sample's recorded expert ids at its tokens' rows of `batch`."""
+    missing = [i for i, s in enumerate(samples) if ROUTED_EXPERTS not in s.extra]
+    if missing:
+        raise ValueError(
+            f"algorithm.routing_replay='rollout' needs every sample's routed experts, and sample {missing[0]} "
+            f"(of {len(samples)}) has none in Sample.extra[{ROUTED_EXPERTS!r}]; the built-in engine records them "
+            "for single-turn rollouts"
+        )
+    first = samples[0].extra[ROUTED_EXPERTS]
+    experts = torch.full((batch.num_tokens, *first.shape[1:]), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        recorded = s.extra[ROUTED_EXPERTS]
+        length = len(s.prompt_ids) + len(s.completion_ids)
+        if recorded.shape != (length, *first.shape[1:]):
+            raise ValueError(
+                f"sample {i} has routed experts of shape {tuple(recorded.shape)}, expected "
+                f"({length}, {', '.join(map(str, first.shape[1:]))}) for its {length} tokens"
+            )
+        start = int(batch.cu_seqlens[i])
+        experts[start : start + length] = recorded
+    return experts
 
 
 def stop_token_ids(tokenizer, hf_config) -> tuple[int, ...]:

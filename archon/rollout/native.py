@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from archon.lora import adapter_routing, cached_task_factors, task_names
+from archon.models.common.moe import moe_routers, recorded_routing, take_recorded
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KeptState, KVCache
 from archon.rollout.policy import ServedPolicy
@@ -174,6 +175,12 @@ class _Session:
     adapter: int
 
 
+ROUTED_EXPERTS = "routed_experts"
+"""Sample.extra key of the recorded routing (NativeRolloutEngine(record_routing=True)): int16
+[len(prompt_ids) + len(completion_ids), L_moe, k], the expert ids MoE layer l routed each token to
+(prompt tokens: in the prefill; completion tokens: in the decode step that fed them). Rows of -1:
+tokens the engine did not run (a prompt prefix read from a kept session, the last completion token)."""
+
 ADAPTER_SEED_STRIDE = 1_000_033
 """Seed offset between the tasks of a multi-task generation (see the module docstring)."""
 
@@ -193,7 +200,9 @@ class NativeRolloutEngine:
     once, the least recently used sessions evicted beyond it; None: no bound (`end_sessions` frees).
     prefill_chunk_tokens: the most prompt tokens one prefill forward takes; a prefill of more runs as
     several forwards, each continuing its prompts from the cache (see the module docstring). None:
-    every prefill in one forward."""
+    every prefill in one forward.
+    record_routing: on an MoE model, give every sample the expert ids its tokens were routed to,
+    `Sample.extra["routed_experts"]` (see ROUTED_EXPERTS)."""
 
     def __init__(
         self,
@@ -206,6 +215,7 @@ class NativeRolloutEngine:
         cuda_graphs: bool = True,
         max_session_tokens: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        record_routing: bool = False,
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
@@ -228,6 +238,9 @@ class NativeRolloutEngine:
             self.sync_group = dist.group.WORLD
         self.max_session_tokens = max_session_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if record_routing and not moe_routers(model):
+            raise ValueError("record_routing needs an MoE model; this model has no MoE router")
+        self.record_routing = record_routing
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
         """Kept sessions by key, least recently used first."""
         self._session_tokens = 0
@@ -359,7 +372,8 @@ class NativeRolloutEngine:
         self.model.eval()
         # the adapters do not change during a generation: every layer stacks its tasks' factors once
         factors = cached_task_factors(self.model) if multi_task_model else contextlib.nullcontext()
-        with self.policy.lease() as (_, version), factors:
+        recording = recorded_routing(self.model) if self.record_routing else contextlib.nullcontext()
+        with self.policy.lease() as (_, version), factors, recording:
             if sessions is not None:
                 self._take_kept_states(groups, version)
             try:
@@ -419,6 +433,13 @@ class _Generation:
             engine.cuda_graphs and not multi_task and engine.sync_group is None and self.device.type == "cuda" and torch.cuda.is_available()
         )
         self.graph = None
+        self.moe = moe_routers(self.model) if engine.record_routing else None
+        if self.moe:
+            # recording reads each step's expert ids on the host side of the step: no CUDA graph
+            self.static_decode = False
+            shape = (len(self.moe), self.moe[0].top_k)
+            self.prompt_experts = torch.full((num_blocks, max_prompt, *shape), -1, dtype=torch.int16, device=dev)
+            self.completion_experts = torch.full((rows, self.max_new + 1, *shape), -1, dtype=torch.int16, device=dev)
         self.samples: dict[int, list[Sample]] = {}
         """Each group's samples, by group index."""
 
@@ -456,6 +477,8 @@ class _Generation:
         multi-task model, with the first task's adapter: its forward needs each token's task)."""
         one = torch.zeros(1, dtype=torch.long, device=self.device)
         self._forward(one if self.multi_task else None, one, one, torch.tensor([0, 1], device=self.device), 1)
+        if self.moe:
+            take_recorded(self.moe)
 
     def _rows(self, blocks: list[int]) -> torch.Tensor:
         G = self.G
@@ -504,6 +527,9 @@ class _Generation:
         stats = self.engine.stats
         stats.reused_tokens += sum(kept_lens)
         rows = self._rows(blocks)
+        if self.moe:
+            self.prompt_experts[blocks] = -1
+            self.completion_experts[rows] = -1
         if self.multi_task:
             adapter_of = {b: self.groups[self.block_group[b]].adapter for b in blocks}
             self.row_adapter[rows] = torch.tensor([adapter_of[b] for b in blocks], device=dev).repeat_interleave(self.G)
@@ -523,6 +549,10 @@ class _Generation:
                 token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
                 logits_rows=(cu_seqlens[1:] - 1)[ends_prompt].to(dev),
             ))  # fmt: skip
+            if self.moe:
+                chosen = take_recorded(self.moe)  # [tokens of the forward, L, k]
+                for i, (b, start, end) in enumerate(pieces):
+                    self.prompt_experts[b, start:end] = chosen[int(cu_seqlens[i]) : int(cu_seqlens[i + 1])].to(torch.int16)
             stats.prefill_tokens += int(lens.sum())
             stats.prefill_forwards += 1
             stats.max_prefill_forward_tokens = max(stats.max_prefill_forward_tokens, int(lens.sum()))
@@ -596,6 +626,10 @@ class _Generation:
         race = self._group_race([b for b in range(R // self.G) if self.block_group[b] is not None], logits, R)
         token, logprob = sample_next_tokens(logits, self.sampling, self.generator, race)
         rows = torch.arange(R, device=self.device)
+        if self.moe:  # the fed token is completion token suffix_pos of each live row
+            chosen = take_recorded(self.moe).to(torch.int16)  # [R, L, k]
+            kept = self.completion_experts[rows, suffix_pos]
+            self.completion_experts[rows, suffix_pos] = torch.where((~done)[:, None, None], chosen, kept)
         self.tokens[rows, ngen], self.logprobs[rows, ngen] = token, logprob
         live = ~done
         ngen += live  # in place: views of the engine's per-row state
@@ -639,6 +673,9 @@ class _Generation:
             return
         rows = self._rows(finished)
         tokens, logprobs, ngen = self.tokens[rows].cpu(), self.logprobs[rows].cpu(), self.ngen[rows].cpu()
+        if self.moe:
+            completion_experts = self.completion_experts[rows].cpu()
+            prompt_experts = self.prompt_experts[finished].cpu()
         stop_ids = set(self.sampling.stop_token_ids)
         for i, b in enumerate(finished):
             group = self.groups[self.block_group[b]]
@@ -651,16 +688,19 @@ class _Generation:
                 if group.session_keys is not None:  # the last token has not been through the model
                     kept = KeptState(group.prompt + completion[:-1], self.cache.row_state(b * self.G + j, len(group.prompt), n - 1))
                     self.engine._keep_session(group.session_keys[j], _Session(kept, self.version, group.adapter))
-                self.samples[self.block_group[b]].append(
-                    Sample(
-                        prompt_index=group.prompt_index,
-                        prompt_ids=group.prompt,
-                        completion_ids=completion,
-                        logprobs=logprobs[r, :n].tolist(),
-                        finish_reason="stop" if completion[-1] in stop_ids else "length",
-                        version=0,
-                        token_versions=[0] * n,
-                    )
+                sample = Sample(
+                    prompt_index=group.prompt_index,
+                    prompt_ids=group.prompt,
+                    completion_ids=completion,
+                    logprobs=logprobs[r, :n].tolist(),
+                    finish_reason="stop" if completion[-1] in stop_ids else "length",
+                    version=0,
+                    token_versions=[0] * n,
                 )
+                if self.moe:
+                    sample.extra[ROUTED_EXPERTS] = torch.cat(
+                        [prompt_experts[i, : len(group.prompt)], completion_experts[r, :n]]
+                    )
+                self.samples[self.block_group[b]].append(sample)
             self.block_group[b] = None
             self.block_steps[b] = 0

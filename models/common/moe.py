@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from archon.models.common.args import GroupLimitedMoEArgs
@@ -9,8 +11,82 @@ from archon.models.common.mlp import SwiGLUMLP
 from torch import nn
 
 from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_expert_weight
-from archon.load_balance import Router
+from archon.load_balance import Router, routers
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule, linear
+
+
+def choose_experts(router: Router, own_indices: torch.Tensor) -> torch.Tensor:
+    """The expert ids [T, k] a router's forward uses: its own top-k `own_indices` [T, k], or, under
+    `replayed_routing`, the replayed ids (a token whose replayed row is -1 keeps its own). Under
+    `recorded_routing` the ids used are appended to `router.chosen_experts`. Every router computes
+    its gate weights at the ids this returns, so a replayed choice gets the weights (and the
+    gradient) the router gives those experts."""
+    chosen = own_indices
+    replay = router.replayed_experts
+    if replay is not None:
+        if replay.shape != own_indices.shape:
+            raise ValueError(
+                f"replayed expert ids have shape {tuple(replay.shape)}, the router's forward chooses "
+                f"{tuple(own_indices.shape)} ([tokens, num_experts_per_tok])"
+            )
+        replay = replay.to(device=own_indices.device, dtype=own_indices.dtype)
+        chosen = torch.where(replay[:, :1] >= 0, replay, own_indices)
+    if router.chosen_experts is not None:
+        router.chosen_experts.append(chosen)
+    return chosen
+
+
+def moe_routers(model: nn.Module) -> list[Router]:
+    """The model's MoE routers in layer order (the L_moe axis of recorded and replayed expert ids)."""
+    return routers(model)
+
+
+@contextlib.contextmanager
+def replayed_routing(model: nn.Module, experts: torch.Tensor | None):
+    """Run the model's forwards with MoE layer l routing token t to experts[t, l] ([T, L_moe, k] ids
+    for the packed tokens of the forward; a token whose ids are -1 routes on its own) instead of
+    each router's own top-k. None: nothing replayed. Activation-checkpointed blocks take these ids
+    again when they recompute in the backward (archon.parallel.activation_checkpoint)."""
+    if experts is None:
+        yield model
+        return
+    layers = moe_routers(model)
+    if experts.dim() != 3 or experts.shape[1] != len(layers):
+        raise ValueError(
+            f"replayed expert ids have shape {tuple(experts.shape)}; the model has {len(layers)} MoE layers, "
+            "so they must be [tokens, num_moe_layers, num_experts_per_tok]"
+        )
+    previous = [router.replayed_experts for router in layers]
+    for layer, router in enumerate(layers):
+        router.replayed_experts = experts[:, layer]
+    try:
+        yield model
+    finally:
+        for router, value in zip(layers, previous):
+            router.replayed_experts = value
+
+
+@contextlib.contextmanager
+def recorded_routing(model: nn.Module):
+    """Keep, for the duration, the expert ids every MoE router uses in each forward; yields the
+    routers, whose `chosen_experts` lists gain one [T, k] tensor per forward (`take_recorded`)."""
+    layers = moe_routers(model)
+    for router in layers:
+        router.chosen_experts = []
+    try:
+        yield layers
+    finally:
+        for router in layers:
+            router.chosen_experts = None
+
+
+def take_recorded(layers: list[Router]) -> torch.Tensor:
+    """The last forward's expert ids of `layers` (under `recorded_routing`), [T, L_moe, k], and
+    forget them."""
+    chosen = torch.stack([router.chosen_experts[-1] for router in layers], dim=1)
+    for router in layers:
+        router.chosen_experts.clear()
+    return chosen
 
 
 class SoftmaxTopKRouter(Router):
@@ -27,6 +103,9 @@ class SoftmaxTopKRouter(Router):
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_weights, top_indices = torch.topk(probs, self.top_k, dim=-1)
+        chosen = choose_experts(self, top_indices)
+        if chosen is not top_indices:
+            top_weights, top_indices = probs.gather(1, chosen), chosen
         if self.training:
             self.routing.record(probs, top_indices)
         if self.norm_topk_prob:
@@ -52,6 +131,9 @@ class TopKSoftmaxRouter(Router):
         """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
         logits = F.linear(x, self.weight, self.bias)
         top_logits, top_indices = torch.topk(logits, self.top_k, dim=-1)
+        chosen = choose_experts(self, top_indices)
+        if chosen is not top_indices:
+            top_logits, top_indices = logits.gather(1, chosen), chosen
         if self.training:
             self.routing.record(torch.softmax(logits, dim=-1, dtype=torch.float32), top_indices)
         top_weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
@@ -292,7 +374,7 @@ class SigmoidGroupTopKRouter(Router):
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         biased = scores + self.e_score_correction_bias
         candidates = biased if self.n_group == 1 else self._in_top_groups(biased)
-        top_indices = candidates.topk(self.top_k, dim=-1, sorted=False).indices
+        top_indices = choose_experts(self, candidates.topk(self.top_k, dim=-1, sorted=False).indices)
         if self.training:
             self.routing.record(scores / scores.sum(dim=-1, keepdim=True), top_indices)
         top_weights = scores.gather(1, top_indices)

@@ -137,6 +137,11 @@ class AlgorithmConfig:
     advantage plus distillation_weight * (log pi_teacher - log pi_theta), one advantage per token
     clipped as one surrogate (archon.rl.advantages.mixed_distillation_advantages). Needs
     teacher_path or teachers; must be > 0. None: the teacher's advantage alone."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """MoE models: "rollout" makes the trainer route every token of a sample to the experts the
+    built-in rollout engine routed it to (recorded at generation), in the scoring of pi_old and the
+    reference and in the training forward; the gate weights are still the router's, taken at those
+    experts. "off": the trainer's routers choose their own top-k. See docs/rollouts.md."""
     max_skipped_steps: int = 3
     """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
     left as they were, the LR schedule still follows the RL step; counted in the metric

@@ -224,7 +224,19 @@ def _task_problems(task: TaskConfig, fields: _TaskFields, config: RLConfig) -> l
         *_optim_problems(task.optim, fields.prefix, config.steps),
         *_reward_problems(task.reward, fields.prefix, task, evaluates=bool(config.eval.every)),
         *_environment_problems(task.environment, fields.prefix),
+        *_routing_replay_problems(task, fields.prefix),
     ]
+
+
+def _routing_replay_problems(task: TaskConfig, prefix: str) -> list[str]:
+    """Routing replay takes each token's experts from the sample that generated it: a multi-turn
+    trajectory is put together from several generations and the environment's tokens."""
+    if task.algorithm.routing_replay == "rollout" and task.environment.enabled:
+        return [
+            f"{prefix}algorithm.routing_replay='rollout': not available with {prefix}environment (multi-turn "
+            "trajectories carry no recorded routing); use 'off'"
+        ]
+    return []
 
 
 def _staleness_problems(max_staleness: int, name: str, config: RLConfig) -> list[str]:
@@ -273,6 +285,11 @@ def _algorithm_problems(
         f"must be true with rollout.top_p={rollout.top_p} / rollout.top_k={rollout.top_k}: the rollout log-probs are "
         "those of the truncated, renormalised distribution that sampled, the trainer's those of the untruncated "
         "policy, so taken as pi_old they would start every PPO ratio below 1",
+    )  # fmt: skip
+    problems.require(
+        algorithm.routing_replay != "rollout" or rollout.engine == "native", f"{where}.routing_replay",
+        algorithm.routing_replay, f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): only the built-in "
+        "engine records the experts it routes each token to",
     )  # fmt: skip
     problems.require(algorithm.minibatches >= 1, f"{where}.minibatches", algorithm.minibatches, "must be at least 1")
     problems.require(algorithm.ppo_epochs >= 1, f"{where}.ppo_epochs", algorithm.ppo_epochs, "must be at least 1")
@@ -586,6 +603,9 @@ def _multi_task_problems(config: RLConfig) -> list[str]:
         if task.algorithm.ppo_epochs != first.ppo_epochs:
             problems.append(f"{where}.algorithm.ppo_epochs={task.algorithm.ppo_epochs}: every task must have "
                             f"tasks[0]'s ({first.ppo_epochs}); a minibatch trains every task")  # fmt: skip
+        if task.algorithm.routing_replay != first.routing_replay:
+            problems.append(f"{where}.algorithm.routing_replay={task.algorithm.routing_replay!r}: every task must have "
+                            f"tasks[0]'s ({first.routing_replay!r}); the tasks share one model")  # fmt: skip
         if task.algorithm.minibatches != first.minibatches:
             problems.append(f"{where}.algorithm.minibatches={task.algorithm.minibatches}: every task must have "
                             f"tasks[0]'s ({first.minibatches}); a minibatch trains every task")  # fmt: skip
