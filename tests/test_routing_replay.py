@@ -218,7 +218,7 @@ def test_training_forward_replays_and_counts_the_replayed_experts(tiny_checkpoin
             ids = ids.view(batch.num_tokens, len(layers), 2).to(torch.int16)
             batch.extras[ROUTED_EXPERTS_EXTRA] = ids
             batch.old_logprobs = trainer.logprobs(batch).logprobs
-        trainer.forward_backward(batch, cases.loss_fn)
+        trainer.forward_backward(batch, cases.loss_fn, with_entropy=True)
         for layer, router in enumerate(layers):
             want = torch.bincount(ids[:, layer].long().reshape(-1), minlength=8).float()
             assert torch.equal(router.routing.step_counts, want)
