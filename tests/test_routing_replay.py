@@ -25,6 +25,7 @@ from archon.models.common.moe import (
 from archon.rl.rollouts import rollout_batch
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import ROUTED_EXPERTS, NativeRolloutEngine
+from archon.spec import supported_model_types
 from archon.trainer import ROUTED_EXPERTS_EXTRA, Trainer
 
 E, K, DIM, T = 8, 2, 16, 12
@@ -96,24 +97,18 @@ def test_router_rejects_replayed_ids_of_another_shape():
         router(torch.randn(T, DIM))
 
 
-MOE_TYPES = [
-    ("qwen3_moe", dict(mlp_only_layers=[])),
-    ("gpt_oss", {}),
-    ("deepseek_v3", {}),
-    ("glm4_moe", {}),
-    ("minimax_m2", {}),
-    ("qwen3_5_moe", {}),
-    ("qwen3_next", {}),
-    ("kimi_linear", {}),
-    ("deepseek_v32", {}),
-]
+OVERRIDES = {"qwen3_moe": dict(mlp_only_layers=[])}
+DENSE_TYPES = {"gemma3", "gemma3_text", "llama", "olmo2", "olmo3", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text"}
 
 
-@pytest.mark.parametrize("model_type, overrides", MOE_TYPES, ids=[t for t, _ in MOE_TYPES])
-def test_every_moe_family_honours_replayed_ids(tiny_checkpoint, model_type, overrides):
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_moe_family_honours_replayed_ids(tiny_checkpoint, model_type):
     """Replaying the ids the model routes to on its own gives its logits; other ids change them."""
-    model = build_model(tiny_checkpoint(model_type, **overrides)).model.eval()
+    model = build_model(tiny_checkpoint(model_type, **OVERRIDES.get(model_type, {}))).model.eval()
     layers = moe_routers(model)
+    if model_type in DENSE_TYPES:
+        assert not layers
+        pytest.skip(f"{model_type} is dense")
     assert layers, f"{model_type} has no MoE router"
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.args.vocab_size, (10,), generator=g)
@@ -263,3 +258,46 @@ def test_dense_model_is_a_config_error(tiny_checkpoint, tmp_path):
     ])  # fmt: skip
     with pytest.raises(ValueError, match=r"algorithm.routing_replay='rollout' needs an MoE model.*set it to 'off'"):
         RLRun(config)
+
+
+@pytest.mark.parametrize("replay", ["rollout", "off"])
+def test_rl_run_with_routing_replay(tmp_path, noisy_sampler_routing, replay):
+    """GRPO steps on a tiny qwen3_moe whose sampler routes with noise: with replay the trainer's
+    pi_old is the rollout's log-prob (logprob_abs_diff_max ~ 0), without it the two differ."""
+    from helpers import tiny_char_checkpoint
+
+    from archon.rl.config import parse_config
+    from archon.rl.loop import RLRun
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+
+    noisy, attach = noisy_sampler_routing
+    path, _ = tiny_char_checkpoint("qwen3_moe", tmp_path / "model", mlp_only_layers=[])
+    train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=1))
+    write_jsonl(train, tmp_path / "train.jsonl")
+    config = parse_config([
+        "--model.path", str(path), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
+        "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--rollout.max-new-tokens", "4",
+        "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0", "--optim.lr", "1e-2",
+        "--lora.rank", "4", "--lora.alpha", "8", "--algorithm.routing-replay", replay,
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
+    ])  # fmt: skip
+    run = RLRun(config)
+    attach(run.trainer.model)
+    generate = run.native.generate
+
+    def noisy_generate(*args, **kwargs):
+        noisy["on"] = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            noisy["on"] = False
+
+    run.native.generate = noisy_generate
+    run.run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["logprob_abs_diff_max"] for r in records if "logprob_abs_diff_max" in r]
+    assert len(gaps) == 2
+    if replay == "rollout":
+        assert max(gaps) < 1e-4, gaps
+    else:
+        assert max(gaps) > 1e-3, gaps
