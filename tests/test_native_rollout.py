@@ -318,11 +318,11 @@ class _EngineWithABusierPeer(NativeRolloutEngine):
 
     peer_done = False
 
-    def _agree(self, admitted, decode_steps):
-        if not admitted and decode_steps == 0 and not self.peer_done:
+    def _agree(self, prefill_forwards, decode_steps, unfinished):
+        if not unfinished and not self.peer_done:
             self.peer_done = True
-            return True, 2
-        return admitted, decode_steps
+            return 1, 2, 1
+        return prefill_forwards, decode_steps, unfinished
 
 
 def test_idle_forwards_of_a_multi_task_model(tiny_checkpoint):
