@@ -279,7 +279,6 @@ class LayerKVCache:
 
     # ---- kept states -----------------------------------------------------------------------------
     def load_kept(self, slot: int, state: KeptLayerState) -> None:
-        c = self.cache
         if state.recurrent is not None:
             if self.recurrent is None:
                 self._allocate_recurrent(state.conv_window, state.recurrent)
