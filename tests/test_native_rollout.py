@@ -290,7 +290,7 @@ def test_rollout_benchmark_quick_mode(monkeypatch):
 
 
 def test_groups_larger_than_the_table_are_refused_or_split(tiny_checkpoint):
-    """A prompt's n samples share one block, so n > max_batch_sequences is a clear error rather
+    """A prompt's n samples share one prefix slot, so n > max_batch_sequences is a clear error rather
     than a table larger than asked for (on every rank alike, prompts or none: ranks in lockstep
     fail together); without prefix sharing each sample is its own block and the table keeps its
     size."""

@@ -173,7 +173,7 @@ def _run_problems(config: RLConfig) -> list[str]:
         rollout.engine != "native" or rollout.group_size <= rollout.max_batch_sequences,
         "rollout.max_batch_sequences", rollout.max_batch_sequences,
         f"must be at least rollout.group_size={rollout.group_size}: the native engine keeps a prompt's samples "
-        "in one block of its cache table",
+        "together, one row each, sharing one prefix slot",
     )  # fmt: skip
     problems.require(
         rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1, "rollout.prefill_chunk_tokens",
