@@ -146,8 +146,8 @@ class _EngineWithAPeerOfLongerPrefills(NativeRolloutEngine):
     """What the round agreement reports when another rank of the sync group prefills in three more
     forwards than this rank at every round where anyone prefills."""
 
-    def _agree(self, prefill_forwards, decode_steps):
-        return (prefill_forwards + 3 if prefill_forwards else 0), decode_steps
+    def _agree(self, prefill_forwards, decode_steps, unfinished):
+        return (prefill_forwards + 3 if prefill_forwards else 0), decode_steps, unfinished
 
 
 def test_a_rank_with_fewer_prefill_forwards_keeps_in_step(tiny_checkpoint):

@@ -1,5 +1,6 @@
 """The embedded rollout engine against step-by-step decoding through the full forward."""
 
+import dataclasses
 import math
 
 import pytest
@@ -289,7 +290,7 @@ def test_rollout_benchmark_quick_mode(monkeypatch):
 
 
 def test_groups_larger_than_the_table_are_refused_or_split(tiny_checkpoint):
-    """A prompt's n samples share one block, so n > max_batch_sequences is a clear error rather
+    """A prompt's n samples share one prefix slot, so n > max_batch_sequences is a clear error rather
     than a table larger than asked for (on every rank alike, prompts or none: ranks in lockstep
     fail together); without prefix sharing each sample is its own block and the table keeps its
     size."""
@@ -318,11 +319,11 @@ class _EngineWithABusierPeer(NativeRolloutEngine):
 
     peer_done = False
 
-    def _agree(self, admitted, decode_steps):
-        if not admitted and decode_steps == 0 and not self.peer_done:
+    def _agree(self, prefill_forwards, decode_steps, unfinished):
+        if not unfinished and not self.peer_done:
             self.peer_done = True
-            return True, 2
-        return admitted, decode_steps
+            return 1, 2, 1
+        return prefill_forwards, decode_steps, unfinished
 
 
 def test_idle_forwards_of_a_multi_task_model(tiny_checkpoint):
@@ -342,3 +343,39 @@ def test_idle_forwards_of_a_multi_task_model(tiny_checkpoint):
         hook.remove()
     _assert_same_samples(got, alone)
     assert len(forwards) - alone_forwards == alone_forwards + 3  # one idle prefill, two idle decode steps
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
+def test_rows_start_new_samples_as_soon_as_theirs_end(tiny_checkpoint, model_type):
+    """Seeded samples of two tasks (each sample draws its noise from its own generator, whatever row
+    and step it runs in) with stop tokens that end some samples of a group early: in a table of one
+    group's rows, a row whose sample ended starts the next one at once, so the generation takes fewer
+    decode steps than refilling the table group by group would (each group for as many steps as its
+    longest sample), and the samples are those of a table holding every sample at once."""
+    model = build_model(tiny_checkpoint(model_type), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}).model
+    randomise_lora(lora_parameters(model), 0.2)
+    prompts = PROMPTS + [[5, 6, 7, 8], [60, 61], [9, 9, 9]]
+    adapters = [0, 1, 0, 1, 1, 0]
+    free = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, seed=3)
+    drawn = [t for s in NativeRolloutEngine(model).generate(prompts, free, adapters=adapters) for t in s.completion_ids[1:]]
+    stops = torch.bincount(torch.tensor(drawn)).topk(8).indices  # the 8 tokens drawn most often
+    sampling = dataclasses.replace(free, stop_token_ids=tuple(stops.tolist()))
+
+    expected = NativeRolloutEngine(model).generate(prompts, sampling, adapters=adapters)  # one row per sample
+    lengths = [len(s.completion_ids) for s in expected]
+    groups = [lengths[i : i + 4] for i in range(0, len(lengths), 4)]
+    assert any(min(g) < max(g) for g in groups), groups  # some samples end before their group's last
+
+    rows = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows.append(args[0].numel()) if kwargs["cache"].decoding else None, with_kwargs=True
+    )
+    engine = NativeRolloutEngine(model, max_batch_sequences=4, stop_check_interval=1)
+    try:
+        got = engine.generate(prompts, sampling, adapters=adapters)
+    finally:
+        hook.remove()
+    _assert_same_samples(got, expected)
+    assert max(rows) <= 4 and engine.stats.decode_steps == len(rows)
+    group_by_group = sum(max(g) - 1 for g in groups)
+    assert engine.stats.decode_steps < group_by_group, (engine.stats.decode_steps, group_by_group)

@@ -101,7 +101,8 @@ def test_group_of_samples_shares_a_kept_prefix(tiny_checkpoint):
     engine.reset_stats()
     got = engine.generate([prompt], sampling, sessions=["a", "b", "c"])
     assert engine.stats == RolloutStats(
-        prefill_tokens=4, reused_tokens=len(prompt) - 4, decode_tokens=12, prefill_forwards=1, max_prefill_forward_tokens=4
+        prefill_tokens=4, reused_tokens=len(prompt) - 4, decode_tokens=12, prefill_forwards=1, max_prefill_forward_tokens=4,
+        decode_steps=4,
     )
     expected = reference.generate([prompt], sampling)
     _assert_same_turns([got], [expected], LOGPROB_ATOL["qwen3_5_text"])

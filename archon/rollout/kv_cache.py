@@ -1,28 +1,34 @@
 """The generation cache: one prompt's keys/values shared by its group of samples.
 
-The cache is a table of `num_blocks` blocks of `group_size` rows. A block holds one prompt, whose
-keys/values are stored once (the block's prefix, [num_blocks, Hkv, max_prompt_len, D] per layer)
-and read by all its rows; each row is one sample, with the keys/values of its own generated tokens
-(its suffix, [num_rows, Hkv, max_new_tokens, D]). Row r belongs to block r // group_size.
+The cache has `num_slots` prefix slots and `num_rows` rows. A slot holds one prompt, whose
+keys/values are stored once ([num_slots, Hkv, max_prompt_len, D] per layer) and read by all the
+samples of its group; a row holds one sample, with the keys/values of its own generated tokens (its
+suffix, [num_rows, Hkv, max_new_tokens, D]). Rows and slots are not tied: a row points at the slot
+of the prompt it samples from (`row_slot`) and takes one of the slot's `group_size` sample places
+(`row_place`; `slot_rows` maps the places back to rows). A row that ends a sample can start another
+one at once, of any prefilled prompt (`start_rows`), while the slot keeps its prompt until its
+group's last sample ends. There are more slots than rows / group_size, so that rows freed early can
+start the samples of the next prompts while a prompt's longest sample still runs.
 
 A step is one of two kinds, announced by the engine before the forward:
-- `begin_prefill`: the packed prompts of newly admitted blocks. Each layer stores their keys/values
-  in the blocks' prefixes and attends over the packed prompts as in training (`attention` returns
-  None). A recurrent layer (linear attention) copies the state it reached at the end of the prompt
-  to every row of the block.
+- `begin_prefill`: the packed prompts of newly admitted groups. Each layer stores their keys/values
+  in the slots' prefixes and attends over the packed prompts as in training (`attention` returns
+  None). A recurrent layer (linear attention) keeps the state it reached at the end of the prompt in
+  the slot, and the rows starting the prompt's samples copy it (`start_rows`).
   A prompt may continue a kept state (`KeptState`: what an earlier generation left for a prefix of
-  the prompt, `load_kept` puts it in the block first): only the prompt's remaining tokens are packed,
+  the prompt, `load_kept` puts it in the slot first): only the prompt's remaining tokens are packed,
   at positions `offset`, `offset + 1`, ...; an attention layer then stores their keys/values after
   the kept ones and returns the attention of the new queries over [kept keys ; new keys] (causal at
   those positions, sliding windows and sinks included); a recurrent layer starts from the kept conv
   window and state (`recurrent_state`) instead of zeros. A chunked prefill continues the same way
-  from what the block holds after the prefill's previous forward: its prompts' first tokens.
+  from what the slot holds after the prefill's previous forward: its prompts' first tokens.
 - `begin_decode`: one token for each of the first `num_rows` rows, in row order. Each layer writes
-  the token's key/value at its suffix position, and attends over the block's prefix (one batched
-  product per block for all its rows: the prefix is read once per group) and the row's suffix,
-  with one softmax over both. Nothing is gathered or copied per token: prefix and suffix are read
-  in place, masked by each row's lengths. A row that is done keeps its recurrent state: it stays
-  the one reached after the row's tokens (all but its last sampled one) until the block is refilled.
+  the token's key/value at its suffix position, and attends over the row's slot's prefix (one
+  batched product per slot for the queries of all its rows, gathered to the slot's sample places:
+  the prefix is read once per group) and the row's suffix, with one softmax over both. No key or
+  value is gathered or copied per token: prefix and suffix are read in place, masked by each row's
+  lengths. A row that is done keeps its recurrent state: it stays the one reached after the row's
+  tokens (all but its last sampled one) until the row starts another sample.
 
 A sparse-attention layer (DeepSeek-V3.2's indexer) also stores one indexer key per token beside its
 keys and values (`index_keys`, in prefix and suffix tables like theirs), selects the keys each query
@@ -66,26 +72,33 @@ class KVCache:
     def __init__(
         self,
         num_layers: int,
-        num_blocks: int,
+        num_slots: int,
+        num_rows: int,
         group_size: int,
         max_prompt_len: int,
         max_new_tokens: int,
         device: torch.device,
     ) -> None:
-        self.num_blocks, self.group_size = num_blocks, group_size
+        self.num_slots, self.num_rows_total, self.group_size = num_slots, num_rows, group_size
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.device = device
         self._layers = [LayerKVCache(self) for _ in range(num_layers)]
         self.decoding = False
-        # prefill: each packed token's block and position, each packed prompt's block
-        self.token_blocks: torch.Tensor | None = None
+        # which slot each row reads its prompt from, and which of the slot's group_size sample
+        # places it takes; slot_rows is the inverse map (num_rows_total where a place has no row)
+        self.row_slot = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.row_place = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.slot_rows = torch.full((num_slots, group_size), num_rows, dtype=torch.long, device=device)
+        # prefill: each packed token's slot and position, each packed prompt's slot
+        self.token_slots: torch.Tensor | None = None
         self.token_positions: torch.Tensor | None = None
-        self.prompt_blocks: torch.Tensor | None = None
+        self.prompt_slots: torch.Tensor | None = None
         # prefill after kept prefixes: each packed prompt's offset (None when all are 0) and length
         self.prompt_offsets: torch.Tensor | None = None
         self.prompt_lens: list[int] = []
-        # decode: rows in the step, and the key spans read (upper bounds; the masks do the rest)
+        # decode: rows and slots in the step, and the key spans read (upper bounds; the masks do the rest)
         self.num_rows = 0
+        self.num_step_slots = 0
         self.prefix_span = 0
         self.suffix_span = 0
         self.suffix_positions: torch.Tensor | None = None
@@ -94,65 +107,84 @@ class KVCache:
         self.live_rows: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
 
-    @property
-    def num_rows_total(self) -> int:
-        return self.num_blocks * self.group_size
-
     def layer(self, index: int) -> "LayerKVCache":
         return self._layers[index]
 
-    def begin_prefill(self, blocks: torch.Tensor, prompt_lens: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
-        """blocks, prompt_lens: [N] for the N prompts packed (in this order) in the next forward.
-        offsets: [N] how many tokens of each prompt its block already holds (`load_kept`), which the
-            packed tokens follow; None: none."""
+    def begin_prefill(self, slots: torch.Tensor, prompt_lens: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
+        """slots, prompt_lens: [N] for the N prompts packed (in this order) in the next forward.
+        offsets: [N] how many tokens of each prompt its slot already holds (`load_kept`, or an
+            earlier forward of a chunked prefill), which the packed tokens follow; None: none."""
         if offsets is not None and not bool(offsets.any()):
             offsets = None
         ends = prompt_lens if offsets is None else offsets + prompt_lens
         if int(ends.max()) > self.max_prompt_len:
             raise ValueError(f"a prompt of {int(ends.max())} tokens exceeds the cache's {self.max_prompt_len}")
         self.decoding = False
-        self.prompt_blocks = blocks.to(self.device)
+        self.prompt_slots = slots.to(self.device)
         self.prompt_lens = prompt_lens.tolist()
         self.prompt_offsets = None if offsets is None else offsets.to(self.device)
-        self.token_blocks = torch.repeat_interleave(blocks, prompt_lens).to(self.device)
+        self.token_slots = torch.repeat_interleave(slots, prompt_lens).to(self.device)
         starts = [0] * len(self.prompt_lens) if offsets is None else offsets.tolist()
         self.token_positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.prompt_lens)]).to(self.device)
 
-    def load_kept(self, block: int, kept: KeptState) -> None:
-        """Put a kept state in `block` (its prefix's first len(kept.tokens) keys/values, or the
-        recurrent state of its rows), for a prefill that continues it (begin_prefill's offsets)."""
+    def load_kept(self, slot: int, kept: KeptState) -> None:
+        """Put a kept state in `slot` (its prefix's first len(kept.tokens) keys/values, or the
+        recurrent state after them), for a prefill that continues it (begin_prefill's offsets)."""
         for layer, state in zip(self._layers, kept.layers):
-            layer.load_kept(block, state)
+            layer.load_kept(slot, state)
 
-    def row_state(self, row: int, prompt_len: int, generated: int) -> list[KeptLayerState]:
-        """Each layer's state of `row` after its block's prompt (prompt_len tokens) and its first
+    def start_rows(self, rows: list[int], slots: list[int], places: list[int]) -> None:
+        """Rows `rows` start new samples of the prompts in `slots` (prefilled), as sample places
+        `places` of those slots: they point at the slots' prefixes, and a recurrent layer's rows
+        take the state their slot reached at the end of its prompt."""
+        dev = self.device
+        rows_t, slots_t, places_t = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, slots, places))
+        self.row_slot[rows_t], self.row_place[rows_t] = slots_t, places_t
+        self.slot_rows[slots_t, places_t] = rows_t
+        for layer in self._layers:
+            layer.start_rows(rows_t, slots_t)
+
+    def release_rows(self, rows: list[int], slots: list[int], places: list[int]) -> None:
+        """Rows `rows`, sample places `places` of `slots`, are free again (their samples ended); a
+        free row points at slot 0 (a decode step reads it, and masks it)."""
+        dev = self.device
+        self.slot_rows[torch.tensor(slots, device=dev), torch.tensor(places, device=dev)] = self.num_rows_total
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.row_slot[rows_t], self.row_place[rows_t] = 0, 0
+
+    def row_state(self, row: int, slot: int, prompt_len: int, generated: int) -> list[KeptLayerState]:
+        """Each layer's state of `row` after its slot's prompt (prompt_len tokens) and its first
         `generated` generated tokens (copies)."""
-        return [layer.row_state(row, prompt_len, generated) for layer in self._layers]
+        return [layer.row_state(row, slot, prompt_len, generated) for layer in self._layers]
 
     def begin_decode(
         self,
         num_rows: int,
+        num_slots: int,
         suffix_positions: torch.Tensor,
         row_prompt_lens: torch.Tensor,
         prefix_span: int,
         suffix_span: int,
         live_rows: torch.Tensor | None = None,
     ) -> None:
-        """The next forward holds one token for each of rows 0..num_rows-1 (a multiple of group_size).
+        """The next forward holds one token for each of rows 0..num_rows-1, in row order; every
+        row that holds a sample reads a slot among 0..num_slots-1, and every such slot's rows are
+        among the num_rows.
 
         suffix_positions [num_rows]: where each row's token goes in its suffix (its index among the
             row's generated tokens); row_prompt_lens [num_rows]: the length of the row's prompt.
         prefix_span, suffix_span: how many prefix / suffix keys the step reads, at least the longest
-            prompt of the blocks in the step and the largest suffix position + 1.
+            prompt of the slots in the step and the largest suffix position + 1.
         live_rows [num_rows] bool: the rows still generating; the others keep their recurrent state
             (None: every row updates it).
         """
-        if num_rows % self.group_size or num_rows > self.num_rows_total:
-            raise ValueError(f"a decode step covers whole blocks: {num_rows} rows for groups of {self.group_size}")
+        if num_rows > self.num_rows_total or num_slots > self.num_slots:
+            raise ValueError(f"a decode step over {num_rows} rows and {num_slots} slots exceeds the cache's {self.num_rows_total} and {self.num_slots}")
         if suffix_span > self.max_new_tokens or prefix_span > self.max_prompt_len:
             raise ValueError(f"spans ({prefix_span}, {suffix_span}) exceed the cache ({self.max_prompt_len}, {self.max_new_tokens})")
         self.decoding = True
-        self.num_rows, self.prefix_span, self.suffix_span = num_rows, prefix_span, suffix_span
+        self.num_rows, self.num_step_slots = num_rows, num_slots
+        self.prefix_span, self.suffix_span = prefix_span, suffix_span
         self.suffix_positions = suffix_positions
         self.row_prompt_lens = row_prompt_lens
         self.live_rows = live_rows
@@ -181,14 +213,17 @@ class LayerKVCache:
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
-        self.prefix_k: torch.Tensor | None = None  # [num_blocks, Hkv, max_prompt_len, Dk]
-        self.prefix_v: torch.Tensor | None = None  # [num_blocks, Hkv, max_prompt_len, Dv]
+        self.prefix_k: torch.Tensor | None = None  # [num_slots, Hkv, max_prompt_len, Dk]
+        self.prefix_v: torch.Tensor | None = None  # [num_slots, Hkv, max_prompt_len, Dv]
         self.suffix_k: torch.Tensor | None = None  # [num_rows_total, Hkv, max_new_tokens, Dk]
         self.suffix_v: torch.Tensor | None = None
         self.conv_window: torch.Tensor | None = None  # [num_rows_total, ...]
         self.recurrent: torch.Tensor | None = None
+        # the state each slot's prompt ended in, which the rows starting its samples copy
+        self.slot_conv_window: torch.Tensor | None = None  # [num_slots, ...]
+        self.slot_recurrent: torch.Tensor | None = None
         # a sparse-attention indexer's keys (DeepSeek-V3.2): one per token, [.., max_len, Di]
-        self.prefix_index_k: torch.Tensor | None = None  # [num_blocks, max_prompt_len, Di]
+        self.prefix_index_k: torch.Tensor | None = None  # [num_slots, max_prompt_len, Di]
         self.suffix_index_k: torch.Tensor | None = None  # [num_rows_total, max_new_tokens, Di]
 
     @property
@@ -206,18 +241,25 @@ class LayerKVCache:
         if not c.decoding:
             if c.prompt_offsets is None:
                 return None, None
-            rows = c.prompt_blocks * c.group_size  # a block's rows hold the same loaded state
             kept = c.prompt_offsets > 0
-            return _where_rows(kept, self.conv_window[rows], 0.0), _where_rows(kept, self.recurrent[rows], 0.0)
+            slots = c.prompt_slots
+            return _where_rows(kept, self.slot_conv_window[slots], 0.0), _where_rows(kept, self.slot_recurrent[slots], 0.0)
         return self.conv_window[: c.num_rows], self.recurrent[: c.num_rows]
+
+    def _allocate_recurrent(self, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """The row and slot tables for states like conv_window [...] and recurrent [...] (one sequence's)."""
+        c = self.cache
+        self.conv_window = conv_window.new_zeros(c.num_rows_total, *conv_window.shape)
+        self.recurrent = recurrent.new_zeros(c.num_rows_total, *recurrent.shape)
+        self.slot_conv_window = conv_window.new_zeros(c.num_slots, *conv_window.shape)
+        self.slot_recurrent = recurrent.new_zeros(c.num_slots, *recurrent.shape)
 
     def store_recurrent_state(self, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Keep the step's conv windows / recurrent states [N, ...]: a prefill's (one per prompt)
-        go to every row of the prompt's block, a decode step's to its rows."""
+        go to the prompt's slot, a decode step's to its rows."""
         c = self.cache
         if self.recurrent is None:
-            self.conv_window = conv_window.new_zeros(c.num_rows_total, *conv_window.shape[1:])
-            self.recurrent = recurrent.new_zeros(c.num_rows_total, *recurrent.shape[1:])
+            self._allocate_recurrent(conv_window[0], recurrent[0])
         conv_window, recurrent = conv_window.detach(), recurrent.detach()
         if c.decoding:
             if c.live_rows is not None:
@@ -226,57 +268,54 @@ class LayerKVCache:
             self.conv_window[: c.num_rows] = conv_window
             self.recurrent[: c.num_rows] = recurrent
             return
-        rows = self._rows_of(c.prompt_blocks)
-        self.conv_window[rows] = conv_window.repeat_interleave(c.group_size, dim=0).to(self.conv_window.dtype)
-        self.recurrent[rows] = recurrent.repeat_interleave(c.group_size, dim=0).to(self.recurrent.dtype)
+        self.slot_conv_window[c.prompt_slots] = conv_window.to(self.slot_conv_window.dtype)
+        self.slot_recurrent[c.prompt_slots] = recurrent.to(self.slot_recurrent.dtype)
 
-    def _rows_of(self, blocks: torch.Tensor) -> torch.Tensor:
-        g = self.cache.group_size
-        return (blocks[:, None] * g + torch.arange(g, device=blocks.device)).reshape(-1)
+    def start_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows [N] start from the recurrent state their slots [N] reached at the end of the prompt."""
+        if self.recurrent is not None:
+            self.conv_window[rows] = self.slot_conv_window[slots]
+            self.recurrent[rows] = self.slot_recurrent[slots]
 
     # ---- kept states -----------------------------------------------------------------------------
-    def load_kept(self, block: int, state: KeptLayerState) -> None:
-        c = self.cache
+    def load_kept(self, slot: int, state: KeptLayerState) -> None:
         if state.recurrent is not None:
             if self.recurrent is None:
-                self.conv_window = state.conv_window.new_zeros(c.num_rows_total, *state.conv_window.shape)
-                self.recurrent = state.recurrent.new_zeros(c.num_rows_total, *state.recurrent.shape)
-            rows = slice(block * c.group_size, (block + 1) * c.group_size)
-            self.conv_window[rows] = state.conv_window
-            self.recurrent[rows] = state.recurrent
+                self._allocate_recurrent(state.conv_window, state.recurrent)
+            self.slot_conv_window[slot] = state.conv_window
+            self.slot_recurrent[slot] = state.recurrent
         if state.keys is not None:
             if self.prefix_k is None:
                 self._allocate(state.keys, state.values)
             length = state.keys.shape[1]
-            self.prefix_k[block, :, :length] = state.keys
-            self.prefix_v[block, :, :length] = state.values
+            self.prefix_k[slot, :, :length] = state.keys
+            self.prefix_v[slot, :, :length] = state.values
         if state.index_keys is not None:
             if self.prefix_index_k is None:
                 self._allocate_index_keys(state.index_keys)
-            self.prefix_index_k[block, : state.index_keys.shape[0]] = state.index_keys
+            self.prefix_index_k[slot, : state.index_keys.shape[0]] = state.index_keys
 
-    def row_state(self, row: int, prompt_len: int, generated: int) -> KeptLayerState:
-        block = row // self.cache.group_size
+    def row_state(self, row: int, slot: int, prompt_len: int, generated: int) -> KeptLayerState:
         state = KeptLayerState()
         if self.recurrent is not None:
             state.conv_window, state.recurrent = self.conv_window[row].clone(), self.recurrent[row].clone()
         if self.prefix_k is not None:
-            state.keys = torch.cat([self.prefix_k[block, :, :prompt_len], self.suffix_k[row, :, :generated]], dim=1)
-            state.values = torch.cat([self.prefix_v[block, :, :prompt_len], self.suffix_v[row, :, :generated]], dim=1)
+            state.keys = torch.cat([self.prefix_k[slot, :, :prompt_len], self.suffix_k[row, :, :generated]], dim=1)
+            state.values = torch.cat([self.prefix_v[slot, :, :prompt_len], self.suffix_v[row, :, :generated]], dim=1)
         if self.prefix_index_k is not None:
-            state.index_keys = torch.cat([self.prefix_index_k[block, :prompt_len], self.suffix_index_k[row, :generated]])
+            state.index_keys = torch.cat([self.prefix_index_k[slot, :prompt_len], self.suffix_index_k[row, :generated]])
         return state
 
     # ---- a sparse-attention indexer's keys -------------------------------------------------------
     def _allocate_index_keys(self, keys: torch.Tensor) -> None:
         c = self.cache
-        self.prefix_index_k = keys.new_zeros(c.num_blocks, c.max_prompt_len, keys.shape[-1])
+        self.prefix_index_k = keys.new_zeros(c.num_slots, c.max_prompt_len, keys.shape[-1])
         self.suffix_index_k = keys.new_zeros(c.num_rows_total, c.max_new_tokens, keys.shape[-1])
 
     def index_keys(self, keys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor] | None:
         """Store the step's indexer keys [T, Di] (one per token, next to its keys and values) and
         return those each query may select from:
-        - a prefill from empty blocks: None (the packed prompts' own keys, as in training);
+        - a prefill from empty slots: None (the packed prompts' own keys, as in training);
         - a prefill after kept prefixes: one (keys [offset + L, Di], visible [L, offset + L] bool)
           per prompt, its kept keys then its own, visible causally;
         - a decode step: (keys [R, prefix_span + suffix_span, Di], visible [R, prefix_span + suffix_span]),
@@ -287,17 +326,17 @@ class LayerKVCache:
             self._allocate_index_keys(keys)
         keys = keys.detach()
         if not c.decoding:
-            self.prefix_index_k[c.token_blocks, c.token_positions] = keys.to(self.prefix_index_k.dtype)
+            self.prefix_index_k[c.token_slots, c.token_positions] = keys.to(self.prefix_index_k.dtype)
             if c.prompt_offsets is None:
                 return None
             context = []
-            for block, offset, length in zip(c.prompt_blocks.tolist(), c.prompt_offsets.tolist(), c.prompt_lens):
+            for slot, offset, length in zip(c.prompt_slots.tolist(), c.prompt_offsets.tolist(), c.prompt_lens):
                 visible = causal_mask(length, None, keys.device, offset + length)
-                context.append((self.prefix_index_k[block, : offset + length], visible))
+                context.append((self.prefix_index_k[slot, : offset + length], visible))
             return context
         rows = torch.arange(c.num_rows, device=keys.device)
         self.suffix_index_k[rows, c.suffix_positions] = keys.to(self.suffix_index_k.dtype)
-        prefix = self.prefix_index_k[rows // c.group_size, : c.prefix_span]
+        prefix = self.prefix_index_k[c.row_slot[: c.num_rows], : c.prefix_span]
         return torch.cat([prefix, self.suffix_index_k[: c.num_rows, : c.suffix_span]], dim=1), c.visible_keys(None)
 
     # ---- attention layers ------------------------------------------------------------------------
@@ -305,8 +344,8 @@ class LayerKVCache:
         """The prefix and suffix tables for keys like k [Hkv, L, Dk] and values v [Hkv, L, Dv]."""
         c = self.cache
         hkv, dk, dv = k.shape[0], k.shape[-1], v.shape[-1]
-        self.prefix_k = k.new_zeros(c.num_blocks, hkv, c.max_prompt_len, dk)
-        self.prefix_v = v.new_zeros(c.num_blocks, hkv, c.max_prompt_len, dv)
+        self.prefix_k = k.new_zeros(c.num_slots, hkv, c.max_prompt_len, dk)
+        self.prefix_v = v.new_zeros(c.num_slots, hkv, c.max_prompt_len, dv)
         self.suffix_k = k.new_zeros(c.num_rows_total, hkv, c.max_new_tokens, dk)
         self.suffix_v = v.new_zeros(c.num_rows_total, hkv, c.max_new_tokens, dv)
 
@@ -329,15 +368,15 @@ class LayerKVCache:
         sliding_window: a query sees itself and the sliding_window - 1 keys before it, or None.
         selected: the keys a sparse-attention indexer lets each query read, over those `index_keys`
             returned: [R, prefix_span + suffix_span] bool at a decode step, one [L, offset + L] per
-            prompt at a prefill after kept prefixes; a prefill from empty blocks ignores it.
+            prompt at a prefill after kept prefixes; a prefill from empty slots ignores it.
         """
         c = self.cache
         if self.prefix_k is None:
             self._allocate(k.transpose(0, 1), v.transpose(0, 1))
         k, v = k.detach(), v.detach()
         if not c.decoding:
-            self.prefix_k[c.token_blocks, :, c.token_positions] = k.to(self.prefix_k.dtype)
-            self.prefix_v[c.token_blocks, :, c.token_positions] = v.to(self.prefix_v.dtype)
+            self.prefix_k[c.token_slots, :, c.token_positions] = k.to(self.prefix_k.dtype)
+            self.prefix_v[c.token_slots, :, c.token_positions] = v.to(self.prefix_v.dtype)
             if c.prompt_offsets is None:
                 return None
             return self._prefill_attention(q, scale, sinks, sliding_window, selected)
@@ -347,17 +386,17 @@ class LayerKVCache:
         return self._decode_attention(q, scale, sinks, sliding_window, selected)
 
     def _prefill_attention(self, q, scale, sinks, sliding_window, selected=None) -> torch.Tensor:
-        """q [T, H, Dk] of the packed prompts -> [T, H, Dv]: each prompt's queries over its block's
+        """q [T, H, Dk] of the packed prompts -> [T, H, Dv]: each prompt's queries over its slot's
         prefix keys up to its last token (the kept ones, then its own), causally at their positions.
         Under a sliding window only the keys from the window of the first query on are read."""
         c = self.cache
         offsets = c.prompt_offsets.tolist()
         outputs = []
-        prompts = zip(q.split(c.prompt_lens), c.prompt_blocks.tolist(), offsets, c.prompt_lens)
-        for i, (q_seq, block, offset, length) in enumerate(prompts):
+        prompts = zip(q.split(c.prompt_lens), c.prompt_slots.tolist(), offsets, c.prompt_lens)
+        for i, (q_seq, slot, offset, length) in enumerate(prompts):
             first = 0 if sliding_window is None else max(0, offset - sliding_window + 1)
-            k_seq = self.prefix_k[block, :, first : offset + length]
-            v_seq = self.prefix_v[block, :, first : offset + length]
+            k_seq = self.prefix_k[slot, :, first : offset + length]
+            v_seq = self.prefix_v[slot, :, first : offset + length]
             key_mask = None if selected is None else selected[i][:, first:]
             out = causal_attention_after_prefix(
                 q_seq.transpose(0, 1).to(k_seq.dtype), k_seq, v_seq, scale, sinks, sliding_window, key_mask
@@ -366,20 +405,26 @@ class LayerKVCache:
         return torch.cat(outputs, dim=0)
 
     def _decode_attention(self, q, scale, sinks, sliding_window, selected=None) -> torch.Tensor:
-        """q [R, H, Dk] -> [R, H, Dv]: softmax over [prefix keys | suffix keys (| sink)] per row."""
+        """q [R, H, Dk] -> [R, H, Dv]: softmax over [prefix keys | suffix keys (| sink)] per row.
+
+        The prefix is read once per slot: the queries of a slot's rows (up to group_size, at their
+        sample places, zero where a place has no row) multiply its keys in one product, and each
+        row takes its scores back from its place; the probabilities go the same way for the values."""
         c = self.cache
         R, H, Dk = q.shape
-        G, nb = c.group_size, R // c.group_size
+        G, S = c.group_size, c.num_step_slots
         hkv = self.prefix_k.shape[1]
         rep = H // hkv  # query head h reads kv head h // rep
         Lp, Ls = c.prefix_span, c.suffix_span
-        prefix_k, prefix_v = self.prefix_k[:nb, :, :Lp], self.prefix_v[:nb, :, :Lp]  # [nb, Hkv, Lp, D]
+        prefix_k, prefix_v = self.prefix_k[:S, :, :Lp], self.prefix_v[:S, :, :Lp]  # [S, Hkv, Lp, D]
         suffix_k, suffix_v = self.suffix_k[:R, :, :Ls], self.suffix_v[:R, :, :Ls]  # [R, Hkv, Ls, D]
         q = q.to(prefix_k.dtype)
-        # the G rows of a block query its prefix together: [nb, Hkv, G * rep, Dk]
-        q_blocks = q.view(nb, G, hkv, rep, Dk).transpose(1, 2).reshape(nb, hkv, G * rep, Dk)
-        prefix_scores = (q_blocks @ prefix_k.transpose(-1, -2)).view(nb, hkv, G, rep, Lp)
-        prefix_scores = prefix_scores.transpose(1, 2).reshape(R, hkv, rep, Lp)
+        places = c.slot_rows[:S].clamp(max=R)  # [S, G]: row R is a zero row (a place without a row)
+        row_slot, row_place = c.row_slot[:R], c.row_place[:R]
+        q_places = torch.cat([q, q.new_zeros(1, H, Dk)])[places]  # [S, G, H, Dk]
+        q_slots = q_places.view(S, G, hkv, rep, Dk).transpose(1, 2).reshape(S, hkv, G * rep, Dk)
+        prefix_scores = (q_slots @ prefix_k.transpose(-1, -2)).view(S, hkv, G, rep, Lp).transpose(1, 2)
+        prefix_scores = prefix_scores[row_slot, row_place]  # [R, Hkv, rep, Lp]
         suffix_scores = q.view(R, hkv, rep, Dk) @ suffix_k.transpose(-1, -2)  # [R, Hkv, rep, Ls]
         scores = torch.cat([prefix_scores, suffix_scores], dim=-1).float() * scale
         visible = c.visible_keys(sliding_window) if selected is None else c.visible_keys(sliding_window) & selected
@@ -390,9 +435,10 @@ class LayerKVCache:
         else:
             probs = torch.softmax(scores, dim=-1)
         probs = probs.to(prefix_v.dtype)
-        prefix_probs = probs[..., :Lp].reshape(nb, G, hkv, rep, Lp).transpose(1, 2).reshape(nb, hkv, G * rep, Lp)
+        prefix_probs = torch.cat([probs[..., :Lp], probs.new_zeros(1, hkv, rep, Lp)])[places]  # [S, G, Hkv, rep, Lp]
+        prefix_probs = prefix_probs.transpose(1, 2).reshape(S, hkv, G * rep, Lp)
         Dv = prefix_v.shape[-1]
-        out = (prefix_probs @ prefix_v).view(nb, hkv, G, rep, Dv).transpose(1, 2).reshape(R, hkv, rep, Dv)
+        out = (prefix_probs @ prefix_v).view(S, hkv, G, rep, Dv).transpose(1, 2)[row_slot, row_place]  # [R, Hkv, rep, Dv]
         out = out + probs[..., Lp:] @ suffix_v
         return out.reshape(R, H, Dv)
 

@@ -5,12 +5,17 @@ publishes the new version (archon.sync.weight_sync.InProcessSync), the next `gen
 the weights as they are, and every sample is tagged with the version published when it started.
 
 How it generates (archon/rollout/kv_cache.py holds the cache):
-- Group-shared prefixes. The `n` samples of a prompt form a block of the cache table: the prompt is
-  prefilled once, its keys/values are stored once and every sample of the group attends to them in
-  place (a recurrent layer's state is copied to each sample after the prefill).
-- Continuous batching. Blocks are refilled as they finish: when every sample of a block has stopped
-  or reached max_new_tokens, the next waiting prompt is prefilled into it, while the other blocks
-  keep decoding. A decode step covers the rows of the blocks up to the last busy one.
+- Group-shared prefixes. The prompt of a group of `n` samples is prefilled once into a prefix slot
+  of the cache, its keys/values are stored once and every sample of the group attends to them in
+  place (a recurrent layer's state at the end of the prompt is copied to each sample's row).
+- Continuous batching, per sample. Each row of the cache holds one sample. When a sample stops or
+  reaches max_new_tokens, its row starts another sample at once: one of a prompt already prefilled
+  whose samples wait for a row, or else of the next waiting prompt, which is prefilled into a free
+  slot, while the other rows keep decoding. A slot keeps its prompt until the group's last sample
+  ends; there are twice as many slots as rows / n (bounded by the prompts), so that rows freed early
+  start the next prompts' samples while a group's longest sample still runs. A sample that starts
+  after its prompt's prefill samples its first token from the prompt's last logits, kept per slot.
+  A decode step covers the rows up to the last busy one.
 - Sampling on the device. Tokens, log-probs and each row's done flag stay on the device; the host
   reads the done flags once every `stop_check_interval` decode steps (only when there are stop
   tokens: without them, when a row ends is known in advance) and the finished rows' tokens once.
@@ -28,7 +33,7 @@ Kept sessions (multi-turn generation): with `generate(..., sessions=)`, each sam
 (every layer's keys/values; a recurrent layer's conv window and state) for its prompt and all but
 its last completion token (that one has not been through the model yet) is kept under the sample's
 key. When a later prompt under that key starts with those tokens, with the same adapter version and
-task, its block is loaded with the kept state and only the remaining tokens are prefilled, at
+task, its slot is loaded with the kept state and only the remaining tokens are prefilled, at
 their positions after it (archon/rollout/kv_cache.py); otherwise the prompt is prefilled in full
 and the kept state dropped. A group of `n` samples extends the longest kept state any of its keys
 holds. Kept state is bounded by `max_session_tokens` (least recently used first out); an evicted
@@ -53,7 +58,11 @@ Several tasks (a multi-task model, archon.lora.MultiLoRALinear): `generate(..., 
 each prompt its task; every forward routes each token to its task's adapter, so the tasks' prompts
 decode in the same batches. With a seed, every group draws its sampling noise from its own
 generator, seeded from its task's generator (seed + ADAPTER_SEED_STRIDE * task) in the order of the
-task's prompts: a task's samples depend on its own prompts, not on the other tasks'.
+task's prompts, and each of its samples from its own generator seeded from the group's: a sample
+draws one noise vector per token, whichever row and step it runs in, so a task's samples depend on
+its own prompts, not on the other tasks' nor on when rows free up. With one task and a seed, one
+generator draws the noise of every step's rows: the samples are reproducible (the same call gives
+the same samples) but depend on the schedule (which rows start which samples when).
 """
 
 from __future__ import annotations
@@ -136,7 +145,7 @@ def _syncs_with_host(fn) -> bool:
 
 @dataclass
 class _Group:
-    """One block's worth of requests: a prompt and the rows sampling from it."""
+    """One prompt and its samples, which share its prefix slot."""
 
     prompt_index: int
     prompt: list[int]
@@ -144,7 +153,7 @@ class _Group:
     adapter: int = 0
     """The task whose adapter the group samples with (multi-task models)."""
     generator: torch.Generator | None = None
-    """The group's own sampling generator (multi-task generation with a seed)."""
+    """The group's own generator, which seeds its samples' (multi-task generation with a seed)."""
     session_keys: list[Hashable] | None = None
     """The keys its samples' states are kept under (one per sample), or None."""
     kept: KeptState | None = None
@@ -165,6 +174,8 @@ class RolloutStats:
     """Forwards that prefilled prompts (a prefill over `prefill_chunk_tokens` takes several)."""
     max_prefill_forward_tokens: int = 0
     """The most prompt tokens packed in one prefill forward."""
+    decode_steps: int = 0
+    """Decode steps run (each feeds one token to every row of the step)."""
 
 
 @dataclass
@@ -186,8 +197,8 @@ ADAPTER_SEED_STRIDE = 1_000_033
 
 
 class NativeRolloutEngine:
-    """max_batch_sequences: rows of the cache table (sequences decoded together); with
-    share_prompt_prefix, at least `sampling.n` (a prompt's samples fill one block of the table).
+    """max_batch_sequences: rows of the cache (sequences decoded together); with
+    share_prompt_prefix, at least `sampling.n` (a prompt's samples can all decode at once).
     sync_group: the ranks that run the model's forwards together (FSDP/TP); every rank of it runs
     the same number of forwards. Default: the whole default process group when one is running.
     share_prompt_prefix: prefill each prompt once for its `n` samples (False: once per sample).
@@ -290,13 +301,14 @@ class NativeRolloutEngine:
                     if group.kept is None or len(tokens) > len(group.kept.tokens):
                         group.kept = session.kept
 
-    def _agree(self, prefill_forwards: int, decode_steps: int) -> tuple[int, int]:
-        """(the most prefill forwards, the most decode steps any rank needs) over the sync group."""
+    def _agree(self, prefill_forwards: int, decode_steps: int, unfinished: int) -> tuple[int, int, int]:
+        """(the most prefill forwards, the most decode steps any rank needs, whether any rank has
+        samples left (0/1)) over the sync group."""
         if self.sync_group is None:
-            return prefill_forwards, decode_steps
-        t = torch.tensor([prefill_forwards, decode_steps], device=self.device)
+            return prefill_forwards, decode_steps, unfinished
+        t = torch.tensor([prefill_forwards, decode_steps, unfinished], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
-        return int(t[0]), int(t[1])
+        return int(t[0]), int(t[1]), int(t[2])
 
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
@@ -322,7 +334,7 @@ class NativeRolloutEngine:
         if self.share_prompt_prefix and sampling.n > self.max_batch_sequences:
             raise ValueError(
                 f"sampling.n={sampling.n} exceeds max_batch_sequences={self.max_batch_sequences}: the n samples "
-                "of a prompt share one block of the cache table, so the table needs at least n rows"
+                "of a prompt share one prefix slot of the cache, which needs at least n rows"
             )
         for i, prompt in enumerate(prompts):
             if not prompt:
@@ -386,7 +398,7 @@ class NativeRolloutEngine:
 
 
 class _Generation:
-    """One `generate` call: the cache table, the per-row state on the device, the round loop."""
+    """One `generate` call: the cache, the per-row state on the device, the round loop."""
 
     def __init__(
         self,
@@ -404,14 +416,16 @@ class _Generation:
         self.groups = groups
         G = groups[0].samples if groups else 1
         self.G = G
-        num_blocks = max(1, min(len(groups), engine.max_batch_sequences // G))
+        rows = max(1, min(len(groups) * G, engine.max_batch_sequences))
+        # enough prefix slots for the rows' groups and as many again, which rows freed while a
+        # group's longest sample runs start the samples of
+        num_slots = max(1, min(len(groups), 2 * -(-rows // G)))
         max_prompt = max((len(g.prompt) for g in groups), default=1)
-        self.cache = KVCache(len(self.model.layers), num_blocks, G, max_prompt, sampling.max_new_tokens, self.device)
-        rows = num_blocks * G
+        self.cache = KVCache(len(self.model.layers), num_slots, rows, G, max_prompt, sampling.max_new_tokens, self.device)
         dev = self.device
         self.max_new = sampling.max_new_tokens
         # per row, on the device; column ngen of `tokens` takes the next token (one spare column for
-        # rows that are done and keep writing there until their block is refilled)
+        # rows that are done and keep writing there until they start another sample)
         self.tokens = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros(rows, self.max_new + 1, dtype=torch.float32, device=dev)
         self.ngen = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -420,15 +434,25 @@ class _Generation:
         self.multi_task = multi_task
         self.row_adapter = torch.zeros(rows, dtype=torch.long, device=dev)
         """Each row's task (multi-task models); free rows keep their last one."""
-        self.group_noise = multi_task and sampling.seed is not None and sampling.temperature > 0
-        """Whether each group draws its sampling noise from its own generator."""
+        self.sample_noise = multi_task and sampling.seed is not None and sampling.temperature > 0
+        """Whether each sample draws its sampling noise from its own generator."""
+        self.sample_generators: dict[tuple[int, int], torch.Generator] = {}
+        """(group, sample) -> the sample's generator, while the sample's group is in a slot."""
         self.stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
-        # per block, on the host
-        self.block_group: list[int | None] = [None] * num_blocks
-        self.block_steps = [0] * num_blocks
-        """Tokens generated so far by the block's rows (an upper bound once rows can stop)."""
+        self.slot_logits: torch.Tensor | None = None
+        """[num_slots, V]: the logits at each slot's last prompt token, which its samples start from."""
+        # on the host
+        self.slot_group: list[int | None] = [None] * num_slots
+        self.slot_unfinished = [0] * num_slots
+        """Samples of the slot's group not yet ended (the slot is freed when none are left)."""
+        self.row_sample: list[tuple[int, int] | None] = [None] * rows
+        """(slot, sample place) of the sample each row holds, or None for a free row."""
+        self.row_steps = [0] * rows
+        """Tokens generated so far by the row's sample (an upper bound once samples can stop)."""
+        self.waiting_samples: deque[tuple[int, int]] = deque()
+        """(slot, place) of the samples of prefilled prompts that wait for a free row."""
         # not under a sync group: the step's collectives (FSDP gathers, TP reductions) stay eager
-        # nor with several tasks: the routing of tokens to adapters changes as blocks are refilled
+        # nor with several tasks: the routing of tokens to adapters changes as rows start samples
         self.static_decode = (
             engine.cuda_graphs and not multi_task and engine.sync_group is None and self.device.type == "cuda" and torch.cuda.is_available()
         )
@@ -438,9 +462,9 @@ class _Generation:
             # recording reads each step's expert ids on the host side of the step: no CUDA graph
             self.static_decode = False
             shape = (len(self.moe), self.moe[0].top_k)
-            self.prompt_experts = torch.full((num_blocks, max_prompt, *shape), -1, dtype=torch.int16, device=dev)
+            self.prompt_experts = torch.full((num_slots, max_prompt, *shape), -1, dtype=torch.int16, device=dev)
             self.completion_experts = torch.full((rows, self.max_new + 1, *shape), -1, dtype=torch.int16, device=dev)
-        self.samples: dict[int, list[Sample]] = {}
+        self.samples: dict[int, list[Sample | None]] = {}
         """Each group's samples, by group index."""
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -449,28 +473,54 @@ class _Generation:
         interval = self.engine.stop_check_interval if self.sampling.stop_token_ids else self.max_new
         while True:
             self._collect_finished()
+            free_rows = deque(r for r, sample in enumerate(self.row_sample) if sample is None)
+            starts = []  # (row, slot, place) of the samples that start this round
+            while free_rows and self.waiting_samples:
+                starts.append((free_rows.popleft(), *self.waiting_samples.popleft()))
             admitted = []
-            for block, group in enumerate(self.block_group):
-                if group is None and waiting:
-                    admitted.append(block)
-                    self.block_group[block] = waiting.popleft()
-                    self.block_steps[block] = 1  # the prefill samples the first token
-            busy = [b for b, g in enumerate(self.block_group) if g is not None]
-            needed = min(interval, max((self.max_new - self.block_steps[b] for b in busy), default=0))
+            for slot, group in enumerate(self.slot_group):
+                if not (free_rows and waiting):
+                    break
+                if group is None:
+                    admitted.append(slot)
+                    self._admit(slot, waiting.popleft())
+                    for place in range(self.G):
+                        if free_rows:
+                            starts.append((free_rows.popleft(), slot, place))
+                        else:
+                            self.waiting_samples.append((slot, place))
+            for row, slot, place in starts:
+                self.row_sample[row] = (slot, place)
+                self.row_steps[row] = 1  # the prompt's last logits give the first token
+            busy = [r for r, sample in enumerate(self.row_sample) if sample is not None]
+            needed = min(interval, max((self.max_new - self.row_steps[r] for r in busy), default=0))
             chunks = self._prefill_chunks(admitted)
-            prefill_forwards, steps = self.engine._agree(len(chunks), needed)
-            if prefill_forwards == 0 and steps == 0:  # every rank is done
+            more = bool(busy or self.waiting_samples or waiting)
+            prefill_forwards, steps, more = self.engine._agree(len(chunks), needed, int(more))
+            if not more:  # every rank is done
                 break
             if admitted:
                 self._prefill(admitted, chunks)
             for _ in range(prefill_forwards - len(chunks)):
                 self._idle_forward()
+            if starts:
+                self._start(starts)
             for _ in range(steps):
                 if busy:
                     self._decode(busy)
                 else:
                     self._idle_forward()
         return [s for i in range(len(self.groups)) for s in self.samples[i]]
+
+    def _admit(self, slot: int, group_index: int) -> None:
+        group = self.groups[group_index]
+        self.slot_group[slot] = group_index
+        self.slot_unfinished[slot] = self.G
+        self.samples[group_index] = [None] * self.G
+        if self.sample_noise:  # each sample's noise from its own generator, seeded by the group's
+            seeds = torch.randint(2**62, (self.G,), generator=group.generator, device=self.device).tolist()
+            for place, seed in enumerate(seeds):
+                self.sample_generators[group_index, place] = torch.Generator(device=self.device).manual_seed(seed)
 
     def _idle_forward(self) -> None:
         """A one-token forward that keeps this rank's collectives in step with busier ranks (on a
@@ -480,29 +530,25 @@ class _Generation:
         if self.moe:
             take_recorded(self.moe)
 
-    def _rows(self, blocks: list[int]) -> torch.Tensor:
-        G = self.G
-        return torch.tensor([b * G + j for b in blocks for j in range(G)], device=self.device)
-
-    def _prefill_chunks(self, blocks: list[int]) -> list[list[tuple[int, int, int]]]:
-        """The forwards that prefill `blocks`: each a list of (block, start, end), the slice
-        prompt[start:end] of the block's prompt it packs, in block order. A prompt starts after the
-        kept state it continues; with `prefill_chunk_tokens` no forward packs more tokens than that,
-        a prompt that does not fit continues in the next forward, and a block appears at most once
-        per forward. No blocks: no forwards."""
+    def _prefill_chunks(self, slots: list[int]) -> list[list[tuple[int, int, int]]]:
+        """The forwards that prefill the prompts of `slots`: each a list of (slot, start, end), the
+        slice prompt[start:end] of the slot's prompt it packs, in slot order. A prompt starts after
+        the kept state it continues; with `prefill_chunk_tokens` no forward packs more tokens than
+        that, a prompt that does not fit continues in the next forward, and a slot appears at most
+        once per forward. No slots: no forwards."""
         budget = self.engine.prefill_chunk_tokens
         forwards: list[list[tuple[int, int, int]]] = []
         pieces: list[tuple[int, int, int]] = []
         room = budget
-        for b in blocks:
-            group = self.groups[self.block_group[b]]
+        for slot in slots:
+            group = self.groups[self.slot_group[slot]]
             start, end = (0 if group.kept is None else len(group.kept.tokens)), len(group.prompt)
             if budget is None:
-                pieces.append((b, start, end))
+                pieces.append((slot, start, end))
                 continue
             while start < end:
                 take = min(end - start, room)
-                pieces.append((b, start, start + take))
+                pieces.append((slot, start, start + take))
                 start, room = start + take, room - take
                 if room == 0:
                     forwards.append(pieces)
@@ -511,76 +557,94 @@ class _Generation:
             forwards.append(pieces)
         return forwards
 
-    def _prefill(self, blocks: list[int], chunks: list[list[tuple[int, int, int]]]) -> None:
-        """Prefill the prompts of `blocks` (after the kept state a group continues, only the rest of
-        its prompt) in the forwards `chunks` (`_prefill_chunks`), and sample the first token of each
-        of their rows."""
+    def _prefill(self, slots: list[int], chunks: list[list[tuple[int, int, int]]]) -> None:
+        """Prefill the prompts of `slots` (after the kept state a group continues, only the rest of
+        its prompt) in the forwards `chunks` (`_prefill_chunks`), and keep each one's last logits."""
         dev = self.device
         kept_lens = []
-        for b in blocks:
-            group = self.groups[self.block_group[b]]
+        for slot in slots:
+            group = self.groups[self.slot_group[slot]]
             kept_lens.append(0 if group.kept is None else len(group.kept.tokens))
             if group.kept is not None:
-                self.cache.load_kept(b, group.kept)
+                self.cache.load_kept(slot, group.kept)
                 group.kept = None  # released once in the cache
-        prompt_of = {b: self.groups[self.block_group[b]].prompt for b in blocks}
+        prompt_of = {slot: self.groups[self.slot_group[slot]].prompt for slot in slots}
         stats = self.engine.stats
         stats.reused_tokens += sum(kept_lens)
-        rows = self._rows(blocks)
         if self.moe:
-            self.prompt_experts[blocks] = -1
-            self.completion_experts[rows] = -1
-        if self.multi_task:
-            adapter_of = {b: self.groups[self.block_group[b]].adapter for b in blocks}
-            self.row_adapter[rows] = torch.tensor([adapter_of[b] for b in blocks], device=dev).repeat_interleave(self.G)
-        last_logits = []  # [prompts ending in the forward, V] per forward, in block order
+            self.prompt_experts[slots] = -1
+        adapter_of = {slot: self.groups[self.slot_group[slot]].adapter for slot in slots}
+        last_logits = []  # [prompts ending in the forward, V] per forward, in slot order
         for pieces in chunks:
             lens = torch.tensor([end - start for _, start, end in pieces])
             cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-            tokens = torch.tensor([t for b, start, end in pieces for t in prompt_of[b][start:end]], device=dev)
+            tokens = torch.tensor([t for slot, start, end in pieces for t in prompt_of[slot][start:end]], device=dev)
             positions = torch.cat([torch.arange(start, end) for _, start, end in pieces]).to(dev)
             starts = torch.tensor([start for _, start, _ in pieces])
-            self.cache.begin_prefill(torch.tensor([b for b, _, _ in pieces]), lens, starts)
-            ends_prompt = torch.tensor([end == len(prompt_of[b]) for b, _, end in pieces])
+            self.cache.begin_prefill(torch.tensor([slot for slot, _, _ in pieces]), lens, starts)
+            ends_prompt = torch.tensor([end == len(prompt_of[slot]) for slot, _, end in pieces])
             token_adapters = None
             if self.multi_task:
-                token_adapters = torch.tensor([adapter_of[b] for b, _, _ in pieces], device=dev).repeat_interleave(lens.to(dev))
+                token_adapters = torch.tensor([adapter_of[slot] for slot, _, _ in pieces], device=dev).repeat_interleave(lens.to(dev))
             last_logits.append(self._forward(
                 token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
                 logits_rows=(cu_seqlens[1:] - 1)[ends_prompt].to(dev),
             ))  # fmt: skip
             if self.moe:
                 chosen = take_recorded(self.moe)  # [tokens of the forward, L, k]
-                for i, (b, start, end) in enumerate(pieces):
-                    self.prompt_experts[b, start:end] = chosen[int(cu_seqlens[i]) : int(cu_seqlens[i + 1])].to(torch.int16)
+                for i, (slot, start, end) in enumerate(pieces):
+                    self.prompt_experts[slot, start:end] = chosen[int(cu_seqlens[i]) : int(cu_seqlens[i + 1])].to(torch.int16)
             stats.prefill_tokens += int(lens.sum())
             stats.prefill_forwards += 1
             stats.max_prefill_forward_tokens = max(stats.max_prefill_forward_tokens, int(lens.sum()))
-        logits = torch.cat(last_logits)  # [len(blocks), V]
-        first, first_lp = sample_next_tokens(
-            logits.repeat_interleave(self.G, dim=0), self.sampling, self.generator, self._group_race(blocks, logits)
-        )
-        self.tokens[rows, 0], self.logprobs[rows, 0] = first, first_lp
-        self.ngen[rows] = 1
-        self.done[rows] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
-        self.prompt_lens[rows] = torch.tensor([len(prompt_of[b]) for b in blocks]).repeat_interleave(self.G).to(dev)
+        logits = torch.cat(last_logits)  # [len(slots), V]
+        if self.slot_logits is None:
+            self.slot_logits = logits.new_zeros(len(self.slot_group), logits.shape[-1])
+        self.slot_logits[torch.tensor(slots, device=dev)] = logits
+
+    def _start(self, starts: list[tuple[int, int, int]]) -> None:
+        """Rows start samples: each (row, slot, place) samples its first token from the slot's
+        prompt logits and points at the slot's prefix (a recurrent layer's row takes the slot's state)."""
+        dev = self.device
+        rows, slots, places = (list(x) for x in zip(*starts))
+        self.cache.start_rows(rows, slots, places)
+        rows_t = torch.tensor(rows, device=dev)
+        if self.moe:
+            self.completion_experts[rows_t] = -1
+        groups = [self.groups[self.slot_group[slot]] for slot in slots]
+        if self.multi_task:
+            self.row_adapter[rows_t] = torch.tensor([g.adapter for g in groups], device=dev)
+        logits = self.slot_logits[torch.tensor(slots, device=dev)]
+        race = None
+        if self.sample_noise:
+            race = torch.cat([
+                torch.empty(1, logits.shape[-1], device=dev).exponential_(generator=self.sample_generators[self.slot_group[slot], place])
+                for slot, place in zip(slots, places)
+            ])  # fmt: skip
+        first, first_lp = sample_next_tokens(logits, self.sampling, self.generator, race)
+        self.tokens[rows_t, 0], self.logprobs[rows_t, 0] = first, first_lp
+        self.ngen[rows_t] = 1
+        self.done[rows_t] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
+        self.prompt_lens[rows_t] = torch.tensor([len(g.prompt) for g in groups], device=dev)
 
     def _decode(self, busy: list[int]) -> None:
-        """One decode step: feed each row its last token. Eager: over the rows of blocks up to the
-        last busy one, reading the keys the busy blocks have so far. Static (CUDA graphs): over the
-        whole table and the whole cache, the same shapes at every step."""
+        """One decode step: feed each row its last token. Eager: over the rows up to the last busy
+        one and the slots up to the last one they read, with the keys the busy rows have so far.
+        Static (CUDA graphs): over the whole table and the whole cache, the same shapes at every step."""
         if self.static_decode:
             self._decode_static()
         else:
-            prefix_span = max(len(self.groups[self.block_group[b]].prompt) for b in busy)
-            suffix_span = min(self.max_new, max(self.block_steps[b] for b in busy))
-            self._decode_step((max(busy) + 1) * self.G, prefix_span, suffix_span)
-        for b in busy:
-            self.block_steps[b] = min(self.block_steps[b] + 1, self.max_new)
+            slots = [self.row_sample[r][0] for r in busy]
+            prefix_span = max(len(self.groups[self.slot_group[slot]].prompt) for slot in slots)
+            suffix_span = min(self.max_new, max(self.row_steps[r] for r in busy))
+            self._decode_step(max(busy) + 1, max(slots) + 1, prefix_span, suffix_span)
+        self.engine.stats.decode_steps += 1
+        for r in busy:
+            self.row_steps[r] = min(self.row_steps[r] + 1, self.max_new)
 
     def _decode_static(self) -> None:
         c = self.cache
-        step = lambda: self._decode_step(c.num_rows_total, c.max_prompt_len, c.max_new_tokens)  # noqa: E731
+        step = lambda: self._decode_step(c.num_rows_total, c.num_slots, c.max_prompt_len, c.max_new_tokens)  # noqa: E731
         if self.device.type != "cuda":  # the same shapes, run eagerly (how the CPU tests check them)
             step()
         elif self.graph is not None:
@@ -613,18 +677,17 @@ class _Generation:
             return None
         return graph
 
-    def _decode_step(self, R: int, prefix_span: int, suffix_span: int) -> None:
-        """Rows 0..R-1 take one token; all state stays on the device (no host sync)."""
+    def _decode_step(self, R: int, S: int, prefix_span: int, suffix_span: int) -> None:
+        """Rows 0..R-1 (reading slots 0..S-1) take one token; all state stays on the device (no host sync)."""
         ngen, done = self.ngen[:R], self.done[:R]
         suffix_pos = (ngen - 1).clamp(min=0)
         last = self.tokens[:R].gather(1, suffix_pos[:, None])[:, 0]
-        self.cache.begin_decode(R, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span, live_rows=~done)
+        self.cache.begin_decode(R, S, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span, live_rows=~done)
         logits = self._forward(
             self.row_adapter[:R] if self.multi_task else None,
             last, self.prompt_lens[:R] + suffix_pos, torch.arange(R + 1, device=self.device), 1, cache=self.cache,
         )
-        race = self._group_race([b for b in range(R // self.G) if self.block_group[b] is not None], logits, R)
-        token, logprob = sample_next_tokens(logits, self.sampling, self.generator, race)
+        token, logprob = sample_next_tokens(logits, self.sampling, self.generator, self._sample_race(logits))
         rows = torch.arange(R, device=self.device)
         if self.moe:  # the fed token is completion token suffix_pos of each live row
             chosen = take_recorded(self.moe).to(torch.int16)  # [R, L, k]
@@ -642,65 +705,64 @@ class _Generation:
         with adapter_routing(self.model, task_of_token):
             return self.model(*args, **kwargs)
 
-    def _group_race(self, blocks: list[int], logits: torch.Tensor, rows: int | None = None) -> torch.Tensor | None:
-        """The Exp(1) sampling draws [rows or G * len(blocks), V] with each group's rows drawn from its
-        own generator (free rows: ones), or None when groups do not sample on their own."""
-        if not self.group_noise:
+    def _sample_race(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The Exp(1) sampling draws [R, V] of a decode step, each busy row's drawn from its sample's
+        own generator (free rows: ones), or None when samples do not draw on their own."""
+        if not self.sample_noise:
             return None
-        V = logits.shape[-1]
-        if rows is None:  # prefill: the blocks' rows, in order
-            draws = [
-                torch.empty(self.G, V, device=self.device).exponential_(generator=self.groups[self.block_group[b]].generator)
-                for b in blocks
-            ]
-            return torch.cat(draws)
-        race = torch.ones(rows, V, device=self.device)
-        for b in blocks:
-            race[b * self.G : (b + 1) * self.G].exponential_(generator=self.groups[self.block_group[b]].generator)
+        race = torch.ones_like(logits, dtype=torch.float32)
+        for row, sample in enumerate(self.row_sample[: logits.shape[0]]):
+            if sample is not None:
+                slot, place = sample
+                race[row].exponential_(generator=self.sample_generators[self.slot_group[slot], place])
         return race
 
     def _collect_finished(self) -> None:
-        """Turn the blocks whose rows are all done into samples and free them (one host read)."""
-        busy = [b for b, g in enumerate(self.block_group) if g is not None]
+        """Turn the rows whose samples ended into samples and free them (one host read); a slot is
+        freed with its group's last sample."""
+        busy = [r for r, sample in enumerate(self.row_sample) if sample is not None]
         if not busy:
             return
         if self.sampling.stop_token_ids:
-            done = self.done.view(-1, self.G).all(dim=1).cpu().tolist()
-            finished = [b for b in busy if done[b] or self.block_steps[b] >= self.max_new]
+            done = self.done.cpu().tolist()
+            finished = [r for r in busy if done[r] or self.row_steps[r] >= self.max_new]
         else:
-            finished = [b for b in busy if self.block_steps[b] >= self.max_new]
+            finished = [r for r in busy if self.row_steps[r] >= self.max_new]
         if not finished:
             return
-        rows = self._rows(finished)
+        rows = torch.tensor(finished, device=self.device)
         tokens, logprobs, ngen = self.tokens[rows].cpu(), self.logprobs[rows].cpu(), self.ngen[rows].cpu()
+        stop_ids = set(self.sampling.stop_token_ids)
+        released = [self.row_sample[row] for row in finished]
         if self.moe:
             completion_experts = self.completion_experts[rows].cpu()
-            prompt_experts = self.prompt_experts[finished].cpu()
-        stop_ids = set(self.sampling.stop_token_ids)
-        for i, b in enumerate(finished):
-            group = self.groups[self.block_group[b]]
-            self.samples[self.block_group[b]] = []
-            for j in range(self.G):
-                r = i * self.G + j
-                n = int(ngen[r])
-                completion = tokens[r, :n].tolist()
-                self.engine.stats.decode_tokens += n - 1
-                if group.session_keys is not None:  # the last token has not been through the model
-                    kept = KeptState(group.prompt + completion[:-1], self.cache.row_state(b * self.G + j, len(group.prompt), n - 1))
-                    self.engine._keep_session(group.session_keys[j], _Session(kept, self.version, group.adapter))
-                sample = Sample(
-                    prompt_index=group.prompt_index,
-                    prompt_ids=group.prompt,
-                    completion_ids=completion,
-                    logprobs=logprobs[r, :n].tolist(),
-                    finish_reason="stop" if completion[-1] in stop_ids else "length",
-                    version=0,
-                    token_versions=[0] * n,
-                )
-                if self.moe:
-                    sample.extra[ROUTED_EXPERTS] = torch.cat(
-                        [prompt_experts[i, : len(group.prompt)], completion_experts[r, :n]]
-                    )
-                self.samples[self.block_group[b]].append(sample)
-            self.block_group[b] = None
-            self.block_steps[b] = 0
+            prompt_experts = self.prompt_experts[[slot for slot, _ in released]].cpu()
+        for i, row in enumerate(finished):
+            slot, place = released[i]
+            group_index = self.slot_group[slot]
+            group = self.groups[group_index]
+            n = int(ngen[i])
+            completion = tokens[i, :n].tolist()
+            self.engine.stats.decode_tokens += n - 1
+            if group.session_keys is not None:  # the last token has not been through the model
+                kept = KeptState(group.prompt + completion[:-1], self.cache.row_state(row, slot, len(group.prompt), n - 1))
+                self.engine._keep_session(group.session_keys[place], _Session(kept, self.version, group.adapter))
+            sample = Sample(
+                prompt_index=group.prompt_index,
+                prompt_ids=group.prompt,
+                completion_ids=completion,
+                logprobs=logprobs[i, :n].tolist(),
+                finish_reason="stop" if completion[-1] in stop_ids else "length",
+                version=0,
+                token_versions=[0] * n,
+            )
+            if self.moe:
+                sample.extra[ROUTED_EXPERTS] = torch.cat([prompt_experts[i, : len(group.prompt)], completion_experts[i, :n]])
+            self.samples[group_index][place] = sample
+            self.sample_generators.pop((group_index, place), None)
+            self.row_sample[row] = None
+            self.row_steps[row] = 0
+            self.slot_unfinished[slot] -= 1
+            if self.slot_unfinished[slot] == 0:
+                self.slot_group[slot] = None
+        self.cache.release_rows(finished, [slot for slot, _ in released], [place for _, place in released])

@@ -172,8 +172,8 @@ def _run_problems(config: RLConfig) -> list[str]:
     problems.require(
         rollout.engine != "native" or rollout.group_size <= rollout.max_batch_sequences,
         "rollout.max_batch_sequences", rollout.max_batch_sequences,
-        f"must be at least rollout.group_size={rollout.group_size}: the native engine keeps a prompt's samples "
-        "in one block of its cache table",
+        f"must be at least rollout.group_size={rollout.group_size}: the native engine decodes all the samples "
+        "of a prompt at once when it can, one row each, beside the prompt's shared prefix",
     )  # fmt: skip
     problems.require(
         rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1, "rollout.prefill_chunk_tokens",
