@@ -24,7 +24,9 @@ from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
 VARYING_REWARD = '''
 def reward(prompt, completion, reference):
-    return float(completion.count("1")) / 4  # varies between samples of a random model
+    # differs between any two different completions of a group almost surely (a count of one
+    # character is 0 in most groups of a tiny random model), so every group has something to learn
+    return sum(map(ord, completion)) % 17 / 16
 '''
 FAILING_REWARD = '''
 def reward(prompt, completion, reference):
