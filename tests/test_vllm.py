@@ -5,10 +5,12 @@ key, worker secret) and sizing (max_model_len), and failures.
 
 One server is started for the whole module (start-up dominates the run time); it requires API_KEY."""
 
+import contextlib
 import json
 import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -269,6 +271,28 @@ def _finished(thread: threading.Thread, result: dict) -> list:
     return result["samples"]
 
 
+@contextlib.contextmanager
+def _answers_held_back(server):
+    """Completions requests get their answer only once the event yielded is set. A LONG request is
+    generating during a publish on most machines; on a fast one it may finish first, so holding its
+    answer back (and its lease with it) keeps it in flight for the publish on every machine."""
+    answer = threading.Event()
+    request = server.servers.request
+
+    def request_answered_when_set(target, method, path, *args, **kwargs):
+        response = request(target, method, path, *args, **kwargs)
+        if path == "/v1/completions":
+            answer.wait(300)
+        return response
+
+    server.servers.request = request_answered_when_set
+    try:
+        yield answer
+    finally:
+        answer.set()
+        del server.servers.request
+
+
 # a generation that outlasts a sync: 32 sequences of 100 tokens (the server takes 128 per sequence)
 LONG = SamplingParams(max_new_tokens=100, temperature=1.0, n=8, seed=11)
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7)
@@ -300,13 +324,15 @@ def test_a_request_in_flight_finishes_on_the_adapter_it_started_with(setup):
     randomise_served_adapter(trainer.model, seed=8)
     _publish(setup["collective"], trainer, 8)
     old_name = server.policy.name
-    thread, result = _generate_in_thread(server, prompts, LONG)
-    randomise_served_adapter(trainer.model, seed=9)
-    _publish(setup["collective"], trainer, 9)
-    held = server.policy.leased_names()
-    served_meanwhile = _served_names(server)
-    in_flight = _finished(thread, result)
-    assert held == {old_name}, "the generation ended before the publish; it must be longer for this test"
+    with _answers_held_back(server) as answer:
+        thread, result = _generate_in_thread(server, prompts, LONG)
+        randomise_served_adapter(trainer.model, seed=9)
+        _publish(setup["collective"], trainer, 9)
+        held = server.policy.leased_names()
+        served_meanwhile = _served_names(server)
+        answer.set()
+        in_flight = _finished(thread, result)
+    assert held == {old_name}
     assert old_name in served_meanwhile and server.policy.name in served_meanwhile
 
     assert {s.version for s in in_flight} == {8}
@@ -414,13 +440,19 @@ def test_a_merged_publish_waits_for_the_request_in_flight(setup):
     adapter_name = server.policy.name
     randomise_served_adapter(trainer.model, seed=12)
     _publish(setup["merged"], trainer, 12)
-    thread, result = _generate_in_thread(server, prompts, LONG)
-    started_while_in_flight = server.policy.in_flight() > 0
-    randomise_served_adapter(trainer.model, seed=13)
-    _publish(setup["merged"], trainer, 13)
-    in_flight_after_publish = server.policy.in_flight()  # the request took ~seconds, the swap far less
-    in_flight = _finished(thread, result)
+    hold_s = 1.0
+    with _answers_held_back(server) as answer:
+        thread, result = _generate_in_thread(server, prompts, LONG)
+        started_while_in_flight = server.policy.in_flight() > 0
+        randomise_served_adapter(trainer.model, seed=13)
+        threading.Timer(hold_s, answer.set).start()
+        start = time.monotonic()
+        _publish(setup["merged"], trainer, 13)
+        publish_s = time.monotonic() - start
+        in_flight_after_publish = server.policy.in_flight()
+        in_flight = _finished(thread, result)
     assert started_while_in_flight and in_flight_after_publish == 0
+    assert publish_s >= hold_s, "the publish did not wait for the request in flight"
     assert {s.version for s in in_flight} == {12}
     assert all(set(s.token_versions) == {12} for s in in_flight)
     after = server.generate(prompts, SAMPLED)
