@@ -30,6 +30,10 @@ Checks (each runs on its own: a failure is recorded and the next check still run
                  LoRA train step (loss finite and equal, every LoRA gradient finite and non-zero,
                  base parameter bytes below the bf16 base's; step time and on CUDA peak memory
                  against the bf16 base), and greedy generation with the built-in engine (the same tokens)
+    rollout_systems
+                 replay: a Qwen3-MoE samples in bf16 with the built-in engine, recording its routing,
+                 and the trainer scores in fp32 with and without the recorded experts: after a token
+                 routed differently the replayed log-probs are nearer the sampler's, elsewhere equal
 Context parallelism needs two devices and is not checked here (the suite runs on one); its CPU
 tests run CP against one process with gloo, and benchmarks/long_context.py measures it.
 
@@ -71,7 +75,7 @@ import torch  # noqa: E402
 
 log = logging.getLogger("gpu_suite")
 
-CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe", "offload", "prefill", "quantized")
+CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe", "offload", "prefill", "quantized", "rollout_systems")
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3), so a bf16 model is judged against the
 # error that HF itself makes in bf16, both measured against HF in fp32 on the same inputs. archon
@@ -1171,6 +1175,89 @@ def _quantized_run(ctx: Context, path: Path, batch, base: str) -> dict[str, Any]
             "peak_bytes": peak}  # fmt: skip
 
 
+# ---- 10. rollout systems -----------------------------------------------------------------------------
+
+
+def check_rollout_systems(ctx: Context) -> dict[str, Any]:
+    parts = {}
+    for name, run in (("replay", _replay_part),):
+        try:
+            parts[name] = run(ctx)
+        except Exception as exc:
+            log.error("rollout_systems %s failed:\n%s", name, traceback.format_exc())
+            parts[name] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            _release(ctx)
+        log.info("rollout_systems %s: %s", name, parts[name])
+    return {"pass": all(r["pass"] for r in parts.values()), "parts": parts}
+
+
+def _replay_part(ctx: Context) -> dict[str, Any]:
+    """Routing replay across precisions: the built-in engine samples (and records its routing) with
+    a bf16 copy of the policy, the trainer scores in fp32 with and without the recorded experts.
+    bf16 moves the routers' scores, so some tokens' top-k flips between the two; with replay the
+    trainer routes as the sampler did and its log-probs are nearer the sampler's. Held: on the tokens
+    whose routing flipped, the replayed gap is below the gap without replay; elsewhere it is equal."""
+    import copy
+
+    from archon.lora import lora_parameters
+    from archon.models.common.moe import moe_routers, recorded_routing, take_recorded
+    from archon.rl.rollouts import rollout_batch
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.trainer import ROUTED_EXPERTS_EXTRA
+
+    sizes = ctx.sizes
+    config = {k: v for k, v in sizes.moe_config.items() if k != "num_hidden_layers"}
+    path = _tiny_checkpoint(ctx, "qwen3_moe", "replay", num_hidden_layers=2, **config)
+    trainer = _engine(ctx, path, "float32", sizes.lora_rank, 1e-3, 1 << 20)
+    g = torch.Generator().manual_seed(ctx.seed)
+    with torch.no_grad():
+        for p in lora_parameters(trainer.model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    sampler = copy.deepcopy(trainer.model).to(torch.bfloat16).eval()
+    prompts = [torch.randint(0, _vocab(path), (n,), generator=g).tolist() for n in (17, 5, 64, 33)]
+    sampling = SamplingParams(max_new_tokens=sizes.gen_max_new_tokens * 4, temperature=1.0, n=4, seed=ctx.seed)
+    samples = NativeRolloutEngine(sampler, ctx.device, record_routing=True).generate(prompts, sampling)
+    del sampler
+    _release(ctx)
+    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=0, routed_experts=True)
+    recorded = batch.extras[ROUTED_EXPERTS_EXTRA]
+    replayed = trainer.logprobs(batch).logprobs
+    batch.extras.pop(ROUTED_EXPERTS_EXTRA)
+    own = trainer.logprobs(batch).logprobs
+    # which tokens the fp32 trainer routes differently on its own (any layer, as sets of experts)
+    routers = moe_routers(trainer.model)
+    with torch.no_grad(), recorded_routing(trainer.model):
+        trainer.model(batch.tokens.to(ctx.device), batch.positions.to(ctx.device),
+                      batch.cu_seqlens.to(ctx.device), batch.max_seqlen)  # fmt: skip
+        own_ids = take_recorded(routers)
+    flipped_token = (own_ids.sort(-1).values.cpu() != recorded.long().sort(-1).values).any(-1).any(-1)
+    # position t's log-prob (of the label t+1) reads positions <= t: a flip at any of them counts
+    mask = batch.loss_mask
+    rollout = batch.rollout_logprobs
+    gap_replay, gap_own = (replayed - rollout).abs(), (own - rollout).abs()
+    flipped_before = torch.zeros_like(mask)
+    for start, end in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()):
+        flipped_before[start:end] = flipped_token[start:end].long().cumsum(0) > 0
+    affected = mask & flipped_before
+    unaffected = mask & ~flipped_before
+    result = {
+        "sampler_dtype": "bfloat16", "trainer_dtype": "float32", "tokens": int(mask.sum()),
+        "tokens_routed_differently": int(flipped_token.sum()),
+        "scored_tokens_after_a_flip": int(affected.sum()),
+        "mean_gap_after_a_flip": {"replay": float(gap_replay[affected].mean()) if affected.any() else None,
+                                  "own": float(gap_own[affected].mean()) if affected.any() else None},
+        "max_gap_no_flip": {"replay": float(gap_replay[unaffected].max()), "own": float(gap_own[unaffected].max())},
+    }  # fmt: skip
+    result["pass"] = bool(
+        torch.isfinite(replayed[mask]).all()
+        and torch.equal(replayed[unaffected], own[unaffected])
+        and (not affected.any() or gap_replay[affected].mean() < gap_own[affected].mean())
+    )
+    return result
+
+
 # ---- driver ------------------------------------------------------------------------------------------
 
 CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -1183,6 +1270,7 @@ CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "offload": check_offload,
     "prefill": check_prefill,
     "quantized": check_quantized,
+    "rollout_systems": check_rollout_systems,
 }
 
 

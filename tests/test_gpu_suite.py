@@ -38,7 +38,7 @@ def test_tiny_suite_passes_every_check(tmp_path):
     assert not failed, json.dumps(failed, indent=1)[-6000:]
     assert result["pass"] and proc.returncode == 0, proc.stderr[-4000:]
     assert set(result["checks"]) == {"alignment", "train", "generation", "memory", "throughput", "moe", "offload",
-                                     "prefill", "quantized"}
+                                     "prefill", "quantized", "rollout_systems"}
     assert result["mode"] == "tiny-cpu"
 
     checks = result["checks"]
@@ -68,6 +68,9 @@ def test_tiny_suite_passes_every_check(tmp_path):
         assert fmt["greedy_tokens_equal"] and fmt["lora_grads_checked"] > 0 and not fmt["bad_lora_grads"]
         assert fmt["base_param_bytes_ratio"] < 1
         assert fmt["first_loss_rel_diff"] <= checks["quantized"]["loss_rtol_kept_vs_dequantized"]
+
+    replay = checks["rollout_systems"]["parts"]["replay"]  # the bf16 sampler's routing, replayed in fp32
+    assert replay["tokens"] > 0 and replay["max_gap_no_flip"]["replay"] == replay["max_gap_no_flip"]["own"]
 
     assert json.loads((out / "gpu_suite.json").read_text()) == result
     log = (out / "gpu_suite.log").read_text()
