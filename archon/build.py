@@ -80,21 +80,20 @@ def load_hf_config(path: str | os.PathLike, option: str | None = None):
         raise ValueError(f"{str(path / 'config.json')!r} is not a usable HF model config: {e}") from e
 
 
+def supports_mtp(spec: ModelSpec) -> bool:
+    """Whether the family builds multi-token-prediction layers (its model has `mtp_logits`)."""
+    return callable(getattr(spec.model_cls, "mtp_logits", None))
+
+
 def checkpoint_mtp_layers(spec: ModelSpec, args) -> int:
     """How many multi-token-prediction layers archon can build from a checkpoint with these args
     (0 for a family without MTP support or a checkpoint without them)."""
-    from archon.models.common.mtp import MultiTokenPredictionLM
-
-    if not issubclass(spec.model_cls, MultiTokenPredictionLM):
-        return 0
-    return args.checkpoint_mtp_layers
+    return args.checkpoint_mtp_layers if supports_mtp(spec) else 0
 
 
 def with_mtp_layers(spec: ModelSpec, args, config_path: Path):
     """`args` that build every MTP layer of the checkpoint; refused, naming why, where there are none."""
-    from archon.models.common.mtp import MultiTokenPredictionLM
-
-    if not issubclass(spec.model_cls, MultiTokenPredictionLM):
+    if not supports_mtp(spec):
         raise ValueError(f"model family {spec.name!r} has no multi-token-prediction (MTP) layers archon can build")
     if args.checkpoint_mtp_layers <= 0:
         raise ValueError(

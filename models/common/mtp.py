@@ -26,6 +26,14 @@ from torch import nn
 
 from archon.head import full_vocab_logits
 
+# The checkpoint names of the parts of a hybrid family's MTP layer (Qwen3.5, Qwen3-Next), whose block
+# is `mtp.layers.<i>`.
+HYBRID_MTP_PARTS = {
+    "hidden_norm": "mtp.pre_fc_norm_hidden",
+    "embedding_norm": "mtp.pre_fc_norm_embedding",
+    "projection": "mtp.fc",
+    "norm": "mtp.norm",
+}
 MTP_PARTS = ("hidden_norm", "embedding_norm", "projection", "block", "norm")
 _MTP_KEY = re.compile(r"mtp\.(\d+)\.(" + "|".join(MTP_PARTS) + r")(?:\.(.+))?")
 
