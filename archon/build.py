@@ -325,6 +325,7 @@ def build_model(
     task_loras: dict[str, LoRAConfig] | None = None,
     quantized_base: str = "keep",
     mtp: bool = False,
+    mtp_lora: bool = False,
 ) -> LoadedModel:
     """Build the archon model for the HF checkpoint at `path` and load its weights.
 
@@ -343,6 +344,7 @@ def build_model(
     (`quantized_base="dequantize"`).
     `mtp`: also build and load the checkpoint's multi-token-prediction layers (`model.mtp`,
     models/common/mtp.py), which are skipped otherwise; a checkpoint or family without them is refused.
+    `mtp_lora`: their blocks carry `lora` too (to train them); otherwise they have none.
     """
     path = Path(path)
     hf_config = load_hf_config(path, path_option)
@@ -350,6 +352,9 @@ def build_model(
     args = spec.args_cls.from_hf_config(hf_config)
     if mtp:
         args = with_mtp_layers(spec, args, path / "config.json")
+        args = dataclasses.replace(args, mtp_lora=mtp_lora and (lora is not None or task_loras is not None))
+    elif mtp_lora:
+        raise ValueError("build_model: mtp_lora=True needs the MTP layers (mtp=True)")
     if task_loras is not None:
         if lora is not None:
             raise ValueError("build_model takes either lora (one adapter) or task_loras (one per task), not both")

@@ -295,7 +295,8 @@ class HybridDeltaNetArgs(DecoderArgs):
     value heads; RoPE turns the first partial_rotary_factor of each attention head.
     checkpoint_mtp_layers: the checkpoint's multi-token-prediction layers (`mtp.*`; the family's
         args say which config field counts them); num_mtp_layers: how many of them the model builds
-        (0 unless build_model is asked to load them).
+        (0 unless build_model is asked to load them); mtp_lora: their blocks carry the model's LoRA
+        (to train them), else none.
     """
 
     layer_types: list[str] = field(default_factory=list)
@@ -312,6 +313,7 @@ class HybridDeltaNetArgs(DecoderArgs):
     shared_expert_intermediate_size: int = 0
     checkpoint_mtp_layers: int = 0
     num_mtp_layers: int = 0
+    mtp_lora: bool = False
 
     @property
     def rotary_dim(self) -> int:

@@ -72,10 +72,12 @@ class HybridDecoderLM(PackedDecoderLM):
         self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-def hybrid_mtp_layers(args, mlp: nn.Module, fused_projections: bool = False) -> nn.ModuleList:
+def hybrid_mtp_layers(
+    args, mlp: nn.Module, lora: LoRAConfig | None, fused_projections: bool = False
+) -> nn.ModuleList:
     """The MTP layers of a hybrid checkpoint (Qwen3.5, Qwen3-Next): `args.num_mtp_layers` (at most
-    one) of models/common/mtp.py, whose block is a full-attention layer with `mlp`, without LoRA, and
-    whose norms are zero-centred. The checkpoint layout has one `mtp.fc` and one set of norms for all
+    one) of models/common/mtp.py, whose block is a full-attention layer with `mlp` and, when
+    `args.mtp_lora`, the model's `lora` (as `mlp` must be built), and whose norms are zero-centred. The checkpoint layout has one `mtp.fc` and one set of norms for all
     its MTP blocks, so more than one layer is refused."""
     if args.num_mtp_layers > 1:
         raise ValueError(
@@ -85,7 +87,10 @@ def hybrid_mtp_layers(args, mlp: nn.Module, fused_projections: bool = False) -> 
     return nn.ModuleList(
         MTPLayer(
             args.hidden_size, args.rms_norm_eps,
-            HybridDecoderLayer(args, 0, mlp, None, fused_projections, layer_type=FULL_ATTENTION), OffsetRMSNorm,
+            HybridDecoderLayer(
+                args, 0, mlp, lora if args.mtp_lora else None, fused_projections, layer_type=FULL_ATTENTION
+            ),
+            OffsetRMSNorm,
         )  # fmt: skip
         for _ in range(args.num_mtp_layers)
     )

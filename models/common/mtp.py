@@ -95,6 +95,19 @@ class MultiTokenPredictionLM:
         positions_T, cu_seqlens, max_seqlen: as for `forward`. Depth d runs MTP layer d modulo the
         number loaded (one layer serves every depth).
         """
+        hidden = self.mtp_hidden(hidden_TD, next_token_ids_T, positions_T, cu_seqlens, max_seqlen, depth)
+        return full_vocab_logits(hidden, self.output_weight), hidden
+
+    def mtp_hidden(
+        self,
+        hidden_TD: torch.Tensor,
+        next_token_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """`mtp_logits`' hidden [T, D] alone (the output head's input), for a chunked head."""
         if len(self.mtp) == 0:
             raise ValueError(
                 "this model has no MTP layers loaded; build it with the checkpoint's MTP layers (build_model(mtp=True))"
@@ -102,8 +115,7 @@ class MultiTokenPredictionLM:
         layer = self.mtp[depth % len(self.mtp)]
         x = layer.combine(hidden_TD, next_token_ids_T, self.embed_tokens, positions_T)
         cos, sin = (None, None) if self.rotary is None else self.rotary(positions_T, x.dtype)
-        hidden = layer.norm(layer.block(x, cos, sin, cu_seqlens, max_seqlen, None, None))
-        return full_vocab_logits(hidden, self.output_weight), hidden
+        return layer.norm(layer.block(x, cos, sin, cu_seqlens, max_seqlen, None, None))
 
 
 def split_mtp_key(archon_key: str) -> tuple[int, str, str] | None:

@@ -44,4 +44,5 @@ class Qwen3_5Model(MultiTokenPredictionLM, HybridDecoderLM):
         super().__init__(
             args, (HybridDecoderLayer(args, i, qwen3_5_mlp(args, lora), lora) for i in range(args.num_hidden_layers))
         )
-        self.mtp = hybrid_mtp_layers(args, qwen3_5_mlp(args, None)) if args.num_mtp_layers else nn.ModuleList()
+        mtp_lora = lora if args.mtp_lora else None
+        self.mtp = hybrid_mtp_layers(args, qwen3_5_mlp(args, mtp_lora), lora) if args.num_mtp_layers else nn.ModuleList()

@@ -42,7 +42,9 @@ class Qwen3NextModel(MultiTokenPredictionLM, HybridDecoderLM):
             ),
         )
         self.mtp = (
-            hybrid_mtp_layers(args, qwen3_next_mlp(args, 0, None), fused_projections=True)
+            hybrid_mtp_layers(
+                args, qwen3_next_mlp(args, 0, lora if args.mtp_lora else None), lora, fused_projections=True
+            )
             if args.num_mtp_layers
             else nn.ModuleList()
         )
