@@ -673,7 +673,7 @@ def _mtp_problems(config: RLConfig) -> list[str]:
         name = f"{fields.prefix}algorithm.mtp_loss_weight"
         problems.require(math.isfinite(weight) and weight >= 0, name, weight, "must be a finite number >= 0")
         if weight > 0:
-            trained.append(name)
+            trained.append(f"{name}={weight!r}")
             problems.require(not config.tasks, name, weight, "training the MTP layer is not supported with several tasks")
             problems.require(
                 config.model.mtp != "skip", name, weight, "trains the MTP layer, which model.mtp='skip' leaves unloaded"
@@ -684,7 +684,7 @@ def _mtp_problems(config: RLConfig) -> list[str]:
             )  # fmt: skip
     if config.model.path is None:
         problems.require(config.model.mtp != "load", "model.mtp", config.model.mtp, "the demo model has no MTP layers")
-        problems += [f"{name} > 0: the demo model has no MTP layers to train; set model.path" for name in trained]
+        problems += [f"{name}: the demo model has no MTP layers to train; set model.path" for name in trained]
         return problems
     if config.model.mtp == "skip" or not (config.model.mtp == "load" or trained):
         return problems
@@ -693,7 +693,7 @@ def _mtp_problems(config: RLConfig) -> list[str]:
         return problems
     text = student.get("text_config") or student
     if not any(isinstance(text.get(f), int) and text.get(f) > 0 for f in _MTP_CONFIG_FIELDS):
-        asked = "model.mtp='load'" if config.model.mtp == "load" else f"{trained[0]}>0"
+        asked = "model.mtp='load'" if config.model.mtp == "load" else trained[0]
         problems.append(
             f"{asked}: {Path(config.model.path) / 'config.json'} declares no multi-token-prediction layers "
             f"({' or '.join(_MTP_CONFIG_FIELDS)}), so the checkpoint has none to load"
