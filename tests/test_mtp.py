@@ -380,3 +380,42 @@ def test_mtp_adapter_is_exported_in_peft_layout_and_reloaded(deepseek_mtp, tmp_p
     assert any(k.startswith("mtp.") for k in trained)
     for name, tensor in trained.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+
+
+# ---- the run's settings -------------------------------------------------------------------------
+
+
+def test_mtp_settings_are_checked_at_start(deepseek_mtp, tiny_checkpoint, tmp_path):
+    from archon.rl.config import parse_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    plain = tiny_checkpoint("qwen3")
+
+    def problems(*flags) -> str:
+        with pytest.raises(ValueError, match="invalid configuration") as error:
+            parse_config(["--data.path", str(data), *flags])
+        return str(error.value)
+
+    assert "algorithm.mtp_loss_weight=-1.0: must be a finite number >= 0" in problems(
+        "--model.path", str(deepseek_mtp), "--algorithm.mtp-loss-weight", "-1"
+    )
+    assert "which model.mtp='skip' leaves unloaded" in problems(
+        "--model.path", str(deepseek_mtp), "--algorithm.mtp-loss-weight", "0.1", "--model.mtp", "skip"
+    )
+    for flags in (["--model.mtp", "load"], ["--algorithm.mtp-loss-weight", "0.1"]):
+        message = problems("--model.path", str(plain), *flags)
+        assert f"{plain / 'config.json'} declares no multi-token-prediction layers" in message, message
+    assert "model.mtp='load': the demo model has no MTP layers" in problems("--model.mtp", "load")
+    # accepted: the checkpoint has them
+    parse_config(["--data.path", str(data), "--model.path", str(deepseek_mtp), "--algorithm.mtp-loss-weight", "0.1"])
+
+
+def test_auto_loads_mtp_layers_only_for_a_run_that_uses_them(deepseek_mtp, tiny_checkpoint):
+    from archon.build import resolve_mtp
+
+    assert resolve_mtp(deepseek_mtp, "auto", used=True)
+    assert not resolve_mtp(deepseek_mtp, "auto", used=False)
+    assert not resolve_mtp(tiny_checkpoint("qwen3"), "auto", used=True)
+    assert resolve_mtp(deepseek_mtp, "load", used=False) and not resolve_mtp(deepseek_mtp, "skip", used=True)
+    assert not resolve_mtp(None, "auto", used=True)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from archon.head import full_vocab_logits
+from archon.models.common.decoder import PackedDecoderLM
 
 # The checkpoint names of the parts of a hybrid family's MTP layer (Qwen3.5, Qwen3-Next), whose block
 # is `mtp.layers.<i>`.
@@ -75,8 +76,11 @@ class MTPLayer(nn.Module):
         return self.projection(joined)
 
 
-class MultiTokenPredictionLM:
-    """Mixin for a `PackedDecoderLM` with an `mtp` ModuleList of `MTPLayer`s (empty unless loaded)."""
+class MultiTokenPredictionLM(PackedDecoderLM):
+    """A `PackedDecoderLM` whose family sets `mtp`, a ModuleList of `MTPLayer`s (empty unless loaded),
+    after building the decoder (listed before the family's decoder class among its bases)."""
+
+    mtp: nn.ModuleList
 
     def mtp_logits(
         self,
