@@ -419,3 +419,24 @@ def test_auto_loads_mtp_layers_only_for_a_run_that_uses_them(deepseek_mtp, tiny_
     assert not resolve_mtp(tiny_checkpoint("qwen3"), "auto", used=True)
     assert resolve_mtp(deepseek_mtp, "load", used=False) and not resolve_mtp(deepseek_mtp, "skip", used=True)
     assert not resolve_mtp(None, "auto", used=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,tp", [(2, 1), (2, 2)], ids=["fsdp2", "tp2"])
+def test_mtp_training_is_the_same_under_fsdp_and_tensor_parallelism(deepseek_mtp, tmp_path, nproc, tp):
+    """The MTP layer sits outside the decoder blocks: it stays whole under tensor parallelism and
+    joins the root FSDP unit; three training steps give one process's losses."""
+
+    def run(nproc: int, tp: int) -> list[dict]:
+        out = tmp_path / f"steps_{nproc}_{tp}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(TESTS / "mtp_parallel_worker.py"), str(deepseek_mtp), str(tp), str(out)]  # fmt: skip
+        result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        return json.loads(out.read_text())
+
+    alone, parallel = run(1, 1), run(nproc, tp)
+    assert alone[-1]["mtp_loss"] < alone[0]["mtp_loss"]
+    for one, many in zip(alone, parallel):
+        assert many["mtp_loss"] == pytest.approx(one["mtp_loss"], rel=1e-5, abs=1e-6)
+        assert many["mtp_accuracy"] == one["mtp_accuracy"]
