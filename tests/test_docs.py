@@ -122,9 +122,24 @@ TASK_MODEL_PATHS = ("algorithm.teacher_path",)
 TASK_DATA_PATHS = ("data.path", "eval_path")
 
 
+def mtp_stand_in(root: Path) -> Path:
+    """A tiny DeepSeek-V3 checkpoint with an MTP layer, made once under `root`: the stand-in model of
+    a config that loads or trains MTP layers (the Qwen3 stand-in has none)."""
+    from helpers import add_mtp_weights
+
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    path = root / "mtp_checkpoint"
+    if not (path / "config.json").is_file():
+        add_mtp_weights(make_tiny_hf_checkpoint("deepseek_v3", path), "num_nextn_predict_layers")
+    return path
+
+
 def with_stand_ins(config, stand_ins, substituted: list[str]):
     """`config` with each model or data path that does not exist replaced by a stand-in."""
     checkpoint, data = stand_ins
+    if config.model.mtp == "load" or any(task.algorithm.mtp_loss_weight > 0 for task in config.task_configs()):
+        checkpoint = mtp_stand_in(checkpoint.parent)
 
     def swap(instance, fields, stand_in, prefix):
         for name in fields:
