@@ -1,0 +1,185 @@
+"""Speculative decoding in the embedded engine (archon/rollout/speculative.py): greedy output equals
+plain greedy decoding token for token, sampled output follows the target's distribution (a
+chi-square test, which fails once the rejection step is broken), and the log-probs are the target's."""
+
+import pytest
+import torch
+
+from archon.build import build_model
+from archon.lora import LoRAConfig
+from archon.rollout import speculative
+from archon.rollout.base import SamplingParams
+from archon.rollout.native import NativeRolloutEngine, truncated_logprobs
+from archon.rollout.speculative import DraftModelDrafter
+
+PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+
+
+def _model(path):
+    return build_model(path).model.eval()
+
+
+def _assert_same(got, expected):
+    assert [(s.prompt_index, s.completion_ids, s.finish_reason) for s in got] == [
+        (s.prompt_index, s.completion_ids, s.finish_reason) for s in expected
+    ]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "deepseek_v3", "gpt_oss"])
+def test_greedy_equals_plain_greedy(tiny_checkpoint, model_type):
+    """With a draft model that is mostly wrong (another random model) and one that is always right
+    (the target itself: every draft accepted), for 1 and 3 draft tokens, with stop tokens."""
+    target = _model(tiny_checkpoint(model_type, seed=0))
+    other = _model(tiny_checkpoint(model_type, seed=1))
+    sampling = SamplingParams(max_new_tokens=10, temperature=0, n=2)
+    plain = NativeRolloutEngine(target, max_batch_sequences=4).generate(PROMPTS, sampling)
+    stop = plain[2].completion_ids[4]  # a token some sample emits mid-completion
+    stopping = SamplingParams(max_new_tokens=10, temperature=0, n=2, stop_token_ids=(stop,))
+    plain_stopping = NativeRolloutEngine(target, max_batch_sequences=4).generate(PROMPTS, stopping)
+    assert any(s.finish_reason == "stop" for s in plain_stopping)
+    for draft in (other, target):
+        for k in (1, 3):
+            engine = NativeRolloutEngine(target, max_batch_sequences=4, drafter=DraftModelDrafter(draft, k))
+            _assert_same(engine.generate(PROMPTS, sampling), plain)
+            stats = engine.stats
+            assert stats.speculative_proposed > 0
+            if draft is target:
+                assert stats.speculative_accepted == stats.speculative_proposed
+                # k + 1 tokens a round: the 9 decoded tokens of a sample in ceil(9 / (k + 1)) rounds
+                assert stats.decode_steps <= 2 * -(-9 // (k + 1))
+            else:
+                assert stats.speculative_accepted < stats.speculative_proposed / 2
+            _assert_same(engine.generate(PROMPTS, stopping), plain_stopping)
+
+
+def _chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit, cells with expected count < 5 pooled into one."""
+    n = counts.sum()
+    expected = expected_probs.double() * n
+    small = expected < 5
+    observed = torch.cat([counts[~small].double(), counts[small].sum().double()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+def _sampled_pair_test(target, draft, sampling, prompt, samples):
+    """The p-value of the joint distribution of completion tokens 1 and 2 (the first round's
+    emitted tokens; token 0 comes from the prefill) against the target's exact one."""
+    V = target.output_weight.shape[0]
+    engine = NativeRolloutEngine(target, max_batch_sequences=512, drafter=DraftModelDrafter(draft, 2))
+    got = engine.generate([prompt] * (samples // sampling.n), sampling)
+    with torch.no_grad():
+        def dist(ids):
+            ids_t = torch.tensor(ids)
+            logits = target(ids_t, torch.arange(len(ids)), torch.tensor([0, len(ids)]), len(ids))[-1:]
+            return truncated_logprobs(logits, sampling)[0].exp().double()
+
+        first = dist(prompt)
+        exact = torch.zeros(V, V, V, dtype=torch.float64)
+        for a in first.nonzero()[:, 0].tolist():
+            second = dist(prompt + [a])
+            for b in second.nonzero()[:, 0].tolist():
+                exact[a, b] = first[a] * second[b] * dist(prompt + [a, b])
+    pairs = exact.sum(dim=0).flatten()  # the marginal of (token 1, token 2)
+    counts = torch.zeros(V * V)
+    for s in got:
+        counts[s.completion_ids[1] * V + s.completion_ids[2]] += 1
+    return _chi_square_p_value(counts, pairs), engine.stats
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny_checkpoint, monkeypatch):
+    """4000 samples of tokens 1 and 2 over a vocabulary of 8 (temperature and top-k processed);
+    accepting every draft instead of min(1, p/q) makes the same test fail."""
+    target = _model(tiny_checkpoint("qwen3", seed=0, vocab_size=8))
+    draft = _model(tiny_checkpoint("qwen3", seed=1, vocab_size=8))
+    sampling = SamplingParams(max_new_tokens=3, temperature=0.9, top_k=6, n=8, seed=0)
+    p_value, stats = _sampled_pair_test(target, draft, sampling, [1, 2, 3], 4000)
+    assert p_value > 1e-3
+    assert 0.2 < stats.speculative_accepted / stats.speculative_proposed < 0.9  # both branches are exercised
+
+    real = speculative.accept_sampled
+
+    def accept_always(target_logprobs, drafts, draft_probs, accept_noise, correction_noise):
+        return real(target_logprobs, drafts, draft_probs, torch.full_like(accept_noise, float("inf")), correction_noise)
+
+    monkeypatch.setattr("archon.rollout.native.accept_sampled", accept_always)
+    broken, _ = _sampled_pair_test(target, draft, sampling, [1, 2, 3], 4000)
+    assert broken < 1e-3
+
+
+def test_logprobs_equal_the_trainers(tiny_checkpoint):
+    """Every emitted token's rollout log-prob (drafted and accepted, or the target's own) is the
+    trainer's log-prob of it, not the drafter's."""
+    from helpers import randomise_lora
+
+    from archon.batch import PackedBatch
+    from archon.lora import lora_parameters
+    from archon.trainer import Trainer, TrainerConfig
+
+    trainer = Trainer(TrainerConfig(model_path=str(tiny_checkpoint("deepseek_v3")), lora=LoRAConfig(rank=4, alpha=8)))
+    randomise_lora(lora_parameters(trainer.model), 0.1)
+    # a draft the target accepts often: the same weights without their LoRA factors
+    draft = _model(tiny_checkpoint("deepseek_v3"))
+    engine = NativeRolloutEngine(trainer.model, drafter=DraftModelDrafter(draft, 3))
+    samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.8, n=2, seed=3))
+    assert 0 < engine.stats.speculative_accepted < engine.stats.speculative_proposed
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
+    )
+    expected = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
+    torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
+
+
+def test_tasks_sessions_and_chunked_prefill(tiny_checkpoint):
+    """Greedy speculative decoding equals plain greedy decoding on a two-task model (the draft: the
+    model itself, each row with its task's adapter), with chunked prefill and kept sessions over two
+    turns; a seeded sampled generation is reproducible."""
+    from helpers import randomise_lora
+
+    from archon.lora import lora_parameters
+
+    model = build_model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}).model
+    randomise_lora(lora_parameters(model), 0.2)
+    other = _model(tiny_checkpoint("qwen3", seed=1))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0, n=2)
+    keys = [f"s{i}" for i in range(6)]
+
+    def two_turns(engine):
+        first = engine.generate(PROMPTS, greedy, adapters=[0, 1, 1], sessions=keys)
+        follow_ups = [s.prompt_ids + s.completion_ids + [5, 6] for s in first[::2]]
+        return first, engine.generate(follow_ups, greedy, adapters=[0, 1, 1], sessions=keys)
+
+    plain = NativeRolloutEngine(model, max_batch_sequences=4, prefill_chunk_tokens=4)
+    expected = two_turns(plain)
+    assert plain.stats.reused_tokens > 0
+    for draft in (model, other):
+        engine = NativeRolloutEngine(model, max_batch_sequences=4, prefill_chunk_tokens=4, drafter=DraftModelDrafter(draft, 2))
+        got = two_turns(engine)
+        for g, e in zip(got, expected):
+            _assert_same(g, e)
+        assert engine.stats.reused_tokens == plain.stats.reused_tokens
+        accepted_all = engine.stats.speculative_accepted == engine.stats.speculative_proposed
+        assert accepted_all == (draft is model)
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=5)
+    engine = NativeRolloutEngine(model, max_batch_sequences=4, drafter=DraftModelDrafter(other, 2))
+    once = engine.generate(PROMPTS, sampled, adapters=[0, 1, 1])
+    _assert_same(engine.generate(PROMPTS, sampled, adapters=[0, 1, 1]), once)
+
+
+def test_refused_where_it_cannot_run(tiny_checkpoint):
+    recurrent = _model(tiny_checkpoint("qwen3_next"))
+    with pytest.raises(ValueError, match="recurrent"):
+        NativeRolloutEngine(recurrent, drafter=DraftModelDrafter(recurrent, 2))
+    model = _model(tiny_checkpoint("qwen3_moe"))
+    with pytest.raises(ValueError, match="routing"):
+        NativeRolloutEngine(model, record_routing=True, drafter=DraftModelDrafter(model, 2))
+    with pytest.raises(ValueError, match="one process"):
+        NativeRolloutEngine(model, sync_group=object(), drafter=DraftModelDrafter(model, 2))
+    with pytest.raises(ValueError, match="num_tokens"):
+        DraftModelDrafter(model, 0)
