@@ -183,3 +183,27 @@ def test_refused_where_it_cannot_run(tiny_checkpoint):
         NativeRolloutEngine(model, sync_group=object(), drafter=DraftModelDrafter(model, 2))
     with pytest.raises(ValueError, match="num_tokens"):
         DraftModelDrafter(model, 0)
+
+
+def test_rl_run_with_a_draft_model(tmp_path):
+    """The RL loop with rollout.speculative (the policy's own base checkpoint as its draft model):
+    it trains, and logs the acceptance rate of each step (every draft accepted at the first step,
+    whose adapter is still zero)."""
+    import json
+
+    from test_grpo_recipe import _args, write_tiny_setup
+
+    from archon.rl.config import parse_config
+    from archon.rl.loop import RLRun
+
+    root = write_tiny_setup(tmp_path / "setup")
+    args = _args(root, tmp_path / "run", steps=2) + [
+        "--rollout.speculative.method", "draft_model", "--rollout.speculative.num-tokens", "2",
+        "--rollout.speculative.draft-model-path", str(root / "model"),
+    ]  # fmt: skip
+    run = RLRun(parse_config(args))
+    assert run.native.drafter is not None
+    run.run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["speculative_acceptance"] for r in records[1:]]
+    assert rates[0] == 1.0 and all(0 <= rate <= 1 for rate in rates)

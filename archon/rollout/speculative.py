@@ -19,12 +19,29 @@ Drafters:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import nn
 
 from archon.lora import adapter_routing, task_names
 from archon.rollout.base import SamplingParams
 from archon.rollout.kv_cache import KVCache
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding in the built-in engine (rollout.engine=native; docs/rollouts.md)."""
+
+    method: Literal["off", "mtp", "draft_model"] = "off"
+    """off: one token per decode step. draft_model: a smaller model with the policy's tokenizer
+    (draft_model_path) proposes the tokens. mtp: the policy's own multi-token-prediction layer (a
+    checkpoint that ships one: DeepSeek-V3, Qwen3.5) proposes them."""
+    num_tokens: int = 3
+    """Draft tokens proposed per row and decode round (k); a round emits 1 to k + 1 tokens."""
+    draft_model_path: str | None = None
+    """method=draft_model: the draft model's HF checkpoint directory (same tokenizer as the policy)."""
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -219,6 +236,18 @@ class DraftModelDrafter:
             if not greedy:
                 probs.append(logprobs.exp())
         return torch.stack(drafts, dim=1), (None if greedy else torch.stack(probs, dim=1))
+
+
+def build_drafter(config: SpeculativeConfig, model: nn.Module, device) -> DraftModelDrafter | None:
+    """The drafter `config` (rollout.speculative) asks for, for the policy `model`; None when off."""
+    if config.method == "off":
+        return None
+    if config.method == "draft_model":
+        from archon.build import build_model
+
+        draft = build_model(config.draft_model_path, device=device, path_option="rollout.speculative.draft_model_path")
+        return DraftModelDrafter(draft.model.eval().requires_grad_(False), config.num_tokens)
+    raise ValueError(f"rollout.speculative.method={config.method!r}: expected off, mtp or draft_model")
 
 
 def _to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -179,6 +179,26 @@ def _run_problems(config: RLConfig) -> list[str]:
         rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1, "rollout.prefill_chunk_tokens",
         rollout.prefill_chunk_tokens, "must be at least 1 (None: every prefill in one forward)",
     )  # fmt: skip
+    speculative = rollout.speculative
+    if speculative.method != "off":
+        problems.require(
+            rollout.engine == "native", "rollout.speculative.method", speculative.method,
+            f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): speculative decoding is built into "
+            "the native engine; set it to 'off' with vLLM",
+        )  # fmt: skip
+        problems.require(speculative.num_tokens >= 1, "rollout.speculative.num_tokens", speculative.num_tokens,
+                         "must be at least 1 (draft tokens per decode round)")  # fmt: skip
+        problems.require(
+            config.algorithm.routing_replay == "off", "rollout.speculative.method", speculative.method,
+            "cannot be combined with algorithm.routing_replay=rollout (the engine does not record routing under "
+            "speculative decoding); set one of them off",
+        )  # fmt: skip
+    problems.require(
+        (speculative.method == "draft_model") == (speculative.draft_model_path is not None),
+        "rollout.speculative.draft_model_path", speculative.draft_model_path,
+        "is needed with rollout.speculative.method=draft_model and only then "
+        f"(method={speculative.method!r})",
+    )  # fmt: skip
     evaluation, checkpoint = config.eval, config.checkpoint
     problems.require(evaluation.every >= 0, "eval.every", evaluation.every, "must be >= 0 (0 disables evaluation)")
     problems.require(evaluation.max_prompts >= 0, "eval.max_prompts", evaluation.max_prompts, "must be >= 0")
