@@ -83,7 +83,8 @@ from archon.models.common.moe import moe_routers, recorded_routing, take_recorde
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KeptState, KVCache
 from archon.rollout.policy import ServedPolicy
-from archon.rollout.speculative import DraftModelDrafter, accept_greedy, accept_sampled, processed_logprobs
+from archon.head import full_vocab_logits
+from archon.rollout.speculative import DraftModelDrafter, MTPDrafter, accept_greedy, accept_sampled, processed_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class NativeRolloutEngine:
         max_session_tokens: int | None = None,
         prefill_chunk_tokens: int | None = None,
         record_routing: bool = False,
-        drafter: DraftModelDrafter | None = None,
+        drafter: DraftModelDrafter | MTPDrafter | None = None,
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
@@ -401,7 +402,8 @@ class NativeRolloutEngine:
         factors = cached_task_factors(self.model) if multi_task_model else contextlib.nullcontext()
         recording = recorded_routing(self.model) if self.record_routing else contextlib.nullcontext()
         with self.policy.lease() as (_, version), factors, recording:
-            if sessions is not None:
+            # an MTP drafter's entries come from the target's prefill: kept states are not continued
+            if sessions is not None and not (self.drafter is not None and self.drafter.needs_target_hidden):
                 self._take_kept_states(groups, version)
             try:
                 samples = _Generation(self, groups, sampling, generator, multi_task=adapters is not None, version=version).run()
@@ -626,10 +628,18 @@ class _Generation:
             token_adapters = None
             if self.multi_task:
                 token_adapters = torch.tensor([adapter_of[slot] for slot, _, _ in pieces], device=dev).repeat_interleave(lens.to(dev))
-            last_logits.append(self._forward(
-                token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
-                logits_rows=(cu_seqlens[1:] - 1)[ends_prompt].to(dev),
-            ))  # fmt: skip
+            logits_rows = (cu_seqlens[1:] - 1)[ends_prompt].to(dev)
+            if self.drafter is not None and self.drafter.needs_target_hidden:
+                hidden = self._forward(
+                    token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache, return_hidden=True
+                )  # fmt: skip
+                last_logits.append(full_vocab_logits(hidden[logits_rows], self.model.output_weight))
+                self.drafter.prefill_hidden(pieces, prompt_of, hidden)
+            else:
+                last_logits.append(self._forward(
+                    token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
+                    logits_rows=logits_rows,
+                ))  # fmt: skip
             if self.moe:
                 chosen = take_recorded(self.moe)  # [tokens of the forward, L, k]
                 for i, (slot, start, end) in enumerate(pieces):
@@ -650,8 +660,6 @@ class _Generation:
         dev = self.device
         rows, slots, places = (list(x) for x in zip(*starts))
         self.cache.start_rows(rows, slots, places)
-        if self.drafter is not None:
-            self.drafter.start_rows(rows, slots, places)
         rows_t = torch.tensor(rows, device=dev)
         if self.moe:
             self.completion_experts[rows_t] = -1
@@ -666,6 +674,8 @@ class _Generation:
                 for slot, place in zip(slots, places)
             ])  # fmt: skip
         first, first_lp = sample_next_tokens(logits, self.sampling, self.generator, race)
+        if self.drafter is not None:
+            self.drafter.start_rows(rows, slots, places, first)
         self.tokens[rows_t, 0], self.logprobs[rows_t, 0] = first, first_lp
         self.ngen[rows_t] = 1
         self.done[rows_t] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
@@ -725,11 +735,13 @@ class _Generation:
         positions = last[:, None] + index  # [R, k + 1]
         fed = torch.cat([self.tokens[rows, last][:, None], drafts], dim=1)
         self.cache.begin_decode(R, S, positions, prompt_lens, prefix_span, suffix_span, live_rows=live)
-        logits = self._forward(
+        wants_hidden = drafter.needs_target_hidden
+        verified = self._forward(
             None if row_tasks is None else row_tasks.repeat_interleave(k + 1),
             fed.reshape(-1), (prompt_lens[:, None] + positions).reshape(-1),
-            torch.arange(0, R * (k + 1) + 1, k + 1, device=dev), k + 1, cache=self.cache,
-        )  # fmt: skip
+            torch.arange(0, R * (k + 1) + 1, k + 1, device=dev), k + 1, cache=self.cache, return_hidden=wants_hidden,
+        )  # fmt: skip  # [R * (k + 1), V] logits, or [R * (k + 1), D] final hidden states for the drafter
+        logits = full_vocab_logits(verified, self.model.output_weight) if wants_hidden else verified
         target_logprobs = processed_logprobs(logits.view(R, k + 1, -1), sampling)
         if greedy:
             out, out_logprobs, accepted = accept_greedy(target_logprobs, drafts)
@@ -742,6 +754,8 @@ class _Generation:
         row_index = rows[:, None].expand(R, k + 1)
         self.tokens[row_index, columns] = torch.where(emit, out, self.tokens[row_index, columns])
         self.logprobs[row_index, columns] = torch.where(emit, out_logprobs, self.logprobs[row_index, columns])
+        if wants_hidden:
+            drafter.verified(verified.view(R, k + 1, -1), out, ngen.clone(), emit.sum(dim=1), live)
         ngen += emit.sum(dim=1)  # in place: views of the engine's per-row state
         done |= live & ((stops & emit).any(dim=1) | (ngen >= self.max_new))
         self.speculative_counts += torch.stack([live.sum() * k, (accepted * live).sum()])
