@@ -80,6 +80,30 @@ def load_hf_config(path: str | os.PathLike, option: str | None = None):
         raise ValueError(f"{str(path / 'config.json')!r} is not a usable HF model config: {e}") from e
 
 
+def checkpoint_mtp_layers(spec: ModelSpec, args) -> int:
+    """How many multi-token-prediction layers archon can build from a checkpoint with these args
+    (0 for a family without MTP support or a checkpoint without them)."""
+    from archon.models.common.mtp import MultiTokenPredictionLM
+
+    if not issubclass(spec.model_cls, MultiTokenPredictionLM):
+        return 0
+    return args.checkpoint_mtp_layers
+
+
+def with_mtp_layers(spec: ModelSpec, args, config_path: Path):
+    """`args` that build every MTP layer of the checkpoint; refused, naming why, where there are none."""
+    from archon.models.common.mtp import MultiTokenPredictionLM
+
+    if not issubclass(spec.model_cls, MultiTokenPredictionLM):
+        raise ValueError(f"model family {spec.name!r} has no multi-token-prediction (MTP) layers archon can build")
+    if args.checkpoint_mtp_layers <= 0:
+        raise ValueError(
+            f"{config_path} declares no multi-token-prediction layers ({args.mtp_config_field} is 0 or absent), "
+            "so the checkpoint has none to load"
+        )
+    return dataclasses.replace(args, num_mtp_layers=args.checkpoint_mtp_layers)
+
+
 def _configure_lora(
     model: nn.Module, lora: LoRAConfig | None, task_loras: dict[str, LoRAConfig] | None, converter
 ) -> None:
@@ -301,6 +325,7 @@ def build_model(
     path_option: str | None = None,
     task_loras: dict[str, LoRAConfig] | None = None,
     quantized_base: str = "keep",
+    mtp: bool = False,
 ) -> LoadedModel:
     """Build the archon model for the HF checkpoint at `path` and load its weights.
 
@@ -317,11 +342,15 @@ def build_model(
     keeps its quantized weights in their format, frozen, dequantized per GEMM
     (`quantized_base="keep"`, archon.quant), or is dequantized into `dtype` as it loads
     (`quantized_base="dequantize"`).
+    `mtp`: also build and load the checkpoint's multi-token-prediction layers (`model.mtp`,
+    models/common/mtp.py), which are skipped otherwise; a checkpoint or family without them is refused.
     """
     path = Path(path)
     hf_config = load_hf_config(path, path_option)
     spec = get_spec(hf_config.model_type)
     args = spec.args_cls.from_hf_config(hf_config)
+    if mtp:
+        args = with_mtp_layers(spec, args, path / "config.json")
     if task_loras is not None:
         if lora is not None:
             raise ValueError("build_model takes either lora (one adapter) or task_loras (one per task), not both")

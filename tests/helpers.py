@@ -114,3 +114,45 @@ def vllm_test_server(model_dir, port: int, log_dir):
     finally:
         os.environ.pop(WORKER_SECRET_ENV, None)
         engine.close()
+
+
+def add_mtp_weights(model_dir: Path, config_field: str, num_layers: int = 1, seed: int = 0) -> Path:
+    """Adds `num_layers` random multi-token-prediction layers to the tiny checkpoint at `model_dir`
+    (one model.safetensors), under the names the family's released checkpoints use (which archon's
+    converter writes: the MTP layers' parameters, and the copies of the embedding and output head
+    that DeepSeek-V3 stores per layer), and sets `config_field` in config.json (in its text_config
+    for a composite config). Weights are drawn as make_tiny_hf_checkpoint draws them."""
+    import dataclasses
+    import json
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from archon.build import load_hf_config
+    from archon.spec import get_spec
+
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    (config.get("text_config") or config)[config_field] = num_layers
+    config_path.write_text(json.dumps(config, indent=2))
+    spec = get_spec(config["model_type"])
+    args = spec.args_cls.from_hf_config(load_hf_config(model_dir))
+    args = dataclasses.replace(args, num_mtp_layers=num_layers)
+    converter = spec.state_dict_converter_cls(args)
+    with torch.device("meta"):
+        model = spec.model_cls(args, None)
+    tensors = load_file(model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for key, param in state.items():
+        if key.startswith("mtp."):
+            if param.ndim >= 2:
+                value = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
+            else:  # norms off their init values; a router's correction bias near zero
+                value = (1.0 if key.endswith("norm.weight") else 0.0) + 0.1 * torch.randn(param.shape, generator=generator)
+            tensors.update(converter.to_hf(key, value.float()))
+        elif key in ("embed_tokens.weight", "lm_head.weight"):
+            hf_key = converter.hf_name(key)
+            tensors.update(converter.to_hf(key, tensors[hf_key]))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors", metadata={"format": "pt"})
+    return model_dir

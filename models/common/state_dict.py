@@ -18,9 +18,12 @@ import re
 import torch
 
 from archon.checkpoint.state_dict_converter import PEFT_PREFIX, StateDictConverter
+from archon.models.common.mtp import mtp_hf_name
 
-_EXPERT_WEIGHT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
-_EXPERT_LORA = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)_lora\.lora_([ab])")
+# a decoder layer's experts, or those of an MTP layer's block (models/common/mtp.py)
+_EXPERTS = r"((?:layers\.\d+|mtp\.\d+\.block)\.mlp\.experts)"
+_EXPERT_WEIGHT = re.compile(_EXPERTS + r"\.(gate_up_proj|down_proj)")
+_EXPERT_LORA = re.compile(_EXPERTS + r"\.(gate_up_proj|down_proj)_lora\.lora_([ab])")
 _PEFT_WRAPPER = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
@@ -131,12 +134,40 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
 class MultiTokenPredictionCheckpointAdapter(StackedExpertsAdapter):
     """For checkpoints that carry multi-token-prediction layers (`num_nextn_predict_layers`,
     GLM-4.5 and DeepSeek-V3): decoder layers numbered from `num_hidden_layers` on, which HF's causal
-    LM (and archon) do not build, are skipped when loading."""
+    LM does not build. Archon's MTP layers (`mtp.<i>.*`, models/common/mtp.py, built only when asked
+    for) are read from layer `num_hidden_layers + i`: its `hnorm`, `enorm`, `eh_proj`,
+    `shared_head.norm` and the decoder block's weights; its copies of the embedding and the output
+    head (`embed_tokens`, `shared_head.head`) are the model's own, so they are skipped when loading
+    and written from the model's when saving. Every other such layer is skipped."""
 
     _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+    _MTP_PARTS = {
+        "hidden_norm": "model.layers.{layer}.hnorm",
+        "embedding_norm": "model.layers.{layer}.enorm",
+        "projection": "model.layers.{layer}.eh_proj",
+        "norm": "model.layers.{layer}.shared_head.norm",
+    }
+
+    def hf_name(self, archon_key: str) -> str:
+        name = mtp_hf_name(archon_key, "model.layers.{layer}", self._MTP_PARTS, self.args.num_hidden_layers)
+        return super().hf_name(archon_key) if name is None else name
 
     def is_ignored(self, hf_key: str) -> bool:
         match = self._LAYER_INDEX.match(hf_key)
         if match is not None and int(match.group(1)) >= self.args.num_hidden_layers:
             return True
         return super().is_ignored(hf_key)
+
+    def to_hf(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        out = super().to_hf(archon_key, tensor)
+        first, count = self.args.num_hidden_layers, getattr(self.args, "num_mtp_layers", 0)
+        tied = getattr(self.args, "tie_word_embeddings", False)
+        copies = []
+        if archon_key == "embed_tokens.weight":
+            copies.append("embed_tokens.weight")
+            if tied:
+                copies.append("shared_head.head.weight")
+        elif archon_key == "lm_head.weight":
+            copies.append("shared_head.head.weight")
+        # separate copies: safetensors refuses to write one storage under two names
+        return out + [(f"model.layers.{first + i}.{name}", tensor.clone()) for i in range(count) for name in copies]

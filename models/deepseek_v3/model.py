@@ -10,10 +10,13 @@ from __future__ import annotations
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.mla import MultiHeadLatentAttention
 from archon.models.common.moe import group_limited_moe_mlp
+from archon.models.common.mtp import MTPLayer, MultiTokenPredictionLM
+from archon.models.common.norms import RMSNorm
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.deepseek_v3.args import DeepseekV3Args
 
 from archon.lora import LoRAConfig
+from torch import nn
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
@@ -26,10 +29,21 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         )
 
 
-class DeepseekV3Model(PackedDecoderLM):
+class DeepseekV3Model(MultiTokenPredictionLM, PackedDecoderLM):
+    """The decoder, plus `args.num_mtp_layers` MTP layers (models/common/mtp.py) whose blocks are
+    decoder layers numbered after the last one (so MoE from `first_k_dense_replace` on), without
+    LoRA; their embedding at position 0 is zeroed, as vLLM runs them."""
+
     def __init__(self, args: DeepseekV3Args, lora: LoRAConfig | None = None) -> None:
         super().__init__(
             args,
             RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings),
             (DeepseekV3DecoderLayer(args, i, lora) for i in range(args.num_hidden_layers)),
+        )
+        self.mtp = nn.ModuleList(
+            MTPLayer(
+                args.hidden_size, args.rms_norm_eps, DeepseekV3DecoderLayer(args, args.num_hidden_layers + i, None),
+                RMSNorm, zero_first_position=True,
+            )  # fmt: skip
+            for i in range(args.num_mtp_layers)
         )

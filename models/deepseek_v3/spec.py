@@ -66,7 +66,6 @@ spec = register(
         renderers={"deepseek_v3": "deepseek_v3"},
         inert_hf_config_fields={
             "pretraining_tp": "a pretraining sharding detail that HF's modeling code ignores",
-            "num_nextn_predict_layers": "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded",
         },
         # vLLM creates the router's e_score_correction_bias only for topk_method "noaux_tc" and scores
         # with softmax unless scoring_func is "sigmoid"; transformers' config has neither field (its
