@@ -207,3 +207,93 @@ def test_rl_run_with_a_draft_model(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rates = [r["speculative_acceptance"] for r in records[1:]]
     assert rates[0] == 1.0 and all(0 <= rate <= 1 for rate in rates)
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory):
+    """A tiny DeepSeek-V3 checkpoint with one (random) MTP layer."""
+    from helpers import add_mtp_weights
+
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    path = make_tiny_hf_checkpoint("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3_mtp") / "hf", seed=0)
+    return add_mtp_weights(path, "num_nextn_predict_layers")
+
+
+def _mtp_oracle_drafts(model, sequence: list[int], k: int) -> list[int]:
+    """The k tokens the MTP layer drafts after `sequence`, from whole-sequence forwards without a
+    cache (model.mtp_logits): depth 0 pairs the target's hidden state at each position with the next
+    token; a chained depth replaces the last entry's pair by the previous depth's hidden state and
+    draft, one position further."""
+    T = len(sequence)
+    tokens = torch.tensor(sequence)
+    hidden = model(tokens, torch.arange(T), torch.tensor([0, T]), T, return_hidden=True)
+    entries_hidden, entries_next = hidden[: T - 1], tokens[1:]  # entries 0..T-2: (h_t, x_{t+1})
+    drafts = []
+    for _ in range(k):
+        n = entries_hidden.shape[0]
+        logits, out = model.mtp_logits(entries_hidden, entries_next, torch.arange(n), torch.tensor([0, n]), n)
+        drafts.append(int(logits[-1].argmax()))
+        entries_hidden = torch.cat([entries_hidden, out[-1:]])
+        entries_next = torch.cat([entries_next, torch.tensor(drafts[-1:])])
+    return drafts
+
+
+def _near_bigram(model, scale: float) -> None:
+    """Make the MTP layer often right: the decoder blocks' outputs (the target's and the MTP
+    layer's) scaled by `scale`, so the target's next token depends mostly on the current one, and
+    the MTP layer made to apply the target's own last norm and head to the next token's embedding,
+    so it predicts the token after next as the target would."""
+    layer = model.mtp[0]
+    dim = layer.norm.weight.shape[0]
+    with torch.no_grad():
+        for block in [*model.layers, layer.block]:
+            for name, param in block.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+                    param.mul_(scale)
+        layer.projection.weight.zero_()
+        layer.projection.weight[:, :dim] = torch.eye(dim)
+        layer.embedding_norm.weight.fill_(1.0)
+        layer.norm.weight.copy_(model.norm.weight)
+
+
+def test_mtp_drafter(deepseek_mtp):
+    """The MTP drafter (DeepSeek-V3's MTP layer): greedy output equals plain greedy decoding, and
+    every round's drafts are those of the MTP layer run over the whole sequence without a cache
+    (k = 1 and a chained k = 3, with chunked prefill and rows that start samples mid-generation),
+    on a model whose MTP layer is often right (some drafts accepted, some not)."""
+    from archon.rollout.speculative import MTPDrafter
+
+    model = build_model(deepseek_mtp, mtp=True).model.eval()
+    assert len(model.mtp) == 1
+    _near_bigram(model, 0.05)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0, n=2)
+    plain = NativeRolloutEngine(model, max_batch_sequences=4).generate(PROMPTS, sampling)
+    for k in (1, 3):
+        drafter = MTPDrafter(model, k)
+        rounds = []
+        propose = drafter.propose
+
+        def recording(tokens, ngen, *args, **kwargs):
+            drafts, probs = propose(tokens, ngen, *args, **kwargs)
+            rounds.append((tokens.clone(), ngen.clone(), args[0].clone(), ~args[1], drafts.clone()))
+            return drafts, probs
+
+        drafter.propose = recording
+        engine = NativeRolloutEngine(model, max_batch_sequences=4, prefill_chunk_tokens=4, drafter=drafter)
+        got = engine.generate(PROMPTS, sampling)
+        _assert_same(got, plain)
+        assert 0.2 < engine.stats.speculative_accepted / engine.stats.speculative_proposed < 0.9
+        checked = 0
+        with torch.no_grad():
+            for tokens, ngen, prompt_lens, done, drafts in rounds:
+                for row in (~done).nonzero()[:, 0].tolist():
+                    # the row's prompt: the sample whose completion starts with its tokens
+                    generated = tokens[row, : int(ngen[row])].tolist()
+                    prompt = next(s.prompt_ids for s in got if s.completion_ids[: len(generated)] == generated
+                                  and len(s.prompt_ids) == int(prompt_lens[row]))  # fmt: skip
+                    assert drafts[row].tolist() == _mtp_oracle_drafts(model, prompt + generated, k)
+                    checked += 1
+        assert checked >= 8
+    with pytest.raises(ValueError, match="multi-token-prediction"):
+        MTPDrafter(build_model(deepseek_mtp).model, 2)
