@@ -105,6 +105,9 @@ class TrainerConfig:
     tasks: tuple[TrainerTask, ...] = ()
     """Several adapters on the one base (multi-LoRA), each with its own LoRA config and optimizer;
     `lora` and `optim` are then unused and must be left None / default. Empty: one adapter."""
+    mtp: bool = False
+    """Also build and load the checkpoint's multi-token-prediction layers (`model.mtp`), which the
+    built-in engine drafts with (rollout.speculative.method=mtp); the loss never reads them."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +161,7 @@ class Trainer:
             seed=config.seed,
             task_loras={task.name: task.lora for task in config.tasks} if config.tasks else None,
             quantized_base=config.quantized_base,
+            mtp=config.mtp,
         )
         if loaded.quant_format is not None and config.quantized_base == "keep" and config.lora is None and not config.tasks:
             raise ValueError(

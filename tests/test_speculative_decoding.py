@@ -297,3 +297,30 @@ def test_mtp_drafter(deepseek_mtp):
         assert checked >= 8
     with pytest.raises(ValueError, match="multi-token-prediction"):
         MTPDrafter(build_model(deepseek_mtp).model, 2)
+
+
+def test_mtp_drafter_from_the_config_and_trainer_logprobs(deepseek_mtp):
+    """rollout.speculative.method=mtp on a Trainer built with its MTP layers: sampled tokens' log-probs
+    equal the trainer's (with a LoRA adapter on the target; the MTP layer has none)."""
+    from helpers import randomise_lora
+
+    from archon.batch import PackedBatch
+    from archon.lora import lora_parameters
+    from archon.rollout.speculative import MTPDrafter, SpeculativeConfig, build_drafter
+    from archon.trainer import Trainer, TrainerConfig
+
+    lora = LoRAConfig(rank=4, alpha=8, experts=False)
+    trainer = Trainer(TrainerConfig(model_path=str(deepseek_mtp), lora=lora, mtp=True))
+    _near_bigram(trainer.model, 0.05)
+    randomise_lora(lora_parameters(trainer.model), 0.02)
+    drafter = build_drafter(SpeculativeConfig(method="mtp", num_tokens=2), trainer.model, trainer.device)
+    assert isinstance(drafter, MTPDrafter)
+    engine = NativeRolloutEngine(trainer.model, drafter=drafter)
+    samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.7, n=2, seed=1))
+    assert 0 < engine.stats.speculative_accepted < engine.stats.speculative_proposed
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
+    )
+    expected = trainer.logprobs(batch, temperature=0.7).logprobs[batch.loss_mask]
+    rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
+    torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)

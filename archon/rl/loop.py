@@ -107,7 +107,7 @@ class RLRun:
                 optim=config.optim.for_run(config.steps),  # schedules count RL steps and last the run unless set
                 dtype=config.model.dtype, quantized_base=config.model.quantized_base, device=config.model.device,
                 micro_batch_tokens=config.micro_batch_tokens,
-                seed=config.seed, moe=config.model.moe,
+                seed=config.seed, moe=config.model.moe, mtp=config.rollout.speculative.method == "mtp",
                 tasks=tuple(TrainerTask(t.name, t.lora, t.optim.for_run(config.steps)) for t in config.tasks),
             )
         )  # fmt: skip
