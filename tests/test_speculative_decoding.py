@@ -324,3 +324,27 @@ def test_mtp_drafter_from_the_config_and_trainer_logprobs(deepseek_mtp):
     expected = trainer.logprobs(batch, temperature=0.7).logprobs[batch.loss_mask]
     rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
     torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
+
+
+def test_rollout_benchmark_speculative_cases(monkeypatch):
+    """benchmarks/rollout.py --cases speculative --quick: every case runs with each drafter (the
+    greedy tokens with either drafter equal those without: the script fails otherwise)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "rollout.py"
+    spec = importlib.util.spec_from_file_location("rollout_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        report = bench.main(bench.BenchArgs(quick=True, cases=("speculative",), repeats=1, threads=1))
+    finally:
+        torch.set_num_threads(threads)
+    rows = {(r["case"], r["drafter"]) for r in report["rows"]}
+    assert rows == {(f"speculative_{c}", d) for c in ("greedy_b1", "greedy_b8", "sampled_b1", "sampled_b8")
+                    for d in ("off", "mtp", "draft_model")}  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 for r in report["rows"])
+    assert all(0 <= r["acceptance"] <= 1 for r in report["rows"] if r["drafter"] != "off")
