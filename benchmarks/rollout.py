@@ -315,7 +315,7 @@ def speculative_main(args: BenchArgs) -> list[dict]:
     from archon.tools.align import make_tiny_hf_checkpoint
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from helpers import add_mtp_weights
+    from helpers import add_mtp_weights  # pylint: disable=import-error  # the tests' helper: MTP weights under the checkpoint names
 
     config = QUICK_SPEC_MODEL_CONFIG if args.quick else SPEC_MODEL_CONFIG
     root = Path(tempfile.mkdtemp(prefix="archon_speculative_bench_"))

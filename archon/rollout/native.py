@@ -29,6 +29,13 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
 - On CUDA (one process, one task), the decode step is captured once per `generate` in a CUDA
   graph and replayed: one launch per step instead of one per op (`cuda_graphs`).
 
+Speculative decoding (`drafter=`, archon/rollout/speculative.py): each decode round a drafter (a
+draft model, or the model's MTP layer) proposes k tokens per row, and one forward verifies the
+k + 1 positions of every row (`KVCache.begin_decode` with several tokens per row); each row emits
+its accepted drafts and one token of the model's, 1 to k + 1 tokens, with the tokens of plain
+greedy decoding, or under sampling the model's distribution. The done flags are read after every
+round. One process only; no recurrent layers, no routing record, no CUDA graph.
+
 Kept sessions (multi-turn generation): with `generate(..., sessions=)`, each sample's cached state
 (every layer's keys/values; a recurrent layer's conv window and state) for its prompt and all but
 its last completion token (that one has not been through the model yet) is kept under the sample's
