@@ -80,21 +80,20 @@ def load_hf_config(path: str | os.PathLike, option: str | None = None):
         raise ValueError(f"{str(path / 'config.json')!r} is not a usable HF model config: {e}") from e
 
 
+def supports_mtp(spec: ModelSpec) -> bool:
+    """Whether the family builds multi-token-prediction layers (its model has `mtp_logits`)."""
+    return callable(getattr(spec.model_cls, "mtp_logits", None))
+
+
 def checkpoint_mtp_layers(spec: ModelSpec, args) -> int:
     """How many multi-token-prediction layers archon can build from a checkpoint with these args
     (0 for a family without MTP support or a checkpoint without them)."""
-    from archon.models.common.mtp import MultiTokenPredictionLM
-
-    if not issubclass(spec.model_cls, MultiTokenPredictionLM):
-        return 0
-    return args.checkpoint_mtp_layers
+    return args.checkpoint_mtp_layers if supports_mtp(spec) else 0
 
 
 def with_mtp_layers(spec: ModelSpec, args, config_path: Path):
     """`args` that build every MTP layer of the checkpoint; refused, naming why, where there are none."""
-    from archon.models.common.mtp import MultiTokenPredictionLM
-
-    if not issubclass(spec.model_cls, MultiTokenPredictionLM):
+    if not supports_mtp(spec):
         raise ValueError(f"model family {spec.name!r} has no multi-token-prediction (MTP) layers archon can build")
     if args.checkpoint_mtp_layers <= 0:
         raise ValueError(
@@ -102,6 +101,21 @@ def with_mtp_layers(spec: ModelSpec, args, config_path: Path):
             "so the checkpoint has none to load"
         )
     return dataclasses.replace(args, num_mtp_layers=args.checkpoint_mtp_layers)
+
+
+def resolve_mtp(path: str | os.PathLike | None, setting: str, used: bool) -> bool:
+    """Whether a run builds the MTP layers of the checkpoint at `path` (None: the demo's, which has
+    none): `setting` "load" or "skip" (model.mtp), or "auto": when the checkpoint has them and the
+    run uses them (`used`)."""
+    if setting not in ("auto", "load", "skip"):
+        raise ValueError(f"model.mtp={setting!r}; expected 'auto', 'load' or 'skip'")
+    if setting != "auto" or path is None:
+        return setting == "load"
+    if not used:
+        return False
+    hf_config = load_hf_config(path, "model.path")
+    spec = get_spec(hf_config.model_type)
+    return checkpoint_mtp_layers(spec, spec.args_cls.from_hf_config(hf_config)) > 0
 
 
 def _configure_lora(
@@ -326,6 +340,7 @@ def build_model(
     task_loras: dict[str, LoRAConfig] | None = None,
     quantized_base: str = "keep",
     mtp: bool = False,
+    mtp_lora: bool = False,
 ) -> LoadedModel:
     """Build the archon model for the HF checkpoint at `path` and load its weights.
 
@@ -344,6 +359,7 @@ def build_model(
     (`quantized_base="dequantize"`).
     `mtp`: also build and load the checkpoint's multi-token-prediction layers (`model.mtp`,
     models/common/mtp.py), which are skipped otherwise; a checkpoint or family without them is refused.
+    `mtp_lora`: their blocks carry `lora` too (to train them); otherwise they have none.
     """
     path = Path(path)
     hf_config = load_hf_config(path, path_option)
@@ -351,6 +367,9 @@ def build_model(
     args = spec.args_cls.from_hf_config(hf_config)
     if mtp:
         args = with_mtp_layers(spec, args, path / "config.json")
+        args = dataclasses.replace(args, mtp_lora=mtp_lora and (lora is not None or task_loras is not None))
+    elif mtp_lora:
+        raise ValueError("build_model: mtp_lora=True needs the MTP layers (mtp=True)")
     if task_loras is not None:
         if lora is not None:
             raise ValueError("build_model takes either lora (one adapter) or task_loras (one per task), not both")

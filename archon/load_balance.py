@@ -96,7 +96,9 @@ class Router(nn.Module):
 
 
 def routers(model: nn.Module) -> list[Router]:
-    return [module for module in model.modules() if isinstance(module, Router)]
+    """The model's MoE routers, in layer order; those of multi-token-prediction layers (`mtp.*`),
+    which the model's forward does not run, are not among them."""
+    return [module for name, module in model.named_modules() if isinstance(module, Router) and not name.startswith("mtp.")]
 
 
 def load_balance_loss(model_routers: list[Router]) -> torch.Tensor:

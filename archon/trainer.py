@@ -34,7 +34,7 @@ from archon import device as devices
 from archon.batch import PackedBatch
 from archon.build import build_model
 from archon.checkpoint.resume import lora_settings
-from archon.head import DEFAULT_CHUNK_SIZE, model_label_logprobs
+from archon.head import DEFAULT_CHUNK_SIZE, full_vocab_logits, label_logprobs, model_label_logprobs
 from archon.load_balance import (
     MoEConfig,
     all_reduce_step_counts,
@@ -106,8 +106,11 @@ class TrainerConfig:
     """Several adapters on the one base (multi-LoRA), each with its own LoRA config and optimizer;
     `lora` and `optim` are then unused and must be left None / default. Empty: one adapter."""
     mtp: bool = False
-    """Also build and load the checkpoint's multi-token-prediction layers (`model.mtp`), which the
-    built-in engine drafts with (rollout.speculative.method=mtp); the loss never reads them."""
+    """Build and load the checkpoint's multi-token-prediction layers (model.mtp; see docs/mtp.md)."""
+    mtp_loss_weight: float = 0.0
+    """> 0: train the MTP layer beside the loss function, with this weight on its cross-entropy of
+    token t+2 from the hidden state at t and token t+1, at the loss-mask positions (`mtp_step_loss`);
+    its blocks get the model's LoRA (full fine-tuning: all its weights train). Needs `mtp`."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +124,33 @@ class LogprobOutput:
     """[T] fp32: log p(labels[t]) at loss_mask positions, 0 elsewhere."""
     entropy: torch.Tensor | None = None
     """[T] fp32 entropy of the next-token distribution at loss_mask positions, 0 elsewhere."""
+
+
+def mtp_step_loss(model, hidden: torch.Tensor, batch: PackedBatch, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """The MTP layer's auxiliary loss terms on a packed batch: at each position t whose next position
+    is trained (loss_mask[t + 1], in the same sequence), the MTP layer predicts token t+2 (labels[t+1])
+    from the main model's final hidden state at t and token t+1, with the hidden state, the embedding
+    and the output head detached: the auxiliary loss trains the MTP layer, never the policy. Returns (sum of -log p over those targets, with gradient; top-1
+    hits; target count), the latter two without gradient. hidden: [T, D] `return_hidden` states."""
+    T = batch.tokens.shape[0]
+    starts = torch.zeros(T, dtype=torch.bool, device=hidden.device)
+    starts[batch.cu_seqlens[:-1].long()] = True
+    next_trained = torch.zeros(T, dtype=torch.bool, device=hidden.device)
+    next_trained[:-1] = batch.loss_mask[1:].bool() & ~starts[1:]
+    rows = next_trained.nonzero()[:, 0]
+    targets = batch.labels[rows + 1]
+    mtp_hidden = model.mtp_hidden(
+        hidden.detach(), torch.roll(batch.tokens, -1), batch.positions, batch.cu_seqlens, batch.max_seqlen,
+        embed=lambda ids: model.embed_tokens(ids).detach(),
+    )[rows]
+    output_weight = model.output_weight.detach()
+    logprobs, _ = label_logprobs(mtp_hidden, output_weight, targets, 1.0, chunk_size)
+    with torch.no_grad():
+        hits = torch.zeros((), device=hidden.device)
+        for start in range(0, rows.shape[0], chunk_size):
+            chunk = slice(start, start + chunk_size)
+            hits += (full_vocab_logits(mtp_hidden[chunk], output_weight).argmax(-1) == targets[chunk]).sum()
+    return -logprobs.sum(), hits, torch.tensor(float(rows.shape[0]), device=hidden.device)
 
 
 class NonFiniteError(RuntimeError):
@@ -151,6 +181,7 @@ class Trainer:
                 "TrainerConfig: MoE load balancing (moe.aux_loss_coef, moe.bias_update_rate) is not supported with "
                 "several tasks; leave both at 0"
             )
+        self._check_mtp_config(config)
         loaded = build_model(
             config.model_path,
             lora=config.lora,
@@ -162,6 +193,7 @@ class Trainer:
             task_loras={task.name: task.lora for task in config.tasks} if config.tasks else None,
             quantized_base=config.quantized_base,
             mtp=config.mtp,
+            mtp_lora=config.mtp_loss_weight > 0,
         )
         if loaded.quant_format is not None and config.quantized_base == "keep" and config.lora is None and not config.tasks:
             raise ValueError(
@@ -217,6 +249,22 @@ class Trainer:
                 f"parallel.cp={self.dims.cp}; leave both at 0"
             )
 
+    def _check_mtp_config(self, config: TrainerConfig) -> None:
+        weight = config.mtp_loss_weight
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"mtp_loss_weight={weight}: must be a finite number >= 0")
+        if weight == 0:
+            return
+        if not config.mtp:
+            raise ValueError(f"mtp_loss_weight={weight} trains the MTP layers, which are not loaded (mtp=False)")
+        if config.tasks:
+            raise ValueError(f"mtp_loss_weight={weight}: training the MTP layer is not supported with several tasks")
+        if self.dims.cp > 1:
+            raise ValueError(
+                f"mtp_loss_weight={weight} with context parallelism (cp={self.dims.cp}): the MTP layer reads the token "
+                "after each position, which may lie in another rank's slice; set parallel.cp to 1"
+            )
+
     def _lora(self, name: str) -> LoRAConfig | None:
         """The LoRA config of adapter `name` (`lora` for a single-adapter trainer)."""
         return self.task_loras[name] if self.multi_task else self.lora
@@ -263,9 +311,11 @@ class Trainer:
         task_of_token = batch.extras[TASK_EXTRA]
         return adapter_routing(self.model, task_of_token if tokens_of is None else tokens_of.local(task_of_token))
 
-    def _forward_logprobs(self, batch: PackedBatch, temperature: float, with_entropy: bool):
+    def _forward_logprobs(self, batch: PackedBatch, temperature: float, with_entropy: bool, mtp: bool = False):
         """[T] log-probs (and entropies) of the labels at the loss-mask positions, 0 elsewhere. With
-        context parallelism this rank runs its slice of the tokens and the slices are gathered."""
+        context parallelism this rank runs its slice of the tokens and the slices are gathered.
+        mtp: also the MTP layer's (negative log-likelihood sum, top-1 hits, targets) on this batch
+        (`mtp_step_loss`), returned third; else None."""
         tokens, positions, cu_seqlens, max_seqlen = batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen
         labels, loss_mask = batch.labels, batch.loss_mask
         tokens_of = None
@@ -277,11 +327,20 @@ class Trainer:
         experts = batch.extras.get(ROUTED_EXPERTS_EXTRA)
         if experts is not None and tokens_of is not None:
             experts = tokens_of.local(experts, fill=-1)
+        mtp_terms = None
         with self._routing(batch, tokens_of), replayed_routing(self.model, experts):
-            lp, ent = model_label_logprobs(
-                self.model, tokens, positions, cu_seqlens, max_seqlen, index, labels[index], temperature,
-                self.config.head_chunk_size, with_entropy, context_parallel=self.context_parallel,
-            )
+            if mtp:
+                hidden = self.model(tokens, positions, cu_seqlens, max_seqlen, return_hidden=True)
+                lp, ent = label_logprobs(
+                    hidden[index], self.model.output_weight, labels[index], temperature,
+                    self.config.head_chunk_size, with_entropy,
+                )  # fmt: skip
+                mtp_terms = mtp_step_loss(self.model, hidden, batch, self.config.head_chunk_size)
+            else:
+                lp, ent = model_label_logprobs(
+                    self.model, tokens, positions, cu_seqlens, max_seqlen, index, labels[index], temperature,
+                    self.config.head_chunk_size, with_entropy, context_parallel=self.context_parallel,
+                )
         T = tokens.shape[0]
         logprobs = torch.zeros(T, dtype=lp.dtype, device=lp.device).index_copy(0, index, lp)
         entropy = None
@@ -290,7 +349,7 @@ class Trainer:
         if tokens_of is not None:
             logprobs = tokens_of.gather(logprobs)
             entropy = None if entropy is None else tokens_of.gather(entropy)
-        return logprobs, entropy
+        return logprobs, entropy, mtp_terms
 
     def sequences_by_adapter(self, batch: PackedBatch) -> dict[str, list[int]]:
         """The sequences of `batch` by the adapter that trains them (adapters with none left out):
@@ -326,7 +385,7 @@ class Trainer:
         try:
             with contextlib.nullcontext() if use_adapter else adapter_disabled(self.model):
                 for i in range(count):
-                    lp, ent = self._forward_logprobs(micro[min(i, len(micro) - 1)], temperature, with_entropy)
+                    lp, ent, _ = self._forward_logprobs(micro[min(i, len(micro) - 1)], temperature, with_entropy)
                     if i < len(micro):
                         lps.append(lp)
                         ents.append(ent)
@@ -395,7 +454,8 @@ class Trainer:
             mb = micro[i] if real else min(micro, key=lambda b: b.num_tokens)
             if self.fsdp:
                 self.model.set_requires_gradient_sync(i == count - 1)
-            logprobs, entropy = self._forward_logprobs(mb, temperature, with_entropy)
+            mtp_weight = self.config.mtp_loss_weight
+            logprobs, entropy, mtp_terms = self._forward_logprobs(mb, temperature, with_entropy, mtp=mtp_weight > 0)
             aux = load_balance_loss(self.routers) if self.routers else None
             total = None
             for name, sequences in self.sequences_by_adapter(mb).items():
@@ -409,6 +469,11 @@ class Trainer:
                 loss, metrics = loss_fns[name](sub, lp, ctx)
                 if aux is not None:
                     loss, metrics = self._add_load_balance(sub, loss, metrics, aux, tokens)
+                if mtp_terms is not None:
+                    nll_sum, hits, targets = mtp_terms
+                    loss = loss + mtp_weight * nll_sum / tokens.clamp(min=1.0)
+                    count = targets.clamp(min=1.0)
+                    metrics = {**metrics, "mtp_loss": nll_sum.detach() / count, "mtp_accuracy": hits / count}
                 if not real:
                     # Keeps this rank's collectives in step with ranks that have more micro-batches.
                     loss = loss * 0.0

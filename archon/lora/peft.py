@@ -74,9 +74,13 @@ def merged_named_tensors(model: nn.Module, named_params) -> Iterator[tuple[str, 
 
 def peft_target_module_names(model: nn.Module, converter: StateDictConverter) -> list[str]:
     """PEFT `target_modules` for the LoRALinear modules of `model`: a leaf name when every linear with
-    that name carries LoRA, else the HF path of each one that does (PEFT matches both)."""
+    that name carries LoRA, else the HF path of each one that does (PEFT matches both). Linears of
+    multi-token-prediction layers (`mtp.*`) without LoRA do not count: HF's causal LM, which PEFT
+    loads the adapter into, has no such layers."""
     linears: dict[str, list[tuple[str, bool]]] = {}
     for name, module in model.named_modules():
+        if name.startswith("mtp.") and not isinstance(module, LoRALinear):
+            continue
         if isinstance(module, nn.Linear):
             linears.setdefault(name.rsplit(".", 1)[-1], []).append((name, isinstance(module, LoRALinear)))
     targets = []

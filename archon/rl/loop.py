@@ -32,6 +32,7 @@ from archon.checkpoint.resume import STEP_DIR
 from archon.load_balance import routers
 from archon.lora import lora_parameters, task_view
 from archon.parallel import init_distributed
+from archon.build import resolve_mtp
 from archon.rl.config import RLConfig, validate
 from archon.agents.setup import build_episode_runner
 from archon.rl.episodes import episode_samples, score_episodes
@@ -101,14 +102,18 @@ class RLRun:
         """The trainer, the tasks (data, teacher, reward workers), the rollout engine and the syncs."""
         config = self.config
         task_configs = config.task_configs()
+        trains_mtp = any(task.algorithm.mtp_loss_weight > 0 for task in task_configs)
         self.trainer = Trainer(
             TrainerConfig(
                 model_path=config.model.path, lora=None if config.tasks else config.lora, parallel=config.parallel,
                 optim=config.optim.for_run(config.steps),  # schedules count RL steps and last the run unless set
                 dtype=config.model.dtype, quantized_base=config.model.quantized_base, device=config.model.device,
                 micro_batch_tokens=config.micro_batch_tokens,
-                seed=config.seed, moe=config.model.moe, mtp=config.rollout.speculative.method == "mtp",
+                seed=config.seed, moe=config.model.moe,
                 tasks=tuple(TrainerTask(t.name, t.lora, t.optim.for_run(config.steps)) for t in config.tasks),
+                mtp=resolve_mtp(config.model.path, config.model.mtp,
+                                used=trains_mtp or config.rollout.speculative.method == "mtp"),
+                mtp_loss_weight=0.0 if config.tasks else config.algorithm.mtp_loss_weight,
             )
         )  # fmt: skip
         self.rank = self.trainer.rank

@@ -293,6 +293,10 @@ class HybridDeltaNetArgs(DecoderArgs):
     layer_types: per layer, "linear_attention" (gated DeltaNet) or "full_attention" (gated attention).
     Each of the linear_num_key_heads key heads serves linear_num_value_heads / linear_num_key_heads
     value heads; RoPE turns the first partial_rotary_factor of each attention head.
+    checkpoint_mtp_layers: the checkpoint's multi-token-prediction layers (`mtp.*`; the family's
+        args say which config field counts them); num_mtp_layers: how many of them the model builds
+        (0 unless build_model is asked to load them); mtp_lora: their blocks carry the model's LoRA
+        (to train them), else none.
     """
 
     layer_types: list[str] = field(default_factory=list)
@@ -307,6 +311,9 @@ class HybridDeltaNetArgs(DecoderArgs):
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    checkpoint_mtp_layers: int = 0
+    num_mtp_layers: int = 0
+    mtp_lora: bool = False
 
     @property
     def rotary_dim(self) -> int:

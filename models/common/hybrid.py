@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from archon.models.common.args import LINEAR_ATTENTION
+from archon.models.common.args import FULL_ATTENTION, LINEAR_ATTENTION
 from archon.models.common.attention import GatedAttention
 from archon.models.common.decoder import PackedDecoderLM
 from archon.models.common.dense_parallel import vocab_parallel_plan
 from archon.models.common.linear_attention import GatedDeltaNet, gated_deltanet_plan
 from archon.models.common.moe import routed_experts
+from archon.models.common.mtp import MTPLayer
 from archon.models.common.norms import OffsetRMSNorm
 from archon.models.common.rope import RotaryEmbedding
 from torch import nn
@@ -31,13 +32,19 @@ from archon.parallel import ParallelConfig, ParallelDims, attention_plan, parall
 class HybridDecoderLayer(nn.Module):
     """h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)), with zero-centred
     norms, where the mixer is `linear_attn` (gated DeltaNet) or `self_attn` (gated attention) as
-    `args.layer_types[layer_idx]` says (Qwen3.5, Qwen3-Next)."""
+    `args.layer_types[layer_idx]` (or `layer_type`) says (Qwen3.5, Qwen3-Next)."""
 
     def __init__(
-        self, args, layer_idx: int, mlp: nn.Module, lora: LoRAConfig | None, fused_projections: bool = False
+        self,
+        args,
+        layer_idx: int,
+        mlp: nn.Module,
+        lora: LoRAConfig | None,
+        fused_projections: bool = False,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
-        self.layer_type = args.layer_types[layer_idx]
+        self.layer_type = args.layer_types[layer_idx] if layer_type is None else layer_type
         self.input_layernorm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
         if self.layer_type == LINEAR_ATTENTION:
             self.linear_attn = GatedDeltaNet(args, lora, fused_projections)
@@ -63,6 +70,30 @@ class HybridDecoderLM(PackedDecoderLM):
         rotary = RotaryEmbedding(args.rope_parameters, args.rotary_dim, args.max_position_embeddings)
         super().__init__(args, rotary, layers)
         self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+def hybrid_mtp_layers(
+    args, mlp: nn.Module, lora: LoRAConfig | None, fused_projections: bool = False
+) -> nn.ModuleList:
+    """The MTP layers of a hybrid checkpoint (Qwen3.5, Qwen3-Next): `args.num_mtp_layers` (at most
+    one) of models/common/mtp.py, whose block is a full-attention layer with `mlp` and, when
+    `args.mtp_lora`, the model's `lora` (as `mlp` must be built), and whose norms are zero-centred. The checkpoint layout has one `mtp.fc` and one set of norms for all
+    its MTP blocks, so more than one layer is refused."""
+    if args.num_mtp_layers > 1:
+        raise ValueError(
+            f"the checkpoint has {args.num_mtp_layers} MTP layers (config.{args.mtp_config_field}); archon builds "
+            "the one-layer MTP of released checkpoints"
+        )
+    return nn.ModuleList(
+        MTPLayer(
+            args.hidden_size, args.rms_norm_eps,
+            HybridDecoderLayer(
+                args, 0, mlp, lora if args.mtp_lora else None, fused_projections, layer_type=FULL_ATTENTION
+            ),
+            OffsetRMSNorm,
+        )  # fmt: skip
+        for _ in range(args.num_mtp_layers)
+    )
 
 
 def parallelize_hybrid_decoder(

@@ -26,6 +26,14 @@ from torch import nn
 
 from archon.head import full_vocab_logits
 
+# The checkpoint names of the parts of a hybrid family's MTP layer (Qwen3.5, Qwen3-Next), whose block
+# is `mtp.layers.<i>`.
+HYBRID_MTP_PARTS = {
+    "hidden_norm": "mtp.pre_fc_norm_hidden",
+    "embedding_norm": "mtp.pre_fc_norm_embedding",
+    "projection": "mtp.fc",
+    "norm": "mtp.norm",
+}
 MTP_PARTS = ("hidden_norm", "embedding_norm", "projection", "block", "norm")
 _MTP_KEY = re.compile(r"mtp\.(\d+)\.(" + "|".join(MTP_PARTS) + r")(?:\.(.+))?")
 
@@ -87,15 +95,29 @@ class MultiTokenPredictionLM:
         positions_T, cu_seqlens, max_seqlen: as for `forward`. Depth d runs MTP layer d modulo the
         number loaded (one layer serves every depth).
         """
+        hidden = self.mtp_hidden(hidden_TD, next_token_ids_T, positions_T, cu_seqlens, max_seqlen, depth)
+        return full_vocab_logits(hidden, self.output_weight), hidden
+
+    def mtp_hidden(
+        self,
+        hidden_TD: torch.Tensor,
+        next_token_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        depth: int = 0,
+        embed=None,
+    ) -> torch.Tensor:
+        """`mtp_logits`' hidden [T, D] alone (the output head's input), for a chunked head. embed:
+        what embeds the next tokens (default the model's embedding)."""
         if len(self.mtp) == 0:
             raise ValueError(
                 "this model has no MTP layers loaded; build it with the checkpoint's MTP layers (build_model(mtp=True))"
             )
         layer = self.mtp[depth % len(self.mtp)]
-        x = layer.combine(hidden_TD, next_token_ids_T, self.embed_tokens, positions_T)
+        x = layer.combine(hidden_TD, next_token_ids_T, self.embed_tokens if embed is None else embed, positions_T)
         cos, sin = (None, None) if self.rotary is None else self.rotary(positions_T, x.dtype)
-        hidden = layer.norm(layer.block(x, cos, sin, cu_seqlens, max_seqlen, None, None))
-        return full_vocab_logits(hidden, self.output_weight), hidden
+        return layer.norm(layer.block(x, cos, sin, cu_seqlens, max_seqlen, None, None))
 
 
 def split_mtp_key(archon_key: str) -> tuple[int, str, str] | None:

@@ -20,6 +20,7 @@ class DeepseekV3Args(LatentAttentionMoEArgs):
     checkpoint_mtp_layers: the checkpoint's multi-token-prediction layers (`num_nextn_predict_layers`),
         stored as decoder layers numbered from num_hidden_layers on.
     num_mtp_layers: how many of them the model builds (0 unless build_model is asked to load them).
+    mtp_lora: the MTP layers' blocks carry the model's LoRA (to train them), else none.
     """
 
     mtp_config_field: ClassVar[str] = "num_nextn_predict_layers"
@@ -27,6 +28,7 @@ class DeepseekV3Args(LatentAttentionMoEArgs):
     rope_interleave: bool = True
     checkpoint_mtp_layers: int = 0
     num_mtp_layers: int = 0
+    mtp_lora: bool = False
 
     @classmethod
     def from_hf_config(cls, config) -> "DeepseekV3Args":

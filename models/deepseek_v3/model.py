@@ -31,8 +31,8 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 
 class DeepseekV3Model(MultiTokenPredictionLM, PackedDecoderLM):
     """The decoder, plus `args.num_mtp_layers` MTP layers (models/common/mtp.py) whose blocks are
-    decoder layers numbered after the last one (so MoE from `first_k_dense_replace` on), without
-    LoRA; their embedding at position 0 is zeroed, as vLLM runs them."""
+    decoder layers numbered after the last one (so MoE from `first_k_dense_replace` on), with the
+    model's LoRA only when they are trained (`args.mtp_lora`); their embedding at position 0 is zeroed, as vLLM runs them."""
 
     def __init__(self, args: DeepseekV3Args, lora: LoRAConfig | None = None) -> None:
         super().__init__(
@@ -42,7 +42,7 @@ class DeepseekV3Model(MultiTokenPredictionLM, PackedDecoderLM):
         )
         self.mtp = nn.ModuleList(
             MTPLayer(
-                args.hidden_size, args.rms_norm_eps, DeepseekV3DecoderLayer(args, args.num_hidden_layers + i, None),
+                args.hidden_size, args.rms_norm_eps, DeepseekV3DecoderLayer(args, args.num_hidden_layers + i, lora if args.mtp_lora else None),
                 RMSNorm, zero_first_position=True,
             )  # fmt: skip
             for i in range(args.num_mtp_layers)

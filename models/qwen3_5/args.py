@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from archon.models.common.args import HybridDeltaNetArgs, hybrid_deltanet_fields_from_hf, language_model_fields_from_hf
 
@@ -15,6 +16,8 @@ class Qwen3_5Args(HybridDeltaNetArgs):
         builds and trains the language model only.
     """
 
+    mtp_config_field: ClassVar[str] = "mtp_num_hidden_layers"
+
     vision_language: bool = False
 
     @classmethod
@@ -24,7 +27,11 @@ class Qwen3_5Args(HybridDeltaNetArgs):
         level as HF's vision-language model reads it."""
         text = config.get_text_config()
         fields = language_model_fields_from_hf(config, hybrid_deltanet_fields_from_hf)
-        args = cls(**fields, vision_language=text is not config)
+        args = cls(
+            **fields,
+            vision_language=text is not config,
+            checkpoint_mtp_layers=int(getattr(text, "mtp_num_hidden_layers", 0) or 0),
+        )
         args.validate()
         return args
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from archon.models.common.args import HybridDeltaNetArgs, hybrid_deltanet_fields_from_hf, is_sparse_layer
 
@@ -14,6 +15,8 @@ class Qwen3NextArgs(HybridDeltaNetArgs):
     norm_topk_prob, plus a gated shared expert) when num_experts > 0, i is not in mlp_only_layers and
     (i + 1) is a multiple of decoder_sparse_step; otherwise a dense SwiGLU MLP of intermediate_size.
     """
+
+    mtp_config_field: ClassVar[str] = "num_nextn_predict_layers"
 
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
@@ -29,6 +32,7 @@ class Qwen3NextArgs(HybridDeltaNetArgs):
             norm_topk_prob=bool(config.norm_topk_prob),
             decoder_sparse_step=config.decoder_sparse_step,
             mlp_only_layers=list(config.mlp_only_layers or []),
+            checkpoint_mtp_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
         )
         args.validate()
         return args

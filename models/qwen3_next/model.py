@@ -13,9 +13,10 @@ as the rows they convolve, so that a contiguous shard holds whole heads (tensor 
 
 from __future__ import annotations
 
-from archon.models.common.hybrid import HybridDecoderLayer, HybridDecoderLM
+from archon.models.common.hybrid import HybridDecoderLayer, HybridDecoderLM, hybrid_mtp_layers
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import SharedExpertMoE
+from archon.models.common.mtp import MultiTokenPredictionLM
 from archon.models.qwen3_next.args import Qwen3NextArgs
 from torch import nn
 
@@ -28,7 +29,10 @@ def qwen3_next_mlp(args: Qwen3NextArgs, layer_idx: int, lora: LoRAConfig | None)
     return SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=False, lora=lora)
 
 
-class Qwen3NextModel(HybridDecoderLM):
+class Qwen3NextModel(MultiTokenPredictionLM, HybridDecoderLM):
+    """The hybrid decoder, plus `args.num_mtp_layers` MTP layers (`hybrid_mtp_layers`), whose block
+    has the MLP of layer 0 (as vLLM builds it)."""
+
     def __init__(self, args: Qwen3NextArgs, lora: LoRAConfig | None = None) -> None:
         super().__init__(
             args,
@@ -36,4 +40,11 @@ class Qwen3NextModel(HybridDecoderLM):
                 HybridDecoderLayer(args, i, qwen3_next_mlp(args, i, lora), lora, fused_projections=True)
                 for i in range(args.num_hidden_layers)
             ),
+        )
+        self.mtp = (
+            hybrid_mtp_layers(
+                args, qwen3_next_mlp(args, 0, lora if args.mtp_lora else None), lora, fused_projections=True
+            )
+            if args.num_mtp_layers
+            else nn.ModuleList()
         )

@@ -56,6 +56,11 @@ class ModelConfig:
     """auto, cuda, npu or cpu."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Load balancing of MoE routers (off by default)."""
+    mtp: Literal["auto", "load", "skip"] = "auto"
+    """The checkpoint's multi-token-prediction (MTP) layers (DeepSeek-V3 / Kimi K2, Qwen3.5, Qwen3-Next;
+    see docs/mtp.md): load them (load; refused for a checkpoint without them), leave them on disk as
+    the causal LM does (skip), or load them when the checkpoint has them and the run uses them, i.e.
+    algorithm.mtp_loss_weight > 0 (auto)."""
 
 
 @dataclass
@@ -146,6 +151,13 @@ class AlgorithmConfig:
     built-in rollout engine routed it to (recorded at generation), in the scoring of pi_old and the
     reference and in the training forward; the gate weights are still the router's, taken at those
     experts. "off": the trainer's routers choose their own top-k. See docs/rollouts.md."""
+    mtp_loss_weight: float = 0.0
+    """> 0: train the model's MTP layer beside the policy (model.mtp loads it) with this weight on an
+    auxiliary cross-entropy: at each completion position the MTP layer predicts the sampled token after
+    next from the policy's hidden state and the next sampled token, masked as the policy loss; logged
+    as mtp_loss and mtp_accuracy (its top-1 agreement with the sampled token, which draft acceptance
+    tracks). The MTP blocks carry the run's LoRA (their PEFT names are the checkpoint's `mtp` modules);
+    the policy's own weights get no gradient from it. 0: off. See docs/mtp.md."""
     max_skipped_steps: int = 3
     """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
     left as they were, the LR schedule still follows the RL step; counted in the metric

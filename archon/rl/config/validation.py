@@ -91,6 +91,7 @@ def _problems(config: RLConfig, world_size: int) -> list[str]:
         problems += _multi_task_problems(config)
     problems += _parallel_problems(config, world_size)
     problems += _model_problems(config)
+    problems += _mtp_problems(config)
     problems += _agent_problems(config, world_size)
     problems += _logging_problems(config)
     return problems
@@ -193,6 +194,8 @@ def _run_problems(config: RLConfig) -> list[str]:
             "cannot be combined with algorithm.routing_replay=rollout (the engine does not record routing under "
             "speculative decoding); set one of them off",
         )  # fmt: skip
+    if speculative.method == "mtp":
+        problems.extend(_speculative_mtp_problems(config))
     problems.require(
         (speculative.method == "draft_model") == (speculative.draft_model_path is not None),
         "rollout.speculative.draft_model_path", speculative.draft_model_path,
@@ -676,6 +679,67 @@ def _parallel_problems(config: RLConfig, world_size: int) -> list[str]:
         except RuntimeError:
             pass  # a device that is not there fails the run when it starts, naming model.device
     return problems
+
+
+# The config fields that count a checkpoint's MTP layers (DeepSeek-V3 and Qwen3-Next; Qwen3.5).
+_MTP_CONFIG_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def _mtp_problems(config: RLConfig) -> list[str]:
+    """model.mtp and algorithm.mtp_loss_weight against each other, the tasks, context parallelism and
+    the checkpoint's config."""
+    problems = _Problems()
+    trained = []
+    for task, fields in _tasks_and_fields(config):
+        weight = task.algorithm.mtp_loss_weight
+        name = f"{fields.prefix}algorithm.mtp_loss_weight"
+        problems.require(math.isfinite(weight) and weight >= 0, name, weight, "must be a finite number >= 0")
+        if weight > 0:
+            trained.append(name)
+            problems.require(not config.tasks, name, weight, "training the MTP layer is not supported with several tasks")
+            problems.require(
+                config.model.mtp != "skip", name, weight, "trains the MTP layer, which model.mtp='skip' leaves unloaded"
+            )
+            problems.require(
+                config.parallel.cp == 1, name, weight, f"is not supported with context parallelism (parallel.cp="
+                f"{config.parallel.cp}): the MTP layer reads the token after each position; set parallel.cp to 1",
+            )  # fmt: skip
+    if config.model.path is None:
+        problems.require(config.model.mtp != "load", "model.mtp", config.model.mtp, "the demo model has no MTP layers")
+        problems += [f"{name} > 0: the demo model has no MTP layers to train; set model.path" for name in trained]
+        return problems
+    if config.model.mtp == "skip" or not (config.model.mtp == "load" or trained):
+        return problems
+    student = _read_model_config(config.model.path, "model.path")
+    if student is None:
+        return problems
+    text = student.get("text_config") or student
+    if not any(isinstance(text.get(f), int) and text.get(f) > 0 for f in _MTP_CONFIG_FIELDS):
+        asked = "model.mtp='load'" if config.model.mtp == "load" else f"{trained[0]}>0"
+        problems.append(
+            f"{asked}: {Path(config.model.path) / 'config.json'} declares no multi-token-prediction layers "
+            f"({' or '.join(_MTP_CONFIG_FIELDS)}), so the checkpoint has none to load"
+        )
+    return problems
+
+
+def _speculative_mtp_problems(config: RLConfig) -> list[str]:
+    """rollout.speculative.method=mtp drafts with the model's MTP layer: one must be loaded."""
+    name, value = "rollout.speculative.method", "mtp"
+    if config.model.mtp == "skip":
+        return [f"{name}={value!r}: drafts with the MTP layer, which model.mtp='skip' leaves unloaded"]
+    if config.model.path is None:
+        return [f"{name}={value!r}: the demo model has no MTP layer to draft with; set model.path"]
+    student = _read_model_config(config.model.path, "model.path")
+    if student is None:
+        return []
+    text = student.get("text_config") or student
+    if any(isinstance(text.get(f), int) and text.get(f) > 0 for f in _MTP_CONFIG_FIELDS):
+        return []
+    return [
+        f"{name}={value!r}: {Path(config.model.path) / 'config.json'} declares no multi-token-prediction layers "
+        f"({' or '.join(_MTP_CONFIG_FIELDS)}) to draft with; use method=draft_model"
+    ]
 
 
 def _read_model_config(directory: str, field_name: str) -> dict | None:
