@@ -348,3 +348,38 @@ def test_rollout_benchmark_speculative_cases(monkeypatch):
                     for d in ("off", "mtp", "draft_model")}  # fmt: skip
     assert all(r["tokens_per_s"] > 0 for r in report["rows"])
     assert all(0 <= r["acceptance"] <= 1 for r in report["rows"] if r["drafter"] != "off")
+
+
+def test_rl_run_with_the_mtp_drafter(tmp_path):
+    """The RL loop with rollout.speculative.method=mtp on a DeepSeek-V3 checkpoint with an MTP layer
+    (model.mtp=auto loads it), trained beside the policy (algorithm.mtp_loss_weight): the engine drafts
+    with the layer and each step logs its acceptance rate."""
+    import json
+
+    from helpers import add_mtp_weights
+    from test_grpo_recipe import _args
+
+    from archon.rl.config import parse_config
+    from archon.rl.loop import RLRun
+    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, build_char_tokenizer, write_jsonl
+    from archon.rollout.speculative import MTPDrafter
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    tokenizer = build_char_tokenizer()
+    model_dir = make_tiny_hf_checkpoint("deepseek_v3", tmp_path / "model", vocab_size=len(tokenizer),
+                                        eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    add_mtp_weights(model_dir, "num_nextn_predict_layers")
+    tokenizer.save_pretrained(model_dir)
+    train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=4))
+    write_jsonl(train, tmp_path / "train.jsonl")
+    write_jsonl(held_out, tmp_path / "held_out.jsonl")
+    args = _args(tmp_path, tmp_path / "run", steps=2) + [
+        "--rollout.speculative.method", "mtp", "--rollout.speculative.num-tokens", "2",
+        "--algorithm.mtp-loss-weight", "1.0", "--lora.no-experts",
+    ]  # fmt: skip
+    run = RLRun(parse_config(args))
+    assert isinstance(run.native.drafter, MTPDrafter)
+    run.run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["speculative_acceptance"] <= 1 for r in records[1:])
+    assert all("mtp_loss" in r for r in records[1:])
