@@ -313,11 +313,13 @@ class NativeRolloutEngine:
     def _take_kept_states(self, groups: list[_Group], version: int) -> None:
         """Give each group the longest state its keys keep for a prefix of its prompt (same adapter
         version and task, at least one prompt token left to prefill); the call's keys are taken out
-        of the store, to be replaced by its samples' states."""
+        of the store, to be replaced by its samples' states. With an MTP drafter, whose entries come
+        from the target's prefill of the whole prompt, no state is continued."""
+        continues = not (self.drafter is not None and self.drafter.needs_target_hidden)
         for group in groups:
             for key in group.session_keys:
                 session = self._drop_session(key)
-                if session is None or session.version != version or session.adapter != group.adapter:
+                if not continues or session is None or session.version != version or session.adapter != group.adapter:
                     continue
                 tokens = session.kept.tokens
                 if len(tokens) < len(group.prompt) and group.prompt[: len(tokens)] == tokens:
@@ -409,8 +411,7 @@ class NativeRolloutEngine:
         factors = cached_task_factors(self.model) if multi_task_model else contextlib.nullcontext()
         recording = recorded_routing(self.model) if self.record_routing else contextlib.nullcontext()
         with self.policy.lease() as (_, version), factors, recording:
-            # an MTP drafter's entries come from the target's prefill: kept states are not continued
-            if sessions is not None and not (self.drafter is not None and self.drafter.needs_target_hidden):
+            if sessions is not None:
                 self._take_kept_states(groups, version)
             try:
                 samples = _Generation(self, groups, sampling, generator, multi_task=adapters is not None, version=version).run()
@@ -454,10 +455,9 @@ class _Generation:
         dev = self.device
         self.max_new = sampling.max_new_tokens
         # per row, on the device; column ngen of `tokens` takes the next token (one spare column for
-        # rows that are done and keep writing there until they start another sample; k more for the
-        # tokens a speculative round may emit)
-        self.tokens = torch.zeros(rows, self.max_new + 1 + draft_tokens, dtype=torch.long, device=dev)
-        self.logprobs = torch.zeros(rows, self.max_new + 1 + draft_tokens, dtype=torch.float32, device=dev)
+        # rows that are done and keep writing there until they start another sample)
+        self.tokens = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(rows, self.max_new + 1, dtype=torch.float32, device=dev)
         self.ngen = torch.zeros(rows, dtype=torch.long, device=dev)
         self.done = torch.ones(rows, dtype=torch.bool, device=dev)
         self.prompt_lens = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -757,7 +757,9 @@ class _Generation:
         emit = (index <= accepted[:, None]) & (index < (self.max_new - ngen)[:, None]) & live[:, None]
         stops = torch.isin(out, self.stop_ids) & emit
         emit &= (stops.long().cumsum(dim=1) - stops.long()) == 0  # nothing after a stop token
-        columns = ngen[:, None] + index
+        # a row emits nothing at or past max_new_tokens: the other places write their own value back,
+        # those past the table into its spare last column
+        columns = (ngen[:, None] + index).clamp(max=self.max_new)
         row_index = rows[:, None].expand(R, k + 1)
         self.tokens[row_index, columns] = torch.where(emit, out, self.tokens[row_index, columns])
         self.logprobs[row_index, columns] = torch.where(emit, out_logprobs, self.logprobs[row_index, columns])

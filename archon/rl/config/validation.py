@@ -92,6 +92,7 @@ def _problems(config: RLConfig, world_size: int) -> list[str]:
     problems += _parallel_problems(config, world_size)
     problems += _model_problems(config)
     problems += _mtp_problems(config)
+    problems += _speculative_problems(config)
     problems += _agent_problems(config, world_size)
     problems += _logging_problems(config)
     return problems
@@ -179,28 +180,6 @@ def _run_problems(config: RLConfig) -> list[str]:
     problems.require(
         rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1, "rollout.prefill_chunk_tokens",
         rollout.prefill_chunk_tokens, "must be at least 1 (None: every prefill in one forward)",
-    )  # fmt: skip
-    speculative = rollout.speculative
-    if speculative.method != "off":
-        problems.require(
-            rollout.engine == "native", "rollout.speculative.method", speculative.method,
-            f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): speculative decoding is built into "
-            "the native engine; set it to 'off' with vLLM",
-        )  # fmt: skip
-        problems.require(speculative.num_tokens >= 1, "rollout.speculative.num_tokens", speculative.num_tokens,
-                         "must be at least 1 (draft tokens per decode round)")  # fmt: skip
-        problems.require(
-            config.algorithm.routing_replay == "off", "rollout.speculative.method", speculative.method,
-            "cannot be combined with algorithm.routing_replay=rollout (the engine does not record routing under "
-            "speculative decoding); set one of them off",
-        )  # fmt: skip
-    if speculative.method == "mtp":
-        problems.extend(_speculative_mtp_problems(config))
-    problems.require(
-        (speculative.method == "draft_model") == (speculative.draft_model_path is not None),
-        "rollout.speculative.draft_model_path", speculative.draft_model_path,
-        "is needed with rollout.speculative.method=draft_model and only then "
-        f"(method={speculative.method!r})",
     )  # fmt: skip
     evaluation, checkpoint = config.eval, config.checkpoint
     problems.require(evaluation.every >= 0, "eval.every", evaluation.every, "must be >= 0 (0 disables evaluation)")
@@ -720,6 +699,35 @@ def _mtp_problems(config: RLConfig) -> list[str]:
             f"{asked}: {Path(config.model.path) / 'config.json'} declares no multi-token-prediction layers "
             f"({' or '.join(_MTP_CONFIG_FIELDS)}), so the checkpoint has none to load"
         )
+    return problems
+
+
+def _speculative_problems(config: RLConfig) -> list[str]:
+    """rollout.speculative against the engine, routing replay, the MTP layers and the draft model."""
+    problems = _Problems()
+    rollout = config.rollout
+    speculative = rollout.speculative
+    if speculative.method != "off":
+        problems.require(
+            rollout.engine == "native", "rollout.speculative.method", speculative.method,
+            f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): speculative decoding is built into "
+            "the native engine; set it to 'off' with vLLM",
+        )  # fmt: skip
+        problems.require(speculative.num_tokens >= 1, "rollout.speculative.num_tokens", speculative.num_tokens,
+                         "must be at least 1 (draft tokens per decode round)")  # fmt: skip
+        problems.require(
+            config.algorithm.routing_replay == "off", "rollout.speculative.method", speculative.method,
+            "cannot be combined with algorithm.routing_replay=rollout (the engine does not record routing under "
+            "speculative decoding); set one of them off",
+        )  # fmt: skip
+    if speculative.method == "mtp":
+        problems.extend(_speculative_mtp_problems(config))
+    problems.require(
+        (speculative.method == "draft_model") == (speculative.draft_model_path is not None),
+        "rollout.speculative.draft_model_path", speculative.draft_model_path,
+        "is needed with rollout.speculative.method=draft_model and only then "
+        f"(method={speculative.method!r})",
+    )  # fmt: skip
     return problems
 
 
