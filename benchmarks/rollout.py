@@ -24,6 +24,18 @@ included; the median of `repeats` calls after one warm-up), the ratio to HF, and
   peak rate (1024 x 2048 @ 2048 x 2048) is reported beside it.
 `--quick` runs a tiny model (hidden 64) on small cases, to check the script in seconds. The last
 line printed is JSON.
+
+Speculative decoding (`--cases speculative`, not in the default cases): the native engine alone,
+on a DeepSeek-V3-shaped model (hidden 256, 4 layers of MLA, MoE from the second: 8 experts, 2 per
+token, plus a shared one; vocabulary 4096) with one MTP layer, without speculative decoding, with
+the MTP drafter and with a draft model, `spec_tokens` draft tokens a round. Random weights would
+make every draft wrong, so both drafters are first fitted (Adam, `fit_steps` steps) to the target's
+own sampled text: the MTP layer to predict the token after next from the target's hidden states
+(the rest of the model frozen), the draft model (the target's first decoder layer, its embedding,
+final norm and head, copied) to predict the next token. Cases: batch 1 and 8 prompts of 32 tokens,
+64 new tokens, greedy and sampled (temperature 1). Per case and drafter: tokens/s, the speed-up over
+the same engine without speculative decoding in the same run, and the acceptance rate (accepted
+over proposed draft tokens); greedy tokens must equal the engine's without speculative decoding.
 """
 
 from __future__ import annotations
@@ -93,6 +105,10 @@ class BenchArgs:
     """A tiny model and small cases: checks the script, measures nothing of interest."""
     port: int = 8293
     """Port of the vLLM server."""
+    spec_tokens: int = 3
+    """Draft tokens per round of the speculative cases."""
+    fit_steps: int = 300
+    """Adam steps that fit the drafters of the speculative cases to the target."""
 
 
 def measure_bandwidth_gbs() -> float:
@@ -224,6 +240,123 @@ def _launch_vllm(model_dir: Path, args: BenchArgs, root: Path, max_len: int):
     return VLLMRolloutEngine(config, model_path=str(model_dir), log_dir=root)
 
 
+SPEC_MODEL_CONFIG = dict(
+    vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=8, max_position_embeddings=1024, moe_intermediate_size=256, first_k_dense_replace=1,
+    q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+)  # fmt: skip
+QUICK_SPEC_MODEL_CONFIG = dict(SPEC_MODEL_CONFIG, vocab_size=512, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=24,
+                               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)  # fmt: skip
+SPEC_CASES = (  # batch, greedy
+    ("greedy_b1", 1, 0.0), ("greedy_b8", 8, 0.0), ("sampled_b1", 1, 1.0), ("sampled_b8", 8, 1.0),
+)  # fmt: skip
+
+
+def _fit_drafters(model, draft, args: BenchArgs, vocab: int, quick: bool) -> dict:
+    """Fit the MTP layer of `model` and the draft model `draft` to `model`'s own sampled text
+    (64 sequences of 32 prompt + 96 sampled tokens); returns each one's last loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+
+    g = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(200, vocab, (32,), generator=g).tolist() for _ in range(8 if quick else 64)]
+    samples = NativeRolloutEngine(model).generate(prompts, SamplingParams(max_new_tokens=8 if quick else 96, seed=0))
+    sequences = [s.prompt_ids + s.completion_ids for s in samples]
+    lens = torch.tensor([len(s) for s in sequences])
+    tokens = torch.tensor([t for s in sequences for t in s])
+    positions = torch.cat([torch.arange(n) for n in lens.tolist()])
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    max_seqlen = int(lens.max())
+    last = torch.zeros(len(tokens), dtype=torch.bool)
+    last[cu_seqlens[1:] - 1] = True  # no next token in its sequence
+    with torch.no_grad():
+        hidden = model(tokens, positions, cu_seqlens, max_seqlen, return_hidden=True)
+    next_tokens = torch.roll(tokens, -1)
+    after_next = torch.roll(tokens, -2)
+    # the MTP entry at t predicts token t + 2: not for a sequence's last two positions
+    mtp_rows = ~(last | torch.roll(last, -1))
+    losses = {}
+    mtp_params = list(model.mtp.parameters())
+    steps = 3 if quick else args.fit_steps
+    for name, params, loss_fn in (
+        ("mtp", mtp_params, lambda: F.cross_entropy(
+            model.mtp_logits(hidden, next_tokens, positions, cu_seqlens, max_seqlen)[0][mtp_rows], after_next[mtp_rows])),
+        ("draft_model", list(draft.parameters()), lambda: F.cross_entropy(
+            draft(tokens, positions, cu_seqlens, max_seqlen)[~last], next_tokens[~last])),
+    ):  # fmt: skip
+        for p in params:
+            p.requires_grad_(True)
+        optimizer = torch.optim.Adam(params, lr=3e-3)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = loss_fn()
+            loss.backward()
+            optimizer.step()
+        for p in params:
+            p.requires_grad_(False)
+        losses[name] = round(float(loss.detach()), 3)
+    return losses
+
+
+def speculative_main(args: BenchArgs) -> list[dict]:
+    """The speculative cases (see the module docstring): one JSON row per case and drafter."""
+    import copy
+    import torch
+
+    from archon.build import build_model
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.rollout.speculative import DraftModelDrafter, MTPDrafter
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from helpers import add_mtp_weights  # pylint: disable=import-error  # the tests' helper: MTP weights under the checkpoint names
+
+    config = QUICK_SPEC_MODEL_CONFIG if args.quick else SPEC_MODEL_CONFIG
+    root = Path(tempfile.mkdtemp(prefix="archon_speculative_bench_"))
+    model_dir = add_mtp_weights(make_tiny_hf_checkpoint("deepseek_v3", root / "model", **config), "num_nextn_predict_layers")
+    model = build_model(str(model_dir), mtp=True).model.eval().requires_grad_(False)
+    draft = copy.deepcopy(model)
+    draft.layers = draft.layers[:1]
+    draft.mtp = torch.nn.ModuleList()
+    fit_start = time.perf_counter()
+    losses = _fit_drafters(model, draft, args, config["vocab_size"], args.quick)
+    print(f"drafters fitted in {time.perf_counter() - fit_start:.0f} s, last losses {losses}", flush=True)
+    draft.eval()
+    new_tokens = 8 if args.quick else 64
+    rows = []
+    for index, (name, batch, temperature) in enumerate(SPEC_CASES):
+        g = torch.Generator().manual_seed(index)
+        prompts = [torch.randint(200, config["vocab_size"], (32,), generator=g).tolist() for _ in range(batch)]
+        sampling = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=index)
+        runs = {}
+        for drafter_name, drafter in (
+            ("off", None), ("mtp", MTPDrafter(model, args.spec_tokens)), ("draft_model", DraftModelDrafter(draft, args.spec_tokens)),
+        ):  # fmt: skip
+            engine = NativeRolloutEngine(model, drafter=drafter)
+            seconds, tokens = _time_calls(lambda: [s.completion_ids for s in engine.generate(prompts, sampling)], args.repeats)
+            stats = engine.stats
+            acceptance = stats.speculative_accepted / stats.speculative_proposed if stats.speculative_proposed else None
+            runs[drafter_name] = (seconds, tokens, acceptance)
+        for drafter_name, (seconds, tokens, acceptance) in runs.items():
+            if temperature == 0 and tokens != runs["off"][1]:
+                raise RuntimeError(f"speculative decoding ({drafter_name}) changed the greedy tokens in case {name}")
+            row = {
+                "case": f"speculative_{name}", "drafter": drafter_name, "seconds": round(seconds, 3),
+                "tokens_per_s": round(batch * new_tokens / seconds, 1),
+                "speedup": round(runs["off"][0] / seconds, 2),
+                "acceptance": None if acceptance is None else round(acceptance, 3), "draft_tokens": args.spec_tokens,
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(args: BenchArgs) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -233,6 +366,11 @@ def main(args: BenchArgs) -> dict:
     from archon.rollout.native import NativeRolloutEngine
 
     torch.set_num_threads(args.threads)
+    if args.cases == ("speculative",):
+        report = {"threads": args.threads, "torch": torch.__version__, "load_1min": os.getloadavg()[0],
+                  "rows": speculative_main(args)}  # fmt: skip
+        print(json.dumps(report))
+        return report
     config = QUICK_MODEL_CONFIG if args.quick else MODEL_CONFIG
     cases = QUICK_CASES if args.quick else CASES
     root = Path(tempfile.mkdtemp(prefix="archon_rollout_bench_"))

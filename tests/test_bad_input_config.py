@@ -396,6 +396,27 @@ VALIDATION_CASES = {
     "optim-eps-zero": ({"optim.eps": 0.0}, "optim.eps=0.0: must be a finite number > 0"),
     "optim-max-grad-norm-inf": ({"optim.max_grad_norm": float("inf")}, "optim.max_grad_norm=inf"),
     "optim-max-grad-norm-negative": ({"optim.max_grad_norm": -1.0}, "optim.max_grad_norm=-1.0"),
+    "speculative-with-vllm": (
+        {"rollout.engine": "vllm", "rollout.speculative.method": "draft_model", "rollout.speculative.draft_model_path": "d"},
+        "rollout.speculative.method='draft_model': needs rollout.engine=native",
+    ),  # fmt: skip
+    "speculative-mtp-with-the-demo-model": (
+        {"rollout.speculative.method": "mtp"}, "rollout.speculative.method='mtp': the demo model has no MTP layer"
+    ),  # fmt: skip
+    "speculative-mtp-skipped": (
+        {"rollout.speculative.method": "mtp", "model.mtp": "skip"},
+        "rollout.speculative.method='mtp': drafts with the MTP layer, which model.mtp='skip' leaves unloaded",
+    ),  # fmt: skip
+    "speculative-draft-model-without-path": (
+        {"rollout.speculative.method": "draft_model"}, "rollout.speculative.draft_model_path=None: is needed"
+    ),  # fmt: skip
+    "speculative-zero-tokens": (
+        {"rollout.speculative.method": "mtp", "rollout.speculative.num_tokens": 0}, "rollout.speculative.num_tokens=0"
+    ),  # fmt: skip
+    "speculative-with-routing-replay": (
+        {"rollout.speculative.method": "mtp", "algorithm.routing_replay": "rollout"},
+        "rollout.speculative.method='mtp': cannot be combined with algorithm.routing_replay=rollout",
+    ),  # fmt: skip
 }
 
 

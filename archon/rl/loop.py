@@ -60,6 +60,7 @@ from archon.rl.run_dir import TASKS_DIR, PreparedRunDir, prepare_run_dir, prune_
 from archon.rl.task import STOPPED_FILE, Task, resume_named_tasks
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+from archon.rollout.speculative import build_drafter
 from archon.sync.vllm import WorkerChannel
 from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import TASK_EXTRA, Trainer, TrainerConfig, TrainerTask
@@ -110,7 +111,8 @@ class RLRun:
                 micro_batch_tokens=config.micro_batch_tokens,
                 seed=config.seed, moe=config.model.moe,
                 tasks=tuple(TrainerTask(t.name, t.lora, t.optim.for_run(config.steps)) for t in config.tasks),
-                mtp=resolve_mtp(config.model.path, config.model.mtp, used=trains_mtp),
+                mtp=resolve_mtp(config.model.path, config.model.mtp,
+                                used=trains_mtp or config.rollout.speculative.method == "mtp"),
                 mtp_loss_weight=0.0 if config.tasks else config.algorithm.mtp_loss_weight,
             )
         )  # fmt: skip
@@ -150,7 +152,9 @@ class RLRun:
             self.native = NativeRolloutEngine(self.trainer.model, self.device,
                                               max_batch_sequences=config.rollout.max_batch_sequences,
                                               prefill_chunk_tokens=config.rollout.prefill_chunk_tokens,
-                                              record_routing=replay)  # fmt: skip
+                                              record_routing=replay,
+                                              drafter=build_drafter(config.rollout.speculative, self.trainer.model,
+                                                                    self.device))  # fmt: skip
         for task in self.tasks:
             if self.native is not None:
                 task.rollout = self.native
@@ -262,6 +266,11 @@ class RLRun:
         metrics["tokens_per_s"] = tokens / timings["step_s"]  # the step's training batch, all ranks
         if len(self.tasks) > 1:
             metrics["active_tasks"] = float(len(tasks))
+        if self.native is not None and self.native.drafter is not None:  # this step's draft tokens
+            stats = self.native.stats
+            proposed, accepted = stats.speculative_proposed, stats.speculative_accepted
+            stats.speculative_proposed = stats.speculative_accepted = 0
+            metrics["speculative_acceptance"] = accepted / proposed if proposed else 0.0
         return metrics
 
     def _table_rows(self, task: Task, examples, samples: list[Sample], scores: Scores | None) -> list[dict]:

@@ -105,6 +105,11 @@ class KVCache:
         self.query_positions: torch.Tensor | None = None
         self.row_prompt_lens: torch.Tensor | None = None
         self.live_rows: torch.Tensor | None = None
+        # a decode step of several tokens per row (speculative decoding): tokens per row, and each
+        # query's row and suffix position [num_rows * tokens_per_row]
+        self.tokens_per_row = 1
+        self.query_rows: torch.Tensor | None = None
+        self.query_suffix_positions: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
 
     def layer(self, index: int) -> "LayerKVCache":
@@ -172,7 +177,14 @@ class KVCache:
         among the num_rows.
 
         suffix_positions [num_rows]: where each row's token goes in its suffix (its index among the
-            row's generated tokens); row_prompt_lens [num_rows]: the length of the row's prompt.
+            row's generated tokens); or [num_rows, T]: T tokens per row (speculative decoding: the
+            tokens a draft proposed, verified in one forward), row after row, each query seeing the
+            row's suffix keys up to its own position. A row's positions may repeat (the same token
+            at the same position, written twice). Rows continue the cache like a chunked prefill
+            continues a prompt; keys stored past the row's accepted tokens are never read (the masks
+            stop at each query's position) and are overwritten by the row's next tokens.
+            A recurrent layer cannot take several tokens per row (its state cannot be rolled back).
+        row_prompt_lens [num_rows]: the length of the row's prompt.
         prefix_span, suffix_span: how many prefix / suffix keys the step reads, at least the longest
             prompt of the slots in the step and the largest suffix position + 1.
         live_rows [num_rows] bool: the rows still generating; the others keep their recurrent state
@@ -185,15 +197,22 @@ class KVCache:
         self.decoding = True
         self.num_rows, self.num_step_slots = num_rows, num_slots
         self.prefix_span, self.suffix_span = prefix_span, suffix_span
+        self.live_rows = live_rows
+        self._masks = {}
+        if suffix_positions.dim() == 2:
+            self.tokens_per_row = suffix_positions.shape[1]
+            self.query_rows = torch.arange(num_rows, device=self.device).repeat_interleave(self.tokens_per_row)
+            suffix_positions = suffix_positions.reshape(-1)
+            row_prompt_lens = row_prompt_lens.repeat_interleave(self.tokens_per_row)
+        else:
+            self.tokens_per_row, self.query_rows = 1, None
         self.suffix_positions = suffix_positions
         self.row_prompt_lens = row_prompt_lens
-        self.live_rows = live_rows
         self.query_positions = row_prompt_lens + suffix_positions
-        self._masks = {}
 
     def visible_keys(self, sliding_window: int | None) -> torch.Tensor:
-        """[num_rows, prefix_span + suffix_span] bool: which prefix keys, then which suffix keys,
-        each row's query sees (made once per step and window size, shared by the layers)."""
+        """[num_rows * tokens_per_row, prefix_span + suffix_span] bool: which prefix keys, then which
+        suffix keys, each query sees (made once per step and window size, shared by the layers)."""
         if sliding_window not in self._masks:
             prefix = torch.arange(self.prefix_span, device=self.device)[None, :]
             suffix = torch.arange(self.suffix_span, device=self.device)[None, :]
@@ -238,6 +257,11 @@ class LayerKVCache:
         c = self.cache
         if self.recurrent is None:
             return None, None
+        if c.decoding and c.tokens_per_row > 1:
+            raise ValueError(
+                "a recurrent (linear-attention) layer cannot verify several tokens per row: its state "
+                "cannot be rolled back to the accepted ones (speculative decoding does not support this model)"
+            )
         if not c.decoding:
             if c.prompt_offsets is None:
                 return None, None
@@ -334,10 +358,13 @@ class LayerKVCache:
                 visible = causal_mask(length, None, keys.device, offset + length)
                 context.append((self.prefix_index_k[slot, : offset + length], visible))
             return context
-        rows = torch.arange(c.num_rows, device=keys.device)
+        rows = torch.arange(c.num_rows, device=keys.device) if c.query_rows is None else c.query_rows
         self.suffix_index_k[rows, c.suffix_positions] = keys.to(self.suffix_index_k.dtype)
         prefix = self.prefix_index_k[c.row_slot[: c.num_rows], : c.prefix_span]
-        return torch.cat([prefix, self.suffix_index_k[: c.num_rows, : c.suffix_span]], dim=1), c.visible_keys(None)
+        context = torch.cat([prefix, self.suffix_index_k[: c.num_rows, : c.suffix_span]], dim=1)
+        if c.query_rows is not None:  # each query reads its row's keys
+            context = context[c.query_rows]
+        return context, c.visible_keys(None)
 
     # ---- attention layers ------------------------------------------------------------------------
     def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -380,10 +407,39 @@ class LayerKVCache:
             if c.prompt_offsets is None:
                 return None
             return self._prefill_attention(q, scale, sinks, sliding_window, selected)
-        rows = torch.arange(c.num_rows, device=q.device)
+        rows = torch.arange(c.num_rows, device=q.device) if c.query_rows is None else c.query_rows
         self.suffix_k[rows, :, c.suffix_positions] = k.to(self.suffix_k.dtype)
         self.suffix_v[rows, :, c.suffix_positions] = v.to(self.suffix_v.dtype)
+        if c.tokens_per_row > 1:
+            return self._multi_token_attention(q, scale, sinks, sliding_window, selected)
         return self._decode_attention(q, scale, sinks, sliding_window, selected)
+
+    def _multi_token_attention(self, q, scale, sinks, sliding_window, selected=None) -> torch.Tensor:
+        """q [R * T, H, Dk] (T tokens per row, row after row) -> [R * T, H, Dv]: each query over its
+        row's prefix and suffix keys, one softmax over both, masked at its own position. The prefix
+        keys are gathered per row (this step verifies a few tokens per row; the one-token step reads
+        each slot's prefix once for its group instead)."""
+        c = self.cache
+        R, T = c.num_rows, c.tokens_per_row
+        H, Dk = q.shape[1], q.shape[2]
+        hkv = self.prefix_k.shape[1]
+        rep = H // hkv
+        Lp, Ls = c.prefix_span, c.suffix_span
+        slots = c.row_slot[:R]
+        keys = torch.cat([self.prefix_k[slots, :, :Lp], self.suffix_k[:R, :, :Ls]], dim=2)  # [R, Hkv, Lk, Dk]
+        values = torch.cat([self.prefix_v[slots, :, :Lp], self.suffix_v[:R, :, :Ls]], dim=2)  # [R, Hkv, Lk, Dv]
+        queries = q.to(keys.dtype).view(R, T, hkv, rep, Dk).permute(0, 2, 1, 3, 4).reshape(R, hkv, T * rep, Dk)
+        scores = (queries @ keys.transpose(-1, -2)).float().view(R, hkv, T, rep, Lp + Ls) * scale
+        visible = c.visible_keys(sliding_window) if selected is None else c.visible_keys(sliding_window) & selected
+        scores = scores.masked_fill(~visible.view(R, 1, T, 1, Lp + Ls), float("-inf"))
+        if sinks is not None:
+            sink_logits = sinks.float().view(1, hkv, 1, rep, 1).expand(R, hkv, T, rep, 1)
+            probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = probs.to(values.dtype).view(R, hkv, T * rep, Lp + Ls) @ values  # [R, Hkv, T * rep, Dv]
+        Dv = values.shape[-1]
+        return out.view(R, hkv, T, rep, Dv).permute(0, 2, 1, 3, 4).reshape(R * T, H, Dv)
 
     def _prefill_attention(self, q, scale, sinks, sliding_window, selected=None) -> torch.Tensor:
         """q [T, H, Dk] of the packed prompts -> [T, H, Dv]: each prompt's queries over its slot's

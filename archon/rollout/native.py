@@ -29,6 +29,13 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
 - On CUDA (one process, one task), the decode step is captured once per `generate` in a CUDA
   graph and replayed: one launch per step instead of one per op (`cuda_graphs`).
 
+Speculative decoding (`drafter=`, archon/rollout/speculative.py): each decode round a drafter (a
+draft model, or the model's MTP layer) proposes k tokens per row, and one forward verifies the
+k + 1 positions of every row (`KVCache.begin_decode` with several tokens per row); each row emits
+its accepted drafts and one token of the model's, 1 to k + 1 tokens, with the tokens of plain
+greedy decoding, or under sampling the model's distribution. The done flags are read after every
+round. One process only; no recurrent layers, no routing record, no CUDA graph.
+
 Kept sessions (multi-turn generation): with `generate(..., sessions=)`, each sample's cached state
 (every layer's keys/values; a recurrent layer's conv window and state) for its prompt and all but
 its last completion token (that one has not been through the model yet) is kept under the sample's
@@ -83,6 +90,8 @@ from archon.models.common.moe import moe_routers, recorded_routing, take_recorde
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KeptState, KVCache
 from archon.rollout.policy import ServedPolicy
+from archon.head import full_vocab_logits
+from archon.rollout.speculative import DraftModelDrafter, MTPDrafter, accept_greedy, accept_sampled, processed_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +184,13 @@ class RolloutStats:
     max_prefill_forward_tokens: int = 0
     """The most prompt tokens packed in one prefill forward."""
     decode_steps: int = 0
-    """Decode steps run (each feeds one token to every row of the step)."""
+    """Decode steps run (each feeds one token to every row of the step; with speculative decoding,
+    each verifies a draft of every row)."""
+    speculative_proposed: int = 0
+    """Draft tokens proposed to the target (speculative decoding)."""
+    speculative_accepted: int = 0
+    """Draft tokens the target accepted (speculative decoding); over speculative_proposed, the
+    acceptance rate."""
 
 
 @dataclass
@@ -213,7 +228,11 @@ class NativeRolloutEngine:
     several forwards, each continuing its prompts from the cache (see the module docstring). None:
     every prefill in one forward.
     record_routing: on an MoE model, give every sample the expert ids its tokens were routed to,
-    `Sample.extra["routed_experts"]` (see ROUTED_EXPERTS)."""
+    `Sample.extra["routed_experts"]` (see ROUTED_EXPERTS).
+    drafter: speculative decoding (archon/rollout/speculative.py): each decode round the drafter
+    proposes `drafter.num_tokens` tokens per row and one forward of the model verifies them. One
+    process only, no routing record, no recurrent (linear-attention) layers; decodes eagerly (no
+    CUDA graph). None: one token per decode step."""
 
     def __init__(
         self,
@@ -227,6 +246,7 @@ class NativeRolloutEngine:
         max_session_tokens: int | None = None,
         prefill_chunk_tokens: int | None = None,
         record_routing: bool = False,
+        drafter: DraftModelDrafter | MTPDrafter | None = None,
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
@@ -252,6 +272,9 @@ class NativeRolloutEngine:
         if record_routing and not moe_routers(model):
             raise ValueError("record_routing needs an MoE model; this model has no MoE router")
         self.record_routing = record_routing
+        if drafter is not None:
+            _check_speculative(model, self.sync_group, record_routing)
+        self.drafter = drafter
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
         """Kept sessions by key, least recently used first."""
         self._session_tokens = 0
@@ -290,11 +313,13 @@ class NativeRolloutEngine:
     def _take_kept_states(self, groups: list[_Group], version: int) -> None:
         """Give each group the longest state its keys keep for a prefix of its prompt (same adapter
         version and task, at least one prompt token left to prefill); the call's keys are taken out
-        of the store, to be replaced by its samples' states."""
+        of the store, to be replaced by its samples' states. With an MTP drafter, whose entries come
+        from the target's prefill of the whole prompt, no state is continued."""
+        continues = not (self.drafter is not None and self.drafter.needs_target_hidden)
         for group in groups:
             for key in group.session_keys:
                 session = self._drop_session(key)
-                if session is None or session.version != version or session.adapter != group.adapter:
+                if not continues or session is None or session.version != version or session.adapter != group.adapter:
                     continue
                 tokens = session.kept.tokens
                 if len(tokens) < len(group.prompt) and group.prompt[: len(tokens)] == tokens:
@@ -421,7 +446,12 @@ class _Generation:
         # group's longest sample runs start the samples of
         num_slots = max(1, min(len(groups), 2 * -(-rows // G)))
         max_prompt = max((len(g.prompt) for g in groups), default=1)
-        self.cache = KVCache(len(self.model.layers), num_slots, rows, G, max_prompt, sampling.max_new_tokens, self.device)
+        self.drafter = engine.drafter
+        # speculative decoding verifies up to k tokens past a row's last one: k more suffix places
+        draft_tokens = 0 if self.drafter is None else self.drafter.num_tokens
+        self.cache = KVCache(
+            len(self.model.layers), num_slots, rows, G, max_prompt, sampling.max_new_tokens + draft_tokens, self.device
+        )
         dev = self.device
         self.max_new = sampling.max_new_tokens
         # per row, on the device; column ngen of `tokens` takes the next token (one spare column for
@@ -448,13 +478,18 @@ class _Generation:
         self.row_sample: list[tuple[int, int] | None] = [None] * rows
         """(slot, sample place) of the sample each row holds, or None for a free row."""
         self.row_steps = [0] * rows
-        """Tokens generated so far by the row's sample (an upper bound once samples can stop)."""
+        """Tokens generated so far by the row's sample (an upper bound once samples can stop; with
+        speculative decoding, a lower bound: a round emits 1 to k + 1 tokens)."""
+        self.row_span = [0] * rows
+        """Speculative decoding: an upper bound of the row's generated tokens."""
+        self.speculative_counts = torch.zeros(2, dtype=torch.long, device=dev)
+        """Speculative decoding: draft tokens proposed and accepted in this generation."""
         self.waiting_samples: deque[tuple[int, int]] = deque()
         """(slot, place) of the samples of prefilled prompts that wait for a free row."""
         # not under a sync group: the step's collectives (FSDP gathers, TP reductions) stay eager
         # nor with several tasks: the routing of tokens to adapters changes as rows start samples
         self.static_decode = (
-            engine.cuda_graphs and not multi_task and engine.sync_group is None and self.device.type == "cuda" and torch.cuda.is_available()
+            engine.cuda_graphs and self.drafter is None and not multi_task and engine.sync_group is None and self.device.type == "cuda" and torch.cuda.is_available()
         )
         self.graph = None
         self.moe = moe_routers(self.model) if engine.record_routing else None
@@ -469,8 +504,22 @@ class _Generation:
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> list[Sample]:
+        if self.drafter is not None:
+            self.drafter.begin(self.cache)
+        try:
+            return self._run()
+        finally:
+            if self.drafter is not None:
+                self.drafter.end()
+                proposed, accepted = self.speculative_counts.tolist()
+                self.engine.stats.speculative_proposed += proposed
+                self.engine.stats.speculative_accepted += accepted
+
+    def _run(self) -> list[Sample]:
         waiting = deque(range(len(self.groups)))
         interval = self.engine.stop_check_interval if self.sampling.stop_token_ids else self.max_new
+        if self.drafter is not None:  # a round emits 1 to k + 1 tokens: read the done flags after each
+            interval = 1
         while True:
             self._collect_finished()
             free_rows = deque(r for r, sample in enumerate(self.row_sample) if sample is None)
@@ -491,7 +540,7 @@ class _Generation:
                             self.waiting_samples.append((slot, place))
             for row, slot, place in starts:
                 self.row_sample[row] = (slot, place)
-                self.row_steps[row] = 1  # the prompt's last logits give the first token
+                self.row_steps[row] = self.row_span[row] = 1  # the prompt's last logits give the first token
             busy = [r for r, sample in enumerate(self.row_sample) if sample is not None]
             needed = min(interval, max((self.max_new - self.row_steps[r] for r in busy), default=0))
             chunks = self._prefill_chunks(admitted)
@@ -586,10 +635,18 @@ class _Generation:
             token_adapters = None
             if self.multi_task:
                 token_adapters = torch.tensor([adapter_of[slot] for slot, _, _ in pieces], device=dev).repeat_interleave(lens.to(dev))
-            last_logits.append(self._forward(
-                token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
-                logits_rows=(cu_seqlens[1:] - 1)[ends_prompt].to(dev),
-            ))  # fmt: skip
+            logits_rows = (cu_seqlens[1:] - 1)[ends_prompt].to(dev)
+            if self.drafter is not None and self.drafter.needs_target_hidden:
+                hidden = self._forward(
+                    token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache, return_hidden=True
+                )  # fmt: skip
+                last_logits.append(full_vocab_logits(hidden[logits_rows], self.model.output_weight))
+                self.drafter.prefill_hidden(pieces, prompt_of, hidden)
+            else:
+                last_logits.append(self._forward(
+                    token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
+                    logits_rows=logits_rows,
+                ))  # fmt: skip
             if self.moe:
                 chosen = take_recorded(self.moe)  # [tokens of the forward, L, k]
                 for i, (slot, start, end) in enumerate(pieces):
@@ -601,6 +658,8 @@ class _Generation:
         if self.slot_logits is None:
             self.slot_logits = logits.new_zeros(len(self.slot_group), logits.shape[-1])
         self.slot_logits[torch.tensor(slots, device=dev)] = logits
+        if self.drafter is not None:  # the drafter prefills the whole prompt (a kept state is the target's)
+            self.drafter.prefill(prompt_of, adapter_of, self.engine.prefill_chunk_tokens)
 
     def _start(self, starts: list[tuple[int, int, int]]) -> None:
         """Rows start samples: each (row, slot, place) samples its first token from the slot's
@@ -622,6 +681,8 @@ class _Generation:
                 for slot, place in zip(slots, places)
             ])  # fmt: skip
         first, first_lp = sample_next_tokens(logits, self.sampling, self.generator, race)
+        if self.drafter is not None:
+            self.drafter.start_rows(rows, slots, places, first)
         self.tokens[rows_t, 0], self.logprobs[rows_t, 0] = first, first_lp
         self.ngen[rows_t] = 1
         self.done[rows_t] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
@@ -631,7 +692,12 @@ class _Generation:
         """One decode step: feed each row its last token. Eager: over the rows up to the last busy
         one and the slots up to the last one they read, with the keys the busy rows have so far.
         Static (CUDA graphs): over the whole table and the whole cache, the same shapes at every step."""
-        if self.static_decode:
+        if self.drafter is not None:
+            self._speculative_round(busy)
+            k = self.drafter.num_tokens
+            for r in busy:
+                self.row_span[r] = min(self.row_span[r] + k + 1, self.max_new)
+        elif self.static_decode:
             self._decode_static()
         else:
             slots = [self.row_sample[r][0] for r in busy]
@@ -641,6 +707,79 @@ class _Generation:
         self.engine.stats.decode_steps += 1
         for r in busy:
             self.row_steps[r] = min(self.row_steps[r] + 1, self.max_new)
+
+    def _speculative_round(self, busy: list[int]) -> None:
+        """One speculative decode round over the rows up to the last busy one: the drafter proposes k
+        tokens per row, one forward feeds each row its last token and the k drafts (positions
+        ngen - 1 .. ngen - 1 + k of its suffix), and each row emits its accepted drafts and one
+        token of the target's (archon/rollout/speculative.py), cut at a stop token and at
+        max_new_tokens. The keys of rejected drafts stay in the cache past the row's length, unread."""
+        drafter, sampling, dev = self.drafter, self.sampling, self.device
+        k = drafter.num_tokens
+        R = max(busy) + 1
+        slots = [self.row_sample[r][0] for r in busy]
+        S = max(slots) + 1
+        prefix_span = max(len(self.groups[self.slot_group[slot]].prompt) for slot in slots)
+        suffix_span = min(self.cache.max_new_tokens, max(self.row_span[r] for r in busy) + k)
+        ngen, done = self.ngen[:R], self.done[:R]
+        live = ~done
+        rows = torch.arange(R, device=dev)
+        V = self.slot_logits.shape[-1]
+        greedy = sampling.temperature == 0
+        draft_noise = accept_noise = correction_noise = None
+        if not greedy:  # every Exp(1) draw of the round at once, each sample's from its own generator
+            noise = self._round_noise(R, (2 * k + 1) * V + k)
+            draft_noise = noise[:, : k * V].view(R, k, V)
+            accept_noise = noise[:, k * V : k * V + k]
+            correction_noise = noise[:, k * V + k :].view(R, k + 1, V)
+        row_tasks = self.row_adapter[:R] if self.multi_task else None
+        prompt_lens = self.prompt_lens[:R]
+        drafts, draft_probs = drafter.propose(
+            self.tokens[:R], ngen, prompt_lens, live, row_tasks, S, prefix_span, suffix_span, sampling, V, draft_noise
+        )
+        last = (ngen - 1).clamp(min=0)
+        index = torch.arange(k + 1, device=dev)
+        positions = last[:, None] + index  # [R, k + 1]
+        fed = torch.cat([self.tokens[rows, last][:, None], drafts], dim=1)
+        self.cache.begin_decode(R, S, positions, prompt_lens, prefix_span, suffix_span, live_rows=live)
+        wants_hidden = drafter.needs_target_hidden
+        verified = self._forward(
+            None if row_tasks is None else row_tasks.repeat_interleave(k + 1),
+            fed.reshape(-1), (prompt_lens[:, None] + positions).reshape(-1),
+            torch.arange(0, R * (k + 1) + 1, k + 1, device=dev), k + 1, cache=self.cache, return_hidden=wants_hidden,
+        )  # fmt: skip  # [R * (k + 1), V] logits, or [R * (k + 1), D] final hidden states for the drafter
+        logits = full_vocab_logits(verified, self.model.output_weight) if wants_hidden else verified
+        target_logprobs = processed_logprobs(logits.view(R, k + 1, -1), sampling)
+        if greedy:
+            out, out_logprobs, accepted = accept_greedy(target_logprobs, drafts)
+        else:
+            out, out_logprobs, accepted = accept_sampled(target_logprobs, drafts, draft_probs, accept_noise, correction_noise)
+        emit = (index <= accepted[:, None]) & (index < (self.max_new - ngen)[:, None]) & live[:, None]
+        stops = torch.isin(out, self.stop_ids) & emit
+        emit &= (stops.long().cumsum(dim=1) - stops.long()) == 0  # nothing after a stop token
+        # a row emits nothing at or past max_new_tokens: the other places write their own value back,
+        # those past the table into its spare last column
+        columns = (ngen[:, None] + index).clamp(max=self.max_new)
+        row_index = rows[:, None].expand(R, k + 1)
+        self.tokens[row_index, columns] = torch.where(emit, out, self.tokens[row_index, columns])
+        self.logprobs[row_index, columns] = torch.where(emit, out_logprobs, self.logprobs[row_index, columns])
+        if wants_hidden:
+            drafter.verified(verified.view(R, k + 1, -1), out, ngen.clone(), emit.sum(dim=1), live)
+        ngen += emit.sum(dim=1)  # in place: views of the engine's per-row state
+        done |= live & ((stops & emit).any(dim=1) | (ngen >= self.max_new))
+        self.speculative_counts += torch.stack([live.sum() * k, (accepted * live).sum()])
+
+    def _round_noise(self, R: int, size: int) -> torch.Tensor:
+        """Exp(1) draws [R, size] for a speculative round: each busy row's from its sample's own
+        generator when samples draw on their own (free rows: ones), else from the call's."""
+        if not self.sample_noise:
+            return torch.empty(R, size, device=self.device).exponential_(generator=self.generator)
+        noise = torch.ones(R, size, device=self.device)
+        for row, sample in enumerate(self.row_sample[:R]):
+            if sample is not None:
+                slot, place = sample
+                noise[row].exponential_(generator=self.sample_generators[self.slot_group[slot], place])
+        return noise
 
     def _decode_static(self) -> None:
         c = self.cache
@@ -723,7 +862,7 @@ class _Generation:
         busy = [r for r, sample in enumerate(self.row_sample) if sample is not None]
         if not busy:
             return
-        if self.sampling.stop_token_ids:
+        if self.sampling.stop_token_ids or self.drafter is not None:
             done = self.done.cpu().tolist()
             finished = [r for r in busy if done[r] or self.row_steps[r] >= self.max_new]
         else:
@@ -766,3 +905,25 @@ class _Generation:
             if self.slot_unfinished[slot] == 0:
                 self.slot_group[slot] = None
         self.cache.release_rows(finished, [slot for slot, _ in released], [place for _, place in released])
+        if self.drafter is not None:
+            self.drafter.release_rows(finished, [slot for slot, _ in released], [place for _, place in released])
+
+
+def _check_speculative(model: nn.Module, sync_group, record_routing: bool) -> None:
+    """Refuse speculative decoding where the engine cannot do it (a clear error at construction)."""
+    if sync_group is not None:
+        raise ValueError(
+            "speculative decoding runs in one process: under FSDP/TP the ranks would run different numbers "
+            "of forwards (a round's draft and verify forwards); turn rollout.speculative off or train on one process"
+        )
+    if record_routing:
+        raise ValueError("speculative decoding does not record MoE routing (routing replay): turn one of them off")
+    from archon.models.common.linear_attention import GatedDeltaNet
+    from archon.models.kimi_linear.model import KimiDeltaAttention
+
+    recurrent = [name for name, m in model.named_modules() if isinstance(m, (GatedDeltaNet, KimiDeltaAttention))]
+    if recurrent:
+        raise ValueError(
+            f"speculative decoding does not support models with recurrent (linear-attention) layers ({recurrent[0]}, "
+            "...): their state cannot be rolled back to the accepted tokens"
+        )

@@ -22,6 +22,7 @@ from archon.rl.data import DataConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
 from archon.rl.trackers import TrackerName
+from archon.rollout.speculative import SpeculativeConfig
 from archon.rollout.vllm import VLLMConfig
 from archon.optim import OptimConfig
 
@@ -92,6 +93,9 @@ class RolloutConfig:
     part due to version lag and the part due to numerics."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM servers, transport (disk, collective) and mode (adapter, merged); used with engine=vllm."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding in the native engine: method (off, mtp, draft_model), num_tokens,
+    draft_model_path."""
 
 
 @dataclass

@@ -92,6 +92,7 @@ def _problems(config: RLConfig, world_size: int) -> list[str]:
     problems += _parallel_problems(config, world_size)
     problems += _model_problems(config)
     problems += _mtp_problems(config)
+    problems += _speculative_problems(config)
     problems += _agent_problems(config, world_size)
     problems += _logging_problems(config)
     return problems
@@ -699,6 +700,54 @@ def _mtp_problems(config: RLConfig) -> list[str]:
             f"({' or '.join(_MTP_CONFIG_FIELDS)}), so the checkpoint has none to load"
         )
     return problems
+
+
+def _speculative_problems(config: RLConfig) -> list[str]:
+    """rollout.speculative against the engine, routing replay, the MTP layers and the draft model."""
+    problems = _Problems()
+    rollout = config.rollout
+    speculative = rollout.speculative
+    if speculative.method != "off":
+        problems.require(
+            rollout.engine == "native", "rollout.speculative.method", speculative.method,
+            f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): speculative decoding is built into "
+            "the native engine; set it to 'off' with vLLM",
+        )  # fmt: skip
+        problems.require(speculative.num_tokens >= 1, "rollout.speculative.num_tokens", speculative.num_tokens,
+                         "must be at least 1 (draft tokens per decode round)")  # fmt: skip
+        problems.require(
+            config.algorithm.routing_replay == "off", "rollout.speculative.method", speculative.method,
+            "cannot be combined with algorithm.routing_replay=rollout (the engine does not record routing under "
+            "speculative decoding); set one of them off",
+        )  # fmt: skip
+    if speculative.method == "mtp":
+        problems.extend(_speculative_mtp_problems(config))
+    problems.require(
+        (speculative.method == "draft_model") == (speculative.draft_model_path is not None),
+        "rollout.speculative.draft_model_path", speculative.draft_model_path,
+        "is needed with rollout.speculative.method=draft_model and only then "
+        f"(method={speculative.method!r})",
+    )  # fmt: skip
+    return problems
+
+
+def _speculative_mtp_problems(config: RLConfig) -> list[str]:
+    """rollout.speculative.method=mtp drafts with the model's MTP layer: one must be loaded."""
+    name, value = "rollout.speculative.method", "mtp"
+    if config.model.mtp == "skip":
+        return [f"{name}={value!r}: drafts with the MTP layer, which model.mtp='skip' leaves unloaded"]
+    if config.model.path is None:
+        return [f"{name}={value!r}: the demo model has no MTP layer to draft with; set model.path"]
+    student = _read_model_config(config.model.path, "model.path")
+    if student is None:
+        return []
+    text = student.get("text_config") or student
+    if any(isinstance(text.get(f), int) and text.get(f) > 0 for f in _MTP_CONFIG_FIELDS):
+        return []
+    return [
+        f"{name}={value!r}: {Path(config.model.path) / 'config.json'} declares no multi-token-prediction layers "
+        f"({' or '.join(_MTP_CONFIG_FIELDS)}) to draft with; use method=draft_model"
+    ]
 
 
 def _read_model_config(directory: str, field_name: str) -> dict | None:
