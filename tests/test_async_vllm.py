@@ -59,13 +59,17 @@ def _recording_collect(run: RLRun, trained: list) -> None:
     run.collect = recorded
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_the_staleness_bound_holds_for_every_trained_sample(demo_cache, server, tmp_path, max_staleness):
-    run = RLRun(parse_config(_args(demo_cache, server, tmp_path / "run", 5, max_staleness, *SMALL)))
+@pytest.mark.parametrize("max_staleness, update_policy", [(1, "finish"), (2, "finish"), (1, "continue")])
+def test_the_staleness_bound_holds_for_every_trained_sample(demo_cache, server, tmp_path, max_staleness, update_policy):
+    """Every token of every trained sample (also of samples that a publish switched to a newer
+    version midway, update_policy 'continue') was sampled within max_staleness versions."""
+    steps = 5 if update_policy == "finish" else 4
+    args = _args(demo_cache, server, tmp_path / "run", steps, max_staleness, *SMALL, "--rollout.update-policy", update_policy)
+    run = RLRun(parse_config(args))
     trained: list = []
     _recording_collect(run, trained)
     run.run()
-    assert [step for step, *_ in trained] == list(range(5))
+    assert [step for step, *_ in trained] == list(range(steps))
     for step, trainer_version, versions, _ in trained:
         assert trainer_version == step
         assert all(step - max_staleness <= v <= step for v in versions), (step, versions)
