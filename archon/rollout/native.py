@@ -345,18 +345,18 @@ class NativeRolloutEngine:
             self._apply_pending_update()
 
     def _apply_pending_update(self) -> int | None:
-        """Apply the update waiting (if any) and publish its version; returns that version or None."""
+        """Apply the update waiting (if any) and publish its version; returns that version or None.
+        The copy runs under the lock, so a generation starting meanwhile waits for it to end."""
         with self._update_lock:
-            pending, self._pending_update = self._pending_update, None
-        if pending is None:
-            return None
-        version, factors = pending
-        params = lora_parameters(self.model)
-        with torch.no_grad():
-            for name, tensor in factors.items():
-                local_tensor(params[name]).copy_(tensor)
-        self.policy.publish(None, version)
-        return version
+            if self._pending_update is None:
+                return None
+            (version, factors), self._pending_update = self._pending_update, None
+            params = lora_parameters(self.model)
+            with torch.no_grad():
+                for name, tensor in factors.items():
+                    local_tensor(params[name]).copy_(tensor)
+            self.policy.publish(None, version)
+            return version
 
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
