@@ -113,3 +113,35 @@ def test_an_update_between_generations_applies_at_once(trainer):
     assert all(s.token_versions == [5] * 4 and s.version == 5 for s in samples)
     with pytest.raises(ValueError, match="no LoRA parameter"):
         engine.update_adapter(6, {"layers.0.nothing.lora_A": torch.zeros(1)})
+
+
+def test_a_lease_is_superseded_by_a_publish_or_a_pending_swap():
+    """What a streaming request under 'continue' watches: a new version, or a merged publish
+    waiting (exclusive) for the requests in flight; the publish waits for a replaced name's leases."""
+    from archon.rollout.policy import ServedPolicy
+
+    policy = ServedPolicy("a", 1)
+    with policy.lease() as (name, version):
+        assert not policy.superseded(version)
+        policy.publish("b", 2)
+        assert policy.superseded(version)
+        assert not policy.wait_released({"a"}, 0.01)  # this lease still holds it
+    assert policy.wait_released({"a"}, 0.01) and policy.take_unused() == ["a"]
+
+    merged = ServedPolicy(None, 3)
+    released = threading.Event()
+
+    def request():
+        with merged.lease() as (_, version):
+            while not merged.superseded(version):  # the swap below waits for this lease
+                released.wait(0.001)
+        released.set()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    while merged.in_flight() == 0:
+        thread.join(0.001)
+    with merged.exclusive():  # returns once the request saw it was superseded and let go
+        assert released.wait(5) and merged.in_flight() == 0
+        merged.publish(None, 4)
+    thread.join(5)

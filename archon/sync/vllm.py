@@ -193,7 +193,6 @@ class _VLLMSync:
         self.continues = rollout.update_policy == "continue"
         """Requests in flight go on under a new version (rollout.update_policy='continue'): they let
         go of the replaced one at their next streamed chunk."""
-        self.release_timeout_s = rollout.config.health_timeout_s
 
     def publish(
         self, model: nn.Module, converter: StateDictConverter, lora: LoRAConfig | None, version: int
@@ -229,7 +228,7 @@ class _AdapterSync(_VLLMSync):
         replaced = self.policy.name
         self.policy.publish(name, version)
         if self.continues and replaced != name:  # moments, not a generation: unload it now if we can
-            self.policy.wait_released({replaced}, self.release_timeout_s)
+            self.policy.wait_released({replaced}, self.servers.config.health_timeout_s)
         self._unload_unused()
         return metrics
 
