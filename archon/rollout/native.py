@@ -328,8 +328,9 @@ class NativeRolloutEngine:
         return int(t[0]), int(t[1]), int(t[2])
 
     def update_adapter(self, version: int, factors: dict[str, torch.Tensor]) -> None:
-        """Make `factors` (LoRA parameters by name, as archon.lora.lora_parameters names them, full
-        or this rank's shards) the model's adapter, published as `version`. While a `generate` runs in
+        """Make `factors` (LoRA parameters by name, as archon.lora.lora_parameters names them, in the
+        shapes this rank holds: its local shards under FSDP/TP) the model's adapter, published as
+        `version`. While a `generate` runs in
         another thread, the generation applies it at its next step boundary and tags the tokens
         sampled after it with `version` (see the module docstring); otherwise it applies now."""
         if task_names(self.model):

@@ -9,7 +9,7 @@ finishes on the version it started with, unless it follows the update policy 'co
 watches `superseded()` and ends its lease at the next token, to go on under a new lease of the new
 version (archon/rollout/vllm.py). For weights that are swapped in place (merged mode),
 `exclusive()` waits for the requests in flight, holds new ones back meanwhile, and lets them go once
-the new version is published, so no request mixes versions.
+the new version is published, so (under 'finish') no request mixes versions.
 """
 
 from __future__ import annotations

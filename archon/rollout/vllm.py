@@ -21,14 +21,13 @@ holds a lease on it until it returns. Two update policies (rollout.update_policy
   seed would draw the same noise again). A token's version is the version of the request that
   streamed it, and its log-prob that of the distribution it was drawn from under that version;
   the prefix is computed again under the new version (prefill of the continuation prompt).
-- adapter mode: a publish registers the new version under a new name and switches new requests to
-  it; an old adapter is unloaded only once no request holds it (at a later publish), so requests in
-  flight keep their adapter.
-- merged mode: a publish waits for the requests in flight to end (new ones wait meanwhile), swaps
-  the served weights, then lets the waiting requests go on the new version; no request mixes
-  versions.
-A publish never waits for requests that have not started. Under 'continue' the replaced adapter is
-held only until the requests in flight reach their next chunk, so the publish unloads it at once.
+In adapter mode a publish registers the new version under a new name and switches new requests to
+it; an old adapter is unloaded once no request holds it: under 'finish' at a later publish (requests
+in flight keep their adapter), under 'continue' within the publish (the requests in flight let go
+of it at their next chunk). In merged mode a publish holds new requests back, waits for the
+requests in flight (under 'finish' to their end, under 'continue' to their next chunk), swaps the
+served weights, then lets the waiting requests go on the new version. A publish never waits for
+requests that have not started.
 """
 
 from __future__ import annotations
