@@ -465,6 +465,24 @@ def test_a_merged_publish_waits_for_the_request_in_flight(setup):
     randomise_served_adapter(trainer.model, seed=10)
 
 
+def test_continue_without_a_publish_gives_the_samples_of_finish(setup):
+    """Streamed under 'continue' with no publish during it, a generation is the one 'finish' makes
+    in one answer: the same tokens (stop tokens included), log-probs, finish reasons and versions."""
+    import copy
+
+    server, tokenizer = setup["server"], setup["tokenizer"]
+    engine = copy.copy(server)
+    engine.update_policy = "continue"
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7, stop_token_ids=(tokenizer.eos_token_id,))
+    finished, continued = server.generate(prompts, sampling), engine.generate(prompts, sampling)
+    assert {s.finish_reason for s in finished} == {"stop", "length"}, "both endings should be covered"
+    for a, b in zip(finished, continued, strict=True):
+        assert (b.prompt_index, b.completion_ids, b.finish_reason, b.version, b.token_versions) == (
+            a.prompt_index, a.completion_ids, a.finish_reason, a.version, a.token_versions)  # fmt: skip
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-6)
+
+
 @contextlib.contextmanager
 def _streams_held_until_superseded(server, engine, first: int):
     """Each streamed completion, once every sample it streams has a token, waits until `engine`'s
