@@ -7,11 +7,11 @@ asynchronous run under rollout.update_policy finish and continue (partial rollou
 
 --long-tail makes a workload whose sample lengths have a long tail, as reasoning tasks have: a
 fraction `long_tail_fraction` (10%) of the training prompts ask for their sum written
-`long_tail_repeats` (8) times over ("12+34=x8" -> "4646464646464646"), so their samples are about 8
-times longer than the others'. The demo's warm start has never seen that form, so the benchmark
+`long_tail_repeats` (8) times over ("12+34=x8" -> "4646464646464646"), so their samples are about 7
+times longer than the others' (25 tokens against 3.6). The demo's warm start has never seen that form, so the benchmark
 first teaches it by a short SFT of the warm start (`long_tail_sft_steps` steps on the mix, cached
-in OUT/long_tail_model) and runs every configuration from that model; rollout.max_new_tokens is
-raised to fit the longest answer. Held-out accuracy is measured on the plain 2-digit additions.
+in OUT/long_tail_model_<settings>) and runs every configuration from that model;
+rollout.max_new_tokens is raised to fit the longest answer. Held-out accuracy is measured on the plain 2-digit additions.
 Each run reports `response_length_mean` (tokens a sample), so the tail is seen, not assumed.
 
 Per run (the training steps only: start-up and held-out evaluation are not timed):
@@ -102,7 +102,8 @@ def _long_tail_files(files, args: BenchArgs, out: Path):
     from archon.rl.tasks import write_jsonl
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
-    model_dir, train_path = out / "long_tail_model", out / "long_tail_train.jsonl"
+    label = f"{args.long_tail_fraction:g}_x{args.long_tail_repeats}_sft{args.long_tail_sft_steps}"
+    model_dir, train_path = out / f"long_tail_model_{label}", out / f"long_tail_train_{label}.jsonl"
     rows = _long_tail_rows([json.loads(line) for line in files.train_path.read_text().splitlines()], args)
     write_jsonl(rows, train_path)
     if (model_dir / "config.json").exists():
