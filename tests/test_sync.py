@@ -463,7 +463,7 @@ def test_merged_publish_on_two_ranks_holds_requests_until_rank_0s_send_and_fails
     loaded = build_model(tiny_checkpoint("qwen3"))
     channel = _FailingChannel()
     policies = [ServedPolicy(version=3), ServedPolicy(version=3)]
-    syncs = [CollectiveMergedSync(SimpleNamespace(servers=_FakeServers(0), policy=policies[r], rank=r, model="m",
+    syncs = [CollectiveMergedSync(SimpleNamespace(servers=_FakeServers(0), policy=policies[r], rank=r, model="m", update_policy="finish",
                                                   session=f"s{r}"), channel) for r in range(2)]  # fmt: skip
     observed = {}
 
@@ -500,7 +500,7 @@ def test_adapter_publish_failing_on_rank_0_before_the_broadcast_fails_every_rank
     lora = LoRAConfig(rank=4, alpha=8)
     loaded = lora_model(tiny_checkpoint("qwen3"), lora)
     servers = [_FakeServers(1, fail_register=True), _FakeServers(0)]
-    syncs = [DiskAdapterSync(SimpleNamespace(servers=servers[r], policy=ServedPolicy(), rank=r, model="m",
+    syncs = [DiskAdapterSync(SimpleNamespace(servers=servers[r], policy=ServedPolicy(), rank=r, model="m", update_policy="finish",
                                              session=f"s{r}"), tmp_path) for r in range(2)]  # fmt: skip
     outcomes = ranks.run(lambda r: syncs[r].publish(loaded.model, loaded.converter, lora, 1))
     assert isinstance(outcomes[0], VLLMServerError) and "HTTP 400: no adapter there" in str(outcomes[0])

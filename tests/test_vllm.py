@@ -465,6 +465,124 @@ def test_a_merged_publish_waits_for_the_request_in_flight(setup):
     randomise_served_adapter(trainer.model, seed=10)
 
 
+def test_continue_without_a_publish_gives_the_samples_of_finish(setup):
+    """Streamed under 'continue' with no publish during it, a generation is the one 'finish' makes
+    in one answer: the same tokens (stop tokens included), log-probs, finish reasons and versions."""
+    import copy
+
+    server, tokenizer = setup["server"], setup["tokenizer"]
+    engine = copy.copy(server)
+    engine.update_policy = "continue"
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7, stop_token_ids=(tokenizer.eos_token_id,))
+    finished, continued = server.generate(prompts, sampling), engine.generate(prompts, sampling)
+    assert {s.finish_reason for s in finished} == {"stop", "length"}, "both endings should be covered"
+    for a, b in zip(finished, continued, strict=True):
+        assert (b.prompt_index, b.completion_ids, b.finish_reason, b.version, b.token_versions) == (
+            a.prompt_index, a.completion_ids, a.finish_reason, a.version, a.token_versions)  # fmt: skip
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-6)
+
+
+@contextlib.contextmanager
+def _streams_held_until_superseded(server, engine, first: int):
+    """Each streamed completion, once every sample it streams has a token, waits until `engine`'s
+    policy supersedes the version it runs on (a newer version published, or a merged publish
+    waiting to swap): `first` for the first request (8 samples a prompt), first + 1 for a sample's
+    continuation started before the second publish. So the publishes land while every sample is in
+    flight, on any machine. Yields the count of streams held so far (a Condition guards it)."""
+    held = {"count": 0, "changed": threading.Condition()}
+    stream = server.servers.stream
+
+    def held_stream(target, path, body, timeout=None):
+        runs_on = first if body["n"] > 1 else first + 1
+        seen = [0] * (len(body["prompt"]) * body["n"])
+        events = stream(target, path, body, timeout)
+        try:
+            for event in events:
+                yield event
+                for choice in event["choices"]:
+                    seen[choice["index"]] += len(choice.get("token_ids") or [])
+                if min(seen) > 0 and engine.policy.version <= runs_on:
+                    with held["changed"]:
+                        held["count"] += 1
+                        held["changed"].notify_all()
+                    deadline = time.monotonic() + 120  # a publish that never supersedes fails below, not hangs
+                    while not engine.policy.superseded(runs_on) and time.monotonic() < deadline:
+                        time.sleep(0.005)
+        finally:
+            events.close()
+
+    server.servers.stream = held_stream
+    try:
+        yield held
+    finally:
+        del server.servers.stream
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_a_request_in_flight_continues_on_each_published_version(setup, mode):
+    """Update policy 'continue': a 100-token generation across two publishes (versions v+1 and v+2)
+    has token versions [v]*a + [v+1]*b + [v+2]*c with a, b, c > 0 for every sample, and each token's
+    log-prob is the trainer's under that token's version (a continuation is prefilled again on the
+    new version, so it is the full forward's). The publish does not wait for the generation: in
+    adapter mode the replaced adapter is unloaded within it, in merged mode the swap happens while
+    every sample is still in flight."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from archon.rl.rollouts import rollout_batch
+    from archon.rollout.policy import ServedPolicy
+
+    trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
+    engine = copy.copy(server)  # the module's server under the policy 'continue', with versions of its own
+    engine.update_policy, engine.policy = "continue", ServedPolicy()
+    if mode == "adapter":
+        sync, v = CollectiveAdapterSync(engine, setup["channel"], task="partial", owns_channel=False), 20
+    else:
+        sync, v = CollectiveMergedSync(engine, setup["channel"]), 30
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    randomise_served_adapter(trainer.model, seed=v)
+    _publish(sync, trainer, v)
+    first_name = engine.policy.name
+    with _streams_held_until_superseded(server, engine, v) as held:
+        thread, result = _generate_in_thread(engine, prompts, LONG)
+        with held["changed"]:
+            assert held["changed"].wait_for(lambda: held["count"] == 1, 300)
+        randomise_served_adapter(trainer.model, seed=v + 1)
+        _publish(sync, trainer, v + 1)
+        if mode == "adapter":
+            assert first_name not in _served_names(engine), f"no request holds version {v} now: it is unloaded"
+        with held["changed"]:  # every sample goes on in a request of its own, held in turn
+            assert held["changed"].wait_for(lambda: held["count"] == 1 + len(prompts) * LONG.n, 300)
+        randomise_served_adapter(trainer.model, seed=v + 2)
+        _publish(sync, trainer, v + 2)
+        samples = _finished(thread, result)
+    if mode == "merged":  # the base weights back, for the tests after this one
+        setup["channel"].send_weights(load_file(str(setup["model_dir"] / "model.safetensors")).items())
+    else:
+        sync._unload(engine.policy.name)
+    assert len(samples) == len(prompts) * LONG.n
+    for s in samples:
+        a, b = s.token_versions.count(v), s.token_versions.count(v + 1)
+        assert a > 0 and b > 0 and s.token_versions == [v] * a + [v + 1] * b + [v + 2] * (100 - a - b), s.token_versions
+        assert s.version == v and len(s.logprobs) == 100
+    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=v + 2)
+    token_version = v + 2 - batch.extras["version_lag"]
+    scored = {}
+    for version in (v, v + 1, v + 2):
+        randomise_served_adapter(trainer.model, seed=version)
+        scored[version] = trainer.logprobs(batch, 1.0).logprobs
+    for version in (v, v + 1, v + 2):
+        at = batch.loss_mask & (token_version == version)
+        gap = (scored[version] - batch.rollout_logprobs).abs()[at]
+        print(f"{mode} version {version}: {int(at.sum())} tokens, vLLM-trainer log-prob gap mean {gap.mean():.2e} max {gap.max():.2e}")
+        assert gap.mean() <= 1e-3
+        for other in {v, v + 1, v + 2} - {version}:
+            assert (scored[other] - batch.rollout_logprobs).abs()[at].mean() > 0.05
+    randomise_served_adapter(trainer.model, seed=10)
+
+
 def _grpo_args(setup, tmp_path) -> list[str]:
     """A 2-step GRPO run on the module's model, rolling out on the module's server."""
     from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl

@@ -230,7 +230,8 @@ def rollout_servers(config, tasks, longest_prompt, eval_new_tokens: int, rank: i
     `longest_prompt(task, examples)`: the longest prompt of `examples` in tokens."""
     vllm_config = config.rollout.vllm
     ranks = [task.config.lora.max_rank for task in tasks if task.config.lora is not None]
-    kwargs = dict(model_path=config.model.path, lora_rank=max(ranks) if ranks else None, log_dir=log_dir)
+    kwargs = dict(model_path=config.model.path, lora_rank=max(ranks) if ranks else None, log_dir=log_dir,
+                  update_policy=config.rollout.update_policy)  # fmt: skip
     servers, failure = None, None
     if rank == 0:
         # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len):

@@ -90,13 +90,13 @@ def task_step_metrics(
     G = group_size
     rewards, lengths, gaps, lag = prepared.rewards, scores.lengths, prepared.gaps, prepared.lag
     (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
-     kept_groups, errors, timeouts, tokens, lag_sum, stale) = dp_sum(
+     kept_groups, errors, timeouts, tokens, lag_sum, stale, mixed) = dp_sum(
         len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),
         float(scores.correct.sum()), float(lengths.sum()), float(gaps["total"].sum()),
         float(gaps["total"].numel()), float(gaps["numerics"].sum()), float(gaps["lag"].sum()),
         float(prepared.keep.sum()) / G, scores.reward_metrics["reward_errors"],
         scores.reward_metrics["reward_timeouts"], prepared.tokens, float(lag.sum()),
-        float(rollouts.stale_dropped),
+        float(rollouts.stale_dropped), float(sum(len(set(s.token_versions)) > 1 for s in rollouts.samples)),
     )  # fmt: skip
     reward_mean = reward_sum / max(n, 1.0)
     metrics = {
@@ -126,6 +126,7 @@ def task_step_metrics(
         "logprob_gap_numerics": numerics_sum / max(gap_n, 1.0),
         "logprob_gap_lag": lag_gap_sum / max(gap_n, 1.0),
         "stale_samples_dropped": stale,
+        "mixed_version_samples": mixed,  # rollout.update_policy='continue': samples an update landed in
         "trainer_idle_s": rollouts.wait_s,
         "rollout_idle_s": idle,
         "trainer_idle_fraction": rollouts.wait_s / step_s,

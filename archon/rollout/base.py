@@ -48,9 +48,10 @@ class Sample:
     top-k then top-p and renormalised (no truncation: just the temperature; greedy: temperature 1),
     under the adapter version `token_versions[i]`.
 
-    `version` is the adapter version the sample was started with. Under the update policy of the
-    engines here (a request finishes on the version it started with) every token has that version;
-    `token_versions` is the contract for a policy that switches versions within a sequence."""
+    `version` is the adapter version the sample was started with, the oldest of its tokens'. Under
+    the update policy 'finish' (a request finishes on the version it started with) every token has
+    that version; under 'continue' (partial rollouts) a publish during the sample switches its later
+    tokens to the new version, so `token_versions` is non-decreasing, e.g. [v]*a + [v+1]*b."""
 
     prompt_index: int
     prompt_ids: list[int]

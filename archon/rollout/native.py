@@ -4,6 +4,18 @@ The engine shares the trainer's model, so an adapter update is in-process: the w
 publishes the new version (archon.sync.weight_sync.InProcessSync), the next `generate` samples from
 the weights as they are, and every sample is tagged with the version published when it started.
 
+Updates during a generation (the update policy 'continue', partial rollouts): `update_adapter(version,
+factors)` from another thread while `generate` runs is applied by the generation loop at its next
+step boundary (before a prefill forward or a decode step): the LoRA factors are copied into the
+model in place, and every token sampled after that carries the new version in its sample's
+`token_versions`, with the log-prob of the distribution it was drawn from. What is cached stays as
+it was computed: prompt prefixes, keys/values and recurrent states of the tokens before the update
+are not computed again under the new adapter, so a token after the update is drawn from the new
+adapter on top of a context the old one encoded (the per-token versions and the decoupled loss
+account for that). A sample that starts from a prompt prefilled before the update draws its first
+token from the prompt's logits as prefilled, under the version of the prefill. With a sync group
+(FSDP/TP ranks in lockstep) the update waits for the end of the generation.
+
 How it generates (archon/rollout/kv_cache.py holds the cache):
 - Group-shared prefixes. The prompt of a group of `n` samples is prefilled once into a prefix slot
   of the cache, its keys/values are stored once and every sample of the group attends to them in
@@ -76,6 +88,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Hashable
@@ -85,8 +98,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from archon.lora import adapter_routing, cached_task_factors, task_names
+from archon.lora import adapter_routing, cached_task_factors, lora_parameters, task_names
 from archon.models.common.moe import moe_routers, recorded_routing, take_recorded
+from archon.parallel.tensor_parallel import local_tensor
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KeptState, KVCache
 from archon.rollout.policy import ServedPolicy
@@ -279,6 +293,9 @@ class NativeRolloutEngine:
         """Kept sessions by key, least recently used first."""
         self._session_tokens = 0
         self.stats = RolloutStats()
+        self._update_lock = threading.Lock()
+        self._pending_update: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._generating = False
 
     def reset_stats(self) -> None:
         self.stats = RolloutStats()
@@ -334,6 +351,38 @@ class NativeRolloutEngine:
         t = torch.tensor([prefill_forwards, decode_steps, unfinished], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
         return int(t[0]), int(t[1]), int(t[2])
+
+    def update_adapter(self, version: int, factors: dict[str, torch.Tensor]) -> None:
+        """Make `factors` (LoRA parameters by name, as archon.lora.lora_parameters names them, in the
+        shapes this rank holds: its local shards under FSDP/TP) the model's adapter, published as
+        `version`. While a `generate` runs in
+        another thread, the generation applies it at its next step boundary and tags the tokens
+        sampled after it with `version` (see the module docstring); otherwise it applies now."""
+        if task_names(self.model):
+            raise ValueError("update_adapter swaps a single adapter; this model has several task adapters")
+        params = lora_parameters(self.model)
+        unknown = sorted(set(factors) - set(params))
+        if unknown:
+            raise ValueError(f"update_adapter: {unknown[0]!r} (and {len(unknown) - 1} more) is no LoRA parameter of the model")
+        with self._update_lock:
+            self._pending_update = (version, factors)
+            generating = self._generating
+        if not generating:
+            self._apply_pending_update()
+
+    def _apply_pending_update(self) -> int | None:
+        """Apply the update waiting (if any) and publish its version; returns that version or None.
+        The copy runs under the lock, so a generation starting meanwhile waits for it to end."""
+        with self._update_lock:
+            if self._pending_update is None:
+                return None
+            (version, factors), self._pending_update = self._pending_update, None
+            params = lora_parameters(self.model)
+            with torch.no_grad():
+                for name, tensor in factors.items():
+                    local_tensor(params[name]).copy_(tensor)
+            self.policy.publish(None, version)
+            return version
 
     def health(self) -> dict:
         return {"engine": "native", "alive": True, "adapter_version": self.policy.version}
@@ -410,16 +459,21 @@ class NativeRolloutEngine:
         # the adapters do not change during a generation: every layer stacks its tasks' factors once
         factors = cached_task_factors(self.model) if multi_task_model else contextlib.nullcontext()
         recording = recorded_routing(self.model) if self.record_routing else contextlib.nullcontext()
-        with self.policy.lease() as (_, version), factors, recording:
-            if sessions is not None:
-                self._take_kept_states(groups, version)
-            try:
-                samples = _Generation(self, groups, sampling, generator, multi_task=adapters is not None, version=version).run()
-            finally:
-                self.model.train(was_training)
-        for s in samples:
-            s.version, s.token_versions = version, [version] * len(s.completion_ids)
-        return samples
+        with self._update_lock:
+            self._generating = True
+        try:
+            self._apply_pending_update()
+            with self.policy.lease() as (_, version), factors, recording:
+                if sessions is not None:
+                    self._take_kept_states(groups, version)
+                try:
+                    return _Generation(self, groups, sampling, generator, multi_task=adapters is not None, version=version).run()
+                finally:
+                    self.model.train(was_training)
+        finally:
+            with self._update_lock:
+                self._generating = False
+            self._apply_pending_update()
 
 
 class _Generation:
@@ -436,7 +490,9 @@ class _Generation:
     ):
         self.engine, self.model, self.device = engine, engine.model, engine.device
         self.version = version
-        """The adapter version kept session states are tagged with."""
+        """The adapter version the model holds now: of the tokens sampled next, and of kept states."""
+        self.updates_in_flight = engine.sync_group is None
+        """Whether an update_adapter applies between steps (not with ranks in lockstep)."""
         self.sampling, self.generator = sampling, generator
         self.groups = groups
         G = groups[0].samples if groups else 1
@@ -458,6 +514,9 @@ class _Generation:
         # rows that are done and keep writing there until they start another sample)
         self.tokens = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros(rows, self.max_new + 1, dtype=torch.float32, device=dev)
+        self.token_versions = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
+        self.version_now = torch.tensor(version, dtype=torch.long, device=dev)
+        """self.version on the device (written in place: a captured decode step reads it)."""
         self.ngen = torch.zeros(rows, dtype=torch.long, device=dev)
         self.done = torch.ones(rows, dtype=torch.bool, device=dev)
         self.prompt_lens = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -471,6 +530,8 @@ class _Generation:
         self.stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         self.slot_logits: torch.Tensor | None = None
         """[num_slots, V]: the logits at each slot's last prompt token, which its samples start from."""
+        self.slot_version = [version] * num_slots
+        """The adapter version of each slot's prefill (of its samples' first tokens)."""
         # on the host
         self.slot_group: list[int | None] = [None] * num_slots
         self.slot_unfinished = [0] * num_slots
@@ -549,6 +610,7 @@ class _Generation:
             if not more:  # every rank is done
                 break
             if admitted:
+                self._take_update()
                 self._prefill(admitted, chunks)
             for _ in range(prefill_forwards - len(chunks)):
                 self._idle_forward()
@@ -556,10 +618,20 @@ class _Generation:
                 self._start(starts)
             for _ in range(steps):
                 if busy:
+                    self._take_update()
                     self._decode(busy)
                 else:
                     self._idle_forward()
         return [s for i in range(len(self.groups)) for s in self.samples[i]]
+
+    def _take_update(self) -> None:
+        """At a step boundary: apply an adapter update published meanwhile (update_adapter)."""
+        if not self.updates_in_flight:
+            return
+        version = self.engine._apply_pending_update()
+        if version is not None:
+            self.version = version
+            self.version_now.fill_(version)
 
     def _admit(self, slot: int, group_index: int) -> None:
         group = self.groups[group_index]
@@ -654,6 +726,8 @@ class _Generation:
             stats.prefill_tokens += int(lens.sum())
             stats.prefill_forwards += 1
             stats.max_prefill_forward_tokens = max(stats.max_prefill_forward_tokens, int(lens.sum()))
+        for slot in slots:
+            self.slot_version[slot] = self.version
         logits = torch.cat(last_logits)  # [len(slots), V]
         if self.slot_logits is None:
             self.slot_logits = logits.new_zeros(len(self.slot_group), logits.shape[-1])
@@ -684,6 +758,7 @@ class _Generation:
         if self.drafter is not None:
             self.drafter.start_rows(rows, slots, places, first)
         self.tokens[rows_t, 0], self.logprobs[rows_t, 0] = first, first_lp
+        self.token_versions[rows_t, 0] = torch.tensor([self.slot_version[slot] for slot in slots], device=dev)
         self.ngen[rows_t] = 1
         self.done[rows_t] = torch.isin(first, self.stop_ids) | (self.max_new <= 1)
         self.prompt_lens[rows_t] = torch.tensor([len(g.prompt) for g in groups], device=dev)
@@ -833,6 +908,7 @@ class _Generation:
             kept = self.completion_experts[rows, suffix_pos]
             self.completion_experts[rows, suffix_pos] = torch.where((~done)[:, None, None], chosen, kept)
         self.tokens[rows, ngen], self.logprobs[rows, ngen] = token, logprob
+        self.token_versions[rows, ngen] = self.version_now
         live = ~done
         ngen += live  # in place: views of the engine's per-row state
         done |= live & (torch.isin(token, self.stop_ids) | (ngen >= self.max_new))
@@ -871,6 +947,7 @@ class _Generation:
             return
         rows = torch.tensor(finished, device=self.device)
         tokens, logprobs, ngen = self.tokens[rows].cpu(), self.logprobs[rows].cpu(), self.ngen[rows].cpu()
+        token_versions = self.token_versions[rows].cpu()
         stop_ids = set(self.sampling.stop_token_ids)
         released = [self.row_sample[row] for row in finished]
         if self.moe:
@@ -892,8 +969,8 @@ class _Generation:
                 completion_ids=completion,
                 logprobs=logprobs[i, :n].tolist(),
                 finish_reason="stop" if completion[-1] in stop_ids else "length",
-                version=0,
-                token_versions=[0] * n,
+                version=int(token_versions[i, 0]),
+                token_versions=token_versions[i, :n].tolist(),
             )
             if self.moe:
                 sample.extra[ROUTED_EXPERTS] = torch.cat([prompt_experts[i, : len(group.prompt)], completion_experts[i, :n]])

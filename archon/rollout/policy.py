@@ -5,9 +5,11 @@ different threads (a producer thread generating while the main thread publishes)
 A request takes a lease for its duration (`lease()`): it reads (name, version) atomically when it
 starts and keeps that pair until it ends. A name that a publish replaced is *retired*; the sync
 unloads it from the servers only once no lease holds it (`take_unused`), so a request in flight
-finishes on the version it started with. For weights that are swapped in place (merged mode),
+finishes on the version it started with, unless it follows the update policy 'continue': then it
+watches `superseded()` and ends its lease at the next token, to go on under a new lease of the new
+version (archon/rollout/vllm.py). For weights that are swapped in place (merged mode),
 `exclusive()` waits for the requests in flight, holds new ones back meanwhile, and lets them go once
-the new version is published, so no request mixes versions.
+the new version is published, so (under 'finish') no request mixes versions.
 """
 
 from __future__ import annotations
@@ -57,6 +59,17 @@ class ServedPolicy:
                 if self._leases[name] == 0:
                     del self._leases[name]
                 self._changed.notify_all()
+
+    def superseded(self, version: int) -> bool:
+        """Whether a request holding `version` should stop and go on under the next one (the update
+        policy 'continue'): another version is published, or a publish waits to swap weights in place."""
+        with self._changed:
+            return self._exclusive or self._version != version
+
+    def wait_released(self, names: set[str | None], timeout: float) -> bool:
+        """Wait up to `timeout` seconds until no request holds any of `names`; whether none does."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not names & set(self._leases), timeout)
 
     def leased_names(self) -> set[str | None]:
         """Names that requests in flight hold."""

@@ -10,23 +10,33 @@ engine here (see archon/rollout/base.py Sample and archon/rollout/native.py).
 
 Versions and concurrent updates: generation may run in one thread while a sync publishes from
 another. Each HTTP request reads (served adapter name, version) from the policy when it starts and
-holds a lease on it until it returns; its samples carry that version, for every token. Update
-policy: a request in flight finishes on the version it started with.
-- adapter mode: a publish registers the new version under a new name and switches new requests to
-  it; an old adapter is unloaded only once no request holds it (at a later publish), so requests in
-  flight keep their adapter.
-- merged mode: a publish waits for the requests in flight to end (new ones wait meanwhile), swaps
-  the served weights, then lets the waiting requests go on the new version; no request mixes
-  versions.
-A publish never waits for requests that have not started.
+holds a lease on it until it returns. Two update policies (rollout.update_policy):
+- finish (default): a request in flight finishes on the version it started with; its samples carry
+  that version, for every token.
+- continue (partial rollouts): requests stream their tokens; once a new version is published (or a
+  merged publish waits to swap weights), the request is closed at the next streamed chunk (vLLM
+  aborts a request whose client went away) and every sample not yet ended goes on in a request of
+  its own, on the version now published: its prompt followed by the tokens it has so far, as a
+  prompt to continue, with the tokens left to it and a seed derived from the sample's (the same
+  seed would draw the same noise again). A token's version is the version of the request that
+  streamed it, and its log-prob that of the distribution it was drawn from under that version;
+  the prefix is computed again under the new version (prefill of the continuation prompt).
+In adapter mode a publish registers the new version under a new name and switches new requests to
+it; an old adapter is unloaded once no request holds it: under 'finish' at a later publish (requests
+in flight keep their adapter), under 'continue' within the publish (the requests in flight let go
+of it at their next chunk). In merged mode a publish holds new requests back, waits for the
+requests in flight (under 'finish' to their end, under 'continue' to their next chunk), swaps the
+served weights, then lets the waiting requests go on the new version. A publish never waits for
+requests that have not started.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import urllib.parse
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -185,9 +195,14 @@ class VLLMRolloutEngine:
         rank: int = 0,
         longest_prompt_tokens: int | None = None,
         max_new_tokens: int | None = None,
+        update_policy: Literal["finish", "continue"] = "finish",
     ) -> None:
         """`longest_prompt_tokens` and `max_new_tokens` (the most any request asks for) size the
-        launched servers' max_model_len when the config leaves it unset."""
+        launched servers' max_model_len when the config leaves it unset. `update_policy`: what a
+        request in flight does on a publish (rollout.update_policy, see the module docstring)."""
+        if update_policy not in ("finish", "continue"):
+            raise ValueError(f"rollout.update_policy must be 'finish' or 'continue', got {update_policy!r}")
+        self.update_policy = update_policy
         self.config = config
         self.rank = rank
         self.model = config.model or model_path
@@ -259,6 +274,8 @@ class VLLMRolloutEngine:
 
     def _complete(self, server, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         """One request: its samples carry the version the policy published when it started."""
+        if self.update_policy == "continue":
+            return self._complete_continuing(server, prompts, sampling)
         with self.policy.lease() as (adapter_name, version):
             model_name = adapter_name or self.served_model
             response = self.servers.request(
@@ -290,7 +307,104 @@ class VLLMRolloutEngine:
         return samples
 
 
-def _completion_body(model_name: str, prompts: list[list[int]], sampling: SamplingParams) -> dict:
+    # ---- the update policy 'continue' -------------------------------------------------------------
+    def _complete_continuing(self, server, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """The samples of `prompts` streamed in one request until a publish supersedes its version;
+        then each unfinished sample goes on alone, on the version then published, until it ends."""
+        partials = [_Partial(i // sampling.n, i) for i in range(len(prompts) * sampling.n)]
+        self._stream(server, lambda name: _completion_body(name, prompts, sampling, stream=True), partials, sampling)
+        unfinished = [p for p in partials if p.finish_reason is None]
+        if unfinished:
+            futures = {
+                self.servers.submit(self._continue_sample, server, prompts[p.prompt_index], p, sampling): server
+                for p in unfinished
+            }  # fmt: skip
+            self.servers.wait_all(futures)
+        return [p.sample(prompts[p.prompt_index]) for p in partials]
+
+    def _continue_sample(self, server, prompt: list[int], partial: _Partial, sampling: SamplingParams) -> None:
+        """Generate `partial` on to its end, one request per version: each continues the prompt and
+        the tokens so far, with the tokens left and a seed of its own."""
+        while partial.finish_reason is None:
+            left = sampling.max_new_tokens - len(partial.token_ids)
+            seed = None if sampling.seed is None else continuation_seed(sampling.seed, partial.index, len(partial.token_ids))
+            rest = SamplingParams(
+                max_new_tokens=left, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                stop_token_ids=sampling.stop_token_ids, seed=seed,
+            )  # fmt: skip
+            continued = prompt + partial.token_ids
+            self._stream(server, lambda name: _completion_body(name, [continued], rest, stream=True), [partial], sampling)
+
+    def _stream(self, server, body, partials: list[_Partial], sampling: SamplingParams) -> None:
+        """One streaming request (`body(model name)`) under a lease, adding each choice's tokens to
+        partials[choice index] with the lease's version, until every partial has ended or a publish
+        supersedes the version (the connection is then closed and vLLM aborts the request)."""
+        with self.policy.lease() as (adapter_name, version):
+            model_name = adapter_name or self.served_model
+            events = self.servers.stream(server, "/v1/completions", body(model_name), timeout=self.config.request_timeout_s)
+            try:
+                for event in events:
+                    for choice in event.get("choices", ()):
+                        partials[choice["index"]].extend(choice, version, model_name, sampling.max_new_tokens)
+                    if all(p.finish_reason is not None for p in partials) or self.policy.superseded(version):
+                        break
+            finally:
+                events.close()
+            if all(p.finish_reason is None for p in partials) and not self.policy.superseded(version):
+                raise VLLMServerError("vLLM's completion stream ended before any sample did")
+
+
+@dataclass
+class _Partial:
+    """A sample being generated under the update policy 'continue': its tokens so far, each with its
+    log-prob and the version that sampled it; `finish_reason` None while it goes on."""
+
+    prompt_index: int
+    index: int
+    """Its place among the request's samples (prompt_index * n + its place among the prompt's)."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    model: str | None = None
+    finish_reason: str | None = None
+
+    def extend(self, choice: dict, version: int, model: str, max_new_tokens: int) -> None:
+        """Add a streamed chunk's tokens (at most those left of max_new_tokens), sampled with `version`."""
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            raise VLLMServerError("vLLM's completion has no token_ids; this engine needs vLLM >= 0.10.2 (return_token_ids)")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if len(logprobs) != len(token_ids):
+            raise VLLMServerError(f"vLLM streamed {len(token_ids)} tokens with {len(logprobs)} log-probs")
+        if self.finish_reason is not None:
+            return
+        take = max_new_tokens - len(self.token_ids)
+        self.token_ids += token_ids[:take]
+        self.logprobs += [float(x) for x in logprobs[:take]]
+        self.versions += [version] * len(token_ids[:take])
+        self.model = model
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = "stop" if choice["finish_reason"] == "stop" else "length"
+        elif len(self.token_ids) >= max_new_tokens:
+            self.finish_reason = "length"
+
+    def sample(self, prompt: list[int]) -> Sample:
+        return Sample(
+            prompt_index=self.prompt_index, prompt_ids=list(prompt), completion_ids=self.token_ids,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, version=self.versions[0],
+            token_versions=self.versions, extra={"model": self.model},
+        )  # fmt: skip
+
+
+def continuation_seed(seed: int, sample: int, tokens_so_far: int) -> int:
+    """The seed of the request that continues sample `sample` (of a request seeded with `seed`)
+    after `tokens_so_far` tokens: reproducible, and unlike the seeds vLLM gives the samples of a
+    request (seed + their index), so that the continuation does not draw the noise it drew before."""
+    digest = hashlib.blake2b(f"{seed}:{sample}:{tokens_so_far}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _completion_body(model_name: str, prompts: list[list[int]], sampling: SamplingParams, stream: bool = False) -> dict:
     body = {
         "model": model_name,
         "prompt": prompts,
@@ -307,4 +421,6 @@ def _completion_body(model_name: str, prompts: list[list[int]], sampling: Sampli
     }
     if sampling.seed is not None:
         body["seed"] = sampling.seed
+    if stream:
+        body["stream"] = True
     return body

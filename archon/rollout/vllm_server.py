@@ -16,6 +16,7 @@ several callers (a generating thread and a publishing one) at once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -27,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from archon.checkpoint.hf import read_json_file
@@ -320,15 +322,18 @@ class VLLMServers:
             )
         return base["id"]
 
-    def request(self, server: Server, method: str, path: str, body: dict | None = None, timeout: float | None = None):
+    def _http_request(self, server: Server, method: str, path: str, body: dict | None) -> urllib.request.Request:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(server.url + path, data=data, method=method, headers=headers)
+        return urllib.request.Request(server.url + path, data=data, method=method, headers=headers)
+
+    @contextlib.contextmanager
+    def _answer_errors(self, server: Server, path: str):
+        """Network and HTTP failures of a request to `server` as VLLMServerError, saying why."""
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.config.health_timeout_s) as response:
-                raw = response.read()
+            yield
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             raise VLLMServerError(f"vLLM server {server.url}{path} answered HTTP {e.code}: {detail}") from None
@@ -338,11 +343,35 @@ class VLLMServers:
         except (urllib.error.URLError, OSError) as e:
             reason = server.died() or f"it did not answer ({e})"
             raise VLLMServerError(f"vLLM server {server.url} is unreachable during {path}: {reason}") from None
+
+    def request(self, server: Server, method: str, path: str, body: dict | None = None, timeout: float | None = None):
+        request = self._http_request(server, method, path, body)
+        with self._answer_errors(server, path):
+            with urllib.request.urlopen(request, timeout=timeout or self.config.health_timeout_s) as response:
+                raw = response.read()
         text = raw.decode()
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError:
             return text
+
+    def stream(self, server: Server, path: str, body: dict, timeout: float | None = None) -> Iterator[dict]:
+        """POST `body` (with "stream": true) and yield the server-sent events' JSON objects as they
+        come. Closing the generator early closes the connection, and vLLM then aborts the request."""
+        request = self._http_request(server, "POST", path, body)
+        with self._answer_errors(server, path):
+            with urllib.request.urlopen(request, timeout=timeout or self.config.health_timeout_s) as response:
+                for line in response:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[len(b"data:") :].strip()
+                    if data == b"[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event and "choices" not in event:
+                        raise VLLMServerError(f"vLLM server {server.url}{path} failed while streaming: {event['error']}")
+                    yield event
 
     def check_alive(self, server: Server) -> None:
         reason = server.died()

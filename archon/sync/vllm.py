@@ -15,8 +15,11 @@ generation uses it. No sync sees the trainer, only its model, state-dict convert
   the base model name. Without LoRA (full-parameter training) all weights go. They go in the
   served checkpoint's format: plain, or requantized to its FP8 / MXFP4 format.
 
-Updates during generation (generation may run in another thread): in adapter mode a request in
-flight keeps the adapter it started with; a replaced adapter is unloaded (and its files or tensors
+Updates during generation (generation may run in another thread), under the update policy
+'continue' (rollout.update_policy): requests in flight let go of the replaced version at their next
+streamed token and go on under the new one (archon.rollout.vllm), so the replaced adapter is
+unloaded within the publish, and a merged publish waits only for that. Under 'finish' (the
+default): in adapter mode a request in flight keeps the adapter it started with; a replaced adapter is unloaded (and its files or tensors
 dropped) at a later publish, once no request of any trainer rank holds it. In merged mode a
 publish holds new requests back, waits for those in flight on every rank, swaps the weights, and
 lets the held requests go on the new version once every rank knows the swap is done. A publish
@@ -187,6 +190,9 @@ class _VLLMSync:
         self.rank = rollout.rank
         self.model_name = str(rollout.model)
         self.session = rollout.session
+        self.continues = rollout.update_policy == "continue"
+        """Requests in flight go on under a new version (rollout.update_policy='continue'): they let
+        go of the replaced one at their next streamed chunk."""
 
     def publish(
         self, model: nn.Module, converter: StateDictConverter, lora: LoRAConfig | None, version: int
@@ -219,7 +225,10 @@ class _AdapterSync(_VLLMSync):
         except Exception as e:  # noqa: BLE001 - raised on every rank by _share_outcome
             error = e
         name = _share_outcome(error, name)  # the other ranks generate under rank 0's name
+        replaced = self.policy.name
         self.policy.publish(name, version)
+        if self.continues and replaced != name:  # moments, not a generation: unload it now if we can
+            self.policy.wait_released({replaced}, self.servers.config.health_timeout_s)
         self._unload_unused()
         return metrics
 

@@ -87,6 +87,13 @@ class RolloutConfig:
     """Asynchronous RL: with N >= 1 the rollouts of later steps are generated (vLLM) while the
     current step trains, and a sample made with adapter version v is trained on only at trainer
     version <= v + N (older groups are dropped and sampled again). 0: the synchronous loop."""
+    update_policy: Literal["finish", "continue"] = "finish"
+    """What a request in flight does when a new adapter version is published (asynchronous RL, so
+    it needs max_staleness >= 1 on the run or on a task). finish: it ends on the version it started
+    with. continue: it goes on under the new version from its next token (partial rollouts), so a
+    sample's tokens may come from several versions; each token carries the version that sampled it
+    (Sample.token_versions), which the staleness bound (a sample's oldest token) and the decoupled
+    loss use. See docs/rollouts.md#partial-rollouts."""
     measure_version_gap: bool = True
     """With max_staleness >= 1: score lagging samples again under the adapter version that sampled
     them (one extra forward per lag present), to split the trainer-rollout log-prob gap into the

@@ -181,6 +181,17 @@ def _run_problems(config: RLConfig) -> list[str]:
         rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1, "rollout.prefill_chunk_tokens",
         rollout.prefill_chunk_tokens, "must be at least 1 (None: every prefill in one forward)",
     )  # fmt: skip
+    problems.require(
+        rollout.update_policy in ("finish", "continue"), "rollout.update_policy", rollout.update_policy,
+        "must be 'finish' or 'continue'",
+    )  # fmt: skip
+    problems.require(
+        rollout.update_policy != "continue" or any(task.max_staleness > 0 for task in config.task_configs()),
+        "rollout.update_policy", rollout.update_policy,
+        "switches requests in flight to a newly published adapter version, and versions are published while "
+        "rollouts are generated only in asynchronous RL: set rollout.max_staleness (or a task's max_staleness) "
+        "to 1 or more, or leave rollout.update_policy at 'finish'",
+    )  # fmt: skip
     evaluation, checkpoint = config.eval, config.checkpoint
     problems.require(evaluation.every >= 0, "eval.every", evaluation.every, "must be >= 0 (0 disables evaluation)")
     problems.require(evaluation.max_prompts >= 0, "eval.max_prompts", evaluation.max_prompts, "must be >= 0")

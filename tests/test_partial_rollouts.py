@@ -1,0 +1,147 @@
+"""Partial rollouts on the built-in engine: an adapter update published while a generation runs
+in another thread takes effect between decode steps, and every token carries the version that
+sampled it, with that version's log-prob (the trainer's, scored under each version)."""
+
+import threading
+
+import pytest
+import torch
+from helpers import randomise_lora
+
+from archon.lora import LoRAConfig, lora_parameters
+from archon.rl.rollouts import rollout_batch
+from archon.rollout.base import SamplingParams
+from archon.rollout.native import NativeRolloutEngine, _Generation
+
+PROMPTS = [[3, 17, 42, 9, 250], [7, 8]]
+NEW_TOKENS = 100
+PUBLISH_AFTER = (30, 65)
+"""The decode steps after which versions 1 and 2 are published."""
+
+
+@pytest.fixture(scope="module")
+def trainer(qwen3_path):
+    from archon.trainer import Trainer, TrainerConfig
+
+    return Trainer(TrainerConfig(model_path=str(qwen3_path), lora=LoRAConfig(rank=4, alpha=8.0), device="cpu"))
+
+
+def _versions(model) -> dict[int, dict[str, torch.Tensor]]:
+    """Adapter versions 0, 1, 2. 1 and 2 change only the last layer's MLP factors: every cached key,
+    value and prefix is then the same under each version, so the trainer's full forward under a
+    token's version is exactly what the engine computed for it, though the engine does not compute
+    the prefix again after an update."""
+    params = lora_parameters(model)
+    last = len(model.layers) - 1
+    changing = [n for n in params if n.startswith(f"layers.{last}.") and ".mlp." in n]
+    assert changing, sorted(params)
+    versions = {0: {n: p.detach().clone() for n, p in params.items()}}
+    randomise_lora(versions[0], 0.5, torch.Generator().manual_seed(0), lora_b_scale=0.3)
+    for version in (1, 2):
+        factors = {n: t.clone() for n, t in versions[version - 1].items()}
+        randomise_lora({n: factors[n] for n in changing}, 0.5, torch.Generator().manual_seed(version), lora_b_scale=0.3)
+        versions[version] = factors
+    return versions
+
+
+def _generate_across_publishes(engine: NativeRolloutEngine, versions, sampling: SamplingParams, monkeypatch):
+    """Generate in another thread; after decode steps PUBLISH_AFTER the generation waits while this
+    thread publishes versions 1 and 2 (events, not a clock), then goes on."""
+    reached = [threading.Event() for _ in PUBLISH_AFTER]
+    published = [threading.Event() for _ in PUBLISH_AFTER]
+    decode, steps = _Generation._decode, [0]
+
+    def decode_then_hold(self, busy):
+        decode(self, busy)
+        steps[0] += 1
+        if steps[0] in PUBLISH_AFTER:
+            k = PUBLISH_AFTER.index(steps[0])
+            reached[k].set()
+            assert published[k].wait(60)
+
+    monkeypatch.setattr(_Generation, "_decode", decode_then_hold)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("samples", engine.generate(PROMPTS, sampling)))
+    thread.start()
+    for k, version in enumerate((1, 2)):
+        assert reached[k].wait(120)
+        engine.update_adapter(version, versions[version])
+        assert engine.policy.version == version - 1, "applied while a decode step could run"
+        published[k].set()
+    thread.join(120)
+    assert engine.policy.version == 2
+    return result["samples"]
+
+
+def test_a_publish_during_generation_applies_between_decode_steps_with_exact_logprobs(trainer, monkeypatch):
+    engine = NativeRolloutEngine(trainer.model)
+    versions = _versions(trainer.model)
+    engine.update_adapter(0, versions[0])  # no generation running: applied at once
+    assert engine.policy.version == 0
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=2, seed=3)
+    samples = _generate_across_publishes(engine, versions, sampling, monkeypatch)
+
+    a, b = 1 + PUBLISH_AFTER[0], PUBLISH_AFTER[1] - PUBLISH_AFTER[0]  # the first token comes from the prefill
+    assert len(samples) == 4
+    for sample in samples:
+        assert sample.token_versions == [0] * a + [1] * b + [2] * (NEW_TOKENS - a - b)
+        assert sample.version == 0
+    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=2)
+    token_version = 2 - batch.extras["version_lag"]
+    scored = {}
+    for version, factors in versions.items():
+        engine.update_adapter(version, factors)
+        scored[version] = trainer.logprobs(batch, 1.0).logprobs
+    for version in versions:
+        at = batch.loss_mask & (token_version == version)
+        assert int(at.sum()) > 0
+        # fp32: 1e-5, and 1e-5 of the log-prob for the unlikely tokens (log-probs of -4 to -10)
+        torch.testing.assert_close(batch.rollout_logprobs[at], scored[version][at], rtol=1e-5, atol=1e-5)
+        # the versions differ where it is measured, so a token tagged with the wrong one would show
+        for other in versions:
+            if other != version:
+                assert float((scored[other][at] - batch.rollout_logprobs[at]).abs().max()) > 1e-3
+
+
+def test_an_update_between_generations_applies_at_once(trainer):
+    engine = NativeRolloutEngine(trainer.model)
+    versions = _versions(trainer.model)
+    engine.update_adapter(5, versions[1])
+    assert engine.policy.version == 5
+    torch.testing.assert_close(dict(lora_parameters(trainer.model)), versions[1], rtol=0, atol=0)
+    samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))
+    assert all(s.token_versions == [5] * 4 and s.version == 5 for s in samples)
+    with pytest.raises(ValueError, match="no LoRA parameter"):
+        engine.update_adapter(6, {"layers.0.nothing.lora_A": torch.zeros(1)})
+
+
+def test_a_lease_is_superseded_by_a_publish_or_a_pending_swap():
+    """What a streaming request under 'continue' watches: a new version, or a merged publish
+    waiting (exclusive) for the requests in flight; the publish waits for a replaced name's leases."""
+    from archon.rollout.policy import ServedPolicy
+
+    policy = ServedPolicy("a", 1)
+    with policy.lease() as (name, version):
+        assert not policy.superseded(version)
+        policy.publish("b", 2)
+        assert policy.superseded(version)
+        assert not policy.wait_released({"a"}, 0.01)  # this lease still holds it
+    assert policy.wait_released({"a"}, 0.01) and policy.take_unused() == ["a"]
+
+    merged = ServedPolicy(None, 3)
+    released = threading.Event()
+
+    def request():
+        with merged.lease() as (_, version):
+            while not merged.superseded(version):  # the swap below waits for this lease
+                released.wait(0.001)
+        released.set()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    while merged.in_flight() == 0:
+        thread.join(0.001)
+    with merged.exclusive():  # returns once the request saw it was superseded and let go
+        assert released.wait(5) and merged.in_flight() == 0
+        merged.publish(None, 4)
+    thread.join(5)
