@@ -44,18 +44,20 @@ def _versions(model) -> dict[int, dict[str, torch.Tensor]]:
     return versions
 
 
-def _generate_across_publishes(engine: NativeRolloutEngine, versions, sampling: SamplingParams, monkeypatch):
-    """Generate in another thread; after decode steps PUBLISH_AFTER the generation waits while this
-    thread publishes versions 1 and 2 (events, not a clock), then goes on."""
-    reached = [threading.Event() for _ in PUBLISH_AFTER]
-    published = [threading.Event() for _ in PUBLISH_AFTER]
+def _generate_across_publishes(engine: NativeRolloutEngine, versions, sampling: SamplingParams, monkeypatch,
+                               publish_after=PUBLISH_AFTER):  # fmt: skip
+    """Generate in another thread; after decode steps (speculative rounds with a drafter)
+    `publish_after` the generation waits while this thread publishes versions 1 and 2 (events, not a
+    clock), then goes on."""
+    reached = [threading.Event() for _ in publish_after]
+    published = [threading.Event() for _ in publish_after]
     decode, steps = _Generation._decode, [0]
 
     def decode_then_hold(self, busy):
         decode(self, busy)
         steps[0] += 1
-        if steps[0] in PUBLISH_AFTER:
-            k = PUBLISH_AFTER.index(steps[0])
+        if steps[0] in publish_after:
+            k = publish_after.index(steps[0])
             reached[k].set()
             assert published[k].wait(60)
 
@@ -87,11 +89,15 @@ def test_a_publish_during_generation_applies_between_decode_steps_with_exact_log
         assert sample.token_versions == [0] * a + [1] * b + [2] * (NEW_TOKENS - a - b)
         assert sample.version == 0
     batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=2)
-    token_version = 2 - batch.extras["version_lag"]
     scored = {}
     for version, factors in versions.items():
         engine.update_adapter(version, factors)
         scored[version] = trainer.logprobs(batch, 1.0).logprobs
+    _assert_logprobs_of_each_tokens_version(batch, scored, versions)
+
+
+def _assert_logprobs_of_each_tokens_version(batch, scored, versions) -> None:
+    token_version = max(versions) - batch.extras["version_lag"]
     for version in versions:
         at = batch.loss_mask & (token_version == version)
         assert int(at.sum()) > 0
@@ -101,6 +107,31 @@ def test_a_publish_during_generation_applies_between_decode_steps_with_exact_log
         for other in versions:
             if other != version:
                 assert float((scored[other][at] - batch.rollout_logprobs[at]).abs().max()) > 1e-3
+
+
+def test_a_publish_between_speculative_rounds_tags_each_emitted_token(trainer, qwen3_path, monkeypatch):
+    """With a drafter, a round emits 1 to k+1 tokens; an update applies between rounds, and every
+    token a round emits carries the version that verified it, with that version's log-prob."""
+    from archon.build import build_model
+    from archon.rollout.speculative import DraftModelDrafter
+
+    draft = build_model(qwen3_path, seed=1).model.eval()  # the base without the adapter: often right
+    engine = NativeRolloutEngine(trainer.model, drafter=DraftModelDrafter(draft, 3))
+    versions = _versions(trainer.model)
+    engine.update_adapter(0, versions[0])
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=2, seed=4)
+    samples = _generate_across_publishes(engine, versions, sampling, monkeypatch, publish_after=(6, 12))
+    for sample in samples:
+        runs = [v for i, v in enumerate(sample.token_versions) if i == 0 or sample.token_versions[i - 1] != v]
+        assert runs == [0, 1, 2], sample.token_versions
+        # rounds 1..6 emit 7 to 6 * 4 + 1 tokens of version 0 (the first token comes from the prefill)
+        assert 7 <= sample.token_versions.count(0) <= 25
+    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=2)
+    scored = {}
+    for version, factors in versions.items():
+        engine.update_adapter(version, factors)
+        scored[version] = trainer.logprobs(batch, 1.0).logprobs
+    _assert_logprobs_of_each_tokens_version(batch, scored, versions)
 
 
 def test_an_update_between_generations_applies_at_once(trainer):

@@ -838,6 +838,7 @@ class _Generation:
         row_index = rows[:, None].expand(R, k + 1)
         self.tokens[row_index, columns] = torch.where(emit, out, self.tokens[row_index, columns])
         self.logprobs[row_index, columns] = torch.where(emit, out_logprobs, self.logprobs[row_index, columns])
+        self.token_versions[row_index, columns] = torch.where(emit, self.version_now, self.token_versions[row_index, columns])
         if wants_hidden:
             drafter.verified(verified.view(R, k + 1, -1), out, ngen.clone(), emit.sum(dim=1), live)
         ngen += emit.sum(dim=1)  # in place: views of the engine's per-row state
