@@ -474,7 +474,12 @@ def test_continue_without_a_publish_gives_the_samples_of_finish(setup):
     engine = copy.copy(server)
     engine.update_policy = "continue"
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7, stop_token_ids=(tokenizer.eos_token_id,))
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7)
+    # a stop token that ends the first sample early and not some other one (seeded samples keep
+    # their tokens up to a stop), whatever adapter the earlier tests left served
+    unstopped = server.generate(prompts, sampling)
+    stop = next(t for t in unstopped[0].completion_ids[1:] if any(t not in s.completion_ids for s in unstopped))
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7, stop_token_ids=(stop,))
     finished, continued = server.generate(prompts, sampling), engine.generate(prompts, sampling)
     assert {s.finish_reason for s in finished} == {"stop", "length"}, "both endings should be covered"
     for a, b in zip(finished, continued, strict=True):

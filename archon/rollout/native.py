@@ -105,7 +105,14 @@ from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KeptState, KVCache
 from archon.rollout.policy import ServedPolicy
 from archon.head import full_vocab_logits
-from archon.rollout.speculative import DraftModelDrafter, MTPDrafter, accept_greedy, accept_sampled, processed_logprobs
+from archon.rollout.speculative import (
+    DraftModelDrafter,
+    MTPDrafter,
+    accept_greedy,
+    accept_sampled,
+    processed_logprobs,
+    prompt_chunks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -657,26 +664,11 @@ class _Generation:
         the kept state it continues; with `prefill_chunk_tokens` no forward packs more tokens than
         that, a prompt that does not fit continues in the next forward, and a slot appears at most
         once per forward. No slots: no forwards."""
-        budget = self.engine.prefill_chunk_tokens
-        forwards: list[list[tuple[int, int, int]]] = []
-        pieces: list[tuple[int, int, int]] = []
-        room = budget
+        pieces = []
         for slot in slots:
             group = self.groups[self.slot_group[slot]]
-            start, end = (0 if group.kept is None else len(group.kept.tokens)), len(group.prompt)
-            if budget is None:
-                pieces.append((slot, start, end))
-                continue
-            while start < end:
-                take = min(end - start, room)
-                pieces.append((slot, start, start + take))
-                start, room = start + take, room - take
-                if room == 0:
-                    forwards.append(pieces)
-                    pieces, room = [], budget
-        if pieces:
-            forwards.append(pieces)
-        return forwards
+            pieces.append((slot, 0 if group.kept is None else len(group.kept.tokens), len(group.prompt)))
+        return prompt_chunks(pieces, self.engine.prefill_chunk_tokens)
 
     def _prefill(self, slots: list[int], chunks: list[list[tuple[int, int, int]]]) -> None:
         """Prefill the prompts of `slots` (after the kept state a group continues, only the rest of

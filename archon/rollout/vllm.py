@@ -396,6 +396,12 @@ class _Partial:
         )  # fmt: skip
 
 
+# Tokens per streamed chunk under 'continue': a publish takes effect at a request's next chunk, so
+# this bounds how many tokens a request still samples on the replaced version, while a chunk per
+# token costs the server and the reading thread an event per token.
+STREAM_INTERVAL_TOKENS = 8
+
+
 def continuation_seed(seed: int, sample: int, tokens_so_far: int) -> int:
     """The seed of the request that continues sample `sample` (of a request seeded with `seed`)
     after `tokens_so_far` tokens: reproducible, and unlike the seeds vLLM gives the samples of a
@@ -423,4 +429,5 @@ def _completion_body(model_name: str, prompts: list[list[int]], sampling: Sampli
         body["seed"] = sampling.seed
     if stream:
         body["stream"] = True
+        body["stream_interval"] = STREAM_INTERVAL_TOKENS
     return body
