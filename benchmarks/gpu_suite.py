@@ -34,6 +34,11 @@ Checks (each runs on its own: a failure is recorded and the next check still run
                  replay: a Qwen3-MoE samples in bf16 with the built-in engine, recording its routing,
                  and the trainer scores in fp32 with and without the recorded experts: after a token
                  routed differently the replayed log-probs are nearer the sampler's, elsewhere equal
+                 speculative: greedy decoding with a drafter equals plain decoding (a Qwen3 drafted by
+                 itself against its CUDA-graph decode step on CUDA; a DeepSeek-V3 drafted by its MTP
+                 layer), sampled tokens' log-probs equal the trainer's; acceptance and tok/s reported
+                 partial: two adapter versions published during a generation of the built-in engine,
+                 each token tagged with the version that sampled it, at that version's log-prob
 Context parallelism needs two devices and is not checked here (the suite runs on one); its CPU
 tests run CP against one process with gloo, and benchmarks/long_context.py measures it.
 
@@ -1180,7 +1185,7 @@ def _quantized_run(ctx: Context, path: Path, batch, base: str) -> dict[str, Any]
 
 def check_rollout_systems(ctx: Context) -> dict[str, Any]:
     parts = {}
-    for name, run in (("replay", _replay_part),):
+    for name, run in (("replay", _replay_part), ("speculative", _speculative_part), ("partial", _partial_part)):
         try:
             parts[name] = run(ctx)
         except Exception as exc:
@@ -1256,6 +1261,154 @@ def _replay_part(ctx: Context) -> dict[str, Any]:
         and (not affected.any() or gap_replay[affected].mean() < gap_own[affected].mean())
     )
     return result
+
+
+def _speculative_part(ctx: Context) -> dict[str, Any]:
+    """Speculative decoding on this device: greedy tokens equal plain decoding's (a dense Qwen3 whose
+    plain decode step is captured in a CUDA graph on CUDA, drafted by itself; a DeepSeek-V3 with an
+    MTP layer drafting), and sampled tokens' log-probs equal the trainer's. Random weights make the
+    MTP drafts mostly wrong; acceptance and tok/s are reported, not held."""
+    import copy
+    import importlib
+
+    from archon.batch import PackedBatch
+    from archon.build import build_model
+    from archon.lora import lora_parameters
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.rollout.speculative import DraftModelDrafter, MTPDrafter
+
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    add_mtp_weights = importlib.import_module("helpers").add_mtp_weights
+    new_tokens = ctx.sizes.gen_max_new_tokens * 4
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0)
+    result: dict[str, Any] = {}
+
+    def timed(engine, sampling):
+        ctx.synchronize()
+        start = time.perf_counter()
+        samples = engine.generate(GEN_PROMPTS, sampling)
+        ctx.synchronize()
+        return samples, sum(len(s.completion_ids) for s in samples) / (time.perf_counter() - start)
+
+    dense = build_model(_tiny_checkpoint(ctx, "qwen3", "spec-qwen3"), device=ctx.device).model.eval()
+    plain_engine = NativeRolloutEngine(dense, ctx.device)
+    plain, plain_tps = timed(plain_engine, greedy)
+    self_drafted = NativeRolloutEngine(dense, ctx.device, drafter=DraftModelDrafter(dense, 3))
+    drafted, drafted_tps = timed(self_drafted, greedy)
+    result["qwen3_self_draft"] = {
+        "greedy_tokens_equal": [s.completion_ids for s in drafted] == [s.completion_ids for s in plain],
+        "acceptance": self_drafted.stats.speculative_accepted / max(1, self_drafted.stats.speculative_proposed),
+        "tokens_per_s": {"plain": plain_tps, "speculative": drafted_tps},
+    }
+    del dense, plain_engine, self_drafted
+    _release(ctx)
+
+    path = add_mtp_weights(_tiny_checkpoint(ctx, "deepseek_v3", "spec-deepseek"), "num_nextn_predict_layers")
+    trainer = _engine(ctx, path, "float32", ctx.sizes.lora_rank, 1e-3, 1 << 20)
+    mtp_model = build_model(path, device=ctx.device, mtp=True).model.eval()
+    plain, plain_tps = timed(NativeRolloutEngine(mtp_model, ctx.device), greedy)
+    mtp_engine = NativeRolloutEngine(mtp_model, ctx.device, drafter=MTPDrafter(mtp_model, 2))
+    drafted, drafted_tps = timed(mtp_engine, greedy)
+    # sampled with a draft model the target often accepts (its own base), scored by the trainer
+    g = torch.Generator().manual_seed(ctx.seed)
+    with torch.no_grad():
+        for p in lora_parameters(trainer.model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    draft = copy.deepcopy(mtp_model)
+    draft.mtp = torch.nn.ModuleList()
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.8, n=2, seed=ctx.seed)
+    sampled_engine = NativeRolloutEngine(trainer.model, ctx.device, drafter=DraftModelDrafter(draft, 3))
+    sampled = sampled_engine.generate(GEN_PROMPTS, sampling)
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in sampled], prompt_lens=[len(s.prompt_ids) for s in sampled]
+    )
+    scored = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    gap = float((scored - torch.tensor([lp for s in sampled for lp in s.logprobs])).abs().max())
+    result["deepseek_v3_mtp"] = {
+        "greedy_tokens_equal": [s.completion_ids for s in drafted] == [s.completion_ids for s in plain],
+        "acceptance": mtp_engine.stats.speculative_accepted / max(1, mtp_engine.stats.speculative_proposed),
+        "tokens_per_s": {"plain": plain_tps, "speculative": drafted_tps},
+        "sampled_acceptance": sampled_engine.stats.speculative_accepted / max(1, sampled_engine.stats.speculative_proposed),
+        "sampled_max_abs_logprob_diff_vs_trainer": gap,
+    }
+    result["pass"] = (
+        result["qwen3_self_draft"]["greedy_tokens_equal"] and result["qwen3_self_draft"]["acceptance"] == 1.0
+        and result["deepseek_v3_mtp"]["greedy_tokens_equal"] and gap <= LOGPROB_ATOL
+    )  # fmt: skip
+    return result
+
+
+def _partial_part(ctx: Context) -> dict[str, Any]:
+    """Partial rollouts on the built-in engine: adapter versions 1 and 2 published (from another
+    thread) while a generation runs, each after a given decode step; every token carries the version
+    that sampled it, and its log-prob is the trainer's under that version. Versions 1 and 2 change
+    only the last layer's MLP factors, so what the engine cached under an earlier version is what
+    the trainer computes, and the comparison is exact."""
+    import threading
+
+    from archon.lora import lora_parameters
+    from archon.rl.rollouts import rollout_batch
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine, _Generation
+
+    trainer = _engine(ctx, _tiny_checkpoint(ctx, "qwen3", "partial"), "float32", ctx.sizes.lora_rank, 1e-3, 1 << 20)
+    params = lora_parameters(trainer.model)
+    last = len(trainer.model.layers) - 1
+    g = torch.Generator().manual_seed(ctx.seed)
+    versions = {0: {n: (torch.randn(p.shape, generator=g) * 0.3).to(p.device) for n, p in params.items()}}
+    for version in (1, 2):
+        versions[version] = {
+            n: (torch.randn(t.shape, generator=g).to(t.device) * 0.3 if n.startswith(f"layers.{last}.") and ".mlp." in n else t)
+            for n, t in versions[version - 1].items()
+        }  # fmt: skip
+    publish_after, new_tokens = (5, 11), 18
+    reached = [threading.Event() for _ in publish_after]
+    published = [threading.Event() for _ in publish_after]
+    decode, steps = _Generation._decode, [0]
+
+    def decode_then_hold(self, busy):
+        decode(self, busy)
+        steps[0] += 1
+        if steps[0] in publish_after:
+            reached[publish_after.index(steps[0])].set()
+            published[publish_after.index(steps[0])].wait(120)
+
+    engine = NativeRolloutEngine(trainer.model, ctx.device)
+    engine.update_adapter(0, versions[0])
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=2, seed=ctx.seed)
+    out: dict[str, Any] = {}
+    _Generation._decode = decode_then_hold
+    try:
+        thread = threading.Thread(target=lambda: out.setdefault("samples", engine.generate(GEN_PROMPTS, sampling)))
+        thread.start()
+        for k, version in enumerate((1, 2)):
+            if not reached[k].wait(300):
+                raise RuntimeError(f"the generation did not reach decode step {publish_after[k]}")
+            engine.update_adapter(version, versions[version])
+            published[k].set()
+        thread.join(300)
+    finally:
+        _Generation._decode = decode
+        for event in published:
+            event.set()
+    samples = out["samples"]
+    expected = [0] * (publish_after[0] + 1) + [1] * (publish_after[1] - publish_after[0])
+    expected += [2] * (new_tokens - len(expected))
+    versions_exact = all(s.token_versions == expected for s in samples)
+    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=2)
+    token_version = 2 - batch.extras["version_lag"]
+    gaps = {}
+    for version, factors in versions.items():
+        engine.update_adapter(version, factors)
+        at = batch.loss_mask & (token_version == version)
+        scored = trainer.logprobs(batch, 1.0).logprobs
+        gaps[version] = float((scored[at] - batch.rollout_logprobs[at]).abs().max())
+    return {
+        "token_versions_exact": versions_exact,
+        "max_abs_logprob_diff_per_version": gaps,
+        "pass": versions_exact and all(gap <= LOGPROB_ATOL for gap in gaps.values()),
+    }
 
 
 # ---- driver ------------------------------------------------------------------------------------------

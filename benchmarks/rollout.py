@@ -366,6 +366,10 @@ def main(args: BenchArgs) -> dict:
     from archon.rollout.native import NativeRolloutEngine
 
     torch.set_num_threads(args.threads)
+    if "speculative" in args.cases and args.cases != ("speculative",):  # the standard cases, then these
+        report = main(dataclasses.replace(args, cases=tuple(c for c in args.cases if c != "speculative")))
+        report["speculative_rows"] = main(dataclasses.replace(args, cases=("speculative",)))["rows"]
+        return report
     if args.cases == ("speculative",):
         report = {"threads": args.threads, "torch": torch.__version__, "load_1min": os.getloadavg()[0],
                   "rows": speculative_main(args)}  # fmt: skip

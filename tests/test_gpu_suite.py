@@ -71,6 +71,9 @@ def test_tiny_suite_passes_every_check(tmp_path):
 
     replay = checks["rollout_systems"]["parts"]["replay"]  # the bf16 sampler's routing, replayed in fp32
     assert replay["tokens"] > 0 and replay["max_gap_no_flip"]["replay"] == replay["max_gap_no_flip"]["own"]
+    speculative = checks["rollout_systems"]["parts"]["speculative"]
+    assert speculative["qwen3_self_draft"]["acceptance"] == 1.0 and speculative["deepseek_v3_mtp"]["greedy_tokens_equal"]
+    assert checks["rollout_systems"]["parts"]["partial"]["token_versions_exact"]
 
     assert json.loads((out / "gpu_suite.json").read_text()) == result
     log = (out / "gpu_suite.log").read_text()
