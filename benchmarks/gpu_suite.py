@@ -322,22 +322,29 @@ def _release(ctx: Context) -> None:
         torch.cuda.empty_cache()
 
 
+def _run_parts(ctx: Context, check: str, parts: dict[str, Callable[[], dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each part of a check run on its own: a failure is recorded (with its traceback in the log)
+    and the next part still runs; the device is released after each."""
+    results = {}
+    for name, run in parts.items():
+        try:
+            results[name] = run()
+        except Exception as exc:  # one part's failure must not hide the others'
+            log.error("%s %s failed:\n%s", check, name, traceback.format_exc())
+            results[name] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            _release(ctx)
+        log.info("%s %s: %s", check, name, results[name])
+    return results
+
+
 # ---- 1. alignment -----------------------------------------------------------------------------------
 
 
 def check_alignment(ctx: Context) -> dict[str, Any]:
     from archon.spec import supported_model_types
 
-    families = {}
-    for model_type in supported_model_types():
-        try:
-            families[model_type] = _align_family(ctx, model_type)
-        except Exception as exc:  # one family's failure must not hide the others'
-            log.error("alignment %s failed:\n%s", model_type, traceback.format_exc())
-            families[model_type] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            _release(ctx)
-        log.info("alignment %s: %s", model_type, families[model_type])
+    families = _run_parts(ctx, "alignment", {t: functools.partial(_align_family, ctx, t) for t in supported_model_types()})
     return {
         "pass": all(r["pass"] for r in families.values()),
         "tolerances": {
@@ -434,16 +441,9 @@ def _engine(ctx: Context, path: Path, dtype: str, lora_rank: int, lr: float, mic
 
 
 def check_train(ctx: Context) -> dict[str, Any]:
-    families = {}
+    families = _run_parts(ctx, "train", {kind: functools.partial(_train_family, ctx, t) for kind, t in TRAIN_FAMILIES.items()})
     for kind, model_type in TRAIN_FAMILIES.items():
-        try:
-            families[kind] = _train_family(ctx, model_type)
-        except Exception as exc:
-            log.error("train %s failed:\n%s", model_type, traceback.format_exc())
-            families[kind] = {"model_type": model_type, "pass": False, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            _release(ctx)
-        log.info("train %s: %s", kind, families[kind])
+        families[kind].setdefault("model_type", model_type)
     return {"pass": all(r["pass"] for r in families.values()), "loss_rtol_bf16_vs_fp32": TRAIN_BF16_LOSS_RTOL,
             "families": families}  # fmt: skip
 
@@ -505,16 +505,7 @@ def _vocab(path: Path) -> int:
 
 
 def check_generation(ctx: Context) -> dict[str, Any]:
-    families = {}
-    for model_type in GEN_FAMILIES:
-        try:
-            families[model_type] = _generation_family(ctx, model_type)
-        except Exception as exc:
-            log.error("generation %s failed:\n%s", model_type, traceback.format_exc())
-            families[model_type] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            _release(ctx)
-        log.info("generation %s: %s", model_type, families[model_type])
+    families = _run_parts(ctx, "generation", {t: functools.partial(_generation_family, ctx, t) for t in GEN_FAMILIES})
     return {"pass": all(r["pass"] for r in families.values()), "logprob_atol": LOGPROB_ATOL, "families": families}
 
 
@@ -1080,16 +1071,7 @@ def check_prefill(ctx: Context) -> dict[str, Any]:
 
 
 def check_quantized(ctx: Context) -> dict[str, Any]:
-    formats = {}
-    for fmt_name in ctx.sizes.quantized_models:
-        try:
-            formats[fmt_name] = _quantized_format(ctx, fmt_name)
-        except Exception as exc:
-            log.error("quantized %s failed:\n%s", fmt_name, traceback.format_exc())
-            formats[fmt_name] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            _release(ctx)
-        log.info("quantized %s: %s", fmt_name, formats[fmt_name])
+    formats = _run_parts(ctx, "quantized", {f: functools.partial(_quantized_format, ctx, f) for f in ctx.sizes.quantized_models})
     return {"pass": all(r["pass"] for r in formats.values()), "loss_rtol_kept_vs_dequantized": QUANTIZED_LOSS_RTOL,
             "formats": formats}  # fmt: skip
 
@@ -1184,16 +1166,8 @@ def _quantized_run(ctx: Context, path: Path, batch, base: str) -> dict[str, Any]
 
 
 def check_rollout_systems(ctx: Context) -> dict[str, Any]:
-    parts = {}
-    for name, run in (("replay", _replay_part), ("speculative", _speculative_part), ("partial", _partial_part)):
-        try:
-            parts[name] = run(ctx)
-        except Exception as exc:
-            log.error("rollout_systems %s failed:\n%s", name, traceback.format_exc())
-            parts[name] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            _release(ctx)
-        log.info("rollout_systems %s: %s", name, parts[name])
+    runs = {"replay": _replay_part, "speculative": _speculative_part, "partial": _partial_part}
+    parts = _run_parts(ctx, "rollout_systems", {name: functools.partial(run, ctx) for name, run in runs.items()})
     return {"pass": all(r["pass"] for r in parts.values()), "parts": parts}
 
 
