@@ -131,5 +131,21 @@ def main(argv: list[str] | None = None) -> None:
         _exit_with_error(e, every_rank=True)
 
 
+def _end_launched_process() -> None:
+    """End a torchrun-launched rank once its run is over, skipping the interpreter's teardown.
+
+    By then the run has closed everything it opened (servers, trackers, run directory) and
+    destroyed its process group; what is left are C++ threads of torch.distributed's stores and
+    groups. Destroying those at interpreter exit has aborted a rank that had finished
+    ("terminate called without an active exception", SIGABRT) under load, and torchrun then
+    reports the whole run as failed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _end_launched_process()
