@@ -209,6 +209,19 @@ def run_vllm_drafter(model_dir: Path, out: Path) -> dict:
     return torch.load(out)
 
 
+def _assert_matches_vllm_drafter(path, drafter: dict) -> None:
+    """archon's main model and MTP layer at `path` against what vLLM's drafter was given and returned
+    on PROMPT (run_vllm_drafter's record): the hidden states it was fed, its logits and hidden."""
+    model = build_model(path, mtp=True).model
+    tokens, positions, cu, T = packed(PROMPT)
+    assert drafter["input_ids"][:-1].tolist() == PROMPT[1:] and drafter["positions"].tolist() == positions.tolist()
+    hidden = model(tokens, positions, cu, T, return_hidden=True)
+    torch.testing.assert_close(hidden, drafter["hidden_states"], rtol=0, atol=1e-4)
+    logits, mtp_hidden = model.mtp_logits(drafter["hidden_states"], drafter["input_ids"].long(), positions, cu, T)
+    torch.testing.assert_close(logits, drafter["logits"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(mtp_hidden, drafter["hidden"], rtol=0, atol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @torch.no_grad()
@@ -227,14 +240,7 @@ def test_deepseek_v3_mtp_matches_vllm(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     drafter = run_vllm_drafter(path, tmp_path / "drafter.pt")
 
-    model = build_model(path, mtp=True).model
-    tokens, positions, cu, T = packed(PROMPT)
-    assert drafter["input_ids"][:-1].tolist() == PROMPT[1:] and drafter["positions"].tolist() == positions.tolist()
-    hidden = model(tokens, positions, cu, T, return_hidden=True)
-    torch.testing.assert_close(hidden, drafter["hidden_states"], rtol=0, atol=1e-4)
-    logits, mtp_hidden = model.mtp_logits(drafter["hidden_states"], drafter["input_ids"].long(), positions, cu, T)
-    torch.testing.assert_close(logits, drafter["logits"], rtol=0, atol=1e-4)
-    torch.testing.assert_close(mtp_hidden, drafter["hidden"], rtol=0, atol=1e-4)
+    _assert_matches_vllm_drafter(path, drafter)
 
 
 @pytest.mark.slow
@@ -249,14 +255,7 @@ def test_qwen3_next_mtp_matches_vllm(tmp_path):
     add_mtp_weights(path, MTP_FIELD["qwen3_next"], seed=1)
     drafter = run_vllm_drafter(path, tmp_path / "drafter.pt")
 
-    model = build_model(path, mtp=True).model
-    tokens, positions, cu, T = packed(PROMPT)
-    assert drafter["input_ids"][:-1].tolist() == PROMPT[1:] and drafter["positions"].tolist() == positions.tolist()
-    hidden = model(tokens, positions, cu, T, return_hidden=True)
-    torch.testing.assert_close(hidden, drafter["hidden_states"], rtol=0, atol=1e-4)
-    logits, mtp_hidden = model.mtp_logits(drafter["hidden_states"], drafter["input_ids"].long(), positions, cu, T)
-    torch.testing.assert_close(logits, drafter["logits"], rtol=0, atol=1e-4)
-    torch.testing.assert_close(mtp_hidden, drafter["hidden"], rtol=0, atol=1e-4)
+    _assert_matches_vllm_drafter(path, drafter)
 
 
 @pytest.mark.vllm

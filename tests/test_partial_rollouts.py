@@ -88,15 +88,17 @@ def test_a_publish_during_generation_applies_between_decode_steps_with_exact_log
     for sample in samples:
         assert sample.token_versions == [0] * a + [1] * b + [2] * (NEW_TOKENS - a - b)
         assert sample.version == 0
-    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=2)
+    _assert_logprobs_of_each_tokens_version(engine, trainer, samples, versions)
+
+
+def _assert_logprobs_of_each_tokens_version(engine, trainer, samples, versions) -> None:
+    """Each token's rollout log-prob is the trainer's under the version that sampled it (the
+    trainer scores the samples under each version in turn, published through the engine)."""
+    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=max(versions))
     scored = {}
     for version, factors in versions.items():
         engine.update_adapter(version, factors)
         scored[version] = trainer.logprobs(batch, 1.0).logprobs
-    _assert_logprobs_of_each_tokens_version(batch, scored, versions)
-
-
-def _assert_logprobs_of_each_tokens_version(batch, scored, versions) -> None:
     token_version = max(versions) - batch.extras["version_lag"]
     for version in versions:
         at = batch.loss_mask & (token_version == version)
@@ -126,12 +128,7 @@ def test_a_publish_between_speculative_rounds_tags_each_emitted_token(trainer, q
         assert runs == [0, 1, 2], sample.token_versions
         # rounds 1..6 emit 7 to 6 * 4 + 1 tokens of version 0 (the first token comes from the prefill)
         assert 7 <= sample.token_versions.count(0) <= 25
-    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=2)
-    scored = {}
-    for version, factors in versions.items():
-        engine.update_adapter(version, factors)
-        scored[version] = trainer.logprobs(batch, 1.0).logprobs
-    _assert_logprobs_of_each_tokens_version(batch, scored, versions)
+    _assert_logprobs_of_each_tokens_version(engine, trainer, samples, versions)
 
 
 def test_an_update_between_generations_applies_at_once(trainer):
