@@ -433,9 +433,10 @@ def build_model(
     elif lora is not None:
         peft_adapter_config(model, converter, lora, str(path))  # fail now, not at the first export
     model.to(dtype)
+    lora_dtype = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 under an fp64 base
     for name, param in model.named_parameters():
         if is_lora_param(name):
-            param.data = param.data.float()
+            param.data = param.data.to(lora_dtype)
     if lora is not None:
         mark_only_lora_trainable(model)
 

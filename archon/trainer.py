@@ -90,7 +90,8 @@ class TrainerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dtype: DTypeName = "float32"
-    """Base-weight dtype (LoRA factors are always fp32). Use float32 on CPU."""
+    """Base-weight dtype. LoRA factors are fp32, or fp64 under a float64 base (the arithmetic equality
+    tests compare in, with archon.precision.fp32_islands_in_fp64). Use float32 on CPU."""
     quantized_base: Literal["keep", "dequantize"] = "keep"
     """For an FP8 or MXFP4 checkpoint: keep its weights quantized and frozen, dequantized per GEMM
     (keep), or dequantize them into `dtype` as they load (dequantize)."""
@@ -478,7 +479,7 @@ class Trainer:
                     # Keeps this rank's collectives in step with ranks that have more micro-batches.
                     loss = loss * 0.0
                 else:
-                    loss_sums[name] += loss.detach().float()
+                    loss_sums[name] = loss_sums[name] + loss.detach().float()  # not in place: fp64 stays fp64
                     reports[name].add(metrics, float(sub.loss_mask.sum()))
                 if self.multi_task and not bool(torch.isfinite(loss.detach())):
                     loss = lp.sum() * 0.0  # the backward still runs (FSDP's collectives), with no gradient

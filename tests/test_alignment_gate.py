@@ -9,11 +9,11 @@ import torch
 from transformers import AutoConfig
 
 from archon.config_coverage import GENERIC_INERT_FIELDS, fields_read, unaccounted_fields
+from archon.precision import fp32_islands_in_fp64
 from archon.spec import ModelSpec, get_spec, supported_model_types
 from archon.tools.align import (
     TOLERANCES,
     AlignArgs,
-    fp32_islands_in_fp64,
     main,
     parse_config_assignments,
     run_alignment,

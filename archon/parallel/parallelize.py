@@ -55,8 +55,8 @@ from archon.parallel.dims import ParallelDims
 from archon.parallel.expert_parallel import shard_experts
 from archon.parallel.tensor_parallel import apply_tp_plan, require_whole_scale_blocks
 
-DTypeName = Literal["float32", "bfloat16", "float16"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTypeName = Literal["float32", "bfloat16", "float16", "float64"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass
@@ -90,7 +90,7 @@ class ParallelConfig:
     param_dtype: DTypeName | None = None
     """FSDP2 compute dtype for parameters; None keeps each parameter's own dtype."""
     reduce_dtype: DTypeName = "float32"
-    """FSDP2 gradient reduce-scatter dtype."""
+    """FSDP2 gradient reduce-scatter dtype (a float64 model reduces in float64 whatever this says)."""
     reshard_after_forward: bool = True
     """Free each block's gathered parameters after its forward (re-gathered for backward)."""
 
@@ -122,9 +122,11 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    reduce_dtype = DTYPES[config.reduce_dtype]
+    if any(p.dtype == torch.float64 for p in model.parameters()):
+        reduce_dtype = torch.float64  # an fp32 reduce would round an fp64 run's gradients to fp32
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=DTYPES[config.param_dtype] if config.param_dtype else None,
-        reduce_dtype=DTYPES[config.reduce_dtype],
+        param_dtype=DTYPES[config.param_dtype] if config.param_dtype else None, reduce_dtype=reduce_dtype
     )
     mesh = dims.fsdp_mesh
     for block in blocks:
