@@ -156,3 +156,26 @@ def add_mtp_weights(model_dir: Path, config_field: str, num_layers: int = 1, see
             tensors.update(converter.to_hf(key, tensors[hf_key]))
     save_file({k: v.contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors", metadata={"format": "pt"})
     return model_dir
+
+
+def assert_close_reporting(got, want, atol: float, where: str) -> None:
+    """|got - want| <= atol everywhere (tensors, floats or lists of floats), else an AssertionError
+    that says where, by how much, at which index and against which tolerance."""
+    got_t = torch.as_tensor(got, dtype=torch.float64)
+    want_t = torch.as_tensor(want, dtype=torch.float64)
+    if got_t.shape != want_t.shape:
+        raise AssertionError(f"{where}: shape {tuple(got_t.shape)} against {tuple(want_t.shape)} expected")
+    if got_t.numel() == 0:
+        return
+    diff = (got_t - want_t).abs()
+    nonfinite = ~(torch.isfinite(got_t) & torch.isfinite(want_t))
+    same_nonfinite = nonfinite & ((got_t == want_t) | (got_t.isnan() & want_t.isnan()))
+    diff = torch.where(same_nonfinite, torch.zeros_like(diff), torch.where(nonfinite, torch.full_like(diff, float("inf")), diff))
+    worst = int(diff.argmax())
+    if diff.flatten()[worst] > atol:
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape)) if diff.dim() else ()
+        raise AssertionError(
+            f"{where}: max |difference| {diff.flatten()[worst].item():.3e} > tolerance {atol:.1e} at index {index} "
+            f"(got {got_t.flatten()[worst].item()!r}, expected {want_t.flatten()[worst].item()!r}); "
+            f"{int((diff > atol).sum())} of {diff.numel()} values beyond it"
+        )
