@@ -9,6 +9,7 @@ generate the same prompts. Each rank's samples must equal those of the unsharded
 the same prompts in one process; rank 0 writes the comparison. Under FSDP the ranks also run a
 three-turn episode with kept sessions (each rank its own trajectories, so that the ranks prefill
 different numbers of tokens), against the unsharded model prefilling every trajectory in full.
+Every model is fp64 and runs inside `fp32_islands_in_fp64`: the layouts are compared in float64.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from archon.build import build_model
 from archon.checkpoint.hf import copy_local_into, local_region
 from archon.lora import LoRAConfig, lora_parameters
 from archon.parallel import ParallelConfig
+from archon.precision import fp32_islands_in_fp64
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from worker_exit import exit_when_every_rank_is_done  # the script's folder, tests/, is on sys.path
@@ -69,7 +71,7 @@ def main(out: str, hf_dir: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference = build_model(hf_dir, lora=LORA).model.eval()
+    reference = build_model(hf_dir, lora=LORA, dtype=torch.float64).model.eval()
     _randomize_lora(reference)
     greedy = SamplingParams(max_new_tokens=6, temperature=0, n=2)
     # the reference's greedy tokens give a stop token that ends some sequences early
@@ -79,7 +81,7 @@ def main(out: str, hf_dir: str) -> None:
     results = {}
     for layout, degrees in {"fsdp2": dict(tp=1, dp_shard=2), "tp2": dict(tp=2, dp_shard=1)}.items():
         config = ParallelConfig(**degrees)
-        model = build_model(hf_dir, lora=LORA, parallel=config, dims=config.dims(world, "cpu")).model.eval()
+        model = build_model(hf_dir, lora=LORA, dtype=torch.float64, parallel=config, dims=config.dims(world, "cpu")).model.eval()
         _randomize_lora(model)
         engine = NativeRolloutEngine(model, max_batch_sequences=4)  # two blocks of 2: refilled
         expected = _summary(NativeRolloutEngine(reference, max_batch_sequences=4).generate(mine[layout], sampling))
@@ -101,4 +103,5 @@ def main(out: str, hf_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    with fp32_islands_in_fp64():
+        main(sys.argv[1], sys.argv[2])

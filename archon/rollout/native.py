@@ -520,7 +520,9 @@ class _Generation:
         # per row, on the device; column ngen of `tokens` takes the next token (one spare column for
         # rows that are done and keep writing there until they start another sample)
         self.tokens = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
-        self.logprobs = torch.zeros(rows, self.max_new + 1, dtype=torch.float32, device=dev)
+        # fp32, or fp64 for an fp64 model (whose log-probs an equality test compares in fp64)
+        logprob_dtype = torch.promote_types(self.model.embed_tokens.weight.dtype, torch.float32)
+        self.logprobs = torch.zeros(rows, self.max_new + 1, dtype=logprob_dtype, device=dev)
         self.token_versions = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=dev)
         self.version_now = torch.tensor(version, dtype=torch.long, device=dev)
         """self.version on the device (written in place: a captured decode step reads it)."""
