@@ -2,7 +2,13 @@
 dequantization of the published recipes (checked by hand and against transformers where
 transformers is right), HF transformers and PEFT on that dequantized copy for every family with a
 published low-precision checkpoint, the memory contract of a kept-quantized base, and the errors
-for malformed quantized checkpoints."""
+for malformed quantized checkpoints.
+
+The comparisons of two computations of the same math (archon against HF and PEFT on the same
+dequantized weights, a kept-quantized base against one dequantized at load) run in float64 with
+fp32 islands kept in fp64 (`fp32_islands_in_fp64`): both sides dequantize each weight to the same
+values (the product of the stored value and its scale, formed in fp32 as the recipes define it), so
+what is left between them is float64 rounding."""
 
 import json
 import shutil
@@ -11,17 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_close_reporting
 from safetensors.torch import load_file, save_file
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
+from archon.precision import fp32_islands_in_fp64
 from archon.quant import QuantFormat, quantized_weights
 from archon.quant.export import quantize_checkpoint
 from archon.quant.formats import dequantize, fp8_rows_from_checkpoint, mxfp4_rows_from_checkpoint, quantize_fp8
 from archon.tools.align import (
-    MAX_ABS_LOGITS_DIFF,
-    MAX_LORA_GRAD_REL_ERR,
-    MAX_MEAN_KL,
     AlignArgs,
     main,
     make_tiny_hf_checkpoint,
@@ -159,21 +164,27 @@ PARITY_CASES = {
 
 
 def _check_report(report: dict) -> None:
+    """A float64 gate report that passed: every figure within the gate's fp64 tolerance (logits and
+    log-probs 1e-9, mean KL 1e-15, LoRA gradients 1e-9 relative), the base kept quantized, the PEFT
+    keys matched and the adapter in effect."""
+    case = f"{report['model_type']} {report['quantization']}"
+    assert report["dtype"] == "float64", f"{case}: run in {report['dtype']}"
     assert report["quantized_tensors"] > 0 and report["archon_quantized_weights"] > 0, report
-    assert report["max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
-    assert report["mean_kl"] <= MAX_MEAN_KL, report
-    assert report["lora_max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
-    assert report["lora_grad_max_rel_err"] <= MAX_LORA_GRAD_REL_ERR, report
+    beyond = {name: f"{report[name]:.3e} > {tol:.1e}" for name, tol in report["tolerances"].items() if not report[name] <= tol}
+    assert not beyond, f"{case}: {beyond}"
     assert report["peft_missing_keys"] == [] and report["peft_unexpected_keys"] == [], report
-    assert report["lora_effect_max_abs"] > 1e-3, report
-    assert report["pass"], report
+    assert report["lora_effect_max_abs"] > 1e-3, f"{case}: the adapter changes the logits by {report['lora_effect_max_abs']:.3e}"
+    assert report["pass"], f"{case}: {report['failures']}"
 
 
 @pytest.mark.parametrize("case", sorted(PARITY_CASES))
 def test_kept_quantized_base_matches_hf_and_peft(case):
     model_type, quantize, overrides = PARITY_CASES[case]
     report = run_alignment(
-        AlignArgs(model_type=model_type, quantize=quantize, config_overrides=overrides, lora_rank=4, seq_lens=SEQ_LENS)
+        AlignArgs(
+            model_type=model_type, quantize=quantize, config_overrides=overrides, lora_rank=4, seq_lens=SEQ_LENS,
+            dtype="float64",
+        )
     )
     assert report["quantization"] == str(quantize_option_format(quantize))
     _check_report(report)
@@ -182,7 +193,7 @@ def test_kept_quantized_base_matches_hf_and_peft(case):
 def test_align_cli_checks_a_quantized_checkpoint_given_by_path(quantized, capsys):
     """GPT-OSS with MXFP4 experts, as published, through `--hf-path` alone."""
     path = quantized("gpt_oss", MXFP4)
-    code = main(["--hf-path", str(path), "--lora-rank", "4", "--seq-lens", *map(str, SEQ_LENS)])
+    code = main(["--hf-path", str(path), "--lora-rank", "4", "--dtype", "float64", "--seq-lens", *map(str, SEQ_LENS)])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0, out
@@ -224,11 +235,12 @@ def test_kept_quantized_and_dequantized_at_load_give_the_same_logits(case, quant
     _, tokens, positions, cu_seqlens = packed_batch(SEQ_LENS, 256, seed=0)
     logits = {}
     for mode in ("keep", "dequantize"):
-        model = build_model(path, quantized_base=mode).model.eval()
+        model = build_model(path, dtype=torch.float64, quantized_base=mode).model.eval()
         assert (len(quantized_weights(model)) > 0) == (mode == "keep")
-        with torch.no_grad():
+        with torch.no_grad(), fp32_islands_in_fp64():
             logits[mode] = model(tokens, positions, cu_seqlens, max(SEQ_LENS))
-    torch.testing.assert_close(logits["keep"], logits["dequantize"], rtol=0, atol=1e-6)
+    # measured at most 3.1e-15 (gpt_oss MXFP4 experts; qwen3_moe fp8: bit-identical)
+    assert_close_reporting(logits["keep"], logits["dequantize"], 1e-10, f"{case}: logits, kept against dequantized at load")
 
 
 def _weight_shaped_saved_tensors(path: Path, quantized_base: str, weights: dict[str, set]) -> tuple[list, dict]:
