@@ -120,7 +120,7 @@ def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
     for key in a:
         assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, (key, a[key].dtype, b[key].dtype)
         if exact:
-            assert torch.equal(a[key], b[key]), f"{key}: max |difference| {float((a[key] - b[key]).abs().max()):.3e}"
+            assert torch.equal(a[key], b[key]), f"{key}: max |difference| {float((a[key].double() - b[key].double()).abs().max()):.3e}"
         else:
             assert a[key].dtype == torch.float64, f"{key}: {a[key].dtype} compared to float64's tolerance"
             assert_close_reporting(a[key], b[key], FP64_TOL, key)
