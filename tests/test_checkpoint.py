@@ -1,4 +1,8 @@
-"""Resume checkpoints (DCP): exact continuation, atomic writes, keep-last-K; sliced HF loading."""
+"""Resume checkpoints (DCP): exact continuation, atomic writes, keep-last-K; sliced HF loading.
+
+The runs whose losses a resumed run must continue are float64 trainers inside
+`fp32_islands_in_fp64`: a checkpoint that rounded a parameter or an optimizer moment to fp32 would
+change the losses that follow, and the comparison is exact (the same computation from the same state)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ import torch
 
 from archon.checkpoint.hf import HFCheckpoint, read_local
 from archon.checkpoint.resume import TRAINER_STATE, CheckpointError, CheckpointManager
+from archon.precision import fp32_islands_in_fp64
 from archon.trainer import Trainer
+
+
+def _fp64_config(path, **kwargs):
+    return cases.engine_config(path, dtype="float64", **kwargs)
 
 
 def _step_batch(trainer, step):
@@ -32,27 +41,30 @@ def _train(trainer, steps, manager=None):
 def test_resume_continues_with_the_uninterrupted_losses(qwen3_path, tmp_path):
     """Single process: 3 steps, save, a new engine (other seed) resumes, 3 more == 6 in one go.
     LoRA dropout is on, so the RNG state has to come back too."""
-    uninterrupted = _train(Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(6))
-    manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
-    first = _train(Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1)), range(3), manager)
-    resumed = Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1, seed=7))
-    state = resumed.load_checkpoint(manager)
-    assert state["data"] == {"next_step": 3} and state["step"] == 3 and resumed.optimizer_steps == 3
-    second = _train(resumed, range(state["data"]["next_step"], 6))
-    assert first + second == uninterrupted
+    with fp32_islands_in_fp64():
+        uninterrupted = _train(Trainer(_fp64_config(qwen3_path, lora_dropout=0.1)), range(6))
+        manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
+        first = _train(Trainer(_fp64_config(qwen3_path, lora_dropout=0.1)), range(3), manager)
+        resumed = Trainer(_fp64_config(qwen3_path, lora_dropout=0.1, seed=7))
+        assert all(p.dtype == torch.float64 for p in resumed.model.parameters() if p.requires_grad)
+        state = resumed.load_checkpoint(manager)
+        assert state["data"] == {"next_step": 3} and state["step"] == 3 and resumed.optimizer_steps == 3
+        second = _train(resumed, range(state["data"]["next_step"], 6))
+    assert first + second == uninterrupted, f"losses {first} + {second} against uninterrupted {uninterrupted}"
     assert [p.name for p in manager.checkpoints()] == ["step-00000002", "step-00000003"]
 
 
 def test_resume_without_rng_restore_would_differ(qwen3_path, tmp_path):
     """The exactness above is not vacuous: with dropout, a different RNG stream changes the losses."""
     manager = CheckpointManager(tmp_path / "ckpts")
-    trainer = Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1))
-    _train(trainer, range(2), manager)
-    expected = _train(trainer, range(2, 3))
-    resumed = Trainer(cases.engine_config(qwen3_path, lora_dropout=0.1))
-    resumed.load_checkpoint(manager)
-    torch.manual_seed(12345)
-    assert _train(resumed, range(2, 3)) != expected
+    with fp32_islands_in_fp64():
+        trainer = Trainer(_fp64_config(qwen3_path, lora_dropout=0.1))
+        _train(trainer, range(2), manager)
+        expected = _train(trainer, range(2, 3))
+        resumed = Trainer(_fp64_config(qwen3_path, lora_dropout=0.1))
+        resumed.load_checkpoint(manager)
+        torch.manual_seed(12345)
+        assert _train(resumed, range(2, 3)) != expected
 
 
 def test_failed_save_leaves_no_checkpoint(qwen3_path, tmp_path, monkeypatch):
@@ -92,7 +104,8 @@ def test_two_process_resume_after_kill_continues_exactly(qwen3_path, tmp_path):
     first = torch.load(tmp_path / "first.pt")
     second = torch.load(tmp_path / "second.pt")
     assert second["resumed_step"] == 4
-    assert first["first_half"] + second["second_half"] == first["uninterrupted"]
+    resumed = first["first_half"] + second["second_half"]
+    assert resumed == first["uninterrupted"], f"losses {resumed} against uninterrupted {first['uninterrupted']}"
     assert second["checkpoints"] == ["step-00000003", "step-00000004"]  # keep_last=2
 
 
