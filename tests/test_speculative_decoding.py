@@ -1,30 +1,44 @@
 """Speculative decoding in the embedded engine (archon/rollout/speculative.py): greedy output equals
 plain greedy decoding token for token, sampled output follows the target's distribution (a
-chi-square test, which fails once the rejection step is broken), and the log-probs are the target's."""
+chi-square test, which fails once the rejection step is broken), and the log-probs are the target's.
+
+The equalities (speculative against plain greedy decoding, rollout log-probs against the trainer's,
+drafts against the MTP layer over the whole sequence) run fp64 models inside
+`fp32_islands_in_fp64`: what is left between the two sides is float64 rounding, and no argmax flips
+on a near-tie that another CPU's fp32 arithmetic would round the other way."""
 
 import pytest
 import torch
+from helpers import assert_close_reporting
 
 from archon.build import build_model
 from archon.lora import LoRAConfig
+from archon.precision import fp32_islands_in_fp64
 from archon.rollout import speculative
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine, truncated_logprobs
 from archon.rollout.speculative import DraftModelDrafter
 
 PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+LOGPROB_ATOL = 1e-10  # measured at most 4.4e-15
 
 
-def _model(path):
-    return build_model(path).model.eval()
+@pytest.fixture(autouse=True)
+def _fp64_arithmetic():
+    with fp32_islands_in_fp64():
+        yield
+
+
+def _model(path, **build_kwargs):
+    return build_model(path, dtype=torch.float64, **build_kwargs).model.eval()
 
 
 def _assert_same(got, expected):
     assert [(s.prompt_index, s.completion_ids, s.finish_reason) for s in got] == [
         (s.prompt_index, s.completion_ids, s.finish_reason) for s in expected
     ]
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert_close_reporting(a.logprobs, b.logprobs, LOGPROB_ATOL, f"sample {i} (prompt {a.prompt_index}): log-probs")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "deepseek_v3", "gpt_oss"])
@@ -94,9 +108,10 @@ def _sampled_pair_test(target, draft, sampling, prompt, samples):
 
 def test_sampled_tokens_follow_the_target_distribution(tiny_checkpoint, monkeypatch):
     """4000 samples of tokens 1 and 2 over a vocabulary of 8 (temperature and top-k processed);
-    accepting every draft instead of min(1, p/q) makes the same test fail."""
-    target = _model(tiny_checkpoint("qwen3", seed=0, vocab_size=8))
-    draft = _model(tiny_checkpoint("qwen3", seed=1, vocab_size=8))
+    accepting every draft instead of min(1, p/q) makes the same test fail. (A statistical test, not
+    an equality: fp32 models, as served.)"""
+    target = build_model(tiny_checkpoint("qwen3", seed=0, vocab_size=8)).model.eval()
+    draft = build_model(tiny_checkpoint("qwen3", seed=1, vocab_size=8)).model.eval()
     sampling = SamplingParams(max_new_tokens=3, temperature=0.9, top_k=6, n=8, seed=0)
     p_value, stats = _sampled_pair_test(target, draft, sampling, [1, 2, 3], 4000)
     assert p_value > 1e-3
@@ -121,7 +136,8 @@ def test_logprobs_equal_the_trainers(tiny_checkpoint):
     from archon.lora import lora_parameters
     from archon.trainer import Trainer, TrainerConfig
 
-    trainer = Trainer(TrainerConfig(model_path=str(tiny_checkpoint("deepseek_v3")), lora=LoRAConfig(rank=4, alpha=8)))
+    config = TrainerConfig(model_path=str(tiny_checkpoint("deepseek_v3")), lora=LoRAConfig(rank=4, alpha=8), dtype="float64")
+    trainer = Trainer(config)
     randomise_lora(lora_parameters(trainer.model), 0.1)
     # a draft the target accepts often: the same weights without their LoRA factors
     draft = _model(tiny_checkpoint("deepseek_v3"))
@@ -132,8 +148,8 @@ def test_logprobs_equal_the_trainers(tiny_checkpoint):
         [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
     )
     expected = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
-    rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
-    torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
+    rollout_lp = [lp for s in samples for lp in s.logprobs]
+    assert_close_reporting(rollout_lp, expected, LOGPROB_ATOL, "completion tokens: rollout against trainer log-probs")
 
 
 def test_tasks_sessions_and_chunked_prefill(tiny_checkpoint):
@@ -144,7 +160,7 @@ def test_tasks_sessions_and_chunked_prefill(tiny_checkpoint):
 
     from archon.lora import lora_parameters
 
-    model = build_model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}).model
+    model = _model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)})
     randomise_lora(lora_parameters(model), 0.2)
     other = _model(tiny_checkpoint("qwen3", seed=1))
     greedy = SamplingParams(max_new_tokens=6, temperature=0, n=2)
@@ -264,7 +280,7 @@ def test_mtp_drafter(deepseek_mtp):
     on a model whose MTP layer is often right (some drafts accepted, some not)."""
     from archon.rollout.speculative import MTPDrafter
 
-    model = build_model(deepseek_mtp, mtp=True).model.eval()
+    model = _model(deepseek_mtp, mtp=True)
     assert len(model.mtp) == 1
     _near_bigram(model, 0.05)
     sampling = SamplingParams(max_new_tokens=8, temperature=0, n=2)
@@ -296,7 +312,7 @@ def test_mtp_drafter(deepseek_mtp):
                     checked += 1
         assert checked >= 8
     with pytest.raises(ValueError, match="multi-token-prediction"):
-        MTPDrafter(build_model(deepseek_mtp).model, 2)
+        MTPDrafter(_model(deepseek_mtp), 2)
 
 
 def test_mtp_drafter_from_the_config_and_trainer_logprobs(deepseek_mtp):
@@ -310,7 +326,7 @@ def test_mtp_drafter_from_the_config_and_trainer_logprobs(deepseek_mtp):
     from archon.trainer import Trainer, TrainerConfig
 
     lora = LoRAConfig(rank=4, alpha=8, experts=False)
-    trainer = Trainer(TrainerConfig(model_path=str(deepseek_mtp), lora=lora, mtp=True))
+    trainer = Trainer(TrainerConfig(model_path=str(deepseek_mtp), lora=lora, mtp=True, dtype="float64"))
     _near_bigram(trainer.model, 0.05)
     randomise_lora(lora_parameters(trainer.model), 0.02)
     drafter = build_drafter(SpeculativeConfig(method="mtp", num_tokens=2), trainer.model, trainer.device)
@@ -322,8 +338,8 @@ def test_mtp_drafter_from_the_config_and_trainer_logprobs(deepseek_mtp):
         [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
     )
     expected = trainer.logprobs(batch, temperature=0.7).logprobs[batch.loss_mask]
-    rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
-    torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
+    rollout_lp = [lp for s in samples for lp in s.logprobs]
+    assert_close_reporting(rollout_lp, expected, LOGPROB_ATOL, "completion tokens: rollout against trainer log-probs")
 
 
 def test_rollout_benchmark_speculative_cases(monkeypatch):
