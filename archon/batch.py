@@ -88,12 +88,12 @@ class PackedBatch:
         cls,
         sequences: Sequence[Sequence[int] | torch.Tensor],
         prompt_lens: Sequence[int] | None = None,
-        advantages: Sequence[float] | None = None,
+        advantages: Sequence[float] | torch.Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> "PackedBatch":
         """Pack token sequences. With `prompt_lens`, only completion tokens (after the prompt) are
         labels in the loss; otherwise every next token is. `advantages` (one per sequence) are
-        broadcast to that sequence's positions."""
+        broadcast to that sequence's positions, in fp32 (fp64 when given as an fp64 tensor)."""
         if not sequences:
             raise ValueError("PackedBatch.from_sequences needs at least one sequence")
         seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
@@ -116,7 +116,9 @@ class PackedBatch:
             loss_mask[start + first : start + n - 1] = True
         adv = None
         if advantages is not None:
-            adv = torch.repeat_interleave(torch.as_tensor(advantages, dtype=torch.float32), torch.tensor(lengths))
+            adv = torch.as_tensor(advantages)
+            adv = adv.to(torch.promote_types(adv.dtype, torch.float32))
+            adv = torch.repeat_interleave(adv, torch.tensor(lengths))
         batch = cls(tokens, positions, cu_seqlens, labels, loss_mask, advantages=adv)
         return batch.to(device)
 

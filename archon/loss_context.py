@@ -67,7 +67,8 @@ class MetricReports:
         for key, value in metrics.items():
             if key == "loss":  # the batch loss is the loss sum, summed exactly; not a per-token mean of it
                 continue
-            value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
+            value = torch.as_tensor(value, device=self.device).detach()
+            value = value.to(torch.promote_types(value.dtype, torch.float32))  # fp32, or fp64 for fp64 values
             if key == "num_tokens":
                 self.sums[key] = self.sums.get(key, 0) + value
             elif key.endswith("_max"):

@@ -9,7 +9,9 @@ tests/test_multi_lora_run.py (not collected by pytest).
 Generation is the one part of a step whose result may depend on the layout (each data-parallel rank
 samples its own prompts with its own seed); replaying the recorded samples leaves every other
 phase (rewards, advantages, log-probs, the losses, the updates, the sync) to be compared with the
-one-process run.
+one-process run. Both runs compute in float64 (pass --model.dtype float64): this worker keeps the
+fp32 islands of the code in fp64 (archon.precision), so the layouts agree to float64 rounding on
+any CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pickle
 import sys
 from pathlib import Path
 
+from archon.precision import fp32_islands_in_fp64
 from archon.rl.config import parse_config
 from archon.rl.loop import RLRun
 
@@ -57,7 +60,8 @@ def main() -> None:
         RLRun._own_rollouts = replaying
     else:
         raise SystemExit(f"unknown mode {mode!r}")
-    RLRun(parse_config(recipe_args)).run()
+    with fp32_islands_in_fp64():
+        RLRun(parse_config(recipe_args)).run()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             mesh_dims = _sharded_mesh_dims(grad)
             local = grad.to_local()
             key = (id(grad.device_mesh), mesh_dims)
-            entry = sharded.setdefault(key, [grad.device_mesh, mesh_dims, torch.zeros((), device=local.device)])
+            total_sq = torch.zeros((), dtype=torch.promote_types(local.dtype, torch.float32), device=local.device)
+            entry = sharded.setdefault(key, [grad.device_mesh, mesh_dims, total_sq])
             entry[2] += local.float().pow(2).sum()
             device = local.device
         else:

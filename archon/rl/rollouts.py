@@ -37,7 +37,7 @@ def rollout_batch(
     batch = PackedBatch.from_sequences(
         [s.prompt_ids + s.completion_ids for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
-        advantages=advantages.tolist(),
+        advantages=advantages,
     )
     rollout_lp = torch.zeros(batch.num_tokens)
     version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
