@@ -1,17 +1,19 @@
-"""archon vs HF transformers (and PEFT) in fp32, for Qwen3 and Qwen3-MoE configurations."""
+"""archon vs HF transformers (and PEFT), for Qwen3 and Qwen3-MoE configurations.
+
+Both sides compute the same math, so the gate runs in float64 with fp32 islands kept in fp64 (its
+float64 tolerances: logits and log-probs 1e-9, mean KL 1e-15, LoRA gradients 1e-9 relative), as do
+archon's packed and per-sequence forwards. Measured on these cases: logits at most 7.8e-15 apart,
+LoRA gradients 3.5e-15 relative."""
 
 import json
 
 import pytest
+import torch
+from helpers import assert_close_reporting
 
+from archon.precision import fp32_islands_in_fp64
 from archon.spec import get_spec, supported_model_types
-from archon.tools.align import (
-    MAX_ABS_LOGITS_DIFF,
-    MAX_LORA_GRAD_REL_ERR,
-    MAX_MEAN_KL,
-    AlignArgs,
-    run_alignment,
-)
+from archon.tools.align import AlignArgs, run_alignment
 
 QWEN3_CASES = {
     "untied-gqa2": {},
@@ -30,21 +32,22 @@ QWEN3_MOE_CASES = {
 
 
 def _check(report, lora: bool):
-    assert report["max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
-    assert report["mean_kl"] <= MAX_MEAN_KL, report
+    case = f"{report['model_type']} {report['config_overrides']}"
+    assert report["dtype"] == "float64", f"{case}: run in {report['dtype']}"
+    assert ("lora_grad_max_rel_err" in report["tolerances"]) == lora, sorted(report["tolerances"])
+    beyond = {name: f"{report[name]:.3e} > {tol:.1e}" for name, tol in report["tolerances"].items() if not report[name] <= tol}
+    assert not beyond, f"{case}: {beyond}"
     if lora:
-        assert report["lora_max_abs_logits_diff"] <= MAX_ABS_LOGITS_DIFF, report
-        assert report["lora_grad_max_rel_err"] <= MAX_LORA_GRAD_REL_ERR, report
         assert report["peft_missing_keys"] == [] and report["peft_unexpected_keys"] == [], report
-        assert report["lora_effect_max_abs"] > 1e-3, report
-    assert report["pass"], report
+        assert report["lora_effect_max_abs"] > 1e-3, f"{case}: the adapter changes the logits by {report['lora_effect_max_abs']:.3e}"
+    assert report["pass"], f"{case}: {report['failures']}"
 
 
 @pytest.mark.parametrize("case", sorted(QWEN3_CASES))
 def test_qwen3_parity(case):
     report = run_alignment(
         AlignArgs(model_type="qwen3", config_overrides=QWEN3_CASES[case], lora_rank=4 if case != "yarn" else None,
-                  seq_lens=(9, 1, 16, 31))
+                  seq_lens=(9, 1, 16, 31), dtype="float64")
     )
     _check(report, lora=case != "yarn")
 
@@ -54,33 +57,32 @@ def test_qwen3_moe_parity(case):
     # Dense MLP layers beside stacked experts: their LoRA is exported as PEFT target_parameters.
     report = run_alignment(
         AlignArgs(model_type="qwen3_moe", config_overrides=QWEN3_MOE_CASES[case], lora_rank=8,
-                  seq_lens=(5, 12, 1, 23))
+                  seq_lens=(5, 12, 1, 23), dtype="float64")
     )
     _check(report, lora=True)
 
 
 def test_packed_equals_separate_archon_forwards(tiny_checkpoint):
     """One packed forward equals archon's own per-sequence forwards: no attention across boundaries."""
-    import torch
-
     from archon.build import build_model
     from archon.tools.align import packed_batch
 
-    model = build_model(tiny_checkpoint("qwen3")).model.eval()
+    model = build_model(tiny_checkpoint("qwen3"), dtype=torch.float64).model.eval()
     seqs, tokens, positions, cu_seqlens = packed_batch((4, 9, 1, 6), 256, seed=3)
-    with torch.no_grad():
+    with torch.no_grad(), fp32_islands_in_fp64():
         packed = model(tokens, positions, cu_seqlens, 9)
         separate = torch.cat(
             [model(s, torch.arange(len(s)), torch.tensor([0, len(s)]), len(s)) for s in seqs]
         )
-    torch.testing.assert_close(packed, separate, rtol=0, atol=1e-5)
+    # measured 5.1e-15
+    assert_close_reporting(packed, separate, 1e-10, "logits, packed against per-sequence forwards")
 
 
 def test_hf_path_alone_reads_the_model_type(tiny_checkpoint, capsys):
     from archon.tools.align import main
 
     path = tiny_checkpoint("qwen3")
-    assert main(["--hf-path", str(path)]) == 0
+    assert main(["--hf-path", str(path), "--dtype", "float64"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["model_type"] == "qwen3" and report["hf_path"] == str(path) and report["pass"]
 
