@@ -39,7 +39,8 @@ def _check(report, lora: bool):
     assert not beyond, f"{case}: {beyond}"
     if lora:
         assert report["peft_missing_keys"] == [] and report["peft_unexpected_keys"] == [], report
-        assert report["lora_effect_max_abs"] > 1e-3, f"{case}: the adapter changes the logits by {report['lora_effect_max_abs']:.3e}"
+        effect = report["lora_effect_max_abs"]
+        assert effect > 1e-3, f"{case}: the adapter changes the logits by {effect:.3e}"
     assert report["pass"], f"{case}: {report['failures']}"
 
 

@@ -147,7 +147,8 @@ def test_a_tasks_gradient_is_bitwise_unaffected_by_another_tasks_data(multi_mode
             # The expert LoRA layer's own isolation is bitwise: see the test below.
             assert_close_reporting(changed_grads["a"][name], grad, FP64_TOL, f"gradient of {name}")
         else:
-            assert torch.equal(grad, changed_grads["a"][name]), f"{name}: {float((grad - changed_grads['a'][name]).abs().max()):.3e}"
+            difference = float((grad - changed_grads["a"][name]).abs().max())
+            assert torch.equal(grad, changed_grads["a"][name]), f"{name}: max |difference| {difference:.3e}"
     assert any(not torch.equal(g, changed_grads["b"][n]) for n, g in grads["b"].items())  # b did see its data
 
 

@@ -379,7 +379,8 @@ def test_rows_start_new_samples_as_soon_as_theirs_end(tiny_checkpoint, model_typ
     group's rows, a row whose sample ended starts the next one at once, so the generation takes fewer
     decode steps than refilling the table group by group would (each group for as many steps as its
     longest sample), and the samples are those of a table holding every sample at once."""
-    model = _fp64_model(tiny_checkpoint(model_type), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)})
+    task_loras = {"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}
+    model = _fp64_model(tiny_checkpoint(model_type), task_loras=task_loras)
     randomise_lora(lora_parameters(model), 0.2)
     prompts = PROMPTS + [[5, 6, 7, 8], [60, 61], [9, 9, 9]]
     adapters = [0, 1, 0, 1, 1, 0]

@@ -173,7 +173,8 @@ def _check_report(report: dict) -> None:
     beyond = {name: f"{report[name]:.3e} > {tol:.1e}" for name, tol in report["tolerances"].items() if not report[name] <= tol}
     assert not beyond, f"{case}: {beyond}"
     assert report["peft_missing_keys"] == [] and report["peft_unexpected_keys"] == [], report
-    assert report["lora_effect_max_abs"] > 1e-3, f"{case}: the adapter changes the logits by {report['lora_effect_max_abs']:.3e}"
+    effect = report["lora_effect_max_abs"]
+    assert effect > 1e-3, f"{case}: the adapter changes the logits by {effect:.3e}"
     assert report["pass"], f"{case}: {report['failures']}"
 
 
