@@ -6,9 +6,10 @@ import threading
 
 import pytest
 import torch
-from helpers import randomise_lora
+from helpers import assert_close_reporting, randomise_lora
 
 from archon.lora import LoRAConfig, lora_parameters
+from archon.precision import fp32_islands_in_fp64
 from archon.rl.rollouts import rollout_batch
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine, _Generation
@@ -19,11 +20,20 @@ PUBLISH_AFTER = (30, 65)
 """The decode steps after which versions 1 and 2 are published."""
 
 
+@pytest.fixture(autouse=True)
+def float64_math():
+    """The engine's log-prob of each token against the trainer's under the token's version is "the
+    same math gives the same numbers": both run in float64 (the trainer below is fp64)."""
+    with fp32_islands_in_fp64():
+        yield
+
+
 @pytest.fixture(scope="module")
 def trainer(qwen3_path):
     from archon.trainer import Trainer, TrainerConfig
 
-    return Trainer(TrainerConfig(model_path=str(qwen3_path), lora=LoRAConfig(rank=4, alpha=8.0), device="cpu"))
+    config = TrainerConfig(model_path=str(qwen3_path), lora=LoRAConfig(rank=4, alpha=8.0), device="cpu", dtype="float64")
+    return Trainer(config)
 
 
 def _versions(model) -> dict[int, dict[str, torch.Tensor]]:
@@ -103,8 +113,8 @@ def _assert_logprobs_of_each_tokens_version(engine, trainer, samples, versions) 
     for version in versions:
         at = batch.loss_mask & (token_version == version)
         assert int(at.sum()) > 0
-        # fp32: 1e-5, and 1e-5 of the log-prob for the unlikely tokens (log-probs of -4 to -10)
-        torch.testing.assert_close(batch.rollout_logprobs[at], scored[version][at], rtol=1e-5, atol=1e-5)
+        # float64 on both sides: float64 rounding is left (far below 1e-10)
+        assert_close_reporting(batch.rollout_logprobs[at], scored[version][at], 1e-10, f"tokens of version {version}")
         # the versions differ where it is measured, so a token tagged with the wrong one would show
         for other in versions:
             if other != version:
@@ -117,7 +127,7 @@ def test_a_publish_between_speculative_rounds_tags_each_emitted_token(trainer, q
     from archon.build import build_model
     from archon.rollout.speculative import DraftModelDrafter
 
-    draft = build_model(qwen3_path, seed=1).model.eval()  # the base without the adapter: often right
+    draft = build_model(qwen3_path, seed=1, dtype=torch.float64).model.eval()  # the base without the adapter: often right
     engine = NativeRolloutEngine(trainer.model, drafter=DraftModelDrafter(draft, 3))
     versions = _versions(trainer.model)
     engine.update_adapter(0, versions[0])

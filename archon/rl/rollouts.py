@@ -39,12 +39,12 @@ def rollout_batch(
         prompt_lens=[len(s.prompt_ids) for s in samples],
         advantages=advantages,
     )
-    rollout_lp = torch.zeros(batch.num_tokens)
+    rollout_lp = torch.zeros(batch.num_tokens, dtype=torch.float64)  # as the engines' Python floats hold them
     version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
     for i, s in enumerate(samples):
         start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
         span = slice(start, start + len(s.completion_ids))
-        rollout_lp[span] = torch.tensor(s.logprobs)
+        rollout_lp[span] = torch.tensor(s.logprobs, dtype=torch.float64)
         version_lag[span] = trainer_version - torch.tensor(s.token_versions, dtype=torch.long)
         if s.completion_mask is not None:  # a multi-turn trajectory: the environment's ids take no loss
             batch.loss_mask[span] &= torch.tensor(s.completion_mask, dtype=torch.bool)
