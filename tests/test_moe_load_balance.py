@@ -7,11 +7,17 @@ import parallel_cases as cases
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close_reporting
 
 from archon.batch import PackedBatch
 from archon.load_balance import MoEConfig, Router, update_correction_biases
 from archon.lora import LoRAConfig, is_lora_param
+from archon.precision import fp32_islands_in_fp64
 from archon.trainer import Trainer
+
+
+# Both sides of every comparison here run in float64: what is left is float64 rounding
+FLOAT64_TOL = 1e-10
 
 
 def _batch(vocab: int) -> PackedBatch:
@@ -26,7 +32,7 @@ def test_aux_loss_equals_hf_load_balancing_loss(tiny_checkpoint, lora_model, mod
     from archon.load_balance import load_balance_loss, routers
 
     loaded = lora_model(tiny_checkpoint(model_type, **overrides), LoRAConfig(rank=4))
-    model = loaded.model.train()
+    model = loaded.model.double().train()  # float64 on both sides: only float64 rounding is left
     layer_routers = routers(model)
     assert len(layer_routers) >= 2
     logits = []
@@ -38,15 +44,23 @@ def test_aux_loss_equals_hf_load_balancing_loss(tiny_checkpoint, lora_model, mod
     for router in layer_routers:
         router.register_forward_hook(record_logits)
     batch = _batch(model.args.vocab_size)
-    model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
-    top_k = layer_routers[0].top_k
-    want = load_balancing_loss_func(tuple(logits), layer_routers[0].routing.num_experts, top_k)
-    got = load_balance_loss(layer_routers)
-    torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=1e-6)
+    with fp32_islands_in_fp64():
+        model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
+        top_k = layer_routers[0].top_k
+        want = load_balancing_loss_func(tuple(logits), layer_routers[0].routing.num_experts, top_k)
+        got = load_balance_loss(layer_routers)
+    assert got.dtype == want.dtype == torch.float64
+    assert_close_reporting(got, want, FLOAT64_TOL, f"{model_type} aux loss against HF's")
     assert got.requires_grad
 
 
-def test_aux_loss_coefficient_adds_its_gradient(tiny_checkpoint):
+@pytest.fixture
+def float64_math():
+    with fp32_islands_in_fp64():
+        yield
+
+
+def test_aux_loss_coefficient_adds_its_gradient(tiny_checkpoint, float64_math):
     """One micro-batch: the LoRA gradient with aux_loss_coef c is the plain one plus c times the
     gradient of the aux loss (the reported moe_aux_loss) of the same forward."""
     from archon.load_balance import load_balance_loss
@@ -57,7 +71,8 @@ def test_aux_loss_coefficient_adds_its_gradient(tiny_checkpoint):
     coef = 0.5
     grads, metrics = {}, {}
     for c in (0.0, coef):
-        trainer = Trainer(cases.engine_config(path, micro_batch_tokens=10_000, moe=MoEConfig(aux_loss_coef=c)))
+        config = cases.engine_config(path, micro_batch_tokens=10_000, moe=MoEConfig(aux_loss_coef=c), dtype="float64")
+        trainer = Trainer(config)
         cases.set_lora_values(trainer, seed=1)
         batch.old_logprobs = trainer.logprobs(batch).logprobs
         metrics[c] = trainer.forward_backward(batch, cases.loss_fn, with_entropy=True)
@@ -68,15 +83,15 @@ def test_aux_loss_coefficient_adds_its_gradient(tiny_checkpoint):
     trainer.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
     aux = load_balance_loss(trainer.routers)
     aux.backward()
-    assert metrics[0.0]["moe_aux_loss"] == pytest.approx(aux.item(), rel=1e-6)
-    assert metrics[coef]["moe_aux_loss"] == pytest.approx(aux.item(), rel=1e-6)
-    assert metrics[coef]["loss"] == pytest.approx(metrics[0.0]["loss"] + coef * aux.item(), abs=1e-6)
+    assert_close_reporting(metrics[0.0]["moe_aux_loss"], aux.item(), FLOAT64_TOL, "moe_aux_loss reported at c=0")
+    assert_close_reporting(metrics[coef]["moe_aux_loss"], aux.item(), FLOAT64_TOL, f"moe_aux_loss reported at c={coef}")
+    assert_close_reporting(metrics[coef]["loss"], metrics[0.0]["loss"] + coef * aux.item(), FLOAT64_TOL, "loss with the aux term")
     changed = 0
     for name, p in trainer.model.named_parameters():
         if not is_lora_param(name):
             continue
         aux_grad = p.grad if p.grad is not None else torch.zeros_like(grads[0.0][name])
-        torch.testing.assert_close(grads[coef][name], grads[0.0][name] + coef * aux_grad, atol=1e-6, rtol=1e-5)
+        assert_close_reporting(grads[coef][name], grads[0.0][name] + coef * aux_grad, FLOAT64_TOL, f"gradient of {name}")
         changed += int(aux_grad.abs().max() > 0)
     assert changed > 0
     assert metrics[0.0]["moe_load_imbalance"] >= 1.0
