@@ -10,11 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import assert_close_reporting
 from safetensors.torch import load_file
 
 from archon.build import build_model
 from archon.lora import LoRAConfig
 from archon.lora.peft import save_merged_hf
+from archon.precision import fp32_islands_in_fp64
 from archon.rollout.base import SamplingParams
 from archon.rollout.policy import ServedPolicy
 from archon.rollout.vllm_server import RequestThreads, Server, VLLMServerError, VLLMServers
@@ -25,6 +27,10 @@ from archon.sync import (
     receive_tensors,
     send_tensors,
 )
+
+
+# Merged weights computed along two paths, both in float64: float64 rounding is what is left
+FLOAT64_TOL = 1e-10
 
 
 def _free_port() -> int:
@@ -90,19 +96,21 @@ def test_buckets_carry_every_tensor_whole_in_order():
 def test_merged_payload_sends_the_modules_holding_lora(tiny_checkpoint, lora_model, tmp_path, model_type, targets, units, changed_names):
     path = tiny_checkpoint(model_type)
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8, target_modules=targets))
+    loaded.model.double()  # the payload and the export merge the same way: compared in float64
     before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
-    merged_dir = save_merged_hf(loaded.model, loaded.converter, tmp_path / "merged", loaded.hf_config.to_dict())
-    merged = load_file(str(merged_dir / "model.safetensors"))
+    with fp32_islands_in_fp64():
+        merged_dir = save_merged_hf(loaded.model, loaded.converter, tmp_path / "merged", loaded.hf_config.to_dict())
+        merged = load_file(str(merged_dir / "model.safetensors"))
+        payload = dict(merged_payload(loaded.model, loaded.converter))
     original = load_file(str(path / "model.safetensors"))
 
-    payload = dict(merged_payload(loaded.model, loaded.converter))
     # every tensor of each attention / MLP / MoE part that carries LoRA, e.g. k_proj beside q_proj
     expected = {k for k in merged if any(f".{unit}." in k for unit in units)}
     assert set(payload) == expected
     changed = set()
     for key, tensor in payload.items():
-        torch.testing.assert_close(tensor, merged[key], rtol=0, atol=1e-6, msg=key)
-        if not torch.equal(tensor, original[key]):
+        assert_close_reporting(tensor, merged[key], FLOAT64_TOL, f"{model_type} payload {key}")
+        if not torch.equal(tensor, original[key].double()):
             changed.add(key.split(".")[-2] if key.endswith("weight") else key.split(".")[-1])
     assert changed == changed_names
     for name, param in loaded.model.named_parameters():
@@ -120,8 +128,19 @@ def test_lora_modules_declare_their_adapter_and_its_delta(tiny_checkpoint, lora_
     assert declared == set(lora_parameters(loaded.model))
     for path, module in lora_modules(loaded.model):
         for name, delta in module.delta_weight().items():
+            assert delta.dtype == torch.float32, f"{path}.{name}: the delta of an fp32 model is fp32"
+    loaded.model.double()  # the values: two ways to the same math, compared in float64
+    with fp32_islands_in_fp64():
+        _check_deltas(loaded.model, model_type)
+
+
+def _check_deltas(model, model_type: str) -> None:
+    from archon.lora import lora_modules
+
+    for path, module in lora_modules(model):
+        for name, delta in module.delta_weight().items():
             weight = getattr(module, name)
-            assert delta.shape == weight.shape and delta.dtype == torch.float32, f"{path}.{name}"
+            assert delta.shape == weight.shape and delta.dtype == torch.float64, f"{path}.{name}"
             if weight.ndim == 2:  # a linear: [out, in] = s * B[out, r] @ A[r, in]
                 expected = module.scaling * module.lora_b.weight.float() @ module.lora_a.weight.float()
             else:  # stacked experts: per expert e, s * B[e] @ A[e], in the weight's layout
@@ -129,18 +148,20 @@ def test_lora_modules_declare_their_adapter_and_its_delta(tiny_checkpoint, lora_
                 expected = torch.stack([lora.scaling * b @ a for a, b in zip(lora.lora_a, lora.lora_b)])
                 if module.input_major:
                     expected = expected.transpose(1, 2)
-            torch.testing.assert_close(delta, expected, rtol=1e-6, atol=1e-6)
+            assert_close_reporting(delta, expected, FLOAT64_TOL, f"{model_type} delta of {path}.{name}")
 
 
 def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_path):
     path = tiny_checkpoint("qwen3")
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
-    merged = load_file(str(save_merged_hf(loaded.model, loaded.converter, tmp_path / "m", loaded.hf_config.to_dict())
-                           / "model.safetensors"))  # fmt: skip
-    payload = dict(full_payload(loaded.model, loaded.converter))
+    loaded.model.double()  # the payload and the export merge the same way: compared in float64
+    with fp32_islands_in_fp64():
+        merged = load_file(str(save_merged_hf(loaded.model, loaded.converter, tmp_path / "m", loaded.hf_config.to_dict())
+                               / "model.safetensors"))  # fmt: skip
+        payload = dict(full_payload(loaded.model, loaded.converter))
     assert set(payload) == set(merged)
     for key, tensor in payload.items():
-        torch.testing.assert_close(tensor, merged[key], rtol=0, atol=1e-6, msg=key)
+        assert_close_reporting(tensor, merged[key], FLOAT64_TOL, f"full payload {key}")
     plain = build_model(path)  # without LoRA: the checkpoint as it is
     original = load_file(str(path / "model.safetensors"))
     sent = dict(full_payload(plain.model, plain.converter))
