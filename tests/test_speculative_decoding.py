@@ -20,7 +20,7 @@ from archon.rollout.native import NativeRolloutEngine, truncated_logprobs
 from archon.rollout.speculative import DraftModelDrafter
 
 PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
-LOGPROB_ATOL = 1e-10  # measured at most 4.4e-15
+LOGPROB_ATOL = 1e-10  # measured at most 6.7e-15
 
 
 @pytest.fixture(autouse=True)
