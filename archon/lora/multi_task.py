@@ -45,7 +45,8 @@ class AdapterRouting:
                 f"{int(task_of_token.min())}..{int(task_of_token.max())}"
             )
         task_of_token = task_of_token.long()
-        grouped = grouped_mm_unavailable(task_of_token.device, torch.float32) is None  # LoRA factors are fp32
+        # fp32 LoRA factors (fp64 ones, in equality tests, take grouped_mm's own loop)
+        grouped = grouped_mm_unavailable(task_of_token.device, torch.float32) is None
         if bool((task_of_token[1:] >= task_of_token[:-1]).all()):
             return cls(task_of_token, None, None, ExpertGroups.from_sorted(task_of_token, num_tasks, grouped))
         order = torch.argsort(task_of_token, stable=True)
