@@ -1,5 +1,6 @@
 """torchrun worker (not collected by pytest): one FSDP2 forward-backward with activation offload
-(forced on CPU) and one without, on two gloo ranks (the gathered weights autograd saves stay put).
+(forced on CPU) and one without, on two gloo ranks (the gathered weights autograd saves stay put),
+in float64 inside fp32_islands_in_fp64.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/activation_offload_worker.py HF_DIR OUT
 
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from archon.lora import is_lora_param  # noqa: E402
 from archon.parallel import ParallelConfig, apply_activation_offload  # noqa: E402
+from archon.precision import fp32_islands_in_fp64  # noqa: E402
 from archon.trainer import Trainer  # noqa: E402
 
 sys.path.append(_TESTS_DIR)
@@ -32,7 +34,7 @@ MIN_BYTES = 1024  # below the tiny model's hidden states on one rank's sequences
 
 def first_step(path: str, offload: bool) -> dict:
     parallel = ParallelConfig(dp_shard=2)
-    trainer = Trainer(cases.engine_config(path, parallel, micro_batch_tokens=10_000))
+    trainer = Trainer(cases.engine_config(path, parallel, micro_batch_tokens=10_000, dtype=cases.EQUALITY_DTYPE))
     hooks = None
     if offload:
         hooks = apply_activation_offload(trainer.model.layers, offload_host_tensors=True, min_bytes=MIN_BYTES)
@@ -49,7 +51,8 @@ def first_step(path: str, offload: bool) -> dict:
 
 def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
-    results = {"plain": first_step(path, offload=False), "offloaded": first_step(path, offload=True)}
+    with fp32_islands_in_fp64():
+        results = {"plain": first_step(path, offload=False), "offloaded": first_step(path, offload=True)}
     if dist.get_rank() == 0:
         torch.save(results, out)
     exit_when_every_rank_is_done()

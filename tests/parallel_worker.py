@@ -2,6 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node N tests/parallel_worker.py parity \
         --out OUT --layouts fsdp2 tp2 --ckpt qwen3=DIR qwen3_moe=DIR
+    ... tests/parallel_worker.py parity --out OUT --layouts qwen3:cp2_tp2 qwen3_moe:cp2_ep2 --ckpt ...
     ... tests/parallel_worker.py resume --out OUT --ckpt qwen3=DIR --phase first|second
     ... tests/parallel_worker.py skip --out OUT --ckpt qwen3=DIR --layouts fsdp2 tp2
     ... tests/parallel_worker.py reshard --out OUT --ckpt qwen3_moe=DIR gpt_oss=DIR --layouts ep2 fsdp2
@@ -9,6 +10,10 @@
     ... tests/parallel_worker.py quantized --out OUT --ckpt fp8=DIR mxfp4=DIR --layouts fp8:fsdp2 mxfp4:ep2
 
 Rank 0 writes its results with torch.save to OUT (a file for parity, a directory for resume).
+
+What is compared with one process runs in float64 (cases.EQUALITY_DTYPE) inside
+archon.precision.fp32_islands_in_fp64, which main enters for every scenario (float32 and bfloat16
+runs compute as they would without it).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from archon.checkpoint.hf import HFCheckpoint  # noqa: E402
 from archon.checkpoint.resume import CheckpointManager  # noqa: E402
 from archon.parallel import ParallelConfig  # noqa: E402
+from archon.precision import fp32_islands_in_fp64  # noqa: E402
 from archon.trainer import Trainer  # noqa: E402
 
 sys.path.append(_TESTS_DIR)
@@ -57,17 +63,19 @@ def count_reads():
 
 
 def parity(args) -> None:
+    """Each --layouts LAYOUT under every --ckpt model, each MODEL:LAYOUT under that model only."""
     ckpts = dict(item.split("=", 1) for item in args.ckpt)
     counter = count_reads()
     results = {}
     for model_type, path in ckpts.items():
         vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
         total = sum(torch.Size(HFCheckpoint(path).shape(k)).numel() for k in HFCheckpoint(path).keys())
-        for layout in args.layouts:
+        layouts = [item.rpartition(":")[2] for item in args.layouts if item.rpartition(":")[0] in ("", model_type)]
+        for layout in layouts:
             world, kwargs = cases.LAYOUTS[layout]
             assert world == int(os.environ["WORLD_SIZE"]), (layout, world)
             counter["elements"] = 0
-            trainer = Trainer(cases.engine_config(path, ParallelConfig(**kwargs)))
+            trainer = Trainer(cases.engine_config(path, ParallelConfig(**kwargs), dtype=cases.EQUALITY_DTYPE))
             read = torch.tensor([counter["elements"]])
             gathered = [torch.zeros_like(read) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, read)
@@ -81,8 +89,14 @@ def parity(args) -> None:
             result["checkpoint_elements"] = total
             result["export_dir"] = str(export_dir)
             del trainer
+            if layout == "fsdp2":
+                # the production dtype, whose FSDP2 reduce (fp32) and grouped expert GEMMs the fp64
+                # runs do not take
+                result["float32"] = cases.run_case(Trainer(cases.engine_config(path, ParallelConfig(**kwargs))), vocab)
             if layout == "fsdp2" and model_type == "qwen3":
-                result["full_ft_losses"] = cases.run_full_finetune(path, vocab, ParallelConfig(**kwargs))
+                result["full_ft_losses"] = cases.run_full_finetune(
+                    path, vocab, ParallelConfig(**kwargs), dtype=cases.EQUALITY_DTYPE
+                )
             if layout == "ep2":
                 result["mixed_precision"] = {
                     name: cases.run_mixed_precision(path, vocab, ParallelConfig(**kwargs))
@@ -109,7 +123,7 @@ def quantized(args) -> None:
         world, kwargs = cases.LAYOUTS[layout]
         assert world == int(os.environ["WORLD_SIZE"]), (layout, world)
         counter["elements"] = 0
-        trainer = Trainer(cases.engine_config(path, ParallelConfig(**kwargs)))
+        trainer = Trainer(cases.engine_config(path, ParallelConfig(**kwargs), dtype=cases.EQUALITY_DTYPE))
         read = [None] * dist.get_world_size()
         dist.all_gather_object(read, counter["elements"])
         storage = [None] * dist.get_world_size()
@@ -217,7 +231,8 @@ def reshard(args) -> None:
         vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
 
         def trainer_for(layout):
-            return Trainer(cases.engine_config(path, ParallelConfig(**cases.LAYOUTS[layout][1])))
+            parallel = ParallelConfig(**cases.LAYOUTS[layout][1])
+            return Trainer(cases.engine_config(path, parallel, dtype=cases.EQUALITY_DTYPE))
 
         def train(trainer, first, last):
             """(loss, gradient norm) of each step: the loss of an on-policy step barely depends on the
@@ -252,7 +267,8 @@ def multi_task(args) -> None:
             if kwargs.get("ep", 1) > 1 and model_type == "qwen3":
                 continue
             export_dir = Path(args.out).parent / f"multi-task-peft-{model_type}-{layout}"
-            result = cases.run_multi_task_case(path, vocab, ParallelConfig(**kwargs), export_dir=export_dir)
+            result = cases.run_multi_task_case(path, vocab, ParallelConfig(**kwargs), export_dir=export_dir,
+                                               dtype=torch.float64)  # fmt: skip
             result["export_dir"] = str(export_dir)
             results[(model_type, layout)] = result
     if dist.get_rank() == 0:
@@ -276,18 +292,10 @@ def main() -> None:
     parser.add_argument("--phase", choices=["first", "second"], default="first")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.scenario == "parity":
-        parity(args)
-    elif args.scenario == "skip":
-        skip(args)
-    elif args.scenario == "reshard":
-        reshard(args)
-    elif args.scenario == "multi_task":
-        multi_task(args)
-    elif args.scenario == "quantized":
-        quantized(args)
-    else:
-        resume(args)
+    scenario = {"parity": parity, "skip": skip, "reshard": reshard, "multi_task": multi_task, "quantized": quantized,
+                "resume": resume}[args.scenario]  # fmt: skip
+    with fp32_islands_in_fp64():
+        scenario(args)
     exit_when_every_rank_is_done()
 
 

@@ -433,22 +433,35 @@ def test_auto_loads_mtp_layers_only_for_a_run_that_uses_them(deepseek_mtp, tiny_
     assert not resolve_mtp(None, "auto", used=True)
 
 
+@pytest.fixture(scope="module")
+def mtp_steps_in_one_process(deepseek_mtp):
+    """mtp_parallel_worker's three steps in this process (float64), once for both layouts."""
+    from mtp_parallel_worker import mtp_training_steps
+
+    from archon.precision import fp32_islands_in_fp64
+
+    with fp32_islands_in_fp64():
+        return mtp_training_steps(deepseek_mtp, tp=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,tp", [(2, 1), (2, 2)], ids=["fsdp2", "tp2"])
-def test_mtp_training_is_the_same_under_fsdp_and_tensor_parallelism(deepseek_mtp, tmp_path, nproc, tp):
+def test_mtp_training_is_the_same_under_fsdp_and_tensor_parallelism(deepseek_mtp, mtp_steps_in_one_process, tmp_path,
+                                                                    nproc, tp):  # fmt: skip
     """The MTP layer sits outside the decoder blocks: it stays whole under tensor parallelism and
-    joins the root FSDP unit; three training steps give one process's losses."""
+    joins the root FSDP unit; three training steps give one process's losses (both in float64)."""
+    from helpers import assert_close_reporting
 
-    def run(nproc: int, tp: int) -> list[dict]:
-        out = tmp_path / f"steps_{nproc}_{tp}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               str(TESTS / "mtp_parallel_worker.py"), str(deepseek_mtp), str(tp), str(out)]  # fmt: skip
-        result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        return json.loads(out.read_text())
-
-    alone, parallel = run(1, 1), run(nproc, tp)
-    assert alone[-1]["mtp_loss"] < alone[0]["mtp_loss"]
-    for one, many in zip(alone, parallel):
-        assert many["mtp_loss"] == pytest.approx(one["mtp_loss"], rel=1e-5, abs=1e-6)
-        assert many["mtp_accuracy"] == one["mtp_accuracy"]
+    out = tmp_path / "steps.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(TESTS / "mtp_parallel_worker.py"), str(deepseek_mtp), str(tp), str(out)]  # fmt: skip
+    result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    alone, parallel = mtp_steps_in_one_process, json.loads(out.read_text())
+    assert alone[-1]["mtp_loss"] < alone[0]["mtp_loss"], f"the MTP loss did not fall: {alone}"
+    where = f"deepseek_v3 MTP training, {'tp' if tp > 1 else 'fsdp'}{nproc}"
+    tol = 1e-10  # float64 against float64
+    assert_close_reporting([m["mtp_loss"] for m in parallel], [m["mtp_loss"] for m in alone], tol,
+                           f"{where}: mtp_loss of each step")  # fmt: skip
+    accuracies = [m["mtp_accuracy"] for m in parallel]
+    assert accuracies == [m["mtp_accuracy"] for m in alone], f"{where}: steps {parallel}, one process's {alone}"
