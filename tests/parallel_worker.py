@@ -154,6 +154,10 @@ def resume(args) -> None:
     out = Path(args.out)
     manager = CheckpointManager(out / "checkpoints", keep_last=2)
 
+    def trainer_of(**kw):
+        # float64: a checkpoint that rounded a parameter or an optimizer moment to fp32 would show
+        return Trainer(cases.engine_config(path, parallel, lora_dropout=0.1, dtype=cases.EQUALITY_DTYPE, **kw))
+
     def run(trainer, first_step, last_step, save=False):
         losses = []
         for step in range(first_step, last_step):
@@ -164,15 +168,15 @@ def resume(args) -> None:
         return losses
 
     if args.phase == "first":
-        uninterrupted = run(Trainer(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 8)
-        first_half = run(Trainer(cases.engine_config(path, parallel, lora_dropout=0.1)), 0, 4, save=True)
+        uninterrupted = run(trainer_of(), 0, 8)
+        first_half = run(trainer_of(), 0, 4, save=True)
         if dist.get_rank() == 0:
             torch.save({"uninterrupted": uninterrupted, "first_half": first_half}, out / "first.pt")
         dist.barrier()
         # Killed: no clean shutdown, nothing after the checkpoint survives.
         os._exit(0)
     # Another seed: everything that matters must come from the checkpoint.
-    trainer = Trainer(cases.engine_config(path, parallel, lora_dropout=0.1, seed=123))
+    trainer = trainer_of(seed=123)
     data_state = trainer.load_checkpoint(manager)["data"]
     second_half = run(trainer, data_state["next_step"], 8)
     if dist.get_rank() == 0:
