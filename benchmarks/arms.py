@@ -171,7 +171,7 @@ def run_arms(
         unknown = {ratio.numerator, ratio.denominator} - set(arms)
         if unknown:
             raise ValueError(f"ratio {ratio.name} names arms {sorted(unknown)}; the arms are {list(arms)}")
-    load_before = os.getloadavg()
+    before = load_now()
     order = interleaved_order(list(arms), warmup + repeats)
     samples: dict[str, list] = {name: [] for name in arms}
     for index, names in enumerate(order):
@@ -184,7 +184,7 @@ def run_arms(
                 label = f"round {index - warmup + 1}/{repeats}" if measured else f"warm-up {index + 1}/{warmup}"
                 print(f"[{label}] {name}: {_brief(result)}", file=sys.stderr, flush=True)
     summaries = {r.name: summarize(r, samples[r.numerator], samples[r.denominator], quick) for r in ratios}
-    environment = environment_record(threads, load_before, os.getloadavg())
+    environment = environment_record(threads, before, load_now())
     return ArmsResult(samples, summaries, order, repeats, warmup, quick, environment)
 
 
@@ -257,19 +257,26 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def environment_record(threads: int | None, load_before: Sequence[float], load_after: Sequence[float]) -> dict:
-    """The CPU, the instruction set torch computes with, threads and the load averages (1, 5, 15
-    minutes) before and after, and the date: what a reader needs to weigh the figures."""
+def load_now() -> dict:
+    """The time and the load averages (1, 5, 15 minutes) now."""
+    return {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+
+
+def environment_record(threads: int | None, before: dict, after: dict) -> dict:
+    """The CPU, the instruction set torch computes with, the threads, and the times and load
+    averages (load_now) before and after the measurements: what a reader needs to weigh them."""
     import torch
 
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "started": before["time"],
+        "ended": after["time"],
         "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpus": os.cpu_count(),
         "threads": threads if threads is not None else torch.get_num_threads(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in load_after],
+        "load_average_before": before["load_average"],
+        "load_average_after": after["load_average"],
         "torch": torch.__version__,
     }
 

@@ -2,14 +2,16 @@
 context parallelism over two ranks, and with activation offload.
 
     python benchmarks/long_context.py [--lengths 4096 8192 16384 32768] [--families qwen3 qwen3_5]
-                                      [--threads 2]
+                                      [--threads 2] [--repeats 5]
 
 Models (random weights, fp32, LoRA r=16 on every linear layer, untied head):
     qwen3    hidden 256, 4 layers, 4 heads and 2 KV heads of 64, MLP 768, vocabulary 4096, full attention
     qwen3_5  the same sizes, 3 gated DeltaNet layers (4 q/k heads and 4 v heads of 64) and 1 gated
              attention layer
 Each sequence is a 256-token prompt and a completion; the loss is a token-level policy gradient on
-the completion. Per (family, T), each run in fresh processes after a short warm-up step:
+the completion. Per (family, T), each run in fresh processes after a short warm-up step, the three
+run alternately (benchmarks/arms.py: after `warmup` rounds, `repeats` rounds of one process each,
+the order reversed every other round):
     single   one process on `threads` threads
     cp2      torchrun, 2 ranks of `threads` / 2 threads each, parallel.cp = 2: each rank holds half
              the tokens (Ulysses all-to-all in every token mixer)
@@ -18,13 +20,16 @@ the completion. Per (family, T), each run in fresh processes after a short warm-
              the bookkeeping's cost and how many saved-activation bytes stay with the compute)
 Figures per run: the step's peak RSS growth per rank (sampled every 5 ms, loading excluded), the
 step time, tokens/s per rank, and the peak bytes of saved activations resident with the compute
-(counted by the offload hooks, in counting-only mode for single and cp2). Then per family and
+(counted by the offload hooks, in counting-only mode for single and cp2), each the median over the
+rounds; the ratios between runs are the medians of the rounds' ratios, with their min and max.
+Then per family and
 option, the longest T that fits in 8 GB per rank, from the line through the two shortest lengths
 (memory grows linearly in T here: attention runs the fused kernel, the head is chunked), and, on
 paper, Qwen3.6-27B at 64K tokens with CP 1, 2, 4, 8 from the saved bytes per token measured on
 the small Qwen3.5 (large_model_estimate). Peak RSS understates long steps on a host whose kernel
 reclaims cold pages while they run (the saved-activation counts do not depend on it).
-The last line printed is JSON.
+The CPU, its instruction set and the load averages before and after are reported. The last line
+printed is JSON.
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ from pathlib import Path
 # Measure the checkout this script belongs to, whatever an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train_step import PeakRSS  # noqa: E402  (benchmarks/ is the script's own folder)
+# benchmarks/ is the script's own folder
+from arms import (  # noqa: E402
+    MIN_REPEATS, Ratio, check_repeats, environment_record, load_now, median_figures, run_arms,
+)
+from train_step import PeakRSS  # noqa: E402
 
 SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=65536, tie_word_embeddings=False)  # fmt: skip
@@ -55,6 +64,12 @@ WARMUP_TOKENS = 512
 LORA_RANK = 16
 MEMORY_BUDGET_MB = 8192
 RUNS = ("single", "cp2", "offload")
+RATIOS = (
+    Ratio("cp2_vs_single_peak", "cp2", "single", "peak_mb"),
+    Ratio("cp2_vs_single_saved_peak", "cp2", "single", "saved_peak_bytes"),
+    Ratio("offload_vs_single_saved_peak", "offload", "single", "saved_peak_bytes"),
+    Ratio("offload_vs_single_step_time", "offload", "single", "step_s"),
+)
 
 # Qwen3.6-27B's language model (the figures of docs/parallelism.md): 64 layers of hidden 5120, bf16,
 # FSDP2 over the 8 devices of a node; fixed per-device terms from that page's table at 8 ranks.
@@ -67,6 +82,10 @@ class Args:
     lengths: tuple[int, ...] = (4096, 8192, 16384, 32768)
     families: tuple[str, ...] = ("qwen3", "qwen3_5")
     threads: int = 2
+    repeats: int = MIN_REPEATS
+    """Measured rounds of the alternated runs per (family, T) (at least 5)."""
+    warmup: int = 1
+    """Rounds run first and not counted."""
     worker: str = ""
     """Internal: run one measurement (single, cp2 or offload) and write its JSON to --out."""
     checkpoint: str = ""
@@ -179,22 +198,17 @@ def large_model_estimate(saved_bytes_per_token_layer_width: float) -> dict[str, 
     return out
 
 
-def derived_figures(runs: dict) -> dict:
+def derived_figures(runs: dict, comparisons: dict) -> dict:
     """Ratios per length, the longest T in 8 GB per rank and the saved bytes per token, from one
-    family's runs ({run: {T: figures}})."""
+    family's runs ({run: {T: median figures}}) and their comparisons ({T: arms.ArmsResult})."""
     lengths = sorted(runs["single"])
-    single, cp2, offload = runs["single"], runs["cp2"], runs["offload"]
-    ratios = {
-        t: {
-            "cp2_vs_single_peak": cp2[t]["peak_mb"] / single[t]["peak_mb"],
-            "cp2_vs_single_saved_peak": cp2[t]["saved_peak_bytes"] / single[t]["saved_peak_bytes"],
-            "offload_vs_single_saved_peak": offload[t]["saved_peak_bytes"] / single[t]["saved_peak_bytes"],
-            "offload_vs_single_step_time": offload[t]["step_s"] / single[t]["step_s"],
-            "cp2_loss_minus_single": cp2[t]["loss"] - single[t]["loss"],
-        }
-        for t in lengths
-    }
-    out = {"runs": runs, "ratios": ratios}
+    single, cp2 = runs["single"], runs["cp2"]
+    ratios = {}
+    for t in lengths:
+        ratios[t] = {"cp2_loss_minus_single": cp2[t]["loss"] - single[t]["loss"]}
+        for name, summary in comparisons[t].ratios.items():
+            ratios[t] |= {name: summary.median, f"{name}_min": summary.min, f"{name}_max": summary.max}
+    out = {"runs": runs, "ratios": ratios, "comparisons": {t: c.to_json() for t, c in comparisons.items()}}
     if len(lengths) >= 2:
         out["longest_T_in_8GB"] = {run: longest_fitting({t: r["peak_mb"] for t, r in runs[run].items()}, MEMORY_BUDGET_MB)
                                    for run in ("single", "cp2")}  # fmt: skip
@@ -206,18 +220,25 @@ def derived_figures(runs: dict) -> dict:
 def main(args: Args) -> dict:
     from archon.tools.align import make_tiny_hf_checkpoint
 
+    check_repeats(args.repeats, quick=False)
     load_start = os.getloadavg()[0]
+    before = load_now()
     figures: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
             model_type, sizes = MODEL_TYPES[family]
             checkpoint = make_tiny_hf_checkpoint(model_type, Path(tmp) / family, seed=0, **sizes)
             runs: dict = {run: {} for run in RUNS}
+            comparisons = {}
             for length in args.lengths:
+                arms = {run: (lambda run=run: _measure(run, checkpoint, length, args.threads, Path(tmp) / "out.json"))
+                        for run in RUNS}  # fmt: skip
+                print(f"{family} T={length}:", file=sys.stderr, flush=True)
+                comparisons[length] = run_arms(arms, RATIOS, repeats=args.repeats, warmup=args.warmup,
+                                               threads=args.threads)  # fmt: skip
                 for run in RUNS:
-                    runs[run][length] = _measure(run, checkpoint, length, args.threads, Path(tmp) / "out.json")
-                    print(f"{family} T={length} {run}: {runs[run][length]}", file=sys.stderr, flush=True)
-            figures[family] = derived_figures(runs)
+                    runs[run][length] = median_figures(comparisons[length].samples[run])
+            figures[family] = derived_figures(runs, comparisons)
             if family == "qwen3_5" and len(args.lengths) >= 2:
                 figures["qwen3_6_27b_64k_gb_per_device"] = large_model_estimate(
                     figures[family]["saved_bytes_per_token"] / (sizes["hidden_size"] * sizes["num_hidden_layers"])
@@ -227,6 +248,8 @@ def main(args: Args) -> dict:
                    "prompt_tokens": PROMPT_TOKENS},
         "figures": figures,
         "load_average": [load_start, os.getloadavg()[0]],
+        "repeats": args.repeats,
+        "environment": environment_record(args.threads, before, load_now()),
     }
 
 

@@ -1,6 +1,6 @@
 """MoE training-step benchmark: archon MoE LoRA (grouped-GEMM experts) vs HF transformers + PEFT.
 
-    python benchmarks/moe_train_step.py [--steps 3] [--threads 2]
+    python benchmarks/moe_train_step.py [--steps 3] [--threads 2] [--repeats 5]
 
 Both train the same random-weight Qwen3-MoE (hidden 512, 6 layers, 8 heads, 4 KV heads, 32 experts,
 top-4, expert width 384, vocab 32000, fp32) with LoRA r=16 on attention (q/k/v/o) and on the routed
@@ -14,16 +14,19 @@ Each measurement runs in its own process (one warm-up, then `steps` timed steps)
     archon_loop      archon, the reference loop over experts (one matmul per expert and factor)
     hf_peft          HF + PEFT
     experts_layer    one expert layer alone, forward + backward on the batch's routed slots,
-                     grouped against loop (in one process; the median of `steps` + 2 runs each)
-Peak RSS is sampled during the train steps (loading excluded). The machine's load average is
-reported: on a shared machine other work perturbs the timings. The last line printed is JSON.
+                     grouped against loop (in one process, one run of each a round, alternated)
+The three train-step processes run alternately (benchmarks/arms.py): after `warmup` rounds,
+`repeats` rounds of one process each, the order reversed every other round. Each ratio is the
+median of the rounds' ratios, reported with their min and max; a verdict is printed only when the
+rounds agree (arms.SPREAD_BOUND). Peak RSS is sampled during the train steps (loading excluded).
+The CPU, its instruction set, the threads and the load averages before and after are reported:
+on a shared machine other work perturbs the timings. The last line printed is JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers of train_step.py
 
 import train_step  # noqa: E402
+from arms import (  # noqa: E402
+    Ratio, RatioSummary, check_repeats, describe, median_figures, run_arms, speed_verdict, verdict_line,
+)
 from train_step import BenchArgs, make_checkpoint, make_sequences, run_archon, run_hf_peft  # noqa: E402
 
 MOE_CONFIG = dict(
@@ -82,18 +88,20 @@ def run_experts_layer(args: BenchArgs) -> dict:
     with torch.no_grad():
         top_weights, top_indices = moe.gate(x)
 
-    def step() -> float:
-        x_in = x.detach().requires_grad_()
-        start = time.perf_counter()
-        moe.experts(x_in, top_weights, top_indices).pow(2).mean().backward()
-        return time.perf_counter() - start
+    def step(grouped: bool):
+        def measure() -> float:
+            moe.experts.grouped_mm = grouped
+            x_in = x.detach().requires_grad_()
+            start = time.perf_counter()
+            moe.experts(x_in, top_weights, top_indices).pow(2).mean().backward()
+            return time.perf_counter() - start
 
-    times = {}
-    for grouped in (True, False):
-        moe.experts.grouped_mm = grouped
-        step()  # warm-up
-        times[grouped] = statistics.median(step() for _ in range(args.steps + 2))
-    return {"tokens": tokens, "grouped_s": times[True], "loop_s": times[False]}
+        return measure
+
+    result = run_arms({"grouped": step(True), "loop": step(False)}, [Ratio("grouped_over_loop", "loop", "grouped")],
+                      repeats=args.repeats, warmup=args.warmup, threads=args.threads, progress=False)  # fmt: skip
+    return {"tokens": tokens, "grouped_s": result.median("grouped"), "loop_s": result.median("loop"),
+            "comparison": result.to_json()}  # fmt: skip
 
 
 def run_hf(args: BenchArgs) -> dict:
@@ -114,24 +122,51 @@ ROLES = {
 }  # fmt: skip
 
 
+STEP_ROLES = ("archon_grouped", "archon_loop", "hf_peft")
+
+
 def main(args: BenchArgs) -> dict:
+    check_repeats(args.repeats, quick=False)
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint = str(make_checkpoint(Path(tmp) / "qwen3-moe", args.seed, MOE_CONFIG, "qwen3_moe"))
-        results = {role: train_step._measure(role, args, script=__file__) for role in ROLES}
+        comparison = run_arms(
+            {role: (lambda role=role: train_step._measure(role, args, script=__file__)) for role in STEP_ROLES},
+            [Ratio("archon_over_hf_peft_tok_s", "archon_grouped", "hf_peft", "tok_s"),
+             Ratio("grouped_over_loop_step", "archon_grouped", "archon_loop", "tok_s")],
+            repeats=args.repeats, warmup=args.warmup, threads=args.threads,
+        )  # fmt: skip
+        results = {role: median_figures(comparison.samples[role]) for role in STEP_ROLES}
+        results["experts_layer"] = train_step._measure("experts_layer", args, script=__file__)
     archon, loop, hf, layer = (results[r] for r in ("archon_grouped", "archon_loop", "hf_peft", "experts_layer"))
     if archon["trainable_params"] != hf["trainable_params"]:
         raise RuntimeError(f"archon trains {archon['trainable_params']} parameters, HF+PEFT {hf['trainable_params']}")
+    speed, grouped_step = comparison.ratios["archon_over_hf_peft_tok_s"], comparison.ratios["grouped_over_loop_step"]
+    grouped_layer = RatioSummary.from_json("grouped_over_loop", layer["comparison"]["ratios"]["grouped_over_loop"])
+    for summary, label, above, below in (
+        (speed, "real tokens/s, archon MoE LoRA / HF+PEFT", "archon is faster", "archon is slower"),
+        (grouped_step, "whole step, grouped / loop (tokens/s)", "grouped GEMM is faster", "grouped GEMM is slower"),
+        (grouped_layer, "expert layer alone, grouped / loop (1 / time)", "grouped GEMM is faster",
+         "grouped GEMM is slower"),
+    ):  # fmt: skip
+        print(describe(summary, label), flush=True)
+        print(verdict_line(summary, speed_verdict(summary, above, below), label), flush=True)
     return {
         "config": {**MOE_CONFIG, "lora_rank": train_step.LORA_RANK, "lora_targets": [*ATTENTION, *EXPERT_PARAMETERS],
                    "threads": args.threads, "steps": args.steps, "real_tokens": archon["tokens_per_step"],
                    "padded_tokens": hf["padded_tokens_per_step"], "trainable_params": archon["trainable_params"]},
         "archon_tok_s": archon["tok_s"],
         "hf_peft_tok_s": hf["tok_s"],
-        "ratio": archon["tok_s"] / hf["tok_s"],
+        "ratio": speed.median,
+        "ratio_min": speed.min,
+        "ratio_max": speed.max,
         "archon_loop_tok_s": loop["tok_s"],
-        "grouped_over_loop_step": archon["tok_s"] / loop["tok_s"],
-        "grouped_over_loop_experts_layer": layer["loop_s"] / layer["grouped_s"],
+        "grouped_over_loop_step": grouped_step.median,
+        "grouped_over_loop_step_min": grouped_step.min,
+        "grouped_over_loop_step_max": grouped_step.max,
+        "grouped_over_loop_experts_layer": grouped_layer.median,
+        "grouped_over_loop_experts_layer_min": grouped_layer.min,
+        "grouped_over_loop_experts_layer_max": grouped_layer.max,
         "experts_layer_s": {"grouped": layer["grouped_s"], "loop": layer["loop_s"]},
         "archon_peak_rss_mb": archon["peak_rss_mb"],
         "archon_loop_peak_rss_mb": loop["peak_rss_mb"],
@@ -141,6 +176,11 @@ def main(args: BenchArgs) -> dict:
         "archon_losses": archon["losses"],
         "hf_peft_losses": hf["losses"],
         "load_average_1m_start_end": [load_start, os.getloadavg()[0]],
+        "repeats": comparison.repeats,
+        "verdict_allowed": comparison.verdict_allowed and grouped_layer.verdict_allowed,
+        "environment": comparison.environment,
+        "comparison": comparison.to_json(),
+        "experts_layer_comparison": layer["comparison"],
     }  # fmt: skip
 
 
@@ -152,14 +192,17 @@ def _cli() -> None:
         print(json.dumps(ROLES[args.role](args)))
         return
     summary = main(args)
-    print(f"real tokens/s: archon MoE LoRA {summary['archon_tok_s']:.0f}, HF+PEFT {summary['hf_peft_tok_s']:.0f}, "
-          f"ratio {summary['ratio']:.2f}")
+    print(f"real tokens/s (medians): archon MoE LoRA {summary['archon_tok_s']:.0f}, HF+PEFT "
+          f"{summary['hf_peft_tok_s']:.0f}, ratio {summary['ratio']:.2f} (min {summary['ratio_min']:.2f}, max "
+          f"{summary['ratio_max']:.2f} over {summary['repeats']} rounds)")  # fmt: skip
     print(f"grouped over loop: whole step {summary['grouped_over_loop_step']:.2f}x, expert layer alone "
-          f"{summary['grouped_over_loop_experts_layer']:.2f}x")
+          f"{summary['grouped_over_loop_experts_layer']:.2f}x (medians)")
     print(f"peak RSS MB: archon {summary['archon_peak_rss_mb']:.0f} (loop {summary['archon_loop_peak_rss_mb']:.0f}), "
           f"HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}")
     print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
-    print(f"1-minute load average at start and end: {summary['load_average_1m_start_end']}")
+    env = summary["environment"]
+    print(f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
+          f"{env['load_average_before']}, after {env['load_average_after']}")
     print(json.dumps(summary))
 
 

@@ -1,20 +1,26 @@
 """Multi-LoRA: K tasks trained in one job on one base, against the same K tasks run one after
 another as single-adapter jobs (the plain recipe), with the same model, steps and settings.
 
-    python benchmarks/multi_lora.py [--tasks 4] [--steps 10] [--device cpu]
+    python benchmarks/multi_lora.py [--tasks 4] [--steps 10] [--device cpu] [--repeats 5]
 
 The base is the built-in demo's warm-started small Qwen3 (recipes/configs/demo.yaml, cached in
 .cache/archon/demo); the tasks are arithmetic (2-digit +, -, *, 1-digit +, ...), each GRPO with its
 own LoRA r=16 on every linear layer, `prompts_per_step` prompts x 8 samples a step, native rollouts.
 Every job is a fresh process, so its peak memory is its own.
 
+The two arms, the K-task job and the K single-task jobs one after another, run alternately
+(benchmarks/arms.py): after `warmup` rounds, `repeats` rounds of each, the order reversed every
+other round.
+
 Reported (the last line printed is JSON):
     multi:      wall_s, steps_s (the RL steps only), peak_mb, samples_per_s of the K-task job
     sequential: the same summed over the K single-task jobs (peak_mb: the largest of them)
     wall_ratio        multi wall_s / sequential wall_s          (goal <= 0.5)
     peak_memory_ratio multi peak_mb / one single-task job's peak (goal <= 1.3)
+Figures are medians over the rounds; each ratio is the median of the rounds' ratios, with their
+min and max, and a verdict on a goal is printed only when the rounds agree (arms.SPREAD_BOUND).
 peak_mb is the process's peak resident memory on CPU, the peak allocated device memory on an
-accelerator.
+accelerator. The CPU, its instruction set and the load averages before and after are reported.
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from arms import (  # noqa: E402
+    MIN_REPEATS, Ratio, check_repeats, describe, goal_verdict, median_figures, run_arms, verdict_line,
+)
+
+GOALS = {"wall_ratio": 0.5, "peak_memory_ratio": 1.3}  # at most
 TASK_SPECS = [("add", ("+",), 2), ("sub", ("-",), 2), ("mul", ("*",), 2), ("add1", ("+",), 1),
               ("sub1", ("-",), 1), ("mul1", ("*",), 1)]  # fmt: skip
 
@@ -47,6 +59,10 @@ class BenchArgs:
     in forwards of the same size; with a budget of K minibatches instead, the K-task job's
     activations, and so its peak memory, grow K-fold."""
     device: str = "cpu"
+    repeats: int = MIN_REPEATS
+    """Measured rounds of the alternated arms (at least 5)."""
+    warmup: int = 1
+    """Rounds run first and not counted."""
     out: str = "runs/multi_lora"
     worker: str | None = None
     """Internal: run one job from this config file and print its figures."""
@@ -137,24 +153,47 @@ def main(args: BenchArgs) -> dict:
     from archon.rl.config import load_config_file
     from archon.rl.demo import prepare_demo
 
+    check_repeats(args.repeats, quick=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     demo = load_config_file(DEMO_CONFIG)
     files = prepare_demo(demo.demo, demo.parallel, demo.seed, rank=0)
     tasks = _task_data(out, args.tasks)
-    singles = [_job(_single_config(files.model_dir, args, out, name, data)) for name, data in tasks]
-    multi = _job(_multi_config(files.model_dir, args, out, tasks))
-    sequential = {
-        "wall_s": sum(s["wall_s"] for s in singles), "steps_s": sum(s["steps_s"] for s in singles),
-        "samples": sum(s["samples"] for s in singles), "peak_mb": max(s["peak_mb"] for s in singles),
-    }  # fmt: skip
-    for figures in (multi, sequential):
-        figures["samples_per_s"] = figures["samples"] / figures["wall_s"]
+    single_configs = [_single_config(files.model_dir, args, out, name, data) for name, data in tasks]
+    multi_config = _multi_config(files.model_dir, args, out, tasks)
+    last_singles: list[dict] = []
+
+    def sequential_arm() -> dict:
+        singles = [_job(config) for config in single_configs]
+        last_singles[:] = singles
+        figures = {
+            "wall_s": sum(s["wall_s"] for s in singles), "steps_s": sum(s["steps_s"] for s in singles),
+            "samples": sum(s["samples"] for s in singles), "peak_mb": max(s["peak_mb"] for s in singles),
+        }  # fmt: skip
+        return figures | {"samples_per_s": figures["samples"] / figures["wall_s"]}
+
+    def multi_arm() -> dict:
+        figures = _job(multi_config)
+        return figures | {"samples_per_s": figures["samples"] / figures["wall_s"]}
+
+    ratios = [Ratio("wall_ratio", "multi", "sequential", "wall_s"),
+              Ratio("steps_ratio", "multi", "sequential", "steps_s"),
+              Ratio("peak_memory_ratio", "multi", "sequential", "peak_mb")]  # fmt: skip
+    result = run_arms({"sequential": sequential_arm, "multi": multi_arm}, ratios, repeats=args.repeats,
+                      warmup=args.warmup, threads=1)  # fmt: skip
+    for name, summary in result.ratios.items():
+        print(describe(summary), flush=True)
+        if name in GOALS:
+            print(verdict_line(summary, goal_verdict(summary, GOALS[name])), flush=True)
     report = {
-        "tasks": args.tasks, "steps": args.steps, "device": args.device, "multi": multi, "sequential": sequential,
-        "single_jobs": singles, "wall_ratio": multi["wall_s"] / sequential["wall_s"],
-        "steps_ratio": multi["steps_s"] / sequential["steps_s"],
-        "peak_memory_ratio": multi["peak_mb"] / sequential["peak_mb"],
+        "tasks": args.tasks, "steps": args.steps, "device": args.device,
+        "multi": median_figures(result.samples["multi"]), "sequential": median_figures(result.samples["sequential"]),
+        "single_jobs": last_singles,
+        **{name: summary.median for name, summary in result.ratios.items()},
+        **{f"{name}_min": summary.min for name, summary in result.ratios.items()},
+        **{f"{name}_max": summary.max for name, summary in result.ratios.items()},
+        "goals": GOALS, "repeats": args.repeats, "verdict_allowed": result.verdict_allowed,
+        "environment": result.environment, "comparison": result.to_json(),
     }  # fmt: skip
     print(json.dumps(report))
     return report

