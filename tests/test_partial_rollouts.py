@@ -32,7 +32,9 @@ def float64_math():
 def trainer(qwen3_path):
     from archon.trainer import Trainer, TrainerConfig
 
-    config = TrainerConfig(model_path=str(qwen3_path), lora=LoRAConfig(rank=4, alpha=8.0), device="cpu", dtype="float64")
+    config = TrainerConfig(
+        model_path=str(qwen3_path), lora=LoRAConfig(rank=4, alpha=8.0), device="cpu", dtype="float64"
+    )
     return Trainer(config)
 
 
@@ -104,7 +106,8 @@ def test_a_publish_during_generation_applies_between_decode_steps_with_exact_log
 def _assert_logprobs_of_each_tokens_version(engine, trainer, samples, versions) -> None:
     """Each token's rollout log-prob is the trainer's under the version that sampled it (the
     trainer scores the samples under each version in turn, published through the engine)."""
-    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=max(versions))
+    advantages = torch.zeros(len(samples), dtype=torch.float64)  # fp64: the batch keeps the fp64 log-probs
+    batch = rollout_batch(samples, advantages, trainer_version=max(versions))
     scored = {}
     for version, factors in versions.items():
         engine.update_adapter(version, factors)
@@ -127,7 +130,8 @@ def test_a_publish_between_speculative_rounds_tags_each_emitted_token(trainer, q
     from archon.build import build_model
     from archon.rollout.speculative import DraftModelDrafter
 
-    draft = build_model(qwen3_path, seed=1, dtype=torch.float64).model.eval()  # the base without the adapter: often right
+    # the base without the adapter: often right
+    draft = build_model(qwen3_path, seed=1, dtype=torch.float64).model.eval()
     engine = NativeRolloutEngine(trainer.model, drafter=DraftModelDrafter(draft, 3))
     versions = _versions(trainer.model)
     engine.update_adapter(0, versions[0])

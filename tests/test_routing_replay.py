@@ -194,7 +194,8 @@ def test_trainer_replay_gives_the_sampler_logprobs(tiny_checkpoint, noisy_sample
         assert recorded.shape == (len(s.prompt_ids) + len(s.completion_ids), len(layers), layers[0].top_k)
         assert (recorded[:-1] >= 0).all() and (recorded[-1] == -1).all()  # the last token was never fed
 
-    batch = rollout_batch(samples, torch.zeros(len(samples)), trainer_version=0, routed_experts=True)
+    advantages = torch.zeros(len(samples), dtype=torch.float64)  # fp64: the batch keeps the fp64 log-probs
+    batch = rollout_batch(samples, advantages, trainer_version=0, routed_experts=True)
     replayed = trainer.logprobs(batch).logprobs
     batch.extras.pop(ROUTED_EXPERTS_EXTRA)
     own = trainer.logprobs(batch).logprobs

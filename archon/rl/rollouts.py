@@ -33,18 +33,20 @@ def rollout_batch(
     completion_mask leaves out), with every completion token's behaviour (rollout) log-prob
     and its version lag (`extras["version_lag"]`: trainer_version minus the version that sampled it).
     routed_experts: also the expert ids the engine routed every token to (`extras["routed_experts"]`,
-    [T, L_moe, k] from each sample's `extra["routed_experts"]`), for the trainer to replay."""
+    [T, L_moe, k] from each sample's `extra["routed_experts"]`), for the trainer to replay.
+    The advantages' dtype is the batch's: fp32, or fp64 in a float64 run (an equality test's), whose
+    rollout log-probs then keep the engine's fp64 values."""
     batch = PackedBatch.from_sequences(
         [s.prompt_ids + s.completion_ids for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
         advantages=advantages,
     )
-    rollout_lp = torch.zeros(batch.num_tokens, dtype=torch.float64)  # as the engines' Python floats hold them
+    rollout_lp = torch.zeros(batch.num_tokens, dtype=batch.advantages.dtype)
     version_lag = torch.zeros(batch.num_tokens, dtype=torch.long)
     for i, s in enumerate(samples):
         start = int(batch.cu_seqlens[i]) + len(s.prompt_ids) - 1
         span = slice(start, start + len(s.completion_ids))
-        rollout_lp[span] = torch.tensor(s.logprobs, dtype=torch.float64)
+        rollout_lp[span] = torch.tensor(s.logprobs, dtype=rollout_lp.dtype)
         version_lag[span] = trainer_version - torch.tensor(s.token_versions, dtype=torch.long)
         if s.completion_mask is not None:  # a multi-turn trajectory: the environment's ids take no loss
             batch.loss_mask[span] &= torch.tensor(s.completion_mask, dtype=torch.bool)
