@@ -39,9 +39,9 @@ script, whose ratios are then reported as not measurements."""
 
 SPREAD_BOUND = 0.5
 """Largest (max - min) / median of the per-round ratios for which a verdict is printed. Wider than
-that, the rounds disagree by more than a quarter of the median either side of it, more than the
-differences the verdicts here are about (a goal of 1.3x, a speed-up of 2x), and two runs of the
-same benchmark could land on either side of the verdict."""
+that, the rounds' ratios range over more than half their median, more than the differences the
+verdicts here are about (a goal of 1.3x against 1.1x, a speed-up of 2x), and two runs of the same
+benchmark could land on either side of the verdict."""
 
 
 @dataclass(frozen=True)
