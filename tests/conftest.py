@@ -12,6 +12,16 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture
+def float64_math():
+    """The test runs inside archon.precision.fp32_islands_in_fp64: with fp64 models, an equality
+    comparison in float64 that no CPU's arithmetic can move (CONTRIBUTING.md)."""
+    from archon.precision import fp32_islands_in_fp64
+
+    with fp32_islands_in_fp64():
+        yield
+
+
+@pytest.fixture
 def tiny_checkpoint(tmp_path_factory):
     """Factory: a tiny random-weight HF checkpoint of a model_type, saved to a temp dir."""
 

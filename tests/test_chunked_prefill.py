@@ -13,7 +13,6 @@ from helpers import assert_close_reporting, randomise_lora
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.precision import fp32_islands_in_fp64
 from archon.rl.config import RLConfig, validate
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine
@@ -25,10 +24,7 @@ FAMILIES = ["qwen3", "qwen3_5_text", "deepseek_v3", "gpt_oss", "deepseek_v32", "
 LOGPROB_ATOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def _fp64_arithmetic():
-    with fp32_islands_in_fp64():
-        yield
+pytestmark = pytest.mark.usefixtures("float64_math")  # every test compares in float64
 
 
 def _prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:

@@ -54,12 +54,6 @@ def test_aux_loss_equals_hf_load_balancing_loss(tiny_checkpoint, lora_model, mod
     assert got.requires_grad
 
 
-@pytest.fixture
-def float64_math():
-    with fp32_islands_in_fp64():
-        yield
-
-
 def test_aux_loss_coefficient_adds_its_gradient(tiny_checkpoint, float64_math):
     """One micro-batch: the LoRA gradient with aux_loss_coef c is the plain one plus c times the
     gradient of the aux loss (the reported moe_aux_loss) of the same forward."""

@@ -21,7 +21,6 @@ from archon.lora import (
     task_parameters,
     task_view,
 )
-from archon.precision import fp32_islands_in_fp64
 
 TASKS = {
     # different ranks and different targets: "b" adapts a few dense modules and no experts
@@ -37,10 +36,7 @@ round at other points: in float64 measured at most 6.9e-15 apart in logits and 1
 TASK_OF_SEQUENCE = [0, 1, 1, 0, 1]
 
 
-@pytest.fixture(autouse=True)
-def _fp64_arithmetic():
-    with fp32_islands_in_fp64():
-        yield
+pytestmark = pytest.mark.usefixtures("float64_math")  # every test compares in float64
 
 
 def _batch(vocab, seed, lengths=LENGTHS, task_of_sequence=TASK_OF_SEQUENCE):

@@ -13,7 +13,6 @@ from helpers import assert_close_reporting, randomise_lora
 from archon.batch import PackedBatch
 from archon.checkpoint.resume import CheckpointError, CheckpointManager
 from archon.lora import LoRAConfig, lora_parameters, task_parameters, task_view
-from archon.precision import fp32_islands_in_fp64
 from archon.trainer import TASK_EXTRA, OptimConfig, Trainer, TrainerConfig, TrainerTask
 
 A = TrainerTask("add", LoRAConfig(rank=4, alpha=8.0), OptimConfig(lr=2e-2, max_grad_norm=0.5))
@@ -28,10 +27,7 @@ measured is 4.2e-14 (an adapter after two AdamW steps; losses, log-probs and log
 within 5e-15)."""
 
 
-@pytest.fixture(autouse=True)
-def _fp64_arithmetic():
-    with fp32_islands_in_fp64():
-        yield
+pytestmark = pytest.mark.usefixtures("float64_math")  # every test compares in float64
 
 
 def _config(path, tasks=None, lora=None, optim=None):

@@ -14,7 +14,6 @@ from helpers import assert_close_reporting, randomise_lora
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.precision import fp32_islands_in_fp64
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine, sample_next_tokens
 
@@ -24,10 +23,7 @@ PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 10
 LOGPROB_ATOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def _fp64_arithmetic():
-    with fp32_islands_in_fp64():
-        yield
+pytestmark = pytest.mark.usefixtures("float64_math")  # every test compares in float64
 
 
 def _full_forward_logits(model, ids):

@@ -12,7 +12,6 @@ from helpers import assert_close_reporting, randomise_lora
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.precision import fp32_islands_in_fp64
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine, RolloutStats
 
@@ -25,10 +24,7 @@ FAMILIES = ["qwen3", "qwen2", "llama", "glm4_moe", "gpt_oss", "deepseek_v3", "qw
 LOGPROB_ATOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def _fp64_arithmetic():
-    with fp32_islands_in_fp64():
-        yield
+pytestmark = pytest.mark.usefixtures("float64_math")  # every test compares in float64
 
 
 def _model(tiny_checkpoint, model_type):

@@ -9,7 +9,6 @@ import torch
 from helpers import assert_close_reporting, randomise_lora
 
 from archon.lora import LoRAConfig, lora_parameters
-from archon.precision import fp32_islands_in_fp64
 from archon.rl.rollouts import rollout_batch
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine, _Generation
@@ -20,12 +19,7 @@ PUBLISH_AFTER = (30, 65)
 """The decode steps after which versions 1 and 2 are published."""
 
 
-@pytest.fixture(autouse=True)
-def float64_math():
-    """The engine's log-prob of each token against the trainer's under the token's version is "the
-    same math gives the same numbers": both run in float64 (the trainer below is fp64)."""
-    with fp32_islands_in_fp64():
-        yield
+pytestmark = pytest.mark.usefixtures("float64_math")  # every test compares in float64
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from helpers import assert_close_reporting
 
 from archon.build import build_model
 from archon.models.common import moe
-from archon.precision import fp32_islands_in_fp64
 from archon.models.common.moe import (
     SigmoidGroupTopKRouter,
     SoftmaxTopKRouter,
@@ -166,13 +165,6 @@ def _rollout(trainer, noisy, attach, **engine_kwargs):
     samples = engine.generate(prompts, SamplingParams(max_new_tokens=6, n=2, seed=0, stop_token_ids=(3, 17, 42)))
     noisy["on"] = False
     return samples
-
-
-@pytest.fixture
-def float64_math():
-    """The replay comparisons are "the same math gives the same numbers": both sides run in float64."""
-    with fp32_islands_in_fp64():
-        yield
 
 
 # float64 rounding is all that separates a replayed forward from the sampler's (measured below 1e-14)

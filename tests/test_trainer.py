@@ -21,7 +21,6 @@ from archon.lora import LoRAConfig, is_lora_param, lora_parameters
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.rl.losses import aggregate_token_losses
 from archon.optim import OptimConfig, lr_multiplier
-from archon.precision import fp32_islands_in_fp64
 from archon.trainer import LossContext, NonFiniteError, Trainer, TrainerConfig
 
 
@@ -42,12 +41,6 @@ FP64_TOL = 1e-10
 difference measured is 1.1e-14 (a gradient of the chunked head)."""
 
 
-@pytest.fixture
-def fp64_arithmetic():
-    with fp32_islands_in_fp64():
-        yield
-
-
 def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
     log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
     lp = log_p.gather(-1, labels[:, None])[:, 0]
@@ -60,7 +53,7 @@ def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature:
 
 @pytest.mark.parametrize("train_weight", [False, True], ids=["frozen-unembedding", "trained-unembedding"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_head_matches_full_logits(temperature, train_weight, fp64_arithmetic):
+def test_chunked_head_matches_full_logits(temperature, train_weight, float64_math):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
     weight = (torch.randn(50, 16, generator=g, dtype=torch.float64) / 2).requires_grad_(train_weight)
@@ -118,7 +111,7 @@ def test_head_rejects_bad_arguments():
 # ---- scoring --------------------------------------------------------------------------------------
 
 
-def test_logprobs_match_full_forward(qwen3_path, fp64_arithmetic):
+def test_logprobs_match_full_forward(qwen3_path, float64_math):
     trainer = _engine(qwen3_path, micro_batch_tokens=30, head_chunk_size=7, dtype="float64")
     randomise_lora(lora_parameters(trainer.model), 0.2)
     batch = _batch(trainer.loaded.args.vocab_size)
@@ -132,7 +125,7 @@ def test_logprobs_match_full_forward(qwen3_path, fp64_arithmetic):
     assert bool((out.logprobs[~mask] == 0).all()) and bool((out.entropy[~mask] == 0).all())
 
 
-def test_adapter_off_scores_the_base_model(qwen3_path, fp64_arithmetic):
+def test_adapter_off_scores_the_base_model(qwen3_path, float64_math):
     trainer = _engine(qwen3_path, dtype="float64")
     randomise_lora(lora_parameters(trainer.model), 0.2)
     base = _engine(qwen3_path, lora=None, dtype="float64")
@@ -174,7 +167,7 @@ def engines_by_budget(qwen3_path):
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_micro_batches_accumulate_to_the_whole_batch_loss(engines_by_budget, aggregation, fp64_arithmetic):
+def test_micro_batches_accumulate_to_the_whole_batch_loss(engines_by_budget, aggregation, float64_math):
     batch = _batch(256)
     loss_fn = _aggregation_loss(aggregation)
     results = []
