@@ -410,9 +410,22 @@ def dequantize(
 ) -> torch.Tensor:
     """In-memory storage -> row-major weight [..., out, in] in `dtype` (written into `out`, a
     contiguous tensor of that shape and dtype, when given)."""
+    if data.device.type == "cpu" and torch.compiler.is_compiling():
+        return _dequantize_outside_graph(fmt, data, scale, dtype, out)
     if fmt.method == "fp8":
         return dequantize_fp8(data, scale, fmt.column_block, dtype, out)
     return dequantize_mxfp4(data, scale, dtype, out)
+
+
+@torch.compiler.disable
+def _dequantize_outside_graph(
+    fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
+    """`dequantize` run eagerly from inside a compiled graph on the CPU. Inductor's CPU code for these
+    byte lookups and block scales is wrong under some ISAs (torch 2.13: with ATEN_CPU_CAPABILITY=avx2
+    and one thread, blocks left unscaled or NaN, and every rewrite tried failed on some ISA or thread
+    count; with =default it emits vector code that does not compile)."""
+    return dequantize(fmt, data, scale, dtype, out)
 
 
 def quantize_to_checkpoint(fmt: QuantFormat, hf_name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
