@@ -10,4 +10,8 @@ packages = find_packages(include=["archon", "archon.*"])
 for name, folder in NESTED.items():
     packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=NESTED, package_data={"archon.recipes": ["configs/*.yaml"], "archon.rl": ["warm_starts/*.safetensors"]})
+setup(
+    packages=packages,
+    package_dir=NESTED,
+    package_data={"archon.recipes": ["configs/*.yaml"], "archon.rl": ["warm_starts/*.safetensors"]},
+)

@@ -75,8 +75,10 @@ def main(argv: list[str]) -> int:
     for test, reason in found:
         print(f"  {'NOT ALLOWED' if (test, reason) in disallowed else 'allowed'}: {test}: {reason}")
     if disallowed:
-        print(f"\nskips not on the allow-list ({allow_list}); make the test run, or allow its reason there with why:",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"\nskips not on the allow-list ({allow_list}); make the test run, or allow its reason there with why:",
+            file=sys.stderr,
+        )
         for test, reason in disallowed:
             print(f"  {test}: {reason}", file=sys.stderr)
         return 1

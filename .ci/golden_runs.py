@@ -59,10 +59,20 @@ def _runs(work: Path) -> dict[str, list[str]]:
     return {
         "demo": demo + ["--logging.run-dir", str(work / "demo")],
         "two_tasks": _two_task_config(work / "two_tasks", work),
-        "code_tool": ["--config", str(ROOT / "recipes/configs/code_tool_demo.yaml"), "--steps", "3",
-                      "--eval.every", "3", "--eval.max-prompts", "8", "--logging.run-dir", str(work / "code_tool")],
+        "code_tool": [
+            "--config",
+            str(ROOT / "recipes/configs/code_tool_demo.yaml"),
+            "--steps",
+            "3",
+            "--eval.every",
+            "3",
+            "--eval.max-prompts",
+            "8",
+            "--logging.run-dir",
+            str(work / "code_tool"),
+        ],
         "cp2": demo + ["--parallel.cp", "2", "--logging.run-dir", str(work / "cp2")],
-    }  # fmt: skip
+    }
 
 
 def _run(name: str, args: list[str], run_dir: Path) -> dict:
@@ -70,14 +80,21 @@ def _run(name: str, args: list[str], run_dir: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd + args + COMMON, env=env, capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
-        raise SystemExit(f"golden run {name!r} failed (rc {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        raise SystemExit(
+            f"golden run {name!r} failed (rc {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
     records = []
     keys = set()
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         keys.update(record)
-        records.append({k: repr(v) for k, v in sorted(record.items())
-                        if isinstance(v, (int, float)) and not k.endswith(MACHINE_KEYS)})  # fmt: skip
+        records.append(
+            {
+                k: repr(v)
+                for k, v in sorted(record.items())
+                if isinstance(v, (int, float)) and not k.endswith(MACHINE_KEYS)
+            }
+        )
     hashes = {}
     for path in sorted(run_dir.rglob("*.safetensors")):
         if "checkpoints" in path.parts:

@@ -19,8 +19,16 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-PER_TOKEN_FIELDS = ("tokens", "positions", "labels", "loss_mask", "advantages", "old_logprobs",
-                    "rollout_logprobs", "ref_logprobs")
+PER_TOKEN_FIELDS = (
+    "tokens",
+    "positions",
+    "labels",
+    "loss_mask",
+    "advantages",
+    "old_logprobs",
+    "rollout_logprobs",
+    "ref_logprobs",
+)
 
 
 @dataclass
@@ -42,11 +50,11 @@ class PackedBatch:
         T = self.tokens.shape[0]
         cu = self.cu_seqlens
         if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T:
-            raise ValueError(
-                f"PackedBatch.cu_seqlens must be [N+1] from 0 to the token count {T}, got {cu.tolist()}"
-            )
+            raise ValueError(f"PackedBatch.cu_seqlens must be [N+1] from 0 to the token count {T}, got {cu.tolist()}")
         if bool((cu[1:] <= cu[:-1]).any()):
-            raise ValueError(f"PackedBatch.cu_seqlens must be strictly increasing (no empty sequences), got {cu.tolist()}")
+            raise ValueError(
+                f"PackedBatch.cu_seqlens must be strictly increasing (no empty sequences), got {cu.tolist()}"
+            )
         for name in PER_TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (T,):

@@ -233,9 +233,15 @@ def _gib(nbytes: int | float) -> str:
 
 # Config fields that set the size of one decoder layer (those the family's args have).
 _LAYER_WIDTH_FIELDS = (
-    "hidden_size", "intermediate_size", "moe_intermediate_size", "num_experts", "n_routed_experts",
-    "num_attention_heads", "num_key_value_heads", "head_dim",
-)  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "n_routed_experts",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 @dataclass
@@ -443,9 +449,11 @@ def build_model(
     if dims is not None:
         parallel = parallel or ParallelConfig()
         needs_pipeline = (
-            dims.distributed or parallel.activation_checkpoint != "none" or parallel.activation_offload
+            dims.distributed
+            or parallel.activation_checkpoint != "none"
+            or parallel.activation_offload
             or parallel.compile
-        )  # fmt: skip
+        )
         if needs_pipeline:
             if spec.parallelize_fn is None:
                 raise ValueError(f"model family {spec.name!r} has no parallelize function (ModelSpec.parallelize_fn)")
@@ -461,5 +469,3 @@ def build_model(
     if lora is not None:
         init_lora_weights(model, seed)
     return LoadedModel(model, spec, args, converter, hf_config, path, lora, dims, *quantization)
-
-

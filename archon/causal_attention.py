@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 
-def causal_mask(seqlen: int, sliding_window: int | None, device: torch.device, num_keys: int | None = None) -> torch.Tensor:
+def causal_mask(
+    seqlen: int, sliding_window: int | None, device: torch.device, num_keys: int | None = None
+) -> torch.Tensor:
     """[L, num_keys (default L)] bool, True where query i may attend to key j; the L queries are the
     last L of the num_keys positions."""
     num_keys = seqlen if num_keys is None else num_keys

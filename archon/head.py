@@ -84,8 +84,7 @@ def _label_rows(labels, vocab_start, V_local):
 
 class _ChunkedLabelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, inv_temp, chunk_size, vocab_start, group, with_entropy,
-                directions):  # fmt: skip
+    def forward(ctx, hidden, weight, labels, inv_temp, chunk_size, vocab_start, group, with_entropy, directions):
         N = hidden.shape[0]
         f32 = dict(dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
         logprobs = torch.empty(N, **f32)

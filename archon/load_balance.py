@@ -98,7 +98,9 @@ class Router(nn.Module):
 def routers(model: nn.Module) -> list[Router]:
     """The model's MoE routers, in layer order; those of multi-token-prediction layers (`mtp.*`),
     which the model's forward does not run, are not among them."""
-    return [module for name, module in model.named_modules() if isinstance(module, Router) and not name.startswith("mtp.")]
+    return [
+        module for name, module in model.named_modules() if isinstance(module, Router) and not name.startswith("mtp.")
+    ]
 
 
 def load_balance_loss(model_routers: list[Router]) -> torch.Tensor:

@@ -6,8 +6,8 @@ A family registers itself from its own `models/<family>/spec.py`; the engine nev
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 _REGISTRY: dict[str, "ModelSpec"] = {}
@@ -110,6 +110,4 @@ def get_spec(model_type: str) -> ModelSpec:
     try:
         return _REGISTRY[model_type]
     except KeyError:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_REGISTRY))}") from None

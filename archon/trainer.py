@@ -52,8 +52,8 @@ from archon.lora import (
     task_view,
 )
 from archon.lora.peft import save_peft_adapter
-from archon.models.common.moe import replayed_routing
 from archon.loss_context import LossContext, LossFn, MetricReports, loss_counts
+from archon.models.common.moe import replayed_routing
 from archon.optim import AdapterOptimizer, OptimConfig
 from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
 from archon.parallel.context_parallel import TokenSlice, context_parallel_group
@@ -141,7 +141,11 @@ def mtp_step_loss(model, hidden: torch.Tensor, batch: PackedBatch, chunk_size: i
     rows = next_trained.nonzero()[:, 0]
     targets = batch.labels[rows + 1]
     mtp_hidden = model.mtp_hidden(
-        hidden.detach(), torch.roll(batch.tokens, -1), batch.positions, batch.cu_seqlens, batch.max_seqlen,
+        hidden.detach(),
+        torch.roll(batch.tokens, -1),
+        batch.positions,
+        batch.cu_seqlens,
+        batch.max_seqlen,
         embed=lambda ids: model.embed_tokens(ids).detach(),
     )[rows]
     output_weight = model.output_weight.detach()
@@ -196,7 +200,12 @@ class Trainer:
             mtp=config.mtp,
             mtp_lora=config.mtp_loss_weight > 0,
         )
-        if loaded.quant_format is not None and config.quantized_base == "keep" and config.lora is None and not config.tasks:
+        if (
+            loaded.quant_format is not None
+            and config.quantized_base == "keep"
+            and config.lora is None
+            and not config.tasks
+        ):
             raise ValueError(
                 f"{config.model_path!r} is a {loaded.quant_format} checkpoint, kept quantized and frozen "
                 "(model.quantized_base='keep'), so full fine-tuning (lora=None) has nothing to train; train a LoRA "
@@ -213,7 +222,9 @@ class Trainer:
         """Each adapter's parameters, AdamW and schedule by name, in routing order."""
         for task in config.tasks:
             self.task_loras[task.name] = task.lora
-            self.adapters[task.name] = AdapterOptimizer(list(task_parameters(self.model, task.name).values()), task.optim)
+            self.adapters[task.name] = AdapterOptimizer(
+                list(task_parameters(self.model, task.name).values()), task.optim
+            )
         if not config.tasks:
             self.adapters[SINGLE_ADAPTER] = AdapterOptimizer(self.trainable, config.optim)
         self.routers = routers(self.model)
@@ -323,7 +334,11 @@ class Trainer:
         if self.context_parallel is not None:
             tokens_of = TokenSlice.of(cu_seqlens, self.context_parallel)
             tokens, labels, loss_mask = tokens_of.local(tokens), tokens_of.local(labels), tokens_of.local(loss_mask)
-            positions, cu_seqlens, max_seqlen = tokens_of.local_positions(positions), tokens_of.cu_seqlens, tokens_of.max_seqlen
+            positions, cu_seqlens, max_seqlen = (
+                tokens_of.local_positions(positions),
+                tokens_of.cu_seqlens,
+                tokens_of.max_seqlen,
+            )
         index = loss_mask.nonzero()[:, 0]
         experts = batch.extras.get(ROUTED_EXPERTS_EXTRA)
         if experts is not None and tokens_of is not None:
@@ -333,14 +348,27 @@ class Trainer:
             if mtp:
                 hidden = self.model(tokens, positions, cu_seqlens, max_seqlen, return_hidden=True)
                 lp, ent = label_logprobs(
-                    hidden[index], self.model.output_weight, labels[index], temperature,
-                    self.config.head_chunk_size, with_entropy,
-                )  # fmt: skip
+                    hidden[index],
+                    self.model.output_weight,
+                    labels[index],
+                    temperature,
+                    self.config.head_chunk_size,
+                    with_entropy,
+                )
                 mtp_terms = mtp_step_loss(self.model, hidden, batch, self.config.head_chunk_size)
             else:
                 lp, ent = model_label_logprobs(
-                    self.model, tokens, positions, cu_seqlens, max_seqlen, index, labels[index], temperature,
-                    self.config.head_chunk_size, with_entropy, context_parallel=self.context_parallel,
+                    self.model,
+                    tokens,
+                    positions,
+                    cu_seqlens,
+                    max_seqlen,
+                    index,
+                    labels[index],
+                    temperature,
+                    self.config.head_chunk_size,
+                    with_entropy,
+                    context_parallel=self.context_parallel,
                 )
         T = tokens.shape[0]
         logprobs = torch.zeros(T, dtype=lp.dtype, device=lp.device).index_copy(0, index, lp)
@@ -506,9 +534,11 @@ class Trainer:
             metrics.update(reports[name].reduced(self._all_reduce, tokens))
             metrics.update(shared)
             metrics.update(
-                tokens=tokens.item(), sequences=global_counts[name][1].item(),
-                total_tokens=global_counts[name][2].item(), micro_batches=count,
-            )  # fmt: skip
+                tokens=tokens.item(),
+                sequences=global_counts[name][1].item(),
+                total_tokens=global_counts[name][2].item(),
+                micro_batches=count,
+            )
             out[name] = metrics
         return out if isinstance(losses, dict) else out[SINGLE_ADAPTER]
 
@@ -634,7 +664,10 @@ class Trainer:
         )
 
     def export_peft(
-        self, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None, task: str | None = None,
+        self,
+        out_dir: str | os.PathLike,
+        base_model_name_or_path: str | None = None,
+        task: str | None = None,
         model_card: str | None = None,
     ) -> Path:
         """Write the adapter (of `task`, in a multi-task trainer: an adapter that loads alone) in PEFT
@@ -647,8 +680,13 @@ class Trainer:
         self.check_finite(f"PEFT adapter {str(out_dir)!r}", optimizer_state=False, task=task)
         with self._view(name):
             path = save_peft_adapter(
-                self.model, self.converter, lora, out_dir,
-                base_model_name_or_path or str(self.loaded.path), write=self.rank == 0, model_card=model_card,
+                self.model,
+                self.converter,
+                lora,
+                out_dir,
+                base_model_name_or_path or str(self.loaded.path),
+                write=self.rank == 0,
+                model_card=model_card,
             )
         if dist.is_initialized():
             dist.barrier()
@@ -668,7 +706,10 @@ class Trainer:
         name, adapter = self._adapter(task)
         with self._view(name):
             set_state_dict(
-                self.model, adapter.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                self.model,
+                adapter.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
                 # Frozen base weights are not in the checkpoint; dcp.load has already failed on any
                 # trainable key missing from it.
                 options=StateDictOptions(ignore_frozen_params=True, strict=False),
@@ -682,9 +723,12 @@ class Trainer:
         name, adapter = self._adapter(task)
         self.check_finite(f"checkpoint for step {step}" + (f" of task {task!r}" if task else ""), task=task)
         trainer_state = {
-            "step": step, "optimizer_steps": adapter.steps, "scheduler": adapter.schedule_state(),
-            "data": data_state or {}, "lora": lora_settings(self._lora(name)),
-        }  # fmt: skip
+            "step": step,
+            "optimizer_steps": adapter.steps,
+            "scheduler": adapter.schedule_state(),
+            "data": data_state or {},
+            "lora": lora_settings(self._lora(name)),
+        }
         return manager.save(step, self.checkpoint_state(task), trainer_state)
 
     def load_checkpoint(self, manager, path: str | os.PathLike | None = None, task: str | None = None) -> dict | None:

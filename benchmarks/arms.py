@@ -78,16 +78,34 @@ class RatioSummary:
     @classmethod
     def from_json(cls, name: str, record: dict) -> "RatioSummary":
         """Back from to_json (a comparison made in another process)."""
-        return cls(name, record["numerator"], record["denominator"], record["figure"], record["pairs"],
-                   record["median"], record["min"], record["max"], record["spread"], record["quick"])  # fmt: skip
+        return cls(
+            name,
+            record["numerator"],
+            record["denominator"],
+            record["figure"],
+            record["pairs"],
+            record["median"],
+            record["min"],
+            record["max"],
+            record["spread"],
+            record["quick"],
+        )
 
     def to_json(self) -> dict:
         return {
-            "numerator": self.numerator, "denominator": self.denominator, "figure": self.figure,
-            "median": self.median, "min": self.min, "max": self.max, "spread": self.spread,
-            "pairs": self.pairs, "repeats": len(self.pairs), "verdict_allowed": self.verdict_allowed,
-            "spread_bound": SPREAD_BOUND, "quick": self.quick,
-        }  # fmt: skip
+            "numerator": self.numerator,
+            "denominator": self.denominator,
+            "figure": self.figure,
+            "median": self.median,
+            "min": self.min,
+            "max": self.max,
+            "spread": self.spread,
+            "pairs": self.pairs,
+            "repeats": len(self.pairs),
+            "verdict_allowed": self.verdict_allowed,
+            "spread_bound": SPREAD_BOUND,
+            "quick": self.quick,
+        }
 
 
 @dataclass
@@ -112,11 +130,15 @@ class ArmsResult:
 
     def to_json(self) -> dict:
         return {
-            "repeats": self.repeats, "warmup": self.warmup, "quick": self.quick,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "quick": self.quick,
             "order": ["".join(_round_label(names, list(self.samples))) for names in self.order],
             "ratios": {name: r.to_json() for name, r in self.ratios.items()},
-            "samples": self.samples, "verdict_allowed": self.verdict_allowed, "environment": self.environment,
-        }  # fmt: skip
+            "samples": self.samples,
+            "verdict_allowed": self.verdict_allowed,
+            "environment": self.environment,
+        }
 
 
 def interleaved_order(arms: Sequence[str], rounds: int) -> list[list[str]]:
@@ -129,14 +151,16 @@ def summarize(ratio: Ratio, numerators: Sequence, denominators: Sequence, quick:
     """The per-round ratios of two arms' measurements (taken in the same rounds) and their median,
     min, max and spread."""
     if len(numerators) != len(denominators) or not numerators:
-        raise ValueError(f"{ratio.name}: {len(numerators)} and {len(denominators)} measurements; "
-                         "need as many of each, at least one")
+        raise ValueError(
+            f"{ratio.name}: {len(numerators)} and {len(denominators)} measurements; need as many of each, at least one"
+        )
     pairs = [_figure(n, ratio.figure) / _figure(d, ratio.figure) for n, d in zip(numerators, denominators)]
     median = statistics.median(pairs)
     low, high = min(pairs), max(pairs)
     spread = (high - low) / abs(median) if median else float("inf")
-    return RatioSummary(ratio.name, ratio.numerator, ratio.denominator, ratio.figure, pairs, median, low, high,
-                        spread, quick)  # fmt: skip
+    return RatioSummary(
+        ratio.name, ratio.numerator, ratio.denominator, ratio.figure, pairs, median, low, high, spread, quick
+    )
 
 
 def check_repeats(repeats: int, quick: bool) -> None:
@@ -144,8 +168,10 @@ def check_repeats(repeats: int, quick: bool) -> None:
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least one round")
     if repeats < MIN_REPEATS and not quick:
-        raise ValueError(f"repeats={repeats}: a measurement needs at least {MIN_REPEATS} rounds of alternated "
-                         "arms; fewer only with --quick, which checks the script and measures nothing")  # fmt: skip
+        raise ValueError(
+            f"repeats={repeats}: a measurement needs at least {MIN_REPEATS} rounds of alternated "
+            "arms; fewer only with --quick, which checks the script and measures nothing"
+        )
 
 
 def run_arms(
@@ -203,8 +229,10 @@ def median_figures(samples: Sequence[dict]) -> dict:
 
 def describe(summary: RatioSummary, label: str | None = None) -> str:
     """'label: median 2.09x (min 1.91, max 2.30 over 5 rounds; spread 0.19)'."""
-    text = (f"{label or summary.name}: median {summary.median:.3g}x (min {summary.min:.3g}, max {summary.max:.3g} "
-            f"over {len(summary.pairs)} rounds; spread {summary.spread:.2f})")  # fmt: skip
+    text = (
+        f"{label or summary.name}: median {summary.median:.3g}x (min {summary.min:.3g}, max {summary.max:.3g} "
+        f"over {len(summary.pairs)} rounds; spread {summary.spread:.2f})"
+    )
     return text + (" [--quick: not a measurement]" if summary.quick else "")
 
 
@@ -214,8 +242,10 @@ def verdict_line(summary: RatioSummary, verdict: str, label: str | None = None) 
     if summary.quick:
         return f"{label}: no verdict (--quick checks the script; its ratios are not measurements)"
     if not summary.verdict_allowed:
-        return (f"{label}: spread too wide for a verdict: median {summary.median:.3g}, min {summary.min:.3g}, "
-                f"max {summary.max:.3g}, (max - min) / median = {summary.spread:.2f} > {SPREAD_BOUND}")  # fmt: skip
+        return (
+            f"{label}: spread too wide for a verdict: median {summary.median:.3g}, min {summary.min:.3g}, "
+            f"max {summary.max:.3g}, (max - min) / median = {summary.spread:.2f} > {SPREAD_BOUND}"
+        )
     return f"{label}: {verdict}"
 
 
@@ -259,8 +289,10 @@ def cpu_model() -> str:
 
 def load_now() -> dict:
     """The time and the load averages (1, 5, 15 minutes) now."""
-    return {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+    return {
+        "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def environment_record(threads: int | None, before: dict, after: dict) -> dict:

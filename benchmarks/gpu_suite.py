@@ -80,7 +80,18 @@ import torch  # noqa: E402
 
 log = logging.getLogger("gpu_suite")
 
-CHECKS = ("alignment", "train", "generation", "memory", "throughput", "moe", "offload", "prefill", "quantized", "rollout_systems")
+CHECKS = (
+    "alignment",
+    "train",
+    "generation",
+    "memory",
+    "throughput",
+    "moe",
+    "offload",
+    "prefill",
+    "quantized",
+    "rollout_systems",
+)
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3), so a bf16 model is judged against the
 # error that HF itself makes in bf16, both measured against HF in fp32 on the same inputs. archon
@@ -166,22 +177,49 @@ TINY = Sizes(
     memory_tokens=(512, 4096),
     memory_chunk=256,
     memory_dtype=torch.float32,
-    throughput_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                           tie_word_embeddings=False),  # fmt: skip
+    throughput_config=dict(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
     throughput_tokens=256,
     throughput_sequences=4,
     throughput_prompt_len=8,
     throughput_dtype="float32",
     throughput_steps=2,
-    moe_config=dict(vocab_size=1024, hidden_size=64, moe_intermediate_size=32, intermediate_size=128,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                    num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=512,
-                    tie_word_embeddings=False),  # fmt: skip
+    moe_config=dict(
+        vocab_size=1024,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
     lora_rank=4,
-    offload_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                        tie_word_embeddings=False),  # fmt: skip
+    offload_config=dict(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
     offload_tokens=512,
     offload_sequences=2,
     offload_min_bytes=4096,
@@ -196,8 +234,15 @@ TINY = Sizes(
 FULL = Sizes(
     align_seq_lens=(9, 1, 16, 31, 64, 200),
     # Heads of 64 and 128 dimensions, as real models have, so the flash kernel runs its usual tiles.
-    train_overrides=dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, moe_intermediate_size=128),  # fmt: skip
+    train_overrides=dict(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        moe_intermediate_size=128,
+    ),
     train_seq_lens=(37, 5, 128, 64, 300, 17, 1, 211),
     train_steps=6,
     train_lr=1e-2,
@@ -207,44 +252,105 @@ FULL = Sizes(
     memory_tokens=(4096, 32768),
     memory_chunk=1024,
     memory_dtype=torch.bfloat16,
-    throughput_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                           max_position_embeddings=32768, tie_word_embeddings=False),  # fmt: skip
+    throughput_config=dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
     throughput_tokens=16384,
     throughput_sequences=16,
     throughput_prompt_len=128,
     throughput_dtype="bfloat16",
     throughput_steps=3,
     # Qwen3-30B-A3B's layer (hidden 2048, 128 experts, top-8, expert width 768), 4 layers.
-    moe_config=dict(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
-                    num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                    num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=32768,
-                    tie_word_embeddings=False),  # fmt: skip
+    moe_config=dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
     lora_rank=16,
     # A small Qwen3 at one 16K-token sequence: the saved activations outweigh the weights.
-    offload_config=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
-                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-                        tie_word_embeddings=False),  # fmt: skip
+    offload_config=dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
     offload_tokens=16384,
     offload_sequences=1,
     offload_min_bytes=1 << 20,
     offload_steps=3,
     # As many key/value heads as query heads: in fp32 on CUDA, grouped-query attention has no
     # memory-efficient SDPA kernel, and the one-shot prefill's fallback would hold [H, T, T] scores.
-    prefill_config=dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
-                        num_attention_heads=16, num_key_value_heads=16, head_dim=64, max_position_embeddings=40960),
+    prefill_config=dict(
+        vocab_size=32768,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        max_position_embeddings=40960,
+    ),
     prefill_tokens=32768,
     prefill_chunk=2048,
     # Expert-dominated MoE layers (2 layers; the checkpoints are quantized on the host, so ~0.5B
     # parameters each), as published: 128x128 FP8 blocks on every projection; MXFP4 on GPT-OSS's experts.
     quantized_models={
-        "fp8": ("qwen3_moe", dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
-                                  num_key_value_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=8,
-                                  moe_intermediate_size=768, mlp_only_layers=[], max_position_embeddings=32768)),
-        "mxfp4": ("gpt_oss", dict(vocab_size=32768, hidden_size=2048, intermediate_size=2048, num_hidden_layers=2,
-                                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, num_local_experts=16,
-                                  num_experts_per_tok=4, sliding_window=128)),
-    },  # fmt: skip
+        "fp8": (
+            "qwen3_moe",
+            dict(
+                vocab_size=32768,
+                hidden_size=2048,
+                num_hidden_layers=2,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=32,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+                mlp_only_layers=[],
+                max_position_embeddings=32768,
+            ),
+        ),
+        "mxfp4": (
+            "gpt_oss",
+            dict(
+                vocab_size=32768,
+                hidden_size=2048,
+                intermediate_size=2048,
+                num_hidden_layers=2,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=64,
+                num_local_experts=16,
+                num_experts_per_tok=4,
+                sliding_window=128,
+            ),
+        ),
+    },
     quantized_fp8_block=(128, 128),
 )
 TRAIN_FAMILIES = {"dense": "qwen3", "moe": "qwen3_moe"}
@@ -344,7 +450,9 @@ def _run_parts(ctx: Context, check: str, parts: dict[str, Callable[[], dict[str,
 def check_alignment(ctx: Context) -> dict[str, Any]:
     from archon.spec import supported_model_types
 
-    families = _run_parts(ctx, "alignment", {t: functools.partial(_align_family, ctx, t) for t in supported_model_types()})
+    families = _run_parts(
+        ctx, "alignment", {t: functools.partial(_align_family, ctx, t) for t in supported_model_types()}
+    )
     return {
         "pass": all(r["pass"] for r in families.values()),
         "tolerances": {
@@ -391,7 +499,11 @@ def _align_family(ctx: Context, model_type: str) -> dict[str, Any]:
     del hf32
     fp32_max, fp32_kl = _compare_logits(archon_logits(torch.float32), reference)
     max_tol, kl_tol = _align_tolerances()
-    report: dict[str, Any] = {"tokens": int(tokens.numel()), "fp32_max_abs_logits_diff": fp32_max, "fp32_mean_kl": fp32_kl}
+    report: dict[str, Any] = {
+        "tokens": int(tokens.numel()),
+        "fp32_max_abs_logits_diff": fp32_max,
+        "fp32_mean_kl": fp32_kl,
+    }
     with torch.no_grad():
         hf_bf16 = _hf_forward(_hf_model(path, torch.bfloat16, device), seqs).float()
     archon_bf16 = archon_logits(torch.bfloat16)
@@ -399,11 +511,16 @@ def _align_family(ctx: Context, model_type: str) -> dict[str, Any]:
     archon_max, archon_kl = _compare_logits(archon_bf16, reference)
     hf_p90, archon_p90 = _p90_token_error(hf_bf16, reference), _p90_token_error(archon_bf16, reference)
     report.update(
-        hf_bf16_max_abs_logits_diff=hf_max, hf_bf16_p90_abs_logits_diff=hf_p90, hf_bf16_mean_kl=hf_kl,
-        bf16_max_abs_logits_diff=archon_max, bf16_p90_abs_logits_diff=archon_p90, bf16_mean_kl=archon_kl,
-    )  # fmt: skip
+        hf_bf16_max_abs_logits_diff=hf_max,
+        hf_bf16_p90_abs_logits_diff=hf_p90,
+        hf_bf16_mean_kl=hf_kl,
+        bf16_max_abs_logits_diff=archon_max,
+        bf16_p90_abs_logits_diff=archon_p90,
+        bf16_mean_kl=archon_kl,
+    )
     report["pass"] = (
-        fp32_max <= max_tol and fp32_kl <= kl_tol
+        fp32_max <= max_tol
+        and fp32_kl <= kl_tol
         and archon_p90 <= BF16_FACTOR * hf_p90 + BF16_ABS_LOGITS
         and archon_kl <= BF16_FACTOR**2 * hf_kl + BF16_ABS_KL
     )
@@ -426,26 +543,37 @@ def _train_batch(vocab: int, seq_lens: tuple[int, ...], seed: int):
     return PackedBatch.from_sequences(seqs, prompt_lens=[max(1, n // 3) for n in seq_lens])
 
 
-def _engine(ctx: Context, path: Path, dtype: str, lora_rank: int, lr: float, micro_batch_tokens: int,
-            parallel=None):  # fmt: skip
+def _engine(ctx: Context, path: Path, dtype: str, lora_rank: int, lr: float, micro_batch_tokens: int, parallel=None):
     from archon.lora import LoRAConfig
     from archon.parallel import ParallelConfig
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
     lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules="all-linear")
-    return Trainer(TrainerConfig(
-        model_path=str(path), lora=lora, dtype=dtype, device=ctx.device.type,
-        optim=OptimConfig(lr=lr, max_grad_norm=1.0), micro_batch_tokens=micro_batch_tokens, seed=ctx.seed,
-        parallel=parallel or ParallelConfig(),
-    ))  # fmt: skip
+    return Trainer(
+        TrainerConfig(
+            model_path=str(path),
+            lora=lora,
+            dtype=dtype,
+            device=ctx.device.type,
+            optim=OptimConfig(lr=lr, max_grad_norm=1.0),
+            micro_batch_tokens=micro_batch_tokens,
+            seed=ctx.seed,
+            parallel=parallel or ParallelConfig(),
+        )
+    )
 
 
 def check_train(ctx: Context) -> dict[str, Any]:
-    families = _run_parts(ctx, "train", {kind: functools.partial(_train_family, ctx, t) for kind, t in TRAIN_FAMILIES.items()})
+    families = _run_parts(
+        ctx, "train", {kind: functools.partial(_train_family, ctx, t) for kind, t in TRAIN_FAMILIES.items()}
+    )
     for kind, model_type in TRAIN_FAMILIES.items():
         families[kind].setdefault("model_type", model_type)
-    return {"pass": all(r["pass"] for r in families.values()), "loss_rtol_bf16_vs_fp32": TRAIN_BF16_LOSS_RTOL,
-            "families": families}  # fmt: skip
+    return {
+        "pass": all(r["pass"] for r in families.values()),
+        "loss_rtol_bf16_vs_fp32": TRAIN_BF16_LOSS_RTOL,
+        "families": families,
+    }
 
 
 def _train_family(ctx: Context, model_type: str) -> dict[str, Any]:
@@ -458,8 +586,11 @@ def _train_family(ctx: Context, model_type: str) -> dict[str, Any]:
     with count_varlen_calls() as varlen:
         for step in range(sizes.train_steps):
             metrics = trainer.forward_backward(batch, _nll_loss)
-            bad = [n for n, p in trainer.model.named_parameters()
-                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
+            bad = [
+                n
+                for n, p in trainer.model.named_parameters()
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ]
             nonfinite += [f"step {step}: {n}" for n in bad]
             grad_norms.append(trainer.optimizer_step()["grad_norm"])
             losses.append(metrics["loss"])
@@ -484,9 +615,12 @@ def _train_family(ctx: Context, model_type: str) -> dict[str, Any]:
         "nonfinite_grads": nonfinite[:10],
         "varlen_attention_calls": varlen["calls"],
         "loss_falls": falls,
-        "pass": falls and not nonfinite and loss_rel_diff <= TRAIN_BF16_LOSS_RTOL and varlen_ok
-                and all(math.isfinite(g) for g in grad_norms),
-    }  # fmt: skip
+        "pass": falls
+        and not nonfinite
+        and loss_rel_diff <= TRAIN_BF16_LOSS_RTOL
+        and varlen_ok
+        and all(math.isfinite(g) for g in grad_norms),
+    }
 
 
 def _overrides_for(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -521,15 +655,23 @@ def _generation_family(ctx: Context, model_type: str) -> dict[str, Any]:
 
     # Greedy: archon's KV-cached decoding against HF generate, both fp32 on this device.
     model = build_model(path, device=device).model.eval()
-    samples = NativeRolloutEngine(model, device).generate(GEN_PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=0))
+    samples = NativeRolloutEngine(model, device).generate(
+        GEN_PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=0)
+    )
     del model
     hf = _hf_model(path, torch.float32, device)
     hf_tokens = []
     with torch.no_grad():
         for prompt in GEN_PROMPTS:
-            out = hf.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                              max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-            hf_tokens.append(out[0, len(prompt):].tolist())
+            out = hf.generate(
+                torch.tensor([prompt], device=device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            hf_tokens.append(out[0, len(prompt) :].tolist())
     del hf
     archon_tokens = [s.completion_ids for s in samples]
     greedy_equal = archon_tokens == hf_tokens
@@ -621,7 +763,10 @@ def check_memory(ctx: Context) -> dict[str, Any]:
     meter_sees_logits = unchunked_small >= small_T * V * 4
     return {
         "meter": "torch.cuda.max_memory_allocated" if ctx.cuda else "storage bytes (tests/memory_tracking.py)",
-        "vocab": V, "dim": D, "dtype": str(sizes.memory_dtype), "chunk_size": sizes.memory_chunk,
+        "vocab": V,
+        "dim": D,
+        "dtype": str(sizes.memory_dtype),
+        "chunk_size": sizes.memory_chunk,
         "tokens": [small_T, large_T],
         "peak_mb": [small / 2**20, large / 2**20],
         "growth_mb": (large - small) / 2**20,
@@ -629,7 +774,7 @@ def check_memory(ctx: Context) -> dict[str, Any]:
         "full_fp32_logits_mb_at_large": full_logits_large / 2**20,
         "unchunked_peak_mb_at_small": unchunked_small / 2**20,
         "pass": large <= small + growth_bound and large < full_logits_large / 4 and meter_sees_logits,
-    }  # fmt: skip
+    }
 
 
 # ---- 5. throughput -----------------------------------------------------------------------------------
@@ -668,9 +813,15 @@ def train_step_flops(config: dict[str, Any], lengths: list[int], loss_tokens: in
     weight gradient (6). Causal attention is 2*L^2*H*hd per layer forward, x3 with backward. The
     head (frozen) runs on the loss tokens only.
     """
-    D, I, H, KV, hd, layers, V = (config["hidden_size"], config["intermediate_size"], config["num_attention_heads"],
-                                  config["num_key_value_heads"], config["head_dim"], config["num_hidden_layers"],
-                                  config["vocab_size"])  # fmt: skip
+    D, I, H, KV, hd, layers, V = (
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["num_hidden_layers"],
+        config["vocab_size"],
+    )
     linear = D * H * hd * 2 + D * KV * hd * 2 + 3 * D * I
     lora = lora_rank * ((D + H * hd) * 2 + (D + KV * hd) * 2 + 3 * (D + I))
     flops = sum(lengths) * layers * (4 * linear + 6 * lora)
@@ -679,8 +830,9 @@ def train_step_flops(config: dict[str, Any], lengths: list[int], loss_tokens: in
     return float(flops)
 
 
-def _random_checkpoint(ctx: Context, config_kwargs: dict[str, Any], dtype: torch.dtype, name: str,
-                       model_type: str = "qwen3") -> Path:
+def _random_checkpoint(
+    ctx: Context, config_kwargs: dict[str, Any], dtype: torch.dtype, name: str, model_type: str = "qwen3"
+) -> Path:
     """An HF checkpoint with HF's own random init, made on this device (fast at 2B params)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -775,8 +927,14 @@ def moe_train_step_flops(config: dict[str, Any], lengths: list[int], loss_tokens
     """Model FLOPs of one MoE LoRA train step with LoRA on attention and the routed experts (frozen
     base weights): attention projections, the router, the top-k experts each token goes to, causal
     attention and the head on the loss tokens, counted as in `train_step_flops`."""
-    D, H, KV, hd, layers, V = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
-                               config["head_dim"], config["num_hidden_layers"], config["vocab_size"])  # fmt: skip
+    D, H, KV, hd, layers, V = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["num_hidden_layers"],
+        config["vocab_size"],
+    )
     E, k, I = config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
     attention = D * H * hd * 2 + D * KV * hd * 2
     experts = k * 3 * D * I
@@ -839,8 +997,10 @@ def _grouped_vs_loop(ctx: Context, dtype: str) -> dict[str, Any]:
             F.grouped_mm = original
         grads = {name: p.grad.float() for name, p in experts.named_parameters() if p.grad is not None}
         results[grouped] = {"output": out.detach().float(), "input_grad": x_in.grad.float(), **grads}
-    errors = {name: float((results[True][name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-              for name, ref in results[False].items()}  # fmt: skip
+    errors = {
+        name: float((results[True][name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        for name, ref in results[False].items()
+    }
     worst = max(errors.values())
     return {
         "dtype": dtype,
@@ -848,8 +1008,9 @@ def _grouped_vs_loop(ctx: Context, dtype: str) -> dict[str, Any]:
         "compared": sorted(errors),
         "max_rel_err": worst,
         "grouped_mm_calls": calls["grouped_mm"],
-        "pass": worst <= MOE_GROUPED_RTOL[dtype] and calls["grouped_mm"] > 0
-                and results[True].keys() == results[False].keys(),
+        "pass": worst <= MOE_GROUPED_RTOL[dtype]
+        and calls["grouped_mm"] > 0
+        and results[True].keys() == results[False].keys(),
     }
 
 
@@ -881,12 +1042,22 @@ def check_moe(ctx: Context) -> dict[str, Any]:
         prompt_lens=[sizes.throughput_prompt_len] * len(lengths),
         advantages=torch.randn(len(lengths), generator=g).tolist(),
     )
-    lora = LoRAConfig(rank=sizes.lora_rank, alpha=2.0 * sizes.lora_rank,
-                      target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "experts"))  # fmt: skip
-    trainer = Trainer(TrainerConfig(
-        model_path=str(path), lora=lora, dtype=sizes.throughput_dtype, device=ctx.device.type,
-        optim=OptimConfig(lr=1e-5, max_grad_norm=1.0), micro_batch_tokens=batch.num_tokens, seed=ctx.seed,
-    ))  # fmt: skip
+    lora = LoRAConfig(
+        rank=sizes.lora_rank,
+        alpha=2.0 * sizes.lora_rank,
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "experts"),
+    )
+    trainer = Trainer(
+        TrainerConfig(
+            model_path=str(path),
+            lora=lora,
+            dtype=sizes.throughput_dtype,
+            device=ctx.device.type,
+            optim=OptimConfig(lr=1e-5, max_grad_norm=1.0),
+            micro_batch_tokens=batch.num_tokens,
+            seed=ctx.seed,
+        )
+    )
 
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -942,8 +1113,9 @@ def _offload_run(ctx: Context, path: Path, batch, offload: bool) -> dict[str, An
     if offload and ctx.cuda:
         hooks = trainer.model.activation_offload
     else:
-        hooks = apply_activation_offload(trainer.model.layers, offload=offload, offload_host_tensors=not ctx.cuda,
-                                         min_bytes=sizes.offload_min_bytes)  # fmt: skip
+        hooks = apply_activation_offload(
+            trainer.model.layers, offload=offload, offload_host_tensors=not ctx.cuda, min_bytes=sizes.offload_min_bytes
+        )
     with torch.no_grad():  # B non-zero, so every factor has a gradient
         g = torch.Generator().manual_seed(ctx.seed)
         for name, param in trainer.model.named_parameters():
@@ -966,8 +1138,13 @@ def _offload_run(ctx: Context, path: Path, batch, offload: bool) -> dict[str, An
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
     del trainer, hooks
     _release(ctx)
-    return {"loss": first["loss"], "grads": grads, "stats": stats, "step_s": sorted(times)[len(times) // 2],
-            "peak_memory_bytes": peak}  # fmt: skip
+    return {
+        "loss": first["loss"],
+        "grads": grads,
+        "stats": stats,
+        "step_s": sorted(times)[len(times) // 2],
+        "peak_memory_bytes": peak,
+    }
 
 
 def check_offload(ctx: Context) -> dict[str, Any]:
@@ -1004,14 +1181,18 @@ def check_offload(ctx: Context) -> dict[str, Any]:
     passed = stats["tensors_offloaded"] > 0 and saved_peak_ratio < 1
     if ctx.cuda:
         memory_ratio = offloaded["peak_memory_bytes"] / plain["peak_memory_bytes"]
-        result["peak_memory_gb"] = {"plain": plain["peak_memory_bytes"] / 2**30,
-                                    "offload": offloaded["peak_memory_bytes"] / 2**30}  # fmt: skip
+        result["peak_memory_gb"] = {
+            "plain": plain["peak_memory_bytes"] / 2**30,
+            "offload": offloaded["peak_memory_bytes"] / 2**30,
+        }
         result["peak_memory_ratio"] = memory_ratio
         passed = passed and memory_ratio < 1 and grad_rel_diff <= OFFLOAD_GRAD_RTOL
     else:
         passed = passed and grads_equal and offloaded["loss"] == plain["loss"]
     result["pass"] = passed
     return result
+
+
 # ---- 8. chunked prefill ------------------------------------------------------------------------------
 
 
@@ -1036,17 +1217,27 @@ def check_prefill(ctx: Context) -> dict[str, Any]:
         start = time.perf_counter()
         run = lambda: samples.extend(engine.generate([prompt], sampling))  # noqa: E731
         peak = _peak_bytes(ctx, run) if ctx.cuda else run()
-        runs[name] = {"sample": samples[0], "peak": peak, "generate_seconds": time.perf_counter() - start,
-                      "forwards": engine.stats.prefill_forwards, "largest": engine.stats.max_prefill_forward_tokens}  # fmt: skip
+        runs[name] = {
+            "sample": samples[0],
+            "peak": peak,
+            "generate_seconds": time.perf_counter() - start,
+            "forwards": engine.stats.prefill_forwards,
+            "largest": engine.stats.max_prefill_forward_tokens,
+        }
     del model
     _release(ctx)
     one_shot, chunked = runs["one_shot"], runs["chunked"]
     tokens_equal = one_shot["sample"].completion_ids == chunked["sample"].completion_ids
     gap = max(abs(a - b) for a, b in zip(one_shot["sample"].logprobs, chunked["sample"].logprobs))
     # both runs hold the same cache: keys and values of every layer for the prompt and the new tokens
-    kv_cache = args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 4 * (
-        sizes.prefill_tokens + sizes.gen_max_new_tokens
-    )  # fmt: skip
+    kv_cache = (
+        args.num_hidden_layers
+        * 2
+        * args.num_key_value_heads
+        * args.head_dim
+        * 4
+        * (sizes.prefill_tokens + sizes.gen_max_new_tokens)
+    )
     peaks = [one_shot["peak"], chunked["peak"]] if ctx.cuda else None
     return {
         "meter": "torch.cuda.max_memory_allocated" if ctx.cuda else None,
@@ -1061,19 +1252,26 @@ def check_prefill(ctx: Context) -> dict[str, Any]:
         "generate_seconds": [one_shot["generate_seconds"], chunked["generate_seconds"]],
         "greedy_tokens_equal": tokens_equal,
         "max_abs_logprob_diff": gap,
-        "pass": tokens_equal and gap <= LOGPROB_ATOL and chunked["largest"] <= sizes.prefill_chunk
-                and chunked["forwards"] == -(-sizes.prefill_tokens // sizes.prefill_chunk)
-                and (peaks is None or peaks[1] < peaks[0]),
-    }  # fmt: skip
+        "pass": tokens_equal
+        and gap <= LOGPROB_ATOL
+        and chunked["largest"] <= sizes.prefill_chunk
+        and chunked["forwards"] == -(-sizes.prefill_tokens // sizes.prefill_chunk)
+        and (peaks is None or peaks[1] < peaks[0]),
+    }
 
 
 # ---- 9. quantized bases ------------------------------------------------------------------------------
 
 
 def check_quantized(ctx: Context) -> dict[str, Any]:
-    formats = _run_parts(ctx, "quantized", {f: functools.partial(_quantized_format, ctx, f) for f in ctx.sizes.quantized_models})
-    return {"pass": all(r["pass"] for r in formats.values()), "loss_rtol_kept_vs_dequantized": QUANTIZED_LOSS_RTOL,
-            "formats": formats}  # fmt: skip
+    formats = _run_parts(
+        ctx, "quantized", {f: functools.partial(_quantized_format, ctx, f) for f in ctx.sizes.quantized_models}
+    )
+    return {
+        "pass": all(r["pass"] for r in formats.values()),
+        "loss_rtol_kept_vs_dequantized": QUANTIZED_LOSS_RTOL,
+        "formats": formats,
+    }
 
 
 def _quantized_format(ctx: Context, fmt_name: str) -> dict[str, Any]:
@@ -1110,10 +1308,13 @@ def _quantized_format(ctx: Context, fmt_name: str) -> dict[str, Any]:
         "greedy_kept": kept["greedy"],
     }
     passed = (
-        all(math.isfinite(x) for x in kept["losses"] + dense["losses"]) and not kept["bad_lora_grads"]
-        and kept["lora_grads_checked"] > 0 and loss_rel_diff <= QUANTIZED_LOSS_RTOL and tokens_equal
+        all(math.isfinite(x) for x in kept["losses"] + dense["losses"])
+        and not kept["bad_lora_grads"]
+        and kept["lora_grads_checked"] > 0
+        and loss_rel_diff <= QUANTIZED_LOSS_RTOL
+        and tokens_equal
         and kept["base_bytes"] < dense["base_bytes"]
-    )  # fmt: skip
+    )
     if ctx.cuda:
         result["peak_memory_gb"] = {"kept": kept["peak_bytes"] / 2**30, "bf16": dense["peak_bytes"] / 2**30}
         # reported, not held: at these sizes the activations of 16K tokens outweigh the base, and the
@@ -1133,10 +1334,18 @@ def _quantized_run(ctx: Context, path: Path, batch, base: str) -> dict[str, Any]
 
     sizes = ctx.sizes
     lora = LoRAConfig(rank=sizes.lora_rank, alpha=2.0 * sizes.lora_rank, target_modules="all-linear")
-    trainer = Trainer(TrainerConfig(
-        model_path=str(path), lora=lora, dtype="bfloat16", device=ctx.device.type, quantized_base=base,
-        optim=OptimConfig(lr=1e-5, max_grad_norm=1.0), micro_batch_tokens=batch.num_tokens, seed=ctx.seed,
-    ))  # fmt: skip
+    trainer = Trainer(
+        TrainerConfig(
+            model_path=str(path),
+            lora=lora,
+            dtype="bfloat16",
+            device=ctx.device.type,
+            quantized_base=base,
+            optim=OptimConfig(lr=1e-5, max_grad_norm=1.0),
+            micro_batch_tokens=batch.num_tokens,
+            seed=ctx.seed,
+        )
+    )
     base_bytes = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if not is_lora_param(n))
     with torch.no_grad():  # B non-zero, so every factor has a gradient and the adapter changes the tokens
         g = torch.Generator().manual_seed(ctx.seed)
@@ -1150,16 +1359,25 @@ def _quantized_run(ctx: Context, path: Path, batch, base: str) -> dict[str, Any]
         torch.cuda.reset_peak_memory_stats(ctx.device)
     losses = [trainer.forward_backward(batch, _pg_loss)["loss"]]
     lora_grads = {name: p.grad for name, p in trainer.model.named_parameters() if is_lora_param(name)}
-    bad = [name for name, grad in lora_grads.items()
-           if grad is None or not bool(torch.isfinite(grad).all()) or not bool(grad.abs().sum() > 0)]  # fmt: skip
+    bad = [
+        name
+        for name, grad in lora_grads.items()
+        if grad is None or not bool(torch.isfinite(grad).all()) or not bool(grad.abs().sum() > 0)
+    ]
     trainer.optimizer_step()
     step_s, more = _moe_steps(ctx, trainer, batch, _pg_loss, sizes.throughput_steps)
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
     del trainer
     _release(ctx)
-    return {"base_bytes": base_bytes, "greedy": [s.completion_ids for s in greedy], "losses": losses + more,
-            "lora_grads_checked": len(lora_grads), "bad_lora_grads": bad, "step_s": step_s,
-            "peak_bytes": peak}  # fmt: skip
+    return {
+        "base_bytes": base_bytes,
+        "greedy": [s.completion_ids for s in greedy],
+        "losses": losses + more,
+        "lora_grads_checked": len(lora_grads),
+        "bad_lora_grads": bad,
+        "step_s": step_s,
+        "peak_bytes": peak,
+    }
 
 
 # ---- 10. rollout systems -----------------------------------------------------------------------------
@@ -1208,8 +1426,12 @@ def _replay_part(ctx: Context) -> dict[str, Any]:
     # which tokens the fp32 trainer routes differently on its own (any layer, as sets of experts)
     routers = moe_routers(trainer.model)
     with torch.no_grad(), recorded_routing(trainer.model):
-        trainer.model(batch.tokens.to(ctx.device), batch.positions.to(ctx.device),
-                      batch.cu_seqlens.to(ctx.device), batch.max_seqlen)  # fmt: skip
+        trainer.model(
+            batch.tokens.to(ctx.device),
+            batch.positions.to(ctx.device),
+            batch.cu_seqlens.to(ctx.device),
+            batch.max_seqlen,
+        )
         own_ids = take_recorded(routers)
     flipped_token = (own_ids.sort(-1).values.cpu() != recorded.long().sort(-1).values).any(-1).any(-1)
     # position t's log-prob (of the label t+1) reads positions <= t: a flip at any of them counts
@@ -1222,13 +1444,17 @@ def _replay_part(ctx: Context) -> dict[str, Any]:
     affected = mask & flipped_before
     unaffected = mask & ~flipped_before
     result = {
-        "sampler_dtype": "bfloat16", "trainer_dtype": "float32", "tokens": int(mask.sum()),
+        "sampler_dtype": "bfloat16",
+        "trainer_dtype": "float32",
+        "tokens": int(mask.sum()),
         "tokens_routed_differently": int(flipped_token.sum()),
         "scored_tokens_after_a_flip": int(affected.sum()),
-        "mean_gap_after_a_flip": {"replay": float(gap_replay[affected].mean()) if affected.any() else None,
-                                  "own": float(gap_own[affected].mean()) if affected.any() else None},
+        "mean_gap_after_a_flip": {
+            "replay": float(gap_replay[affected].mean()) if affected.any() else None,
+            "own": float(gap_own[affected].mean()) if affected.any() else None,
+        },
         "max_gap_no_flip": {"replay": float(gap_replay[unaffected].max()), "own": float(gap_own[unaffected].max())},
-    }  # fmt: skip
+    }
     result["pass"] = bool(
         torch.isfinite(replayed[mask]).all()
         and torch.equal(replayed[unaffected], own[unaffected])
@@ -1303,13 +1529,16 @@ def _speculative_part(ctx: Context) -> dict[str, Any]:
         "greedy_tokens_equal": [s.completion_ids for s in drafted] == [s.completion_ids for s in plain],
         "acceptance": mtp_engine.stats.speculative_accepted / max(1, mtp_engine.stats.speculative_proposed),
         "tokens_per_s": {"plain": plain_tps, "speculative": drafted_tps},
-        "sampled_acceptance": sampled_engine.stats.speculative_accepted / max(1, sampled_engine.stats.speculative_proposed),
+        "sampled_acceptance": sampled_engine.stats.speculative_accepted
+        / max(1, sampled_engine.stats.speculative_proposed),
         "sampled_max_abs_logprob_diff_vs_trainer": gap,
     }
     result["pass"] = (
-        result["qwen3_self_draft"]["greedy_tokens_equal"] and result["qwen3_self_draft"]["acceptance"] == 1.0
-        and result["deepseek_v3_mtp"]["greedy_tokens_equal"] and gap <= LOGPROB_ATOL
-    )  # fmt: skip
+        result["qwen3_self_draft"]["greedy_tokens_equal"]
+        and result["qwen3_self_draft"]["acceptance"] == 1.0
+        and result["deepseek_v3_mtp"]["greedy_tokens_equal"]
+        and gap <= LOGPROB_ATOL
+    )
     return result
 
 
@@ -1333,9 +1562,13 @@ def _partial_part(ctx: Context) -> dict[str, Any]:
     versions = {0: {n: (torch.randn(p.shape, generator=g) * 0.3).to(p.device) for n, p in params.items()}}
     for version in (1, 2):
         versions[version] = {
-            n: (torch.randn(t.shape, generator=g).to(t.device) * 0.3 if n.startswith(f"layers.{last}.") and ".mlp." in n else t)
+            n: (
+                torch.randn(t.shape, generator=g).to(t.device) * 0.3
+                if n.startswith(f"layers.{last}.") and ".mlp." in n
+                else t
+            )
             for n, t in versions[version - 1].items()
-        }  # fmt: skip
+        }
     publish_after, new_tokens = (5, 11), 18
     reached = [threading.Event() for _ in publish_after]
     published = [threading.Event() for _ in publish_after]
@@ -1403,6 +1636,7 @@ CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
 
 def environment(ctx: Context) -> dict[str, Any]:
     import transformers
+
     from archon.models.common.attention import _varlen_takes_enable_gqa
 
     env = {
@@ -1421,8 +1655,12 @@ def environment(ctx: Context) -> dict[str, Any]:
         env["peft"] = None
     if ctx.cuda:
         props = torch.cuda.get_device_properties(ctx.device)
-        env.update(gpu=props.name, gpu_memory_gb=props.total_memory / 2**30, cuda=torch.version.cuda,
-                   capability=f"{props.major}.{props.minor}")  # fmt: skip
+        env.update(
+            gpu=props.name,
+            gpu_memory_gb=props.total_memory / 2**30,
+            cuda=torch.version.cuda,
+            capability=f"{props.major}.{props.minor}",
+        )
     else:
         env["cpu_threads"] = torch.get_num_threads()
     return env
@@ -1436,8 +1674,10 @@ def run_suite(args: SuiteArgs) -> dict[str, Any]:
         device, sizes = torch.device("cpu"), TINY
     else:
         if not torch.cuda.is_available():
-            raise RuntimeError("the full suite needs a CUDA device (torch.cuda.is_available() is False); "
-                               "run with --tiny for the CPU-sized checks")  # fmt: skip
+            raise RuntimeError(
+                "the full suite needs a CUDA device (torch.cuda.is_available() is False); "
+                "run with --tiny for the CPU-sized checks"
+            )
         device, sizes = torch.device("cuda", 0), FULL
         torch.cuda.set_device(device)
         # fp32 means fp32 (no TF32), whatever the environment asks for: the fp32 checks hold

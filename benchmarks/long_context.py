@@ -48,14 +48,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # benchmarks/ is the script's own folder
 from arms import (  # noqa: E402
-    MIN_REPEATS, Ratio, check_repeats, environment_record, load_now, median_figures, run_arms,
+    MIN_REPEATS,
+    Ratio,
+    check_repeats,
+    environment_record,
+    load_now,
+    median_figures,
+    run_arms,
 )
 from train_step import PeakRSS  # noqa: E402
 
-SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=65536, tie_word_embeddings=False)  # fmt: skip
+SIZES = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=65536,
+    tie_word_embeddings=False,
+)
 QWEN3_5_SIZES = dict(
-    SIZES, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    SIZES,
+    linear_num_key_heads=4,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
 )
 MODEL_TYPES = {"qwen3": ("qwen3", dict(SIZES, use_sliding_window=False)), "qwen3_5": ("qwen3_5_text", QWEN3_5_SIZES)}
@@ -103,8 +122,9 @@ def _batch(vocab: int, length: int, seed: int):
     from archon.batch import PackedBatch
 
     g = torch.Generator().manual_seed(seed)
-    return PackedBatch.from_sequences([torch.randint(0, vocab, (length,), generator=g)],
-                                      prompt_lens=[PROMPT_TOKENS], advantages=[1.0])  # fmt: skip
+    return PackedBatch.from_sequences(
+        [torch.randint(0, vocab, (length,), generator=g)], prompt_lens=[PROMPT_TOKENS], advantages=[1.0]
+    )
 
 
 def worker(args: Args) -> None:
@@ -115,12 +135,16 @@ def worker(args: Args) -> None:
     from archon.trainer import Trainer, TrainerConfig
 
     cp = 2 if args.worker == "cp2" else 1
-    trainer = Trainer(TrainerConfig(
-        model_path=args.checkpoint, lora=LoRAConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK, target_modules="all-linear"),
-        parallel=ParallelConfig(cp=cp), device="cpu", micro_batch_tokens=args.length + 1,
-    ))  # fmt: skip
-    hooks = apply_activation_offload(trainer.model.layers, offload=args.worker == "offload",
-                                     offload_host_tensors=True)  # fmt: skip
+    trainer = Trainer(
+        TrainerConfig(
+            model_path=args.checkpoint,
+            lora=LoRAConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK, target_modules="all-linear"),
+            parallel=ParallelConfig(cp=cp),
+            device="cpu",
+            micro_batch_tokens=args.length + 1,
+        )
+    )
+    hooks = apply_activation_offload(trainer.model.layers, offload=args.worker == "offload", offload_host_tensors=True)
     vocab = trainer.model.args.vocab_size
     trainer.train_step(_batch(vocab, WARMUP_TOKENS, seed=1), _pg_loss)
     batch = _batch(vocab, args.length, seed=2)
@@ -142,7 +166,9 @@ def worker(args: Args) -> None:
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)
     if trainer.rank == 0:
-        merged = {key: max(r[key] for r in results) for key in ("peak_mb", "step_s", "saved_peak_bytes", "bytes_offloaded")}
+        merged = {
+            key: max(r[key] for r in results) for key in ("peak_mb", "step_s", "saved_peak_bytes", "bytes_offloaded")
+        }
         merged.update(tokens_per_s_per_rank=min(r["tokens_per_s_per_rank"] for r in results), loss=result["loss"])
         Path(args.out).write_text(json.dumps(merged))
     if dist.is_initialized():
@@ -210,8 +236,10 @@ def derived_figures(runs: dict, comparisons: dict) -> dict:
             ratios[t] |= {name: summary.median, f"{name}_min": summary.min, f"{name}_max": summary.max}
     out = {"runs": runs, "ratios": ratios, "comparisons": {t: c.to_json() for t, c in comparisons.items()}}
     if len(lengths) >= 2:
-        out["longest_T_in_8GB"] = {run: longest_fitting({t: r["peak_mb"] for t, r in runs[run].items()}, MEMORY_BUDGET_MB)
-                                   for run in ("single", "cp2")}  # fmt: skip
+        out["longest_T_in_8GB"] = {
+            run: longest_fitting({t: r["peak_mb"] for t, r in runs[run].items()}, MEMORY_BUDGET_MB)
+            for run in ("single", "cp2")
+        }
         (t1, r1), (t2, r2) = sorted(single.items())[-2:]
         out["saved_bytes_per_token"] = (r2["saved_peak_bytes"] - r1["saved_peak_bytes"]) / (t2 - t1)
     return out
@@ -231,11 +259,14 @@ def main(args: Args) -> dict:
             runs: dict = {run: {} for run in RUNS}
             comparisons = {}
             for length in args.lengths:
-                arms = {run: (lambda run=run: _measure(run, checkpoint, length, args.threads, Path(tmp) / "out.json"))
-                        for run in RUNS}  # fmt: skip
+                arms = {
+                    run: (lambda run=run: _measure(run, checkpoint, length, args.threads, Path(tmp) / "out.json"))
+                    for run in RUNS
+                }
                 print(f"{family} T={length}:", file=sys.stderr, flush=True)
-                comparisons[length] = run_arms(arms, RATIOS, repeats=args.repeats, warmup=args.warmup,
-                                               threads=args.threads)  # fmt: skip
+                comparisons[length] = run_arms(
+                    arms, RATIOS, repeats=args.repeats, warmup=args.warmup, threads=args.threads
+                )
                 for run in RUNS:
                     runs[run][length] = median_figures(comparisons[length].samples[run])
             figures[family] = derived_figures(runs, comparisons)
@@ -244,8 +275,13 @@ def main(args: Args) -> dict:
                     figures[family]["saved_bytes_per_token"] / (sizes["hidden_size"] * sizes["num_hidden_layers"])
                 )
     return {
-        "config": {"sizes": SIZES, "qwen3_5_sizes": QWEN3_5_SIZES, "lora_rank": LORA_RANK, "threads": args.threads,
-                   "prompt_tokens": PROMPT_TOKENS},
+        "config": {
+            "sizes": SIZES,
+            "qwen3_5_sizes": QWEN3_5_SIZES,
+            "lora_rank": LORA_RANK,
+            "threads": args.threads,
+            "prompt_tokens": PROMPT_TOKENS,
+        },
         "figures": figures,
         "load_average": [load_start, os.getloadavg()[0]],
         "repeats": args.repeats,

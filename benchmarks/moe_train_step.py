@@ -36,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers o
 
 import train_step  # noqa: E402
 from arms import (  # noqa: E402
-    Ratio, RatioSummary, check_repeats, describe, median_figures, run_arms, speed_verdict, verdict_line,
+    Ratio,
+    RatioSummary,
+    check_repeats,
+    describe,
+    median_figures,
+    run_arms,
+    speed_verdict,
+    verdict_line,
 )
 from train_step import BenchArgs, make_checkpoint, make_sequences, run_archon, run_hf_peft  # noqa: E402
 
@@ -98,10 +105,20 @@ def run_experts_layer(args: BenchArgs) -> dict:
 
         return measure
 
-    result = run_arms({"grouped": step(True), "loop": step(False)}, [Ratio("grouped_over_loop", "loop", "grouped")],
-                      repeats=args.repeats, warmup=args.warmup, threads=args.threads, progress=False)  # fmt: skip
-    return {"tokens": tokens, "grouped_s": result.median("grouped"), "loop_s": result.median("loop"),
-            "comparison": result.to_json()}  # fmt: skip
+    result = run_arms(
+        {"grouped": step(True), "loop": step(False)},
+        [Ratio("grouped_over_loop", "loop", "grouped")],
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        progress=False,
+    )
+    return {
+        "tokens": tokens,
+        "grouped_s": result.median("grouped"),
+        "loop_s": result.median("loop"),
+        "comparison": result.to_json(),
+    }
 
 
 def run_hf(args: BenchArgs) -> dict:
@@ -113,13 +130,15 @@ def run_hf(args: BenchArgs) -> dict:
 
 
 ROLES = {
-    "archon_grouped": lambda a: run_archon(a, lora=True, timed=True, lora_targets=(*ATTENTION, "experts"),
-                                           prepare=_set_grouped(True)),
-    "archon_loop": lambda a: run_archon(a, lora=True, timed=True, profile=False, lora_targets=(*ATTENTION, "experts"),
-                                        prepare=_set_grouped(False)),
+    "archon_grouped": lambda a: run_archon(
+        a, lora=True, timed=True, lora_targets=(*ATTENTION, "experts"), prepare=_set_grouped(True)
+    ),
+    "archon_loop": lambda a: run_archon(
+        a, lora=True, timed=True, profile=False, lora_targets=(*ATTENTION, "experts"), prepare=_set_grouped(False)
+    ),
     "hf_peft": run_hf,
     "experts_layer": run_experts_layer,
-}  # fmt: skip
+}
 
 
 STEP_ROLES = ("archon_grouped", "archon_loop", "hf_peft")
@@ -132,10 +151,14 @@ def main(args: BenchArgs) -> dict:
         args.checkpoint = str(make_checkpoint(Path(tmp) / "qwen3-moe", args.seed, MOE_CONFIG, "qwen3_moe"))
         comparison = run_arms(
             {role: (lambda role=role: train_step._measure(role, args, script=__file__)) for role in STEP_ROLES},
-            [Ratio("archon_over_hf_peft_tok_s", "archon_grouped", "hf_peft", "tok_s"),
-             Ratio("grouped_over_loop_step", "archon_grouped", "archon_loop", "tok_s")],
-            repeats=args.repeats, warmup=args.warmup, threads=args.threads,
-        )  # fmt: skip
+            [
+                Ratio("archon_over_hf_peft_tok_s", "archon_grouped", "hf_peft", "tok_s"),
+                Ratio("grouped_over_loop_step", "archon_grouped", "archon_loop", "tok_s"),
+            ],
+            repeats=args.repeats,
+            warmup=args.warmup,
+            threads=args.threads,
+        )
         results = {role: median_figures(comparison.samples[role]) for role in STEP_ROLES}
         results["experts_layer"] = train_step._measure("experts_layer", args, script=__file__)
     archon, loop, hf, layer = (results[r] for r in ("archon_grouped", "archon_loop", "hf_peft", "experts_layer"))
@@ -146,15 +169,26 @@ def main(args: BenchArgs) -> dict:
     for summary, label, above, below in (
         (speed, "real tokens/s, archon MoE LoRA / HF+PEFT", "archon is faster", "archon is slower"),
         (grouped_step, "whole step, grouped / loop (tokens/s)", "grouped GEMM is faster", "grouped GEMM is slower"),
-        (grouped_layer, "expert layer alone, grouped / loop (1 / time)", "grouped GEMM is faster",
-         "grouped GEMM is slower"),
-    ):  # fmt: skip
+        (
+            grouped_layer,
+            "expert layer alone, grouped / loop (1 / time)",
+            "grouped GEMM is faster",
+            "grouped GEMM is slower",
+        ),
+    ):
         print(describe(summary, label), flush=True)
         print(verdict_line(summary, speed_verdict(summary, above, below), label), flush=True)
     return {
-        "config": {**MOE_CONFIG, "lora_rank": train_step.LORA_RANK, "lora_targets": [*ATTENTION, *EXPERT_PARAMETERS],
-                   "threads": args.threads, "steps": args.steps, "real_tokens": archon["tokens_per_step"],
-                   "padded_tokens": hf["padded_tokens_per_step"], "trainable_params": archon["trainable_params"]},
+        "config": {
+            **MOE_CONFIG,
+            "lora_rank": train_step.LORA_RANK,
+            "lora_targets": [*ATTENTION, *EXPERT_PARAMETERS],
+            "threads": args.threads,
+            "steps": args.steps,
+            "real_tokens": archon["tokens_per_step"],
+            "padded_tokens": hf["padded_tokens_per_step"],
+            "trainable_params": archon["trainable_params"],
+        },
         "archon_tok_s": archon["tok_s"],
         "hf_peft_tok_s": hf["tok_s"],
         "ratio": speed.median,
@@ -181,7 +215,7 @@ def main(args: BenchArgs) -> dict:
         "environment": comparison.environment,
         "comparison": comparison.to_json(),
         "experts_layer_comparison": layer["comparison"],
-    }  # fmt: skip
+    }
 
 
 def _cli() -> None:
@@ -192,17 +226,25 @@ def _cli() -> None:
         print(json.dumps(ROLES[args.role](args)))
         return
     summary = main(args)
-    print(f"real tokens/s (medians): archon MoE LoRA {summary['archon_tok_s']:.0f}, HF+PEFT "
-          f"{summary['hf_peft_tok_s']:.0f}, ratio {summary['ratio']:.2f} (min {summary['ratio_min']:.2f}, max "
-          f"{summary['ratio_max']:.2f} over {summary['repeats']} rounds)")  # fmt: skip
-    print(f"grouped over loop: whole step {summary['grouped_over_loop_step']:.2f}x, expert layer alone "
-          f"{summary['grouped_over_loop_experts_layer']:.2f}x (medians)")
-    print(f"peak RSS MB: archon {summary['archon_peak_rss_mb']:.0f} (loop {summary['archon_loop_peak_rss_mb']:.0f}), "
-          f"HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}")
+    print(
+        f"real tokens/s (medians): archon MoE LoRA {summary['archon_tok_s']:.0f}, HF+PEFT "
+        f"{summary['hf_peft_tok_s']:.0f}, ratio {summary['ratio']:.2f} (min {summary['ratio_min']:.2f}, max "
+        f"{summary['ratio_max']:.2f} over {summary['repeats']} rounds)"
+    )
+    print(
+        f"grouped over loop: whole step {summary['grouped_over_loop_step']:.2f}x, expert layer alone "
+        f"{summary['grouped_over_loop_experts_layer']:.2f}x (medians)"
+    )
+    print(
+        f"peak RSS MB: archon {summary['archon_peak_rss_mb']:.0f} (loop {summary['archon_loop_peak_rss_mb']:.0f}), "
+        f"HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}"
+    )
     print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
     env = summary["environment"]
-    print(f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
-          f"{env['load_average_before']}, after {env['load_average_after']}")
+    print(
+        f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
+        f"{env['load_average_before']}, after {env['load_average_after']}"
+    )
     print(json.dumps(summary))
 
 

@@ -37,12 +37,25 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from arms import (  # noqa: E402
-    MIN_REPEATS, Ratio, check_repeats, describe, goal_verdict, median_figures, run_arms, verdict_line,
+    MIN_REPEATS,
+    Ratio,
+    check_repeats,
+    describe,
+    goal_verdict,
+    median_figures,
+    run_arms,
+    verdict_line,
 )
 
 GOALS = {"wall_ratio": 0.5, "peak_memory_ratio": 1.3}  # at most
-TASK_SPECS = [("add", ("+",), 2), ("sub", ("-",), 2), ("mul", ("*",), 2), ("add1", ("+",), 1),
-              ("sub1", ("-",), 1), ("mul1", ("*",), 1)]  # fmt: skip
+TASK_SPECS = [
+    ("add", ("+",), 2),
+    ("sub", ("-",), 2),
+    ("mul", ("*",), 2),
+    ("add1", ("+",), 1),
+    ("sub1", ("-",), 1),
+    ("mul1", ("*",), 1),
+]
 
 
 @dataclass
@@ -75,8 +88,11 @@ def _task_data(out: Path, count: int) -> list[tuple[str, Path]]:
         raise SystemExit(f"--tasks {count}: at most {len(TASK_SPECS)} tasks are defined")
     data = []
     for name, operations, digits in TASK_SPECS[:count]:
-        train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=operations, min_digits=digits,
-                                                          max_digits=digits, num_train=90, num_held_out=0))  # fmt: skip
+        train, _ = arithmetic_splits(
+            ArithmeticTaskConfig(
+                operations=operations, min_digits=digits, max_digits=digits, num_train=90, num_held_out=0
+            )
+        )
         data.append((name, write_jsonl(train, out / f"{name}.jsonl")))
     return data
 
@@ -167,34 +183,45 @@ def main(args: BenchArgs) -> dict:
         singles = [_job(config) for config in single_configs]
         last_singles[:] = singles
         figures = {
-            "wall_s": sum(s["wall_s"] for s in singles), "steps_s": sum(s["steps_s"] for s in singles),
-            "samples": sum(s["samples"] for s in singles), "peak_mb": max(s["peak_mb"] for s in singles),
-        }  # fmt: skip
+            "wall_s": sum(s["wall_s"] for s in singles),
+            "steps_s": sum(s["steps_s"] for s in singles),
+            "samples": sum(s["samples"] for s in singles),
+            "peak_mb": max(s["peak_mb"] for s in singles),
+        }
         return figures | {"samples_per_s": figures["samples"] / figures["wall_s"]}
 
     def multi_arm() -> dict:
         figures = _job(multi_config)
         return figures | {"samples_per_s": figures["samples"] / figures["wall_s"]}
 
-    ratios = [Ratio("wall_ratio", "multi", "sequential", "wall_s"),
-              Ratio("steps_ratio", "multi", "sequential", "steps_s"),
-              Ratio("peak_memory_ratio", "multi", "sequential", "peak_mb")]  # fmt: skip
-    result = run_arms({"sequential": sequential_arm, "multi": multi_arm}, ratios, repeats=args.repeats,
-                      warmup=args.warmup, threads=1)  # fmt: skip
+    ratios = [
+        Ratio("wall_ratio", "multi", "sequential", "wall_s"),
+        Ratio("steps_ratio", "multi", "sequential", "steps_s"),
+        Ratio("peak_memory_ratio", "multi", "sequential", "peak_mb"),
+    ]
+    result = run_arms(
+        {"sequential": sequential_arm, "multi": multi_arm}, ratios, repeats=args.repeats, warmup=args.warmup, threads=1
+    )
     for name, summary in result.ratios.items():
         print(describe(summary), flush=True)
         if name in GOALS:
             print(verdict_line(summary, goal_verdict(summary, GOALS[name])), flush=True)
     report = {
-        "tasks": args.tasks, "steps": args.steps, "device": args.device,
-        "multi": median_figures(result.samples["multi"]), "sequential": median_figures(result.samples["sequential"]),
+        "tasks": args.tasks,
+        "steps": args.steps,
+        "device": args.device,
+        "multi": median_figures(result.samples["multi"]),
+        "sequential": median_figures(result.samples["sequential"]),
         "single_jobs": last_singles,
         **{name: summary.median for name, summary in result.ratios.items()},
         **{f"{name}_min": summary.min for name, summary in result.ratios.items()},
         **{f"{name}_max": summary.max for name, summary in result.ratios.items()},
-        "goals": GOALS, "repeats": args.repeats, "verdict_allowed": result.verdict_allowed,
-        "environment": result.environment, "comparison": result.to_json(),
-    }  # fmt: skip
+        "goals": GOALS,
+        "repeats": args.repeats,
+        "verdict_allowed": result.verdict_allowed,
+        "environment": result.environment,
+        "comparison": result.to_json(),
+    }
     print(json.dumps(report))
     return report
 

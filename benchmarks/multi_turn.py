@@ -138,7 +138,9 @@ def main(args: BenchArgs) -> dict:
 
         def generate(trajectories, turn):
             sessions = list(range(len(trajectories))) if keep else None
-            return engine.generate(trajectories, dataclasses.replace(sampling, seed=args.seed + turn), sessions=sessions)
+            return engine.generate(
+                trajectories, dataclasses.replace(sampling, seed=args.seed + turn), sessions=sessions
+            )
 
         warm_up = [201, 202, 203]  # two turns: a full prefill, then one after a kept prefix
         warm_up += generate([warm_up], 0)[0].completion_ids + [204]
@@ -160,8 +162,10 @@ def main(args: BenchArgs) -> dict:
 
         return measure
 
-    arms = {"native_kept_cache": native_arm("native_kept_cache", True),
-            "native_reprefill": native_arm("native_reprefill", False)}  # fmt: skip
+    arms = {
+        "native_kept_cache": native_arm("native_kept_cache", True),
+        "native_reprefill": native_arm("native_reprefill", False),
+    }
     ratios = [Ratio("kept_vs_reprefill_speedup", "native_reprefill", "native_kept_cache", "seconds")]
     server = None
     if args.vllm:
@@ -172,25 +176,32 @@ def main(args: BenchArgs) -> dict:
         unseeded = dataclasses.replace(sampling, seed=None)
 
         def vllm_arm() -> dict:
-            seconds, turns = run_episodes(lambda trajectories, turn: server.generate(trajectories, unseeded), args, vocab)
+            seconds, turns = run_episodes(
+                lambda trajectories, turn: server.generate(trajectories, unseeded), args, vocab
+            )
             last_turns["vllm"] = turns
-            return {"seconds": seconds,
-                    "prompt_tokens_sent_per_episode": sum(len(s.prompt_ids) for t in turns for s in t) / args.episodes}
+            return {
+                "seconds": seconds,
+                "prompt_tokens_sent_per_episode": sum(len(s.prompt_ids) for t in turns for s in t) / args.episodes,
+            }
 
         arms["vllm"] = vllm_arm
         ratios.append(Ratio("kept_vs_vllm_speedup", "vllm", "native_kept_cache", "seconds"))
     try:
         if server is not None:
             server.generate([[201, 202, 203]], unseeded)  # warm-up
-        result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick,
-                          threads=args.threads)  # fmt: skip
+        result = run_arms(
+            arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=args.threads
+        )
     finally:
         if server is not None:
             server.close()
 
     kept_tokens = [[s.completion_ids for s in t] for t in last_turns["native_kept_cache"]]
     if kept_tokens != [[s.completion_ids for s in t] for t in last_turns["native_reprefill"]]:
-        raise RuntimeError("the kept-cache engine sampled other tokens than the re-prefilling engine with the same seed")
+        raise RuntimeError(
+            "the kept-cache engine sampled other tokens than the re-prefilling engine with the same seed"
+        )
     rows = []
     for name, turns in last_turns.items():
         made = sum(len(s.completion_ids) for t in turns for s in t)
@@ -199,10 +210,12 @@ def main(args: BenchArgs) -> dict:
         seconds = result.median(name, "seconds")
         prefill_key = "prompt_tokens_sent_per_episode" if name == "vllm" else "prefill_tokens_per_episode"
         row = {
-            "engine": name, "seconds": round(seconds, 3), "tokens_per_s": round(made / seconds, 1),
+            "engine": name,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(made / seconds, 1),
             prefill_key: round(result.median(name, prefill_key), 1),
             **{k: float(f"{v:.3g}") for k, v in logprob_gap(trainer, turns).items()},
-        }  # fmt: skip
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     for name, label, verdict in (
@@ -212,8 +225,12 @@ def main(args: BenchArgs) -> dict:
         if name in result.ratios:
             summary = result.ratios[name]
             print(describe(summary, label), flush=True)
-            print(verdict_line(summary, speed_verdict(summary, above=verdict, below=verdict.replace("faster", "slower")),
-                               label), flush=True)  # fmt: skip
+            print(
+                verdict_line(
+                    summary, speed_verdict(summary, above=verdict, below=verdict.replace("faster", "slower")), label
+                ),
+                flush=True,
+            )
     speedup = result.ratios["kept_vs_reprefill_speedup"]
     report = {
         "model": f"qwen3 hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, fp32, LoRA rank 8",

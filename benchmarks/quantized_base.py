@@ -57,19 +57,54 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from arms import (  # noqa: E402  (benchmarks/ is the script's own folder)
-    MIN_REPEATS, Ratio, RatioSummary, check_repeats, describe, environment_record, goal_verdict, load_now, run_arms,
+    MIN_REPEATS,
+    Ratio,
+    RatioSummary,
+    check_repeats,
+    describe,
+    environment_record,
+    goal_verdict,
+    load_now,
+    run_arms,
     verdict_line,
 )
 from train_step import PROMPT_LEN, sequence_lengths  # noqa: E402
 
-COMMON_SIZES = dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, head_dim=64,
-                    num_experts_per_tok=4, tie_word_embeddings=False, max_position_embeddings=4096)  # fmt: skip
+COMMON_SIZES = dict(
+    vocab_size=4096,
+    hidden_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    head_dim=64,
+    num_experts_per_tok=4,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+)
 MODELS = {
-    "fp8": ("qwen3_moe", dict(COMMON_SIZES, num_key_value_heads=4, num_experts=32, moe_intermediate_size=512,
-                              intermediate_size=2048, decoder_sparse_step=1, mlp_only_layers=[])),
-    "mxfp4": ("gpt_oss", dict(COMMON_SIZES, num_key_value_heads=8, num_local_experts=32, intermediate_size=512,
-                              sliding_window=128, max_position_embeddings=131072)),
-}  # fmt: skip
+    "fp8": (
+        "qwen3_moe",
+        dict(
+            COMMON_SIZES,
+            num_key_value_heads=4,
+            num_experts=32,
+            moe_intermediate_size=512,
+            intermediate_size=2048,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+    "mxfp4": (
+        "gpt_oss",
+        dict(
+            COMMON_SIZES,
+            num_key_value_heads=8,
+            num_local_experts=32,
+            intermediate_size=512,
+            sliding_window=128,
+            max_position_embeddings=131072,
+        ),
+    ),
+}
 FP8_BLOCK = (128, 128)
 LORA_RANK, LORA_ALPHA = 16, 32.0
 GOALS = {"fp8_base_over_bf16": 0.55, "mxfp4_experts_over_bf16": 0.3, "step_time_ratio": 1.3}
@@ -145,8 +180,11 @@ def base_bytes(loaded) -> dict:
         quantized_params = {key: _numel(module._quantized[name].rows_shape) for key, (module, name) in kept.items()}
     else:
         hf_keys = QuantizedCheckpoint(HFCheckpoint(loaded.path), loaded.quant_format).keys()
-        quantized_params = {key: p.numel() for key, p in params.items()
-                            if set(loaded.converter.hf_sources(key, hf_keys)) & loaded.quantized_hf_keys}  # fmt: skip
+        quantized_params = {
+            key: p.numel()
+            for key, p in params.items()
+            if set(loaded.converter.hf_sources(key, hf_keys)) & loaded.quantized_hf_keys
+        }
     out = {"base_bytes": 0, "quantized_bytes": 0, "quantized_params": sum(quantized_params.values())}
     storage = ("_qdata", "_qscale")
     out["base_params"] = out["quantized_params"] + sum(
@@ -208,11 +246,18 @@ def _trainer(args: Args, base: str, dtype: str = "float32"):
     from archon.lora import LoRAConfig
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
-    return Trainer(TrainerConfig(
-        model_path=args.checkpoint, lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear"),
-        quantized_base=base, dtype=dtype, device="cpu", micro_batch_tokens=8192,
-        optim=OptimConfig(lr=1e-4, max_grad_norm=1.0), seed=args.seed,
-    ))  # fmt: skip
+    return Trainer(
+        TrainerConfig(
+            model_path=args.checkpoint,
+            lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear"),
+            quantized_base=base,
+            dtype=dtype,
+            device="cpu",
+            micro_batch_tokens=8192,
+            optim=OptimConfig(lr=1e-4, max_grad_norm=1.0),
+            seed=args.seed,
+        )
+    )
 
 
 def _dequantize_all_s(model, dtype) -> float:
@@ -253,10 +298,17 @@ def run_step(args: Args) -> dict:
 
         return measure
 
-    result = run_arms({name: step_arm(trainer) for name, trainer in trainers.items()},
-                      [Ratio("step_time_ratio", "keep", "dequantize", "wall_s"),
-                       Ratio("step_time_ratio_cpu", "keep", "dequantize", "cpu_s")],
-                      repeats=args.steps, warmup=args.warmup, threads=args.threads, progress=False)  # fmt: skip
+    result = run_arms(
+        {name: step_arm(trainer) for name, trainer in trainers.items()},
+        [
+            Ratio("step_time_ratio", "keep", "dequantize", "wall_s"),
+            Ratio("step_time_ratio_cpu", "keep", "dequantize", "cpu_s"),
+        ],
+        repeats=args.steps,
+        warmup=args.warmup,
+        threads=args.threads,
+        progress=False,
+    )
     dequantize_s = _dequantize_all_s(trainers["keep"].model, getattr(torch, args.dtype))
     wall = {name: [s["wall_s"] for s in samples] for name, samples in result.samples.items()}
     losses = {name: [s["loss"] for s in samples] for name, samples in result.samples.items()}
@@ -303,8 +355,11 @@ def run_logprob_gap(args: Args) -> dict:
             logits = hf(batch.tokens[None, start:end]).logits[0, :-1].double()
             hf_lp[start : end - 1] = torch.log_softmax(logits, -1).gather(-1, batch.tokens[start + 1 : end, None])[:, 0]
     gap = (archon_lp - hf_lp)[batch.loss_mask].abs()  # both [T]; the loss-mask positions are the scored ones
-    return {"tokens": int(gap.numel()), "max_abs_logprob_diff": gap.max().item(),
-            "mean_abs_logprob_diff": gap.mean().item()}  # fmt: skip
+    return {
+        "tokens": int(gap.numel()),
+        "max_abs_logprob_diff": gap.max().item(),
+        "mean_abs_logprob_diff": gap.mean().item(),
+    }
 
 
 ROLES = {"memory": run_memory, "step": run_step, "logprob_gap": run_logprob_gap}
@@ -336,15 +391,38 @@ class Weights:
 
 # The published configs' fields that size the models (HF config kwargs; Kimi K2 is a DeepSeek-V3).
 KIMI_K2_CONFIG = dict(
-    hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=1, intermediate_size=18432,
-    n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048, n_group=1,
-    topk_group=1, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, tie_word_embeddings=False,
-)  # fmt: skip
+    hidden_size=7168,
+    num_hidden_layers=61,
+    first_k_dense_replace=1,
+    intermediate_size=18432,
+    n_routed_experts=384,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    moe_intermediate_size=2048,
+    n_group=1,
+    topk_group=1,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    vocab_size=163840,
+    tie_word_embeddings=False,
+)
 GPT_OSS_120B_CONFIG = dict(
-    hidden_size=2880, num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
-    num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088, tie_word_embeddings=False,
-)  # fmt: skip
+    hidden_size=2880,
+    num_hidden_layers=36,
+    num_local_experts=128,
+    num_experts_per_tok=4,
+    intermediate_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    tie_word_embeddings=False,
+)
 
 
 def kimi_k2_weights(c: dict = KIMI_K2_CONFIG) -> tuple[list[Weights], int]:
@@ -398,9 +476,15 @@ def gpt_oss_120b_weights(c: dict = GPT_OSS_120B_CONFIG) -> tuple[list[Weights], 
 
 PAPER_MODELS = {
     "Kimi K2": ("deepseek_v3", KIMI_K2_CONFIG, kimi_k2_weights, "fp8", "n_routed_experts", "moe_intermediate_size"),
-    "GPT-OSS-120B": ("gpt_oss", GPT_OSS_120B_CONFIG, gpt_oss_120b_weights, "mxfp4", "num_local_experts",
-                     "intermediate_size"),
-}  # name: (model_type, config, weights, format, experts field, expert width field)  # fmt: skip
+    "GPT-OSS-120B": (
+        "gpt_oss",
+        GPT_OSS_120B_CONFIG,
+        gpt_oss_120b_weights,
+        "mxfp4",
+        "num_local_experts",
+        "intermediate_size",
+    ),
+}  # name: (model_type, config, weights, format, experts field, expert width field)
 
 
 def check_parameter_counts() -> dict[str, int]:
@@ -466,42 +550,71 @@ def paper_table(bytes_per_param: dict[str, float], devices=(8, 16), lora_rank: i
                 extra = transient if base != "bf16" else 0.0
                 total = base_gb + lora_gb + extra
                 rows[f"{n} x H200, {base} base"] = {
-                    "base_gb": round(base_gb, 1), "lora_state_gb": round(lora_gb, 1),
-                    "dequantized_transient_gb": round(extra, 1), "total_gb": round(total, 1),
+                    "base_gb": round(base_gb, 1),
+                    "lora_state_gb": round(lora_gb, 1),
+                    "dequantized_transient_gb": round(extra, 1),
+                    "total_gb": round(total, 1),
                     "left_for_activations_gb": round(H200_GB - total, 1),
                     "total_without_routed_expert_lora_gb": round(base_gb + lora_unrouted_gb + extra, 1),
-                }  # fmt: skip
+                }
         table[name] = {
-            "params": quantized + plain, "quantized_params": quantized, "bf16_params": plain,
-            "params_by_part": {**parts, "norms, biases, sinks": other}, "lora_params": lora,
+            "params": quantized + plain,
+            "quantized_params": quantized,
+            "bf16_params": plain,
+            "params_by_part": {**parts, "norms, biases, sinks": other},
+            "lora_params": lora,
             "lora_params_without_routed_experts": lora_unrouted,
-            "format": fmt, "per_device": rows,
-        }  # fmt: skip
+            "format": fmt,
+            "per_device": rows,
+        }
     return table
 
 
 def print_paper_table(table: dict, bytes_per_param: dict[str, float]) -> None:
     print(f"bytes per parameter: {', '.join(f'{k} {v:.5f}' for k, v in bytes_per_param.items())}")
     for name, model in table.items():
-        print(f"{name}: {model['params'] / 1e9:.1f}B parameters, {model['quantized_params'] / 1e9:.1f}B in "
-              f"{model['format']}, {model['bf16_params'] / 1e9:.2f}B bf16; LoRA r={LORA_RANK} on every linear "
-              f"layer and expert: {model['lora_params'] / 1e9:.2f}B")  # fmt: skip
-        print("| devices, base | base | LoRA + AdamW | dequantized transient | total | left of 141 GB "
-              "| total, no LoRA on routed experts |")
+        print(
+            f"{name}: {model['params'] / 1e9:.1f}B parameters, {model['quantized_params'] / 1e9:.1f}B in "
+            f"{model['format']}, {model['bf16_params'] / 1e9:.2f}B bf16; LoRA r={LORA_RANK} on every linear "
+            f"layer and expert: {model['lora_params'] / 1e9:.2f}B"
+        )
+        print(
+            "| devices, base | base | LoRA + AdamW | dequantized transient | total | left of 141 GB "
+            "| total, no LoRA on routed experts |"
+        )
         print("|---|---|---|---|---|---|---|")
         for row, r in model["per_device"].items():
-            print(f"| {row} | {r['base_gb']} | {r['lora_state_gb']} | {r['dequantized_transient_gb']} | "
-                  f"{r['total_gb']} | {r['left_for_activations_gb']} | "
-                  f"{r['total_without_routed_expert_lora_gb']} |")  # fmt: skip
+            print(
+                f"| {row} | {r['base_gb']} | {r['lora_state_gb']} | {r['dequantized_transient_gb']} | "
+                f"{r['total_gb']} | {r['left_for_activations_gb']} | "
+                f"{r['total_without_routed_expert_lora_gb']} |"
+            )
 
 
 # ---- driver -------------------------------------------------------------------------------------------
 
 
 def _measure(role: str, args: Args, checkpoint: Path, base: str = "keep", dtype: str = "float32") -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--checkpoint", str(checkpoint),
-           "--base", base, "--dtype", dtype, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads), "--seed", str(args.seed)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--role",
+        role,
+        "--checkpoint",
+        str(checkpoint),
+        "--base",
+        base,
+        "--dtype",
+        dtype,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -532,8 +645,10 @@ def measure_format(args: Args, fmt_name: str, workdir: Path) -> dict:
         "base_over_bf16": keep["base_bytes"] / bf16["base_bytes"],
         "quantized_over_bf16": keep["quantized_bytes"] / bf16["quantized_bytes"],
         "rss_growth_over_bf16": keep["rss_anon_growth_mb"] / bf16["rss_anon_growth_mb"],
-        "bytes_per_param": {"quantized": keep["quantized_bytes"] / keep["quantized_params"],
-                            "bf16": bf16["quantized_bytes"] / bf16["quantized_params"]},  # fmt: skip
+        "bytes_per_param": {
+            "quantized": keep["quantized_bytes"] / keep["quantized_params"],
+            "bf16": bf16["quantized_bytes"] / bf16["quantized_params"],
+        },
         "step": step,
         "logprob_gap": gap,
     }
@@ -559,9 +674,15 @@ def main(args: Args) -> dict:
         bytes_per_param[fmt_name] = r["bytes_per_param"]["quantized"]
         bytes_per_param["bf16"] = r["bytes_per_param"]["bf16"]
     return {
-        "config": {"lora_rank": LORA_RANK, "lora_targets": "all-linear (experts included)", "threads": args.threads,
-                   "steps": args.steps, "step_dtypes": args.step_dtypes, "memory_dtype": "bfloat16",
-                   "fp8_block": FP8_BLOCK},
+        "config": {
+            "lora_rank": LORA_RANK,
+            "lora_targets": "all-linear (experts included)",
+            "threads": args.threads,
+            "steps": args.steps,
+            "step_dtypes": args.step_dtypes,
+            "memory_dtype": "bfloat16",
+            "fp8_block": FP8_BLOCK,
+        },
         "goals": GOALS,
         "formats": results,
         "paper_bytes_per_param": bytes_per_param,
@@ -570,7 +691,7 @@ def main(args: Args) -> dict:
         "load_average_1m_start_end": [load_start, os.getloadavg()[0]],
         "repeats": args.steps,
         "environment": environment_record(args.threads, before, load_now()),
-    }  # fmt: skip
+    }
 
 
 def _paper_bytes_per_param() -> dict[str, float]:
@@ -582,27 +703,35 @@ def _paper_bytes_per_param() -> dict[str, float]:
 def _print_summary(summary: dict) -> None:
     for fmt_name, r in summary["formats"].items():
         keep, bf16, gap = r["memory"]["keep"], r["memory"]["dequantize"], r["logprob_gap"]
-        print(f"{fmt_name} ({r['model_type']}, {r['params'] / 1e6:.0f}M parameters, "
-              f"{r['quantized_params'] / 1e6:.0f}M quantized): base {keep['base_bytes'] / 2**20:.0f} MB kept vs "
-              f"{bf16['base_bytes'] / 2**20:.0f} MB bf16 = {r['base_over_bf16']:.3f}; quantized weights "
-              f"{r['quantized_over_bf16']:.3f}; anonymous RSS growth {keep['rss_anon_growth_mb']:.0f} vs "
-              f"{bf16['rss_anon_growth_mb']:.0f} MB = {r['rss_growth_over_bf16']:.3f}")  # fmt: skip
+        print(
+            f"{fmt_name} ({r['model_type']}, {r['params'] / 1e6:.0f}M parameters, "
+            f"{r['quantized_params'] / 1e6:.0f}M quantized): base {keep['base_bytes'] / 2**20:.0f} MB kept vs "
+            f"{bf16['base_bytes'] / 2**20:.0f} MB bf16 = {r['base_over_bf16']:.3f}; quantized weights "
+            f"{r['quantized_over_bf16']:.3f}; anonymous RSS growth {keep['rss_anon_growth_mb']:.0f} vs "
+            f"{bf16['rss_anon_growth_mb']:.0f} MB = {r['rss_growth_over_bf16']:.3f}"
+        )
         for dtype, step in r["step"].items():
-            print(f"  LoRA step ({dtype}, {step['tokens']} tokens): kept {step['wall_s']['keep']:.2f} s, "
-                  f"dequantized {step['wall_s']['dequantize']:.2f} s (medians); dequantizing every weight once "
-                  f"{step['dequantize_every_weight_once_s']:.2f} s")  # fmt: skip
+            print(
+                f"  LoRA step ({dtype}, {step['tokens']} tokens): kept {step['wall_s']['keep']:.2f} s, "
+                f"dequantized {step['wall_s']['dequantize']:.2f} s (medians); dequantizing every weight once "
+                f"{step['dequantize_every_weight_once_s']:.2f} s"
+            )
             for name in ("step_time_ratio", "step_time_ratio_cpu"):
                 summary = RatioSummary.from_json(name, step["comparison"]["ratios"][name])
                 label = f"  kept / dequantized step, {'CPU' if name.endswith('cpu') else 'wall'} time"
                 print(describe(summary, label))
                 if name == "step_time_ratio":
                     print(verdict_line(summary, goal_verdict(summary, GOALS["step_time_ratio"]), label))
-        print(f"  log-prob gap to HF dequantized (fp32): max {gap['max_abs_logprob_diff']:.2e} over "
-              f"{gap['tokens']} tokens")  # fmt: skip
+        print(
+            f"  log-prob gap to HF dequantized (fp32): max {gap['max_abs_logprob_diff']:.2e} over "
+            f"{gap['tokens']} tokens"
+        )
     print_paper_table(summary["paper"], summary["paper_bytes_per_param"])
     env = summary["environment"]
-    print(f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
-          f"{env['load_average_before']}, after {env['load_average_after']}")
+    print(
+        f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
+        f"{env['load_average_before']}, after {env['load_average_after']}"
+    )
 
 
 def _cli() -> None:
@@ -617,8 +746,15 @@ def _cli() -> None:
         counts = check_parameter_counts()
         table = paper_table(bytes_per_param)
         print_paper_table(table, bytes_per_param)
-        print(json.dumps({"paper_bytes_per_param": bytes_per_param, "paper_parameter_counts_match_transformers": counts,
-                          "paper": table}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "paper_bytes_per_param": bytes_per_param,
+                    "paper_parameter_counts_match_transformers": counts,
+                    "paper": table,
+                }
+            )
+        )
         return
     summary = main(args)
     _print_summary(summary)

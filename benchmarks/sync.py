@@ -112,9 +112,9 @@ def main(args: BenchArgs) -> dict:
         "qwen3", root / "model", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **MODEL_CONFIG
     )
     tokenizer.save_pretrained(model_dir)
-    trainer = Trainer(TrainerConfig(
-        model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA), device="cpu"
-    ))  # fmt: skip
+    trainer = Trainer(
+        TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA), device="cpu")
+    )
     _randomize_adapter(trainer.model, seed=0)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
@@ -123,8 +123,9 @@ def main(args: BenchArgs) -> dict:
     adapter_bytes = _tensor_bytes(adapter_payload(trainer.model, trainer.converter).items())
     full_bytes = _tensor_bytes(full_payload(trainer.model, trainer.converter))
     # launched for the collective transport (dev mode); the disk syncs below use the stock API routes
-    config = VLLMConfig(max_lora_rank=LORA_RANK, max_model_len=256, port=args.port, bucket_mb=args.bucket_mb,
-                        transport="collective")  # fmt: skip
+    config = VLLMConfig(
+        max_lora_rank=LORA_RANK, max_model_len=256, port=args.port, bucket_mb=args.bucket_mb, transport="collective"
+    )
     server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=LORA_RANK, log_dir=root)
     channel = WorkerChannel(server.servers, config.sync_host, config.sync_port, config.bucket_mb)
     merged_stats: dict[str, float] = {}
@@ -167,7 +168,9 @@ def main(args: BenchArgs) -> dict:
                 previous = expected
                 expected = [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
                 if expected == previous:
-                    raise RuntimeError(f"adapter version {version} gives the previous version's tokens; the check would prove nothing")
+                    raise RuntimeError(
+                        f"adapter version {version} gives the previous version's tokens; the check would prove nothing"
+                    )
                 start = time.perf_counter()
                 sync(version)
                 elapsed = time.perf_counter() - start
@@ -199,8 +202,9 @@ def main(args: BenchArgs) -> dict:
             "merged": measure("merged", publishing(CollectiveMergedSync(server, channel), merged_stats)),
             "full": measure("full", full_sync),
         }
-        ratios = [Ratio(f"{kind}_over_full_time", kind, "full")
-                  for kind in ("collective_adapter", "disk_adapter", "merged")]  # fmt: skip
+        ratios = [
+            Ratio(f"{kind}_over_full_time", kind, "full") for kind in ("collective_adapter", "disk_adapter", "merged")
+        ]
         comparison = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, threads=torch.get_num_threads())
     finally:
         channel.close()
@@ -215,7 +219,7 @@ def main(args: BenchArgs) -> dict:
             print(verdict_line(summary, goal_verdict(summary, ADAPTER_OVER_FULL_TIME_TARGET), f"{name} (time)"))
     result = {
         "model": f"qwen3 {sum(p.numel() for p in trainer.model.parameters() if not p.requires_grad) / 1e6:.0f}M "
-                 f"params fp32, LoRA r={LORA_RANK} all-linear",  # fmt: skip
+        f"params fp32, LoRA r={LORA_RANK} all-linear",
         "adapter_bytes": adapter_bytes,
         "merged_bytes": int(merged_stats.get("weight_bytes", 0)),
         "full_bytes": full_bytes,

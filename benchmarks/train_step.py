@@ -46,7 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from arms import (  # noqa: E402
-    MIN_REPEATS, Ratio, RatioSummary, check_repeats, describe, median_figures, run_arms, speed_verdict, verdict_line,
+    MIN_REPEATS,
+    Ratio,
+    RatioSummary,
+    check_repeats,
+    describe,
+    median_figures,
+    run_arms,
+    speed_verdict,
+    verdict_line,
 )
 
 MODEL_CONFIG = dict(
@@ -62,7 +70,11 @@ MODEL_CONFIG = dict(
 )
 # Weights-dominated model for the LoRA / full fine-tuning memory ratio (254M parameters).
 MEMORY_MODEL_CONFIG = dict(
-    MODEL_CONFIG, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+    MODEL_CONFIG,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=12,
+    num_attention_heads=16,
     num_key_value_heads=8,
 )
 MEMORY_BATCH = dict(sequences=2, length=128)
@@ -178,8 +190,15 @@ def useful_flops(lengths: list[int], lora: bool) -> float:
     backward. The head runs on loss tokens only.
     """
     c = MODEL_CONFIG
-    D, I, H, KV, hd, L, V = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
-                             c["num_key_value_heads"], c["head_dim"], c["num_hidden_layers"], c["vocab_size"])  # fmt: skip
+    D, I, H, KV, hd, L, V = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+    )
     layer_linear = D * H * hd * 2 + D * KV * hd * 2 + 3 * D * I
     lora_params = LORA_RANK * ((D + H * hd) * 2 + (D + KV * hd) * 2 + 3 * (D + I))
     tokens = sum(lengths)
@@ -208,22 +227,31 @@ def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
 # ---- one process per measurement -------------------------------------------------------------------
 
 
-def _archon_trainer(args: BenchArgs, lora: bool, activation_checkpoint: str = "none", micro_tokens: int = 8192,
-                   head_chunk: int = 1024, checkpoint: str | None = None, lora_targets="all-linear"):
+def _archon_trainer(
+    args: BenchArgs,
+    lora: bool,
+    activation_checkpoint: str = "none",
+    micro_tokens: int = 8192,
+    head_chunk: int = 1024,
+    checkpoint: str | None = None,
+    lora_targets="all-linear",
+):
     from archon.lora import LoRAConfig
     from archon.parallel import ParallelConfig
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
-    return Trainer(TrainerConfig(
-        model_path=checkpoint or args.checkpoint,
-        lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=lora_targets) if lora else None,
-        parallel=ParallelConfig(activation_checkpoint=activation_checkpoint),
-        optim=OptimConfig(lr=LR, max_grad_norm=1.0),
-        device="cpu",
-        micro_batch_tokens=micro_tokens,
-        head_chunk_size=head_chunk,
-        seed=args.seed,
-    ))  # fmt: skip
+    return Trainer(
+        TrainerConfig(
+            model_path=checkpoint or args.checkpoint,
+            lora=LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=lora_targets) if lora else None,
+            parallel=ParallelConfig(activation_checkpoint=activation_checkpoint),
+            optim=OptimConfig(lr=LR, max_grad_norm=1.0),
+            device="cpu",
+            micro_batch_tokens=micro_tokens,
+            head_chunk_size=head_chunk,
+            seed=args.seed,
+        )
+    )
 
 
 def _pg_loss(batch, logprobs, ctx):
@@ -260,8 +288,15 @@ def _profile_breakdown(step) -> dict[str, float]:
     return shares
 
 
-def run_archon(args: BenchArgs, lora: bool, timed: bool, memory_model: bool = False, profile: bool = True,
-               prepare=None, **trainer_kw) -> dict:
+def run_archon(
+    args: BenchArgs,
+    lora: bool,
+    timed: bool,
+    memory_model: bool = False,
+    profile: bool = True,
+    prepare=None,
+    **trainer_kw,
+) -> dict:
     """One archon measurement; `prepare(model)` (if given) adjusts the built model before it is timed."""
     import torch
     import transformers  # noqa: F401  (libraries are imported before the baseline RSS is taken)
@@ -315,8 +350,9 @@ def run_hf_peft(args: BenchArgs, model_kwargs: dict | None = None, lora_kwargs: 
     torch.set_num_threads(args.threads)
     seqs, advantages = make_sequences(args.seed)
     baseline = _rss_mb()
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation="sdpa",
-                                                 **(model_kwargs or {}))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        args.checkpoint, dtype=torch.float32, attn_implementation="sdpa", **(model_kwargs or {})
+    )
     targets = lora_kwargs or dict(target_modules="all-linear")
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, **targets))
     model.train()
@@ -386,11 +422,20 @@ def run_lora_vs_full(args: BenchArgs) -> dict:
 
     for trainer in trainers.values():
         trainer.train_step(batch, _pg_loss)  # warm-up
-    result = run_arms({name: step_arm(trainer) for name, trainer in trainers.items()},
-                      [Ratio("lora_over_full_step_s", "lora", "full")], repeats=args.repeats, warmup=args.warmup,
-                      threads=args.threads, progress=False)  # fmt: skip
-    return {"lora_step_s": result.median("lora"), "full_step_s": result.median("full"), "step_s_all": result.samples,
-            "comparison": result.to_json()}  # fmt: skip
+    result = run_arms(
+        {name: step_arm(trainer) for name, trainer in trainers.items()},
+        [Ratio("lora_over_full_step_s", "lora", "full")],
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        progress=False,
+    )
+    return {
+        "lora_step_s": result.median("lora"),
+        "full_step_s": result.median("full"),
+        "step_s_all": result.samples,
+        "comparison": result.to_json(),
+    }
 
 
 MEMORY_SETTINGS = dict(activation_checkpoint="full", micro_tokens=512, head_chunk=128)
@@ -409,10 +454,26 @@ ROLES = {
 
 def _measure(role: str, args: BenchArgs, script: str = __file__) -> dict:
     """Run `script --role role` in a fresh process and return the JSON it prints last."""
-    cmd = [sys.executable, script, "--role", role, "--checkpoint", args.checkpoint,
-           "--memory-checkpoint", args.memory_checkpoint,
-           "--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed),
-           "--repeats", str(args.repeats), "--warmup", str(args.warmup)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        script,
+        "--role",
+        role,
+        "--checkpoint",
+        args.checkpoint,
+        "--memory-checkpoint",
+        args.memory_checkpoint,
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -441,20 +502,32 @@ def main(args: BenchArgs) -> dict:
         comparison = run_arms(
             {role: (lambda role=role: _measure(role, args)) for role in ("archon_lora", "hf_peft")},
             [Ratio("archon_over_hf_peft_tok_s", "archon_lora", "hf_peft", "tok_s")],
-            repeats=args.repeats, warmup=args.warmup, threads=args.threads,
-        )  # fmt: skip
+            repeats=args.repeats,
+            warmup=args.warmup,
+            threads=args.threads,
+        )
         results = {role: median_figures(comparison.samples[role]) for role in ("archon_lora", "hf_peft")}
         results |= {role: _measure(role, args) for role in ROLES if role not in results}
     speed = comparison.ratios["archon_over_hf_peft_tok_s"]
     print(describe(speed, "real tokens/s, archon LoRA / HF+PEFT"), flush=True)
-    print(verdict_line(speed, speed_verdict(speed, "archon LoRA is faster", "archon LoRA is slower"),
-                       "archon LoRA vs HF+PEFT"), flush=True)  # fmt: skip
+    print(
+        verdict_line(
+            speed, speed_verdict(speed, "archon LoRA is faster", "archon LoRA is slower"), "archon LoRA vs HF+PEFT"
+        ),
+        flush=True,
+    )
     lora_vs_full = RatioSummary.from_json(
         "lora_over_full_step_s", results["lora_vs_full"]["comparison"]["ratios"]["lora_over_full_step_s"]
     )
     print(describe(lora_vs_full, "step time, archon LoRA / full fine-tuning (one process, alternated)"), flush=True)
-    print(verdict_line(lora_vs_full, speed_verdict(lora_vs_full, "the LoRA step is slower", "the LoRA step is faster"),
-                       "LoRA vs full fine-tuning step"), flush=True)  # fmt: skip
+    print(
+        verdict_line(
+            lora_vs_full,
+            speed_verdict(lora_vs_full, "the LoRA step is slower", "the LoRA step is faster"),
+            "LoRA vs full fine-tuning step",
+        ),
+        flush=True,
+    )
     seqs, _ = make_sequences(args.seed)
     lengths = [len(s) for s in seqs]
     archon, hf = results["archon_lora"], results["hf_peft"]
@@ -466,9 +539,15 @@ def main(args: BenchArgs) -> dict:
         return r["peak_rss_mb"] - r["baseline_rss_mb"]
 
     summary = {
-        "config": {**MODEL_CONFIG, "lora_rank": LORA_RANK, "threads": args.threads, "steps": args.steps,
-                   "sequences": NUM_SEQUENCES, "real_tokens": sum(lengths),
-                   "padded_tokens": hf["padded_tokens_per_step"]},  # fmt: skip
+        "config": {
+            **MODEL_CONFIG,
+            "lora_rank": LORA_RANK,
+            "threads": args.threads,
+            "steps": args.steps,
+            "sequences": NUM_SEQUENCES,
+            "real_tokens": sum(lengths),
+            "padded_tokens": hf["padded_tokens_per_step"],
+        },
         "packing_bound": hf["padded_tokens_per_step"] / sum(lengths),
         "matmul_peak_gflop_s": peak / 1e9,
         "useful_gflop_per_step": flops / 1e9,
@@ -480,8 +559,12 @@ def main(args: BenchArgs) -> dict:
         "hf_peft_time_by_op": hf["time_by_op"],
         "archon_step_s": archon["step_s"],
         "hf_peft_step_s": hf["step_s"],
-        "memory_setting": {**MEMORY_SETTINGS, **MEMORY_BATCH, "model": MEMORY_MODEL_CONFIG,
-                           "params": full_mem["trainable_params"]},
+        "memory_setting": {
+            **MEMORY_SETTINGS,
+            **MEMORY_BATCH,
+            "model": MEMORY_MODEL_CONFIG,
+            "params": full_mem["trainable_params"],
+        },
         "lora_mem_peak_rss_mb": lora_mem["peak_rss_mb"],
         "full_mem_peak_rss_mb": full_mem["peak_rss_mb"],
         "lora_over_full_peak_rss": lora_mem["peak_rss_mb"] / full_mem["peak_rss_mb"],
@@ -517,25 +600,37 @@ def _cli() -> None:
         print(json.dumps(ROLES[args.role](args)))
         return
     summary = main(args)
-    print(f"real tokens/s (medians): archon LoRA {summary['archon_tok_s']:.0f}, HF+PEFT {summary['hf_peft_tok_s']:.0f}, "
-          f"ratio {summary['ratio']:.2f} (min {summary['ratio_min']:.2f}, max {summary['ratio_max']:.2f} over "
-          f"{summary['repeats']} rounds; packing alone bounds it near {summary['packing_bound']:.2f})")  # fmt: skip
-    print(f"useful GFLOP/s: archon {summary['archon_useful_gflop_s']:.1f}, HF+PEFT "
-          f"{summary['hf_peft_useful_gflop_s']:.1f}; fp32 matmul peak {summary['matmul_peak_gflop_s']:.1f}")
+    print(
+        f"real tokens/s (medians): archon LoRA {summary['archon_tok_s']:.0f}, HF+PEFT {summary['hf_peft_tok_s']:.0f}, "
+        f"ratio {summary['ratio']:.2f} (min {summary['ratio_min']:.2f}, max {summary['ratio_max']:.2f} over "
+        f"{summary['repeats']} rounds; packing alone bounds it near {summary['packing_bound']:.2f})"
+    )
+    print(
+        f"useful GFLOP/s: archon {summary['archon_useful_gflop_s']:.1f}, HF+PEFT "
+        f"{summary['hf_peft_useful_gflop_s']:.1f}; fp32 matmul peak {summary['matmul_peak_gflop_s']:.1f}"
+    )
     print(f"archon time by op: {summary['archon_time_by_op']}; HF+PEFT: {summary['hf_peft_time_by_op']}")
     alternated = summary["lora_vs_full_step_s"]
-    print(f"step time, alternated in one process: archon LoRA {alternated['lora_step_s']:.2f} s, full fine-tuning "
-          f"{alternated['full_step_s']:.2f} s, LoRA / full = {summary['lora_over_full_step_s']:.2f} (min "
-          f"{summary['lora_over_full_step_s_min']:.2f}, max {summary['lora_over_full_step_s_max']:.2f})")
-    print(f"peak RSS MB: archon LoRA {summary['archon_peak_rss_mb']:.0f}, HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}, "
-          f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}")  # fmt: skip
-    print(f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
-          f"full {summary['full_mem_peak_rss_mb']:.0f} MB = {summary['lora_over_full_peak_rss']:.2f} "
-          f"({summary['lora_over_full_above_baseline']:.2f} above the {summary['process_baseline_rss_mb']:.0f} MB "
-          "process baseline)")  # fmt: skip
+    print(
+        f"step time, alternated in one process: archon LoRA {alternated['lora_step_s']:.2f} s, full fine-tuning "
+        f"{alternated['full_step_s']:.2f} s, LoRA / full = {summary['lora_over_full_step_s']:.2f} (min "
+        f"{summary['lora_over_full_step_s_min']:.2f}, max {summary['lora_over_full_step_s_max']:.2f})"
+    )
+    print(
+        f"peak RSS MB: archon LoRA {summary['archon_peak_rss_mb']:.0f}, HF+PEFT {summary['hf_peft_peak_rss_mb']:.0f}, "
+        f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}"
+    )
+    print(
+        f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
+        f"full {summary['full_mem_peak_rss_mb']:.0f} MB = {summary['lora_over_full_peak_rss']:.2f} "
+        f"({summary['lora_over_full_above_baseline']:.2f} above the {summary['process_baseline_rss_mb']:.0f} MB "
+        "process baseline)"
+    )
     env = summary["environment"]
-    print(f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
-          f"{env['load_average_before']}, after {env['load_average_after']}")
+    print(
+        f"{env['cpu_model']} ({env['cpu_capability']}), {env['threads']} threads; load average before "
+        f"{env['load_average_before']}, after {env['load_average_after']}"
+    )
     print(json.dumps(summary))
 
 

@@ -33,8 +33,9 @@ def run(config) -> dict:
     _, rank, _ = init_distributed(config.model.device)
     # Before the demo's warm start, so a run directory in use is reported at once; held until the
     # plot is written.
-    prepared = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora,
-                               tasks=[task.name for task in config.tasks])  # fmt: skip
+    prepared = prepare_run_dir(
+        config.logging.run_dir, config.resume, config.overwrite, config.lora, tasks=[task.name for task in config.tasks]
+    )
     try:
         last = _train_and_report(config, prepared, rank)
     finally:
@@ -74,8 +75,11 @@ def _train_and_report(config, prepared, rank: int) -> dict:
     if rank == 0:
         run_dir = Path(config.logging.run_dir)
         plot = plot_run(run_dir)
-        summary = {k: round(v, 4) for k, v in last.items()
-                   if k.rsplit("/", 1)[-1] in ("eval_accuracy", "accuracy", "reward_mean")}  # fmt: skip
+        summary = {
+            k: round(v, 4)
+            for k, v in last.items()
+            if k.rsplit("/", 1)[-1] in ("eval_accuracy", "accuracy", "reward_mean")
+        }
         print(f"final: {summary}")
         adapters = [run_dir / "tasks" / t.name / "adapter" for t in config.tasks] or [run_dir / "adapter"]
         print(f"adapter (PEFT): {', '.join(map(str, adapters))}")
@@ -88,7 +92,10 @@ def _with_reasoning_gym_demo_data(config):
     """The reasoning-gym demo's run: eval.path and data.system_prompt, when unset, are the demo's held-out
     problems and system prompt (validation checks that set ones are the same)."""
     problems = config.demo.reasoning_gym
-    data = dataclasses.replace(config.data, system_prompt=problems.system_prompt if config.data.system_prompt is None else config.data.system_prompt)
+    data = dataclasses.replace(
+        config.data,
+        system_prompt=problems.system_prompt if config.data.system_prompt is None else config.data.system_prompt,
+    )
     evaluation = dataclasses.replace(config.eval, path=config.eval.path or problems.held_out)
     return dataclasses.replace(config, data=data, eval=evaluation)
 

@@ -24,8 +24,15 @@ from pathlib import Path
 class FakeVLLMServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, model: str = "fake-model", not_ready_probes: int = 0,
-                 hang_completions: bool = False, state_dir: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        model: str = "fake-model",
+        not_ready_probes: int = 0,
+        hang_completions: bool = False,
+        state_dir: str | None = None,
+    ) -> None:
         super().__init__((host, port), FakeVLLMHandler)
         self.model = model
         self.not_ready_probes = not_ready_probes
@@ -76,8 +83,14 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         for p, _ in enumerate(body["prompt"]):
             for s in range(body.get("n", 1)):
                 index = p * body.get("n", 1) + s
-                choices.append({"index": index, "token_ids": [1], "logprobs": {"token_logprobs": [-0.5]},
-                                "finish_reason": "length"})  # fmt: skip
+                choices.append(
+                    {
+                        "index": index,
+                        "token_ids": [1],
+                        "logprobs": {"token_logprobs": [-0.5]},
+                        "finish_reason": "length",
+                    }
+                )
         self._reply(200, {"choices": choices})
 
 

@@ -54,7 +54,6 @@ def randomised_lora_model(path, lora: LoRAConfig, seed: int = 7, scale: float = 
     return loaded
 
 
-
 def assert_native_greedy_equals_hf_generate(path, prompts: list[list[int]], max_new_tokens: int = 8) -> None:
     """archon's native engine, greedy, gives the tokens of HF's `generate` on the checkpoint at `path`,
     for each prompt (generated together in the engine, one at a time in HF)."""
@@ -70,10 +69,15 @@ def assert_native_greedy_equals_hf_generate(path, prompts: list[list[int]], max_
     for prompt, sample in zip(prompts, samples):
         with torch.no_grad():
             out = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                attention_mask=torch.ones(1, len(prompt)), pad_token_id=0, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt)),
+                pad_token_id=0,
+                eos_token_id=None,
             )
         assert sample.completion_ids == out[0, len(prompt) :].tolist(), prompt
+
 
 def assert_no_state_leaks_across_packed_sequences(model: nn.Module, target_len: int, other_lens, vocab_size: int = 256):
     """A sequence's logits and LoRA gradients are the same alone and packed after another one of each
@@ -98,6 +102,7 @@ def assert_no_state_leaks_across_packed_sequences(model: nn.Module, target_len: 
         torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
         for name in grads_alone:
             torch.testing.assert_close(grads_packed[name], grads_alone[name], rtol=1e-4, atol=1e-7)
+
 
 @contextlib.contextmanager
 def vllm_test_server(model_dir, port: int, log_dir):
@@ -149,12 +154,16 @@ def add_mtp_weights(model_dir: Path, config_field: str, num_layers: int = 1, see
             if param.ndim >= 2:
                 value = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
             else:  # norms off their init values; a router's correction bias near zero
-                value = (1.0 if key.endswith("norm.weight") else 0.0) + 0.1 * torch.randn(param.shape, generator=generator)
+                value = (1.0 if key.endswith("norm.weight") else 0.0) + 0.1 * torch.randn(
+                    param.shape, generator=generator
+                )
             tensors.update(converter.to_hf(key, value.float()))
         elif key in ("embed_tokens.weight", "lm_head.weight"):
             hf_key = converter.hf_name(key)
             tensors.update(converter.to_hf(key, tensors[hf_key]))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors", metadata={"format": "pt"}
+    )
     return model_dir
 
 
@@ -170,7 +179,9 @@ def assert_close_reporting(got, want, atol: float, where: str) -> None:
     diff = (got_t - want_t).abs()
     nonfinite = ~(torch.isfinite(got_t) & torch.isfinite(want_t))
     same_nonfinite = nonfinite & ((got_t == want_t) | (got_t.isnan() & want_t.isnan()))
-    diff = torch.where(same_nonfinite, torch.zeros_like(diff), torch.where(nonfinite, torch.full_like(diff, float("inf")), diff))
+    diff = torch.where(
+        same_nonfinite, torch.zeros_like(diff), torch.where(nonfinite, torch.full_like(diff, float("inf")), diff)
+    )
     worst = int(diff.argmax())
     if diff.flatten()[worst] > atol:
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape)) if diff.dim() else ()

@@ -29,10 +29,16 @@ def mtp_training_steps(model_dir: str, tp: int) -> list[dict]:
     fp32_islands_in_fp64)."""
     trainer = Trainer(
         TrainerConfig(
-            model_path=str(model_dir), lora=LoRAConfig(rank=4, alpha=8), device="cpu", optim=OptimConfig(lr=3e-2),
-            parallel=ParallelConfig(tp=tp), mtp=True, mtp_loss_weight=1.0, dtype="float64",
+            model_path=str(model_dir),
+            lora=LoRAConfig(rank=4, alpha=8),
+            device="cpu",
+            optim=OptimConfig(lr=3e-2),
+            parallel=ParallelConfig(tp=tp),
+            mtp=True,
+            mtp_loss_weight=1.0,
+            dtype="float64",
         )
-    )  # fmt: skip
+    )
     g = torch.Generator().manual_seed(3)
     sequences = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 9)]
     batch = PackedBatch.from_sequences(sequences, prompt_lens=[3, 3], advantages=[0.0, 0.0])

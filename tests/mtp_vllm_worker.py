@@ -33,7 +33,7 @@ def main(model_dir: str, out_path: str, prompt: list[int]) -> None:
     engine_args = in_process_engine_args(model_config, "float32", {"method": "mtp", "num_speculative_tokens": 1})
     llm = LLM(
         model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128, **engine_args
-    )  # fmt: skip
+    )
     worker = llm.llm_engine.model_executor.driver_worker
     drafter = getattr(worker, "worker", worker).model_runner.drafter
     calls = []
@@ -46,9 +46,14 @@ def main(model_dir: str, out_path: str, prompt: list[int]) -> None:
         with torch.no_grad():
             logits = drafter.model.compute_logits(for_logits)
         calls.append(
-            dict(input_ids=kwargs["input_ids"].clone(), positions=kwargs["positions"].clone(),
-                 hidden_states=kwargs["hidden_states"].clone(), logits=logits.clone(), hidden=hidden.clone())
-        )  # fmt: skip
+            dict(
+                input_ids=kwargs["input_ids"].clone(),
+                positions=kwargs["positions"].clone(),
+                hidden_states=kwargs["hidden_states"].clone(),
+                logits=logits.clone(),
+                hidden=hidden.clone(),
+            )
+        )
         return out
 
     drafter.model.forward = watched

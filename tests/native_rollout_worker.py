@@ -20,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from worker_exit import exit_when_every_rank_is_done  # the script's folder, tests/, is on sys.path
 
 from archon.build import build_model
 from archon.checkpoint.hf import copy_local_into, local_region
@@ -28,7 +29,6 @@ from archon.parallel import ParallelConfig
 from archon.precision import fp32_islands_in_fp64
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine
-from worker_exit import exit_when_every_rank_is_done  # the script's folder, tests/, is on sys.path
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105], [5, 6, 7], [11, 12]]
@@ -81,7 +81,9 @@ def main(out: str, hf_dir: str) -> None:
     results = {}
     for layout, degrees in {"fsdp2": dict(tp=1, dp_shard=2), "tp2": dict(tp=2, dp_shard=1)}.items():
         config = ParallelConfig(**degrees)
-        model = build_model(hf_dir, lora=LORA, dtype=torch.float64, parallel=config, dims=config.dims(world, "cpu")).model.eval()
+        model = build_model(
+            hf_dir, lora=LORA, dtype=torch.float64, parallel=config, dims=config.dims(world, "cpu")
+        ).model.eval()
         _randomize_lora(model)
         engine = NativeRolloutEngine(model, max_batch_sequences=4)  # two blocks of 2: refilled
         expected = _summary(NativeRolloutEngine(reference, max_batch_sequences=4).generate(mine[layout], sampling))
@@ -91,7 +93,9 @@ def main(out: str, hf_dir: str) -> None:
             expected = _summary(NativeRolloutEngine(reference).generate(prompts, sampling))
             results["fsdp2_one_rank_idle"] = _compare(_summary(engine.generate(prompts, sampling)), expected)
             one = dataclasses.replace(sampling, n=1)  # a trajectory per prompt
-            expected = _summary(_episode(NativeRolloutEngine(reference, max_batch_sequences=4), mine[layout], one, keep=False))
+            expected = _summary(
+                _episode(NativeRolloutEngine(reference, max_batch_sequences=4), mine[layout], one, keep=False)
+            )
             results["fsdp2_sessions"] = _compare(_summary(_episode(engine, mine[layout], one, keep=True)), expected)
             results["fsdp2_sessions"]["reused_tokens"] = engine.stats.reused_tokens
     gathered = [None] * world

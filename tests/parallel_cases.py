@@ -68,8 +68,12 @@ def assert_gradients_close_reporting(got: dict, want: dict, tol: float, where: s
     for name, reference in want.items():
         scale = reference.abs().max().item()
         assert scale > 0, f"{where}: the reference gradient of {name} is zero: the comparison would be empty"
-        assert_close_reporting(got[name] / scale, reference / scale, tol,
-                               f"{where}: LoRA gradient {name} over its largest |value| {scale:.3e}")  # fmt: skip
+        assert_close_reporting(
+            got[name] / scale,
+            reference / scale,
+            tol,
+            f"{where}: LoRA gradient {name} over its largest |value| {scale:.3e}",
+        )
 
 
 def make_batch(vocab_size: int, seed: int = 0) -> PackedBatch:
@@ -124,8 +128,11 @@ def set_model_lora_values(model: torch.nn.Module, seed: int, in_factor_dtype: bo
 
 def _local_lora_values(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's part of every LoRA factor."""
-    return {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-            for name, p in trainer.model.named_parameters() if is_lora_param(name)}  # fmt: skip
+    return {
+        name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for name, p in trainer.model.named_parameters()
+        if is_lora_param(name)
+    }
 
 
 def _gather_per_sequence(indices: list[int], values: torch.Tensor, batch: PackedBatch):
@@ -235,8 +242,13 @@ def _reshard(model) -> None:
         model.reshard()
 
 
-def run_multi_task_case(hf_path, vocab_size: int, parallel: ParallelConfig | None = None, export_dir=None,
-                        dtype: torch.dtype = torch.float32) -> dict:  # fmt: skip
+def run_multi_task_case(
+    hf_path,
+    vocab_size: int,
+    parallel: ParallelConfig | None = None,
+    export_dir=None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """A two-task model (tasks of other ranks and targets) on a packed batch that mixes the tasks'
     sequences: log-probs (adapters on, off, and task b's view), each task's LoRA gradients
     (gathered), each task's PEFT export (`export_dir`), and greedy completions of a mixed generation
@@ -278,8 +290,14 @@ def run_multi_task_case(hf_path, vocab_size: int, parallel: ParallelConfig | Non
     if export_dir is not None:
         for task, lora in MULTI_TASK_LORAS.items():
             with task_view(model, task):
-                save_peft_adapter(model, loaded.converter, lora, f"{export_dir}/{task}", str(hf_path),
-                                  write=not dist.is_initialized() or dist.get_rank() == 0)  # fmt: skip
+                save_peft_adapter(
+                    model,
+                    loaded.converter,
+                    lora,
+                    f"{export_dir}/{task}",
+                    str(hf_path),
+                    write=not dist.is_initialized() or dist.get_rank() == 0,
+                )
         if dist.is_initialized():
             dist.barrier()
     model.eval()
@@ -290,9 +308,7 @@ def run_multi_task_case(hf_path, vocab_size: int, parallel: ParallelConfig | Non
     result["generated"] = [s.completion_ids for s in engine.generate(prompts, sampling, adapters=adapters)]
     _reshard(model)
     set_model_lora_values(model, seed=4)  # a changed adapter: the next generation must use it
-    result["generated_after_change"] = [
-        s.completion_ids for s in engine.generate(prompts, sampling, adapters=adapters)
-    ]
+    result["generated_after_change"] = [s.completion_ids for s in engine.generate(prompts, sampling, adapters=adapters)]
     return result
 
 
@@ -308,7 +324,6 @@ def run_mixed_precision(hf_path, vocab_size: int, parallel: ParallelConfig, **co
     batch.old_logprobs = policy.logprobs
     first = trainer.train_step(batch, loss_fn, with_entropy=True)
     return {"logprobs": _gather_per_sequence(indices, policy.logprobs, batch), "first_loss": first["loss"]}
-
 
 
 def quantized_storage_layout(model: torch.nn.Module) -> dict[str, dict]:
@@ -343,8 +358,9 @@ def quantized_storage_layout(model: torch.nn.Module) -> dict[str, dict]:
     return out
 
 
-def run_full_finetune(hf_path, vocab_size: int, parallel: ParallelConfig | None = None, steps: int = 2,
-                      dtype: str = "float32") -> list[float]:  # fmt: skip
+def run_full_finetune(
+    hf_path, vocab_size: int, parallel: ParallelConfig | None = None, steps: int = 2, dtype: str = "float32"
+) -> list[float]:
     """Losses of a few full-parameter steps (no LoRA): the embedding and unembedding, which live in
     the FSDP root and are read by the head outside the model's forward, are trained too."""
     config = engine_config(hf_path, parallel, dtype=dtype)
@@ -365,13 +381,22 @@ def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:
     from pathlib import Path
 
     worker = Path(__file__).with_name("parallel_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(worker), *worker_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(worker),
+        *worker_args,
+    ]
     # PYTHONFAULTHANDLER: a worker that crashes prints where it was
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
 
 
 def resumed_across_layouts(tmp_path, name: str, path, first: str, second: str, tol: float, reshard_batch) -> dict:
@@ -405,7 +430,8 @@ def resumed_across_layouts(tmp_path, name: str, path, first: str, second: str, t
         fresh = Trainer(engine_config(path, dtype=EQUALITY_DTYPE))
         fresh_norm = fresh.train_step(reshard_batch(fresh, vocab, 2), loss_fn, with_entropy=True)["grad_norm"]
     assert abs(fresh_norm / uninterrupted[0][1] - 1) > 1e-2, (
-        f"{name}: a fresh model's gradient norm {fresh_norm} is within 1% of the resumed run's {uninterrupted[0][1]}")
+        f"{name}: a fresh model's gradient norm {fresh_norm} is within 1% of the resumed run's {uninterrupted[0][1]}"
+    )
     return results
 
 

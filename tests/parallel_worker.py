@@ -82,7 +82,10 @@ def parity(args) -> None:
             export_dir = Path(args.out).parent / f"peft-{model_type}-{layout}"
             expert_parallel = layout.startswith("ep")
             result = cases.run_case(
-                trainer, vocab, export_dir=export_dir, merged=expert_parallel,
+                trainer,
+                vocab,
+                export_dir=export_dir,
+                merged=expert_parallel,
                 generate=expert_parallel or layout.startswith("cp"),
             )
             result["read_elements"] = [int(t) for t in gathered]
@@ -181,10 +184,13 @@ def resume(args) -> None:
     second_half = run(trainer, data_state["next_step"], 8)
     if dist.get_rank() == 0:
         torch.save(
-            {"second_half": second_half, "resumed_step": data_state["next_step"],
-             "checkpoints": [p.name for p in manager.checkpoints()]},
+            {
+                "second_half": second_half,
+                "resumed_step": data_state["next_step"],
+                "checkpoints": [p.name for p in manager.checkpoints()],
+            },
             out / "second.pt",
-        )  # fmt: skip
+        )
 
 
 def skip(args) -> None:
@@ -217,8 +223,11 @@ def skip(args) -> None:
         after = local_state(trainer)
         unchanged = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
         good = trainer.train_step(batch, cases.loss_fn, with_entropy=True)
-        mine = {"skipped": [bad["skipped"], good["skipped"]], "unchanged": unchanged,
-                "optimizer_steps": trainer.optimizer_steps}  # fmt: skip
+        mine = {
+            "skipped": [bad["skipped"], good["skipped"]],
+            "unchanged": unchanged,
+            "optimizer_steps": trainer.optimizer_steps,
+        }
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         results[layout] = everyone
@@ -241,8 +250,10 @@ def reshard(args) -> None:
         def train(trainer, first, last):
             """(loss, gradient norm) of each step: the loss of an on-policy step barely depends on the
             parameters, the gradient norm does."""
-            metrics = [trainer.train_step(resume_batch(trainer, vocab, step), cases.loss_fn, with_entropy=True)
-                       for step in range(first, last)]  # fmt: skip
+            metrics = [
+                trainer.train_step(resume_batch(trainer, vocab, step), cases.loss_fn, with_entropy=True)
+                for step in range(first, last)
+            ]
             return [(m["loss"], m["grad_norm"]) for m in metrics]
 
         for layout in args.layouts:
@@ -271,8 +282,9 @@ def multi_task(args) -> None:
             if kwargs.get("ep", 1) > 1 and model_type == "qwen3":
                 continue
             export_dir = Path(args.out).parent / f"multi-task-peft-{model_type}-{layout}"
-            result = cases.run_multi_task_case(path, vocab, ParallelConfig(**kwargs), export_dir=export_dir,
-                                               dtype=torch.float64)  # fmt: skip
+            result = cases.run_multi_task_case(
+                path, vocab, ParallelConfig(**kwargs), export_dir=export_dir, dtype=torch.float64
+            )
             result["export_dir"] = str(export_dir)
             results[(model_type, layout)] = result
     if dist.get_rank() == 0:
@@ -296,8 +308,14 @@ def main() -> None:
     parser.add_argument("--phase", choices=["first", "second"], default="first")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    scenario = {"parity": parity, "skip": skip, "reshard": reshard, "multi_task": multi_task, "quantized": quantized,
-                "resume": resume}[args.scenario]  # fmt: skip
+    scenario = {
+        "parity": parity,
+        "skip": skip,
+        "reshard": reshard,
+        "multi_task": multi_task,
+        "quantized": quantized,
+        "resume": resume,
+    }[args.scenario]
     with fp32_islands_in_fp64():
         scenario(args)
     exit_when_every_rank_is_done()

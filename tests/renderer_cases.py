@@ -91,8 +91,34 @@ TOOLS = [
     },
 ]
 
-_WORDS = ["the", "value", "is", "x", "résumé", "naïve", "日本語", "数据", "Привет", "🙂", "🚀", "def", "print(1)",
-          "a+b", "3.14", "-7", "{", "}", "[1, 2]", '"quoted"', "back\\slash", "tab\there", "<b>", "a<b>c", "#", "*"]  # fmt: skip
+_WORDS = [
+    "the",
+    "value",
+    "is",
+    "x",
+    "résumé",
+    "naïve",
+    "日本語",
+    "数据",
+    "Привет",
+    "🙂",
+    "🚀",
+    "def",
+    "print(1)",
+    "a+b",
+    "3.14",
+    "-7",
+    "{",
+    "}",
+    "[1, 2]",
+    '"quoted"',
+    "back\\slash",
+    "tab\there",
+    "<b>",
+    "a<b>c",
+    "#",
+    "*",
+]
 _SPACES = [" ", " ", " ", "  ", "\n", "\n\n", "\t", " \n", "\n ", "\r\n", "\u00a0"]
 
 
@@ -178,10 +204,17 @@ def random_conversation(
             calls = []
             for _ in range(rng.randint(1, max_calls)):
                 tool = rng.choice(offered)
-                calls.append({"type": "function", "function": {
-                    "name": tool["function"]["name"],
-                    "arguments": arguments(rng, forbidden, tool) if arguments else random_arguments(rng, forbidden),
-                }})  # fmt: skip
+                calls.append(
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": tool["function"]["name"],
+                            "arguments": arguments(rng, forbidden, tool)
+                            if arguments
+                            else random_arguments(rng, forbidden),
+                        },
+                    }
+                )
             assistant["tool_calls"] = calls
             role = rng.choice(tool_roles)
             for call in calls:
@@ -219,7 +252,9 @@ class Episode:
         return "".join(text for _, text, _ in self.segments)
 
 
-def simulate_episode(renderer, tokenizer, conversation: Conversation, header: str, stops: tuple[str, ...], **template_options) -> Episode:
+def simulate_episode(
+    renderer, tokenizer, conversation: Conversation, header: str, stops: tuple[str, ...], **template_options
+) -> Episode:
     """Run `conversation` through `renderer` as an episode loop would, checking each piece against the
     chat template (`tokenizer.chat_template`; `template_options` go to it, e.g. enable_thinking).
 
@@ -231,9 +266,12 @@ def simulate_episode(renderer, tokenizer, conversation: Conversation, header: st
 
     def render(messages, generation_prompt):
         return tokenizer.apply_chat_template(
-            messages, tools=conversation.tools, add_generation_prompt=generation_prompt, tokenize=False,
+            messages,
+            tools=conversation.tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
             **template_options,
-        )  # fmt: skip
+        )
 
     def encode(text):
         return tokenizer.encode(text, add_special_tokens=False)

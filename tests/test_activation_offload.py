@@ -16,8 +16,8 @@ from helpers import assert_close_reporting
 from archon.lora import is_lora_param
 from archon.parallel import ParallelConfig, ParallelDims, apply_activation_offload
 from archon.precision import fp32_islands_in_fp64
-from archon.trainer import Trainer
 from archon.tools.align import make_tiny_hf_checkpoint
+from archon.trainer import Trainer
 
 # The tiny models' hidden states are 128 tokens x 64 x 4 B = 32 KiB (64 KiB in float64): a threshold
 # below that offloads them and keeps the smaller saved tensors (attention statistics, LoRA's rank-4
@@ -44,8 +44,9 @@ def _first_step(path, activation_checkpoint: str, offload: bool | None, dtype: s
     trainer = Trainer(cases.engine_config(path, parallel, micro_batch_tokens=10_000, dtype=dtype))
     hooks = None
     if offload is not None:
-        hooks = apply_activation_offload(trainer.model.layers, offload=offload, offload_host_tensors=True,
-                                         min_bytes=MIN_BYTES)  # fmt: skip
+        hooks = apply_activation_offload(
+            trainer.model.layers, offload=offload, offload_host_tensors=True, min_bytes=MIN_BYTES
+        )
     batch = cases.make_batch(trainer.loaded.args.vocab_size)
     cases.set_lora_values(trainer, seed=1)
     batch.old_logprobs = trainer.logprobs(batch).logprobs
@@ -60,10 +61,12 @@ def test_offload_gives_the_same_loss_and_gradients(checkpoints, model_type, acti
     path = checkpoints[model_type]
     with fp32_islands_in_fp64():
         loss, grads, _ = _first_step(path, activation_checkpoint, offload=None, dtype=cases.EQUALITY_DTYPE)
-        counted_loss, counted_grads, counted = _first_step(path, activation_checkpoint, offload=False,
-                                                           dtype=cases.EQUALITY_DTYPE)  # fmt: skip
-        offloaded_loss, offloaded_grads, offloaded = _first_step(path, activation_checkpoint, offload=True,
-                                                                 dtype=cases.EQUALITY_DTYPE)  # fmt: skip
+        counted_loss, counted_grads, counted = _first_step(
+            path, activation_checkpoint, offload=False, dtype=cases.EQUALITY_DTYPE
+        )
+        offloaded_loss, offloaded_grads, offloaded = _first_step(
+            path, activation_checkpoint, offload=True, dtype=cases.EQUALITY_DTYPE
+        )
 
     where = f"{model_type} activation_checkpoint={activation_checkpoint}"
     assert_close_reporting(counted_loss, loss, 0.0, f"{where}, offload hooks counting only: loss")
@@ -94,8 +97,9 @@ def test_offload_is_refused_on_a_cpu_device(checkpoints):
     from archon.build import build_model
 
     with pytest.raises(ValueError, match=r"parallel\.activation_offload.*already live in host memory"):
-        build_model(checkpoints["qwen3"], parallel=ParallelConfig(activation_offload=True),
-                    dims=ParallelDims(world_size=1))  # fmt: skip
+        build_model(
+            checkpoints["qwen3"], parallel=ParallelConfig(activation_offload=True), dims=ParallelDims(world_size=1)
+        )
 
 
 def test_offload_is_refused_with_compile():
@@ -110,7 +114,16 @@ def test_two_process_fsdp_with_offload_equals_without(checkpoints, tmp_path):
     out = tmp_path / "result.pt"
     # PYTHONFAULTHANDLER: a worker that crashes prints where it was
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(checkpoints["qwen3"]), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        str(checkpoints["qwen3"]),
+        str(out),
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
     result = torch.load(out)
@@ -126,8 +139,9 @@ def test_parameters_and_small_tensors_stay_put():
     """Each linear layer saves its input and its weight (a view of the parameter): only the inputs, at
     least OFFLOAD_MIN_BYTES, are offloaded, not the 2 MiB weight; the small sigmoid output is kept."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Sequential(torch.nn.Linear(512, 4),
-                                torch.nn.Sigmoid())).double()  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 512), torch.nn.Sequential(torch.nn.Linear(512, 4), torch.nn.Sigmoid())
+    ).double()
     x = torch.randn(600, 512, dtype=torch.float64, requires_grad=True)  # 2.5 MB
     model[0].weight.requires_grad_(True)
     expected = torch.autograd.grad(model(x).sum(), [x, model[0].weight])

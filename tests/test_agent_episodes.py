@@ -54,15 +54,26 @@ class ScriptedEngine:
             finish = "stop"
             if len(ids) > sampling.max_new_tokens:
                 ids, finish = ids[: sampling.max_new_tokens], "length"
-            samples.append(Sample(index // sampling.n, prompts[index // sampling.n], ids,
-                                  [-0.25] * len(ids), finish, self.version, [self.version] * len(ids)))  # fmt: skip
+            samples.append(
+                Sample(
+                    index // sampling.n,
+                    prompts[index // sampling.n],
+                    ids,
+                    [-0.25] * len(ids),
+                    finish,
+                    self.version,
+                    [self.version] * len(ids),
+                )
+            )
         self.version += 1
         return samples
 
 
 def run(renderer, tools, make_env, scripts, group_size=1, rows=None, **limits):
     tool_list, runner = tools
-    episodes = EpisodeRunner(renderer, make_env, runner.call_many, [t.schema() for t in tool_list], EpisodeLimits(**limits))
+    episodes = EpisodeRunner(
+        renderer, make_env, runner.call_many, [t.schema() for t in tool_list], EpisodeLimits(**limits)
+    )
     engine = ScriptedEngine(renderer, scripts)
     rows = rows or [{"prompt": PROMPT}] * (len(scripts) // group_size)
     try:
@@ -117,18 +128,35 @@ def test_a_group_starts_from_one_prompt_and_every_stop_reason_is_recorded(render
         ["slow"],  # the environment times out
         ['<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', "0"],  # unknown tool: told, goes on
     ]
-    trajectories, engine = run(renderer, tools, make_env, scripts, group_size=8, max_turns=3, max_tool_calls=3,
-                               max_turn_tokens=64, step_timeout_s=1.0)  # fmt: skip
+    trajectories, engine = run(
+        renderer,
+        tools,
+        make_env,
+        scripts,
+        group_size=8,
+        max_turns=3,
+        max_tool_calls=3,
+        max_turn_tokens=64,
+        step_timeout_s=1.0,
+    )
     prompts, sessions = engine.calls[0]
     assert len(prompts) == 1 and len(sessions) == 8  # one prompt, n = 8
     reasons = [t.stop_reason for t in trajectories]
     assert reasons == [
-        StopReason.DONE, StopReason.TURN_LIMIT, StopReason.PARSE_ERROR, StopReason.TOOL_BUDGET,
-        StopReason.TOKEN_BUDGET, StopReason.ENV_ERROR, StopReason.TIMEOUT, StopReason.DONE,
-    ]  # fmt: skip
+        StopReason.DONE,
+        StopReason.TURN_LIMIT,
+        StopReason.PARSE_ERROR,
+        StopReason.TOOL_BUDGET,
+        StopReason.TOKEN_BUDGET,
+        StopReason.ENV_ERROR,
+        StopReason.TIMEOUT,
+        StopReason.DONE,
+    ]
     assert "JSON" in trajectories[2].error or "json" in trajectories[2].error.lower()
     assert "the environment broke" in trajectories[5].error
-    assert len(trajectories[4].completion_ids) == 64 and trajectories[4].completion_ids[-1] != renderer.stop_token_ids[0]
+    assert (
+        len(trajectories[4].completion_ids) == 64 and trajectories[4].completion_ids[-1] != renderer.stop_token_ids[0]
+    )
     unknown = trajectories[7].messages[2]
     assert unknown["role"] == "tool" and "nope" in unknown["content"]
     for t in trajectories:  # every trajectory is its sampled turns and the environment's ids, nothing else

@@ -29,8 +29,12 @@ FAILING_TOOLS = [
 
 @pytest.fixture(scope="module")
 def runner():
-    tools = [Tool.from_function(fixtures.lookup), Tool.from_function(fixtures.rendezvous),
-             *map(Tool.from_function, FAILING_TOOLS), PYTHON_TOOL]  # fmt: skip
+    tools = [
+        Tool.from_function(fixtures.lookup),
+        Tool.from_function(fixtures.rendezvous),
+        *map(Tool.from_function, FAILING_TOOLS),
+        PYTHON_TOOL,
+    ]
     with ToolRunner(tools, timeout_s=TIMEOUT_S, max_output_chars=MAX_OUTPUT_CHARS, memory_mb=MEMORY_MB) as runner:
         yield runner
 
@@ -137,7 +141,11 @@ def test_printed_output_comes_before_the_value_and_cannot_corrupt_the_replies(ru
 @pytest.mark.parametrize(
     "call, status, message",
     [
-        (ToolCall("search", {"q": "x"}), "unknown_tool", "unknown tool 'search'; the tools are: lookup, rendezvous, fail"),
+        (
+            ToolCall("search", {"q": "x"}),
+            "unknown_tool",
+            "unknown tool 'search'; the tools are: lookup, rendezvous, fail",
+        ),
         (ToolCall("lookup", '{"word": "x",'), "bad_arguments", "the arguments of 'lookup' are not valid JSON"),
         (ToolCall("lookup", '["x"]'), "bad_arguments", "the arguments of 'lookup' must be a JSON object, got array"),
         (ToolCall("lookup", {"limit": 2}), "bad_arguments", "'lookup' is missing required argument(s): word"),
@@ -148,8 +156,18 @@ def test_printed_output_comes_before_the_value_and_cannot_corrupt_the_replies(ru
         (ToolCall("lookup", {"word": "x", "mode": "fuzzy"}), "bad_arguments", '["exact", "prefix"], got "fuzzy"'),
         (ToolCall("lookup", {"word": "x", "weights": {"a": "heavy"}}), "bad_arguments", "['a'] must be of type number"),
     ],
-    ids=["unknown-tool", "not-json", "not-an-object", "missing", "unexpected", "wrong-type", "bool-for-int",
-         "wrong-item", "not-in-enum", "wrong-value"],  # fmt: skip
+    ids=[
+        "unknown-tool",
+        "not-json",
+        "not-an-object",
+        "missing",
+        "unexpected",
+        "wrong-type",
+        "bool-for-int",
+        "wrong-item",
+        "not-in-enum",
+        "wrong-value",
+    ],
 )
 def test_bad_calls_are_answered_without_a_worker(runner, call, status, message):
     result = runner.call(call)
@@ -168,8 +186,11 @@ def test_optional_arguments_take_null_and_numbers_take_integers(runner):
     [
         (ToolCall("fail", {"message": "boom"}), {"error"}, "ValueError: boom"),
         (ToolCall("sleep", {"seconds": 60.0}), {"timeout"}, f"'sleep' did not finish within {TIMEOUT_S} s"),
-        (ToolCall("print_megabytes", {"megabytes": 10}), {"output_truncated"},
-         f"[output truncated: {10 * 2**20 - MAX_OUTPUT_CHARS} of {10 * 2**20} characters not shown]"),
+        (
+            ToolCall("print_megabytes", {"megabytes": 10}),
+            {"output_truncated"},
+            f"[output truncated: {10 * 2**20 - MAX_OUTPUT_CHARS} of {10 * 2**20} characters not shown]",
+        ),
         (ToolCall("allocate_gigabytes", {"gigabytes": 10}), {"memory", "error"}, "MemoryError"),
         (ToolCall("grow_list", {}), {"memory", "error"}, "MemoryError"),
         # a crash at the limit reads as out of memory where the worker's own peak is known (not when the
@@ -179,11 +200,22 @@ def test_optional_arguments_take_null_and_numbers_take_integers(runner):
         (ToolCall("exit_worker", {"code": 3}), {"error"}, "SystemExit: 3"),
         (ToolCall("return_a_set", {}), {"error"}, "'return_a_set' returned a value that is not JSON-serializable"),
     ],
-    ids=["raises", "hangs", "prints-10MB", "allocates-10GB", "grows-a-list", "crashes-at-the-limit", "segfault",
-         "exits", "not-json"],  # fmt: skip
+    ids=[
+        "raises",
+        "hangs",
+        "prints-10MB",
+        "allocates-10GB",
+        "grows-a-list",
+        "crashes-at-the-limit",
+        "segfault",
+        "exits",
+        "not-json",
+    ],
 )
 def test_failing_tools_are_results_and_the_runner_goes_on(runner, call, statuses, message, monkeypatch):
-    if call.name != "sleep":  # only the hang needs the short limit; the others end on their own (slowly on a busy machine)
+    if (
+        call.name != "sleep"
+    ):  # only the hang needs the short limit; the others end on their own (slowly on a busy machine)
         monkeypatch.setattr(runner, "timeout_s", 120.0)
     result = runner.call(call)
     assert result.status in statuses and message in result.content, result

@@ -19,10 +19,17 @@ QWEN3_CASES = {
     "untied-gqa2": {},
     "tied-mha": dict(tie_word_embeddings=True, num_key_value_heads=4),
     "mqa-odd-dims": dict(num_attention_heads=6, num_key_value_heads=1, head_dim=8, hidden_size=48),
-    "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                  "original_max_position_embeddings": 128}),
-    "linear-rope-bias": dict(rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0},
-                             attention_bias=True),
+    "yarn": dict(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+    ),
+    "linear-rope-bias": dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}, attention_bias=True
+    ),
 }
 QWEN3_MOE_CASES = {
     "topk-norm": {},
@@ -35,7 +42,9 @@ def _check(report, lora: bool):
     case = f"{report['model_type']} {report['config_overrides']}"
     assert report["dtype"] == "float64", f"{case}: run in {report['dtype']}"
     assert ("lora_grad_max_rel_err" in report["tolerances"]) == lora, sorted(report["tolerances"])
-    beyond = {name: f"{report[name]:.3e} > {tol:.1e}" for name, tol in report["tolerances"].items() if not report[name] <= tol}
+    beyond = {
+        name: f"{report[name]:.3e} > {tol:.1e}" for name, tol in report["tolerances"].items() if not report[name] <= tol
+    }
     assert not beyond, f"{case}: {beyond}"
     if lora:
         assert report["peft_missing_keys"] == [] and report["peft_unexpected_keys"] == [], report
@@ -47,8 +56,13 @@ def _check(report, lora: bool):
 @pytest.mark.parametrize("case", sorted(QWEN3_CASES))
 def test_qwen3_parity(case):
     report = run_alignment(
-        AlignArgs(model_type="qwen3", config_overrides=QWEN3_CASES[case], lora_rank=4 if case != "yarn" else None,
-                  seq_lens=(9, 1, 16, 31), dtype="float64")
+        AlignArgs(
+            model_type="qwen3",
+            config_overrides=QWEN3_CASES[case],
+            lora_rank=4 if case != "yarn" else None,
+            seq_lens=(9, 1, 16, 31),
+            dtype="float64",
+        )
     )
     _check(report, lora=case != "yarn")
 
@@ -57,8 +71,13 @@ def test_qwen3_parity(case):
 def test_qwen3_moe_parity(case):
     # Dense MLP layers beside stacked experts: their LoRA is exported as PEFT target_parameters.
     report = run_alignment(
-        AlignArgs(model_type="qwen3_moe", config_overrides=QWEN3_MOE_CASES[case], lora_rank=8,
-                  seq_lens=(5, 12, 1, 23), dtype="float64")
+        AlignArgs(
+            model_type="qwen3_moe",
+            config_overrides=QWEN3_MOE_CASES[case],
+            lora_rank=8,
+            seq_lens=(5, 12, 1, 23),
+            dtype="float64",
+        )
     )
     _check(report, lora=True)
 
@@ -72,9 +91,7 @@ def test_packed_equals_separate_archon_forwards(tiny_checkpoint):
     seqs, tokens, positions, cu_seqlens = packed_batch((4, 9, 1, 6), 256, seed=3)
     with torch.no_grad(), fp32_islands_in_fp64():
         packed = model(tokens, positions, cu_seqlens, 9)
-        separate = torch.cat(
-            [model(s, torch.arange(len(s)), torch.tensor([0, len(s)]), len(s)) for s in seqs]
-        )
+        separate = torch.cat([model(s, torch.arange(len(s)), torch.tensor([0, len(s)]), len(s)) for s in seqs])
     # measured 5.1e-15
     assert_close_reporting(packed, separate, 1e-10, "logits, packed against per-sequence forwards")
 

@@ -20,7 +20,6 @@ from archon.tools.align import (
     tiny_config_kwargs,
 )
 
-
 # ---- config coverage ---------------------------------------------------------------------------
 
 
@@ -134,7 +133,12 @@ def test_fp64_leaves_only_fp64_rounding(model_type):
     report = run_alignment(AlignArgs(model_type=model_type, lora_rank=4, dtype="float64", seq_lens=(7, 1, 33, 70)))
     assert report["pass"], report
     assert report["dtype"] == "float64" and report["tolerances"]["max_abs_logits_diff"] == 1e-9
-    for key in ("max_abs_logits_diff", "max_abs_train_logprob_diff", "lora_max_abs_logits_diff", "lora_grad_max_rel_err"):
+    for key in (
+        "max_abs_logits_diff",
+        "max_abs_train_logprob_diff",
+        "lora_max_abs_logits_diff",
+        "lora_grad_max_rel_err",
+    ):
         assert report[key] < 1e-11, (key, report[key])
 
 
@@ -179,11 +183,23 @@ def test_fp32_islands_are_kept_in_fp64_only_inside_the_context():
 
 def test_set_reads_json_values_and_strings():
     assert parse_config_assignments(
-        ["sliding_window=8", "use_sliding_window=true", "rope_scaling=None", "hidden_act=silu",
-         'rope_parameters={"rope_type": "default", "rope_theta": 5000.0}', "layer_types=[\"a\", \"b\"]", "eps=1e-5"]
+        [
+            "sliding_window=8",
+            "use_sliding_window=true",
+            "rope_scaling=None",
+            "hidden_act=silu",
+            'rope_parameters={"rope_type": "default", "rope_theta": 5000.0}',
+            'layer_types=["a", "b"]',
+            "eps=1e-5",
+        ]
     ) == {
-        "sliding_window": 8, "use_sliding_window": True, "rope_scaling": None, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "layer_types": ["a", "b"], "eps": 1e-5,
+        "sliding_window": 8,
+        "use_sliding_window": True,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+        "layer_types": ["a", "b"],
+        "eps": 1e-5,
     }
     for bad in ("sliding_window", "=3", "not a name=1"):
         with pytest.raises(ValueError, match="KEY=VALUE"):

@@ -41,12 +41,35 @@ def server(demo_files, tmp_path_factory):
 
 def test_the_staleness_bound_holds_for_every_sampled_token_across_turns(demo_files, server, tmp_path):
     args = [
-        "--config", str(CONFIG), "--model.path", str(demo_files.model_dir), "--data.path", str(demo_files.train_path),
-        "--steps", str(STEPS), "--eval.every", "0", "--checkpoint.every", "0", "--rollout.engine", "vllm",
-        "--rollout.vllm.urls", server.servers[0].url, "--rollout.vllm.transport", "collective",
-        "--rollout.max-staleness", str(MAX_STALENESS), "--rollout.prompts-per-step", "4", "--rollout.group-size", "4",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
-    ]  # fmt: skip
+        "--config",
+        str(CONFIG),
+        "--model.path",
+        str(demo_files.model_dir),
+        "--data.path",
+        str(demo_files.train_path),
+        "--steps",
+        str(STEPS),
+        "--eval.every",
+        "0",
+        "--checkpoint.every",
+        "0",
+        "--rollout.engine",
+        "vllm",
+        "--rollout.vllm.urls",
+        server.servers[0].url,
+        "--rollout.vllm.transport",
+        "collective",
+        "--rollout.max-staleness",
+        str(MAX_STALENESS),
+        "--rollout.prompts-per-step",
+        "4",
+        "--rollout.group-size",
+        "4",
+        "--logging.run-dir",
+        str(tmp_path / "run"),
+        "--logging.no-progress",
+        "--logging.backends",
+    ]
     run = RLRun(parse_config(args))
     trained = []
     collect = run.collect

@@ -87,8 +87,17 @@ def test_async_mode_needs_rollout_servers_and_the_proximal_policy(tmp_path):
     with pytest.raises(ValueError, match=r"rollout.max_staleness=-1: must be 0 or more"):
         parse_config(["--rollout.max-staleness", "-1", "--logging.run-dir", str(tmp_path / "r")])
     with pytest.raises(ValueError, match=r"algorithm.recompute_old_logprobs=False:.*proximal policy"):
-        parse_config(["--rollout.max-staleness", "2", "--rollout.engine", "vllm", "--algorithm.no-recompute-old-logprobs",
-                      "--logging.run-dir", str(tmp_path / "r")])  # fmt: skip
+        parse_config(
+            [
+                "--rollout.max-staleness",
+                "2",
+                "--rollout.engine",
+                "vllm",
+                "--algorithm.no-recompute-old-logprobs",
+                "--logging.run-dir",
+                str(tmp_path / "r"),
+            ]
+        )
 
 
 def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tmp_path):
@@ -109,8 +118,10 @@ def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tm
         run = run_cls(parse_config(args))
         run.run()
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        untimed = [{k: v for k, v in r.items() if not (k.endswith("_s") or "idle" in k or k == "tokens_per_s")}
-                   for r in records]  # fmt: skip
+        untimed = [
+            {k: v for k, v in r.items() if not (k.endswith("_s") or "idle" in k or k == "tokens_per_s")}
+            for r in records
+        ]
         results.append((untimed, {k: p.detach().clone() for k, p in lora_parameters(run.trainer.model).items()}))
     (sync_metrics, sync_lora), (producer_metrics, producer_lora) = results
     assert producer_metrics == sync_metrics
@@ -118,23 +129,38 @@ def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tm
     assert all(r["version_lag_max"] == 0 and r["stale_samples_dropped"] == 0 for r in producer_metrics)
 
 
-
 @pytest.mark.parametrize(
     "model_type, flags, culprit",
     [
-        ("qwen3_moe", [], "rollout.vllm.transport='disk': the model is served merged (rollout.vllm.mode is unset: "
-                          "its family is served merged)"),
-        ("qwen3", ["--rollout.max-staleness", "2", "--rollout.vllm.max-loras", "1"],
-         "rollout.vllm.max_loras=1: with rollout.max_staleness=2 the requests in flight keep their adapter"),
+        (
+            "qwen3_moe",
+            [],
+            "rollout.vllm.transport='disk': the model is served merged (rollout.vllm.mode is unset: "
+            "its family is served merged)",
+        ),
+        (
+            "qwen3",
+            ["--rollout.max-staleness", "2", "--rollout.vllm.max-loras", "1"],
+            "rollout.vllm.max_loras=1: with rollout.max_staleness=2 the requests in flight keep their adapter",
+        ),
     ],
-)  # fmt: skip
+)
 def test_vllm_mode_and_transport_problems_are_found_before_any_server_starts(
     tiny_checkpoint, tmp_path, model_type, flags, culprit
 ):
     path = tiny_checkpoint(model_type)
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    args = ["--model.path", str(path), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
-            "--logging.run-dir", str(tmp_path / "run"), *flags]  # fmt: skip
+    args = [
+        "--model.path",
+        str(path),
+        "--data.path",
+        str(tmp_path / "train.jsonl"),
+        "--rollout.engine",
+        "vllm",
+        "--logging.run-dir",
+        str(tmp_path / "run"),
+        *flags,
+    ]
     with pytest.raises(ValueError, match="invalid configuration") as error:
         parse_config(args)
     assert culprit in str(error.value), str(error.value)

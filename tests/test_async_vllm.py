@@ -36,12 +36,34 @@ def _args(demo_cache, server, run_dir, steps: int, max_staleness: int, *extra: s
 
     _, files = demo_cache
     return [
-        "--config", str(DEMO_CONFIG), "--model.path", str(files.model_dir), "--data.path", str(files.train_path),
-        "--eval.path", str(files.held_out_path), "--steps", str(steps), "--eval.every", "0",
-        "--checkpoint.every", "0", "--rollout.engine", "vllm", "--rollout.vllm.urls", server.servers[0].url,
-        "--rollout.vllm.transport", "collective", "--rollout.max-staleness", str(max_staleness),
-        "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends", *extra,
-    ]  # fmt: skip
+        "--config",
+        str(DEMO_CONFIG),
+        "--model.path",
+        str(files.model_dir),
+        "--data.path",
+        str(files.train_path),
+        "--eval.path",
+        str(files.held_out_path),
+        "--steps",
+        str(steps),
+        "--eval.every",
+        "0",
+        "--checkpoint.every",
+        "0",
+        "--rollout.engine",
+        "vllm",
+        "--rollout.vllm.urls",
+        server.servers[0].url,
+        "--rollout.vllm.transport",
+        "collective",
+        "--rollout.max-staleness",
+        str(max_staleness),
+        "--logging.run-dir",
+        str(run_dir),
+        "--logging.no-progress",
+        "--logging.backends",
+        *extra,
+    ]
 
 
 SMALL = ("--rollout.prompts-per-step", "8", "--rollout.group-size", "4", "--optim.warmup-steps", "1")
@@ -55,8 +77,14 @@ def _recording_collect(run: RLRun, trained: list) -> None:
         collected = collect(step)
         (task,) = run.tasks
         rollouts = collected[task.name]
-        trained.append((step, task.version, [v for s in rollouts.samples for v in [s.version, *s.token_versions]],
-                        [ex.prompt for ex in rollouts.examples]))  # fmt: skip
+        trained.append(
+            (
+                step,
+                task.version,
+                [v for s in rollouts.samples for v in [s.version, *s.token_versions]],
+                [ex.prompt for ex in rollouts.examples],
+            )
+        )
         return collected
 
     run.collect = recorded
@@ -94,7 +122,9 @@ def test_the_staleness_bound_holds_for_every_trained_sample(
     """Every token of every trained sample (also of samples that a publish switched to a newer
     version midway, update_policy 'continue') was sampled within max_staleness versions."""
     steps = 5 if update_policy == "finish" else 4
-    args = _args(demo_cache, server, tmp_path / "run", steps, max_staleness, *SMALL, "--rollout.update-policy", update_policy)
+    args = _args(
+        demo_cache, server, tmp_path / "run", steps, max_staleness, *SMALL, "--rollout.update-policy", update_policy
+    )
     run = RLRun(parse_config(args))
     trained: list = []
     _recording_collect(run, trained)
@@ -182,8 +212,16 @@ def test_two_trainer_ranks_run_asynchronously_in_merged_mode(demo_cache, server,
 
     repo = Path(__file__).resolve().parents[1]
     args = _args(demo_cache, server, tmp_path / "run", 3, 1, *SMALL, "--rollout.vllm.mode", "merged")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(repo / "recipes" / "grpo_lora.py"), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(repo / "recipes" / "grpo_lora.py"),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

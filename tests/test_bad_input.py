@@ -145,9 +145,12 @@ def test_a_model_deeper_than_memory_is_refused_naming_the_layer_count(tiny_check
     _edit_config(path, num_hidden_layers=10**6)
     monkeypatch.setattr("archon.build.memory_for_parameters", lambda device: (64 * 2**30, "in this test"))
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"num_hidden_layers=1000000 in .*config\.json: 1000000 decoder layers of "
-                                         r"about .* GiB each; .* would take about 1\d\d\.\d GiB here, more than the "
-                                         r"64\.0 GiB in this test"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"num_hidden_layers=1000000 in .*config\.json: 1000000 decoder layers of "
+        r"about .* GiB each; .* would take about 1\d\d\.\d GiB here, more than the "
+        r"64\.0 GiB in this test",
+    ):
         build_model(path)
     assert time.monotonic() - start < 60
 
@@ -156,9 +159,12 @@ def test_a_model_wider_than_memory_is_refused_naming_the_width(tiny_checkpoint):
     """hidden_size 1e9 (terabytes of embedding) against the memory this machine really has."""
     path = tiny_checkpoint("qwen3")
     _edit_config(path, hidden_size=10**9)
-    with pytest.raises(ValueError, match=r"vocab_size=256, hidden_size=1000000000 in .*config\.json: the embedding "
-                                         r"and output head take 1,911\.1 GiB; .* more than the .* GiB of available "
-                                         r"memory"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_size=256, hidden_size=1000000000 in .*config\.json: the embedding "
+        r"and output head take 1,911\.1 GiB; .* more than the .* GiB of available "
+        r"memory",
+    ):
         build_model(path)
 
 

@@ -67,22 +67,28 @@ FILE_CASES = {
     "yaml-str-for-list": ("run.yaml", "lora: {target_modules: q_proj}\n", "lora.target_modules: expected a list"),
     "yaml-deep-bad-choice": ("run.yaml", "algorithm: {name: ppo2}\n", "algorithm.name: expected one of 'grpo'"),
     "yaml-bad-choice-old-spelling": (
-        "run.yaml", "algorithm: {loss: {algorithm: ppo2}}\n", "algorithm.loss.algorithm: expected one of 'grpo'",
-    ),  # fmt: skip
+        "run.yaml",
+        "algorithm: {loss: {algorithm: ppo2}}\n",
+        "algorithm.loss.algorithm: expected one of 'grpo'",
+    ),
     "yaml-both-spellings": (
-        "run.yaml", "algorithm: {name: grpo, loss: {algorithm: dapo}}\n",
+        "run.yaml",
+        "algorithm: {name: grpo, loss: {algorithm: dapo}}\n",
         "algorithm.loss.algorithm='dapo' and algorithm.name='grpo' set the same thing to different values",
-    ),  # fmt: skip
+    ),
     "yaml-task-both-spellings": (
-        "run.yaml", "tasks: [{name: a}, {name: b, algorithm: {name: rloo, loss: {algorithm: cispo}}}]\n",
+        "run.yaml",
+        "tasks: [{name: a}, {name: b, algorithm: {name: rloo, loss: {algorithm: cispo}}}]\n",
         "tasks[1].algorithm.loss.algorithm='cispo' and tasks[1].algorithm.name='rloo'",
-    ),  # fmt: skip
+    ),
     "yaml-dataclass-check": ("run.yaml", "lora: {rank: 0}\n", "lora: LoRAConfig.rank must be positive"),
     "yaml-reward-timeout": ("run.yaml", "reward: {timeout_s: 0}\n", "reward: RewardConfig.timeout_s must be positive"),
     "yaml-scalar-for-mapping": ("run.yaml", "lora: {rank_pattern: 8}\n", "lora.rank_pattern: expected a mapping"),
     "yaml-bad-mapping-value": (
-        "run.yaml", "lora: {alpha_pattern: {q_proj: high}}\n", "lora.alpha_pattern['q_proj']: expected a number",
-    ),  # fmt: skip
+        "run.yaml",
+        "lora: {alpha_pattern: {q_proj: high}}\n",
+        "lora.alpha_pattern['q_proj']: expected a number",
+    ),
     "yaml-syntax": ("run.yaml", "steps: [1, 2\n", "invalid YAML"),
     "yaml-top-level-list": ("run.yaml", "- steps\n- 3\n", "the config: expected a section"),
     "toml-int-word": ("run.toml", "steps = 'ten'\n", "steps: expected an integer, got str 'ten'"),
@@ -219,22 +225,30 @@ def test_the_old_name_of_rl_config_warns_and_is_rl_config():
 ALGORITHM_NAME_SPELLINGS = {
     # name: (file name, old spelling, new spelling, the old field in the warning)
     "yaml": (
-        "run.yaml", "algorithm: {loss: {algorithm: dapo, kl_coef: 0.1}, minibatches: 2}\n",
-        "algorithm: {name: dapo, loss: {kl_coef: 0.1}, minibatches: 2}\n", "algorithm.loss.algorithm",
+        "run.yaml",
+        "algorithm: {loss: {algorithm: dapo, kl_coef: 0.1}, minibatches: 2}\n",
+        "algorithm: {name: dapo, loss: {kl_coef: 0.1}, minibatches: 2}\n",
+        "algorithm.loss.algorithm",
     ),
     "toml": (
-        "run.toml", "[algorithm.loss]\nalgorithm = 'cispo'\n", "[algorithm]\nname = 'cispo'\n",
+        "run.toml",
+        "[algorithm.loss]\nalgorithm = 'cispo'\n",
+        "[algorithm]\nname = 'cispo'\n",
         "algorithm.loss.algorithm",
     ),
     "task": (
-        "run.yaml", "tasks: [{name: a}, {name: b, algorithm: {loss: {algorithm: rloo}}}]\n",
-        "tasks: [{name: a}, {name: b, algorithm: {name: rloo}}]\n", "tasks[1].algorithm.loss.algorithm",
+        "run.yaml",
+        "tasks: [{name: a}, {name: b, algorithm: {loss: {algorithm: rloo}}}]\n",
+        "tasks: [{name: a}, {name: b, algorithm: {name: rloo}}]\n",
+        "tasks[1].algorithm.loss.algorithm",
     ),
     "both-spellings-alike": (
-        "run.yaml", "algorithm: {name: gspo, loss: {algorithm: gspo}}\n", "algorithm: {name: gspo}\n",
+        "run.yaml",
+        "algorithm: {name: gspo, loss: {algorithm: gspo}}\n",
+        "algorithm: {name: gspo}\n",
         "algorithm.loss.algorithm",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(ALGORITHM_NAME_SPELLINGS))
@@ -263,8 +277,12 @@ def test_the_old_algorithm_name_flag_warns_and_means_the_same():
         with pytest.warns(FutureWarning, match=r"--algorithm\.loss\.algorithm is deprecated .*; use --algorithm\.name"):
             assert parse_config(argv) == new
     assert new.algorithm.name == "dapo"
-    with pytest.warns(FutureWarning), pytest.raises(
-        ValueError, match=re.escape("--algorithm.loss.algorithm='dapo' and --algorithm.name='rloo' set the same thing")
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(
+            ValueError,
+            match=re.escape("--algorithm.loss.algorithm='dapo' and --algorithm.name='rloo' set the same thing"),
+        ),
     ):
         parse_config(["--algorithm.name=rloo", "--algorithm.loss.algorithm", "dapo"])
     with pytest.warns(FutureWarning):  # both alike: no conflict
@@ -274,15 +292,25 @@ def test_the_old_algorithm_name_flag_warns_and_means_the_same():
 def test_task_configs_are_the_tasks_or_the_one_unnamed_task_of_the_top_level_settings():
     config = _replace(RLConfig(), "data.path", "train.jsonl")
     for path, value in {
-        "eval.path": "held_out.jsonl", "reward.function": "exact", "algorithm.name": "dapo", "lora.rank": 4,
-        "optim.lr": 1e-3, "rollout.max_staleness": 2,
-    }.items():  # fmt: skip
+        "eval.path": "held_out.jsonl",
+        "reward.function": "exact",
+        "algorithm.name": "dapo",
+        "lora.rank": 4,
+        "optim.lr": 1e-3,
+        "rollout.max_staleness": 2,
+    }.items():
         config = _replace(config, path, value)
     (single,) = config.task_configs()
     assert single == TaskConfig(
-        name="", data=config.data, eval_path="held_out.jsonl", reward=config.reward, algorithm=config.algorithm,
-        lora=config.lora, optim=config.optim, max_staleness=2,
-    )  # fmt: skip
+        name="",
+        data=config.data,
+        eval_path="held_out.jsonl",
+        reward=config.reward,
+        algorithm=config.algorithm,
+        lora=config.lora,
+        optim=config.optim,
+        max_staleness=2,
+    )
     tasks = (TaskConfig(name="a"), TaskConfig(name="b", max_staleness=1))
     assert dataclasses.replace(config, tasks=tasks).task_configs() == tasks
 
@@ -297,11 +325,13 @@ VALIDATION_CASES = {
     "ppo-epochs-zero": ({"algorithm.ppo_epochs": 0}, "algorithm.ppo_epochs=0"),
     "group-of-one": ({"rollout.group_size": 1}, "rollout.group_size=1"),
     "group-of-one-drgrpo": (
-        {"rollout.group_size": 1, "algorithm.name": "drgrpo"}, "rollout.group_size=1: algorithm.name='drgrpo'"
-    ),  # fmt: skip
+        {"rollout.group_size": 1, "algorithm.name": "drgrpo"},
+        "rollout.group_size=1: algorithm.name='drgrpo'",
+    ),
     "moe-bias-update-with-vllm": (
-        {"model.moe.bias_update_rate": 0.001, "rollout.engine": "vllm"}, "model.moe.bias_update_rate=0.001"
-    ),  # fmt: skip
+        {"model.moe.bias_update_rate": 0.001, "rollout.engine": "vllm"},
+        "model.moe.bias_update_rate=0.001",
+    ),
     "ep-not-dividing-dp-shard": ({"parallel.ep": 2}, "ep=2 does not divide dp_shard=1"),
     "lora-alpha-zero": ({"lora.alpha": 0.0}, "lora.alpha=0.0"),
     "lora-alpha-negative": ({"lora.alpha": -4.0}, "lora.alpha=-4.0"),
@@ -312,79 +342,83 @@ VALIDATION_CASES = {
     "importance-sampling-without-recompute": (
         {"algorithm.loss.importance_sampling": "sequence", "algorithm.recompute_old_logprobs": False},
         "algorithm.loss.importance_sampling='sequence': needs algorithm.recompute_old_logprobs=true",
-    ),  # fmt: skip
+    ),
     "top-p-without-recompute": (
         {"rollout.top_p": 0.9, "algorithm.recompute_old_logprobs": False},
         "algorithm.recompute_old_logprobs=False: must be true with rollout.top_p=0.9",
-    ),  # fmt: skip
+    ),
     "top-k-without-recompute": (
         {"rollout.top_k": 20, "algorithm.recompute_old_logprobs": False},
         "algorithm.recompute_old_logprobs=False: must be true with rollout.top_p=1.0 / rollout.top_k=20",
-    ),  # fmt: skip
+    ),
     "group-larger-than-the-native-table": (
         {"rollout.group_size": 8, "rollout.max_batch_sequences": 4},
         "rollout.max_batch_sequences=4: must be at least rollout.group_size=8",
-    ),  # fmt: skip
+    ),
     "icepop-band-outside-one": ({"algorithm.loss.icepop_band": (1.5, 5.0)}, "algorithm.loss.icepop_band=(1.5, 5.0)"),
     "dual-clip-not-above-one": ({"algorithm.loss.clip_ratio_c": 0.9}, "algorithm.loss.clip_ratio_c=0.9: must be > 1"),
     "dual-clip-with-cispo": (
         {"algorithm.loss.clip_ratio_c": 3.0, "algorithm.name": "cispo"},
         "algorithm.loss.clip_ratio_c=3.0: dual clip bounds the PPO clipped objective",
-    ),  # fmt: skip
+    ),
     "staleness-negative": ({"rollout.max_staleness": -1}, "rollout.max_staleness=-1: must be 0 or more"),
     "staleness-with-the-native-engine": (
-        {"rollout.max_staleness": 1}, "rollout.engine='native': rollout.max_staleness=1 generates while the trainer"
-    ),  # fmt: skip
+        {"rollout.max_staleness": 1},
+        "rollout.engine='native': rollout.max_staleness=1 generates while the trainer",
+    ),
     "staleness-unbounded": (
         {"rollout.engine": "vllm", "rollout.max_staleness": 10**9},
         "rollout.max_staleness=1000000000: must be at most 64: the producer runs up to N steps ahead",
-    ),  # fmt: skip
+    ),
     "staleness-not-below-steps": (
         {"steps": 3, "rollout.engine": "vllm", "rollout.max_staleness": 3},
         "rollout.max_staleness=3: must be below steps=3",
-    ),  # fmt: skip
+    ),
     "continue-without-staleness": (
         {"rollout.engine": "vllm", "rollout.update_policy": "continue"},
         "rollout.update_policy='continue': switches requests in flight to a newly published adapter version",
-    ),  # fmt: skip
+    ),
     "entropy-coef-negative": ({"algorithm.loss.entropy_coef": -0.01}, "algorithm.loss.entropy_coef=-0.01"),
     "kl-cap-with-k2": (
         {"algorithm.loss.kl_cap": 10.0, "algorithm.loss.kl_coef": 0.1, "algorithm.loss.kl_estimator": "k2"},
         "algorithm.loss.kl_cap=10.0: caps the k3 estimator",
-    ),  # fmt: skip
+    ),
     "kl-cap-without-kl": ({"algorithm.loss.kl_cap": 10.0}, "algorithm.loss.kl_cap=10.0: has no effect"),
     "distillation-weight-without-teacher": (
-        {"algorithm.distillation_weight": 0.5}, "algorithm.distillation_weight=0.5: weights a teacher's advantage"
-    ),  # fmt: skip
+        {"algorithm.distillation_weight": 0.5},
+        "algorithm.distillation_weight=0.5: weights a teacher's advantage",
+    ),
     "group-of-one-rloo": (
-        {"rollout.group_size": 1, "algorithm.name": "rloo"}, "rollout.group_size=1: algorithm.name='rloo'"
-    ),  # fmt: skip
+        {"rollout.group_size": 1, "algorithm.name": "rloo"},
+        "rollout.group_size=1: algorithm.name='rloo'",
+    ),
     "group-of-one-cispo": (
         {"rollout.group_size": 1, "algorithm.name": "cispo"},
         "rollout.group_size=1: algorithm.name='cispo': algorithm 'cispo' normalises each reward within its prompt's group",
-    ),  # fmt: skip
+    ),
     "dynamic-sampling-with-groups-of-one": (
         {"rollout.group_size": 1, "algorithm.name": "reinforce_pp", "algorithm.dynamic_sampling": True},
         "algorithm.dynamic_sampling=True: keeps only the groups whose rewards differ",
-    ),  # fmt: skip
+    ),
     "icepop-with-sequence-importance-sampling": (
         {"algorithm.loss.icepop_band": (0.5, 5.0), "algorithm.loss.importance_sampling": "sequence"},
         "algorithm.loss.importance_sampling='sequence': IcePop",
-    ),  # fmt: skip
+    ),
     "icepop-without-importance-sampling": (
         {"algorithm.loss.icepop_band": (0.5, 5.0), "algorithm.loss.importance_sampling": "none"},
         "algorithm.loss.importance_sampling='none': IcePop",
-    ),  # fmt: skip
+    ),
     "response-whitening-with-grpo": (
         {"algorithm.loss.advantage_whitening": "response"},
         "algorithm.loss.advantage_whitening='response': only algorithms that whiten their advantages over the batch "
         "(reinforce_pp, reinforce_pp_baseline) use it, not 'grpo'",
-    ),  # fmt: skip
+    ),
     "kl-coef-negative": ({"algorithm.loss.kl_coef": -0.1}, "algorithm.loss.kl_coef=-0.1"),
     "temperature-zero": ({"rollout.temperature": 0.0}, "rollout.temperature=0.0"),
     "overlong-buffer-too-big": (
-        {"algorithm.overlong_buffer": 300, "rollout.max_new_tokens": 256}, "algorithm.overlong_buffer=300"
-    ),  # fmt: skip
+        {"algorithm.overlong_buffer": 300, "rollout.max_new_tokens": 256},
+        "algorithm.overlong_buffer=300",
+    ),
     "lora-null-with-kl": ({"lora": None, "algorithm.loss.kl_coef": 0.1}, "algorithm.loss.kl_coef=0.1 (the reference"),
     "lora-null": ({"lora": None}, "lora=None"),
     "reward-no-module": ({"reward.function": "no_such_module:score"}, "reward.function='no_such_module:score'"),
@@ -401,26 +435,33 @@ VALIDATION_CASES = {
     "optim-max-grad-norm-inf": ({"optim.max_grad_norm": float("inf")}, "optim.max_grad_norm=inf"),
     "optim-max-grad-norm-negative": ({"optim.max_grad_norm": -1.0}, "optim.max_grad_norm=-1.0"),
     "speculative-with-vllm": (
-        {"rollout.engine": "vllm", "rollout.speculative.method": "draft_model", "rollout.speculative.draft_model_path": "d"},
+        {
+            "rollout.engine": "vllm",
+            "rollout.speculative.method": "draft_model",
+            "rollout.speculative.draft_model_path": "d",
+        },
         "rollout.speculative.method='draft_model': needs rollout.engine=native",
-    ),  # fmt: skip
+    ),
     "speculative-mtp-with-the-demo-model": (
-        {"rollout.speculative.method": "mtp"}, "rollout.speculative.method='mtp': the demo model has no MTP layer"
-    ),  # fmt: skip
+        {"rollout.speculative.method": "mtp"},
+        "rollout.speculative.method='mtp': the demo model has no MTP layer",
+    ),
     "speculative-mtp-skipped": (
         {"rollout.speculative.method": "mtp", "model.mtp": "skip"},
         "rollout.speculative.method='mtp': drafts with the MTP layer, which model.mtp='skip' leaves unloaded",
-    ),  # fmt: skip
+    ),
     "speculative-draft-model-without-path": (
-        {"rollout.speculative.method": "draft_model"}, "rollout.speculative.draft_model_path=None: is needed"
-    ),  # fmt: skip
+        {"rollout.speculative.method": "draft_model"},
+        "rollout.speculative.draft_model_path=None: is needed",
+    ),
     "speculative-zero-tokens": (
-        {"rollout.speculative.method": "mtp", "rollout.speculative.num_tokens": 0}, "rollout.speculative.num_tokens=0"
-    ),  # fmt: skip
+        {"rollout.speculative.method": "mtp", "rollout.speculative.num_tokens": 0},
+        "rollout.speculative.num_tokens=0",
+    ),
     "speculative-with-routing-replay": (
         {"rollout.speculative.method": "mtp", "algorithm.routing_replay": "rollout"},
         "rollout.speculative.method='mtp': cannot be combined with algorithm.routing_replay=rollout",
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -516,7 +557,8 @@ TASK_SETTING_CASES = {
     # name: (changes to a task's settings, the problem; {task} stands for where the task's fields are,
     # {max_staleness} for its staleness bound's field, {eval_path} for its held-out prompts')
     "dual-clip-not-above-one": (
-        {"algorithm.loss.clip_ratio_c": 0.9}, "{task}algorithm.loss.clip_ratio_c=0.9: must be > 1",
+        {"algorithm.loss.clip_ratio_c": 0.9},
+        "{task}algorithm.loss.clip_ratio_c=0.9: must be > 1",
     ),
     "dual-clip-with-cispo": (
         {"algorithm.name": "cispo", "algorithm.loss.clip_ratio_c": 3.0},
@@ -528,11 +570,13 @@ TASK_SETTING_CASES = {
         "{task}algorithm.loss.kl_cap=10.0: has no effect with {task}algorithm.loss.kl_coef=0",
     ),
     "skipped-steps-zero": (
-        {"algorithm.max_skipped_steps": 0}, "{task}algorithm.max_skipped_steps=0: must be at least 1",
+        {"algorithm.max_skipped_steps": 0},
+        "{task}algorithm.max_skipped_steps=0: must be at least 1",
     ),
     "staleness-unbounded": ({"max_staleness": 10**9}, "{max_staleness}=1000000000: must be at most 64"),
     "staleness-with-the-native-engine": (
-        {"max_staleness": 1}, "rollout.engine='native': {max_staleness}=1 generates while the trainer trains",
+        {"max_staleness": 1},
+        "rollout.engine='native': {max_staleness}=1 generates while the trainer trains",
     ),
     "staleness-without-recompute": (
         {"max_staleness": 1, "algorithm.recompute_old_logprobs": False},
@@ -541,7 +585,8 @@ TASK_SETTING_CASES = {
     "lora-alpha-zero": ({"lora.alpha": 0.0}, "{task}lora.alpha=0.0: must be > 0"),
     "optim-lr-inf": ({"optim.lr": float("inf")}, "{task}optim.lr=inf: must be a finite number >= 0"),
     "optim-warmup-past-the-run": (
-        {"optim.schedule": "cosine", "optim.warmup_steps": 500}, "{task}optim.warmup_steps=500: OptimConfig.schedule",
+        {"optim.schedule": "cosine", "optim.warmup_steps": 500},
+        "{task}optim.warmup_steps=500: OptimConfig.schedule",
     ),
     "reward-bad-form": ({"reward.function": "score_it"}, "{task}reward.function='score_it'"),
     "data-missing": ({"data.path": "{tmp}/missing.jsonl"}, "{task}data.path='{tmp}/missing.jsonl': no such file"),
@@ -550,7 +595,7 @@ TASK_SETTING_CASES = {
         {"algorithm.teacher_path": "{tmp}/teacher"},
         "{task}algorithm.teacher_path='{tmp}/teacher': the teacher's vocabulary has 1000 tokens and the student's",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(TASK_SETTING_CASES))
@@ -599,9 +644,11 @@ def test_model_files_are_checked_before_loading(teacher_vocab, max_new_tokens, c
     teacher = _model_dir(tmp_path, "teacher", vocab_size=teacher_vocab, max_position_embeddings=128)
     config = RLConfig()
     for path, value in {
-        "model.path": str(student), "algorithm.teacher_path": str(teacher), "logging.run_dir": str(run_dir),
+        "model.path": str(student),
+        "algorithm.teacher_path": str(teacher),
+        "logging.run_dir": str(run_dir),
         "rollout.max_new_tokens": max_new_tokens,
-    }.items():  # fmt: skip
+    }.items():
         config = _replace(config, path, value)
     before = _snapshot(run_dir)
     with pytest.raises(ValueError) as error:
@@ -687,9 +734,16 @@ def tiny_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     tokenizer = build_char_tokenizer()
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
@@ -706,11 +760,28 @@ def test_run_skips_prompts_its_model_cannot_hold(tiny_model, tmp_path):
     rows.insert(5, {"prompt": "1+" * 28 + "1=", "answer": "29"})  # fits alone, not with 8 new tokens
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = parse_config([
-        "--model.path", str(tiny_model), "--data.path", str(path), "--eval.path", str(path),
-        "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--rollout.max-new-tokens", "8",
-        "--reward.function", "exact", "--reward.num-workers", "0", "--logging.run-dir", str(tmp_path / "run"),
-    ])  # fmt: skip
+    config = parse_config(
+        [
+            "--model.path",
+            str(tiny_model),
+            "--data.path",
+            str(path),
+            "--eval.path",
+            str(path),
+            "--rollout.prompts-per-step",
+            "2",
+            "--rollout.group-size",
+            "2",
+            "--rollout.max-new-tokens",
+            "8",
+            "--reward.function",
+            "exact",
+            "--reward.num-workers",
+            "0",
+            "--logging.run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     run = RLRun(config)
     try:
         (task,) = run.tasks
@@ -732,11 +803,27 @@ def test_a_parsed_config_is_validated_once(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(validation, "_run_problems", lambda config: checked.append(config) or run_problems(config))
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
-    config = parse_config([
-        "--model.path", str(tiny_model), "--data.path", str(path), "--rollout.prompts-per-step", "2",
-        "--rollout.group-size", "2", "--rollout.max-new-tokens", "4", "--reward.function", "exact",
-        "--reward.num-workers", "0", "--logging.run-dir", str(tmp_path / "run"), "--logging.backends",
-    ])  # fmt: skip
+    config = parse_config(
+        [
+            "--model.path",
+            str(tiny_model),
+            "--data.path",
+            str(path),
+            "--rollout.prompts-per-step",
+            "2",
+            "--rollout.group-size",
+            "2",
+            "--rollout.max-new-tokens",
+            "4",
+            "--reward.function",
+            "exact",
+            "--reward.num-workers",
+            "0",
+            "--logging.run-dir",
+            str(tmp_path / "run"),
+            "--logging.backends",
+        ]
+    )
     assert len(checked) == 1
     run = RLRun(config)
     run.close()
@@ -771,12 +858,16 @@ def _teacher(tiny_model: Path, directory: Path, mismatch: str) -> Path:
     "tasks, mismatch, culprit",
     [
         (False, "tokenizer", r"algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives \d+ of the tokens"),
-        (True, "vocabulary", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's vocabulary has 110 "
-                             r"tokens and the student's \(model\.path='.*'\) 103"),
+        (
+            True,
+            "vocabulary",
+            r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's vocabulary has 110 "
+            r"tokens and the student's \(model\.path='.*'\) 103",
+        ),
         (True, "tokenizer", r"tasks\[1\]\.algorithm\.teacher_path='.*teacher': the teacher's tokenizer gives"),
     ],
     ids=["single-task-tokenizer", "task-vocabulary", "task-tokenizer"],
-)  # fmt: skip
+)
 def test_a_teacher_of_another_vocabulary_is_refused_before_it_is_loaded(tasks, mismatch, culprit, tiny_model, tmp_path):
     from archon.rl.loop import RLRun
 
@@ -882,14 +973,20 @@ def odd_models(tmp_path_factory):
     """A dense Qwen3 with 3 attention heads and a Qwen3-MoE with 3 experts (neither divisible by 2),
     each with a character tokenizer, and a training file."""
     import torch
-    from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     root = tmp_path_factory.mktemp("odd")
     tokenizer = build_char_tokenizer()
     shared = dict(
-        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=48, num_hidden_layers=1, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer) + len(tokenizer) % 2,
+        hidden_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, **shared)).save_pretrained(root / "dense")
     moe = Qwen3MoeConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64, **shared)
@@ -917,12 +1014,31 @@ def test_errors_under_torchrun_print_the_field_not_only_child_failed(model, flag
 
     repo = Path(__file__).resolve().parents[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(repo / "recipes" / "grpo_lora.py"), "--model.path", str(odd_models / model),
-        "--data.path", str(odd_models / "train.jsonl"), "--rollout.prompts-per-step", "2",
-        "--rollout.group-size", "2", "--rollout.max-new-tokens", "4", "--reward.num-workers", "0",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.backends", "--logging.no-progress", *flags,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(repo / "recipes" / "grpo_lora.py"),
+        "--model.path",
+        str(odd_models / model),
+        "--data.path",
+        str(odd_models / "train.jsonl"),
+        "--rollout.prompts-per-step",
+        "2",
+        "--rollout.group-size",
+        "2",
+        "--rollout.max-new-tokens",
+        "4",
+        "--reward.num-workers",
+        "0",
+        "--logging.run-dir",
+        str(tmp_path / "run"),
+        "--logging.backends",
+        "--logging.no-progress",
+        *flags,
+    ]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0

@@ -42,7 +42,10 @@ def files(tmp_path_factory):
     save_peft_adapter(loaded.model, loaded.converter, LORA, root / "adapter", str(single))
     base = {k: v for k, v in loaded.model.state_dict().items() if "lora_" not in k}
     sharded = save_hf_checkpoint(
-        loaded.converter.iter_to_hf(base.items()), root / "sharded", loaded.hf_config.to_dict(), max_shard_bytes=64 * 1024
+        loaded.converter.iter_to_hf(base.items()),
+        root / "sharded",
+        loaded.hf_config.to_dict(),
+        max_shard_bytes=64 * 1024,
     )
     return {"single": single, "sharded": sharded, "adapter": root / "adapter", "loaded": loaded}
 
@@ -212,7 +215,9 @@ def test_bad_checkpoint_is_refused_naming_the_file(files, tmp_path, which, edit,
 
 def test_missing_model_path_names_path_and_option(tmp_path):
     missing = tmp_path / "no-such-model"
-    with pytest.raises(FileNotFoundError, match=r"model directory '.*no-such-model' \(from model\.path\) does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match=r"model directory '.*no-such-model' \(from model\.path\) does not exist"
+    ):
         build_model(missing, path_option="model.path")
     with pytest.raises(FileNotFoundError, match=r"'.*no-such-model' \(from algorithm\.teacher_path\) does not exist"):
         check_model_dir(missing, "algorithm.teacher_path")

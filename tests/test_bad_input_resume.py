@@ -36,7 +36,7 @@ def snapshot(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-    }  # fmt: skip
+    }
 
 
 class Exploit:
@@ -65,7 +65,11 @@ def _resume_nothing_in_empty_checkpoints(run_dir):
 
 
 def _resume_mistyped_path(run_dir):
-    return ["--resume", str(run_dir / CKPT / "step-00000009")], FileNotFoundError, ["step-00000009", "no such directory"]
+    return (
+        ["--resume", str(run_dir / CKPT / "step-00000009")],
+        FileNotFoundError,
+        ["step-00000009", "no such directory"],
+    )
 
 
 def _resume_run_dir_instead_of_checkpoint(run_dir):
@@ -153,9 +157,10 @@ def _lora_alpha_changed(run_dir):
 
 def _lora_targets_changed(run_dir):
     return (
-        ["--resume", "--lora.target-modules", "q_proj", "v_proj"], CheckpointError,
+        ["--resume", "--lora.target-modules", "q_proj", "v_proj"],
+        CheckpointError,
         ["lora.target_modules: checkpoint 'all-linear', this run ['q_proj', 'v_proj']"],
-    )  # fmt: skip
+    )
 
 
 def _lora_rslora_changed(run_dir):
@@ -182,14 +187,32 @@ def _run_dir_is_a_file(run_dir):
 
 
 CASES = [
-    _resume_nothing_in_new_dir, _resume_nothing_in_empty_checkpoints, _resume_mistyped_path,
-    _resume_run_dir_instead_of_checkpoint, _corrupt_trainer_state, _step_in_trainer_state(-1),
-    _step_in_trainer_state(True), _step_in_trainer_state(1.5), _corrupt_metrics_line, _truncated_distcp,
-    _garbled_distcp, _missing_metadata, _missing_rng_file, _malicious_rng_pickle, _malicious_metadata, _every_checkpoint_damaged,
-    _named_checkpoint_damaged, _lora_rank_changed, _lora_alpha_changed, _lora_targets_changed,
-    _lora_rslora_changed, _new_run_in_used_dir, _overwrite_with_foreign_files, _resume_and_overwrite,
+    _resume_nothing_in_new_dir,
+    _resume_nothing_in_empty_checkpoints,
+    _resume_mistyped_path,
+    _resume_run_dir_instead_of_checkpoint,
+    _corrupt_trainer_state,
+    _step_in_trainer_state(-1),
+    _step_in_trainer_state(True),
+    _step_in_trainer_state(1.5),
+    _corrupt_metrics_line,
+    _truncated_distcp,
+    _garbled_distcp,
+    _missing_metadata,
+    _missing_rng_file,
+    _malicious_rng_pickle,
+    _malicious_metadata,
+    _every_checkpoint_damaged,
+    _named_checkpoint_damaged,
+    _lora_rank_changed,
+    _lora_alpha_changed,
+    _lora_targets_changed,
+    _lora_rslora_changed,
+    _new_run_in_used_dir,
+    _overwrite_with_foreign_files,
+    _resume_and_overwrite,
     _run_dir_is_a_file,
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__.strip("_") for c in CASES])

@@ -53,7 +53,7 @@ def test_three_arms_run_round_robin_in_alternating_order(arms):
     calls = []
     fake = _recording_arms({name: [1.0] * 5 for name in "abc"}, calls)
     arms.run_arms(fake, [], repeats=5, warmup=0, progress=False)
-    assert calls == list("abc" "cba" "abc" "cba" "abc")
+    assert calls == list("abccbaabccbaabc")
 
 
 def test_ratios_are_taken_round_by_round(arms):
@@ -73,8 +73,10 @@ def test_a_ratio_of_named_figures(arms):
     archon = [{"tok_s": 300.0, "peak_mb": 100.0}] * 5
     hf = [{"tok_s": 100.0 * (1 + i), "peak_mb": 400.0} for i in range(5)]
     fake = _recording_arms({"archon": archon, "hf": hf}, [])
-    ratios = [arms.Ratio("tok_s", "archon", "hf", figure="tok_s"),
-              arms.Ratio("memory", "archon", "hf", figure="peak_mb")]  # fmt: skip
+    ratios = [
+        arms.Ratio("tok_s", "archon", "hf", figure="tok_s"),
+        arms.Ratio("memory", "archon", "hf", figure="peak_mb"),
+    ]
     result = arms.run_arms(fake, ratios, repeats=5, warmup=0, progress=False)
     assert result.ratios["tok_s"].pairs == pytest.approx([3.0, 1.5, 1.0, 0.75, 0.6])
     assert result.ratios["memory"].pairs == [0.25] * 5
@@ -147,13 +149,17 @@ def test_the_environment_record(arms):
 
 def test_a_summary_survives_json(arms):
     """A comparison made in a measurement's own process comes back through its JSON."""
-    summary = arms.summarize(arms.Ratio("r", "b", "a", "tok_s"), [{"tok_s": x} for x in (2.0, 3.0, 2.5, 2.2, 2.4)],
-                             [{"tok_s": 1.0}] * 5)  # fmt: skip
+    summary = arms.summarize(
+        arms.Ratio("r", "b", "a", "tok_s"), [{"tok_s": x} for x in (2.0, 3.0, 2.5, 2.2, 2.4)], [{"tok_s": 1.0}] * 5
+    )
     again = arms.RatioSummary.from_json("r", summary.to_json())
     assert again == summary and again.verdict_allowed == summary.verdict_allowed
 
 
 def test_median_figures(arms):
-    samples = [{"tok_s": 3.0, "ok": True, "losses": [1.0]}, {"tok_s": 1.0, "ok": True, "losses": [2.0]},
-               {"tok_s": 2.0, "ok": False, "losses": [3.0]}]  # fmt: skip
+    samples = [
+        {"tok_s": 3.0, "ok": True, "losses": [1.0]},
+        {"tok_s": 1.0, "ok": True, "losses": [2.0]},
+        {"tok_s": 2.0, "ok": False, "losses": [3.0]},
+    ]
     assert arms.median_figures(samples) == {"tok_s": 2.0, "ok": False, "losses": [3.0]}

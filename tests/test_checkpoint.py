@@ -112,10 +112,9 @@ def test_two_process_resume_after_kill_continues_exactly(qwen3_path, tmp_path):
 def test_loading_reads_only_the_region_a_shard_needs(qwen3_path):
     """The stacked-expert and one-to-one read paths, checked against the full tensor (no processes:
     a fake DTensor region)."""
-    from archon.models.qwen3.state_dict_converter import Qwen3StateDictConverter
-
     import archon.checkpoint.hf as hf
     from archon.build import load_hf_config
+    from archon.models.qwen3.state_dict_converter import Qwen3StateDictConverter
     from archon.spec import get_spec
     from archon.tools.align import make_tiny_hf_checkpoint
 
@@ -133,8 +132,13 @@ def test_loading_reads_only_the_region_a_shard_needs(qwen3_path):
     try:
         part = read_local(converter, checkpoint, key, sources, target)
         dense_key = "layers.0.self_attn.q_proj.weight"
-        dense = read_local(converter, checkpoint, dense_key, converter.hf_sources(dense_key, checkpoint.keys()),
-                           torch.empty(checkpoint.shape("model.layers.0.self_attn.q_proj.weight")))
+        dense = read_local(
+            converter,
+            checkpoint,
+            dense_key,
+            converter.hf_sources(dense_key, checkpoint.keys()),
+            torch.empty(checkpoint.shape("model.layers.0.self_attn.q_proj.weight")),
+        )
     finally:
         hf.local_region = original
     assert torch.equal(part, full[region])
@@ -199,7 +203,12 @@ def test_pruning_keeps_checkpoints_newer_than_the_one_saved(tmp_path):
     manager.save(3, {"model": {"w": torch.zeros(2)}}, {"step": 3})
     assert [p.name for p in manager.checkpoints()] == ["step-00000003", "step-00000005", "step-00000006"]
     manager.save(4, {"model": {"w": torch.zeros(2)}}, {"step": 4})
-    assert [p.name for p in manager.checkpoints()] == ["step-00000003", "step-00000004", "step-00000005", "step-00000006"]
+    assert [p.name for p in manager.checkpoints()] == [
+        "step-00000003",
+        "step-00000004",
+        "step-00000005",
+        "step-00000006",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
@@ -210,7 +219,9 @@ def test_a_hostile_non_tensor_item_is_refused_before_dcp_unpickles_it(tmp_path):
 
     manager = CheckpointManager(tmp_path / "ckpts")
     path = manager.save(1, {"model": {"w": torch.zeros(2)}, "optimizer": {"lr": 0.5}}, {"step": 1})
-    info = next(v for k, v in FileSystemReader(str(path)).read_metadata().storage_data.items() if k.fqn == "optimizer.lr")
+    info = next(
+        v for k, v in FileSystemReader(str(path)).read_metadata().storage_data.items() if k.fqn == "optimizer.lr"
+    )
     marker = tmp_path / "exploit-ran"
 
     class Exploit:
@@ -246,7 +257,9 @@ def test_a_pattern_only_the_checkpoint_has_is_a_difference(tmp_path):
     saved = {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0, alpha_pattern={"q_proj": 64.0}))}
     with pytest.raises(CheckpointError, match=r"lora.alpha_pattern.q_proj: checkpoint 64.0, this run None"):
         check_same_settings(tmp_path, saved, {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0))})
-    check_same_settings(tmp_path, saved, {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0, alpha_pattern={"q_proj": 64.0}))})
+    check_same_settings(
+        tmp_path, saved, {"lora": lora_settings(LoRAConfig(rank=4, alpha=8.0, alpha_pattern={"q_proj": 64.0}))}
+    )
 
 
 def test_a_reshaping_combine_is_read_whole_for_a_shard(tmp_path, monkeypatch):

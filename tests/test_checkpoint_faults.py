@@ -73,7 +73,11 @@ def test_kill_between_the_renames_of_a_resave(tiny_setup, uninterrupted, tmp_pat
     _run_in_process(_args(tiny_setup, run_dir, 2) + ["--checkpoint.every", "1"])
     args = _args(tiny_setup, run_dir, STEPS) + ["--checkpoint.every", "1"]
     _run_until_killed("resave", ".step-00000002.tmp", args + ["--resume"])
-    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", ".step-00000002.tmp", "step-00000001"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        ".step-00000002.old",
+        ".step-00000002.tmp",
+        "step-00000001",
+    ]
 
     result = RLRun(parse_config(args + ["--resume"]))
     assert result.resume_from == checkpoints / "step-00000002"
@@ -117,7 +121,7 @@ def test_kill_between_the_renames_of_an_adapter_export(tmp_path):
         "os.replace = replace\n"
         "with atomic_directory(sys.argv[1]) as staging:\n"
         "    (staging / 'adapter_model.safetensors').write_text('second')\n"
-    )  # fmt: skip
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", script, str(target)], env=env, capture_output=True, text=True)
     assert result.returncode == -signal.SIGKILL, result.stderr

@@ -147,7 +147,9 @@ def test_multi_task_prompts_prefill_in_chunks(tiny_checkpoint):
     adapters = [0, 1, 1, 0, 1]
     expected = NativeRolloutEngine(model).generate(prompts, sampling, adapters=adapters)
     assert expected != NativeRolloutEngine(model).generate(prompts, sampling, adapters=[0] * 5)  # the adapters matter
-    _assert_same_samples(NativeRolloutEngine(model, prefill_chunk_tokens=9).generate(prompts, sampling, adapters=adapters), expected)
+    _assert_same_samples(
+        NativeRolloutEngine(model, prefill_chunk_tokens=9).generate(prompts, sampling, adapters=adapters), expected
+    )
 
 
 class _EngineWithAPeerOfLongerPrefills(NativeRolloutEngine):

@@ -51,8 +51,11 @@ def _report(tmp_path: Path, names: list[str]) -> Path:
     report = tmp_path / "junit.xml"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(report), *names],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return report
 

@@ -55,7 +55,7 @@ def test_the_tokenizer_has_the_qwen3_special_tokens_single_digits_and_a_short_to
 
 
 def test_bpe_training_is_deterministic_on_one_corpus():
-    texts = ['<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n', '<tool_call>\n{"name": "python"}\n</tool_call>'] * 20
+    texts = ["<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n", '<tool_call>\n{"name": "python"}\n</tool_call>'] * 20
     first, second = (code_tool_demo.build_tokenizer(texts, vocab_size=300) for _ in range(2))
     assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
 
@@ -92,11 +92,24 @@ def test_a_short_run_calls_the_tool_more_and_is_rewarded_more(shipped, tmp_path,
 
     score_episodes = loop.score_episodes
     monkeypatch.setattr(loop, "score_episodes", recording)
-    config = parse_config([
-        "--config", str(CONFIG), "--model.path", str(files.model_dir), "--data.path", str(files.train_path),
-        "--eval.every", "0", "--steps", "6", "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress",
-        "--logging.backends",
-    ])  # fmt: skip
+    config = parse_config(
+        [
+            "--config",
+            str(CONFIG),
+            "--model.path",
+            str(files.model_dir),
+            "--data.path",
+            str(files.train_path),
+            "--eval.every",
+            "0",
+            "--steps",
+            "6",
+            "--logging.run-dir",
+            str(tmp_path / "run"),
+            "--logging.no-progress",
+            "--logging.backends",
+        ]
+    )
     RLRun(config).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward_mean" in r]

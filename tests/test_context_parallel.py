@@ -91,7 +91,8 @@ def test_context_parallel_matches_single_process(two_process, single_process, mo
     _check_against_single_process(result, reference, f"{model_type} cp2")
     _check_export(result, reference, f"{model_type} cp2")
     assert result["generated"] == reference["generated"], (
-        f"{model_type} cp2: completions {result['generated']}, one process's {reference['generated']}")
+        f"{model_type} cp2: completions {result['generated']}, one process's {reference['generated']}"
+    )
 
 
 @pytest.mark.slow
@@ -101,7 +102,8 @@ def test_context_parallel_composes_with_fsdp_tp_and_ep(four_process, single_proc
     _check_against_single_process(result, reference, f"{model_type} {layout}")
     _check_export(result, reference, f"{model_type} {layout}")
     assert result["generated"] == reference["generated"], (
-        f"{model_type} {layout}: completions {result['generated']}, one process's {reference['generated']}")
+        f"{model_type} {layout}: completions {result['generated']}, one process's {reference['generated']}"
+    )
 
 
 def test_token_slices_pad_to_a_multiple_of_cp():

@@ -43,10 +43,17 @@ def tiny_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("datasets_model")
     tokenizer = build_char_tokenizer()
     config = Qwen3Config(
-        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer) + len(tokenizer) % 2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(root)
     tokenizer.save_pretrained(root)
@@ -57,12 +64,33 @@ def _short_run(model: Path, run_dir: Path, *args: str):
     """Two RL steps (4 prompts x 2 samples, 4 new tokens) in this process; the run and its step records."""
     from archon.rl.loop import RLRun
 
-    config = parse_config([
-        "--model.path", str(model), "--steps", "2", "--eval.every", "1",
-        "--rollout.prompts-per-step", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "4",
-        "--reward.num-workers", "0", "--logging.run-dir", str(run_dir), "--logging.no-progress",
-        "--logging.backends", "--lora.rank", "2", "--lora.alpha", "4", *args,
-    ])  # fmt: skip
+    config = parse_config(
+        [
+            "--model.path",
+            str(model),
+            "--steps",
+            "2",
+            "--eval.every",
+            "1",
+            "--rollout.prompts-per-step",
+            "4",
+            "--rollout.group-size",
+            "2",
+            "--rollout.max-new-tokens",
+            "4",
+            "--reward.num-workers",
+            "0",
+            "--logging.run-dir",
+            str(run_dir),
+            "--logging.no-progress",
+            "--logging.backends",
+            "--lora.rank",
+            "2",
+            "--lora.alpha",
+            "4",
+            *args,
+        ]
+    )
     validate(config)
     run = RLRun(config)
     run.run()
@@ -176,9 +204,15 @@ def test_verl_parquet_drives_a_short_run(tmp_path, tiny_model, capsys):
     pq.write_table(pa.Table.from_pylist(_verl_rows(8)), path)
     pq.write_table(pa.Table.from_pylist(_verl_rows(4)), tmp_path / "test.parquet")
     run, records = _short_run(
-        tiny_model, tmp_path / "run", "--data.path", str(path), "--eval.path", str(tmp_path / "test.parquet"),
-        "--reward.function", "exact",
-    )  # fmt: skip
+        tiny_model,
+        tmp_path / "run",
+        "--data.path",
+        str(path),
+        "--eval.path",
+        str(tmp_path / "test.parquet"),
+        "--reward.function",
+        "exact",
+    )
     assert run.tasks[0].train_set.schema == "verl" and run.tasks[0].eval_set.schema == "verl"
     out = capsys.readouterr().out
     assert "train data: 8 prompts, verl rows (detected: the first row has a reward_model object)" in out
@@ -238,15 +272,20 @@ def test_names_and_paths_are_told_apart(tmp_path, monkeypatch):
     assert data_path_problem("someone/data?splt=test") == (
         "unknown option 'splt' after the dataset name (options: subset, split)"
     )
-    assert data_path_problem("missing.jsonl") == "no such file or directory (nor a Hugging Face dataset name, owner/name)"
+    assert (
+        data_path_problem("missing.jsonl") == "no such file or directory (nor a Hugging Face dataset name, owner/name)"
+    )
     assert data_path_problem("someone/data") is None  # its cache is looked at when loading
 
 
 def test_cached_hub_dataset_loads_offline_by_name(tmp_path, tokenizer, offline_datasets_cache):
     _put_in_datasets_cache(
-        offline_datasets_cache, "someone/sums", "main",
-        {"train": _plain_rows(6), "test": _plain_rows(3, offset=100)}, tmp_path,
-    )  # fmt: skip
+        offline_datasets_cache,
+        "someone/sums",
+        "main",
+        {"train": _plain_rows(6), "test": _plain_rows(3, offset=100)},
+        tmp_path,
+    )
     _put_in_datasets_cache(offline_datasets_cache, "someone/sums", "other", {"train": _plain_rows(2)}, tmp_path / "o")
     train = load_prompt_dataset(DataConfig(path="someone/sums", subset="main"), tokenizer)
     assert [e.prompt for e in train.examples] == [f"{i}+1=" for i in range(6)] and train.schema == "plain"
@@ -274,13 +313,22 @@ def test_uncached_hub_dataset_offline_names_the_dataset_the_cache_and_the_downlo
 
 def test_cached_hub_dataset_drives_a_short_run(tmp_path, tiny_model, offline_datasets_cache):
     _put_in_datasets_cache(
-        offline_datasets_cache, "someone/sums", "default",
-        {"train": _plain_rows(8), "test": _plain_rows(4, offset=50)}, tmp_path,
-    )  # fmt: skip
+        offline_datasets_cache,
+        "someone/sums",
+        "default",
+        {"train": _plain_rows(8), "test": _plain_rows(4, offset=50)},
+        tmp_path,
+    )
     run, _ = _short_run(
-        tiny_model, tmp_path / "run", "--data.path", "someone/sums", "--eval.path", "someone/sums?split=test",
-        "--reward.function", "exact",
-    )  # fmt: skip
+        tiny_model,
+        tmp_path / "run",
+        "--data.path",
+        "someone/sums",
+        "--eval.path",
+        "someone/sums?split=test",
+        "--reward.function",
+        "exact",
+    )
     assert len(run.tasks[0].train_set) == 8 and len(run.tasks[0].eval_set) == 4
 
 
@@ -325,10 +373,16 @@ def test_bad_reasoning_gym_sources(path, message, tokenizer):
 
 def test_config_validation_names_bad_sources_and_overlapping_held_out_sets(tiny_model):
     args = ["--model.path", str(tiny_model), "--reward.function", "reasoning_gym", "--rollout.max-new-tokens", "4"]
-    with pytest.raises(ValueError, match=r"data.path='reasoning_gym:leg_countin': reasoning-gym has no task 'leg_countin' \(close matches: leg_counting"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.path='reasoning_gym:leg_countin': reasoning-gym has no task 'leg_countin' \(close matches: leg_counting",
+    ):
         validate(parse_config([*args, "--data.path", "reasoning_gym:leg_countin"]))
     train = "reasoning_gym:chain_sum?size=100&seed=0"
-    with pytest.raises(ValueError, match="eval.path=.*seeds 60..109 .* from 0..99: 40 held-out entries would be training entries.*use seed=100"):
+    with pytest.raises(
+        ValueError,
+        match="eval.path=.*seeds 60..109 .* from 0..99: 40 held-out entries would be training entries.*use seed=100",
+    ):
         validate(parse_config([*args, "--data.path", train, "--eval.path", "reasoning_gym:chain_sum?size=50&seed=60"]))
     validate(parse_config([*args, "--data.path", train, "--eval.path", "reasoning_gym:chain_sum?size=50&seed=100"]))
     assert reasoning_gym_overlap(train, "reasoning_gym:chain_sum?size=50&seed=0&max_terms=3") is None  # other settings
@@ -388,9 +442,17 @@ def test_reasoning_gym_reward_equals_the_tasks_own_scorer_through_the_reward_wor
 def test_reasoning_gym_drives_a_short_run(tmp_path, tiny_model):
     held_out = "reasoning_gym:chain_sum?size=4&seed=16&min_terms=2&max_terms=2&max_digits=1"
     run, records = _short_run(
-        tiny_model, tmp_path / "run", "--data.path", ARITHMETIC, "--eval.path", held_out,
-        "--data.system-prompt", SHORT_SYSTEM, "--reward.function", "reasoning_gym",
-    )  # fmt: skip
+        tiny_model,
+        tmp_path / "run",
+        "--data.path",
+        ARITHMETIC,
+        "--eval.path",
+        held_out,
+        "--data.system-prompt",
+        SHORT_SYSTEM,
+        "--reward.function",
+        "reasoning_gym",
+    )
     task = run.tasks[0]
     assert len(task.train_set) == 16 and len(task.eval_set) == 4
     train_questions = {e.reference["question"] for e in task.train_set.examples}

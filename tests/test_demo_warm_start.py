@@ -16,6 +16,7 @@ from archon.rl.config import load_config_file
 from archon.rl.demo import _split_development, packaged_warm_start, prepare_demo
 from archon.rl.tasks import ArithmeticTaskConfig
 
+
 def _demo_config():
     return load_config_file(DEMO_CONFIG)
 
@@ -53,9 +54,19 @@ def test_development_problems_are_the_first_of_each_operation_and_kept_out_of_tr
 def _tiny_settings(tmp_path, **overrides):
     """A 1-layer model on 1-digit addition: a warm start of seconds."""
     task = ArithmeticTaskConfig(operations=("+", "-"), min_digits=1, max_digits=1, num_train=150, num_held_out=20)
-    settings = dict(task=task, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                    intermediate_size=64, sft_steps=60, sft_check_every=5, sft_dev_examples=8, sft_batch_size=16,
-                    cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    settings = dict(
+        task=task,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        sft_steps=60,
+        sft_check_every=5,
+        sft_dev_examples=8,
+        sft_batch_size=16,
+        cache_dir=str(tmp_path / "cache"),
+    )
     return dataclasses.replace(_demo_config().demo, **{**settings, **overrides})
 
 
@@ -71,8 +82,9 @@ def test_the_sft_stops_once_every_operation_is_at_the_target_for_the_checks_in_a
     assert (files.model_dir / "config.json").exists()
     # an unreachable target: it runs to sft_steps
     messages.clear()
-    prepare_demo(_tiny_settings(tmp_path, sft_target_accuracy=1.01), config.parallel, config.seed, rank=0,
-                 log=messages.append)  # fmt: skip
+    prepare_demo(
+        _tiny_settings(tmp_path, sft_target_accuracy=1.01), config.parallel, config.seed, rank=0, log=messages.append
+    )
     assert [m for m in messages if m.startswith("demo SFT step")][-1].startswith("demo SFT step 60/60")
     # the rows name their operation, and the data files hold every problem
     rows = [json.loads(line) for line in files.train_path.read_text().splitlines()]
@@ -82,11 +94,37 @@ def test_the_sft_stops_once_every_operation_is_at_the_target_for_the_checks_in_a
 def test_the_writer_of_shipped_warm_starts_warm_starts_anew(tmp_path, monkeypatch):
     monkeypatch.setattr(demo_module, "PACKAGED_WARM_STARTS", tmp_path / "shipped")
     (tmp_path / "shipped").mkdir()
-    demo_args = ["--task.operations", "+", "--task.min-digits", "1", "--task.max-digits", "1", "--task.num-train",
-                 "60", "--task.num-held-out", "10", "--hidden-size", "32", "--num-hidden-layers", "1",
-                 "--num-attention-heads", "2", "--num-key-value-heads", "1", "--intermediate-size", "64",
-                 "--sft-steps", "10", "--sft-check-every", "5", "--sft-dev-examples", "4", "--sft-batch-size", "8"]
-    args = [a.replace("--", "--demo.", 1) if a.startswith("--") else a for a in demo_args] + ["--seed", "3"]  # fmt: skip
+    demo_args = [
+        "--task.operations",
+        "+",
+        "--task.min-digits",
+        "1",
+        "--task.max-digits",
+        "1",
+        "--task.num-train",
+        "60",
+        "--task.num-held-out",
+        "10",
+        "--hidden-size",
+        "32",
+        "--num-hidden-layers",
+        "1",
+        "--num-attention-heads",
+        "2",
+        "--num-key-value-heads",
+        "1",
+        "--intermediate-size",
+        "64",
+        "--sft-steps",
+        "10",
+        "--sft-check-every",
+        "5",
+        "--sft-dev-examples",
+        "4",
+        "--sft-batch-size",
+        "8",
+    ]
+    args = [a.replace("--", "--demo.", 1) if a.startswith("--") else a for a in demo_args] + ["--seed", "3"]
     demo_module.main(args)
     written = list((tmp_path / "shipped").iterdir())
     assert len(written) == 1 and written[0].suffix == ".safetensors"
@@ -95,9 +133,19 @@ def test_the_writer_of_shipped_warm_starts_warm_starts_anew(tmp_path, monkeypatc
     demo_module.main(args)
     again = load_file(written[0])
     assert first.keys() == again.keys() and "model.embed_tokens.weight" in first
-    settings = dataclasses.replace(_demo_config().demo, **{
-        "task": ArithmeticTaskConfig(operations=("+",), min_digits=1, max_digits=1, num_train=60, num_held_out=10),
-        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "intermediate_size": 64, "sft_steps": 10, "sft_check_every": 5, "sft_dev_examples": 4, "sft_batch_size": 8,
-    })  # fmt: skip
+    settings = dataclasses.replace(
+        _demo_config().demo,
+        **{
+            "task": ArithmeticTaskConfig(operations=("+",), min_digits=1, max_digits=1, num_train=60, num_held_out=10),
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "intermediate_size": 64,
+            "sft_steps": 10,
+            "sft_check_every": 5,
+            "sft_dev_examples": 4,
+            "sft_batch_size": 8,
+        },
+    )
     assert written[0] == packaged_warm_start(settings, seed=3)  # the file prepare_demo looks for

@@ -150,8 +150,10 @@ def with_stand_ins(config, stand_ins, substituted: list[str]):
         return instance
 
     def swap_teachers(instance, prefix):  # algorithm.teachers[i].path
-        teachers = tuple(swap(teacher, ("path",), checkpoint, f"{prefix}algorithm.teachers[{j}].")
-                         for j, teacher in enumerate(instance.algorithm.teachers))  # fmt: skip
+        teachers = tuple(
+            swap(teacher, ("path",), checkpoint, f"{prefix}algorithm.teachers[{j}].")
+            for j, teacher in enumerate(instance.algorithm.teachers)
+        )
         return dataclasses.replace(instance, algorithm=dataclasses.replace(instance.algorithm, teachers=teachers))
 
     config = swap(config, MODEL_PATHS, checkpoint, "")
@@ -359,9 +361,13 @@ def check_shell(block: Block, workdir: Path, stand_ins, monkeypatch) -> None:
             if words[0] in ("python", "python3"):
                 words = [sys.executable, *words[1:]]
             result = subprocess.run(
-                words, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                words,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=RUN_TIMEOUT_S,
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )  # fmt: skip
+            )
             assert result.returncode == 0, f"{block.id}: {shlex.join(words)} failed:\n{result.stdout}\n{result.stderr}"
             print(f"{block.id}: ran {shlex.join(words)}")
 
@@ -374,8 +380,11 @@ def check_tree(block: Block) -> None:
             continue
         indent = len(line) - len(line.lstrip(" "))
         name = line.split()[0]
-        if indent % 2 or indent // 2 > len(parents) or not re.match(r"^[\w.-]+/?$", name) or not (
-            name.endswith("/") or "." in name
+        if (
+            indent % 2
+            or indent // 2 > len(parents)
+            or not re.match(r"^[\w.-]+/?$", name)
+            or not (name.endswith("/") or "." in name)
         ):
             continue  # a description's continuation
         parents = parents[: indent // 2]

@@ -37,8 +37,18 @@ def test_tiny_suite_passes_every_check(tmp_path):
     failed = {name: check for name, check in result["checks"].items() if not check["pass"]}
     assert not failed, json.dumps(failed, indent=1)[-6000:]
     assert result["pass"] and proc.returncode == 0, proc.stderr[-4000:]
-    assert set(result["checks"]) == {"alignment", "train", "generation", "memory", "throughput", "moe", "offload",
-                                     "prefill", "quantized", "rollout_systems"}
+    assert set(result["checks"]) == {
+        "alignment",
+        "train",
+        "generation",
+        "memory",
+        "throughput",
+        "moe",
+        "offload",
+        "prefill",
+        "quantized",
+        "rollout_systems",
+    }
     assert result["mode"] == "tiny-cpu"
 
     checks = result["checks"]
@@ -60,7 +70,9 @@ def test_tiny_suite_passes_every_check(tmp_path):
     assert offload["grads_equal"] and offload["tensors_offloaded_per_step"] > 0 and offload["saved_peak_ratio"] < 1
     prefill = checks["prefill"]  # one forward against several of at most the budget, the same samples
     assert prefill["prefill_forwards"][0] == 1 and prefill["prefill_forwards"][1] > 1
-    assert prefill["largest_forward_tokens"][1] <= prefill["prefill_chunk_tokens"] < prefill["largest_forward_tokens"][0]
+    assert (
+        prefill["largest_forward_tokens"][1] <= prefill["prefill_chunk_tokens"] < prefill["largest_forward_tokens"][0]
+    )
     assert prefill["greedy_tokens_equal"]
     quantized = checks["quantized"]["formats"]  # both formats trained and sampled on the kept-quantized base
     assert set(quantized) == {"fp8", "mxfp4"}
@@ -72,7 +84,9 @@ def test_tiny_suite_passes_every_check(tmp_path):
     replay = checks["rollout_systems"]["parts"]["replay"]  # the bf16 sampler's routing, replayed in fp32
     assert replay["tokens"] > 0 and replay["max_gap_no_flip"]["replay"] == replay["max_gap_no_flip"]["own"]
     speculative = checks["rollout_systems"]["parts"]["speculative"]
-    assert speculative["qwen3_self_draft"]["acceptance"] == 1.0 and speculative["deepseek_v3_mtp"]["greedy_tokens_equal"]
+    assert (
+        speculative["qwen3_self_draft"]["acceptance"] == 1.0 and speculative["deepseek_v3_mtp"]["greedy_tokens_equal"]
+    )
     assert checks["rollout_systems"]["parts"]["partial"]["token_versions_exact"]
 
     assert json.loads((out / "gpu_suite.json").read_text()) == result
@@ -90,9 +104,10 @@ def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypa
     result = suite.run_suite(suite.SuiteArgs(out=str(tmp_path), tiny=True, only=("alignment", "memory")))
     assert result["pass"] is False
     assert result["checks"]["alignment"] == {
-        "pass": False, "error": "RuntimeError: deliberately broken check",
+        "pass": False,
+        "error": "RuntimeError: deliberately broken check",
         "seconds": result["checks"]["alignment"]["seconds"],
-    }  # fmt: skip
+    }
     assert result["checks"]["memory"]["pass"] is True
 
 
@@ -112,8 +127,15 @@ def test_throughput_lengths_and_flops():
     assert max(lengths) / min(lengths) == pytest.approx(8, rel=0.05)
     # One layer, one 4-token sequence, no LoRA: 4 FLOPs per frozen weight per token, causal
     # attention 3 x 2 L^2 H hd, a head of 4 D V per loss token.
-    config = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                  num_hidden_layers=1, vocab_size=32)  # fmt: skip
+    config = dict(
+        hidden_size=8,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        num_hidden_layers=1,
+        vocab_size=32,
+    )
     linear = 8 * 2 * 4 * 2 + 8 * 1 * 4 * 2 + 3 * 8 * 16
     expected = 4 * 4 * linear + 3 * 2 * 16 * 2 * 4 + 3 * 4 * 8 * 32
     assert suite.train_step_flops(config, [4], loss_tokens=3, lora_rank=0) == expected
@@ -136,22 +158,49 @@ def _fake_varlen(with_enable_gqa: bool, calls: list):
         return query.new_zeros(query.shape[0], query.shape[1], value.shape[2])
 
     if with_enable_gqa:
-        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                        window_size=(-1, -1), enable_gqa=False):  # fmt: skip
-            return record(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                          window_size=window_size, enable_gqa=enable_gqa)  # fmt: skip
+
+        def varlen_attn(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            *,
+            return_aux=None,
+            scale=None,
+            window_size=(-1, -1),
+            enable_gqa=False,
+        ):
+            return record(
+                query,
+                key,
+                value,
+                cu_seq_q,
+                cu_seq_k,
+                max_q,
+                max_k,
+                scale=scale,
+                window_size=window_size,
+                enable_gqa=enable_gqa,
+            )
     else:
-        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                        window_size=(-1, -1)):  # fmt: skip
+
+        def varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+        ):
             return record(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
     return varlen_attn
 
 
 @pytest.mark.parametrize("with_enable_gqa", [False, True], ids=["torch-2.11", "torch-2.12+"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
 def test_flash_varlen_call_fits_the_installed_signature(monkeypatch, with_enable_gqa, sliding_window):
-    from archon.models.common import attention
     from torch.nn.attention import varlen
+
+    from archon.models.common import attention
 
     calls: list = []
     fake = _fake_varlen(with_enable_gqa, calls)

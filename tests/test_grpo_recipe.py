@@ -21,10 +21,27 @@ from archon.rl.tasks import (
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_FIELDS = {
-    "reward_mean", "reward_std", "accuracy", "response_length", "logprob_abs_diff_mean", "logprob_abs_diff_max",
-    "rollout_s", "train_s", "sync_s", "tokens_per_s", "entropy", "clip_fraction", "approx_kl", "reward_errors",
-    "adapter_version", "grad_norm", "skipped_steps", "skipped_updates", "lr", "loss",
-}  # fmt: skip
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "response_length",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_max",
+    "rollout_s",
+    "train_s",
+    "sync_s",
+    "tokens_per_s",
+    "entropy",
+    "clip_fraction",
+    "approx_kl",
+    "reward_errors",
+    "adapter_version",
+    "grad_norm",
+    "skipped_steps",
+    "skipped_updates",
+    "lr",
+    "loss",
+}
 
 
 def write_tiny_setup(root: Path, hidden_size: int = 32, head_dim: int = 16) -> Path:
@@ -35,10 +52,17 @@ def write_tiny_setup(root: Path, hidden_size: int = 32, head_dim: int = 16) -> P
     tokenizer = build_char_tokenizer()
     config = Qwen3Config(
         # vocabulary rounded up to even and 2 KV heads, so tensor parallelism over 2 ranks divides them
-        vocab_size=len(tokenizer) + len(tokenizer) % 2, hidden_size=hidden_size, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer) + len(tokenizer) % 2,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
@@ -58,13 +82,37 @@ def tiny_setup(tmp_path_factory):
 
 def _args(root: Path, run_dir: Path, steps: int) -> list[str]:
     return [
-        "--model.path", str(root / "model"), "--data.path", str(root / "train.jsonl"),
-        "--eval.path", str(root / "held_out.jsonl"), "--eval.every", "1", "--steps", str(steps),
-        "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "4",
-        "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0",
-        "--optim.lr", "1e-2", "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
-        "--lora.rank", "4", "--lora.alpha", "8",
-    ]  # fmt: skip
+        "--model.path",
+        str(root / "model"),
+        "--data.path",
+        str(root / "train.jsonl"),
+        "--eval.path",
+        str(root / "held_out.jsonl"),
+        "--eval.every",
+        "1",
+        "--steps",
+        str(steps),
+        "--rollout.prompts-per-step",
+        "4",
+        "--rollout.group-size",
+        "4",
+        "--rollout.max-new-tokens",
+        "4",
+        "--reward.function",
+        "reward_fixtures:digits_or_raise",
+        "--reward.num-workers",
+        "0",
+        "--optim.lr",
+        "1e-2",
+        "--logging.run-dir",
+        str(run_dir),
+        "--logging.no-progress",
+        "--logging.backends",
+        "--lora.rank",
+        "4",
+        "--lora.alpha",
+        "8",
+    ]
 
 
 def test_in_process_run_trains_only_the_adapter(tiny_setup, tmp_path):
@@ -108,8 +156,16 @@ def test_two_process_run_and_resume(tiny_setup, tmp_path):
     run_dir = tmp_path / "run"
 
     def torchrun(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "recipes" / "grpo_lora.py"), *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "recipes" / "grpo_lora.py"),
+            *extra,
+        ]
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         return result.stdout
@@ -146,9 +202,20 @@ def test_tensor_parallel_run_generates_and_trains(tiny_setup, tmp_path):
     """Rollouts with the native engine on a model sharded over 2 ranks (vocabulary-parallel head)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "OMP_NUM_THREADS": "1"}
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "recipes" / "grpo_lora.py"), *_args(tiny_setup, run_dir, steps=2),
-           "--parallel.tp", "2", "--parallel.dp-shard", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "recipes" / "grpo_lora.py"),
+        *_args(tiny_setup, run_dir, steps=2),
+        "--parallel.tp",
+        "2",
+        "--parallel.dp-shard",
+        "1",
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -182,9 +249,19 @@ def _records(run_dir: Path) -> list[dict]:
 
 # RL steps of 2 minibatches x 2 PPO epochs (4 updates each), a cosine schedule over the run.
 MULTI_UPDATE = [
-    "--algorithm.minibatches", "2", "--algorithm.ppo-epochs", "2", "--eval.every", "0",
-    "--optim.schedule", "cosine", "--optim.warmup-steps", "1", "--optim.min-lr-ratio", "0.1",
-]  # fmt: skip
+    "--algorithm.minibatches",
+    "2",
+    "--algorithm.ppo-epochs",
+    "2",
+    "--eval.every",
+    "0",
+    "--optim.schedule",
+    "cosine",
+    "--optim.warmup-steps",
+    "1",
+    "--optim.min-lr-ratio",
+    "0.1",
+]
 
 
 class _Killed(Exception):
@@ -232,8 +309,8 @@ def test_resume_with_minibatches_and_epochs_matches_the_uninterrupted_run(tiny_s
 
 def test_learning_rate_follows_the_schedule_in_rl_steps(tiny_setup, tmp_path, monkeypatch):
     """Every update of RL step s uses lr * lr_multiplier(s) of a schedule as long as the run."""
-    from archon.rl.loop import RLRun
     from archon.optim import OptimConfig, lr_multiplier
+    from archon.rl.loop import RLRun
     from archon.trainer import Trainer
 
     used: list[float] = []
@@ -274,14 +351,26 @@ def test_nan_loss_step_is_skipped_counted_and_the_run_goes_on(tiny_setup, tmp_pa
     from archon.rl.loop import RLRun
 
     run_dir = tmp_path / "run"
-    run = RLRun(parse_config([*_args(tiny_setup, run_dir, steps=4), *MULTI_UPDATE, "--checkpoint.every", "1",
-                              "--checkpoint.keep-last-adapters", "2"]))  # fmt: skip
+    run = RLRun(
+        parse_config(
+            [
+                *_args(tiny_setup, run_dir, steps=4),
+                *MULTI_UPDATE,
+                "--checkpoint.every",
+                "1",
+                "--checkpoint.keep-last-adapters",
+                "2",
+            ]
+        )
+    )
     _nan_loss_at(run, {2})
     states = []
     step_fn = run.step
 
     def snapshot():
-        return {k: p.detach().clone() for k, p in lora_parameters(run.trainer.model).items()}, _optimizer_tensors(run.trainer)
+        return {k: p.detach().clone() for k, p in lora_parameters(run.trainer.model).items()}, _optimizer_tensors(
+            run.trainer
+        )
 
     def snapshot_around(index):
         before = snapshot()
@@ -320,8 +409,18 @@ def test_nan_loss_steps_in_a_row_stop_the_run_naming_the_step(tiny_setup, tmp_pa
     from archon.trainer import NonFiniteError
 
     run_dir = tmp_path / "run"
-    run = RLRun(parse_config([*_args(tiny_setup, run_dir, steps=5), *MULTI_UPDATE, "--checkpoint.every", "1",
-                              "--algorithm.max-skipped-steps", "2"]))  # fmt: skip
+    run = RLRun(
+        parse_config(
+            [
+                *_args(tiny_setup, run_dir, steps=5),
+                *MULTI_UPDATE,
+                "--checkpoint.every",
+                "1",
+                "--algorithm.max-skipped-steps",
+                "2",
+            ]
+        )
+    )
     _nan_loss_at(run, {2, 3, 4})
     with pytest.raises(NonFiniteError, match=r"RL step 3: .* 2 RL steps in a row \(steps 2-3") as error:
         run.run()
@@ -337,8 +436,9 @@ def test_drgrpo_divides_by_max_new_tokens(tiny_setup, tmp_path):
     from archon.rl.loop import RLRun
     from archon.trainer import LossContext
 
-    run = RLRun(parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.name", "drgrpo",
-                              "--eval.every", "0"]))  # fmt: skip
+    run = RLRun(
+        parse_config([*_args(tiny_setup, tmp_path / "run", steps=2), "--algorithm.name", "drgrpo", "--eval.every", "0"])
+    )
     assert run.config.algorithm.loss.max_response_length is None
     algorithm = run.tasks[0].algorithm
     assert algorithm.max_response_length == 4  # rollout.max_new_tokens
@@ -358,10 +458,20 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_setup, tmp
     from archon.rl.loop import RLRun
     from archon.rl.task import RewardFunctionError
 
-    args = [*_args(tiny_setup, tmp_path / "run", steps=5), "--reward.function", "reward_fixtures:always_raise",
-            "--reward.max-failed-steps", "2", "--eval.every", "0"]  # fmt: skip
-    with pytest.raises(RewardFunctionError, match=r"RL step 2: .*'reward_fixtures:always_raise' failed on every "
-                       r"sample for 2 steps in a row") as error:  # fmt: skip
+    args = [
+        *_args(tiny_setup, tmp_path / "run", steps=5),
+        "--reward.function",
+        "reward_fixtures:always_raise",
+        "--reward.max-failed-steps",
+        "2",
+        "--eval.every",
+        "0",
+    ]
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"RL step 2: .*'reward_fixtures:always_raise' failed on every "
+        r"sample for 2 steps in a row",
+    ) as error:
         RLRun(parse_config(args)).run()
     assert "Traceback (most recent call last)" in str(error.value)
     assert "reward_fixtures.py" in str(error.value) and "ZeroDivisionError: reward function that always fails" in (
@@ -378,11 +488,21 @@ def _shortened_demo_args(run_dir: Path, cache_dir: Path) -> list[str]:
     from archon.recipes import grpo_lora
 
     return [
-        "--config", str(grpo_lora.DEMO_CONFIG), "--steps", str(SHORTENED_DEMO_STEPS),
-        "--eval.every", str(SHORTENED_DEMO_STEPS), "--logging.run-dir", str(run_dir),
-        "--demo.cache-dir", str(cache_dir), "--logging.no-progress", "--logging.backends",
-        "--checkpoint.every", "0",
-    ]  # fmt: skip
+        "--config",
+        str(grpo_lora.DEMO_CONFIG),
+        "--steps",
+        str(SHORTENED_DEMO_STEPS),
+        "--eval.every",
+        str(SHORTENED_DEMO_STEPS),
+        "--logging.run-dir",
+        str(run_dir),
+        "--demo.cache-dir",
+        str(cache_dir),
+        "--logging.no-progress",
+        "--logging.backends",
+        "--checkpoint.every",
+        "0",
+    ]
 
 
 def _assert_held_out_accuracy_rose(run_dir: Path) -> tuple[float, float]:
@@ -435,5 +555,3 @@ def test_shortened_demo_learns_under_another_cpu_arithmetic(tmp_path):
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     _assert_held_out_accuracy_rose(tmp_path / "run")
-
-

@@ -80,7 +80,9 @@ def test_meta_build_materialises_everything_and_freezes_base(tiny_checkpoint, mo
         assert param.requires_grad == ("lora_a" in name or "lora_b" in name), name
     lora = lora_parameters(model)
     assert lora and all(p.dtype == torch.float32 for p in lora.values())
-    assert all(torch.count_nonzero(p) == 0 for n, p in lora.items() if n.endswith("lora_b.weight") or n.endswith(".lora_b"))
+    assert all(
+        torch.count_nonzero(p) == 0 for n, p in lora.items() if n.endswith("lora_b.weight") or n.endswith(".lora_b")
+    )
     if model_type == "qwen3_moe":
         assert any("experts.gate_up_proj_lora" in n for n in lora)
     assert mark_only_lora_trainable(model) == sum(p.numel() for p in lora.values())

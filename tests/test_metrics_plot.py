@@ -30,8 +30,11 @@ def test_a_multi_task_run_gets_one_curve_per_task(tmp_path):
     logger = MetricsLogger(tmp_path, tensorboard=False)
     logger.log(0, {"sub/eval_accuracy": 0.1, "add/eval_accuracy": 0.2})
     for step in (1, 2):
-        logger.log(step, {f"{task}/{key}": 0.1 * step for task in ("sub", "add") for key in ("reward_mean", "accuracy")}
-                   | {"sub/loss": 1.0, "active_tasks": 2.0})  # fmt: skip
+        logger.log(
+            step,
+            {f"{task}/{key}": 0.1 * step for task in ("sub", "add") for key in ("reward_mean", "accuracy")}
+            | {"sub/loss": 1.0, "active_tasks": 2.0},
+        )
     logger.log(3, {"add/reward_mean": 0.5, "add/accuracy": 0.25, "add/eval_accuracy": 0.75})  # sub stopped
     logger.close()
     drawn = {(task, key): (steps, values) for task, key, _, steps, values in curves(read_metrics(tmp_path))}

@@ -15,7 +15,6 @@ from archon.lora import LoRAConfig, is_lora_param
 from archon.precision import fp32_islands_in_fp64
 from archon.trainer import Trainer
 
-
 # Both sides of every comparison here run in float64: what is left is float64 rounding
 FLOAT64_TOL = 1e-10
 
@@ -79,13 +78,17 @@ def test_aux_loss_coefficient_adds_its_gradient(tiny_checkpoint, float64_math):
     aux.backward()
     assert_close_reporting(metrics[0.0]["moe_aux_loss"], aux.item(), FLOAT64_TOL, "moe_aux_loss reported at c=0")
     assert_close_reporting(metrics[coef]["moe_aux_loss"], aux.item(), FLOAT64_TOL, f"moe_aux_loss reported at c={coef}")
-    assert_close_reporting(metrics[coef]["loss"], metrics[0.0]["loss"] + coef * aux.item(), FLOAT64_TOL, "loss with the aux term")
+    assert_close_reporting(
+        metrics[coef]["loss"], metrics[0.0]["loss"] + coef * aux.item(), FLOAT64_TOL, "loss with the aux term"
+    )
     changed = 0
     for name, p in trainer.model.named_parameters():
         if not is_lora_param(name):
             continue
         aux_grad = p.grad if p.grad is not None else torch.zeros_like(grads[0.0][name])
-        assert_close_reporting(grads[coef][name], grads[0.0][name] + coef * aux_grad, FLOAT64_TOL, f"gradient of {name}")
+        assert_close_reporting(
+            grads[coef][name], grads[0.0][name] + coef * aux_grad, FLOAT64_TOL, f"gradient of {name}"
+        )
         changed += int(aux_grad.abs().max() > 0)
     assert changed > 0
     assert metrics[0.0]["moe_load_imbalance"] >= 1.0

@@ -71,9 +71,14 @@ def test_each_sample_is_distilled_from_its_own_sources_teacher(setup, weight):
     original = batch.advantages.clone()
     picked = [1, 2, 3]  # the batch's sequences of this task: sequence 0 is another task's, left alone
     gaps = rollouts.distill_from_teachers(
-        batch, picked, [teachers[teacher_of[sources[i]]] for i in picked], [sources[i] for i in picked], algorithm,
-        torch.device("cpu"), TEMPERATURE,
-    )  # fmt: skip
+        batch,
+        picked,
+        [teachers[teacher_of[sources[i]]] for i in picked],
+        [sources[i] for i in picked],
+        algorithm,
+        torch.device("cpu"),
+        TEMPERATURE,
+    )
     bounds = batch.cu_seqlens.tolist()
     expected_gaps = {"add": [0.0, 0.0], "sub": [0.0, 0.0]}
     other_teacher = {"add": "teacher_b", "sub": "teacher_a"}
@@ -85,7 +90,11 @@ def test_each_sample_is_distilled_from_its_own_sources_teacher(setup, weight):
         teacher[: len(sequences[i]) - 1] = _hf_logprobs(setup / teacher_of[sources[i]], sequences[i], TEMPERATURE)
         distill = (teacher - old) * mask
         expected = distill if weight is None else (task_advantages[i] + weight * (teacher - old)) * mask
-        assert torch.allclose(batch.advantages[span], expected, atol=1e-6, rtol=0), (i, batch.advantages[span], expected)
+        assert torch.allclose(batch.advantages[span], expected, atol=1e-6, rtol=0), (
+            i,
+            batch.advantages[span],
+            expected,
+        )
         # the other source's teacher gives other advantages, so the test can tell them apart
         wrong = torch.zeros(len(sequences[i]))
         wrong[:-1] = _hf_logprobs(setup / other_teacher[sources[i]], sequences[i], TEMPERATURE)
@@ -107,7 +116,9 @@ def _config_file(root: Path, run_dir: Path, algorithm: str, steps: int = 1, task
         "rollout: {group_size: 2, prompts_per_step: 8, max_new_tokens: 4, temperature: 0.7}\n"
         "eval: {every: 0}\nlora: {rank: 4, alpha: 8}\noptim: {lr: 1e-2}\n"
         f"logging: {{run_dir: {run_dir}, backends: [], progress: false}}\n"
-        + (f"algorithm: {algorithm}\n" if algorithm else "") + data + tasks
+        + (f"algorithm: {algorithm}\n" if algorithm else "")
+        + data
+        + tasks
     )
     return path
 
@@ -126,8 +137,11 @@ def test_sources_naming_one_path_share_one_teacher(setup, tmp_path, monkeypatch)
     monkeypatch.setattr(loop, "load_teacher", lambda path, *args: loads.append(path) or load_teacher(path, *args))
     monkeypatch.setattr(rollouts, "teacher_logprobs", lambda *args: forwards.append(1) or teacher_logprobs(*args))
     teacher = setup / "teacher_a"
-    run = _run(setup, tmp_path / "run",
-               f"{{teachers: [{{data_source: add, path: {teacher}}}, {{data_source: sub, path: {teacher}/.}}]}}")  # fmt: skip
+    run = _run(
+        setup,
+        tmp_path / "run",
+        f"{{teachers: [{{data_source: add, path: {teacher}}}, {{data_source: sub, path: {teacher}/.}}]}}",
+    )
     (task,) = run.tasks
     assert loads == [str(teacher)]
     assert task.teachers["add"] is task.teachers["sub"]
@@ -137,8 +151,11 @@ def test_sources_naming_one_path_share_one_teacher(setup, tmp_path, monkeypatch)
 
 
 def test_a_source_not_listed_takes_the_default_teacher(setup, tmp_path):
-    run = _run(setup, tmp_path / "run",
-               f"{{teacher_path: {setup / 'teacher_b'}, teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}]}}")
+    run = _run(
+        setup,
+        tmp_path / "run",
+        f"{{teacher_path: {setup / 'teacher_b'}, teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}]}}",
+    )
     try:
         (task,) = run.tasks
         assert set(task.teachers) == {"add", "sub"}
@@ -163,9 +180,13 @@ def test_teacher_settings_are_checked(setup, tmp_path):
     teacher = setup / "teacher_a"
     config = parse_config(["--config", str(_config_file(setup, tmp_path / "run", f"{{teacher_path: {teacher}}}"))])
     bad = AlgorithmConfig(
-        teachers=(TeacherConfig("add", str(teacher)), TeacherConfig("add", str(teacher)), TeacherConfig("", "x"),
-                  TeacherConfig("sub", str(tmp_path / "nowhere"))),
-    )  # fmt: skip
+        teachers=(
+            TeacherConfig("add", str(teacher)),
+            TeacherConfig("add", str(teacher)),
+            TeacherConfig("", "x"),
+            TeacherConfig("sub", str(tmp_path / "nowhere")),
+        ),
+    )
     import dataclasses
 
     with pytest.raises(ValueError) as error:
@@ -201,12 +222,16 @@ def test_a_run_distills_each_source_from_its_teacher(setup, tmp_path, monkeypatc
         return batch, prepared, score_s
 
     monkeypatch.setattr(loop.RLRun, "prepare", recording)
-    algorithm = (f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, "
-                 f"{{data_source: sub, path: {setup / 'teacher_b'}}}]}}")  # fmt: skip
+    algorithm = (
+        f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, "
+        f"{{data_source: sub, path: {setup / 'teacher_b'}}}]}}"
+    )
     run_dir = tmp_path / "run"
     if tasks:
-        task = ("  - name: {name}\n    data: {{path: {data}}}\n    reward: {{function: exact, num_workers: 0}}\n"
-                "    lora: {{rank: 4, alpha: 8}}\n    algorithm: {algorithm}\n")  # fmt: skip
+        task = (
+            "  - name: {name}\n    data: {{path: {data}}}\n    reward: {{function: exact, num_workers: 0}}\n"
+            "    lora: {{rank: 4, alpha: 8}}\n    algorithm: {algorithm}\n"
+        )
         listed = "tasks:\n" + task.format(name="plain", data=setup / "train.jsonl", algorithm="{name: grpo}")
         listed += task.format(name="mopd", data=setup / "mixed.jsonl", algorithm=algorithm)
         run = _run(setup, run_dir, "", steps=2, tasks=listed)
@@ -219,8 +244,7 @@ def test_a_run_distills_each_source_from_its_teacher(setup, tmp_path, monkeypatc
     teacher_of = {"add": setup / "teacher_a", "sub": setup / "teacher_b"}
     for batch, record in zip(seen, records[-2:]):
         bounds = batch.cu_seqlens.tolist()
-        of_task = [i for i in range(batch.num_sequences)
-                   if not tasks or int(batch.extras["task"][bounds[i]]) == 1]  # fmt: skip
+        of_task = [i for i in range(batch.num_sequences) if not tasks or int(batch.extras["task"][bounds[i]]) == 1]
         gaps = {"add": [0.0, 0.0], "sub": [0.0, 0.0]}
         for i in of_task:
             sequence = batch.tokens[bounds[i] : bounds[i + 1]].tolist()
@@ -265,17 +289,32 @@ def test_a_two_rank_run_equals_the_one_process_run(setup, tmp_path):
     from helpers import assert_close_reporting
     from safetensors.torch import load_file
 
-    algorithm = (f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, "
-                 f"{{data_source: sub, path: {setup / 'teacher_b'}}}], distillation_weight: 0.5}}")  # fmt: skip
+    algorithm = (
+        f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, "
+        f"{{data_source: sub, path: {setup / 'teacher_b'}}}], distillation_weight: 0.5}}"
+    )
     worker = Path(__file__).with_name("multi_task_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(worker.parent)}
     runs = {}
-    for name, launcher, mode in (("one", [], "record"), ("two", ["-m", "torch.distributed.run", "--standalone",
-                                                                 "--nproc_per_node", "2"], "replay")):  # fmt: skip
+    for name, launcher, mode in (
+        ("one", [], "record"),
+        ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], "replay"),
+    ):
         run_dir = tmp_path / name
         config = _config_file(setup, run_dir, algorithm, steps=2)
-        cmd = [sys.executable, *launcher, str(worker), mode, str(tmp_path / "rollouts.pkl"), "--config", str(config),
-               "--optim.lr", "1e-3", "--model.dtype", "float64"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            *launcher,
+            str(worker),
+            mode,
+            str(tmp_path / "rollouts.pkl"),
+            "--config",
+            str(config),
+            "--optim.lr",
+            "1e-3",
+            "--model.dtype",
+            "float64",
+        ]
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
         runs[name] = run_dir
@@ -300,7 +339,9 @@ def test_a_source_teacher_with_another_tokenizer_is_refused_naming_its_entry(set
     from test_bad_input_config import _teacher
 
     other = _teacher(setup / "model", tmp_path / "other", "tokenizer")
-    algorithm = f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, {{data_source: sub, path: {other}}}]}}"
+    algorithm = (
+        f"{{teachers: [{{data_source: add, path: {setup / 'teacher_a'}}}, {{data_source: sub, path: {other}}}]}}"
+    )
     with pytest.raises(ValueError, match=r"algorithm\.teachers\[1\]\.path='.*other': the teacher's tokenizer gives"):
         _run(setup, tmp_path / "run", algorithm)
 
@@ -314,7 +355,11 @@ def test_a_teacher_of_a_source_the_data_lacks_is_not_loaded(setup, tmp_path, mon
     loads = []
     load_teacher = loop.load_teacher
     monkeypatch.setattr(loop, "load_teacher", lambda path, *args: loads.append(path) or load_teacher(path, *args))
-    run = _run(setup, tmp_path / "run", f"{{teacher_path: {setup / 'teacher_a'}, teachers: [{{data_source: code, path: {unused}}}]}}")
+    run = _run(
+        setup,
+        tmp_path / "run",
+        f"{{teacher_path: {setup / 'teacher_a'}, teachers: [{{data_source: code, path: {unused}}}]}}",
+    )
     try:
         assert loads == [str(setup / "teacher_a")]
         assert set(run.tasks[0].teachers) == {"add", "sub"}

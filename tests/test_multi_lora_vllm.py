@@ -40,8 +40,9 @@ def setup(tmp_path_factory):
     for task in TASKS:
         randomise_lora(task_parameters(trainer.model, task.name), 0.5, g, lora_b_scale=0.3)
     config = VLLMConfig(max_lora_rank=8, max_loras=4, port=8152, transport="collective")
-    server = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=8, log_dir=root,
-                               longest_prompt_tokens=32, max_new_tokens=16)  # fmt: skip
+    server = VLLMRolloutEngine(
+        config, model_path=str(model_dir), lora_rank=8, log_dir=root, longest_prompt_tokens=32, max_new_tokens=16
+    )
     channel = WorkerChannel(server.servers, "127.0.0.1", 0, bucket_mb=256.0)
     yield {"root": root, "trainer": trainer, "tokenizer": tokenizer, "server": server, "channel": channel}
     channel.close()
@@ -64,10 +65,16 @@ def test_one_server_serves_both_tasks_adapters_as_the_native_engine_generates(se
         rollout = RolloutConfig(engine="vllm", vllm=VLLMConfig(transport=transport, mode="adapter"))
         views = {task.name: task_servers(server) for task in TASKS}
         syncs = {
-            task.name: build_weight_sync(rollout, views[task.name], lora=task.lora, sync_dir=setup["root"] / "adapters",
-                                         task=task.name, channel=setup["channel"])
+            task.name: build_weight_sync(
+                rollout,
+                views[task.name],
+                lora=task.lora,
+                sync_dir=setup["root"] / "adapters",
+                task=task.name,
+                channel=setup["channel"],
+            )
             for task in TASKS
-        }  # fmt: skip
+        }
         for task in TASKS:
             with task_view(trainer.model, task.name):
                 syncs[task.name].publish(trainer.model, trainer.converter, task.lora, version)
@@ -88,8 +95,9 @@ def test_merged_mode_cannot_serve_several_tasks(setup):
     server = task_servers(setup["server"])
     server.mode = "merged"
     with pytest.raises(ValueError, match="one server cannot serve several tasks' adapters"):
-        build_weight_sync(rollout, server, lora=TASKS[0].lora, sync_dir=setup["root"] / "merged", task="add",
-                          channel=setup["channel"])  # fmt: skip
+        build_weight_sync(
+            rollout, server, lora=TASKS[0].lora, sync_dir=setup["root"] / "merged", task="add", channel=setup["channel"]
+        )
 
 
 def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
@@ -106,9 +114,11 @@ def test_a_two_task_run_rolls_out_on_the_shared_server(setup, tmp_path):
     for task, op in (("add", "+"), ("sub", "-")):
         train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=(op,), num_train=16, num_held_out=0))
         write_jsonl(train, tmp_path / f"{task}.jsonl")
-        tasks += (f"  - name: {task}\n    data: {{path: {tmp_path / f'{task}.jsonl'}}}\n"
-                  "    reward: {function: exact, num_workers: 0}\n    lora: {rank: 4, alpha: 8.0}\n"
-                  f"    max_staleness: {1 if task == 'add' else 0}\n")  # fmt: skip
+        tasks += (
+            f"  - name: {task}\n    data: {{path: {tmp_path / f'{task}.jsonl'}}}\n"
+            "    reward: {function: exact, num_workers: 0}\n    lora: {rank: 4, alpha: 8.0}\n"
+            f"    max_staleness: {1 if task == 'add' else 0}\n"
+        )
     config_path = tmp_path / "run.yaml"
     config_path.write_text(
         f"steps: 3\nmodel: {{path: {setup['server'].model}, device: cpu}}\n"

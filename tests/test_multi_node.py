@@ -23,7 +23,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "grpo_lora.py"
 STEPS = 2
@@ -46,18 +45,49 @@ def tiny_setup(tmp_path_factory):
 
 def _args(root: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--model.path", str(root / "model"), "--data.path", str(root / "train.jsonl"),
-        "--eval.path", str(root / "held_out.jsonl"), "--eval.every", "1", "--steps", str(STEPS),
-        "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "4",
-        "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0",
-        "--optim.lr", "1e-2", "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
-        "--lora.rank", "8", "--lora.alpha", "16", "--checkpoint.every", "1", *extra,
-    ]  # fmt: skip
+        "--model.path",
+        str(root / "model"),
+        "--data.path",
+        str(root / "train.jsonl"),
+        "--eval.path",
+        str(root / "held_out.jsonl"),
+        "--eval.every",
+        "1",
+        "--steps",
+        str(STEPS),
+        "--rollout.prompts-per-step",
+        "4",
+        "--rollout.group-size",
+        "4",
+        "--rollout.max-new-tokens",
+        "4",
+        "--reward.function",
+        "reward_fixtures:digits_or_raise",
+        "--reward.num-workers",
+        "0",
+        "--optim.lr",
+        "1e-2",
+        "--logging.run-dir",
+        str(run_dir),
+        "--logging.no-progress",
+        "--logging.backends",
+        "--lora.rank",
+        "8",
+        "--lora.alpha",
+        "16",
+        "--checkpoint.every",
+        "1",
+        *extra,
+    ]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "OMP_NUM_THREADS": "1",
-            **extra}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -81,13 +111,38 @@ def run_two_nodes(workdirs: tuple[Path, Path], args: list[str], env: dict, timeo
     try:
         for node, workdir in enumerate(workdirs):
             workdir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                   "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                   "--rdzv-id", f"archon-multi-node-{port}", "--local-addr", "127.0.0.1", "--max-restarts", "0",
-                   str(RECIPE), *args]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"archon-multi-node-{port}",
+                "--local-addr",
+                "127.0.0.1",
+                "--max-restarts",
+                "0",
+                str(RECIPE),
+                *args,
+            ]
             log = open(workdir / "launcher.log", "w")
-            launchers.append((subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True), log))  # fmt: skip
+            launchers.append(
+                (
+                    subprocess.Popen(
+                        cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    ),
+                    log,
+                )
+            )
         deadline = time.monotonic() + timeout
         for process, _ in launchers:
             process.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -141,8 +196,16 @@ def test_two_nodes_with_the_built_in_engine_match_one_launcher_of_two_processes(
         assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["launcher.log"]
 
     # the first step only (a constant learning rate: the step does not depend on the run's length)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RECIPE),
-           *_args(tiny_setup, tmp_path / "one_launcher", "--steps", "1", "--checkpoint.every", "0")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(RECIPE),
+        *_args(tiny_setup, tmp_path / "one_launcher", "--steps", "1", "--checkpoint.every", "0"),
+    ]
     result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     one_launcher = _records(tmp_path / "one_launcher")
@@ -187,12 +250,38 @@ def rollout_server(tiny_setup, tmp_path_factory):
 
     port, secret = _free_port(), "multi-node-test-secret"
     log_path = tmp_path_factory.mktemp("rollout_machine") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_setup / "model"),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
-           "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching", "--enforce-eager",
-           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--worker-extension-cls", WORKER_EXTENSION]  # fmt: skip
-    env = _env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               **{WORKER_SECRET_ENV: secret})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_setup / "model"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "64",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        "2",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+    ]
+    env = _env(
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        **{WORKER_SECRET_ENV: secret},
+    )
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -222,8 +311,18 @@ def test_two_nodes_roll_out_on_a_vllm_server_reached_by_url(tiny_setup, rollout_
 
     url, secret = rollout_server
     run_dir = tmp_path / "shared" / "run"
-    args = _args(tiny_setup, run_dir, "--rollout.engine", "vllm", "--rollout.vllm.urls", url,
-                 "--rollout.vllm.transport", "collective", "--rollout.vllm.max-lora-rank", "8")  # fmt: skip
+    args = _args(
+        tiny_setup,
+        run_dir,
+        "--rollout.engine",
+        "vllm",
+        "--rollout.vllm.urls",
+        url,
+        "--rollout.vllm.transport",
+        "collective",
+        "--rollout.vllm.max-lora-rank",
+        "8",
+    )
     outputs = run_two_nodes((tmp_path / "node0", tmp_path / "node1"), args, _env(**{WORKER_SECRET_ENV: secret}))
     records = check_run_outputs(tiny_setup, run_dir, outputs)
     assert all(r["sync_adapter_bytes"] > 0 for r in records[1:])
@@ -238,16 +337,35 @@ def test_the_demo_runs_on_two_nodes_that_share_no_cache_directory(tmp_path):
     """The demo's cache (.cache/archon/demo, relative to each node's working directory) is made by
     rank 0 on its node; the other node gets a copy of the same files, and trains from it."""
     run_dir = tmp_path / "shared" / "run"
-    args = ["--steps", "1", "--optim.warmup-steps", "0", "--eval.every", "0", "--rollout.prompts-per-step", "4",
-            "--rollout.group-size", "2", "--checkpoint.every", "0", "--logging.run-dir", str(run_dir), "--logging.no-progress",
-            "--logging.backends"]  # fmt: skip
+    args = [
+        "--steps",
+        "1",
+        "--optim.warmup-steps",
+        "0",
+        "--eval.every",
+        "0",
+        "--rollout.prompts-per-step",
+        "4",
+        "--rollout.group-size",
+        "2",
+        "--checkpoint.every",
+        "0",
+        "--logging.run-dir",
+        str(run_dir),
+        "--logging.no-progress",
+        "--logging.backends",
+    ]
     workdirs = (tmp_path / "node0", tmp_path / "node1")
     outputs = run_two_nodes(workdirs, args, _env())
     assert sum("adapter (PEFT):" in output for output in outputs) == 1
     assert [r["step"] for r in _records(run_dir)] == [1]
     # the warm-started model and the task data; rank 0's node also keeps the initial model it made them from
-    caches = [sorted(p.relative_to(w) for p in (w / ".cache").rglob("*") if p.is_file() and "init" not in p.parts)
-              for w in workdirs]  # fmt: skip
-    assert caches[0] == caches[1] and {"model.safetensors", "train.jsonl", "held_out.jsonl"} <= {p.name for p in caches[0]}
+    caches = [
+        sorted(p.relative_to(w) for p in (w / ".cache").rglob("*") if p.is_file() and "init" not in p.parts)
+        for w in workdirs
+    ]
+    assert caches[0] == caches[1] and {"model.safetensors", "train.jsonl", "held_out.jsonl"} <= {
+        p.name for p in caches[0]
+    }
     for name in caches[0]:
         assert (workdirs[0] / name).read_bytes() == (workdirs[1] / name).read_bytes(), name

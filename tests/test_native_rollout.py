@@ -82,26 +82,47 @@ def _truncated_logprob(logits, temperature, top_k, top_p, token):
     return math.log(float(probs[token]) / sum(float(probs[i]) for i in kept))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "olmo3", "olmo2", "minimax_m2", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "gemma3_text"])
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "qwen3",
+        "qwen3_moe",
+        "olmo3",
+        "olmo2",
+        "minimax_m2",
+        "qwen3_next",
+        "deepseek_v32",
+        "glm_moe_dsa",
+        "kimi_linear",
+        "gemma3_text",
+    ],
+)
 def test_greedy_equals_hf_generate(tiny_checkpoint, model_type):
     """Greedy tokens equal HF generate's, for groups of 2 sharing a prompt prefix in a table
     refilled as groups finish."""
-    from archon.tools.align import hf_model_class
     from transformers import AutoConfig
+
+    from archon.tools.align import hf_model_class
 
     path = tiny_checkpoint(model_type)
     # HF's grouped-GEMM experts have no fp64 kernel; its eager experts loop over them
-    hf_model = hf_model_class(AutoConfig.from_pretrained(path)).from_pretrained(
-        path, dtype=torch.float64, experts_implementation="eager"
-    ).eval()
+    hf_model = (
+        hf_model_class(AutoConfig.from_pretrained(path))
+        .from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+        .eval()
+    )
     engine = NativeRolloutEngine(_fp64_model(path), max_batch_sequences=4)
     samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, n=2))
     for sample in samples:
         prompt = sample.prompt_ids
         with torch.no_grad():
             out = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, len(prompt)),
-                pad_token_id=0, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=8,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt)),
+                pad_token_id=0,
+                eos_token_id=None,
             )
         assert sample.completion_ids == out[0, len(prompt) :].tolist(), (sample.prompt_index, sample.completion_ids)
 
@@ -121,7 +142,9 @@ def test_sampled_logprobs_are_the_truncated_distributions(tiny_checkpoint):
                 _truncated_logprob(row, 0.7, 50, 0.9, token) for row, token in zip(logits, sample.completion_ids)
             ]
             assert_close_reporting(sample.logprobs, expected, LOGPROB_ATOL, f"sample {i}: truncated log-probs")
-            untruncated = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
+            untruncated = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(sample.completion_ids)[:, None])[
+                :, 0
+            ]
             truncated_somewhere |= bool((untruncated - torch.tensor(sample.logprobs)).abs().max() > 1e-3)
     assert truncated_somewhere  # the check above would not see the convention otherwise
     again = trainer.generate(PROMPTS, sampling)
@@ -165,7 +188,9 @@ def test_logprobs_equal_the_trainers(tiny_checkpoint):
     from archon.batch import PackedBatch
     from archon.trainer import Trainer, TrainerConfig
 
-    config = TrainerConfig(model_path=str(tiny_checkpoint("qwen3_moe")), lora=LoRAConfig(rank=4, alpha=8), dtype="float64")
+    config = TrainerConfig(
+        model_path=str(tiny_checkpoint("qwen3_moe")), lora=LoRAConfig(rank=4, alpha=8), dtype="float64"
+    )
     trainer = Trainer(config)
     randomise_lora(lora_parameters(trainer.model), 0.1)
     rollout = NativeRolloutEngine(trainer.model)
@@ -236,10 +261,15 @@ def test_continuous_batching_refills_finished_blocks(tiny_checkpoint):
 def test_sinks_and_sliding_windows_decode_equals_full_forward(tiny_checkpoint):
     """GPT-OSS: sink logits and a window of 3 (shorter than the prompts), over a shared prompt
     prefix and each sample's own tokens, give the full forward's greedy tokens and log-probs."""
-    model = _fp64_model(tiny_checkpoint(
-        "gpt_oss", num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
-        sliding_window=3, num_key_value_heads=1,
-    )).eval()  # fmt: skip
+    model = _fp64_model(
+        tiny_checkpoint(
+            "gpt_oss",
+            num_hidden_layers=3,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            sliding_window=3,
+            num_key_value_heads=1,
+        )
+    ).eval()
     samples = NativeRolloutEngine(model).generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=2))
     _assert_greedy_steps_match_full_forward(model, samples)
 
@@ -256,14 +286,25 @@ def test_fsdp_and_tp_ranks_stay_in_lockstep(tiny_checkpoint, tmp_path):
 
     worker = Path(__file__).parent / "native_rollout_worker.py"
     out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-           str(out), str(tiny_checkpoint("qwen3"))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(out),
+        str(tiny_checkpoint("qwen3")),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank, results in enumerate(json.loads(out.read_text())):
         for layout, figures in results.items():
             assert figures["tokens_equal"], f"rank {rank}, {layout}: tokens differ ({figures})"
-            assert figures["logprob_max_abs"] <= LOGPROB_ATOL, f"rank {rank}, {layout}: {figures} against atol {LOGPROB_ATOL}"
+            assert figures["logprob_max_abs"] <= LOGPROB_ATOL, (
+                f"rank {rank}, {layout}: {figures} against atol {LOGPROB_ATOL}"
+            )
     assert json.loads(out.read_text())[1]["fsdp2_one_rank_idle"]["samples"] == 0
     assert all(results["fsdp2_sessions"]["reused_tokens"] > 0 for results in json.loads(out.read_text()))
 
@@ -308,7 +349,8 @@ def test_rollout_benchmark_quick_mode(monkeypatch):
         torch.set_num_threads(threads)
     rows = {(r["case"], r["engine"]) for r in report["rows"]}
     assert rows == {(c, e) for c in ("greedy", "sampled", "long") for e in ("native", "hf")} | {
-        ("sampled", "native_unshared"), ("long", "native_unshared")
+        ("sampled", "native_unshared"),
+        ("long", "native_unshared"),
     }
     assert all(r["tokens_per_s"] > 0 and r["of_bandwidth_limit"] > 0 for r in report["rows"])
 
@@ -354,7 +396,9 @@ def test_idle_forwards_of_a_multi_task_model(tiny_checkpoint):
     """A rank with nothing left to do runs one-token forwards while a peer prefills and decodes;
     on a multi-task model those forwards too route their token to an adapter. The rank's samples
     are those it generates alone."""
-    model = _fp64_model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)})
+    model = _fp64_model(
+        tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}
+    )
     randomise_lora(lora_parameters(model), 0.2)
     sampling = SamplingParams(max_new_tokens=4, temperature=0, n=2)
     forwards = []
@@ -382,7 +426,9 @@ def test_rows_start_new_samples_as_soon_as_theirs_end(tiny_checkpoint, model_typ
     prompts = PROMPTS + [[5, 6, 7, 8], [60, 61], [9, 9, 9]]
     adapters = [0, 1, 0, 1, 1, 0]
     free = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, seed=3)
-    drawn = [t for s in NativeRolloutEngine(model).generate(prompts, free, adapters=adapters) for t in s.completion_ids[1:]]
+    drawn = [
+        t for s in NativeRolloutEngine(model).generate(prompts, free, adapters=adapters) for t in s.completion_ids[1:]
+    ]
     stops = torch.bincount(torch.tensor(drawn)).topk(8).indices  # the 8 tokens drawn most often
     sampling = dataclasses.replace(free, stop_token_ids=tuple(stops.tolist()))
 

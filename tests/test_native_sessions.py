@@ -17,7 +17,17 @@ from archon.rollout.native import NativeRolloutEngine, RolloutStats
 
 # Different lengths; the longest trajectories outgrow the tiny models' sliding windows of 8.
 FIRST_PROMPTS = [[3, 17, 42, 9, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
-FAMILIES = ["qwen3", "qwen2", "llama", "glm4_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text", "deepseek_v32", "glm_moe_dsa"]
+FAMILIES = [
+    "qwen3",
+    "qwen2",
+    "llama",
+    "glm4_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "qwen3_5_text",
+    "deepseek_v32",
+    "glm_moe_dsa",
+]
 # The largest log-prob difference measured between kept and re-prefilled sessions is 1.5e-14 (the gated
 # delta rule of Qwen3.5, which sums a trajectory's chunks in another order from a kept state), with
 # AVX-512, AVX2 and scalar kernels alike.
@@ -110,7 +120,11 @@ def test_group_of_samples_shares_a_kept_prefix(tiny_checkpoint):
     engine.reset_stats()
     got = engine.generate([prompt], sampling, sessions=["a", "b", "c"])
     assert engine.stats == RolloutStats(
-        prefill_tokens=4, reused_tokens=len(prompt) - 4, decode_tokens=12, prefill_forwards=1, max_prefill_forward_tokens=4,
+        prefill_tokens=4,
+        reused_tokens=len(prompt) - 4,
+        decode_tokens=12,
+        prefill_forwards=1,
+        max_prefill_forward_tokens=4,
         decode_steps=4,
     )
     expected = reference.generate([prompt], sampling)
@@ -146,7 +160,9 @@ def test_mismatched_or_stale_kept_state_is_prefilled_in_full(tiny_checkpoint):
     reference.policy.publish(None, 1)
     engine.reset_stats()
     prompts = [s.prompt_ids + s.completion_ids + [4] for s in got]
-    _assert_same_turns([engine.generate(prompts, greedy, sessions=["x", "y", "z"])], [reference.generate(prompts, greedy)])
+    _assert_same_turns(
+        [engine.generate(prompts, greedy, sessions=["x", "y", "z"])], [reference.generate(prompts, greedy)]
+    )
     assert engine.stats.reused_tokens == 0 and engine.stats.prefill_tokens == sum(map(len, prompts))
 
 

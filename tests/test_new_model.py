@@ -64,7 +64,9 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
         " 'pass': report['pass'], 'failures': report['failures']}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["file"] == str(root / "models" / "__init__.py")
@@ -103,7 +105,11 @@ def test_multi_type_family_keeps_only_the_chosen_type(root):
     """From qwen3 (qwen3 + qwen3_moe) with --like-type qwen3_moe: one type, the MoE tiny config."""
     scaffold(NewModelArgs(name="mymoe", like="qwen3", like_type="qwen3_moe", model_type="mymoe_hf", root=root))
     spec_source = (root / "models" / "mymoe" / "spec.py").read_text()
-    call = next(n for n in ast.walk(ast.parse(spec_source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelSpec")
+    call = next(
+        n
+        for n in ast.walk(ast.parse(spec_source))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelSpec"
+    )
     keywords = {k.arg: k.value for k in call.keywords}
     assert ast.literal_eval(keywords["name"]) == "mymoe"
     assert ast.literal_eval(keywords["hf_model_types"]) == ("mymoe_hf",)
@@ -142,7 +148,11 @@ def test_a_name_that_extends_the_like_family_is_not_renamed_twice(root):
     scaffold(NewModelArgs(name="qwen3_next", like="qwen3", like_type="qwen3_moe", root=root))
     family = root / "models" / "qwen3_next"
     spec_source = (family / "spec.py").read_text()
-    call = next(n for n in ast.walk(ast.parse(spec_source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelSpec")
+    call = next(
+        n
+        for n in ast.walk(ast.parse(spec_source))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ModelSpec"
+    )
     keywords = {k.arg: k.value for k in call.keywords}
     assert ast.literal_eval(keywords["name"]) == "qwen3_next"
     assert ast.literal_eval(keywords["hf_model_types"]) == ("qwen3_next",)
@@ -151,7 +161,9 @@ def test_a_name_that_extends_the_like_family_is_not_renamed_twice(root):
     assert [ast.literal_eval(k) for k in keywords["tiny_hf_config"].keys] == ["qwen3_next"]
     every_file = "".join(p.read_text() for p in family.glob("*.py"))
     assert "qwen3_next_next" not in every_file
-    literals = {n.value for n in ast.walk(ast.parse(spec_source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    literals = {
+        n.value for n in ast.walk(ast.parse(spec_source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
     assert "qwen3_next_moe" not in literals  # (a comment may say it: changed lines are listed for review)
     assert "class Qwen3NextArgs" in every_file and "parallelize_qwen3_next" in every_file
     code = (
@@ -193,8 +205,10 @@ def test_a_combined_renderer_import_keeps_the_spec(root):
     init = (root / "models" / "glm4_moe" / "__init__.py").read_text()
     assert "renderer" in init and "spec" in init
     scaffold(NewModelArgs(name="minimax_like", like="glm4_moe", root=root))
-    assert (root / "models" / "minimax_like" / "__init__.py").read_text().startswith(
-        "from archon.models.minimax_like import spec  # noqa: F401"
+    assert (
+        (root / "models" / "minimax_like" / "__init__.py")
+        .read_text()
+        .startswith("from archon.models.minimax_like import spec  # noqa: F401")
     )
 
 

@@ -362,10 +362,22 @@ def post(url: str, data: bytes) -> tuple[int, dict]:
         ({"top_p": 0}, "top_p"),
         ({"tools": ["add"]}, "tools[0]"),
         ({"max_tokens": "8"}, "max_tokens"),
-        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]},
-         "messages[0].tool_calls[0].function.arguments"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_name_the_field(random_model, tokenizer, change, param):
     with ChatCompletionsServer(
         NativeRolloutEngine(random_model), HermesCharRenderer(tokenizer), MODEL, SamplingParams()

@@ -106,7 +106,8 @@ def check_exported_adapter(got_dir, want_dir, where: str):
         assert want[key].dtype == torch.float64, f"{where}: the one-process export wrote {key} as {want[key].dtype}"
         assert_close_reporting(got[key], want[key], 0.0, f"{where}: exported {key}")
     assert any(not torch.equal(t, t.to(torch.float32).to(torch.float64)) for t in want.values()), (
-        f"{where}: the exported factors are float32 values: a float32 round trip would go unnoticed")
+        f"{where}: the exported factors are float32 values: a float32 round trip would go unnoticed"
+    )
     configs = [json.loads(open(f"{d}/adapter_config.json").read()) for d in (got_dir, want_dir)]
     assert configs[0] == configs[1], f"{where}: adapter_config.json {configs[0]} != {configs[1]}"
 
@@ -227,8 +228,9 @@ def _check_merged_payload(result, reference, where: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", EP_MODEL_TYPES)
-def test_expert_parallel_matches_single_process(ep_two_process, ep_four_process, ep_single_process, ep_checkpoints,
-                                                model_type):  # fmt: skip
+def test_expert_parallel_matches_single_process(
+    ep_two_process, ep_four_process, ep_single_process, ep_checkpoints, model_type
+):
     """EP x2 (experts split over the 2 FSDP ranks), EP x2 x FSDP x2 (world 4: experts split over 2
     ranks and replicated over the other 2) and EP x2 x TP x2: log-probs, loss, LoRA gradients
     (expert factors gathered from their shards), the loss curve, PEFT export, merged sync payload and
@@ -244,7 +246,8 @@ def test_expert_parallel_matches_single_process(ep_two_process, ep_four_process,
         # Only the first data-parallel rank had prompts: the others ran its forwards (and their
         # all-to-alls) in step with it.
         assert result["generated"] == reference["generated"], (
-            f"{where}: completions {result['generated']}, one process's {reference['generated']}")
+            f"{where}: completions {result['generated']}, one process's {reference['generated']}"
+        )
     # bf16 compute (parallel.param_dtype) reaches the expert-parallel experts as FSDP2 gives it to
     # every other parameter. The expert LoRA stays in fp32 under EP (FSDP2 casts it to bf16 without),
     # hence the bf16-sized tolerances.
@@ -257,7 +260,8 @@ def test_expert_parallel_matches_single_process(ep_two_process, ep_four_process,
     median = difference.median().item()
     assert median <= BF16_MEDIAN_LOGPROBS_TOL, (
         f"{where}: median |log-prob difference| {median:.3e} over {difference.numel()} tokens exceeds "
-        f"{BF16_MEDIAN_LOGPROBS_TOL:.1e} (largest {difference.max().item():.3e})")
+        f"{BF16_MEDIAN_LOGPROBS_TOL:.1e} (largest {difference.max().item():.3e})"
+    )
     assert_close_reporting(ep2["first_loss"], fsdp2["first_loss"], BF16_LOSS_TOL, f"{where}: first loss")
 
 
@@ -268,8 +272,17 @@ def test_checkpoints_move_between_expert_parallel_and_other_layouts(ep_checkpoin
     from archon.checkpoint.resume import CheckpointManager
 
     model_types = ("qwen3_moe", "gpt_oss")
-    cases.launch(2, "reshard", "--out", str(tmp_path), "--layouts", "ep2", "fsdp2",
-                 "--ckpt", *[f"{t}={ep_checkpoints[t]}" for t in model_types])  # fmt: skip
+    cases.launch(
+        2,
+        "reshard",
+        "--out",
+        str(tmp_path),
+        "--layouts",
+        "ep2",
+        "fsdp2",
+        "--ckpt",
+        *[f"{t}={ep_checkpoints[t]}" for t in model_types],
+    )
     results = torch.load(tmp_path / "reshard.pt")
 
     for model_type in model_types:
@@ -287,8 +300,10 @@ def test_checkpoints_move_between_expert_parallel_and_other_layouts(ep_checkpoin
         vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
 
         def last_two_steps(trainer):
-            metrics = [trainer.train_step(_reshard_batch(trainer, vocab, step), cases.loss_fn, with_entropy=True)
-                       for step in (2, 3)]  # fmt: skip
+            metrics = [
+                trainer.train_step(_reshard_batch(trainer, vocab, step), cases.loss_fn, with_entropy=True)
+                for step in (2, 3)
+            ]
             return [(m["loss"], m["grad_norm"]) for m in metrics]
 
         with fp32_islands_in_fp64():
@@ -299,7 +314,8 @@ def test_checkpoints_move_between_expert_parallel_and_other_layouts(ep_checkpoin
             fresh = last_two_steps(Trainer(cases.engine_config(path, dtype=cases.EQUALITY_DTYPE)))
         assert abs(fresh[0][1] / uninterrupted[0][1] - 1) > 1e-2, (
             f"{model_type}: a fresh model's gradient norm {fresh[0][1]} is within 1% of the resumed run's "
-            f"{uninterrupted[0][1]}")
+            f"{uninterrupted[0][1]}"
+        )
 
 
 def _reshard_batch(trainer, vocab, step):
@@ -332,8 +348,13 @@ def multi_task_two_process(checkpoints, tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-MULTI_TASK_CASES = [("qwen3", "fsdp2"), ("qwen3", "tp2"), ("qwen3_moe", "fsdp2"), ("qwen3_moe", "tp2"),
-                    ("qwen3_moe", "ep2")]  # fmt: skip
+MULTI_TASK_CASES = [
+    ("qwen3", "fsdp2"),
+    ("qwen3", "tp2"),
+    ("qwen3_moe", "fsdp2"),
+    ("qwen3_moe", "tp2"),
+    ("qwen3_moe", "ep2"),
+]
 
 
 @pytest.mark.slow
@@ -361,25 +382,35 @@ def test_multi_task_model_matches_single_process(multi_task_two_process, multi_t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, layout", MULTI_TASK_CASES)
-def test_multi_task_peft_export_equals_single_process(multi_task_two_process, multi_task_single_process,
-                                                      model_type, layout):  # fmt: skip
+def test_multi_task_peft_export_equals_single_process(
+    multi_task_two_process, multi_task_single_process, model_type, layout
+):
     """Each task's adapter, exported through its task_view from the shards, is the one-process export."""
     result, reference = multi_task_two_process[(model_type, layout)], multi_task_single_process[model_type]
     for task in cases.MULTI_TASK_LORAS:
-        check_exported_adapter(f"{result['export_dir']}/{task}", f"{reference['export_dir']}/{task}",
-                               f"{model_type} {layout}, task {task}")  # fmt: skip
+        check_exported_adapter(
+            f"{result['export_dir']}/{task}", f"{reference['export_dir']}/{task}", f"{model_type} {layout}, task {task}"
+        )
 
 
 def test_multi_task_model_refuses_compile_and_dropout_under_tp(checkpoints):
     from archon.build import build_model
 
     with pytest.raises(ValueError, match=r"parallel.compile=True: a multi-task"):
-        build_model(checkpoints["qwen3"], task_loras=cases.MULTI_TASK_LORAS, dims=ParallelDims(world_size=1),
-                    parallel=ParallelConfig(compile=True))  # fmt: skip
+        build_model(
+            checkpoints["qwen3"],
+            task_loras=cases.MULTI_TASK_LORAS,
+            dims=ParallelDims(world_size=1),
+            parallel=ParallelConfig(compile=True),
+        )
     dropping = {"a": cases.MULTI_TASK_LORAS["a"], "b": LoRAConfig(rank=2, dropout=0.1)}
     with pytest.raises(ValueError, match=r"task\(s\) \['b'\]: lora.dropout > 0 with tp=2"):
-        build_model(checkpoints["qwen3"], task_loras=dropping, dims=ParallelDims(world_size=2, dp_shard=1, tp=2),
-                    parallel=ParallelConfig(tp=2))  # fmt: skip
+        build_model(
+            checkpoints["qwen3"],
+            task_loras=dropping,
+            dims=ParallelDims(world_size=2, dp_shard=1, tp=2),
+            parallel=ParallelConfig(tp=2),
+        )
 
 
 # ---- configuration errors -------------------------------------------------------------------------
@@ -428,10 +459,13 @@ def test_tp_degree_must_divide_heads(checkpoints):
         spec.parallelize_fn(model, dims, ParallelConfig(tp=3))
 
 
-@pytest.mark.parametrize("model_type, message", [
-    ("qwen3_moe", r"ep=3 does not divide num_experts=8 of this qwen3 model"),
-    ("qwen3", r"ep=3 requested but this qwen3 model has no routed experts"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, message",
+    [
+        ("qwen3_moe", r"ep=3 does not divide num_experts=8 of this qwen3 model"),
+        ("qwen3", r"ep=3 requested but this qwen3 model has no routed experts"),
+    ],
+)
 def test_ep_degree_must_divide_the_experts(checkpoints, model_type, message):
     from archon.build import load_hf_config
     from archon.spec import get_spec
@@ -468,9 +502,12 @@ def test_activation_checkpointing_keeps_names_and_gradients(checkpoints, mode, m
     for ac in ("none", mode):
         with fp32_islands_in_fp64():
             loaded = build_model(
-                checkpoints[model_type], lora=LoRAConfig(rank=4), parallel=ParallelConfig(activation_checkpoint=ac),
-                dims=ParallelDims(world_size=1), dtype=torch.float64,
-            )  # fmt: skip
+                checkpoints[model_type],
+                lora=LoRAConfig(rank=4),
+                parallel=ParallelConfig(activation_checkpoint=ac),
+                dims=ParallelDims(world_size=1),
+                dtype=torch.float64,
+            )
             with torch.no_grad():
                 for name, p in loaded.model.named_parameters():
                     if "lora_b" in name:
@@ -492,8 +529,9 @@ def test_compiled_blocks_match_eager(checkpoints):
         engines = []
         for compile in (False, True):
             parallel = ParallelConfig(compile=compile, compile_backend="aot_eager")
-            config = cases.engine_config(checkpoints["qwen3"], parallel, dtype=cases.EQUALITY_DTYPE,
-                                         micro_batch_tokens=10_000)  # one shape to compile for
+            config = cases.engine_config(
+                checkpoints["qwen3"], parallel, dtype=cases.EQUALITY_DTYPE, micro_batch_tokens=10_000
+            )  # one shape to compile for
             engines.append(Trainer(config))
         eager, compiled = (e.logprobs(batch).logprobs for e in engines)
     assert_close_reporting(compiled, eager, TOL, "qwen3 compiled blocks (aot_eager) against eager: log-probs")

@@ -50,8 +50,9 @@ def _versions(model) -> dict[int, dict[str, torch.Tensor]]:
     return versions
 
 
-def _generate_across_publishes(engine: NativeRolloutEngine, versions, sampling: SamplingParams, monkeypatch,
-                               publish_after=PUBLISH_AFTER):  # fmt: skip
+def _generate_across_publishes(
+    engine: NativeRolloutEngine, versions, sampling: SamplingParams, monkeypatch, publish_after=PUBLISH_AFTER
+):
     """Generate in another thread; after decode steps (speculative rounds with a drafter)
     `publish_after` the generation waits while this thread publishes versions 1 and 2 (events, not a
     clock), then goes on."""

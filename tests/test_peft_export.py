@@ -62,7 +62,9 @@ def test_import_rejects_adapter_of_other_rank(lora_model, tiny_checkpoint, tmp_p
     loaded = lora_model(path, lora)
     save_peft_adapter(loaded.model, loaded.converter, lora, tmp_path / "adapter", str(path))
     other = build_model(path, lora=LoRAConfig(rank=8))
-    with pytest.raises(ValueError, match=r"adapter_config\.json.*layers\.0\.self_attn\.q_proj' rank 4.*model has rank 8"):
+    with pytest.raises(
+        ValueError, match=r"adapter_config\.json.*layers\.0\.self_attn\.q_proj' rank 4.*model has rank 8"
+    ):
         load_peft_adapter(other.model, other.converter, tmp_path / "adapter")
     narrower = build_model(path, lora=LoRAConfig(rank=4, target_modules=("q_proj",)))
     with pytest.raises(KeyError, match="does not have"):
@@ -98,7 +100,9 @@ def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):
     loaded = build_model(path)
     state = {k: v for k, v in loaded.model.state_dict().items()}
     out = save_hf_checkpoint(
-        loaded.converter.iter_to_hf(state.items()), tmp_path / "sharded", loaded.hf_config.to_dict(),
+        loaded.converter.iter_to_hf(state.items()),
+        tmp_path / "sharded",
+        loaded.hf_config.to_dict(),
         max_shard_bytes=64 * 1024,
     )
     index = json.loads((out / SAFETENSORS_INDEX).read_text())

@@ -170,7 +170,9 @@ def _check_report(report: dict) -> None:
     case = f"{report['model_type']} {report['quantization']}"
     assert report["dtype"] == "float64", f"{case}: run in {report['dtype']}"
     assert report["quantized_tensors"] > 0 and report["archon_quantized_weights"] > 0, report
-    beyond = {name: f"{report[name]:.3e} > {tol:.1e}" for name, tol in report["tolerances"].items() if not report[name] <= tol}
+    beyond = {
+        name: f"{report[name]:.3e} > {tol:.1e}" for name, tol in report["tolerances"].items() if not report[name] <= tol
+    }
     assert not beyond, f"{case}: {beyond}"
     assert report["peft_missing_keys"] == [] and report["peft_unexpected_keys"] == [], report
     effect = report["lora_effect_max_abs"]
@@ -183,7 +185,11 @@ def test_kept_quantized_base_matches_hf_and_peft(case):
     model_type, quantize, overrides = PARITY_CASES[case]
     report = run_alignment(
         AlignArgs(
-            model_type=model_type, quantize=quantize, config_overrides=overrides, lora_rank=4, seq_lens=SEQ_LENS,
+            model_type=model_type,
+            quantize=quantize,
+            config_overrides=overrides,
+            lora_rank=4,
+            seq_lens=SEQ_LENS,
             dtype="float64",
         )
     )
@@ -241,7 +247,9 @@ def test_kept_quantized_and_dequantized_at_load_give_the_same_logits(case, quant
         with torch.no_grad(), fp32_islands_in_fp64():
             logits[mode] = model(tokens, positions, cu_seqlens, max(SEQ_LENS))
     # measured at most 3.1e-15 (gpt_oss MXFP4 experts; qwen3_moe fp8: bit-identical)
-    assert_close_reporting(logits["keep"], logits["dequantize"], 1e-10, f"{case}: logits, kept against dequantized at load")
+    assert_close_reporting(
+        logits["keep"], logits["dequantize"], 1e-10, f"{case}: logits, kept against dequantized at load"
+    )
 
 
 def _weight_shaped_saved_tensors(path: Path, quantized_base: str, weights: dict[str, set]) -> tuple[list, dict]:
@@ -314,29 +322,87 @@ def _config(change):
 
 BAD_CHECKPOINTS = {
     # name: (model_type, fmt, edit of the tensors, edit of config.json, error, what the message names)
-    "fp8-missing-scale": ("qwen3", FP8_16x24, _pop(f"{Q_PROJ}_scale_inv"), None, KeyError,
-                          [f"'{Q_PROJ}' (in 'model.safetensors') has no '{Q_PROJ}_scale_inv'"]),
-    "fp8-scale-shape": ("qwen3", FP8_16x24, _set(f"{Q_PROJ}_scale_inv", lambda s: s[:, :2]), None, ValueError,
-                        [f"'{Q_PROJ}_scale_inv' in 'model.safetensors' has shape (4, 2)", "needs (4, 3)",
-                         "weight_block_size [16, 24]"]),
-    "fp8-scale-without-weight": ("qwen3", FP8_16x24, _pop(Q_PROJ), None, KeyError,
-                                 [f"'{Q_PROJ}_scale_inv' in 'model.safetensors' has no weight '{Q_PROJ}'"]),
-    "fp8-scaled-weight-not-e4m3": ("qwen3", FP8_16x24, _set(Q_PROJ, lambda w: w.float().to(torch.bfloat16)), None,
-                                   ValueError, [f"'{Q_PROJ}' in 'model.safetensors' has a scale", "BF16"]),
-    "mxfp4-blocks-without-scales": ("gpt_oss", MXFP4, _pop(f"{GATE_UP}_scales"), None, KeyError,
-                                    [f"'{GATE_UP}_blocks' (in 'model.safetensors') has no '{GATE_UP}_scales'"]),
-    "mxfp4-scales-without-blocks": ("gpt_oss", MXFP4, _pop(f"{GATE_UP}_blocks"), None, KeyError,
-                                    [f"'{GATE_UP}_scales' (in 'model.safetensors') has no '{GATE_UP}_blocks'"]),
-    "mxfp4-blocks-last-dim": ("gpt_oss", MXFP4, _set(f"{GATE_UP}_blocks", lambda b: b.reshape(8, 64, 1, 32)), None,
-                              ValueError, [f"'{GATE_UP}_blocks' in 'model.safetensors' have shape (8, 64, 1, 32)",
-                                           "last dimension must be 16"]),
-    "unknown-quant-method": ("qwen3", FP8_16x24, None, _config(lambda q: q.update(quant_method="awq")), ValueError,
-                             ["config.json", "quantization_config.quant_method='awq'"]),
-    "fp8-without-block-size": ("qwen3", FP8_16x24, None, _config(lambda q: q.pop("weight_block_size")), ValueError,
-                               ["config.json", "quantization_config.weight_block_size=None"]),
-    "fp8-not-e4m3": ("qwen3", FP8_16x24, None, _config(lambda q: q.update(fmt="e5m2")), ValueError,
-                     ["config.json", "quantization_config.fmt='e5m2'"]),
-}  # fmt: skip
+    "fp8-missing-scale": (
+        "qwen3",
+        FP8_16x24,
+        _pop(f"{Q_PROJ}_scale_inv"),
+        None,
+        KeyError,
+        [f"'{Q_PROJ}' (in 'model.safetensors') has no '{Q_PROJ}_scale_inv'"],
+    ),
+    "fp8-scale-shape": (
+        "qwen3",
+        FP8_16x24,
+        _set(f"{Q_PROJ}_scale_inv", lambda s: s[:, :2]),
+        None,
+        ValueError,
+        [f"'{Q_PROJ}_scale_inv' in 'model.safetensors' has shape (4, 2)", "needs (4, 3)", "weight_block_size [16, 24]"],
+    ),
+    "fp8-scale-without-weight": (
+        "qwen3",
+        FP8_16x24,
+        _pop(Q_PROJ),
+        None,
+        KeyError,
+        [f"'{Q_PROJ}_scale_inv' in 'model.safetensors' has no weight '{Q_PROJ}'"],
+    ),
+    "fp8-scaled-weight-not-e4m3": (
+        "qwen3",
+        FP8_16x24,
+        _set(Q_PROJ, lambda w: w.float().to(torch.bfloat16)),
+        None,
+        ValueError,
+        [f"'{Q_PROJ}' in 'model.safetensors' has a scale", "BF16"],
+    ),
+    "mxfp4-blocks-without-scales": (
+        "gpt_oss",
+        MXFP4,
+        _pop(f"{GATE_UP}_scales"),
+        None,
+        KeyError,
+        [f"'{GATE_UP}_blocks' (in 'model.safetensors') has no '{GATE_UP}_scales'"],
+    ),
+    "mxfp4-scales-without-blocks": (
+        "gpt_oss",
+        MXFP4,
+        _pop(f"{GATE_UP}_blocks"),
+        None,
+        KeyError,
+        [f"'{GATE_UP}_scales' (in 'model.safetensors') has no '{GATE_UP}_blocks'"],
+    ),
+    "mxfp4-blocks-last-dim": (
+        "gpt_oss",
+        MXFP4,
+        _set(f"{GATE_UP}_blocks", lambda b: b.reshape(8, 64, 1, 32)),
+        None,
+        ValueError,
+        [f"'{GATE_UP}_blocks' in 'model.safetensors' have shape (8, 64, 1, 32)", "last dimension must be 16"],
+    ),
+    "unknown-quant-method": (
+        "qwen3",
+        FP8_16x24,
+        None,
+        _config(lambda q: q.update(quant_method="awq")),
+        ValueError,
+        ["config.json", "quantization_config.quant_method='awq'"],
+    ),
+    "fp8-without-block-size": (
+        "qwen3",
+        FP8_16x24,
+        None,
+        _config(lambda q: q.pop("weight_block_size")),
+        ValueError,
+        ["config.json", "quantization_config.weight_block_size=None"],
+    ),
+    "fp8-not-e4m3": (
+        "qwen3",
+        FP8_16x24,
+        None,
+        _config(lambda q: q.update(fmt="e5m2")),
+        ValueError,
+        ["config.json", "quantization_config.fmt='e5m2'"],
+    ),
+}
 
 
 @pytest.mark.parametrize("quantized_base", ["keep", "dequantize"])

@@ -152,7 +152,9 @@ def _batch(seed: int = 0) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
     lens, prompt_lens = (9, 17, 4, 23, 12), (3, 5, 1, 8, 2)
     seqs = [torch.randint(0, 256, (n,), generator=g) for n in lens]
-    return PackedBatch.from_sequences(seqs, prompt_lens=prompt_lens, advantages=torch.randn(len(lens), generator=g).tolist())
+    return PackedBatch.from_sequences(
+        seqs, prompt_lens=prompt_lens, advantages=torch.randn(len(lens), generator=g).tolist()
+    )
 
 
 @pytest.mark.parametrize("case", ["fp8", "mxfp4"])
@@ -164,8 +166,16 @@ def test_peft_adapter_trained_on_a_quantized_base_is_the_dequantized_bases(quant
     trainers, adapters = {}, {}
     with fp32_islands_in_fp64():
         for mode in ("keep", "dequantize"):
-            trainer = Trainer(TrainerConfig(str(paths.quantized), lora=LORA, device="cpu", quantized_base=mode,
-                                            optim=OptimConfig(lr=1e-2), dtype="float64"))  # fmt: skip
+            trainer = Trainer(
+                TrainerConfig(
+                    str(paths.quantized),
+                    lora=LORA,
+                    device="cpu",
+                    quantized_base=mode,
+                    optim=OptimConfig(lr=1e-2),
+                    dtype="float64",
+                )
+            )
             for step in range(2):
                 trainer.train_step(_batch(step), _loss)
             trainers[mode] = trainer
@@ -176,7 +186,9 @@ def test_peft_adapter_trained_on_a_quantized_base_is_the_dequantized_bases(quant
         assert all(v.abs().max() > 0 for k, v in adapters["keep"].items() if "lora_B" in k)  # it trained
 
         # HF's grouped-GEMM experts have no fp64 kernel; its eager experts loop over them
-        hf = AutoModelForCausalLM.from_pretrained(paths.dequantized, dtype=torch.float64, experts_implementation="eager")
+        hf = AutoModelForCausalLM.from_pretrained(
+            paths.dequantized, dtype=torch.float64, experts_implementation="eager"
+        )
         peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "keep"))
         seqs, ours = _archon_logits(trainers["keep"].model)
         # measured at most 5.6e-15
@@ -197,7 +209,9 @@ def _stored(path: Path) -> dict[str, tuple[str, list[int]]]:
     return out
 
 
-def _hand_fp8_block(merged: torch.Tensor, stored: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], fmt) -> None:
+def _hand_fp8_block(
+    merged: torch.Tensor, stored: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], fmt
+) -> None:
     """The published fp8 recipe on one (br x bc) block of the merged weight: scale = amax / 448,
     q = e4m3(w / scale)."""
     (i, j), (br, bc) = block, fmt.block_size
@@ -209,7 +223,9 @@ def _hand_fp8_block(merged: torch.Tensor, stored: torch.Tensor, scale_inv: torch
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
 
-def _hand_mxfp4_group(merged: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: int, out: int, group: int) -> None:
+def _hand_mxfp4_group(
+    merged: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: int, out: int, group: int
+) -> None:
     """The OCP MX recipe on 32 inputs of one output of one expert of a merged HF weight [E, in, out]
     stored as blocks [E, out, in/32, 16] and scales [E, out, in/32]: shared exponent
     e = floor(log2(amax)) - 2, each w / 2^e rounded to the nearest e2m1 value, two per byte, low
@@ -243,11 +259,15 @@ def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tm
     paths = quantized_model(case)
     loaded = _build(paths.quantized, "keep")
     fmt, hf_keys = loaded.quant_format, loaded.quantized_hf_keys
-    assert hf_keys and fmt == quant_format_from_config(json.loads((paths.quantized / "config.json").read_text())["quantization_config"])
+    assert hf_keys and fmt == quant_format_from_config(
+        json.loads((paths.quantized / "config.json").read_text())["quantization_config"]
+    )
     seqs, with_lora = _archon_logits(loaded.model)
 
     # default: W + s*B@A dequantized, a plain checkpoint
-    plain = save_merged_hf(loaded.model, loaded.converter, tmp_path / "plain", loaded.hf_config.to_dict(), paths.quantized)
+    plain = save_merged_hf(
+        loaded.model, loaded.converter, tmp_path / "plain", loaded.hf_config.to_dict(), paths.quantized
+    )
     assert "quantization_config" not in json.loads((plain / "config.json").read_text())
     merged = {k: HFCheckpoint(plain).get(k) for k in HFCheckpoint(plain).keys()}
     assert merged.keys() == QuantizedCheckpoint(HFCheckpoint(paths.quantized), fmt).keys()
@@ -256,18 +276,28 @@ def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tm
     assert_close_reporting(_hf_logits(hf_plain, seqs), with_lora, EXPORT_LOGITS_TOL, f"{case}: HF on the merged export")
     # the same checkpoint as the model dequantized at load exports
     dequantized = _build(paths.quantized, "dequantize")
-    plain_too = save_merged_hf(dequantized.model, dequantized.converter, tmp_path / "plain_too", dequantized.hf_config.to_dict())
+    plain_too = save_merged_hf(
+        dequantized.model, dequantized.converter, tmp_path / "plain_too", dequantized.hf_config.to_dict()
+    )
     assert "quantization_config" not in json.loads((plain_too / "config.json").read_text())
-    _assert_same_tensors(load_file(str(plain_too / "model.safetensors")), load_file(str(plain / "model.safetensors")),
-                         exact=True)  # fmt: skip
+    _assert_same_tensors(
+        load_file(str(plain_too / "model.safetensors")), load_file(str(plain / "model.safetensors")), exact=True
+    )
 
     # requantized: the source's tensors (names, dtypes, shapes) and quantization_config
     requantized = save_merged_hf(
-        loaded.model, loaded.converter, tmp_path / "requantized", loaded.hf_config.to_dict(), paths.quantized,
+        loaded.model,
+        loaded.converter,
+        tmp_path / "requantized",
+        loaded.hf_config.to_dict(),
+        paths.quantized,
         requantize=(fmt, hf_keys),
-    )  # fmt: skip
+    )
     config = json.loads((requantized / "config.json").read_text())
-    assert config["quantization_config"] == json.loads((paths.quantized / "config.json").read_text())["quantization_config"]
+    assert (
+        config["quantization_config"]
+        == json.loads((paths.quantized / "config.json").read_text())["quantization_config"]
+    )
     assert _stored(requantized) == _stored(paths.quantized)
     stored = load_file(str(requantized / "model.safetensors"))
     if fmt.method == "fp8":
@@ -291,9 +321,12 @@ def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tm
         assert error <= step * merged[key].abs().max(), key
     # the model dequantized at load (same adapter) requantizes to the same bytes
     requantized_too = save_merged_hf(
-        dequantized.model, dequantized.converter, tmp_path / "requantized_too", dequantized.hf_config.to_dict(),
+        dequantized.model,
+        dequantized.converter,
+        tmp_path / "requantized_too",
+        dequantized.hf_config.to_dict(),
         requantize=(dequantized.quant_format, dequantized.quantized_hf_keys),
-    )  # fmt: skip
+    )
     _assert_same_tensors(load_file(str(requantized_too / "model.safetensors")), stored, exact=True)
 
     # archon loads the requantized export kept quantized; HF agrees on a dequantized copy of it,
@@ -305,7 +338,9 @@ def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tm
     # archon and HF on a dequantized copy read the same weights: compared in float64 (measured 4.9e-15)
     copy = write_dequantized_copy(requantized, tmp_path / "requantized_dequantized")
     with fp32_islands_in_fp64():
-        _, archon_requantized_fp64 = _archon_logits(build_model(requantized, quantized_base="keep", dtype=torch.float64).model)
+        _, archon_requantized_fp64 = _archon_logits(
+            build_model(requantized, quantized_base="keep", dtype=torch.float64).model
+        )
         # HF's grouped-GEMM experts have no fp64 kernel; its eager experts loop over them
         hf_copy = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float64, experts_implementation="eager")
         hf_copy_logits = _hf_logits(hf_copy, seqs)
@@ -315,7 +350,9 @@ def test_merged_export_dequantized_by_default_or_requantized(quantized_model, tm
         hf_config = FineGrainedFP8Config(dequantize=True) if fmt.method == "fp8" else Mxfp4Config(dequantize=True)
         # transformers dequantizes MXFP4 experts to bf16 on CPU (exactly: e2m1 x 2^e fits) and then
         # computes in bf16; in fp32 its logits are comparable at the fp32 gate
-        hf_own = AutoModelForCausalLM.from_pretrained(requantized, dtype=torch.float32, quantization_config=hf_config).float()
+        hf_own = AutoModelForCausalLM.from_pretrained(
+            requantized, dtype=torch.float32, quantization_config=hf_config
+        ).float()
         where = f"{case}: HF's own reading of the requantized export"
         assert_close_reporting(archon_requantized, _hf_logits(hf_own, seqs), EXPORT_LOGITS_TOL, where)
 
@@ -325,8 +362,13 @@ def test_requantize_names_weights_the_export_lacks(quantized_model, tmp_path):
     loaded = _build(paths.quantized, "keep", adapter_seed=None)
     wrong = frozenset({*loaded.quantized_hf_keys, "model.layers.0.self_attn.qkv_proj.weight"})
     with pytest.raises(KeyError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight"):
-        save_merged_hf(loaded.model, loaded.converter, tmp_path / "out", loaded.hf_config.to_dict(),
-                       requantize=(loaded.quant_format, wrong))  # fmt: skip
+        save_merged_hf(
+            loaded.model,
+            loaded.converter,
+            tmp_path / "out",
+            loaded.hf_config.to_dict(),
+            requantize=(loaded.quant_format, wrong),
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -381,8 +423,17 @@ def quantized_grpo_setup(tmp_path_factory):
 def _grpo_args(root: Path, run_dir: Path, steps: int, quantized_base: str) -> list[str]:
     from test_grpo_recipe import _args
 
-    return [*_args(root, run_dir, steps), "--eval.every", "0", "--checkpoint.every", "1",
-            "--model.quantized-base", quantized_base, "--model.dtype", "float64"]  # fmt: skip
+    return [
+        *_args(root, run_dir, steps),
+        "--eval.every",
+        "0",
+        "--checkpoint.every",
+        "1",
+        "--model.quantized-base",
+        quantized_base,
+        "--model.dtype",
+        "float64",
+    ]
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -449,8 +500,11 @@ def test_grpo_steps_on_a_kept_quantized_base(quantized_grpo_setup, tmp_path, mon
 def test_sync_payloads_of_a_quantized_base_are_the_dequantized_bases(quantized_model, case):
     paths = quantized_model(case)
     kept, dequantized = _build(paths.quantized, "keep"), _build(paths.quantized, "dequantize")
-    _assert_same_tensors(adapter_payload(kept.model, kept.converter), adapter_payload(dequantized.model, dequantized.converter),
-                         exact=True)  # fmt: skip
+    _assert_same_tensors(
+        adapter_payload(kept.model, kept.converter),
+        adapter_payload(dequantized.model, dequantized.converter),
+        exact=True,
+    )
     source = QuantizedCheckpoint(HFCheckpoint(paths.quantized), kept.quant_format)
     for payload in (merged_payload, full_payload):
         sent = dict(payload(kept.model, kept.converter))
@@ -458,7 +512,6 @@ def test_sync_payloads_of_a_quantized_base_are_the_dequantized_bases(quantized_m
         assert set(sent) <= source.keys() and all(t.dtype == torch.float32 for t in sent.values())
         assert any(k in kept.quantized_hf_keys for k in sent)
         _assert_same_tensors(sent, dict(payload(dequantized.model, dequantized.converter)), exact=True)
-
 
 
 class _RecordingChannel:
@@ -488,14 +541,17 @@ def test_merged_sync_sends_weights_in_the_served_checkpoints_format(quantized_mo
     source = load_file(str(paths.quantized / "model.safetensors"))
     for served, expected_format in ((paths.quantized, kept.quant_format), (paths.dequantized, None)):
         channel = _RecordingChannel()
-        rollout = SimpleNamespace(servers=None, policy=ServedPolicy(version=0), rank=0, model=str(served), session="s",
-                                  update_policy="finish")
+        rollout = SimpleNamespace(
+            servers=None, policy=ServedPolicy(version=0), rank=0, model=str(served), session="s", update_policy="finish"
+        )
         CollectiveMergedSync(rollout, channel).publish(kept.model, kept.converter, LORA, 1)
         sent = dict(channel.sent)
         if expected_format is None:
             _assert_same_tensors(sent, plain, exact=True)
             continue
-        assert set(sent) <= set(source) and any(expected_format.stored_keys(k)[1] in sent for k in kept.quantized_hf_keys)
+        assert set(sent) <= set(source) and any(
+            expected_format.stored_keys(k)[1] in sent for k in kept.quantized_hf_keys
+        )
         for key, tensor in sent.items():
             assert tensor.dtype == source[key].dtype and tensor.shape == source[key].shape, key
         for key in kept.quantized_hf_keys & set(plain):

@@ -34,11 +34,22 @@ MXFP4 = QuantFormat("mxfp4", (1, 32))
 # GLM-4.5-FP8's layout (compressed-tensors, a scale per output channel): a row-parallel split
 # replicates the scales, which cover every input.
 FP8_CHANNEL = quant_format_from_config(compressed_tensors_config("channel"))
-CHECKPOINTS = {"fp8": ("qwen3_moe", FP8), "fp8_tp": ("qwen3_moe", FP8_TP), "mxfp4": ("gpt_oss", MXFP4),
-               "fp8_channel": ("glm4_moe", FP8_CHANNEL)}  # fmt: skip
+CHECKPOINTS = {
+    "fp8": ("qwen3_moe", FP8),
+    "fp8_tp": ("qwen3_moe", FP8_TP),
+    "mxfp4": ("gpt_oss", MXFP4),
+    "fp8_channel": ("glm4_moe", FP8_CHANNEL),
+}
 
-TWO_RANK_CASES = [("fp8", "fsdp2"), ("fp8", "ep2"), ("fp8_tp", "tp2"), ("mxfp4", "fsdp2"), ("mxfp4", "ep2"),
-                  ("fp8", "cp2"), ("fp8_channel", "tp2")]  # fmt: skip
+TWO_RANK_CASES = [
+    ("fp8", "fsdp2"),
+    ("fp8", "ep2"),
+    ("fp8_tp", "tp2"),
+    ("mxfp4", "fsdp2"),
+    ("mxfp4", "ep2"),
+    ("fp8", "cp2"),
+    ("fp8_channel", "tp2"),
+]
 FOUR_RANK_CASES = [("fp8_tp", "fsdp2_tp2"), ("fp8", "ep2_fsdp2")]
 # bf16 kept quantized against bf16 dequantized at load: the same bf16 values through the same GEMMs,
 # measured bit-identical (difference 0, 2026-12-06; each against the float64 one-process run: 0.24
@@ -77,8 +88,16 @@ def single_process(checkpoints, tmp_path_factory):
 def _run(checkpoints, tmp_path_factory, nproc, pairs):
     out = tmp_path_factory.mktemp(f"quantized_world{nproc}") / "results.pt"
     names = sorted({name for name, _ in pairs})
-    cases.launch(nproc, "quantized", "--out", str(out), "--ckpt", *[f"{n}={checkpoints[n]}" for n in names],
-                 "--layouts", *[f"{n}:{layout}" for n, layout in pairs])  # fmt: skip
+    cases.launch(
+        nproc,
+        "quantized",
+        "--out",
+        str(out),
+        "--ckpt",
+        *[f"{n}={checkpoints[n]}" for n in names],
+        "--layouts",
+        *[f"{n}:{layout}" for n, layout in pairs],
+    )
     return torch.load(out, weights_only=False)
 
 
@@ -121,7 +140,9 @@ def test_quantized_storage_shards_with_its_scales(parallel_results, single_proce
             assert part["bytes"] == reference["bytes"], key
             data_region, scale_region = part["regions"]
             if part["column_block"] is None:  # a scale per row covers all inputs: replicated over their split
-                assert scale_placements == (data_placements and data_placements.replace("Shard(dim=1)", "Replicate()")), key
+                assert scale_placements == (
+                    data_placements and data_placements.replace("Shard(dim=1)", "Replicate()")
+                ), key
                 assert scale_region is None or data_region[:-1] == scale_region[:-1], key
                 continue
             assert data_placements == scale_placements, f"{key}: data {data_placements}, scale {scale_placements}"
@@ -161,7 +182,9 @@ def test_quantized_storage_shards_with_its_scales(parallel_results, single_proce
 def test_ranks_read_only_their_shards_of_a_quantized_checkpoint(parallel_results, name, layout):
     result = parallel_results[(name, layout)]
     assert all(n <= 0.55 * result["checkpoint_elements"] for n in result["read_elements"]), (
-        result["read_elements"], result["checkpoint_elements"])  # fmt: skip
+        result["read_elements"],
+        result["checkpoint_elements"],
+    )
 
 
 @pytest.mark.slow
@@ -197,8 +220,11 @@ def test_row_parallel_split_must_keep_whole_scale_blocks():
     require_whole_scale_blocks(model(64, MXFP4), plan, tp=2)
     require_whole_scale_blocks(model(64, FP8), plan, tp=1)
     require_whole_scale_blocks(model(64, FP8), {"1": rowwise()}, tp=2)  # 48 inputs = 2 x 24
-    with pytest.raises(ValueError, match=r"layers\.3\.0: tensor parallelism \(tp=2\) splits its 64 input features "
-                                         r"inside a block of 24 columns .*multiple of tp x 24"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.3\.0: tensor parallelism \(tp=2\) splits its 64 input features "
+        r"inside a block of 24 columns .*multiple of tp x 24",
+    ):
         require_whole_scale_blocks(model(64, FP8), plan, tp=2, prefix="layers.3.")
     with pytest.raises(ValueError, match=r"splits its 96 input features inside a block of 32 columns"):
         require_whole_scale_blocks(model(96, MXFP4), plan, tp=2)
@@ -210,11 +236,17 @@ def test_tensor_parallel_refuses_a_quantized_base_it_would_split_inside_a_block(
     from archon.lora import LoRAConfig
     from archon.parallel import ParallelConfig, ParallelDims
 
-    message = (r"^layers\.0\.self_attn\.o_proj: tensor parallelism \(tp=2\) splits its 64 input features inside a "
-               r"block of 24 columns .*fp8 e4m3 with 16x24 block scales.*model\.quantized_base='dequantize'")
+    message = (
+        r"^layers\.0\.self_attn\.o_proj: tensor parallelism \(tp=2\) splits its 64 input features inside a "
+        r"block of 24 columns .*fp8 e4m3 with 16x24 block scales.*model\.quantized_base='dequantize'"
+    )
     with pytest.raises(ValueError, match=message):
-        build_model(checkpoints["fp8"], lora=LoRAConfig(rank=4), dims=ParallelDims(world_size=2, dp_shard=1, tp=2),
-                    parallel=ParallelConfig(tp=2))  # fmt: skip
+        build_model(
+            checkpoints["fp8"],
+            lora=LoRAConfig(rank=4),
+            dims=ParallelDims(world_size=2, dp_shard=1, tp=2),
+            parallel=ParallelConfig(tp=2),
+        )
 
 
 @pytest.mark.slow

@@ -92,13 +92,15 @@ def test_warm_start_problems_are_the_runs_prompts_answered_as_the_scorer_reads_t
     [
         (["--data.path", "reasoning_gym:chain_sum?size=100"], "trains on the problems it was warm-started on"),
         (["--data.path", "reasoning_gym:spell_backward?size=100&max_word_len=8"], "of the task and settings"),
-        (["--eval.path", "reasoning_gym:spell_backward?size=50&seed=9&min_word_len=3&max_word_len=6"],
-         "leave eval.path unset"),
+        (
+            ["--eval.path", "reasoning_gym:spell_backward?size=50&seed=9&min_word_len=3&max_word_len=6"],
+            "leave eval.path unset",
+        ),
         (["--data.system-prompt", "Be brief."], "leave data.system_prompt unset"),
         (["--demo.reasoning-gym.held-out", "reasoning_gym:spell_backward?size=50&seed=9"], "only size and seed"),
         (["--demo.reasoning-gym.sft-data", "spell_backward"], "must be a reasoning_gym source"),
     ],
-)  # fmt: skip
+)
 def test_settings_that_do_not_fit_the_warm_start_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_config(["--config", str(CONFIG), *flags])
@@ -112,10 +114,28 @@ def test_two_steps_of_the_demo_from_its_shipped_warm_start(tmp_path, capsys):
 
     from archon.recipes import grpo_lora
 
-    args = ["--config", str(CONFIG), "--steps", "2", "--optim.warmup-steps", "0", "--rollout.prompts-per-step", "4",
-            "--eval.every", "2", "--eval.max-prompts", "40", "--logging.run-dir", str(tmp_path / "run"),
-            "--demo.cache-dir", str(tmp_path / "cache"), "--logging.no-progress", "--logging.no-tensorboard",
-            "--checkpoint.every", "0"]  # fmt: skip
+    args = [
+        "--config",
+        str(CONFIG),
+        "--steps",
+        "2",
+        "--optim.warmup-steps",
+        "0",
+        "--rollout.prompts-per-step",
+        "4",
+        "--eval.every",
+        "2",
+        "--eval.max-prompts",
+        "40",
+        "--logging.run-dir",
+        str(tmp_path / "run"),
+        "--demo.cache-dir",
+        str(tmp_path / "cache"),
+        "--logging.no-progress",
+        "--logging.no-tensorboard",
+        "--checkpoint.every",
+        "0",
+    ]
     grpo_lora.run(parse_config(args))
     assert "using the warm start shipped with archon" in capsys.readouterr().out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -14,7 +14,6 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -78,13 +77,62 @@ TOOLS = [
             },
         },
     },
-    {"type": "function", "function": {"name": "now", "description": "The current time.", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "now",
+            "description": "The current time.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
 ]
 
 WORDS = [
-    "the", "value", "is", "file", "result", "42", "3.14", "x", "données", "naïve", "日本語", "中文", "тест",
-    "مرحبا", "🙂", "🚀", "a_b", "{", "}", "[", "]", ":", ",", '"quoted"', "'", "\\", "path/to", "-1", "true",
-    "null", "<", ">", "&", "=", "#", "*", "é", "ß", "Ω", "∑", "tab\there", "über", "ok.", "Error", "hello",
+    "the",
+    "value",
+    "is",
+    "file",
+    "result",
+    "42",
+    "3.14",
+    "x",
+    "données",
+    "naïve",
+    "日本語",
+    "中文",
+    "тест",
+    "مرحبا",
+    "🙂",
+    "🚀",
+    "a_b",
+    "{",
+    "}",
+    "[",
+    "]",
+    ":",
+    ",",
+    '"quoted"',
+    "'",
+    "\\",
+    "path/to",
+    "-1",
+    "true",
+    "null",
+    "<",
+    ">",
+    "&",
+    "=",
+    "#",
+    "*",
+    "é",
+    "ß",
+    "Ω",
+    "∑",
+    "tab\there",
+    "über",
+    "ok.",
+    "Error",
+    "hello",
 ]
 SPACES = [" ", " ", " ", "  ", "\n", "\n\n", "\t", " \n", "   "]
 
@@ -113,7 +161,9 @@ def random_arguments(rng: random.Random, name: str) -> dict:
     elif name == "compute":
         arguments = {"expression": random_text(rng, 1, 5)}
         if rng.random() < 0.6:
-            arguments["values"] = [rng.choice([rng.randint(-9, 99), round(rng.uniform(-5, 5), 3)]) for _ in range(rng.randint(0, 4))]
+            arguments["values"] = [
+                rng.choice([rng.randint(-9, 99), round(rng.uniform(-5, 5), 3)]) for _ in range(rng.randint(0, 4))
+            ]
         if rng.random() < 0.4:
             arguments["options"] = {"precision": rng.randint(0, 9), "unit": random_text(rng, 1, 2)}
     else:
@@ -131,7 +181,9 @@ class Family:
     template_kwargs: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     string_arguments: bool = False  # the template takes a call's arguments as a JSON string
-    tools_template: str | None = None  # a template that writes the tools into the system prompt the family's template renders
+    tools_template: str | None = (
+        None  # a template that writes the tools into the system prompt the family's template renders
+    )
     call_ids: bool = False  # calls carry ids (functions.NAME:IDX), tool results the id they answer
 
 
@@ -142,7 +194,11 @@ def assistant_message(reasoning, content, calls) -> dict:
         message["thinking"] = reasoning  # the gpt_oss template's name for it
     if calls:
         message["tool_calls"] = [
-            {"type": "function", **({"id": c.id} if c.id is not None else {}), "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "type": "function",
+                **({"id": c.id} if c.id is not None else {}),
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
             for c in calls
         ]
     return message
@@ -187,26 +243,44 @@ def template_messages(family: Family, messages):
     if not family.string_arguments:
         return messages
     return [
-        {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-                             for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        {
+            **m,
+            "tool_calls": [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                    },
+                }
+                for c in m["tool_calls"]
+            ],
+        }
+        if m.get("tool_calls")
+        else m
         for m in messages
-    ]  # fmt: skip
+    ]
 
 
 def template_text(tokenizer, family: Family, messages, add_generation_prompt: bool, tools=TOOLS) -> str:
     if family.tools_template and tools:
         messages, tools = tools_system_messages(tokenizer, family, messages, tools), None
     return tokenizer.apply_chat_template(
-        template_messages(family, messages), tools=tools, add_generation_prompt=add_generation_prompt,
-        tokenize=False, **family.template_kwargs,
-    )  # fmt: skip
+        template_messages(family, messages),
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **family.template_kwargs,
+    )
 
 
 def tools_system_messages(tokenizer, family: Family, messages, tools):
     """`messages` with their system messages replaced by the one system prompt, tools included, that
     `family.tools_template` writes between the BOS token and the first user turn (DeepSeek's `<｜User｜>`)."""
     template = (TEMPLATES / family.tools_template).read_text(encoding="utf-8")
-    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False, **family.template_kwargs)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=template, tokenize=False, **family.template_kwargs
+    )
     system_prompt = text.split(tokenizer.bos_token, 1)[1].split("<｜User｜>", 1)[0]
     return [{"role": "system", "content": system_prompt}] + [m for m in messages if m["role"] != "system"]
 
@@ -220,8 +294,17 @@ def encode(tokenizer, text: str) -> list[int]:
 GPT_OSS = Family(
     renderer="gpt_oss",
     template="gpt_oss.jinja",
-    special_tokens=["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
-                    "<|startoftext|>", "<|endoftext|>"],
+    special_tokens=[
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|channel|>",
+        "<|constrain|>",
+        "<|return|>",
+        "<|call|>",
+        "<|startoftext|>",
+        "<|endoftext|>",
+    ],
     max_calls_per_turn=1,  # <|call|> ends the turn
     thinking=True,
     template_kwargs={"strftime_now": lambda fmt: "2025-06-28"},
@@ -263,9 +346,25 @@ def gpt_oss_turn_text(full: str) -> str:
 GLM = Family(
     renderer="glm4_5",
     template="glm4_5.jinja",
-    special_tokens=["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>",
-                    "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-                    "</arg_value>", "<tool_response>", "</tool_response>"],
+    special_tokens=[
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|observation|>",
+        "<|endoftext|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "<tool_response>",
+        "</tool_response>",
+    ],
     max_calls_per_turn=4,
     thinking=True,
 )
@@ -290,9 +389,21 @@ def glm_history_form(trajectory_text: str) -> str:
 DEEPSEEK = Family(
     renderer="deepseek_v3",
     template="deepseek_v3.jinja",
-    special_tokens=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
-                    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                    "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+    special_tokens=[
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        "<｜User｜>",
+        "<｜Assistant｜>",
+        "<think>",
+        "</think>",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁output▁begin｜>",
+        "<｜tool▁output▁end｜>",
+    ],
     max_calls_per_turn=4,
     thinking=False,
     string_arguments=True,
@@ -304,9 +415,20 @@ DEEPSEEK = Family(
 KIMI = Family(
     renderer="kimi_k2",
     template="kimi_k2.jinja",
-    special_tokens=["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<think>", "</think>",
-                    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                    "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+    special_tokens=[
+        "<|im_system|>",
+        "<|im_user|>",
+        "<|im_assistant|>",
+        "<|im_middle|>",
+        "<|im_end|>",
+        "<think>",
+        "</think>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ],
     max_calls_per_turn=4,
     thinking=True,
     call_ids=True,
@@ -363,7 +485,9 @@ def tokenizer_for(name: str):
     if name not in _TOKENIZERS:
         family = FAMILIES[name]
         template = (TEMPLATES / family.template).read_text(encoding="utf-8")
-        _TOKENIZERS[name] = build_bpe_tokenizer(family.special_tokens, corpus_for(family, template), 3000, chat_template=template)
+        _TOKENIZERS[name] = build_bpe_tokenizer(
+            family.special_tokens, corpus_for(family, template), 3000, chat_template=template
+        )
         _TOKENIZERS[name].bos_token = family.special_tokens[0]
     return _TOKENIZERS[name]
 
@@ -460,7 +584,9 @@ def test_parse_turn_reads_back_every_sampled_turn(name):
         for sampled, assistant in sampled_turns:
             turn = renderer.parse_turn(sampled)
             assert turn.parse_error is None, f"seed {seed}: {turn.parse_error}"
-            expected_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])]
+            expected_calls = [
+                (c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])
+            ]
             assert [(c.name, c.arguments) for c in turn.tool_calls] == expected_calls
             assert turn.content == EXPECTED_CONTENT[name](assistant)
             assert turn.reasoning == EXPECTED_REASONING[name](assistant)
@@ -485,11 +611,36 @@ EXPECTED_REASONING = {
 HAND_WRITTEN = [
     {"role": "system", "content": "You are a careful assistant.\nAnswer briefly."},
     {"role": "user", "content": "Find my notes on 日本語 and sum 1, 2.5 🙂"},
-    {"role": "assistant", "content": "", "reasoning_content": "I should search first.", "thinking": "I should search first.",
-     "tool_calls": [{"type": "function", "id": "functions.search:0", "function": {"name": "search", "arguments": {"query": "日本語 notes", "limit": 3}}}]},
-    {"role": "tool", "name": "search", "tool_call_id": "functions.search:0", "content": "[\"note 1\", \"note 2\"]"},
-    {"role": "assistant", "content": "", "reasoning_content": "Now compute.", "thinking": "Now compute.",
-     "tool_calls": [{"type": "function", "id": "functions.compute:1", "function": {"name": "compute", "arguments": {"expression": "a+b", "values": [1, 2.5], "options": {"precision": 2, "unit": "m"}}}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I should search first.",
+        "thinking": "I should search first.",
+        "tool_calls": [
+            {
+                "type": "function",
+                "id": "functions.search:0",
+                "function": {"name": "search", "arguments": {"query": "日本語 notes", "limit": 3}},
+            }
+        ],
+    },
+    {"role": "tool", "name": "search", "tool_call_id": "functions.search:0", "content": '["note 1", "note 2"]'},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Now compute.",
+        "thinking": "Now compute.",
+        "tool_calls": [
+            {
+                "type": "function",
+                "id": "functions.compute:1",
+                "function": {
+                    "name": "compute",
+                    "arguments": {"expression": "a+b", "values": [1, 2.5], "options": {"precision": 2, "unit": "m"}},
+                },
+            }
+        ],
+    },
     {"role": "tool", "name": "compute", "tool_call_id": "functions.compute:1", "content": "Error: unit 'm' is unknown"},
     {"role": "assistant", "content": "Two notes; the sum is 3.5.", "reasoning_content": "Done.", "thinking": "Done."},
     {"role": "user", "content": "  Thanks!\nNow write it down.  "},
@@ -517,10 +668,21 @@ def test_gpt_oss_options_match_the_template():
     messages = HAND_WRITTEN[1:2]
     for effort in ("low", "high"):
         text = tokenizer.apply_chat_template(
-            messages, tools=TOOLS, add_generation_prompt=True, tokenize=False, reasoning_effort=effort,
-            model_identity="You are a test model.", strftime_now=lambda fmt: "2030-01-02",
-        )  # fmt: skip
-        renderer = get_renderer("gpt_oss", tokenizer, reasoning_effort=effort, model_identity="You are a test model.", current_date="2030-01-02")
+            messages,
+            tools=TOOLS,
+            add_generation_prompt=True,
+            tokenize=False,
+            reasoning_effort=effort,
+            model_identity="You are a test model.",
+            strftime_now=lambda fmt: "2030-01-02",
+        )
+        renderer = get_renderer(
+            "gpt_oss",
+            tokenizer,
+            reasoning_effort=effort,
+            model_identity="You are a test model.",
+            current_date="2030-01-02",
+        )
         assert renderer.render_prompt(messages, tools=TOOLS) == encode(tokenizer, text)
     with pytest.raises(ValueError, match="reasoning_effort must be one of"):
         get_renderer("gpt_oss", tokenizer, reasoning_effort="extreme")
@@ -528,46 +690,108 @@ def test_gpt_oss_options_match_the_template():
 
 def test_gpt_oss_tool_schema_types_match_the_template():
     tokenizer = tokenizer_for("gpt_oss")
-    tool = {"type": "function", "function": {"name": "kinds", "description": "All kinds.", "parameters": {
-        "type": "object",
-        "properties": {
-            "s": {"type": "string", "nullable": True}, "b": {"type": "boolean", "default": False},
-            "strings": {"type": "array", "items": {"type": "string"}}, "anything": {"type": "array"},
-            "objects": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
-            "nested": {"type": "object", "properties": {"deep": {"type": "object", "properties": {"z": {"type": "number"}}, "required": ["z"]}}},
-            "union": {"type": ["string", "number"]}, "free": {}, "count": {"type": "integer", "default": 3},
-            "color": {"type": "string", "enum": ["red", "green"], "default": "red"},
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "kinds",
+            "description": "All kinds.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "s": {"type": "string", "nullable": True},
+                    "b": {"type": "boolean", "default": False},
+                    "strings": {"type": "array", "items": {"type": "string"}},
+                    "anything": {"type": "array"},
+                    "objects": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+                    "nested": {
+                        "type": "object",
+                        "properties": {
+                            "deep": {"type": "object", "properties": {"z": {"type": "number"}}, "required": ["z"]}
+                        },
+                    },
+                    "union": {"type": ["string", "number"]},
+                    "free": {},
+                    "count": {"type": "integer", "default": 3},
+                    "color": {"type": "string", "enum": ["red", "green"], "default": "red"},
+                },
+                "required": ["s"],
+            },
         },
-        "required": ["s"],
-    }}}  # fmt: skip
-    text = tokenizer.apply_chat_template(HAND_WRITTEN[1:2], tools=[tool], add_generation_prompt=True, tokenize=False, **GPT_OSS.template_kwargs)
+    }
+    text = tokenizer.apply_chat_template(
+        HAND_WRITTEN[1:2], tools=[tool], add_generation_prompt=True, tokenize=False, **GPT_OSS.template_kwargs
+    )
     assert renderer_for("gpt_oss").render_prompt(HAND_WRITTEN[1:2], tools=[tool]) == encode(tokenizer, text)
-    bad = {"type": "function", "function": {"name": "bad", "description": "x", "parameters": {"type": "object", "properties": {"u": {"oneOf": [{"type": "string"}]}}}}}
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "bad",
+            "description": "x",
+            "parameters": {"type": "object", "properties": {"u": {"oneOf": [{"type": "string"}]}}},
+        },
+    }
     with pytest.raises(ValueError, match=r"bad\.u uses oneOf"):
         renderer_for("gpt_oss").render_prompt(HAND_WRITTEN[1:2], tools=[bad])
     with pytest.raises(ValueError, match="needs a description"):
-        renderer_for("gpt_oss").render_prompt(HAND_WRITTEN[1:2], tools=[{"type": "function", "function": {"name": "n"}}])
+        renderer_for("gpt_oss").render_prompt(
+            HAND_WRITTEN[1:2], tools=[{"type": "function", "function": {"name": "n"}}]
+        )
 
 
 @pytest.mark.parametrize(
     "text, calls, content, reasoning, error",
     [
         # harmony's own header form: the recipient after the channel, <|constrain|>json
-        ('<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "a"}<|call|>',
-         [ToolCall("search", {"query": "a"})], "", "think", None),
+        (
+            '<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "a"}<|call|>',
+            [ToolCall("search", {"query": "a"})],
+            "",
+            "think",
+            None,
+        ),
         # the template's form: the recipient in the role header
-        (' to=functions.now<|channel|>commentary json<|message|>{}<|call|>', [ToolCall("now", {})], "", None, None),
-        ('<|channel|>final<|message|>The answer.<|return|>', [], "The answer.", None, None),
-        ('<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": <|call|>', [], "", None, "arguments are not valid JSON"),
-        ('<|channel|>commentary to=functions.search <|constrain|>json<|message|>["a"]<|call|>', [], "", None, "must be a JSON object, not list"),
-        ('<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "a"}', [], "", None, "is not closed"),
-        ('<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>unfinished', [], "unfinished", "hm", "is not closed"),
-        ('<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}<|call|>', [], "", None, "is not a function"),
-        ('<|message|>no channel<|return|>', [], "", None, "unreadable header"),
-        ('<|channel|>secret<|message|>x<|return|>', [], "", None, "unknown channel 'secret'"),
-        ('text before<|channel|>final<|message|>x<|return|>', [], "", None, "unreadable header"),
+        (" to=functions.now<|channel|>commentary json<|message|>{}<|call|>", [ToolCall("now", {})], "", None, None),
+        ("<|channel|>final<|message|>The answer.<|return|>", [], "The answer.", None, None),
+        (
+            '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": <|call|>',
+            [],
+            "",
+            None,
+            "arguments are not valid JSON",
+        ),
+        (
+            '<|channel|>commentary to=functions.search <|constrain|>json<|message|>["a"]<|call|>',
+            [],
+            "",
+            None,
+            "must be a JSON object, not list",
+        ),
+        (
+            '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "a"}',
+            [],
+            "",
+            None,
+            "is not closed",
+        ),
+        (
+            "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>unfinished",
+            [],
+            "unfinished",
+            "hm",
+            "is not closed",
+        ),
+        (
+            "<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}<|call|>",
+            [],
+            "",
+            None,
+            "is not a function",
+        ),
+        ("<|message|>no channel<|return|>", [], "", None, "unreadable header"),
+        ("<|channel|>secret<|message|>x<|return|>", [], "", None, "unknown channel 'secret'"),
+        ("text before<|channel|>final<|message|>x<|return|>", [], "", None, "unreadable header"),
     ],
-)  # fmt: skip
+)
 def test_gpt_oss_parse_turn(text, calls, content, reasoning, error):
     renderer = renderer_for("gpt_oss")
     turn = renderer.parse_turn(encode(tokenizer_for("gpt_oss"), text))
@@ -599,13 +823,17 @@ def test_glm_thinking_switch_matches_the_template():
     tokenizer = tokenizer_for("glm4_5")
     renderer = get_renderer("glm4_5", tokenizer, enable_thinking=False)
     for cut in (2, 4, 8):
-        text = tokenizer.apply_chat_template(HAND_WRITTEN[:cut], tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        text = tokenizer.apply_chat_template(
+            HAND_WRITTEN[:cut], tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False
+        )
         assert renderer.render_prompt(HAND_WRITTEN[:cut], tools=TOOLS) == encode(tokenizer, text)
     assert text.endswith("/nothink<|assistant|>\n<think></think>")
     # a user turn bridged after a final answer, without thinking
     final = encode(tokenizer, "\nDone.<|user|>")
     follow_up = {"role": "user", "content": "again"}
-    whole = tokenizer.apply_chat_template(HAND_WRITTEN[:7] + [follow_up], tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    whole = tokenizer.apply_chat_template(
+        HAND_WRITTEN[:7] + [follow_up], tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
     assert whole.endswith(tokenizer.decode(renderer.bridge(final, [follow_up]), skip_special_tokens=False))
 
 
@@ -616,7 +844,9 @@ def test_glm_bridge_after_another_stop_token_writes_the_whole_message():
     results = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
     grouped = "\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|assistant|>"
     assert renderer.bridge(encode(tokenizer, call + "<|observation|>"), results) == encode(tokenizer, grouped)
-    assert renderer.bridge(encode(tokenizer, call + "<|endoftext|>"), results) == encode(tokenizer, "<|observation|>" + grouped)
+    assert renderer.bridge(encode(tokenizer, call + "<|endoftext|>"), results) == encode(
+        tokenizer, "<|observation|>" + grouped
+    )
     with pytest.raises(ValueError, match="ended with a stop token"):
         renderer.bridge(encode(tokenizer, call), results)
 
@@ -624,22 +854,60 @@ def test_glm_bridge_after_another_stop_token_writes_the_whole_message():
 @pytest.mark.parametrize(
     "text, calls, content, reasoning, error",
     [
-        ("\n<think>plan</think>\nLet me look.\n<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>12</arg_value>\n"
-         "<arg_key>limit</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call><|observation|>",
-         [ToolCall("search", {"query": "12", "limit": 3}), ToolCall("now", {})], "Let me look.", "plan", None),
+        (
+            "\n<think>plan</think>\nLet me look.\n<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>12</arg_value>\n"
+            "<arg_key>limit</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call><|observation|>",
+            [ToolCall("search", {"query": "12", "limit": 3}), ToolCall("now", {})],
+            "Let me look.",
+            "plan",
+            None,
+        ),
         # the arguments on the name's line, and a value of an undeclared parameter read as JSON
-        ("<tool_call>search<arg_key>query</arg_key><arg_value>a</arg_value><arg_key>extra</arg_key><arg_value>[1, 2]</arg_value></tool_call><|observation|>",
-         [ToolCall("search", {"query": "a", "extra": [1, 2]})], "", None, None),
+        (
+            "<tool_call>search<arg_key>query</arg_key><arg_value>a</arg_value><arg_key>extra</arg_key><arg_value>[1, 2]</arg_value></tool_call><|observation|>",
+            [ToolCall("search", {"query": "a", "extra": [1, 2]})],
+            "",
+            None,
+            None,
+        ),
         ("\n<think>unfinished", [], "", "unfinished", "<think> is not closed"),
-        ("<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a</arg_value>\n", [], "", None, "is not closed by </tool_call>"),
-        ("<tool_call>\n<arg_key>query</arg_key>\n<arg_value>a</arg_value>\n</tool_call>", [], "", None, "has no function name"),
-        ("<tool_call>search\n<arg_key>limit</arg_key>\n<arg_value>three</arg_value>\n</tool_call>", [], "", None,
-         "'limit' is declared integer but its value is not JSON"),
-        ("<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a\n</tool_call>", [], "", None, "unreadable arguments"),
-        ("<tool_call>now\n</tool_call> and then some<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>b</arg_value>\n</tool_call><|user|>",
-         [ToolCall("now", {}), ToolCall("search", {"query": "b"})], "", None, "text after tool call 0: 'and then some'"),
+        (
+            "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a</arg_value>\n",
+            [],
+            "",
+            None,
+            "is not closed by </tool_call>",
+        ),
+        (
+            "<tool_call>\n<arg_key>query</arg_key>\n<arg_value>a</arg_value>\n</tool_call>",
+            [],
+            "",
+            None,
+            "has no function name",
+        ),
+        (
+            "<tool_call>search\n<arg_key>limit</arg_key>\n<arg_value>three</arg_value>\n</tool_call>",
+            [],
+            "",
+            None,
+            "'limit' is declared integer but its value is not JSON",
+        ),
+        (
+            "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a\n</tool_call>",
+            [],
+            "",
+            None,
+            "unreadable arguments",
+        ),
+        (
+            "<tool_call>now\n</tool_call> and then some<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>b</arg_value>\n</tool_call><|user|>",
+            [ToolCall("now", {}), ToolCall("search", {"query": "b"})],
+            "",
+            None,
+            "text after tool call 0: 'and then some'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_glm_parse_turn(text, calls, content, reasoning, error):
     renderer = renderer_for("glm4_5")
     renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)
@@ -669,8 +937,11 @@ def test_deepseek_thinking_prompt_and_turn():
 
 
 @pytest.mark.parametrize("tools", [TOOLS[:1], TOOLS], ids=["one tool", "four tools"])
-@pytest.mark.parametrize("messages", [HAND_WRITTEN[:2], HAND_WRITTEN[1:2], HAND_WRITTEN[:6], HAND_WRITTEN[1:8]],
-                         ids=["system", "no system", "system, calls", "no system, calls"])  # fmt: skip
+@pytest.mark.parametrize(
+    "messages",
+    [HAND_WRITTEN[:2], HAND_WRITTEN[1:2], HAND_WRITTEN[:6], HAND_WRITTEN[1:8]],
+    ids=["system", "no system", "system, calls", "no system, calls"],
+)
 def test_deepseek_tools_match_the_vllm_template(messages, tools):
     """The tools' block is the system prompt that vLLM's V3.1 template renders (after its BOS token,
     before the first user turn); the rest of the prompt is V3.1's own template's."""
@@ -678,9 +949,13 @@ def test_deepseek_tools_match_the_vllm_template(messages, tools):
     with_system_prompt = tools_system_messages(tokenizer, DEEPSEEK, messages, tools)
     system_prompt = with_system_prompt[0]["content"]
     systems = [m["content"] for m in messages if m["role"] == "system"]
-    assert system_prompt.startswith("\n\n".join(systems) + "\n\n## Tools\nYou have access to the following tools:\n\n### search\n")
+    assert system_prompt.startswith(
+        "\n\n".join(systems) + "\n\n## Tools\nYou have access to the following tools:\n\n### search\n"
+    )
     assert system_prompt.count("\n### ") == len(tools)
-    v31_text = tokenizer.apply_chat_template(template_messages(DEEPSEEK, with_system_prompt), add_generation_prompt=True, tokenize=False)
+    v31_text = tokenizer.apply_chat_template(
+        template_messages(DEEPSEEK, with_system_prompt), add_generation_prompt=True, tokenize=False
+    )
     ids = renderer_for("deepseek_v3").render_prompt(messages, tools=tools)
     assert tokenizer.decode(ids, skip_special_tokens=False) == v31_text
     assert ids == encode(tokenizer, v31_text)
@@ -692,9 +967,13 @@ def test_deepseek_tool_errors():
     with pytest.raises(ValueError, match="tool 0 is not an OpenAI function tool"):
         renderer.render_prompt(HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"description": "d"}}])
     with pytest.raises(ValueError, match="'now': the deepseek_v3 format needs a description string"):
-        renderer.render_prompt(HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"name": "now", "parameters": {}}}])
+        renderer.render_prompt(
+            HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"name": "now", "parameters": {}}}]
+        )
     with pytest.raises(ValueError, match="'now': the deepseek_v3 format needs the parameters' JSON schema"):
-        renderer.render_prompt(HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"name": "now", "description": "d"}}])
+        renderer.render_prompt(
+            HAND_WRITTEN[:2], tools=[{"type": "function", "function": {"name": "now", "description": "d"}}]
+        )
 
 
 CALLS, CALL, SEP, END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -704,17 +983,31 @@ CALLS_END = "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
 @pytest.mark.parametrize(
     "text, calls, content, error",
     [
-        (f'Looking.{CALLS}{CALL}search{SEP}{{"query": "a"}}{END}{CALL}now{SEP}{{}}{END}{CALLS_END}',
-         [ToolCall("search", {"query": "a"}), ToolCall("now", {})], "Looking.", None),
-        (f'{CALLS}{CALL}search{SEP}{{"query": }}{END}{CALL}now{SEP}{{}}{END}{CALLS_END}', [ToolCall("now", {})], "", "not valid JSON"),
+        (
+            f'Looking.{CALLS}{CALL}search{SEP}{{"query": "a"}}{END}{CALL}now{SEP}{{}}{END}{CALLS_END}',
+            [ToolCall("search", {"query": "a"}), ToolCall("now", {})],
+            "Looking.",
+            None,
+        ),
+        (
+            f'{CALLS}{CALL}search{SEP}{{"query": }}{END}{CALL}now{SEP}{{}}{END}{CALLS_END}',
+            [ToolCall("now", {})],
+            "",
+            "not valid JSON",
+        ),
         (f'{CALLS}{CALL}search{SEP}"a"{END}{CALLS_END}', [], "", "must be a JSON object, not str"),
-        (f'{CALLS}{CALL}search{SEP}{{}}', [], "", "not closed by <｜tool▁calls▁end｜>"),
-        (f'{CALLS}{CALL}search{SEP}{{}}<｜tool▁calls▁end｜>', [], "", "not closed by <｜tool▁call▁end｜>"),
-        (f'{CALLS}{CALL}search{{}}{END}{CALLS_END}', [], "", "has no <｜tool▁sep｜>"),
-        (f'{CALLS}{CALL}{SEP}{{}}{END}{CALLS_END}', [], "", "has no function name"),
-        (f'{CALLS}{CALL}now{SEP}{{}}{END}<｜tool▁calls▁end｜>trailing<｜end▁of▁sentence｜>', [ToolCall("now", {})], "", "text after the tool calls"),
+        (f"{CALLS}{CALL}search{SEP}{{}}", [], "", "not closed by <｜tool▁calls▁end｜>"),
+        (f"{CALLS}{CALL}search{SEP}{{}}<｜tool▁calls▁end｜>", [], "", "not closed by <｜tool▁call▁end｜>"),
+        (f"{CALLS}{CALL}search{{}}{END}{CALLS_END}", [], "", "has no <｜tool▁sep｜>"),
+        (f"{CALLS}{CALL}{SEP}{{}}{END}{CALLS_END}", [], "", "has no function name"),
+        (
+            f"{CALLS}{CALL}now{SEP}{{}}{END}<｜tool▁calls▁end｜>trailing<｜end▁of▁sentence｜>",
+            [ToolCall("now", {})],
+            "",
+            "text after the tool calls",
+        ),
     ],
-)  # fmt: skip
+)
 def test_deepseek_parse_turn(text, calls, content, error):
     turn = renderer_for("deepseek_v3").parse_turn(encode(tokenizer_for("deepseek_v3"), text))
     assert (turn.tool_calls, turn.content) == (calls, content)
@@ -730,8 +1023,11 @@ def test_deepseek_parse_turn(text, calls, content, error):
 def test_kimi_prompt_without_system_and_with_names():
     tokenizer = tokenizer_for("kimi_k2")
     renderer = renderer_for("kimi_k2")
-    named = [{"role": "user", "name": "alice", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
-             {"role": "user", "content": [{"type": "text", "text": "again "}, {"type": "text", "text": "please"}]}]  # fmt: skip
+    named = [
+        {"role": "user", "name": "alice", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
+        {"role": "user", "content": [{"type": "text", "text": "again "}, {"type": "text", "text": "please"}]},
+    ]
     for messages in (HAND_WRITTEN[1:2], named):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert renderer.render_prompt(messages) == encode(tokenizer, text)
@@ -741,7 +1037,10 @@ def test_kimi_prompt_without_system_and_with_names():
 def test_kimi_input_errors():
     renderer = renderer_for("kimi_k2")
     tokenizer = tokenizer_for("kimi_k2")
-    no_id = [HAND_WRITTEN[1], {**HAND_WRITTEN[2], "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": {}}}]}]
+    no_id = [
+        HAND_WRITTEN[1],
+        {**HAND_WRITTEN[2], "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": {}}}]},
+    ]
     with pytest.raises(ValueError, match=r"tool call 0 \(now\) has no 'id'"):
         renderer.render_prompt(no_id)
     with pytest.raises(ValueError, match="no 'tool_call_id'"):
@@ -764,29 +1063,95 @@ KCALL, KARG, KEND = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|to
 @pytest.mark.parametrize(
     "text, calls, content, reasoning, error",
     [
-        (f'<think>look it up</think>Looking.{SECTION}{KCALL}functions.search:0{KARG}{{"query": "a"}}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
-         [ToolCall("search", {"query": "a"}, "functions.search:0"), ToolCall("now", {}, "functions.now:1")], "Looking.", "look it up", None),
+        (
+            f'<think>look it up</think>Looking.{SECTION}{KCALL}functions.search:0{KARG}{{"query": "a"}}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+            [ToolCall("search", {"query": "a"}, "functions.search:0"), ToolCall("now", {}, "functions.now:1")],
+            "Looking.",
+            "look it up",
+            None,
+        ),
         ("<think></think>The answer.<|im_end|>", [], "The answer.", "", None),
         ("no reasoning<|im_end|>", [], "no reasoning", None, None),
         ("<think>unfinished", [], "", "unfinished", "<think> is not closed by </think>"),
-        (f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}{{"query": }}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
-         [ToolCall("now", {}, "functions.now:1")], "", "", "arguments are not valid JSON"),
-        (f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}"a"{KEND}{SECTION_END}', [], "", "", "must be a JSON object, not str"),
-        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}', [ToolCall("now", {}, "functions.now:0")], "", "",
-         "not closed by <|tool_calls_section_end|>"),
-        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{SECTION_END}', [], "", "", "not closed by <|tool_call_end|>"),
-        (f'<think></think>{SECTION}{KCALL}functions.now:0{{}}{KEND}{SECTION_END}', [], "", "", "has no <|tool_call_argument_begin|>"),
-        (f'<think></think>{SECTION}{KCALL}now:0{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'now:0' is not functions.NAME:IDX"),
-        (f'<think></think>{SECTION}{KCALL}functions.now{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'functions.now' is not functions.NAME:IDX"),
-        (f'<think></think>{SECTION}{KCALL}functions.:0{KARG}{{}}{KEND}{SECTION_END}', [], "", "", "id 'functions.:0' is not functions.NAME:IDX"),
-        (f'<think></think>{SECTION} {KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}', [ToolCall("now", {}, "functions.now:0")], "", "",
-         "text between <|tool_calls_section_begin|> and the first call: ' '"),
-        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}and{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
-         [ToolCall("now", {}, "functions.now:0"), ToolCall("now", {}, "functions.now:1")], "", "", "text after tool call 0: 'and'"),
-        (f'<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}<|tool_calls_section_end|>trailing<|im_end|>',
-         [ToolCall("now", {}, "functions.now:0")], "", "", "text after the tool calls: 'trailing'"),
+        (
+            f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}{{"query": }}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+            [ToolCall("now", {}, "functions.now:1")],
+            "",
+            "",
+            "arguments are not valid JSON",
+        ),
+        (
+            f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}"a"{KEND}{SECTION_END}',
+            [],
+            "",
+            "",
+            "must be a JSON object, not str",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}",
+            [ToolCall("now", {}, "functions.now:0")],
+            "",
+            "",
+            "not closed by <|tool_calls_section_end|>",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{SECTION_END}",
+            [],
+            "",
+            "",
+            "not closed by <|tool_call_end|>",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}functions.now:0{{}}{KEND}{SECTION_END}",
+            [],
+            "",
+            "",
+            "has no <|tool_call_argument_begin|>",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}now:0{KARG}{{}}{KEND}{SECTION_END}",
+            [],
+            "",
+            "",
+            "id 'now:0' is not functions.NAME:IDX",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}functions.now{KARG}{{}}{KEND}{SECTION_END}",
+            [],
+            "",
+            "",
+            "id 'functions.now' is not functions.NAME:IDX",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}functions.:0{KARG}{{}}{KEND}{SECTION_END}",
+            [],
+            "",
+            "",
+            "id 'functions.:0' is not functions.NAME:IDX",
+        ),
+        (
+            f"<think></think>{SECTION} {KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}",
+            [ToolCall("now", {}, "functions.now:0")],
+            "",
+            "",
+            "text between <|tool_calls_section_begin|> and the first call: ' '",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}and{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}",
+            [ToolCall("now", {}, "functions.now:0"), ToolCall("now", {}, "functions.now:1")],
+            "",
+            "",
+            "text after tool call 0: 'and'",
+        ),
+        (
+            f"<think></think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}<|tool_calls_section_end|>trailing<|im_end|>",
+            [ToolCall("now", {}, "functions.now:0")],
+            "",
+            "",
+            "text after the tool calls: 'trailing'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_kimi_parse_turn(text, calls, content, reasoning, error):
     turn = renderer_for("kimi_k2").parse_turn(encode(tokenizer_for("kimi_k2"), text))
     assert (turn.tool_calls, turn.content, turn.reasoning) == (calls, content, reasoning)
@@ -800,9 +1165,11 @@ def test_kimi_turn_read_back_feeds_the_next_prompt():
     """A parsed turn's message (its call ids) and the environment's tool messages render as the template does."""
     tokenizer = tokenizer_for("kimi_k2")
     renderer = renderer_for("kimi_k2")
-    sampled = encode(tokenizer, f'<think>plan</think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}')
+    sampled = encode(tokenizer, f"<think>plan</think>{SECTION}{KCALL}functions.now:0{KARG}{{}}{KEND}{SECTION_END}")
     turn = renderer.parse_turn(sampled)
-    results = [{"role": "tool", "name": call.name, "tool_call_id": call.id, "content": "12:00"} for call in turn.tool_calls]
+    results = [
+        {"role": "tool", "name": call.name, "tool_call_id": call.id, "content": "12:00"} for call in turn.tool_calls
+    ]
     messages = HAND_WRITTEN[:2] + [turn.message()] + results
     text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     prompt = renderer.render_prompt(HAND_WRITTEN[:2], tools=TOOLS)

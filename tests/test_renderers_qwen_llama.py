@@ -13,10 +13,6 @@ import functools
 import random
 
 import pytest
-from transformers.utils.chat_template_utils import render_jinja_template
-
-from archon.agents.renderer import default_renderer_name, get_renderer
-from archon.agents.tools import ToolCall
 from renderer_cases import (
     TOOLS,
     build_bpe_tokenizer,
@@ -26,12 +22,24 @@ from renderer_cases import (
     read_template,
     simulate_episode,
 )
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from archon.agents.renderer import default_renderer_name, get_renderer
+from archon.agents.tools import ToolCall
 
 N_EPISODES = 1000
 
 # ---- Qwen3 ---------------------------------------------------------------------------------------------
 
-QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # fmt: skip
+QWEN_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
 QWEN3_SPECIAL = [*QWEN_SPECIAL, "<think>", "</think>"]
 QWEN3_HEADER, QWEN_STOPS = "<|im_start|>assistant", ("<|im_end|>",)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -46,7 +54,9 @@ def family_tokenizer(template: str, special: tuple[str, ...], reasoning: bool, m
     corpus = []
     for _ in range(300):
         conversation = random_conversation(rng, special, reasoning=reasoning, max_calls=max_calls)
-        rendered, _ = render_jinja_template([conversation.messages()], tools=conversation.tools, chat_template=chat_template)
+        rendered, _ = render_jinja_template(
+            [conversation.messages()], tools=conversation.tools, chat_template=chat_template
+        )
         corpus.append(rendered[0])
     tokenizer = build_bpe_tokenizer(list(special), corpus, 3000, chat_template=chat_template)
     if bos_token is not None:
@@ -88,7 +98,13 @@ def assert_prompts_are_the_template(renderer, tokenizer, conversation, tools, fi
 
 def new_identity_figures() -> dict[str, int]:
     """The counts record_identity keeps over a test's generated episodes."""
-    return {"episodes": 0, "turns": 0, "template_text_differs": 0, "retokenized_ids_differ": 0, "same_text_other_ids": 0}
+    return {
+        "episodes": 0,
+        "turns": 0,
+        "template_text_differs": 0,
+        "retokenized_ids_differ": 0,
+        "same_text_other_ids": 0,
+    }
 
 
 QWEN3_CONVERSATION = [
@@ -117,7 +133,7 @@ QWEN3_CONVERSATION = [
         "role": "assistant",
         "content": "Sure:\n",
         "reasoning_content": "search",
-        "tool_calls": [call("search", query="paris \"weather\" {x}", limit=3)],
+        "tool_calls": [call("search", query='paris "weather" {x}', limit=3)],
     },
     {"role": "tool", "content": "[]"},
 ]
@@ -216,7 +232,9 @@ def test_qwen3_token_identity_over_generated_episodes():
     print("qwen3 token identity:", figures)
     assert figures["episodes"] == N_EPISODES
     # the design's motivation: re-rendering the conversation rewrites earlier turns (reasoning dropped)
-    assert figures["template_text_differs"] > 0 and figures["retokenized_ids_differ"] >= figures["template_text_differs"]
+    assert (
+        figures["template_text_differs"] > 0 and figures["retokenized_ids_differ"] >= figures["template_text_differs"]
+    )
 
 
 def record_identity(figures, tokenizer, episode, whole_text, after_last_stop):
@@ -272,23 +290,54 @@ GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</too
 HERMES_MALFORMED = pytest.mark.parametrize(
     "text, error, kept",
     [
-        ('<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>\n' + GOOD_CALL,
-         """tool call 1 is not valid JSON (Expecting value at line 2 column 43): '{"name": "search", "arguments": {"query": }'""", 1),
-        (GOOD_CALL + '\n<tool_call>\n{"name": "python", "arguments": {}}', "tool call 2 is never closed by </tool_call>", 1),
+        (
+            '<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>\n' + GOOD_CALL,
+            """tool call 1 is not valid JSON (Expecting value at line 2 column 43): '{"name": "search", "arguments": {"query": }'""",
+            1,
+        ),
+        (
+            GOOD_CALL + '\n<tool_call>\n{"name": "python", "arguments": {}}',
+            "tool call 2 is never closed by </tool_call>",
+            1,
+        ),
         ('<tool_call>\n{"name": "a", "arguments": {}}\n' + GOOD_CALL, "tool call 1 is never closed by </tool_call>", 1),
-        ('<tool_call>\n{"arguments": {"query": "x"}}\n</tool_call>', 'tool call 1 has no "name" (a non-empty string)', 0),
-        ('<tool_call>\n{"name": "search", "arguments": "{\\"query\\": 1}"}\n</tool_call>',
-         'tool call 1 (search): "arguments" is a JSON string, not an object', 0),
+        (
+            '<tool_call>\n{"arguments": {"query": "x"}}\n</tool_call>',
+            'tool call 1 has no "name" (a non-empty string)',
+            0,
+        ),
+        (
+            '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": 1}"}\n</tool_call>',
+            'tool call 1 (search): "arguments" is a JSON string, not an object',
+            0,
+        ),
         ('<tool_call>\n{"name": "search"}\n</tool_call>', 'tool call 1 (search) has no "arguments"', 0),
-        ('<tool_call>\n["search", {}]\n</tool_call>', 'tool call 1 is a JSON array, not an object with "name" and "arguments"', 0),
-        ('<tool_call>\n{"name": "s", "arguments": {}, "id": 3}\n</tool_call>',
-         "tool call 1 has keys other than \"name\" and \"arguments\": ['id']", 0),
+        (
+            '<tool_call>\n["search", {}]\n</tool_call>',
+            'tool call 1 is a JSON array, not an object with "name" and "arguments"',
+            0,
+        ),
+        (
+            '<tool_call>\n{"name": "s", "arguments": {}, "id": 3}\n</tool_call>',
+            'tool call 1 has keys other than "name" and "arguments": [\'id\']',
+            0,
+        ),
         (GOOD_CALL + "\nand then I will wait.", "text outside a tool call after call 1: 'and then I will wait.'", 1),
         ("Here </tool_call> oops", "a </tool_call> with no <tool_call> before it", 0),
     ],
-    ids=["bad_json", "unclosed_last", "unclosed_then_next", "missing_name", "arguments_string", "no_arguments",
-         "not_an_object", "unknown_key", "text_after", "stray_close"],
-)  # fmt: skip
+    ids=[
+        "bad_json",
+        "unclosed_last",
+        "unclosed_then_next",
+        "missing_name",
+        "arguments_string",
+        "no_arguments",
+        "not_an_object",
+        "unknown_key",
+        "text_after",
+        "stray_close",
+    ],
+)
 
 
 @HERMES_MALFORMED
@@ -301,7 +350,11 @@ def test_qwen3_parse_turn_malformed(text, error, kept):
 
 def test_qwen3_unclosed_reasoning():
     turn = qwen3_parse("<think>\nstill thinking", stop=False)
-    assert (turn.content, turn.reasoning, turn.parse_error) == ("", "still thinking", "the reasoning is never closed by </think>")
+    assert (turn.content, turn.reasoning, turn.parse_error) == (
+        "",
+        "still thinking",
+        "the reasoning is never closed by </think>",
+    )
 
 
 def test_qwen3_bad_input():
@@ -310,13 +363,19 @@ def test_qwen3_bad_input():
     turn = renderer.encode("hi<|im_end|>")
     with pytest.raises(ValueError, match=r"bridge\(\) needs a turn that ended with a stop token"):
         renderer.bridge(turn[:-1], [{"role": "user", "content": "x"}])
-    with pytest.raises(ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool'\]"):
+    with pytest.raises(
+        ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool'\]"
+    ):
         renderer.bridge(turn, [{"role": "assistant", "content": "x"}])
     with pytest.raises(ValueError, match=r"message 1 \(user\) needs string content, got NoneType"):
         renderer.render_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": None}])
     with pytest.raises(ValueError, match=r"tool call 1 \(f\) needs arguments as a dict, got str"):
-        renderer.render_prompt([{"role": "user", "content": "q"},
-                                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}])  # fmt: skip
+        renderer.render_prompt(
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+            ]
+        )
     with pytest.raises(ValueError, match=r"the tokenizer has no single token for '<\|im_start\|>'"):
         get_renderer("qwen3", build_bpe_tokenizer(["<|endoftext|>"], ["some text"], 300))
 
@@ -334,13 +393,18 @@ CONFIGURE_TOOL = {
         "parameters": {
             "type": "object",
             "properties": {
-                "label": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
-                "enabled": {"type": "boolean"}, "tags": {"type": "array"}, "options": {"type": "object"},
-                "note": {"type": ["string", "null"]}, "mode": {"enum": ["fast", "slow"]},
+                "label": {"type": "string"},
+                "count": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "enabled": {"type": "boolean"},
+                "tags": {"type": "array"},
+                "options": {"type": "object"},
+                "note": {"type": ["string", "null"]},
+                "mode": {"enum": ["fast", "slow"]},
             },
         },
     },
-}  # fmt: skip
+}
 QWEN3_5_TOOLS = [*TOOLS, CONFIGURE_TOOL]
 
 
@@ -392,8 +456,19 @@ QWEN3_5_CONVERSATION = [
         "role": "assistant",
         "content": "",
         "reasoning_content": "",
-        "tool_calls": [call("configure", label="3.14", count=3, ratio=0.5, enabled=False, tags=["a", 1],
-                            options={"k": [None]}, note=None, mode="fast")],
+        "tool_calls": [
+            call(
+                "configure",
+                label="3.14",
+                count=3,
+                ratio=0.5,
+                enabled=False,
+                tags=["a", 1],
+                options={"k": [None]},
+                note=None,
+                mode="fast",
+            )
+        ],
     },
     {"role": "tool", "content": "ok"},
     {"role": "assistant", "content": "Paris 21 °C, Tokyo 18 °C.", "reasoning_content": "Done."},
@@ -404,10 +479,10 @@ QWEN3_5_CONVERSATION = [
         "role": "assistant",
         "content": "Sure:\n",
         "reasoning_content": "search",
-        "tool_calls": [call("search", query="paris \"weather\" {x}\n", limit=3)],
+        "tool_calls": [call("search", query='paris "weather" {x}\n', limit=3)],
     },
     {"role": "tool", "content": "[]"},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("tools", [QWEN3_5_TOOLS, None], ids=["tools", "no_tools"])
@@ -432,7 +507,12 @@ def test_qwen3_5_prompt_by_hand():
     messages = [
         {"role": "system", "content": " S\n"},
         {"role": "user", "content": "Q "},
-        {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": [call("f", x="é", n=1.5, o={"a": True})]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "",
+            "tool_calls": [call("f", x="é", n=1.5, o={"a": True})],
+        },
         {"role": "tool", "content": "1\n"},
         {"role": "tool", "content": "2"},
         {"role": "assistant", "content": "A", "reasoning_content": "\nR2 "},
@@ -511,7 +591,9 @@ def test_qwen3_5_token_identity_over_generated_episodes():
         record_identity(figures, tokenizer, episode, whole, "\n")
     print("qwen3_5 token identity:", figures)
     assert figures["episodes"] == N_EPISODES
-    assert figures["template_text_differs"] > 0 and figures["retokenized_ids_differ"] >= figures["template_text_differs"]
+    assert (
+        figures["template_text_differs"] > 0 and figures["retokenized_ids_differ"] >= figures["template_text_differs"]
+    )
 
 
 def qwen3_5_parse(text, stop=True, tools=QWEN3_5_TOOLS, enable_thinking=True):
@@ -526,20 +608,52 @@ def xml_call(name, *parameters):
 
 
 def test_qwen3_5_parse_turn_types_arguments_by_the_offered_schemas():
-    text = "plan \n</think>\n\n OK \n\n" + xml_call(
-        "configure", ("label", "3.14"), ("count", "-3"), ("ratio", "2"), ("enabled", "True"), ("tags", '["a", 1]'),
-        ("options", '{"k": null}'), ("note", "None"), ("mode", "slow"), ("extra", "[1]"),
-    ) + "\n" + xml_call("search", ("query", "multi\nline\n"), ("limit", "5")) + "\n" + xml_call(
-        "unknown", ("a", "1.5"), ("b", "False"), ("c", "None"), ("d", "not json"), ("e", ""),
-    )  # fmt: skip
+    text = (
+        "plan \n</think>\n\n OK \n\n"
+        + xml_call(
+            "configure",
+            ("label", "3.14"),
+            ("count", "-3"),
+            ("ratio", "2"),
+            ("enabled", "True"),
+            ("tags", '["a", 1]'),
+            ("options", '{"k": null}'),
+            ("note", "None"),
+            ("mode", "slow"),
+            ("extra", "[1]"),
+        )
+        + "\n"
+        + xml_call("search", ("query", "multi\nline\n"), ("limit", "5"))
+        + "\n"
+        + xml_call(
+            "unknown",
+            ("a", "1.5"),
+            ("b", "False"),
+            ("c", "None"),
+            ("d", "not json"),
+            ("e", ""),
+        )
+    )
     turn = qwen3_5_parse(text)
     assert (turn.reasoning, turn.content, turn.parse_error) == ("plan", "OK", None)
     assert turn.tool_calls == [
-        ToolCall("configure", {"label": "3.14", "count": -3, "ratio": 2, "enabled": True, "tags": ["a", 1],
-                               "options": {"k": None}, "note": None, "mode": "slow", "extra": [1]}),
+        ToolCall(
+            "configure",
+            {
+                "label": "3.14",
+                "count": -3,
+                "ratio": 2,
+                "enabled": True,
+                "tags": ["a", 1],
+                "options": {"k": None},
+                "note": None,
+                "mode": "slow",
+                "extra": [1],
+            },
+        ),
         ToolCall("search", {"query": "multi\nline\n", "limit": 5}),
         ToolCall("unknown", {"a": 1.5, "b": False, "c": None, "d": "not json", "e": ""}),
-    ]  # fmt: skip
+    ]
     # a render_prompt call without tools keeps the schemas of the last one that offered them
     renderer = get_renderer("qwen3_5", qwen3_5_tokenizer())
     renderer.render_prompt([{"role": "user", "content": "q"}], tools=QWEN3_5_TOOLS)
@@ -560,25 +674,58 @@ QWEN3_5_GOOD_CALL = xml_call("search", ("query", "x"))
 @pytest.mark.parametrize(
     "text, error, kept",
     [
-        (xml_call("search", ("query", "x"), ("limit", "ten")) + "\n" + QWEN3_5_GOOD_CALL,
-         "tool call 1 (search): parameter 'limit': 'ten' is not integer as its schema says", 1),
+        (
+            xml_call("search", ("query", "x"), ("limit", "ten")) + "\n" + QWEN3_5_GOOD_CALL,
+            "tool call 1 (search): parameter 'limit': 'ten' is not integer as its schema says",
+            1,
+        ),
         (QWEN3_5_GOOD_CALL + "\n<tool_call>\n<function=python>\n", "tool call 2 is never closed by </tool_call>", 1),
-        ('<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>',
-         """tool call 1 does not open with <function=NAME>: '{"name": "search", "arguments": {}}'""", 0),
-        ("<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n</tool_call>",
-         "tool call 1 (search) is never closed by </function>", 0),
-        ("<tool_call>\n<function=search>\n<parameter=query>\nx\n</function>\n</tool_call>",
-         "tool call 1 (search): parameter 'query' is never closed by </parameter>", 0),
-        ("<tool_call>\n<function=search>\nquery: x\n</function>\n</tool_call>",
-         "tool call 1 (search): text outside a parameter: 'query: x'", 0),
-        (xml_call("search", ("query", "x"), ("query", "y")), "tool call 1 (search): parameter 'query' is given twice", 0),
+        (
+            '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>',
+            """tool call 1 does not open with <function=NAME>: '{"name": "search", "arguments": {}}'""",
+            0,
+        ),
+        (
+            "<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n</tool_call>",
+            "tool call 1 (search) is never closed by </function>",
+            0,
+        ),
+        (
+            "<tool_call>\n<function=search>\n<parameter=query>\nx\n</function>\n</tool_call>",
+            "tool call 1 (search): parameter 'query' is never closed by </parameter>",
+            0,
+        ),
+        (
+            "<tool_call>\n<function=search>\nquery: x\n</function>\n</tool_call>",
+            "tool call 1 (search): text outside a parameter: 'query: x'",
+            0,
+        ),
+        (
+            xml_call("search", ("query", "x"), ("query", "y")),
+            "tool call 1 (search): parameter 'query' is given twice",
+            0,
+        ),
         ("<tool_call>\n<function=>\n</function>\n</tool_call>", "tool call 1 has an empty function name", 0),
-        (QWEN3_5_GOOD_CALL + "\nand then I will wait.", "text outside a tool call after call 1: 'and then I will wait.'", 1),
+        (
+            QWEN3_5_GOOD_CALL + "\nand then I will wait.",
+            "text outside a tool call after call 1: 'and then I will wait.'",
+            1,
+        ),
         ("Here </tool_call> oops", "a </tool_call> with no <tool_call> before it", 0),
     ],
-    ids=["not_the_schema_type", "unclosed_last", "json_call", "unclosed_function", "unclosed_parameter",
-         "text_in_function", "parameter_twice", "empty_name", "text_after", "stray_close"],
-)  # fmt: skip
+    ids=[
+        "not_the_schema_type",
+        "unclosed_last",
+        "json_call",
+        "unclosed_function",
+        "unclosed_parameter",
+        "text_in_function",
+        "parameter_twice",
+        "empty_name",
+        "text_after",
+        "stray_close",
+    ],
+)
 def test_qwen3_5_parse_turn_malformed(text, error, kept):
     turn = qwen3_5_parse("R\n</think>\n\nBefore.\n\n" + text)
     assert turn.parse_error == error
@@ -589,7 +736,11 @@ def test_qwen3_5_parse_turn_malformed(text, error, kept):
 
 def test_qwen3_5_unclosed_reasoning():
     turn = qwen3_5_parse("still thinking\n", stop=False)
-    assert (turn.content, turn.reasoning, turn.parse_error) == ("", "still thinking", "the reasoning is never closed by </think>")
+    assert (turn.content, turn.reasoning, turn.parse_error) == (
+        "",
+        "still thinking",
+        "the reasoning is never closed by </think>",
+    )
 
 
 def test_qwen3_5_bad_input():
@@ -601,10 +752,13 @@ def test_qwen3_5_bad_input():
     with pytest.raises(ValueError, match=r"message 0 has role 'system'; this format takes \['user', 'tool'\]"):
         renderer.bridge(turn, [{"role": "system", "content": "x"}])
     with pytest.raises(ValueError, match=r"message 2 is a system message; only the first may be"):
-        renderer.render_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-                                {"role": "system", "content": "s2"}])  # fmt: skip
+        renderer.render_prompt(
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "system", "content": "s2"}]
+        )
     with pytest.raises(ValueError, match=r"the conversation has no user query"):
-        renderer.render_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "<tool_response>\n1\n</tool_response>"}])
+        renderer.render_prompt(
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "<tool_response>\n1\n</tool_response>"}]
+        )
     with pytest.raises(ValueError, match=r"message 0 is a tool result with no assistant turn before it"):
         renderer.render_prompt([{"role": "tool", "content": "1"}, {"role": "user", "content": "q"}])
     with pytest.raises(ValueError, match=r"the tokenizer has no single token for '<\|im_start\|>'"):
@@ -613,8 +767,15 @@ def test_qwen3_5_bad_input():
 
 # ---- Llama 3 -------------------------------------------------------------------------------------------
 
-LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                  "<|eom_id|>", "<|python_tag|>"]  # fmt: skip
+LLAMA3_SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+]
 LLAMA3_HEADER, LLAMA3_STOPS = "<|start_header_id|>assistant<|end_header_id|>\n\n", ("<|eot_id|>", "<|eom_id|>")
 
 
@@ -631,7 +792,7 @@ LLAMA3_CONVERSATION = [
     {"role": "ipython", "content": "Error: timeout"},
     {"role": "assistant", "content": " Paris 21 °C, Tokyo unknown.\n"},
     {"role": "user", "content": "Search for more?"},
-    {"role": "assistant", "content": "", "tool_calls": [call("search", query="paris \"weather\" {x}", limit=3)]},
+    {"role": "assistant", "content": "", "tool_calls": [call("search", query='paris "weather" {x}', limit=3)]},
     {"role": "tool", "content": "[]"},
 ]
 
@@ -685,7 +846,10 @@ def test_llama3_token_identity_over_generated_episodes():
     figures = new_identity_figures()
     for seed in range(N_EPISODES):
         rng = random.Random(seed)
-        options = {"tools_in_user_message": rng.random() < 0.75, "date_string": rng.choice(["26 Jul 2024", "03 Mar 2025"])}
+        options = {
+            "tools_in_user_message": rng.random() < 0.75,
+            "date_string": rng.choice(["26 Jul 2024", "03 Mar 2025"]),
+        }
         conversation = random_conversation(
             rng, tuple(LLAMA3_SPECIAL), reasoning=False, max_calls=1, tool_roles=("tool", "ipython")
         )
@@ -696,7 +860,9 @@ def test_llama3_token_identity_over_generated_episodes():
             expected_calls = expected_tool_calls(assistant)
             assert turn.tool_calls == expected_calls
             assert turn.content == ("" if expected_calls else assistant["content"].strip())
-        whole = tokenizer.apply_chat_template(conversation.messages(), tools=conversation.tools, tokenize=False, **options)
+        whole = tokenizer.apply_chat_template(
+            conversation.messages(), tools=conversation.tools, tokenize=False, **options
+        )
         record_identity(figures, tokenizer, episode, whole, "")
     print("llama3 token identity:", figures)
     assert figures["episodes"] == N_EPISODES
@@ -713,9 +879,12 @@ def test_llama3_not_prefix_preserving_points():
     messages = [{"role": "user", "content": "q"}]
     prompt_text = renderer.decode(renderer.render_prompt(messages, tools=TOOLS))
     for sampled, rendered in [
-        ('{"parameters":{"query":"\\u00e9"},"name":"search"}<|eom_id|>', '{"name": "search", "parameters": {"query": "é"}}<|eot_id|>'),
+        (
+            '{"parameters":{"query":"\\u00e9"},"name":"search"}<|eom_id|>',
+            '{"name": "search", "parameters": {"query": "é"}}<|eot_id|>',
+        ),
         ("  Hi there.\n<|eot_id|>", "Hi there.<|eot_id|>"),
-    ]:  # fmt: skip
+    ]:
         turn = renderer.parse_turn(renderer.encode(sampled))
         assert turn.parse_error is None
         text, _ = template_ids(tokenizer, messages + [turn.message()], TOOLS, generation_prompt=False)
@@ -728,9 +897,11 @@ def llama3_parse(text, stop="<|eot_id|>"):
 
 
 def test_llama3_parse_turn_well_formed():
-    for text, stop in [('{"name": "search", "parameters": {"query": "a\\nb"}}', "<|eot_id|>"),
-                       ('<|python_tag|>{"name": "search", "parameters": {"query": "a\\nb"}}', "<|eom_id|>"),
-                       ('\n { "name" : "search", "parameters": {"query": "a\\nb"}} ', "")]:  # fmt: skip
+    for text, stop in [
+        ('{"name": "search", "parameters": {"query": "a\\nb"}}', "<|eot_id|>"),
+        ('<|python_tag|>{"name": "search", "parameters": {"query": "a\\nb"}}', "<|eom_id|>"),
+        ('\n { "name" : "search", "parameters": {"query": "a\\nb"}} ', ""),
+    ]:
         turn = llama3_parse(text, stop)
         assert (turn.content, turn.reasoning, turn.parse_error) == ("", None, None)
         assert turn.tool_calls == [ToolCall("search", {"query": "a\nb"})]
@@ -742,18 +913,25 @@ def test_llama3_parse_turn_well_formed():
 @pytest.mark.parametrize(
     "text, error",
     [
-        ('{"name": "search", "parameters": {"query": }}',
-         """tool call 1 is not valid JSON (Expecting value at line 1 column 44): '{"name": "search", "parameters": {"query": }}'"""),
-        ('{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}',
-         """tool call 1 is not valid JSON (Extra data at line 1 column 37): '{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}'"""),
-        ('{"name": "search", "arguments": {}}', "tool call 1 has keys other than \"name\" and \"parameters\": ['arguments']"),
+        (
+            '{"name": "search", "parameters": {"query": }}',
+            """tool call 1 is not valid JSON (Expecting value at line 1 column 44): '{"name": "search", "parameters": {"query": }}'""",
+        ),
+        (
+            '{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}',
+            """tool call 1 is not valid JSON (Extra data at line 1 column 37): '{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}'""",
+        ),
+        (
+            '{"name": "search", "arguments": {}}',
+            'tool call 1 has keys other than "name" and "parameters": [\'arguments\']',
+        ),
         ('{"name": "search"}', 'tool call 1 (search) has no "parameters"'),
         ('{"parameters": {}}', 'tool call 1 has no "name" (a non-empty string)'),
         ('{"name": "search", "parameters": "x"}', 'tool call 1 (search): "parameters" is a JSON string, not an object'),
         ("<|python_tag|>[1]", 'tool call 1 is a JSON array, not an object with "name" and "parameters"'),
     ],
     ids=["bad_json", "two_calls", "arguments_key", "no_parameters", "no_name", "parameters_string", "not_an_object"],
-)  # fmt: skip
+)
 def test_llama3_parse_turn_malformed(text, error):
     turn = llama3_parse(text)
     assert (turn.content, turn.tool_calls, turn.parse_error) == ("", [], error)
@@ -765,12 +943,22 @@ def test_llama3_bad_input():
     turn = renderer.encode("hi<|eot_id|>")
     with pytest.raises(ValueError, match=r"bridge\(\) needs a turn that ended with a stop token"):
         renderer.bridge(turn[:-1], [{"role": "user", "content": "x"}])
-    with pytest.raises(ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool', 'ipython'\]"):
+    with pytest.raises(
+        ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool', 'ipython'\]"
+    ):
         renderer.bridge(turn, [{"role": "assistant", "content": "x"}])
-    with pytest.raises(ValueError, match=r"message 1 \(assistant\) has 2 tool calls; the Llama 3 template takes exactly one a turn"):
-        renderer.render_prompt([{"role": "user", "content": "q"},
-                                {"role": "assistant", "content": "", "tool_calls": [call("f"), call("g")]}])  # fmt: skip
-    with pytest.raises(ValueError, match=r"with tools, the first message after the system message must be a user message"):
+    with pytest.raises(
+        ValueError, match=r"message 1 \(assistant\) has 2 tool calls; the Llama 3 template takes exactly one a turn"
+    ):
+        renderer.render_prompt(
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "tool_calls": [call("f"), call("g")]},
+            ]
+        )
+    with pytest.raises(
+        ValueError, match=r"with tools, the first message after the system message must be a user message"
+    ):
         renderer.render_prompt([{"role": "system", "content": "s"}], tools=TOOLS)
     with pytest.raises(ValueError, match=r"date_string must be a non-empty string such as '26 Jul 2024', got ''"):
         get_renderer("llama3", tokenizer, date_string="")
@@ -790,8 +978,11 @@ def qwen2_tokenizer():
 QWEN2_CONVERSATION = [
     {"role": "system", "content": "You are a careful agent.\nAnswer briefly.\n"},
     {"role": "user", "content": "Weather in Paris and Tōkyō?  "},
-    {"role": "assistant", "content": "Let me look both up.",
-     "tool_calls": [call("get_weather", city="Paris", days=2), call("get_weather", city="東京", units="c")]},
+    {
+        "role": "assistant",
+        "content": "Let me look both up.",
+        "tool_calls": [call("get_weather", city="Paris", days=2), call("get_weather", city="東京", units="c")],
+    },
     {"role": "tool", "content": '{"temp": 21}'},
     {"role": "tool", "content": "Error: timeout\n"},
     {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="Tokyo")]},
@@ -799,9 +990,9 @@ QWEN2_CONVERSATION = [
     {"role": "assistant", "content": "\nParis 21 °C, Tokyo 18 °C. "},
     {"role": "system", "content": "Use Fahrenheit from now on."},
     {"role": "user", "content": "And in Fahrenheit?\n"},
-    {"role": "assistant", "content": "Sure:\n", "tool_calls": [call("search", query="paris \"weather\" {x}", limit=3)]},
+    {"role": "assistant", "content": "Sure:\n", "tool_calls": [call("search", query='paris "weather" {x}', limit=3)]},
     {"role": "tool", "content": "[]"},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no_tools"])
@@ -895,7 +1086,9 @@ def test_qwen2_bad_input():
     turn = renderer.encode("hi<|im_end|>")
     with pytest.raises(ValueError, match=r"bridge\(\) needs a turn that ended with a stop token"):
         renderer.bridge(turn[:-1], [{"role": "user", "content": "x"}])
-    with pytest.raises(ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool'\]"):
+    with pytest.raises(
+        ValueError, match=r"message 0 has role 'assistant'; this format takes \['system', 'user', 'tool'\]"
+    ):
         renderer.bridge(turn, [{"role": "assistant", "content": "x"}])
     with pytest.raises(ValueError, match=r"message 0 \(user\) needs string content, got list"):
         renderer.render_prompt([{"role": "user", "content": ["q"]}])
@@ -904,7 +1097,15 @@ def test_qwen2_bad_input():
 
 
 def test_family_names_its_renderers():
-    expected = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-                "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "llama": "llama3", "qwen2": "qwen2"}  # fmt: skip
+    expected = {
+        "qwen3": "qwen3",
+        "qwen3_moe": "qwen3",
+        "qwen3_5": "qwen3_5",
+        "qwen3_5_text": "qwen3_5",
+        "qwen3_5_moe": "qwen3_5",
+        "qwen3_5_moe_text": "qwen3_5",
+        "llama": "llama3",
+        "qwen2": "qwen2",
+    }
     for model_type, name in expected.items():
         assert default_renderer_name(model_type) == name

@@ -19,7 +19,9 @@ from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-RUBRIC = "Grade the answer to the question from 0 to 9.\nQuestion: {prompt}\nAnswer: {completion}\nReference: {reference}\n"
+RUBRIC = (
+    "Grade the answer to the question from 0 to 9.\nQuestion: {prompt}\nAnswer: {completion}\nReference: {reference}\n"
+)
 PROMPTS, COMPLETIONS, REFERENCES = ["2+2", "3*3", "7-5"], ["4", "6", "2"], ["4", "9", "2"]
 
 
@@ -28,15 +30,25 @@ def judge_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("judge")
     model_dir, _ = tiny_char_checkpoint("qwen3", root / "model", head_dim=32, use_sliding_window=False)
     config = VLLMConfig(port=8177, transport="disk")
-    with VLLMRolloutEngine(config, model_path=str(model_dir), log_dir=root, longest_prompt_tokens=160,
-                           max_new_tokens=32) as engine:  # fmt: skip
+    with VLLMRolloutEngine(
+        config, model_path=str(model_dir), log_dir=root, longest_prompt_tokens=160, max_new_tokens=32
+    ) as engine:
         yield engine.servers.servers[0].url + "/v1", engine.served_model
 
 
 def _score(judge_server, **judge):
     base_url, model = judge_server
-    settings = {"base_url": base_url, "model": model, "prompt": RUBRIC, "score_range": (0.0, 9.0),
-                "score_regex": r"Score: ([0-9])", "max_tokens": 16, "timeout_s": 120.0, "retries": 0, **judge}  # fmt: skip
+    settings = {
+        "base_url": base_url,
+        "model": model,
+        "prompt": RUBRIC,
+        "score_range": (0.0, 9.0),
+        "score_regex": r"Score: ([0-9])",
+        "max_tokens": 16,
+        "timeout_s": 120.0,
+        "retries": 0,
+        **judge,
+    }
     term = RewardTermConfig(name="judge", kind="judge", judge=JudgeConfig(**settings))
     with RewardScorer(RewardConfig(num_workers=0, terms=(term,))) as scorer:
         return scorer.score_batch(PROMPTS, COMPLETIONS, REFERENCES)
@@ -51,8 +63,11 @@ def test_a_random_judge_replies_prose_and_every_reply_is_a_counted_parse_failure
 
 @pytest.mark.parametrize("structured_output", ["choice", "regex"])
 def test_structured_outputs_make_every_judge_reply_parse(judge_server, structured_output):
-    batch = _score(judge_server, structured_output=structured_output,
-                   score_regex="" if structured_output == "choice" else r"Score: ([0-9])")  # fmt: skip
+    batch = _score(
+        judge_server,
+        structured_output=structured_output,
+        score_regex="" if structured_output == "choice" else r"Score: ([0-9])",
+    )
     assert batch.metrics["reward/judge_parse_failures"] == 0 and batch.metrics["reward_errors"] == 0
     assert batch.metrics["reward/judge_requests"] == 3
     values = batch.parts["judge"].tolist()

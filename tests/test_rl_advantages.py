@@ -147,8 +147,9 @@ def test_reinforce_pp_token_level_whitening():
         torch.tensor([1.0, 7.0, 0.0]), 1, group_baseline=False, weights=torch.tensor([1.0, 0.0, 3.0]), eps=0.0
     )
     torch.testing.assert_close(adv, torch.tensor([1.5, 0.0, -0.5]))
-    assert torch.equal(reinforce_pp_advantages(rewards, 1, group_baseline=False, weights=torch.zeros(2)),
-                       torch.zeros(2))  # fmt: skip
+    assert torch.equal(
+        reinforce_pp_advantages(rewards, 1, group_baseline=False, weights=torch.zeros(2)), torch.zeros(2)
+    )
     # REINFORCE++-baseline, G = 2, rewards [1, 0 | 2, 2] with 1, 3, 2, 2 tokens: x = 0.5, -0.5, 0, 0;
     # token mean (0.5 - 1.5) / 8 = -0.125; squares sum 0.25 + 0.75 = 1, so the unbiased variance is
     # (1 - 8 * 0.015625) / 7 = 0.125, std 0.3535534: (0.5 + 0.125) / std = 1.7677670,

@@ -47,8 +47,9 @@ def packed(old, advantages, mask=MASK, cu_seqlens=CU_SEQLENS, **fields) -> Packe
     return PackedBatch(zeros, zeros, cu_seqlens, zeros, mask, advantages=advantages, old_logprobs=old, **fields)
 
 
-def run_loss(name_or_algorithm, logprobs, old, advantages=ADVANTAGES, mask=MASK, cu_seqlens=CU_SEQLENS, ctx=None,
-             **fields):  # fmt: skip
+def run_loss(
+    name_or_algorithm, logprobs, old, advantages=ADVANTAGES, mask=MASK, cu_seqlens=CU_SEQLENS, ctx=None, **fields
+):
     """The algorithm's loss on the whole batch as one micro-batch (ctx: its own counts)."""
     algo = algorithm(name_or_algorithm) if isinstance(name_or_algorithm, str) else name_or_algorithm
     ctx = ctx or LossContext.for_batch(mask, cu_seqlens)
@@ -89,8 +90,9 @@ def test_drgrpo_divides_by_constant_length():
     expected_grad = [0.0, -0.125, 0.0, -0.1125, 0.0, 0.0, 0.1375]
     torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor(expected_grad))
     with pytest.raises(ValueError, match="max_response_length"):
-        aggregate_token_losses(torch.zeros(7), MASK, CU_SEQLENS, "seq_mean_token_sum_norm", LossContext.for_batch(
-            MASK, CU_SEQLENS))  # fmt: skip
+        aggregate_token_losses(
+            torch.zeros(7), MASK, CU_SEQLENS, "seq_mean_token_sum_norm", LossContext.for_batch(MASK, CU_SEQLENS)
+        )
 
 
 def test_gspo_sequence_level_ratio_and_gradient():
@@ -180,8 +182,9 @@ def test_token_importance_weights():
 def test_tis_weights_scale_token_losses():
     logprobs, old = inputs()
     rollout = old - torch.tensor([0.0, 0.0, math.log(2.0), math.log(0.5), 0.0, 0.0, 0.0])
-    loss, _ = run_loss(algorithm("dapo", importance_sampling="token", importance_cap=2.0), logprobs, old,
-                       rollout_logprobs=rollout)  # fmt: skip
+    loss, _ = run_loss(
+        algorithm("dapo", importance_sampling="token", importance_cap=2.0), logprobs, old, rollout_logprobs=rollout
+    )
     # DAPO token losses -1, -1.25, -0.9, 0.8, 1.1 weighted by 1, 2, 0.5, 1, 1
     assert loss.item() == pytest.approx((-1 - 2.5 - 0.45 + 0.8 + 1.1) / 5, abs=1e-6)
 
@@ -230,11 +233,11 @@ def test_decoupled_ppo_objective():
 
 def test_dual_clip_bounds_negative_advantage_tokens_only():
     """loss_t = min(max(-A r, -A clip(r, 0.8, 1.2)), -A c) for A < 0, c = 3; unchanged for A >= 0.
-        A=-1,   r=4:   max(4, 1.2) = 4 > 3         -> 3    (changed)
-        A=-1,   r=2:   max(2, 1.2) = 2 <= 3        -> 2    (A < 0, r <= c: unchanged)
-        A=+1,   r=4:   max(-4, -1.2) = -1.2        -> -1.2 (A >= 0: unchanged, although r > c)
-        A=-2,   r=0.5: max(1, 1.6) = 1.6 <= 6      -> 1.6  (unchanged)
-        A=-0.5, r=5:   max(2.5, 0.6) = 2.5 > 1.5   -> 1.5  (changed)"""
+    A=-1,   r=4:   max(4, 1.2) = 4 > 3         -> 3    (changed)
+    A=-1,   r=2:   max(2, 1.2) = 2 <= 3        -> 2    (A < 0, r <= c: unchanged)
+    A=+1,   r=4:   max(-4, -1.2) = -1.2        -> -1.2 (A >= 0: unchanged, although r > c)
+    A=-2,   r=0.5: max(1, 1.6) = 1.6 <= 6      -> 1.6  (unchanged)
+    A=-0.5, r=5:   max(2.5, 0.6) = 2.5 > 1.5   -> 1.5  (changed)"""
     ratios = torch.tensor([4.0, 2.0, 4.0, 0.5, 5.0])
     advantages = torch.tensor([-1.0, -1.0, 1.0, -2.0, -0.5])
     logprobs = torch.tensor([-1.0, -2.0, -0.5, -1.5, -3.0], requires_grad=True)
@@ -297,8 +300,13 @@ def test_icepop_band_replaces_the_truncation():
     assert loss.item() == pytest.approx(-(3 + 0 + 1 + 1 + 1) / 5, abs=1e-6)
     torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor([0.0, -0.6, 0.0, -0.2, 0.0, -0.2, -0.2]))
     assert "tis_clip_fraction" not in metrics  # nothing is truncated
-    truncated, _ = run_loss(algorithm("dapo", importance_sampling="token", importance_cap=2.0), logprobs, old,
-                            advantages, rollout_logprobs=rollout)  # fmt: skip
+    truncated, _ = run_loss(
+        algorithm("dapo", importance_sampling="token", importance_cap=2.0),
+        logprobs,
+        old,
+        advantages,
+        rollout_logprobs=rollout,
+    )
     assert truncated.item() == pytest.approx(-(2 + 2 + 1 + 1 + 1) / 5, abs=1e-6)
 
 
@@ -330,8 +338,9 @@ def test_policy_loss_combines_algorithm_kl_and_tis():
     algo = algorithm("dapo", kl_coef=0.1, kl_estimator="k2", importance_sampling="token", importance_cap=2.0)
     loss, metrics = run_loss(algo, logprobs, old, ref_logprobs=ref, rollout_logprobs=rollout)
     pg, _ = run_loss(algorithm("dapo", importance_sampling="token"), logprobs, old, rollout_logprobs=rollout)
-    kl = aggregate_token_losses(kl_penalty(logprobs, ref, "k2"), MASK, CU_SEQLENS, "token_mean",
-                                LossContext.for_batch(MASK, CU_SEQLENS))  # fmt: skip
+    kl = aggregate_token_losses(
+        kl_penalty(logprobs, ref, "k2"), MASK, CU_SEQLENS, "token_mean", LossContext.for_batch(MASK, CU_SEQLENS)
+    )
     assert loss.item() == pytest.approx((pg + 0.1 * kl).item(), abs=1e-6)
     # k2 with logp - ref = 0.1 on every token: 0.005
     assert metrics["kl"].item() == pytest.approx(0.005, abs=1e-6)

@@ -64,10 +64,14 @@ def _term(name, function="", kind="function", weight=1.0, **extra):
 
 
 def test_the_reward_is_the_weighted_sum_of_the_terms_each_logged(terms):
-    config = RewardConfig(num_workers=0, terms=(
-        _term("exact", "exact", weight=1.0), _term("length", f"{terms}:length", weight=0.25),
-        _term("flaky", f"{terms}:flaky", weight=-0.5),
-    ))  # fmt: skip
+    config = RewardConfig(
+        num_workers=0,
+        terms=(
+            _term("exact", "exact", weight=1.0),
+            _term("length", f"{terms}:length", weight=0.25),
+            _term("flaky", f"{terms}:flaky", weight=-0.5),
+        ),
+    )
     with RewardScorer(config) as scorer:
         batch = scorer.score_batch(["p"] * 3, ["42", "boom", "7"], ["42", "42", "8"])
     # exact + 0.25 * length - 0.5 * flaky (the flaky term failed on "boom" and gives 0 there)
@@ -83,9 +87,15 @@ def test_the_reward_is_the_weighted_sum_of_the_terms_each_logged(terms):
 
 
 def test_a_sample_counts_once_in_the_total_however_many_of_its_terms_fail(terms):
-    config = RewardConfig(num_workers=1, timeout_s=5.0, terms=(
-        _term("a", f"{terms}:flaky"), _term("b", f"{terms}:flaky"), _term("c", "exact"),
-    ))  # fmt: skip
+    config = RewardConfig(
+        num_workers=1,
+        timeout_s=5.0,
+        terms=(
+            _term("a", f"{terms}:flaky"),
+            _term("b", f"{terms}:flaky"),
+            _term("c", "exact"),
+        ),
+    )
     with RewardScorer(config) as scorer:
         batch = scorer.score_batch(["p"] * 2, ["boom", "x"], ["x", "x"])
     assert batch.metrics["reward/a_errors"] == batch.metrics["reward/b_errors"] == 1
@@ -95,15 +105,19 @@ def test_a_sample_counts_once_in_the_total_however_many_of_its_terms_fail(terms)
 
 def test_samples_are_routed_by_data_source_with_per_source_metrics(terms):
     config = RewardConfig(
-        num_workers=1, timeout_s=5.0,
+        num_workers=1,
+        timeout_s=5.0,
         terms=(_term("exact", "exact"), _term("length", f"{terms}:length", weight=0.5)),
-        sources={"gsm": ("exact",), "essay": ("length",), "both": ("exact", "length")}, default_terms=("exact",),
-    )  # fmt: skip
+        sources={"gsm": ("exact",), "essay": ("length",), "both": ("exact", "length")},
+        default_terms=("exact",),
+    )
     with RewardScorer(config, data_sources=["essay", "gsm", "both", "other", ""]) as scorer:
         batch = scorer.score_batch(
-            ["p"] * 6, ["1", "abcd", "1", "1", "xy", "1"], ["1", "1", "1", "2", "1", "1"],
+            ["p"] * 6,
+            ["1", "abcd", "1", "1", "xy", "1"],
+            ["1", "1", "1", "2", "1", "1"],
             data_sources=["gsm", "essay", "both", "other", "gsm", ""],
-        )  # fmt: skip
+        )
     assert batch.rewards.tolist() == [1.0, 2.0, 1.5, 0.0, 0.0, 1.0]
     # a term's values are kept only where it scored; its mean is over those samples
     assert batch.parts["length"].tolist() == [0.0, 4.0, 1.0, 0.0, 0.0, 0.0]
@@ -128,8 +142,11 @@ def test_a_source_without_terms_is_an_error_naming_it_and_the_setting():
 def test_totals_summed_over_ranks_give_the_run_wide_means(terms):
     """The step sums RewardBatch.sums over the data-parallel ranks: equal keys, in the same order,
     also for a rank that scored nothing of a source or term."""
-    config = RewardConfig(num_workers=0, terms=(_term("exact", "exact"), _term("length", f"{terms}:length")),
-                          sources={"a": ("exact",), "b": ("length",)})  # fmt: skip
+    config = RewardConfig(
+        num_workers=0,
+        terms=(_term("exact", "exact"), _term("length", f"{terms}:length")),
+        sources={"a": ("exact",), "b": ("length",)},
+    )
     with RewardScorer(config, data_sources=["a", "b"]) as scorer:
         first = scorer.score_batch(["p"] * 2, ["1", "2"], ["1", "1"], data_sources=["a", "a"])
         second = scorer.score_batch(["p"], ["abc"], ["1"], data_sources=["b"])
@@ -143,12 +160,18 @@ def test_totals_summed_over_ranks_give_the_run_wide_means(terms):
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_verl_style_and_keyword_functions_get_data_source_and_extra_info(terms, num_workers):
-    config = RewardConfig(num_workers=num_workers, timeout_s=5.0, terms=(
-        _term("verl", f"{terms}:compute_score"), _term("keywords", f"{terms}:with_source"),
-    ))  # fmt: skip
+    config = RewardConfig(
+        num_workers=num_workers,
+        timeout_s=5.0,
+        terms=(
+            _term("verl", f"{terms}:compute_score"),
+            _term("keywords", f"{terms}:with_source"),
+        ),
+    )
     with RewardScorer(config) as scorer:
-        batch = scorer.score_batch(["p"] * 2, ["4", "5"], ["4", "4"], data_sources=["a", "b"],
-                                   extra_infos=[{"bonus": 0.5}, None])  # fmt: skip
+        batch = scorer.score_batch(
+            ["p"] * 2, ["4", "5"], ["4", "4"], data_sources=["a", "b"], extra_infos=[{"bonus": 0.5}, None]
+        )
     assert batch.parts["verl"].tolist() == [1.5, 0.0]
     # with_source gets extra_info through **kwargs and adds it: the dict of the first sample makes it raise
     assert batch.metrics["reward/keywords_errors"] == 1
@@ -157,9 +180,14 @@ def test_verl_style_and_keyword_functions_get_data_source_and_extra_info(terms, 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_a_group_term_scores_each_prompts_completions_together(terms, num_workers):
-    config = RewardConfig(num_workers=num_workers, timeout_s=5.0, terms=(
-        _term("shortest", f"{terms}:rank", kind="group"), _term("exact", "exact", weight=2.0),
-    ))  # fmt: skip
+    config = RewardConfig(
+        num_workers=num_workers,
+        timeout_s=5.0,
+        terms=(
+            _term("shortest", f"{terms}:rank", kind="group"),
+            _term("exact", "exact", weight=2.0),
+        ),
+    )
     completions = ["aaa", "b", "cc", "dd", "fail", "e", "short", "zz"]
     groups = [0, 0, 0, 1, 1, 1, 2, 3]  # prompt 1's group fails as a whole; prompt 3's has one sample
     with RewardScorer(config) as scorer:
@@ -295,8 +323,13 @@ def _url(server, path):
 def test_the_reward_server_scores_in_batches(reward_server):
     reward_server.requests.clear()
     with _server_scorer(_url(reward_server, "/ok")) as scorer:
-        batch = scorer.score_batch(["p"] * 5, ["a", "bb", "ccc", "dddd", "x"], ["x"] * 5, data_sources=["s"] * 5,
-                                   extra_infos=[{"i": i} for i in range(5)])  # fmt: skip
+        batch = scorer.score_batch(
+            ["p"] * 5,
+            ["a", "bb", "ccc", "dddd", "x"],
+            ["x"] * 5,
+            data_sources=["s"] * 5,
+            extra_infos=[{"i": i} for i in range(5)],
+        )
     assert batch.parts["rm"].tolist() == [1.0, 2.0, 3.0, 4.0, 1.0]
     assert batch.rewards.tolist() == [1.0, 2.0, 3.0, 4.0, 2.0]
     sizes = sorted(len(body["samples"]) for _, body in reward_server.requests)
@@ -329,7 +362,7 @@ def test_failed_requests_are_retried_with_backoff(reward_server):
     [
         ("/error", "errors", "answered HTTP 500"),
         ("/garbage", "errors", "not JSON"),
-        ("/short", "errors", "expected {\"rewards\": [...]} with 2 numbers"),
+        ("/short", "errors", 'expected {"rewards": [...]} with 2 numbers'),
         ("/slow", "timeouts", "no reply"),
     ],
 )
@@ -369,8 +402,12 @@ def test_a_refused_connection_is_a_counted_error():
 
 def _judge(reward_server, reply, **settings):
     settings = {"timeout_s": 1.0, "retries": 0, "concurrency": 3, **settings}
-    config = JudgeConfig(base_url=_url(reward_server, f"/judge/{reply}"), model="judge",
-                         prompt="Q: {prompt}\nA: {completion}\nRef: {reference}", **settings)  # fmt: skip
+    config = JudgeConfig(
+        base_url=_url(reward_server, f"/judge/{reply}"),
+        model="judge",
+        prompt="Q: {prompt}\nA: {completion}\nRef: {reference}",
+        **settings,
+    )
     return RewardScorer(RewardConfig(num_workers=0, terms=(_term("judge", kind="judge", judge=config),)))
 
 
@@ -411,10 +448,15 @@ def test_judge_requests_carry_structured_outputs_when_asked():
 
 
 def test_http_terms_run_beside_the_worker_terms(reward_server, terms):
-    config = RewardConfig(num_workers=1, timeout_s=5.0, terms=(
-        _term("rm", kind="server", server=RewardServerConfig(url=_url(reward_server, "/ok"), timeout_s=2.0)),
-        _term("length", f"{terms}:length", weight=10.0),
-    ), sources={"a": ("rm",), "b": ("rm", "length")})  # fmt: skip
+    config = RewardConfig(
+        num_workers=1,
+        timeout_s=5.0,
+        terms=(
+            _term("rm", kind="server", server=RewardServerConfig(url=_url(reward_server, "/ok"), timeout_s=2.0)),
+            _term("length", f"{terms}:length", weight=10.0),
+        ),
+        sources={"a": ("rm",), "b": ("rm", "length")},
+    )
     with RewardScorer(config, data_sources=["a", "b"]) as scorer:
         batch = scorer.score_batch(["p"] * 2, ["xy", "xyz"], [None] * 2, data_sources=["a", "b"])
     assert batch.rewards.tolist() == [2.0, 33.0]
@@ -428,7 +470,8 @@ def test_terms_and_routing_load_from_a_yaml_file(tmp_path):
     from archon.rl.config import load_config_file
 
     path = tmp_path / "run.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         reward:
           terms:
             - {name: correct, function: math}
@@ -438,7 +481,8 @@ def test_terms_and_routing_load_from_a_yaml_file(tmp_path):
               judge: {base_url: "http://judge:8000/v1", model: m, prompt: "{completion}", score_range: [0, 10]}
           sources: {gsm8k: [correct], chat: [rm, judge]}
           default_terms: [correct]
-    """))
+    """)
+    )
     reward = load_config_file(path).reward
     assert [t.name for t in reward.terms] == ["correct", "rm", "judge"]
     assert reward.terms[1].server.batch_size == 16 and reward.terms[1].weight == 0.5
@@ -452,7 +496,9 @@ def _invalid(reward: RewardConfig, run_dir, data_path=None) -> str:
     from archon.rl.loop import RLRun
 
     config = RLConfig()
-    config = dataclasses.replace(config, reward=reward, logging=dataclasses.replace(config.logging, run_dir=str(run_dir)))
+    config = dataclasses.replace(
+        config, reward=reward, logging=dataclasses.replace(config.logging, run_dir=str(run_dir))
+    )
     if data_path is not None:
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(data_path)))
     with pytest.raises(ValueError) as error:
@@ -468,35 +514,53 @@ def _judge_term(**judge):
 @pytest.mark.parametrize(
     "reward, culprit",
     [
-        (RewardConfig(terms=(_term("a", "exact"), _term("a", "exact"))), "reward.terms[1].name='a': is the name of an earlier term"),
+        (
+            RewardConfig(terms=(_term("a", "exact"), _term("a", "exact"))),
+            "reward.terms[1].name='a': is the name of an earlier term",
+        ),
         (RewardConfig(terms=(_term("a b", "exact"),)), "reward.terms[0].name='a b': must be letters"),
-        (RewardConfig(terms=(_term("a", "nope_module:f"),)), "reward.terms[0].function='nope_module:f': no module named"),
+        (
+            RewardConfig(terms=(_term("a", "nope_module:f"),)),
+            "reward.terms[0].function='nope_module:f': no module named",
+        ),
         (RewardConfig(terms=(_term("a", "exact", weight=float("nan")),)), "reward.terms[0].weight=nan"),
-        (RewardConfig(terms=(_term("a", "exact"),), sources={"gsm": ("b",)}), "reward.sources['gsm']=['b']: names no term 'b'"),
+        (
+            RewardConfig(terms=(_term("a", "exact"),), sources={"gsm": ("b",)}),
+            "reward.sources['gsm']=['b']: names no term 'b'",
+        ),
         (RewardConfig(terms=(_term("a", "exact"),), default_terms=("a",)), "reward.default_terms=['a']: only applies"),
         (RewardConfig(terms=(_term("rm", kind="server"),)), "reward.terms[0].server.url='': must be an http"),
-        (RewardConfig(terms=(_term("rm", kind="server", server=RewardServerConfig(url="http://x", batch_size=0)),)),
-         "reward.terms[0].server.batch_size=0"),
+        (
+            RewardConfig(terms=(_term("rm", kind="server", server=RewardServerConfig(url="http://x", batch_size=0)),)),
+            "reward.terms[0].server.batch_size=0",
+        ),
         (RewardConfig(terms=(_judge_term(prompt=""),)), "reward.terms[0].judge.prompt is not set"),
         (RewardConfig(function="exact", terms=(_term("a", "exact"),)), "reward.function='exact': is not used"),
-        (RewardConfig(terms=(_judge_term(api_key_env="ARCHON_TEST_UNSET_KEY"),)),
-         "judge.api_key_env='ARCHON_TEST_UNSET_KEY': names an environment variable that is not set"),
+        (
+            RewardConfig(terms=(_judge_term(api_key_env="ARCHON_TEST_UNSET_KEY"),)),
+            "judge.api_key_env='ARCHON_TEST_UNSET_KEY': names an environment variable that is not set",
+        ),
         (RewardConfig(terms=(_judge_term(prompt="{answer}"),)), "reward.terms[0].judge.prompt: KeyError: 'answer'"),
         (RewardConfig(terms=(_judge_term(model=""),)), "reward.terms[0].judge.model=''"),
         (RewardConfig(terms=(_judge_term(score_range=(1.0, 0.0)),)), "reward.terms[0].judge.score_range=[1.0, 0.0]"),
         (RewardConfig(terms=(_judge_term(score_regex="(unclosed"),)), "judge.score_regex='(unclosed': not a regular"),
-        (RewardConfig(terms=(_judge_term(score_range=(0.0, 1000.0), structured_output="choice"),)),
-         "with structured_output=choice must hold 1 to 101 integers"),
+        (
+            RewardConfig(terms=(_judge_term(score_range=(0.0, 1000.0), structured_output="choice"),)),
+            "with structured_output=choice must hold 1 to 101 integers",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_reward_terms_fail_before_anything_is_built(reward, culprit, tmp_path):
     assert culprit in _invalid(reward, tmp_path / "run")
 
 
 def test_a_data_source_without_terms_fails_before_a_model_is_built(tmp_path):
     data = tmp_path / "train.jsonl"
-    rows = [{"prompt": "1+1", "answer": "2", "data_source": "gsm"}, {"prompt": "x", "answer": "y", "data_source": "code"},
-            {"prompt": "z", "answer": "z"}]  # fmt: skip
+    rows = [
+        {"prompt": "1+1", "answer": "2", "data_source": "gsm"},
+        {"prompt": "x", "answer": "y", "data_source": "code"},
+        {"prompt": "z", "answer": "z"},
+    ]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     reward = RewardConfig(terms=(_term("exact", "exact"),), sources={"gsm": ("exact",)})
     message = _invalid(reward, tmp_path / "run", data)
@@ -521,14 +585,16 @@ def test_a_run_logs_each_term_and_each_source(tmp_path):
         row["data_source"] = "digits" if i % 2 else "exact"
     (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     yaml_path = tmp_path / "reward.yaml"
-    yaml_path.write_text(textwrap.dedent("""
+    yaml_path.write_text(
+        textwrap.dedent("""
         reward:
           num_workers: 0
           terms:
             - {name: digits, function: "reward_fixtures:digits_or_raise", weight: 2.0}
             - {name: exact, function: exact}
           sources: {digits: [digits], exact: [exact]}
-    """))
+    """)
+    )
     args = [*_args(root, tmp_path / "run", steps=2), "--eval.every", "0", "--config", str(yaml_path)]
     args = [a for a in args if a not in ("--reward.function", "reward_fixtures:digits_or_raise")]
     RLRun(parse_config(args)).run()
@@ -536,8 +602,15 @@ def test_a_run_logs_each_term_and_each_source(tmp_path):
     records = [record for record in records if "reward_mean" in record]
     assert len(records) == 2
     for record in records:
-        for key in ("reward/digits_mean", "reward/exact_mean", "reward/digits_errors", "source/digits/reward_mean",
-                    "source/exact/accuracy", "source/digits/count", "source/exact/count"):  # fmt: skip
+        for key in (
+            "reward/digits_mean",
+            "reward/exact_mean",
+            "reward/digits_errors",
+            "source/digits/reward_mean",
+            "source/exact/accuracy",
+            "source/digits/count",
+            "source/exact/count",
+        ):
             assert key in record, key
         assert record["source/digits/count"] + record["source/exact/count"] == 16
         assert record["reward/digits_samples"] == record["source/digits/count"]

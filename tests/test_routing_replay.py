@@ -259,11 +259,24 @@ def test_dense_model_is_a_config_error(tiny_checkpoint, tmp_path):
     build_char_tokenizer().save_pretrained(path)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
-    config = parse_config([
-        "--model.path", str(path), "--data.path", str(data), "--algorithm.routing-replay", "rollout",
-        "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
-    ])  # fmt: skip
+    config = parse_config(
+        [
+            "--model.path",
+            str(path),
+            "--data.path",
+            str(data),
+            "--algorithm.routing-replay",
+            "rollout",
+            "--reward.function",
+            "reward_fixtures:digits_or_raise",
+            "--reward.num-workers",
+            "0",
+            "--logging.run-dir",
+            str(tmp_path / "run"),
+            "--logging.no-progress",
+            "--logging.backends",
+        ]
+    )
     with pytest.raises(ValueError, match=r"algorithm.routing_replay='rollout' needs an MoE model.*set it to 'off'"):
         RLRun(config)
 
@@ -282,13 +295,38 @@ def test_rl_run_with_routing_replay(tmp_path, noisy_sampler_routing, replay):
     path, _ = tiny_char_checkpoint("qwen3_moe", tmp_path / "model", mlp_only_layers=[])
     train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=1))
     write_jsonl(train, tmp_path / "train.jsonl")
-    config = parse_config([
-        "--model.path", str(path), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
-        "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--rollout.max-new-tokens", "4",
-        "--reward.function", "reward_fixtures:digits_or_raise", "--reward.num-workers", "0", "--optim.lr", "1e-2",
-        "--lora.rank", "4", "--lora.alpha", "8", "--algorithm.routing-replay", replay,
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
-    ])  # fmt: skip
+    config = parse_config(
+        [
+            "--model.path",
+            str(path),
+            "--data.path",
+            str(tmp_path / "train.jsonl"),
+            "--steps",
+            "2",
+            "--rollout.prompts-per-step",
+            "2",
+            "--rollout.group-size",
+            "2",
+            "--rollout.max-new-tokens",
+            "4",
+            "--reward.function",
+            "reward_fixtures:digits_or_raise",
+            "--reward.num-workers",
+            "0",
+            "--optim.lr",
+            "1e-2",
+            "--lora.rank",
+            "4",
+            "--lora.alpha",
+            "8",
+            "--algorithm.routing-replay",
+            replay,
+            "--logging.run-dir",
+            str(tmp_path / "run"),
+            "--logging.no-progress",
+            "--logging.backends",
+        ]
+    )
     run = RLRun(config)
     attach(run.trainer.model)
     generate = run.native.generate

@@ -73,6 +73,7 @@ def test_a_run_holds_its_directory_until_it_ends(tiny_setup, tmp_path, ending): 
     if ending is None:
         run.run()
     else:
+
         def step(index):
             raise ending("stopped on purpose")
 

@@ -84,6 +84,7 @@ def _sampled_pair_test(target, draft, sampling, prompt, samples):
     engine = NativeRolloutEngine(target, max_batch_sequences=512, drafter=DraftModelDrafter(draft, 2))
     got = engine.generate([prompt] * (samples // sampling.n), sampling)
     with torch.no_grad():
+
         def dist(ids):
             ids_t = torch.tensor(ids)
             logits = target(ids_t, torch.arange(len(ids)), torch.tensor([0, len(ids)]), len(ids))[-1:]
@@ -132,7 +133,9 @@ def test_logprobs_equal_the_trainers(tiny_checkpoint):
     from archon.lora import lora_parameters
     from archon.trainer import Trainer, TrainerConfig
 
-    config = TrainerConfig(model_path=str(tiny_checkpoint("deepseek_v3")), lora=LoRAConfig(rank=4, alpha=8), dtype="float64")
+    config = TrainerConfig(
+        model_path=str(tiny_checkpoint("deepseek_v3")), lora=LoRAConfig(rank=4, alpha=8), dtype="float64"
+    )
     trainer = Trainer(config)
     randomise_lora(lora_parameters(trainer.model), 0.1)
     # a draft the target accepts often: the same weights without their LoRA factors
@@ -156,7 +159,9 @@ def test_tasks_sessions_and_chunked_prefill(tiny_checkpoint):
 
     from archon.lora import lora_parameters
 
-    model = _model(tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)})
+    model = _model(
+        tiny_checkpoint("qwen3"), task_loras={"a": LoRAConfig(rank=4, alpha=8), "b": LoRAConfig(rank=2, alpha=2)}
+    )
     randomise_lora(lora_parameters(model), 0.2)
     other = _model(tiny_checkpoint("qwen3", seed=1))
     greedy = SamplingParams(max_new_tokens=6, temperature=0, n=2)
@@ -171,7 +176,9 @@ def test_tasks_sessions_and_chunked_prefill(tiny_checkpoint):
     expected = two_turns(plain)
     assert plain.stats.reused_tokens > 0
     for draft in (model, other):
-        engine = NativeRolloutEngine(model, max_batch_sequences=4, prefill_chunk_tokens=4, drafter=DraftModelDrafter(draft, 2))
+        engine = NativeRolloutEngine(
+            model, max_batch_sequences=4, prefill_chunk_tokens=4, drafter=DraftModelDrafter(draft, 2)
+        )
         got = two_turns(engine)
         for g, e in zip(got, expected):
             _assert_same(g, e)
@@ -210,9 +217,13 @@ def test_rl_run_with_a_draft_model(tmp_path):
 
     root = write_tiny_setup(tmp_path / "setup")
     args = _args(root, tmp_path / "run", steps=2) + [
-        "--rollout.speculative.method", "draft_model", "--rollout.speculative.num-tokens", "2",
-        "--rollout.speculative.draft-model-path", str(root / "model"),
-    ]  # fmt: skip
+        "--rollout.speculative.method",
+        "draft_model",
+        "--rollout.speculative.num-tokens",
+        "2",
+        "--rollout.speculative.draft-model-path",
+        str(root / "model"),
+    ]
     run = RLRun(parse_config(args))
     assert run.native.drafter is not None
     run.run()
@@ -302,8 +313,12 @@ def test_mtp_drafter(deepseek_mtp):
                 for row in (~done).nonzero()[:, 0].tolist():
                     # the row's prompt: the sample whose completion starts with its tokens
                     generated = tokens[row, : int(ngen[row])].tolist()
-                    prompt = next(s.prompt_ids for s in got if s.completion_ids[: len(generated)] == generated
-                                  and len(s.prompt_ids) == int(prompt_lens[row]))  # fmt: skip
+                    prompt = next(
+                        s.prompt_ids
+                        for s in got
+                        if s.completion_ids[: len(generated)] == generated
+                        and len(s.prompt_ids) == int(prompt_lens[row])
+                    )
                     assert drafts[row].tolist() == _mtp_oracle_drafts(model, prompt + generated, k)
                     checked += 1
         assert checked >= 8
@@ -356,8 +371,11 @@ def test_rollout_benchmark_speculative_cases(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     rows = {(r["case"], r["drafter"]) for r in report["rows"]}
-    assert rows == {(f"speculative_{c}", d) for c in ("greedy_b1", "greedy_b8", "sampled_b1", "sampled_b8")
-                    for d in ("off", "mtp", "draft_model")}  # fmt: skip
+    assert rows == {
+        (f"speculative_{c}", d)
+        for c in ("greedy_b1", "greedy_b8", "sampled_b1", "sampled_b8")
+        for d in ("off", "mtp", "draft_model")
+    }
     assert all(r["tokens_per_s"] > 0 for r in report["rows"])
     assert all(0 <= r["acceptance"] <= 1 for r in report["rows"] if r["drafter"] != "off")
 
@@ -378,17 +396,23 @@ def test_rl_run_with_the_mtp_drafter(tmp_path):
     from archon.tools.align import make_tiny_hf_checkpoint
 
     tokenizer = build_char_tokenizer()
-    model_dir = make_tiny_hf_checkpoint("deepseek_v3", tmp_path / "model", vocab_size=len(tokenizer),
-                                        eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    model_dir = make_tiny_hf_checkpoint(
+        "deepseek_v3", tmp_path / "model", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id
+    )
     add_mtp_weights(model_dir, "num_nextn_predict_layers")
     tokenizer.save_pretrained(model_dir)
     train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=4))
     write_jsonl(train, tmp_path / "train.jsonl")
     write_jsonl(held_out, tmp_path / "held_out.jsonl")
     args = _args(tmp_path, tmp_path / "run", steps=2) + [
-        "--rollout.speculative.method", "mtp", "--rollout.speculative.num-tokens", "2",
-        "--algorithm.mtp-loss-weight", "1.0", "--lora.no-experts",
-    ]  # fmt: skip
+        "--rollout.speculative.method",
+        "mtp",
+        "--rollout.speculative.num-tokens",
+        "2",
+        "--algorithm.mtp-loss-weight",
+        "1.0",
+        "--lora.no-experts",
+    ]
     run = RLRun(parse_config(args))
     assert isinstance(run.native.drafter, MTPDrafter)
     run.run()

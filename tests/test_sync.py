@@ -28,7 +28,6 @@ from archon.sync import (
     send_tensors,
 )
 
-
 # Merged weights computed along two paths, both in float64: float64 rounding is what is left
 FLOAT64_TOL = 1e-10
 
@@ -88,12 +87,19 @@ def test_buckets_carry_every_tensor_whole_in_order():
     [
         ("qwen3", ("q_proj", "v_proj", "gate_proj"), ("self_attn", "mlp"), {"q_proj", "v_proj", "gate_proj"}),
         # per-expert HF keys; the router (mlp.gate) stays behind
-        ("qwen3_moe", ("o_proj", "experts"), ("self_attn", "mlp.experts"), {"o_proj", "gate_proj", "up_proj", "down_proj"}),
+        (
+            "qwen3_moe",
+            ("o_proj", "experts"),
+            ("self_attn", "mlp.experts"),
+            {"o_proj", "gate_proj", "up_proj", "down_proj"},
+        ),
         # shared experts (and the first, dense, layer's MLP) without the routed experts
         ("glm4_moe", ("gate_proj",), ("mlp.shared_experts", "0.mlp"), {"gate_proj"}),
     ],
 )
-def test_merged_payload_sends_the_modules_holding_lora(tiny_checkpoint, lora_model, tmp_path, model_type, targets, units, changed_names):
+def test_merged_payload_sends_the_modules_holding_lora(
+    tiny_checkpoint, lora_model, tmp_path, model_type, targets, units, changed_names
+):
     path = tiny_checkpoint(model_type)
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8, target_modules=targets))
     loaded.model.double()  # the payload and the export merge the same way: compared in float64
@@ -156,8 +162,12 @@ def test_full_payload_is_the_merged_checkpoint(tiny_checkpoint, lora_model, tmp_
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
     loaded.model.double()  # the payload and the export merge the same way: compared in float64
     with fp32_islands_in_fp64():
-        merged = load_file(str(save_merged_hf(loaded.model, loaded.converter, tmp_path / "m", loaded.hf_config.to_dict())
-                               / "model.safetensors"))  # fmt: skip
+        merged = load_file(
+            str(
+                save_merged_hf(loaded.model, loaded.converter, tmp_path / "m", loaded.hf_config.to_dict())
+                / "model.safetensors"
+            )
+        )
         payload = dict(full_payload(loaded.model, loaded.converter))
     assert set(payload) == set(merged)
     for key, tensor in payload.items():
@@ -285,17 +295,24 @@ def test_build_weight_sync_refuses_what_cannot_be_sent(tiny_checkpoint, tmp_path
     from archon.sync import build_weight_sync
 
     lora = LoRAConfig(rank=4, alpha=8)
-    with pytest.raises(ValueError, match=r"rollout.vllm.transport='disk': rollout.vllm.mode='merged', and merged "
-                                         r"weights go over the collective transport only"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.vllm.transport='disk': rollout.vllm.mode='merged', and merged "
+        r"weights go over the collective transport only",
+    ):
         VLLMConfig(mode="merged", transport="disk")
     moe = _vllm_engine(tiny_checkpoint("qwen3_moe"), 4)  # merged: qwen3_moe's mode
-    with pytest.raises(ValueError, match=r"rollout.vllm.transport='disk': the model is served merged \(rollout.vllm.mode "
-                                         r"is unset: its family is served merged\), .*; set rollout.vllm.transport='collective'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.vllm.transport='disk': the model is served merged \(rollout.vllm.mode "
+        r"is unset: its family is served merged\), .*; set rollout.vllm.transport='collective'",
+    ):
         build_weight_sync(RolloutConfig(engine="vllm"), moe, lora=lora, sync_dir=tmp_path)
     adapter = _vllm_engine(tiny_checkpoint("qwen3"), None, mode="adapter")
     with pytest.raises(ValueError, match=r"rollout.vllm.mode='adapter' sends the LoRA adapter, but lora=None"):
-        build_weight_sync(RolloutConfig(engine="vllm", vllm=VLLMConfig(mode="adapter")), adapter, lora=None,
-                          sync_dir=tmp_path)  # fmt: skip
+        build_weight_sync(
+            RolloutConfig(engine="vllm", vllm=VLLMConfig(mode="adapter")), adapter, lora=None, sync_dir=tmp_path
+        )
     with pytest.raises(TypeError, match=r"rollout.engine='native' needs a NativeRolloutEngine, got VLLMRolloutEngine"):
         build_weight_sync(RolloutConfig(engine="native"), adapter, lora=lora, sync_dir=tmp_path)
     native = NativeRolloutEngine(build_model(tiny_checkpoint("qwen3")).model)
@@ -339,8 +356,17 @@ class _FakeServers:
         if path == "/v1/load_lora_adapter" and self.fail_register:
             raise VLLMServerError(f"vLLM server {server.url}{path} answered HTTP 400: no adapter there")
         count = len(body["prompt"]) * body["n"]
-        return {"choices": [{"index": i, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.5]},
-                             "finish_reason": "length"} for i in range(count)]}  # fmt: skip
+        return {
+            "choices": [
+                {
+                    "index": i,
+                    "token_ids": [5, 6],
+                    "logprobs": {"token_logprobs": [-0.5, -0.5]},
+                    "finish_reason": "length",
+                }
+                for i in range(count)
+            ]
+        }
 
     def rpc(self, server, method, *args, timeout=600):
         if method == "archon_worker_info":
@@ -394,7 +420,9 @@ def test_a_merged_publish_sends_while_requests_wait_on_every_server(tiny_checkpo
     policy = engine.policy = _WatchedPolicy()
     channel = WorkerChannel(servers, "127.0.0.1", 0, bucket_mb=1.0)
     samples = []
-    producer = threading.Thread(target=lambda: samples.extend(engine.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=2))))
+    producer = threading.Thread(
+        target=lambda: samples.extend(engine.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=2)))
+    )
     try:
         with policy.exclusive():
             producer.start()
@@ -484,8 +512,15 @@ def test_merged_publish_on_two_ranks_holds_requests_until_rank_0s_send_and_fails
     loaded = build_model(tiny_checkpoint("qwen3"))
     channel = _FailingChannel()
     policies = [ServedPolicy(version=3), ServedPolicy(version=3)]
-    syncs = [CollectiveMergedSync(SimpleNamespace(servers=_FakeServers(0), policy=policies[r], rank=r, model="m", update_policy="finish",
-                                                  session=f"s{r}"), channel) for r in range(2)]  # fmt: skip
+    syncs = [
+        CollectiveMergedSync(
+            SimpleNamespace(
+                servers=_FakeServers(0), policy=policies[r], rank=r, model="m", update_policy="finish", session=f"s{r}"
+            ),
+            channel,
+        )
+        for r in range(2)
+    ]
     observed = {}
 
     def watch() -> None:  # while rank 0 sends, a request of rank 1 must wait
@@ -521,8 +556,15 @@ def test_adapter_publish_failing_on_rank_0_before_the_broadcast_fails_every_rank
     lora = LoRAConfig(rank=4, alpha=8)
     loaded = lora_model(tiny_checkpoint("qwen3"), lora)
     servers = [_FakeServers(1, fail_register=True), _FakeServers(0)]
-    syncs = [DiskAdapterSync(SimpleNamespace(servers=servers[r], policy=ServedPolicy(), rank=r, model="m", update_policy="finish",
-                                             session=f"s{r}"), tmp_path) for r in range(2)]  # fmt: skip
+    syncs = [
+        DiskAdapterSync(
+            SimpleNamespace(
+                servers=servers[r], policy=ServedPolicy(), rank=r, model="m", update_policy="finish", session=f"s{r}"
+            ),
+            tmp_path,
+        )
+        for r in range(2)
+    ]
     outcomes = ranks.run(lambda r: syncs[r].publish(loaded.model, loaded.converter, lora, 1))
     assert isinstance(outcomes[0], VLLMServerError) and "HTTP 400: no adapter there" in str(outcomes[0])
     assert isinstance(outcomes[1], RuntimeError)

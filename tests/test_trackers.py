@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_grpo_recipe import _args, tiny_setup  # noqa: F401  (the tiny model and data)
 
 from archon.rl.config import LoggingConfig, RLConfig, load_config_file, parse_config, validate
 from archon.rl.metrics import MetricsLogger, read_metrics
 from archon.rl.samples import read_table, recorded_steps, table_path
 from archon.rl.step_metrics import Scores
 from archon.rl.trackers import TrackerError, open_trackers
-from test_grpo_recipe import _args, tiny_setup  # noqa: F401  (the tiny model and data)
 
 ALL = ("tensorboard", "wandb", "mlflow", "trackio")
 
@@ -135,8 +135,12 @@ def read_trackio(run_name: str) -> dict:
                 tables.setdefault(key, {})[log["step"]] = value["_value"]
             elif key not in ("step", "timestamp"):
                 history.setdefault(log["step"], {})[key] = value
-    return {"runs": SQLiteStorage.get_runs("archon"), "config": SQLiteStorage.get_run_config("archon", run_name),
-            "history": history, "tables": tables}  # fmt: skip
+    return {
+        "runs": SQLiteStorage.get_runs("archon"),
+        "config": SQLiteStorage.get_run_config("archon", run_name),
+        "history": history,
+        "tables": tables,
+    }
 
 
 def read_tensorboard(run_dir: Path) -> dict:
@@ -182,11 +186,18 @@ def _rows(steps_samples: int = 6):
     from archon.rollout.base import Sample
 
     examples = [PromptExample(f"p{i}", None, f"train.jsonl:{i + 1}", data_source=f"src{i}") for i in range(3)]
-    samples = [Sample(i // 2, [i // 2], [i, i + 1], [0.0, 0.0], "stop" if i % 2 else "length", 3 - i // 2, [0, 0])
-               for i in range(steps_samples)]  # fmt: skip
+    samples = [
+        Sample(i // 2, [i // 2], [i, i + 1], [0.0, 0.0], "stop" if i % 2 else "length", 3 - i // 2, [0, 0])
+        for i in range(steps_samples)
+    ]
     rewards = torch.arange(steps_samples, dtype=torch.float32) / 10
-    scores = Scores(rewards, rewards >= 1, torch.full((steps_samples,), 2.0), {},
-                    parts={"format": torch.ones(steps_samples), "answer": rewards * 2})  # fmt: skip
+    scores = Scores(
+        rewards,
+        rewards >= 1,
+        torch.full((steps_samples,), 2.0),
+        {},
+        parts={"format": torch.ones(steps_samples), "answer": rewards * 2},
+    )
     return sample_rows("", examples, samples, scores, _Tokenizer(), trainer_version=3, limit_rows=4)
 
 
@@ -194,10 +205,18 @@ def test_sample_rows_take_whole_groups_with_their_reward_terms_version_and_lag()
     rows = _rows()
     assert [row["group"] for row in rows] == [0, 0, 1, 1]  # 4 rows: two whole groups of 2
     assert rows[3] == {
-        "task": "", "data_source": "src1", "source": "train.jsonl:2", "group": 1, "reward": pytest.approx(0.3),
-        "parts": {"answer": pytest.approx(0.6), "format": 1.0}, "stop": "stop", "version": 2, "lag": 1,
-        "prompt": "b", "completion": "de",
-    }  # fmt: skip
+        "task": "",
+        "data_source": "src1",
+        "source": "train.jsonl:2",
+        "group": 1,
+        "reward": pytest.approx(0.3),
+        "parts": {"answer": pytest.approx(0.6), "format": 1.0},
+        "stop": "stop",
+        "version": 2,
+        "lag": 1,
+        "prompt": "b",
+        "completion": "de",
+    }
 
 
 def test_a_multi_turn_sample_shows_its_whole_trajectory_and_the_episode_stop_reason():
@@ -214,8 +233,16 @@ def test_a_multi_turn_sample_shows_its_whole_trajectory_and_the_episode_stop_rea
         def decode(self, ids, skip_special_tokens=True):
             return "".join("<|turn|>" if i == 0 else chr(ord("a") + i) for i in ids if i or not skip_special_tokens)
 
-    sample = Sample(0, [1], [2, 0, 3], [0.0] * 3, "length", 5, [5] * 3, extra={
-        "trajectory": SimpleNamespace(stop_reason=StopReason.TOOL_BUDGET)})  # fmt: skip
+    sample = Sample(
+        0,
+        [1],
+        [2, 0, 3],
+        [0.0] * 3,
+        "length",
+        5,
+        [5] * 3,
+        extra={"trajectory": SimpleNamespace(stop_reason=StopReason.TOOL_BUDGET)},
+    )
     scores = Scores(torch.tensor([0.5]), torch.tensor([0.0]), torch.tensor([3.0]), {})
     (row,) = sample_rows("agent", [PromptExample("q", None, "x.jsonl:1")], [sample], scores, Marked(), 6, 8)
     assert (row["completion"], row["stop"], row["lag"], row["parts"]) == ("c<|turn|>d", "tool_budget", 1, {})
@@ -239,8 +266,20 @@ def test_every_backend_gets_every_scalar_the_config_and_the_tables(tmp_path, loc
     assert expected[2] == {"reward_mean": 0.5, "add/accuracy": 0.25}  # NaN (None) and text are not scalars
     assert read_table(table_path(run_dir, 2)) == _rows() and recorded_steps(run_dir) == [2]
     assert recorded_steps(run_dir, evaluation=True) == [3]
-    columns = ["task", "data_source", "source", "group", "reward", "reward/answer", "reward/format", "stop", "version",
-               "lag", "prompt", "completion"]  # fmt: skip
+    columns = [
+        "task",
+        "data_source",
+        "source",
+        "group",
+        "reward",
+        "reward/answer",
+        "reward/format",
+        "stop",
+        "version",
+        "lag",
+        "prompt",
+        "completion",
+    ]
     first = ["", "src0", "train.jsonl:1", 0, 0.0, 0.0, 1.0, "length", 3, 0, "a", "ab"]
 
     wandb = read_wandb(run_dir)
@@ -323,10 +362,24 @@ def test_a_run_logs_to_every_backend_and_a_resumed_run_continues_their_runs(tiny
     run_dir = tmp_path / "run"
 
     def args(*extra):
-        return parse_config([*_run_args(tiny_setup, run_dir, 3), "--logging.backends", *ALL,
-                             "--logging.samples-every", "2",
-                             "--logging.samples-per-table", "8", "--eval.every", "2", "--checkpoint.every", "2",
-                             "--logging.run-name", "tiny", *extra])  # fmt: skip
+        return parse_config(
+            [
+                *_run_args(tiny_setup, run_dir, 3),
+                "--logging.backends",
+                *ALL,
+                "--logging.samples-every",
+                "2",
+                "--logging.samples-per-table",
+                "8",
+                "--eval.every",
+                "2",
+                "--checkpoint.every",
+                "2",
+                "--logging.run-name",
+                "tiny",
+                *extra,
+            ]
+        )
 
     class Killed(Exception):
         pass
@@ -393,9 +446,9 @@ def test_an_unknown_backend_is_refused_naming_the_known_ones(tmp_path):
 
 
 def test_a_backend_whose_package_is_missing_stops_the_run_before_the_model_is_built(tiny_setup, tmp_path, monkeypatch):
-    from archon.rl import loop
-
     import importlib
+
+    from archon.rl import loop
 
     real_import = importlib.import_module
 
@@ -408,9 +461,14 @@ def test_a_backend_whose_package_is_missing_stops_the_run_before_the_model_is_bu
     built = []
     monkeypatch.setattr(loop, "Trainer", lambda *a, **k: built.append(1))
     config = parse_config([*_run_args(tiny_setup, tmp_path / "run", 1), "--logging.backends", "tensorboard", "wandb"])
-    with pytest.raises(TrackerError, match=re.escape("logging.backends includes 'wandb' but its package cannot be "
-                                                     "imported (No module named 'wandb'); install it with `pip "
-                                                     "install 'archon[wandb]'`")):  # fmt: skip
+    with pytest.raises(
+        TrackerError,
+        match=re.escape(
+            "logging.backends includes 'wandb' but its package cannot be "
+            "imported (No module named 'wandb'); install it with `pip "
+            "install 'archon[wandb]'`"
+        ),
+    ):
         loop.RLRun(config)
     assert not built
     with pytest.raises(TrackerError):  # the directory was released: the same error again, not "in use"
@@ -435,8 +493,11 @@ def test_a_run_that_fails_to_start_leaves_no_tracker_files(tiny_setup, tmp_path,
 
 def test_mlflow_with_an_unusable_tracking_uri_is_an_error_naming_the_setting(tmp_path, monkeypatch):
     settings = LoggingConfig(run_dir=str(tmp_path), backends=("tensorboard", "mlflow"), mlflow_tracking_uri="bogus://x")
-    with pytest.raises(TrackerError, match=r"mlflow could not start a run at tracking URI 'bogus://x' "
-                                           r"\(logging\.mlflow_tracking_uri\)"):  # fmt: skip
+    with pytest.raises(
+        TrackerError,
+        match=r"mlflow could not start a run at tracking URI 'bogus://x' "
+        r"\(logging\.mlflow_tracking_uri\)",
+    ):
         open_trackers(settings, tmp_path, {})
     import socket
     import time
@@ -461,8 +522,11 @@ def test_the_tensorboard_setting_still_works_warns_and_must_agree_with_backends(
     assert tracker_names(config.logging) == ()
     path = tmp_path / "c.yaml"
     path.write_text("logging: {tensorboard: false, backends: [tensorboard, wandb]}\n")
-    with pytest.warns(FutureWarning, match=r"logging\.tensorboard is deprecated"), pytest.raises(
-        ValueError, match=re.escape("logging.tensorboard=False and logging.backends=['tensorboard', 'wandb'] set")
+    with (
+        pytest.warns(FutureWarning, match=r"logging\.tensorboard is deprecated"),
+        pytest.raises(
+            ValueError, match=re.escape("logging.tensorboard=False and logging.backends=['tensorboard', 'wandb'] set")
+        ),
     ):
         validate(load_config_file(path))
     path.write_text("logging: {tensorboard: false, backends: [wandb]}\n")
@@ -471,7 +535,9 @@ def test_the_tensorboard_setting_still_works_warns_and_must_agree_with_backends(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spelling does not warn
         assert tracker_names(parse_config(["--logging.backends", "mlflow", "tensorboard"]).logging) == (
-            "mlflow", "tensorboard")
+            "mlflow",
+            "tensorboard",
+        )
     with pytest.raises(ValueError, match=r"logging\.samples_per_table=0: must be at least 1"):
         validate(RLConfig(logging=LoggingConfig(samples_per_table=0)))
 
@@ -494,8 +560,10 @@ def test_show_samples_prints_a_recorded_step_and_names_what_is_missing(tmp_path,
     assert main([str(tmp_path)]) == 0  # the latest step
     out = capsys.readouterr().out
     assert out.startswith("training samples of step 20 (1)") and out.count("\n== ") == 1
-    assert "== group 0  reward 0.1  (answer 0.2, format 1)  stop stop  version 3  lag 0  data_source src0  from " \
-           "train.jsonl:1\n-- prompt\n    a\n-- completion\n    bc" in out  # fmt: skip
+    assert (
+        "== group 0  reward 0.1  (answer 0.2, format 1)  stop stop  version 3  lag 0  data_source src0  from "
+        "train.jsonl:1\n-- prompt\n    a\n-- completion\n    bc" in out
+    )
 
     assert main([str(tmp_path), "--step", "10", "--task", "add"]) == 0
     out = capsys.readouterr().out
@@ -515,10 +583,11 @@ def test_show_samples_prints_a_recorded_step_and_names_what_is_missing(tmp_path,
 
 
 def test_a_multi_task_run_tables_each_tasks_groups_with_its_name(tmp_path):
+    from test_grpo_recipe import write_tiny_setup
+
     from archon.rl.loop import RLRun
     from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
     from archon.tools.show_samples import show
-    from test_grpo_recipe import write_tiny_setup
 
     root = write_tiny_setup(tmp_path / "setup")
     train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("-",), num_train=16, num_held_out=4))
@@ -527,9 +596,11 @@ def test_a_multi_task_run_tables_each_tasks_groups_with_its_name(tmp_path):
     tasks = "".join(
         f"  - name: {name}\n    data: {{path: {data}}}\n    eval_path: {held}\n"
         "    reward: {function: 'reward_fixtures:digits_or_raise', num_workers: 0}\n    lora: {rank: 4, alpha: 8}\n"
-        for name, data, held in (("add", root / "train.jsonl", root / "held_out.jsonl"),
-                                 ("sub", root / "sub.jsonl", root / "sub_held_out.jsonl"))
-    )  # fmt: skip
+        for name, data, held in (
+            ("add", root / "train.jsonl", root / "held_out.jsonl"),
+            ("sub", root / "sub.jsonl", root / "sub_held_out.jsonl"),
+        )
+    )
     config = tmp_path / "multi.yaml"
     config.write_text(
         f"steps: 1\nmodel: {{path: {root / 'model'}, device: cpu}}\n"
@@ -559,9 +630,22 @@ def test_a_two_process_run_gathers_each_ranks_groups_into_one_table(tiny_setup, 
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "recipes" / "grpo_lora.py"), *_run_args(tiny_setup, run_dir, 1), "--logging.backends",
-           "tensorboard", "--logging.samples-every", "1", "--logging.samples-per-table", "8"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "recipes" / "grpo_lora.py"),
+        *_run_args(tiny_setup, run_dir, 1),
+        "--logging.backends",
+        "tensorboard",
+        "--logging.samples-every",
+        "1",
+        "--logging.samples-per-table",
+        "8",
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = read_table(table_path(run_dir, 1))

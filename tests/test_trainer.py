@@ -18,9 +18,9 @@ from archon.batch import PackedBatch
 from archon.build import build_model
 from archon.head import label_logprobs
 from archon.lora import LoRAConfig, is_lora_param, lora_parameters
+from archon.optim import OptimConfig, lr_multiplier
 from archon.parallel.grad import clip_grad_norm, grad_norm
 from archon.rl.losses import aggregate_token_losses
-from archon.optim import OptimConfig, lr_multiplier
 from archon.trainer import LossContext, NonFiniteError, Trainer, TrainerConfig
 
 
@@ -132,7 +132,9 @@ def test_adapter_off_scores_the_base_model(qwen3_path, float64_math):
     batch = _batch(trainer.loaded.args.vocab_size)
     reference = trainer.logprobs(batch, use_adapter=False).logprobs
     policy = trainer.logprobs(batch).logprobs
-    assert_close_reporting(reference, base.logprobs(batch).logprobs, FP64_TOL, "log-probs, adapter off against the base model")
+    assert_close_reporting(
+        reference, base.logprobs(batch).logprobs, FP64_TOL, "log-probs, adapter off against the base model"
+    )
     assert (policy - reference).abs().max() > 1e-3  # the adapter is back on afterwards
     with pytest.raises(ValueError, match="use_adapter=False needs a LoRA model"):
         base.logprobs(batch, use_adapter=False)
@@ -144,9 +146,13 @@ def test_adapter_off_scores_the_base_model(qwen3_path, float64_math):
 def _aggregation_loss(aggregation: str):
     def loss_fn(batch, logprobs, ctx):
         loss = aggregate_token_losses(
-            -logprobs * batch.advantages, batch.loss_mask, batch.cu_seqlens, aggregation,
-            ctx, max_response_length=20,
-        )  # fmt: skip
+            -logprobs * batch.advantages,
+            batch.loss_mask,
+            batch.cu_seqlens,
+            aggregation,
+            ctx,
+            max_response_length=20,
+        )
         return loss, {"lp_mean": logprobs.detach().sum() / batch.loss_mask.sum()}
 
     return loss_fn
@@ -185,10 +191,16 @@ def test_micro_batches_accumulate_to_the_whole_batch_loss(engines_by_budget, agg
     # batch's own counts as normaliser.
     lp = engines_by_budget[10_000].logprobs(batch).logprobs
     direct = aggregate_token_losses(
-        -lp * batch.advantages, batch.loss_mask, batch.cu_seqlens, aggregation,
-        LossContext.for_batch(batch.loss_mask, batch.cu_seqlens), max_response_length=20,
-    )  # fmt: skip
-    assert_close_reporting(one["loss"], direct.item(), FP64_TOL, f"{aggregation}: loss against the aggregation in one go")
+        -lp * batch.advantages,
+        batch.loss_mask,
+        batch.cu_seqlens,
+        aggregation,
+        LossContext.for_batch(batch.loss_mask, batch.cu_seqlens),
+        max_response_length=20,
+    )
+    assert_close_reporting(
+        one["loss"], direct.item(), FP64_TOL, f"{aggregation}: loss against the aggregation in one go"
+    )
 
 
 def test_train_step_reports_and_updates_only_the_adapter(qwen3_path):
@@ -197,8 +209,18 @@ def test_train_step_reports_and_updates_only_the_adapter(qwen3_path):
     batch = _batch(256)
     loss_fn = _aggregation_loss("token_mean")
     metrics = [trainer.train_step(batch, loss_fn) for _ in range(3)]
-    keys = ("loss", "grad_norm", "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches",
-            "optimizer_steps", "lp_mean")  # fmt: skip
+    keys = (
+        "loss",
+        "grad_norm",
+        "lr",
+        "skipped",
+        "tokens",
+        "sequences",
+        "total_tokens",
+        "micro_batches",
+        "optimizer_steps",
+        "lp_mean",
+    )
     for key in keys:
         assert key in metrics[-1], key
     assert metrics[-1]["optimizer_steps"] == 3 and trainer.optimizer_steps == 3

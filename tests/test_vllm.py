@@ -47,27 +47,45 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm")
     model_dir, tokenizer = tiny_char_checkpoint(
-        "qwen3", root / "model", head_dim=32,
+        "qwen3",
+        root / "model",
+        head_dim=32,
         use_sliding_window=False,  # vLLM serves no mix of sliding-window and full layers
-    )  # fmt: skip
+    )
     trainer = Trainer(TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
     config = VLLMConfig(max_lora_rank=8, port=8131, transport="collective", api_key=API_KEY)
     server = VLLMRolloutEngine(
-        config, model_path=str(model_dir), lora_rank=8, log_dir=root,
-        longest_prompt_tokens=LONGEST_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS,
-    )  # fmt: skip
+        config,
+        model_path=str(model_dir),
+        lora_rank=8,
+        log_dir=root,
+        longest_prompt_tokens=LONGEST_PROMPT_TOKENS,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
     # the three syncs of one run layout share the server (and one sync group)
     channel = WorkerChannel(server.servers, "127.0.0.1", 0, bucket_mb=256.0)
-    syncs = {"disk": DiskAdapterSync(server, root / "vllm_adapters"), "collective": CollectiveAdapterSync(server, channel),
-             "merged": CollectiveMergedSync(server, channel)}  # fmt: skip
-    yield {"root": root, "model_dir": model_dir, "tokenizer": tokenizer, "trainer": trainer, "server": server,
-           "channel": channel, **syncs}  # fmt: skip
+    syncs = {
+        "disk": DiskAdapterSync(server, root / "vllm_adapters"),
+        "collective": CollectiveAdapterSync(server, channel),
+        "merged": CollectiveMergedSync(server, channel),
+    }
+    yield {
+        "root": root,
+        "model_dir": model_dir,
+        "tokenizer": tokenizer,
+        "trainer": trainer,
+        "server": server,
+        "channel": channel,
+        **syncs,
+    }
     server.close()
 
 
 def _greedy(tokenizer, max_new_tokens: int = 10) -> tuple[list[list[int]], SamplingParams]:
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    return prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+    return prompts, SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0, stop_token_ids=(tokenizer.eos_token_id,)
+    )
 
 
 def _publish(sync, trainer, version: int) -> dict:
@@ -94,12 +112,17 @@ def test_wrong_model_path_is_a_clear_error(tmp_path):
 
 def test_launched_server_is_sized_from_the_run_and_gets_its_secrets_outside_its_command_line(setup):
     server = setup["server"]
-    (base,) = [m for m in server.servers.request(server.servers[0], "GET", "/v1/models")["data"] if m.get("parent") is None]
+    (base,) = [
+        m for m in server.servers.request(server.servers[0], "GET", "/v1/models")["data"] if m.get("parent") is None
+    ]
     assert base["max_model_len"] == LONGEST_PROMPT_TOKENS + MAX_NEW_TOKENS
     pid = server.servers[0].process.pid
     command_line = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
     environment = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
-    assert f"{WORKER_SECRET_ENV}={server.servers.worker_secret}" in environment and f"VLLM_API_KEY={API_KEY}" in environment
+    assert (
+        f"{WORKER_SECRET_ENV}={server.servers.worker_secret}" in environment
+        and f"VLLM_API_KEY={API_KEY}" in environment
+    )
     log = server.servers[0].log_path.read_text()
     for secret in (server.servers.worker_secret, API_KEY):
         assert secret not in command_line and secret not in log
@@ -109,8 +132,11 @@ def test_api_key_guards_the_generation_routes(setup):
     server = setup["server"]
     body = json.dumps({"model": server.served_model, "prompt": [[5, 6, 7]], "max_tokens": 2}).encode()
     for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Bearer {API_KEY}x"}):
-        request = urllib.request.Request(server.servers[0].url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json", **headers})  # fmt: skip
+        request = urllib.request.Request(
+            server.servers[0].url + "/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json", **headers},
+        )
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=60)
         assert refused.value.code == 401
@@ -123,8 +149,17 @@ def test_worker_rpc_without_the_runs_secret_is_refused(setup):
     themselves, before they touch the model or wait for tensors. The server keeps serving."""
     server = setup["server"].servers
     first = server[0]
-    for method, args in (("archon_worker_info", []), ("archon_receive_weights", ["{}"]), ("archon_remove_adapter", ["x"])):
-        for kwargs in ({}, {"secret": "wrong"}, {"secret": server.worker_secret[:-1]}, {"secret": server.worker_secret.upper()}):
+    for method, args in (
+        ("archon_worker_info", []),
+        ("archon_receive_weights", ["{}"]),
+        ("archon_remove_adapter", ["x"]),
+    ):
+        for kwargs in (
+            {},
+            {"secret": "wrong"},
+            {"secret": server.worker_secret[:-1]},
+            {"secret": server.worker_secret.upper()},
+        ):
             body = {"method": method, "args": args, "kwargs": kwargs}
             with pytest.raises(VLLMServerError, match="HTTP 500") as refused:
                 server.request(first, "POST", "/collective_rpc", body, timeout=60)
@@ -132,8 +167,11 @@ def test_worker_rpc_without_the_runs_secret_is_refused(setup):
     # archon's own client, with a secret that is not the server's, names the reason
     secret, server.worker_secret = server.worker_secret, "not-the-servers-secret"
     try:
-        with pytest.raises(VLLMServerError, match="archon worker method archon_worker_info failed on vLLM server .*"
-                                                  "archon worker RPC refused: missing or wrong secret"):  # fmt: skip
+        with pytest.raises(
+            VLLMServerError,
+            match="archon worker method archon_worker_info failed on vLLM server .*"
+            "archon worker RPC refused: missing or wrong secret",
+        ):
             server.rpc(first, "archon_worker_info")
     finally:
         server.worker_secret = secret
@@ -153,7 +191,7 @@ def test_server_that_dies_at_start_reports_vllms_reason_then_its_log(setup, tmp_
     message = str(failure.value)
     assert message.startswith("vLLM server failed to start: vLLM server http://127.0.0.1:8132 exited with code 1: ")
     assert "\n  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len" in message
-    assert "File \"" not in message  # no traceback frames
+    assert 'File "' not in message  # no traceback frames
     assert message.endswith(f"\nFull server log: {(tmp_path / 'vllm_logs' / 'server_0.log').resolve()}")
 
 
@@ -189,8 +227,9 @@ def test_top_p_logprobs_are_the_truncated_distribution_in_both_engines(setup):
 
     trainer, server, tokenizer = setup["trainer"], setup["server"], setup["tokenizer"]
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.7, n=2, seed=0,
-                              stop_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    sampling = SamplingParams(
+        max_new_tokens=10, temperature=0.9, top_p=0.7, n=2, seed=0, stop_token_ids=(tokenizer.eos_token_id,)
+    )
     samples = server.generate(prompts, sampling)  # the adapter it serves is the trainer's current one
     vllm_lp, native_lp, untruncated_lp = [], [], []
     with torch.no_grad():
@@ -484,7 +523,12 @@ def test_continue_without_a_publish_gives_the_samples_of_finish(setup):
     assert {s.finish_reason for s in finished} == {"stop", "length"}, "both endings should be covered"
     for a, b in zip(finished, continued, strict=True):
         assert (b.prompt_index, b.completion_ids, b.finish_reason, b.version, b.token_versions) == (
-            a.prompt_index, a.completion_ids, a.finish_reason, a.version, a.token_versions)  # fmt: skip
+            a.prompt_index,
+            a.completion_ids,
+            a.finish_reason,
+            a.version,
+            a.token_versions,
+        )
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-6)
 
 
@@ -581,7 +625,9 @@ def test_a_request_in_flight_continues_on_each_published_version(setup, mode):
     for version in (v, v + 1, v + 2):
         at = batch.loss_mask & (token_version == version)
         gap = (scored[version] - batch.rollout_logprobs).abs()[at]
-        print(f"{mode} version {version}: {int(at.sum())} tokens, vLLM-trainer log-prob gap mean {gap.mean():.2e} max {gap.max():.2e}")
+        print(
+            f"{mode} version {version}: {int(at.sum())} tokens, vLLM-trainer log-prob gap mean {gap.mean():.2e} max {gap.max():.2e}"
+        )
         assert gap.mean() <= 1e-3
         for other in {v, v + 1, v + 2} - {version}:
             assert (scored[other] - batch.rollout_logprobs).abs()[at].mean() > 0.05
@@ -595,14 +641,39 @@ def _grpo_args(setup, tmp_path) -> list[str]:
     train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=2))
     write_jsonl(train, tmp_path / "train.jsonl")
     return [
-        "--model.path", str(setup["model_dir"]), "--data.path", str(tmp_path / "train.jsonl"), "--steps", "2",
-        "--eval.every", "0", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
-        "--rollout.max-new-tokens", "4", "--reward.num-workers", "0", "--optim.lr", "1e-2",
-        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
-        "--lora.rank", "8", "--lora.alpha", "16",
-        "--rollout.engine", "vllm", "--rollout.vllm.urls", setup["server"].servers[0].url,
-        "--rollout.vllm.transport", "collective",
-    ]  # fmt: skip
+        "--model.path",
+        str(setup["model_dir"]),
+        "--data.path",
+        str(tmp_path / "train.jsonl"),
+        "--steps",
+        "2",
+        "--eval.every",
+        "0",
+        "--rollout.prompts-per-step",
+        "2",
+        "--rollout.group-size",
+        "2",
+        "--rollout.max-new-tokens",
+        "4",
+        "--reward.num-workers",
+        "0",
+        "--optim.lr",
+        "1e-2",
+        "--logging.run-dir",
+        str(tmp_path / "run"),
+        "--logging.no-progress",
+        "--logging.backends",
+        "--lora.rank",
+        "8",
+        "--lora.alpha",
+        "16",
+        "--rollout.engine",
+        "vllm",
+        "--rollout.vllm.urls",
+        setup["server"].servers[0].url,
+        "--rollout.vllm.transport",
+        "collective",
+    ]
 
 
 def test_grpo_run_with_vllm_rollouts_advances_the_adapter_version(setup, tmp_path, monkeypatch):
@@ -628,10 +699,25 @@ def test_two_process_fsdp_run_gathers_shards_for_a_merged_sync(setup, tmp_path):
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(repo / "recipes" / "grpo_lora.py"),
-           *_grpo_args(setup, tmp_path), "--rollout.vllm.mode", "merged"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "VLLM_API_KEY": API_KEY,
-           WORKER_SECRET_ENV: setup["server"].servers.worker_secret}  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(repo / "recipes" / "grpo_lora.py"),
+        *_grpo_args(setup, tmp_path),
+        "--rollout.vllm.mode",
+        "merged",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "OMP_NUM_THREADS": "1",
+        "VLLM_API_KEY": API_KEY,
+        WORKER_SECRET_ENV: setup["server"].servers.worker_secret,
+    }
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -647,6 +733,8 @@ def test_killed_server_gives_a_clear_error(setup):
     prompts, sampling = _greedy(setup["tokenizer"])
     os.killpg(server.servers[0].process.pid, signal.SIGKILL)
     server.servers[0].process.wait()
-    with pytest.raises(VLLMServerError, match=r"(?s)was killed by SIGKILL: the log's last lines:.*\nFull server log: .*server_0\.log$"):
+    with pytest.raises(
+        VLLMServerError, match=r"(?s)was killed by SIGKILL: the log's last lines:.*\nFull server log: .*server_0\.log$"
+    ):
         server.generate(prompts, sampling)
     assert not server.health()["alive"]

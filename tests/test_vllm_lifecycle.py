@@ -107,7 +107,7 @@ def _answer_404(connection: socket.socket) -> None:
         ("not-vllm", "it answered GET /health with HTTP 404"),
         ("unresolvable", "its host name does not resolve"),
     ],
-)  # fmt: skip
+)
 def test_an_unusable_server_url_fails_at_once_naming_it(where, seen):
     handlers = {"garbage": _send_garbage, "silent": _never_answer, "not-vllm": _answer_404}
     with contextlib.ExitStack() as stack:
@@ -226,16 +226,47 @@ def test_sigterm_stops_the_servers_the_run_launched(tmp_path):
     state = tmp_path / "server_state"
     state.mkdir()
     env = {
-        **os.environ, "PYTHONPATH": os.pathsep.join([str(vllm_package(tmp_path / "fake_vllm")), str(REPO)]),
-        "FAKE_VLLM_STATE": str(state), "FAKE_VLLM_HANG_COMPLETIONS": "1", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
-    args = ["--model.path", str(model), "--data.path", str(tmp_path / "train.jsonl"), "--rollout.engine", "vllm",
-            "--rollout.vllm.port", str(free_port("127.0.0.1")), "--logging.run-dir", str(tmp_path / "run"),
-            "--steps", "2", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2",
-            "--rollout.max-new-tokens", "4", "--lora.rank", "8", "--eval.every", "0", "--reward.num-workers", "0",
-            "--logging.no-progress", "--logging.backends"]  # fmt: skip
-    trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "grpo_lora.py"), *args], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(vllm_package(tmp_path / "fake_vllm")), str(REPO)]),
+        "FAKE_VLLM_STATE": str(state),
+        "FAKE_VLLM_HANG_COMPLETIONS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    args = [
+        "--model.path",
+        str(model),
+        "--data.path",
+        str(tmp_path / "train.jsonl"),
+        "--rollout.engine",
+        "vllm",
+        "--rollout.vllm.port",
+        str(free_port("127.0.0.1")),
+        "--logging.run-dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "2",
+        "--rollout.prompts-per-step",
+        "2",
+        "--rollout.group-size",
+        "2",
+        "--rollout.max-new-tokens",
+        "4",
+        "--lora.rank",
+        "8",
+        "--eval.every",
+        "0",
+        "--reward.num-workers",
+        "0",
+        "--logging.no-progress",
+        "--logging.backends",
+    ]
+    trainer = subprocess.Popen(
+        [sys.executable, str(REPO / "recipes" / "grpo_lora.py"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     server_pid = None
     try:
         deadline = time.monotonic() + 120

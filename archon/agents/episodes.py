@@ -124,14 +124,18 @@ class EpisodeRunner:
         freed by end_sessions(keys) at the end. any_running(this process has episodes running) ->
         whether any process in lockstep with it does: while one does, every one generates (nothing,
         once its own are over), so that all run the same forwards."""
-        episodes = [_Episode(next(self._keys), self.make_env(), row, g) for g, row in enumerate(rows) for _ in range(group_size)]
+        episodes = [
+            _Episode(next(self._keys), self.make_env(), row, g) for g, row in enumerate(rows) for _ in range(group_size)
+        ]
         try:
             self._start(episodes)
             for turn in range(self.limits.max_turns):
                 running = [e for e in episodes if e.running]
                 if not any_running(bool(running)):
                     break
-                turn_sampling = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + turn)
+                turn_sampling = (
+                    sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + turn)
+                )
                 if running:
                     self._turn(running, turn, turn_sampling, generate, keeps_sessions)
                 else:
@@ -168,16 +172,21 @@ class EpisodeRunner:
                     failure = (StopReason.ENV_ERROR, f"rendering the first messages failed: {describe_exception(exc)}")
             if failure is not None:
                 # an empty trajectory: it trains nothing, and keeps its group whole
-                episode.trajectory = Trajectory(prompt_ids=self.renderer.render_prompt([{"role": "user", "content": ""}]))
+                episode.trajectory = Trajectory(
+                    prompt_ids=self.renderer.render_prompt([{"role": "user", "content": ""}])
+                )
                 episode.stop(*failure)
                 continue
             episode.trajectory = Trajectory(prompt_ids=prompt_ids, messages=list(messages))
 
-    def _turn(self, running: list[_Episode], turn: int, sampling: SamplingParams, generate: Generate, keeps_sessions: bool) -> None:
+    def _turn(
+        self, running: list[_Episode], turn: int, sampling: SamplingParams, generate: Generate, keeps_sessions: bool
+    ) -> None:
         limits = self.limits
         budget = min(limits.max_turn_tokens, max(limits.max_tokens - len(e.trajectory.completion_ids) for e in running))
-        turn_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=budget,
-                                            stop_token_ids=tuple(self.renderer.stop_token_ids))  # fmt: skip
+        turn_sampling = dataclasses.replace(
+            sampling, n=1, max_new_tokens=budget, stop_token_ids=tuple(self.renderer.stop_token_ids)
+        )
         if turn == 0:
             samples = self._first_turn(running, turn_sampling, generate, keeps_sessions)
         else:
@@ -199,8 +208,11 @@ class EpisodeRunner:
             elif parsed.parse_error is not None:
                 episode.stop(StopReason.PARSE_ERROR, parsed.parse_error)
             elif trajectory.num_tool_calls + len(parsed.tool_calls) > limits.max_tool_calls:
-                episode.stop(StopReason.TOOL_BUDGET, f"{len(parsed.tool_calls)} tool calls with "
-                             f"{limits.max_tool_calls - trajectory.num_tool_calls} left")  # fmt: skip
+                episode.stop(
+                    StopReason.TOOL_BUDGET,
+                    f"{len(parsed.tool_calls)} tool calls with "
+                    f"{limits.max_tool_calls - trajectory.num_tool_calls} left",
+                )
             else:
                 trajectory.num_tool_calls += len(parsed.tool_calls)
                 pending.append((episode, parsed))
@@ -212,7 +224,9 @@ class EpisodeRunner:
             start += len(parsed.tool_calls)
             self._step(episode, parsed, own, last_turn=turn == limits.max_turns - 1)
 
-    def _first_turn(self, running: list[_Episode], sampling: SamplingParams, generate: Generate, keeps_sessions: bool) -> list[Sample]:
+    def _first_turn(
+        self, running: list[_Episode], sampling: SamplingParams, generate: Generate, keeps_sessions: bool
+    ) -> list[Sample]:
         """One prompt with n = G for a row whose episodes start alike; else one prompt each."""
         by_group: dict[int, list[_Episode]] = {}
         for episode in running:
@@ -224,10 +238,12 @@ class EpisodeRunner:
             ordered = [e for group in by_group.values() for e in group]
             if ordered == running:
                 prompts = [group[0].trajectory.prompt_ids for group in by_group.values()]
-                return generate(prompts, dataclasses.replace(sampling, n=n),
-                                [e.key for e in ordered] if keeps_sessions else None)  # fmt: skip
-        return generate([e.trajectory.prompt_ids for e in running], sampling,
-                        [e.key for e in running] if keeps_sessions else None)  # fmt: skip
+                return generate(
+                    prompts, dataclasses.replace(sampling, n=n), [e.key for e in ordered] if keeps_sessions else None
+                )
+        return generate(
+            [e.trajectory.prompt_ids for e in running], sampling, [e.key for e in running] if keeps_sessions else None
+        )
 
     def _step(self, episode: _Episode, parsed: AssistantTurn, results: list[ToolResult], last_turn: bool) -> None:
         trajectory = episode.trajectory
@@ -251,7 +267,9 @@ class EpisodeRunner:
         try:
             added = self.renderer.bridge(last_turn_ids(trajectory), messages)
         except Exception as exc:  # noqa: BLE001 - messages the format cannot render
-            episode.stop(StopReason.ENV_ERROR, f"rendering the environment's messages failed: {describe_exception(exc)}")
+            episode.stop(
+                StopReason.ENV_ERROR, f"rendering the environment's messages failed: {describe_exception(exc)}"
+            )
             return
         if len(trajectory.completion_ids) + len(added) >= self.limits.max_tokens:
             episode.stop(StopReason.TOKEN_BUDGET)

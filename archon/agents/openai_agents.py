@@ -90,6 +90,7 @@ class AgentEpisodes:
         default = replace(sampling, n=1, max_new_tokens=self.max_turn_tokens)
         results: list[list[Trajectory] | None] = [None] * len(rows)
         with ChatCompletionsServer(engine, self.renderer, "archon", default) as server:
+
             def run_row(i: int) -> None:
                 results[i] = run_agent_group(server, self.agent_fn, rows[i], group_size, self.timeout_s)
 

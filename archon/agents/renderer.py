@@ -121,7 +121,9 @@ def register_renderer(cls: type[Renderer]) -> type[Renderer]:
     """Class decorator: make `cls` available as get_renderer(cls.name, ...)."""
     existing = _RENDERERS.get(cls.name)
     if existing is not None and existing is not cls:
-        raise ValueError(f"renderer {cls.name!r} is already registered by {existing.__module__}.{existing.__qualname__}")
+        raise ValueError(
+            f"renderer {cls.name!r} is already registered by {existing.__module__}.{existing.__qualname__}"
+        )
     _RENDERERS[cls.name] = cls
     return cls
 
@@ -142,7 +144,9 @@ def get_renderer(name: str, tokenizer, **options) -> Renderer:
     accepted = inspect.signature(_RENDERERS[name].__init__).parameters
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"renderer {name!r} has no option {unknown[0]!r}; its options: {sorted(set(accepted) - {'self', 'tokenizer'})}")
+        raise ValueError(
+            f"renderer {name!r} has no option {unknown[0]!r}; its options: {sorted(set(accepted) - {'self', 'tokenizer'})}"
+        )
     return _RENDERERS[name](tokenizer, **options)
 
 

@@ -142,10 +142,24 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
         limit_args = [limits.cpu_s, limits.memory_mb * 2**20, limits.max_file_mb * 2**20, limits.max_processes]
         env = {"PATH": os.defpath, "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-X", "utf8", "-c", _BOOTSTRAP, str(os.getpid()), *map(str, limit_args),
-             ",".join(BLOCKED_EVENTS)],
-            cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-I",
+                "-X",
+                "utf8",
+                "-c",
+                _BOOTSTRAP,
+                str(os.getpid()),
+                *map(str, limit_args),
+                ",".join(BLOCKED_EVENTS),
+            ],
+            cwd=scratch,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
         try:
             returncode = proc.wait(timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:

@@ -58,7 +58,7 @@ def environment_factory(config: EnvironmentConfig, prompt_field: str):
     if config.tools:
         raise ValueError(f"environment.tools is for the built-in {TOOL_USE!r} environment; {config.name} sets its own")
     if ":" not in config.name:
-        raise ValueError(f"environment.name {config.name!r} is neither {TOOL_USE!r} nor \"module:Class\"")
+        raise ValueError(f'environment.name {config.name!r} is neither {TOOL_USE!r} nor "module:Class"')
     module_name, _, attr = config.name.partition(":")
     cls = import_function(module_name, attr, f"environment.name {config.name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
@@ -83,7 +83,12 @@ def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, 
         agent_fn = import_function(module_name, attr, f"environment.agent {config.agent!r}")
         return AgentEpisodes(agent_fn, renderer, config.limits.max_turn_tokens, config.agent_timeout_s), None
     make_env, tools = environment_factory(config, prompt_field)
-    tool_runner = ToolRunner(tools, timeout_s=config.tool_timeout_s, max_output_chars=config.tool_max_output_chars,
-                             memory_mb=config.tool_memory_mb, num_workers=config.tool_workers)  # fmt: skip
+    tool_runner = ToolRunner(
+        tools,
+        timeout_s=config.tool_timeout_s,
+        max_output_chars=config.tool_max_output_chars,
+        memory_mb=config.tool_memory_mb,
+        num_workers=config.tool_workers,
+    )
     runner = EpisodeRunner(renderer, make_env, tool_runner.call_many, [tool.schema() for tool in tools], config.limits)
     return runner, tool_runner

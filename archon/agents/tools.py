@@ -63,8 +63,7 @@ def _type_schema(hint: Any, where: str) -> dict[str, Any]:
         (inner,) = [arg for arg in args if arg is not type(None)]
         return {"anyOf": [_type_schema(inner, where), {"type": "null"}]}
     raise ValueError(
-        f"{where}: unsupported type hint {hint!r}; use str, int, float, bool, list[...], dict, "
-        "Literal[...] or X | None"
+        f"{where}: unsupported type hint {hint!r}; use str, int, float, bool, list[...], dict, Literal[...] or X | None"
     )
 
 
@@ -153,7 +152,7 @@ class Tool:
 
 
 def resolve_function(spec: str) -> Callable[..., Any]:
-    """"package.module:function" -> the callable."""
+    """ "package.module:function" -> the callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"tool function {spec!r} must be 'module:function'")
@@ -275,8 +274,12 @@ class ToolRunner(WorkerPool):
         memory_mb: int = 1024,
         num_workers: int = 2,
     ):
-        for field, value in (("timeout_s", timeout_s), ("max_output_chars", max_output_chars),
-                             ("memory_mb", memory_mb), ("num_workers", num_workers)):  # fmt: skip
+        for field, value in (
+            ("timeout_s", timeout_s),
+            ("max_output_chars", max_output_chars),
+            ("memory_mb", memory_mb),
+            ("num_workers", num_workers),
+        ):
             if value <= 0:
                 raise ValueError(f"ToolRunner.{field} must be positive, got {value}")
         self.tools: dict[str, Tool] = {}
@@ -317,8 +320,9 @@ class ToolRunner(WorkerPool):
             with self._lock:
                 # a worker whose tool hit the memory limit is replaced: its peak memory stays at the
                 # limit for the process's life and would make a later crash read as out-of-memory
-                outcomes = run_on_workers(self._workers, requests, self.timeout_s,
-                                          replace_after=lambda reply: reply[1] == "memory")  # fmt: skip
+                outcomes = run_on_workers(
+                    self._workers, requests, self.timeout_s, replace_after=lambda reply: reply[1] == "memory"
+                )
             for index, outcome in zip(sent, outcomes):
                 results[index] = self._result(calls[index].name, outcome)
         return results

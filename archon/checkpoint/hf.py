@@ -99,7 +99,8 @@ def warn_non_finite(name: str, tensor: torch.Tensor, file: Path) -> None:
     bad = int((~torch.isfinite(tensor)).sum())
     if bad:
         warnings.warn(
-            f"tensor {name!r} in {str(file)!r} holds {bad} NaN/inf value(s) of {tensor.numel()}", RuntimeWarning,
+            f"tensor {name!r} in {str(file)!r} holds {bad} NaN/inf value(s) of {tensor.numel()}",
+            RuntimeWarning,
             stacklevel=2,
         )
 
@@ -118,7 +119,7 @@ class HFCheckpoint:
             weight_map = read_json_file(index, "checkpoint index").get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise ValueError(
-                    f"checkpoint index {str(index)!r} lacks a \"weight_map\" object of tensor name -> file name"
+                    f'checkpoint index {str(index)!r} lacks a "weight_map" object of tensor name -> file name'
                 )
             self._file_of = {k: self.path / f for k, f in weight_map.items()}
         elif single.exists():
@@ -286,7 +287,11 @@ def read_local(
     region = local_region(target)
     want = tuple(target.shape)
     # probed in the stored tensor's rank: a combine that only reshapes ([1, 1, H, 1] -> [H]) is no identity
-    if region is not None and len(sources) == 1 and _combine_is_identity(converter, key, len(checkpoint.shape(sources[0]))):
+    if (
+        region is not None
+        and len(sources) == 1
+        and _combine_is_identity(converter, key, len(checkpoint.shape(sources[0])))
+    ):
         got = tuple(checkpoint.shape(sources[0]))
         if got != want:
             raise _shape_error(key, sources, got, want)

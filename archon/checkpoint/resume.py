@@ -279,9 +279,11 @@ def check_same_settings(path: Path, trainer_state: dict[str, Any], expected: dic
     """Each entry of `expected` equals the checkpoint's; entries the checkpoint did not record are
     not compared."""
     differences = [
-        d for key, value in expected.items() if key in trainer_state
+        d
+        for key, value in expected.items()
+        if key in trainer_state
         for d in _differences(trainer_state[key], json.loads(json.dumps(value)), key)
-    ]  # fmt: skip
+    ]
     if differences:
         raise CheckpointError(
             f"checkpoint {path} was trained with other settings than this run, so its weights do not fit "
@@ -294,13 +296,15 @@ def _check_keys(path: Path, metadata, model_state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     stored = {
-        k[len("model."):]: v.size for k, v in metadata.state_dict_metadata.items()
+        k[len("model.") :]: v.size
+        for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
-    }  # fmt: skip
+    }
     shapes = [
         f"{k} (checkpoint {tuple(stored[k])}, this run {tuple(t.shape)})"
-        for k, t in sorted(model_state.items()) if k in stored and tuple(stored[k]) != tuple(t.shape)
-    ]  # fmt: skip
+        for k, t in sorted(model_state.items())
+        if k in stored and tuple(stored[k]) != tuple(t.shape)
+    ]
     groups = {
         "missing from the checkpoint": sorted(model_state.keys() - stored.keys()),
         "in the checkpoint but not trainable in this run": sorted(stored.keys() - model_state.keys()),
@@ -308,8 +312,9 @@ def _check_keys(path: Path, metadata, model_state: dict[str, Any]) -> None:
     }
     problems = [
         f"{what} ({len(keys)}): {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
-        for what, keys in groups.items() if keys
-    ]  # fmt: skip
+        for what, keys in groups.items()
+        if keys
+    ]
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit this model's trainable parameters:\n  " + "\n  ".join(problems)

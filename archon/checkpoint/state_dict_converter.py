@@ -21,6 +21,7 @@ def is_lora_param(name: str) -> bool:
     """A LoRA factor's parameter (`<module>.lora_a.weight`, or a task's under a multi-task module)."""
     return any(part in LORA_PARAM_MARKERS for part in name.split("."))
 
+
 PEFT_PREFIX = "base_model.model."
 
 

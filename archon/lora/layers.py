@@ -212,9 +212,7 @@ def frozen_base_lora_backward(grad_out, x2, weight_fn, lora_a, lora_b, h, scalin
     return grad_x, grad_a, grad_b
 
 
-def linear(
-    in_features: int, out_features: int, bias: bool, name: str, lora: LoRAConfig | None
-) -> nn.Linear:
+def linear(in_features: int, out_features: int, bias: bool, name: str, lora: LoRAConfig | None) -> nn.Linear:
     """An nn.Linear, or a LoRALinear when `lora` targets the HF module name `name`."""
     if lora is not None and lora.targets(name):
         return LoRALinear(in_features, out_features, bias, lora)

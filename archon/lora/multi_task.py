@@ -207,10 +207,13 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.task_names = tuple(task_settings)
-        self.tasks = nn.ModuleDict({
-            name: TaskAdapter(in_features, out_features, *settings)
-            for name, settings in task_settings.items() if settings is not None
-        })  # fmt: skip
+        self.tasks = nn.ModuleDict(
+            {
+                name: TaskAdapter(in_features, out_features, *settings)
+                for name, settings in task_settings.items()
+                if settings is not None
+            }
+        )
         self.routing: AdapterRouting | None = None
         self.task_constants: tuple | None = None
         """(device and dtype, scaling [K], dropout [K] or None), made by `task_constants`."""
@@ -266,8 +269,9 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
         if adapter is None:
             view = _PlainTaskView(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         else:
-            view = _LoRATaskView(self.in_features, self.out_features, self.bias is not None,
-                                 LoRAConfig(rank=adapter.rank), device="meta")  # fmt: skip
+            view = _LoRATaskView(
+                self.in_features, self.out_features, self.bias is not None, LoRAConfig(rank=adapter.rank), device="meta"
+            )
             view.lora_a, view.lora_b, view.scaling = adapter.lora_a, adapter.lora_b, adapter.scaling
             view.lora_dropout = nn.Dropout(adapter.dropout) if adapter.dropout > 0 else nn.Identity()
             view.lora_enabled = self.lora_enabled
@@ -329,10 +333,13 @@ class MultiExpertLoRA(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.task_names = tuple(task_configs)
-        self.tasks = nn.ModuleDict({
-            name: ExpertLoRA(num_experts, in_features, out_features, lora)
-            for name, lora in task_configs.items() if lora is not None
-        })  # fmt: skip
+        self.tasks = nn.ModuleDict(
+            {
+                name: ExpertLoRA(num_experts, in_features, out_features, lora)
+                for name, lora in task_configs.items()
+                if lora is not None
+            }
+        )
         self.routing: AdapterRouting | None = None
         self.task_constants: tuple | None = None
         """(device and dtype, scaling [K], dropout [K] or None), made by `task_constants`."""
@@ -376,8 +383,9 @@ class MultiExpertLoRA(nn.Module):
         adapters = [self.tasks[name] if name in self.tasks else None for name in self.task_names]
         lora_a, lora_b = stacked_task_factors(self, [None if t is None else (t.lora_a, t.lora_b) for t in adapters])
         scaling = [0.0 if t is None else t.scaling for t in adapters]
-        dropout = [t.lora_dropout.p if t is not None and isinstance(t.lora_dropout, nn.Dropout) else 0.0
-                   for t in adapters]  # fmt: skip
+        dropout = [
+            t.lora_dropout.p if t is not None and isinstance(t.lora_dropout, nn.Dropout) else 0.0 for t in adapters
+        ]
         scaling_t, dropout_t = task_constants(self, scaling, dropout, lora_a)
         return lora_a, lora_b, scaling_t, dropout_t if self.training else None
 

@@ -32,7 +32,6 @@ from archon.checkpoint.hf import (
 )
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora.config import LoRAConfig
-from archon.quant.formats import QuantFormat
 from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, merged_weight
 from archon.lora.utils import (
     is_lora_param,
@@ -41,6 +40,7 @@ from archon.lora.utils import (
     merge_lora,
     unmerge_lora,
 )
+from archon.quant.formats import QuantFormat
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -170,15 +170,40 @@ def save_peft_adapter(
 
 # adapter_config.json fields that archon reads.
 _PEFT_FIELDS_USED = frozenset(
-    {"peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "rank_pattern",
-     "alpha_pattern", "use_rslora", "bias", "fan_in_fan_out"}
-)  # fmt: skip
+    {
+        "peft_type",
+        "r",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "target_parameters",
+        "rank_pattern",
+        "alpha_pattern",
+        "use_rslora",
+        "bias",
+        "fan_in_fan_out",
+    }
+)
 # Fields that describe how an adapter was made or is to be served, not what it computes.
 _PEFT_FIELDS_IGNORED = frozenset(
-    {"base_model_name_or_path", "revision", "peft_version", "auto_mapping", "task_type", "inference_mode",
-     "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "megatron_config",
-     "megatron_core", "qalora_group_size", "ensure_weight_tying"}
-)  # fmt: skip
+    {
+        "base_model_name_or_path",
+        "revision",
+        "peft_version",
+        "auto_mapping",
+        "task_type",
+        "inference_mode",
+        "init_lora_weights",
+        "loftq_config",
+        "eva_config",
+        "corda_config",
+        "lora_ga_config",
+        "megatron_config",
+        "megatron_core",
+        "qalora_group_size",
+        "ensure_weight_tying",
+    }
+)
 
 
 def read_peft_config(adapter_dir: str | os.PathLike) -> dict:
@@ -288,7 +313,9 @@ def read_adapter_weights(adapter_dir: str | os.PathLike) -> dict[str, torch.Tens
     return tensors
 
 
-def _check_lora_settings(model: nn.Module, converter: StateDictConverter, expected: LoRAConfig, config_path: Path) -> None:
+def _check_lora_settings(
+    model: nn.Module, converter: StateDictConverter, expected: LoRAConfig, config_path: Path
+) -> None:
     """Fail, naming the module, where the model's LoRA rank or scaling is not the adapter's."""
     for name, module in lora_modules(model):
         hf_path = converter.hf_name(name)
@@ -375,7 +402,9 @@ def save_merged_hf(
         extra = {}
         if source_dir is not None:
             for f in Path(source_dir).iterdir():
-                if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
+                if f.name.startswith(
+                    ("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")
+                ):
                     extra[f.name] = f.read_bytes()
         path = Path(out_dir)
         if write:
@@ -412,4 +441,3 @@ __all__ = [
     "save_merged_hf",
     "save_peft_adapter",
 ]
-

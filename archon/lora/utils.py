@@ -14,6 +14,7 @@ from archon.lora.config import LoRAConfig
 from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule
 from archon.lora.multi_task import AdapterRouting, FactorCache, MultiExpertLoRA, MultiLoRALinear
 
+
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAModule]]:
     for name, module in model.named_modules():
         if isinstance(module, LoRAModule):
@@ -88,9 +89,12 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
             if settings is None:
                 parent_name, _, child = name.rpartition(".")
                 plain = nn.Linear(
-                    module.in_features, module.out_features, bias=module.bias is not None,
-                    device=module.weight.device, dtype=module.weight.dtype,
-                )  # fmt: skip
+                    module.in_features,
+                    module.out_features,
+                    bias=module.bias is not None,
+                    device=module.weight.device,
+                    dtype=module.weight.dtype,
+                )
                 setattr(model.get_submodule(parent_name), child, plain)
                 continue
             matched.update(lora.pattern_keys_matching(hf_path))
@@ -158,20 +162,29 @@ def configure_task_adapters(
                         matched[task].update(lora.pattern_keys_matching(hf_path))
                 if any(value is not None for value in settings.values()):
                     replacement = MultiLoRALinear(
-                        child.in_features, child.out_features, child.bias is not None, settings,
-                        device=child.weight.device, dtype=child.weight.dtype,
-                    )  # fmt: skip
+                        child.in_features,
+                        child.out_features,
+                        child.bias is not None,
+                        settings,
+                        device=child.weight.device,
+                        dtype=child.weight.dtype,
+                    )
                 else:
                     replacement = nn.Linear(
-                        child.in_features, child.out_features, bias=child.bias is not None,
-                        device=child.weight.device, dtype=child.weight.dtype,
-                    )  # fmt: skip
+                        child.in_features,
+                        child.out_features,
+                        bias=child.bias is not None,
+                        device=child.weight.device,
+                        dtype=child.weight.dtype,
+                    )
                 setattr(module, child_name, replacement)
             elif isinstance(child, ExpertLoRA):
                 # the stacked expert weights' module is the HF path the task's targets are matched on
                 hf_path = hf_module_name(name)
-                configs = {task: lora if lora.module_settings(hf_path) is not None else None
-                           for task, lora in task_loras.items()}  # fmt: skip
+                configs = {
+                    task: lora if lora.module_settings(hf_path) is not None else None
+                    for task, lora in task_loras.items()
+                }
                 num_experts, _, in_features = child.lora_a.shape
                 out_features = child.lora_b.shape[1]
                 replacement = None
@@ -181,8 +194,10 @@ def configure_task_adapters(
     for task, lora in task_loras.items():
         unmatched = sorted((set(lora.rank_pattern) | set(lora.alpha_pattern)) - matched[task])
         if unmatched:
-            warnings.warn(f"task {task!r}: LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module",
-                          RuntimeWarning)  # fmt: skip
+            warnings.warn(
+                f"task {task!r}: LoRA rank_pattern/alpha_pattern key(s) {unmatched} match no adapted module",
+                RuntimeWarning,
+            )
 
 
 def task_names(model: nn.Module) -> tuple[str, ...]:

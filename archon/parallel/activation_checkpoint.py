@@ -13,14 +13,14 @@ from typing import Literal
 
 import torch
 from torch import nn
-
-from archon.load_balance import routers
-from archon.lora.utils import multi_task_layers, routing_set
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+
+from archon.load_balance import routers
+from archon.lora.utils import multi_task_layers, routing_set
 
 ACMode = Literal["none", "full", "selective"]
 AC_MODES = ("none", "full", "selective")
@@ -103,8 +103,9 @@ def checkpoint_module(module: nn.Module, mode: ACMode) -> nn.Module:
                     router.replayed_experts = experts
 
         uses_state = routed_layers or any(experts is not None for experts in replayed.values())
-        return checkpoint(run if uses_state else forward, *args, use_reentrant=False, preserve_rng_state=True,
-                          **extra, **kwargs)  # fmt: skip
+        return checkpoint(
+            run if uses_state else forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
+        )
 
     module.forward = checkpointed_forward
     return module
@@ -113,4 +114,3 @@ def checkpoint_module(module: nn.Module, mode: ACMode) -> nn.Module:
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: ACMode) -> None:
     for block in blocks:
         checkpoint_module(block, mode)
-

@@ -64,8 +64,21 @@ class _Saved:
         CUDA event recorded after the copy that last wrote device_tensor or host.
     """
 
-    __slots__ = ("group", "stats", "source", "version", "device", "device_tensor", "host", "event", "nbytes",
-                 "uses", "unpacked", "resident", "__weakref__")  # fmt: skip
+    __slots__ = (
+        "group",
+        "stats",
+        "source",
+        "version",
+        "device",
+        "device_tensor",
+        "host",
+        "event",
+        "nbytes",
+        "uses",
+        "unpacked",
+        "resident",
+        "__weakref__",
+    )
 
     def __init__(self, group: _BlockSaved, stats: OffloadStats, tensor: torch.Tensor) -> None:
         self.group = group
@@ -113,8 +126,9 @@ class ActivationOffload:
     min_bytes: saved tensors smaller than this stay where they are.
     """
 
-    def __init__(self, *, offload: bool = True, offload_host_tensors: bool = False,
-                 min_bytes: int = OFFLOAD_MIN_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self, *, offload: bool = True, offload_host_tensors: bool = False, min_bytes: int = OFFLOAD_MIN_BYTES
+    ) -> None:
         self.offload = offload
         self.offload_host_tensors = offload_host_tensors
         self.min_bytes = min_bytes
@@ -291,12 +305,18 @@ def check_activation_offload(device_type: str, compile: bool) -> None:
         )
 
 
-def apply_activation_offload(blocks: Iterable[nn.Module], *, offload: bool = True, offload_host_tensors: bool = False,
-                             min_bytes: int = OFFLOAD_MIN_BYTES) -> ActivationOffload:  # fmt: skip
+def apply_activation_offload(
+    blocks: Iterable[nn.Module],
+    *,
+    offload: bool = True,
+    offload_host_tensors: bool = False,
+    min_bytes: int = OFFLOAD_MIN_BYTES,
+) -> ActivationOffload:
     """Wrap each block's forward (after activation checkpointing) in one ActivationOffload's hooks;
     the arguments are ActivationOffload's."""
-    activation_offload = ActivationOffload(offload=offload, offload_host_tensors=offload_host_tensors,
-                                           min_bytes=min_bytes)  # fmt: skip
+    activation_offload = ActivationOffload(
+        offload=offload, offload_host_tensors=offload_host_tensors, min_bytes=min_bytes
+    )
     for block in blocks:
         activation_offload.wrap(block)
     return activation_offload

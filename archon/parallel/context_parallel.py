@@ -137,7 +137,9 @@ class TokenSlice:
     def local_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions of this rank's rows; the padding sequence counts from 0."""
         if self.padded_tokens > self.num_tokens:
-            positions = torch.cat([positions, torch.arange(self.padded_tokens - self.num_tokens, device=positions.device)])
+            positions = torch.cat(
+                [positions, torch.arange(self.padded_tokens - self.num_tokens, device=positions.device)]
+            )
         start = self.cp.rank * self.local_tokens
         return positions[start : start + self.local_tokens]
 
@@ -173,5 +175,3 @@ def context_parallel_group(dims: ParallelDims) -> ContextParallelGroup | None:
         return None
     mesh = dims.cp_mesh
     return ContextParallelGroup(mesh.get_group(), dims.cp, mesh.get_local_rank())
-
-

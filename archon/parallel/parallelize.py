@@ -49,8 +49,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.parallel.activation_checkpoint import ACMode, apply_activation_checkpointing
-from archon.parallel.context_parallel import require_context_parallel_heads
 from archon.parallel.activation_offload import apply_activation_offload, check_activation_offload
+from archon.parallel.context_parallel import require_context_parallel_heads
 from archon.parallel.dims import ParallelDims
 from archon.parallel.expert_parallel import shard_experts
 from archon.parallel.tensor_parallel import apply_tp_plan, require_whole_scale_blocks
@@ -131,9 +131,12 @@ def apply_fsdp(
     mesh = dims.fsdp_mesh
     for block in blocks:
         fully_shard(
-            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=config.reshard_after_forward,
+            block,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=config.reshard_after_forward,
             ignored_params=ignored_params,
-        )  # fmt: skip
+        )
     # The root keeps its parameters gathered after forward (FSDP2's default for the root): the
     # engine reads the unembedding right after the forward for its chunked head.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params)
@@ -174,7 +177,9 @@ def parallelize_decoder(
     """
     if dims.cp_enabled:
         if not context_parallel_heads:
-            raise ValueError(f"parallel.cp={dims.cp} requested but {type(model).__name__} has no context-parallel support")
+            raise ValueError(
+                f"parallel.cp={dims.cp} requested but {type(model).__name__} has no context-parallel support"
+            )
         require_context_parallel_heads(dims, type(model).__name__, context_parallel_heads, context_parallel_kv_heads)
     if dims.ep_enabled and not routed_experts:
         raise ValueError(f"ep={dims.ep} requested but {type(model).__name__} has no routed experts to split")

@@ -95,7 +95,9 @@ class _LinearParallel(ParallelStyle):
             role = ".".join(name.split(".")[-2:]) if is_lora_param(name) else name
             role = role.removesuffix("_qdata").removesuffix("_qscale")  # a quantized weight's storage (archon.quant)
             if role not in self.param_placements:
-                raise ValueError(f"{type(self).__name__}: no placement for parameter {name!r} of {type(module).__name__}")
+                raise ValueError(
+                    f"{type(self).__name__}: no placement for parameter {name!r} of {type(module).__name__}"
+                )
             placements[name] = self.param_placements[role]
             if name.endswith("_qscale") and module._quantized[role].fmt.column_block is None:
                 # one scale per row covers every input: each rank of a row-parallel split needs all of it
@@ -117,8 +119,9 @@ class ColwiseLoRAParallel(_LinearParallel):
     }
     desired_input = Replicate()
 
-    def __init__(self, input_layout: Placement = Replicate(), output_layout: Placement = Shard(-1),
-                 use_local_output: bool = True) -> None:
+    def __init__(
+        self, input_layout: Placement = Replicate(), output_layout: Placement = Shard(-1), use_local_output: bool = True
+    ) -> None:
         super().__init__(input_layout, output_layout, use_local_output)
 
 
@@ -133,8 +136,9 @@ class RowwiseLoRAParallel(_LinearParallel):
     }
     desired_input = Shard(-1)
 
-    def __init__(self, input_layout: Placement = Shard(-1), output_layout: Placement = Replicate(),
-                 use_local_output: bool = True) -> None:
+    def __init__(
+        self, input_layout: Placement = Shard(-1), output_layout: Placement = Replicate(), use_local_output: bool = True
+    ) -> None:
         super().__init__(input_layout, output_layout, use_local_output)
 
 
@@ -217,16 +221,26 @@ def head_sharded_qk_norm() -> ParallelStyle:
     return ReplicatedParallel(Shard(1))
 
 
-def attention_plan(prefix: str = "self_attn", q: str = "q_proj", k: str = "k_proj", v: str = "v_proj",
-                   o: str = "o_proj", qk_norm: tuple[str, str] | None = None,
-                   sinks: str | None = None) -> dict[str, ParallelStyle]:
+def attention_plan(
+    prefix: str = "self_attn",
+    q: str = "q_proj",
+    k: str = "k_proj",
+    v: str = "v_proj",
+    o: str = "o_proj",
+    qk_norm: tuple[str, str] | None = None,
+    sinks: str | None = None,
+) -> dict[str, ParallelStyle]:
     """Heads sharded: q/k/v column-parallel, o row-parallel, optional per-head q/k norms replicated.
 
     sinks: the name of a per-head parameter [H] of the attention module itself (GPT-OSS's
     attention sinks), sharded with the q heads; the forward reads it through `local_tensor`.
     """
-    plan = {f"{prefix}.{q}": colwise(), f"{prefix}.{k}": colwise(), f"{prefix}.{v}": colwise(),
-            f"{prefix}.{o}": rowwise()}
+    plan = {
+        f"{prefix}.{q}": colwise(),
+        f"{prefix}.{k}": colwise(),
+        f"{prefix}.{v}": colwise(),
+        f"{prefix}.{o}": rowwise(),
+    }
     if qk_norm is not None:
         for name in qk_norm:
             plan[f"{prefix}.{name}"] = head_sharded_qk_norm()
@@ -235,8 +249,9 @@ def attention_plan(prefix: str = "self_attn", q: str = "q_proj", k: str = "k_pro
     return plan
 
 
-def swiglu_plan(prefix: str = "mlp", gate: str = "gate_proj", up: str = "up_proj",
-                down: str = "down_proj") -> dict[str, ParallelStyle]:
+def swiglu_plan(
+    prefix: str = "mlp", gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+) -> dict[str, ParallelStyle]:
     """Intermediate dimension sharded: gate/up column-parallel, down row-parallel."""
     return {f"{prefix}.{gate}": colwise(), f"{prefix}.{up}": colwise(), f"{prefix}.{down}": rowwise()}
 
@@ -253,9 +268,7 @@ def _plan_matches(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[
         else:
             matches = [pattern] if pattern in names else []
         if not matches:
-            raise KeyError(
-                f"tensor-parallel plan entry {pattern!r} matches no submodule of {type(module).__name__}"
-            )
+            raise KeyError(f"tensor-parallel plan entry {pattern!r} matches no submodule of {type(module).__name__}")
         out.extend((name, style) for name in matches)
     return out
 

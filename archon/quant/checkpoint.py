@@ -50,9 +50,11 @@ class QuantizedCheckpoint:
         # Static activation scales (`X.input_scale` beside an fp8 `X.weight`) serve fp8 GEMM kernels;
         # archon's GEMMs run in the training dtype on dequantized weights, so they are not needed.
         activation_scales = {
-            key for key in stored for suffix in ("input_scale", "activation_scale")
+            key
+            for key in stored
+            for suffix in ("input_scale", "activation_scale")
             if key.endswith("." + suffix) and key.removesuffix(suffix) + "weight" in self.quantized
-        }  # fmt: skip
+        }
         self._plain = stored - {k for pair in self.quantized.values() for k in pair} - activation_scales
 
     def _stored_dtype(self, key: str) -> str:
@@ -120,9 +122,10 @@ class QuantizedCheckpoint:
         if self.fmt.method == "fp8":
             want = self.fmt.checkpoint_scale_shape(data_shape)
             layout = (
-                f"weight_block_size {list(self.fmt.block_size)}" if self.fmt.config.get("quant_method", "fp8") == "fp8"
+                f"weight_block_size {list(self.fmt.block_size)}"
+                if self.fmt.config.get("quant_method", "fp8") == "fp8"
                 else f"{self.fmt} (quantization_config.config_groups)"
-            )  # fmt: skip
+            )
             why = f"{layout} over {data_key!r} of shape {tuple(data_shape)}"
             if want == [1] and list(scale_shape) in ([], [1, 1]):
                 want = list(scale_shape)  # one scale for the tensor, stored with any layout of one value
@@ -186,7 +189,12 @@ def _source_rows(converter, key: str, shapes: list[torch.Size]) -> torch.Tensor:
             "model.quantized_base='dequantize'"
         ) from None
     ids = out[..., 0]
-    if not torch.equal(out[..., 1], -ids - 1) or not torch.equal(ids, ids.round()) or (ids < 0).any() or (ids >= offset).any():
+    if (
+        not torch.equal(out[..., 1], -ids - 1)
+        or not torch.equal(ids, ids.round())
+        or (ids < 0).any()
+        or (ids >= offset).any()
+    ):
         raise ValueError(
             f"{key!r}: its converter changes values or columns, not only the order of rows, so the quantized "
             "blocks cannot be kept; load the base with model.quantized_base='dequantize'"
@@ -205,7 +213,9 @@ def _combined_storage(checkpoint: QuantizedCheckpoint, sources: list[str], rows:
     return out
 
 
-def _stacked_storage(checkpoint: QuantizedCheckpoint, sources: list[str], num_stacked: int, experts: slice, rows: slice):
+def _stacked_storage(
+    checkpoint: QuantizedCheckpoint, sources: list[str], num_stacked: int, experts: slice, rows: slice
+):
     """(data, scale) of the stacked experts `experts` (rows `rows`) from per-expert sources, each
     expert's sources concatenated on rows; only those experts' tensors are read."""
     per_expert = len(sources) // num_stacked
@@ -217,7 +227,9 @@ def _stacked_storage(checkpoint: QuantizedCheckpoint, sources: list[str], num_st
     return torch.stack(datas), torch.stack(scales)
 
 
-def load_quantized_weight(module, name: str, converter, checkpoint: QuantizedCheckpoint, key: str, sources: list[str]) -> None:
+def load_quantized_weight(
+    module, name: str, converter, checkpoint: QuantizedCheckpoint, key: str, sources: list[str]
+) -> None:
     """Fill the storage of quantized weight `name` of `module` (archon key `key`) from its
     checkpoint `sources`, reading only this rank's experts when they are stacked from per-expert
     tensors."""
@@ -242,9 +254,11 @@ def load_quantized_weight(module, name: str, converter, checkpoint: QuantizedChe
                 f"features ({info.rows_shape[-1]}) must be a multiple of tp x {info.fmt.column_block}"
             )
     stacked = (
-        data_region is not None and len(sources) > 1 and len(info.rows_shape) == 3
+        data_region is not None
+        and len(sources) > 1
+        and len(info.rows_shape) == 3
         and _combine_is_stack_of_cat(converter, key, len(sources), info.rows_shape[0])
-    )  # fmt: skip
+    )
     if stacked:
         data, scale = _stacked_storage(checkpoint, sources, info.rows_shape[0], data_region[0], data_region[1])
         data, scale = data[..., data_region[-1]], scale[..., scale_region[-1]]

@@ -69,7 +69,10 @@ def quantize_checkpoint(
             else:
                 yield key, tensor
 
-    extra = {f.name: f.read_bytes() for f in source.iterdir() if f.is_file() and f.suffix != ".safetensors"
-             and f.name not in ("config.json", "model.safetensors.index.json")}  # fmt: skip
+    extra = {
+        f.name: f.read_bytes()
+        for f in source.iterdir()
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json")
+    }
     save_hf_checkpoint(tensors(), out_dir, config, extra_files=extra)
     return Path(out_dir)

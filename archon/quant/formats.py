@@ -84,8 +84,12 @@ class QuantFormat:
         if self.config:
             return dict(self.config)
         if self.method == "fp8":
-            return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": list(self.block_size)}  # fmt: skip
+            return {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": list(self.block_size),
+            }
         return {"quant_method": "mxfp4"}
 
     # ---- storage ------------------------------------------------------------------------------
@@ -138,9 +142,10 @@ def quant_format_from_config(quantization_config: dict | None, where: str = "con
             raise ValueError(f"{where}: quantization_config.fmt={fmt!r}; archon reads fp8 e4m3 checkpoints only")
         block = quantization_config.get("weight_block_size")
         if (
-            not isinstance(block, (list, tuple)) or len(block) != 2
+            not isinstance(block, (list, tuple))
+            or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-        ):  # fmt: skip
+        ):
             raise ValueError(
                 f"{where}: quantization_config.weight_block_size={block!r}; archon reads block-scaled fp8 "
                 "checkpoints, which name two positive block sizes (e.g. [128, 128])"
@@ -184,7 +189,11 @@ def _compressed_tensors_format(config: dict, where: str) -> QuantFormat:
         strategy = weights.get("strategy")
         if strategy == "block":
             block = weights.get("block_structure")
-            if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            if (
+                not isinstance(block, (list, tuple))
+                or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)
+            ):
                 raise ValueError(f"{where}: {field_name}.config_groups.{name}.weights.block_structure={block!r}")
             blocks.add((int(block[0]), int(block[1])))
         elif strategy in _COMPRESSED_TENSORS_BLOCKS:
@@ -206,8 +215,12 @@ def compressed_tensors_config(strategy: str, block: tuple[int, int] | None = Non
     if block is not None:
         weights["block_structure"] = list(block)
     activations = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": True, "strategy": "token"}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +245,10 @@ def fp8_rows_from_checkpoint(
 
 
 def dequantize_fp8(
-    data: torch.Tensor, scale: torch.Tensor, column_block: int | None, dtype: torch.dtype,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    column_block: int | None,
+    dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Storage [..., out, in] (fp8 bits) and [..., out, nb] (fp32 bits) -> weight [..., out, in] in
@@ -348,7 +364,11 @@ def _fp8_pair_values(device: torch.device) -> torch.Tensor:
 
 
 def _dequantize_rows(
-    table: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype,
+    table: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block: int,
+    dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """data [..., out, in_bytes] (uint8) looked up in `table` and times scale [..., out, ceil(in/block)]
@@ -366,8 +386,9 @@ def _dequantize_rows(
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=data.device)
     elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"dequantize: out must be a contiguous {dtype} tensor of shape {shape}, "
-                         f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+        raise ValueError(
+            f"dequantize: out must be a contiguous {dtype} tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+        )
     out_rows = out.view(-1, in_features)
     step = max(1, _CHUNK_ELEMENTS.get(data.device.type, _DEVICE_CHUNK_ELEMENTS) // max(in_features, 1))
     for start in range(0, data_rows.shape[0], step):

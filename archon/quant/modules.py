@@ -84,9 +84,13 @@ class QuantizedWeights:
                 p = Shard(2 * len(info.rows_shape) - 3 - p.dim % len(info.rows_shape))
             placements.append(p)
         return DTensor.from_local(
-            weight, data.device_mesh, placements, run_check=False, shape=torch.Size(info.shape),
+            weight,
+            data.device_mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(info.shape),
             stride=torch.empty(info.shape, device="meta").stride(),
-        )  # fmt: skip
+        )
 
     def merge_lora(self) -> None:
         raise ValueError(
@@ -108,7 +112,9 @@ class _GemmWorkspace(threading.local):
 _WORKSPACE = _GemmWorkspace()
 
 
-def _dequantized_for_gemm(fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized_for_gemm(
+    fmt: QuantFormat, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """The weight of storage (data, scale) in `dtype`, for a GEMM that consumes it at once: on the
     CPU, in eager mode, it lives in this thread's workspace and is overwritten by the next one."""
     if data.device.type != "cpu" or torch.compiler.is_compiling():
@@ -195,9 +201,15 @@ class _DequantizedLoRALinear(torch.autograd.Function):
         x2, data, scale, lora_a, lora_b, h = ctx.saved_tensors
         need_x, _, _, _, _, need_a, need_b, _ = ctx.needs_input_grad
         grad_x, grad_a, grad_b = frozen_base_lora_backward(
-            grad_out, x2, lambda: _dequantized_for_gemm(ctx.fmt, data, scale, grad_out.dtype), lora_a, lora_b, h,
-            ctx.scaling, (need_x, need_a, need_b),
-        )  # fmt: skip
+            grad_out,
+            x2,
+            lambda: _dequantized_for_gemm(ctx.fmt, data, scale, grad_out.dtype),
+            lora_a,
+            lora_b,
+            h,
+            ctx.scaling,
+            (need_x, need_a, need_b),
+        )
         grad_x = None if grad_x is None else grad_x.view(ctx.x_shape)
         return grad_x, None, None, None, None, grad_a, grad_b, None
 
@@ -211,9 +223,15 @@ class QuantizedLoRALinear(QuantizedWeights, LoRALinear):
         no_dropout = isinstance(self.lora_dropout, nn.Identity) or not self.training
         if self.lora_enabled and frozen_bias and no_dropout and not isinstance(data, DTensor):
             return _DequantizedLoRALinear.apply(
-                x, data, scale, self._quantized["weight"].fmt, self.bias, self.lora_a.weight, self.lora_b.weight,
+                x,
+                data,
+                scale,
+                self._quantized["weight"].fmt,
+                self.bias,
+                self.lora_a.weight,
+                self.lora_b.weight,
                 self.scaling,
-            )  # fmt: skip
+            )
         out = _quantized_linear(self, x)
         if not self.lora_enabled:
             return out
@@ -222,8 +240,9 @@ class QuantizedLoRALinear(QuantizedWeights, LoRALinear):
         if fused and out.dtype == h.dtype:
             # Base and adapter summed in one rounding, as LoRALinear does on a dense frozen base, so
             # a bf16 forward (FSDP2's param_dtype) matches the base dequantized at load.
-            out2 = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_b.weight.t(),
-                               alpha=self.scaling)  # fmt: skip
+            out2 = torch.addmm(
+                out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_b.weight.t(), alpha=self.scaling
+            )
             return out2.view(*out.shape)
         return out + (self.lora_b(h) * self.scaling).to(out.dtype)
 
@@ -276,8 +295,9 @@ def quantize_base_weights(model: nn.Module, keys: dict[str, QuantFormat], dtype:
         data_shape, scale_shape = fmt.storage_shapes(rows_shape)
         del module._parameters[name]
         for suffix, storage_shape, storage_dtype in (
-            ("qdata", data_shape, torch.uint8), ("qscale", scale_shape, fmt.scale_dtype())
-        ):  # fmt: skip
+            ("qdata", data_shape, torch.uint8),
+            ("qscale", scale_shape, fmt.scale_dtype()),
+        ):
             storage = torch.empty(storage_shape, dtype=storage_dtype, device=param.device)
             module.register_parameter(f"{name}_{suffix}", nn.Parameter(storage, requires_grad=False))
         module.__dict__.setdefault("_quantized", {})[name] = QuantizedWeight(fmt, rows_shape, transposed, dtype)

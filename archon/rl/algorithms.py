@@ -91,37 +91,57 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     "grpo": AlgorithmSpec(
         "GRPO: group-normalised advantages, PPO clip, mean over each response then over responses",
         advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
-        objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="seq_mean_token_mean",
+        objective=ppo_clip_token_losses,
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="seq_mean_token_mean",
         group_of_one=GROUP_NORMALISED,
     ),
     "drgrpo": AlgorithmSpec(
         "Dr.GRPO: group-centred advantages (no std), token sums divided by a constant length",
         advantages=lambda rewards, weights, group_size, batch_sum: drgrpo_advantages(rewards, group_size),
-        objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="seq_mean_token_sum_norm",
+        objective=ppo_clip_token_losses,
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="seq_mean_token_sum_norm",
         group_of_one="subtracts its group's mean from each reward, so with one sample per prompt every advantage is 0",
     ),
     "dapo": AlgorithmSpec(
         "DAPO: GRPO advantages, clip-higher (1 - 0.2, 1 + 0.28), token mean over the batch",
         advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
-        objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.28, aggregation="token_mean",
+        objective=ppo_clip_token_losses,
+        clip_low=0.2,
+        clip_high=0.28,
+        aggregation="token_mean",
         group_of_one=GROUP_NORMALISED,
     ),
     "gspo": AlgorithmSpec(
         "GSPO: GRPO advantages, sequence-level ratio clipped in a small range",
         advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
-        objective=gspo_token_losses, clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean",
-        group_of_one=GROUP_NORMALISED, dual_clip=False,
+        objective=gspo_token_losses,
+        clip_low=3e-4,
+        clip_high=4e-4,
+        aggregation="seq_mean_token_mean",
+        group_of_one=GROUP_NORMALISED,
+        dual_clip=False,
     ),
     "cispo": AlgorithmSpec(
         "CISPO: GRPO advantages, clipped and detached importance weight on every token's log-prob",
         advantages=lambda rewards, weights, group_size, batch_sum: grpo_advantages(rewards, group_size),
-        objective=cispo_token_losses, clip_low=1.0, clip_high=4.0, aggregation="token_mean",
-        group_of_one=GROUP_NORMALISED, dual_clip=False,
+        objective=cispo_token_losses,
+        clip_low=1.0,
+        clip_high=4.0,
+        aggregation="token_mean",
+        group_of_one=GROUP_NORMALISED,
+        dual_clip=False,
     ),
     "rloo": AlgorithmSpec(
         "RLOO: leave-one-out baseline within the group, PPO clip, token mean",
         advantages=lambda rewards, weights, group_size, batch_sum: rloo_advantages(rewards, group_size),
-        objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="token_mean",
+        objective=ppo_clip_token_losses,
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="token_mean",
         group_of_one="takes each sample's baseline from the other samples of its group, and a group of one has none",
     ),
     "reinforce_pp": AlgorithmSpec(
@@ -129,8 +149,12 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         advantages=lambda rewards, weights, group_size, batch_sum: reinforce_pp_advantages(
             rewards, group_size, group_baseline=False, weights=weights, batch_sum=batch_sum
         ),
-        objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="token_mean",
-        group_of_one=None, batch_whitened=True,
+        objective=ppo_clip_token_losses,
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="token_mean",
+        group_of_one=None,
+        batch_whitened=True,
     ),
     "reinforce_pp_baseline": AlgorithmSpec(
         "REINFORCE++-baseline: group mean subtracted (none for groups of one), then whitened over the whole "
@@ -138,10 +162,14 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         advantages=lambda rewards, weights, group_size, batch_sum: reinforce_pp_advantages(
             rewards, group_size, group_baseline=True, weights=weights, batch_sum=batch_sum
         ),
-        objective=ppo_clip_token_losses, clip_low=0.2, clip_high=0.2, aggregation="token_mean",
-        group_of_one=None, batch_whitened=True,
+        objective=ppo_clip_token_losses,
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="token_mean",
+        group_of_one=None,
+        batch_whitened=True,
     ),
-}  # fmt: skip
+}
 
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # the registry's names, for the config's type checking and --help
 
@@ -316,9 +344,15 @@ class Algorithm:
         check_inputs(logprobs, old, batch.advantages, mask, cu_seqlens)
         dual_clip = {} if config.clip_ratio_c is None else {"clip_ratio_c": config.clip_ratio_c}
         token_losses, clipped, extra = self.spec.objective(
-            logprobs, old, batch.advantages, mask, cu_seqlens, clip_low=self.clip_low, clip_high=self.clip_high,
+            logprobs,
+            old,
+            batch.advantages,
+            mask,
+            cu_seqlens,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
             **dual_clip,
-        )  # fmt: skip
+        )
         metrics = ratio_metrics(logprobs - old, mask, clipped)
         metrics.update(extra)
         if self.importance_sampling != "none" or config.icepop_band is not None:

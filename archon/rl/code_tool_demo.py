@@ -32,8 +32,17 @@ RENDERER = "qwen3"
 TOOL = "python"
 """The demo's rendering: the Qwen3 chat format without reasoning, the python tool, no system message.
 A run of the demo must use the same (demo_environment_problems)."""
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-                  "</tool_response>", "<think>", "</think>")  # fmt: skip
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 END_OF_TEXT, END_OF_TURN = "<|endoftext|>", "<|im_end|>"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -44,9 +53,13 @@ class CodeToolDemoConfig:
 
     task: ArithmeticTaskConfig = field(
         default_factory=lambda: ArithmeticTaskConfig(
-            operations=("*",), min_digits=3, max_digits=3, num_train=3000, num_held_out=200,
+            operations=("*",),
+            min_digits=3,
+            max_digits=3,
+            num_train=3000,
+            num_held_out=200,
             prompt_format="What is {a} * {b}?",
-        )  # fmt: skip
+        )
     )
     """The problems: their prompt_format must hold no digit but the operands'."""
     tool_fraction: float = 0.3
@@ -98,15 +111,19 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
-    )  # fmt: skip
+    )
     special = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
     # the special tokens are never merged with text: the corpus is the text between them
     backend.train_from_iterator((piece for text in texts for piece in special.split(text) if piece), trainer)
@@ -120,9 +137,11 @@ def hf_tokenizer(backend):
 
     source = {"tokenizer_file": str(backend)} if isinstance(backend, (str, Path)) else {"tokenizer_object": backend}
     return PreTrainedTokenizerFast(
-        **source, eos_token=END_OF_TURN, pad_token=END_OF_TEXT,
+        **source,
+        eos_token=END_OF_TURN,
+        pad_token=END_OF_TEXT,
         additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (END_OF_TURN, END_OF_TEXT)],
-    )  # fmt: skip
+    )
 
 
 def train_tokenizer(code_tool: CodeToolDemoConfig, conversations: list[dict]):
@@ -209,7 +228,9 @@ def _add_sampled(trajectory, ids: list[int]) -> None:
 
 
 # ---- held-out success in the episode loop ----------------------------------------------------------
-def episode_success(model, device, tokenizer, rows: list[dict], environment, temperature: float = 0.0) -> dict[str, float]:
+def episode_success(
+    model, device, tokenizer, rows: list[dict], environment, temperature: float = 0.0
+) -> dict[str, float]:
     """Episodes of `rows` under `environment` (an EnvironmentConfig) on one process, greedy by default:
     {"success": the fraction answered exactly, "tool_calls": the fraction that called a tool,
     "tool_success": the fraction that called one and were right}."""
@@ -222,16 +243,24 @@ def episode_success(model, device, tokenizer, rows: list[dict], environment, tem
     runner, tool_runner = build_episode_runner(environment, tokenizer, RENDERER, "prompt")
     try:
         trajectories = runner.run(
-            rows, 1, SamplingParams(temperature=temperature),
+            rows,
+            1,
+            SamplingParams(temperature=temperature),
             lambda prompts, sampling, sessions: engine.generate(prompts, sampling, sessions=sessions),
-            keeps_sessions=True, end_sessions=engine.end_sessions,
-        )  # fmt: skip
+            keeps_sessions=True,
+            end_sessions=engine.end_sessions,
+        )
     finally:
         runner.close()
         tool_runner.close()
-    right = [t.answer is not None and exact_match_reward("", t.answer, row["answer"]) == 1.0
-             for t, row in zip(trajectories, rows)]  # fmt: skip
+    right = [
+        t.answer is not None and exact_match_reward("", t.answer, row["answer"]) == 1.0
+        for t, row in zip(trajectories, rows)
+    ]
     called = [t.num_tool_calls > 0 for t in trajectories]
     n = max(len(rows), 1)
-    return {"success": sum(right) / n, "tool_calls": sum(called) / n,
-            "tool_success": sum(r and c for r, c in zip(right, called)) / n}  # fmt: skip
+    return {
+        "success": sum(right) / n,
+        "tool_calls": sum(called) / n,
+        "tool_success": sum(r and c for r, c in zip(right, called)) / n,
+    }

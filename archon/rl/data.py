@@ -169,8 +169,10 @@ def _check_messages(value: list) -> str | None:
     if not value:
         return "is an empty message list"
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
-            message.get("content"), str
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
         ):
             return f"message {i} is not a {{role: str, content: str}} object"
     return None
@@ -249,7 +251,7 @@ def _hub_problem(name: str, subset: str | None, split: str, error: Exception) ->
     return (
         f"{message}. It is not in the local datasets cache (looked in {cached}) and the Hub could not be "
         f"reached{offline}. Download it first where the Hub can be reached, with the same HF_HOME or "
-        f"HF_DATASETS_CACHE: python -c \"import datasets; {load}\"; or set data.path to a local "
+        f'HF_DATASETS_CACHE: python -c "import datasets; {load}"; or set data.path to a local '
         ".jsonl/.parquet file or save_to_disk directory (a local path that exists is always used as one)."
     )
 
@@ -304,7 +306,9 @@ def _hub_options_problem(path: str) -> str | None:
     keys = [key for key, _ in pairs]
     unknown = sorted(set(keys) - set(HUB_OPTIONS))
     if unknown:
-        return f"unknown option {', '.join(map(repr, unknown))} after the dataset name (options: {', '.join(HUB_OPTIONS)})"
+        return (
+            f"unknown option {', '.join(map(repr, unknown))} after the dataset name (options: {', '.join(HUB_OPTIONS)})"
+        )
     if len(keys) != len(set(keys)) or any(not value for _, value in pairs):
         return "each option after the dataset name is given once, with a value"
     return None

@@ -254,9 +254,13 @@ def prepare_demo(demo, parallel, seed: int, rank: int, log=print) -> DemoFiles:
     finally:
         torch.set_num_threads(threads)
     save_merged_hf(
-        trainer.model, trainer.converter, files.model_dir, trainer.loaded.hf_config.to_dict(), root / "init",
+        trainer.model,
+        trainer.converter,
+        files.model_dir,
+        trainer.loaded.hf_config.to_dict(),
+        root / "init",
         write=rank == 0,
-    )  # fmt: skip
+    )
     _share_with_other_nodes(made)
     del trainer
     return files
@@ -376,7 +380,9 @@ def _report_code_tool_warm_start(files: DemoFiles, config, demo) -> None:
     rows = [json.loads(line) for line in files.held_out_path.read_text().splitlines()][: config.eval.max_prompts]
     figures = code_tool_demo.episode_success(loaded.model, "cpu", tokenizer, rows, config.environment)
     shown = ", ".join(f"{name} {value:.3f}" for name, value in figures.items())
-    print(f"held-out episodes of the warm start ({len(rows)} problems, tools {list(config.environment.tools)}): {shown}")
+    print(
+        f"held-out episodes of the warm start ({len(rows)} problems, tools {list(config.environment.tools)}): {shown}"
+    )
 
 
 if __name__ == "__main__":

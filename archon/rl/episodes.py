@@ -39,22 +39,36 @@ def episode_samples(task, examples, sampling: SamplingParams, engine, adapter: i
     if isinstance(task.episodes, AgentEpisodes):
         trajectories = task.episodes.run(rows, sampling.n, sampling, engine)
     elif isinstance(engine, NativeRolloutEngine):
+
         def generate(prompts, turn_sampling, sessions):
             if adapter is None:
                 return engine.generate(prompts, turn_sampling, sessions=sessions)
-            return engine.generate(prompts, turn_sampling, adapters=[adapter] * len(prompts),
-                                   adapter_seeds={adapter: turn_sampling.seed}, sessions=sessions)  # fmt: skip
+            return engine.generate(
+                prompts,
+                turn_sampling,
+                adapters=[adapter] * len(prompts),
+                adapter_seeds={adapter: turn_sampling.seed},
+                sessions=sessions,
+            )
 
         group, device = engine.sync_group, engine.device
         trajectories = task.episodes.run(
-            rows, sampling.n, sampling, generate, keeps_sessions=True,
-            end_sessions=engine.end_sessions, any_running=lambda running: _any_rank(running, group, device),
-        )  # fmt: skip
+            rows,
+            sampling.n,
+            sampling,
+            generate,
+            keeps_sessions=True,
+            end_sessions=engine.end_sessions,
+            any_running=lambda running: _any_rank(running, group, device),
+        )
     else:
         trajectories = task.episodes.run(
-            rows, sampling.n, sampling,
-            lambda prompts, turn_sampling, sessions: engine.generate(prompts, turn_sampling), keeps_sessions=False,
-        )  # fmt: skip
+            rows,
+            sampling.n,
+            sampling,
+            lambda prompts, turn_sampling, sessions: engine.generate(prompts, turn_sampling),
+            keeps_sessions=False,
+        )
     return [trajectory.to_sample(i // sampling.n) for i, trajectory in enumerate(trajectories)]
 
 
@@ -67,10 +81,13 @@ def score_episodes(task, examples, samples: list[Sample]) -> Scores:
     rows = [examples[samples[i].prompt_index] for i in answered]
     # scored even when empty: every rank reports the same per-term and per-source totals
     scored = task.scorer.score_batch(
-        [row.prompt for row in rows], [trajectories[i].answer for i in answered], [row.reference for row in rows],
-        [row.data_source for row in rows], [row.extra_info for row in rows],
+        [row.prompt for row in rows],
+        [trajectories[i].answer for i in answered],
+        [row.reference for row in rows],
+        [row.data_source for row in rows],
+        [row.extra_info for row in rows],
         [samples[i].prompt_index for i in answered],
-    )  # fmt: skip
+    )
     reward_metrics = scored.metrics
     if answered:
         rewards[answered] += scored.rewards
@@ -83,5 +100,6 @@ def score_episodes(task, examples, samples: list[Sample]) -> Scores:
     for reason in StopReason:
         sums[f"stop_{reason.value}"] = float(sum(t.stop_reason == reason for t in trajectories))
     lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
-    return Scores(rewards, (rewards >= 1.0).float(), lengths, reward_metrics, episode_sums=sums,
-                  reward_sums=scored.sums)  # fmt: skip
+    return Scores(
+        rewards, (rewards >= 1.0).float(), lengths, reward_metrics, episode_sums=sums, reward_sums=scored.sums
+    )

@@ -25,24 +25,21 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from archon.agents.setup import build_episode_runner
 from archon.batch import PackedBatch
+from archon.build import resolve_mtp
 from archon.checkpoint.atomic import atomic_write_json
 from archon.checkpoint.hf import check_model_dir, load_tokenizer
 from archon.checkpoint.resume import STEP_DIR
 from archon.load_balance import routers
 from archon.lora import lora_parameters, task_view
 from archon.parallel import init_distributed
-from archon.build import resolve_mtp
 from archon.rl.config import RLConfig, validate
-from archon.agents.setup import build_episode_runner
 from archon.rl.episodes import episode_samples, score_episodes
 from archon.rl.metrics import MetricsLogger
 from archon.rl.model_card import model_card, task_export_dir
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.rewards import RewardScorer
-from archon.rl.samples import merge_rank_rows, sample_rows
-from archon.rl.trackers import close_trackers, open_trackers, remove_tracker_outputs, tracker_outputs
-from archon.rl.step_metrics import Prepared, Scores, every_reward_failed, task_step_metrics
 from archon.rl.rollouts import (
     concat_batches,
     distill_from_teachers,
@@ -57,7 +54,10 @@ from archon.rl.rollouts import (
     task_servers,
 )
 from archon.rl.run_dir import TASKS_DIR, PreparedRunDir, prepare_run_dir, prune_adapter_exports
+from archon.rl.samples import merge_rank_rows, sample_rows
+from archon.rl.step_metrics import Prepared, Scores, every_reward_failed, task_step_metrics
 from archon.rl.task import STOPPED_FILE, Task, resume_named_tasks
+from archon.rl.trackers import close_trackers, open_trackers, remove_tracker_outputs, tracker_outputs
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.speculative import build_drafter
@@ -66,6 +66,8 @@ from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import TASK_EXTRA, Trainer, TrainerConfig, TrainerTask
 
 logger = logging.getLogger("archon.rl")
+
+
 class RLRun:
     def __init__(self, config: RLConfig, run_dir: PreparedRunDir | None = None) -> None:
         """`run_dir`: what `prepare_run_dir` returned, when the caller has checked (and holds) the
@@ -78,8 +80,13 @@ class RLRun:
         self.owns_run_dir = run_dir is None
         if run_dir is None:
             init_distributed(config.model.device)  # under torchrun, rank 0 alone takes the directory's lock
-            run_dir = prepare_run_dir(config.logging.run_dir, config.resume, config.overwrite, config.lora,
-                                      tasks=[task.name for task in config.tasks])  # fmt: skip
+            run_dir = prepare_run_dir(
+                config.logging.run_dir,
+                config.resume,
+                config.overwrite,
+                config.lora,
+                tasks=[task.name for task in config.tasks],
+            )
         self.prepared_run_dir = run_dir
         self.resume_from = run_dir.resume_from
         self.tasks: list[Task] = []
@@ -105,24 +112,31 @@ class RLRun:
         trains_mtp = any(task.algorithm.mtp_loss_weight > 0 for task in task_configs)
         self.trainer = Trainer(
             TrainerConfig(
-                model_path=config.model.path, lora=None if config.tasks else config.lora, parallel=config.parallel,
+                model_path=config.model.path,
+                lora=None if config.tasks else config.lora,
+                parallel=config.parallel,
                 optim=config.optim.for_run(config.steps),  # schedules count RL steps and last the run unless set
-                dtype=config.model.dtype, quantized_base=config.model.quantized_base, device=config.model.device,
+                dtype=config.model.dtype,
+                quantized_base=config.model.quantized_base,
+                device=config.model.device,
                 micro_batch_tokens=config.micro_batch_tokens,
-                seed=config.seed, moe=config.model.moe,
+                seed=config.seed,
+                moe=config.model.moe,
                 tasks=tuple(TrainerTask(t.name, t.lora, t.optim.for_run(config.steps)) for t in config.tasks),
-                mtp=resolve_mtp(config.model.path, config.model.mtp,
-                                used=trains_mtp or config.rollout.speculative.method == "mtp"),
+                mtp=resolve_mtp(
+                    config.model.path, config.model.mtp, used=trains_mtp or config.rollout.speculative.method == "mtp"
+                ),
                 mtp_loss_weight=0.0 if config.tasks else config.algorithm.mtp_loss_weight,
             )
-        )  # fmt: skip
+        )
         self.rank = self.trainer.rank
         self.dp_rank, self.dp = self.trainer.dims.dp_rank, self.trainer.dims.dp
         self.device = self.trainer.device
         self.run_dir = Path(config.logging.run_dir)
         self.eval_new_tokens = config.eval.max_new_tokens or config.rollout.max_new_tokens
-        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.path,
-                                        "model.tokenizer" if config.model.tokenizer else "model.path")  # fmt: skip
+        self.tokenizer = load_tokenizer(
+            config.model.tokenizer or config.model.path, "model.tokenizer" if config.model.tokenizer else "model.path"
+        )
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.trainer.loaded.hf_config)
         self.teachers: dict[str, torch.nn.Module] = {}
         """The frozen teachers by path: tasks and data sources that name the same teacher share one copy."""
@@ -139,31 +153,40 @@ class RLRun:
             task.scorer = RewardScorer(task.config.reward, task.data_sources())
             if task.config.environment.enabled:
                 task.episodes, task.tool_runner = build_episode_runner(
-                    task.config.environment, self.tokenizer, self.trainer.loaded.hf_config.model_type,
+                    task.config.environment,
+                    self.tokenizer,
+                    self.trainer.loaded.hf_config.model_type,
                     task.config.data.prompt_field,
-                )  # fmt: skip
+                )
         if config.rollout.engine == "vllm":
-            self.servers = rollout_servers(config, self.tasks, self._longest_prompt, self.eval_new_tokens, self.rank,
-                                           self.run_dir)  # fmt: skip
+            self.servers = rollout_servers(
+                config, self.tasks, self._longest_prompt, self.eval_new_tokens, self.rank, self.run_dir
+            )
             vllm = config.rollout.vllm
             if config.tasks and vllm.transport == "collective":
                 self.channel = WorkerChannel(self.servers.servers, vllm.sync_host, vllm.sync_port, vllm.bucket_mb)
         else:  # on the training model; a multi-task model generates every task's prompts in one batch
-            self.native = NativeRolloutEngine(self.trainer.model, self.device,
-                                              max_batch_sequences=config.rollout.max_batch_sequences,
-                                              prefill_chunk_tokens=config.rollout.prefill_chunk_tokens,
-                                              record_routing=replay,
-                                              drafter=build_drafter(config.rollout.speculative, self.trainer.model,
-                                                                    self.device))  # fmt: skip
+            self.native = NativeRolloutEngine(
+                self.trainer.model,
+                self.device,
+                max_batch_sequences=config.rollout.max_batch_sequences,
+                prefill_chunk_tokens=config.rollout.prefill_chunk_tokens,
+                record_routing=replay,
+                drafter=build_drafter(config.rollout.speculative, self.trainer.model, self.device),
+            )
         for task in self.tasks:
             if self.native is not None:
                 task.rollout = self.native
             else:  # a named task's requests name its own adapter versions
                 task.rollout = task_servers(self.servers) if task.name else self.servers
             task.sync = build_weight_sync(
-                config.rollout, task.rollout, lora=task.config.lora, sync_dir=self.run_dir / "vllm_adapters",
-                task=task.name or None, channel=self.channel,
-            )  # fmt: skip
+                config.rollout,
+                task.rollout,
+                lora=task.config.lora,
+                sync_dir=self.run_dir / "vllm_adapters",
+                task=task.name or None,
+                channel=self.channel,
+            )
         # vLLM serves every rank alike, so the first of the ranks given the same data (the context- and
         # tensor-parallel ranks of one data-parallel rank) generates and sends the rollouts to the others
         # (the built-in engine generates on every rank, in lockstep, with the same seeds)
@@ -210,8 +233,9 @@ class RLRun:
             return episode_samples(task, examples, sampling, engine, task.index if self.trainer.multi_task else None)
         prompts = self._prompt_ids(task, examples)
         if self.native is not None and self.trainer.multi_task:
-            return self.native.generate(prompts, sampling, adapters=[task.index] * len(prompts),
-                                        adapter_seeds={task.index: sampling.seed})  # fmt: skip
+            return self.native.generate(
+                prompts, sampling, adapters=[task.index] * len(prompts), adapter_seeds={task.index: sampling.seed}
+            )
         return task.rollout.generate(prompts, sampling)
 
     def _sampling(self, task: Task, task_step: int) -> SamplingParams:
@@ -219,10 +243,14 @@ class RLRun:
         name and the data-parallel rank)."""
         cfg = self.config
         return SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k, n=cfg.rollout.group_size, stop_token_ids=self.stop_token_ids,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            n=cfg.rollout.group_size,
+            stop_token_ids=self.stop_token_ids,
             seed=cfg.seed * 1_000_003 + task_step * 1009 + task.seed_offset + self.dp_rank,
-        )  # fmt: skip
+        )
 
     # ---- one step: collect -> score -> prepare -> train -> publish -> log -----------------------
     def step(self, step: int) -> dict[str, float]:
@@ -250,16 +278,27 @@ class RLRun:
         train_s = time.perf_counter() - train_start
         sync = {task.name: self.publish(task, task.version + 1) for task in tasks}
         timings = {
-            "rollout_s": rollout_s, "score_s": score_s, "train_s": train_s,
-            "sync_s": sum(s["sync_s"] for s in sync.values()), "step_s": time.perf_counter() - start,
-        }  # fmt: skip
+            "rollout_s": rollout_s,
+            "score_s": score_s,
+            "train_s": train_s,
+            "sync_s": sum(s["sync_s"] for s in sync.values()),
+            "step_s": time.perf_counter() - start,
+        }
         metrics: dict[str, float] = {}
         tokens = 0.0
         for task in tasks:
             task_metrics = task_step_metrics(
-                task, collected[task.name], scores[task.name], prepared[task.name], updates.get(task.name, []),
-                sync[task.name], timings["step_s"], self.config.rollout.group_size, self._sum, self._max,
-            )  # fmt: skip
+                task,
+                collected[task.name],
+                scores[task.name],
+                prepared[task.name],
+                updates.get(task.name, []),
+                sync[task.name],
+                timings["step_s"],
+                self.config.rollout.group_size,
+                self._sum,
+                self._max,
+            )
             tokens += task_metrics.pop("tokens")
             metrics.update({task.prefix + key: value for key, value in task_metrics.items()})
         metrics.update(timings)
@@ -323,9 +362,12 @@ class RLRun:
             else:
                 rollouts = task.producer.take(task.version)
                 replace_stale_groups(
-                    rollouts, self.config.rollout.group_size, task.version, task.config.max_staleness,
+                    rollouts,
+                    self.config.rollout.group_size,
+                    task.version,
+                    task.config.max_staleness,
                     lambda examples, task=task: self._generate(task, examples, self._sampling(task, task.version)),
-                )  # fmt: skip
+                )
             collected[task.name] = rollouts
         return collected
 
@@ -336,7 +378,9 @@ class RLRun:
         if failure is not None:
             raise failure
         if failed.item() > 0:
-            raise RuntimeError(f"RL step {step + 1}: generating the rollouts failed on another rank (its log has the cause)")
+            raise RuntimeError(
+                f"RL step {step + 1}: generating the rollouts failed on another rank (its log has the cause)"
+            )
 
     def score(self, task: Task, examples, samples: list[Sample]) -> Scores:
         """Score: the task's rewards of the samples (its reward workers), whether each is correct,
@@ -346,12 +390,22 @@ class RLRun:
         completions = self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
         rows = [examples[s.prompt_index] for s in samples]
         scored = task.scorer.score_batch(
-            [row.prompt for row in rows], completions, [row.reference for row in rows],
-            [row.data_source for row in rows], [row.extra_info for row in rows], [s.prompt_index for s in samples],
-        )  # fmt: skip
+            [row.prompt for row in rows],
+            completions,
+            [row.reference for row in rows],
+            [row.data_source for row in rows],
+            [row.extra_info for row in rows],
+            [s.prompt_index for s in samples],
+        )
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
-        return Scores(scored.rewards, (scored.rewards >= 1.0).float(), lengths, scored.metrics, scored.parts,
-                      reward_sums=scored.sums)  # fmt: skip
+        return Scores(
+            scored.rewards,
+            (scored.rewards >= 1.0).float(),
+            lengths,
+            scored.metrics,
+            scored.parts,
+            reward_sums=scored.sums,
+        )
 
     def prepare(
         self, tasks: list[Task], collected: dict[str, Rollouts], scores: dict[str, Scores]
@@ -367,12 +421,15 @@ class RLRun:
         prepared: dict[str, Prepared] = {}
         for task in tasks:
             s = scores[task.name]
-            errors, samples = self._sum(s.reward_metrics["reward_errors"] + s.reward_metrics["reward_timeouts"],
-                                        float(len(s.rewards)))  # fmt: skip
+            errors, samples = self._sum(
+                s.reward_metrics["reward_errors"] + s.reward_metrics["reward_timeouts"], float(len(s.rewards))
+            )
             shaped = task.algorithm.prepare(
-                s.rewards, s.lengths, G,
+                s.rewards,
+                s.lengths,
+                G,
                 batch_sum=lambda totals: torch.tensor(self._sum(*totals.tolist()), dtype=torch.float64),
-            )  # fmt: skip
+            )
             rewards, advantages, keep = shaped.rewards, shaped.advantages, shaped.keep
             task.extremes = {
                 "reward_abs_max": self._max(float(rewards.abs().max()) if rewards.numel() else 0.0),
@@ -381,8 +438,12 @@ class RLRun:
             trains = not every_reward_failed(errors, samples)
             kept = [sample for sample, k in zip(collected[task.name].samples, keep.tolist()) if k] if trains else []
             if kept:
-                part = rollout_batch(kept, advantages[keep], trainer_version=task.version,
-                                     routed_experts=task.config.algorithm.routing_replay == "rollout")  # fmt: skip
+                part = rollout_batch(
+                    kept,
+                    advantages[keep],
+                    trainer_version=task.version,
+                    routed_experts=task.config.algorithm.routing_replay == "rollout",
+                )
                 if self.trainer.multi_task:
                     part.extras[TASK_EXTRA] = torch.full((part.num_tokens,), task.index, dtype=torch.long)
                 parts.append(part)
@@ -413,15 +474,24 @@ class RLRun:
                 continue
             mine = sequences[task.name]
             prepared[task.name].distill_gaps = distill_from_teachers(
-                batch, mine, [task.teachers[sources[i]] for i in mine], [sources[i] for i in mine], task.algorithm,
-                self.device, temperature,
-            )  # fmt: skip
+                batch,
+                mine,
+                [task.teachers[sources[i]] for i in mine],
+                [sources[i] for i in mine],
+                task.algorithm,
+                self.device,
+                temperature,
+            )
         return batch, prepared, time.perf_counter() - score_start
 
     def _tokens_of(self, batch: PackedBatch, tasks: list[Task]) -> torch.Tensor:
         """[T] bool: the batch's tokens of `tasks`."""
         if not self.trainer.multi_task:
-            return torch.ones(batch.num_tokens, dtype=torch.bool) if tasks else torch.zeros(batch.num_tokens, dtype=torch.bool)
+            return (
+                torch.ones(batch.num_tokens, dtype=torch.bool)
+                if tasks
+                else torch.zeros(batch.num_tokens, dtype=torch.bool)
+            )
         return torch.isin(batch.extras[TASK_EXTRA], torch.tensor([task.index for task in tasks]))
 
     def _logprob_gaps(self, task: Task, batch: PackedBatch, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -456,7 +526,9 @@ class RLRun:
         present[lags[(lags > 0) & (lags < present.numel())].to(present.device)] = 1.0
         if self.dp > 1:
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.trainer.dims.dp_group)
-        return [lag for lag in range(1, present.numel()) if present[lag] > 0 and task.version - lag in task.adapter_history]
+        return [
+            lag for lag in range(1, present.numel()) if present[lag] > 0 and task.version - lag in task.adapter_history
+        ]
 
     def train(self, batch: PackedBatch, tasks: list[Task]) -> dict[str, list[dict[str, float]]]:
         """Train: algorithm.ppo_epochs passes over the batch in algorithm.minibatches updates (the
@@ -476,7 +548,9 @@ class RLRun:
                         if name in losses:
                             per = -(-len(sequences) // algo.minibatches)
                             chosen += sequences[m * per : (m + 1) * per]
-                    minibatch = batch.select(chosen) if chosen else filler_batch(self.trainer.multi_task, tasks[0].index)
+                    minibatch = (
+                        batch.select(chosen) if chosen else filler_batch(self.trainer.multi_task, tasks[0].index)
+                    )
                     out = self.trainer.train_step(
                         minibatch, losses, self.config.rollout.temperature, with_entropy=True, advance_schedule=False
                     )
@@ -590,9 +664,12 @@ class RLRun:
         for task in self.active():
             if task.config.max_staleness > 0:
                 task.producer = RolloutProducer(
-                    lambda task_step, task=task: self.generate_rollouts(task, task_step), task.version,
-                    task.version + remaining, task.config.max_staleness, version=task.version,
-                )  # fmt: skip
+                    lambda task_step, task=task: self.generate_rollouts(task, task_step),
+                    task.version,
+                    task.version + remaining,
+                    task.config.max_staleness,
+                    version=task.version,
+                )
 
     def _train(self, first: int) -> dict[str, float]:
         """RL steps first+1 .. steps (1-based), then the final checkpoints and adapters."""
@@ -679,7 +756,8 @@ class RLRun:
             self.trainer.save_checkpoint(task.checkpoints, step, task.state(), task=task.name)
             out = task_export_dir(task, step, final)
             card = model_card(self, task, step, final) if self.rank == 0 else None
-            self.trainer.export_peft(out, base_model_name_or_path=self.config.model.path, task=task.name,
-                                     model_card=card)  # fmt: skip
+            self.trainer.export_peft(
+                out, base_model_name_or_path=self.config.model.path, task=task.name, model_card=card
+            )
             if not final and self.rank == 0:
                 prune_adapter_exports(task.dir / "adapters", self.config.checkpoint.keep_last_adapters)

@@ -94,8 +94,9 @@ def aggregation_normalizer(aggregation: Aggregation, ctx: LossContext) -> torch.
         return ctx.global_tokens
     if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
         return ctx.global_sequences
-    raise ValueError(f"unknown aggregation {aggregation!r}; expected token_mean, seq_mean_token_mean or "
-                     "seq_mean_token_sum_norm")  # fmt: skip
+    raise ValueError(
+        f"unknown aggregation {aggregation!r}; expected token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"
+    )
 
 
 def aggregate_token_losses(

@@ -32,8 +32,9 @@ class MetricsLogger:
     `tensorboard`: add a TensorBoard one in RUN_DIR/tensorboard). A tracker that fails while logging
     is reported and dropped for the rest of the run; metrics.jsonl and the sample files go on."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True,
-                 trackers: list | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, run_dir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True, trackers: list | None = None
+    ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
@@ -51,8 +52,9 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        scalars = {k: v for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
+        scalars = {
+            k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         self._to_trackers(step, "log_scalars", step, scalars)
 
     def log_samples(self, step: int, rows: list[dict[str, Any]], evaluation: bool = False) -> None:
@@ -69,8 +71,14 @@ class MetricsLogger:
                 getattr(tracker, method)(*args)
             except Exception as e:  # noqa: BLE001 - a tracker's failure must not end the run
                 self.trackers.remove(tracker)
-                logger.error("step %d: the %s tracker failed (%s: %s); it gets nothing more in this run. %s has every "
-                             "step.", step, tracker.name, type(e).__name__, e, self.path)  # fmt: skip
+                logger.error(
+                    "step %d: the %s tracker failed (%s: %s); it gets nothing more in this run. %s has every step.",
+                    step,
+                    tracker.name,
+                    type(e).__name__,
+                    e,
+                    self.path,
+                )
                 close_trackers([tracker])
 
     def drop_after(self, step: int) -> None:
@@ -109,8 +117,12 @@ def _read_records(path: Path) -> list[tuple[dict[str, Any], bytes]]:
             record = json.loads(line)
         except ValueError as e:  # not JSON, or not UTF-8
             if line_no == len(lines) and not line.endswith(b"\n"):
-                logger.warning("%s:%d: dropped the last line, a record cut short (the run was killed while writing "
-                               "it): %r", path, line_no, line[:80])  # fmt: skip
+                logger.warning(
+                    "%s:%d: dropped the last line, a record cut short (the run was killed while writing it): %r",
+                    path,
+                    line_no,
+                    line[:80],
+                )
                 break
             raise ValueError(f"{path}:{line_no}: not a JSON object ({e})") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):

@@ -110,39 +110,76 @@ def model_card(run, task, step: int, final: bool, command: str | None = None) ->
     load = f"AutoModelForCausalLM.from_pretrained({base!r}), {str(task_export_dir(task, step, final))!r}"
     tokenizer = f" (tokenizer: `{config.model.tokenizer}`)" if config.model.tokenizer else ""
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    state = f"the final adapter, after {step} of {config.steps} RL steps" if final else (
-        f"the adapter at RL step {step} of {config.steps}")
+    state = (
+        f"the final adapter, after {step} of {config.steps} RL steps"
+        if final
+        else (f"the adapter at RL step {step} of {config.steps}")
+    )
     lines = [
-        "---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-        f"# {Path(base).name} + LoRA ({algorithm.name})", "",
-        f"A LoRA adapter of `{base}` trained by archon with {algorithm.spec.summary.split(':')[0]} "
-        f"({name}the run in `{run.run_dir}`): {state}. It is a PEFT adapter directory.", "",
-        "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
-        f"model = PeftModel.from_pretrained({load})",
-        "```", "",
-        "## Base model", "", f"`{base}`{tokenizer}, weights in {config.model.dtype}.", "",
-        "## LoRA", "",
-        *_table([
-            ("rank (r)", lora.rank), ("alpha", lora.alpha),
-            ("scaling", "alpha / sqrt(r) (rsLoRA)" if lora.use_rslora else "alpha / r"),
-            ("target modules", targets),
-            ("dropout", lora.dropout), ("rank pattern", dict(lora.rank_pattern)),
-            ("alpha pattern", dict(lora.alpha_pattern)), ("MoE experts", lora.experts),
-        ]), "",
-        "## Data", "",
-        *_data_lines(task, task_config), "",
-        "## Algorithm", "",
-        algorithm.spec.summary + ".", "",
-        *_table(_algorithm_rows(run, task, algo, algorithm)), "",
-        "## Results", "",
-        *_result_lines(run.run_dir, step, task.prefix), "",
-        "## Command", "",
-        "```bash", command if command is not None else launch_command(), "```", "",
-        "### Framework versions", "",
-        *[f"- {package} {version}" for package in ("archon", "peft", "torch", "transformers")
-          if (version := _version(package)) is not None],
+        "---",
+        yaml.safe_dump(front, sort_keys=False).rstrip(),
+        "---",
         "",
-    ]  # fmt: skip
+        f"# {Path(base).name} + LoRA ({algorithm.name})",
+        "",
+        f"A LoRA adapter of `{base}` trained by archon with {algorithm.spec.summary.split(':')[0]} "
+        f"({name}the run in `{run.run_dir}`): {state}. It is a PEFT adapter directory.",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f"model = PeftModel.from_pretrained({load})",
+        "```",
+        "",
+        "## Base model",
+        "",
+        f"`{base}`{tokenizer}, weights in {config.model.dtype}.",
+        "",
+        "## LoRA",
+        "",
+        *_table(
+            [
+                ("rank (r)", lora.rank),
+                ("alpha", lora.alpha),
+                ("scaling", "alpha / sqrt(r) (rsLoRA)" if lora.use_rslora else "alpha / r"),
+                ("target modules", targets),
+                ("dropout", lora.dropout),
+                ("rank pattern", dict(lora.rank_pattern)),
+                ("alpha pattern", dict(lora.alpha_pattern)),
+                ("MoE experts", lora.experts),
+            ]
+        ),
+        "",
+        "## Data",
+        "",
+        *_data_lines(task, task_config),
+        "",
+        "## Algorithm",
+        "",
+        algorithm.spec.summary + ".",
+        "",
+        *_table(_algorithm_rows(run, task, algo, algorithm)),
+        "",
+        "## Results",
+        "",
+        *_result_lines(run.run_dir, step, task.prefix),
+        "",
+        "## Command",
+        "",
+        "```bash",
+        command if command is not None else launch_command(),
+        "```",
+        "",
+        "### Framework versions",
+        "",
+        *[
+            f"- {package} {version}"
+            for package in ("archon", "peft", "torch", "transformers")
+            if (version := _version(package)) is not None
+        ],
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -154,8 +191,10 @@ def task_export_dir(task, step: int, final: bool) -> Path:
 def _data_lines(task, task_config) -> list[str]:
     sources = collections.Counter(example.data_source for example in task.train_set.examples)
     skipped = len(task.train_set.malformed) + len(task.train_set.too_long)
-    lines = [f"- training prompts: `{task_config.data.path}`, {len(task.train_set)} prompts"
-             + (f" ({skipped} rows skipped: malformed or too long)" if skipped else "")]  # fmt: skip
+    lines = [
+        f"- training prompts: `{task_config.data.path}`, {len(task.train_set)} prompts"
+        + (f" ({skipped} rows skipped: malformed or too long)" if skipped else "")
+    ]
     if len(sources) > 1 or "" not in sources:
         by_source = ", ".join(f"`{source or '(none)'}` {count}" for source, count in sorted(sources.items()))
         lines.append(f"- data sources: {by_source}")
@@ -169,15 +208,22 @@ def _algorithm_rows(run, task, algo, algorithm) -> list[tuple[str, Any]]:
     config = run.config
     loss = algo.loss
     rows: list[tuple[str, Any]] = [
-        ("algorithm", algorithm.name), ("RL steps", config.steps),
-        ("prompts per step", config.rollout.prompts_per_step), ("samples per prompt", config.rollout.group_size),
-        ("max new tokens", config.rollout.max_new_tokens), ("temperature", config.rollout.temperature),
-        ("learning rate", task.config.optim.lr), ("PPO epochs", algo.ppo_epochs), ("minibatches", algo.minibatches),
+        ("algorithm", algorithm.name),
+        ("RL steps", config.steps),
+        ("prompts per step", config.rollout.prompts_per_step),
+        ("samples per prompt", config.rollout.group_size),
+        ("max new tokens", config.rollout.max_new_tokens),
+        ("temperature", config.rollout.temperature),
+        ("learning rate", task.config.optim.lr),
+        ("PPO epochs", algo.ppo_epochs),
+        ("minibatches", algo.minibatches),
         ("clip range", f"[1 - {algorithm.clip_low}, 1 + {algorithm.clip_high}]"),
-        ("aggregation", algorithm.aggregation), ("importance sampling", algorithm.importance_sampling),
-        ("KL coefficient", loss.kl_coef), ("entropy coefficient", loss.entropy_coef),
+        ("aggregation", algorithm.aggregation),
+        ("importance sampling", algorithm.importance_sampling),
+        ("KL coefficient", loss.kl_coef),
+        ("entropy coefficient", loss.entropy_coef),
         ("max staleness", task.config.max_staleness),
-    ]  # fmt: skip
+    ]
     if algo.dynamic_sampling:
         rows.append(("dynamic sampling", True))
     if algo.overlong_buffer:
@@ -187,8 +233,14 @@ def _algorithm_rows(run, task, algo, algorithm) -> list[tuple[str, Any]]:
     for teacher in algo.teachers:
         rows.append((f"teacher of `{teacher.data_source}`", teacher.path))
     if algorithm.needs_teacher:
-        rows.append(("distillation weight", algo.distillation_weight if algo.distillation_weight is not None
-                     else "none (the teacher's advantage alone)"))  # fmt: skip
+        rows.append(
+            (
+                "distillation weight",
+                algo.distillation_weight
+                if algo.distillation_weight is not None
+                else "none (the teacher's advantage alone)",
+            )
+        )
     return rows
 
 

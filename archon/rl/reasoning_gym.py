@@ -145,7 +145,9 @@ def source_problem(path: str) -> str | None:
     unknown = sorted(set(source.settings) - known)
     if unknown:
         settable = sorted(known - {"size", "seed"})
-        return f"task {source.task!r} has no setting {', '.join(map(repr, unknown))} (its settings: {', '.join(settable)})"
+        return (
+            f"task {source.task!r} has no setting {', '.join(map(repr, unknown))} (its settings: {', '.join(settable)})"
+        )
     return None
 
 

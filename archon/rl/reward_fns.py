@@ -74,13 +74,11 @@ BUILTIN_REWARDS: dict[str, str] = {
 
 
 def _split_spec(spec: str) -> tuple[str, str]:
-    """"math", "exact" or "package.module:function" -> (module name, attribute path)."""
+    """ "math", "exact" or "package.module:function" -> (module name, attribute path)."""
     target = BUILTIN_REWARDS.get(spec, spec)
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(
-            f"reward function {spec!r} must be one of {', '.join(BUILTIN_REWARDS)} or 'module:function'"
-        )
+        raise ValueError(f"reward function {spec!r} must be one of {', '.join(BUILTIN_REWARDS)} or 'module:function'")
     return module_name, attr
 
 
@@ -113,7 +111,7 @@ def import_function(module_name: str, attr: str, label: str) -> Callable:
 
 
 def resolve_reward_function(spec: str) -> RewardFn:
-    """"math", "exact" or "package.module:function" -> the callable. Fails clearly on a bad spec."""
+    """ "math", "exact" or "package.module:function" -> the callable. Fails clearly on a bad spec."""
     module_name, attr = _split_spec(spec)
     fn = import_function(module_name, attr, f"reward function {spec!r}")
     if fn is math_verify_reward:
@@ -144,8 +142,9 @@ def call_style(fn: Callable) -> CallStyle:
     return CallStyle(keywords=tuple(k for k in ("data_source", "extra_info") if k in names or takes_any))
 
 
-def _call(fn: Callable, style: CallStyle, prompt: str, completion: Any, reference: Any, data_source: str,
-          extra_info: Any) -> Any:
+def _call(
+    fn: Callable, style: CallStyle, prompt: str, completion: Any, reference: Any, data_source: str, extra_info: Any
+) -> Any:
     extras = {"data_source": data_source, "extra_info": extra_info}
     if style.verl:
         kwargs = {k: extras[k] for k in style.keywords}
@@ -166,15 +165,29 @@ def _as_reward(value: Any, what: str) -> float:
     return value
 
 
-def call_reward(fn: RewardFn, prompt: str, completion: str, reference: Any, data_source: str = "",
-                extra_info: Any = None, style: CallStyle | None = None) -> float:
+def call_reward(
+    fn: RewardFn,
+    prompt: str,
+    completion: str,
+    reference: Any,
+    data_source: str = "",
+    extra_info: Any = None,
+    style: CallStyle | None = None,
+) -> float:
     """Call a reward function (in its CallStyle) and check that it returned a finite number."""
     style = call_style(fn) if style is None else style
     return _as_reward(_call(fn, style, prompt, completion, reference, data_source, extra_info), "reward function")
 
 
-def call_group_reward(fn: Callable, prompt: str, completions: list[str], reference: Any, data_source: str = "",
-                      extra_info: Any = None, style: CallStyle | None = None) -> list[float]:
+def call_group_reward(
+    fn: Callable,
+    prompt: str,
+    completions: list[str],
+    reference: Any,
+    data_source: str = "",
+    extra_info: Any = None,
+    style: CallStyle | None = None,
+) -> list[float]:
     """Call a group reward function on one prompt's completions; checks it returned one finite number each."""
     style = call_style(fn) if style is None else style
     values = _call(fn, style, prompt, list(completions), reference, data_source, extra_info)

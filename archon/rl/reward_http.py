@@ -203,7 +203,7 @@ def server_rewards(config: RewardServerConfig, samples: Sequence[dict[str, Any]]
         if not isinstance(rewards, list) or len(rewards) != len(batch):
             shown = json.dumps(reply)[:200]
             raise RewardRequestFailed(
-                "error", f"{config.url} replied {shown}, expected {{\"rewards\": [...]}} with {len(batch)} numbers"
+                "error", f'{config.url} replied {shown}, expected {{"rewards": [...]}} with {len(batch)} numbers'
             )
         try:
             return [_finite(value) for value in rewards]
@@ -261,8 +261,11 @@ def judge_request(config: JudgeConfig, sample: dict[str, Any]) -> dict[str, Any]
     messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
     messages.append({"role": "user", "content": content})
     body: dict[str, Any] = {
-        "model": config.model, "messages": messages, "max_tokens": config.max_tokens, "temperature": 0.0,
-    }  # fmt: skip
+        "model": config.model,
+        "messages": messages,
+        "max_tokens": config.max_tokens,
+        "temperature": 0.0,
+    }
     if config.structured_output == "choice":
         body["structured_outputs"] = {"choice": judge_choices(config)}
     elif config.structured_output == "regex":

@@ -280,7 +280,9 @@ class WorkerOutcome:
 
 
 def run_on_workers(
-    workers: Sequence[WorkerProcess], requests: Sequence[Any], timeout_s: float,
+    workers: Sequence[WorkerProcess],
+    requests: Sequence[Any],
+    timeout_s: float,
     replace_after: Callable[[Any], bool] | None = None,
 ) -> list[WorkerOutcome]:
     """Send each request to the next idle worker (starting dead ones) and wait for the replies, in

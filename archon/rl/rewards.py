@@ -115,7 +115,7 @@ class RewardConfig:
         return (RewardTermConfig(name=self.function.rpartition(":")[2] or "reward", function=self.function),)
 
     def describe(self) -> str:
-        """"the reward function 'math'" or "the reward terms 'a', 'b'", for messages."""
+        """ "the reward function 'math'" or "the reward terms 'a', 'b'", for messages."""
         if not self.terms:
             return f"the reward function {self.function!r}"
         return "the reward terms " + ", ".join(repr(term.name) for term in self.terms)
@@ -260,8 +260,12 @@ class RewardScorer(WorkerPool):
         return batch.rewards, batch.metrics
 
     def score_batch(
-        self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[Any] | None = None,
-        data_sources: Sequence[str] | None = None, extra_infos: Sequence[Any] | None = None,
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        references: Sequence[Any] | None = None,
+        data_sources: Sequence[str] | None = None,
+        extra_infos: Sequence[Any] | None = None,
         groups: Sequence[int] | None = None,
     ) -> RewardBatch:
         """Score B samples. data_sources route them (default ""), extra_infos are the rows'
@@ -295,8 +299,9 @@ class RewardScorer(WorkerPool):
             for t in http_terms:
                 term = self.terms[t]
                 call = server_rewards if term.kind == "server" else judge_rewards
-                futures[t] = pool.submit(call, term.server if term.kind == "server" else term.judge,
-                                         [samples[i] for i in members[t]])  # fmt: skip
+                futures[t] = pool.submit(
+                    call, term.server if term.kind == "server" else term.judge, [samples[i] for i in members[t]]
+                )
             self._score_functions(samples, groups, members, values, failures)
             for t, future in futures.items():
                 outcome = http_counts[t] = future.result()
@@ -379,8 +384,17 @@ class RewardScorer(WorkerPool):
             if term.kind == "function":
                 for i in members[t]:
                     sample = samples[i]
-                    requests.append(("score", self._worker_slot[t], sample["prompt"], sample["completion"],
-                                     sample["reference"], sample["data_source"], sample["extra_info"]))  # fmt: skip
+                    requests.append(
+                        (
+                            "score",
+                            self._worker_slot[t],
+                            sample["prompt"],
+                            sample["completion"],
+                            sample["reference"],
+                            sample["data_source"],
+                            sample["extra_info"],
+                        )
+                    )
                     targets.append((t, [i]))
             elif term.kind == "group":
                 by_group: dict[int, list[int]] = {}
@@ -388,9 +402,17 @@ class RewardScorer(WorkerPool):
                     by_group.setdefault(groups[i], []).append(i)
                 for indices in by_group.values():
                     first = samples[indices[0]]
-                    requests.append(("score_group", self._worker_slot[t], first["prompt"],
-                                     [samples[i]["completion"] for i in indices], first["reference"],
-                                     first["data_source"], first["extra_info"]))  # fmt: skip
+                    requests.append(
+                        (
+                            "score_group",
+                            self._worker_slot[t],
+                            first["prompt"],
+                            [samples[i]["completion"] for i in indices],
+                            first["reference"],
+                            first["data_source"],
+                            first["extra_info"],
+                        )
+                    )
                     targets.append((t, indices))
         if not requests:
             return

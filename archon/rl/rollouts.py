@@ -26,6 +26,7 @@ from archon.rollout.vllm import VLLMRolloutEngine
 from archon.spec import get_spec
 from archon.trainer import ROUTED_EXPERTS_EXTRA, TASK_EXTRA
 
+
 def rollout_batch(
     samples: list[Sample], advantages: torch.Tensor, trainer_version: int, routed_experts: bool = False
 ) -> PackedBatch:
@@ -157,8 +158,13 @@ def teacher_logprobs(teacher: torch.nn.Module, batch: PackedBatch, device, tempe
 
 
 def distill_from_teachers(
-    batch: PackedBatch, sequences: list[int], teachers: list[torch.nn.Module], sources: list[str], algorithm,
-    device, temperature: float,
+    batch: PackedBatch,
+    sequences: list[int],
+    teachers: list[torch.nn.Module],
+    sources: list[str],
+    algorithm,
+    device,
+    temperature: float,
 ) -> dict[str, tuple[float, float]]:
     """On-policy distillation of the sequences `sequences` of `batch`, sequence sequences[k] from the
     teacher teachers[k] (its prompt's data source's, sources[k]): writes their token advantages
@@ -232,8 +238,12 @@ def rollout_servers(config, tasks, longest_prompt, eval_new_tokens: int, rank: i
     `longest_prompt(task, examples)`: the longest prompt of `examples` in tokens."""
     vllm_config = config.rollout.vllm
     ranks = [task.config.lora.max_rank for task in tasks if task.config.lora is not None]
-    kwargs = dict(model_path=config.model.path, lora_rank=max(ranks) if ranks else None, log_dir=log_dir,
-                  update_policy=config.rollout.update_policy)  # fmt: skip
+    kwargs = dict(
+        model_path=config.model.path,
+        lora_rank=max(ranks) if ranks else None,
+        log_dir=log_dir,
+        update_policy=config.rollout.update_policy,
+    )
     servers, failure = None, None
     if rank == 0:
         # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len):
@@ -295,7 +305,8 @@ def mixed_rollouts(native, tasks, prompt_ids, sampling, dp_rank: int, dp: int) -
             sample.prompt_index -= first
             # the engine's policy is not the task's: in-process, the task's version is in service
             sample.version, sample.token_versions = task.version, [task.version] * len(sample.completion_ids)
-        collected[task.name] = Rollouts(task.version, drawn[task.name], mine, task.iterator.state_dict(),
-                                        generate_s=generate_s, wait_s=generate_s)  # fmt: skip
+        collected[task.name] = Rollouts(
+            task.version, drawn[task.name], mine, task.iterator.state_dict(), generate_s=generate_s, wait_s=generate_s
+        )
         first += count
     return collected

@@ -52,9 +52,20 @@ LOCK_FILE = "run.lock"
 ADAPTER_EXPORT = re.compile(r"step_(\d+)")
 # Everything a run writes into its directory; `--overwrite` deletes these and nothing else.
 RUN_OUTPUTS = (
-    CHECKPOINTS, "adapter", ADAPTERS, SUPERSEDED, "metrics.jsonl", "tensorboard", "curves.png", "vllm_logs", "vllm_adapters",
-    TASKS_DIR, SAMPLES_DIR, TRACKERS_STATE, *TRACKER_DIRS,
-)  # fmt: skip
+    CHECKPOINTS,
+    "adapter",
+    ADAPTERS,
+    SUPERSEDED,
+    "metrics.jsonl",
+    "tensorboard",
+    "curves.png",
+    "vllm_logs",
+    "vllm_adapters",
+    TASKS_DIR,
+    SAMPLES_DIR,
+    TRACKERS_STATE,
+    *TRACKER_DIRS,
+)
 
 
 def _is_run_output(name: str) -> bool:
@@ -141,8 +152,10 @@ class RunDirLock:
         if previous.strip():
             logger.warning(
                 "run directory %s: took over %s from %s, which ended without releasing it (it crashed or was killed)",
-                self.run_dir, self.path, _holder(previous),
-            )  # fmt: skip
+                self.run_dir,
+                self.path,
+                _holder(previous),
+            )
 
     def release(self) -> None:
         """Give the directory up (nothing when not held); a directory that `acquire` made and that is
@@ -246,8 +259,9 @@ def _task_step_to_resume(run_dir: Path, path: Path, tasks: Sequence[str], world_
             )
         problems = checkpoint_problems(checkpoint, world_size)
         if problems:
-            raise CheckpointError(f"--resume {path}: task {name!r}: checkpoint {checkpoint} is damaged:\n  "
-                                  + "\n  ".join(problems))  # fmt: skip
+            raise CheckpointError(
+                f"--resume {path}: task {name!r}: checkpoint {checkpoint} is damaged:\n  " + "\n  ".join(problems)
+            )
         _set_aside_newer_outputs(task_dir, manager, checkpoint)
     return path
 
@@ -300,9 +314,10 @@ def _set_aside_newer_outputs(run_dir: Path, manager: CheckpointManager, path: Pa
     adapters = run_dir / ADAPTERS
     if adapters.is_dir():
         newer += [
-            p for p in adapters.iterdir()
+            p
+            for p in adapters.iterdir()
             if ADAPTER_EXPORT.fullmatch(p.name) and int(ADAPTER_EXPORT.fullmatch(p.name).group(1)) > step
-        ]  # fmt: skip
+        ]
     if not newer:
         return
     superseded = run_dir / SUPERSEDED
@@ -313,8 +328,10 @@ def _set_aside_newer_outputs(run_dir: Path, manager: CheckpointManager, path: Pa
         os.replace(p, target / p.parent.name / p.name)
     logger.warning(
         "resuming from %s: the earlier run's newer outputs (%s) were moved to %s",
-        path, ", ".join(f"{p.parent.name}/{p.name}" for p in newer), target,
-    )  # fmt: skip
+        path,
+        ", ".join(f"{p.parent.name}/{p.name}" for p in newer),
+        target,
+    )
 
 
 def prepare_run_dir(

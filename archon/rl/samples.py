@@ -43,8 +43,9 @@ def whole_groups(samples: list, limit_rows: int, share: int = 1) -> list[int]:
     return [i for i, sample in enumerate(samples) if sample.prompt_index in kept]
 
 
-def sample_rows(task_name: str, examples, samples: list, scores, tokenizer, trainer_version: int,
-                limit_rows: int, share: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+def sample_rows(
+    task_name: str, examples, samples: list, scores, tokenizer, trainer_version: int, limit_rows: int, share: int = 1
+) -> list[dict[str, Any]]:
     """The table rows of this rank's share of a task's scored samples: whole groups, at most
     `limit_rows` / `share` rows' worth. A multi-turn trajectory's completion is its whole text after
     the first prompt (sampled turns and environment turns, special tokens kept), its stop the
@@ -55,14 +56,21 @@ def sample_rows(task_name: str, examples, samples: list, scores, tokenizer, trai
         example = examples[sample.prompt_index]
         trajectory = sample.extra.get("trajectory")
         completion = tokenizer.decode(sample.completion_ids, skip_special_tokens=trajectory is None)
-        rows.append({
-            "task": task_name, "data_source": example.data_source, "source": example.source,
-            "group": sample.prompt_index, "reward": float(scores.rewards[i]),
-            "parts": {name: float(values[i]) for name, values in sorted(scores.parts.items())},
-            "stop": trajectory.stop_reason.value if trajectory is not None else sample.finish_reason,
-            "version": sample.version, "lag": trainer_version - sample.version,
-            "prompt": tokenizer.decode(sample.prompt_ids, skip_special_tokens=False), "completion": completion,
-        })  # fmt: skip
+        rows.append(
+            {
+                "task": task_name,
+                "data_source": example.data_source,
+                "source": example.source,
+                "group": sample.prompt_index,
+                "reward": float(scores.rewards[i]),
+                "parts": {name: float(values[i]) for name, values in sorted(scores.parts.items())},
+                "stop": trajectory.stop_reason.value if trajectory is not None else sample.finish_reason,
+                "version": sample.version,
+                "lag": trainer_version - sample.version,
+                "prompt": tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
+                "completion": completion,
+            }
+        )
     return rows
 
 

@@ -10,11 +10,17 @@ from archon.rl.producer import Rollouts
 from archon.rl.rewards import NO_SOURCE, reward_breakdown
 
 UPDATE_BOOKKEEPING = {
-    "lr", "skipped", "tokens", "sequences", "total_tokens", "micro_batches", "optimizer_steps", "time_s", "num_tokens",
-}  # fmt: skip
+    "lr",
+    "skipped",
+    "tokens",
+    "sequences",
+    "total_tokens",
+    "micro_batches",
+    "optimizer_steps",
+    "time_s",
+    "num_tokens",
+}
 """What Trainer.train_step reports about an update itself; the step logs its own counts and times."""
-
-
 
 
 @dataclass
@@ -82,22 +88,56 @@ def update_summary(updates: list[dict[str, float]]) -> dict[str, float]:
 
 
 def task_step_metrics(
-    task, rollouts: Rollouts, scores: Scores, prepared: Prepared, updates: list[dict[str, float]],
-    sync: dict[str, float], step_s: float, group_size: int, dp_sum, dp_max,
+    task,
+    rollouts: Rollouts,
+    scores: Scores,
+    prepared: Prepared,
+    updates: list[dict[str, float]],
+    sync: dict[str, float],
+    step_s: float,
+    group_size: int,
+    dp_sum,
+    dp_max,
 ) -> dict[str, float]:
     """The metrics of `task`'s RL step (without its prefix), summed (`dp_sum(*values)`) or maxed
     (`dp_max(value)`) over the data-parallel ranks, and `tokens`, its trained tokens on all ranks."""
     G = group_size
     rewards, lengths, gaps, lag = prepared.rewards, scores.lengths, prepared.gaps, prepared.lag
-    (n, reward_sum, reward_sq, correct_sum, length_sum, gap_sum, gap_n, numerics_sum, lag_gap_sum,
-     kept_groups, errors, timeouts, tokens, lag_sum, stale, mixed) = dp_sum(
-        len(rollouts.samples), float(rewards.double().sum()), float((rewards.double() ** 2).sum()),
-        float(scores.correct.sum()), float(lengths.sum()), float(gaps["total"].sum()),
-        float(gaps["total"].numel()), float(gaps["numerics"].sum()), float(gaps["lag"].sum()),
-        float(prepared.keep.sum()) / G, scores.reward_metrics["reward_errors"],
-        scores.reward_metrics["reward_timeouts"], prepared.tokens, float(lag.sum()),
-        float(rollouts.stale_dropped), float(sum(len(set(s.token_versions)) > 1 for s in rollouts.samples)),
-    )  # fmt: skip
+    (
+        n,
+        reward_sum,
+        reward_sq,
+        correct_sum,
+        length_sum,
+        gap_sum,
+        gap_n,
+        numerics_sum,
+        lag_gap_sum,
+        kept_groups,
+        errors,
+        timeouts,
+        tokens,
+        lag_sum,
+        stale,
+        mixed,
+    ) = dp_sum(
+        len(rollouts.samples),
+        float(rewards.double().sum()),
+        float((rewards.double() ** 2).sum()),
+        float(scores.correct.sum()),
+        float(lengths.sum()),
+        float(gaps["total"].sum()),
+        float(gaps["total"].numel()),
+        float(gaps["numerics"].sum()),
+        float(gaps["lag"].sum()),
+        float(prepared.keep.sum()) / G,
+        scores.reward_metrics["reward_errors"],
+        scores.reward_metrics["reward_timeouts"],
+        prepared.tokens,
+        float(lag.sum()),
+        float(rollouts.stale_dropped),
+        float(sum(len(set(s.token_versions)) > 1 for s in rollouts.samples)),
+    )
     reward_mean = reward_sum / max(n, 1.0)
     metrics = {
         "reward_mean": reward_mean,
@@ -120,18 +160,20 @@ def task_step_metrics(
         idle, elapsed = task.producer.idle_since_last()
     else:  # synchronously the rollout side waits while the trainer scores, trains and publishes
         idle, elapsed = step_s - rollouts.generate_s, step_s
-    metrics.update({
-        "version_lag_mean": lag_sum / max(gap_n, 1.0),
-        "version_lag_max": dp_max(float(lag.max()) if lag.numel() else 0.0),
-        "logprob_gap_numerics": numerics_sum / max(gap_n, 1.0),
-        "logprob_gap_lag": lag_gap_sum / max(gap_n, 1.0),
-        "stale_samples_dropped": stale,
-        "mixed_version_samples": mixed,  # rollout.update_policy='continue': samples an update landed in
-        "trainer_idle_s": rollouts.wait_s,
-        "rollout_idle_s": idle,
-        "trainer_idle_fraction": rollouts.wait_s / step_s,
-        "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
-    })  # fmt: skip
+    metrics.update(
+        {
+            "version_lag_mean": lag_sum / max(gap_n, 1.0),
+            "version_lag_max": dp_max(float(lag.max()) if lag.numel() else 0.0),
+            "logprob_gap_numerics": numerics_sum / max(gap_n, 1.0),
+            "logprob_gap_lag": lag_gap_sum / max(gap_n, 1.0),
+            "stale_samples_dropped": stale,
+            "mixed_version_samples": mixed,  # rollout.update_policy='continue': samples an update landed in
+            "trainer_idle_s": rollouts.wait_s,
+            "rollout_idle_s": idle,
+            "trainer_idle_fraction": rollouts.wait_s / step_s,
+            "rollout_idle_fraction": min(max(idle, 0.0) / elapsed, 1.0) if elapsed > 0 else 0.0,
+        }
+    )
     if scores.episode_sums:
         names = sorted(scores.episode_sums)
         for name, total in zip(names, dp_sum(*(scores.episode_sums[k] for k in names))):

@@ -32,6 +32,8 @@ logger = logging.getLogger("archon.rl")
 
 class RewardFunctionError(RuntimeError):
     """The reward function failed on every sample for too many steps in a row."""
+
+
 STOPPED_FILE = "stopped.json"
 """In a task's directory once the task is stopped: the step and the reason; a resumed run keeps it stopped."""
 
@@ -73,8 +75,15 @@ def source_teachers(
         chosen[source] = setting
     for i, teacher in enumerate(algorithm.teachers):
         if teacher.data_source not in rows:
-            logger.warning("%s.teachers[%d].data_source=%r: no training prompt of %s has this source; its teacher "
-                           "(%s) is not used", where, i, teacher.data_source, data_path, teacher.path)  # fmt: skip
+            logger.warning(
+                "%s.teachers[%d].data_source=%r: no training prompt of %s has this source; its teacher "
+                "(%s) is not used",
+                where,
+                i,
+                teacher.data_source,
+                data_path,
+                teacher.path,
+            )
     return chosen
 
 
@@ -97,9 +106,12 @@ class Task:
         self.train_set = load_prompt_dataset(config.data, run.tokenizer, context, shared.rollout.max_new_tokens)
         self._report(run, f"{where}train", self.train_set)
         self.iterator = PromptBatchIterator(
-            self.train_set.examples, batch_size=shared.rollout.prompts_per_step, seed=config.data.seed,
-            shuffle=config.data.shuffle, drop_last=config.data.drop_last,
-        )  # fmt: skip
+            self.train_set.examples,
+            batch_size=shared.rollout.prompts_per_step,
+            seed=config.data.seed,
+            shuffle=config.data.shuffle,
+            drop_last=config.data.drop_last,
+        )
         self.eval_set = None
         if config.eval_path and shared.eval.every:
             eval_data = replace(config.data, path=config.eval_path)
@@ -162,10 +174,12 @@ class Task:
     def state(self) -> dict:
         """What a checkpoint keeps of the task besides its adapter and optimizer."""
         return {
-            "iterator": self.trained_iterator_state or self.iterator.state_dict(), "version": self.version,
-            "skipped_steps": self.skipped_steps, "skipped_streak": self.skipped_streak,
+            "iterator": self.trained_iterator_state or self.iterator.state_dict(),
+            "version": self.version,
+            "skipped_steps": self.skipped_steps,
+            "skipped_streak": self.skipped_streak,
             "reward_failure_streak": self.reward_failure_streak,
-        }  # fmt: skip
+        }
 
     def load_state(self, data: dict, step: int) -> None:
         """The task as checkpointed at RL step `step` (checkpoints of older releases have no version:
@@ -187,8 +201,9 @@ class Task:
         self.skipped_steps += int(skipped)
         metrics[p + "skipped_steps"] = self.skipped_steps
         self.skipped_streak = self.skipped_streak + [step] if skipped else []
-        failed = every_reward_failed(metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"],
-                                     metrics[p + "reward_samples"])  # fmt: skip
+        failed = every_reward_failed(
+            metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"], metrics[p + "reward_samples"]
+        )
         self.reward_failure_streak = self.reward_failure_streak + [step] if failed else []
         return self._failure(step, metrics)
 
@@ -242,7 +257,10 @@ def resume_named_tasks(tasks: list[Task], trainer, tasks_dir: Path, steps: int, 
             task.stopped = record["reason"]
             logger.warning(
                 "task %r stays stopped (since RL step %s; delete %s to train it again): %s",
-                task.name, record["step"], stopped, task.stopped,
+                task.name,
+                record["step"],
+                stopped,
+                task.stopped,
             )
         latest = task.checkpoints.latest()
         if latest is None:
@@ -263,7 +281,9 @@ def resume_named_tasks(tasks: list[Task], trainer, tasks_dir: Path, steps: int, 
     if behind:
         logger.warning(
             "tasks %s were last saved before step %d (the run ended while saving): each goes on from its "
-            "own checkpoint, without the steps in between", behind, first,
+            "own checkpoint, without the steps in between",
+            behind,
+            first,
         )
     added = [task.name for task in tasks if task.name not in resumed]
     logger.warning("resumed tasks %s at step %d; new tasks %s start from a fresh adapter", resumed, first, added)

@@ -33,8 +33,11 @@ TRACKER_DIRS = ("tensorboard", "wandb", "mlruns")
 """What the backends write under RUN_DIR: TensorBoard's event files, wandb's run files and the
 default MLflow file store."""
 EXTRAS = {
-    "tensorboard": "archon[rl]", "wandb": "archon[wandb]", "mlflow": "archon[mlflow]", "trackio": "archon[trackio]",
-}  # fmt: skip
+    "tensorboard": "archon[rl]",
+    "wandb": "archon[wandb]",
+    "mlflow": "archon[mlflow]",
+    "trackio": "archon[trackio]",
+}
 MLFLOW_PARAMS_PER_CALL = 100  # MLflow's limit of params in one log_batch
 MLFLOW_PARAM_CHARS = 6000  # MLflow's limit of one param value
 
@@ -143,9 +146,15 @@ class WandbTracker:
         run_id = state.get("id") or uuid.uuid4().hex[:8]
         try:
             self.run = wandb.init(
-                project=settings.project, entity=settings.wandb_entity, name=settings.run_name or run_dir.name,
-                id=run_id, resume="allow", mode=mode, dir=str(run_dir), settings=wandb.Settings(console="off"),
-            )  # fmt: skip
+                project=settings.project,
+                entity=settings.wandb_entity,
+                name=settings.run_name or run_dir.name,
+                id=run_id,
+                resume="allow",
+                mode=mode,
+                dir=str(run_dir),
+                settings=wandb.Settings(console="off"),
+            )
         except Exception as e:
             raise TrackerError(
                 f"logging.backends: wandb could not start a run (logging.wandb_mode={mode!r}, logging.project="
@@ -258,8 +267,14 @@ class TrackioTracker:
         run_name = state.get("name") or settings.run_name or run_dir.name
         resume = "allow" if state.get("name") else "never"  # a new run beside an earlier one of the same name
         try:
-            self.run = trackio.init(project=settings.project, name=run_name, resume=resume, embed=False,
-                                    auto_log_cpu=False, auto_log_gpu=False)  # fmt: skip
+            self.run = trackio.init(
+                project=settings.project,
+                name=run_name,
+                resume=resume,
+                embed=False,
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
         except Exception as e:
             raise TrackerError(
                 f"logging.backends: trackio could not start run {run_name!r} in project {settings.project!r} "
@@ -329,8 +344,9 @@ def close_trackers(trackers: list) -> None:
         try:
             tracker.close()
         except Exception as e:  # the run's own outputs are written; a tracker's end is not worth an error
-            logging.getLogger("archon.rl").error("closing the %s tracker failed: %s: %s", tracker.name,
-                                                 type(e).__name__, e)  # fmt: skip
+            logging.getLogger("archon.rl").error(
+                "closing the %s tracker failed: %s: %s", tracker.name, type(e).__name__, e
+            )
 
 
 def tracker_outputs(run_dir: str | os.PathLike) -> set[str]:

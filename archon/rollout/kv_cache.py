@@ -115,7 +115,9 @@ class KVCache:
     def layer(self, index: int) -> "LayerKVCache":
         return self._layers[index]
 
-    def begin_prefill(self, slots: torch.Tensor, prompt_lens: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
+    def begin_prefill(
+        self, slots: torch.Tensor, prompt_lens: torch.Tensor, offsets: torch.Tensor | None = None
+    ) -> None:
         """slots, prompt_lens: [N] for the N prompts packed (in this order) in the next forward.
         offsets: [N] how many tokens of each prompt its slot already holds (`load_kept`, or an
             earlier forward of a chunked prefill), which the packed tokens follow; None: none."""
@@ -130,7 +132,9 @@ class KVCache:
         self.prompt_offsets = None if offsets is None else offsets.to(self.device)
         self.token_slots = torch.repeat_interleave(slots, prompt_lens).to(self.device)
         starts = [0] * len(self.prompt_lens) if offsets is None else offsets.tolist()
-        self.token_positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.prompt_lens)]).to(self.device)
+        self.token_positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.prompt_lens)]).to(
+            self.device
+        )
 
     def load_kept(self, slot: int, kept: KeptState) -> None:
         """Put a kept state in `slot` (its prefix's first len(kept.tokens) keys/values, or the
@@ -191,9 +195,13 @@ class KVCache:
             (None: every row updates it).
         """
         if num_rows > self.num_rows_total or num_slots > self.num_slots:
-            raise ValueError(f"a decode step over {num_rows} rows and {num_slots} slots exceeds the cache's {self.num_rows_total} and {self.num_slots}")
+            raise ValueError(
+                f"a decode step over {num_rows} rows and {num_slots} slots exceeds the cache's {self.num_rows_total} and {self.num_slots}"
+            )
         if suffix_span > self.max_new_tokens or prefix_span > self.max_prompt_len:
-            raise ValueError(f"spans ({prefix_span}, {suffix_span}) exceed the cache ({self.max_prompt_len}, {self.max_new_tokens})")
+            raise ValueError(
+                f"spans ({prefix_span}, {suffix_span}) exceed the cache ({self.max_prompt_len}, {self.max_new_tokens})"
+            )
         self.decoding = True
         self.num_rows, self.num_step_slots = num_rows, num_slots
         self.prefix_span, self.suffix_span = prefix_span, suffix_span
@@ -267,7 +275,9 @@ class LayerKVCache:
                 return None, None
             kept = c.prompt_offsets > 0
             slots = c.prompt_slots
-            return _where_rows(kept, self.slot_conv_window[slots], 0.0), _where_rows(kept, self.slot_recurrent[slots], 0.0)
+            return _where_rows(kept, self.slot_conv_window[slots], 0.0), _where_rows(
+                kept, self.slot_recurrent[slots], 0.0
+            )
         return self.conv_window[: c.num_rows], self.recurrent[: c.num_rows]
 
     def _allocate_recurrent(self, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
@@ -336,7 +346,9 @@ class LayerKVCache:
         self.prefix_index_k = keys.new_zeros(c.num_slots, c.max_prompt_len, keys.shape[-1])
         self.suffix_index_k = keys.new_zeros(c.num_rows_total, c.max_new_tokens, keys.shape[-1])
 
-    def index_keys(self, keys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor] | None:
+    def index_keys(
+        self, keys: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor] | None:
         """Store the step's indexer keys [T, Di] (one per token, next to its keys and values) and
         return those each query may select from:
         - a prefill from empty slots: None (the packed prompts' own keys, as in training);
@@ -494,7 +506,9 @@ class LayerKVCache:
         prefix_probs = torch.cat([probs[..., :Lp], probs.new_zeros(1, hkv, rep, Lp)])[places]  # [S, G, Hkv, rep, Lp]
         prefix_probs = prefix_probs.transpose(1, 2).reshape(S, hkv, G * rep, Lp)
         Dv = prefix_v.shape[-1]
-        out = (prefix_probs @ prefix_v).view(S, hkv, G, rep, Dv).transpose(1, 2)[row_slot, row_place]  # [R, Hkv, rep, Dv]
+        out = (
+            (prefix_probs @ prefix_v).view(S, hkv, G, rep, Dv).transpose(1, 2)[row_slot, row_place]
+        )  # [R, Hkv, rep, Dv]
         out = out + probs[..., Lp:] @ suffix_v
         return out.reshape(R, H, Dv)
 

@@ -98,13 +98,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from archon.head import full_vocab_logits
 from archon.lora import adapter_routing, cached_task_factors, lora_parameters, task_names
 from archon.models.common.moe import moe_routers, recorded_routing, take_recorded
 from archon.parallel.tensor_parallel import local_tensor
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KeptState, KVCache
 from archon.rollout.policy import ServedPolicy
-from archon.head import full_vocab_logits
 from archon.rollout.speculative import (
     DraftModelDrafter,
     MTPDrafter,
@@ -276,7 +276,9 @@ class NativeRolloutEngine:
         if max_session_tokens is not None and max_session_tokens < 0:
             raise ValueError(f"max_session_tokens must be >= 0 or None, got {max_session_tokens}")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens must be >= 1 or None (one forward per prefill), got {prefill_chunk_tokens}")
+            raise ValueError(
+                f"prefill_chunk_tokens must be >= 1 or None (one forward per prefill), got {prefill_chunk_tokens}"
+            )
         self.model = model
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
@@ -370,7 +372,9 @@ class NativeRolloutEngine:
         params = lora_parameters(self.model)
         unknown = sorted(set(factors) - set(params))
         if unknown:
-            raise ValueError(f"update_adapter: {unknown[0]!r} (and {len(unknown) - 1} more) is no LoRA parameter of the model")
+            raise ValueError(
+                f"update_adapter: {unknown[0]!r} (and {len(unknown) - 1} more) is no LoRA parameter of the model"
+            )
         with self._update_lock:
             self._pending_update = (version, factors)
             generating = self._generating
@@ -445,7 +449,9 @@ class NativeRolloutEngine:
         if self.share_prompt_prefix:
             groups = [_Group(i, list(p), sampling.n, task_of_prompt[i]) for i, p in enumerate(prompts)]
         else:
-            groups = [_Group(i, list(p), 1, task_of_prompt[i]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+            groups = [
+                _Group(i, list(p), 1, task_of_prompt[i]) for i, p in enumerate(prompts) for _ in range(sampling.n)
+            ]
         if sessions is not None:  # groups are in the output order
             for j, group in enumerate(groups):
                 group.session_keys = list(sessions[j * group.samples : (j + 1) * group.samples])
@@ -474,7 +480,9 @@ class NativeRolloutEngine:
                 if sessions is not None:
                     self._take_kept_states(groups, version)
                 try:
-                    return _Generation(self, groups, sampling, generator, multi_task=adapters is not None, version=version).run()
+                    return _Generation(
+                        self, groups, sampling, generator, multi_task=adapters is not None, version=version
+                    ).run()
                 finally:
                     self.model.train(was_training)
         finally:
@@ -559,7 +567,12 @@ class _Generation:
         # not under a sync group: the step's collectives (FSDP gathers, TP reductions) stay eager
         # nor with several tasks: the routing of tokens to adapters changes as rows start samples
         self.static_decode = (
-            engine.cuda_graphs and self.drafter is None and not multi_task and engine.sync_group is None and self.device.type == "cuda" and torch.cuda.is_available()
+            engine.cuda_graphs
+            and self.drafter is None
+            and not multi_task
+            and engine.sync_group is None
+            and self.device.type == "cuda"
+            and torch.cuda.is_available()
         )
         self.graph = None
         self.moe = moe_routers(self.model) if engine.record_routing else None
@@ -700,23 +713,40 @@ class _Generation:
             ends_prompt = torch.tensor([end == len(prompt_of[slot]) for slot, _, end in pieces])
             token_adapters = None
             if self.multi_task:
-                token_adapters = torch.tensor([adapter_of[slot] for slot, _, _ in pieces], device=dev).repeat_interleave(lens.to(dev))
+                token_adapters = torch.tensor(
+                    [adapter_of[slot] for slot, _, _ in pieces], device=dev
+                ).repeat_interleave(lens.to(dev))
             logits_rows = (cu_seqlens[1:] - 1)[ends_prompt].to(dev)
             if self.drafter is not None and self.drafter.needs_target_hidden:
                 hidden = self._forward(
-                    token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache, return_hidden=True
-                )  # fmt: skip
+                    token_adapters,
+                    tokens,
+                    positions,
+                    cu_seqlens.to(dev),
+                    int(lens.max()),
+                    cache=self.cache,
+                    return_hidden=True,
+                )
                 last_logits.append(full_vocab_logits(hidden[logits_rows], self.model.output_weight))
                 self.drafter.prefill_hidden(pieces, prompt_of, hidden)
             else:
-                last_logits.append(self._forward(
-                    token_adapters, tokens, positions, cu_seqlens.to(dev), int(lens.max()), cache=self.cache,
-                    logits_rows=logits_rows,
-                ))  # fmt: skip
+                last_logits.append(
+                    self._forward(
+                        token_adapters,
+                        tokens,
+                        positions,
+                        cu_seqlens.to(dev),
+                        int(lens.max()),
+                        cache=self.cache,
+                        logits_rows=logits_rows,
+                    )
+                )
             if self.moe:
                 chosen = take_recorded(self.moe)  # [tokens of the forward, L, k]
                 for i, (slot, start, end) in enumerate(pieces):
-                    self.prompt_experts[slot, start:end] = chosen[int(cu_seqlens[i]) : int(cu_seqlens[i + 1])].to(torch.int16)
+                    self.prompt_experts[slot, start:end] = chosen[int(cu_seqlens[i]) : int(cu_seqlens[i + 1])].to(
+                        torch.int16
+                    )
             stats.prefill_tokens += int(lens.sum())
             stats.prefill_forwards += 1
             stats.max_prefill_forward_tokens = max(stats.max_prefill_forward_tokens, int(lens.sum()))
@@ -744,10 +774,14 @@ class _Generation:
         logits = self.slot_logits[torch.tensor(slots, device=dev)]
         race = None
         if self.sample_noise:
-            race = torch.cat([
-                torch.empty(1, logits.shape[-1], device=dev).exponential_(generator=self.sample_generators[self.slot_group[slot], place])
-                for slot, place in zip(slots, places)
-            ])  # fmt: skip
+            race = torch.cat(
+                [
+                    torch.empty(1, logits.shape[-1], device=dev).exponential_(
+                        generator=self.sample_generators[self.slot_group[slot], place]
+                    )
+                    for slot, place in zip(slots, places)
+                ]
+            )
         first, first_lp = sample_next_tokens(logits, self.sampling, self.generator, race)
         if self.drafter is not None:
             self.drafter.start_rows(rows, slots, places, first)
@@ -814,15 +848,21 @@ class _Generation:
         wants_hidden = drafter.needs_target_hidden
         verified = self._forward(
             None if row_tasks is None else row_tasks.repeat_interleave(k + 1),
-            fed.reshape(-1), (prompt_lens[:, None] + positions).reshape(-1),
-            torch.arange(0, R * (k + 1) + 1, k + 1, device=dev), k + 1, cache=self.cache, return_hidden=wants_hidden,
-        )  # fmt: skip  # [R * (k + 1), V] logits, or [R * (k + 1), D] final hidden states for the drafter
+            fed.reshape(-1),
+            (prompt_lens[:, None] + positions).reshape(-1),
+            torch.arange(0, R * (k + 1) + 1, k + 1, device=dev),
+            k + 1,
+            cache=self.cache,
+            return_hidden=wants_hidden,
+        )  # [R * (k + 1), V] logits, or [R * (k + 1), D] final hidden states for the drafter
         logits = full_vocab_logits(verified, self.model.output_weight) if wants_hidden else verified
         target_logprobs = processed_logprobs(logits.view(R, k + 1, -1), sampling)
         if greedy:
             out, out_logprobs, accepted = accept_greedy(target_logprobs, drafts)
         else:
-            out, out_logprobs, accepted = accept_sampled(target_logprobs, drafts, draft_probs, accept_noise, correction_noise)
+            out, out_logprobs, accepted = accept_sampled(
+                target_logprobs, drafts, draft_probs, accept_noise, correction_noise
+            )
         emit = (index <= accepted[:, None]) & (index < (self.max_new - ngen)[:, None]) & live[:, None]
         stops = torch.isin(out, self.stop_ids) & emit
         emit &= (stops.long().cumsum(dim=1) - stops.long()) == 0  # nothing after a stop token
@@ -832,7 +872,9 @@ class _Generation:
         row_index = rows[:, None].expand(R, k + 1)
         self.tokens[row_index, columns] = torch.where(emit, out, self.tokens[row_index, columns])
         self.logprobs[row_index, columns] = torch.where(emit, out_logprobs, self.logprobs[row_index, columns])
-        self.token_versions[row_index, columns] = torch.where(emit, self.version_now, self.token_versions[row_index, columns])
+        self.token_versions[row_index, columns] = torch.where(
+            emit, self.version_now, self.token_versions[row_index, columns]
+        )
         if wants_hidden:
             drafter.verified(verified.view(R, k + 1, -1), out, ngen.clone(), emit.sum(dim=1), live)
         ngen += emit.sum(dim=1)  # in place: views of the engine's per-row state
@@ -894,7 +936,11 @@ class _Generation:
         self.cache.begin_decode(R, S, suffix_pos, self.prompt_lens[:R], prefix_span, suffix_span, live_rows=~done)
         logits = self._forward(
             self.row_adapter[:R] if self.multi_task else None,
-            last, self.prompt_lens[:R] + suffix_pos, torch.arange(R + 1, device=self.device), 1, cache=self.cache,
+            last,
+            self.prompt_lens[:R] + suffix_pos,
+            torch.arange(R + 1, device=self.device),
+            1,
+            cache=self.cache,
         )
         token, logprob = sample_next_tokens(logits, self.sampling, self.generator, self._sample_race(logits))
         rows = torch.arange(R, device=self.device)
@@ -956,7 +1002,9 @@ class _Generation:
             completion = tokens[i, :n].tolist()
             self.engine.stats.decode_tokens += n - 1
             if group.session_keys is not None:  # the last token has not been through the model
-                kept = KeptState(group.prompt + completion[:-1], self.cache.row_state(row, slot, len(group.prompt), n - 1))
+                kept = KeptState(
+                    group.prompt + completion[:-1], self.cache.row_state(row, slot, len(group.prompt), n - 1)
+                )
                 self.engine._keep_session(group.session_keys[place], _Session(kept, self.version, group.adapter))
             sample = Sample(
                 prompt_index=group.prompt_index,
@@ -968,7 +1016,9 @@ class _Generation:
                 token_versions=token_versions[i, :n].tolist(),
             )
             if self.moe:
-                sample.extra[ROUTED_EXPERTS] = torch.cat([prompt_experts[i, : len(group.prompt)], completion_experts[i, :n]])
+                sample.extra[ROUTED_EXPERTS] = torch.cat(
+                    [prompt_experts[i, : len(group.prompt)], completion_experts[i, :n]]
+                )
             self.samples[group_index][place] = sample
             self.sample_generators.pop((group_index, place), None)
             self.row_sample[row] = None

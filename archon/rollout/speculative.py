@@ -65,7 +65,9 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.
     return truncated_logprobs(flat, sampling).view(shape)
 
 
-def accept_greedy(target_logprobs: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_greedy(
+    target_logprobs: torch.Tensor, drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """target_logprobs [R, k + 1, V] (log_softmax of the target's logits at the k + 1 verified
     positions), drafts [R, k] -> (tokens [R, k + 1], their log-probs [R, k + 1], accepted [R]).
 
@@ -173,7 +175,13 @@ class DraftModelDrafter:
         c = target_cache
         self.model.eval()
         self.cache = KVCache(
-            len(self.model.layers), c.num_slots, c.num_rows_total, c.group_size, c.max_prompt_len, c.max_new_tokens, c.device
+            len(self.model.layers),
+            c.num_slots,
+            c.num_rows_total,
+            c.group_size,
+            c.max_prompt_len,
+            c.max_new_tokens,
+            c.device,
         )
 
     def end(self) -> None:
@@ -187,12 +195,20 @@ class DraftModelDrafter:
             cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
             tokens = torch.tensor([t for slot, start, end in pieces for t in prompts[slot][start:end]], device=dev)
             positions = torch.cat([torch.arange(start, end) for _, start, end in pieces]).to(dev)
-            self.cache.begin_prefill(torch.tensor([s for s, _, _ in pieces]), lens, torch.tensor([s for _, s, _ in pieces]))
+            self.cache.begin_prefill(
+                torch.tensor([s for s, _, _ in pieces]), lens, torch.tensor([s for _, s, _ in pieces])
+            )
             tasks = torch.tensor([adapters[slot] for slot, _, _ in pieces], device=dev).repeat_interleave(lens.to(dev))
             forward_with_tasks(
-                self.model, tasks, tokens, positions, cu_seqlens, int(lens.max()), cache=self.cache,
+                self.model,
+                tasks,
+                tokens,
+                positions,
+                cu_seqlens,
+                int(lens.max()),
+                cache=self.cache,
                 logits_rows=torch.zeros(0, dtype=torch.long, device=dev),
-            )  # fmt: skip
+            )
 
     def start_rows(self, rows: list[int], slots: list[int], places: list[int], first_tokens: torch.Tensor) -> None:
         """Rows start samples of the prompts in `slots` (first_tokens [N]: their first tokens)."""
@@ -228,20 +244,29 @@ class DraftModelDrafter:
         fed = torch.stack([tokens[rows, before], tokens[rows, last]], dim=1)
         self.cache.begin_decode(R, num_slots, positions, prompt_lens, prefix_span, suffix_span, live_rows=live)
         logits = forward_with_tasks(
-            self.model, None if row_tasks is None else row_tasks.repeat_interleave(2),
-            fed.reshape(-1), (prompt_lens[:, None] + positions).reshape(-1),
-            torch.arange(0, 2 * R + 1, 2, device=dev), 2, cache=self.cache,
+            self.model,
+            None if row_tasks is None else row_tasks.repeat_interleave(2),
+            fed.reshape(-1),
+            (prompt_lens[:, None] + positions).reshape(-1),
+            torch.arange(0, 2 * R + 1, 2, device=dev),
+            2,
+            cache=self.cache,
             logits_rows=torch.arange(1, 2 * R, 2, device=dev),
-        )  # fmt: skip
+        )
         drafts, probs = [], []
         for i in range(self.num_tokens):
             if i > 0:
                 position = last + i
                 self.cache.begin_decode(R, num_slots, position, prompt_lens, prefix_span, suffix_span, live_rows=live)
                 logits = forward_with_tasks(
-                    self.model, row_tasks, drafts[-1], prompt_lens + position, torch.arange(R + 1, device=dev), 1,
+                    self.model,
+                    row_tasks,
+                    drafts[-1],
+                    prompt_lens + position,
+                    torch.arange(R + 1, device=dev),
+                    1,
                     cache=self.cache,
-                )  # fmt: skip
+                )
             logprobs = processed_logprobs(_to_vocab(logits, vocab_size), sampling)
             drafts.append(draw_from(logprobs, None if greedy else noise[:, i], greedy))
             if not greedy:
@@ -295,7 +320,9 @@ class MTPDrafter:
         cos, sin = (None, None) if model.rotary is None else model.rotary(positions, x.dtype)
         return layer.norm(layer.block(x, cos, sin, cu_seqlens, max_seqlen, self.cache.layer(0), None))
 
-    def prefill_hidden(self, pieces: list[tuple[int, int, int]], prompts: dict[int, list[int]], hidden: torch.Tensor) -> None:
+    def prefill_hidden(
+        self, pieces: list[tuple[int, int, int]], prompts: dict[int, list[int]], hidden: torch.Tensor
+    ) -> None:
         """After a target prefill forward of `pieces` ((slot, start, end) slices of the slots'
         prompts, packed in order) with final hidden states `hidden` [T, D]: the MTP entries of those
         positions that have a next prompt token, and each ending prompt's last hidden state."""
@@ -314,11 +341,18 @@ class MTPDrafter:
         if not entries:
             return
         lens = torch.tensor([stop - start for _, start, stop in entries])
-        self.cache.begin_prefill(torch.tensor([s for s, _, _ in entries]), lens, torch.tensor([s for _, s, _ in entries]))
+        self.cache.begin_prefill(
+            torch.tensor([s for s, _, _ in entries]), lens, torch.tensor([s for _, s, _ in entries])
+        )
         positions = torch.cat([torch.arange(start, stop) for _, start, stop in entries]).to(dev)
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
-        self._block(hidden[torch.tensor(rows, device=dev)], torch.tensor(next_tokens, device=dev), positions, cu_seqlens,
-                    int(lens.max()))  # fmt: skip
+        self._block(
+            hidden[torch.tensor(rows, device=dev)],
+            torch.tensor(next_tokens, device=dev),
+            positions,
+            cu_seqlens,
+            int(lens.max()),
+        )
 
     def prefill(self, prompts: dict[int, list[int]], adapters: dict[int, int], budget: int | None) -> None:
         """Nothing more: the entries come with the target's prefill forwards (`prefill_hidden`)."""
@@ -337,7 +371,12 @@ class MTPDrafter:
         self.cache.release_rows(rows, slots, places)
 
     def verified(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, ngen_before: torch.Tensor, emitted: torch.Tensor, live: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        ngen_before: torch.Tensor,
+        emitted: torch.Tensor,
+        live: torch.Tensor,
     ) -> None:
         """After a verification of rows 0..R-1: hidden [R, k + 1, D] the target's final hidden states
         at the verified positions (the row's last token, then its drafts), tokens [R, k + 1] the tokens
@@ -347,7 +386,9 @@ class MTPDrafter:
         entry emitted - 1. Only the rows `live` [R] (generating before the round) change: a row
         that was done keeps its entries within the cache."""
         R = hidden.shape[0]
-        self.pending_hidden[:R] = torch.where(live[:, None, None], hidden.to(self.pending_hidden.dtype), self.pending_hidden[:R])
+        self.pending_hidden[:R] = torch.where(
+            live[:, None, None], hidden.to(self.pending_hidden.dtype), self.pending_hidden[:R]
+        )
         self.pending_tokens[:R] = torch.where(live[:, None], tokens, self.pending_tokens[:R])
         self.pending_start[:R] = torch.where(live, ngen_before, self.pending_start[:R])
         self.pending_last[:R] = torch.where(live, (emitted - 1).clamp(min=0), self.pending_last[:R])
@@ -376,9 +417,12 @@ class MTPDrafter:
         positions = self.pending_start[:R, None] + torch.arange(k + 1, device=dev)  # [R, k + 1] suffix positions
         self.cache.begin_decode(R, num_slots, positions, entry_lens, prefix_span, suffix_span, live_rows=live)
         hidden = self._block(
-            self.pending_hidden[:R].flatten(0, 1), self.pending_tokens[:R].flatten(),
-            (entry_lens[:, None] + positions).flatten(), torch.arange(0, R * (k + 1) + 1, k + 1, device=dev), k + 1,
-        ).view(R, k + 1, -1)  # fmt: skip
+            self.pending_hidden[:R].flatten(0, 1),
+            self.pending_tokens[:R].flatten(),
+            (entry_lens[:, None] + positions).flatten(),
+            torch.arange(0, R * (k + 1) + 1, k + 1, device=dev),
+            k + 1,
+        ).view(R, k + 1, -1)
         hidden = hidden[torch.arange(R, device=dev), self.pending_last[:R]]  # [R, D] at each row's last token
         last = ngen - 1
         drafts, probs = [], []

@@ -221,10 +221,16 @@ class VLLMRolloutEngine:
         spec = _family_spec(model_config)
         hf_overrides = spec.vllm_hf_overrides.get(model_config["model_type"]) if spec is not None else None
         self.servers = VLLMServers(
-            config, self.model, lora=lora, hf_overrides=hf_overrides,
-            log_dir=log_dir, rank=rank, model_config=model_config if launches else None,
-            longest_prompt_tokens=longest_prompt_tokens, max_new_tokens=max_new_tokens,
-        )  # fmt: skip
+            config,
+            self.model,
+            lora=lora,
+            hf_overrides=hf_overrides,
+            log_dir=log_dir,
+            rank=rank,
+            model_config=model_config if launches else None,
+            longest_prompt_tokens=longest_prompt_tokens,
+            max_new_tokens=max_new_tokens,
+        )
 
     @property
     def served_model(self) -> str | None:
@@ -235,9 +241,12 @@ class VLLMRolloutEngine:
         status = self.servers.health()
         name, version = self.policy.current()
         return {
-            "engine": "vllm", "alive": all(s["alive"] for s in status), "adapter_version": version,
-            "adapter_name": name, "servers": status,
-        }  # fmt: skip
+            "engine": "vllm",
+            "alive": all(s["alive"] for s in status),
+            "adapter_version": version,
+            "adapter_name": name,
+            "servers": status,
+        }
 
     def close(self) -> None:
         self.servers.close()
@@ -279,9 +288,12 @@ class VLLMRolloutEngine:
         with self.policy.lease() as (adapter_name, version):
             model_name = adapter_name or self.served_model
             response = self.servers.request(
-                server, "POST", "/v1/completions", _completion_body(model_name, prompts, sampling),
+                server,
+                "POST",
+                "/v1/completions",
+                _completion_body(model_name, prompts, sampling),
                 timeout=self.config.request_timeout_s,
-            )  # fmt: skip
+            )
         choices = sorted(response["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * sampling.n:
             raise VLLMServerError(f"vLLM returned {len(choices)} choices for {len(prompts)} prompts x n={sampling.n}")
@@ -290,7 +302,9 @@ class VLLMRolloutEngine:
             prompt_index = choice["index"] // sampling.n
             token_ids = choice.get("token_ids")
             if token_ids is None:
-                raise VLLMServerError("vLLM's completion has no token_ids; this engine needs vLLM >= 0.10.2 (return_token_ids)")
+                raise VLLMServerError(
+                    "vLLM's completion has no token_ids; this engine needs vLLM >= 0.10.2 (return_token_ids)"
+                )
             logprobs = choice["logprobs"]["token_logprobs"]
             samples.append(
                 Sample(
@@ -306,7 +320,6 @@ class VLLMRolloutEngine:
             )
         return samples
 
-
     # ---- the update policy 'continue' -------------------------------------------------------------
     def _complete_continuing(self, server, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         """The samples of `prompts` streamed in one request until a publish supersedes its version;
@@ -318,7 +331,7 @@ class VLLMRolloutEngine:
             futures = {
                 self.servers.submit(self._continue_sample, server, prompts[p.prompt_index], p, sampling): server
                 for p in unfinished
-            }  # fmt: skip
+            }
             self.servers.wait_all(futures)
         return [p.sample(prompts[p.prompt_index]) for p in partials]
 
@@ -327,13 +340,23 @@ class VLLMRolloutEngine:
         the tokens so far, with the tokens left and a seed of its own."""
         while partial.finish_reason is None:
             left = sampling.max_new_tokens - len(partial.token_ids)
-            seed = None if sampling.seed is None else continuation_seed(sampling.seed, partial.index, len(partial.token_ids))
+            seed = (
+                None
+                if sampling.seed is None
+                else continuation_seed(sampling.seed, partial.index, len(partial.token_ids))
+            )
             rest = SamplingParams(
-                max_new_tokens=left, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                stop_token_ids=sampling.stop_token_ids, seed=seed,
-            )  # fmt: skip
+                max_new_tokens=left,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                stop_token_ids=sampling.stop_token_ids,
+                seed=seed,
+            )
             continued = prompt + partial.token_ids
-            self._stream(server, lambda name: _completion_body(name, [continued], rest, stream=True), [partial], sampling)
+            self._stream(
+                server, lambda name: _completion_body(name, [continued], rest, stream=True), [partial], sampling
+            )
 
     def _stream(self, server, body, partials: list[_Partial], sampling: SamplingParams) -> None:
         """One streaming request (`body(model name)`) under a lease, adding each choice's tokens to
@@ -341,7 +364,9 @@ class VLLMRolloutEngine:
         supersedes the version (the connection is then closed and vLLM aborts the request)."""
         with self.policy.lease() as (adapter_name, version):
             model_name = adapter_name or self.served_model
-            events = self.servers.stream(server, "/v1/completions", body(model_name), timeout=self.config.request_timeout_s)
+            events = self.servers.stream(
+                server, "/v1/completions", body(model_name), timeout=self.config.request_timeout_s
+            )
             try:
                 for event in events:
                     for choice in event.get("choices", ()):
@@ -372,7 +397,9 @@ class _Partial:
         """Add a streamed chunk's tokens (at most those left of max_new_tokens), sampled with `version`."""
         token_ids = choice.get("token_ids")
         if token_ids is None:
-            raise VLLMServerError("vLLM's completion has no token_ids; this engine needs vLLM >= 0.10.2 (return_token_ids)")
+            raise VLLMServerError(
+                "vLLM's completion has no token_ids; this engine needs vLLM >= 0.10.2 (return_token_ids)"
+            )
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
         if len(logprobs) != len(token_ids):
             raise VLLMServerError(f"vLLM streamed {len(token_ids)} tokens with {len(logprobs)} log-probs")
@@ -390,10 +417,15 @@ class _Partial:
 
     def sample(self, prompt: list[int]) -> Sample:
         return Sample(
-            prompt_index=self.prompt_index, prompt_ids=list(prompt), completion_ids=self.token_ids,
-            logprobs=self.logprobs, finish_reason=self.finish_reason, version=self.versions[0],
-            token_versions=self.versions, extra={"model": self.model},
-        )  # fmt: skip
+            prompt_index=self.prompt_index,
+            prompt_ids=list(prompt),
+            completion_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            version=self.versions[0],
+            token_versions=self.versions,
+            extra={"model": self.model},
+        )
 
 
 # Tokens per streamed chunk under 'continue': a publish takes effect at a request's next chunk, so

@@ -164,12 +164,26 @@ def server_command(
     # processed_logprobs: each token's log-prob under the truncated, renormalised distribution it
     # was sampled from (the behaviour policy), as the native engine reports it
     args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", config.host, "--port", str(port), "--dtype", config.dtype,
-        "--tensor-parallel-size", str(config.tensor_parallel_size),
-        "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
-        "--gpu-memory-utilization", str(config.gpu_memory_utilization),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--dtype",
+        config.dtype,
+        "--tensor-parallel-size",
+        str(config.tensor_parallel_size),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        "--gpu-memory-utilization",
+        str(config.gpu_memory_utilization),
+    ]
     if max_model_len is not None:
         args += ["--max-model-len", str(max_model_len)]
     attention_backend = launch_attention_backend(config, model_config)

@@ -27,8 +27,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from archon.checkpoint.hf import read_json_file
@@ -72,9 +72,12 @@ def max_position_embeddings(model_config: dict) -> int | None:
 
 
 def resolve_max_model_len(
-    configured: int | None, model_config: dict | None, longest_prompt_tokens: int | None,
-    max_new_tokens: int | None, model: str = "the model",
-) -> int | None:  # fmt: skip
+    configured: int | None,
+    model_config: dict | None,
+    longest_prompt_tokens: int | None,
+    max_new_tokens: int | None,
+    model: str = "the model",
+) -> int | None:
     """The --max-model-len for a launched server: `configured` when set (it must hold the run's
     sequences), else the longest prompt plus max_new_tokens, which must fit in the model's
     max_position_embeddings. None when nothing is known (vLLM then takes the model's own)."""
@@ -157,7 +160,9 @@ class Server:
             return None
         code = self.process.returncode
         if code < 0:  # killed by a signal: an exception in the log is an older one the server survived
-            return f"vLLM server {self.url} was killed by {signal.Signals(-code).name}: {self.log_report(exception=False)}"
+            return (
+                f"vLLM server {self.url} was killed by {signal.Signals(-code).name}: {self.log_report(exception=False)}"
+            )
         return f"vLLM server {self.url} exited with code {code}: {self.log_report()}"
 
 
@@ -198,7 +203,11 @@ class VLLMServers:
         if not config.urls and rank == 0:
             if model is None:
                 raise ValueError("vLLM rollouts need a model path to launch servers (or urls of running ones)")
-            if config.transport == "collective" and not is_loopback_host(config.host) and not config.allow_dev_mode_on_network:
+            if (
+                config.transport == "collective"
+                and not is_loopback_host(config.host)
+                and not config.allow_dev_mode_on_network
+            ):
                 raise ValueError(
                     f"refusing to launch vLLM in dev mode on non-loopback host {config.host!r}: the collective "
                     f"transport needs /collective_rpc, which vLLM's api-key does not guard, so anyone who "
@@ -370,7 +379,9 @@ class VLLMServers:
                         return
                     event = json.loads(data)
                     if "error" in event and "choices" not in event:
-                        raise VLLMServerError(f"vLLM server {server.url}{path} failed while streaming: {event['error']}")
+                        raise VLLMServerError(
+                            f"vLLM server {server.url}{path} failed while streaming: {event['error']}"
+                        )
                     yield event
 
     def check_alive(self, server: Server) -> None:
@@ -390,7 +401,9 @@ class VLLMServers:
         last_check = time.monotonic()
         check_every = min(HEALTH_CHECK_EVERY_S, self.config.health_timeout_s)
         while pending:
-            done, pending = concurrent.futures.wait(pending, timeout=1.0, return_when=concurrent.futures.FIRST_EXCEPTION)
+            done, pending = concurrent.futures.wait(
+                pending, timeout=1.0, return_when=concurrent.futures.FIRST_EXCEPTION
+            )
             for future in done:
                 if future.exception() is not None:
                     for other in pending:
@@ -446,9 +459,13 @@ class VLLMServers:
                     cause = log_root_cause(server.log_path.read_text(errors="replace")) or "see the server log"
                     why = f"{cause}\nFull server log: {server.log_path.resolve()}"
                 else:
-                    why = (f"see the server's log; 'archon worker RPC refused' there means the trainer's "
-                           f"{WORKER_SECRET_ENV} is not the server's")  # fmt: skip
-                raise VLLMServerError(f"archon worker method {method} failed on vLLM server {server.url}: {why}") from None
+                    why = (
+                        f"see the server's log; 'archon worker RPC refused' there means the trainer's "
+                        f"{WORKER_SECRET_ENV} is not the server's"
+                    )
+                raise VLLMServerError(
+                    f"archon worker method {method} failed on vLLM server {server.url}: {why}"
+                ) from None
             raise
         return result["results"] if isinstance(result, dict) else []
 

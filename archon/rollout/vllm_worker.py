@@ -44,7 +44,9 @@ def check_worker_secret(given: str | None) -> None:
             f"environment, so archon's worker methods are disabled"
         )
     if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
-        raise WorkerSecretError(f"archon worker RPC refused: missing or wrong secret (the server's {WORKER_SECRET_ENV})")
+        raise WorkerSecretError(
+            f"archon worker RPC refused: missing or wrong secret (the server's {WORKER_SECRET_ENV})"
+        )
 
 
 def _requires_secret(method):
@@ -161,9 +163,14 @@ class ArchonWorkerExtension:
         spec = json.loads(spec)
         rank = spec["rank_offset"] + int(self.rank)
         self._archon_group = StatelessGroup(
-            spec["host"], spec["port"], rank, spec["world_size"], spec["backend"], device=self.device,
+            spec["host"],
+            spec["port"],
+            rank,
+            spec["world_size"],
+            spec["backend"],
+            device=self.device,
             timeout_s=spec.get("timeout_s", 300.0),
-        )  # fmt: skip
+        )
         return {"rank": rank}
 
     def _archon_sync_group(self):
@@ -211,11 +218,15 @@ class ArchonWorkerExtension:
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora_cls = getattr(manager, "_lora_model_cls", LoRAModel)
         lora = lora_cls.from_lora_tensors(
-            lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=helper, device="cpu",
-            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            lora_model_id=lora_request.lora_int_id,
+            tensors=tensors,
+            peft_helper=helper,
+            device="cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-        )  # fmt: skip
+        )
         lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
         manager._adapter_manager._validate_moe_lora_format(lora)
         self._archon_ids[name] = lora_request.lora_int_id

@@ -53,8 +53,13 @@ def merged_payload(
     The holder's other weights go too, because servers fuse siblings (q/k/v, gate/up, all experts
     and their biases) into one tensor, and vLLM's in-place reload leaves the part of a fused tensor
     that was not sent uninitialised."""
-    units = list(dict.fromkeys(_sync_unit(path, module) for path, module in model.named_modules()
-                               if isinstance(module, LoRAModule) and module.adapter_params()))  # fmt: skip
+    units = list(
+        dict.fromkeys(
+            _sync_unit(path, module)
+            for path, module in model.named_modules()
+            if isinstance(module, LoRAModule) and module.adapter_params()
+        )
+    )
     for unit in units:
         merged = merged_named_tensors(model, dense_base_tensors(model.get_submodule(unit), prefix=unit))
         yield from _in_format((t for name, tensor in merged for t in converter.to_hf(name, tensor.cpu())), requantize)

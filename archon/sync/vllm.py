@@ -268,8 +268,10 @@ class DiskAdapterSync(_AdapterSync):
             return {}
         written = time.perf_counter()
         self._register(name, str(path.resolve()))
-        return {"adapter_bytes": float((path / "adapter_model.safetensors").stat().st_size),
-                "load_s": time.perf_counter() - written}  # fmt: skip
+        return {
+            "adapter_bytes": float((path / "adapter_model.safetensors").stat().st_size),
+            "load_s": time.perf_counter() - written,
+        }
 
     def _unload(self, name: str) -> None:
         super()._unload(name)
@@ -296,8 +298,11 @@ class CollectiveAdapterSync(_AdapterSync):
         stats = self.channel.send("archon_receive_adapter", spec, tensors.items(), _model_device(model))
         sent = time.perf_counter()
         self._register(name, COLLECTIVE_PATH_PREFIX + name)
-        return {"adapter_bytes": float(stats["bytes"]), "buckets": float(stats["buckets"]),
-                "load_s": time.perf_counter() - sent}  # fmt: skip
+        return {
+            "adapter_bytes": float(stats["bytes"]),
+            "buckets": float(stats["buckets"]),
+            "load_s": time.perf_counter() - sent,
+        }
 
     def _unload(self, name: str) -> None:
         super()._unload(name)

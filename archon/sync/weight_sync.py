@@ -62,8 +62,13 @@ class InProcessSync:
 
 
 def build_weight_sync(
-    config: RolloutConfig, rollout: RolloutEngine, *, lora: LoRAConfig | None, sync_dir: str | Path,
-    task: str | None = None, channel=None,
+    config: RolloutConfig,
+    rollout: RolloutEngine,
+    *,
+    lora: LoRAConfig | None,
+    sync_dir: str | Path,
+    task: str | None = None,
+    channel=None,
 ) -> WeightSync:
     """The sync for `config.engine` and, with vLLM, `config.vllm.transport` and the servers' mode
     (`rollout.mode`: rollout.vllm.mode, or the family's). `sync_dir`: where the disk transport

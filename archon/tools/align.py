@@ -48,9 +48,9 @@ from typing import Any, Literal
 import torch
 
 from archon.build import build_model, load_hf_config
+from archon.checkpoint.hf import read_json_file
 from archon.config_coverage import unaccounted_fields
 from archon.head import model_label_logprobs
-from archon.checkpoint.hf import read_json_file
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import save_peft_adapter
 from archon.precision import fp32_islands_in_fp64
@@ -65,7 +65,9 @@ MAX_LORA_GRAD_REL_ERR = 1e-4
 # The gate's tolerances by the dtype both sides run in. Log-prob differences (the training path)
 # are held to the logits tolerance.
 TOLERANCES: dict[str, dict[str, float]] = {
-    "float32": dict(max_abs_logits_diff=MAX_ABS_LOGITS_DIFF, mean_kl=MAX_MEAN_KL, lora_grad_max_rel_err=MAX_LORA_GRAD_REL_ERR),
+    "float32": dict(
+        max_abs_logits_diff=MAX_ABS_LOGITS_DIFF, mean_kl=MAX_MEAN_KL, lora_grad_max_rel_err=MAX_LORA_GRAD_REL_ERR
+    ),
     # fp64 on both sides, fp32 islands kept in fp64 (`fp32_islands_in_fp64`): what is left is fp64
     # rounding (about 1e-14 on the tiny models), so anything near these limits is a difference of the math.
     "float64": dict(max_abs_logits_diff=1e-9, mean_kl=1e-15, lora_grad_max_rel_err=1e-9),
@@ -165,7 +167,8 @@ def _drop_special_tokens_outside_vocab(config) -> None:
             continue
         warnings.warn(
             f"tiny {config.model_type} config: {name}={value!r} lies outside its vocabulary of {text.vocab_size}; "
-            f"set to {kept or None!r}", stacklevel=3,
+            f"set to {kept or None!r}",
+            stacklevel=3,
         )
         setattr(text, name, (kept or None) if isinstance(value, list) else None)
 
@@ -180,9 +183,10 @@ def single_kind_patterns(config, one_kind_by_definition: tuple[str, ...] = ()) -
     n_layers = text.num_hidden_layers
     found = []
     per_layer = [
-        name for name, value in sorted(text.to_dict().items())
+        name
+        for name, value in sorted(text.to_dict().items())
         if name.endswith("_types") and isinstance(value, list) and len(value) == n_layers
-    ]  # fmt: skip
+    ]
     for name in ("no_rope_layers", *per_layer):
         pattern = getattr(text, name, None)
         if pattern and len(set(map(str, pattern))) == 1 and name not in one_kind_by_definition:
@@ -192,7 +196,9 @@ def single_kind_patterns(config, one_kind_by_definition: tuple[str, ...] = ()) -
         step, dense = getattr(text, "decoder_sparse_step", None) or 1, set(getattr(text, "mlp_only_layers", None) or [])
         kinds = {i not in dense and (i + 1) % step == 0 for i in range(n_layers)}
         if len(kinds) == 1:
-            found.append(f"decoder_sparse_step / mlp_only_layers (every layer {'sparse' if kinds == {True} else 'dense'})")
+            found.append(
+                f"decoder_sparse_step / mlp_only_layers (every layer {'sparse' if kinds == {True} else 'dense'})"
+            )
     first_dense = getattr(text, "first_k_dense_replace", None) if routed else None
     if first_dense is not None and not 0 < first_dense < n_layers:
         found.append(f"first_k_dense_replace={first_dense} of {n_layers} layers")
@@ -227,7 +233,9 @@ def resolve_model_type(args: AlignArgs) -> str:
     """args.model_type, else the model_type of args.hf_path/config.json; a supported type either way."""
     overrides = parse_config_assignments(args.set)
     if args.hf_path is not None and (overrides or args.config_overrides):
-        raise ValueError("--set / config_overrides change the tiny model's config; a --hf-path checkpoint is checked as it is")
+        raise ValueError(
+            "--set / config_overrides change the tiny model's config; a --hf-path checkpoint is checked as it is"
+        )
     if args.hf_path is None:
         if args.model_type is None:
             raise ValueError("give --model-type (to check a tiny random model of that type) or --hf-path DIR")
@@ -238,7 +246,7 @@ def resolve_model_type(args: AlignArgs) -> str:
         raise FileNotFoundError(f"{config_path} does not exist; --hf-path must be an HF model directory")
     model_type = read_json_file(config_path, "model config").get("model_type")
     if not isinstance(model_type, str):
-        raise ValueError(f"{config_path} has no \"model_type\" string, so it is not an HF transformers model config")
+        raise ValueError(f'{config_path} has no "model_type" string, so it is not an HF transformers model config')
     if args.model_type is not None and args.model_type != model_type:
         raise ValueError(f"{config_path} holds model_type {model_type!r}, not {args.model_type!r}")
     try:
@@ -370,7 +378,9 @@ def write_dequantized_reference(source: Path, out_dir: Path) -> tuple[Path, int]
         (weights,) = {json.dumps(group["weights"], sort_keys=True) for group in quantization["config_groups"].values()}
         weights = json.loads(weights)
         scale_suffix = "_scale"
-        block = {"tensor": (None, None), "channel": (1, None)}.get(weights["strategy"]) or tuple(weights["block_structure"])
+        block = {"tensor": (None, None), "channel": (1, None)}.get(weights["strategy"]) or tuple(
+            weights["block_structure"]
+        )
     for file, file_keys in sorted(files.items()):
         tensors = {}
         for key in file_keys:
@@ -519,7 +529,8 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
         for pattern in one_kind:
             warnings.warn(
                 f"the tiny {model_type} config has one kind of layer only in {pattern}: the gate cannot tell "
-                "the kinds apart; add both (config_overrides or the family's tiny_hf_config)", stacklevel=3,
+                "the kinds apart; add both (config_overrides or the family's tiny_hf_config)",
+                stacklevel=3,
             )
         unread = unaccounted_fields(get_spec(model_type), hf_config)
 
@@ -534,7 +545,9 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
         loaded = build_model(hf_path, dtype=dtype)
         model = loaded.model.to(dtype).eval()
         kept_quantized = len(quantized_weights(model))
-        seqs, tokens, positions, cu_seqlens = packed_batch(args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed)
+        seqs, tokens, positions, cu_seqlens = packed_batch(
+            args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed
+        )
         max_seqlen = max(args.seq_lens)
         with torch.no_grad():
             archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
@@ -594,7 +607,9 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
             # LoRA gradients of the summed label log-probs: archon's through the training path.
             peft_logprobs = label_logprobs(peft_logits, seqs)
             train_logprobs = training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs)
-            report["lora_max_abs_train_logprob_diff"] = (train_logprobs.detach().double() - peft_logprobs.detach()).abs().max().item()
+            report["lora_max_abs_train_logprob_diff"] = (
+                (train_logprobs.detach().double() - peft_logprobs.detach()).abs().max().item()
+            )
             (-train_logprobs.sum()).backward()
             (-peft_logprobs.sum()).backward()
             report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.converter, peft_model)
@@ -672,8 +687,10 @@ def format_report(report: dict[str, Any]) -> str:
         ok = "" if tol is None else ("yes" if value <= tol else "NO")
         rows.append((key, f"{value:.3e}", "" if tol is None else f"{tol:.0e}", ok))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"archon vs HF transformers: {report['model_type']} ({report['sequences']} packed sequences, "
-             f"{report['tokens']} tokens, {report['dtype']})"]
+    lines = [
+        f"archon vs HF transformers: {report['model_type']} ({report['sequences']} packed sequences, "
+        f"{report['tokens']} tokens, {report['dtype']})"
+    ]
     if report.get("quantization"):
         lines.append(
             f"quantized checkpoint: {report['quantization']}, {report['quantized_tensors']} weights stored quantized; "
@@ -691,8 +708,10 @@ def format_report(report: dict[str, Any]) -> str:
     for pattern in report.get("single_kind_patterns", []):
         lines.append(f"warning: every layer of the checked config is of one kind in {pattern}")
     if "peft_missing_keys" in report:
-        lines.append(f"PEFT load: {len(report['peft_missing_keys'])} missing, "
-                     f"{len(report['peft_unexpected_keys'])} unexpected adapter keys")
+        lines.append(
+            f"PEFT load: {len(report['peft_missing_keys'])} missing, "
+            f"{len(report['peft_unexpected_keys'])} unexpected adapter keys"
+        )
     lines.append("PASS" if report["pass"] else f"FAIL: {', '.join(report['failures'])}")
     return "\n".join(lines)
 

@@ -106,7 +106,7 @@ class Renamer:
         self.like_prefix = like_prefix
         rules = [
             # HF's module paths name the like-family's HF type, which stays true of HF
-            (rf"\btransformers(\.\w+)+", None),
+            (r"\btransformers(\.\w+)+", None),
             (rf"\barchon\.models\.{like}\b", f"archon.models.{name}"),
             (rf"\bfrom archon\.models import {like}\b", f"from archon.models import {name}"),
             (rf"\b{like_prefix}(?=[A-Z])", new_prefix),  # LlamaArgs, LlamaModel, ...
@@ -269,17 +269,25 @@ def registered(registry_source: str, name: str) -> str:
     """models/__init__.py with family `name` imported: added to its `from archon.models import (...)`
     block in name order, or as a line of its own when there is no block; unchanged when the family is
     imported already."""
-    if re.search(rf"^\s*(from archon\.models import {name}\b|import archon\.models\.{name}\b|"
-                 rf"from archon\.models\.{name}\b|{name},)", registry_source, flags=re.M):
+    if re.search(
+        rf"^\s*(from archon\.models import {name}\b|import archon\.models\.{name}\b|"
+        rf"from archon\.models\.{name}\b|{name},)",
+        registry_source,
+        flags=re.M,
+    ):
         return registry_source
     block = re.search(r"^from archon\.models import \(\n(.*?)^\)", registry_source, flags=re.M | re.S)
     if block is None:
-        return registry_source + ("" if registry_source.endswith("\n") else "\n") + f"from archon.models import {name}  # noqa: F401\n"
+        return (
+            registry_source
+            + ("" if registry_source.endswith("\n") else "\n")
+            + f"from archon.models import {name}  # noqa: F401\n"
+        )
     lines = block.group(1).splitlines(keepends=True)
     names = [line.strip().split(",")[0] for line in lines]
     position = sum(existing < name for existing in names)
     lines.insert(position, f"    {name},  # noqa: F401\n")
-    return registry_source[: block.start(1)] + "".join(lines) + registry_source[block.end(1):]
+    return registry_source[: block.start(1)] + "".join(lines) + registry_source[block.end(1) :]
 
 
 def scaffold(args: NewModelArgs) -> Scaffold:

@@ -61,15 +61,25 @@ def format_row(row: dict[str, Any], max_chars: int | None) -> str:
     if row.get("source"):
         header.append(f"from {row['source']}")
     cut = (lambda text: text) if max_chars is None else (lambda text: shorten(text, max_chars))
-    return "\n".join([
-        "== " + "  ".join(header),
-        "-- prompt", _indented(cut(str(row.get("prompt", "")))),
-        "-- completion", _indented(cut(str(row.get("completion", "")))),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "== " + "  ".join(header),
+            "-- prompt",
+            _indented(cut(str(row.get("prompt", "")))),
+            "-- completion",
+            _indented(cut(str(row.get("completion", "")))),
+        ]
+    )
 
 
-def show(run_dir: str | Path, step: int | None = None, evaluation: bool = False, task: str | None = None,
-         full: bool = False, max_chars: int = 400) -> str:  # fmt: skip
+def show(
+    run_dir: str | Path,
+    step: int | None = None,
+    evaluation: bool = False,
+    task: str | None = None,
+    full: bool = False,
+    max_chars: int = 400,
+) -> str:
     """The table of `step` (default: the latest) as text. Errors: no samples directory, the step not
     recorded (naming those that are), no sample of `task`."""
     run_dir = Path(run_dir)
@@ -85,8 +95,10 @@ def show(run_dir: str | Path, step: int | None = None, evaluation: bool = False,
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        raise ValueError(f"step {step} has no {kind} sample table in {run_dir / SAMPLES_DIR}; recorded steps: "
-                         f"{', '.join(map(str, steps))}")  # fmt: skip
+        raise ValueError(
+            f"step {step} has no {kind} sample table in {run_dir / SAMPLES_DIR}; recorded steps: "
+            f"{', '.join(map(str, steps))}"
+        )
     rows = read_table(table_path(run_dir, step, evaluation))
     if task is not None:
         tasks = sorted({str(row.get("task")) for row in rows})

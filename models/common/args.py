@@ -57,7 +57,9 @@ def decoder_fields_from_hf(
     mlp_activation_from_hf(config, mlp_activations)
     attention_dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if attention_dropout != 0.0:
-        raise ValueError(f"config.attention_dropout={attention_dropout!r} is not supported; archon's attention has no dropout")
+        raise ValueError(
+            f"config.attention_dropout={attention_dropout!r} is not supported; archon's attention has no dropout"
+        )
     if rope_parameters is None:
         rope_parameters = getattr(config, "rope_parameters", None)
         if not rope_parameters or "rope_theta" not in rope_parameters:
@@ -330,9 +332,7 @@ class HybridDeltaNetArgs(DecoderArgs):
             )
         unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
         if unknown:
-            raise ValueError(
-                f"config.layer_types holds {unknown}; supported: {LINEAR_ATTENTION!r}, {FULL_ATTENTION!r}"
-            )
+            raise ValueError(f"config.layer_types holds {unknown}; supported: {LINEAR_ATTENTION!r}, {FULL_ATTENTION!r}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(
                 f"config.linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "

@@ -7,12 +7,12 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.norms import OffsetRMSNorm, ProjectionRMSNorm, RMSNorm
-from archon.models.common.rope import apply_rotary
 from torch import nn
 
 from archon.causal_attention import attention_with_sinks, causal_attention_after_prefix
 from archon.lora import LoRAConfig, linear
+from archon.models.common.norms import OffsetRMSNorm, ProjectionRMSNorm, RMSNorm
+from archon.models.common.rope import apply_rotary
 from archon.parallel.context_parallel import (
     ContextParallelGroup,
     heads_of_rank,
@@ -43,9 +43,7 @@ def _flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window_size)
 
     cu = cu_seqlens.to(torch.int32)
     gqa = {"enable_gqa": q.shape[1] != k.shape[1]} if _varlen_takes_enable_gqa() else {}
-    return varlen.varlen_attn(
-        q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **gqa
-    )
+    return varlen.varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **gqa)
 
 
 # Sliding-window attention (without the flash kernel) runs this many queries at a time at least, each
@@ -62,9 +60,11 @@ def windowed_attention(q, k, v, scale: float, sinks: torch.Tensor | None, slidin
     for start in range(0, length, block):
         end = min(start + block, length)
         first_key = max(0, start - sliding_window + 1)
-        outputs.append(causal_attention_after_prefix(
-            q[:, start:end], k[:, first_key:end], v[:, first_key:end], scale, sinks, sliding_window
-        ))  # fmt: skip
+        outputs.append(
+            causal_attention_after_prefix(
+                q[:, start:end], k[:, first_key:end], v[:, first_key:end], scale, sinks, sliding_window
+            )
+        )
     return torch.cat(outputs, dim=1)
 
 
@@ -92,7 +92,11 @@ def packed_attention(
     """
     if context_parallel is not None:
         cp = context_parallel
-        q, k, v = tokens_to_heads(q, cp), tokens_to_heads(kv_heads_for(k, cp), cp), tokens_to_heads(kv_heads_for(v, cp), cp)
+        q, k, v = (
+            tokens_to_heads(q, cp),
+            tokens_to_heads(kv_heads_for(k, cp), cp),
+            tokens_to_heads(kv_heads_for(v, cp), cp),
+        )
         sinks = None if sinks is None else heads_of_rank(sinks, cp)
         out = packed_attention(q, k, v, cu_seqlens, max_seqlen, scale, sinks, sliding_window)
         return heads_to_tokens(out, cp)
@@ -117,7 +121,11 @@ def packed_attention(
             # With a batch dimension CPU runs its fused (flash) kernel, forward and backward; 3-D
             # inputs fall back to the unfused math path (about 2x slower).
             out = F.scaled_dot_product_attention(
-                q_seq[None], k_seq[None], v_seq[None], is_causal=True, scale=scale,
+                q_seq[None],
+                k_seq[None],
+                v_seq[None],
+                is_causal=True,
+                scale=scale,
                 enable_gqa=n_heads != n_kv_heads,
             )[0]
         outputs.append(out.transpose(0, 1))
@@ -153,7 +161,9 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
-            raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})"
+            )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
         self.q_proj = linear(dim, n_heads * head_dim, qkv_bias, "q_proj", lora)
@@ -250,7 +260,9 @@ class GatedAttention(nn.Module):
         dim, hd = args.hidden_size, args.head_dim
         n_heads, n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         if n_heads % n_kv_heads:
-            raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})"
+            )
         bias = args.attention_bias
         self.head_dim = hd
         self.scale = hd**-0.5

@@ -23,8 +23,15 @@ def template_json(value: Any, indent: int | None = None) -> str:
 
 def json_type(value: Any) -> str:
     """The JSON type name of a decoded JSON value."""
-    names = {list: "array", dict: "object", str: "string", int: "number", float: "number", bool: "boolean",
-             type(None): "null"}  # fmt: skip
+    names = {
+        list: "array",
+        dict: "object",
+        str: "string",
+        int: "number",
+        float: "number",
+        bool: "boolean",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -58,7 +65,9 @@ def message_text(message: Message, index: int) -> str:
             else:
                 raise ValueError(f"message {index} ({message.get('role')}): content part {part!r} is not text")
         return "".join(parts)
-    raise ValueError(f"message {index} ({message.get('role')}): content must be a string or text parts, not {content!r}")
+    raise ValueError(
+        f"message {index} ({message.get('role')}): content must be a string or text parts, not {content!r}"
+    )
 
 
 def message_reasoning(message: Message) -> str | None:
@@ -91,9 +100,13 @@ def message_tool_calls(message: Message, index: int) -> list[ToolCall]:
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as e:
-                raise ValueError(f"message {index}: tool call {j} ({function['name']}): arguments are not JSON: {e}") from e
+                raise ValueError(
+                    f"message {index}: tool call {j} ({function['name']}): arguments are not JSON: {e}"
+                ) from e
         if not isinstance(arguments, dict):
-            raise ValueError(f"message {index}: tool call {j} ({function['name']}): arguments must be an object, not {arguments!r}")
+            raise ValueError(
+                f"message {index}: tool call {j} ({function['name']}): arguments must be an object, not {arguments!r}"
+            )
         calls.append(ToolCall(function["name"], arguments, call.get("id")))
     return calls
 
@@ -181,7 +194,10 @@ def parse_json_tool_call(
     try:
         value = json.loads(body)
     except json.JSONDecodeError as e:
-        return None, f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}"
+        return (
+            None,
+            f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}",
+        )
     if not isinstance(value, dict):
         return None, f'tool call {number} is a JSON {json_type(value)}, not an object with "name" and "{arguments_key}"'
     unknown = sorted(set(value) - {"name", arguments_key})
@@ -193,7 +209,10 @@ def parse_json_tool_call(
     if arguments_key not in value:
         return None, f'tool call {number} ({name}) has no "{arguments_key}"'
     if not isinstance(value[arguments_key], dict):
-        return None, f'tool call {number} ({name}): "{arguments_key}" is a JSON {json_type(value[arguments_key])}, not an object'
+        return (
+            None,
+            f'tool call {number} ({name}): "{arguments_key}" is a JSON {json_type(value[arguments_key])}, not an object',
+        )
     return ToolCall(name=name, arguments=value[arguments_key]), None
 
 
@@ -227,8 +246,10 @@ def schema_types(schema: Any) -> set[str] | None:
                 return None
             return set().union(*alternatives)
     if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return {"integer" if isinstance(value, int) and not isinstance(value, bool) else json_type(value)
-                for value in schema["enum"]}  # fmt: skip
+        return {
+            "integer" if isinstance(value, int) and not isinstance(value, bool) else json_type(value)
+            for value in schema["enum"]
+        }
     return None
 
 

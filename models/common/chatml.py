@@ -95,7 +95,9 @@ def hermes_tools_block(tools: list[dict]) -> str:
 
 
 def hermes_tool_call(call: ToolCall) -> str:
-    return f'{TOOL_CALL_OPEN}\n{{"name": "{call.name}", "arguments": {template_json(call.arguments)}}}\n{TOOL_CALL_CLOSE}'
+    return (
+        f'{TOOL_CALL_OPEN}\n{{"name": "{call.name}", "arguments": {template_json(call.arguments)}}}\n{TOOL_CALL_CLOSE}'
+    )
 
 
 def parse_hermes_turn(text: str) -> tuple[str, list[ToolCall], str | None]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from archon.models.common.norms import RMSNorm
-from archon.models.common.rope import LayerTypeRotaryEmbedding, RotaryEmbedding
 from torch import nn
 
 from archon.head import full_vocab_logits
+from archon.models.common.norms import RMSNorm
+from archon.models.common.rope import LayerTypeRotaryEmbedding, RotaryEmbedding
 
 # The linear layers of attention and the SwiGLU MLP, by their HF names: a dense family's LoRA targets.
 DENSE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -8,11 +8,11 @@ head, so they need nothing of their own.
 
 from __future__ import annotations
 
-from archon.models.common.mlp import SwiGLUMLP
-from archon.models.common.moe import routed_experts
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from archon.models.common.mlp import SwiGLUMLP
+from archon.models.common.moe import routed_experts
 from archon.parallel import (
     ParallelConfig,
     ParallelDims,
@@ -68,9 +68,14 @@ def parallelize_dense_decoder(
         attention[f"self_attn.{name}"] = ShardedParameters({"weight": Shard(0)})
     dense_block = {**attention, **swiglu_plan()}
     return parallelize_decoder(
-        model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
+        model,
+        dims,
+        config,
+        blocks=list(model.layers),
+        model_tp_plan=vocab_parallel_plan(model),
         block_tp_plan=lambda index, block: dense_block if dense[index] else attention,
-        routed_experts=experts, num_experts=num_experts,
+        routed_experts=experts,
+        num_experts=num_experts,
         context_parallel_heads={"num_attention_heads": args.num_attention_heads},
         context_parallel_kv_heads={"num_key_value_heads": args.num_key_value_heads},
     )

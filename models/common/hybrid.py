@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from archon.lora import LoRAConfig
 from archon.models.common.args import FULL_ATTENTION, LINEAR_ATTENTION
 from archon.models.common.attention import GatedAttention
 from archon.models.common.decoder import PackedDecoderLM
@@ -22,10 +26,6 @@ from archon.models.common.moe import routed_experts
 from archon.models.common.mtp import MTPLayer
 from archon.models.common.norms import OffsetRMSNorm
 from archon.models.common.rope import RotaryEmbedding
-from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
-
-from archon.lora import LoRAConfig
 from archon.parallel import ParallelConfig, ParallelDims, attention_plan, parallelize_decoder, require_divisible
 
 
@@ -72,9 +72,7 @@ class HybridDecoderLM(PackedDecoderLM):
         self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-def hybrid_mtp_layers(
-    args, mlp: nn.Module, lora: LoRAConfig | None, fused_projections: bool = False
-) -> nn.ModuleList:
+def hybrid_mtp_layers(args, mlp: nn.Module, lora: LoRAConfig | None, fused_projections: bool = False) -> nn.ModuleList:
     """The MTP layers of a hybrid checkpoint (Qwen3.5, Qwen3-Next): `args.num_mtp_layers` (at most
     one) of models/common/mtp.py, whose block is a full-attention layer with `mlp` and, when
     `args.mtp_lora`, the model's `lora` (as `mlp` must be built), and whose norms are zero-centred. The checkpoint layout has one `mtp.fc` and one set of norms for all
@@ -86,12 +84,13 @@ def hybrid_mtp_layers(
         )
     return nn.ModuleList(
         MTPLayer(
-            args.hidden_size, args.rms_norm_eps,
+            args.hidden_size,
+            args.rms_norm_eps,
             HybridDecoderLayer(
                 args, 0, mlp, lora if args.mtp_lora else None, fused_projections, layer_type=FULL_ATTENTION
             ),
             OffsetRMSNorm,
-        )  # fmt: skip
+        )
         for _ in range(args.num_mtp_layers)
     )
 
@@ -114,9 +113,14 @@ def parallelize_hybrid_decoder(
     experts = routed_experts(model)
     if dims.tp_enabled:
         require_divisible(
-            "tp", dims.tp, family, num_attention_heads=args.num_attention_heads,
-            num_key_value_heads=args.num_key_value_heads, linear_num_key_heads=args.linear_num_key_heads,
-            vocab_size=args.vocab_size, **mlp_sizes,
+            "tp",
+            dims.tp,
+            family,
+            num_attention_heads=args.num_attention_heads,
+            num_key_value_heads=args.num_key_value_heads,
+            linear_num_key_heads=args.linear_num_key_heads,
+            vocab_size=args.vocab_size,
+            **mlp_sizes,
         )
     if dims.ep_enabled:
         if not experts:
@@ -130,9 +134,16 @@ def parallelize_hybrid_decoder(
         return {**mixer, **mlp_plan(index)}
 
     return parallelize_decoder(
-        model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
-        block_tp_plan=block_plan, routed_experts=experts, num_experts=args.num_experts,
-        context_parallel_heads=dict(num_attention_heads=args.num_attention_heads,
-                                    linear_num_key_heads=args.linear_num_key_heads),
+        model,
+        dims,
+        config,
+        blocks=list(model.layers),
+        model_tp_plan=vocab_parallel_plan(model),
+        block_tp_plan=block_plan,
+        routed_experts=experts,
+        num_experts=args.num_experts,
+        context_parallel_heads=dict(
+            num_attention_heads=args.num_attention_heads, linear_num_key_heads=args.linear_num_key_heads
+        ),
         context_parallel_kv_heads=dict(num_key_value_heads=args.num_key_value_heads),
     )

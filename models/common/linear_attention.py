@@ -22,12 +22,12 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.norms import GatedRMSNorm
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.lora import LoRAConfig, linear
+from archon.models.common.norms import GatedRMSNorm
 from archon.parallel.context_parallel import heads_of_rank, heads_to_tokens, tokens_to_heads
 from archon.parallel.tensor_parallel import ReplicatedParallel, ShardedParameters, colwise, local_tensor, rowwise
 
@@ -191,7 +191,8 @@ def _fla_chunk_gated_delta_rule():
     except ImportError as e:
         logger.warning(
             "flash-linear-attention is not importable (%s); gated DeltaNet layers use the PyTorch chunked "
-            "delta rule. Install archon[kernels] for the fused CUDA kernel.", e,
+            "delta rule. Install archon[kernels] for the fused CUDA kernel.",
+            e,
         )
         return None
     logger.info("gated DeltaNet layers use flash-linear-attention's chunk_gated_delta_rule")
@@ -213,8 +214,15 @@ def gated_delta_rule(q, k, v, g, beta, seqs: PaddedSequences, initial_state):
     if kernel is not None:
         cu_seqlens = torch.cat([seqs.lengths.new_zeros(1), seqs.lengths.cumsum(0)])
         o, state = kernel(
-            q[None], k[None], v[None], g[None], beta[None], scale=dk**-0.5,
-            initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            scale=dk**-0.5,
+            initial_state=initial_state,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
         )
         return o[0], state
     padded = [seqs.pad(t).transpose(1, 2) for t in (q * dk**-0.5, k, v, g, beta)]  # [N, H, L, ...]
@@ -331,12 +339,11 @@ def gated_deltanet_plan(prefix: str = "linear_attn", fused_projections: bool = F
     """TP plan of a `GatedDeltaNet` by key head, with the value heads each key head serves: the input
     projections column-parallel (their rows are grouped per key head), the conv channels, dt_bias and
     A_log sharded with them, the gated norm on the local heads, out_proj row-parallel."""
-    projections = ("in_proj_qkvz", "in_proj_ba") if fused_projections else (
-        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"
+    projections = (
+        ("in_proj_qkvz", "in_proj_ba") if fused_projections else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
     )
     plan = {f"{prefix}.{name}": colwise() for name in projections}
     plan[f"{prefix}.out_proj"] = rowwise()
     plan[f"{prefix}.norm"] = ReplicatedParallel(Shard(1))  # on [T, heads, dv]
     plan[prefix] = ShardedParameters({"conv1d.weight": Shard(0), "dt_bias": Shard(0), "A_log": Shard(0)})
     return plan
-

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.attention import packed_attention
-from archon.models.common.norms import RMSNorm
-from archon.models.common.rope import apply_rotary, yarn_softmax_mscale
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from archon.lora import LoRAConfig, linear
+from archon.models.common.attention import packed_attention
+from archon.models.common.norms import RMSNorm
+from archon.models.common.rope import apply_rotary, yarn_softmax_mscale
 from archon.parallel import colwise, rowwise
-
 
 # HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6

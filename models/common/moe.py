@@ -6,13 +6,13 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from archon.models.common.args import GroupLimitedMoEArgs
-from archon.models.common.mlp import SwiGLUMLP
 from torch import nn
 
 from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_expert_weight
 from archon.load_balance import Router, routers
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule, linear
+from archon.models.common.args import GroupLimitedMoEArgs
+from archon.models.common.mlp import SwiGLUMLP
 
 
 def choose_experts(router: Router, own_indices: torch.Tensor) -> torch.Tensor:
@@ -257,8 +257,11 @@ class GroupedExperts(nn.Module, LoRAModule):
         return {"gate_up_proj": self.gate_up_proj_lora, "down_proj": self.down_proj_lora}
 
     def adapter_params(self) -> dict[str, nn.Parameter]:
-        return {f"{weight}_lora.{factor}": getattr(lora, factor)
-                for weight, lora in self._expert_loras().items() for factor in ("lora_a", "lora_b")}  # fmt: skip
+        return {
+            f"{weight}_lora.{factor}": getattr(lora, factor)
+            for weight, lora in self._expert_loras().items()
+            for factor in ("lora_a", "lora_b")
+        }
 
     def delta_weight(self) -> dict[str, torch.Tensor]:
         """Per stacked weight: s * B @ A per expert in fp32, in the weight's layout ([E, out, in], or

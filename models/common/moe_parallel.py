@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from archon.models.common.dense_parallel import vocab_parallel_plan
-from archon.models.common.moe import SharedExpertsMoE, routed_experts
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from archon.models.common.dense_parallel import vocab_parallel_plan
+from archon.models.common.moe import SharedExpertsMoE, routed_experts
 from archon.parallel import (
     ParallelConfig,
     ParallelDims,
@@ -65,8 +65,14 @@ def parallelize_moe_decoder(
         return {**mixer, **swiglu_plan("mlp.shared_experts" if is_moe else "mlp")}
 
     return parallelize_decoder(
-        model, dims, config, blocks=list(model.layers), model_tp_plan=vocab_parallel_plan(model),
-        block_tp_plan=block_plan, routed_experts=experts, num_experts=num_experts,
+        model,
+        dims,
+        config,
+        blocks=list(model.layers),
+        model_tp_plan=vocab_parallel_plan(model),
+        block_tp_plan=block_plan,
+        routed_experts=experts,
+        num_experts=num_experts,
         context_parallel_heads={k: n for k, n in attention_sizes.items() if k != "num_key_value_heads"},
         context_parallel_kv_heads={k: n for k, n in attention_sizes.items() if k == "num_key_value_heads"},
     )

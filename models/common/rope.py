@@ -137,10 +137,12 @@ class LayerTypeRotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim
         self.fp32_tables = fp32_tables
-        self.by_layer_type = nn.ModuleDict({
-            layer_type: RotaryEmbedding(params, rotary_dim, max_position_embeddings)
-            for layer_type, params in rope_parameters_by_layer_type.items()
-        })  # fmt: skip
+        self.by_layer_type = nn.ModuleDict(
+            {
+                layer_type: RotaryEmbedding(params, rotary_dim, max_position_embeddings)
+                for layer_type, params in rope_parameters_by_layer_type.items()
+            }
+        )
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         dtype = torch.float32 if self.fp32_tables else dtype

@@ -42,7 +42,12 @@ from archon.models.deepseek_v3.renderer import raw_arguments
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 IM_END, IM_MIDDLE = "<|im_end|>", "<|im_middle|>"
-ROLE_TOKENS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>"}
+ROLE_TOKENS = {
+    "system": "<|im_system|>",
+    "user": "<|im_user|>",
+    "assistant": "<|im_assistant|>",
+    "tool": "<|im_system|>",
+}
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 GENERATION_PROMPT = "<|im_assistant|>assistant" + IM_MIDDLE
@@ -57,7 +62,17 @@ class KimiK2Renderer(Renderer):
     def __init__(self, tokenizer) -> None:
         super().__init__(tokenizer)
         self._im_end = self.token_id(IM_END)
-        for token in (*set(ROLE_TOKENS.values()), IM_MIDDLE, "<think>", "</think>", SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END):
+        for token in (
+            *set(ROLE_TOKENS.values()),
+            IM_MIDDLE,
+            "<think>",
+            "</think>",
+            SECTION_BEGIN,
+            SECTION_END,
+            CALL_BEGIN,
+            ARGUMENT_BEGIN,
+            CALL_END,
+        ):
             self.token_id(token)
 
     @property
@@ -103,7 +118,9 @@ class KimiK2Renderer(Renderer):
         for index, message in enumerate(messages):
             role = message_role(message, index)
             if role not in ROLE_TOKENS:
-                raise ValueError(f"message {index}: role {role!r} is not one the kimi_k2 format renders ({sorted(ROLE_TOKENS)})")
+                raise ValueError(
+                    f"message {index}: role {role!r} is not one the kimi_k2 format renders ({sorted(ROLE_TOKENS)})"
+                )
             text += self.message_header(message, role)
             if role == "assistant":
                 text += self.assistant_text(message, index, keep_reasoning=index >= reasoning_from)
@@ -121,7 +138,9 @@ class KimiK2Renderer(Renderer):
         if not messages or message_role(messages[0], 0) != "system":
             text += "<|im_system|>system" + IM_MIDDLE + DEFAULT_SYSTEM + IM_END
         # the template keeps the reasoning of the turns after the last assistant turn without tool calls
-        final_answers = [i for i, m in enumerate(messages) if message_role(m, i) == "assistant" and not m.get("tool_calls")]
+        final_answers = [
+            i for i, m in enumerate(messages) if message_role(m, i) == "assistant" and not m.get("tool_calls")
+        ]
         reasoning_from = final_answers[-1] + 1 if final_answers else 0
         return self.encode(text + self.messages_text(messages, reasoning_from) + GENERATION_PROMPT)
 
@@ -129,7 +148,9 @@ class KimiK2Renderer(Renderer):
         require_stop(self, sampled_ids)
         for index, message in enumerate(messages):
             if message_role(message, index) not in ("tool", "user"):
-                raise ValueError(f"message {index}: an environment adds tool results and user turns, not {message['role']!r} messages")
+                raise ValueError(
+                    f"message {index}: an environment adds tool results and user turns, not {message['role']!r} messages"
+                )
         return self.encode(self.messages_text(messages, reasoning_from=0) + GENERATION_PROMPT)
 
     # ---- reading a sampled turn ---------------------------------------------------------------------
@@ -154,11 +175,15 @@ class KimiK2Renderer(Renderer):
                 continue
             match = _CALL_ID.fullmatch(call_id)
             if match is None:
-                errors.append(f"tool call {index}: id {call_id!r} is not functions.NAME:IDX (a function name and a call index)")
+                errors.append(
+                    f"tool call {index}: id {call_id!r} is not functions.NAME:IDX (a function name and a call index)"
+                )
                 continue
             arguments, error = parse_arguments(arguments_text, match.group("name"))
             if error:
                 errors.append(error)
             else:
                 calls.append(ToolCall(match.group("name"), arguments, call_id))
-        return AssistantTurn(content=content, reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None)
+        return AssistantTurn(
+            content=content, reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None
+        )

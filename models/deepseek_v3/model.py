@@ -7,6 +7,9 @@ routing over stacked experts plus shared experts. Module names follow HF.
 
 from __future__ import annotations
 
+from torch import nn
+
+from archon.lora import LoRAConfig
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.mla import MultiHeadLatentAttention
 from archon.models.common.moe import group_limited_moe_mlp
@@ -14,9 +17,6 @@ from archon.models.common.mtp import MTPLayer, MultiTokenPredictionLM
 from archon.models.common.norms import RMSNorm
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.deepseek_v3.args import DeepseekV3Args
-
-from archon.lora import LoRAConfig
-from torch import nn
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
@@ -42,8 +42,11 @@ class DeepseekV3Model(MultiTokenPredictionLM, PackedDecoderLM):
         )
         self.mtp = nn.ModuleList(
             MTPLayer(
-                args.hidden_size, args.rms_norm_eps, DeepseekV3DecoderLayer(args, args.num_hidden_layers + i, lora if args.mtp_lora else None),
-                RMSNorm, zero_first_position=True,
-            )  # fmt: skip
+                args.hidden_size,
+                args.rms_norm_eps,
+                DeepseekV3DecoderLayer(args, args.num_hidden_layers + i, lora if args.mtp_lora else None),
+                RMSNorm,
+                zero_first_position=True,
+            )
             for i in range(args.num_mtp_layers)
         )

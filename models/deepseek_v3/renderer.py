@@ -69,7 +69,9 @@ def tools_text(tools: list[dict]) -> str:
     for i, tool in enumerate(tools):
         function = call_function(tool)
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ValueError(f"tool {i} is not an OpenAI function tool ({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}")
+            raise ValueError(
+                f"tool {i} is not an OpenAI function tool ({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}"
+            )
         name = function["name"]
         if not isinstance(function.get("description"), str):
             raise ValueError(f"tool {name!r}: the deepseek_v3 format needs a description string")
@@ -96,7 +98,20 @@ class DeepseekV31Renderer(Renderer):
         super().__init__(tokenizer)
         self.thinking = thinking
         self._eos = self.token_id(EOS)
-        for token in (BOS, "<｜User｜>", "<｜Assistant｜>", "</think>", "<think>", CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_SEP, CALL_END, OUTPUT_BEGIN, OUTPUT_END):
+        for token in (
+            BOS,
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "</think>",
+            "<think>",
+            CALLS_BEGIN,
+            CALLS_END,
+            CALL_BEGIN,
+            CALL_SEP,
+            CALL_END,
+            OUTPUT_BEGIN,
+            OUTPUT_END,
+        ):
             self.token_id(token)
 
     @property
@@ -106,7 +121,9 @@ class DeepseekV31Renderer(Renderer):
     def generation_prompt(self) -> str:
         return "<｜Assistant｜>" + ("<think>" if self.thinking else "</think>")
 
-    def messages_text(self, messages: list[Message], after_user: bool, after_tool: bool, only_system: bool) -> tuple[str, bool, bool, bool]:
+    def messages_text(
+        self, messages: list[Message], after_user: bool, after_tool: bool, only_system: bool
+    ) -> tuple[str, bool, bool, bool]:
         """The template's loop over `messages` from the given state; the text and the state after."""
         text = ""
         for index, message in enumerate(messages):
@@ -179,4 +196,6 @@ class DeepseekV31Renderer(Renderer):
                 errors.append(error)
             else:
                 calls.append(ToolCall(name, arguments))
-        return AssistantTurn(content=content, reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None)
+        return AssistantTurn(
+            content=content, reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None
+        )

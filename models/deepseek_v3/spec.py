@@ -3,7 +3,6 @@ from archon.models.deepseek_v3.args import DeepseekV3Args
 from archon.models.deepseek_v3.model import DeepseekV3Model
 from archon.models.deepseek_v3.parallelize import parallelize_deepseek_v3
 from archon.models.deepseek_v3.state_dict_converter import DeepseekV3StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 spec = register(

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from archon.causal_attention import causal_mask
+from archon.lora import LoRAConfig
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.mla import MultiHeadLatentAttention
 from archon.models.common.moe import group_limited_moe_mlp
 from archon.models.common.rope import RotaryEmbedding, apply_rotary
 from archon.models.deepseek_v32.args import DeepseekV32Args
-from torch import nn
-
-from archon.causal_attention import causal_mask
-from archon.lora import LoRAConfig
 
 # HF builds the indexer's k_norm with this eps, not config.rms_norm_eps.
 INDEXER_KEY_NORM_EPS = 1e-6
@@ -101,22 +101,31 @@ class LightningIndexer(nn.Module):
             length = k_seq.shape[0]
             causal = causal_mask(length, None, k_seq.device)
             block = max(1, SELECTION_SCORE_ELEMENTS // (self.n_heads * length))
-            masks.append(torch.cat([
-                self.select(q_seq[s : s + block], k_seq, w_seq[s : s + block], causal[s : s + block])
-                for s in range(0, length, block)
-            ]))  # fmt: skip
+            masks.append(
+                torch.cat(
+                    [
+                        self.select(q_seq[s : s + block], k_seq, w_seq[s : s + block], causal[s : s + block])
+                        for s in range(0, length, block)
+                    ]
+                )
+            )
         return masks
 
 
-def sparse_packed_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, selected: list[torch.Tensor]) -> torch.Tensor:
+def sparse_packed_attention(
+    q, k, v, cu_seqlens: torch.Tensor, scale: float, selected: list[torch.Tensor]
+) -> torch.Tensor:
     """q, k: [T, H, D], v: [T, H, Dv], selected: one [L, L] bool mask per packed sequence -> [T, H, Dv]."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outputs = []
     for q_seq, k_seq, v_seq, mask in zip(q.split(lengths), k.split(lengths), v.split(lengths), selected):
         out = F.scaled_dot_product_attention(
-            q_seq.transpose(0, 1)[None], k_seq.transpose(0, 1)[None], v_seq.transpose(0, 1)[None],
-            attn_mask=mask, scale=scale,
-        )[0]  # fmt: skip
+            q_seq.transpose(0, 1)[None],
+            k_seq.transpose(0, 1)[None],
+            v_seq.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=scale,
+        )[0]
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
@@ -125,7 +134,9 @@ class SparseLatentAttention(MultiHeadLatentAttention):
     """MLA whose queries read only the keys a lightning indexer selects (this layer's own, or with
     `selection_source`, the selection of that earlier layer's attention: a GLM-5 shared layer)."""
 
-    def __init__(self, args: DeepseekV32Args, lora: LoRAConfig | None, selection_source: "SparseLatentAttention | None") -> None:
+    def __init__(
+        self, args: DeepseekV32Args, lora: LoRAConfig | None, selection_source: "SparseLatentAttention | None"
+    ) -> None:
         super().__init__(args, lora)
         self.indexer = LightningIndexer(args) if selection_source is None else None
         # a plain list, so the source is not registered (its parameters would be listed twice)
@@ -172,7 +183,9 @@ class SparseLatentAttention(MultiHeadLatentAttention):
 
 
 class DeepseekV32DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, args: DeepseekV32Args, self_attn: SparseLatentAttention, layer_idx: int, lora: LoRAConfig | None) -> None:
+    def __init__(
+        self, args: DeepseekV32Args, self_attn: SparseLatentAttention, layer_idx: int, lora: LoRAConfig | None
+    ) -> None:
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, group_limited_moe_mlp(args, layer_idx, lora))
 
 

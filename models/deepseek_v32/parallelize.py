@@ -11,7 +11,6 @@ from __future__ import annotations
 from archon.models.common.mla import mla_plan
 from archon.models.common.moe_parallel import parallelize_moe_decoder
 from archon.models.deepseek_v32.model import DeepseekV32Model
-
 from archon.parallel import ParallelConfig, ParallelDims
 
 

@@ -3,7 +3,6 @@ from archon.models.deepseek_v32.args import DeepseekV32Args
 from archon.models.deepseek_v32.model import DeepseekV32Model
 from archon.models.deepseek_v32.parallelize import parallelize_deepseek_v32
 from archon.models.deepseek_v32.state_dict_converter import DeepseekV32StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # DeepSeek-V3's tiny config (one dense layer, then MoE layers with 4 groups of 2 experts, 2 groups

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM
 from archon.models.common.mlp import GeGLUMLP
 from archon.models.common.norms import OffsetRMSNorm
 from archon.models.common.rope import LayerTypeRotaryEmbedding
 from archon.models.gemma3.args import Gemma3Args
-
-from archon.lora import LoRAConfig
 
 
 class Gemma3DecoderLayer(nn.Module):

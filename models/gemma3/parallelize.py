@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from archon.models.common.dense_parallel import parallelize_dense_decoder
 from archon.models.gemma3.model import Gemma3Model
-
 from archon.parallel import ParallelConfig, ParallelDims
 
 

@@ -3,7 +3,6 @@ from archon.models.gemma3.args import Gemma3Args
 from archon.models.gemma3.model import Gemma3Model
 from archon.models.gemma3.parallelize import parallelize_gemma3
 from archon.models.gemma3.state_dict_converter import Gemma3StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # Every feature on: sliding layers (window 8, shorter than the longest aligned sequence) before and

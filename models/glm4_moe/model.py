@@ -7,19 +7,21 @@ group-limited sigmoid routing over stacked experts plus shared experts. Module n
 
 from __future__ import annotations
 
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.moe import group_limited_moe_mlp
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.glm4_moe.args import Glm4MoeArgs
 
-from archon.lora import LoRAConfig
-
 
 class Glm4MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: Glm4MoeArgs, layer_idx: int, lora: LoRAConfig | None) -> None:
         self_attn = Attention.from_args(
-            args, lora, qkv_bias=args.attention_bias, o_bias=False,
+            args,
+            lora,
+            qkv_bias=args.attention_bias,
+            o_bias=False,
             qk_norm_eps=args.rms_norm_eps if args.use_qk_norm else None,
         )
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, group_limited_moe_mlp(args, layer_idx, lora))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from archon.models.common.moe_parallel import parallelize_moe_decoder
 from archon.models.glm4_moe.model import Glm4MoeModel
-
 from archon.parallel import ParallelConfig, ParallelDims, attention_plan
 
 

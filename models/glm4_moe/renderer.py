@@ -68,7 +68,9 @@ class Glm45Renderer(Renderer):
     def __init__(self, tokenizer, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)
         self.enable_thinking = enable_thinking
-        self._role_tokens = {role: self.token_id(f"<|{role}|>") for role in ("user", "observation", "assistant", "system")}
+        self._role_tokens = {
+            role: self.token_id(f"<|{role}|>") for role in ("user", "observation", "assistant", "system")
+        }
         self._endoftext = self.token_id("<|endoftext|>")
         self._parameter_types: dict[str, dict[str, str]] = {}
 
@@ -88,13 +90,17 @@ class Glm45Renderer(Renderer):
 
     @staticmethod
     def tool_text(message: Message, index: int, opens_group: bool) -> str:
-        return ("<|observation|>" if opens_group else "") + f"\n<tool_response>\n{message_text(message, index)}\n</tool_response>"
+        return (
+            "<|observation|>" if opens_group else ""
+        ) + f"\n<tool_response>\n{message_text(message, index)}\n</tool_response>"
 
     @staticmethod
     def assistant_text(message: Message, index: int, keeps_reasoning: bool) -> str:
         content = message_text(message, index)
         reasoning, content = reasoning_and_content(message_reasoning(message), content)
-        text = "<|assistant|>" + (f"\n<think>{reasoning.strip()}</think>" if keeps_reasoning and reasoning else "\n<think></think>")
+        text = "<|assistant|>" + (
+            f"\n<think>{reasoning.strip()}</think>" if keeps_reasoning and reasoning else "\n<think></think>"
+        )
         if content.strip():
             text += "\n" + content.strip()
         for call in message_tool_calls(message, index):
@@ -132,7 +138,9 @@ class Glm45Renderer(Renderer):
                 self._parameter_types[function.get("name")] = {
                     key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)
                 }
-        last_user = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1)
+        last_user = max(
+            (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1
+        )
         return self.encode(text + self.messages_text(messages, None, last_user) + self.generation_prompt())
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
@@ -155,12 +163,18 @@ class Glm45Renderer(Renderer):
         except json.JSONDecodeError:
             if declared is None:
                 return value, None
-            return None, f"tool call {function!r}: argument {key!r} is declared {declared} but its value is not JSON: {value!r}"
+            return (
+                None,
+                f"tool call {function!r}: argument {key!r} is declared {declared} but its value is not JSON: {value!r}",
+            )
 
     def parse_call(self, body: str, errors: list[str]) -> ToolCall | None:
         name, _, arguments_text = body.partition("\n")
         if "<arg_key>" in name:
-            name, arguments_text = name[: name.index("<arg_key>")], name[name.index("<arg_key>") :] + "\n" + arguments_text
+            name, arguments_text = (
+                name[: name.index("<arg_key>")],
+                name[name.index("<arg_key>") :] + "\n" + arguments_text,
+            )
         name = name.strip()
         if not name:
             errors.append(f"a tool call has no function name: {body!r}")
@@ -177,7 +191,9 @@ class Glm45Renderer(Renderer):
             arguments[match.group(1)] = value
             position = match.end()
         if arguments_text[position:].strip():
-            errors.append(f"tool call {name!r}: unreadable arguments {arguments_text[position:]!r} (expected <arg_key>..</arg_key><arg_value>..</arg_value> pairs)")
+            errors.append(
+                f"tool call {name!r}: unreadable arguments {arguments_text[position:]!r} (expected <arg_key>..</arg_key><arg_value>..</arg_value> pairs)"
+            )
             return None
         return ToolCall(name, arguments)
 
@@ -205,4 +221,6 @@ class Glm45Renderer(Renderer):
                     calls.append(call)
                 if after.strip():
                     errors.append(f"text after tool call {number}: {after.strip()!r}")
-        return AssistantTurn(content=content.strip(), reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None)
+        return AssistantTurn(
+            content=content.strip(), reasoning=reasoning, tool_calls=calls, parse_error="; ".join(errors) or None
+        )

@@ -3,7 +3,6 @@ from archon.models.glm4_moe.args import Glm4MoeArgs
 from archon.models.glm4_moe.model import Glm4MoeModel
 from archon.models.glm4_moe.parallelize import parallelize_glm4_moe
 from archon.models.glm4_moe.state_dict_converter import Glm4MoeStateDictConverter
-
 from archon.spec import ModelSpec, register
 
 spec = register(

@@ -8,14 +8,14 @@ plain rename.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.moe import ClampedSwiGLUExperts, TopKSoftmaxRouter
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.gpt_oss.args import GptOssArgs
-from torch import nn
-
-from archon.lora import LoRAConfig
 
 
 class GptOssMoE(nn.Module):

@@ -95,7 +95,9 @@ def typescript_type(spec: dict, where: str) -> str:
         fields = []
         for name, field_spec in properties.items():
             # the template writes the whitespace between `: ` and a nested type verbatim
-            fields.append(f"{name}{'' if name in required else '?'}: \n{' ' * 16}{typescript_type(field_spec, f'{where}.{name}')}")
+            fields.append(
+                f"{name}{'' if name in required else '?'}: \n{' ' * 16}{typescript_type(field_spec, f'{where}.{name}')}"
+            )
         return "{\n" + ", ".join(fields) + "}"
     return "any"
 
@@ -106,7 +108,9 @@ def functions_namespace(tools: list[dict]) -> str:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ValueError(f"tool {i} is not an OpenAI function tool ({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}")
+            raise ValueError(
+                f"tool {i} is not an OpenAI function tool ({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}"
+            )
         name = function["name"]
         if not isinstance(function.get("description"), str):
             raise ValueError(f"tool {name!r}: the gpt_oss format needs a description string")
@@ -125,7 +129,9 @@ def functions_namespace(tools: list[dict]) -> str:
             if "default" in spec:
                 if spec.get("enum"):
                     if not isinstance(spec["default"], str):
-                        raise ValueError(f"tool schema: {where}: an enum's default must be a string, not {spec['default']!r}")
+                        raise ValueError(
+                            f"tool schema: {where}: an enum's default must be a string, not {spec['default']!r}"
+                        )
                     text += f", // default: {spec['default']}"
                 else:
                     text += f", // default: {template_json(spec['default'])}"
@@ -147,7 +153,9 @@ class GptOssRenderer(Renderer):
     ) -> None:
         super().__init__(tokenizer)
         if reasoning_effort not in REASONING_EFFORTS:
-            raise ValueError(f"renderer 'gpt_oss': reasoning_effort must be one of {REASONING_EFFORTS}, not {reasoning_effort!r}")
+            raise ValueError(
+                f"renderer 'gpt_oss': reasoning_effort must be one of {REASONING_EFFORTS}, not {reasoning_effort!r}"
+            )
         self.reasoning_effort = reasoning_effort
         self.model_identity = model_identity
         self.current_date = current_date or datetime.date.today().strftime("%Y-%m-%d")
@@ -204,7 +212,9 @@ class GptOssRenderer(Renderer):
                         later.get("role") == "assistant" and "tool_calls" not in later for later in loop[i + 1 :]
                     )
                     if content and reasoning:
-                        raise ValueError(f"message {index}: an assistant tool call has both content and reasoning; the gpt_oss template takes one")
+                        raise ValueError(
+                            f"message {index}: an assistant tool call has both content and reasoning; the gpt_oss template takes one"
+                        )
                     analysis = content or reasoning
                     if analysis and not final_later:
                         text += f"<|start|>assistant<|channel|>analysis<|message|>{analysis}<|end|>"
@@ -224,7 +234,9 @@ class GptOssRenderer(Renderer):
             elif role == "user":
                 text += f"<|start|>user<|message|>{message_text(message, index)}<|end|>"
             else:
-                raise ValueError(f"message {index}: role {role!r} is not one the gpt_oss format renders here (system/developer come first)")
+                raise ValueError(
+                    f"message {index}: role {role!r} is not one the gpt_oss format renders here (system/developer come first)"
+                )
         return self.encode(text + "<|start|>assistant")
 
     def bridge(self, sampled_ids: list[int], messages: list[Message]) -> list[int]:
@@ -264,7 +276,7 @@ class GptOssRenderer(Renderer):
             else:
                 body, terminator = rest[: end.start()], end.group()
                 if rest[end.end() :]:
-                    errors.append(f"message {number}: text after its {terminator}: {rest[end.end():]!r}")
+                    errors.append(f"message {number}: text after its {terminator}: {rest[end.end() :]!r}")
             match = _HEADER.fullmatch(header)
             if match is None:
                 errors.append(f"message {number}: unreadable header {header!r} (no <|channel|>?)")

@@ -5,7 +5,6 @@ from archon.models.gpt_oss.args import GptOssArgs
 from archon.models.gpt_oss.model import GptOssModel
 from archon.models.gpt_oss.parallelize import parallelize_gpt_oss
 from archon.models.gpt_oss.state_dict_converter import GptOssStateDictConverter
-
 from archon.spec import ModelSpec, register
 
 _FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias)?)")

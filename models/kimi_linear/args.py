@@ -72,7 +72,9 @@ class KimiLinearArgs(LatentAttentionMoEArgs):
                 "Linear has no multi-token-prediction layers"
             )
         if not getattr(config, "mla_use_nope", True):
-            raise ValueError("config.mla_use_nope=False (RoPE in the MLA layers) is not supported; HF's Kimi Linear is NoPE")
+            raise ValueError(
+                "config.mla_use_nope=False (RoPE in the MLA layers) is not supported; HF's Kimi Linear is NoPE"
+            )
         if config.tie_word_embeddings:
             raise ValueError(
                 "config.tie_word_embeddings=True is not supported: HF's KimiLinearForCausalLM never ties its head "
@@ -98,7 +100,10 @@ class KimiLinearArgs(LatentAttentionMoEArgs):
         return args
 
     def validate(self) -> None:
-        for name, kinds in (("layer_types", (LINEAR_ATTENTION, FULL_ATTENTION)), ("mlp_layer_types", (DENSE_MLP, SPARSE_MLP))):
+        for name, kinds in (
+            ("layer_types", (LINEAR_ATTENTION, FULL_ATTENTION)),
+            ("mlp_layer_types", (DENSE_MLP, SPARSE_MLP)),
+        ):
             pattern = getattr(self, name)
             if len(pattern) != self.num_hidden_layers:
                 raise ValueError(f"config.{name} has {len(pattern)} entries for {self.num_hidden_layers} layers")

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from archon.lora import LoRAConfig, linear
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.linear_attention import PaddedSequences, causal_conv1d, gated_delta_rule
 from archon.models.common.mla import MultiHeadLatentAttention
 from archon.models.common.moe import group_limited_moe_mlp
 from archon.models.common.norms import GatedRMSNorm
 from archon.models.kimi_linear.args import LINEAR_ATTENTION, KimiLinearArgs
-from torch import nn
-
-from archon.lora import LoRAConfig, linear
 from archon.parallel.tensor_parallel import local_tensor
 
 

@@ -10,13 +10,13 @@ and stay replicated.
 
 from __future__ import annotations
 
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
 from archon.models.common.mla import mla_plan
 from archon.models.common.moe_parallel import parallelize_moe_decoder
 from archon.models.kimi_linear.args import LINEAR_ATTENTION
 from archon.models.kimi_linear.model import KimiLinearModel
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle
-
 from archon.parallel import ParallelConfig, ParallelDims, colwise, rowwise
 from archon.parallel.tensor_parallel import ReplicatedParallel, ShardedParameters
 
@@ -29,7 +29,9 @@ def kimi_delta_attention_plan(prefix: str = "self_attn") -> dict[str, ParallelSt
     plan[f"{prefix}.o_proj"] = rowwise()
     plan[f"{prefix}.o_norm"] = ReplicatedParallel(Shard(1))  # on [T, heads, d]
     per_head = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "forget_gate.dt_bias")
-    plan[prefix] = ShardedParameters({**{name: Shard(0) for name in per_head}, "forget_gate.A_log": Shard(2)})  # [1, 1, H, 1]
+    plan[prefix] = ShardedParameters(
+        {**{name: Shard(0) for name in per_head}, "forget_gate.A_log": Shard(2)}
+    )  # [1, 1, H, 1]
     return plan
 
 
@@ -46,7 +48,11 @@ def parallelize_kimi_linear(model: KimiLinearModel, dims: ParallelDims, config: 
         return kda if block.layer_type == LINEAR_ATTENTION else attention
 
     return parallelize_moe_decoder(
-        model, dims, config, "kimi_linear", mixer_plan,
+        model,
+        dims,
+        config,
+        "kimi_linear",
+        mixer_plan,
         dict(num_attention_heads=args.num_attention_heads, linear_num_heads=args.linear_num_heads),
         num_experts_field="n_routed_experts",
     )

@@ -3,7 +3,6 @@ from archon.models.kimi_linear.args import KimiLinearArgs
 from archon.models.kimi_linear.model import KimiLinearModel
 from archon.models.kimi_linear.parallelize import parallelize_kimi_linear
 from archon.models.kimi_linear.state_dict_converter import KimiLinearStateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # Every feature on: KDA layers before and after an MLA layer, a dense MLP then MoE layers (4 groups of

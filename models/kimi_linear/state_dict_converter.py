@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 import torch
+
 from archon.models.common.state_dict import StackedExpertsAdapter
 
 _CONV = re.compile(r"(layers\.\d+\.self_attn)\.([qkv])_conv1d\.weight")

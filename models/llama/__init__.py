@@ -1,2 +1,4 @@
-from archon.models.llama import spec  # noqa: F401  (registers the family)
-from archon.models.llama import renderer  # noqa: F401  (registers the renderer)
+from archon.models.llama import (
+    renderer,  # noqa: F401  (registers the renderer)
+    spec,  # noqa: F401  (registers the family)
+)

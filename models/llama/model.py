@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.llama.args import LlamaArgs
-
-from archon.lora import LoRAConfig
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from archon.models.common.dense_parallel import parallelize_dense_decoder
 from archon.models.llama.model import LlamaModel
-
 from archon.parallel import ParallelConfig, ParallelDims
 
 

@@ -127,9 +127,13 @@ class Llama3Renderer(Renderer):
                 )
             text += _header("user") + (
                 "Given the following functions, please respond with a JSON for a function call with its proper "
-                "arguments that best answers the given prompt.\n\n" + CALL_FORMAT + "Do not use variables.\n\n"
-                + _tool_schemas(tools) + messages[first]["content"].strip() + EOT
-            )  # fmt: skip
+                "arguments that best answers the given prompt.\n\n"
+                + CALL_FORMAT
+                + "Do not use variables.\n\n"
+                + _tool_schemas(tools)
+                + messages[first]["content"].strip()
+                + EOT
+            )
             first += 1
         return text + "".join(self._render_message(messages[index], index) for index in range(first, len(messages)))
 

@@ -3,7 +3,6 @@ from archon.models.llama.args import LlamaArgs
 from archon.models.llama.model import LlamaModel
 from archon.models.llama.parallelize import parallelize_llama
 from archon.models.llama.state_dict_converter import LlamaStateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # Scaling reaches the tiny model's wavelengths: with head_dim 24 and theta 1e4 they run from 6 to

@@ -9,13 +9,12 @@ expert. Module names follow HF's in-memory model (`mlp.gate`, `mlp.experts`).
 
 from __future__ import annotations
 
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.moe import GroupedExperts, SigmoidGroupTopKRouter, SparseMoE
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.minimax_m2.args import MinimaxM2Args
-
-from archon.lora import LoRAConfig
 
 
 def minimax_m2_moe(args: MinimaxM2Args, lora: LoRAConfig | None) -> SparseMoE:

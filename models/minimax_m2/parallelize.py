@@ -6,10 +6,10 @@ splits them)."""
 
 from __future__ import annotations
 
-from archon.models.common.moe_parallel import parallelize_moe_decoder
-from archon.models.minimax_m2.model import MinimaxM2Model
 from torch.distributed.tensor import Shard
 
+from archon.models.common.moe_parallel import parallelize_moe_decoder
+from archon.models.minimax_m2.model import MinimaxM2Model
 from archon.parallel import ParallelConfig, ParallelDims, ShardedParameters, attention_plan
 
 

@@ -3,7 +3,6 @@ from archon.models.minimax_m2.args import MinimaxM2Args
 from archon.models.minimax_m2.model import MinimaxM2Model
 from archon.models.minimax_m2.parallelize import parallelize_minimax_m2
 from archon.models.minimax_m2.state_dict_converter import MinimaxM2StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 _MTP = "the multi-token-prediction modules, which the causal LM does not run; their weights are not loaded"

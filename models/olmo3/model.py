@@ -8,15 +8,15 @@ without the `model.` prefix, so the state-dict converter is a rename.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.norms import RMSNorm
 from archon.models.common.rope import LayerTypeRotaryEmbedding
 from archon.models.olmo3.args import Olmo3Args
-from torch import nn
-
-from archon.lora import LoRAConfig
 
 
 class Olmo3DecoderLayer(nn.Module):
@@ -51,7 +51,9 @@ class Olmo3Model(PackedDecoderLM):
     def __init__(self, args: Olmo3Args, lora: LoRAConfig | None = None) -> None:
         super().__init__(
             args,
-            LayerTypeRotaryEmbedding(args.rope_parameters, args.head_dim, args.max_position_embeddings, fp32_tables=True),
+            LayerTypeRotaryEmbedding(
+                args.rope_parameters, args.head_dim, args.max_position_embeddings, fp32_tables=True
+            ),
             (Olmo3DecoderLayer(args, i, lora) for i in range(args.num_hidden_layers)),
             norm=RMSNorm(args.hidden_size, args.rms_norm_eps, scale_in_fp32=True),
         )

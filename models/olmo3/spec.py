@@ -3,7 +3,6 @@ from archon.models.olmo3.args import Olmo3Args
 from archon.models.olmo3.model import Olmo3Model
 from archon.models.olmo3.parallelize import parallelize_olmo3
 from archon.models.olmo3.state_dict_converter import Olmo3StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # The released configs scale only the full-attention layers with YaRN. Here YaRN over an original

@@ -3,13 +3,12 @@ window, SwiGLU MLP without bias."""
 
 from __future__ import annotations
 
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.qwen2.args import Qwen2Args
-
-from archon.lora import LoRAConfig
 
 
 class Qwen2DecoderLayer(PreNormDecoderLayer):

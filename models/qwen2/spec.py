@@ -3,7 +3,6 @@ from archon.models.qwen2.args import Qwen2Args
 from archon.models.qwen2.model import Qwen2Model
 from archon.models.qwen2.parallelize import parallelize_qwen2
 from archon.models.qwen2.state_dict_converter import Qwen2StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 spec = register(

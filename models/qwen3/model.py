@@ -6,14 +6,13 @@ Module names follow HF (`layers.0.self_attn.q_proj`, `mlp.experts.gate_up_proj`,
 
 from __future__ import annotations
 
+from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import GroupedExperts, SoftmaxTopKRouter, SparseMoE
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.qwen3.args import Qwen3Args
-
-from archon.lora import LoRAConfig
 
 
 class Qwen3DecoderLayer(PreNormDecoderLayer):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from archon.models.common.dense_parallel import parallelize_dense_decoder
 from archon.models.qwen3.model import Qwen3Model
-
 from archon.parallel import ParallelConfig, ParallelDims
 
 

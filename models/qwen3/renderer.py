@@ -93,9 +93,10 @@ class Qwen3Renderer(ChatMLRenderer):
         if text.startswith(THINK_OPEN) or THINK_CLOSE in text:
             if THINK_CLOSE not in text:
                 return AssistantTurn(
-                    content="", reasoning=text[len(THINK_OPEN) :].strip("\n"),
+                    content="",
+                    reasoning=text[len(THINK_OPEN) :].strip("\n"),
                     parse_error=f"the reasoning is never closed by {THINK_CLOSE}",
-                )  # fmt: skip
+                )
             reasoning, text = text.split(THINK_CLOSE, 1)
             reasoning = reasoning.removeprefix(THINK_OPEN).strip("\n")
             text = text.lstrip("\n")

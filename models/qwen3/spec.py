@@ -3,7 +3,6 @@ from archon.models.qwen3.args import Qwen3Args
 from archon.models.qwen3.model import Qwen3Model
 from archon.models.qwen3.parallelize import parallelize_qwen3
 from archon.models.qwen3.state_dict_converter import Qwen3StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # Qwen3Config's head_dim defaults to 128, not hidden_size / heads.

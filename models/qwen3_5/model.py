@@ -20,14 +20,14 @@ contiguous shard of them (tensor parallelism) holds whole heads. Module names ot
 
 from __future__ import annotations
 
+from torch import nn
+
+from archon.lora import LoRAConfig
 from archon.models.common.hybrid import HybridDecoderLayer, HybridDecoderLM, hybrid_mtp_layers
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import SharedExpertMoE
 from archon.models.common.mtp import MultiTokenPredictionLM
 from archon.models.qwen3_5.args import Qwen3_5Args
-from torch import nn
-
-from archon.lora import LoRAConfig
 
 
 def qwen3_5_mlp(args: Qwen3_5Args, lora: LoRAConfig | None) -> nn.Module:
@@ -45,4 +45,6 @@ class Qwen3_5Model(MultiTokenPredictionLM, HybridDecoderLM):
             args, (HybridDecoderLayer(args, i, qwen3_5_mlp(args, lora), lora) for i in range(args.num_hidden_layers))
         )
         mtp_lora = lora if args.mtp_lora else None
-        self.mtp = hybrid_mtp_layers(args, qwen3_5_mlp(args, mtp_lora), lora) if args.num_mtp_layers else nn.ModuleList()
+        self.mtp = (
+            hybrid_mtp_layers(args, qwen3_5_mlp(args, mtp_lora), lora) if args.num_mtp_layers else nn.ModuleList()
+        )

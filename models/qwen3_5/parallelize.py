@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from archon.models.common.hybrid import parallelize_hybrid_decoder
 from archon.models.qwen3_5.model import Qwen3_5Model
-
 from archon.parallel import ParallelConfig, ParallelDims, swiglu_plan
 
 

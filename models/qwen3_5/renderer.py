@@ -128,9 +128,10 @@ class Qwen3_5Renderer(ChatMLRenderer):
         if self.enable_thinking or THINK_CLOSE in text:
             if THINK_CLOSE not in text:
                 return AssistantTurn(
-                    content="", reasoning=text.removeprefix(THINK_OPEN).strip(),
+                    content="",
+                    reasoning=text.removeprefix(THINK_OPEN).strip(),
                     parse_error=f"the reasoning is never closed by {THINK_CLOSE}",
-                )  # fmt: skip
+                )
             reasoning, text = text.split(THINK_CLOSE, 1)
             reasoning = reasoning.removeprefix(THINK_OPEN).strip()
         head, calls, error = parse_tool_call_blocks(text, self._parse_call)

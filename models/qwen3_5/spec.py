@@ -3,7 +3,6 @@ from archon.models.qwen3_5.args import Qwen3_5Args
 from archon.models.qwen3_5.model import Qwen3_5Model
 from archon.models.qwen3_5.parallelize import parallelize_qwen3_5
 from archon.models.qwen3_5.state_dict_converter import Qwen3_5StateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # Every feature on: both layer types (a linear-attention layer after a full-attention one too), two
@@ -69,7 +68,12 @@ spec = register(
             "qwen3_5_moe_text": dict(_TINY_MOE_TEXT),
             "qwen3_5_moe": dict(text_config=dict(_TINY_MOE_TEXT), vision_config=dict(_TINY_VISION)),
         },
-        renderers={"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"},
+        renderers={
+            "qwen3_5": "qwen3_5",
+            "qwen3_5_text": "qwen3_5",
+            "qwen3_5_moe": "qwen3_5",
+            "qwen3_5_moe_text": "qwen3_5",
+        },
         inert_hf_config_fields={
             "partial_rotary_factor": "the config class copies it into rope_parameters, where HF's modeling code and archon read it",
         },

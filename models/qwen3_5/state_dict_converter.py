@@ -15,11 +15,14 @@ from __future__ import annotations
 import re
 
 import torch
+
 from archon.models.common.linear_attention import qkv_rows_by_key_head
 from archon.models.common.mtp import HYBRID_MTP_PARTS, mtp_hf_name
 from archon.models.common.state_dict import StackedExpertsAdapter
 
-_GROUPED_ROWS = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight|in_proj_qkv\.lora_b\.weight)")
+_GROUPED_ROWS = re.compile(
+    r"layers\.\d+\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight|in_proj_qkv\.lora_b\.weight)"
+)
 
 
 class Qwen3_5StateDictConverter(StackedExpertsAdapter):
@@ -56,4 +59,3 @@ class Qwen3_5StateDictConverter(StackedExpertsAdapter):
 
     def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
         return self._to_archon_rows(archon_key, super().lora_from_peft(archon_key, tensors, shape))
-

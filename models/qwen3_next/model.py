@@ -13,14 +13,14 @@ as the rows they convolve, so that a contiguous shard holds whole heads (tensor 
 
 from __future__ import annotations
 
+from torch import nn
+
+from archon.lora import LoRAConfig
 from archon.models.common.hybrid import HybridDecoderLayer, HybridDecoderLM, hybrid_mtp_layers
 from archon.models.common.mlp import SwiGLUMLP
 from archon.models.common.moe import SharedExpertMoE
 from archon.models.common.mtp import MultiTokenPredictionLM
 from archon.models.qwen3_next.args import Qwen3NextArgs
-from torch import nn
-
-from archon.lora import LoRAConfig
 
 
 def qwen3_next_mlp(args: Qwen3NextArgs, layer_idx: int, lora: LoRAConfig | None) -> nn.Module:

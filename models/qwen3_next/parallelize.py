@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from archon.models.common.hybrid import parallelize_hybrid_decoder
 from archon.models.qwen3_next.model import Qwen3NextModel
-
 from archon.parallel import ParallelConfig, ParallelDims, swiglu_plan
 
 
@@ -23,6 +22,4 @@ def parallelize_qwen3_next(model: Qwen3NextModel, dims: ParallelDims, config: Pa
     def mlp_plan(layer_idx: int):
         return swiglu_plan("mlp.shared_expert") if sparse[layer_idx] else swiglu_plan()
 
-    return parallelize_hybrid_decoder(
-        model, dims, config, "qwen3_next", mlp_plan, mlp_sizes, fused_projections=True
-    )
+    return parallelize_hybrid_decoder(model, dims, config, "qwen3_next", mlp_plan, mlp_sizes, fused_projections=True)

@@ -3,7 +3,6 @@ from archon.models.qwen3_next.args import Qwen3NextArgs
 from archon.models.qwen3_next.model import Qwen3NextModel
 from archon.models.qwen3_next.parallelize import parallelize_qwen3_next
 from archon.models.qwen3_next.state_dict_converter import Qwen3NextStateDictConverter
-
 from archon.spec import ModelSpec, register
 
 # Every feature on: both layer types (a linear-attention layer after a full-attention one too), two

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import torch
+
 from archon.models.common.linear_attention import qkv_rows_by_key_head
 from archon.models.common.mtp import HYBRID_MTP_PARTS, mtp_hf_name
 from archon.models.common.state_dict import StackedExpertsAdapter
@@ -42,4 +43,3 @@ class Qwen3NextStateDictConverter(StackedExpertsAdapter):
         if _CONV_WEIGHT.fullmatch(archon_key):
             tensor = tensor.new_empty(tensor.shape).index_copy_(0, self._archon_channels.to(tensor.device), tensor)
         return super().to_hf(archon_key, tensor)
-

@@ -83,8 +83,9 @@ def main(out: str, checkpoints: list[str]) -> None:
     results = {}
     for checkpoint in checkpoints:
         hf_dir, _, layouts = checkpoint.partition("@")
-        results[hf_dir] = compare_layouts(hf_dir, layouts.split(",") if layouts else list(DEFAULT_LAYOUTS),
-                                          dist.get_world_size())
+        results[hf_dir] = compare_layouts(
+            hf_dir, layouts.split(",") if layouts else list(DEFAULT_LAYOUTS), dist.get_world_size()
+        )
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -22,7 +22,9 @@ def assert_aligned(
     `dtype` (archon.tools.align.TOLERANCES): logits, the training path (hidden states through the
     chunked head), LoRA gradients, PEFT keys, and config-field coverage."""
     report = run_alignment(
-        AlignArgs(model_type=model_type, config_overrides=overrides, lora_rank=lora_rank, seq_lens=seq_lens, dtype=dtype)
+        AlignArgs(
+            model_type=model_type, config_overrides=overrides, lora_rank=lora_rank, seq_lens=seq_lens, dtype=dtype
+        )
     )
     tolerances = TOLERANCES[dtype]
     assert report["max_abs_logits_diff"] <= tolerances["max_abs_logits_diff"], report
@@ -69,7 +71,9 @@ def assert_state_dict_round_trip(hf_dir: Path) -> None:
         assert torch.equal(tensor, checkpoint[key]), key
 
     hf_keys = set(hf_state)
-    back = {key: converter.combine(key, [hf_state[s] for s in converter.hf_sources(key, hf_keys)]) for key in archon_state}
+    back = {
+        key: converter.combine(key, [hf_state[s] for s in converter.hf_sources(key, hf_keys)]) for key in archon_state
+    }
     assert set(back) == set(archon_state)
     for key, tensor in back.items():
         assert torch.equal(tensor, archon_state[key]), key

@@ -70,7 +70,11 @@ def test_adapter_targets_name_the_mla_projections(case, tiny_checkpoint, tmp_pat
     query = ["q_a_proj", "q_b_proj"] if loaded.args.q_lora_rank else ["q_proj"]
     assert config["target_modules"] == sorted(["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *query])
     assert sorted(config["target_parameters"]) == [
-        "down_proj.weight", "gate_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "up_proj.weight"
+        "down_proj.weight",
+        "gate_proj.weight",
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+        "up_proj.weight",
     ]
 
 
@@ -108,14 +112,21 @@ def test_interleave_and_softmax_mscale_change_the_output(tiny_checkpoint):
 def test_group_limited_router_matches_hf(hf_router, n_group, topk_group, top_k, norm):
     import importlib
 
-    from archon.models.common.moe import SigmoidGroupTopKRouter
     from transformers import AutoConfig
+
+    from archon.models.common.moe import SigmoidGroupTopKRouter
 
     module_name, class_name = hf_router.rsplit(".", 1)
     hf_cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
     config = AutoConfig.for_model(
-        module_name.split(".")[0], hidden_size=32, n_routed_experts=16, num_experts_per_tok=top_k, n_group=n_group,
-        topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.0,
+        module_name.split(".")[0],
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm,
+        routed_scaling_factor=2.0,
     )
     g = torch.Generator().manual_seed(0)
     hf = hf_cls(config)
@@ -163,8 +174,9 @@ def test_generation_with_kv_cache_equals_full_forward(tiny_checkpoint):
 
 
 def test_missing_latent_rank_is_refused():
-    from archon.models.deepseek_v3.args import DeepseekV3Args
     from transformers import AutoConfig
+
+    from archon.models.deepseek_v3.args import DeepseekV3Args
 
     config = AutoConfig.for_model(MODEL_TYPE, hidden_size=64, kv_lora_rank=0)
     with pytest.raises(ValueError, match="config.kv_lora_rank=0"):
@@ -175,9 +187,10 @@ def test_flash_path_gets_one_head_size(tiny_checkpoint, monkeypatch):
     """On CUDA, packed attention runs torch's varlen flash kernel, which takes one head size for q, k
     and v. MLA's values (12) are narrower than its queries/keys (24): a stand-in kernel that
     enforces that contract must give the same logits as the CPU path."""
-    import archon.models.common.attention as attention
     import torch.nn.attention.varlen as varlen
     import torch.nn.functional as F
+
+    import archon.models.common.attention as attention
 
     calls = []
 
@@ -185,12 +198,14 @@ def test_flash_path_gets_one_head_size(tiny_checkpoint, monkeypatch):
         assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, k.shape, v.shape)
         calls.append(v.shape)
         bounds = cu_q.tolist()
-        return torch.cat([
-            F.scaled_dot_product_attention(
-                *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale
-            ).transpose(0, 1)
-            for s, e in zip(bounds[:-1], bounds[1:])
-        ])
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale
+                ).transpose(0, 1)
+                for s, e in zip(bounds[:-1], bounds[1:])
+            ]
+        )
 
     model = build_model(tiny_checkpoint(MODEL_TYPE)).model.eval()
     _, tokens, positions, cu_seqlens = packed_batch((7, 1, 13), 256, seed=0)

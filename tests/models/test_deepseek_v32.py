@@ -98,7 +98,11 @@ def test_indexer_weights_load_and_are_no_lora_target(model_type, tiny_checkpoint
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == sorted(["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"])
     assert sorted(config["target_parameters"]) == [
-        "down_proj.weight", "gate_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "up_proj.weight"
+        "down_proj.weight",
+        "gate_proj.weight",
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+        "up_proj.weight",
     ]
 
 
@@ -147,16 +151,20 @@ def test_generation_with_kv_cache_equals_full_forward(model_type, tiny_checkpoin
         ("deepseek_v32", dict(q_lora_rank=0), "config.q_lora_rank"),
         ("deepseek_v32", dict(index_topk=0), "config.index_topk"),
         ("deepseek_v32", dict(index_head_dim=4), "config.index_head_dim"),
-        ("deepseek_v32", dict(layer_types=["indexed_attention", "full_attention", "indexed_attention"]), "config.layer_types"),
+        (
+            "deepseek_v32",
+            dict(layer_types=["indexed_attention", "full_attention", "indexed_attention"]),
+            "config.layer_types",
+        ),
         ("glm_moe_dsa", dict(indexer_types=["shared", "full", "full"]), r"config.indexer_types\[0\]"),
         ("glm_moe_dsa", dict(indexer_types=["full", "sparse", "full"]), "config.indexer_types"),
         ("deepseek_v32", dict(kv_lora_rank=0), "config.kv_lora_rank"),
     ],
 )
 def test_unsupported_config_values_are_refused_by_name(model_type, overrides, field):
-    from archon.models.deepseek_v32.args import DeepseekV32Args
     from transformers import AutoConfig
 
+    from archon.models.deepseek_v32.args import DeepseekV32Args
     from archon.tools.align import tiny_config_kwargs
 
     config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
@@ -172,14 +180,15 @@ def test_selection_in_query_blocks_equals_one_block(tiny_checkpoint, monkeypatch
     _, tokens, positions, cu_seqlens = packed_batch((33, 70), 256, seed=0)
     with torch.no_grad():
         whole = model(tokens, positions, cu_seqlens, 70)
-        monkeypatch.setattr(dsa, "SELECTION_SCORE_ELEMENTS", 16 * 70 * 5)  # 5 queries of the 70-token sequence at a time
+        monkeypatch.setattr(
+            dsa, "SELECTION_SCORE_ELEMENTS", 16 * 70 * 5
+        )  # 5 queries of the 70-token sequence at a time
         blocked = model(tokens, positions, cu_seqlens, 70)
     torch.testing.assert_close(blocked, whole, rtol=0, atol=1e-6)
 
 
 def test_context_parallelism_is_refused_by_name(tiny_checkpoint):
     from archon.models.deepseek_v32.parallelize import parallelize_deepseek_v32
-
     from archon.parallel import ParallelConfig, ParallelDims
 
     model = build_model(tiny_checkpoint("deepseek_v32")).model

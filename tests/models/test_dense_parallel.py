@@ -35,9 +35,18 @@ def _free_port() -> int:
 def test_tp2_matches_one_process(tiny_checkpoint, tmp_path):
     dirs = {model_type: str(tiny_checkpoint(model_type, **overrides)) for model_type, overrides in CASES.items()}
     out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(WORKER), str(out),
-           *(f"{hf_dir}@{','.join(LAYOUTS.get(model_type, ('tp2',)))}" for model_type, hf_dir in dirs.items())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(WORKER),
+        str(out),
+        *(f"{hf_dir}@{','.join(LAYOUTS.get(model_type, ('tp2',)))}" for model_type, hf_dir in dirs.items()),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())

@@ -23,9 +23,9 @@ import archon.tools.align as align
 from archon.models.common import attention as attention_module
 from archon.models.common import linear_attention
 from archon.models.common.attention import Attention, GatedAttention, packed_attention
-from archon.models.common.mlp import GeGLUMLP
-from archon.models.common.mla import MultiHeadLatentAttention
 from archon.models.common.linear_attention import GatedDeltaNet, qkv_rows_by_key_head
+from archon.models.common.mla import MultiHeadLatentAttention
+from archon.models.common.mlp import GeGLUMLP
 from archon.models.common.moe import (
     ClampedSwiGLUExperts,
     SharedExpertMoE,
@@ -237,7 +237,9 @@ def conv_identity(model, monkeypatch):
             weight[..., -1] = 1.0
 
 
-def delta_rule_with(transform: Callable[[dict], None], family=linear_attention, mixer: type = GatedDeltaNet) -> SwitchOff:
+def delta_rule_with(
+    transform: Callable[[dict], None], family=linear_attention, mixer: type = GatedDeltaNet
+) -> SwitchOff:
     """Every `mixer` layer calls the gated delta rule with its inputs changed by `transform`; `family` is
     the module the mixer is defined in, whose name for the rule is replaced."""
 
@@ -575,6 +577,8 @@ def mla_with_rope(model, monkeypatch):
     for attn in modules(model, MultiHeadLatentAttention):
         assert not attn.rotary
         attn.rotary = True
+
+
 def correction_bias_in_weights(model, monkeypatch):
     """The chosen experts weighted by their biased scores (the bias is for the choice only)."""
 
@@ -687,7 +691,9 @@ CASES = [
     Case("qwen3_next", "attention-output-gate", no_output_gate),
     Case("qwen3_next", "qk-norm", no_qk_norm),
     Case("qwen3_next", "partial-rotary", full_rotary),
-    Case("qwen3_next", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
+    Case(
+        "qwen3_next", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)
+    ),
     Case("qwen3_next", "fused-projections-per-key-head", fused_projections_read_flat),
     Case("qwen3_next", "conv-channel-order", conv_channels_in_hf_order),
     Case("qwen3_next", "short-conv", conv_identity),
@@ -755,7 +761,9 @@ CASES = [
     Case("gemma3_text", "window-layer-pattern", window_on_every_layer),
     Case("gemma3_text", "rope-per-layer-type", rope_of_the_other_layer_type),
     Case("gemma3_text", "linear-rope-as-default", full_attention_rope_as_default),
-    Case("gemma3_text", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)),
+    Case(
+        "gemma3_text", "attention-bias", zero_biases("q_proj", "k_proj", "v_proj", "o_proj"), dict(attention_bias=True)
+    ),
 ]
 
 

@@ -31,20 +31,23 @@ CASES = {
     # A config.json as released: layer_types derived from sliding_window_pattern, RoPE from the legacy
     # rope_theta / rope_local_base_freq / rope_scaling; plus q/k/v/o bias, an untied head, GQA 4:1 and
     # a window of 3.
-    "legacy-rope-pattern-bias-untied": (MODEL_TYPE, dict(
-        layer_types=None,
-        sliding_window_pattern=2,
-        sliding_window=3,
-        rope_parameters=None,
-        rope_theta=10_000.0,
-        rope_local_base_freq=100.0,
-        rope_scaling={"rope_type": "linear", "factor": 4.0},
-        attention_bias=True,
-        tie_word_embeddings=False,
-        num_key_value_heads=1,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-    )),
+    "legacy-rope-pattern-bias-untied": (
+        MODEL_TYPE,
+        dict(
+            layer_types=None,
+            sliding_window_pattern=2,
+            sliding_window=3,
+            rope_parameters=None,
+            rope_theta=10_000.0,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+            attention_bias=True,
+            tie_word_embeddings=False,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+        ),
+    ),
 }
 
 
@@ -98,8 +101,13 @@ def test_vision_language_export_keys_and_merged_checkpoint(tiny_checkpoint, lora
         tmp_path / "merged", dtype=torch.float32, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    kept = dict(original.model.vision_tower.named_parameters()) | dict(original.model.multi_modal_projector.named_parameters())
-    for name, param in [*merged.model.vision_tower.named_parameters(), *merged.model.multi_modal_projector.named_parameters()]:
+    kept = dict(original.model.vision_tower.named_parameters()) | dict(
+        original.model.multi_modal_projector.named_parameters()
+    )
+    for name, param in [
+        *merged.model.vision_tower.named_parameters(),
+        *merged.model.multi_modal_projector.named_parameters(),
+    ]:
         assert torch.equal(param, kept[name]), name
     seqs, tokens, positions, cu_seqlens = packed_batch((9,), 256, seed=0)
     with torch.no_grad():
@@ -108,7 +116,9 @@ def test_vision_language_export_keys_and_merged_checkpoint(tiny_checkpoint, lora
 
 
 def test_legacy_config_resolves_as_hf_does():
-    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **CASES["legacy-rope-pattern-bias-untied"][1]))
+    config = AutoConfig.for_model(
+        MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **CASES["legacy-rope-pattern-bias-untied"][1])
+    )
     args = Gemma3Args.from_hf_config(config)
     assert args.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert args.rope_parameters["sliding_attention"]["rope_theta"] == 100.0
@@ -117,13 +127,35 @@ def test_legacy_config_resolves_as_hf_does():
 
 # The fields of Gemma 3 1B's config.json (google/gemma-3-1b-it), in the legacy RoPE form it ships.
 RELEASED_1B_CONFIG = dict(
-    architectures=["Gemma3ForCausalLM"], attention_bias=False, attention_dropout=0.0, attn_logit_softcapping=None,
-    bos_token_id=2, cache_implementation="hybrid", eos_token_id=[1, 106], final_logit_softcapping=None, head_dim=256,
-    hidden_activation="gelu_pytorch_tanh", hidden_size=1152, initializer_range=0.02, intermediate_size=6912,
-    max_position_embeddings=32768, model_type=MODEL_TYPE, num_attention_heads=4, num_hidden_layers=26,
-    num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_local_base_freq=10000,
-    rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6, torch_dtype="bfloat16",
-    use_cache=True, vocab_size=262144,
+    architectures=["Gemma3ForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    attn_logit_softcapping=None,
+    bos_token_id=2,
+    cache_implementation="hybrid",
+    eos_token_id=[1, 106],
+    final_logit_softcapping=None,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    hidden_size=1152,
+    initializer_range=0.02,
+    intermediate_size=6912,
+    max_position_embeddings=32768,
+    model_type=MODEL_TYPE,
+    num_attention_heads=4,
+    num_hidden_layers=26,
+    num_key_value_heads=1,
+    pad_token_id=0,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-06,
+    rope_local_base_freq=10000,
+    rope_scaling=None,
+    rope_theta=1000000,
+    sliding_window=512,
+    sliding_window_pattern=6,
+    torch_dtype="bfloat16",
+    use_cache=True,
+    vocab_size=262144,
 )
 
 

@@ -78,12 +78,23 @@ def test_adapter_config_and_import_round_trip(tiny_checkpoint, tmp_path):
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert sorted(config["target_parameters"]) == [
-        "down_proj.weight", "gate_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "up_proj.weight"
+        "down_proj.weight",
+        "gate_proj.weight",
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+        "up_proj.weight",
     ]
 
     imported = lora_config_from_peft(tmp_path / "adapter")
     assert set(imported.target_modules) == {
-        "k_proj", "o_proj", "q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "experts"
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "experts",
     }
     fresh = build_model(path, lora=imported)
     load_peft_adapter(fresh.model, fresh.converter, tmp_path / "adapter")
@@ -128,18 +139,22 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
     """Real GLM-4.5 checkpoints carry an MTP layer numbered num_hidden_layers; HF and archon skip it.
     Any other stray key still fails the load, by name."""
     assert_extra_layer_keys_are_skipped(
-        tiny_checkpoint(MODEL_TYPE), tmp_path,
+        tiny_checkpoint(MODEL_TYPE),
+        tmp_path,
         [f"model.layers.3.{suffix}" for suffix in ("eh_proj.weight", "enorm.weight", "mlp.gate.weight")],
         "model.layers.1.mlp.gate.stray",
     )
 
 
 def test_odd_rotary_width_is_refused():
-    from archon.models.glm4_moe.args import Glm4MoeArgs
     from transformers import AutoConfig
 
+    from archon.models.glm4_moe.args import Glm4MoeArgs
+
     config = AutoConfig.for_model(
-        MODEL_TYPE, head_dim=10, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+        MODEL_TYPE,
+        head_dim=10,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     )
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5 with head_dim=10 gives 5"):
         Glm4MoeArgs.from_hf_config(config)

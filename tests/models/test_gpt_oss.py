@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from archon.models.common.rope import RotaryEmbedding
 from family_checks import (
     assert_aligned,
     assert_meta_weights_complete,
@@ -23,6 +22,7 @@ from archon.lora.peft import (
     save_merged_hf,
     save_peft_adapter,
 )
+from archon.models.common.rope import RotaryEmbedding
 from archon.tools.align import packed_batch
 
 MODEL_TYPE = "gpt_oss"
@@ -170,8 +170,9 @@ def test_merged_export_matches_lora_model(tiny_checkpoint, tmp_path):
 
 
 def test_config_errors_name_the_field():
-    from archon.models.gpt_oss.args import GptOssArgs
     from transformers import AutoConfig
+
+    from archon.models.gpt_oss.args import GptOssArgs
 
     config = AutoConfig.for_model(MODEL_TYPE, num_hidden_layers=2, sliding_window=None)
     with pytest.raises(ValueError, match="sliding_window"):

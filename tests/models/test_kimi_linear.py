@@ -163,8 +163,13 @@ def _released_layout(src, dst):
             "num_heads": config.pop("linear_num_heads"),
             "short_conv_kernel_size": config.pop("linear_conv_kernel_dim"),
         },
-        first_k_dense_replace=first_dense, moe_layer_freq=1, moe_router_activation_func="sigmoid",
-        use_grouped_topk=True, num_nextn_predict_layers=0, mla_use_nope=True, rope_theta=10000.0,
+        first_k_dense_replace=first_dense,
+        moe_layer_freq=1,
+        moe_router_activation_func="sigmoid",
+        use_grouped_topk=True,
+        num_nextn_predict_layers=0,
+        mla_use_nope=True,
+        rope_theta=10000.0,
     )
     (dst / "config.json").write_text(json.dumps(config))
     tensors = load_file(str(src / "model.safetensors"))
@@ -226,9 +231,10 @@ def test_native_logprobs_equal_the_trainers(tiny_checkpoint):
 def test_native_greedy_equals_hf_generate(tiny_checkpoint):
     """Greedy generation through the per-sequence cache (MLA keys and values; KDA conv windows and
     state) gives HF's greedy tokens, for a prompt longer than a delta-rule chunk too."""
+    from transformers import AutoModelForCausalLM
+
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
-    from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint(MODEL_TYPE, layer_types=["full_attention", "linear_attention", "linear_attention"])
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -238,7 +244,11 @@ def test_native_greedy_equals_hf_generate(tiny_checkpoint):
     for prompt, sample in zip(prompts, samples):
         with torch.no_grad():
             out = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, len(prompt)),
-                pad_token_id=0, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=8,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt)),
+                pad_token_id=0,
+                eos_token_id=None,
             )
         assert sample.completion_ids == out[0, len(prompt) :].tolist()

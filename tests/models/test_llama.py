@@ -3,12 +3,13 @@ tied and untied heads."""
 
 import pytest
 import torch
-from archon.models.llama.spec import TINY_LLAMA3_ROPE
 from family_checks import (
     assert_aligned,
     assert_meta_weights_complete,
     assert_state_dict_round_trip,
 )
+
+from archon.models.llama.spec import TINY_LLAMA3_ROPE
 
 MODEL_TYPE = "llama"
 
@@ -42,9 +43,8 @@ def test_meta_weights_complete(case):
 
 def test_llama3_rope_scaling_changes_the_output(tiny_checkpoint):
     """The parity case exercises llama3 scaling: plain RoPE at the same theta gives other logits."""
-    from archon.models.common.rope import RotaryEmbedding
-
     from archon.build import build_model
+    from archon.models.common.rope import RotaryEmbedding
     from archon.tools.align import packed_batch
 
     model = build_model(tiny_checkpoint(MODEL_TYPE, **CASES["llama3-rope-bias-headdim"])).model.eval()
@@ -58,8 +58,9 @@ def test_llama3_rope_scaling_changes_the_output(tiny_checkpoint):
 
 
 def test_sliding_window_config_is_refused():
-    from archon.models.llama.args import LlamaArgs
     from transformers import LlamaConfig
+
+    from archon.models.llama.args import LlamaArgs
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=1)
     config.sliding_window = 16

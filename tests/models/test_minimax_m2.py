@@ -118,8 +118,12 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
     """Released checkpoints carry `num_mtp_modules` MTP layers numbered from num_hidden_layers on; HF's
     causal LM and archon skip them. Any other stray key still fails the load, by name."""
     assert_extra_layer_keys_are_skipped(
-        tiny_checkpoint(MODEL_TYPE), tmp_path,
-        [f"model.layers.2.{suffix}" for suffix in ("self_attn.q_proj.weight", "block_sparse_moe.gate.weight", "enorm.weight")],
+        tiny_checkpoint(MODEL_TYPE),
+        tmp_path,
+        [
+            f"model.layers.2.{suffix}"
+            for suffix in ("self_attn.q_proj.weight", "block_sparse_moe.gate.weight", "enorm.weight")
+        ],
         "model.layers.1.block_sparse_moe.stray",
     )
 
@@ -139,7 +143,9 @@ REFUSED = {
         rotary_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
     ),
     "partial_rotary_factor=0.5 with head_dim=10 gives 5": dict(
-        head_dim=10, rotary_dim=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+        head_dim=10,
+        rotary_dim=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     ),
     "num_experts_per_tok=9": dict(num_experts_per_tok=9),
     "hidden_act": dict(hidden_act="gelu"),
@@ -159,10 +165,17 @@ def test_real_config_fields_are_accepted():
     """The fields released MiniMax-M2 configs set beside HF's class, at their released values."""
     from archon.tools.align import tiny_config_kwargs
 
-    config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(
-        MODEL_TYPE, attn_type_list=[1, 1], shared_intermediate_size=0, num_mtp_modules=3, mtp_transformer_layers=1,
-        use_mtp=True,
-    ))  # fmt: skip
+    config = AutoConfig.for_model(
+        MODEL_TYPE,
+        **tiny_config_kwargs(
+            MODEL_TYPE,
+            attn_type_list=[1, 1],
+            shared_intermediate_size=0,
+            num_mtp_modules=3,
+            mtp_transformer_layers=1,
+            use_mtp=True,
+        ),
+    )
     args = MinimaxM2Args.from_hf_config(config)
     assert args.rotary_dim == 12 and args.num_experts == 8
 

@@ -44,8 +44,17 @@ def test_parallel_layouts_match_one_process(tiny_checkpoint, tmp_path):
     dirs = {case: str(tiny_checkpoint(model_type, **overrides)) for case, (model_type, overrides, _) in CASES.items()}
     out = tmp_path / "results.json"
     checkpoints = [f"{dirs[case]}@{','.join(layouts)}" for case, (_, _, layouts) in CASES.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           str(out), *checkpoints]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        str(out),
+        *checkpoints,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())

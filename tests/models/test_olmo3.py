@@ -79,9 +79,9 @@ def test_meta_weights_complete(model_type, case):
 
 
 def test_config_is_read_as_hf_resolves_it():
-    from archon.models.olmo3.args import Olmo3Args
     from transformers import AutoConfig
 
+    from archon.models.olmo3.args import Olmo3Args
     from archon.tools.align import tiny_config_kwargs
 
     config = AutoConfig.for_model(MODEL_TYPE, **tiny_config_kwargs(MODEL_TYPE, **CASES["default-pattern-bias-tied"]))
@@ -94,9 +94,9 @@ def test_config_is_read_as_hf_resolves_it():
 
 
 def test_released_rope_scaling_reaches_the_full_attention_layers_only():
-    from archon.models.olmo3.args import Olmo3Args
     from transformers import AutoConfig
 
+    from archon.models.olmo3.args import Olmo3Args
     from archon.tools.align import tiny_config_kwargs
 
     overrides = CASES["released-rope-scaling-format"]
@@ -106,14 +106,17 @@ def test_released_rope_scaling_reaches_the_full_attention_layers_only():
 
 
 def test_olmo2_config_is_read_as_full_attention_with_one_rope():
-    from archon.models.olmo3.args import Olmo3Args
     from transformers import AutoConfig
 
+    from archon.models.olmo3.args import Olmo3Args
     from archon.tools.align import tiny_config_kwargs
 
     args = Olmo3Args.from_hf_config(AutoConfig.for_model("olmo2", **tiny_config_kwargs("olmo2")))
     assert args.layer_types == ["full_attention"] * 2 and args.sliding_window is None
-    assert list(args.rope_parameters) == ["full_attention"] and args.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert (
+        list(args.rope_parameters) == ["full_attention"]
+        and args.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    )
 
 
 # The mutation checks (each feature switched off fails the gate) are the olmo3 and olmo2 cases of

@@ -79,8 +79,9 @@ def test_packed_attention_window_bounds():
 
 
 def test_bad_layer_types_name_the_field():
-    from archon.models.qwen2.args import Qwen2Args
     from transformers import Qwen2Config
+
+    from archon.models.qwen2.args import Qwen2Args
 
     small = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2)
     no_window = Qwen2Config(**small, use_sliding_window=False, layer_types=["full_attention", "sliding_attention"])

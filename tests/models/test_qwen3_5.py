@@ -171,7 +171,9 @@ def test_bad_layer_types_are_refused():
 
     from archon.models.qwen3_5.args import Qwen3_5Args
 
-    config = AutoConfig.for_model("qwen3_5_text", num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"])
+    config = AutoConfig.for_model(
+        "qwen3_5_text", num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"]
+    )
     with pytest.raises(ValueError, match=r"layer_types holds \[.sliding_attention.\]"):
         Qwen3_5Args.from_hf_config(config)
     config = AutoConfig.for_model("qwen3_5_text", linear_num_key_heads=3, linear_num_value_heads=4)
@@ -200,8 +202,17 @@ def test_parallel_layouts_match_one_process(tiny_checkpoint, tmp_path):
     worker = Path(__file__).with_name("dense_parallel_worker.py")
     dirs = {case: str(tiny_checkpoint(model_type, **_PARALLEL_TEXT)) for case, model_type in PARALLEL_CASES.items()}
     out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-           str(out), *(f"{d}@tp2,fsdp2" for d in dirs.values())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(out),
+        *(f"{d}@tp2,fsdp2" for d in dirs.values()),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())

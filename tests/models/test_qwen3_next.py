@@ -76,7 +76,6 @@ def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
     assert_no_state_leaks_across_packed_sequences(model, DELTA_RULE_CHUNK_SIZE + 9, (3, DELTA_RULE_CHUNK_SIZE + 20))
 
 
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_native_greedy_equals_hf_generate(tiny_checkpoint, case):
     """Greedy generation through the per-sequence cache (KV for attention layers, conv window and
@@ -85,6 +84,7 @@ def test_native_greedy_equals_hf_generate(tiny_checkpoint, case):
     prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + DELTA_RULE_CHUNK_SIZE + 5))]
     assert_native_greedy_equals_hf_generate(tiny_checkpoint("qwen3_next", **CASES[case]), prompts)
 
+
 def _config(**overrides):
     return AutoConfig.for_model("qwen3_next", **tiny_config_kwargs("qwen3_next", **overrides))
 
@@ -92,7 +92,10 @@ def _config(**overrides):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(layer_types=["linear_attention", "sliding_attention", "full_attention"]), r"layer_types holds \[.sliding_attention.\]"),
+        (
+            dict(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
+            r"layer_types holds \[.sliding_attention.\]",
+        ),
         (dict(layer_types=["linear_attention", "full_attention"]), r"layer_types has 2 entries for 3 layers"),
         (dict(linear_num_key_heads=3, linear_num_value_heads=4), r"linear_num_value_heads \(4\) must be a multiple of"),
         (dict(attention_dropout=0.1), r"config\.attention_dropout=0\.1"),
@@ -135,7 +138,9 @@ def test_merged_export_loads_in_hf_with_the_adapted_logits(tiny_checkpoint, lora
     path = tiny_checkpoint("qwen3_next")
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))
     save_merged_hf(loaded.model, loaded.converter, tmp_path / "merged", loaded.hf_config.to_dict(), path)
-    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32, output_loading_info=True)
+    merged, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     seqs, tokens, positions, cu_seqlens = packed_batch((DELTA_RULE_CHUNK_SIZE + 6,), 256, seed=0)
     with torch.no_grad():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from archon.models.common.attention import MIN_WINDOW_QUERY_BLOCK, packed_attention
 
 from archon.causal_attention import attention_with_sinks, causal_mask
+from archon.models.common.attention import MIN_WINDOW_QUERY_BLOCK, packed_attention
 
 
 def _whole_sequence(q, k, v, scale, sinks, window):

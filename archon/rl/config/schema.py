@@ -11,27 +11,28 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from archon.agents.setup import EnvironmentConfig
-from archon.lora import LoRAConfig
 from archon.load_balance import MoEConfig
+from archon.lora import LoRAConfig
+from archon.optim import OptimConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import ALGORITHMS, AlgorithmName, LossConfig, unknown_algorithm
 from archon.rl.code_tool_demo import CodeToolDemoConfig
-from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig
 from archon.rl.data import DataConfig
+from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
 from archon.rl.trackers import TrackerName
 from archon.rollout.speculative import SpeculativeConfig
 from archon.rollout.vllm import VLLMConfig
-from archon.optim import OptimConfig
 
 
 def warn_renamed(old: str, new: str) -> None:
     """The warning for a setting or name spelled as before a rename; the old spelling still works for
     one release."""
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", FutureWarning,
-                  stacklevel=3)  # fmt: skip
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {new}", FutureWarning, stacklevel=3
+    )
 
 
 def both_spellings_error(old: str, old_value: object, new: str, new_value: object) -> ValueError:
@@ -343,8 +344,14 @@ class RLConfig:
         if self.tasks:
             return self.tasks
         single = TaskConfig(
-            name="", data=self.data, eval_path=self.eval.path, reward=self.reward, environment=self.environment,
+            name="",
+            data=self.data,
+            eval_path=self.eval.path,
+            reward=self.reward,
+            environment=self.environment,
             algorithm=self.algorithm,
-            lora=self.lora, optim=self.optim, max_staleness=self.rollout.max_staleness,
-        )  # fmt: skip
+            lora=self.lora,
+            optim=self.optim,
+            max_staleness=self.rollout.max_staleness,
+        )
         return (single,)

@@ -24,6 +24,8 @@ from archon.agents.renderer import renderer_names
 from archon.agents.setup import EnvironmentConfig, environment_factory
 from archon.checkpoint.hf import check_model_dir, read_json_file
 from archon.lora import LoRAConfig
+from archon.optim import OptimConfig
+from archon.parallel.activation_offload import check_activation_offload
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, distills, importance_sampling_for
 from archon.rl.code_tool_demo import demo_environment_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig, both_spellings_error
@@ -36,8 +38,6 @@ from archon.rl.rewards import TERM_NAME, RewardConfig, unrouted_message
 from archon.rl.trackers import TRACKERS, unknown_tracker
 from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
 from archon.rollout.vllm_server import max_position_embeddings
-from archon.optim import OptimConfig
-from archon.parallel.activation_offload import check_activation_offload
 
 MAX_STALENESS = 64
 """The largest rollout.max_staleness (and tasks[i].max_staleness): one or two steps ahead already
@@ -150,10 +150,12 @@ def _run_problems(config: RLConfig) -> list[str]:
     problems = _Problems()
     problems.require(config.steps >= 1, "steps", config.steps, "must be at least 1")
     problems.require(
-        config.model.moe.bias_update_rate == 0 or rollout.engine != "vllm", "model.moe.bias_update_rate",
-        config.model.moe.bias_update_rate, "must be 0 with rollout.engine=vllm: the weight sync does not send the "
+        config.model.moe.bias_update_rate == 0 or rollout.engine != "vllm",
+        "model.moe.bias_update_rate",
+        config.model.moe.bias_update_rate,
+        "must be 0 with rollout.engine=vllm: the weight sync does not send the "
         "routers' correction biases, so vLLM would route with the ones it loaded",
-    )  # fmt: skip
+    )
     problems.require(
         config.micro_batch_tokens >= 1, "micro_batch_tokens", config.micro_batch_tokens, "must be at least 1"
     )
@@ -165,48 +167,60 @@ def _run_problems(config: RLConfig) -> list[str]:
         rollout.max_new_tokens >= 1, "rollout.max_new_tokens", rollout.max_new_tokens, "must be at least 1"
     )
     problems.require(
-        rollout.temperature > 0, "rollout.temperature", rollout.temperature,
+        rollout.temperature > 0,
+        "rollout.temperature",
+        rollout.temperature,
         "training rollouts sample at this temperature and their log-probs are taken at it, so it must be > 0 "
         "(held-out evaluation is greedy regardless)",
-    )  # fmt: skip
+    )
     problems.require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
     problems.require(rollout.top_k >= 0, "rollout.top_k", rollout.top_k, "must be >= 0 (0 disables top-k)")
     problems.require(
         rollout.engine != "native" or rollout.group_size <= rollout.max_batch_sequences,
-        "rollout.max_batch_sequences", rollout.max_batch_sequences,
+        "rollout.max_batch_sequences",
+        rollout.max_batch_sequences,
         f"must be at least rollout.group_size={rollout.group_size}: the native engine decodes all the samples "
         "of a prompt at once when it can, one row each, beside the prompt's shared prefix",
-    )  # fmt: skip
+    )
     problems.require(
-        rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1, "rollout.prefill_chunk_tokens",
-        rollout.prefill_chunk_tokens, "must be at least 1 (None: every prefill in one forward)",
-    )  # fmt: skip
+        rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1,
+        "rollout.prefill_chunk_tokens",
+        rollout.prefill_chunk_tokens,
+        "must be at least 1 (None: every prefill in one forward)",
+    )
     problems.require(
-        rollout.update_policy in ("finish", "continue"), "rollout.update_policy", rollout.update_policy,
+        rollout.update_policy in ("finish", "continue"),
+        "rollout.update_policy",
+        rollout.update_policy,
         "must be 'finish' or 'continue'",
-    )  # fmt: skip
+    )
     problems.require(
         rollout.update_policy != "continue" or any(task.max_staleness > 0 for task in config.task_configs()),
-        "rollout.update_policy", rollout.update_policy,
+        "rollout.update_policy",
+        rollout.update_policy,
         "switches requests in flight to a newly published adapter version, and versions are published while "
         "rollouts are generated only in asynchronous RL: set rollout.max_staleness (or a task's max_staleness) "
         "to 1 or more, or leave rollout.update_policy at 'finish'",
-    )  # fmt: skip
+    )
     evaluation, checkpoint = config.eval, config.checkpoint
     problems.require(evaluation.every >= 0, "eval.every", evaluation.every, "must be >= 0 (0 disables evaluation)")
     problems.require(evaluation.max_prompts >= 0, "eval.max_prompts", evaluation.max_prompts, "must be >= 0")
     problems.require(
         evaluation.max_new_tokens is None or evaluation.max_new_tokens >= 1,
-        "eval.max_new_tokens", evaluation.max_new_tokens, "must be at least 1 (None: rollout.max_new_tokens)",
-    )  # fmt: skip
+        "eval.max_new_tokens",
+        evaluation.max_new_tokens,
+        "must be at least 1 (None: rollout.max_new_tokens)",
+    )
     problems.require(
         checkpoint.every >= 0, "checkpoint.every", checkpoint.every, "must be >= 0 (0 saves only at the end)"
     )
     problems.require(checkpoint.keep_last >= 1, "checkpoint.keep_last", checkpoint.keep_last, "must be at least 1")
     problems.require(
-        checkpoint.keep_last_adapters >= 1, "checkpoint.keep_last_adapters", checkpoint.keep_last_adapters,
+        checkpoint.keep_last_adapters >= 1,
+        "checkpoint.keep_last_adapters",
+        checkpoint.keep_last_adapters,
         "must be at least 1",
-    )  # fmt: skip
+    )
     return problems
 
 
@@ -219,10 +233,12 @@ def _logging_problems(config: RLConfig) -> list[str]:
     if not logging.tensorboard and "tensorboard" in logging.backends and tuple(logging.backends) != ("tensorboard",):
         conflict = both_spellings_error("logging.tensorboard", False, "logging.backends", list(logging.backends))
         problems.append(str(conflict))
-    problems.require(logging.samples_every >= 0, "logging.samples_every", logging.samples_every,
-                     "must be >= 0 (0: no sample tables)")  # fmt: skip
-    problems.require(logging.samples_per_table >= 1, "logging.samples_per_table", logging.samples_per_table,
-                     "must be at least 1")  # fmt: skip
+    problems.require(
+        logging.samples_every >= 0, "logging.samples_every", logging.samples_every, "must be >= 0 (0: no sample tables)"
+    )
+    problems.require(
+        logging.samples_per_table >= 1, "logging.samples_per_table", logging.samples_per_table, "must be at least 1"
+    )
     return problems
 
 
@@ -271,10 +287,12 @@ def _staleness_problems(max_staleness: int, name: str, config: RLConfig) -> list
         )
     if max_staleness > 0:
         problems.require(
-            rollout.engine == "vllm", "rollout.engine", rollout.engine,
+            rollout.engine == "vllm",
+            "rollout.engine",
+            rollout.engine,
             f"{name}={max_staleness} generates while the trainer trains, which needs rollout servers "
             "(engine=vllm); the native engine runs on the training model and is synchronous",
-        )  # fmt: skip
+        )
     return problems
 
 
@@ -286,30 +304,37 @@ def _algorithm_problems(
     problems = _Problems()
     if max_staleness > 0:
         problems.require(
-            algorithm.recompute_old_logprobs, f"{where}.recompute_old_logprobs", algorithm.recompute_old_logprobs,
+            algorithm.recompute_old_logprobs,
+            f"{where}.recompute_old_logprobs",
+            algorithm.recompute_old_logprobs,
             f"{fields.max_staleness}={max_staleness} trains on samples of older adapter versions; the trainer's "
             "log-probs before the update are the proximal policy of the decoupled objective",
-        )  # fmt: skip
+        )
     for problem in algorithm_problems(algorithm, rollout.group_size, where):
         problems.append(problem)
     problems.require(
         algorithm.recompute_old_logprobs or (rollout.top_p == 1 and rollout.top_k == 0),
-        f"{where}.recompute_old_logprobs", algorithm.recompute_old_logprobs,
+        f"{where}.recompute_old_logprobs",
+        algorithm.recompute_old_logprobs,
         f"must be true with rollout.top_p={rollout.top_p} / rollout.top_k={rollout.top_k}: the rollout log-probs are "
         "those of the truncated, renormalised distribution that sampled, the trainer's those of the untruncated "
         "policy, so taken as pi_old they would start every PPO ratio below 1",
-    )  # fmt: skip
+    )
     problems.require(
-        algorithm.routing_replay != "rollout" or rollout.engine == "native", f"{where}.routing_replay",
-        algorithm.routing_replay, f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): only the built-in "
+        algorithm.routing_replay != "rollout" or rollout.engine == "native",
+        f"{where}.routing_replay",
+        algorithm.routing_replay,
+        f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): only the built-in "
         "engine records the experts it routes each token to",
-    )  # fmt: skip
+    )
     problems.require(algorithm.minibatches >= 1, f"{where}.minibatches", algorithm.minibatches, "must be at least 1")
     problems.require(algorithm.ppo_epochs >= 1, f"{where}.ppo_epochs", algorithm.ppo_epochs, "must be at least 1")
     problems.require(
-        0 <= algorithm.overlong_buffer <= rollout.max_new_tokens, f"{where}.overlong_buffer", algorithm.overlong_buffer,
+        0 <= algorithm.overlong_buffer <= rollout.max_new_tokens,
+        f"{where}.overlong_buffer",
+        algorithm.overlong_buffer,
         f"must be between 0 and rollout.max_new_tokens={rollout.max_new_tokens}",
-    )  # fmt: skip
+    )
     problems.require(
         loss.kl_coef >= 0, f"{where}.loss.kl_coef", loss.kl_coef, "must be >= 0 (0 disables the KL penalty)"
     )
@@ -319,63 +344,87 @@ def _algorithm_problems(
         ("icepop_band", loss.icepop_band, loss.icepop_band is not None),
     ):
         problems.require(
-            not enabled or algorithm.recompute_old_logprobs, f"{where}.loss.{name}", value,
+            not enabled or algorithm.recompute_old_logprobs,
+            f"{where}.loss.{name}",
+            value,
             f"needs {where}.recompute_old_logprobs=true: the correction compares the trainer's log-probs "
             "(pi_old) with the rollout's, which are the same numbers without the recompute",
-        )  # fmt: skip
+        )
     if loss.icepop_band is not None:
         low, high = loss.icepop_band
         problems.require(
-            0 < low <= 1 <= high, f"{where}.loss.icepop_band", loss.icepop_band,
+            0 < low <= 1 <= high,
+            f"{where}.loss.icepop_band",
+            loss.icepop_band,
             "must be (low, high) with 0 < low <= 1 <= high (the band of pi_old / mu ratios kept)",
-        )  # fmt: skip
+        )
     if loss.clip_ratio_c is not None:
         problems.require(
-            loss.clip_ratio_c > 1, f"{where}.loss.clip_ratio_c", loss.clip_ratio_c,
+            loss.clip_ratio_c > 1,
+            f"{where}.loss.clip_ratio_c",
+            loss.clip_ratio_c,
             "must be > 1 (None disables dual clip)",
-        )  # fmt: skip
+        )
         problems.require(
-            spec.dual_clip, f"{where}.loss.clip_ratio_c", loss.clip_ratio_c,
+            spec.dual_clip,
+            f"{where}.loss.clip_ratio_c",
+            loss.clip_ratio_c,
             f"dual clip bounds the PPO clipped objective, which {where}.name={algorithm.name!r} does not use",
-        )  # fmt: skip
+        )
     problems.require(
-        loss.entropy_coef >= 0, f"{where}.loss.entropy_coef", loss.entropy_coef,
+        loss.entropy_coef >= 0,
+        f"{where}.loss.entropy_coef",
+        loss.entropy_coef,
         "must be >= 0 (0 disables the entropy bonus)",
-    )  # fmt: skip
+    )
     if loss.kl_cap is not None:
         problems.require(loss.kl_cap > 0, f"{where}.loss.kl_cap", loss.kl_cap, "must be > 0 (None: no cap)")
         problems.require(
-            loss.kl_estimator == "k3", f"{where}.loss.kl_cap", loss.kl_cap,
+            loss.kl_estimator == "k3",
+            f"{where}.loss.kl_cap",
+            loss.kl_cap,
             f"caps the k3 estimator, but {where}.loss.kl_estimator={loss.kl_estimator!r}",
-        )  # fmt: skip
+        )
         problems.require(
-            loss.kl_coef > 0, f"{where}.loss.kl_cap", loss.kl_cap,
+            loss.kl_coef > 0,
+            f"{where}.loss.kl_cap",
+            loss.kl_cap,
             f"has no effect with {where}.loss.kl_coef=0 (no KL penalty)",
-        )  # fmt: skip
+        )
     if algorithm.distillation_weight is not None:
         problems.require(
-            distills(algorithm), f"{where}.distillation_weight", algorithm.distillation_weight,
+            distills(algorithm),
+            f"{where}.distillation_weight",
+            algorithm.distillation_weight,
             f"weights a teacher's advantage, but neither {where}.teacher_path nor {where}.teachers is set",
-        )  # fmt: skip
+        )
         problems.require(
-            algorithm.distillation_weight > 0, f"{where}.distillation_weight", algorithm.distillation_weight,
+            algorithm.distillation_weight > 0,
+            f"{where}.distillation_weight",
+            algorithm.distillation_weight,
             "must be > 0 (None: the teacher's advantage alone)",
-        )  # fmt: skip
+        )
     sources = [teacher.data_source for teacher in algorithm.teachers]
     for i, teacher in enumerate(algorithm.teachers):
         problems.require(
-            bool(teacher.data_source), f"{where}.teachers[{i}].data_source", teacher.data_source,
+            bool(teacher.data_source),
+            f"{where}.teachers[{i}].data_source",
+            teacher.data_source,
             f"must name a data source (the rows' data_source); the teacher of rows without one is {where}.teacher_path",
-        )  # fmt: skip
+        )
         problems.require(
-            sources.index(teacher.data_source) == i, f"{where}.teachers[{i}].data_source", teacher.data_source,
+            sources.index(teacher.data_source) == i,
+            f"{where}.teachers[{i}].data_source",
+            teacher.data_source,
             f"already has a teacher ({where}.teachers[{sources.index(teacher.data_source)}]); one teacher a source",
-        )  # fmt: skip
+        )
         problems.require(bool(teacher.path), f"{where}.teachers[{i}].path", teacher.path, "must be a model directory")
     problems.require(
-        algorithm.max_skipped_steps >= 1, f"{where}.max_skipped_steps", algorithm.max_skipped_steps,
+        algorithm.max_skipped_steps >= 1,
+        f"{where}.max_skipped_steps",
+        algorithm.max_skipped_steps,
         "must be at least 1",
-    )  # fmt: skip
+    )
     return problems
 
 
@@ -418,14 +467,17 @@ def _optim_problems(optim: OptimConfig, prefix: str, steps: int) -> list[str]:
         math.isfinite(optim.eps) and optim.eps > 0, f"{where}.eps", optim.eps, "must be a finite number > 0"
     )
     problems.require(
-        math.isfinite(optim.weight_decay) and optim.weight_decay >= 0, f"{where}.weight_decay", optim.weight_decay,
+        math.isfinite(optim.weight_decay) and optim.weight_decay >= 0,
+        f"{where}.weight_decay",
+        optim.weight_decay,
         "must be a finite number >= 0",
-    )  # fmt: skip
+    )
     problems.require(
         optim.max_grad_norm is None or (math.isfinite(optim.max_grad_norm) and optim.max_grad_norm >= 0),
-        f"{where}.max_grad_norm", optim.max_grad_norm,
+        f"{where}.max_grad_norm",
+        optim.max_grad_norm,
         "must be a finite number >= 0 (None or 0 only measures the norm)",
-    )  # fmt: skip
+    )
     return problems
 
 
@@ -442,19 +494,34 @@ def _reward_problems(
             problems.append(f"{where}.function={reward.function!r}: {problem}")
     else:
         problems = _reward_term_problems(reward, where)
-        problems.require(reward.function == RewardConfig.function, f"{where}.function", reward.function,
-                         "is not used when reward.terms is set (make it one of the terms)")  # fmt: skip
+        problems.require(
+            reward.function == RewardConfig.function,
+            f"{where}.function",
+            reward.function,
+            "is not used when reward.terms is set (make it one of the terms)",
+        )
     names = {term.name for term in reward.term_configs()}
     for source, terms in reward.sources.items():
         for name in terms:
-            problems.require(name in names, f"{where}.sources[{source!r}]", list(terms),
-                             f"names no term {name!r} (the terms: {sorted(names)})")  # fmt: skip
+            problems.require(
+                name in names,
+                f"{where}.sources[{source!r}]",
+                list(terms),
+                f"names no term {name!r} (the terms: {sorted(names)})",
+            )
     for name in reward.default_terms or ():
-        problems.require(name in names, f"{where}.default_terms", list(reward.default_terms),
-                         f"names no term {name!r} (the terms: {sorted(names)})")  # fmt: skip
-    problems.require(reward.default_terms is None or reward.sources, f"{where}.default_terms",
-                     None if reward.default_terms is None else list(reward.default_terms),
-                     "only applies with reward.sources (without it every term scores every sample)")  # fmt: skip
+        problems.require(
+            name in names,
+            f"{where}.default_terms",
+            list(reward.default_terms),
+            f"names no term {name!r} (the terms: {sorted(names)})",
+        )
+    problems.require(
+        reward.default_terms is None or reward.sources,
+        f"{where}.default_terms",
+        None if reward.default_terms is None else list(reward.default_terms),
+        "only applies with reward.sources (without it every term scores every sample)",
+    )
     if task is not None and reward.sources and reward.default_terms is None and not problems:
         for path, label in ((task.data.path, "data.path"), (task.eval_path if evaluates else "", "eval path")):
             if not path or not Path(path).exists():
@@ -473,8 +540,12 @@ def _reward_term_problems(reward: RewardConfig, where: str) -> _Problems:
     seen = set()
     for i, term in enumerate(reward.terms):
         at = f"{where}.terms[{i}]"
-        problems.require(bool(TERM_NAME.fullmatch(term.name)), f"{at}.name", term.name,
-                         "must be letters, digits, _ . or - (it names the term's metrics)")  # fmt: skip
+        problems.require(
+            bool(TERM_NAME.fullmatch(term.name)),
+            f"{at}.name",
+            term.name,
+            "must be letters, digits, _ . or - (it names the term's metrics)",
+        )
         problems.require(term.name not in seen, f"{at}.name", term.name, "is the name of an earlier term")
         seen.add(term.name)
         problems.require(math.isfinite(term.weight), f"{at}.weight", term.weight, "must be a finite number")
@@ -490,14 +561,22 @@ def _reward_term_problems(reward: RewardConfig, where: str) -> _Problems:
 
 def _http_problems(config: RewardServerConfig | JudgeConfig, at: str, url: str, url_name: str) -> list[str]:
     problems = _Problems()
-    problems.require(urllib.parse.urlsplit(url).scheme in ("http", "https") and bool(urllib.parse.urlsplit(url).netloc),
-                     f"{at}.{url_name}", url, "must be an http:// or https:// URL")  # fmt: skip
+    problems.require(
+        urllib.parse.urlsplit(url).scheme in ("http", "https") and bool(urllib.parse.urlsplit(url).netloc),
+        f"{at}.{url_name}",
+        url,
+        "must be an http:// or https:// URL",
+    )
     problems.require(config.timeout_s > 0, f"{at}.timeout_s", config.timeout_s, "must be positive")
     problems.require(config.retries >= 0, f"{at}.retries", config.retries, "must be 0 or more")
     problems.require(config.backoff_s >= 0, f"{at}.backoff_s", config.backoff_s, "must be 0 or more")
     problems.require(config.concurrency >= 1, f"{at}.concurrency", config.concurrency, "must be 1 or more")
-    problems.require(not config.api_key_env or bool(os.environ.get(config.api_key_env)), f"{at}.api_key_env",
-                     config.api_key_env, "names an environment variable that is not set")  # fmt: skip
+    problems.require(
+        not config.api_key_env or bool(os.environ.get(config.api_key_env)),
+        f"{at}.api_key_env",
+        config.api_key_env,
+        "names an environment variable that is not set",
+    )
     if isinstance(config, RewardServerConfig):
         problems.require(config.batch_size >= 1, f"{at}.batch_size", config.batch_size, "must be 1 or more")
     return problems
@@ -513,19 +592,29 @@ def _judge_problems(judge: JudgeConfig, at: str) -> list[str]:
         try:
             judge.prompt.format(prompt="", completion="", reference="")
         except (KeyError, IndexError, ValueError) as e:
-            problems.append(f"{at}.prompt: {type(e).__name__}: {e} (the template may use {{prompt}}, {{completion}} "
-                            "and {reference}; write a literal brace twice)")  # fmt: skip
+            problems.append(
+                f"{at}.prompt: {type(e).__name__}: {e} (the template may use {{prompt}}, {{completion}} "
+                "and {reference}; write a literal brace twice)"
+            )
     low, high = judge.score_range
-    problems.require(math.isfinite(low) and math.isfinite(high) and low < high, f"{at}.score_range",
-                     list(judge.score_range), "must be two finite numbers, the lowest first")  # fmt: skip
+    problems.require(
+        math.isfinite(low) and math.isfinite(high) and low < high,
+        f"{at}.score_range",
+        list(judge.score_range),
+        "must be two finite numbers, the lowest first",
+    )
     if judge.score_regex:
         try:
             re.compile(judge.score_regex)
         except re.error as e:
             problems.append(f"{at}.score_regex={judge.score_regex!r}: not a regular expression: {e}")
     if judge.structured_output == "choice":
-        problems.require(0 < len(judge_choices(judge)) <= MAX_CHOICES, f"{at}.score_range", list(judge.score_range),
-                         f"with structured_output=choice must hold 1 to {MAX_CHOICES} integers (the choices)")  # fmt: skip
+        problems.require(
+            0 < len(judge_choices(judge)) <= MAX_CHOICES,
+            f"{at}.score_range",
+            list(judge.score_range),
+            f"with structured_output=choice must hold 1 to {MAX_CHOICES} integers (the choices)",
+        )
     return problems
 
 
@@ -537,13 +626,17 @@ def _environment_problems(environment: EnvironmentConfig, prefix: str) -> list[s
     problems = _Problems()
     if environment.agent is not None:
         if environment.name or environment.tools:
-            problems.append(f"{where}.agent={environment.agent!r}: an agent function runs its own episodes; leave "
-                            f"{where}.name and {where}.tools unset")  # fmt: skip
+            problems.append(
+                f"{where}.agent={environment.agent!r}: an agent function runs its own episodes; leave "
+                f"{where}.name and {where}.tools unset"
+            )
         elif ":" not in environment.agent:
-            problems.append(f"{where}.agent={environment.agent!r}: must be \"module:function\"")
+            problems.append(f'{where}.agent={environment.agent!r}: must be "module:function"')
         elif (problem := reward_function_problem(environment.agent)) is not None:
             problems.append(f"{where}.agent={environment.agent!r}: {problem}")
-        problems.require(environment.agent_timeout_s > 0, f"{where}.agent_timeout_s", environment.agent_timeout_s, "must be > 0")
+        problems.require(
+            environment.agent_timeout_s > 0, f"{where}.agent_timeout_s", environment.agent_timeout_s, "must be > 0"
+        )
     else:
         try:
             environment_factory(environment, "prompt")
@@ -553,14 +646,20 @@ def _environment_problems(environment: EnvironmentConfig, prefix: str) -> list[s
         problems.append(f"{where}.renderer={environment.renderer!r}: unknown; registered renderers: {renderer_names()}")
     limits = environment.limits
     for name in ("max_turns", "max_tokens", "max_turn_tokens"):
-        problems.require(getattr(limits, name) >= 1, f"{where}.limits.{name}", getattr(limits, name), "must be at least 1")
-    problems.require(limits.max_tool_calls >= 0, f"{where}.limits.max_tool_calls", limits.max_tool_calls, "must be >= 0")
+        problems.require(
+            getattr(limits, name) >= 1, f"{where}.limits.{name}", getattr(limits, name), "must be at least 1"
+        )
+    problems.require(
+        limits.max_tool_calls >= 0, f"{where}.limits.max_tool_calls", limits.max_tool_calls, "must be >= 0"
+    )
     for name in ("step_timeout_s", "tool_timeout_s"):
         value = getattr(limits, name) if name == "step_timeout_s" else environment.tool_timeout_s
         field_name = f"{where}.limits.{name}" if name == "step_timeout_s" else f"{where}.{name}"
         problems.require(value > 0, field_name, value, "must be > 0")
     for name in ("tool_max_output_chars", "tool_memory_mb", "tool_workers"):
-        problems.require(getattr(environment, name) >= 1, f"{where}.{name}", getattr(environment, name), "must be at least 1")
+        problems.require(
+            getattr(environment, name) >= 1, f"{where}.{name}", getattr(environment, name), "must be at least 1"
+        )
     return problems
 
 
@@ -580,7 +679,9 @@ def _file_problems(task: TaskConfig, fields: _TaskFields, model_path: str, stude
     elif task.eval_path and (overlap := reasoning_gym_overlap(task.data.path, task.eval_path)) is not None:
         problems.append(f"{fields.eval_path}={task.eval_path!r}: {overlap}")
     teachers = [(task.algorithm.teacher_path, f"{fields.prefix}algorithm.teacher_path")]
-    teachers += [(t.path, f"{fields.prefix}algorithm.teachers[{i}].path") for i, t in enumerate(task.algorithm.teachers)]
+    teachers += [
+        (t.path, f"{fields.prefix}algorithm.teachers[{i}].path") for i, t in enumerate(task.algorithm.teachers)
+    ]
     for teacher_path, where in teachers:
         if not teacher_path:
             continue
@@ -609,19 +710,27 @@ def _multi_task_problems(config: RLConfig) -> list[str]:
         if not TASK_NAME.fullmatch(task.name):
             problems.append(f"{where}.name={task.name!r}: must be letters, digits, '_' or '-' (it names a directory)")
         elif len(task.name) > TASK_NAME_MAX_CHARS:
-            problems.append(f"{where}.name={task.name!r}: {len(task.name)} characters, at most {TASK_NAME_MAX_CHARS} "
-                            "(it names a directory)")  # fmt: skip
+            problems.append(
+                f"{where}.name={task.name!r}: {len(task.name)} characters, at most {TASK_NAME_MAX_CHARS} "
+                "(it names a directory)"
+            )
         elif names.count(task.name) > 1:
             problems.append(f"{where}.name={task.name!r}: task names must be unique")
         if task.algorithm.ppo_epochs != first.ppo_epochs:
-            problems.append(f"{where}.algorithm.ppo_epochs={task.algorithm.ppo_epochs}: every task must have "
-                            f"tasks[0]'s ({first.ppo_epochs}); a minibatch trains every task")  # fmt: skip
+            problems.append(
+                f"{where}.algorithm.ppo_epochs={task.algorithm.ppo_epochs}: every task must have "
+                f"tasks[0]'s ({first.ppo_epochs}); a minibatch trains every task"
+            )
         if task.algorithm.routing_replay != first.routing_replay:
-            problems.append(f"{where}.algorithm.routing_replay={task.algorithm.routing_replay!r}: every task must have "
-                            f"tasks[0]'s ({first.routing_replay!r}); the tasks share one model")  # fmt: skip
+            problems.append(
+                f"{where}.algorithm.routing_replay={task.algorithm.routing_replay!r}: every task must have "
+                f"tasks[0]'s ({first.routing_replay!r}); the tasks share one model"
+            )
         if task.algorithm.minibatches != first.minibatches:
-            problems.append(f"{where}.algorithm.minibatches={task.algorithm.minibatches}: every task must have "
-                            f"tasks[0]'s ({first.minibatches}); a minibatch trains every task")  # fmt: skip
+            problems.append(
+                f"{where}.algorithm.minibatches={task.algorithm.minibatches}: every task must have "
+                f"tasks[0]'s ({first.minibatches}); a minibatch trains every task"
+            )
     if config.data.path:
         problems.append(f"data.path={config.data.path!r}: with tasks, each task has its own data (tasks[i].data.path)")
     if config.rollout.max_staleness:
@@ -686,14 +795,19 @@ def _mtp_problems(config: RLConfig) -> list[str]:
         problems.require(math.isfinite(weight) and weight >= 0, name, weight, "must be a finite number >= 0")
         if weight > 0:
             trained.append(f"{name}={weight!r}")
-            problems.require(not config.tasks, name, weight, "training the MTP layer is not supported with several tasks")
+            problems.require(
+                not config.tasks, name, weight, "training the MTP layer is not supported with several tasks"
+            )
             problems.require(
                 config.model.mtp != "skip", name, weight, "trains the MTP layer, which model.mtp='skip' leaves unloaded"
             )
             problems.require(
-                config.parallel.cp == 1, name, weight, f"is not supported with context parallelism (parallel.cp="
+                config.parallel.cp == 1,
+                name,
+                weight,
+                f"is not supported with context parallelism (parallel.cp="
                 f"{config.parallel.cp}): the MTP layer reads the token after each position; set parallel.cp to 1",
-            )  # fmt: skip
+            )
     if config.model.path is None:
         problems.require(config.model.mtp != "load", "model.mtp", config.model.mtp, "the demo model has no MTP layers")
         problems += [f"{name}: the demo model has no MTP layers to train; set model.path" for name in trained]
@@ -720,25 +834,33 @@ def _speculative_problems(config: RLConfig) -> list[str]:
     speculative = rollout.speculative
     if speculative.method != "off":
         problems.require(
-            rollout.engine == "native", "rollout.speculative.method", speculative.method,
+            rollout.engine == "native",
+            "rollout.speculative.method",
+            speculative.method,
             f"needs rollout.engine=native (rollout.engine={rollout.engine!r}): speculative decoding is built into "
             "the native engine; set it to 'off' with vLLM",
-        )  # fmt: skip
-        problems.require(speculative.num_tokens >= 1, "rollout.speculative.num_tokens", speculative.num_tokens,
-                         "must be at least 1 (draft tokens per decode round)")  # fmt: skip
+        )
         problems.require(
-            config.algorithm.routing_replay == "off", "rollout.speculative.method", speculative.method,
+            speculative.num_tokens >= 1,
+            "rollout.speculative.num_tokens",
+            speculative.num_tokens,
+            "must be at least 1 (draft tokens per decode round)",
+        )
+        problems.require(
+            config.algorithm.routing_replay == "off",
+            "rollout.speculative.method",
+            speculative.method,
             "cannot be combined with algorithm.routing_replay=rollout (the engine does not record routing under "
             "speculative decoding); set one of them off",
-        )  # fmt: skip
+        )
     if speculative.method == "mtp":
         problems.extend(_speculative_mtp_problems(config))
     problems.require(
         (speculative.method == "draft_model") == (speculative.draft_model_path is not None),
-        "rollout.speculative.draft_model_path", speculative.draft_model_path,
-        "is needed with rollout.speculative.method=draft_model and only then "
-        f"(method={speculative.method!r})",
-    )  # fmt: skip
+        "rollout.speculative.draft_model_path",
+        speculative.draft_model_path,
+        f"is needed with rollout.speculative.method=draft_model and only then (method={speculative.method!r})",
+    )
     return problems
 
 
@@ -796,7 +918,9 @@ def _vllm_mode_problems(config: RLConfig, model_config: dict) -> list[str]:
 def _model_problems(config: RLConfig) -> list[str]:
     if config.model.path is None:  # the demo builds its model later
         if config.demo.kind == "code_tool":
-            return [problem for task in config.task_configs() for problem in demo_environment_problems(task.environment)]
+            return [
+                problem for task in config.task_configs() for problem in demo_environment_problems(task.environment)
+            ]
         if config.demo.kind == "reasoning_gym":
             return reasoning_gym_demo_problems(config.demo.reasoning_gym, config.data, config.eval.path, config.tasks)
         return []
