@@ -121,13 +121,19 @@ def _first_difference(want: dict, got: dict) -> str | None:
             return f"{name}: missing"
         w, g = want[name], got[name]
         if w["keys"] != g["keys"]:
-            return f"{name}: metric keys differ: only before {sorted(set(w['keys']) - set(g['keys']))}, only after {sorted(set(g['keys']) - set(w['keys']))}"
+            return (
+                f"{name}: metric keys differ: only before {sorted(set(w['keys']) - set(g['keys']))}, "
+                f"only after {sorted(set(g['keys']) - set(w['keys']))}"
+            )
         if len(w["records"]) != len(g["records"]):
             return f"{name}: {len(w['records'])} records before, {len(g['records'])} after"
         for i, (rw, rg) in enumerate(zip(w["records"], g["records"])):
             for key in sorted(set(rw) | set(rg)):
                 if rw.get(key) != rg.get(key):
-                    return f"{name}: record {i} (step {rw.get('step')}), {key!r}: {rw.get(key)} before, {rg.get(key)} after"
+                    return (
+                        f"{name}: record {i} (step {rw.get('step')}), {key!r}: "
+                        f"{rw.get(key)} before, {rg.get(key)} after"
+                    )
         if w["adapters"] != g["adapters"]:
             return f"{name}: adapter files differ: {w['adapters']} before, {g['adapters']} after"
     return None

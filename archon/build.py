@@ -19,13 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from archon.checkpoint.hf import (
-    HFCheckpoint,
-    check_model_dir,
-    copy_local_into,
-    load_hf_weights,
-    local_region,
-)
+from archon.checkpoint.hf import HFCheckpoint, check_model_dir, copy_local_into, local_region
+from archon.checkpoint.hf_weights import load_hf_weights
 from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.lora import (
     LoRAConfig,

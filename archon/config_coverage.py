@@ -24,7 +24,9 @@ GENERIC_INERT_FIELDS: dict[str, str] = {
     "dtype": "the stored dtype; archon builds in the dtype it is asked for",
     "torch_dtype": "the stored dtype (older name); archon builds in the dtype it is asked for",
     "use_cache": "HF generation's cache switch; archon's engine keeps its own cache",
-    "cache_implementation": "the cache class HF's generate uses (Gemma 2/3 configs say 'hybrid'); archon's engine keeps its own",
+    "cache_implementation": (
+        "the cache class HF's generate uses (Gemma 2/3 configs say 'hybrid'); archon's engine keeps its own"
+    ),
     "bos_token_id": "a token id (the data and the engine read it from the tokenizer and generation config)",
     "eos_token_id": "a token id (the data and the engine read it from the tokenizer and generation config)",
     "pad_token_id": "a token id; archon packs sequences and never pads",

@@ -41,6 +41,15 @@ class ExpertGroups:
         return cls(offsets, expert_of_row, None if grouped else offsets.tolist())
 
 
+class StackedExperts:
+    """What archon knows of a module holding its experts' weights stacked: [E, out, in], or
+    [E, in, out] when `input_major`, multiplied with rows sorted by expert through
+    `_expert_matmul(x, weight_name, groups)`. The MoE layers of the families implement it; a
+    quantized base subclasses them (archon.quant)."""
+
+    input_major = False
+
+
 def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why grouped GEMM cannot run on `device` in `dtype` (logged once), or None when it can."""
     if torch.compiler.is_compiling() and dtype != torch.bfloat16:

@@ -85,9 +85,9 @@ class Router(nn.Module):
         self.routing = RoutingStats(num_experts)
         self.replayed_experts: torch.Tensor | None = None
         """[T, k] expert ids the next forwards use instead of the router's own top-k (-1 rows: the
-        router's own choice); set by archon.models.common.moe.replayed_routing."""
+        router's own choice); set by archon.routing_replay.replayed_routing."""
         self.chosen_experts: list[torch.Tensor] | None = None
-        """While recording (archon.models.common.moe.recorded_routing): each forward's [T, k] choice."""
+        """While recording (archon.routing_replay.recorded_routing): each forward's [T, k] choice."""
 
     @property
     def correction_bias(self) -> torch.Tensor | None:

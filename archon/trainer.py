@@ -53,11 +53,11 @@ from archon.lora import (
 )
 from archon.lora.peft import save_peft_adapter
 from archon.loss_context import LossContext, LossFn, MetricReports, loss_counts
-from archon.models.common.moe import replayed_routing
 from archon.optim import AdapterOptimizer, OptimConfig
 from archon.parallel import ParallelConfig, init_distributed, reduce_partial_grads
 from archon.parallel.context_parallel import TokenSlice, context_parallel_group
 from archon.parallel.parallelize import DTYPES, DTypeName
+from archon.routing_replay import replayed_routing
 
 SINGLE_ADAPTER = ""
 """The name of a single-adapter trainer's adapter (Trainer.adapters)."""
@@ -75,7 +75,7 @@ class TrainerTask:
 ROUTED_EXPERTS_EXTRA = "routed_experts"
 """PackedBatch.extras key of the expert ids to replay: [T, L_moe, k] (int16; -1 rows: the router's
 own choice). A batch that carries it is scored and trained with every MoE router taking these ids
-instead of its own top-k (archon.models.common.moe.replayed_routing)."""
+instead of its own top-k (archon.routing_replay.replayed_routing)."""
 
 TASK_EXTRA = "task"
 """PackedBatch.extras key of a multi-task batch: [T] long, each token's task index (TrainerConfig.tasks order)."""
@@ -131,8 +131,9 @@ def mtp_step_loss(model, hidden: torch.Tensor, batch: PackedBatch, chunk_size: i
     """The MTP layer's auxiliary loss terms on a packed batch: at each position t whose next position
     is trained (loss_mask[t + 1], in the same sequence), the MTP layer predicts token t+2 (labels[t+1])
     from the main model's final hidden state at t and token t+1, with the hidden state, the embedding
-    and the output head detached: the auxiliary loss trains the MTP layer, never the policy. Returns (sum of -log p over those targets, with gradient; top-1
-    hits; target count), the latter two without gradient. hidden: [T, D] `return_hidden` states."""
+    and the output head detached: the auxiliary loss trains the MTP layer, never the policy. Returns
+    (sum of -log p over those targets, with gradient; top-1 hits; target count), the latter two
+    without gradient. hidden: [T, D] `return_hidden` states."""
     T = batch.tokens.shape[0]
     starts = torch.zeros(T, dtype=torch.bool, device=hidden.device)
     starts[batch.cu_seqlens[:-1].long()] = True

@@ -47,8 +47,9 @@ What --tiny changes: everything runs on the CPU at tiny sizes. bf16 runs where i
 CUDA-only; peak memory is the storage the head's tensors allocate (as tests/memory_tracking.py
 counts it), not torch.cuda.max_memory_allocated; throughput runs in fp32 against the fp32 matmul
 peak, and its figures say nothing about a GPU; offload copies CPU tensors into fresh host buffers
-(offload_host_tensors), so only its saved-activation counts, not device memory, are measured; prefill compares tokens and log-probs only (the storage meter
-cannot follow the causal-bias tensor that attention after a prefix passes to SDPA).
+(offload_host_tensors), so only its saved-activation counts, not device memory, are measured;
+prefill compares tokens and log-probs only (the storage meter cannot follow the causal-bias tensor
+that attention after a prefix passes to SDPA).
 
 The last line printed is JSON: {"pass": ..., "checks": {name: {"pass": ..., figures...}}, ...}.
 DIR gets gpu_suite.log (progress, figures, tracebacks) and gpu_suite.json (the same JSON).

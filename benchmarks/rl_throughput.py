@@ -11,8 +11,9 @@ fraction `long_tail_fraction` (10%) of the training prompts ask for their sum wr
 times longer than the others' (25 tokens against 3.6). The demo's warm start has never seen that form, so the benchmark
 first teaches it by a short SFT of the warm start (`long_tail_sft_steps` steps on the mix, cached
 in OUT/long_tail_model_<settings>) and runs every configuration from that model;
-rollout.max_new_tokens is raised to fit the longest answer. Held-out accuracy is measured on the plain 2-digit additions.
-Each run reports `response_length_mean` (tokens a sample), so the tail is seen, not assumed.
+rollout.max_new_tokens is raised to fit the longest answer. Held-out accuracy is measured on the
+plain 2-digit additions. Each run reports `response_length_mean` (tokens a sample), so the tail is
+seen, not assumed.
 
 Per run (the training steps only: start-up and held-out evaluation are not timed):
     samples_per_s, trained_tokens_per_s   samples generated and trained / seconds of the steps
@@ -128,7 +129,7 @@ def _long_tail_files(files, args: BenchArgs, out: Path):
     """(the demo's warm start taught the long form by SFT, the long-tail training file), made once
     under OUT and reused."""
     from archon.batch import PackedBatch
-    from archon.lora.peft import save_merged_hf
+    from archon.checkpoint.hf_weights import save_merged_hf
     from archon.rl.tasks import write_jsonl
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
@@ -223,7 +224,8 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(
-            f"the run at staleness {staleness} ({update_policy}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+            f"the run at staleness {staleness} ({update_policy}) failed:\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_s" in r]

@@ -621,7 +621,8 @@ def _cli() -> None:
         f"archon full-FT {summary['full_ft_peak_rss_mb']:.0f}"
     )
     print(
-        f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
+        f"weights-dominated model ({summary['memory_setting']['params'] / 1e6:.0f}M params): "
+        f"LoRA {summary['lora_mem_peak_rss_mb']:.0f} MB vs "
         f"full {summary['full_mem_peak_rss_mb']:.0f} MB = {summary['lora_over_full_peak_rss']:.2f} "
         f"({summary['lora_over_full_above_baseline']:.2f} above the {summary['process_baseline_rss_mb']:.0f} MB "
         "process baseline)"

@@ -304,7 +304,8 @@ def simulate_episode(
         environment_text = prompt_text[turn_end:]
         bridged = renderer.bridge(sampled_ids, environment)
         assert bridged == encode(environment_text), (
-            f"bridge differs from the template's text after the turn: {renderer.decode(bridged)!r} != {environment_text!r}"
+            "bridge differs from the template's text after the turn: "
+            f"{renderer.decode(bridged)!r} != {environment_text!r}"
         )
         segments.append(("environment", environment_text, bridged))
         trajectory += bridged

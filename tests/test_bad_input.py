@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from archon.build import build_model
 from archon.checkpoint.atomic import atomic_directory, atomic_file
-from archon.checkpoint.hf import HFCheckpoint, load_hf_weights
+from archon.checkpoint.hf import HFCheckpoint
+from archon.checkpoint.hf_weights import load_hf_weights
 from archon.lora import LoRAConfig
 from archon.spec import get_spec, supported_model_types
 

@@ -394,7 +394,8 @@ VALIDATION_CASES = {
     ),
     "group-of-one-cispo": (
         {"rollout.group_size": 1, "algorithm.name": "cispo"},
-        "rollout.group_size=1: algorithm.name='cispo': algorithm 'cispo' normalises each reward within its prompt's group",
+        "rollout.group_size=1: algorithm.name='cispo': "
+        "algorithm 'cispo' normalises each reward within its prompt's group",
     ),
     "dynamic-sampling-with-groups-of-one": (
         {"rollout.group_size": 1, "algorithm.name": "reinforce_pp", "algorithm.dynamic_sampling": True},

@@ -375,7 +375,10 @@ def test_config_validation_names_bad_sources_and_overlapping_held_out_sets(tiny_
     args = ["--model.path", str(tiny_model), "--reward.function", "reasoning_gym", "--rollout.max-new-tokens", "4"]
     with pytest.raises(
         ValueError,
-        match=r"data.path='reasoning_gym:leg_countin': reasoning-gym has no task 'leg_countin' \(close matches: leg_counting",
+        match=(
+            r"data.path='reasoning_gym:leg_countin': reasoning-gym has no task 'leg_countin' "
+            r"\(close matches: leg_counting"
+        ),
     ):
         validate(parse_config([*args, "--data.path", "reasoning_gym:leg_countin"]))
     train = "reasoning_gym:chain_sum?size=100&seed=0"

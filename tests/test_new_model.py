@@ -13,7 +13,11 @@ import pytest
 from archon.tools.new_model import NewModelArgs, main, scaffold
 
 REPO = Path(__file__).resolve().parents[1]
-REGISTRY = '"""Model families."""\n\nfrom archon.models import llama  # noqa: F401\nfrom archon.models import qwen3  # noqa: F401\n'
+REGISTRY = (
+    '"""Model families."""\n\n'
+    "from archon.models import llama  # noqa: F401\n"
+    "from archon.models import qwen3  # noqa: F401\n"
+)
 
 
 @pytest.fixture
@@ -50,16 +54,19 @@ def test_scaffold_of_an_identical_architecture_passes_alignment(root):
     script = (
         "import importlib.util, json, sys\n"
         f"init = {str(root / 'models' / '__init__.py')!r}\n"
-        "spec = importlib.util.spec_from_file_location('archon.models', init, submodule_search_locations=[init[:-12]])\n"
+        "spec = importlib.util.spec_from_file_location('archon.models', init, "
+        "submodule_search_locations=[init[:-12]])\n"
         "sys.modules['archon.models'] = module = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
         "from archon.spec import get_spec\n"
         "from archon.tools.align import AlignArgs, run_alignment\n"
         "spec = get_spec('mistral')\n"
-        "report = run_alignment(AlignArgs(model_type='mistral', config_overrides={'sliding_window': None}, lora_rank=4))\n"
+        "report = run_alignment(AlignArgs(model_type='mistral', "
+        "config_overrides={'sliding_window': None}, lora_rank=4))\n"
         "from archon.agents.renderer import default_renderer_name\n"
         "try:\n    renderer = default_renderer_name('mistral')\nexcept ValueError as e:\n    renderer = str(e)\n"
-        "print(json.dumps({'family': spec.name, 'module': spec.model_cls.__module__, 'file': sys.modules['archon.models'].__file__,"
+        "print(json.dumps({'family': spec.name, 'module': spec.model_cls.__module__,"
+        " 'file': sys.modules['archon.models'].__file__,"
         " 'renderer': renderer,"
         " 'pass': report['pass'], 'failures': report['failures']}))\n"
     )

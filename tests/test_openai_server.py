@@ -18,8 +18,7 @@ import torch
 from archon.agents.environment import StopReason
 from archon.agents.openai_agents import run_agent_group
 from archon.agents.openai_server import ChatCompletionsServer
-from archon.agents.renderer import AssistantTurn, Renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import AssistantTurn, Renderer, ToolCall
 from archon.build import build_model
 from archon.rl.tasks import build_char_tokenizer
 from archon.rollout.base import SamplingParams

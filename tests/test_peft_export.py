@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from archon.build import build_model
+from archon.checkpoint.hf_weights import save_merged_hf
 from archon.lora import LoRAConfig, lora_parameters
-from archon.lora.peft import (
-    ADAPTER_CONFIG,
-    load_peft_adapter,
-    lora_config_from_peft,
-    save_merged_hf,
-    save_peft_adapter,
-)
+from archon.lora.peft import ADAPTER_CONFIG, load_peft_adapter, lora_config_from_peft, save_peft_adapter
 from archon.tools.align import packed_batch
 
 

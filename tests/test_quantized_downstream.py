@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 from archon.batch import PackedBatch
 from archon.build import LoadedModel, build_model
 from archon.checkpoint.hf import HFCheckpoint, save_hf_checkpoint
+from archon.checkpoint.hf_weights import save_merged_hf
 from archon.lora import LoRAConfig, is_lora_param, lora_parameters
-from archon.lora.peft import save_merged_hf
 from archon.optim import OptimConfig
 from archon.precision import fp32_islands_in_fp64
 from archon.quant import (

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from archon.agents.renderer import get_renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import ToolCall, get_renderer
 from tests.renderer_cases import build_bpe_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -743,7 +742,8 @@ def test_gpt_oss_tool_schema_types_match_the_template():
     [
         # harmony's own header form: the recipient after the channel, <|constrain|>json
         (
-            '<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "a"}<|call|>',
+            "<|channel|>analysis<|message|>think<|end|><|start|>assistant"
+            '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "a"}<|call|>',
             [ToolCall("search", {"query": "a"})],
             "",
             "think",
@@ -855,7 +855,8 @@ def test_glm_bridge_after_another_stop_token_writes_the_whole_message():
     "text, calls, content, reasoning, error",
     [
         (
-            "\n<think>plan</think>\nLet me look.\n<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>12</arg_value>\n"
+            "\n<think>plan</think>\nLet me look.\n<tool_call>search\n"
+            "<arg_key>query</arg_key>\n<arg_value>12</arg_value>\n"
             "<arg_key>limit</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call><|observation|>",
             [ToolCall("search", {"query": "12", "limit": 3}), ToolCall("now", {})],
             "Let me look.",
@@ -864,7 +865,8 @@ def test_glm_bridge_after_another_stop_token_writes_the_whole_message():
         ),
         # the arguments on the name's line, and a value of an undeclared parameter read as JSON
         (
-            "<tool_call>search<arg_key>query</arg_key><arg_value>a</arg_value><arg_key>extra</arg_key><arg_value>[1, 2]</arg_value></tool_call><|observation|>",
+            "<tool_call>search<arg_key>query</arg_key><arg_value>a</arg_value>"
+            "<arg_key>extra</arg_key><arg_value>[1, 2]</arg_value></tool_call><|observation|>",
             [ToolCall("search", {"query": "a", "extra": [1, 2]})],
             "",
             None,
@@ -900,7 +902,8 @@ def test_glm_bridge_after_another_stop_token_writes_the_whole_message():
             "unreadable arguments",
         ),
         (
-            "<tool_call>now\n</tool_call> and then some<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>b</arg_value>\n</tool_call><|user|>",
+            "<tool_call>now\n</tool_call> and then some"
+            "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>b</arg_value>\n</tool_call><|user|>",
             [ToolCall("now", {}), ToolCall("search", {"query": "b"})],
             "",
             None,
@@ -1064,7 +1067,8 @@ KCALL, KARG, KEND = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|to
     "text, calls, content, reasoning, error",
     [
         (
-            f'<think>look it up</think>Looking.{SECTION}{KCALL}functions.search:0{KARG}{{"query": "a"}}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+            f'<think>look it up</think>Looking.{SECTION}{KCALL}functions.search:0{KARG}{{"query": "a"}}{KEND}'
+            f"{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}",
             [ToolCall("search", {"query": "a"}, "functions.search:0"), ToolCall("now", {}, "functions.now:1")],
             "Looking.",
             "look it up",
@@ -1074,7 +1078,8 @@ KCALL, KARG, KEND = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|to
         ("no reasoning<|im_end|>", [], "no reasoning", None, None),
         ("<think>unfinished", [], "", "unfinished", "<think> is not closed by </think>"),
         (
-            f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}{{"query": }}{KEND}{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}',
+            f'<think></think>{SECTION}{KCALL}functions.search:0{KARG}{{"query": }}{KEND}'
+            f"{KCALL}functions.now:1{KARG}{{}}{KEND}{SECTION_END}",
             [ToolCall("now", {}, "functions.now:1")],
             "",
             "",

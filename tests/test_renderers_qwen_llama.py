@@ -24,8 +24,7 @@ from renderer_cases import (
 )
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from archon.agents.renderer import default_renderer_name, get_renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import ToolCall, default_renderer_name, get_renderer
 
 N_EPISODES = 1000
 
@@ -272,7 +271,8 @@ def qwen3_parse(text, stop=True):
 
 def test_qwen3_parse_turn_well_formed():
     turn = qwen3_parse(
-        '<think>\nplan\n</think>\n\nOK\n<tool_call>\n{"name": "search", "arguments": {"query": "a\\nb"}}\n</tool_call>\n'
+        "<think>\nplan\n</think>\n\nOK\n"
+        '<tool_call>\n{"name": "search", "arguments": {"query": "a\\nb"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "python", "arguments": {}}\n</tool_call>'
     )
     assert (turn.reasoning, turn.content, turn.parse_error) == ("plan", "OK", None)
@@ -292,7 +292,8 @@ HERMES_MALFORMED = pytest.mark.parametrize(
     [
         (
             '<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>\n' + GOOD_CALL,
-            """tool call 1 is not valid JSON (Expecting value at line 2 column 43): '{"name": "search", "arguments": {"query": }'""",
+            "tool call 1 is not valid JSON (Expecting value at line 2 column 43): "
+            """'{"name": "search", "arguments": {"query": }'""",
             1,
         ),
         (
@@ -915,11 +916,13 @@ def test_llama3_parse_turn_well_formed():
     [
         (
             '{"name": "search", "parameters": {"query": }}',
-            """tool call 1 is not valid JSON (Expecting value at line 1 column 44): '{"name": "search", "parameters": {"query": }}'""",
+            "tool call 1 is not valid JSON (Expecting value at line 1 column 44): "
+            """'{"name": "search", "parameters": {"query": }}'""",
         ),
         (
             '{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}',
-            """tool call 1 is not valid JSON (Extra data at line 1 column 37): '{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}'""",
+            "tool call 1 is not valid JSON (Extra data at line 1 column 37): "
+            """'{"name": "search", "parameters": {}}; {"name": "python", "parameters": {}}'""",
         ),
         (
             '{"name": "search", "arguments": {}}',

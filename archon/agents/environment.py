@@ -22,34 +22,11 @@ rewards once all of its episodes are over (a ranking, a pass@k credit).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from archon.agents.renderer import AssistantTurn, Message
 from archon.agents.tools import Tool, ToolResult
-
-if TYPE_CHECKING:
-    from archon.agents.trajectory import Trajectory
-
-
-class StopReason(str, enum.Enum):
-    """Why an episode ended."""
-
-    DONE = "done"
-    """The environment said so."""
-    TURN_LIMIT = "turn_limit"
-    """It reached the most assistant turns allowed."""
-    TOKEN_BUDGET = "token_budget"
-    """Its tokens reached the trajectory's budget, or a turn reached the per-turn limit unfinished."""
-    TOOL_BUDGET = "tool_budget"
-    """A turn asked for more tool calls than the episode had left."""
-    PARSE_ERROR = "parse_error"
-    """The model's turn had a malformed tool call."""
-    TIMEOUT = "timeout"
-    """The environment's reset or step took longer than allowed."""
-    ENV_ERROR = "env_error"
-    """The environment raised."""
+from archon.agents.trajectory import StopReason, Trajectory  # noqa: F401 - StopReason at its old path for one release
 
 
 @dataclass

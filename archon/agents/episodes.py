@@ -28,8 +28,8 @@ from archon.agents.environment import Environment, EnvStep, StopReason
 from archon.agents.renderer import AssistantTurn, Message, Renderer
 from archon.agents.tools import ToolCall, ToolResult
 from archon.agents.trajectory import Trajectory
-from archon.rl.reward_worker import describe_exception
 from archon.rollout.base import Sample, SamplingParams
+from archon.workers import describe_exception
 
 Generate = Callable[[list[list[int]], SamplingParams, list | None], list[Sample]]
 """(prompts, sampling, sessions: one key per sample or None) -> samples, as RolloutEngine.generate."""

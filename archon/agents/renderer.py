@@ -30,12 +30,22 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from archon.agents.tools import ToolCall
+from archon.spec import _load_families, get_spec
 
 Message = dict[str, Any]
 """A chat message as HF chat templates take it: {"role", "content"} and, for an assistant,
 "reasoning_content" and "tool_calls" ([{"type": "function", "function": {"name", "arguments"}}],
 arguments a dict), for a tool result "tool_call_id" / "name"."""
+
+
+@dataclass
+class ToolCall:
+    """A call the model made: the tool's name and its arguments (an object, or the JSON text of one
+    as the model wrote it)."""
+
+    name: str
+    arguments: dict[str, Any] | str
+    id: str | None = None
 
 
 @dataclass
@@ -129,7 +139,6 @@ def register_renderer(cls: type[Renderer]) -> type[Renderer]:
 
 
 def renderer_names() -> list[str]:
-    from archon.spec import _load_families
 
     _load_families()
     return sorted(_RENDERERS)
@@ -145,14 +154,14 @@ def get_renderer(name: str, tokenizer, **options) -> Renderer:
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(
-            f"renderer {name!r} has no option {unknown[0]!r}; its options: {sorted(set(accepted) - {'self', 'tokenizer'})}"
+            f"renderer {name!r} has no option {unknown[0]!r}; "
+            f"its options: {sorted(set(accepted) - {'self', 'tokenizer'})}"
         )
     return _RENDERERS[name](tokenizer, **options)
 
 
 def default_renderer_name(model_type: str) -> str:
     """The renderer a family names for an HF model_type (ModelSpec.renderers)."""
-    from archon.spec import get_spec
 
     spec = get_spec(model_type)
     if model_type not in spec.renderers:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from archon.agents.environment import Environment, ToolUseEnvironment
 from archon.agents.episodes import EpisodeLimits, EpisodeRunner
 from archon.agents.renderer import default_renderer_name, get_renderer
-from archon.rl.reward_fns import import_function
+from archon.agents.sandbox import resolve_tool
+from archon.agents.tools import ToolRunner
+from archon.workers import import_function
 
 TOOL_USE = "tool_use"
 """The built-in environment's name (ToolUseEnvironment)."""
@@ -50,8 +52,6 @@ class EnvironmentConfig:
 
 def environment_factory(config: EnvironmentConfig, prompt_field: str):
     """(make_env, tools) for the configured environment."""
-    from archon.agents.sandbox import resolve_tool
-
     if config.name == TOOL_USE:
         tools = [resolve_tool(spec) for spec in config.tools]
         return (lambda: ToolUseEnvironment(tools, config.system_prompt, prompt_field)), tools
@@ -73,8 +73,6 @@ def renderer_options(config: EnvironmentConfig) -> dict:
 def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, prompt_field: str):
     """(EpisodeRunner, ToolRunner) of a task, or (AgentEpisodes, None) for an agent function;
     close the ToolRunner when the run ends."""
-    from archon.agents.tools import ToolRunner
-
     renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **renderer_options(config))
     if config.agent is not None:
         from archon.agents.openai_agents import AgentEpisodes

@@ -6,7 +6,7 @@
 
 A tool function takes JSON-typed, annotated parameters and returns a string or a JSON-able value.
 The runner never runs it in this process: calls go to `num_workers` worker processes
-(`python -m archon.agents.tools PARENT_PID`, speaking the framing of archon.rl.reward_worker) under
+(`python -m archon.agents.tools PARENT_PID`, speaking the framing of archon.workers) under
 an address-space limit; a worker that times out or dies is killed and replaced. Every failure is a
 `ToolResult` with a status, never an exception, so one bad call cannot stop a rollout.
 """
@@ -27,8 +27,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
-from archon.rl.reward_fns import import_function
-from archon.rl.reward_worker import WorkerPool, run_on_workers, serve
+from archon.agents.renderer import ToolCall
+from archon.workers import WorkerPool, import_function, run_on_workers, serve
 
 ToolStatus = Literal["ok", "error", "timeout", "unknown_tool", "bad_arguments", "output_truncated", "memory"]
 
@@ -157,16 +157,6 @@ def resolve_function(spec: str) -> Callable[..., Any]:
     if not sep or not module_name or not attr:
         raise ValueError(f"tool function {spec!r} must be 'module:function'")
     return import_function(module_name, attr, f"tool function {spec!r}")
-
-
-@dataclass
-class ToolCall:
-    """A call the model made: the tool's name and its arguments (an object, or the JSON text of one
-    as the model wrote it)."""
-
-    name: str
-    arguments: dict[str, Any] | str
-    id: str | None = None
 
 
 @dataclass

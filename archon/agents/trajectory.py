@@ -16,11 +16,30 @@ loss, with their own log-probs and versions, turn after turn.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from archon.agents.environment import StopReason
 from archon.agents.renderer import Message
 from archon.rollout.base import Sample
+
+
+class StopReason(str, enum.Enum):
+    """Why an episode ended."""
+
+    DONE = "done"
+    """The environment said so."""
+    TURN_LIMIT = "turn_limit"
+    """It reached the most assistant turns allowed."""
+    TOKEN_BUDGET = "token_budget"
+    """Its tokens reached the trajectory's budget, or a turn reached the per-turn limit unfinished."""
+    TOOL_BUDGET = "tool_budget"
+    """A turn asked for more tool calls than the episode had left."""
+    PARSE_ERROR = "parse_error"
+    """The model's turn had a malformed tool call."""
+    TIMEOUT = "timeout"
+    """The environment's reset or step took longer than allowed."""
+    ENV_ERROR = "env_error"
+    """The environment raised."""
 
 
 @dataclass

@@ -173,51 +173,6 @@ def expected_base_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not is_lora_param(k)}
 
 
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, converter: StateDictConverter, checkpoint: HFCheckpoint) -> None:
-    """Copy every base weight from `checkpoint` into `model`; fail naming any missing, unexpected or
-    mis-shaped key before anything is copied. A quantized checkpoint (archon.quant.QuantizedCheckpoint)
-    fills the weights the model keeps quantized with their storage and dequantizes the others."""
-    from archon.quant.checkpoint import load_quantized_weight
-    from archon.quant.modules import is_quantized_storage, quantized_weights
-
-    quantized = quantized_weights(model)
-    hf_keys = checkpoint.keys()
-    expected = {k: v for k, v in expected_base_params(model).items() if not is_quantized_storage(k)}
-    for key, (module, name) in quantized.items():
-        expected[key] = torch.empty(module._quantized[name].shape, device="meta")
-    plan: dict[str, list[str]] = {}
-    missing: list[str] = []
-    for key in expected:
-        sources = converter.hf_sources(key, hf_keys)
-        absent = [s for s in sources if s not in hf_keys]
-        if absent:
-            missing.append(f"{absent[0]!r} (for {key!r})")
-        plan[key] = sources
-    used = {s for sources in plan.values() for s in sources}
-    unexpected = sorted(k for k in hf_keys - used if not converter.is_ignored(k))
-    errors = []
-    if missing:
-        errors.append(f"missing {len(missing)} key(s): " + ", ".join(missing[:5]))
-    if unexpected:
-        errors.append(f"unexpected {len(unexpected)} key(s): " + ", ".join(repr(k) for k in unexpected[:5]))
-    if errors:
-        raise KeyError(f"checkpoint {str(checkpoint.path)!r} does not match the model: " + "; ".join(errors))
-
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    for key, sources in plan.items():
-        check_source_shapes(converter, checkpoint, key, sources, tuple(expected[key].shape))
-    for key, sources in plan.items():
-        if key in quantized:
-            load_quantized_weight(*quantized[key], converter, checkpoint, key, sources)
-            continue
-        target = params[key]
-        local = read_local(converter, checkpoint, key, sources, target)
-        warn_non_finite(sources[0] if len(sources) == 1 else key, local, checkpoint.file_of(sources[0]))
-        copy_local_into(target, local, key)
-
-
 def local_region(target: torch.Tensor) -> tuple[slice, ...] | None:
     """The box of the global tensor this rank holds (DTensor shards), or None for the whole tensor."""
     from torch.distributed.tensor import DTensor

@@ -224,7 +224,8 @@ def _check_shards(path: Path, metadata, tensors: bool = True) -> list[str]:
                         torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
                     except Exception as e:
                         problems.append(
-                            f"{shard} is corrupt: {index.fqn!r} does not load with weights_only=True ({_load_failure(e)})"
+                            f"{shard} is corrupt: {index.fqn!r} does not load with weights_only=True "
+                            f"({_load_failure(e)})"
                         )
                         break
         except OSError as e:

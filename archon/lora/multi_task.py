@@ -276,9 +276,7 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
             view.lora_dropout = nn.Dropout(adapter.dropout) if adapter.dropout > 0 else nn.Identity()
             view.lora_enabled = self.lora_enabled
         if "weight" in self.__dict__.get("_quantized", {}):  # a quantized base: the view shares its storage
-            from archon.quant.modules import share_quantized_weight
-
-            share_quantized_weight(self, view, "weight")
+            self.share_quantized_weight(view, "weight")  # archon.quant.modules.QuantizedWeights
         else:
             view.weight = self.weight
         view.bias = self.bias

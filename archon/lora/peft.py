@@ -6,7 +6,6 @@ The adapter directory holds `adapter_model.safetensors` and `adapter_config.json
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from collections.abc import Iterator
@@ -22,38 +21,25 @@ from archon.checkpoint.atomic import (
     atomic_write_json,
 )
 from archon.checkpoint.hf import (
-    HFCheckpoint,
     copy_local_into,
     local_region,
     open_safetensors,
     read_json_file,
-    save_hf_checkpoint,
     warn_non_finite,
 )
 from archon.checkpoint.state_dict_converter import StateDictConverter
+from archon.dtensor import full_tensor
 from archon.lora.config import LoRAConfig
 from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, merged_weight
 from archon.lora.utils import (
     is_lora_param,
     lora_modules,
     lora_parameters,
-    merge_lora,
-    unmerge_lora,
 )
-from archon.quant.formats import QuantFormat
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_CARD = "README.md"
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor with the whole value, gathering DTensor shards (FSDP/TP) when needed."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        return t.full_tensor()
-    return t
 
 
 def merged_named_tensors(model: nn.Module, named_params) -> Iterator[tuple[str, torch.Tensor]]:
@@ -356,77 +342,6 @@ def load_peft_adapter(model: nn.Module, converter: StateDictConverter, adapter_d
         copy_local_into(params[key], tensor if region is None else tensor[region], key)
 
 
-def save_merged_hf(
-    model: nn.Module,
-    converter: StateDictConverter,
-    out_dir: str | os.PathLike,
-    hf_config: dict,
-    source_dir: str | os.PathLike | None = None,
-    write: bool = True,
-    requantize: tuple[QuantFormat, frozenset[str]] | None = None,
-) -> Path:
-    """Write base + s*B@A as a plain HF checkpoint (merged in fp32), leaving the model unmerged.
-
-    Without LoRA this writes the model as it is (e.g. after full fine-tuning). Under FSDP/TP every
-    rank calls this (shards are gathered); only `write=True` ranks write. `source_dir`, the checkpoint
-    the model was built from, gives the tokenizer files and the weights archon does not build but
-    the export must carry (`StateDictConverter.carried_hf_keys`, e.g. a vision tower).
-
-    A model built from a quantized checkpoint (archon.quant; kept quantized or dequantized at load)
-    is written by default dequantized, in its build dtype, as W + s*B@A, without
-    `quantization_config`: that is the trained model exactly. `requantize` = (format, the HF weights
-    the source stored in it), i.e. (LoadedModel.quant_format, LoadedModel.quantized_hf_keys), writes
-    those weights again in the source's format after the merge, with the same tensor names, dtypes
-    and shapes as the source and its `quantization_config`: a checkpoint of the source's size that
-    the source's serving kernels run, but rounded to the format's grid, so adapter deltas smaller
-    than half a quantization step of their block are lost (archon.quant.export.requantized)."""
-    from archon.quant import dense_base_tensors, quantized_weights
-    from archon.quant.export import requantized
-
-    quantized = bool(quantized_weights(model))
-    # The written weights are in the format `requantize` names, or plain: the source's
-    # quantization_config (which a model dequantized at load has too) describes neither.
-    hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
-    if requantize is not None:
-        hf_config["quantization_config"] = requantize[0].quantization_config()
-    if not quantized:
-        merge_lora(model)
-    try:
-        if quantized:  # the adapter is added to a dequantized copy of each weight
-            base = dict(merged_named_tensors(model, dense_base_tensors(model)))
-            for key, value in model.state_dict().items():  # persistent buffers
-                if not is_lora_param(key) and not key.endswith(("_qdata", "_qscale")) and key not in base:
-                    base[key] = full_tensor(value)
-        else:
-            base = {k: full_tensor(v) for k, v in model.state_dict().items() if not is_lora_param(k)}
-        extra = {}
-        if source_dir is not None:
-            for f in Path(source_dir).iterdir():
-                if f.name.startswith(
-                    ("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")
-                ):
-                    extra[f.name] = f.read_bytes()
-        path = Path(out_dir)
-        if write:
-            tensors = converter.iter_to_hf(base.items())
-            if requantize is not None:
-                tensors = requantized(tensors, *requantize, complete=True)
-            if source_dir is not None and converter.carried_hf_keys:
-                tensors = itertools.chain(tensors, _carried_tensors(converter, source_dir))
-            save_hf_checkpoint(tensors, out_dir, hf_config, extra_files=extra)
-    finally:
-        if not quantized:
-            unmerge_lora(model)
-    return path
-
-
-def _carried_tensors(converter: StateDictConverter, source_dir: str | os.PathLike):
-    checkpoint = HFCheckpoint(source_dir)
-    for key in sorted(checkpoint.keys()):
-        if converter.is_carried(key):
-            yield key, checkpoint.get(key)
-
-
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
@@ -438,6 +353,5 @@ __all__ = [
     "peft_target_module_names",
     "read_adapter_weights",
     "read_peft_config",
-    "save_merged_hf",
     "save_peft_adapter",
 ]

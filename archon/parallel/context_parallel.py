@@ -10,8 +10,9 @@ mixer needs whole sequences, so it trades the token split for a head split (all-
 
 runs the mixer on whole sequences (causal attention within cu_seqlens, or the gated delta rule with
 its short convolution), then trades back. The trainer passes the group to the model's forward
-(`context_parallel=`), which hands it to every mixer; a forward without it (generation) runs whole. Heads are independent in every mixer, so the result is
-the one-rank result. Key/value heads fewer than `cp` (GQA) are repeated up to `cp` first.
+(`context_parallel=`), which hands it to every mixer; a forward without it (generation) runs whole.
+Heads are independent in every mixer, so the result is the one-rank result. Key/value heads fewer
+than `cp` (GQA) are repeated up to `cp` first.
 
 The per-token log-probs (and entropies) of the slices are then gathered on every rank, so the loss
 function sees the whole micro-batch exactly as without context parallelism; the backward hands each

@@ -9,8 +9,8 @@ so the adapter branch needs no communication of its own in the forward: the colu
 yields the same output shard as the base, and the row-parallel branch yields a partial sum that is
 reduced together with the base output. Plain nn.Linear modules take the same styles (without the
 LoRA entries), and a multi-task MultiLoRALinear gives every task's factors (`tasks.<task>.lora_a.weight`,
-...) the layout of a single adapter's. Parameters that end up replicated but see sharded activations get partial gradients;
-`reduce_partial_grads` (or FSDP2, when it manages the parameter) sums them.
+...) the layout of a single adapter's. Parameters that end up replicated but see sharded activations
+get partial gradients; `reduce_partial_grads` (or FSDP2, when it manages the parameter) sums them.
 
 Module names in plans are relative to the module the plan is applied to; `*` matches one level,
 e.g. {"layers.*.self_attn.q_proj": colwise()}.
@@ -35,6 +35,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from archon.lora.utils import is_lora_param
+from archon.quant.modules import QuantizedWeights
 
 
 def _distribute_params(module: nn.Module, mesh, placements: Mapping[str, Placement]) -> None:
@@ -302,8 +303,6 @@ def require_whole_scale_blocks(module: nn.Module, plan: Mapping[str, ParallelSty
     row-parallel linear shards the weight's input features, and each rank must hold the scales of
     exactly its columns. Column-parallel linears split rows, which the storage allows anywhere.
     `prefix`: `module`'s name in the model, for the error."""
-    from archon.quant.modules import QuantizedWeights
-
     for name, style in _plan_matches(module, plan):
         sub = module.get_submodule(name)
         if not isinstance(style, _LinearParallel) or style.param_placements["weight"] != Shard(1):

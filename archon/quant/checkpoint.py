@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from archon.checkpoint.hf import HFCheckpoint
+from archon.checkpoint.hf import HFCheckpoint, _combine_is_stack_of_cat, copy_local_into, local_region
 from archon.quant.formats import QuantFormat, dequantize, fp8_rows_from_checkpoint
 
 _FP8_DTYPE = "F8_E4M3"
@@ -233,7 +233,6 @@ def load_quantized_weight(
     """Fill the storage of quantized weight `name` of `module` (archon key `key`) from its
     checkpoint `sources`, reading only this rank's experts when they are stacked from per-expert
     tensors."""
-    from archon.checkpoint.hf import _combine_is_stack_of_cat, copy_local_into, local_region
 
     info = module._quantized[name]
     plain = [s for s in sources if s not in checkpoint.quantized]

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from archon.grouped_mm import ExpertGroups, expert_matmul
+from archon.dtensor import full_tensor
+from archon.grouped_mm import ExpertGroups, StackedExperts, expert_matmul
 from archon.lora.layers import LoRALinear, frozen_base_lora_backward, frozen_base_lora_forward
-from archon.models.common.moe import GroupedExperts
 from archon.quant.formats import QuantFormat, dequantize
 
 
@@ -57,6 +57,10 @@ class QuantizedWeights:
     QuantizedWeight)."""
 
     _quantized: dict[str, QuantizedWeight]
+
+    def share_quantized_weight(self, view: nn.Module, name: str) -> None:
+        """Make `view` hold this module's quantized weight `name` (see `share_quantized_weight`)."""
+        share_quantized_weight(self, view, name)
 
     def __getattr__(self, name: str):
         quantized = self.__dict__.get("_quantized")
@@ -264,7 +268,7 @@ def quantized_class(cls: type, key: str) -> type:
     """The quantized variant of module class `cls` (made once per class); an error naming the
     parameter `key` for a module that cannot hold a quantized weight."""
     if cls not in _QUANTIZED_CLASSES:
-        if issubclass(cls, GroupedExperts):
+        if issubclass(cls, StackedExperts):
             mixin = QuantizedExperts
         elif issubclass(cls, nn.Linear):  # other linears (a multi-task LoRA linear) dequantize via `weight`
             mixin = QuantizedWeights
@@ -287,7 +291,7 @@ def quantize_base_weights(model: nn.Module, keys: dict[str, QuantFormat], dtype:
         if param is None:
             raise KeyError(f"{key!r} is not a parameter of the model")
         cls = type(module) if isinstance(module, QuantizedWeights) else quantized_class(type(module), key)
-        transposed = isinstance(module, GroupedExperts) and module.input_major and name in ("gate_up_proj", "down_proj")
+        transposed = isinstance(module, StackedExperts) and module.input_major and name in ("gate_up_proj", "down_proj")
         shape = tuple(param.shape)
         rows_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
         if fmt.method == "mxfp4" and rows_shape[-1] % 32:
@@ -331,8 +335,6 @@ def is_quantized_storage(key: str) -> bool:
 def dense_base_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of `module`'s parameters, one at a time, each quantized weight's storage pair
     replaced by the weight dequantized in its build dtype (whole: DTensor shards gathered)."""
-    from archon.lora.peft import full_tensor
-
     for path, sub in module.named_modules(prefix=prefix):
         for name, param in sub.named_parameters(recurse=False):
             if name.endswith("_qscale"):

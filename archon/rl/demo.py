@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from archon.batch import PackedBatch
 from archon.checkpoint.atomic import atomic_file, replace_directory
-from archon.lora.peft import save_merged_hf
+from archon.checkpoint.hf_weights import save_merged_hf
 from archon.recipes.grpo_lora import DEMO_CONFIG
 from archon.rl import code_tool_demo, reasoning_gym_demo
 from archon.rl.config import DemoConfig, load_config_file

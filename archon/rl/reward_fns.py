@@ -25,6 +25,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from archon.workers import import_function
+
 RewardFn = Callable[[str, str, Any], float]
 
 
@@ -96,18 +98,6 @@ def reward_function_problem(spec: str) -> str | None:
     if found is None:
         return f"no module named {module_name!r} (looked on sys.path; add its directory to PYTHONPATH)"
     return None
-
-
-def import_function(module_name: str, attr: str, label: str) -> Callable:
-    """The callable at `attr` (a dotted attribute path) of module `module_name`; errors begin with `label`."""
-    fn = importlib.import_module(module_name)
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(f"{label}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ValueError(f"{label} is not callable")
-    return fn
 
 
 def resolve_reward_function(spec: str) -> RewardFn:

@@ -196,7 +196,8 @@ class KVCache:
         """
         if num_rows > self.num_rows_total or num_slots > self.num_slots:
             raise ValueError(
-                f"a decode step over {num_rows} rows and {num_slots} slots exceeds the cache's {self.num_rows_total} and {self.num_slots}"
+                f"a decode step over {num_rows} rows and {num_slots} slots "
+                f"exceeds the cache's {self.num_rows_total} and {self.num_slots}"
             )
         if suffix_span > self.max_new_tokens or prefix_span > self.max_prompt_len:
             raise ValueError(

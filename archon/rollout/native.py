@@ -100,7 +100,6 @@ from torch import nn
 
 from archon.head import full_vocab_logits
 from archon.lora import adapter_routing, cached_task_factors, lora_parameters, task_names
-from archon.models.common.moe import moe_routers, recorded_routing, take_recorded
 from archon.parallel.tensor_parallel import local_tensor
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.kv_cache import KeptState, KVCache
@@ -113,6 +112,7 @@ from archon.rollout.speculative import (
     processed_logprobs,
     prompt_chunks,
 )
+from archon.routing_replay import moe_routers, recorded_routing, take_recorded
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,8 @@ class NativeRolloutEngine:
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
-                f"max_batch_sequences ({max_batch_sequences}) and stop_check_interval ({stop_check_interval}) must be >= 1"
+                f"max_batch_sequences ({max_batch_sequences}) and "
+                f"stop_check_interval ({stop_check_interval}) must be >= 1"
             )
         if max_session_tokens is not None and max_session_tokens < 0:
             raise ValueError(f"max_session_tokens must be >= 0 or None, got {max_session_tokens}")

@@ -139,7 +139,10 @@ def merged_needs_collective(config: VLLMConfig, lora: bool) -> str:
     if config.mode is not None:
         why = f"rollout.vllm.mode={config.mode!r}"
     else:
-        why = f"the model is served merged (rollout.vllm.mode is unset: {'its family is served merged' if lora else 'no LoRA'})"
+        why = (
+            "the model is served merged (rollout.vllm.mode is unset: "
+            f"{'its family is served merged' if lora else 'no LoRA'})"
+        )
     return (
         f"rollout.vllm.transport={config.transport!r}: {why}, and merged weights go over the collective "
         "transport only; set rollout.vllm.transport='collective'"

@@ -1,7 +1,7 @@
 """vLLM server processes: launch (with the command line and environment of
-archon.rollout.vllm_launch), wait until healthy, their logs and the root cause of a failure, HTTP requests to them, archon's worker RPCs
-(/collective_rpc), and shutdown. Generation (archon.rollout.vllm) and weight sync (archon.sync)
-both talk to servers through `VLLMServers`.
+archon.rollout.vllm_launch), wait until healthy, their logs and the root cause of a failure, HTTP
+requests to them, archon's worker RPCs (/collective_rpc), and shutdown. Generation
+(archon.rollout.vllm) and weight sync (archon.sync) both talk to servers through `VLLMServers`.
 
 Security: a launched server listens on `host` (loopback by default). Only the collective transport
 needs vLLM's dev mode (`/collective_rpc`), which vLLM's `--api-key` does not guard; a launch in dev

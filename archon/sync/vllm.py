@@ -19,11 +19,12 @@ Updates during generation (generation may run in another thread), under the upda
 'continue' (rollout.update_policy): requests in flight let go of the replaced version at their next
 streamed token and go on under the new one (archon.rollout.vllm), so the replaced adapter is
 unloaded within the publish, and a merged publish waits only for that. Under 'finish' (the
-default): in adapter mode a request in flight keeps the adapter it started with; a replaced adapter is unloaded (and its files or tensors
-dropped) at a later publish, once no request of any trainer rank holds it. In merged mode a
-publish holds new requests back, waits for those in flight on every rank, swaps the weights, and
-lets the held requests go on the new version once every rank knows the swap is done. A publish
-never waits for requests not yet started. A failure on rank 0 is raised on every rank.
+default): in adapter mode a request in flight keeps the adapter it started with; a replaced adapter
+is unloaded (and its files or tensors dropped) at a later publish, once no request of any trainer
+rank holds it. In merged mode a publish holds new requests back, waits for those in flight on every
+rank, swaps the weights, and lets the held requests go on the new version once every rank knows the
+swap is done. A publish never waits for requests not yet started. A failure on rank 0 is raised on
+every rank.
 """
 
 from __future__ import annotations

@@ -694,7 +694,8 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("quantization"):
         lines.append(
             f"quantized checkpoint: {report['quantization']}, {report['quantized_tensors']} weights stored quantized; "
-            f"archon keeps {report['archon_quantized_weights']} weights quantized, HF runs on the reference dequantization"
+            f"archon keeps {report['archon_quantized_weights']} weights quantized, "
+            "HF runs on the reference dequantization"
         )
     for i, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))

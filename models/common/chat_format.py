@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from archon.agents.renderer import Message
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import Message, ToolCall
 
 ROLES = ("system", "user", "assistant", "tool")
 THINK_OPEN = "<think>"
@@ -196,7 +195,8 @@ def parse_json_tool_call(
     except json.JSONDecodeError as e:
         return (
             None,
-            f"tool call {number} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}",
+            f"tool call {number} is not valid JSON "
+            f"({e.msg} at line {e.lineno} column {e.colno}): {body.strip()[:80]!r}",
         )
     if not isinstance(value, dict):
         return None, f'tool call {number} is a JSON {json_type(value)}, not an object with "name" and "{arguments_key}"'
@@ -211,7 +211,8 @@ def parse_json_tool_call(
     if not isinstance(value[arguments_key], dict):
         return (
             None,
-            f'tool call {number} ({name}): "{arguments_key}" is a JSON {json_type(value[arguments_key])}, not an object',
+            f'tool call {number} ({name}): "{arguments_key}" is a JSON '
+            f"{json_type(value[arguments_key])}, not an object",
         )
     return ToolCall(name=name, arguments=value[arguments_key]), None
 

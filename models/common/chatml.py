@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from archon.agents.renderer import Message, Renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import Message, Renderer, ToolCall
 from archon.models.common.chat_format import check_messages, parse_json_tool_call, require_stop, template_json
 
 IM_START = "<|im_start|>"

@@ -75,8 +75,9 @@ class HybridDecoderLM(PackedDecoderLM):
 def hybrid_mtp_layers(args, mlp: nn.Module, lora: LoRAConfig | None, fused_projections: bool = False) -> nn.ModuleList:
     """The MTP layers of a hybrid checkpoint (Qwen3.5, Qwen3-Next): `args.num_mtp_layers` (at most
     one) of models/common/mtp.py, whose block is a full-attention layer with `mlp` and, when
-    `args.mtp_lora`, the model's `lora` (as `mlp` must be built), and whose norms are zero-centred. The checkpoint layout has one `mtp.fc` and one set of norms for all
-    its MTP blocks, so more than one layer is refused."""
+    `args.mtp_lora`, the model's `lora` (as `mlp` must be built), and whose norms are zero-centred.
+    The checkpoint layout has one `mtp.fc` and one set of norms for all its MTP blocks, so more than
+    one layer is refused."""
     if args.num_mtp_layers > 1:
         raise ValueError(
             f"the checkpoint has {args.num_mtp_layers} MTP layers (config.{args.mtp_config_field}); archon builds "

@@ -100,8 +100,9 @@ class MultiHeadLatentAttention(nn.Module):
         cache=None,
         context_parallel=None,
     ) -> torch.Tensor:
-        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> [T, dim]. context_parallel: see packed_attention. `cache`: a layer's KV cache during
-        generation (archon/rollout/kv_cache.py), which holds the expanded per-head keys and values."""
+        """x: [T, dim], cos/sin: [T, qk_rope_head_dim] -> [T, dim]. context_parallel: see
+        packed_attention. `cache`: a layer's KV cache during generation (archon/rollout/kv_cache.py),
+        which holds the expanded per-head keys and values."""
         q, k, v, _ = self.project(x, cos, sin)
         out = None if cache is None else cache.attention(q, k, v, self.scale)
         if out is None:  # training, or a prefill (the cache has stored k and v)

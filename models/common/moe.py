@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_expert_weight
-from archon.load_balance import Router, routers
+from archon.grouped_mm import (
+    ExpertGroups,
+    StackedExperts,
+    expert_matmul,
+    grouped_mm_unavailable,
+    local_expert_weight,
+)
+from archon.load_balance import Router
 from archon.lora import ExpertLoRA, LoRAConfig, LoRAModule, linear
 from archon.models.common.args import GroupLimitedMoEArgs
 from archon.models.common.mlp import SwiGLUMLP
+from archon.routing_replay import (  # noqa: F401 - at their old path for one release
+    moe_routers,
+    recorded_routing,
+    replayed_routing,
+    take_recorded,
+)
 
 
 def choose_experts(router: Router, own_indices: torch.Tensor) -> torch.Tensor:
@@ -33,59 +43,6 @@ def choose_experts(router: Router, own_indices: torch.Tensor) -> torch.Tensor:
         chosen = torch.where(replay[:, :1] >= 0, replay, own_indices)
     if router.chosen_experts is not None:
         router.chosen_experts.append(chosen)
-    return chosen
-
-
-def moe_routers(model: nn.Module) -> list[Router]:
-    """The model's MoE routers in layer order (the L_moe axis of recorded and replayed expert ids)."""
-    return routers(model)
-
-
-@contextlib.contextmanager
-def replayed_routing(model: nn.Module, experts: torch.Tensor | None):
-    """Run the model's forwards with MoE layer l routing token t to experts[t, l] ([T, L_moe, k] ids
-    for the packed tokens of the forward; a token whose ids are -1 routes on its own) instead of
-    each router's own top-k. None: nothing replayed. Activation-checkpointed blocks take these ids
-    again when they recompute in the backward (archon.parallel.activation_checkpoint)."""
-    if experts is None:
-        yield model
-        return
-    layers = moe_routers(model)
-    if experts.dim() != 3 or experts.shape[1] != len(layers):
-        raise ValueError(
-            f"replayed expert ids have shape {tuple(experts.shape)}; the model has {len(layers)} MoE layers, "
-            "so they must be [tokens, num_moe_layers, num_experts_per_tok]"
-        )
-    previous = [router.replayed_experts for router in layers]
-    for layer, router in enumerate(layers):
-        router.replayed_experts = experts[:, layer]
-    try:
-        yield model
-    finally:
-        for router, value in zip(layers, previous):
-            router.replayed_experts = value
-
-
-@contextlib.contextmanager
-def recorded_routing(model: nn.Module):
-    """Keep, for the duration, the expert ids every MoE router uses in each forward; yields the
-    routers, whose `chosen_experts` lists gain one [T, k] tensor per forward (`take_recorded`)."""
-    layers = moe_routers(model)
-    for router in layers:
-        router.chosen_experts = []
-    try:
-        yield layers
-    finally:
-        for router in layers:
-            router.chosen_experts = None
-
-
-def take_recorded(layers: list[Router]) -> torch.Tensor:
-    """The last forward's expert ids of `layers` (under `recorded_routing`), [T, L_moe, k], and
-    forget them."""
-    chosen = torch.stack([router.chosen_experts[-1] for router in layers], dim=1)
-    for router in layers:
-        router.chosen_experts.clear()
     return chosen
 
 
@@ -140,7 +97,7 @@ class TopKSoftmaxRouter(Router):
         return top_weights.to(logits.dtype), top_indices
 
 
-class GroupedExperts(nn.Module, LoRAModule):
+class GroupedExperts(nn.Module, LoRAModule, StackedExperts):
     """SwiGLU experts stored stacked, in HF's in-memory layout.
 
     gate_up_proj: [E, 2*hidden, dim] (gate rows, then up rows); down_proj: [E, dim, hidden].

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import re
 
-from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import AssistantTurn, Message, Renderer, ToolCall, register_renderer
 from archon.models.common.chat_format import (
     delimited_tool_calls,
     message_role,
@@ -105,8 +104,8 @@ class KimiK2Renderer(Renderer):
             for number, (call, arguments) in enumerate(zip(calls, raw_arguments(message, index))):
                 if not call.id:
                     raise ValueError(
-                        f"message {index}: tool call {number} ({call.name}) has no 'id'; the kimi_k2 format writes each "
-                        f"call with its id (functions.NAME:IDX, as the model samples it)"
+                        f"message {index}: tool call {number} ({call.name}) has no 'id'; the kimi_k2 format writes "
+                        "each call with its id (functions.NAME:IDX, as the model samples it)"
                     )
                 text += f"{CALL_BEGIN}{call.id}{ARGUMENT_BEGIN}{arguments}{CALL_END}"
             text += SECTION_END
@@ -149,7 +148,8 @@ class KimiK2Renderer(Renderer):
         for index, message in enumerate(messages):
             if message_role(message, index) not in ("tool", "user"):
                 raise ValueError(
-                    f"message {index}: an environment adds tool results and user turns, not {message['role']!r} messages"
+                    f"message {index}: an environment adds tool results and user turns, "
+                    f"not {message['role']!r} messages"
                 )
         return self.encode(self.messages_text(messages, reasoning_from=0) + GENERATION_PROMPT)
 

@@ -32,7 +32,8 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 class DeepseekV3Model(MultiTokenPredictionLM, PackedDecoderLM):
     """The decoder, plus `args.num_mtp_layers` MTP layers (models/common/mtp.py) whose blocks are
     decoder layers numbered after the last one (so MoE from `first_k_dense_replace` on), with the
-    model's LoRA only when they are trained (`args.mtp_lora`); their embedding at position 0 is zeroed, as vLLM runs them."""
+    model's LoRA only when they are trained (`args.mtp_lora`); their embedding at position 0 is
+    zeroed, as vLLM runs them."""
 
     def __init__(self, args: DeepseekV3Args, lora: LoRAConfig | None = None) -> None:
         super().__init__(

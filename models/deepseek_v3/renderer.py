@@ -31,8 +31,7 @@ Options: thinking (False, the template's default).
 
 from __future__ import annotations
 
-from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import AssistantTurn, Message, Renderer, ToolCall, register_renderer
 from archon.models.common.chat_format import (
     call_function,
     check_environment_messages,
@@ -70,14 +69,18 @@ def tools_text(tools: list[dict]) -> str:
         function = call_function(tool)
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ValueError(
-                f"tool {i} is not an OpenAI function tool ({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}"
+                f"tool {i} is not an OpenAI function tool "
+                f"({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}"
             )
         name = function["name"]
         if not isinstance(function.get("description"), str):
             raise ValueError(f"tool {name!r}: the deepseek_v3 format needs a description string")
         if "parameters" not in function:
             raise ValueError(f"tool {name!r}: the deepseek_v3 format needs the parameters' JSON schema")
-        text += f"\n### {name}\nDescription: {function['description']}\n\nParameters: {template_json(function['parameters'])}\n"
+        text += (
+            f"\n### {name}\nDescription: {function['description']}\n\n"
+            f"Parameters: {template_json(function['parameters'])}\n"
+        )
     return text + TOOLS_INSTRUCTIONS
 
 

@@ -60,7 +60,8 @@ class DeepseekV32Args(DeepseekV3Args):
         mlp_layer_types = list(config.mlp_layer_types)
         if len(mlp_layer_types) != n_layers or set(mlp_layer_types) - {"dense", "sparse"}:
             raise ValueError(
-                f"config.mlp_layer_types={mlp_layer_types!r}: expected 'dense' or 'sparse' for each of {n_layers} layers"
+                f"config.mlp_layer_types={mlp_layer_types!r}: "
+                f"expected 'dense' or 'sparse' for each of {n_layers} layers"
             )
         layer_types = list(getattr(config, "layer_types", None) or [INDEXED_ATTENTION] * n_layers)
         if layer_types != [INDEXED_ATTENTION] * n_layers:

@@ -3,7 +3,8 @@ MoE with DeepSeek Sparse Attention (DSA).
 
 Each layer's lightning indexer scores every earlier key of the sequence for each query,
 
-    score(t, s) = sum_h w_h(x_t) * relu(q_h(t) . k(s) / sqrt(index_head_dim)),  w = weights_proj(x) / sqrt(index_n_heads)
+    score(t, s) = sum_h w_h(x_t) * relu(q_h(t) . k(s) / sqrt(index_head_dim)),
+        w = weights_proj(x) / sqrt(index_n_heads)
 
 with its own queries (wq_b on MLA's query latent), one key per token (wk, then a LayerNorm k_norm)
 and per-head weights (weights_proj); the first qk_rope_head_dim features of its queries and keys
@@ -15,16 +16,17 @@ The indexer is frozen and is not a LoRA target: the selection is a top-k (not di
 and its scores reach nothing else, so no gradient reaches its weights. HF computes it under
 no_grad; archon too. (DeepSeek trained the indexer with a loss of its own, a KL divergence to the
 main attention's distribution; archon does not implement it.) LoRA on MLA's q_a_proj still moves
-the selection, since the indexer's queries are made from the query latent. Scores are computed in float32 whatever the model dtype, as HF does
-(HF also stores weights_proj in fp32 in a bf16 model; archon stores it in the model dtype and
-computes with it in fp32). torch.topk orders tied scores as it likes, in HF as here: the tiny
-configs use 16 indexer heads, so that no query's k-th and (k+1)-th scores tie (at 0, where every
-head's ReLU is 0).
+the selection, since the indexer's queries are made from the query latent. Scores are computed in
+float32 whatever the model dtype, as HF does (HF also stores weights_proj in fp32 in a bf16 model;
+archon stores it in the model dtype and computes with it in fp32). torch.topk orders tied scores as
+it likes, in HF as here: the tiny configs use 16 indexer heads, so that no query's k-th and (k+1)-th
+scores tie (at 0, where every head's ReLU is 0).
 
 Training and prefill build, per packed sequence, the [L, L] mask of selected keys (queries in
 blocks, so the [block, index_n_heads, L] score tensor stays bounded); attention runs masked per
-sequence (SDPA with that mask; the flash varlen kernel takes no mask). During generation the cache keeps each layer's indexer keys
-next to its keys and values (archon/rollout/kv_cache.py), and a decode step selects over them.
+sequence (SDPA with that mask; the flash varlen kernel takes no mask). During generation the cache
+keeps each layer's indexer keys next to its keys and values (archon/rollout/kv_cache.py), and a
+decode step selects over them.
 """
 
 from __future__ import annotations

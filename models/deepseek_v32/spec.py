@@ -41,10 +41,18 @@ spec = register(
         one_kind_layer_patterns=("layer_types",),
         inert_hf_config_fields={
             "mlp_bias": "HF builds the DSA families' MLPs and experts without bias whatever it says",
-            "num_nextn_predict_layers": "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded",
-            "index_topk_pattern": "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read",
-            "index_topk_freq": "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read",
-            "index_skip_topk_offset": "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read",
+            "num_nextn_predict_layers": (
+                "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded"
+            ),
+            "index_topk_pattern": (
+                "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read"
+            ),
+            "index_topk_freq": (
+                "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read"
+            ),
+            "index_skip_topk_offset": (
+                "GLM-5: the config class derives indexer_types from it, which HF's modeling code and archon read"
+            ),
         },
     )
 )

@@ -35,8 +35,7 @@ from __future__ import annotations
 import json
 import re
 
-from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import AssistantTurn, Message, Renderer, ToolCall, register_renderer
 from archon.models.common.chat_format import (
     check_environment_messages,
     message_reasoning,
@@ -106,7 +105,10 @@ class Glm45Renderer(Renderer):
         for call in message_tool_calls(message, index):
             text += f"\n<tool_call>{call.name}\n"
             for key, value in call.arguments.items():
-                text += f"<arg_key>{key}</arg_key>\n<arg_value>{value if isinstance(value, str) else template_json(value)}</arg_value>\n"
+                text += (
+                    f"<arg_key>{key}</arg_key>\n"
+                    f"<arg_value>{value if isinstance(value, str) else template_json(value)}</arg_value>\n"
+                )
             text += "</tool_call>"
         return text
 
@@ -192,7 +194,8 @@ class Glm45Renderer(Renderer):
             position = match.end()
         if arguments_text[position:].strip():
             errors.append(
-                f"tool call {name!r}: unreadable arguments {arguments_text[position:]!r} (expected <arg_key>..</arg_key><arg_value>..</arg_value> pairs)"
+                f"tool call {name!r}: unreadable arguments {arguments_text[position:]!r} "
+                "(expected <arg_key>..</arg_key><arg_value>..</arg_value> pairs)"
             )
             return None
         return ToolCall(name, arguments)

@@ -40,8 +40,12 @@ spec = register(
         vllm_modes={"glm4_moe": "merged"},
         renderers={"glm4_moe": "glm4_5"},
         inert_hf_config_fields={
-            "num_nextn_predict_layers": "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded",
-            "partial_rotary_factor": "the config class copies it into rope_parameters, where HF's modeling code and archon read it",
+            "num_nextn_predict_layers": (
+                "the multi-token-prediction layers, which the causal LM does not run; their weights are not loaded"
+            ),
+            "partial_rotary_factor": (
+                "the config class copies it into rope_parameters, where HF's modeling code and archon read it"
+            ),
         },
     )
 )

@@ -33,8 +33,7 @@ from __future__ import annotations
 import datetime
 import re
 
-from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import AssistantTurn, Message, Renderer, ToolCall, register_renderer
 from archon.models.common.chat_format import (
     check_environment_messages,
     message_reasoning,
@@ -109,7 +108,8 @@ def functions_namespace(tools: list[dict]) -> str:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ValueError(
-                f"tool {i} is not an OpenAI function tool ({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}"
+                f"tool {i} is not an OpenAI function tool "
+                f"({{'type': 'function', 'function': {{'name', ...}}}}): {tool!r}"
             )
         name = function["name"]
         if not isinstance(function.get("description"), str):
@@ -182,7 +182,10 @@ class GptOssRenderer(Renderer):
     def tool_result_text(call_name: str | None, message: Message, index: int) -> str:
         if call_name is None:
             raise ValueError(f"message {index} is a tool result, but no assistant message before it made a tool call")
-        return f"<|start|>functions.{call_name} to=assistant<|channel|>commentary<|message|>{template_json(message_text(message, index))}<|end|>"
+        return (
+            f"<|start|>functions.{call_name} to=assistant<|channel|>commentary<|message|>"
+            f"{template_json(message_text(message, index))}<|end|>"
+        )
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         text = self.system_text(tools)
@@ -213,7 +216,8 @@ class GptOssRenderer(Renderer):
                     )
                     if content and reasoning:
                         raise ValueError(
-                            f"message {index}: an assistant tool call has both content and reasoning; the gpt_oss template takes one"
+                            f"message {index}: an assistant tool call has both content and reasoning; "
+                            "the gpt_oss template takes one"
                         )
                     analysis = content or reasoning
                     if analysis and not final_later:
@@ -235,7 +239,8 @@ class GptOssRenderer(Renderer):
                 text += f"<|start|>user<|message|>{message_text(message, index)}<|end|>"
             else:
                 raise ValueError(
-                    f"message {index}: role {role!r} is not one the gpt_oss format renders here (system/developer come first)"
+                    f"message {index}: role {role!r} is not one the gpt_oss format renders here "
+                    "(system/developer come first)"
                 )
         return self.encode(text + "<|start|>assistant")
 

@@ -85,7 +85,8 @@ class KimiLinearArgs(LatentAttentionMoEArgs):
                 raise ValueError(f"config.{name}={getattr(config, name, None)!r}; it must be a positive integer")
         if config.num_local_experts % (config.n_group or 1):
             raise ValueError(
-                f"config.num_local_experts={config.num_local_experts} is not a multiple of config.n_group={config.n_group}"
+                f"config.num_local_experts={config.num_local_experts} "
+                f"is not a multiple of config.n_group={config.n_group}"
             )
         args = cls(
             **fields,

@@ -82,7 +82,8 @@ def _refuse_unimplemented(config) -> None:
     shared_intermediate_size = getattr(config, "shared_intermediate_size", 0)
     if shared_intermediate_size:
         raise ValueError(
-            f"config.shared_intermediate_size={shared_intermediate_size} is not supported; MiniMax-M2 has no shared expert"
+            f"config.shared_intermediate_size={shared_intermediate_size} is not supported; "
+            "MiniMax-M2 has no shared expert"
         )
     attn_type_list = getattr(config, "attn_type_list", None)
     if attn_type_list is not None:

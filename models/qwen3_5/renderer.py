@@ -61,8 +61,7 @@ the ids the model was prompted with and sampled):
 
 from __future__ import annotations
 
-from archon.agents.renderer import AssistantTurn, Message, register_renderer
-from archon.agents.tools import ToolCall
+from archon.agents.renderer import AssistantTurn, Message, ToolCall, register_renderer
 from archon.models.common.chat_format import (
     THINK_CLOSE,
     THINK_OPEN,

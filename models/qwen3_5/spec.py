@@ -75,7 +75,9 @@ spec = register(
             "qwen3_5_moe_text": "qwen3_5",
         },
         inert_hf_config_fields={
-            "partial_rotary_factor": "the config class copies it into rope_parameters, where HF's modeling code and archon read it",
+            "partial_rotary_factor": (
+                "the config class copies it into rope_parameters, where HF's modeling code and archon read it"
+            ),
         },
     )
 )

@@ -60,7 +60,9 @@ spec = register(
         # Qwen3-Next's chat template is Qwen3's (ChatML, JSON tool calls in <tool_call>).
         renderers={"qwen3_next": "qwen3"},
         inert_hf_config_fields={
-            "partial_rotary_factor": "the config class copies it into rope_parameters, where HF's modeling code and archon read it",
+            "partial_rotary_factor": (
+                "the config class copies it into rope_parameters, where HF's modeling code and archon read it"
+            ),
         },
     )
 )

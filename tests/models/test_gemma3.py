@@ -82,8 +82,9 @@ def test_vision_language_export_keys_and_merged_checkpoint(tiny_checkpoint, lora
     from safetensors import safe_open
     from transformers import AutoModelForImageTextToText
 
+    from archon.checkpoint.hf_weights import save_merged_hf
     from archon.lora import LoRAConfig
-    from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_merged_hf, save_peft_adapter
+    from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_adapter
 
     path = tiny_checkpoint("gemma3")
     lora = LoRAConfig(rank=4, alpha=8)

@@ -14,14 +14,9 @@ from family_checks import (
 from helpers import randomised_lora_model
 
 from archon.build import build_model
+from archon.checkpoint.hf_weights import save_merged_hf
 from archon.lora import LoRAConfig, lora_parameters
-from archon.lora.peft import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    load_peft_adapter,
-    save_merged_hf,
-    save_peft_adapter,
-)
+from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter, save_peft_adapter
 from archon.models.common.rope import RotaryEmbedding
 from archon.tools.align import packed_batch
 

@@ -19,8 +19,9 @@ from helpers import (
 )
 
 from archon.build import build_model
+from archon.checkpoint.hf_weights import save_merged_hf
 from archon.lora import LoRAConfig, lora_parameters
-from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_merged_hf, save_peft_adapter
+from archon.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_adapter
 from archon.models.common.linear_attention import DELTA_RULE_CHUNK_SIZE, chunked_gated_delta_rule
 from archon.tools.align import packed_batch
 

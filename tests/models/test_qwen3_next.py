@@ -133,7 +133,7 @@ def test_merged_export_loads_in_hf_with_the_adapted_logits(tiny_checkpoint, lora
     the adapted model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from archon.lora.peft import save_merged_hf
+    from archon.checkpoint.hf_weights import save_merged_hf
 
     path = tiny_checkpoint("qwen3_next")
     loaded = lora_model(path, LoRAConfig(rank=4, alpha=8))

@@ -1,0 +1,348 @@
+"""Worker processes for user code: `python -m MODULE PARENT_PID`, driven by the parent's `WorkerProcess`.
+
+What every such worker shares (reward workers, `archon.rl.reward_worker`; tool workers,
+`archon.agents.tools`): the framing, the worker's loop (`serve`), the parent's side
+(`WorkerProcess`, `WorkerPool`, `run_on_workers`), and resolving a "module:attribute" spec to the
+callable it names (`import_function`). It does not import torch.
+
+Messages are length-prefixed pickles (8-byte big-endian length, then the payload), requests on
+stdin and replies on the process's original stdout. Anything the user code prints to the process's
+stdout goes to stderr, and its stdin is /dev/null, so it can neither corrupt nor consume the messages.
+
+    ("init", payload, sys_path) -> ("ready", None) | ("init_error", message)
+    then the worker's own requests and replies; a failed one -> ("error", message, traceback text)
+
+The worker exits when stdin closes, and on Linux is killed when its parent dies. The parent
+enforces the time limit by killing the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import pickle
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Self, Sequence
+
+_HEADER = struct.Struct(">Q")
+WORKER_STARTUP_TIMEOUT_S = 120.0
+EXIT_WAIT_S = 5.0
+"""How long a worker whose output closed gets to finish exiting before it counts as hung."""
+
+
+def write_message(stream: BinaryIO, message: Any) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def read_message(stream: BinaryIO) -> Any | None:
+    """The next message, or None at end of stream."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (size,) = _HEADER.unpack(header)
+    payload = stream.read(size)
+    if len(payload) < size:
+        return None
+    return pickle.loads(payload)
+
+
+def describe_exception(exc: BaseException) -> str:
+    """`Type: message (at file:line)` of the innermost frame, for a user function's error shown in one line."""
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGKILL when the parent dies, so a worker stuck in user code is not orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent is already gone
+        os._exit(1)
+
+
+def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> None:
+    """A worker's main loop. ("init", payload, sys_path) puts sys_path first on sys.path and keeps
+    `state = load(payload)`, answering ("ready", None), or ("init_error", message) when load raises;
+    every other request is answered with `handle(state, request)`."""
+    if len(sys.argv) > 1:
+        _exit_with_parent(int(sys.argv[1]))
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    requests = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+    with open(os.devnull, "rb") as devnull:  # user code that reads stdin must not read the requests
+        os.dup2(devnull.fileno(), sys.stdin.fileno())
+
+    state = None
+    while (message := read_message(requests)) is not None:
+        if message[0] == "init":
+            _, payload, sys_path = message
+            for entry in reversed(sys_path):
+                if entry not in sys.path:
+                    sys.path.insert(0, entry)
+            try:
+                state = load(payload)
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                write_message(replies, ("init_error", describe_exception(exc)))
+                continue
+            write_message(replies, ("ready", None))
+        else:
+            write_message(replies, handle(state, message))
+
+
+class WorkerProcess:
+    """One worker process (`python -m MODULE PARENT_PID`, serving with `serve`), seen from the parent.
+
+    `label` names what it runs in errors ("reward function 'm:f'"). After a death seen by
+    `exit_reason`, `peak_rss_mb` is the process's peak resident memory (None when unknown: when it
+    did not exceed the peak of the process that started it, which the kernel reports in its place).
+    """
+
+    def __init__(self, module: str, payload: Any, label: str):
+        self.module = module
+        self.payload = payload
+        self.label = label
+        self.proc: subprocess.Popen | None = None
+        self.peak_rss_mb: float | None = None
+        self._buffer = b""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start the process and send it the payload; raises RuntimeError on failure."""
+        self.stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._buffer = b""
+        self.peak_rss_mb = None
+        # Linux carries the spawning process's peak memory into the child's (fork and exec keep the
+        # larger of the two), so only a peak above this one is the worker's own
+        self._inherited_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.send(("init", self.payload, list(sys.path)))
+        reply = self.receive(time.monotonic() + WORKER_STARTUP_TIMEOUT_S)
+        if reply is None or reply == "eof":
+            reason = self.exit_reason() if reply == "eof" else f"no reply in {WORKER_STARTUP_TIMEOUT_S:.0f} s"
+            self.stop()
+            raise RuntimeError(f"the worker for {self.label} did not start: {reason}")
+        if reply[0] != "ready":
+            self.stop()
+            raise RuntimeError(f"{self.label} could not be loaded: {reply[1]}")
+
+    def send(self, message: Any) -> None:
+        write_message(self.proc.stdin, message)
+
+    def fileno(self) -> int:
+        return self.proc.stdout.fileno()
+
+    def read_available(self) -> bool:
+        """Read what the pipe holds now; False at end of stream."""
+        chunk = os.read(self.fileno(), 1 << 16)
+        self._buffer += chunk
+        return bool(chunk)
+
+    def take_message(self) -> Any | None:
+        if len(self._buffer) < _HEADER.size:
+            return None
+        (size,) = _HEADER.unpack_from(self._buffer)
+        if len(self._buffer) < _HEADER.size + size:
+            return None
+        frame, self._buffer = self._buffer[: _HEADER.size + size], self._buffer[_HEADER.size + size :]
+        return read_message(io.BytesIO(frame))
+
+    def receive(self, deadline: float) -> Any | None:
+        """Wait for one reply until `deadline`: the message, "eof", or None on timeout."""
+        while (message := self.take_message()) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            readable, _, _ = select.select([self.fileno()], [], [], remaining)
+            if readable and not self.read_available():
+                return "eof"
+        return message
+
+    def _reap(self) -> int | None:
+        """Wait up to EXIT_WAIT_S for the process to end; its exit code (None if still running).
+        Reaped with wait4 so that its peak resident memory is known."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while self.proc.returncode is None:
+            try:
+                pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            except ChildProcessError:  # already reaped
+                return self.proc.poll()
+            if pid:
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                peak = usage.ru_maxrss / 1024  # kilobytes on Linux
+                self.peak_rss_mb = peak if peak > self._inherited_rss_mb else None
+            elif time.monotonic() >= deadline:
+                return None
+            else:
+                time.sleep(0.01)
+        return self.proc.returncode
+
+    def exit_reason(self) -> str:
+        """Why the process ended, once its output has closed: its exit code or the signal that killed it."""
+        code = self._reap()
+        if code is None:
+            return f"it closed its output but was still running {EXIT_WAIT_S:.0f} s later"
+        if code >= 0:
+            return f"it exited with code {code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a signal without a name (real-time signals)
+            name = f"signal {-code}"
+        if -code == signal.SIGKILL:
+            return f"it was killed by {name} (the kernel's out-of-memory killer sends SIGKILL; see dmesg)"
+        return f"it was killed by {name}"
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+class WorkerPool:
+    """Base of what owns worker processes (`_workers`): close() stops them, as do leaving a `with`
+    block and garbage collection."""
+
+    _workers: Sequence[WorkerProcess] = ()
+
+    def start_workers(self, module: str, payload: Any, label: str, count: int) -> None:
+        """Start `count` workers (see WorkerProcess); when one fails to start, stop all and raise."""
+        self._workers = [WorkerProcess(module, payload, label) for _ in range(count)]
+        try:
+            for worker in self._workers:
+                worker.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop()
+
+
+@dataclass
+class WorkerOutcome:
+    """What became of one request sent by `run_on_workers`."""
+
+    reply: Any = None
+    """The worker's reply; None when it gave none."""
+    failure: str | None = None
+    """None (a reply came), "timeout" (the worker was killed), "died" or "unavailable" (it could not be started)."""
+    detail: str = ""
+    """Why it died or was unavailable."""
+    signal: int | None = None
+    """The signal that killed a worker that died (None if it exited)."""
+    peak_rss_mb: float | None = None
+    """Peak resident memory of a worker that died, when known."""
+    elapsed_s: float = 0.0
+
+
+def run_on_workers(
+    workers: Sequence[WorkerProcess],
+    requests: Sequence[Any],
+    timeout_s: float,
+    replace_after: Callable[[Any], bool] | None = None,
+) -> list[WorkerOutcome]:
+    """Send each request to the next idle worker (starting dead ones) and wait for the replies, in
+    the requests' order. A worker that runs past `timeout_s` on a request, or dies, is stopped; it
+    is started again for the next request, as is one whose reply satisfies `replace_after`."""
+    outcomes = [WorkerOutcome() for _ in requests]
+    pending = deque(range(len(requests)))
+    busy: dict[WorkerProcess, tuple[int, float]] = {}
+    while pending or busy:
+        for worker in workers:
+            if worker in busy or not pending:
+                continue
+            index = pending.popleft()
+            try:
+                if not worker.alive:
+                    worker.start()
+                worker.send(requests[index])
+            except (RuntimeError, OSError) as exc:
+                worker.stop()
+                outcomes[index] = WorkerOutcome(failure="unavailable", detail=str(exc))
+                continue
+            busy[worker] = (index, time.monotonic())
+        if not busy:
+            continue
+        wait = max(0.0, min(start for _, start in busy.values()) + timeout_s - time.monotonic())
+        readable, _, _ = select.select(list(busy), [], [], wait)
+        for worker in readable:
+            index, start = busy[worker]
+            open_ = worker.read_available()
+            message = worker.take_message()
+            if message is not None:
+                del busy[worker]
+                outcomes[index] = WorkerOutcome(reply=message, elapsed_s=time.monotonic() - start)
+                if replace_after is not None and replace_after(message):
+                    worker.stop()
+            elif not open_:
+                del busy[worker]
+                reason = worker.exit_reason()
+                code = worker.proc.returncode
+                outcomes[index] = WorkerOutcome(
+                    failure="died",
+                    detail=reason,
+                    signal=-code if code is not None and code < 0 else None,
+                    peak_rss_mb=worker.peak_rss_mb,
+                    elapsed_s=time.monotonic() - start,
+                )
+                worker.stop()
+        now = time.monotonic()
+        for worker, (index, start) in list(busy.items()):
+            if start + timeout_s <= now:
+                del busy[worker]
+                worker.stop()
+                outcomes[index] = WorkerOutcome(failure="timeout", elapsed_s=now - start)
+    return outcomes
+
+
+def import_function(module_name: str, attr: str, label: str) -> Callable:
+    """The callable at `attr` (a dotted attribute path) of module `module_name`; errors begin with `label`."""
+    fn = importlib.import_module(module_name)
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ValueError(f"{label}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"{label} is not callable")
+    return fn
