@@ -204,6 +204,27 @@ def test_imports_inside_functions_are_of_optional_dependencies_only():
     assert not lazy, "move these imports to the top of the module:\n" + "\n".join(sorted(set(lazy)))
 
 
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def test_files_and_functions_in_archon_stay_within_their_budgets():
+    """Files in archon/ of at most 500 lines, functions of at most 80 (docstrings included)."""
+    over = []
+    for module, path in MODULES.items():
+        if module.startswith(("archon.models", "archon.recipes")):
+            continue
+        text = path.read_text()
+        if (lines := text.count("\n")) > MAX_FILE_LINES:
+            over.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+    assert not over, "over budget:\n" + "\n".join(sorted(over))
+
+
 def test_the_layering_test_sees_a_cycle_and_an_upward_import():
     """The checks above fail on the faults they look for (a graph made up here)."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
