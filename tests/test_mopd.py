@@ -11,7 +11,7 @@ import torch
 from test_grpo_recipe import write_tiny_setup
 
 from archon.batch import PackedBatch
-from archon.rl import rollouts
+from archon.rl.run import rollouts
 from archon.rl.algorithms import get_algorithm
 from archon.rl.config import AlgorithmConfig, TeacherConfig, parse_config, validate
 from archon.rl.loop import RLRun
@@ -130,7 +130,7 @@ def _run(root: Path, run_dir: Path, algorithm: str, steps: int = 1, tasks: str =
 def test_sources_naming_one_path_share_one_teacher(setup, tmp_path, monkeypatch):
     """Two sources, one teacher path: the teacher is loaded once, both sources have that model, and
     a step runs one teacher forward over both sources' samples."""
-    from archon.rl import loop
+    from archon.rl.run import loop
 
     loads, forwards = [], []
     load_teacher, teacher_logprobs = loop.load_teacher, rollouts.teacher_logprobs
@@ -211,7 +211,7 @@ def test_a_run_distills_each_source_from_its_teacher(setup, tmp_path, monkeypatc
     metrics are the mean log-prob gaps of that source's tokens."""
     from transformers import AutoTokenizer
 
-    from archon.rl import loop
+    from archon.rl.run import loop
 
     seen = []
     prepare = loop.RLRun.prepare
@@ -349,7 +349,7 @@ def test_a_source_teacher_with_another_tokenizer_is_refused_naming_its_entry(set
 def test_a_teacher_of_a_source_the_data_lacks_is_not_loaded(setup, tmp_path, monkeypatch, caplog):
     import shutil
 
-    from archon.rl import loop
+    from archon.rl.run import loop
 
     unused = shutil.copytree(setup / "teacher_a", tmp_path / "code_teacher")
     loads = []

@@ -366,7 +366,7 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     reference): the teacher's per-token advantages reach only the distillation task's tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from archon.rl import loop
+    from archon.rl.run import loop
 
     torch.manual_seed(1)  # a teacher of the same architecture and vocabulary, other weights
     teacher = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setup / "model"))

@@ -448,7 +448,7 @@ def test_an_unknown_backend_is_refused_naming_the_known_ones(tmp_path):
 def test_a_backend_whose_package_is_missing_stops_the_run_before_the_model_is_built(tiny_setup, tmp_path, monkeypatch):
     import importlib
 
-    from archon.rl import loop
+    from archon.rl.run import loop
 
     real_import = importlib.import_module
 
@@ -479,7 +479,7 @@ def test_a_backend_whose_package_is_missing_stops_the_run_before_the_model_is_bu
 def test_a_run_that_fails_to_start_leaves_no_tracker_files(tiny_setup, tmp_path, local_stores, monkeypatch):
     """The trackers start before the model is built; when the build fails, what they wrote in the run
     directory goes, and the same directory takes the next run without --overwrite."""
-    from archon.rl import loop
+    from archon.rl.run import loop
 
     def broken(*args, **kwargs):
         raise RuntimeError("no room for the model")
