@@ -36,6 +36,9 @@ reads over the keys that call returns, and hands the selection to `attention` (`
 
 `row_state` copies out what one row holds for its prompt and all but its last generated token (the
 last has not been through the model), to be kept for the sequence's next turn.
+
+A recurrent layer's part of the layer cache (its conv windows and states) is in
+archon/rollout/recurrent_cache.py.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from archon.causal_attention import causal_attention_after_prefix, causal_mask
+from archon.rollout.recurrent_cache import RecurrentLayerCache
 
 
 @dataclass
@@ -235,9 +239,10 @@ class KVCache:
         return self._masks[sliding_window]
 
 
-class LayerKVCache:
+class LayerKVCache(RecurrentLayerCache):
     """One layer's cache: prefix and suffix keys/values (attention), or each row's conv window and
-    recurrent state (a recurrent layer), allocated at the layer's first use."""
+    recurrent state (a recurrent layer: its methods in archon/rollout/recurrent_cache.py), allocated
+    at the layer's first use."""
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
@@ -257,60 +262,6 @@ class LayerKVCache:
     @property
     def decoding(self) -> bool:
         return self.cache.decoding
-
-    # ---- recurrent layers ------------------------------------------------------------------------
-    def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(conv windows [N, ...], recurrent states [N, ...]) the step's N packed sequences start
-        from: at a prefill (None, None) (zero), or when prompts continue kept states, those states
-        (zero for the other prompts); at a decode step the first num_rows rows' states, read in place."""
-        c = self.cache
-        if self.recurrent is None:
-            return None, None
-        if c.decoding and c.tokens_per_row > 1:
-            raise ValueError(
-                "a recurrent (linear-attention) layer cannot verify several tokens per row: its state "
-                "cannot be rolled back to the accepted ones (speculative decoding does not support this model)"
-            )
-        if not c.decoding:
-            if c.prompt_offsets is None:
-                return None, None
-            kept = c.prompt_offsets > 0
-            slots = c.prompt_slots
-            return _where_rows(kept, self.slot_conv_window[slots], 0.0), _where_rows(
-                kept, self.slot_recurrent[slots], 0.0
-            )
-        return self.conv_window[: c.num_rows], self.recurrent[: c.num_rows]
-
-    def _allocate_recurrent(self, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """The row and slot tables for states like conv_window [...] and recurrent [...] (one sequence's)."""
-        c = self.cache
-        self.conv_window = conv_window.new_zeros(c.num_rows_total, *conv_window.shape)
-        self.recurrent = recurrent.new_zeros(c.num_rows_total, *recurrent.shape)
-        self.slot_conv_window = conv_window.new_zeros(c.num_slots, *conv_window.shape)
-        self.slot_recurrent = recurrent.new_zeros(c.num_slots, *recurrent.shape)
-
-    def store_recurrent_state(self, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Keep the step's conv windows / recurrent states [N, ...]: a prefill's (one per prompt)
-        go to the prompt's slot, a decode step's to its rows."""
-        c = self.cache
-        if self.recurrent is None:
-            self._allocate_recurrent(conv_window[0], recurrent[0])
-        conv_window, recurrent = conv_window.detach(), recurrent.detach()
-        if c.decoding:
-            if c.live_rows is not None:
-                conv_window = _where_rows(c.live_rows, conv_window, self.conv_window[: c.num_rows])
-                recurrent = _where_rows(c.live_rows, recurrent, self.recurrent[: c.num_rows])
-            self.conv_window[: c.num_rows] = conv_window
-            self.recurrent[: c.num_rows] = recurrent
-            return
-        self.slot_conv_window[c.prompt_slots] = conv_window.to(self.slot_conv_window.dtype)
-        self.slot_recurrent[c.prompt_slots] = recurrent.to(self.slot_recurrent.dtype)
-
-    def start_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Rows [N] start from the recurrent state their slots [N] reached at the end of the prompt."""
-        if self.recurrent is not None:
-            self.conv_window[rows] = self.slot_conv_window[slots]
-            self.recurrent[rows] = self.slot_recurrent[slots]
 
     # ---- kept states -----------------------------------------------------------------------------
     def load_kept(self, slot: int, state: KeptLayerState) -> None:
@@ -512,8 +463,3 @@ class LayerKVCache:
         )  # [R, Hkv, rep, Dv]
         out = out + probs[..., Lp:] @ suffix_v
         return out.reshape(R, H, Dv)
-
-
-def _where_rows(keep: torch.Tensor, x: torch.Tensor, other) -> torch.Tensor:
-    """x [N, ...] where keep [N] is true, else `other` (a tensor like x, or a number)."""
-    return torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, other)

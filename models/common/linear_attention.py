@@ -30,6 +30,7 @@ from archon.lora import LoRAConfig, linear
 from archon.models.common.norms import GatedRMSNorm
 from archon.parallel.context_parallel import heads_of_rank, heads_to_tokens, tokens_to_heads
 from archon.parallel.tensor_parallel import ReplicatedParallel, ShardedParameters, colwise, local_tensor, rowwise
+from archon.recurrent import RecurrentTokenMixer
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ def qkv_rows_by_key_head(args) -> torch.Tensor:
     return torch.cat([q_rows, k_rows, v_rows], dim=1).reshape(-1)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentTokenMixer):
     """The gated DeltaNet mixer (Qwen3.5, Qwen3-Next), HF name `linear_attn`.
 
     Per value head, after a short causal depthwise conv (then silu) over the q/k/v projection:

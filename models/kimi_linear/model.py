@@ -33,6 +33,7 @@ from archon.models.common.moe import group_limited_moe_mlp
 from archon.models.common.norms import GatedRMSNorm
 from archon.models.kimi_linear.args import LINEAR_ATTENTION, KimiLinearArgs
 from archon.parallel.tensor_parallel import local_tensor
+from archon.recurrent import RecurrentTokenMixer
 
 
 class KimiForgetGate(nn.Module):
@@ -56,7 +57,7 @@ class KimiForgetGate(nn.Module):
         return -A_log.exp()[:, None] * F.softplus(g)
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(RecurrentTokenMixer):
     """The linear-attention mixer of Kimi Linear (HF `KimiLinearDeltaAttention`, module name `self_attn`).
 
     q_proj, k_proj, v_proj: [H * d, dim]; q_conv1d, k_conv1d, v_conv1d weights: [H * d, 1, K];
