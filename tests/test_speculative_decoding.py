@@ -119,7 +119,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_checkpoint, monkeypa
     def accept_always(target_logprobs, drafts, draft_probs, accept_noise, correction_noise):
         return real(target_logprobs, drafts, draft_probs, torch.full_like(accept_noise, float("inf")), correction_noise)
 
-    monkeypatch.setattr("archon.rollout.native.accept_sampled", accept_always)
+    monkeypatch.setattr("archon.rollout.decode.accept_sampled", accept_always)
     broken, _ = _sampled_pair_test(target, draft, sampling, [1, 2, 3], 4000)
     assert broken < 1e-3
 

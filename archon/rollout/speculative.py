@@ -22,6 +22,10 @@ Drafters:
   are recomputed from the target's hidden states there (the drafts' own entries, made from the MTP
   layer's hidden states, are overwritten); a draft of k > 1 tokens chains the layer on its own
   hidden state and draft token, one position further each time (one layer serves every depth).
+
+The engine's round (draft, verify, accept, emit) is one of its decode steps (archon/rollout/decode.py);
+`check_speculative_engine` refuses the engines it cannot run in (several processes, routing replay,
+recurrent layers: archon.recurrent).
 """
 
 from __future__ import annotations
@@ -32,10 +36,14 @@ from typing import Literal
 import torch
 from torch import nn
 
+from archon.build import build_model
 from archon.head import full_vocab_logits
 from archon.lora import adapter_routing, task_names
+from archon.recurrent import recurrent_mixers
 from archon.rollout.base import SamplingParams
 from archon.rollout.kv_cache import KVCache
+from archon.rollout.prefill import prompt_chunks
+from archon.rollout.sampling import draw_from, processed_logprobs
 
 
 @dataclass
@@ -50,19 +58,6 @@ class SpeculativeConfig:
     """Draft tokens proposed per row and decode round (k); a round emits 1 to k + 1 tokens."""
     draft_model_path: str | None = None
     """method=draft_model: the draft model's HF checkpoint directory (same tokenizer as the policy)."""
-
-
-def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> log-probs [..., V] of the distribution a token is drawn from: the
-    temperature-scaled, top-k / top-p truncated and renormalised one (archon.rollout.native), or at
-    temperature 0 log_softmax(logits) (whose argmax greedy decoding takes)."""
-    from archon.rollout.native import truncated_logprobs
-
-    shape = logits.shape
-    flat = logits.reshape(-1, shape[-1])
-    if sampling.temperature == 0:
-        return torch.log_softmax(flat.float(), dim=-1).view(shape)
-    return truncated_logprobs(flat, sampling).view(shape)
 
 
 def accept_greedy(
@@ -114,43 +109,12 @@ def accept_sampled(
     return tokens, target_logprobs.gather(-1, tokens[..., None])[..., 0], accepted
 
 
-def draw_from(logprobs: torch.Tensor, noise: torch.Tensor | None, greedy: bool) -> torch.Tensor:
-    """logprobs [R, V] -> tokens [R]: the argmax (greedy), else a draw by an exponential race with
-    the Exp(1) draws `noise` [R, V]."""
-    if greedy:
-        return logprobs.argmax(dim=-1)
-    return (logprobs - noise.log()).argmax(dim=-1)
-
-
 def forward_with_tasks(model: nn.Module, task_of_token: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
     """model(*args, **kwargs); on a multi-task model each token with its task's adapter."""
     if task_of_token is None or not task_names(model):
         return model(*args, **kwargs)
     with adapter_routing(model, task_of_token):
         return model(*args, **kwargs)
-
-
-def prompt_chunks(pieces: list[tuple[int, int, int]], budget: int | None) -> list[list[tuple[int, int, int]]]:
-    """(slot, start, end) prompt slices -> the forwards that prefill them: each a list of
-    (slot, start, end), at most `budget` tokens per forward (None: one forward), a slice that does
-    not fit continuing in the next."""
-    forwards: list[list[tuple[int, int, int]]] = []
-    current: list[tuple[int, int, int]] = []
-    room = budget
-    for slot, start, end in pieces:
-        if budget is None:
-            current.append((slot, start, end))
-            continue
-        while start < end:
-            take = min(end - start, room)
-            current.append((slot, start, start + take))
-            start, room = start + take, room - take
-            if room == 0:
-                forwards.append(current)
-                current, room = [], budget
-    if current:
-        forwards.append(current)
-    return forwards
 
 
 class DraftModelDrafter:
@@ -446,11 +410,26 @@ def build_drafter(config: SpeculativeConfig, model: nn.Module, device) -> DraftM
     if config.method == "mtp":
         return MTPDrafter(model, config.num_tokens)
     if config.method == "draft_model":
-        from archon.build import build_model
-
         draft = build_model(config.draft_model_path, device=device, path_option="rollout.speculative.draft_model_path")
         return DraftModelDrafter(draft.model.eval().requires_grad_(False), config.num_tokens)
     raise ValueError(f"rollout.speculative.method={config.method!r}: expected off, mtp or draft_model")
+
+
+def check_speculative_engine(model: nn.Module, sync_group, record_routing: bool) -> None:
+    """Refuse speculative decoding where the engine cannot do it (a clear error at construction)."""
+    if sync_group is not None:
+        raise ValueError(
+            "speculative decoding runs in one process: under FSDP/TP the ranks would run different numbers "
+            "of forwards (a round's draft and verify forwards); turn rollout.speculative off or train on one process"
+        )
+    if record_routing:
+        raise ValueError("speculative decoding does not record MoE routing (routing replay): turn one of them off")
+    recurrent = recurrent_mixers(model)
+    if recurrent:
+        raise ValueError(
+            f"speculative decoding does not support models with recurrent (linear-attention) layers ({recurrent[0]}, "
+            "...): their state cannot be rolled back to the accepted tokens"
+        )
 
 
 def _to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
