@@ -6,7 +6,9 @@ archon.rollout.vllm_server, and adapters or weights reach them through a weight 
 in and come back (`return_token_ids`), with the sampled token's log-prob per step. The servers are
 launched with `--logprobs-mode processed_logprobs`: the log-prob is that of the distribution vLLM
 sampled from (temperature, then top-k/top-p truncation, renormalised), the convention of every
-engine here (see archon/rollout/base.py Sample and archon/rollout/native.py).
+engine here (see archon/rollout/base.py Sample and archon/rollout/native.py). The servers'
+configuration and mode are archon.rollout.vllm_config; the request a sampling asks for is built by
+archon.rollout.vllm_sampling.
 
 Versions and concurrent updates: generation may run in one thread while a sync publishes from
 another. Each HTTP request reads (served adapter name, version) from the policy when it starts and
@@ -32,9 +34,7 @@ requests that have not started.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,144 +42,20 @@ from typing import Literal
 
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.policy import ServedPolicy
+from archon.rollout.vllm_config import (  # noqa: F401 - VLLM_LORA_RANKS, merged_needs_collective at their old path
+    VLLM_LORA_RANKS,
+    VLLMConfig,
+    check_lora_rank,
+    family_spec,
+    merged_needs_collective,
+    resolve_vllm_mode,
+)
+from archon.rollout.vllm_sampling import (  # noqa: F401 - STREAM_INTERVAL_TOKENS at its old path
+    STREAM_INTERVAL_TOKENS,
+    completion_body,
+    continuation_seed,
+)
 from archon.rollout.vllm_server import VLLMServerError, VLLMServers, looks_like_path, read_model_config
-from archon.spec import get_spec
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-@dataclass
-class VLLMConfig:
-    urls: tuple[str, ...] = ()
-    """Connect to these running servers (http://host:port) instead of launching any."""
-    model: str | None = None
-    """Model to serve; default: the trainer's model path."""
-    num_servers: int = 1
-    """Servers to launch (data-parallel rollouts); prompts are split between them."""
-    devices: tuple[str, ...] = ()
-    """Visible devices per launched server, e.g. ("0,1", "2,3"); empty: leave the environment as is."""
-    tensor_parallel_size: int = 1
-    max_lora_rank: int = 16
-    """vLLM accepts 1, 8, 16, 32, 64, 128, 256, 320 or 512; the trainer's LoRA rank must not exceed it."""
-    max_loras: int = 2
-    dtype: str = "float32"
-    host: str = "127.0.0.1"
-    """Address launched servers listen on. Keep it on loopback unless the servers must be reached
-    from other machines (see allow_dev_mode_on_network and api_key)."""
-    allow_dev_mode_on_network: bool = False
-    """Allow launching a server in vLLM's dev mode (needed by the collective transport) on a
-    non-loopback host. Dev mode opens /collective_rpc, which vLLM's api-key does not guard: anyone
-    who reaches the port can call the workers' methods. archon's own methods still need the run's
-    secret, vLLM's built-in ones do not. Set it only on a private network."""
-    api_key: str | None = None
-    """Bearer token the servers require on their generation (/v1) routes. Launched servers get it in
-    their environment (VLLM_API_KEY), not on their command line. Default: the VLLM_API_KEY
-    environment variable, if set."""
-    port: int = 8000
-    """Port of the first launched server; the next ones count up from it."""
-    max_model_len: int | None = None
-    """Longest sequence (prompt + completion) a launched server takes. Default: the run's longest
-    prompt plus the most new tokens a rollout or evaluation asks for, which must fit in the model's
-    max_position_embeddings."""
-    gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_gb: float = 1.0
-    """VLLM_CPU_KVCACHE_SPACE for CPU servers."""
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = False
-    """Off by default: merged and full-weight syncs change the base weights under cached KV blocks."""
-    extra_args: tuple[str, ...] = ()
-    """More `vllm serve` arguments, passed as they are."""
-    transport: Literal["disk", "collective"] = "disk"
-    mode: Literal["adapter", "merged"] | None = None
-    """adapter: vLLM applies the LoRA; merged: W + s*B@A is loaded into the served base weights.
-    Default: the mode the model's family is served in (its ModelSpec.vllm_modes), or merged when
-    every weight is trained (no LoRA)."""
-    sync_dir: str | None = None
-    """Where disk sync writes adapters (must be readable by the servers); default: RUN_DIR/vllm_adapters."""
-    sync_host: str | None = None
-    """Address of trainer rank 0 as the servers' workers reach it (the TCPStore of the sync group);
-    it must be an address of rank 0's machine. Default: rank 0's address on its route to the first
-    server (127.0.0.1 for a server on loopback), found where rank 0 runs, so it holds on whichever
-    node a multi-node launch puts rank 0."""
-    sync_port: int = 0
-    """TCPStore port of the sync group; 0 picks a free one."""
-    bucket_mb: float = 256.0
-    """Largest bucket of a collective sync, in MiB."""
-    startup_timeout_s: float = 900.0
-    health_timeout_s: float = 30.0
-    """A server that does not answer /health within this many seconds counts as dead."""
-    request_timeout_s: float = 3600.0
-    """Longest a single generation request may take while the server stays healthy."""
-
-    def __post_init__(self) -> None:
-        # checked here, before any rank starts gathering weights for a sync that would then fail
-        if self.bucket_mb <= 0:
-            raise ValueError(f"rollout.vllm.bucket_mb must be positive, got {self.bucket_mb}")
-        for i, url in enumerate(self.urls):
-            parts = urllib.parse.urlsplit(url)
-            try:
-                valid = parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path.strip("/")
-                valid = valid and (parts.port is None or parts.port > 0)
-            except ValueError:  # a port that is not a number
-                valid = False
-            if not valid:
-                raise ValueError(
-                    f"rollout.vllm.urls[{i}]={url!r}: expected a server's address, http://HOST:PORT (no path: "
-                    "archon adds /health, /v1/... itself)"
-                )
-        if self.num_servers < 1 and not self.urls:
-            raise ValueError(f"rollout.vllm.num_servers must be at least 1, got {self.num_servers}")
-        if self.mode == "merged" and self.transport != "collective":
-            raise ValueError(merged_needs_collective(self, lora=True))
-
-
-def merged_needs_collective(config: VLLMConfig, lora: bool) -> str:
-    """Why merged serving refuses `config.transport` (disk): `lora` says whether the run trains a
-    LoRA, which makes an unset mode merged only if the family is served so."""
-    if config.mode is not None:
-        why = f"rollout.vllm.mode={config.mode!r}"
-    else:
-        why = (
-            "the model is served merged (rollout.vllm.mode is unset: "
-            f"{'its family is served merged' if lora else 'no LoRA'})"
-        )
-    return (
-        f"rollout.vllm.transport={config.transport!r}: {why}, and merged weights go over the collective "
-        "transport only; set rollout.vllm.transport='collective'"
-    )
-
-
-def check_lora_rank(lora_rank: int | None, max_lora_rank: int) -> None:
-    if max_lora_rank not in VLLM_LORA_RANKS:
-        raise ValueError(f"max_lora_rank {max_lora_rank} is not one vLLM accepts: {VLLM_LORA_RANKS}")
-    if lora_rank is not None and lora_rank > max_lora_rank:
-        raise ValueError(
-            f"LoRA rank {lora_rank} is above the vLLM server's max_lora_rank {max_lora_rank}; raise "
-            f"max_lora_rank (one of {VLLM_LORA_RANKS}) or lower the LoRA rank"
-        )
-
-
-def _family_spec(model_config: dict | None):
-    """The ModelSpec of the served model's family, or None when its config is unknown (a hub name)."""
-    if model_config is None:
-        return None
-    return get_spec(model_config.get("model_type"))
-
-
-def resolve_vllm_mode(config: VLLMConfig, model_config: dict | None, lora: bool) -> Literal["adapter", "merged"]:
-    """The mode the servers are run in: `config.mode` when set; else merged without LoRA (every
-    weight is sent) and otherwise the family's (ModelSpec.vllm_modes)."""
-    if config.mode is not None:
-        return config.mode
-    if not lora:
-        return "merged"
-    spec = _family_spec(model_config)
-    if spec is None:
-        raise ValueError(
-            "rollout.vllm.mode is unset and the served model's family is unknown (no local config.json); "
-            "set rollout.vllm.mode to 'adapter' or 'merged'"
-        )
-    return spec.vllm_mode(model_config.get("model_type"))
 
 
 class VLLMRolloutEngine:
@@ -221,7 +97,7 @@ class VLLMRolloutEngine:
         lora = lora_rank is not None and self.mode == "adapter"
         if lora:
             check_lora_rank(lora_rank, config.max_lora_rank)
-        spec = _family_spec(model_config)
+        spec = family_spec(model_config)
         hf_overrides = spec.vllm_hf_overrides.get(model_config["model_type"]) if spec is not None else None
         self.servers = VLLMServers(
             config,
@@ -294,7 +170,7 @@ class VLLMRolloutEngine:
                 server,
                 "POST",
                 "/v1/completions",
-                _completion_body(model_name, prompts, sampling),
+                completion_body(model_name, prompts, sampling),
                 timeout=self.config.request_timeout_s,
             )
         choices = sorted(response["choices"], key=lambda c: c["index"])
@@ -328,7 +204,7 @@ class VLLMRolloutEngine:
         """The samples of `prompts` streamed in one request until a publish supersedes its version;
         then each unfinished sample goes on alone, on the version then published, until it ends."""
         partials = [_Partial(i // sampling.n, i) for i in range(len(prompts) * sampling.n)]
-        self._stream(server, lambda name: _completion_body(name, prompts, sampling, stream=True), partials, sampling)
+        self._stream(server, lambda name: completion_body(name, prompts, sampling, stream=True), partials, sampling)
         unfinished = [p for p in partials if p.finish_reason is None]
         if unfinished:
             futures = {
@@ -358,7 +234,7 @@ class VLLMRolloutEngine:
             )
             continued = prompt + partial.token_ids
             self._stream(
-                server, lambda name: _completion_body(name, [continued], rest, stream=True), [partial], sampling
+                server, lambda name: completion_body(name, [continued], rest, stream=True), [partial], sampling
             )
 
     def _stream(self, server, body, partials: list[_Partial], sampling: SamplingParams) -> None:
@@ -429,40 +305,3 @@ class _Partial:
             token_versions=self.versions,
             extra={"model": self.model},
         )
-
-
-# Tokens per streamed chunk under 'continue': a publish takes effect at a request's next chunk, so
-# this bounds how many tokens a request still samples on the replaced version, while a chunk per
-# token costs the server and the reading thread an event per token.
-STREAM_INTERVAL_TOKENS = 8
-
-
-def continuation_seed(seed: int, sample: int, tokens_so_far: int) -> int:
-    """The seed of the request that continues sample `sample` (of a request seeded with `seed`)
-    after `tokens_so_far` tokens: reproducible, and unlike the seeds vLLM gives the samples of a
-    request (seed + their index), so that the continuation does not draw the noise it drew before."""
-    digest = hashlib.blake2b(f"{seed}:{sample}:{tokens_so_far}".encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "big")
-
-
-def _completion_body(model_name: str, prompts: list[list[int]], sampling: SamplingParams, stream: bool = False) -> dict:
-    body = {
-        "model": model_name,
-        "prompt": prompts,
-        "n": sampling.n,
-        "max_tokens": sampling.max_new_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "logprobs": 0,
-        "return_token_ids": True,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "ignore_eos": True,  # stop only on stop_token_ids, as the native engine does
-        "skip_special_tokens": False,
-    }
-    if sampling.seed is not None:
-        body["seed"] = sampling.seed
-    if stream:
-        body["stream"] = True
-        body["stream_interval"] = STREAM_INTERVAL_TOKENS
-    return body

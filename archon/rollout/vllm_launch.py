@@ -11,13 +11,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from archon.rollout.vllm_config import VLLMConfig
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 from archon.spec import get_spec, supported_model_types
-
-if TYPE_CHECKING:
-    from archon.rollout.vllm import VLLMConfig
 
 WORKER_EXTENSION = "archon.rollout.vllm_worker.ArchonWorkerExtension"
 

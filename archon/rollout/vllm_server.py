@@ -29,9 +29,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from archon.checkpoint.hf import read_json_file
+from archon.rollout.vllm_config import VLLMConfig
 from archon.rollout.vllm_launch import WORKER_EXTENSION, server_command, server_environment
 from archon.rollout.vllm_network import (
     RequestThreads,
@@ -41,9 +41,6 @@ from archon.rollout.vllm_network import (
     probe_health,
 )
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV
-
-if TYPE_CHECKING:
-    from archon.rollout.vllm import VLLMConfig
 
 PROGRESS_EVERY_S = 30.0
 """How often the wait for starting servers says where it stands."""

@@ -1,5 +1,6 @@
 """vLLM worker extension: receives adapters and merged weights from the trainer over a stateless
-process group, with no disk in between.
+process group (archon.parallel.process_group, tensors in the buckets of archon.parallel.buckets),
+with no disk in between.
 
 Start vLLM with `--worker-extension-cls archon.rollout.vllm_worker.ArchonWorkerExtension` (and, for
 a server, VLLM_SERVER_DEV_MODE=1 so that `/collective_rpc` reaches these methods). Arguments come
@@ -23,6 +24,8 @@ import hmac
 import json
 import os
 
+from archon.parallel.buckets import receive_tensors
+from archon.parallel.process_group import StatelessGroup
 from archon.spec import get_spec, supported_model_types
 
 COLLECTIVE_PATH_PREFIX = "archon-collective://"
@@ -157,9 +160,6 @@ class ArchonWorkerExtension:
 
     @_requires_secret
     def archon_init_sync_group(self, spec: str) -> dict:
-        # not at the top: archon.sync imports archon.rollout.vllm, which imports this module
-        from archon.sync.process_group import StatelessGroup
-
         spec = json.loads(spec)
         rank = spec["rank_offset"] + int(self.rank)
         self._archon_group = StatelessGroup(
@@ -236,8 +236,6 @@ class ArchonWorkerExtension:
     def archon_receive_adapter(self, spec: str) -> dict:
         """Receive the adapter tensors (PEFT keys) broadcast by the trainer and hold them for the
         server's load of `archon-collective://<name>`."""
-        from archon.sync.buckets import receive_tensors
-
         spec = json.loads(spec)
         self._archon_lora_manager()
         tensors = {key: tensor.cpu() for key, tensor in receive_tensors(self._archon_sync_group())}
@@ -268,8 +266,6 @@ class ArchonWorkerExtension:
         packed again on CPU, and a family whose vLLM loader does not reload some weights in place rewrites the
         stream with its ModelSpec.vllm_reload_weights hook (weights it sets aside are loaded after
         the reload)."""
-        from archon.sync.buckets import receive_tensors
-
         stream = receive_tensors(self._archon_sync_group())
         count = 0
 

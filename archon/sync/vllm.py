@@ -46,6 +46,8 @@ from archon.checkpoint.state_dict_converter import StateDictConverter
 from archon.device import collective_backend
 from archon.lora.config import LoRAConfig
 from archon.lora.peft import peft_adapter_config, save_peft_adapter
+from archon.parallel.buckets import send_tensors
+from archon.parallel.process_group import StatelessGroup
 from archon.quant import QuantizedCheckpoint, quant_format_from_config
 from archon.rollout.vllm import VLLMRolloutEngine
 from archon.rollout.vllm_launch import WORKER_EXTENSION
@@ -59,9 +61,7 @@ from archon.rollout.vllm_network import (
 )
 from archon.rollout.vllm_server import VLLMServers, read_model_config
 from archon.rollout.vllm_worker import COLLECTIVE_PATH_PREFIX
-from archon.sync.buckets import send_tensors
 from archon.sync.payload import Requantize, adapter_payload, full_payload, merged_payload
-from archon.sync.process_group import StatelessGroup
 
 
 def _distributed() -> bool:

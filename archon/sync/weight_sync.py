@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from torch import nn
 
@@ -24,11 +24,20 @@ from archon.lora.config import LoRAConfig
 from archon.rollout.base import RolloutEngine
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
-from archon.rollout.vllm import VLLMRolloutEngine, merged_needs_collective
+from archon.rollout.vllm import VLLMRolloutEngine
+from archon.rollout.vllm_config import VLLMConfig, merged_needs_collective
 from archon.sync.vllm import CollectiveAdapterSync, CollectiveMergedSync, DiskAdapterSync, WorkerChannel
 
-if TYPE_CHECKING:
-    from archon.rl.config import RolloutConfig
+
+class RolloutSyncConfig(Protocol):
+    """What a sync is built from: the two fields of the run's rollout config
+    (archon.rl.config.RolloutConfig) that `build_weight_sync` reads."""
+
+    @property
+    def engine(self) -> str: ...
+
+    @property
+    def vllm(self) -> VLLMConfig: ...
 
 
 class WeightSync(Protocol):
@@ -62,7 +71,7 @@ class InProcessSync:
 
 
 def build_weight_sync(
-    config: RolloutConfig,
+    config: RolloutSyncConfig,
     rollout: RolloutEngine,
     *,
     lora: LoRAConfig | None,
