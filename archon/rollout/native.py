@@ -145,7 +145,7 @@ class NativeRolloutEngine:
     max_session_tokens: the most tokens of kept session state (`generate(..., sessions=)`) held at
     once, the least recently used sessions evicted beyond it; None: no bound (`end_sessions` frees).
     prefill_chunk_tokens: the most prompt tokens one prefill forward takes; a prefill of more runs as
-    several forwards, each continuing its prompts from the cache (see the module docstring). None:
+    several forwards, each continuing its prompts from the cache (archon/rollout/prefill.py). None:
     every prefill in one forward.
     record_routing: on an MoE model, give every sample the expert ids its tokens were routed to,
     `Sample.extra["routed_experts"]` (see ROUTED_EXPERTS).
@@ -209,7 +209,12 @@ class NativeRolloutEngine:
 
     @property
     def max_session_tokens(self) -> int | None:
+        """The bound of kept session state, in tokens (None: none)."""
         return self.kept_sessions.max_tokens
+
+    @max_session_tokens.setter
+    def max_session_tokens(self, value: int | None) -> None:
+        self.kept_sessions.max_tokens = value
 
     @property
     def session_tokens(self) -> int:
