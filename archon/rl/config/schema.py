@@ -16,7 +16,7 @@ from archon.lora import LoRAConfig
 from archon.optim import OptimConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
-from archon.rl.algorithms import ALGORITHMS, AlgorithmName, LossConfig, unknown_algorithm
+from archon.rl.algorithms import AlgorithmConfig, TeacherConfig  # noqa: F401 - TeacherConfig at its old path
 from archon.rl.code_tool_demo import CodeToolDemoConfig
 from archon.rl.data import DataConfig
 from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig
@@ -104,76 +104,6 @@ class RolloutConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Speculative decoding in the native engine: method (off, mtp, draft_model), num_tokens,
     draft_model_path."""
-
-
-@dataclass
-class TeacherConfig:
-    """A teacher of multi-teacher on-policy distillation: the samples of the prompts whose row's
-    `data_source` is `data_source` are distilled from the model at `path`."""
-
-    data_source: str = ""
-    """The rows' `data_source` value (the dataset they came from) that this teacher serves."""
-    path: str = ""
-    """HF checkpoint directory, loaded read-only; it must share the student's tokenizer. Sources
-    (and tasks) naming the same path share one copy."""
-
-
-@dataclass
-class AlgorithmConfig:
-    name: AlgorithmName = "grpo"
-    """The algorithm (archon.rl.algorithms): grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp or
-    reinforce_pp_baseline. Formerly algorithm.loss.algorithm, which still works in files and on the
-    command line until the next release."""
-    loss: LossConfig = field(default_factory=LossConfig)
-    """The algorithm's loss: clip range, dual clip, aggregation, KL penalty, entropy bonus, importance
-    sampling, IcePop."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal."""
-    overlong_buffer: int = 0
-    """DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0 disables it."""
-    overlong_penalty_factor: float = 1.0
-    ppo_epochs: int = 1
-    minibatches: int = 1
-    """Optimizer steps per PPO epoch (the step's samples split by prompt group)."""
-    recompute_old_logprobs: bool = True
-    """Score the rollout with the trainer before the update (pi_old); otherwise use the rollout log-probs,
-    which is allowed only without truncation (rollout.top_p = 1, top_k = 0): the rollout log-probs are
-    those of the truncated distribution that sampled, not of the policy the loss scores."""
-    teacher_path: str | None = None
-    """On-policy distillation: an HF checkpoint loaded read-only; the per-token advantage becomes
-    -(log pi_theta - log pi_teacher) on the student's own samples and rewards are only logged
-    (unless distillation_weight is set). With `teachers`: the teacher of the data sources they do
-    not list."""
-    teachers: tuple[TeacherConfig, ...] = ()
-    """Multi-teacher on-policy distillation: a teacher per data source (the rows' `data_source`),
-    e.g. [{data_source: gsm8k, path: /models/math}, {data_source: code, path: /models/coder}];
-    each sample is distilled from its prompt's source's teacher, as with teacher_path. A source
-    not listed takes teacher_path, and without it is an error at start."""
-    distillation_weight: float | None = None
-    """On-policy distillation mixed with task rewards: the per-token advantage becomes the reward
-    advantage plus distillation_weight * (log pi_teacher - log pi_theta), one advantage per token
-    clipped as one surrogate (archon.rl.advantages.mixed_distillation_advantages). Needs
-    teacher_path or teachers; must be > 0. None: the teacher's advantage alone."""
-    routing_replay: Literal["off", "rollout"] = "off"
-    """MoE models: "rollout" makes the trainer route every token of a sample to the experts the
-    built-in rollout engine routed it to (recorded at generation), in the scoring of pi_old and the
-    reference and in the training forward; the gate weights are still the router's, taken at those
-    experts. "off": the trainer's routers choose their own top-k. See docs/rollouts.md."""
-    mtp_loss_weight: float = 0.0
-    """> 0: train the model's MTP layer beside the policy (model.mtp loads it) with this weight on an
-    auxiliary cross-entropy: at each completion position the MTP layer predicts the sampled token after
-    next from the policy's hidden state and the next sampled token, masked as the policy loss; logged
-    as mtp_loss and mtp_accuracy (its top-1 agreement with the sampled token, which draft acceptance
-    tracks). The MTP blocks carry the run's LoRA (their PEFT names are the checkpoint's `mtp` modules);
-    the policy's own weights get no gradient from it. 0: off. See docs/mtp.md."""
-    max_skipped_steps: int = 3
-    """An update whose loss or gradient norm is NaN or inf is skipped (adapter and optimizer state
-    left as they were, the LR schedule still follows the RL step; counted in the metric
-    skipped_steps). This many RL steps in a row with a skipped update stop the run with an error."""
-
-    def __post_init__(self) -> None:
-        if self.name not in ALGORITHMS:
-            raise ValueError(unknown_algorithm(self.name))
 
 
 @dataclass
