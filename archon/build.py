@@ -42,9 +42,7 @@ from archon.spec import ModelSpec, get_spec
 __all__ = ["LoadedModel", "build_model", "init_lora_weights", "load_hf_config"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Build
-# ---------------------------------------------------------------------------------------------
+# ---- the model, its config, its MTP layers ----------------------------------------------------
 
 
 @dataclass
@@ -136,16 +134,7 @@ def _keep_quantized(model: nn.Module, converter, checkpoint: QuantizedCheckpoint
     quantize_base_weights(model, keys, dtype)
 
 
-def _meta_model(spec: ModelSpec, args, lora, task_loras, converter) -> nn.Module:
-    with torch.device("meta"):
-        model = spec.model_cls(args, lora)
-    _configure_lora(model, lora, task_loras, converter)
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Size
-# ---------------------------------------------------------------------------------------------
+# ---- size ------------------------------------------------------------------------------------
 
 PROBE_LAYERS = 8
 """A model deeper than this is first estimated from a meta-device copy with only its first
@@ -365,34 +354,10 @@ def build_model(
     path = Path(path)
     hf_config = load_hf_config(path, path_option)
     spec = get_spec(hf_config.model_type)
-    args = spec.args_cls.from_hf_config(hf_config)
-    if mtp:
-        args = with_mtp_layers(spec, args, path / "config.json")
-        args = dataclasses.replace(args, mtp_lora=mtp_lora and (lora is not None or task_loras is not None))
-    elif mtp_lora:
-        raise ValueError("build_model: mtp_lora=True needs the MTP layers (mtp=True)")
-    if task_loras is not None:
-        if lora is not None:
-            raise ValueError("build_model takes either lora (one adapter) or task_loras (one per task), not both")
-        if not task_loras:
-            raise ValueError("task_loras must name at least one task")
-        for task, task_lora in task_loras.items():
-            try:
-                task_lora.validate(spec.lora_targets, spec.name)
-            except ValueError as e:
-                raise ValueError(f"task {task!r}: {e}") from None
-        lora = union_lora_config(task_loras)
-    elif lora is not None:
-        lora.validate(spec.lora_targets, spec.name)
-    checkpoint = HFCheckpoint(path)
-    quantization_config = getattr(hf_config, "quantization_config", None)
-    if hasattr(quantization_config, "to_dict"):
-        quantization_config = quantization_config.to_dict()
-    quant_format = quant_format_from_config(quantization_config, str(path / "config.json"))
-    if quantized_base not in ("keep", "dequantize"):
-        raise ValueError(f"model.quantized_base={quantized_base!r}; expected 'keep' or 'dequantize'")
-    if quant_format is not None:
-        checkpoint = QuantizedCheckpoint(checkpoint, quant_format)
+    args = _model_args(spec, hf_config, path, lora, task_loras, mtp, mtp_lora)
+    lora = _adapter_config(spec, lora, task_loras)
+    checkpoint, quant_format = _open_checkpoint(path, hf_config, quantized_base)
+    keep_quantized = quant_format is not None and quantized_base == "keep"
     if task_loras is not None and dims is not None:
         _check_multi_task_layout(task_loras, dims, parallel)
     if task_loras is not None:
@@ -403,56 +368,19 @@ def build_model(
 
     converter = spec.state_dict_converter_cls(args)
     if args.num_hidden_layers > PROBE_LAYERS:  # see PROBE_LAYERS
-        shallow_args = _with_layers(args, PROBE_LAYERS)
-        shallow_converter = spec.state_dict_converter_cls(shallow_args)
-        with warnings.catch_warnings():  # rank patterns of deeper layers match nothing in the shallow copy
-            warnings.simplefilter("ignore")
-            shallow = _meta_model(spec, shallow_args, lora, task_loras, shallow_converter)
-        if quant_format is not None and quantized_base == "keep":
-            _keep_quantized(shallow, shallow_converter, checkpoint, dtype)
-        size.check(parameter_bytes(shallow, dtype), args.num_hidden_layers)
-        del shallow
+        _check_probe_size(spec, args, lora, task_loras, checkpoint if keep_quantized else None, dtype, size)
     with torch.device("meta"):
         model = spec.model_cls(args, lora)
-    if task_loras is not None:
-        for task, task_lora in task_loras.items():
-            if (problem := lora_rank_problem(model, task_lora, converter.hf_name)) is not None:
-                raise ValueError(f"task {task!r}: {problem}")
-    elif lora is not None and (problem := lora_rank_problem(model, lora, converter.hf_name)) is not None:
-        raise ValueError(problem)
+    _check_lora_ranks(model, lora, task_loras, converter)
     _configure_lora(model, lora, task_loras, converter)
-    if quant_format is not None and quantized_base == "keep":
+    if keep_quantized:
         _keep_quantized(model, converter, checkpoint, dtype)
     size.check(parameter_bytes(model, dtype), args.num_hidden_layers)
-    if task_loras is not None:
-        for task, task_lora in task_loras.items():
-            with task_view(model, task):
-                try:
-                    peft_adapter_config(model, converter, task_lora, str(path))
-                except ValueError as e:
-                    raise ValueError(f"task {task!r}: {e}") from None
-    elif lora is not None:
-        peft_adapter_config(model, converter, lora, str(path))  # fail now, not at the first export
-    model.to(dtype)
-    lora_dtype = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 under an fp64 base
-    for name, param in model.named_parameters():
-        if is_lora_param(name):
-            param.data = param.data.to(lora_dtype)
-    if lora is not None:
-        mark_only_lora_trainable(model)
+    _check_peft_export(model, converter, lora, task_loras, path)
+    _set_dtypes(model, dtype, lora)
 
     if dims is not None:
-        parallel = parallel or ParallelConfig()
-        needs_pipeline = (
-            dims.distributed
-            or parallel.activation_checkpoint != "none"
-            or parallel.activation_offload
-            or parallel.compile
-        )
-        if needs_pipeline:
-            if spec.parallelize_fn is None:
-                raise ValueError(f"model family {spec.name!r} has no parallelize function (ModelSpec.parallelize_fn)")
-            model = spec.parallelize_fn(model, dims, parallel)
+        model = _parallelize(model, spec, dims, parallel or ParallelConfig())
     model.to_empty(device=device)
     load_hf_weights(model, converter, checkpoint)
     quantization = (quant_format, frozenset(checkpoint.quantized)) if quant_format is not None else (None, frozenset())
@@ -464,3 +392,107 @@ def build_model(
     if lora is not None:
         init_lora_weights(model, seed)
     return LoadedModel(model, spec, args, converter, hf_config, path, lora, dims, *quantization)
+
+
+def _model_args(spec: ModelSpec, hf_config, path: Path, lora, task_loras, mtp: bool, mtp_lora: bool):
+    """The family's args for `hf_config`, with the checkpoint's MTP layers when `mtp` (see build_model)."""
+    args = spec.args_cls.from_hf_config(hf_config)
+    if mtp:
+        args = with_mtp_layers(spec, args, path / "config.json")
+        args = dataclasses.replace(args, mtp_lora=mtp_lora and (lora is not None or task_loras is not None))
+    elif mtp_lora:
+        raise ValueError("build_model: mtp_lora=True needs the MTP layers (mtp=True)")
+    return args
+
+
+def _adapter_config(spec: ModelSpec, lora, task_loras) -> LoRAConfig | None:
+    """The LoRA config the model is built with (the union of the tasks'), each checked against the family."""
+    if task_loras is not None:
+        if lora is not None:
+            raise ValueError("build_model takes either lora (one adapter) or task_loras (one per task), not both")
+        if not task_loras:
+            raise ValueError("task_loras must name at least one task")
+        for task, task_lora in task_loras.items():
+            try:
+                task_lora.validate(spec.lora_targets, spec.name)
+            except ValueError as e:
+                raise ValueError(f"task {task!r}: {e}") from None
+        return union_lora_config(task_loras)
+    if lora is not None:
+        lora.validate(spec.lora_targets, spec.name)
+    return lora
+
+
+def _open_checkpoint(path: Path, hf_config, quantized_base: str) -> tuple[HFCheckpoint, QuantFormat | None]:
+    """The checkpoint at `path` (its quantized view if quantized), and its format (None for a plain one)."""
+    checkpoint = HFCheckpoint(path)
+    quantization_config = getattr(hf_config, "quantization_config", None)
+    if hasattr(quantization_config, "to_dict"):
+        quantization_config = quantization_config.to_dict()
+    quant_format = quant_format_from_config(quantization_config, str(path / "config.json"))
+    if quantized_base not in ("keep", "dequantize"):
+        raise ValueError(f"model.quantized_base={quantized_base!r}; expected 'keep' or 'dequantize'")
+    if quant_format is not None:
+        checkpoint = QuantizedCheckpoint(checkpoint, quant_format)
+    return checkpoint, quant_format
+
+
+def _check_probe_size(spec: ModelSpec, args, lora, task_loras, quantized, dtype: torch.dtype, size: SizeCheck) -> None:
+    """The size check on a meta copy with PROBE_LAYERS decoder layers (see PROBE_LAYERS); `quantized`:
+    the checkpoint whose quantized weights the model keeps so, if it does."""
+    shallow_args = _with_layers(args, PROBE_LAYERS)
+    shallow_converter = spec.state_dict_converter_cls(shallow_args)
+    with warnings.catch_warnings():  # rank patterns of deeper layers match nothing in the shallow copy
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):
+            shallow = spec.model_cls(shallow_args, lora)
+        _configure_lora(shallow, lora, task_loras, shallow_converter)
+    if quantized is not None:
+        _keep_quantized(shallow, shallow_converter, quantized, dtype)
+    size.check(parameter_bytes(shallow, dtype), args.num_hidden_layers)
+
+
+def _check_lora_ranks(model: nn.Module, lora, task_loras, converter) -> None:
+    """Refuse a LoRA rank above every adapted module's min(in, out) (`lora_rank_problem`)."""
+    if task_loras is not None:
+        for task, task_lora in task_loras.items():
+            if (problem := lora_rank_problem(model, task_lora, converter.hf_name)) is not None:
+                raise ValueError(f"task {task!r}: {problem}")
+    elif lora is not None and (problem := lora_rank_problem(model, lora, converter.hf_name)) is not None:
+        raise ValueError(problem)
+
+
+def _check_peft_export(model: nn.Module, converter, lora, task_loras, path: Path) -> None:
+    """Fail now, not at the first export, where an adapter has no PEFT form."""
+    if task_loras is not None:
+        for task, task_lora in task_loras.items():
+            with task_view(model, task):
+                try:
+                    peft_adapter_config(model, converter, task_lora, str(path))
+                except ValueError as e:
+                    raise ValueError(f"task {task!r}: {e}") from None
+    elif lora is not None:
+        peft_adapter_config(model, converter, lora, str(path))
+
+
+def _set_dtypes(model: nn.Module, dtype: torch.dtype, lora: LoRAConfig | None) -> None:
+    """Base weights in `dtype`, LoRA factors in fp32 or fp64; with LoRA only the adapter trains."""
+    model.to(dtype)
+    lora_dtype = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 under an fp64 base
+    for name, param in model.named_parameters():
+        if is_lora_param(name):
+            param.data = param.data.to(lora_dtype)
+    if lora is not None:
+        mark_only_lora_trainable(model)
+
+
+def _parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, parallel: ParallelConfig) -> nn.Module:
+    """The model through its family's parallelize function, when the layout or the options need it."""
+    needs_pipeline = (
+        dims.distributed or parallel.activation_checkpoint != "none" or parallel.activation_offload or parallel.compile
+    )
+    if not needs_pipeline:
+        return model
+    if spec.parallelize_fn is None:
+        raise ValueError(f"model family {spec.name!r} has no parallelize function (ModelSpec.parallelize_fn)")
+    return spec.parallelize_fn(model, dims, parallel)
