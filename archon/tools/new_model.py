@@ -222,15 +222,26 @@ def is_renderer_module(path: Path) -> bool:
 
 def drop_renderer_imports(init_source: str, like: str) -> str:
     """A family's __init__.py without its renderer modules in the imports (`from archon.models.glm4_moe
-    import renderer, spec` keeps `spec`); a line left with nothing to import goes."""
+    import renderer, spec` keeps `spec`, on one line or one name a line in parentheses); a statement
+    left with nothing to import goes."""
+
+    def is_renderer(name: str) -> bool:
+        return name == "renderer" or name.endswith("_renderer")
 
     def keep_others(match: re.Match) -> str:
         names = [n.strip() for n in match.group(2).split(",") if n.strip()]
-        kept = [n for n in names if not (n == "renderer" or n.endswith("_renderer"))]
-        return f"{match.group(1)}{', '.join(kept)}{match.group(3)}\n" if kept else ""
+        kept = [n for n in names if not is_renderer(n)]
+        return f"{match.group(1)}{', '.join(kept)}{match.group(3) or ''}\n" if kept else ""
 
-    pattern = rf"^(from archon\.models\.{like} import )([\w ,]+?)(\s*#.*)?$\n?"
-    return re.sub(pattern, keep_others, init_source, flags=re.M)
+    def keep_other_lines(match: re.Match) -> str:
+        lines = [line for line in match.group(2).splitlines(keepends=True) if line.strip()]
+        kept = [line for line in lines if not is_renderer(line.split("#")[0].strip().rstrip(","))]
+        return f"{match.group(1)}{''.join(kept)})\n" if kept else ""
+
+    parenthesized = rf"^(from archon\.models\.{like} import \(\n)(.*?)^\)\n?"
+    init_source = re.sub(parenthesized, keep_other_lines, init_source, flags=re.M | re.S)
+    one_line = rf"^(from archon\.models\.{like} import )([\w ,]+?)(\s*#.*)?$\n?"
+    return re.sub(one_line, keep_others, init_source, flags=re.M)
 
 
 def adapt_test(source: str, like_type: str) -> str:
