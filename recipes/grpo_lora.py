@@ -49,8 +49,8 @@ def run(config) -> dict:
 def _train_and_report(config, prepared, rank: int) -> dict:
     """The run in the directory `prepared` (prepare_run_dir's), then on rank 0 its plot and summary."""
     from archon.rl.demo import prepare_demo
+    from archon.rl.logging.trackers import check_tracker_packages
     from archon.rl.loop import RLRun
-    from archon.rl.trackers import check_tracker_packages
     from archon.tools.plot import plot_run
 
     def log(message: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CARD
-from archon.rl import model_card
+from archon.rl.logging import model_card
 from archon.rl.config import parse_config
 from archon.rl.loop import RLRun
 

@@ -19,10 +19,10 @@ from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import AlgorithmConfig, TeacherConfig  # noqa: F401 - TeacherConfig at its old path
 from archon.rl.code_tool_demo import CodeToolDemoConfig
 from archon.rl.data import DataConfig
+from archon.rl.logging.trackers import TrackerName
 from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig
 from archon.rl.rewards import RewardConfig
 from archon.rl.tasks import ArithmeticTaskConfig
-from archon.rl.trackers import TrackerName
 from archon.rollout.speculative import SpeculativeConfig
 from archon.rollout.vllm import VLLMConfig
 
@@ -132,7 +132,7 @@ class LoggingConfig:
     run_dir: str = "runs/grpo_lora"
     backends: tuple[TrackerName, ...] = ("tensorboard",)
     """Experiment trackers each step's metrics, the run's config and the sample tables go to, on
-    rank 0 (archon.rl.trackers): any of tensorboard (RUN_DIR/tensorboard), wandb, mlflow, trackio.
+    rank 0 (archon.rl.logging.trackers): any of tensorboard (RUN_DIR/tensorboard), wandb, mlflow, trackio.
     metrics.jsonl is always written. Empty: none."""
     tensorboard: bool = True
     """Deprecated, until the next release: false means `backends` without tensorboard."""
