@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from archon.rl.tasks import ArithmeticTaskConfig
+from archon.rl.data.tasks import ArithmeticTaskConfig
 
 RENDERER = "qwen3"
 TOOL = "python"

@@ -40,7 +40,7 @@ from archon.checkpoint.hf_weights import save_merged_hf
 from archon.recipes.grpo_lora import DEMO_CONFIG
 from archon.rl import code_tool_demo, reasoning_gym_demo
 from archon.rl.config import DemoConfig, load_config_file
-from archon.rl.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
+from archon.rl.data.tasks import arithmetic_splits, build_char_tokenizer, write_jsonl
 from archon.rollout.base import SamplingParams
 from archon.rollout.native import NativeRolloutEngine
 from archon.trainer import LossContext, OptimConfig, Trainer, TrainerConfig

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archon.rl import reasoning_gym
+from archon.rl.data import reasoning_gym
 
 ANSWER_FORMAT = "<answer>{answer}</answer>"
-"""The warm start's completions: the form archon.rl.reasoning_gym.extract_answer reads."""
+"""The warm start's completions: the form archon.rl.data.reasoning_gym.extract_answer reads."""
 
 
 @dataclass

@@ -71,7 +71,7 @@ def exact_match_reward(prompt: str, completion: str, reference: Any) -> float:
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "archon.rl.reward_fns:math_verify_reward",
     "exact": "archon.rl.reward_fns:exact_match_reward",
-    "reasoning_gym": "archon.rl.reasoning_gym:reasoning_gym_reward",
+    "reasoning_gym": "archon.rl.data.reasoning_gym:reasoning_gym_reward",
 }
 
 

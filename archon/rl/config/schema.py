@@ -19,10 +19,10 @@ from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import AlgorithmConfig, TeacherConfig  # noqa: F401 - TeacherConfig at its old path
 from archon.rl.code_tool_demo import CodeToolDemoConfig
 from archon.rl.data import DataConfig
+from archon.rl.data.tasks import ArithmeticTaskConfig
 from archon.rl.logging.trackers import TrackerName
 from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig
 from archon.rl.rewards import RewardConfig
-from archon.rl.tasks import ArithmeticTaskConfig
 from archon.rollout.speculative import SpeculativeConfig
 from archon.rollout.vllm import VLLMConfig
 

@@ -30,8 +30,8 @@ from archon.rl.algorithms import ALGORITHMS, algorithm_problems, distills, impor
 from archon.rl.code_tool_demo import demo_environment_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig, both_spellings_error
 from archon.rl.data import data_path_problem, data_sources_of
+from archon.rl.data.reasoning_gym import reasoning_gym_overlap
 from archon.rl.logging.trackers import TRACKERS, unknown_tracker
-from archon.rl.reasoning_gym import reasoning_gym_overlap
 from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.reward_http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
