@@ -31,6 +31,9 @@ transformers 5.19 its CPU fp8 path derives the block size from the weight and sc
 of reading `weight_block_size`, so it raises (or, where the division comes out even, uses wrong
 blocks) on weights whose sides are not multiples of the block, as real checkpoints have.
 The last line printed is JSON; the exit code is non-zero when a tolerance is exceeded.
+
+The tiny checkpoints are made by archon.tools.tiny_checkpoint, the reference dequantization is
+archon.tools.dequantized_reference, the report's text archon.tools.align_report.
 """
 
 from __future__ import annotations
@@ -55,8 +58,21 @@ from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import save_peft_adapter
 from archon.precision import fp32_islands_in_fp64
 from archon.quant import QuantFormat, quant_format_from_config, quantized_weights
+from archon.quant.export import QUANTIZED_WEIGHTS, quantize_checkpoint
 from archon.quant.formats import compressed_tensors_config
 from archon.spec import get_spec
+from archon.tools.align_report import format_report
+from archon.tools.dequantized_reference import (  # noqa: F401 - reference_dequantize_*: at their old path
+    reference_dequantize_fp8,
+    reference_dequantize_mxfp4,
+    write_dequantized_reference,
+)
+from archon.tools.tiny_checkpoint import (  # noqa: F401 - tiny_config_kwargs: at its old path
+    hf_model_class,
+    make_tiny_hf_checkpoint,
+    single_kind_patterns,
+    tiny_config_kwargs,
+)
 
 MAX_ABS_LOGITS_DIFF = 1e-4
 MAX_MEAN_KL = 1e-8
@@ -125,110 +141,6 @@ def parse_config_assignments(assignments: tuple[str, ...] | list[str]) -> dict[s
     return overrides
 
 
-def hf_model_class(config):
-    """The HF auto class a checkpoint of `config` is made and checked with: the whole model for a
-    vision-language composite (`vision_config`), so its vision tower is saved and PEFT sees the module
-    paths of released checkpoints; else the causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    if getattr(config, "vision_config", None) is not None:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
-
-
-def tiny_config_kwargs(model_type: str, **overrides) -> dict[str, Any]:
-    """The family's tiny config kwargs for `model_type` with `overrides` applied. For a vision-language
-    composite (a tiny config with `text_config`), overrides other than `text_config`/`vision_config`
-    are language-model fields and go into `text_config`; `tie_word_embeddings`, which the composite
-    has too (and HF's whole model reads there), is set on both."""
-    kwargs = dict(get_spec(model_type).tiny_hf_config.get(model_type, {}))
-    if "text_config" not in kwargs:
-        return {**kwargs, **overrides}
-    sub_configs = {k: overrides.pop(k) for k in ("text_config", "vision_config") if k in overrides}
-    kwargs.update(sub_configs)
-    if "tie_word_embeddings" in overrides:
-        kwargs["tie_word_embeddings"] = overrides["tie_word_embeddings"]
-    kwargs["text_config"] = {**kwargs["text_config"], **overrides}
-    return kwargs
-
-
-_SPECIAL_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
-
-
-def _drop_special_tokens_outside_vocab(config) -> None:
-    """Config classes default some special-token ids to those of the released vocabulary (SmolLM3's
-    pad_token_id 128004), which a tiny vocabulary does not hold; such ids are set to None."""
-    text = config.get_text_config()
-    for name in _SPECIAL_TOKEN_FIELDS:
-        value = getattr(text, name, None)
-        ids = value if isinstance(value, list) else [value]
-        kept = [i for i in ids if i is None or 0 <= i < text.vocab_size]
-        if len(kept) == len(ids):
-            continue
-        warnings.warn(
-            f"tiny {config.model_type} config: {name}={value!r} lies outside its vocabulary of {text.vocab_size}; "
-            f"set to {kept or None!r}",
-            stacklevel=3,
-        )
-        setattr(text, name, (kept or None) if isinstance(value, list) else None)
-
-
-def single_kind_patterns(config, one_kind_by_definition: tuple[str, ...] = ()) -> list[str]:
-    """The per-layer patterns of `config` whose every layer is of one kind. A tiny config like that
-    lets a port pass that treats the kinds alike (RoPE on NoPE layers, a window on every layer).
-    Patterns are `no_rope_layers` and every list field named `*_types` with an entry per layer
-    (`layer_types`, `mlp_layer_types`, `indexer_types`), but those the family declares to have one
-    kind by definition (`ModelSpec.one_kind_layer_patterns`)."""
-    text = config.get_text_config()
-    n_layers = text.num_hidden_layers
-    found = []
-    per_layer = [
-        name
-        for name, value in sorted(text.to_dict().items())
-        if name.endswith("_types") and isinstance(value, list) and len(value) == n_layers
-    ]
-    for name in ("no_rope_layers", *per_layer):
-        pattern = getattr(text, name, None)
-        if pattern and len(set(map(str, pattern))) == 1 and name not in one_kind_by_definition:
-            found.append(f"{name} (every layer {pattern[0]!r})")
-    routed = any(getattr(text, name, None) for name in ("num_experts", "n_routed_experts", "num_local_experts"))
-    if routed and (hasattr(text, "decoder_sparse_step") or hasattr(text, "mlp_only_layers")):
-        step, dense = getattr(text, "decoder_sparse_step", None) or 1, set(getattr(text, "mlp_only_layers", None) or [])
-        kinds = {i not in dense and (i + 1) % step == 0 for i in range(n_layers)}
-        if len(kinds) == 1:
-            found.append(
-                f"decoder_sparse_step / mlp_only_layers (every layer {'sparse' if kinds == {True} else 'dense'})"
-            )
-    first_dense = getattr(text, "first_k_dense_replace", None) if routed else None
-    if first_dense is not None and not 0 < first_dense < n_layers:
-        found.append(f"first_k_dense_replace={first_dense} of {n_layers} layers")
-    return found
-
-
-def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
-    from transformers import AutoConfig
-
-    kwargs = tiny_config_kwargs(model_type, **overrides)
-    config = AutoConfig.for_model(model_type, **kwargs)
-    _drop_special_tokens_outside_vocab(config)
-    torch.manual_seed(seed)
-    model = hf_model_class(config).from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim >= 2:  # O(1) activations, so routing and attention are far from ties
-                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
-            else:  # norms and biases off their init values, so they are exercised
-                param.add_(0.1 * torch.randn_like(param))
-        persistent = model.state_dict().keys()
-        for name, buffer in model.named_buffers():
-            if name in persistent and buffer.is_floating_point():  # e.g. a router's score-correction bias
-                buffer.add_(0.1 * torch.randn_like(buffer))
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
 def resolve_model_type(args: AlignArgs) -> str:
     """args.model_type, else the model_type of args.hf_path/config.json; a supported type either way."""
     overrides = parse_config_assignments(args.set)
@@ -290,148 +202,6 @@ def check_quantize_option(args: AlignArgs) -> None:
             f"--quantize {args.quantize!r}: {str(Path(args.hf_path) / 'config.json')!r} has a quantization_config "
             "already; check a quantized checkpoint with --hf-path alone"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Reference dequantization of a quantized checkpoint, written out by the published recipes one
-# block at a time. It shares no code with archon.quant, whose vectorised dequantization it checks.
-# ---------------------------------------------------------------------------------------------
-
-
-def _e2m1_value(nibble: int) -> float:
-    """OCP e2m1: sign bit, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is subnormal."""
-    sign = -1.0 if nibble & 0b1000 else 1.0
-    exponent, mantissa = (nibble >> 1) & 0b11, nibble & 0b1
-    if exponent == 0:
-        return sign * mantissa * 0.5
-    return sign * 2.0 ** (exponent - 1) * (1.0 + mantissa / 2)
-
-
-def reference_dequantize_fp8(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int], name: str
-) -> torch.Tensor:
-    """fp8 e4m3 `weight` [..., rows, cols] with `scale_inv` [..., ceil(rows/br), ceil(cols/bc)] ->
-    fp32: for each br x bc block (i, j), partial edge blocks included, w = q * scale_inv[i, j]."""
-    br, bc = block_size
-    *lead, rows, cols = weight.shape
-    grid = (math.ceil(rows / br), math.ceil(cols / bc))
-    if tuple(scale_inv.shape) != (*lead, *grid):
-        raise ValueError(
-            f"{name}_scale_inv has shape {tuple(scale_inv.shape)}; blocks of {br}x{bc} over {name} of shape "
-            f"{tuple(weight.shape)} need {(*lead, *grid)}"
-        )
-    q = weight.reshape(-1, rows, cols)
-    scales = scale_inv.reshape(-1, *grid)
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for m in range(q.shape[0]):
-        for i in range(grid[0]):
-            row_block = slice(i * br, min((i + 1) * br, rows))
-            for j in range(grid[1]):
-                col_block = slice(j * bc, min((j + 1) * bc, cols))
-                out[m, row_block, col_block] = q[m, row_block, col_block].float() * scales[m, i, j].float()
-    return out.reshape(weight.shape)
-
-
-def reference_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
-    """`blocks` uint8 [..., out, G, 16] (32 e2m1 values per group, two per byte, low nibble first)
-    and `scales` uint8 [..., out, G] (e8m0) -> the HF weight, fp32 [..., G*32, out]:
-    w = e2m1 * 2^(scale - 127), rows [..., out, in] transposed to the HF layout [..., in, out]."""
-    if blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        raise ValueError(
-            f"{name}_blocks of shape {tuple(blocks.shape)} and {name}_scales of shape {tuple(scales.shape)}: "
-            "expected [..., out, G, 16] and [..., out, G]"
-        )
-    values = torch.tensor([_e2m1_value(n) for n in range(16)], dtype=torch.float32)
-    low, high = values[(blocks & 0x0F).long()], values[(blocks >> 4).long()]
-    groups = torch.stack((low, high), dim=-1).flatten(-2)  # [..., out, G, 32]: low nibble first
-    multiplier = torch.exp2(scales.to(torch.float64) - 127).to(torch.float32)  # 2^-127 is an fp32 subnormal
-    rows = (groups * multiplier[..., None]).flatten(-2)  # [..., out, in]
-    return rows.transpose(-1, -2).contiguous()
-
-
-def write_dequantized_reference(source: Path, out_dir: Path) -> tuple[Path, int]:
-    """A plain fp32 copy of the quantized HF checkpoint `source` (same shard files, config without
-    `quantization_config`), each quantized weight dequantized by its published recipe. Returns the
-    copy's directory and the number of weights that were stored quantized."""
-    from safetensors.torch import save_file
-
-    from archon.checkpoint.hf import HFCheckpoint
-
-    config = read_json_file(source / "config.json", "model config")
-    quantization = config.pop("quantization_config")
-    method = quantization.get("quant_method")
-    checkpoint = HFCheckpoint(source)
-    keys = checkpoint.keys()
-
-    def where(key: str) -> str:
-        return f"{key!r} in {str(checkpoint.file_of(key))!r}"
-
-    files: dict[Path, list[str]] = {}
-    for key in sorted(keys):
-        files.setdefault(checkpoint.file_of(key), []).append(key)
-    out_dir.mkdir(parents=True)
-    weight_map, dequantized = {}, 0
-    # fp8: the scale's name and the block of one scale, (rows, cols); None is the whole dimension
-    if method == "fp8":
-        scale_suffix, block = "_scale_inv", tuple(quantization["weight_block_size"])
-    elif method == "compressed-tensors":
-        (weights,) = {json.dumps(group["weights"], sort_keys=True) for group in quantization["config_groups"].values()}
-        weights = json.loads(weights)
-        scale_suffix = "_scale"
-        block = {"tensor": (None, None), "channel": (1, None)}.get(weights["strategy"]) or tuple(
-            weights["block_structure"]
-        )
-    for file, file_keys in sorted(files.items()):
-        tensors = {}
-        for key in file_keys:
-            if method in ("fp8", "compressed-tensors"):
-                if key.endswith("weight" + scale_suffix):
-                    if key.removesuffix(scale_suffix) not in keys:
-                        raise KeyError(f"scale {where(key)} has no weight {key.removesuffix(scale_suffix)!r}")
-                    continue
-                if key.endswith((".input_scale", ".activation_scale")):  # activation scales: not weights
-                    continue
-                tensor = checkpoint.get(key)
-                if f"{key}{scale_suffix}" in keys:
-                    if tensor.dtype != torch.float8_e4m3fn:
-                        raise ValueError(f"{where(key)} has a scale but is {tensor.dtype}, not float8_e4m3fn")
-                    rows, cols = tensor.shape[-2:]
-                    whole = (block[0] or rows, block[1] or cols)
-                    scale = checkpoint.get(f"{key}{scale_suffix}")
-                    if scale.numel() == 1:  # one scale for the tensor
-                        scale = scale.reshape(1, 1)
-                    tensor = reference_dequantize_fp8(tensor, scale, whole, key)
-                    dequantized += 1
-                elif tensor.dtype == torch.float8_e4m3fn:
-                    raise KeyError(f"fp8 weight {where(key)} has no {key + scale_suffix!r}")
-            elif method == "mxfp4":
-                if key.endswith("_scales"):
-                    if key.removesuffix("_scales") + "_blocks" not in keys:
-                        raise KeyError(f"scales {where(key)} have no {key.removesuffix('_scales') + '_blocks'!r}")
-                    continue
-                tensor = checkpoint.get(key)
-                if key.endswith("_blocks"):
-                    name = key.removesuffix("_blocks")
-                    if f"{name}_scales" not in keys:
-                        raise KeyError(f"mxfp4 blocks {where(key)} have no {name + '_scales'!r}")
-                    tensor = reference_dequantize_mxfp4(tensor, checkpoint.get(f"{name}_scales"), name)
-                    key, dequantized = name, dequantized + 1
-            else:
-                raise ValueError(
-                    f"{str(source / 'config.json')!r}: quantization_config.quant_method={method!r} has no "
-                    "reference dequantization"
-                )
-            tensors[key] = tensor
-        save_file(tensors, str(out_dir / file.name), metadata={"format": "pt"})
-        weight_map.update({key: file.name for key in tensors})
-    if (source / "model.safetensors.index.json").exists():
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in source.iterdir():  # tokenizer, generation config
-        written = ("config.json", "model.safetensors.index.json")
-        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in written:
-            (out_dir / extra.name).write_bytes(extra.read_bytes())
-    return out_dir, dequantized
 
 
 def packed_batch(seq_lens, vocab_size: int, seed: int):
@@ -501,38 +271,12 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
     overrides = {**args.config_overrides, **parse_config_assignments(args.set)}
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.hf_path is None:
-            hf_path = make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **overrides)
-        else:
-            hf_path = Path(args.hf_path)
-        if args.quantize is not None:
-            from archon.quant.export import QUANTIZED_WEIGHTS, quantize_checkpoint
-
-            fmt = quantize_option_format(args.quantize)
-            hf_path = quantize_checkpoint(hf_path, Path(tmp) / "quantized", fmt)
-
-        # HF runs on a plain copy of a quantized checkpoint, dequantized by the reference recipe.
-        quant_format = quant_format_from_config(_checkpoint_quantization_config(hf_path), str(hf_path / "config.json"))
-        hf_reference_path, quantized_tensors = hf_path, 0
-        if quant_format is not None:
-            hf_reference_path, quantized_tensors = write_dequantized_reference(hf_path, Path(tmp) / "reference")
-        if args.quantize is not None and quantized_tensors == 0:
-            raise ValueError(
-                f"--quantize {args.quantize!r}: no weight of the {model_type} checkpoint is one {quant_format.method} "
-                f"stores (HF names matching {QUANTIZED_WEIGHTS[quant_format.method]!r})"
-            )
-
+        hf_path, hf_reference_path, quant_format, quantized_tensors = _checkpoints(
+            args, model_type, overrides, Path(tmp)
+        )
         hf_config = load_hf_config(hf_path)
         hf_class = hf_model_class(hf_config)
-        one_kind_by_definition = get_spec(model_type).one_kind_layer_patterns
-        one_kind = single_kind_patterns(hf_config, one_kind_by_definition) if args.hf_path is None else []
-        for pattern in one_kind:
-            warnings.warn(
-                f"the tiny {model_type} config has one kind of layer only in {pattern}: the gate cannot tell "
-                "the kinds apart; add both (config_overrides or the family's tiny_hf_config)",
-                stacklevel=3,
-            )
-        unread = unaccounted_fields(get_spec(model_type), hf_config)
+        one_kind, unread = _config_checks(args, model_type, hf_config)
 
         def load_hf():
             # HF's grouped-GEMM experts have no fp64 kernel; its eager experts loop over them
@@ -545,9 +289,8 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
         loaded = build_model(hf_path, dtype=dtype)
         model = loaded.model.to(dtype).eval()
         kept_quantized = len(quantized_weights(model))
-        seqs, tokens, positions, cu_seqlens = packed_batch(
-            args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed
-        )
+        batch = packed_batch(args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed)
+        seqs, tokens, positions, cu_seqlens = batch
         max_seqlen = max(args.seq_lens)
         with torch.no_grad():
             archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
@@ -584,40 +327,92 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
         del model, loaded
 
         if args.lora_rank is not None:
-            lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules="all-linear")
-            loaded = build_model(hf_path, lora=lora, dtype=dtype)
-            model = loaded.model.to(dtype).eval()
-            g = torch.Generator().manual_seed(args.seed + 1)
-            with torch.no_grad():
-                for name, p in lora_parameters(model).items():
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            adapter_dir = Path(tmp) / "adapter"
-            save_peft_adapter(model, loaded.converter, lora, adapter_dir, str(hf_path))
-            peft_model, keys_report = _load_peft(load_hf(), adapter_dir)
-            report.update(keys_report)
-
-            with torch.no_grad():
-                archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
-            peft_logits = _hf_forward(peft_model, seqs)
-            lora_diff, lora_kl = _compare_logits(archon_logits, peft_logits.detach())
-            report["lora_max_abs_logits_diff"] = lora_diff
-            report["lora_mean_kl"] = lora_kl
-            report["lora_effect_max_abs"] = (peft_logits.detach() - hf_logits).abs().max().item()
-
-            # LoRA gradients of the summed label log-probs: archon's through the training path.
-            peft_logprobs = label_logprobs(peft_logits, seqs)
-            train_logprobs = training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs)
-            report["lora_max_abs_train_logprob_diff"] = (
-                (train_logprobs.detach().double() - peft_logprobs.detach()).abs().max().item()
-            )
-            (-train_logprobs.sum()).backward()
-            (-peft_logprobs.sum()).backward()
-            report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.converter, peft_model)
+            report.update(_compare_lora(args, hf_path, dtype, load_hf, batch, hf_logits, Path(tmp)))
             checks += [
                 ("lora_max_abs_logits_diff", logits_tol),
                 ("lora_max_abs_train_logprob_diff", logits_tol),
                 ("lora_grad_max_rel_err", tolerances["lora_grad_max_rel_err"]),
             ]
+    return _verdict(args, report, checks, unread)
+
+
+def _checkpoints(args: AlignArgs, model_type: str, overrides: dict[str, Any], tmp: Path):
+    """(the checkpoint archon loads, the plain one HF loads, its quantization format or None, how many
+    weights it stores quantized): the tiny model or --hf-path, quantized by --quantize, and when
+    quantized, HF's copy dequantized by the reference recipe."""
+    if args.hf_path is None:
+        hf_path = make_tiny_hf_checkpoint(model_type, tmp / "hf", args.seed, **overrides)
+    else:
+        hf_path = Path(args.hf_path)
+    if args.quantize is not None:
+        fmt = quantize_option_format(args.quantize)
+        hf_path = quantize_checkpoint(hf_path, tmp / "quantized", fmt)
+
+    # HF runs on a plain copy of a quantized checkpoint, dequantized by the reference recipe.
+    quant_format = quant_format_from_config(_checkpoint_quantization_config(hf_path), str(hf_path / "config.json"))
+    hf_reference_path, quantized_tensors = hf_path, 0
+    if quant_format is not None:
+        hf_reference_path, quantized_tensors = write_dequantized_reference(hf_path, tmp / "reference")
+    if args.quantize is not None and quantized_tensors == 0:
+        raise ValueError(
+            f"--quantize {args.quantize!r}: no weight of the {model_type} checkpoint is one {quant_format.method} "
+            f"stores (HF names matching {QUANTIZED_WEIGHTS[quant_format.method]!r})"
+        )
+    return hf_path, hf_reference_path, quant_format, quantized_tensors
+
+
+def _config_checks(args: AlignArgs, model_type: str, hf_config) -> tuple[list[str], list[str]]:
+    """(the tiny config's per-layer patterns with one kind of layer, each warned of; the config fields
+    the family neither reads nor declares inert)."""
+    one_kind_by_definition = get_spec(model_type).one_kind_layer_patterns
+    one_kind = single_kind_patterns(hf_config, one_kind_by_definition) if args.hf_path is None else []
+    for pattern in one_kind:
+        warnings.warn(
+            f"the tiny {model_type} config has one kind of layer only in {pattern}: the gate cannot tell "
+            "the kinds apart; add both (config_overrides or the family's tiny_hf_config)",
+            stacklevel=4,  # run_alignment's caller
+        )
+    return one_kind, unaccounted_fields(get_spec(model_type), hf_config)
+
+
+def _compare_lora(args: AlignArgs, hf_path: Path, dtype: torch.dtype, load_hf, batch, hf_logits, tmp: Path):
+    """A random LoRA of rank args.lora_rank on archon's model against PEFT's load of its export on the HF
+    model: the report's peft_* and lora_* entries."""
+    seqs, tokens, positions, cu_seqlens = batch
+    max_seqlen = max(args.seq_lens)
+    lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules="all-linear")
+    loaded = build_model(hf_path, lora=lora, dtype=dtype)
+    model = loaded.model.to(dtype).eval()
+    g = torch.Generator().manual_seed(args.seed + 1)
+    with torch.no_grad():
+        for name, p in lora_parameters(model).items():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    adapter_dir = tmp / "adapter"
+    save_peft_adapter(model, loaded.converter, lora, adapter_dir, str(hf_path))
+    peft_model, report = _load_peft(load_hf(), adapter_dir)
+
+    with torch.no_grad():
+        archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
+    peft_logits = _hf_forward(peft_model, seqs)
+    lora_diff, lora_kl = _compare_logits(archon_logits, peft_logits.detach())
+    report["lora_max_abs_logits_diff"] = lora_diff
+    report["lora_mean_kl"] = lora_kl
+    report["lora_effect_max_abs"] = (peft_logits.detach() - hf_logits).abs().max().item()
+
+    # LoRA gradients of the summed label log-probs: archon's through the training path.
+    peft_logprobs = label_logprobs(peft_logits, seqs)
+    train_logprobs = training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs)
+    report["lora_max_abs_train_logprob_diff"] = (
+        (train_logprobs.detach().double() - peft_logprobs.detach()).abs().max().item()
+    )
+    (-train_logprobs.sum()).backward()
+    (-peft_logprobs.sum()).backward()
+    report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.converter, peft_model)
+    return report
+
+
+def _verdict(args: AlignArgs, report: dict[str, Any], checks: list[tuple[str, float]], unread: list[str]):
+    """The report with its tolerances, its failures and whether it passes."""
     failures = [name for name, tol in checks if not report[name] <= tol]
     if unread:
         failures.append("unaccounted_config_fields")  # read each in from_hf_config, or declare it inert
@@ -664,57 +459,6 @@ def _grad_rel_err(model, converter, peft_model) -> float:
                 rel = err / scale
             worst = max(worst, rel)
     return worst
-
-
-def format_report(report: dict[str, Any]) -> str:
-    rows = [("metric", "value", "tolerance", "ok")]
-    tolerances = report["tolerances"]
-    for key in (
-        "max_abs_logits_diff",
-        "mean_kl",
-        "max_abs_logprob_diff",
-        "max_abs_train_logprob_diff",
-        "lora_max_abs_logits_diff",
-        "lora_mean_kl",
-        "lora_max_abs_train_logprob_diff",
-        "lora_effect_max_abs",
-        "lora_grad_max_rel_err",
-    ):
-        value = report.get(key)
-        if value is None:
-            continue
-        tol = tolerances.get(key)
-        ok = "" if tol is None else ("yes" if value <= tol else "NO")
-        rows.append((key, f"{value:.3e}", "" if tol is None else f"{tol:.0e}", ok))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [
-        f"archon vs HF transformers: {report['model_type']} ({report['sequences']} packed sequences, "
-        f"{report['tokens']} tokens, {report['dtype']})"
-    ]
-    if report.get("quantization"):
-        lines.append(
-            f"quantized checkpoint: {report['quantization']}, {report['quantized_tensors']} weights stored quantized; "
-            f"archon keeps {report['archon_quantized_weights']} weights quantized, "
-            "HF runs on the reference dequantization"
-        )
-    for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    if report.get("unaccounted_config_fields"):
-        lines.append(
-            "config fields neither read by from_hf_config nor declared inert (ModelSpec.inert_hf_config_fields): "
-            + ", ".join(report["unaccounted_config_fields"])
-        )
-    for pattern in report.get("single_kind_patterns", []):
-        lines.append(f"warning: every layer of the checked config is of one kind in {pattern}")
-    if "peft_missing_keys" in report:
-        lines.append(
-            f"PEFT load: {len(report['peft_missing_keys'])} missing, "
-            f"{len(report['peft_unexpected_keys'])} unexpected adapter keys"
-        )
-    lines.append("PASS" if report["pass"] else f"FAIL: {', '.join(report['failures'])}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
