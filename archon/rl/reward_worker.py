@@ -1,6 +1,6 @@
 """Worker processes for user code: `python -m MODULE PARENT_PID`, driven by the parent's `WorkerProcess`.
 
-This module is the reward worker (`python -m archon.rl.reward_worker`, driven by `archon.rl.rewards`);
+This module is the reward worker (`python -m archon.rl.reward_worker`, driven by `archon.rl.rewards.scorer`);
 what every such worker shares is in `archon.workers`. It does not import torch.
 
 Messages are length-prefixed pickles (8-byte big-endian length, then the payload), requests on

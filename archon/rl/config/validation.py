@@ -34,8 +34,8 @@ from archon.rl.data.reasoning_gym import reasoning_gym_overlap
 from archon.rl.logging.trackers import TRACKERS, unknown_tracker
 from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.reward_fns import reward_function_problem
-from archon.rl.reward_http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
 from archon.rl.rewards import TERM_NAME, RewardConfig, unrouted_message
+from archon.rl.rewards.http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
 from archon.rollout.vllm import merged_needs_collective, resolve_vllm_mode
 from archon.rollout.vllm_server import max_position_embeddings
 

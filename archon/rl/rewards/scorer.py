@@ -6,7 +6,7 @@
 
 A reward is one function (`function`), or the weighted sum of several terms (`terms`): per-sample
 functions, group functions that score all the completions of a prompt at once, a reward server
-(archon.rl.reward_http) and an LLM judge. `sources` routes each sample, by its row's `data_source`,
+(archon.rl.rewards.http) and an LLM judge. `sources` routes each sample, by its row's `data_source`,
 to the terms of its source (`default_terms` for sources not listed). `score_batch` also returns
 each term's unweighted values and the per-term and per-source totals the RL step logs.
 
@@ -34,109 +34,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
-from archon.rl.reward_http import HttpOutcome, JudgeConfig, RewardServerConfig, judge_rewards, server_rewards
 from archon.rl.reward_worker import WorkerPool, load_reward_functions, run_on_workers, score_request
+from archon.rl.rewards.config import RewardConfig, UnroutedSourceError, unrouted_message
+from archon.rl.rewards.http import HttpOutcome, judge_rewards, server_rewards
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("archon.rl.rewards")
 
 MAX_LOGGED_FAILURES_PER_BATCH = 3
-TERM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 NO_SOURCE = "none"
 """The name the per-source metrics give rows without a data_source."""
-
-RewardTermKind = Literal["function", "group", "server", "judge"]
-
-
-@dataclass
-class RewardTermConfig:
-    """One term of a reward: its values times `weight` are added to the sample's reward."""
-
-    name: str = ""
-    """The term's name in the metrics (reward/<name>_mean) and in `sources`: letters, digits, _ . -"""
-    kind: RewardTermKind = "function"
-    """function: `function` per sample; group: `function` on all the completions of a prompt at
-    once, returning one value each; server: a reward server (`server`); judge: an LLM judge (`judge`)."""
-    function: str = ""
-    """For function and group terms: math, exact or package.module:function (see docs/rewards.md for
-    the signatures, verl's included)."""
-    weight: float = 1.0
-    """The term's weight in the sum."""
-    server: RewardServerConfig = field(default_factory=RewardServerConfig)
-    """For server terms."""
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    """For judge terms."""
-
-
-@dataclass
-class RewardConfig:
-    """How completions are scored."""
-
-    function: str = "math"
-    """math (math-verify against the reference), exact (exact match), or package.module:function
-    taking (prompt, completion, reference) and returning a float. Used when `terms` is empty."""
-    timeout_s: float = 10.0
-    """Per-sample time limit; a sample over it gets reward 0 and counts as a timeout."""
-    num_workers: int = 1
-    """Worker processes that run the reward function. 0 runs it in this process under a SIGALRM
-    timer: main thread only, and a hang inside C code is not interrupted."""
-    max_failed_steps: int = 3
-    """Stop the run, showing the reward function's traceback, when it fails (raises or times out)
-    on every sample of this many steps in a row."""
-    terms: tuple[RewardTermConfig, ...] = ()
-    """Several reward terms, each weighted; the reward is their weighted sum. Empty: `function` alone."""
-    sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Which terms score each data_source (the rows' `data_source` field), by term name. Empty:
-    every term scores every sample."""
-    default_terms: tuple[str, ...] | None = None
-    """With `sources`: the terms of a data_source not listed there. None: such a source is an error."""
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"RewardConfig.timeout_s must be positive, got {self.timeout_s}")
-        if self.num_workers < 0:
-            raise ValueError(f"RewardConfig.num_workers must be >= 0, got {self.num_workers}")
-        if self.max_failed_steps < 1:
-            raise ValueError(f"RewardConfig.max_failed_steps must be >= 1, got {self.max_failed_steps}")
-
-    def term_configs(self) -> tuple[RewardTermConfig, ...]:
-        """The terms; without `terms`, the one term `function` (named after it)."""
-        if self.terms:
-            return self.terms
-        return (RewardTermConfig(name=self.function.rpartition(":")[2] or "reward", function=self.function),)
-
-    def describe(self) -> str:
-        """ "the reward function 'math'" or "the reward terms 'a', 'b'", for messages."""
-        if not self.terms:
-            return f"the reward function {self.function!r}"
-        return "the reward terms " + ", ".join(repr(term.name) for term in self.terms)
-
-    def unrouted_sources(self, data_sources: Sequence[str]) -> list[str]:
-        """Of `data_sources`, those `sources` and `default_terms` give no terms (in order, once each)."""
-        if not self.sources or self.default_terms is not None:
-            return []
-        return sorted({source for source in data_sources if source not in self.sources})
-
-
-class UnroutedSourceError(ValueError):
-    """A sample's data_source has no reward terms."""
-
-
-def unrouted_message(sources: Sequence[str], where: str = "reward") -> str:
-    shown = ", ".join(repr(source) for source in sources[:10])
-    return (
-        f"data_source {shown} has no reward terms: {where}.sources does not list it and {where}.default_terms "
-        f"is not set (list it in {where}.sources, or set {where}.default_terms for the sources not listed)"
-    )
 
 
 def reward_breakdown(sums: dict[str, float]) -> dict[str, float]:
@@ -290,6 +205,27 @@ class RewardScorer(WorkerPool):
             for p, c, r, d, e in zip(prompts, completions, references, data_sources, extra_infos)
         ]
         members = [[i for i in range(count) if t in routes[i]] for t in range(len(self.terms))]
+        values, failures, http_counts = self._score_terms(samples, groups, members)
+        parts, rewards = self._weighted_sum(values, failures, count)
+        errors, timeouts = self._count_failures(failures)
+        self.totals["samples"] += count
+        self.totals["errors"] += errors
+        self.totals["timeouts"] += timeouts
+        sums = self._sums(members, parts, failures, http_counts, rewards, data_sources)
+        metrics = {
+            "reward_mean": rewards.double().mean().item() if count else 0.0,
+            "reward_std": rewards.double().std(correction=0).item() if count else 0.0,
+            "reward_errors": float(errors),
+            "reward_timeouts": float(timeouts),
+            "reward_seconds": time.monotonic() - start,
+            **reward_breakdown(sums),
+        }
+        return RewardBatch(rewards, metrics, parts if self.several else {}, sums)
+
+    def _score_terms(self, samples, groups, members):
+        """Each term's values ([term][sample], 0.0 where it has none), the failures (term, kind,
+        sample, message, traceback) and the outcome of each server or judge term's requests."""
+        count = len(samples)
         values = [[0.0] * count for _ in self.terms]
         failures: list[tuple[int, str, int, str, str | None]] = []  # (term, kind, sample, message, traceback)
         http_counts: dict[int, HttpOutcome] = {}
@@ -311,6 +247,11 @@ class RewardScorer(WorkerPool):
                     else:
                         # no traceback to show: the request's failure stands in for one
                         failures.append((t, failure[0], i, failure[1], f"term {self.terms[t].name!r}: {failure[1]}"))
+        return values, failures, http_counts
+
+    def _weighted_sum(self, values, failures, count) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Each term's values as a float32 tensor [B], non-finite ones made 0 and counted as failures,
+        and the rewards [B]: the weighted sum of the terms, in float64, as float32."""
         # call_reward rejects NaN and inf; a value beyond the float32 range becomes inf here.
         parts = {}
         failed = {(t, i) for t, _, i, _, _ in failures}
@@ -324,7 +265,11 @@ class RewardScorer(WorkerPool):
         rewards = torch.zeros(count, dtype=torch.float64)
         for term in self.terms:
             rewards += term.weight * parts[term.name].double()
-        rewards = rewards.float()
+        return parts, rewards.float()
+
+    def _count_failures(self, failures) -> tuple[int, int]:
+        """(samples with an error, samples with a timeout) among the failures, sorted here by sample;
+        the first few are logged and the first traceback kept."""
         failures.sort(key=lambda failure: (failure[2], failure[0]))
         self.last_traceback = next((tb for *_, tb in failures if tb is not None), None)
         sample_kinds: dict[int, str] = {}
@@ -338,19 +283,7 @@ class RewardScorer(WorkerPool):
         if len(failures) > MAX_LOGGED_FAILURES_PER_BATCH:
             unlogged = len(failures) - MAX_LOGGED_FAILURES_PER_BATCH
             logger.warning("... and %d more reward failures in this batch", unlogged)
-        self.totals["samples"] += count
-        self.totals["errors"] += errors
-        self.totals["timeouts"] += timeouts
-        sums = self._sums(members, parts, failures, http_counts, rewards, data_sources)
-        metrics = {
-            "reward_mean": rewards.double().mean().item() if count else 0.0,
-            "reward_std": rewards.double().std(correction=0).item() if count else 0.0,
-            "reward_errors": float(errors),
-            "reward_timeouts": float(timeouts),
-            "reward_seconds": time.monotonic() - start,
-            **reward_breakdown(sums),
-        }
-        return RewardBatch(rewards, metrics, parts if self.several else {}, sums)
+        return errors, timeouts
 
     def _sums(self, members, parts, failures, http_counts, rewards, data_sources) -> dict[str, float]:
         """RewardBatch.sums: the same keys, in the same order, for every batch."""
