@@ -79,7 +79,7 @@ def test_the_shipped_warm_start_is_a_weak_policy_that_is_right_when_it_calls_the
 def test_a_short_run_calls_the_tool_more_and_is_rewarded_more(shipped, tmp_path, monkeypatch):
     """Six RL steps of the demo on one process: the tool-call rate and the reward rise, and episodes
     that called the sandbox were right."""
-    from archon.rl.run import loop
+    from archon.rl.run import score as loop
     from archon.rl.loop import RLRun
 
     _, demo, files, _ = shipped

@@ -11,11 +11,11 @@ per token across turns.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from archon.agents.environment import StopReason
 from archon.agents.openai_agents import AgentEpisodes
 from archon.agents.trajectory import Trajectory
+from archon.distributed import true_on_any_rank
 from archon.rl.run.step_metrics import Scores
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
@@ -23,11 +23,7 @@ from archon.rollout.native import NativeRolloutEngine
 
 def _any_rank(running: bool, group, device) -> bool:
     """Whether any rank of `group` still has episodes running (None: this process alone)."""
-    if group is None:
-        return running
-    flag = torch.tensor([float(running)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    return running if group is None else true_on_any_rank(running, device, group)
 
 
 def episode_samples(task, examples, sampling: SamplingParams, engine, adapter: int | None) -> list[Sample]:

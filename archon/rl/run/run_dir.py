@@ -38,6 +38,7 @@ from archon.checkpoint.resume import (
     lora_settings,
     read_trainer_state,
 )
+from archon.distributed import first_rank_then_broadcast
 from archon.rl.samples import SAMPLES_DIR
 from archon.rl.trackers import TRACKER_DIRS, TRACKERS_STATE
 
@@ -349,10 +350,10 @@ def prepare_run_dir(
     checkpoint of the step of the checkpoint `resume` names."""
     run_dir = Path(run_dir)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    outcome: list[Path | None | BaseException] = [None]
-    lock = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        lock = RunDirLock(run_dir)
+    lock = RunDirLock(run_dir) if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+    def check() -> Path | None:
+        """Rank 0's check: the checkpoint to resume from, or None."""
         try:
             if resume is not None and overwrite:
                 raise ValueError("--resume and --overwrite contradict each other: choose one")
@@ -364,19 +365,15 @@ def prepare_run_dir(
             elif tasks:
                 _recover_tasks(run_dir, tasks)
                 if resume != "latest":
-                    outcome[0] = _task_step_to_resume(run_dir, Path(resume), tasks, world_size)
+                    return _task_step_to_resume(run_dir, Path(resume), tasks, world_size)
             else:
-                outcome[0] = _checkpoint_to_resume(run_dir, resume, world_size, lora)
-        except BaseException as e:
+                return _checkpoint_to_resume(run_dir, resume, world_size, lora)
+            return None
+        except BaseException:
             lock.release()
-            if not isinstance(e, Exception):
-                raise
-            outcome[0] = e  # every rank must learn of it, or the others wait in the broadcast
-    if dist.is_initialized():
-        dist.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return PreparedRunDir(run_dir, outcome[0], lock)
+            raise
+
+    return PreparedRunDir(run_dir, first_rank_then_broadcast(check), lock)
 
 
 def prune_adapter_exports(adapters_dir: Path, keep: int) -> None:

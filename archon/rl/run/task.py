@@ -11,20 +11,24 @@ from __future__ import annotations
 import json
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from archon.agents.setup import build_episode_runner
+from archon.checkpoint.atomic import atomic_write_json
 from archon.checkpoint.resume import CheckpointManager
 from archon.rl.algorithms import get_algorithm, teacher_setting
-from archon.rl.config import AlgorithmConfig, TaskConfig
+from archon.rl.config import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
 from archon.rl.data import PromptBatchIterator, PromptExample, load_prompt_dataset
-from archon.rl.run.producer import RolloutProducer
 from archon.rl.rewards import RewardScorer, UnroutedSourceError, unrouted_message
+from archon.rl.run.producer import RolloutProducer, Rollouts
 from archon.rl.run.run_dir import TASKS_DIR
-from archon.rl.run.step_metrics import every_reward_failed
+from archon.rl.run.step_metrics import TaskStep
 from archon.rl.run.versions import AdapterHistory
+from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import NonFiniteError
 
 logger = logging.getLogger("archon.rl")
@@ -88,38 +92,37 @@ def source_teachers(
 
 
 class Task:
-    """One task of the run: its data and iterator, reward, algorithm, teacher, rollout engine and
-    weight sync (set by the run once its engines are up), producer, adapter version, failure
-    streaks, output directory and resume state."""
+    """One task of the run: its data and iterator, reward, algorithm, teachers, rollout engine and
+    weight sync (once the run's engines are up), producer, adapter version, failure streaks, output
+    directory and resume state.
 
-    def __init__(self, run, index: int, config: TaskConfig, prefix: str) -> None:
+    Built from the task's settings and what the run shares with it: `shared`, the run's settings;
+    `context`, the model's context length; `eval_new_tokens`, the held-out completions' length;
+    `teacher(path, option)`, the run's frozen teacher at `path` (loaded once, shared between tasks);
+    `run_dir`; `reports`, whether this rank prints the data reports."""
+
+    def __init__(
+        self,
+        index: int,
+        config: TaskConfig,
+        prefix: str,
+        *,
+        shared: RLConfig,
+        tokenizer,
+        context: int,
+        eval_new_tokens: int,
+        teacher: Callable[[str, str], torch.nn.Module],
+        run_dir: Path,
+        reports: bool,
+    ) -> None:
         self.name, self.index, self.config = config.name, index, config
         self.prefix = prefix
         """Put before the task's metric names: "<name>/" when the run has several tasks, else ""."""
         self.seed_offset = zlib.crc32(self.name.encode()) % 100_003 if self.name else 0
         """Sampling seeds follow the task's name, not its place in the list, so adding or removing
         another task leaves this one's rollouts as they were."""
-        shared = run.config
         self.algorithm = get_algorithm(config.algorithm, shared.rollout.max_new_tokens, config.max_staleness)
-        context = run.trainer.loaded.hf_config.max_position_embeddings
-        where = f"{self.name} " if self.name else ""
-        self.train_set = load_prompt_dataset(config.data, run.tokenizer, context, shared.rollout.max_new_tokens)
-        self._report(run, f"{where}train", self.train_set)
-        self.iterator = PromptBatchIterator(
-            self.train_set.examples,
-            batch_size=shared.rollout.prompts_per_step,
-            seed=config.data.seed,
-            shuffle=config.data.shuffle,
-            drop_last=config.data.drop_last,
-        )
-        self.eval_set = None
-        if config.eval_path and shared.eval.every:
-            eval_data = replace(config.data, path=config.eval_path)
-            self.eval_set = load_prompt_dataset(eval_data, run.tokenizer, context, run.eval_new_tokens)
-            self._report(run, f"{where}held-out", self.eval_set)
-        held_out = self.eval_set.examples if self.eval_set is not None else []
-        if unrouted := config.reward.unrouted_sources([e.data_source for e in self.train_set.examples + held_out]):
-            raise UnroutedSourceError(unrouted_message(unrouted, f"tasks[{index}].reward" if self.name else "reward"))
+        self._load_data(shared, tokenizer, context, eval_new_tokens, reports)
         self.teacher = None
         """The default teacher (algorithm.teacher_path), when a source of the data takes it."""
         self.teachers: dict[str, torch.nn.Module] = {}
@@ -128,10 +131,10 @@ class Task:
         if self.algorithm.needs_teacher:
             where = f"tasks[{index}].algorithm" if self.name else "algorithm"
             chosen = source_teachers(config.algorithm, self.train_set.examples, config.data.path, where)
-            self.teachers = {source: run.teacher(path, option) for source, (path, option) in chosen.items()}
+            self.teachers = {source: teacher(path, option) for source, (path, option) in chosen.items()}
             default = [source for source, (_, option) in chosen.items() if option == f"{where}.teacher_path"]
             self.teacher = self.teachers[default[0]] if default else None
-        self.dir = run.run_dir / TASKS_DIR / self.name if self.name else run.run_dir
+        self.dir = run_dir / TASKS_DIR / self.name if self.name else run_dir
         self.checkpoints = CheckpointManager(self.dir / "checkpoints", keep_last=shared.checkpoint.keep_last)
         self.scorer: RewardScorer | None = None
         self.episodes = self.tool_runner = None
@@ -156,19 +159,75 @@ class Task:
         """RL steps so far with a skipped update (the `skipped_steps` metric)."""
         self.trained_iterator_state: dict | None = None
         """The data iterator as of the last trained step's prompts (a producer draws ahead)."""
-        self.extremes: dict[str, float] = {}
-        """The largest |reward| and |advantage| of the last step (for the non-finite error)."""
-        self.reward_traceback: str | None = None
+
+    def _load_data(self, shared: RLConfig, tokenizer, context: int, eval_new_tokens: int, reports: bool) -> None:
+        """The task's training prompts and their iterator, and its held-out prompts (with eval.every);
+        every data source of them must have a reward."""
+        config, where = self.config, f"{self.name} " if self.name else ""
+        self.train_set = load_prompt_dataset(config.data, tokenizer, context, shared.rollout.max_new_tokens)
+        self._report(reports, f"{where}train", self.train_set)
+        self.iterator = PromptBatchIterator(
+            self.train_set.examples,
+            batch_size=shared.rollout.prompts_per_step,
+            seed=config.data.seed,
+            shuffle=config.data.shuffle,
+            drop_last=config.data.drop_last,
+        )
+        self.eval_set = None
+        if config.eval_path and shared.eval.every:
+            eval_data = replace(config.data, path=config.eval_path)
+            self.eval_set = load_prompt_dataset(eval_data, tokenizer, context, eval_new_tokens)
+            self._report(reports, f"{where}held-out", self.eval_set)
+        held_out = self.eval_set.examples if self.eval_set is not None else []
+        if unrouted := config.reward.unrouted_sources([e.data_source for e in self.train_set.examples + held_out]):
+            raise UnroutedSourceError(
+                unrouted_message(unrouted, f"tasks[{self.index}].reward" if self.name else "reward")
+            )
+
+    def start_workers(self, tokenizer, model_type: str) -> None:
+        """Start the task's reward workers and, for a multi-turn task, its episode runner and tools
+        (processes: the run starts them once every task is built)."""
+        self.scorer = RewardScorer(self.config.reward, self.data_sources())
+        if self.config.environment.enabled:
+            self.episodes, self.tool_runner = build_episode_runner(
+                self.config.environment, tokenizer, model_type, self.config.data.prompt_field
+            )
+
+    def connect(self, rollout, rollout_config: RolloutConfig, sync_dir: Path, channel) -> None:
+        """Generate with the engine `rollout` and publish each adapter version to it through a weight
+        sync of the task's own (`sync_dir`: where adapters for vLLM are written; `channel`: the run's
+        collective channel to the vLLM workers, if any)."""
+        self.rollout = rollout
+        self.sync = build_weight_sync(
+            rollout_config, rollout, lora=self.config.lora, sync_dir=sync_dir, task=self.name or None, channel=channel
+        )
+
+    def start_producer(self, generate: Callable[[int], Rollouts], steps: int) -> None:
+        """Make the task's next `steps` steps' rollouts ahead on a thread (`generate(task_step)`), at
+        most max_staleness steps ahead of its adapter version."""
+        self.producer = RolloutProducer(
+            generate, self.version, self.version + steps, self.config.max_staleness, version=self.version
+        )
+
+    def stop(self, step: int, reason: str, writes_record: bool) -> None:
+        """Stop training the task at RL step `step` (its last checkpoint and adapter stay as they
+        were); `writes_record`: this rank writes STOPPED_FILE, which keeps it stopped on resume."""
+        self.stopped = reason
+        if writes_record:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.dir / STOPPED_FILE, {"step": step, "reason": reason})
+        if self.producer is not None:
+            self.producer.stop()
 
     def data_sources(self) -> list[str]:
         """The data_source of every training row (their metrics are logged by source)."""
         return sorted({example.data_source for example in self.train_set.examples})
 
     @staticmethod
-    def _report(run, name: str, dataset) -> None:
-        if run.rank == 0:
+    def _report(reports: bool, name: str, dataset) -> None:
+        if reports:
             print(f"{name} data: {len(dataset)} prompts, {dataset.schema} rows ({dataset.schema_reason})", flush=True)
-        if (dataset.malformed or dataset.too_long) and run.rank == 0:
+        if (dataset.malformed or dataset.too_long) and reports:
             logger.warning("%s data: %s", name, dataset.report())
 
     def state(self) -> dict:
@@ -190,26 +249,24 @@ class Task:
         self.skipped_streak = data.get("skipped_streak", [])
         self.reward_failure_streak = data.get("reward_failure_streak", [])
 
-    def record_step(self, step: int, metrics: dict[str, float]) -> Exception | None:
-        """Count RL step `step` (`metrics`: the run's, this task's under its prefix) into the task's
-        streaks and its `skipped_steps` metric; returns the error that stops the task when it is
-        past algorithm.max_skipped_steps RL steps in a row with a skipped update, or
-        reward.max_failed_steps steps in a row on which its reward function failed on every sample
-        (the same on every rank: the counts are global), else None."""
-        p = self.prefix
-        skipped = metrics.get(p + "skipped_updates", 0) > 0
+    def record_step(self, step: int, outcome: TaskStep, metrics: dict[str, float]) -> Exception | None:
+        """Count RL step `step` (`outcome`: the task's step; `metrics`: the run's, this task's under
+        its prefix) into the task's streaks and its `skipped_steps` metric; returns the error that
+        stops the task when it is past algorithm.max_skipped_steps RL steps in a row with a skipped
+        update, or reward.max_failed_steps steps in a row on which its reward function failed on
+        every sample (the same on every rank: the counts are global), else None."""
+        skipped = outcome.skipped_updates > 0
         self.skipped_steps += int(skipped)
-        metrics[p + "skipped_steps"] = self.skipped_steps
+        metrics[self.prefix + "skipped_steps"] = self.skipped_steps
         self.skipped_streak = self.skipped_streak + [step] if skipped else []
-        failed = every_reward_failed(
-            metrics[p + "reward_errors"] + metrics[p + "reward_timeouts"], metrics[p + "reward_samples"]
-        )
+        failed = outcome.prepared.reward_counts.every_failed
         self.reward_failure_streak = self.reward_failure_streak + [step] if failed else []
-        return self._failure(step, metrics)
+        return self._failure(step, outcome, metrics)
 
-    def _failure(self, step: int, metrics: dict[str, float]) -> Exception | None:
+    def _failure(self, step: int, outcome: TaskStep, metrics: dict[str, float]) -> Exception | None:
         """The error that stops the task at RL step `step`, if it is past a limit."""
         p, where = self.prefix, f"task {self.name!r}: " if self.name else ""
+        extremes = outcome.prepared.extremes
         limit = self.config.algorithm.max_skipped_steps
         if len(self.skipped_streak) >= limit:
             return NonFiniteError(
@@ -218,13 +275,13 @@ class Task:
                 "updates were skipped and left the adapter and optimizer unchanged. Last step: "
                 f"loss {metrics.get(p + 'loss')}, grad_norm {metrics.get(p + 'grad_norm')}, "
                 f"lr {metrics.get(p + 'lr')}, "
-                f"largest |reward| {self.extremes.get('reward_abs_max')}, largest |advantage| "
-                f"{self.extremes.get('advantage_abs_max')}. Likely causes: rewards so large that the loss overflows "
+                f"largest |reward| {extremes.get('reward_abs_max')}, largest |advantage| "
+                f"{extremes.get('advantage_abs_max')}. Likely causes: rewards so large that the loss overflows "
                 "(rescale the reward function), or a learning rate too high (lower optim.lr)."
             )
         limit = self.config.reward.max_failed_steps
         if len(self.reward_failure_streak) >= limit:
-            cause = self.reward_traceback or "(every sample timed out, or failed on another rank)"
+            cause = outcome.reward_traceback or "(every sample timed out, or failed on another rank)"
             return RewardFunctionError(
                 f"RL step {step}: {where}{self.config.reward.describe()} failed on every sample "
                 f"for {len(self.reward_failure_streak)} steps in a row (steps {self.reward_failure_streak[0]}-{step}, "

@@ -1,0 +1,109 @@
+"""The rollout engines of a run: the built-in engine on the training model, or the vLLM servers
+that serve every task's adapters side by side; and the token ids that end a completion.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+from archon.distributed import first_rank_then_broadcast
+from archon.rl.config import RLConfig
+from archon.rollout.native import NativeRolloutEngine
+from archon.rollout.policy import ServedPolicy
+from archon.rollout.speculative import build_drafter
+from archon.rollout.vllm import VLLMRolloutEngine
+from archon.trainer import Trainer
+
+
+def stop_token_ids(tokenizer, hf_config) -> tuple[int, ...]:
+    """The token ids that end a completion: the tokenizer's EOS and the model config's (one id or a
+    list of them)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
+def native_engine(config: RLConfig, trainer: Trainer, record_routing: bool) -> NativeRolloutEngine:
+    """The built-in engine on the training model; a multi-task model generates every task's prompts
+    in one batch. `record_routing`: record the experts each token was routed to (routing replay)."""
+    return NativeRolloutEngine(
+        trainer.model,
+        trainer.device,
+        max_batch_sequences=config.rollout.max_batch_sequences,
+        prefill_chunk_tokens=config.rollout.prefill_chunk_tokens,
+        record_routing=record_routing,
+        drafter=build_drafter(config.rollout.speculative, trainer.model, trainer.device),
+    )
+
+
+def task_servers(servers):
+    """A task's handle on the shared vLLM servers (a VLLMRolloutEngine): the same servers and
+    session, with a policy of its own, so that its requests name its own adapter version."""
+    view = copy.copy(servers)
+    view.policy = ServedPolicy()
+    return view
+
+
+def _longest_request(config, tasks, longest_prompt, eval_new_tokens: int) -> tuple[int, int]:
+    """(prompt tokens, new tokens) of the longest request of the run: the longest of (longest
+    training prompt + rollout tokens) and (longest held-out prompt + eval tokens) over the tasks."""
+    requests = []
+    for task in tasks:
+        if task.episodes is not None:  # whole trajectories: the first prompt, then turns and additions
+            framing = task.episodes.framing_tokens(task.config.environment.system_prompt)
+            examples = task.train_set.examples + (task.eval_set.examples if task.eval_set is not None else [])
+            limits = task.config.environment.limits
+            requests.append((longest_prompt(task, examples) + framing, limits.max_tokens))
+            continue
+        requests.append((longest_prompt(task, task.train_set.examples), config.rollout.max_new_tokens))
+        if task.eval_set is not None:
+            held_out = task.eval_set.examples[: config.eval.max_prompts]
+            requests.append((longest_prompt(task, held_out), eval_new_tokens))
+    return max(requests, key=sum)
+
+
+def rollout_servers(config, tasks, longest_prompt, eval_new_tokens: int, rank: int, log_dir: Path):
+    """The vLLM servers of a run (a VLLMRolloutEngine), which serve every task's adapters side by
+    side: rank 0 launches (or connects to) them, the other ranks connect to the same URLs for their
+    share of the generation; rank 0's error, if it has one, is raised on every rank (instead of the
+    others waiting for the URLs). Only rank 0 sends adapters (see build_weight_sync).
+    `longest_prompt(task, examples)`: the longest prompt of `examples` in tokens."""
+    vllm_config = config.rollout.vllm
+    ranks = [task.config.lora.max_rank for task in tasks if task.config.lora is not None]
+    kwargs = dict(
+        model_path=config.model.path,
+        lora_rank=max(ranks) if ranks else None,
+        log_dir=log_dir,
+        update_policy=config.rollout.update_policy,
+    )
+    launched = []
+    if rank == 0:
+        # launched servers are sized for the longest request of the run (see VLLMConfig.max_model_len)
+        prompt_tokens, new_tokens = _longest_request(config, tasks, longest_prompt, eval_new_tokens)
+
+    def launch() -> list[str]:
+        launched.append(
+            VLLMRolloutEngine(
+                vllm_config, rank=0, longest_prompt_tokens=prompt_tokens, max_new_tokens=new_tokens, **kwargs
+            )
+        )
+        return [s.url for s in launched[0].servers]
+
+    urls = first_rank_then_broadcast(launch)
+    if launched:
+        return launched[0]
+    return VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(urls)), rank=rank, **kwargs)
+
+
+def speculative_acceptance(native: NativeRolloutEngine) -> float:
+    """The share of the draft tokens proposed since the last call that the built-in engine
+    accepted (its counts start again)."""
+    stats = native.stats
+    proposed, accepted = stats.speculative_proposed, stats.speculative_accepted
+    stats.speculative_proposed = stats.speculative_accepted = 0
+    return accepted / proposed if proposed else 0.0
