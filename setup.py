@@ -13,5 +13,8 @@ for name, folder in NESTED.items():
 setup(
     packages=packages,
     package_dir=NESTED,
-    package_data={"archon.recipes": ["configs/*.yaml"], "archon.rl": ["warm_starts/*.safetensors"]},
+    package_data={
+        "archon.recipes": ["configs/*.yaml"],
+        "archon.demos": ["warm_starts/*.safetensors", "warm_starts/*.tokenizer.json"],
+    },
 )

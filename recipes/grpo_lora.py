@@ -21,7 +21,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
+from archon.demos import DEMO_CONFIG
 
 
 def run(config) -> dict:
@@ -48,7 +48,7 @@ def run(config) -> dict:
 
 def _train_and_report(config, prepared, rank: int) -> dict:
     """The run in the directory `prepared` (prepare_run_dir's), then on rank 0 its plot and summary."""
-    from archon.rl.demo import prepare_demo
+    from archon.demos.warm_start import prepare_demo
     from archon.rl.logging.trackers import check_tracker_packages
     from archon.rl.loop import RLRun
     from archon.tools.plot import plot_run

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 from test_multi_lora_run import TWO_SKILL_SEED, two_skill_settings
 
+from archon.demos import warm_start as demo_module
+from archon.demos.warm_start import _split_development, packaged_warm_start, prepare_demo
 from archon.recipes.grpo_lora import DEMO_CONFIG
-from archon.rl import demo as demo_module
 from archon.rl.config import load_config_file
-from archon.rl.demo import _split_development, packaged_warm_start, prepare_demo
 from archon.rl.tasks import ArithmeticTaskConfig
 
 

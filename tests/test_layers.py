@@ -66,6 +66,10 @@ FLOORS = {
     "archon.rl": 8,
     # 9. what puts it all together
     "archon.demos": 9,
+    # the demos' old paths, which re-export archon.demos for one release
+    "archon.rl.demo": 9,
+    "archon.rl.code_tool_demo": 9,
+    "archon.rl.reasoning_gym_demo": 9,
     "archon.tools": 9,
     "archon.recipes": 9,
 }

@@ -17,11 +17,9 @@ from archon.optim import OptimConfig
 from archon.parallel import ParallelConfig
 from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import AlgorithmConfig, TeacherConfig  # noqa: F401 - TeacherConfig at its old path
-from archon.rl.code_tool_demo import CodeToolDemoConfig
+from archon.rl.config.demo import DemoConfig
 from archon.rl.data import DataConfig
-from archon.rl.data.tasks import ArithmeticTaskConfig
 from archon.rl.logging.trackers import TrackerName
-from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig
 from archon.rl.rewards import RewardConfig
 from archon.rollout.speculative import SpeculativeConfig
 from archon.rollout.vllm import VLLMConfig
@@ -155,51 +153,6 @@ class LoggingConfig:
     each (step_N.eval.jsonl). 0: none."""
     samples_per_table: int = 64
     """Rows per task in a sample table, in whole groups (at least one), from every data-parallel rank."""
-
-
-@dataclass
-class DemoConfig:
-    """The built-in demo: a small Qwen3 model warm-started by SFT, on synthetic arithmetic (kind
-    "arithmetic"), on 3-digit multiplication with the python tool (kind "code_tool") or on a
-    reasoning-gym task (kind "reasoning_gym")."""
-
-    kind: Literal["arithmetic", "code_tool", "reasoning_gym"] = "arithmetic"
-    """arithmetic: a character tokenizer, `task` answered in one completion; code_tool: the Qwen3
-    chat format, `code_tool`'s problems answered in episodes with the python sandbox
-    (archon.rl.code_tool_demo); reasoning_gym: a character tokenizer, `reasoning_gym`'s task
-    answered inside <answer> </answer> (archon.rl.reasoning_gym_demo)."""
-    task: ArithmeticTaskConfig = field(
-        default_factory=lambda: ArithmeticTaskConfig(
-            operations=("+",), min_digits=2, max_digits=2, num_train=6000, num_held_out=200
-        )
-    )
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 384
-    sft_steps: int = 1500
-    """Upper bound on SFT steps; the arithmetic warm start stops earlier at sft_target_accuracy, the
-    code-tool one runs them all."""
-    sft_target_accuracy: float = 0.25
-    """Stop SFT once the greedy accuracy of every operation on its development problems has been at
-    least this for sft_checks_at_target checks in a row, so RL starts from a weak but non-zero
-    policy on each. The development problems are kept out of the SFT batches, so the stop does not
-    depend on memorised answers; several checks in a row, so it does not stop on a lucky one."""
-    sft_check_every: int = 10
-    sft_checks_at_target: int = 3
-    sft_dev_examples: int = 128
-    """Development problems per operation, taken from the training split."""
-    sft_batch_size: int = 64
-    sft_lr: float = 3e-3
-    cache_dir: str = ".cache/archon/demo"
-    """Warm-start results are cached here, keyed by the settings above."""
-    code_tool: CodeToolDemoConfig = field(default_factory=CodeToolDemoConfig)
-    """The code-tool demo's problems and warm start (kind "code_tool"); `task` and the SFT's stop
-    rule (sft_target_accuracy, sft_checks_at_target, sft_dev_examples) are the arithmetic demo's."""
-    reasoning_gym: ReasoningGymDemoConfig = field(default_factory=ReasoningGymDemoConfig)
-    """The reasoning-gym demo's problems (kind "reasoning_gym"; its warm start stops by the same rule
-    as the arithmetic demo's, the task's problems being one "operation")."""
 
 
 @dataclass

@@ -27,12 +27,11 @@ from archon.lora import LoRAConfig
 from archon.optim import OptimConfig
 from archon.parallel.activation_offload import check_activation_offload
 from archon.rl.algorithms import ALGORITHMS, algorithm_problems, distills, importance_sampling_for
-from archon.rl.code_tool_demo import demo_environment_problems
+from archon.rl.config.demo import demo_environment_problems, reasoning_gym_demo_problems
 from archon.rl.config.schema import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig, both_spellings_error
 from archon.rl.data import data_path_problem, data_sources_of
 from archon.rl.data.reasoning_gym import reasoning_gym_overlap
 from archon.rl.logging.trackers import TRACKERS, unknown_tracker
-from archon.rl.reasoning_gym_demo import reasoning_gym_demo_problems
 from archon.rl.reward_fns import reward_function_problem
 from archon.rl.rewards import TERM_NAME, RewardConfig, unrouted_message
 from archon.rl.rewards.http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
