@@ -8,6 +8,7 @@ from typing import Literal
 
 from archon.rl.algorithms.losses import Aggregation, ImportanceSampling, KLEstimator
 from archon.rl.algorithms.registry import ALGORITHMS, AlgorithmName, unknown_algorithm
+from archon.rl.problems import Problems
 
 
 @dataclass
@@ -211,5 +212,96 @@ def algorithm_problems(config: AlgorithmConfig, group_size: int, where: str = "a
         problems.append(
             f"{where}.loss.advantage_whitening={loss.advantage_whitening!r}: only algorithms that whiten their "
             f"advantages over the batch ({whitened}) use it, not {config.name!r}"
+        )
+    return problems
+
+
+def algorithm_section_problems(algorithm: AlgorithmConfig, where: str = "algorithm") -> Problems:
+    """What is wrong with the algorithm section `where` (algorithm, or tasks[i].algorithm) on its own:
+    IcePop's band, the dual clip, the entropy bonus, the KL cap, the distillation weight, the teachers
+    and the skipped-step limit."""
+    problems = _loss_problems(algorithm, where)
+    if algorithm.distillation_weight is not None:
+        problems.require(
+            distills(algorithm),
+            f"{where}.distillation_weight",
+            algorithm.distillation_weight,
+            f"weights a teacher's advantage, but neither {where}.teacher_path nor {where}.teachers is set",
+        )
+        problems.require(
+            algorithm.distillation_weight > 0,
+            f"{where}.distillation_weight",
+            algorithm.distillation_weight,
+            "must be > 0 (None: the teacher's advantage alone)",
+        )
+    sources = [teacher.data_source for teacher in algorithm.teachers]
+    for i, teacher in enumerate(algorithm.teachers):
+        problems.require(
+            bool(teacher.data_source),
+            f"{where}.teachers[{i}].data_source",
+            teacher.data_source,
+            f"must name a data source (the rows' data_source); the teacher of rows without one is {where}.teacher_path",
+        )
+        problems.require(
+            sources.index(teacher.data_source) == i,
+            f"{where}.teachers[{i}].data_source",
+            teacher.data_source,
+            f"already has a teacher ({where}.teachers[{sources.index(teacher.data_source)}]); one teacher a source",
+        )
+        problems.require(bool(teacher.path), f"{where}.teachers[{i}].path", teacher.path, "must be a model directory")
+    problems.require(
+        algorithm.max_skipped_steps >= 1,
+        f"{where}.max_skipped_steps",
+        algorithm.max_skipped_steps,
+        "must be at least 1",
+    )
+    return problems
+
+
+def _loss_problems(algorithm: AlgorithmConfig, where: str) -> Problems:
+    """The loss settings of the section: IcePop's band, the dual clip, the entropy bonus, the KL cap."""
+    loss = algorithm.loss
+    spec = ALGORITHMS[algorithm.name]
+    problems = Problems()
+    if loss.icepop_band is not None:
+        low, high = loss.icepop_band
+        problems.require(
+            0 < low <= 1 <= high,
+            f"{where}.loss.icepop_band",
+            loss.icepop_band,
+            "must be (low, high) with 0 < low <= 1 <= high (the band of pi_old / mu ratios kept)",
+        )
+    if loss.clip_ratio_c is not None:
+        problems.require(
+            loss.clip_ratio_c > 1,
+            f"{where}.loss.clip_ratio_c",
+            loss.clip_ratio_c,
+            "must be > 1 (None disables dual clip)",
+        )
+        problems.require(
+            spec.dual_clip,
+            f"{where}.loss.clip_ratio_c",
+            loss.clip_ratio_c,
+            f"dual clip bounds the PPO clipped objective, which {where}.name={algorithm.name!r} does not use",
+        )
+    problems.require(
+        loss.entropy_coef >= 0,
+        f"{where}.loss.entropy_coef",
+        loss.entropy_coef,
+        "must be >= 0 (0 disables the entropy bonus)",
+    )
+    if loss.kl_cap is not None:
+        problems.require(loss.kl_cap > 0, f"{where}.loss.kl_cap", loss.kl_cap, "must be > 0 (None: no cap)")
+        problems.require(
+            loss.kl_estimator == "k3",
+            f"{where}.loss.kl_cap",
+            loss.kl_cap,
+            f"caps the k3 estimator, but {where}.loss.kl_estimator={loss.kl_estimator!r}",
+        )
+        problems.require(
+            loss.kl_coef > 0,
+            f"{where}.loss.kl_cap",
+            loss.kl_cap,
+            f"has no effect with {where}.loss.kl_coef=0 (no KL penalty)",
         )
     return problems

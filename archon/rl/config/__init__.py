@@ -3,12 +3,16 @@ tyro (cli: parse_config) and loadable from a YAML or TOML file (files: `--config
 command-line overrides), checked together before anything is built (validation: validate).
 
 A file's values are converted by each field's type as tyro converts a flag's text (merge_into), and
-validate() checks the settings together; both name the field at fault.
+validate() checks the settings together; both name the field at fault. Each rule validate() runs has
+one home: beside its section's dataclass (schema, demo, archon.rl.algorithms.config,
+archon.rl.rewards.config; lower_sections for the sections of the layers below), across sections
+(cross_section), or reading files (model_files).
 """
 
 from typing import Any
 
 from archon.rl.config.cli import parse_config
+from archon.rl.config.cross_section import MAX_STALENESS, TASK_NAME, TASK_NAME_MAX_CHARS
 from archon.rl.config.files import load_config_file, merge_into
 from archon.rl.config.schema import (
     AlgorithmConfig,
@@ -23,7 +27,7 @@ from archon.rl.config.schema import (
     TeacherConfig,
     warn_renamed,
 )
-from archon.rl.config.validation import MAX_STALENESS, TASK_NAME, TASK_NAME_MAX_CHARS, validate
+from archon.rl.config.validation import validate
 
 __all__ = [
     "MAX_STALENESS",

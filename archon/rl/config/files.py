@@ -70,33 +70,23 @@ class _WrongType(ValueError):
     """A value that does not fit its field's type (within a union, the next member is tried)."""
 
 
+def _wrong(value: Any, tp: Any, where: str) -> _WrongType:
+    hint = " (quote it to make it a string)" if tp is str and value is not None else ""
+    return _WrongType(f"{where}: expected {_expected(tp)}, got {_shown(value)}{hint}")
+
+
 def _convert(value: Any, tp: Any, where: str, current: Any = None) -> Any:
     """`value` (as read from a file) as type `tp`; raises ValueError naming `where`."""
     origin = typing.get_origin(tp)
-
-    def wrong() -> _WrongType:
-        hint = " (quote it to make it a string)" if tp is str and value is not None else ""
-        return _WrongType(f"{where}: expected {_expected(tp)}, got {_shown(value)}{hint}")
-
     if origin in (typing.Union, types.UnionType):
-        members = [member for member in typing.get_args(tp) if member is not type(None)]
-        if len(members) < len(typing.get_args(tp)) and _is_none(value):
-            return None
-        if len(members) == 1:
-            return _convert(value, members[0], where, current)
-        for member in members:
-            try:
-                return _convert(value, member, where, current)
-            except _WrongType:
-                continue
-        raise wrong()
+        return _convert_union(value, tp, where, current)
     if tp is type(None):
         if _is_none(value):
             return None
-        raise wrong()
+        raise _wrong(value, tp, where)
     if _is_dataclass_type(tp):
         if not isinstance(value, dict):
-            raise wrong()
+            raise _wrong(value, tp, where)
         return merge_into(current if isinstance(current, tp) else tp(), value, where)
     if origin is Literal:
         for choice in typing.get_args(tp):
@@ -104,30 +94,59 @@ def _convert(value: Any, tp: Any, where: str, current: Any = None) -> Any:
                 return choice
             if isinstance(value, str) and not isinstance(choice, str) and value == str(choice):
                 return choice
-        raise wrong()
-    if origin is tuple:
+        raise _wrong(value, tp, where)
+    if origin is tuple or origin is dict:
+        return _convert_container(value, tp, where)
+    if tp is bool or tp is int or tp is float or tp is str:
+        return _convert_scalar(value, tp, where)
+    if tp is Any:
+        return value
+    raise TypeError(f"{where}: config files cannot set a field of type {tp!r}")
+
+
+def _convert_union(value: Any, tp: Any, where: str, current: Any) -> Any:
+    """`value` as the first member of union `tp` that takes it (None for "None" when `tp` allows it)."""
+    members = [member for member in typing.get_args(tp) if member is not type(None)]
+    if len(members) < len(typing.get_args(tp)) and _is_none(value):
+        return None
+    if len(members) == 1:
+        return _convert(value, members[0], where, current)
+    for member in members:
+        try:
+            return _convert(value, member, where, current)
+        except _WrongType:
+            continue
+    raise _wrong(value, tp, where)
+
+
+def _convert_container(value: Any, tp: Any, where: str) -> Any:
+    """A list as a tuple `tp` (fixed length, or `tuple[X, ...]`), a mapping as a dict `tp`, item by item."""
+    if typing.get_origin(tp) is tuple:
         if not isinstance(value, (list, tuple)):
-            raise wrong()
+            raise _wrong(value, tp, where)
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             args = (args[0],) * len(value)
         elif len(value) != len(args):
             raise _WrongType(f"{where}: expected {_expected(tp)}, got {len(value)} items: {list(value)!r}")
         return tuple(_convert(item, item_tp, f"{where}[{i}]") for i, (item, item_tp) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise wrong()
-        key_tp, value_tp = typing.get_args(tp)
-        return {
-            _convert(key, key_tp, f"{where} key {key!r}"): _convert(item, value_tp, f"{where}[{key!r}]")
-            for key, item in value.items()
-        }
+    if not isinstance(value, dict):
+        raise _wrong(value, tp, where)
+    key_tp, value_tp = typing.get_args(tp)
+    return {
+        _convert(key, key_tp, f"{where} key {key!r}"): _convert(item, value_tp, f"{where}[{key!r}]")
+        for key, item in value.items()
+    }
+
+
+def _convert_scalar(value: Any, tp: type, where: str) -> Any:
+    """`value` as a bool, int, float or str `tp`, taking the text of one as a flag's text is taken."""
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
-        raise wrong()
+        raise _wrong(value, tp, where)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -136,7 +155,7 @@ def _convert(value: Any, tp: Any, where: str, current: Any = None) -> Any:
                 return int(value)
             except ValueError:
                 pass
-        raise wrong()
+        raise _wrong(value, tp, where)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -145,14 +164,10 @@ def _convert(value: Any, tp: Any, where: str, current: Any = None) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise wrong()
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise wrong()
-    if tp is Any:
+        raise _wrong(value, tp, where)
+    if isinstance(value, str):
         return value
-    raise TypeError(f"{where}: config files cannot set a field of type {tp!r}")
+    raise _wrong(value, tp, where)
 
 
 def merge_into(instance: Any, values: dict[str, Any], where: str = "") -> Any:

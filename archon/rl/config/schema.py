@@ -19,7 +19,8 @@ from archon.parallel.parallelize import DTypeName
 from archon.rl.algorithms import AlgorithmConfig, TeacherConfig  # noqa: F401 - TeacherConfig at its old path
 from archon.rl.config.demo import DemoConfig
 from archon.rl.data import DataConfig
-from archon.rl.logging.trackers import TrackerName
+from archon.rl.logging.trackers import TRACKERS, TrackerName, unknown_tracker
+from archon.rl.problems import Problems
 from archon.rl.rewards import RewardConfig
 from archon.rollout.speculative import SpeculativeConfig
 from archon.rollout.vllm import VLLMConfig
@@ -104,6 +105,47 @@ class RolloutConfig:
     draft_model_path."""
 
 
+def rollout_problems(rollout: RolloutConfig) -> Problems:
+    """What is wrong with the rollout section on its own (sampling, batch sizes, the update policy)."""
+    problems = Problems()
+    problems.require(
+        rollout.prompts_per_step >= 1, "rollout.prompts_per_step", rollout.prompts_per_step, "must be at least 1"
+    )
+    problems.require(rollout.group_size >= 1, "rollout.group_size", rollout.group_size, "must be at least 1")
+    problems.require(
+        rollout.max_new_tokens >= 1, "rollout.max_new_tokens", rollout.max_new_tokens, "must be at least 1"
+    )
+    problems.require(
+        rollout.temperature > 0,
+        "rollout.temperature",
+        rollout.temperature,
+        "training rollouts sample at this temperature and their log-probs are taken at it, so it must be > 0 "
+        "(held-out evaluation is greedy regardless)",
+    )
+    problems.require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
+    problems.require(rollout.top_k >= 0, "rollout.top_k", rollout.top_k, "must be >= 0 (0 disables top-k)")
+    problems.require(
+        rollout.engine != "native" or rollout.group_size <= rollout.max_batch_sequences,
+        "rollout.max_batch_sequences",
+        rollout.max_batch_sequences,
+        f"must be at least rollout.group_size={rollout.group_size}: the native engine decodes all the samples "
+        "of a prompt at once when it can, one row each, beside the prompt's shared prefix",
+    )
+    problems.require(
+        rollout.prefill_chunk_tokens is None or rollout.prefill_chunk_tokens >= 1,
+        "rollout.prefill_chunk_tokens",
+        rollout.prefill_chunk_tokens,
+        "must be at least 1 (None: every prefill in one forward)",
+    )
+    problems.require(
+        rollout.update_policy in ("finish", "continue"),
+        "rollout.update_policy",
+        rollout.update_policy,
+        "must be 'finish' or 'continue'",
+    )
+    return problems
+
+
 @dataclass
 class EvalConfig:
     every: int = 10
@@ -115,6 +157,19 @@ class EvalConfig:
     """Default: rollout.max_new_tokens."""
 
 
+def eval_problems(evaluation: EvalConfig) -> Problems:
+    problems = Problems()
+    problems.require(evaluation.every >= 0, "eval.every", evaluation.every, "must be >= 0 (0 disables evaluation)")
+    problems.require(evaluation.max_prompts >= 0, "eval.max_prompts", evaluation.max_prompts, "must be >= 0")
+    problems.require(
+        evaluation.max_new_tokens is None or evaluation.max_new_tokens >= 1,
+        "eval.max_new_tokens",
+        evaluation.max_new_tokens,
+        "must be at least 1 (None: rollout.max_new_tokens)",
+    )
+    return problems
+
+
 @dataclass
 class CheckpointConfig:
     every: int = 0
@@ -123,6 +178,21 @@ class CheckpointConfig:
     """Resume checkpoints kept (the newest)."""
     keep_last_adapters: int = 2
     """PEFT exports kept in RUN_DIR/adapters (the newest); the final one, RUN_DIR/adapter, is separate."""
+
+
+def checkpoint_problems(checkpoint: CheckpointConfig) -> Problems:
+    problems = Problems()
+    problems.require(
+        checkpoint.every >= 0, "checkpoint.every", checkpoint.every, "must be >= 0 (0 saves only at the end)"
+    )
+    problems.require(checkpoint.keep_last >= 1, "checkpoint.keep_last", checkpoint.keep_last, "must be at least 1")
+    problems.require(
+        checkpoint.keep_last_adapters >= 1,
+        "checkpoint.keep_last_adapters",
+        checkpoint.keep_last_adapters,
+        "must be at least 1",
+    )
+    return problems
 
 
 @dataclass
@@ -153,6 +223,23 @@ class LoggingConfig:
     each (step_N.eval.jsonl). 0: none."""
     samples_per_table: int = 64
     """Rows per task in a sample table, in whole groups (at least one), from every data-parallel rank."""
+
+
+def logging_problems(logging: LoggingConfig) -> Problems:
+    """Trackers named right, the deprecated logging.tensorboard not contradicting logging.backends,
+    the sample tables' cadence and size."""
+    problems = Problems()
+    problems += [unknown_tracker(name) for name in logging.backends if name not in TRACKERS]
+    if not logging.tensorboard and "tensorboard" in logging.backends and tuple(logging.backends) != ("tensorboard",):
+        conflict = both_spellings_error("logging.tensorboard", False, "logging.backends", list(logging.backends))
+        problems.append(str(conflict))
+    problems.require(
+        logging.samples_every >= 0, "logging.samples_every", logging.samples_every, "must be >= 0 (0: no sample tables)"
+    )
+    problems.require(
+        logging.samples_per_table >= 1, "logging.samples_per_table", logging.samples_per_table, "must be at least 1"
+    )
+    return problems
 
 
 @dataclass
@@ -238,3 +325,25 @@ class RLConfig:
             max_staleness=self.rollout.max_staleness,
         )
         return (single,)
+
+
+@dataclass(frozen=True)
+class TaskFields:
+    """Where a task's settings are in the config, for the messages: tasks[i]'s own fields, or the
+    top-level ones for the single task of a run without tasks."""
+
+    prefix: str
+    """Of the task's data, reward, algorithm, lora and optim fields: "tasks[i]." or ""."""
+    eval_path: str
+    """tasks[i].eval_path or eval.path."""
+    max_staleness: str
+    """tasks[i].max_staleness or rollout.max_staleness."""
+
+
+def tasks_and_fields(config: RLConfig) -> list[tuple[TaskConfig, TaskFields]]:
+    if not config.tasks:
+        return [(config.task_configs()[0], TaskFields("", "eval.path", "rollout.max_staleness"))]
+    return [
+        (task, TaskFields(f"tasks[{i}].", f"tasks[{i}].eval_path", f"tasks[{i}].max_staleness"))
+        for i, task in enumerate(config.tasks)
+    ]

@@ -3,11 +3,16 @@ or weighted terms, routed by the rows' data_source."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
-from archon.rl.rewards.http import JudgeConfig, RewardServerConfig
+from archon.rl.problems import Problems
+from archon.rl.reward_fns import reward_function_problem
+from archon.rl.rewards.http import MAX_CHOICES, JudgeConfig, RewardServerConfig, judge_choices
 
 TERM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -94,3 +99,129 @@ def unrouted_message(sources: Sequence[str], where: str = "reward") -> str:
         f"data_source {shown} has no reward terms: {where}.sources does not list it and {where}.default_terms "
         f"is not set (list it in {where}.sources, or set {where}.default_terms for the sources not listed)"
     )
+
+
+# ---- the section's rules ----------------------------------------------------------------------------
+
+
+def reward_problems(reward: RewardConfig, where: str = "reward") -> Problems:
+    """What is wrong with the reward section `where` (reward, or tasks[i].reward) on its own: its
+    function or terms, and its routing by data_source naming terms it has."""
+    if not reward.terms:
+        problems = Problems()
+        if (problem := reward_function_problem(reward.function)) is not None:
+            problems.append(f"{where}.function={reward.function!r}: {problem}")
+    else:
+        problems = _reward_term_problems(reward, where)
+        problems.require(
+            reward.function == RewardConfig.function,
+            f"{where}.function",
+            reward.function,
+            "is not used when reward.terms is set (make it one of the terms)",
+        )
+    names = {term.name for term in reward.term_configs()}
+    for source, terms in reward.sources.items():
+        for name in terms:
+            problems.require(
+                name in names,
+                f"{where}.sources[{source!r}]",
+                list(terms),
+                f"names no term {name!r} (the terms: {sorted(names)})",
+            )
+    for name in reward.default_terms or ():
+        problems.require(
+            name in names,
+            f"{where}.default_terms",
+            list(reward.default_terms),
+            f"names no term {name!r} (the terms: {sorted(names)})",
+        )
+    problems.require(
+        reward.default_terms is None or reward.sources,
+        f"{where}.default_terms",
+        None if reward.default_terms is None else list(reward.default_terms),
+        "only applies with reward.sources (without it every term scores every sample)",
+    )
+    return problems
+
+
+def _reward_term_problems(reward: RewardConfig, where: str) -> Problems:
+    problems = Problems()
+    seen = set()
+    for i, term in enumerate(reward.terms):
+        at = f"{where}.terms[{i}]"
+        problems.require(
+            bool(TERM_NAME.fullmatch(term.name)),
+            f"{at}.name",
+            term.name,
+            "must be letters, digits, _ . or - (it names the term's metrics)",
+        )
+        problems.require(term.name not in seen, f"{at}.name", term.name, "is the name of an earlier term")
+        seen.add(term.name)
+        problems.require(math.isfinite(term.weight), f"{at}.weight", term.weight, "must be a finite number")
+        if term.kind in ("function", "group"):
+            if (problem := reward_function_problem(term.function)) is not None:
+                problems.append(f"{at}.function={term.function!r}: {problem}")
+        elif term.kind == "server":
+            problems += _http_problems(term.server, f"{at}.server", term.server.url, "url")
+        else:
+            problems += _judge_problems(term.judge, f"{at}.judge")
+    return problems
+
+
+def _http_problems(config: RewardServerConfig | JudgeConfig, at: str, url: str, url_name: str) -> list[str]:
+    problems = Problems()
+    problems.require(
+        urllib.parse.urlsplit(url).scheme in ("http", "https") and bool(urllib.parse.urlsplit(url).netloc),
+        f"{at}.{url_name}",
+        url,
+        "must be an http:// or https:// URL",
+    )
+    problems.require(config.timeout_s > 0, f"{at}.timeout_s", config.timeout_s, "must be positive")
+    problems.require(config.retries >= 0, f"{at}.retries", config.retries, "must be 0 or more")
+    problems.require(config.backoff_s >= 0, f"{at}.backoff_s", config.backoff_s, "must be 0 or more")
+    problems.require(config.concurrency >= 1, f"{at}.concurrency", config.concurrency, "must be 1 or more")
+    problems.require(
+        not config.api_key_env or bool(os.environ.get(config.api_key_env)),
+        f"{at}.api_key_env",
+        config.api_key_env,
+        "names an environment variable that is not set",
+    )
+    if isinstance(config, RewardServerConfig):
+        problems.require(config.batch_size >= 1, f"{at}.batch_size", config.batch_size, "must be 1 or more")
+    return problems
+
+
+def _judge_problems(judge: JudgeConfig, at: str) -> list[str]:
+    problems = Problems(_http_problems(judge, at, judge.base_url, "base_url"))
+    problems.require(bool(judge.model), f"{at}.model", judge.model, "must name the model the endpoint serves")
+    problems.require(judge.max_tokens >= 1, f"{at}.max_tokens", judge.max_tokens, "must be 1 or more")
+    if not judge.prompt:
+        problems.append(f"{at}.prompt is not set: the rubric, with {{prompt}}, {{completion}} and {{reference}}")
+    else:
+        try:
+            judge.prompt.format(prompt="", completion="", reference="")
+        except (KeyError, IndexError, ValueError) as e:
+            problems.append(
+                f"{at}.prompt: {type(e).__name__}: {e} (the template may use {{prompt}}, {{completion}} "
+                "and {reference}; write a literal brace twice)"
+            )
+    low, high = judge.score_range
+    problems.require(
+        math.isfinite(low) and math.isfinite(high) and low < high,
+        f"{at}.score_range",
+        list(judge.score_range),
+        "must be two finite numbers, the lowest first",
+    )
+    if judge.score_regex:
+        try:
+            re.compile(judge.score_regex)
+        except re.error as e:
+            problems.append(f"{at}.score_regex={judge.score_regex!r}: not a regular expression: {e}")
+    if judge.structured_output == "choice":
+        problems.require(
+            0 < len(judge_choices(judge)) <= MAX_CHOICES,
+            f"{at}.score_range",
+            list(judge.score_range),
+            f"with structured_output=choice must hold 1 to {MAX_CHOICES} integers (the choices)",
+        )
+    return problems
