@@ -82,7 +82,7 @@ class BenchArgs:
 
 
 def _task_data(out: Path, count: int) -> list[tuple[str, Path]]:
-    from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
+    from archon.rl.data.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
     if count > len(TASK_SPECS):
         raise SystemExit(f"--tasks {count}: at most {len(TASK_SPECS)} tasks are defined")
@@ -165,9 +165,9 @@ def _job(config: Path) -> dict:
 
 
 def main(args: BenchArgs) -> dict:
+    from archon.demos.warm_start import prepare_demo
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.config import load_config_file
-    from archon.rl.demo import prepare_demo
 
     check_repeats(args.repeats, quick=False)
     out = Path(args.out)

@@ -130,7 +130,7 @@ def _long_tail_files(files, args: BenchArgs, out: Path):
     under OUT and reused."""
     from archon.batch import PackedBatch
     from archon.checkpoint.hf_weights import save_merged_hf
-    from archon.rl.tasks import write_jsonl
+    from archon.rl.data.tasks import write_jsonl
     from archon.trainer import OptimConfig, Trainer, TrainerConfig
 
     label = f"{args.long_tail_fraction:g}_x{args.long_tail_repeats}_sft{args.long_tail_sft_steps}"
@@ -256,9 +256,9 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
 
 
 def main(args: BenchArgs) -> dict:
+    from archon.demos.warm_start import prepare_demo
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.config import load_config_file
-    from archon.rl.demo import prepare_demo
 
     check_repeats(args.repeats, quick=False)  # before the SFT and the server
     out = Path(args.out)

@@ -265,7 +265,7 @@ def _hf_generate(hf, prompts, case: Case, seed: int) -> list[list[int]]:
 
 
 def _build_model_dir(root: Path, config: dict) -> Path:
-    from archon.rl.tasks import build_char_tokenizer
+    from archon.rl.data.tasks import build_char_tokenizer
     from archon.tools.align import make_tiny_hf_checkpoint
 
     # a character tokenizer with exactly `vocab_size` tokens, so vLLM can decode every id

@@ -94,7 +94,7 @@ def main(args: BenchArgs) -> dict:
     import torch
 
     from archon.lora import LoRAConfig, lora_parameters
-    from archon.rl.tasks import build_char_tokenizer
+    from archon.rl.data.tasks import build_char_tokenizer
     from archon.rollout.base import SamplingParams
     from archon.rollout.native import NativeRolloutEngine
     from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine

@@ -69,9 +69,9 @@ def lora_model():
 def demo_cache(tmp_path_factory):
     """The demo's warm-started model and task data (recipes/configs/demo.yaml), made once per test
     session; pass it as --demo.cache-dir and the recipe reuses it. Returns (cache_dir, DemoFiles)."""
+    from archon.demos.warm_start import prepare_demo
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.config import load_config_file
-    from archon.rl.demo import prepare_demo
 
     cache_dir = tmp_path_factory.mktemp("demo_cache")
     config = load_config_file(DEMO_CONFIG)

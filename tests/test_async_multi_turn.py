@@ -14,8 +14,8 @@ from tests.helpers import require_vllm
 
 require_vllm()
 
+from archon.demos.warm_start import prepare_demo  # noqa: E402
 from archon.rl.config import load_config_file, parse_config  # noqa: E402
-from archon.rl.demo import prepare_demo  # noqa: E402
 from archon.rl.loop import RLRun  # noqa: E402
 from tests.helpers import vllm_test_server  # noqa: E402
 from tests.test_code_tool_demo import CONFIG  # noqa: E402

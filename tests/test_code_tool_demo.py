@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from archon.rl import code_tool_demo
+from archon.demos import code_tool as code_tool_demo
+from archon.demos.warm_start import packaged_tokenizer, packaged_warm_start, prepare_demo
 from archon.rl.config import load_config_file, parse_config
-from archon.rl.demo import packaged_tokenizer, packaged_warm_start, prepare_demo
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "recipes" / "configs" / "code_tool_demo.yaml"
@@ -79,8 +79,8 @@ def test_the_shipped_warm_start_is_a_weak_policy_that_is_right_when_it_calls_the
 def test_a_short_run_calls_the_tool_more_and_is_rewarded_more(shipped, tmp_path, monkeypatch):
     """Six RL steps of the demo on one process: the tool-call rate and the reward rise, and episodes
     that called the sandbox were right."""
-    from archon.rl.run import score as loop
     from archon.rl.loop import RLRun
+    from archon.rl.run import score as loop
 
     _, demo, files, _ = shipped
     seen = []

@@ -24,7 +24,7 @@ def _demo_config():
 @pytest.mark.parametrize("which", ["demo", "two_skills"])
 def test_the_demo_and_the_two_skill_test_start_from_shipped_weights(which, tmp_path):
     """A change to the demo's settings (or to the warm-start code's defaults) changes their digest;
-    the shipped weights must then be written again (`python -m archon.rl.demo ...`)."""
+    the shipped weights must then be written again (`python -m archon.demos.warm_start ...`)."""
     config = _demo_config()
     demo, seed = (config.demo, config.seed) if which == "demo" else (two_skill_settings(config.demo), TWO_SKILL_SEED)
     shipped = packaged_warm_start(demo, seed)

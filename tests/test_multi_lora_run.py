@@ -299,8 +299,8 @@ def two_skill_settings(demo):
 def two_skill_demo(tmp_path_factory):
     """The demo's warm start (recipes/configs/demo.yaml) taught 2-digit addition AND subtraction (the
     weights archon ships for these settings), and each skill's train and held-out prompts in files."""
+    from archon.demos.warm_start import prepare_demo
     from archon.recipes.grpo_lora import DEMO_CONFIG
-    from archon.rl.demo import prepare_demo
 
     root = tmp_path_factory.mktemp("two_skills")
     config = load_config_file(DEMO_CONFIG)

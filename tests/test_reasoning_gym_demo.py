@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from archon.demos.warm_start import packaged_warm_start, prepare_demo
 from archon.rl.config import load_config_file, parse_config
 from archon.rl.data import load_prompt_dataset, tokenize_prompt
-from archon.rl.demo import packaged_warm_start, prepare_demo
 from archon.rl.reasoning_gym import reasoning_gym_reward
 from archon.rl.reasoning_gym_demo import ReasoningGymDemoConfig, sft_rows
 from archon.rl.tasks import build_char_tokenizer
@@ -27,7 +27,7 @@ def _config():
 
 def test_the_demo_starts_from_its_shipped_warm_start(tmp_path):
     """A change to the demo's settings changes their digest; the shipped weights must then be written
-    again (`python -m archon.rl.demo --config recipes/configs/reasoning_gym_demo.yaml`)."""
+    again (`python -m archon.demos.warm_start --config recipes/configs/reasoning_gym_demo.yaml`)."""
     config = _config()
     assert config.model.path is None and config.demo.kind == "reasoning_gym"
     shipped = packaged_warm_start(config.demo, config.seed)
