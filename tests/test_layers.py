@@ -80,7 +80,8 @@ FLOOR_OF_RENDERER_CONTRACT = 2
 # problem).
 LAZY_IMPORT_TARGETS = {
     "archon.agents.openai_agents": "the OpenAI Agents SDK is optional",
-    "archon.rl.trackers": "wandb, mlflow and trackio are optional",
+    "archon.rl.logging.trackers": "wandb, mlflow and trackio are optional",
+    "archon.rl.trackers": "wandb, mlflow and trackio are optional (the old path)",
     "archon.tools.plot": "matplotlib is optional",
     "archon.rollout.vllm": "vllm is optional",
     "archon.rollout.vllm_server": "vllm is optional",
