@@ -12,8 +12,8 @@ import torch
 from test_grpo_recipe import write_tiny_setup
 
 from archon.lora.peft import ADAPTER_CARD
-from archon.rl.logging import model_card
 from archon.rl.config import parse_config
+from archon.rl.logging import model_card
 from archon.rl.loop import RLRun
 
 COMMAND = ["recipes/grpo_lora.py", "--config", "my run.yaml", "--steps", "2"]

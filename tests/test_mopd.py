@@ -11,10 +11,10 @@ import torch
 from test_grpo_recipe import write_tiny_setup
 
 from archon.batch import PackedBatch
-from archon.rl.run import teachers as rollouts
 from archon.rl.algorithms import get_algorithm
 from archon.rl.config import AlgorithmConfig, TeacherConfig, parse_config, validate
 from archon.rl.loop import RLRun
+from archon.rl.run import teachers as rollouts
 from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits
 
 TEMPERATURE = 0.7
