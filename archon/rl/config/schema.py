@@ -303,7 +303,7 @@ class RLConfig:
     non-empty run directory is refused."""
     tasks: tuple[TaskConfig, ...] = ()
     """Multi-LoRA: several tasks trained at once on the one frozen base, each with its own adapter
-    (archon.rl.task). Each task's data, reward, algorithm, lora and optim replace the top-level
+    (archon.rl.run.task). Each task's data, reward, algorithm, lora and optim replace the top-level
     ones, which must then be left unset (data.path). Empty: one unnamed task of the top-level
     fields. A task may be added to or removed from the list when a run is resumed; the others
     resume as they were."""

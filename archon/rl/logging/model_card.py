@@ -96,7 +96,7 @@ def _table(rows: list[tuple[str, Any]]) -> list[str]:
 
 
 def model_card(run, task, step: int, final: bool, command: str | None = None) -> str:
-    """README.md of `task`'s adapter exported at RL step `step` of `run` (an RLRun; `final`: the
+    """README.md of `task`'s adapter exported at RL step `step` of `run` (the run's RunContext; `final`: the
     run's last adapter, TASK_DIR/adapter). `command`: the launch command (default: this process's)."""
     config, task_config = run.config, task.config
     lora, algo, algorithm = task_config.lora, task_config.algorithm, task.algorithm
@@ -190,7 +190,7 @@ def _version_lines() -> list[str]:
 
 
 def task_export_dir(task, step: int, final: bool) -> Path:
-    """Where `task`'s adapter of RL step `step` is exported (RLRun.save)."""
+    """Where `task`'s adapter of RL step `step` is exported (archon.rl.run.checkpoints.save)."""
     return task.dir / ("adapter" if final else f"adapters/step_{step:06d}")
 
 
