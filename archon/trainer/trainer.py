@@ -16,6 +16,7 @@ import torch.distributed as dist
 from archon import device as devices
 from archon.batch import PackedBatch
 from archon.build import build_model
+from archon.distributed import true_on_any_rank
 from archon.head import DEFAULT_CHUNK_SIZE, full_vocab_logits, label_logprobs, model_label_logprobs
 from archon.load_balance import MoEConfig, routers
 from archon.lora import LoRAConfig, adapter_disabled, adapter_routing, task_parameters
@@ -333,8 +334,4 @@ class Trainer(TrainStep, AdapterCheckpoints):
 
     def _same_on_every_rank(self, flag: bool) -> bool:
         """True when `flag` is true on any rank of the job."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return flag
-        t = torch.tensor(float(flag), device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return true_on_any_rank(flag, self.device)
