@@ -41,6 +41,7 @@ from archon.rl.run.collect import own_rollouts, start_producers
 from archon.rl.run.context import RunContext, eval_new_tokens, prompt_ids
 from archon.rl.run.engines import native_engine, rollout_servers, speculative_acceptance, stop_token_ids, task_servers
 from archon.rl.run.evaluate import evaluate
+from archon.rl.run.fidelity import fidelity_guards
 from archon.rl.run.prepare import prepare as prepare_phase
 from archon.rl.run.producer import Rollouts
 from archon.rl.run.run_dir import TASKS_DIR, PreparedRunDir, prepare_run_dir
@@ -172,6 +173,7 @@ class RLRun:
             generates_rollouts=not share or dims.same_data_rank == 0,
         )
         self.metrics = MetricsLogger(run_dir, tensorboard=False, enabled=self.trainer.rank == 0, trackers=self.trackers)
+        self.guards = fidelity_guards(config, self.tasks)
 
     def _start_engines(self, run_dir: Path, replay: bool) -> None:
         """The rollout engine (the vLLM servers, or the built-in engine on the training model), and
@@ -258,12 +260,15 @@ class RLRun:
         batch, prepared, score_s = self.prepare(tasks, collected, {t.task.name: t.scores for t in task_steps})
         for task_step in task_steps:
             task_step.prepared = prepared[task_step.task.name]
+        # before the update: a step whose rollouts are not the trained policy's is not trained on
+        fidelity = {t.task.name: self.guards[t.task.name].check_step(ctx, t) for t in task_steps}
         train_start = time.perf_counter()
         updates = update(ctx, batch, [t.task for t in task_steps if t.prepared.trains], tasks)
         train_s = time.perf_counter() - train_start
         for task_step in task_steps:
             task_step.updates = updates.get(task_step.task.name, [])
             task_step.sync = self.publish(task_step.task, task_step.task.version + 1)
+            fidelity[task_step.task.name].update(self.guards[task_step.task.name].after_publish(ctx, task_step.task))
         timings = {
             "rollout_s": rollout_s,
             "score_s": score_s,
@@ -273,6 +278,8 @@ class RLRun:
         }
         group_size, several = self.config.rollout.group_size, len(self.tasks) > 1
         metrics = step_metrics(task_steps, timings, group_size, ctx.dp_sum, ctx.dp_max, several_tasks=several)
+        for task_metrics in fidelity.values():
+            metrics.update(task_metrics)
         if self.native is not None and self.native.drafter is not None:  # this step's draft tokens
             metrics["speculative_acceptance"] = speculative_acceptance(self.native)
         return metrics, task_steps
