@@ -99,7 +99,7 @@ def test_router_rejects_replayed_ids_of_another_shape():
 
 
 OVERRIDES = {"qwen3_moe": dict(mlp_only_layers=[])}
-DENSE_TYPES = {"gemma3", "gemma3_text", "llama", "olmo2", "olmo3", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text"}
+DENSE_TYPES = {"gemma3", "gemma3_text", "glm4", "llama", "olmo2", "olmo3", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text"}
 
 
 @pytest.mark.parametrize("model_type", supported_model_types())
@@ -321,6 +321,9 @@ def test_rl_run_with_routing_replay(tmp_path, noisy_sampler_routing, replay):
             "8",
             "--algorithm.routing-replay",
             replay,
+            # without replay the noisy routing is a real mismatch, which the fidelity guard would stop
+            "--rollout.fidelity.mode",
+            "warn",
             "--logging.run-dir",
             str(tmp_path / "run"),
             "--logging.no-progress",

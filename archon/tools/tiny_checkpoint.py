@@ -58,7 +58,7 @@ def _drop_special_tokens_outside_vocab(config) -> None:
         warnings.warn(
             f"tiny {config.model_type} config: {name}={value!r} lies outside its vocabulary of {text.vocab_size}; "
             f"set to {kept or None!r}",
-            stacklevel=3,
+            stacklevel=4,
         )
         setattr(text, name, (kept or None) if isinstance(value, list) else None)
 
@@ -95,13 +95,19 @@ def single_kind_patterns(config, one_kind_by_definition: tuple[str, ...] = ()) -
     return found
 
 
-def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
+def tiny_hf_config(model_type: str, **overrides):
+    """The HF config of the family's tiny model of `model_type` with `overrides`, special-token ids
+    outside its vocabulary set to None (an embedding's padding_idx must lie inside it)."""
     from transformers import AutoConfig
 
-    kwargs = tiny_config_kwargs(model_type, **overrides)
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
     _drop_special_tokens_outside_vocab(config)
+    return config
+
+
+def make_tiny_hf_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Build a small random-weight HF model of `model_type` and save it as a real checkpoint."""
+    config = tiny_hf_config(model_type, **overrides)
     torch.manual_seed(seed)
     model = hf_model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -141,6 +141,9 @@ class Attention(nn.Module):
         [T, H * D], before they split into heads (OLMo 2/3), rather than each head.
     softmax_scale: the factor on q.k, head_dim**-0.5 when None (Gemma 3: query_pre_attn_scalar**-0.5).
     zero_centred_qk_norm: the QK-norms scale by (1 + weight) (OffsetRMSNorm, Gemma 3).
+    interleaved_rotary: RoPE rotates pairs of adjacent features (GLM-4's layout; see apply_rotary).
+    rotary: False for a family without RoPE (its model passes rotary=None to PackedDecoderLM, so cos
+        and sin are None); with True, missing tables are an error rather than unrotated attention.
     """
 
     def __init__(
@@ -158,6 +161,8 @@ class Attention(nn.Module):
         qk_norm_over_projection: bool = False,
         softmax_scale: float | None = None,
         zero_centred_qk_norm: bool = False,
+        interleaved_rotary: bool = False,
+        rotary: bool = True,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -182,6 +187,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.empty(n_heads)) if attention_sinks else None
         self.sliding_window = sliding_window
+        self.interleaved_rotary = interleaved_rotary
+        self.rotary = rotary
 
     @classmethod
     def from_args(
@@ -196,6 +203,8 @@ class Attention(nn.Module):
         qk_norm_over_projection: bool = False,
         softmax_scale: float | None = None,
         zero_centred_qk_norm: bool = False,
+        interleaved_rotary: bool = False,
+        rotary: bool = True,
     ) -> "Attention":
         """Sized by the DecoderArgs fields hidden_size, num_attention_heads, num_key_value_heads, head_dim."""
         return cls(
@@ -212,6 +221,8 @@ class Attention(nn.Module):
             qk_norm_over_projection=qk_norm_over_projection,
             softmax_scale=softmax_scale,
             zero_centred_qk_norm=zero_centred_qk_norm,
+            interleaved_rotary=interleaved_rotary,
+            rotary=rotary,
         )
 
     def forward(
@@ -236,7 +247,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_over_projection:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rotary:
+            if cos is None or sin is None:
+                raise ValueError(
+                    "Attention got no RoPE tables (cos/sin None): the model was built with rotary=None; a family "
+                    "without RoPE builds its Attention with rotary=False"
+                )
+            q = apply_rotary(q, cos, sin, self.interleaved_rotary)
+            k = apply_rotary(k, cos, sin, self.interleaved_rotary)
         # Under tensor parallelism the sinks are sharded with the q heads; this rank's shard matches its heads.
         sinks = None if self.sinks is None else local_tensor(self.sinks)
         out = None if cache is None else cache.attention(q, k, v, self.scale, sinks, self.sliding_window)

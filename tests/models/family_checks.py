@@ -82,14 +82,13 @@ def assert_state_dict_round_trip(hf_dir: Path) -> None:
 def assert_meta_weights_complete(model_type: str, overrides: dict) -> None:
     """On the meta device: every archon base weight has HF source key(s) of the right shape, and
     every HF weight is used (or deliberately ignored), so loading can neither miss nor drop one."""
-    from transformers import AutoConfig
-
     from archon.checkpoint.hf import expected_base_params
     from archon.spec import get_spec
-    from archon.tools.align import hf_model_class, tiny_config_kwargs
+    from archon.tools.align import hf_model_class
+    from archon.tools.tiny_checkpoint import tiny_hf_config
 
     spec = get_spec(model_type)
-    config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
+    config = tiny_hf_config(model_type, **overrides)
     with torch.device("meta"):
         hf_model = hf_model_class(config).from_config(config)
         args = spec.args_cls.from_hf_config(config)
