@@ -310,3 +310,21 @@ def simulate_episode(
         segments.append(("environment", environment_text, bridged))
         trajectory += bridged
     return Episode(conversation=conversation, segments=segments, trajectory=trajectory, parsed=parsed)
+
+
+def typed_arguments(rng: random.Random, forbidden: tuple[str, ...], tool: dict) -> dict:
+    """Arguments of the types the tool's schema gives its parameters (a string, an integer, one of an
+    enum's values), for formats that write a call's values as text and read them back by the schema;
+    a string may read as a number or as JSON."""
+    arguments = {}
+    properties = tool["function"]["parameters"]["properties"]
+    for key in rng.sample(sorted(properties), rng.randint(0, len(properties))):
+        schema = properties[key]
+        if "enum" in schema:
+            arguments[key] = rng.choice(schema["enum"])
+        elif schema.get("type") == "integer":
+            arguments[key] = rng.randint(-1000, 10**6)
+        else:
+            look_alikes = ["3.14", "-7", "[1, 2]", "true", "null", '{"a": 1}']
+            arguments[key] = rng.choice([random_text(rng, forbidden, max_words=6, empty_ok=True), *look_alikes])
+    return arguments

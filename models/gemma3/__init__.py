@@ -1,1 +1,1 @@
-from archon.models.gemma3 import spec  # noqa: F401  (registers the family)
+from archon.models.gemma3 import renderer, spec  # noqa: F401  (registers the family and its renderer)

@@ -47,6 +47,7 @@ spec = register(
         # transformers' Gemma 3 image processor, which needs torchvision (see docs/models.md); adapter
         # mode, as for the text model, is declared unmeasured.
         vllm_modes={"gemma3_text": "adapter", "gemma3": "adapter"},
+        renderers={"gemma3_text": "gemma3", "gemma3": "gemma3"},
         inert_hf_config_fields={
             "sliding_window_pattern": "HF derives layer_types from it when the config has none; layer_types is read",
             "_sliding_window_pattern": "HF's stored copy of sliding_window_pattern; layer_types is read",

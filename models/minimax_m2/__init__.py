@@ -1,1 +1,1 @@
-from archon.models.minimax_m2 import spec  # noqa: F401
+from archon.models.minimax_m2 import renderer, spec  # noqa: F401  (registers the family and its renderer)

