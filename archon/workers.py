@@ -5,9 +5,16 @@ What every such worker shares (reward workers, `archon.rl.reward_worker`; tool w
 (`WorkerProcess`, `WorkerPool`, `run_on_workers`), and resolving a "module:attribute" spec to the
 callable it names (`import_function`). It does not import torch.
 
-Messages are length-prefixed pickles (8-byte big-endian length, then the payload), requests on
-stdin and replies on the process's original stdout. Anything the user code prints to the process's
-stdout goes to stderr, and its stdin is /dev/null, so it can neither corrupt nor consume the messages.
+Messages are length-prefixed (8-byte big-endian length, then the payload), requests on stdin and
+replies on the process's original stdout. Requests are pickles: they carry the parent's own objects
+to a process that trusts it. Replies are JSON, never pickles, since user code in the worker can write
+to its own reply channel: the parent never runs anything a worker sends (tuples arrive as lists,
+NaN and inf as floats). Anything the user code prints to the process's stdout goes to stderr, and
+its stdin is /dev/null, so it can neither corrupt nor consume the messages.
+
+The worker inherits no descriptor but its stdin, stdout and stderr, and an environment of the
+allow-listed variables (WORKER_ENVIRONMENT) and those its parent passes on purpose: no secret the
+trainer holds in its own environment reaches user code unless asked for.
 
     ("init", payload, sys_path) -> ("ready", None) | ("init_error", message)
     then the worker's own requests and replies; a failed one -> ("error", message, traceback text)
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import io
+import json
 import os
 import pickle
 import resource
@@ -36,19 +43,84 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Self, Sequence
 
 _HEADER = struct.Struct(">Q")
+MAX_REPLY_BYTES = 1 << 30
+"""A reply frame announcing more than this is malformed."""
 WORKER_STARTUP_TIMEOUT_S = 120.0
 EXIT_WAIT_S = 5.0
 """How long a worker whose output closed gets to finish exiting before it counts as hung."""
 
 
+WORKER_ENVIRONMENT = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONUTF8",
+    "PYTHONIOENCODING",
+    "VIRTUAL_ENV",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "XDG_CACHE_HOME",
+)
+"""The variables of the parent's environment that a worker gets; no other one reaches it."""
+
+
+class MalformedReply(ValueError):
+    """A worker sent a reply frame that is not JSON, or too large."""
+
+
+def worker_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The allow-listed part of this process's environment, with `extra` on top."""
+    env = {name: os.environ[name] for name in WORKER_ENVIRONMENT if name in os.environ}
+    return {**env, **(extra or {})}
+
+
 def write_message(stream: BinaryIO, message: Any) -> None:
+    """A request (parent -> worker): a pickle."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(payload)) + payload)
     stream.flush()
 
 
+def _plain_json(value: Any) -> Any:
+    """json.dumps's fallback for numbers that are not Python's own (numpy scalars)."""
+    if hasattr(value, "item") and callable(value.item):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
+
+
+def write_reply(stream: BinaryIO, reply: Any) -> None:
+    """A reply (worker -> parent): JSON; one that cannot be written as JSON becomes an ("error", why) reply."""
+    try:
+        payload = json.dumps(reply, default=_plain_json).encode()
+    except (TypeError, ValueError) as exc:
+        payload = json.dumps(["error", f"the worker's reply is not JSON-serializable: {exc}"]).encode()
+    stream.write(_HEADER.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def parse_reply(payload: bytes) -> Any:
+    """A reply frame's payload -> the reply; MalformedReply when it is not JSON."""
+    try:
+        return json.loads(payload)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedReply(f"it sent a reply that is not JSON ({exc})") from None
+
+
 def read_message(stream: BinaryIO) -> Any | None:
-    """The next message, or None at end of stream."""
+    """The next request (a pickle), or None at end of stream."""
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
         return None
@@ -100,25 +172,27 @@ def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> No
             try:
                 state = load(payload)
             except Exception as exc:  # noqa: BLE001 - reported to the parent
-                write_message(replies, ("init_error", describe_exception(exc)))
+                write_reply(replies, ("init_error", describe_exception(exc)))
                 continue
-            write_message(replies, ("ready", None))
+            write_reply(replies, ("ready", None))
         else:
-            write_message(replies, handle(state, message))
+            write_reply(replies, handle(state, message))
 
 
 class WorkerProcess:
     """One worker process (`python -m MODULE PARENT_PID`, serving with `serve`), seen from the parent.
 
-    `label` names what it runs in errors ("reward function 'm:f'"). After a death seen by
-    `exit_reason`, `peak_rss_mb` is the process's peak resident memory (None when unknown: when it
-    did not exceed the peak of the process that started it, which the kernel reports in its place).
+    `label` names what it runs in errors ("reward function 'm:f'"); `env` holds variables it gets on
+    top of the allow-listed ones (see worker_environment). After a death seen by `exit_reason`,
+    `peak_rss_mb` is the process's peak resident memory (None when unknown: when it did not exceed
+    the peak of the process that started it, which the kernel reports in its place).
     """
 
-    def __init__(self, module: str, payload: Any, label: str):
+    def __init__(self, module: str, payload: Any, label: str, env: dict[str, str] | None = None):
         self.module = module
         self.payload = payload
         self.label = label
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.peak_rss_mb: float | None = None
         self._buffer = b""
@@ -134,6 +208,8 @@ class WorkerProcess:
             [sys.executable, "-m", self.module, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env=worker_environment(self.env),
+            close_fds=True,
         )
         self._buffer = b""
         self.peak_rss_mb = None
@@ -163,23 +239,31 @@ class WorkerProcess:
         return bool(chunk)
 
     def take_message(self) -> Any | None:
+        """The next whole reply in what was read, or None; MalformedReply for a frame that is not one."""
         if len(self._buffer) < _HEADER.size:
             return None
         (size,) = _HEADER.unpack_from(self._buffer)
+        if size > MAX_REPLY_BYTES:
+            raise MalformedReply(f"it announced a reply of {size} bytes (the limit is {MAX_REPLY_BYTES})")
         if len(self._buffer) < _HEADER.size + size:
             return None
-        frame, self._buffer = self._buffer[: _HEADER.size + size], self._buffer[_HEADER.size + size :]
-        return read_message(io.BytesIO(frame))
+        payload, self._buffer = self._buffer[_HEADER.size : _HEADER.size + size], self._buffer[_HEADER.size + size :]
+        return parse_reply(payload)
 
     def receive(self, deadline: float) -> Any | None:
-        """Wait for one reply until `deadline`: the message, "eof", or None on timeout."""
-        while (message := self.take_message()) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            readable, _, _ = select.select([self.fileno()], [], [], remaining)
-            if readable and not self.read_available():
-                return "eof"
+        """Wait for one reply until `deadline`: the message, "eof", or None on timeout. A malformed
+        reply stops the worker and reads as ("error", why)."""
+        try:
+            while (message := self.take_message()) is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                readable, _, _ = select.select([self.fileno()], [], [], remaining)
+                if readable and not self.read_available():
+                    return "eof"
+        except MalformedReply as exc:
+            self.stop()
+            return ["error", f"the worker for {self.label} was stopped: {exc}"]
         return message
 
     def _reap(self) -> int | None:
@@ -212,8 +296,14 @@ class WorkerProcess:
             name = signal.Signals(-code).name
         except ValueError:  # a signal without a name (real-time signals)
             name = f"signal {-code}"
+        if -code == signal.SIGXCPU:
+            return f"it was killed by {name}: over its CPU-time limit (RLIMIT_CPU)"
+        if -code == signal.SIGXFSZ:
+            return f"it was killed by {name}: it wrote a file over its size limit (RLIMIT_FSIZE)"
         if -code == signal.SIGKILL:
-            return f"it was killed by {name} (the kernel's out-of-memory killer sends SIGKILL; see dmesg)"
+            # not this side's timeout (that is a "timeout" outcome); the kernel's OOM killer, a hard
+            # RLIMIT_CPU, or another process may have sent it, and only the kernel log tells which
+            return f"it was killed by {name}, which its parent did not send (see dmesg for the out-of-memory killer)"
         return f"it was killed by {name}"
 
     def stop(self) -> None:
@@ -309,7 +399,13 @@ def run_on_workers(
         for worker in readable:
             index, start = busy[worker]
             open_ = worker.read_available()
-            message = worker.take_message()
+            try:
+                message = worker.take_message()
+            except MalformedReply as exc:
+                del busy[worker]
+                worker.stop()
+                outcomes[index] = WorkerOutcome(failure="died", detail=str(exc), elapsed_s=time.monotonic() - start)
+                continue
             if message is not None:
                 del busy[worker]
                 outcomes[index] = WorkerOutcome(reply=message, elapsed_s=time.monotonic() - start)

@@ -1,6 +1,7 @@
 import json
 import os
 import socket
+import tempfile
 import time
 
 import agent_tool_fixtures as fixtures
@@ -224,12 +225,20 @@ def test_failing_tools_are_results_and_the_runner_goes_on(runner, call, statuses
     normal_call_works(runner)
 
 
-def test_the_sandbox_computes_exactly_and_removes_its_scratch_directory(runner):
+def test_the_sandbox_computes_exactly_in_a_scratch_that_leaves_nothing_on_disk(runner):
+    before = set(os.listdir(tempfile.gettempdir()))
     code = "import os\nprint(123456789 * 987654321)\nprint(os.getcwd())\nopen('notes.txt', 'w').write('x')"
     result = runner.call(ToolCall("python", {"code": code}))
     assert result.status == "ok", result
     product, scratch = result.content.split()
     assert int(product) == 123456789 * 987654321 == 121932631112635269
+    assert scratch == "/scratch"  # the sandbox's own tmpfs, gone with its mount namespace
+    assert not {name for name in set(os.listdir(tempfile.gettempdir())) - before if "sandbox" in name}
+
+
+def test_the_process_sandbox_removes_its_scratch_directory():
+    code = "import os\nprint(os.getcwd())\nopen('notes.txt', 'w').write('x')"
+    scratch = run_python(code, SandboxLimits(isolation="process")).strip()
     assert os.path.basename(scratch).startswith("archon-sandbox-") and not os.path.exists(scratch)
 
 

@@ -929,7 +929,7 @@ def test_reward_functions_that_cannot_be_loaded(function, num_workers, error, cu
 
 @pytest.mark.parametrize(
     "completion, cause",
-    [("kill", "it was killed by SIGKILL (the kernel's out-of-memory killer"), ("exit", "it exited with code 3")],
+    [("kill", "it was killed by SIGKILL, which its parent did not send"), ("exit", "it exited with code 3")],
 )
 def test_a_dead_reward_worker_is_reported_with_its_cause(completion, cause, user_rewards, caplog):
     with caplog.at_level(logging.WARNING, logger="archon.rl.rewards"):

@@ -59,6 +59,7 @@ FLOORS = {
     "archon.agents.trajectory": 7,
     "archon.agents.tools": 7,
     "archon.agents.sandbox": 7,
+    "archon.agents.sandbox_init": 7,
     "archon.agents.setup": 7,
     "archon.agents.openai_server": 7,
     "archon.agents.openai_agents": 7,

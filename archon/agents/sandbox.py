@@ -1,31 +1,45 @@
 """The built-in tools: `python`, a code sandbox, and the lookup of tools by name or "module:function".
 
-`python(code)` runs the code in a fresh `python -I` interpreter, in a temporary scratch directory
-that is deleted afterwards, under `SandboxLimits`: CPU time (RLIMIT_CPU), address space
-(RLIMIT_AS), the size of any file it writes (RLIMIT_FSIZE), the number of processes (RLIMIT_NPROC,
-which counts all of the user's processes and does not bind root) and a wall-clock timeout. Before
-the code runs, the interpreter installs an audit hook (sys.addaudithook) that refuses network
-access (`socket.connect`, `socket.bind`, `socket.getaddrinfo`, `socket.sendto`, ... events) and
-starting programs (which would not carry the hook). This blocks Python-level network access only:
-a C extension, or ctypes, making raw system calls is not stopped by it; run the trainer in a
-network namespace or container for a hard guarantee.
+`python(code)` runs the code in a fresh interpreter that the operating system isolates (isolation
+"namespaces", the default; see archon.agents.sandbox_init for how): its own user, mount, PID,
+network, IPC and UTS namespaces, made with util-linux `unshare`. The program sees a read-only file
+system holding the system's libraries and the interpreter, a private tmpfs scratch of `scratch_mb`
+(its working directory, $HOME and $TMPDIR; gone when the call ends), no network but a loopback
+that is down, and no other process; it has no capabilities and inherits no descriptor but its
+stdio. Its environment is a fixed allow-list (PATH, HOME, TMPDIR, LANG). Its own process is under
+`SandboxLimits`: CPU time (RLIMIT_CPU), address space (RLIMIT_AS), the size of any file it writes
+(RLIMIT_FSIZE), the number of processes (RLIMIT_NPROC) and a wall-clock limit, after which every
+process it started is killed with it. An audit hook also answers network access and starting
+programs with a clear PermissionError, before the kernel would refuse them.
 
-These limits are the sandbox's own, separate from the ToolRunner's that runs the tool.
+The sandbox talks to the process that starts it in JSON only (one request line, one reply line).
+Where the namespaces cannot be made (`unshare` missing, user namespaces disabled), the tool refuses
+to start, unless its limits say isolation="process": the program then runs as a plain child
+process in a scratch directory on disk, under the RLIMITs and the audit hook only, which code that
+makes raw system calls gets around.
+
+These limits are the sandbox's own; inside a ToolRunner's worker the wall-clock limit is cut to end
+SANDBOX_EXIT_S before the runner's own, so that the sandbox is always the one to stop a call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Literal
 
-from archon.agents.tools import Tool, truncated
+from archon.agents.tools import Tool, call_deadline, truncated
 
 BLOCKED_EVENTS = (
     "socket.bind",
@@ -49,10 +63,20 @@ BLOCKED_EVENTS = (
 TRACEBACK_LINES = 20
 """When the program fails, only this many last lines of its stderr are shown, as a REPL shows the end."""
 
-# Runs first in the sandboxed interpreter (which cannot import archon: `-I` keeps the working tree off
-# sys.path): it dies with the process that started it, sets the limits, installs the audit hook and
-# runs main.py, showing a traceback without its own frame.
-_BOOTSTRAP = r"""
+SANDBOX_EXIT_S = 1.0
+"""Inside a ToolRunner's worker, the sandbox's wall-clock limit ends this long before the runner's."""
+
+STARTUP_GRACE_S = 5.0
+"""How long past its wall-clock limit the sandbox may take to answer before it is killed from outside."""
+
+UNSHARE_ARGS = ("--user", "--map-root-user", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child")
+
+_INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text(encoding="utf-8")
+
+# The isolation="process" sandbox (no namespaces): runs first in the sandboxed interpreter, dies with
+# the process that started it, sets the limits, installs the audit hook and runs main.py, showing a
+# traceback without its own frame.
+_PROCESS_BOOTSTRAP = r"""
 import ctypes, os, resource, signal, sys, traceback
 parent, cpu_s, memory, file_size, processes = (int(arg) for arg in sys.argv[1:6])
 blocked = frozenset(sys.argv[6].split(","))
@@ -81,12 +105,16 @@ except BaseException as exc:
 """
 
 
+class SandboxUnavailable(RuntimeError):
+    """The OS-isolated sandbox cannot be made on this machine."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """What one sandboxed program may use."""
 
     timeout_s: float = 10.0
-    """Wall-clock time; the program is killed after it."""
+    """Wall-clock time; the program, and every process it started, is killed after it."""
     cpu_s: int = 10
     """CPU time in seconds (RLIMIT_CPU)."""
     memory_mb: int = 512
@@ -94,14 +122,38 @@ class SandboxLimits:
     max_file_mb: int = 16
     """Size of any file it writes, its captured stdout and stderr included (RLIMIT_FSIZE)."""
     max_processes: int = 64
-    """RLIMIT_NPROC: counts all of the user's processes, and root is exempt."""
+    """RLIMIT_NPROC. In the namespaces it counts the sandbox's own processes; with isolation="process"
+    it counts all of the user's processes, and root is exempt."""
     max_output_chars: int = 4096
     """What is returned: stdout, then stderr, cut to this many characters."""
+    scratch_mb: int = 64
+    """Size of the scratch tmpfs: all the program writes, its captured output included, fits in it
+    (isolation "namespaces" only; it is memory, charged to the trainer's memory cgroup)."""
+    isolation: Literal["namespaces", "process"] = "namespaces"
+    """namespaces: the OS-isolated sandbox, refused where it cannot be made; process: a plain child
+    process under the RLIMITs and the audit hook only (a weaker sandbox; code that makes raw system
+    calls escapes it). Choose "process" only for code you trust."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            if getattr(self, field.name) <= 0:
-                raise ValueError(f"SandboxLimits.{field.name} must be positive, got {getattr(self, field.name)}")
+            value = getattr(self, field.name)
+            if field.name != "isolation" and value <= 0:
+                raise ValueError(f"SandboxLimits.{field.name} must be positive, got {value}")
+        if self.isolation not in ("namespaces", "process"):
+            raise ValueError(f"SandboxLimits.isolation must be 'namespaces' or 'process', got {self.isolation!r}")
+
+
+@dataclass
+class _Run:
+    """What became of one sandboxed program."""
+
+    returncode: int | None
+    """None: stopped at the wall-clock limit."""
+    cpu_s: float
+    stdout: str
+    stdout_chars: int
+    stderr: str
+    stderr_chars: int
 
 
 def _read_output(file, max_chars: int) -> tuple[str, int]:
@@ -114,10 +166,11 @@ def _read_output(file, max_chars: int) -> tuple[str, int]:
     return text, len(text) + size - len(data)
 
 
-def _stop_reason(returncode: int | None, limits: SandboxLimits) -> str | None:
+def _stop_reason(run: _Run, limits: SandboxLimits, wall_s: float) -> str | None:
+    returncode = run.returncode
     if returncode is None:
-        return f"[stopped: over the wall-clock limit of {limits.timeout_s} s]"
-    if returncode == -signal.SIGXCPU:
+        return f"[stopped: over the wall-clock limit of {wall_s} s]"
+    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and run.cpu_s >= limits.cpu_s):
         return f"[stopped: over the CPU-time limit of {limits.cpu_s} s]"
     if returncode == -signal.SIGXFSZ:
         return f"[stopped: wrote a file (or output) over the limit of {limits.max_file_mb} MB]"
@@ -128,10 +181,92 @@ def _stop_reason(returncode: int | None, limits: SandboxLimits) -> str | None:
     return None
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
-    """Run `code` in a fresh sandboxed interpreter under `limits`; its stdout, then its stderr (when
-    it failed: the last TRACEBACK_LINES lines, kept in view by cutting stdout first), capped at
-    `limits.max_output_chars`, then why it was stopped, if it was."""
+def _unshare() -> str | None:
+    return shutil.which("unshare") or shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin")
+
+
+def _visible_paths() -> list[str]:
+    """The interpreter's installation, bound read-only into the sandbox at its own path."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return sorted(os.path.realpath(path) for path in paths) + sorted(paths)
+
+
+def _run_in_namespaces(code: str, limits: SandboxLimits, deadline: float) -> _Run:
+    unshare = _unshare()
+    if unshare is None:
+        raise SandboxUnavailable("util-linux `unshare` was not found on PATH")
+    request = {
+        "code": code,
+        "deadline": deadline,
+        "cpu_s": limits.cpu_s,
+        "memory": limits.memory_mb * 2**20,
+        "file_size": limits.max_file_mb * 2**20,
+        "processes": limits.max_processes,
+        "scratch_mb": limits.scratch_mb,
+        "max_bytes": 4 * limits.max_output_chars + 4,
+        "paths": _visible_paths(),
+        "blocked": ",".join(BLOCKED_EVENTS),
+    }
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(
+            [unshare, *UNSHARE_ARGS, sys.executable, "-I", "-S", "-c", _INIT_SOURCE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            env={"PATH": os.defpath, "LANG": "C.UTF-8"},
+            start_new_session=True,
+        )
+        line = None
+        try:
+            # stdin stays open until the reply: the sandbox ends its program when it closes
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.flush()
+            line = _read_line(proc.stdout.fileno(), deadline + STARTUP_GRACE_S)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            _end(proc, wait_s=STARTUP_GRACE_S if line is not None else 0.0)
+        if line is None:
+            errors.seek(0)
+            detail = errors.read(4000).decode("utf-8", errors="replace").strip()
+            raise SandboxUnavailable(f"the sandbox gave no reply (exit code {proc.returncode}): {detail}")
+    reply = json.loads(line)
+    returncode = None if reply["stopped"] == "timeout" else reply["returncode"]
+    return _Run(
+        returncode, reply["cpu_s"], reply["stdout"], reply["stdout_chars"], reply["stderr"], reply["stderr_chars"]
+    )
+
+
+def _read_line(fd: int, deadline: float) -> bytes | None:
+    """One line from `fd` by `deadline`; None when it closed or the time ran out first."""
+    data = b""
+    while not data.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _end(proc: subprocess.Popen, wait_s: float) -> None:
+    """Close the sandbox's stdin (which ends it), give it `wait_s` to exit, then kill its process group."""
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    proc.stdout.close()
+
+
+def _run_as_process(code: str, limits: SandboxLimits, deadline: float) -> _Run:
+    """isolation="process": a plain child process in a scratch directory on disk."""
     with (
         tempfile.TemporaryDirectory(prefix="archon-sandbox-") as scratch,
         tempfile.TemporaryFile() as stdout,
@@ -142,17 +277,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
         limit_args = [limits.cpu_s, limits.memory_mb * 2**20, limits.max_file_mb * 2**20, limits.max_processes]
         env = {"PATH": os.defpath, "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1"}
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                "-X",
-                "utf8",
-                "-c",
-                _BOOTSTRAP,
-                str(os.getpid()),
-                *map(str, limit_args),
-                ",".join(BLOCKED_EVENTS),
-            ],
+            [sys.executable, "-I", "-X", "utf8", "-c", _PROCESS_BOOTSTRAP, str(os.getpid()), *map(str, limit_args)]
+            + [",".join(BLOCKED_EVENTS)],
             cwd=scratch,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -161,21 +287,87 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
             start_new_session=True,
         )
         try:
-            returncode = proc.wait(timeout=limits.timeout_s)
+            _, status, usage = _wait4(proc, deadline)
+            returncode = os.waitstatus_to_exitcode(status)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _, _, usage = os.wait4(proc.pid, 0)
             returncode = None
+        proc.returncode = -signal.SIGKILL if returncode is None else returncode
         out_text, out_chars = _read_output(stdout, limits.max_output_chars)
         err_text, err_chars = _read_output(stderr, limits.max_output_chars)
-    if returncode:  # the traceback's end stays in view, stdout gives way
-        err_tail = "".join(err_text.splitlines(keepends=True)[-TRACEBACK_LINES:])
-        err_text = truncated(err_tail, limits.max_output_chars // 2)
-        output = truncated(out_text, limits.max_output_chars - len(err_text), out_chars)
+    return _Run(returncode, usage.ru_utime + usage.ru_stime, out_text, out_chars, err_text, err_chars)
+
+
+def _wait4(proc: subprocess.Popen, deadline: float):
+    """os.wait4 of `proc` by `deadline` (raises subprocess.TimeoutExpired after it)."""
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            return pid, status, usage
+        if time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        time.sleep(0.01)
+
+
+def _deadline(limits: SandboxLimits) -> tuple[float, float]:
+    """(the program's time.monotonic() deadline, its wall-clock limit in seconds): `limits.timeout_s`,
+    cut to end SANDBOX_EXIT_S before the deadline of the ToolRunner call this runs in, if any."""
+    now = time.monotonic()
+    deadline = now + limits.timeout_s
+    runner_deadline = call_deadline()
+    if runner_deadline is not None:
+        deadline = min(deadline, max(now + 0.1, runner_deadline - SANDBOX_EXIT_S))
+    return deadline, round(deadline - now, 1)
+
+
+@functools.cache
+def _namespaces_problem() -> str | None:
+    """Why the OS-isolated sandbox cannot run here (None when it can), tried once per process."""
+    try:
+        run = _run_in_namespaces("print('ok')", SandboxLimits(), time.monotonic() + 30.0)
+    except (SandboxUnavailable, OSError) as exc:
+        return str(exc)
+    if run.returncode != 0 or run.stdout != "ok\n":
+        return f"a test program gave exit code {run.returncode}: {run.stderr.strip()[-2000:]}"
+    return None
+
+
+def check_sandbox(limits: SandboxLimits = SandboxLimits()) -> None:
+    """Raise SandboxUnavailable, saying why and what to do, when `limits` ask for the OS-isolated
+    sandbox and this machine cannot make it."""
+    if limits.isolation != "namespaces":
+        return
+    problem = _namespaces_problem()
+    if problem is not None:
+        raise SandboxUnavailable(
+            f"the python tool's sandbox needs user, mount, PID and network namespaces made by util-linux "
+            f"`unshare`, and they cannot be made here: {problem}. Allow unprivileged user namespaces "
+            "(sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, or the container's "
+            "seccomp profile), or opt into the weaker sandbox with SandboxLimits(isolation='process') "
+            "(see docs/agents.md)"
+        )
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
+    """Run `code` in a fresh sandboxed interpreter under `limits`; its stdout, then its stderr (when
+    it failed: the last TRACEBACK_LINES lines, kept in view by cutting stdout first), capped at
+    `limits.max_output_chars`, then why it was stopped, if it was."""
+    deadline, wall_s = _deadline(limits)
+    if limits.isolation == "namespaces":
+        check_sandbox(limits)
+        run = _run_in_namespaces(code, limits, deadline)
+    else:
+        run = _run_as_process(code, limits, deadline)
+    max_chars = limits.max_output_chars
+    if run.returncode:  # the traceback's end stays in view, stdout gives way
+        err_tail = "".join(run.stderr.splitlines(keepends=True)[-TRACEBACK_LINES:])
+        err_text = truncated(err_tail, max_chars // 2)
+        output = truncated(run.stdout, max_chars - len(err_text), run.stdout_chars)
         output = f"{output}\n{err_text}" if output and not output.endswith("\n") else output + err_text
     else:
-        output = truncated(out_text + err_text, limits.max_output_chars, out_chars + err_chars)
-    reason = _stop_reason(returncode, limits)
+        output = truncated(run.stdout + run.stderr, max_chars, run.stdout_chars + run.stderr_chars)
+    reason = _stop_reason(run, limits, wall_s)
     if reason is not None:
         output = f"{output}{'' if not output or output.endswith(chr(10)) else chr(10)}{reason}"
     return output
@@ -185,8 +377,8 @@ def python(code: str) -> str:
     """Run a Python program in a fresh sandboxed interpreter and return what it printed (stdout, then stderr).
 
     The program starts in an empty scratch directory that is deleted afterwards, has no network
-    access and cannot start other programs, and is stopped when it runs over its time or memory
-    limits. Print the values you want to see.
+    access and cannot start other programs, and is stopped when it runs over its time, memory or
+    disk limits. Print the values you want to see.
 
     Args:
         code: The complete Python program to run.
@@ -206,10 +398,15 @@ BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"python": python_tool}
 
 
 def builtin_tool(name: str) -> Tool:
-    """The built-in tool `name`, with its default limits."""
+    """The built-in tool `name`, with its default limits; raises SandboxUnavailable when its sandbox
+    cannot be made here, so that a run refuses to start rather than fail at its first call."""
     if name not in BUILTIN_TOOLS:
         raise ValueError(f"no built-in tool {name!r}; the built-in tools are: {', '.join(BUILTIN_TOOLS)}")
-    return BUILTIN_TOOLS[name]()
+    tool = BUILTIN_TOOLS[name]()
+    limits = getattr(tool.function, "keywords", {}).get("limits")
+    if isinstance(limits, SandboxLimits):
+        check_sandbox(limits)
+    return tool
 
 
 def resolve_tool(spec: str) -> Tool:

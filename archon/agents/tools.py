@@ -20,8 +20,8 @@ import json
 import pickle
 import re
 import resource
-import signal
 import threading
+import time
 import types
 import typing
 from dataclasses import dataclass
@@ -284,7 +284,12 @@ class ToolRunner(WorkerPool):
         self.memory_mb = memory_mb
         self._lock = threading.Lock()
         label = f"tools {', '.join(self.tools)}"
-        payload = {"functions": functions, "memory_mb": memory_mb, "max_output_chars": max_output_chars}
+        payload = {
+            "functions": functions,
+            "memory_mb": memory_mb,
+            "max_output_chars": max_output_chars,
+            "timeout_s": timeout_s,
+        }
         self.start_workers("archon.agents.tools", payload, label, num_workers)
 
     def call(self, call: ToolCall) -> ToolResult:
@@ -326,9 +331,10 @@ class ToolRunner(WorkerPool):
             return ToolResult(content, "timeout", outcome.elapsed_s)
         if outcome.failure == "unavailable":
             return ToolResult(f"{name!r} could not run: {outcome.detail}", "error", outcome.elapsed_s)
-        # The worker died. SIGKILL that the runner did not send is the kernel's out-of-memory killer.
+        # The worker died. It died of its memory limit when its own peak reached the limit; a SIGKILL
+        # alone says nothing about memory (a hard RLIMIT_CPU, or another process, sends one too).
         peak = outcome.peak_rss_mb
-        if outcome.signal == signal.SIGKILL or (peak is not None and peak >= PEAK_MEMORY_FRACTION * self.memory_mb):
+        if peak is not None and peak >= PEAK_MEMORY_FRACTION * self.memory_mb:
             peak_text = f"; its peak memory was {peak:.0f} MB" if peak is not None else ""
             content = f"{name!r} ran out of memory (limit {self.memory_mb} MB): {outcome.detail}{peak_text}"
             return ToolResult(content, "memory", outcome.elapsed_s)
@@ -346,6 +352,15 @@ def _pickled(tool: Tool) -> bytes:
 
 
 # ---- the worker process -------------------------------------------------------------------------------
+
+_call_deadline: float | None = None
+
+
+def call_deadline() -> float | None:
+    """In a ToolRunner's worker, during a call: the time.monotonic() at which the runner will stop the
+    call (a tool that starts work of its own ends it before then, as the python sandbox does); None
+    elsewhere."""
+    return _call_deadline
 
 
 class _CappedText(io.TextIOBase):
@@ -385,9 +400,11 @@ def _load_tools(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _run_tool(state: dict[str, Any], message: tuple) -> tuple[str, ToolStatus, str]:
     """("call", name, arguments) -> ("reply", status, content)."""
+    global _call_deadline
     _, name, arguments = message
     limit = state["max_output_chars"]
     printed = _CappedText(limit)
+    _call_deadline = time.monotonic() + state.get("timeout_s", float("inf"))
     try:
         with contextlib.redirect_stdout(printed):
             value = state["functions"][name](**arguments)
@@ -397,6 +414,8 @@ def _run_tool(state: dict[str, Any], message: tuple) -> tuple[str, ToolStatus, s
         return ("reply", "memory", f"MemoryError{detail} ({name!r} went over its memory limit of {memory_mb} MB)")
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing tool is shown to the model
         return ("reply", "error", f"{type(exc).__name__}: {exc}")
+    finally:
+        _call_deadline = None
     try:
         value_text = value if isinstance(value, str) else "" if value is None else json.dumps(value)
     except (TypeError, ValueError) as exc:
