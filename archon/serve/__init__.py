@@ -1,0 +1,8 @@
+"""A Tinker-compatible service: the `tinker` SDK (and recipes written on it) trains LoRA adapters and
+samples from them on archon, through `python -m archon.serve --base-model DIR`.
+
+Layout: config.py (the settings), server.py (HTTP, API keys, futures), handlers.py (the endpoints),
+wire.py (the protobuf messages), backend.py (sessions, training clients, samplers), adapters.py
+(LoRA models on the shared base, checkpoints and tinker:// paths), losses.py (the loss functions),
+scoring.py and sampling.py (log-probs and the built-in engine's samples). docs/tinker.md has the usage.
+"""

@@ -1,0 +1,345 @@
+"""What the Tinker-compatible server computes: training clients (one LoRA adapter each on the shared
+frozen base) with forward, forward_backward and optim_step; their checkpoints; and samplers (a
+snapshot of an adapter, or the base) served by the built-in engine.
+
+Every method runs on the server's one worker thread (archon/serve/server.py), so the models see one
+request at a time, in the order they arrived. A refused request raises UserError naming what is
+wrong and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from archon.build import build_model
+from archon.lora import LoRAConfig, lora_parameters
+from archon.parallel.parallelize import DTYPES
+from archon.rollout.native import NativeRolloutEngine
+from archon.serve import adapters as ckpt
+from archon.serve.adapters import TrainingModel, UserError
+from archon.serve.config import ServeConfig
+from archon.serve.losses import FLOAT_INPUTS, LOSS_INPUTS, datum_loss
+from archon.serve.sampling import SampleCall, run_sample
+from archon.serve.scoring import packed_logprobs
+from archon.serve.wire import ForwardBackwardCall, SampledOut, WireTensor
+
+
+@dataclass
+class Session:
+    session_id: str
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    ended: bool = False
+    model_seq_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Sampler:
+    sampling_session_id: str
+    session_id: str
+    model_path: str | None
+    lora: LoRAConfig | None
+    """None: the base model, no adapter."""
+    tensors: dict[str, torch.Tensor] | None
+
+
+def _lora_key(lora: LoRAConfig) -> tuple:
+    return (lora.rank, lora.alpha, tuple(lora.target_modules))
+
+
+class Backend:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        self.base = build_model(config.base_model, lora=None, dtype=self.dtype, device=config.device)
+        for param in self.base.model.parameters():
+            param.requires_grad_(False)
+        self.base.model.eval()
+        self.vocab_size = int(self.base.model.output_weight.shape[0])
+        text_config = self.base.hf_config.get_text_config()
+        self.context_length = config.max_context_length or int(text_config.max_position_embeddings)
+        eos = text_config.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        self.model_name = config.model_name or config.base_model
+        self.checkpoint_root = Path(config.checkpoint_dir)
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._sampling_models: dict[tuple, tuple[NativeRolloutEngine, list]] = {}
+        """One model per LoRA shape that samplers of that shape load their factors into, with its
+        engine and the id of the sampler whose factors it holds."""
+        self._base_engine = NativeRolloutEngine(self.base.model, device=config.device)
+        self._tokenizer = None
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def create_session(self) -> str:
+        session_id = f"session-{uuid.uuid4().hex[:12]}"
+        self.sessions[session_id] = Session(session_id)
+        return session_id
+
+    def session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UserError(f"unknown session id {session_id!r}")
+        if session.ended:
+            raise UserError(f"session {session_id!r} has ended")
+        return session
+
+    def end_session(self, session_id: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UserError(f"unknown session id {session_id!r}")
+        session.ended = True
+        for model_id in [m for m, t in self.models.items() if t.session_id == session_id]:
+            del self.models[model_id]
+        for sampler_id in [s for s, v in self.samplers.items() if v.session_id == session_id]:
+            del self.samplers[sampler_id]
+
+    def check_base_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.config.base_model):
+            raise UserError(f"unknown base model {name!r}: this server holds {self.model_name!r}")
+
+    # ---- training clients -----------------------------------------------------------------------
+    def create_model(
+        self, session_id: str, model_seq_id: int, base_model: str | None, rank: int, seed: int | None, targets
+    ) -> str:
+        """targets: (train_attn, train_mlp, train_unembed)."""
+        self.session(session_id)
+        self.check_base_model(base_model)
+        if not 1 <= rank <= self.config.max_lora_rank:
+            raise UserError(
+                f"lora_config.rank={rank} is outside [1, {self.config.max_lora_rank}] (the server's --max-lora-rank)"
+            )
+        modules = ckpt.lora_targets(self.base.spec.lora_targets, *targets)
+        lora = LoRAConfig(rank=rank, alpha=self.config.lora_alpha, target_modules=modules)
+        return self._add_model(session_id, model_seq_id, lora, self.config.seed if seed is None else seed)
+
+    def _add_model(self, session_id: str, model_seq_id: int, lora: LoRAConfig, seed: int) -> str:
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            raise UserError(f"model {model_id!r} exists already (model_seq_id {model_seq_id} reused)")
+        if lora.max_rank > self.config.max_lora_rank:
+            raise UserError(
+                f"LoRA rank {lora.max_rank} is above the server's --max-lora-rank {self.config.max_lora_rank}"
+            )
+        loaded = ckpt.build_adapter_model(self.base, self.config.base_model, lora, self.dtype, self.config.device, seed)
+        self.models[model_id] = TrainingModel(model_id, session_id, loaded, lora, ckpt.new_optimizer(loaded.model))
+        self.sessions[session_id].model_seq_ids.add(model_seq_id)
+        return model_id
+
+    def model(self, model_id: str) -> TrainingModel:
+        trained = self.models.get(model_id)
+        if trained is None:
+            session_id = model_id.split(":", 1)[0]
+            if session_id in self.sessions and self.sessions[session_id].ended:
+                raise UserError(f"model {model_id!r} belongs to session {session_id!r}, which has ended")
+            raise UserError(f"unknown model id {model_id!r}")
+        return trained
+
+    def info(self, model_id: str) -> dict:
+        trained = self.model(model_id)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_name": self.model_name,
+            "is_lora": True,
+            "lora_rank": trained.lora.rank,
+            "model_data": {
+                "arch": self.base.hf_config.model_type,
+                "model_name": self.model_name,
+                "tokenizer_id": self.config.base_model,
+            },
+        }
+
+    def _datum_tensors(self, i: int, tokens: list[int], inputs: dict[str, WireTensor], loss_fn: str):
+        """(tokens [N], loss inputs [N] each as float64/long tensors), checked against the loss."""
+        self.check_tokens(f"data[{i}].model_input", tokens)
+        n = len(tokens)
+        required, optional = LOSS_INPUTS[loss_fn]
+        missing = [name for name in required if name not in inputs]
+        if missing:
+            raise UserError(
+                f"data[{i}].loss_fn_inputs lacks {missing} for loss_fn {loss_fn!r} (needs {list(required)})"
+            )
+        unknown = sorted(set(inputs) - set(required) - set(optional))
+        if unknown:
+            raise UserError(f"data[{i}].loss_fn_inputs has {unknown}, which loss_fn {loss_fn!r} does not take")
+        out = {}
+        for name, tensor in inputs.items():
+            want = "float32" if name in FLOAT_INPUTS else "int64"
+            if tensor.dtype != want or tensor.array.shape != (n,):
+                raise UserError(
+                    f"data[{i}].loss_fn_inputs[{name!r}] is {tensor.dtype} of shape {list(tensor.array.shape)}; "
+                    f"loss_fn {loss_fn!r} needs {want} of shape [{n}] (one per model_input token)"
+                )
+            out[name] = torch.from_numpy(np.asarray(tensor.array))
+        self.check_tokens(f"data[{i}].loss_fn_inputs['target_tokens']", out["target_tokens"].tolist())
+        return torch.tensor(tokens, dtype=torch.long), out
+
+    def check_tokens(self, what: str, tokens: list[int]) -> None:
+        if not tokens:
+            raise UserError(f"{what} is empty")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"{what} holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(tokens) > self.context_length:
+            raise UserError(f"{what} has {len(tokens)} tokens, over the context limit of {self.context_length}")
+
+    def forward_backward(self, call: ForwardBackwardCall) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        trained = self.model(call.model_id)
+        if call.loss_fn not in LOSS_INPUTS:
+            raise UserError(
+                f"loss_fn {call.loss_fn!r} is not served here; served: {sorted(LOSS_INPUTS)} (a custom loss runs "
+                "in the SDK through forward_backward_custom, which this server serves with its forward pass)"
+            )
+        if not call.data:
+            raise UserError("forward_backward got no data")
+        datums = [self._datum_tensors(i, d.tokens, d.inputs, call.loss_fn) for i, d in enumerate(call.data)]
+        config = {k: v for k, v in call.loss_fn_config.items()}
+        trained.model.train()
+        with torch.set_grad_enabled(not call.forward_only):
+            logprobs = packed_logprobs(
+                trained.model, [t for t, _ in datums], [x["target_tokens"] for _, x in datums], self.config.device
+            )
+            losses, outputs = [], []
+            for lp, (_, inputs) in zip(logprobs, datums):
+                inputs = {k: v.to(lp.device, lp.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+                loss = datum_loss(call.loss_fn, lp, inputs, config)
+                losses.append(loss)
+                out = {"logprobs": lp.detach().float().cpu().numpy()}
+                if call.loss_fn == "cross_entropy":
+                    weights = inputs.get("weights", torch.ones_like(lp))
+                    out["elementwise_loss"] = (-lp.detach() * weights).float().cpu().numpy()
+                outputs.append(out)
+            total = torch.stack(losses).sum()
+            if not call.forward_only:
+                total.backward()
+        return outputs, {"loss:sum": float(total.detach())}
+
+    def optim_step(self, model_id: str, params: dict) -> dict:
+        trained = self.model(model_id)
+        lr, wd = float(params.get("learning_rate", 1e-4)), float(params.get("weight_decay", 0.0))
+        clip = float(params.get("grad_clip_norm", 0.0))
+        betas = (float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95)))
+        eps = float(params.get("eps", 1e-12))
+        if lr < 0 or wd < 0 or eps <= 0 or not all(0 <= b < 1 for b in betas):
+            raise UserError(
+                f"adam_params out of range: learning_rate={lr}, beta1/2={betas}, eps={eps}, weight_decay={wd}"
+            )
+        grads = [p for p in trained.optimizer.param_groups[0]["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.zeros(())
+        if clip > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)
+        for group in trained.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=wd)
+        trained.optimizer.step()
+        trained.optimizer.zero_grad(set_to_none=True)
+        trained.steps += 1
+        return {"metrics": {"grad_norm:mean": float(norm)}}
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save(self, model_id: str, name: str | None, kind: str) -> str:
+        trained = self.model(model_id)
+        name = name or f"step-{trained.steps:06d}-{uuid.uuid4().hex[:6]}"
+        return ckpt.save_checkpoint(
+            self.checkpoint_root, trained, kind, name, self.config.base_model, with_optimizer=kind == "weights"
+        )
+
+    def load(self, model_id: str | None, path: str, optimizer: bool, session_id: str | None, model_seq_id) -> str:
+        directory = ckpt.checkpoint_dir(self.checkpoint_root, path)
+        if model_id is None:  # create-via-load: the checkpoint's LoRA config makes the model
+            if session_id is None or model_seq_id is None:
+                raise UserError("load_weights needs model_id, or session_id with model_seq_id")
+            self.session(session_id)
+            model_id = self._add_model(session_id, model_seq_id, ckpt.checkpoint_lora(directory), self.config.seed)
+        ckpt.load_checkpoint(directory, self.model(model_id), optimizer)
+        return model_id
+
+    # ---- samplers -------------------------------------------------------------------------------
+    def sampler_from_model(self, model_id: str, session_id: str) -> str:
+        trained = self.model(model_id)
+        return self._add_sampler(session_id, None, trained.lora, trained.lora_tensors())
+
+    def create_sampler(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
+        self.session(session_id)
+        if model_path is None:
+            if base_model is None:
+                raise UserError("create_sampling_session needs model_path or base_model")
+            self.check_base_model(base_model)
+            return self._add_sampler(session_id, None, None, None)
+        directory = ckpt.checkpoint_dir(self.checkpoint_root, model_path)
+        lora = ckpt.checkpoint_lora(directory)
+        engine, _ = self._sampling_model(lora)
+        ckpt.load_peft_adapter(engine.model, self._sampling_converter, directory / "adapter")
+        self._sampling_models[_lora_key(lora)][1][0] = None
+        tensors = {name: p.detach().clone() for name, p in lora_parameters(engine.model).items()}
+        return self._add_sampler(session_id, model_path, lora, tensors)
+
+    def _add_sampler(self, session_id, model_path, lora, tensors) -> str:
+        sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:8]}"
+        self.samplers[sampler_id] = Sampler(sampler_id, session_id, model_path, lora, tensors)
+        return sampler_id
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None:
+            session_id = sampler_id.split(":", 1)[0]
+            if session_id in self.sessions and self.sessions[session_id].ended:
+                raise UserError(f"sampler {sampler_id!r} belongs to session {session_id!r}, which has ended")
+            raise UserError(f"unknown sampling session id {sampler_id!r}")
+        return sampler
+
+    def _sampling_model(self, lora: LoRAConfig) -> tuple[NativeRolloutEngine, list]:
+        key = _lora_key(lora)
+        if key not in self._sampling_models:
+            loaded = ckpt.build_adapter_model(
+                self.base, self.config.base_model, lora, self.dtype, self.config.device, self.config.seed
+            )
+            self._sampling_converter = loaded.converter
+            engine = NativeRolloutEngine(loaded.model, device=self.config.device)
+            self._sampling_models[key] = (engine, [None])
+        return self._sampling_models[key]
+
+    def engine_for(self, sampler: Sampler) -> NativeRolloutEngine:
+        """The engine whose model now holds `sampler`'s adapter (or the base's engine)."""
+        if sampler.lora is None:
+            return self._base_engine
+        engine, holder = self._sampling_model(sampler.lora)
+        if holder[0] != sampler.sampling_session_id:
+            params = lora_parameters(engine.model)
+            with torch.no_grad():
+                for name, tensor in sampler.tensors.items():
+                    params[name].copy_(tensor)
+            holder[0] = sampler.sampling_session_id
+        return engine
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.config.base_model)
+            except (OSError, ValueError) as e:
+                raise UserError(f"stop strings need the base model's tokenizer, which does not load: {e}") from None
+        return self._tokenizer
+
+    def sample(self, call: SampleCall) -> tuple[list[SampledOut], dict]:
+        sampler = self.sampler(call.sampling_session_id)
+        self.check_tokens("prompt", call.prompt)
+        max_tokens = call.max_tokens or self.config.default_max_tokens
+        if len(call.prompt) + max_tokens > self.context_length:
+            raise UserError(
+                f"prompt of {len(call.prompt)} tokens + max_tokens {max_tokens} is over the context limit of "
+                f"{self.context_length}"
+            )
+        for token in call.stop_token_ids or ():
+            if not 0 <= token < self.vocab_size:
+                raise UserError(f"stop token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        tokenizer = self.tokenizer if call.stop_strings else None
+        return run_sample(self.engine_for(sampler), call, max_tokens, self.eos_token_ids, tokenizer)
