@@ -73,6 +73,8 @@ FLOORS = {
     "archon.rl.reasoning_gym_demo": 9,
     "archon.tools": 9,
     "archon.recipes": 9,
+    # the Tinker-compatible service: an application on the trainer, LoRA and the built-in engine
+    "archon.serve": 9,
 }
 FLOOR_OF_RENDERER_CONTRACT = 2
 
