@@ -49,6 +49,7 @@ def run(config) -> dict:
 def _train_and_report(config, prepared, rank: int) -> dict:
     """The run in the directory `prepared` (prepare_run_dir's), then on rank 0 its plot and summary."""
     from archon.demos.warm_start import prepare_demo
+    from archon.rl.logging.metrics import summary
     from archon.rl.logging.trackers import check_tracker_packages
     from archon.rl.loop import RLRun
     from archon.tools.plot import plot_run
@@ -75,12 +76,7 @@ def _train_and_report(config, prepared, rank: int) -> dict:
     if rank == 0:
         run_dir = Path(config.logging.run_dir)
         plot = plot_run(run_dir)
-        summary = {
-            k: round(v, 4)
-            for k, v in last.items()
-            if k.rsplit("/", 1)[-1] in ("eval_accuracy", "accuracy", "reward_mean")
-        }
-        print(f"final: {summary}")
+        print(f"final: {summary(last)}")
         adapters = [run_dir / "tasks" / t.name / "adapter" for t in config.tasks] or [run_dir / "adapter"]
         print(f"adapter (PEFT): {', '.join(map(str, adapters))}")
         print(f"metrics: {run_dir / 'metrics.jsonl'}")
@@ -105,10 +101,14 @@ def _exit_with_error(error: BaseException, every_rank: bool) -> None:
     needed) and exit with status 1. Under torchrun every rank exits; with `every_rank` False only rank
     0 prints, for an error every rank meets alike (the settings), so it is printed once. The error
     also goes to torchrun's error file, so its failure summary names it instead of "<N/A>"."""
+    from archon.secrets import redact
+
     rank = int(os.environ.get("RANK", "0"))
+    message = redact(str(error))
     if rank == 0 or every_rank:
-        print(f"error: {error}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
-    get_error_handler().record_exception(error)  # writes only under torchrun (TORCHELASTIC_ERROR_FILE)
+        print(f"error: {message}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
+    # writes only under torchrun (TORCHELASTIC_ERROR_FILE)
+    get_error_handler().record_exception(error if message == str(error) else RuntimeError(message))
     raise SystemExit(1) from None
 
 
@@ -122,11 +122,16 @@ def recipe_argv(argv: list[str]) -> list[str]:
 
 @record  # under torchrun, any other error's message and traceback reach its failure summary
 def main(argv: list[str] | None = None) -> None:
+    from archon.checkpoint.resume import CheckpointError
     from archon.rl.config import parse_config
     from archon.rl.interrupt import terminate_as_interrupt
+    from archon.rl.logging.trackers import TrackerError
+    from archon.rl.run.run_dir import RunDirInUseError
+    from archon.secrets import redact_logs
 
     argv = recipe_argv(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    redact_logs()  # the secrets of the config (archon.secrets), once it is parsed, never reach a log line
     try:
         config = parse_config(argv)
     except (ValueError, FileNotFoundError) as e:
@@ -136,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
             run(config)
     except (ValueError, FileNotFoundError) as e:  # a setting or file the model or data turned out not to fit
         _exit_with_error(e, every_rank=True)
+    except (RunDirInUseError, CheckpointError, TrackerError, FileExistsError, NotADirectoryError, PermissionError) as e:
+        _exit_with_error(e, every_rank=True)  # each names the run directory, checkpoint or setting at fault
 
 
 def _end_launched_process() -> None:

@@ -10,6 +10,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
 
+from archon.secrets import secret_field
 from archon.spec import get_spec
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -17,7 +18,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass
 class VLLMConfig:
-    urls: tuple[str, ...] = ()
+    urls: tuple[str, ...] = secret_field((), kind="url")
     """Connect to these running servers (http://host:port) instead of launching any."""
     model: str | None = None
     """Model to serve; default: the trainer's model path."""
@@ -38,7 +39,7 @@ class VLLMConfig:
     non-loopback host. Dev mode opens /collective_rpc, which vLLM's api-key does not guard: anyone
     who reaches the port can call the workers' methods. archon's own methods still need the run's
     secret, vLLM's built-in ones do not. Set it only on a private network."""
-    api_key: str | None = None
+    api_key: str | None = secret_field(None)
     """Bearer token the servers require on their generation (/v1) routes. Launched servers get it in
     their environment (VLLM_API_KEY), not on their command line. Default: the VLLM_API_KEY
     environment variable, if set."""

@@ -34,6 +34,7 @@ from archon.rl.config.schema import (
     tasks_and_fields,
 )
 from archon.rl.problems import Problems
+from archon.secrets import redact, register_secrets
 
 _last_valid: tuple[RLConfig, int] | None = None
 """A copy of the config that validate() last passed, and the world size it was checked for."""
@@ -51,12 +52,13 @@ def validate(config: RLConfig, world_size: int | None = None) -> None:
     or built in Python, is checked in full.
     """
     global _last_valid
+    register_secrets(config)  # from here on, nothing the process writes shows them (archon.secrets)
     world = _world_size() if world_size is None else world_size
     if _last_valid == (config, world):
         return
     problems = _problems(config, world)
     if problems:
-        raise ValueError("invalid configuration:\n" + "\n".join(f"  {problem}" for problem in problems))
+        raise ValueError(redact("invalid configuration:\n" + "\n".join(f"  {problem}" for problem in problems)))
     _last_valid = (copy.deepcopy(config), world)
 
 

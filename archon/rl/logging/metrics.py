@@ -13,6 +13,7 @@ from typing import Any
 from archon.checkpoint.atomic import atomic_file
 from archon.rl.logging.samples import drop_tables_after, tracker_table, write_table
 from archon.rl.logging.trackers import TensorBoardTracker, close_trackers
+from archon.secrets import redact, redact_value
 
 METRICS_FILE = "metrics.jsonl"
 logger = logging.getLogger("archon.rl")
@@ -50,7 +51,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(redact(json.dumps(record)) + "\n")
         self._file.flush()
         scalars = {
             k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -61,6 +62,7 @@ class MetricsLogger:
         """A sample table (archon.rl.logging.samples rows) of `step`: to RUN_DIR/samples and each tracker."""
         if not self.enabled or not rows:
             return
+        rows = redact_value(rows)  # a prompt or a tool's output may echo a secret of the run
         write_table(self.run_dir, step, rows, evaluation)
         columns, values = tracker_table(rows)
         self._to_trackers(step, "log_table", "eval_samples" if evaluation else "samples", step, columns, values)
@@ -129,6 +131,23 @@ def _read_records(path: Path) -> list[tuple[dict[str, Any], bytes]]:
             raise ValueError(f"{path}:{line_no}: not a metrics record (a JSON object with an integer 'step')")
         records.append((record, line if line.endswith(b"\n") else line + b"\n"))
     return records
+
+
+SUMMARY_METRICS = ("eval_accuracy", "accuracy", "reward_mean")
+"""The metrics of the last record the recipe's final line shows (each task's, by their prefix)."""
+
+
+def summary(record: dict[str, Any]) -> dict[str, float | str]:
+    """The SUMMARY_METRICS of a metrics record, rounded to 4 decimals; a value that was not finite
+    (stored as None, see `_plain`) or is missing a number shows as "n/a"."""
+    shown: dict[str, float | str] = {}
+    for key, value in record.items():
+        if key.rsplit("/", 1)[-1] not in SUMMARY_METRICS:
+            continue
+        value = _plain(value)
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        shown[key] = round(value, 4) if is_number else "n/a"
+    return shown
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

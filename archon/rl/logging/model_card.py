@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from archon.rl.logging.metrics import METRICS_FILE, read_metrics
+from archon.secrets import redact
 
 RESULT_METRICS = (
     ("reward_mean", "mean reward"),
@@ -31,7 +32,11 @@ RESULT_METRICS = (
 def launch_command() -> str:
     """The command line that started this process, as a shell line: torchrun's when torchrun
     launched it (read from the parent process on Linux, else rebuilt from torchrun's environment),
-    else `python` and sys.argv."""
+    else `python` and sys.argv; the config's secrets redacted (archon.secrets)."""
+    return redact(_launch_command())
+
+
+def _launch_command() -> str:
     argv = list(sys.argv)
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return shlex.join(["python", *argv])
@@ -97,7 +102,8 @@ def _table(rows: list[tuple[str, Any]]) -> list[str]:
 
 def model_card(run, task, step: int, final: bool, command: str | None = None) -> str:
     """README.md of `task`'s adapter exported at RL step `step` of `run` (the run's RunContext; `final`: the
-    run's last adapter, TASK_DIR/adapter). `command`: the launch command (default: this process's)."""
+    run's last adapter, TASK_DIR/adapter). `command`: the launch command (default: this process's).
+    The config's secrets are redacted from the whole card."""
     config, task_config = run.config, task.config
     lora, algo, algorithm = task_config.lora, task_config.algorithm, task.algorithm
     base = str(config.model.path)
@@ -164,7 +170,7 @@ def model_card(run, task, step: int, final: bool, command: str | None = None) ->
         *_version_lines(),
         "",
     ]
-    return "\n".join(lines)
+    return redact("\n".join(lines))
 
 
 def _lora_rows(lora) -> list[tuple[str, Any]]:

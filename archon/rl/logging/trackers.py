@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from archon.checkpoint.atomic import atomic_write_json
+from archon.secrets import redact, redact_url, redact_value
 
 TrackerName = Literal["tensorboard", "wandb", "mlflow", "trackio"]
 TRACKERS: tuple[str, ...] = typing.get_args(TrackerName)
@@ -145,20 +146,23 @@ class WandbTracker:
         mode = settings.wandb_mode or os.environ.get("WANDB_MODE") or "online"
         run_id = state.get("id") or uuid.uuid4().hex[:8]
         try:
-            self.run = wandb.init(
-                project=settings.project,
-                entity=settings.wandb_entity,
-                name=settings.run_name or run_dir.name,
-                id=run_id,
-                resume="allow",
-                mode=mode,
-                dir=str(run_dir),
-                settings=wandb.Settings(console="off"),
-            )
+            with _redacted_argv():  # wandb records the command line with the run
+                self.run = wandb.init(
+                    project=settings.project,
+                    entity=settings.wandb_entity,
+                    name=settings.run_name or run_dir.name,
+                    id=run_id,
+                    resume="allow",
+                    mode=mode,
+                    dir=os.environ.get("WANDB_DIR") or str(run_dir),
+                    settings=wandb.Settings(console="off"),
+                )
         except Exception as e:
             raise TrackerError(
-                f"logging.backends: wandb could not start a run (logging.wandb_mode={mode!r}, logging.project="
-                f"{settings.project!r}, logging.wandb_entity={settings.wandb_entity!r}): {type(e).__name__}: {e}"
+                redact(
+                    f"logging.backends: wandb could not start a run (logging.wandb_mode={mode!r}, logging.project="
+                    f"{settings.project!r}, logging.wandb_entity={settings.wandb_entity!r}): {type(e).__name__}: {e}"
+                )
             ) from None
         state["id"] = run_id
 
@@ -173,6 +177,19 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+@contextlib.contextmanager
+def _redacted_argv():
+    """sys.argv with its secrets redacted, for the time of the block."""
+    import sys
+
+    argv = sys.argv
+    sys.argv = [redact(arg) for arg in argv]
+    try:
+        yield
+    finally:
+        sys.argv = argv
 
 
 @contextlib.contextmanager
@@ -213,11 +230,13 @@ class MlflowTracker:
                 self._start(uri, experiment, settings.run_name or run_dir.name, state)
         except Exception as e:
             raise TrackerError(
-                f"logging.backends: mlflow could not start a run at tracking URI {uri!r} ({setting}), experiment "
-                f"{experiment!r}: {type(e).__name__}: {str(e)[:500]}"
+                redact(
+                    f"logging.backends: mlflow could not start a run at tracking URI {uri!r} ({setting}), experiment "
+                    f"{experiment!r}: {type(e).__name__}: {str(e)[:500]}"
+                )
             ) from None
         self.resumed = state.get("run_id") == self.run_id
-        state.update(tracking_uri=uri, run_id=self.run_id)
+        state.update(tracking_uri=redact_url(uri), run_id=self.run_id)
 
     def _start(self, uri: str, experiment: str, run_name: str, state: dict) -> None:
         """The client, the experiment (made if new) and the run: the one `state` names at this URI, or a new one."""
@@ -226,7 +245,8 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        self.run_id = state.get("run_id") if state.get("tracking_uri") == uri else None
+        # trackers.json keeps the URI without its credentials
+        self.run_id = state.get("run_id") if state.get("tracking_uri") == redact_url(uri) else None
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
         else:
@@ -311,8 +331,10 @@ def check_tracker_packages(settings) -> tuple[str, ...]:
 
 def open_trackers(settings, run_dir: str | os.PathLike, config: dict[str, Any]) -> list:
     """Start the backends of `settings` (a LoggingConfig) and log `config` (the run's RLConfig as a
-    nested dict) to each; their run ids go to RUN_DIR/trackers.json. A backend that cannot start
-    closes those started before it and raises a TrackerError naming it."""
+    nested dict, its secrets redacted here if the caller has not) to each; their run ids go to
+    RUN_DIR/trackers.json. A backend that cannot start closes those started before it and raises a
+    TrackerError naming it."""
+    config = redact_value(config)
     run_dir = Path(run_dir)
     state_path = run_dir / TRACKERS_STATE
     state = json.loads(state_path.read_text()) if state_path.exists() else {}

@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
+from archon.secrets import secret_field
+
 NUMBER = r"-?\d+(?:\.\d+)?"
 MAX_CHOICES = 101
 """The most scores a `choice` structured output lists (the integers of score_range)."""
@@ -40,7 +42,7 @@ RETRIED_STATUSES = (408, 429, 500, 502, 503, 504)
 class RewardServerConfig:
     """A reward term `kind: server`: samples POSTed in batches to a reward server (docs/rewards.md)."""
 
-    url: str = ""
+    url: str = secret_field("", kind="url")
     """http(s) URL the batches are POSTed to."""
     batch_size: int = 32
     """Samples per request."""
@@ -52,7 +54,7 @@ class RewardServerConfig:
     """Wait before the first retry; doubled before each next one."""
     concurrency: int = 4
     """Requests in flight at once."""
-    api_key_env: str = ""
+    api_key_env: str = secret_field("", kind="env")
     """An environment variable holding a token sent as `Authorization: Bearer <token>`; "" for none."""
 
 
@@ -60,7 +62,7 @@ class RewardServerConfig:
 class JudgeConfig:
     """A reward term `kind: judge`: an LLM behind an OpenAI-compatible chat endpoint grades each completion."""
 
-    base_url: str = ""
+    base_url: str = secret_field("", kind="url")
     """The endpoint's base URL, e.g. http://localhost:8000/v1 (requests go to base_url/chat/completions)."""
     model: str = ""
     """The model name the endpoint serves."""
@@ -89,7 +91,7 @@ class JudgeConfig:
     """Wait before the first retry; doubled before each next one."""
     concurrency: int = 8
     """Requests in flight at once."""
-    api_key_env: str = ""
+    api_key_env: str = secret_field("", kind="env")
     """An environment variable holding the endpoint's API key; "" for none."""
 
 

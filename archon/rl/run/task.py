@@ -28,6 +28,7 @@ from archon.rl.run.producer import RolloutProducer, Rollouts
 from archon.rl.run.run_dir import TASKS_DIR
 from archon.rl.run.step_metrics import TaskStep
 from archon.rl.run.versions import AdapterHistory
+from archon.secrets import redact
 from archon.sync.weight_sync import build_weight_sync
 from archon.trainer import NonFiniteError
 
@@ -212,6 +213,7 @@ class Task:
     def stop(self, step: int, reason: str, writes_record: bool) -> None:
         """Stop training the task at RL step `step` (its last checkpoint and adapter stay as they
         were); `writes_record`: this rank writes STOPPED_FILE, which keeps it stopped on resume."""
+        reason = redact(reason)  # an error's message may quote a secret of the config (archon.secrets)
         self.stopped = reason
         if writes_record:
             self.dir.mkdir(parents=True, exist_ok=True)
