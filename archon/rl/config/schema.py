@@ -24,6 +24,7 @@ from archon.rl.problems import Problems
 from archon.rl.rewards import RewardConfig
 from archon.rollout.speculative import SpeculativeConfig
 from archon.rollout.vllm import VLLMConfig
+from archon.secrets import secret_field
 
 
 def warn_renamed(old: str, new: str) -> None:
@@ -254,7 +255,7 @@ class LoggingConfig:
     """wandb's mode; None: WANDB_MODE, else online."""
     wandb_entity: str | None = None
     """The wandb team or user; None: wandb's default."""
-    mlflow_tracking_uri: str | None = None
+    mlflow_tracking_uri: str | None = secret_field(None, kind="url")
     """Where MLflow runs are recorded; None: MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns."""
     mlflow_experiment: str | None = None
     """The MLflow experiment; None: `project`."""
