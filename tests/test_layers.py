@@ -37,6 +37,7 @@ FLOORS = {
     "archon.loss_context": 0,
     "archon.spec": 0,
     "archon.config_coverage": 0,
+    "archon.secrets": 0,
     # 1. weights: LoRA, checkpoints, quantized bases, parallel layouts, the optimizer
     "archon.lora": 1,
     "archon.checkpoint": 1,
