@@ -24,7 +24,7 @@ from archon.rollout.native import NativeRolloutEngine
 from archon.serve import adapters as ckpt
 from archon.serve.adapters import TrainingModel, UserError
 from archon.serve.config import ServeConfig
-from archon.serve.losses import FLOAT_INPUTS, LOSS_INPUTS, datum_loss
+from archon.serve.losses import FLOAT_INPUTS, LOSS_INPUTS, check_config, datum_loss
 from archon.serve.sampling import SampleCall, run_sample
 from archon.serve.scoring import packed_logprobs
 from archon.serve.wire import ForwardBackwardCall, SampledOut, WireTensor
@@ -195,10 +195,14 @@ class Backend:
         if call.loss_fn not in LOSS_INPUTS:
             raise UserError(
                 f"loss_fn {call.loss_fn!r} is not served here; served: {sorted(LOSS_INPUTS)} (a custom loss runs "
-                "in the SDK through forward_backward_custom, which this server serves with its forward pass)"
+                "in the SDK: forward_backward_custom, whose forward and backward passes are cross_entropy)"
             )
         if not call.data:
             raise UserError("forward_backward got no data")
+        try:
+            check_config(call.loss_fn, call.loss_fn_config)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         datums = [self._datum_tensors(i, d.tokens, d.inputs, call.loss_fn) for i, d in enumerate(call.data)]
         config = {k: v for k, v in call.loss_fn_config.items()}
         trained.model.train()

@@ -9,12 +9,14 @@ sampling policy (`logprobs`), ratio = p_theta / q per token and A the `advantage
     importance_sampling  sum_t -ratio_t * A_t
     ppo                  sum_t -min(ratio_t * A_t, clip(ratio_t, lo, hi) * A_t)
     cispo                sum_t -sg(clip(ratio_t, lo, hi)) * log p_theta(x_t) * A_t
+    dro                  sum_t -(log p_theta(x_t) * A_t - beta / 2 * (log p_theta(x_t) - log q(x_t))^2)
     gspo                 ppo's objective with every token's ratio replaced by the sequence ratio
                          s = exp(mean_{t in M} log ratio_t) (M: `sequence_ratio_mask`), which each
                          token carries with its own log-prob's gradient: s_t = sg(s) * p_t / sg(p_t)
 
 `clip_low_threshold` (lo, default 0.8) and `clip_high_threshold` (hi, default 1.2) come from the
-request's `loss_fn_config`.
+request's `loss_fn_config`, as does dro's `beta` (required). `stable_reinforce` is not served: it
+needs stability records taken at sampling time, whose use the API does not document.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
     "ppo": (("target_tokens", "logprobs", "advantages"), ()),
     "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+    "dro": (("target_tokens", "logprobs", "advantages"), ()),
     "gspo": (("target_tokens", "logprobs", "advantages"), ("sequence_ratio_mask",)),
 }
 """Each served loss's (required, optional) loss_fn_inputs."""
@@ -41,6 +44,7 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "importance_sampling": (),
     "ppo": ("clip_low_threshold", "clip_high_threshold"),
     "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
     "gspo": ("clip_low_threshold", "clip_high_threshold"),
 }
 """The loss_fn_config keys each loss reads."""
@@ -87,6 +91,13 @@ def cispo(
     return -(coefficient * target_logprobs * advantages).sum()
 
 
+def dro(
+    target_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor, beta: float
+) -> torch.Tensor:
+    penalty = (target_logprobs - sampling_logprobs) ** 2
+    return -(target_logprobs * advantages - 0.5 * beta * penalty).sum()
+
+
 def gspo(
     target_logprobs: torch.Tensor,
     sampling_logprobs: torch.Tensor,
@@ -106,6 +117,21 @@ def gspo(
     return _clipped_objective(ratio, advantages, clip_low_threshold, clip_high_threshold)
 
 
+def check_config(loss_fn: str, config: dict) -> None:
+    """Refuse loss_fn_config keys the loss does not read, and a dro without its beta."""
+    unknown = sorted(set(config) - set(CONFIG_KEYS[loss_fn]))
+    if unknown:
+        raise ValueError(
+            f"loss_fn_config has {unknown}, which loss_fn {loss_fn!r} does not read "
+            f"(it reads {list(CONFIG_KEYS[loss_fn])})"
+        )
+    for key, value in config.items():
+        if isinstance(value, str):
+            raise ValueError(f"loss_fn_config[{key!r}] must be a number, got {value!r}")
+    if loss_fn == "dro" and "beta" not in config:
+        raise ValueError("loss_fn 'dro' needs loss_fn_config['beta'] (the weight of its quadratic penalty)")
+
+
 def datum_loss(
     loss_fn: str, target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> torch.Tensor:
@@ -115,6 +141,8 @@ def datum_loss(
     sampling, advantages = inputs["logprobs"], inputs["advantages"]
     if loss_fn == "importance_sampling":
         return importance_sampling(target_logprobs, sampling, advantages)
+    if loss_fn == "dro":
+        return dro(target_logprobs, sampling, advantages, float(config["beta"]))
     clip = {
         "clip_low_threshold": float(config.get("clip_low_threshold", DEFAULT_CLIP_LOW)),
         "clip_high_threshold": float(config.get("clip_high_threshold", DEFAULT_CLIP_HIGH)),
