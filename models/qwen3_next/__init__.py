@@ -1,1 +1,1 @@
-from archon.models.qwen3_next import spec  # noqa: F401  (registers the family)
+from archon.models.qwen3_next import renderer, spec  # noqa: F401  (registers the family and its renderer)

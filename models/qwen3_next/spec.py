@@ -57,8 +57,9 @@ spec = register(
         # Merged, as every MoE family: vLLM's MoE LoRA takes no stacked expert adapters.
         vllm_modes={"qwen3_next": "merged"},
         tiny_hf_config={"qwen3_next": dict(_TINY_CONFIG)},
-        # Qwen3-Next's chat template is Qwen3's (ChatML, JSON tool calls in <tool_call>).
-        renderers={"qwen3_next": "qwen3"},
+        # The Instruct and Thinking checkpoints share the model_type; Thinking's renderer
+        # (qwen3_next_thinking) is chosen by name.
+        renderers={"qwen3_next": "qwen3_next_instruct"},
         inert_hf_config_fields={
             "partial_rotary_factor": (
                 "the config class copies it into rope_parameters, where HF's modeling code and archon read it"
