@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,11 +133,13 @@ def checkpoint_dir(root: Path, path: str) -> Path:
 
 
 def save_checkpoint(
-    root: Path, trained: TrainingModel, kind: str, name: str, base_name: str, with_optimizer: bool
+    root: Path, trained: TrainingModel, kind: str, name: str, base_name: str, with_optimizer: bool, overwrite: bool
 ) -> str:
     """Write the adapter (and with_optimizer, its AdamW state) atomically; returns its tinker:// path."""
     path = tinker_path(trained.model_id, kind, checkpoint_name(name))
     directory = root / trained.model_id / kind / name
+    if directory.exists() and not overwrite:
+        raise UserError(f"checkpoint {path!r} exists already; save with overwrite=True to replace it")
     with atomic_directory(directory) as tmp:
         save_peft_adapter(trained.model, trained.loaded.converter, trained.lora, tmp / "adapter", base_name)
         if with_optimizer:
@@ -151,6 +154,16 @@ def save_checkpoint(
             {"tinker_path": path, "model_id": trained.model_id, "base_model": base_name, "steps": trained.steps},
         )
     return path
+
+
+def export_peft(root: Path, path: str, out_dir: Path) -> Path:
+    """Copy the PEFT adapter of the checkpoint at `path` (a tinker:// path) to `out_dir`, atomically:
+    a directory `peft.PeftModel.from_pretrained(base, out_dir)` loads."""
+    source = checkpoint_dir(root, path) / "adapter"
+    with atomic_directory(out_dir) as tmp:
+        for file in source.iterdir():
+            shutil.copy2(file, tmp / file.name)
+    return Path(out_dir)
 
 
 def checkpoint_lora(directory: Path) -> LoRAConfig:

@@ -247,11 +247,12 @@ class Backend:
         return {"metrics": {"grad_norm:mean": float(norm)}}
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def save(self, model_id: str, name: str | None, kind: str) -> str:
+    def save(self, model_id: str, name: str | None, kind: str, overwrite: bool) -> str:
+        """kind "weights" (save_state: adapter and optimizer) or "sampler_weights" (the adapter)."""
         trained = self.model(model_id)
         name = name or f"step-{trained.steps:06d}-{uuid.uuid4().hex[:6]}"
         return ckpt.save_checkpoint(
-            self.checkpoint_root, trained, kind, name, self.config.base_model, with_optimizer=kind == "weights"
+            self.checkpoint_root, trained, kind, name, self.config.base_model, kind == "weights", overwrite
         )
 
     def load(self, model_id: str | None, path: str, optimizer: bool, session_id: str | None, model_seq_id) -> str:

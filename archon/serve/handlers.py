@@ -154,7 +154,10 @@ def save_weights(server, path, body, content_type) -> dict:
     request = types.SaveWeightsRequest.model_validate(_json(body))
 
     def work() -> dict:
-        return {"type": "save_weights", "path": server.backend.save(request.model_id, request.path, "weights")}
+        return {
+            "type": "save_weights",
+            "path": server.backend.save(request.model_id, request.path, "weights", request.overwrite),
+        }
 
     return _future(server, work, request.model_id)
 
@@ -167,7 +170,7 @@ def save_weights_for_sampler(server, path, body, content_type) -> dict:
         if request.path is not None:
             return {
                 "type": "save_weights_for_sampler",
-                "path": backend.save(request.model_id, request.path, "sampler_weights"),
+                "path": backend.save(request.model_id, request.path, "sampler_weights", True),
             }
         session_id = backend.model(request.model_id).session_id
         sampler_id = backend.sampler_from_model(request.model_id, session_id)
