@@ -33,19 +33,15 @@ def trainer(qwen3_path):
 
 
 def _versions(model) -> dict[int, dict[str, torch.Tensor]]:
-    """Adapter versions 0, 1, 2. 1 and 2 change only the last layer's MLP factors: every cached key,
-    value and prefix is then the same under each version, so the trainer's full forward under a
-    token's version is exactly what the engine computed for it, though the engine does not compute
-    the prefix again after an update."""
+    """Adapter versions 0, 1, 2, each drawn afresh for every LoRA factor of every layer: after an
+    update every cached key, value and prefix differs under the new version, so a token's log-prob
+    equals the trainer's full forward under its version only if the engine computed the context
+    again under it."""
     params = lora_parameters(model)
-    last = len(model.layers) - 1
-    changing = [n for n in params if n.startswith(f"layers.{last}.") and ".mlp." in n]
-    assert changing, sorted(params)
-    versions = {0: {n: p.detach().clone() for n, p in params.items()}}
-    randomise_lora(versions[0], 0.5, torch.Generator().manual_seed(0), lora_b_scale=0.3)
-    for version in (1, 2):
-        factors = {n: t.clone() for n, t in versions[version - 1].items()}
-        randomise_lora({n: factors[n] for n in changing}, 0.5, torch.Generator().manual_seed(version), lora_b_scale=0.3)
+    versions = {}
+    for version in (0, 1, 2):
+        factors = {n: p.detach().clone() for n, p in params.items()}
+        randomise_lora(factors, 0.5, torch.Generator().manual_seed(version), lora_b_scale=0.3)
         versions[version] = factors
     return versions
 

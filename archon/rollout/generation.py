@@ -203,7 +203,7 @@ class Generation(PrefillSteps, DecodeSteps):
             if not more:  # every rank is done
                 break
             if admitted:
-                self._take_update()
+                self._take_update(fresh_slots=admitted, fresh_rows=[row for row, _, _ in starts])
                 self._prefill(admitted, chunks)
             for _ in range(prefill_forwards - len(chunks)):
                 self._idle_forward()
@@ -217,14 +217,58 @@ class Generation(PrefillSteps, DecodeSteps):
                     self._idle_forward()
         return [s for i in range(len(self.groups)) for s in self.samples[i]]
 
-    def _take_update(self) -> None:
-        """At a step boundary: apply an adapter update published meanwhile (update_adapter)."""
+    def _take_update(self, fresh_slots: list[int] = (), fresh_rows: list[int] = ()) -> None:
+        """At a step boundary: apply an adapter update published meanwhile (update_adapter), then
+        compute the cached context again under it. `fresh_slots` / `fresh_rows`: admitted or
+        assigned this round, not yet prefilled or started (nothing cached to recompute)."""
         if not self.updates_in_flight:
             return
         version = self.engine._apply_pending_update()
         if version is not None:
             self.version = version
             self.version_now.fill_(version)
+            self._recompute_context(fresh_slots, fresh_rows)
+
+    def _recompute_context(self, fresh_slots, fresh_rows) -> None:
+        """What the cache holds was computed by the previous adapter. Prefill every prompt in a slot
+        again (its samples not yet started then draw their first token from the new version's
+        logits), and feed every started sample's tokens so far again, one position per forward, each
+        row from its slot's new state: the next tokens are then drawn from the new version's full
+        forward over the whole context, which the trainer reproduces. Costs one prefill of the
+        prompts and as many one-token-per-row forwards as the longest sample has tokens."""
+        slots = [slot for slot, group in enumerate(self.slot_group) if group is not None and slot not in fresh_slots]
+        if not slots:
+            return
+        self._prefill(slots, self._prefill_chunks(slots))
+        rows = [row for row, sample in enumerate(self.row_sample) if sample is not None and row not in fresh_rows]
+        if not rows:
+            return
+        dev = self.device
+        self.cache.start_rows(rows, [self.row_sample[r][0] for r in rows], [self.row_sample[r][1] for r in rows])
+        R = max(rows) + 1
+        S = max(self.row_sample[r][0] for r in rows) + 1
+        prefix_span = max(len(self.groups[self.slot_group[self.row_sample[r][0]]].prompt) for r in rows)
+        cached = torch.zeros(R, dtype=torch.long, device=dev)  # tokens through the model: all but the last
+        rows_t = torch.tensor(rows, device=dev)
+        cached[rows_t] = (self.ngen[rows_t] - 1).clamp(min=0)
+        last_cached = (cached - 1).clamp(min=0)
+        for j in range(int(cached.max())):
+            position = last_cached.clamp(max=j)  # a row past its tokens writes its last one again
+            live = j < cached  # the others keep their recurrent state
+            self.cache.begin_decode(R, S, position, self.prompt_lens[:R], prefix_span, j + 1, live_rows=live)
+            self._forward(
+                self.row_adapter[:R] if self.multi_task else None,
+                self.tokens[:R].gather(1, position[:, None])[:, 0],
+                self.prompt_lens[:R] + position,
+                torch.arange(R + 1, device=dev),
+                1,
+                cache=self.cache,
+                logits_rows=torch.zeros(0, dtype=torch.long, device=dev),
+            )
+            if self.moe:  # the routing of the tokens fed again, under the new version
+                chosen, all_rows = take_recorded(self.moe).to(torch.int16), torch.arange(R, device=dev)
+                kept = self.completion_experts[all_rows, position]
+                self.completion_experts[all_rows, position] = torch.where(live[:, None, None], chosen, kept)
 
     def _admit(self, slot: int, group_index: int) -> None:
         group = self.groups[group_index]

@@ -8,13 +8,13 @@ Updates during a generation (the update policy 'continue', partial rollouts): `u
 factors)` from another thread while `generate` runs is applied by the generation loop at its next
 step boundary (before a prefill forward or a decode step): the LoRA factors are copied into the
 model in place, and every token sampled after that carries the new version in its sample's
-`token_versions`, with the log-prob of the distribution it was drawn from. What is cached stays as
-it was computed: prompt prefixes, keys/values and recurrent states of the tokens before the update
-are not computed again under the new adapter, so a token after the update is drawn from the new
-adapter on top of a context the old one encoded (the per-token versions and the decoupled loss
-account for that). A sample that starts from a prompt prefilled before the update draws its first
-token from the prompt's logits as prefilled, under the version of the prefill. With a sync group
-(FSDP/TP ranks in lockstep) the update waits for the end of the generation.
+`token_versions`, with the log-prob of the distribution it was drawn from. The cached context is
+then computed again under the new adapter (archon/rollout/generation.py): every prompt in a slot is
+prefilled again, and every started sample's tokens so far are fed again, so that each token after
+the update is drawn from the new version's full forward over its whole context, as the trainer
+scores it. A sample that starts from a prompt prefilled before the update draws its first token
+from the prompt's logits as prefilled again, under the new version. With a sync group (FSDP/TP
+ranks in lockstep) the update waits for the end of the generation.
 
 How it generates (archon/rollout/kv_cache.py holds the cache):
 - Group-shared prefixes. The prompt of a group of `n` samples is prefilled once into a prefix slot
