@@ -362,7 +362,7 @@ def test_minimax_m2_prompt_by_hand():
         '<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1</parameter>\n'
         '<parameter name="param-key-2">param-value-2</parameter>\n...\n</invoke>\n</minimax:tool_call>[e~[\n'
         "]~b]user\nQ[e~[\n"
-        ']~b]ai\n<minimax:tool_call>\n<invoke name="f">\n<parameter name="x">é</parameter>\n'
+        ']~b]ai\n\n<minimax:tool_call>\n<invoke name="f">\n<parameter name="x">é</parameter>\n'
         '<parameter name="n">[1]</parameter>\n</invoke>\n</minimax:tool_call>[e~[\n'
         "]~b]tool\n<response>1</response>\n<response>2</response>[e~[\n"
         "]~b]ai\nA[e~[\n]~b]user\nQ2[e~[\n]~b]ai\n<think>\n"
@@ -440,7 +440,7 @@ def minimax_parse(text, tools=TOOLS):
 
 def test_minimax_m2_parse_turn_types_values_by_the_offered_schemas():
     turn = minimax_parse(
-        "plan\n</think>\n\nOK<minimax:tool_call>\n"
+        "plan\n</think>\n\nOK\n<minimax:tool_call>\n"
         '<invoke name="search">\n<parameter name="query">3.14</parameter>\n<parameter name="limit">-7</parameter>\n'
         '</invoke>\n<invoke name="other">\n<parameter name="x">[1, "a"]</parameter>\n'
         '<parameter name="y">a\nb</parameter>\n'

@@ -13,7 +13,8 @@
     REASONING
     </think>
 
-    CONTENT<minimax:tool_call>
+    CONTENT
+    <minimax:tool_call>
     <invoke name="NAME">
     <parameter name="KEY">VALUE</parameter>
     </invoke>
@@ -25,12 +26,13 @@
     <think>
 
 The system turn is always written (the system message, else "You are a helpful assistant."), the
-tools after a blank line. A call's value is written as its text when it is a string and as JSON
-otherwise, so parse_turn reads each value by its parameter's schema in the tools last offered to
-render_prompt (chat_format.typed_argument). Consecutive tool results share one `]~b]tool` turn. A
-turn ends with `[e~[`, after which the template writes "\\n". The generation prompt opens the
-reasoning (`]~b]ai\\n<think>\\n`), so the model samples `REASONING\\n</think>\\n\\nCONTENT...`. No
-options: the template has no thinking switch.
+tools after a blank line. The calls follow the content after a newline; a call's value is written
+as its text when it is a string and as JSON otherwise, so parse_turn reads each value by its
+parameter's schema in the tools last offered to render_prompt (chat_format.typed_argument).
+Consecutive tool results share one `]~b]tool` turn. A turn ends with `[e~[`, after which the
+template writes "\\n". The generation prompt opens the reasoning (`]~b]ai\\n<think>\\n`), so the
+model samples `REASONING\\n</think>\\n\\nCONTENT...`. No options: the template has no thinking
+switch.
 
 Where the template is not prefix-preserving:
 - it writes a turn's reasoning only while no user message follows the turn: once one does, every
@@ -161,7 +163,7 @@ class MinimaxM2Renderer(Renderer):
         text += content
         calls = message_tool_calls(message, index)
         if calls:
-            text += CALLS_OPEN + "\n" + "".join(_invoke(call) for call in calls) + CALLS_CLOSE
+            text += f"\n{CALLS_OPEN}\n" + "".join(_invoke(call) for call in calls) + CALLS_CLOSE
         return text + f"{END}\n"
 
     # ---- reading a turn back ------------------------------------------------------------------------
@@ -176,6 +178,7 @@ class MinimaxM2Renderer(Renderer):
         content, opened, section = text.partition(CALLS_OPEN)
         if not opened:
             return AssistantTurn(content=content, reasoning=reasoning)
+        content = content.removesuffix("\n")  # the template writes a newline before the calls
         calls, errors = self._parse_calls(section)
         return AssistantTurn(content=content, reasoning=reasoning, tool_calls=calls, parse_error=errors or None)
 
