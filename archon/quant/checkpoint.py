@@ -10,9 +10,60 @@ import math
 import torch
 
 from archon.checkpoint.hf import HFCheckpoint, _combine_is_stack_of_cat, copy_local_into, local_region
-from archon.quant.formats import QuantFormat, dequantize, fp8_rows_from_checkpoint
+from archon.quant.formats import FP4_VALUES, FP8_MAX, QuantFormat, dequantize, fp8_rows_from_checkpoint
 
 _FP8_DTYPE = "F8_E4M3"
+
+MAX_DEQUANTIZED_WEIGHT = 65504.0
+"""The largest weight magnitude a checkpoint's scales may let its format reach: float16's largest
+finite value. The weights of trained LLMs are orders of magnitude below it (their fp16 releases hold
+them), so a scale that takes the format's largest value past it is a damaged scale (a flipped
+exponent bit, bytes of another dtype), not a model; 1e30 is refused, 0.1 is far inside."""
+MXFP4_MAX_EXPONENT = 127 + math.floor(math.log2(MAX_DEQUANTIZED_WEIGHT / FP4_VALUES[7]))
+"""The largest e8m0 scale byte of an mxfp4 block under MAX_DEQUANTIZED_WEIGHT (6 x 2^13 = 49152)."""
+E8M0_NAN = 255
+
+
+def scale_problem(fmt: QuantFormat, scale: torch.Tensor) -> str | None:
+    """What is wrong with the whole scale tensor `scale` of one weight as a checkpoint stores it
+    (fp8: float scales; mxfp4: uint8 e8m0 exponents), or None: a NaN or infinite scale, a negative
+    one, every scale zero (a weight of zeros), or one past MAX_DEQUANTIZED_WEIGHT."""
+    if fmt.method == "mxfp4":
+        if scale.dtype != torch.uint8:
+            return None  # refused with the storage's dtype check
+        exponents = scale.to(torch.int32)
+        if bool((exponents == E8M0_NAN).any()):
+            return f"holds {E8M0_NAN} (NaN in e8m0) at index {_first(exponents == E8M0_NAN)}"
+        if bool((exponents == 0).all()):
+            return "is all zero bytes (2^-127: every weight zero)"
+        if int(exponents.max()) > MXFP4_MAX_EXPONENT:
+            at = _first(exponents > MXFP4_MAX_EXPONENT)
+            return (
+                f"holds exponent {int(exponents.max())} (at index {at}), past {MXFP4_MAX_EXPONENT}: weights up to "
+                f"6 x 2^{int(exponents.max()) - 127}, beyond {MAX_DEQUANTIZED_WEIGHT:g}"
+            )
+        return None
+    values = scale.to(torch.float64)
+    if not bool(torch.isfinite(values).all()):
+        at = _first(~torch.isfinite(values))
+        return f"holds {values[tuple(at)].item()} at index {at}; scales must be finite"
+    if bool((values < 0).any()):
+        at = _first(values < 0)
+        return f"holds {values[tuple(at)].item():g} at index {at}; scales must not be negative"
+    if bool((values == 0).all()):
+        return "is all zero (every weight zero)"
+    largest = MAX_DEQUANTIZED_WEIGHT / FP8_MAX
+    if values.max().item() > largest:
+        at = _first(values > largest)
+        return (
+            f"holds {values.max().item():g} at index {at}, past {largest:.4g}: weights up to "
+            f"{FP8_MAX:g} x that, beyond {MAX_DEQUANTIZED_WEIGHT:g}"
+        )
+    return None
+
+
+def _first(mask: torch.Tensor) -> list[int]:
+    return torch.nonzero(mask)[0].tolist() if mask.dim() else []
 
 
 class QuantizedCheckpoint:
@@ -56,6 +107,19 @@ class QuantizedCheckpoint:
             if key.endswith("." + suffix) and key.removesuffix(suffix) + "weight" in self.quantized
         }
         self._plain = stored - {k for pair in self.quantized.values() for k in pair} - activation_scales
+        self._check_scales()
+
+    def _check_scales(self) -> None:
+        """Every weight's scales finite, not negative, not all zero and not absurdly large
+        (archon.quant.formats.scale_problem), read in full when the checkpoint is opened: a damaged
+        scale would otherwise build a model that trains on garbage or fails steps later."""
+        for _, scale_key in self.quantized.values():
+            problem = scale_problem(self.fmt, self.checkpoint.get(scale_key))
+            if problem is not None:
+                raise ValueError(
+                    f"checkpoint {str(self.path)!r}: scale {scale_key!r} in "
+                    f"{self.checkpoint.file_of(scale_key).name!r} {problem}; the checkpoint is damaged"
+                )
 
     def _stored_dtype(self, key: str) -> str:
         return self.checkpoint._handle(key).get_slice(key).get_dtype()

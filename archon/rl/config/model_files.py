@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from archon.checkpoint.hf import check_model_dir, read_json_file
+from archon.quant.formats import quant_format_from_config
 from archon.rl.config.demo import demo_environment_problems, reasoning_gym_demo_problems
 from archon.rl.config.schema import RLConfig, TaskConfig, TaskFields, tasks_and_fields
 from archon.rl.data import data_path_problem
@@ -51,6 +52,11 @@ def model_problems(config: RLConfig) -> list[str]:
     if config.model.tokenizer and not Path(config.model.tokenizer).is_dir():
         problems.append(f"tokenizer directory '{config.model.tokenizer}' (from model.tokenizer) does not exist")
     student = read_model_config(config.model.path, "model.path")
+    if student is not None:  # before transformers reads it: a quantization_config it cannot read fails there unnamed
+        try:
+            quant_format_from_config(student.get("quantization_config"), str(Path(config.model.path) / "config.json"))
+        except ValueError as e:
+            problems.append(f"model.path: {e}")
     context = max_position_embeddings(student) if student else None
     if isinstance(context, int):
         for name, value in (
