@@ -23,7 +23,7 @@ from tests.test_renderers_qwen_llama import qwen3_tokenizer
 
 def two_request_agent(base_url: str, row: dict) -> float:
     """Asks, then asks again with the model's answer in the conversation; rewards a longer second reply."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=base_url, max_retries=0)  # the endpoint's token: OPENAI_API_KEY
     messages = [{"role": "user", "content": row["prompt"]}]
     first = client.chat.completions.create(model="archon", messages=messages)
     messages += [

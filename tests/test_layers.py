@@ -63,6 +63,7 @@ FLOORS = {
     "archon.agents.sandbox_init": 7,
     "archon.agents.setup": 7,
     "archon.agents.openai_server": 7,
+    "archon.agents.openai_engine": 7,
     "archon.agents.openai_agents": 7,
     # 8. the RL run
     "archon.rl": 8,

@@ -17,7 +17,7 @@ import torch
 
 from archon.agents.environment import StopReason
 from archon.agents.openai_agents import run_agent_group
-from archon.agents.openai_server import ChatCompletionsServer
+from archon.agents.openai_server import RUN_API_KEY, ChatCompletionsServer
 from archon.agents.renderer import AssistantTurn, Renderer, ToolCall
 from archon.build import build_model
 from archon.rl.tasks import build_char_tokenizer
@@ -159,7 +159,8 @@ def assert_sampled_logprobs_match_the_model(model, trajectory) -> None:
 
 
 def client_for(base_url: str):
-    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    """A client of the servers here, which require this process's token (their default)."""
+    return openai.OpenAI(base_url=base_url, api_key=RUN_API_KEY, max_retries=0, timeout=60)
 
 
 def reserialised(message) -> dict:
@@ -341,7 +342,8 @@ def test_the_session_budget_cuts_then_refuses(random_model, tokenizer):
 
 
 def post(url: str, data: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {RUN_API_KEY}"}
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())

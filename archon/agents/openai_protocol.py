@@ -1,6 +1,6 @@
 """The OpenAI chat-completions protocol in the renderer's terms: a request body checked and its
 messages converted to the form chat templates take (`parse_request`, `ChatRequest`), the error a
-refused request gets (`OpenAIError`), a sampled turn as an OpenAI assistant message
+refused request gets (`OpenAIError`), a body decoded with its nesting bounded (`decode_body`), a sampled turn as an OpenAI assistant message
 (`assistant_message`) and back (`template_form`), and what two messages must share to be the same
 turn of a conversation (`canonical`). The endpoint that serves it is archon.agents.openai_server.
 """
@@ -24,14 +24,54 @@ UNSUPPORTED_WHEN_SET = {
 
 
 class OpenAIError(Exception):
-    """A request the endpoint refuses: an HTTP status and an OpenAI-style error body."""
+    """A request the endpoint refuses: an HTTP status, an OpenAI-style error body, and the headers
+    the answer carries besides (e.g. Retry-After)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code, self.headers = code, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def json_depth(value, limit: int) -> int:
+    """How deep parsed JSON nests (each array and object is a level), counted up to limit + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def decode_body(raw: bytes, max_depth: int):
+    """A request body parsed as JSON, refused (400) when it is not JSON or nests deeper than
+    `max_depth` (the request's checks and copies recurse into it)."""
+    too_deep = OpenAIError(
+        400, f"the request body nests arrays and objects more than max_json_depth={max_depth} levels deep"
+    )
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # the decoder's own bound (the interpreter's recursion limit)
+        raise too_deep from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON ({e})") from None
+    if json_depth(body, max_depth) > max_depth:
+        raise too_deep
+    return body
 
 
 @dataclass
@@ -147,7 +187,7 @@ def parse_request(body) -> ChatRequest:
         if body.get(name, unused) not in (unused, None):
             raise OpenAIError(400, f"'{name}' is not supported by this endpoint (got {body[name]!r})", name)
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise OpenAIError(400, f"'n' must be 1: one choice per request, got {n!r}", "n")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -6,7 +6,7 @@ sampled:
 
     with ChatCompletionsServer(engine, renderer, "policy", SamplingParams(max_new_tokens=256)) as server:
         session = server.open_session()
-        client = openai.OpenAI(base_url=session.base_url, api_key="unused")
+        client = openai.OpenAI(base_url=session.base_url, api_key=server.api_key)
         ... the agent calls client.chat.completions.create(model="policy", messages=..., tools=...) ...
         trajectory = server.close_session(session.id)
 
@@ -18,28 +18,34 @@ re-tokenized. Any other request renders the conversation from scratch: the sessi
 `rerendered`, says why in `warnings`, and its trajectory starts again from that render.
 
 Requests of all sessions that arrive together (within `batch_window_s`, at most `max_batch`) and
-sample alike go to the engine in one `generate` call, made from one thread; an engine whose
-`generate` takes `sessions=` keeps each session's KV cache between its turns.
+sample alike go to the engine in one `generate` call, made from one thread
+(archon.agents.openai_engine); an engine whose `generate` takes `sessions=` keeps each session's
+KV cache between its turns.
 
-Requests are checked and messages converted by archon.agents.openai_protocol; the HTTP routes are
-archon.agents.openai_http.
+Every request carries the run's token (`Authorization: Bearer <api_key>`; run_agent_group hands it
+to agent code as OPENAI_API_KEY) and is bounded: its body (`max_body_bytes`, `max_json_depth`), its
+conversation and max_tokens (the model's context, `max_context_tokens`, and the session's budget),
+the requests waiting for the engine (`max_queued_requests`: past them, 503 with Retry-After) and
+the connections served at once (`max_connections`: past them, a connection waits to be accepted).
+
+Requests are checked and messages converted by archon.agents.openai_protocol; the HTTP server and
+routes are archon.agents.openai_http.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import copy
-import http.server
-import inspect
 import logging
-import queue
 import re
+import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from archon.agents.openai_http import ROUTE, handler_class  # noqa: F401 - ROUTE: at its old path for one release
+from archon.agents.openai_engine import EngineThread, Pending, engine_context
+from archon.agents.openai_http import ROUTE, HTTPServer, handler_class  # noqa: F401 - ROUTE: at its old path
 from archon.agents.openai_protocol import (  # noqa: F401 - ROLES, UNSUPPORTED_WHEN_SET: at their old path
     ROLES,
     UNSUPPORTED_WHEN_SET,
@@ -57,97 +63,14 @@ from archon.rollout.base import Sample, SamplingParams
 logger = logging.getLogger(__name__)
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-
-
-# ---- the engine's thread ------------------------------------------------------------------------
-
-
-@dataclass
-class _Pending:
-    """One request's share of an engine call."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    engine_session: str | None
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    cancelled: threading.Event | None = None
-    """Set when the request's session closed before its call: it is dropped."""
-
-
-class _EngineThread:
-    """Calls the engine from one thread: requests that arrive within `window_s` of the first (at most
-    `max_batch`), grouped by sampling parameters, one `generate` call per group; then the engine
-    sessions that ended."""
-
-    def __init__(self, engine, window_s: float, max_batch: int) -> None:
-        self.engine, self.window_s, self.max_batch = engine, window_s, max_batch
-        self.uses_sessions = "sessions" in inspect.signature(engine.generate).parameters
-        self.generate_calls = 0
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="chat-completions-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, pending: _Pending) -> Sample:
-        self._queue.put(pending)
-        return pending.future.result()
-
-    def end_session(self, key: str) -> None:
-        if self.uses_sessions and hasattr(self.engine, "end_sessions"):
-            self._queue.put(("end", key))
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        while not self._queue.empty():  # requests that came after the close
-            item = self._queue.get()
-            if isinstance(item, _Pending):
-                item.future.set_exception(OpenAIError(503, "the server is closing", kind="server_error"))
-
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            items, deadline, closing = [first], time.monotonic() + self.window_s, False
-            while sum(isinstance(item, _Pending) for item in items) < self.max_batch:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    closing = True
-                    break
-                items.append(item)
-            self._serve(items)
-            if closing:
-                return
-
-    def _serve(self, items: list) -> None:
-        groups: dict[tuple, list[_Pending]] = {}
-        for item in items:
-            if isinstance(item, _Pending):
-                if item.cancelled is not None and item.cancelled.is_set():
-                    item.future.set_exception(OpenAIError(400, "the session was closed", "session_id"))
-                    continue
-                groups.setdefault(tuple(vars(item.sampling).items()), []).append(item)
-        for group in groups.values():
-            sampling = group[0].sampling
-            try:
-                kwargs = {"sessions": [p.engine_session for p in group]} if self.uses_sessions else {}
-                self.generate_calls += 1
-                samples = self.engine.generate([p.prompt_ids for p in group], sampling, **kwargs)
-            except Exception as e:  # handed to each request of the call
-                for p in group:
-                    p.future.set_exception(e)
-                continue
-            for p, sample in zip(group, samples, strict=True):
-                p.future.set_result(sample)
-        ended = [item[1] for item in items if isinstance(item, tuple)]
-        if ended:
-            try:
-                self.engine.end_sessions(ended)
-            except Exception:
-                logger.exception("the engine failed to end sessions %s", ended)
+RUN_API_KEY = secrets.token_urlsafe(32)
+"""The token this process's endpoints require unless given another: one per run (per process)."""
+BODY_BYTES_PER_TOKEN = 32
+"""The default max_body_bytes: this many bytes of request per token of the context (a message's
+JSON takes a few bytes per token; the bound keeps the tokenizer's work and memory in proportion)."""
+MIN_BODY_BYTES, MAX_BODY_BYTES, UNKNOWN_CONTEXT_BODY_BYTES = 2**16, 8 * 2**20, 4 * 2**20
+RETRY_AFTER_S = 1
+"""What a request refused for a full queue is told to wait (the Retry-After header)."""
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -228,7 +151,7 @@ class Session:
                 bridged = closing + server.renderer.bridge(sampled + closing, new_messages)
                 context = trajectory.trajectory_ids + bridged
             sampling, cut = server._sampling(request, len(context))
-            sample = server._engine.submit(_Pending(context, sampling, self.engine_session, cancelled=self.closed))
+            sample = server._engine.submit(Pending(context, sampling, self.engine_session, cancelled=self.closed))
             turn = server.renderer.parse_turn(sample.completion_ids)
             with self.record_lock:
                 if self.closed.is_set():
@@ -279,7 +202,19 @@ class ChatCompletionsServer:
     trajectory may hold (prompt, sampled and bridged); a request is cut to what is left (its
     finish_reason "length"), and the session's later requests are refused.
     batch_window_s, max_batch: how long the engine's thread waits for more requests after the
-    first, and the most requests it takes into one generate call."""
+    first, and the most requests it takes into one generate call.
+    api_key: the token every request must carry (`Authorization: Bearer <api_key>`; else 401);
+    default: RUN_API_KEY, this process's.
+    max_context_tokens: the most tokens a turn's prompt and sampled ids may take together; a request
+    whose conversation or max_tokens does not fit is refused (400), a default turn length is cut to
+    fit. Default: the engine's (`engine_context`); None there too: unbounded.
+    max_body_bytes: the largest body read (413 past it); default BODY_BYTES_PER_TOKEN per token of
+    the context, within [MIN_BODY_BYTES, MAX_BODY_BYTES] (UNKNOWN_CONTEXT_BODY_BYTES without one).
+    max_json_depth: how deep a body's arrays and objects may nest (400 past it).
+    max_queued_requests: chat requests taken at once (waiting for or in the engine); one more gets
+    503 with Retry-After (an openai client retries it).
+    max_connections: connections served at once; one more waits in the listen backlog.
+    idle_timeout_s: how long a connection may wait for the client's next bytes (408 mid-body)."""
 
     def __init__(
         self,
@@ -292,6 +227,13 @@ class ChatCompletionsServer:
         max_session_tokens: int | None = None,
         batch_window_s: float = 0.005,
         max_batch: int = 64,
+        api_key: str | None = None,
+        max_context_tokens: int | None = None,
+        max_body_bytes: int | None = None,
+        max_json_depth: int = 64,
+        max_queued_requests: int = 1024,
+        max_connections: int = 1024,
+        idle_timeout_s: float = 60.0,
     ) -> None:
         if default_sampling.n != 1:
             raise ValueError(f"default_sampling.n must be 1 (one choice per request), got {default_sampling.n}")
@@ -304,21 +246,50 @@ class ChatCompletionsServer:
         self.max_session_tokens = max_session_tokens
         self.host, self.port = host, port
         self.batch_window_s, self.max_batch = batch_window_s, max_batch
+        if api_key is not None and (len(api_key) < 16 or not api_key.isascii() or not api_key.isprintable()):
+            raise ValueError("api_key must be at least 16 printable ASCII characters")
+        self.api_key = api_key if api_key is not None else RUN_API_KEY
+        self.max_context_tokens = max_context_tokens if max_context_tokens is not None else engine_context(engine)
+        self.max_body_bytes = max_body_bytes if max_body_bytes is not None else self._default_body_bytes()
+        self.max_json_depth, self.max_queued_requests = max_json_depth, max_queued_requests
+        self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
+        for name in (
+            "max_context_tokens",
+            "max_body_bytes",
+            "max_json_depth",
+            "max_queued_requests",
+            "max_connections",
+            "idle_timeout_s",
+        ):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self._sessions: dict[str, Session] = {}
         self._closed_sessions: dict[str, str] = {}
         """Why each closed session closed, so that its late requests are told."""
         self._lock = threading.Lock()
         self._request_count = 0
-        self._http: http.server.ThreadingHTTPServer | None = None
-        self._engine: _EngineThread | None = None
+        self.queued_requests = 0
+        """Chat requests taken and not yet answered."""
+        self._http: HTTPServer | None = None
+        self._engine: EngineThread | None = None
+
+    def __repr__(self) -> str:  # never the token
+        return f"ChatCompletionsServer({self.model_name!r}, http://{self.host}:{self.port})"
+
+    def _default_body_bytes(self) -> int:
+        """BODY_BYTES_PER_TOKEN per token a request's conversation may take (the context, or the
+        session budget when smaller), within [MIN_BODY_BYTES, MAX_BODY_BYTES]."""
+        known = [n for n in (self.max_context_tokens, self.max_session_tokens) if n is not None]
+        if not known:
+            return UNKNOWN_CONTEXT_BODY_BYTES
+        return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * min(known)))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> ChatCompletionsServer:
         if self._http is not None:
             return self
-        self._engine = _EngineThread(self.engine, self.batch_window_s, self.max_batch)
-        self._http = http.server.ThreadingHTTPServer((self.host, self.port), handler_class(self))
-        self._http.daemon_threads = True
+        self._engine = EngineThread(self.engine, self.batch_window_s, self.max_batch)
+        self._http = HTTPServer((self.host, self.port), handler_class(self), self.max_connections)
         self.port = self._http.server_address[1]
         threading.Thread(target=self._http.serve_forever, name="chat-completions-http", daemon=True).start()
         return self
@@ -329,6 +300,7 @@ class ChatCompletionsServer:
             return
         for session_id in list(self._sessions):
             self.close_session(session_id, reason="the server closed")
+        self._http.closing.set()
         self._http.shutdown()
         self._http.server_close()
         self._engine.close()
@@ -395,9 +367,27 @@ class ChatCompletionsServer:
             return f"chatcmpl-{self._request_count}"
 
     def _sampling(self, request: ChatRequest, context_len: int) -> tuple[SamplingParams, bool]:
-        """The request's sampling parameters, and whether the session budget cut its max_tokens."""
+        """The request's sampling parameters, and whether the session budget cut its max_tokens. The
+        turn fits the model's context: a conversation or a max_tokens that does not is refused."""
         sampling = self.default_sampling
         max_new = request.max_tokens or sampling.max_new_tokens
+        if self.max_context_tokens is not None:
+            room = self.max_context_tokens - context_len
+            if room < 1:
+                raise OpenAIError(
+                    400,
+                    f"the conversation takes {context_len} tokens, the model's whole context of "
+                    f"{self.max_context_tokens} tokens",
+                    "messages",
+                )
+            if request.max_tokens is not None and request.max_tokens > room:
+                raise OpenAIError(
+                    400,
+                    f"'max_tokens' is {request.max_tokens}, more than the {room} tokens that the conversation's "
+                    f"{context_len} leave of the model's context of {self.max_context_tokens} tokens",
+                    "max_tokens",
+                )
+            max_new = min(max_new, room)
         cut = False
         if self.max_session_tokens is not None:
             left = self.max_session_tokens - context_len
@@ -434,8 +424,32 @@ class ChatCompletionsServer:
             },
         }
 
+    @contextlib.contextmanager
+    def _queued(self):
+        """A place among the max_queued_requests taken at once; 503 with Retry-After when none is free."""
+        with self._lock:
+            if self.queued_requests >= self.max_queued_requests:
+                raise OpenAIError(
+                    503,
+                    f"the endpoint has max_queued_requests={self.max_queued_requests} requests waiting for the "
+                    f"engine: retry after {RETRY_AFTER_S} s",
+                    "max_queued_requests",
+                    kind="server_error",
+                    headers=(("Retry-After", str(RETRY_AFTER_S)),),
+                )
+            self.queued_requests += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.queued_requests -= 1
+
     def chat(self, body, session_id: str | None) -> dict:
         """One chat-completions request (the body, parsed JSON), in a session or unrecorded."""
+        with self._queued():
+            return self._chat(body, session_id)
+
+    def _chat(self, body, session_id: str | None) -> dict:
         session = self.session(session_id) if session_id is not None else None
         request = parse_request(body)
         model = body.get("model")
@@ -448,7 +462,7 @@ class ChatCompletionsServer:
             return session.chat(request, request_id)
         prompt = self.renderer.render_prompt(request.messages, tools=request.tools)
         sampling, _ = self._sampling(request, len(prompt))
-        sample = self._engine.submit(_Pending(prompt, sampling, engine_session=request_id))
+        sample = self._engine.submit(Pending(prompt, sampling, engine_session=request_id))
         self._engine.end_session(request_id)
         message, _ = assistant_message(self.renderer.parse_turn(sample.completion_ids), 0)
         return self._completion(request_id, message, sample, len(prompt))
