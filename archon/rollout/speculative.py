@@ -133,6 +133,14 @@ class DraftModelDrafter:
         self.model = model
         self.num_tokens = num_tokens
         self.cache: KVCache | None = None
+        self.vocab_size = model.output_weight.shape[0]
+        """The draft model's vocabulary: it proposes none of the target's tokens past it, and reads
+        them (in a prompt, or sampled by the target) as token 0, so that they cost acceptance, never
+        correctness."""
+
+    def _readable(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`tokens` with the ids past the draft model's vocabulary replaced by 0."""
+        return torch.where(tokens < self.vocab_size, tokens, torch.zeros_like(tokens))
 
     def begin(self, target_cache: KVCache) -> None:
         """A generation starts: a cache laid out like the target's."""
@@ -158,6 +166,7 @@ class DraftModelDrafter:
             lens = torch.tensor([end - start for _, start, end in pieces])
             cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
             tokens = torch.tensor([t for slot, start, end in pieces for t in prompts[slot][start:end]], device=dev)
+            tokens = self._readable(tokens)
             positions = torch.cat([torch.arange(start, end) for _, start, end in pieces]).to(dev)
             self.cache.begin_prefill(
                 torch.tensor([s for s, _, _ in pieces]), lens, torch.tensor([s for _, s, _ in pieces])
@@ -205,7 +214,7 @@ class DraftModelDrafter:
         last = (ngen - 1).clamp(min=0)
         before = (ngen - 2).clamp(min=0)  # a row with one token feeds it twice, at the same position
         positions = torch.stack([before, last], dim=1)  # [R, 2]
-        fed = torch.stack([tokens[rows, before], tokens[rows, last]], dim=1)
+        fed = self._readable(torch.stack([tokens[rows, before], tokens[rows, last]], dim=1))
         self.cache.begin_decode(R, num_slots, positions, prompt_lens, prefix_span, suffix_span, live_rows=live)
         logits = forward_with_tasks(
             self.model,
