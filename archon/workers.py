@@ -46,6 +46,8 @@ _HEADER = struct.Struct(">Q")
 MAX_REPLY_BYTES = 1 << 30
 """A reply frame announcing more than this is malformed."""
 WORKER_STARTUP_TIMEOUT_S = 120.0
+CPU_TICK_S = 0.25
+"""A process killed at its hard RLIMIT_CPU has used that much CPU time, give or take a few clock ticks."""
 EXIT_WAIT_S = 5.0
 """How long a worker whose output closed gets to finish exiting before it counts as hung."""
 
@@ -131,6 +133,19 @@ def read_message(stream: BinaryIO) -> Any | None:
     return pickle.loads(payload)
 
 
+def _hard_cpu_limit(pid: int) -> float | None:
+    """The hard RLIMIT_CPU of a child that has exited but is not reaped yet; None when unlimited or unknown."""
+    try:
+        with open(f"/proc/{pid}/limits", encoding="ascii") as file:
+            for line in file:
+                if line.startswith("Max cpu time"):
+                    hard = line.split()[4]
+                    return None if hard == "unlimited" else float(hard)
+    except OSError:
+        pass
+    return None
+
+
 def describe_exception(exc: BaseException) -> str:
     """`Type: message (at file:line)` of the innermost frame, for a user function's error shown in one line."""
     last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
@@ -193,6 +208,10 @@ class WorkerProcess:
         self.payload = payload
         self.label = label
         self.env = dict(env or {})
+        self.cpu_s: float = 0.0
+        """After a death seen by `exit_reason`: the CPU seconds it used."""
+        self.cpu_limit_s: float | None = None
+        """After a death seen by `exit_reason`: its hard RLIMIT_CPU, when it had one."""
         self.proc: subprocess.Popen | None = None
         self.peak_rss_mb: float | None = None
         self._buffer = b""
@@ -272,6 +291,9 @@ class WorkerProcess:
         deadline = time.monotonic() + EXIT_WAIT_S
         while self.proc.returncode is None:
             try:
+                exited = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if exited is not None:  # not reaped yet: its limits can still be read
+                    self.cpu_limit_s = _hard_cpu_limit(self.proc.pid)
                 pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
             except ChildProcessError:  # already reaped
                 return self.proc.poll()
@@ -279,6 +301,7 @@ class WorkerProcess:
                 self.proc.returncode = os.waitstatus_to_exitcode(status)
                 peak = usage.ru_maxrss / 1024  # kilobytes on Linux
                 self.peak_rss_mb = peak if peak > self._inherited_rss_mb else None
+                self.cpu_s = usage.ru_utime + usage.ru_stime
             elif time.monotonic() >= deadline:
                 return None
             else:
@@ -300,6 +323,8 @@ class WorkerProcess:
             return f"it was killed by {name}: over its CPU-time limit (RLIMIT_CPU)"
         if -code == signal.SIGXFSZ:
             return f"it was killed by {name}: it wrote a file over its size limit (RLIMIT_FSIZE)"
+        if -code == signal.SIGKILL and self.cpu_limit_s is not None and self.cpu_s >= self.cpu_limit_s - CPU_TICK_S:
+            return f"it was killed by {name} at its CPU-time limit (RLIMIT_CPU, {self.cpu_limit_s:g} s)"
         if -code == signal.SIGKILL:
             # not this side's timeout (that is a "timeout" outcome); the kernel's OOM killer, a hard
             # RLIMIT_CPU, or another process may have sent it, and only the kernel log tells which

@@ -105,10 +105,27 @@ def bind_read_only(source: str, root: str, devices: bool = False) -> None:
     mount(None, target, None, flags)
 
 
-def build_root(root: str, paths: list, scratch_mb: int) -> None:
-    """The sandbox's file system (see the module doc), built at `root` and then made `/`."""
+def open_captures(root: str, file_size: int) -> list:
+    """Two files for the program's stdout and stderr on a tmpfs of their own, detached at once: only
+    the open descriptors reach them, and they do not count against the scratch."""
+    where = root + "/.captures"
+    os.makedirs(where)
+    mount("tmpfs", where, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={2 * file_size + 2**20},mode=0700")
+    captures = []
+    for name in ("stdout", "stderr"):
+        captures.append(os.open(f"{where}/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(f"{where}/{name}")
+    check(libc.umount2(where.encode(), MNT_DETACH), "detach the captures")
+    os.rmdir(where)
+    return captures
+
+
+def build_root(root: str, paths: list, scratch_mb: int, file_size: int) -> list:
+    """The sandbox's file system (see the module doc), built at `root` and then made `/`; the
+    descriptors of the program's two capture files (see open_captures)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+    captures = open_captures(root, file_size)
     for path in (*HOST_DIRS, *paths):
         bind_read_only(path, root)
     os.makedirs(root + "/etc")
@@ -136,6 +153,7 @@ def build_root(root: str, paths: list, scratch_mb: int) -> None:
     os.chdir("/")
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(SCRATCH)
+    return captures
 
 
 def drop_privileges() -> None:
@@ -246,15 +264,10 @@ def main() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     request = json.loads(sys.stdin.readline())
     reply = os.dup(1)
-    build_root("/tmp", request["paths"], request["scratch_mb"])
+    captures = build_root("/tmp", request["paths"], request["scratch_mb"], request["file_size"])
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     with open("main.py", "w", encoding="utf-8") as file:
         file.write(request["code"])
-    captures = []
-    for name in ("stdout", "stderr"):  # unlinked at once: only the program's stdio names them
-        fd = os.open(f"/dev/shm/.{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.unlink(f"/dev/shm/.{name}")
-        captures.append(fd)
     pid = start_program(request, *captures)
     status, cpu_s, stopped = supervise(pid, request["deadline"])
     result = {"returncode": os.waitstatus_to_exitcode(status), "stopped": stopped, "cpu_s": cpu_s}

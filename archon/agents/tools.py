@@ -426,4 +426,8 @@ def _run_tool(state: dict[str, Any], message: tuple) -> tuple[str, ToolStatus, s
 
 
 if __name__ == "__main__":
-    serve(_load_tools, _run_tool)
+    # the functions of this module under its own name: a tool that imports it (the python sandbox
+    # reads call_deadline) sees the globals they set, not those of a second copy named __main__
+    from archon.agents import tools
+
+    serve(tools._load_tools, tools._run_tool)
