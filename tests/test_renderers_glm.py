@@ -1,5 +1,6 @@
-"""The glm5 renderer (GLM-5, model_type glm_moe_dsa) against its real chat template
-(tests/fixtures/chat_templates/glm5.jinja), on a byte-level BPE tokenizer with its special tokens.
+"""The glm5 (GLM-5, model_type glm_moe_dsa) and glm4 (GLM-4-0414) renderers against their real chat
+templates (tests/fixtures/chat_templates/glm5.jinja, glm4.jinja), on byte-level BPE tokenizers with
+the families' special tokens.
 
 render_prompt gives the template's text and ids on a hand-written conversation; over 1,000 generated
 episodes the trajectory (prompt, sampled turns verbatim, bridged environment messages) is the
@@ -11,6 +12,7 @@ a parse_error that says what is wrong.
 from __future__ import annotations
 
 import functools
+import json
 import random
 
 import pytest
@@ -278,3 +280,160 @@ def test_glm5_is_named_for_glm_moe_dsa():
     assert default_renderer_name("glm_moe_dsa") == "glm5"
     with pytest.raises(ValueError, match=r"names no renderer for model_type 'deepseek_v32'"):
         default_renderer_name("deepseek_v32")
+
+
+# ---- GLM-4-0414 ------------------------------------------------------------------------------------------
+
+GLM4_SPECIAL = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>")
+
+
+def glm4_conversation(rng):
+    """An episode of one call a turn (the format's), a call turn without content."""
+    conversation = random_conversation(rng, GLM4_SPECIAL, reasoning=False, max_calls=1)
+    for assistant, _ in conversation.turns:
+        if assistant.get("tool_calls"):
+            assistant["content"] = ""
+    return conversation
+
+
+def glm4_template_messages(messages):
+    """The conversation as the template takes it: a call as an assistant message with the function's
+    name in `metadata` and the arguments' JSON as content, a tool result as an `observation`."""
+    converted = []
+    for message in messages:
+        if message.get("tool_calls"):
+            (call_,) = message["tool_calls"]
+            arguments = json.dumps(call_["function"]["arguments"], ensure_ascii=False)
+            converted.append({"role": "assistant", "metadata": call_["function"]["name"], "content": arguments})
+        elif message["role"] == "tool":
+            converted.append({"role": "observation", "content": message["content"]})
+        else:
+            converted.append(message)
+    return converted
+
+
+@functools.cache
+def glm4_tokenizer():
+    chat_template = read_template("glm4")
+    rng = random.Random(12345)
+    corpus = []
+    for _ in range(300):
+        conversation = glm4_conversation(rng)
+        rendered, _ = render_jinja_template(
+            [glm4_template_messages(conversation.messages())], tools=conversation.tools, chat_template=chat_template
+        )
+        corpus.append(rendered[0])
+    return build_bpe_tokenizer(list(GLM4_SPECIAL), corpus, 3000, chat_template=chat_template)
+
+
+def glm4_template(tokenizer, messages, tools, generation_prompt):
+    return template_text(tokenizer, glm4_template_messages(messages), tools, generation_prompt)
+
+
+GLM4_CONVERSATION = [
+    {"role": "system", "content": "You are a careful agent.\nAnswer briefly."},
+    {"role": "user", "content": "Weather in Paris and Tōkyō?  "},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="Paris", days=2)]},
+    {"role": "tool", "content": '{"temp": 21}'},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="東京", units="c")]},
+    {"role": "tool", "content": "Error: timeout\n"},
+    {"role": "assistant", "content": " Paris 21 °C, Tokyo unknown.\n"},
+    {"role": "user", "content": "Search for more?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("now")]},
+    {"role": "tool", "content": "12:00"},
+    {"role": "user", "content": "Thanks."},
+]
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no_tools"])
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no_system"])
+def test_glm4_render_prompt_is_the_template(tools, system):
+    tokenizer = glm4_tokenizer()
+    renderer = get_renderer("glm4", tokenizer)
+    conversation = GLM4_CONVERSATION if system else GLM4_CONVERSATION[1:]
+    for end in range(1, len(conversation) + 1):
+        if conversation[end - 1]["role"] in ("assistant", "system"):
+            continue
+        messages = conversation[:end]
+        text = glm4_template(tokenizer, messages, tools, True)
+        ids = renderer.render_prompt(messages, tools=tools)
+        assert renderer.decode(ids) == text
+        assert ids == encode(tokenizer, text)
+
+
+def test_glm4_token_identity_over_generated_episodes():
+    tokenizer = glm4_tokenizer()
+    renderer = get_renderer("glm4", tokenizer)
+    figures = {"episodes": 0, "turns": 0, "retokenized_ids_differ": 0}
+    for seed in range(N_EPISODES):
+        conversation = glm4_conversation(random.Random(seed))
+        tools = conversation.tools
+        history = list(conversation.first)
+        prompt = glm4_template(tokenizer, history, tools, True)
+        trajectory = renderer.render_prompt(history, tools=tools)
+        assert trajectory == encode(tokenizer, prompt)
+        for assistant, environment in conversation.turns:
+            with_turn = glm4_template(tokenizer, history + [assistant], tools, False)
+            assert with_turn.startswith(prompt)
+            sampled_ids = encode(tokenizer, with_turn[len(prompt) :] + stop_text(environment))
+            trajectory += sampled_ids
+            turn = renderer.parse_turn(sampled_ids)
+            expected_calls = [
+                ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls", [])
+            ]
+            assert (turn.tool_calls, turn.content, turn.parse_error) == (expected_calls, assistant["content"], None)
+            history += [assistant, *environment]
+            if not environment:
+                continue
+            prompt = glm4_template(tokenizer, history, tools, True)
+            assert prompt.startswith(with_turn + stop_text(environment))
+            bridged = renderer.bridge(sampled_ids, environment)
+            assert bridged == encode(tokenizer, prompt[len(with_turn + stop_text(environment)) :]), f"seed {seed}"
+            trajectory += bridged
+        # prefix-preserving: the template's text of the whole conversation is the trajectory's
+        whole = glm4_template(tokenizer, history, tools, False)
+        assert tokenizer.decode(trajectory, skip_special_tokens=False) == whole + "<|user|>", f"seed {seed}"
+        figures["episodes"] += 1
+        figures["turns"] += len(conversation.turns)
+        figures["retokenized_ids_differ"] += encode(tokenizer, whole) != trajectory[:-1]
+    print("glm4 token identity:", figures)
+
+
+@pytest.mark.parametrize(
+    "text, calls, content, error",
+    [
+        ("\nHello.", [], "Hello.", None),
+        ("", [], "", None),
+        ('search \n{"query": "x", "limit": 3}', [ToolCall("search", {"query": "x", "limit": 3})], "", None),
+        ("search \n{bad", [], "", "tool call 'search': arguments are not valid JSON"),
+        ('search \n["x"]', [], "", "arguments must be a JSON object, not list"),
+        ("Hello.", [], "Hello.", "a turn is a newline and its text, or a call"),
+    ],
+)
+def test_glm4_parse_turn(text, calls, content, error):
+    renderer = get_renderer("glm4", glm4_tokenizer())
+    turn = renderer.parse_turn(renderer.encode(text + "<|observation|>"))
+    assert (turn.tool_calls, turn.content) == (calls, content)
+    assert (turn.parse_error is None) if error is None else (error in turn.parse_error)
+
+
+def test_glm4_bad_input():
+    renderer = get_renderer("glm4", glm4_tokenizer())
+    turn = renderer.encode("\nA<|endoftext|>")
+    assert renderer.decode(renderer.bridge(turn, [{"role": "user", "content": "x"}])) == "<|user|>\nx<|assistant|>"
+    with pytest.raises(ValueError, match=r"bridge\(\) needs a turn that ended with a stop token"):
+        renderer.bridge(turn[:-1], [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match=r"environment adds tool results and user turns, not 'system'"):
+        renderer.bridge(turn, [{"role": "system", "content": "x"}])
+    two_calls = {"role": "assistant", "content": "", "tool_calls": [call("now"), call("now")]}
+    with pytest.raises(ValueError, match=r"message 1 has 2 tool calls and no content; .* one call a turn"):
+        renderer.render_prompt([{"role": "user", "content": "q"}, two_calls, {"role": "tool", "content": "1"}])
+    with_content = {"role": "assistant", "content": "c", "tool_calls": [call("now")]}
+    with pytest.raises(ValueError, match=r"message 1 has 1 tool calls and content"):
+        renderer.render_prompt([{"role": "user", "content": "q"}, with_content, {"role": "tool", "content": "1"}])
+    with pytest.raises(ValueError, match=r"a tool must be a function with a name"):
+        renderer.render_prompt([{"role": "user", "content": "q"}], tools=[{"type": "function", "function": {}}])
+
+
+def test_glm4_is_named_for_its_model_type():
+    assert default_renderer_name("glm4") == "glm4"

@@ -24,7 +24,7 @@ spec = register(
         # an adapter on the fused gate_up_proj fails in add_lora ("IndexError: tuple index out of range",
         # vllm/lora/layers/column_parallel_linear.py set_lora), so the weights are merged.
         vllm_modes={"glm4": "merged"},
-        renderers={},
+        renderers={"glm4": "glm4"},
         inert_hf_config_fields={
             "partial_rotary_factor": (
                 "HF copies it into rope_parameters when the config is built and its modeling reads only "
