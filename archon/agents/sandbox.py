@@ -409,8 +409,33 @@ def builtin_tool(name: str) -> Tool:
     return tool
 
 
+def _limits_from_query(spec: str, query: str) -> dict:
+    """ "timeout_s=5&isolation=process" -> SandboxLimits keyword arguments; errors name the key and `spec`."""
+    fields = {field.name: field for field in dataclasses.fields(SandboxLimits)}
+    limits: dict = {}
+    for item in query.split("&"):
+        key, sep, text = item.partition("=")
+        if key not in fields or not sep:
+            raise ValueError(f"tool {spec!r}: {item!r} is not key=value of a sandbox limit ({', '.join(fields)})")
+        kind = {"timeout_s": float, "isolation": str}.get(key, int)
+        try:
+            limits[key] = kind(text)
+        except ValueError:
+            raise ValueError(f"tool {spec!r}: {key} must be {kind.__name__}, got {text!r}") from None
+    return limits
+
+
 def resolve_tool(spec: str) -> Tool:
-    """A built-in tool's name ("python") or "package.module:function" -> the Tool."""
+    """A built-in tool's name ("python"), with sandbox limits if any ("python?timeout_s=5&scratch_mb=128",
+    "python?isolation=process"), or "package.module:function" -> the Tool."""
+    name, sep, query = spec.partition("?")
+    if sep and name in BUILTIN_TOOLS:
+        try:
+            tool = python_tool(**_limits_from_query(spec, query))
+        except ValueError as exc:
+            raise ValueError(f"tool {spec!r}: {exc}") if not str(exc).startswith("tool ") else exc from None
+        check_sandbox(tool.function.keywords["limits"])
+        return tool
     if spec in BUILTIN_TOOLS:
         return builtin_tool(spec)
     if ":" not in spec:

@@ -1,0 +1,64 @@
+"""How the python tool's sandbox is chosen: its limits from a tool spec, and a clear refusal where
+the OS cannot isolate it, unless the weaker sandbox is asked for."""
+
+import os
+import stat
+
+import pytest
+
+from archon.agents import sandbox
+from archon.agents.sandbox import SandboxLimits, SandboxUnavailable, builtin_tool, resolve_tool, run_python
+
+
+def test_a_tool_spec_sets_the_sandbox_limits():
+    tool = resolve_tool("python?timeout_s=2.5&scratch_mb=128&isolation=process")
+    assert tool.name == "python" and tool.parameters["required"] == ["code"]
+    assert tool.function.keywords["limits"] == SandboxLimits(timeout_s=2.5, scratch_mb=128, isolation="process")
+    assert resolve_tool("python").function.keywords["limits"] == SandboxLimits()
+
+
+@pytest.mark.parametrize(
+    "spec, culprit",
+    [
+        ("python?disk=1", "'disk=1' is not key=value of a sandbox limit"),
+        ("python?cpu_s", "'cpu_s' is not key=value"),
+        ("python?cpu_s=ten", "cpu_s must be int, got 'ten'"),
+        ("python?scratch_mb=0", "SandboxLimits.scratch_mb must be positive, got 0"),
+        ("python?isolation=none", "SandboxLimits.isolation must be 'namespaces' or 'process', got 'none'"),
+    ],
+)
+def test_a_bad_tool_spec_names_its_key(spec, culprit):
+    with pytest.raises(ValueError, match=f"tool '{spec.replace('?', '[?]')}': .*{culprit}"):
+        resolve_tool(spec)
+
+
+@pytest.fixture
+def no_namespaces(tmp_path, monkeypatch):
+    """An `unshare` that fails as it does where user namespaces are disabled."""
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    sandbox._namespaces_problem.cache_clear()
+    yield
+    sandbox._namespaces_problem.cache_clear()
+
+
+def test_without_namespaces_the_python_tool_refuses_to_start(no_namespaces):
+    for make in (lambda: builtin_tool("python"), lambda: resolve_tool("python"), lambda: run_python("print(1)")):
+        with pytest.raises(SandboxUnavailable) as caught:
+            make()
+        message = str(caught.value)
+        assert "unshare: unshare failed: Operation not permitted" in message
+        assert "isolation='process'" in message and "docs/agents.md" in message
+
+
+def test_without_namespaces_the_weaker_sandbox_runs_when_asked_for(no_namespaces):
+    tool = resolve_tool("python?isolation=process")
+    assert tool.function(code="print(6 * 7)") == "42\n"
+
+
+def test_the_namespace_sandbox_runs_here():
+    sandbox._namespaces_problem.cache_clear()
+    builtin_tool("python")  # does not raise on this machine
+    assert run_python("import os\nprint(os.getpid(), os.getcwd())") == "2 /scratch\n"
