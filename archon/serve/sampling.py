@@ -71,6 +71,8 @@ def run_sample(
         stop_token_ids=tuple(stop_ids),
         seed=call.seed,
     )
+    # one request is one prompt's n samples: a cache of n rows (the engine's cost grows with its rows)
+    engine.max_batch_sequences = call.num_samples
     samples = engine.generate([call.prompt], params)
     sequences = []
     for sample in samples:
