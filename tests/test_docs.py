@@ -449,3 +449,49 @@ def test_the_skill_calls_the_generation_cache_as_it_is():
         parameters = list(inspect.signature(method).parameters.values())[1:]
         required = [p for p in parameters if p.default is inspect.Parameter.empty]
         assert len(required) <= len(given) <= len(parameters), (name, arguments, parameters)
+
+
+# A measured figure: a decimal, a percentage, or a number in e-notation (not part of a name such as
+# GLM-4.5 or a version such as 0.32.0).
+FIGURE = re.compile(r"(?<![\w.,-])(\d+\.\d+(?:e-\d+)?%?|\d+(?:\.\d+)?e-\d+|\d+%)(?![\w.])")
+
+
+def _anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip("# ").lower()).replace(" ", "-")
+
+
+def _readme_performance_quotes() -> list[tuple[str, str, str]]:
+    """(anchor, README passage, performance.md section) for each README paragraph (with the table
+    that follows it) that links a section of docs/performance.md."""
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    sections = {_anchor(part.split("\n")[0]): part for part in re.split(r"\n(?=## )", performance)}
+    blocks = re.split(r"\n\s*\n", (ROOT / "README.md").read_text())
+    quotes = []
+    for i, block in enumerate(blocks):
+        table = blocks[i + 1] if i + 1 < len(blocks) and blocks[i + 1].lstrip().startswith("|") else ""
+        for anchor in re.findall(r"docs/performance\.md#([\w-]+)", block):
+            assert anchor in sections, f"README links docs/performance.md#{anchor}, which has no such section"
+            quotes.append((anchor, block + "\n" + table, sections[anchor]))
+    return quotes
+
+
+def test_every_figure_the_readme_quotes_is_in_performance_md_with_its_command_and_date():
+    """A figure in a README passage that cites docs/performance.md is there, in the cited section,
+    beside the date the passage gives and the command that measured it; a passage with figures
+    gives its date."""
+    quotes = _readme_performance_quotes()
+    assert {anchor for anchor, _, _ in quotes} >= {"the-demo", "multi-turn-rollouts", "long-context", "quantized-bases"}
+    for anchor, passage, section in quotes:
+        figures = FIGURE.findall(passage)
+        if not figures:
+            continue
+        dates = re.findall(r"20\d\d-\d\d-\d\d", passage)
+        assert dates, f"README passage citing performance.md#{anchor} quotes {figures[:3]} with no date"
+        for date in dates:
+            assert date in section, f"performance.md#{anchor} does not give the date {date} the README quotes"
+        assert re.search(r"`[^`]*(python|torchrun)[^`]*`", section), f"performance.md#{anchor} names no command"
+        for command in re.findall(r"`((?:python|torchrun)[^`]*)`", passage):
+            if "benchmarks/" in command:
+                assert command in section, f"performance.md#{anchor} lacks the README's command {command!r}"
+        missing = sorted({figure for figure in figures if figure not in section})
+        assert not missing, f"README figures {missing} (citing performance.md#{anchor}) are not in that section"
