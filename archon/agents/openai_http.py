@@ -84,23 +84,25 @@ def body_length(headers, method: str, max_body_bytes: int) -> int:
         raise OpenAIError(
             400, f"Content-Length must be the body's size in bytes (digits only), got {value[:40]!r}", "Content-Length"
         )
-    if len(value) > len(str(max_body_bytes)) or int(value) > max_body_bytes:
+    digits = value.lstrip("0") or "0"  # compared by length first: int() of a huge string is slow
+    if len(digits) > len(str(max_body_bytes)) or int(digits) > max_body_bytes:
         raise OpenAIError(
             413,
             f"the request body is {value[:40]} bytes (Content-Length), more than this endpoint takes "
             f"(max_body_bytes={max_body_bytes})",
             "max_body_bytes",
         )
-    return int(value)
+    return int(digits)
 
 
-UNAUTHORIZED = OpenAIError(
-    401,
-    "this endpoint needs the run's token as 'Authorization: Bearer <token>': agent code finds it in its "
-    "environment as OPENAI_API_KEY, which openai.OpenAI() reads when given no api_key",
-    code="invalid_api_key",
-    headers=(("WWW-Authenticate", "Bearer"),),
-)
+def unauthorized() -> OpenAIError:
+    return OpenAIError(
+        401,
+        "this endpoint needs the run's token as 'Authorization: Bearer <token>': agent code finds it in its "
+        "environment as OPENAI_API_KEY, which openai.OpenAI() reads when given no api_key",
+        code="invalid_api_key",
+        headers=(("WWW-Authenticate", "Bearer"),),
+    )
 
 
 class EndpointHandler(http.server.BaseHTTPRequestHandler):
@@ -151,7 +153,7 @@ class EndpointHandler(http.server.BaseHTTPRequestHandler):
         scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
         token = self.endpoint.api_key.encode()
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(errors="replace"), token):
-            raise UNAUTHORIZED
+            raise unauthorized()
         length = body_length(self.headers, method, self.endpoint.max_body_bytes)
         try:
             raw = self.rfile.read(length) if length else b""
