@@ -101,7 +101,7 @@ def test_a_clean_native_run_logs_the_gaps_and_never_trips(setup, tmp_path, bypas
     assert len(records) == 3
     for record in records:
         # float32 on the CPU: the engine's and the trainer's log-probs differ by ~1e-6 (batch shapes)
-        assert record["fidelity_floor"] == 1e-3 and record["fidelity_gap_mean"] < 1e-4
+        assert record["fidelity_floor"] == 1e-4 and record["fidelity_gap_mean"] < 1e-4
         assert record["fidelity_gap_max"] < 1e-3 and record["fidelity_over_bound"] == 0.0
 
 
@@ -176,7 +176,7 @@ def test_a_native_engine_fault_stops_the_run_at_the_first_version_it_serves_wron
         run.run()
     message = str(caught.value)
     assert re.search(r"adapter version 1 .* by [0-9.e-]+ nats on average", message), message
-    assert "noise floor 0.001" in message and "built-in engine" in message and "Likely causes" in message
+    assert "noise floor 0.0001" in message and "built-in engine" in message and "Likely causes" in message
     # caught within one step: version 1 serves from step 2 on (canary: right after its publish, in step 1)
     steps_logged = _records(tmp_path / "run") if (tmp_path / "run" / "metrics.jsonl").exists() else []
     assert len(steps_logged) == (1 if recompute else 0)

@@ -76,8 +76,8 @@ class FidelityConfig:
     floor_factor: float = 10.0
     """k: the bound on a version's mean gap is k x the noise floor (and the fidelity_over_bound
     metric counts tokens whose gap exceeds k x floor)."""
-    min_floor: float = 1e-3
-    """The noise floor is never taken below this (nats): in float32 the measured floor is ~1e-6, and
+    min_floor: float = 1e-4
+    """The noise floor is never taken below this (nats): in float32 the measured mean gap is ~2e-7, and
     the bound must leave room for the noise of other batch shapes."""
     max_floor: float = 0.1
     """A floor measured above this (nats, mean gap at the first version checked) is itself a fault:
