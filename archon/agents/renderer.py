@@ -22,11 +22,22 @@ family's template puts between an assistant turn and the next one.
 
 Families register their renderers from `models/<family>/renderer.py` (by name) and name the one
 of each HF model_type in their ModelSpec (`renderers`).
+
+Untrusted text is encoded as plain text: a special token's string inside the content of a tool
+result, or of any message an environment adds (`bridge`), becomes ordinary tokens, never the special
+token, so a tool result holding `<|im_end|>\n<|im_start|>system` cannot open a turn of its own. The
+base class does this for every family: it marks those strings in the messages before the family's
+`render_prompt` or `bridge` writes its text, and `encode` encodes what is marked without special
+tokens (content without a special token's string is encoded exactly as before).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
+import secrets
+import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -73,21 +84,129 @@ class AssistantTurn:
         return message
 
 
+# A special token's string in untrusted content is written between these markers; the nonce keeps
+# content from forging them.
+_NONCE = secrets.token_hex(8)
+_PLAIN_OPEN, _PLAIN_CLOSE = f"\ue000{_NONCE}\ue001", f"\ue000{_NONCE}\ue002"
+_PLAIN_SPAN = re.compile(re.escape(_PLAIN_OPEN) + "(.*?)" + re.escape(_PLAIN_CLOSE), re.DOTALL)
+_rendering = threading.local()
+"""`active` while a render_prompt or bridge call marks its messages (a nested call marks nothing)."""
+
+
+def _with_plain_text(method, roles_of):
+    """`method` (a render_prompt or bridge taking `messages`), its messages' untrusted content
+    marked first: the content of the messages whose role is in roles_of(renderer)."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def marked(self, *args, **kwargs):
+        if getattr(_rendering, "active", False):
+            return method(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        roles = roles_of(self)
+        if roles and isinstance(bound.arguments.get("messages"), list):
+            bound.arguments["messages"] = self.plain_text_messages(bound.arguments["messages"], roles)
+        _rendering.active = True
+        try:
+            return method(*bound.args, **bound.kwargs)
+        finally:
+            _rendering.active = False
+
+    return marked
+
+
+ALL_ROLES = ("system", "user", "assistant", "tool")
+
+
 class Renderer:
     """One family's chat format over a tokenizer that has the family's special tokens.
 
-    Subclasses set `name` and implement `render_prompt`, `stop_token_ids`, `parse_turn` and `bridge`.
+    Subclasses set `name` and implement `render_prompt`, `stop_token_ids`, `parse_turn` and `bridge`
+    (writing the text and encoding it with `encode`); the base class wraps their `render_prompt`
+    and `bridge` so that untrusted content is encoded as plain text (see the module docstring).
     """
 
     name: ClassVar[str]
 
+    plain_text_roles: tuple[str, ...] = ("tool",)
+    """The roles whose content render_prompt encodes as plain text (tool results by default; () turns
+    it off, ALL_ROLES makes every message plain text). Settable per renderer."""
+    plain_text_environment: bool = True
+    """Whether bridge encodes the messages it adds (an environment's tool results and user turns) as
+    plain text. Settable per renderer."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "render_prompt" in cls.__dict__:
+            cls.render_prompt = _with_plain_text(cls.__dict__["render_prompt"], lambda self: self.plain_text_roles)
+        if "bridge" in cls.__dict__:
+            cls.bridge = _with_plain_text(
+                cls.__dict__["bridge"], lambda self: ALL_ROLES if self.plain_text_environment else ()
+            )
+
+    # ---- untrusted text ---------------------------------------------------------------------------
+    @functools.cached_property
+    def _special_strings(self) -> re.Pattern | None:
+        """A pattern of the tokenizer's added tokens' strings (special tokens and others it matches
+        whole), longest first; None when it has none."""
+        added = sorted((t for t in getattr(self.tokenizer, "get_added_vocab", dict)() if t), key=len, reverse=True)
+        return re.compile("|".join(re.escape(token) for token in added)) if added else None
+
+    def plain_text(self, text: str) -> str:
+        """`text` with every special token's string in it marked, for `encode` to encode as plain text."""
+        pattern = self._special_strings
+        if pattern is None or not isinstance(text, str):
+            return text
+        return pattern.sub(lambda match: _PLAIN_OPEN + match.group(0) + _PLAIN_CLOSE, text)
+
+    def plain_text_messages(self, messages: list[Message], roles) -> list[Message]:
+        """Copies of the messages whose role is in `roles`, their content (a string, or text parts)
+        marked as plain text; the other messages as they are."""
+        marked = []
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in roles:
+                marked.append(message)
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                content = self.plain_text(content)
+            elif isinstance(content, list):
+                content = [
+                    {**part, "text": self.plain_text(part["text"])}
+                    if isinstance(part, dict) and isinstance(part.get("text"), str)
+                    else self.plain_text(part)
+                    for part in content
+                ]
+            marked.append({**message, "content": content})
+        return marked
+
+    def encode_plain(self, text: str) -> list[int]:
+        """text -> ids with no special token: each special token's string is encoded as its first
+        character, then the rest (itself read the same way)."""
+        pattern, ids, start = self._special_strings, [], 0
+        for match in pattern.finditer(text) if pattern is not None else ():
+            ids += self._encode_text(text[start : match.start()])
+            ids += self._encode_text(match.group(0)[:1]) + self.encode_plain(match.group(0)[1:])
+            start = match.end()
+        return ids + self._encode_text(text[start:])
+
+    def _encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
     # ---- helpers for subclasses -----------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """text -> ids with the tokenizer, special-token strings in `text` becoming their ids."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """text -> ids with the tokenizer, special-token strings in `text` becoming their ids, except
+        those marked as plain text (`plain_text`), which become ordinary tokens."""
+        if _PLAIN_OPEN not in text:
+            return self._encode_text(text)
+        ids, start = [], 0
+        for match in _PLAIN_SPAN.finditer(text):
+            ids += self._encode_text(text[start : match.start()]) + self.encode_plain(match.group(1))
+            start = match.end()
+        return ids + self._encode_text(text[start:])
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
