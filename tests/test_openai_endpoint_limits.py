@@ -9,6 +9,7 @@ import http.client
 import json
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -370,3 +371,15 @@ def test_connections_past_max_connections_wait_for_a_free_one(model, tokenizer):
         first.close()
         second.join(30)
         assert answers and answers[0][0] == 200
+
+
+def test_connections_are_bounded_by_the_open_file_limit(model, tokenizer):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(4000, hard), hard))  # above what this process has open
+    try:
+        server = ChatCompletionsServer(
+            NativeRolloutEngine(model), HermesCharRenderer(tokenizer), MODEL, SamplingParams()
+        )
+        assert server.max_connections == min(4000, hard) // 4
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -16,6 +16,7 @@ import http.server
 import json
 import logging
 import re
+import resource
 import socket
 import threading
 import time
@@ -31,6 +32,14 @@ LISTEN_BACKLOG = 1024
 of a crowd of clients that connect at once)."""
 DISCARD_BYTES, DISCARD_S = 64 * 2**20, 2.0
 """The most a refused request's unread body is read and dropped, in bytes and seconds."""
+MAX_CONNECTIONS = 1024
+
+
+def default_max_connections() -> int:
+    """MAX_CONNECTIONS, or a quarter of this process's open-file limit when that is less: a crowd
+    of connections must not take the descriptors the trainer needs for its own files."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(MAX_CONNECTIONS, soft // 4))
 
 
 class HTTPServer(http.server.ThreadingHTTPServer):

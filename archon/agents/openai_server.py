@@ -45,7 +45,12 @@ import uuid
 from dataclasses import replace
 
 from archon.agents.openai_engine import EngineThread, Pending, engine_context
-from archon.agents.openai_http import ROUTE, HTTPServer, handler_class  # noqa: F401 - ROUTE: at its old path
+from archon.agents.openai_http import (  # noqa: F401 - ROUTE: at its old path
+    ROUTE,
+    HTTPServer,
+    default_max_connections,
+    handler_class,
+)
 from archon.agents.openai_protocol import (  # noqa: F401 - ROLES, UNSUPPORTED_WHEN_SET: at their old path
     ROLES,
     UNSUPPORTED_WHEN_SET,
@@ -213,7 +218,8 @@ class ChatCompletionsServer:
     max_json_depth: how deep a body's arrays and objects may nest (400 past it).
     max_queued_requests: chat requests taken at once (waiting for or in the engine); one more gets
     503 with Retry-After (an openai client retries it).
-    max_connections: connections served at once; one more waits in the listen backlog.
+    max_connections: connections served at once; one more waits in the listen backlog. Default:
+    `default_max_connections()`, 1024 or a quarter of the process's open-file limit.
     idle_timeout_s: how long a connection may wait for the client's next bytes (408 mid-body)."""
 
     def __init__(
@@ -232,7 +238,7 @@ class ChatCompletionsServer:
         max_body_bytes: int | None = None,
         max_json_depth: int = 64,
         max_queued_requests: int = 1024,
-        max_connections: int = 1024,
+        max_connections: int | None = None,
         idle_timeout_s: float = 60.0,
     ) -> None:
         if default_sampling.n != 1:
@@ -252,7 +258,8 @@ class ChatCompletionsServer:
         self.max_context_tokens = max_context_tokens if max_context_tokens is not None else engine_context(engine)
         self.max_body_bytes = max_body_bytes if max_body_bytes is not None else self._default_body_bytes()
         self.max_json_depth, self.max_queued_requests = max_json_depth, max_queued_requests
-        self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
+        self.max_connections = max_connections if max_connections is not None else default_max_connections()
+        self.idle_timeout_s = idle_timeout_s
         for name in (
             "max_context_tokens",
             "max_body_bytes",
