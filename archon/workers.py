@@ -26,6 +26,7 @@ enforces the time limit by killing the process.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -156,13 +157,39 @@ def describe_exception(exc: BaseException) -> str:
 def _exit_with_parent(parent_pid: int) -> None:
     """Linux: get SIGKILL when the parent dies, so a worker stuck in user code is not orphaned."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         PR_SET_PDEATHSIG = 1
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent is already gone
         os._exit(1)
+
+
+CAP_SYS_PTRACE = 19
+PR_SET_DUMPABLE, PR_CAPBSET_DROP = 4, 24
+
+
+def _close_the_parents_proc_entries() -> None:
+    """Linux, in the parent: make this process non-dumpable, so that a process of the same user
+    without CAP_SYS_PTRACE (a worker) cannot open its /proc entries: descriptors, environment,
+    memory. It also means this process leaves no core dump."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def _give_up_ptrace() -> None:
+    """Linux, in the worker: drop CAP_SYS_PTRACE (which root has) for good, so that the parent's
+    /proc entries stay closed to the user code (see _close_the_parents_proc_entries)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE, 0, 0, 0)  # fails without CAP_SETPCAP: then it is not held
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable of capabilities 0-31, then of 32-63
+    if libc.capget(header, data) == 0:
+        for index in (0, 1, 2):
+            data[index] &= ~(1 << CAP_SYS_PTRACE)
+        libc.capset(header, data)
 
 
 def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> None:
@@ -171,6 +198,7 @@ def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> No
     every other request is answered with `handle(state, request)`."""
     if len(sys.argv) > 1:
         _exit_with_parent(int(sys.argv[1]))
+    _give_up_ptrace()
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     requests = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
@@ -223,6 +251,7 @@ class WorkerProcess:
     def start(self) -> None:
         """Start the process and send it the payload; raises RuntimeError on failure."""
         self.stop()
+        _close_the_parents_proc_entries()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, str(os.getpid())],
             stdin=subprocess.PIPE,

@@ -368,3 +368,53 @@ def test_a_reward_worker_cannot_send_the_trainer_a_pickle_or_read_its_secrets(im
         rewards, metrics = scorer.score(["p", "p", "p"], ["pickle", "env", "ok"], ["", "", ""])
     assert not marker.exists()
     assert rewards.tolist()[1:] == [0.5, 1.0], (rewards, metrics)
+
+
+PROC_REWARDS = """
+import os
+
+def reward(prompt, completion, reference):
+    parent = os.getppid()
+    for path in (f"/proc/{parent}/environ", f"/proc/{parent}/fd/0", f"/proc/{parent}/mem"):
+        try:
+            with open(path, "rb") as file:
+                if SECRET.encode() in file.read(1 << 20):
+                    return 1.0
+        except OSError:
+            pass
+    for fd in os.listdir(f"/proc/{parent}/fd") if os.access(f"/proc/{parent}/fd", os.R_OK) else []:
+        try:
+            if os.readlink(f"/proc/{parent}/fd/{fd}").startswith("pipe:"):
+                return 0.75
+        except OSError:
+            pass
+    return 0.5
+"""
+
+
+def test_a_reward_function_cannot_open_the_trainers_proc_entries(importable_module, monkeypatch):
+    module = importable_module("sandbox_proc_rewards", f"SECRET = {SECRET!r}\n{PROC_REWARDS}")
+    monkeypatch.setenv("ARCHON_TEST_API_KEY", SECRET)
+    with RewardScorer(RewardConfig(function=f"{module}:reward", num_workers=1)) as scorer:
+        rewards, _ = scorer.score(["p"], ["c"], [""])
+    assert rewards.tolist() == [0.5]  # 1.0: it read the trainer's environment; 0.75: it saw the trainer's pipes
+
+
+def test_a_call_whose_worker_is_killed_leaves_no_process_behind():
+    code = spawn_code("system") + "\ntime.sleep(60)"
+    runner = ToolRunner([PYTHON_TOOL], timeout_s=30.0, num_workers=1)
+    call = threading.Thread(target=lambda: runner.call(ToolCall("python", {"code": code})))
+    call.start()
+    deadline = time.monotonic() + 10.0
+    while not processes_with(SLEEP_TOKEN) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(SLEEP_TOKEN)  # the call is under way
+    os.kill(worker_pid(runner), signal.SIGKILL)  # as a runner's timeout does
+    call.join()
+    runner.close()
+    deadline = time.monotonic() + 5.0
+    while (survivors := processes_with(SLEEP_TOKEN)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors
