@@ -186,11 +186,13 @@ def test_gemma3_bad_input():
         renderer.bridge(turn, [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
     with pytest.raises(ValueError, match=r"renders no tools"):
         renderer.render_prompt([{"role": "user", "content": "q"}], tools=TOOLS)
-    with pytest.raises(ValueError, match=r"message 2 is a user message where the template needs a assistant turn"):
+    with pytest.raises(ValueError, match=r"message 2 has role 'user' where the template needs 'assistant'"):
         renderer.render_prompt(
             [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "user", "content": "q2"}]
         )
-    with pytest.raises(ValueError, match=r"message 0 is a assistant message where the template needs a user turn"):
+    with pytest.raises(
+        ValueError, match=r"message 0 has role 'assistant' where the template needs 'user': .* alternate"
+    ):
         renderer.render_prompt([{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}])
     with pytest.raises(ValueError, match=r"message 1 has role 'tool'"):
         renderer.render_prompt([{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}])

@@ -78,8 +78,8 @@ class Gemma3Renderer(Renderer):
             expected = "user" if index % 2 == 0 else "assistant"
             if message["role"] != expected:
                 raise ValueError(
-                    f"renderer {self.name!r}: message {index + offset} is a {message['role']} message where the "
-                    f"template needs a {expected} turn: after an optional system message, the turns alternate "
+                    f"renderer {self.name!r}: message {index + offset} has role {message['role']!r} where the "
+                    f"template needs {expected!r}: after an optional system message, the turns alternate "
                     f"user / assistant, starting with a user turn"
                 )
 
