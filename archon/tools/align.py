@@ -38,9 +38,10 @@ archon.tools.dequantized_reference, the report's text archon.tools.align_report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
-import math
 import sys
 import tempfile
 import warnings
@@ -51,17 +52,31 @@ from typing import Any, Literal
 import torch
 
 from archon.build import build_model, load_hf_config
-from archon.checkpoint.hf import read_json_file
 from archon.config_coverage import unaccounted_fields
 from archon.head import model_label_logprobs
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import save_peft_adapter
 from archon.precision import fp32_islands_in_fp64
-from archon.quant import QuantFormat, quant_format_from_config, quantized_weights
-from archon.quant.export import QUANTIZED_WEIGHTS, quantize_checkpoint
-from archon.quant.formats import compressed_tensors_config
+from archon.quant import quantized_weights
 from archon.spec import get_spec
-from archon.tools.align_report import format_report
+from archon.tools.align_batch import (  # noqa: F401 - label_positions ...: at their old path
+    _compare_logits,
+    _hf_forward,
+    label_logprobs,
+    label_positions,
+    packed_batch,
+)
+from archon.tools.align_checks import bf16_norm_check, generation_cache_check, lora_grad_errors
+from archon.tools.align_inputs import (  # noqa: F401 - parse_config_assignments ...: at their old path
+    check_quantize_option,
+    checkpoints,
+    parse_config_assignments,
+    quantize_option_format,
+    resolve_model_type,
+)
+from archon.tools.align_report import failure_lines, format_gate, format_report
+from archon.tools.align_tp import TP_TOLERANCES, tp_check
+from archon.tools.align_variants import config_variants
 from archon.tools.dequantized_reference import (  # noqa: F401 - reference_dequantize_*: at their old path
     reference_dequantize_fp8,
     reference_dequantize_mxfp4,
@@ -87,8 +102,21 @@ TOLERANCES: dict[str, dict[str, float]] = {
     # fp64 on both sides, fp32 islands kept in fp64 (`fp32_islands_in_fp64`): what is left is fp64
     # rounding (about 1e-14 on the tiny models), so anything near these limits is a difference of the math.
     "float64": dict(max_abs_logits_diff=1e-9, mean_kl=1e-15, lora_grad_max_rel_err=1e-9),
+    # bf16 on both sides, end to end: archon's packed attention and chunked head round differently from
+    # HF's eager per-sequence path, and a near tie in a bf16 router picks another expert. Measured on
+    # every registered type's tiny config, seed 0 (2026-12-06, CPU): max |Δ logits| up to 3.2
+    # (kimi_linear; dense types 0.05-0.10), mean KL up to 2.3e-2 (deepseek_v32; dense up to 8e-5),
+    # |Δ train log-prob| up to 1.9 (minimax_m2). The limits are twice those floors: they catch a
+    # broken bf16 path, not a wrong cast; the cast order is checked per norm (bf16_norm_max_abs_diff).
+    # (bf16 runs compare the base model only: no LoRA entry.)
+    "bfloat16": dict(max_abs_logits_diff=6.5, mean_kl=5e-2),
 }
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# The generation cache (decode step by step against the full forward; archon against itself), by dtype.
+CACHE_TOLERANCES = {"float32": 1e-4, "float64": 1e-9}
+# A norm module against HF's on the same bf16 input: a correct port computes HF's operations in HF's
+# order, and every registered family's norms are bit for bit HF's (measured 0.0, 2026-12-06).
+BF16_NORM_TOLERANCE = 0.0
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # Rows of the chunked head per chunk in the gate's training-path check: small, so the packed batch
 # spans several chunks.
 GATE_HEAD_CHUNK_SIZE = 16
@@ -113,138 +141,27 @@ class AlignArgs:
     """Config overrides as KEY=VALUE (the value read as JSON, else as a string), e.g.
     `--set sliding_window=8 use_sliding_window=true 'rope_parameters={"rope_type": "default", "rope_theta": 10000}'`;
     they join config_overrides (tiny models only)."""
-    dtype: Literal["float32", "float64"] = "float32"
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     """The dtype both sides run in; float64 tells fp32 rounding from a wrong port (see TOLERANCES)."""
+    generation: bool = False
+    """Also decode greedily with archon's generation cache and compare each step with a full forward
+    (float32 / float64)."""
+    variants: bool = False
+    """Gate v2 (the command line's `--all`): besides the tiny config, one config per boolean or
+    enumerated field the family reads, flipped (archon.tools.align_variants)."""
+    extra_dtypes: tuple[Literal["float64", "bfloat16"], ...] = ()
+    """Gate v2: the tiny config again in these dtypes (bfloat16 without LoRA: the end-to-end comparison
+    within the measured bf16 floor and every norm module against HF's)."""
+    tp: int = 1
+    """Gate v2: with 2, hidden states, log-probs and LoRA gradients of the tiny model under TP x2 (two
+    gloo processes) against one process (archon.tools.align_tp)."""
+    all: bool = False
+    """Gate v2 in full: --variants --generation --extra-dtypes float64 bfloat16 --tp 2."""
     quantize: str | None = None
     """Store the checkpoint's weights in a published low-precision format before comparing: fp8
     (block-scaled e4m3, 128x128 blocks), fp8:RxC (R x C blocks, e.g. fp8:16x24), fp8-channel or
     fp8-tensor (compressed-tensors e4m3 with a scale per output channel or per tensor) or mxfp4 (the
     routed experts, GPT-OSS's layout)."""
-
-
-def parse_config_assignments(assignments: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """["key=value", ...] -> {key: value}; a value is read as JSON (numbers, true/false/null, lists,
-    objects), else kept as a string. `None` is null too."""
-    overrides: dict[str, Any] = {}
-    for item in assignments:
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not eq or not key.isidentifier():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY a config field name")
-        if text.strip() == "None":
-            overrides[key] = None
-            continue
-        try:
-            overrides[key] = json.loads(text)
-        except json.JSONDecodeError:
-            overrides[key] = text
-    return overrides
-
-
-def resolve_model_type(args: AlignArgs) -> str:
-    """args.model_type, else the model_type of args.hf_path/config.json; a supported type either way."""
-    overrides = parse_config_assignments(args.set)
-    if args.hf_path is not None and (overrides or args.config_overrides):
-        raise ValueError(
-            "--set / config_overrides change the tiny model's config; a --hf-path checkpoint is checked as it is"
-        )
-    if args.hf_path is None:
-        if args.model_type is None:
-            raise ValueError("give --model-type (to check a tiny random model of that type) or --hf-path DIR")
-        get_spec(args.model_type)
-        return args.model_type
-    config_path = Path(args.hf_path) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist; --hf-path must be an HF model directory")
-    model_type = read_json_file(config_path, "model config").get("model_type")
-    if not isinstance(model_type, str):
-        raise ValueError(f'{config_path} has no "model_type" string, so it is not an HF transformers model config')
-    if args.model_type is not None and args.model_type != model_type:
-        raise ValueError(f"{config_path} holds model_type {model_type!r}, not {args.model_type!r}")
-    try:
-        get_spec(model_type)
-    except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from None
-    return model_type
-
-
-def quantize_option_format(option: str) -> QuantFormat:
-    """The format an `--quantize` value names: fp8 (128x128 blocks), fp8:RxC, fp8-channel,
-    fp8-tensor or mxfp4."""
-    method, _, blocks = option.partition(":")
-    if method == "mxfp4" and not blocks:
-        return QuantFormat("mxfp4", (1, 32))
-    if method in ("fp8-channel", "fp8-tensor") and not blocks:
-        return quant_format_from_config(compressed_tensors_config(method.removeprefix("fp8-")))
-    if method == "fp8":
-        if not blocks:
-            return QuantFormat("fp8", (128, 128))
-        rows, x, cols = blocks.partition("x")
-        if x and rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0:
-            return QuantFormat("fp8", (int(rows), int(cols)))
-    raise ValueError(
-        f"--quantize {option!r}: expected fp8 (128x128 blocks), fp8:RxC (blocks of R rows and C columns, "
-        "e.g. fp8:16x24), fp8-channel, fp8-tensor or mxfp4"
-    )
-
-
-def _checkpoint_quantization_config(path: Path) -> dict | None:
-    return read_json_file(path / "config.json", "model config").get("quantization_config")
-
-
-def check_quantize_option(args: AlignArgs) -> None:
-    """An error naming the option when --quantize is malformed or the --hf-path checkpoint is quantized already."""
-    if args.quantize is None:
-        return
-    quantize_option_format(args.quantize)
-    if args.hf_path is not None and _checkpoint_quantization_config(Path(args.hf_path)) is not None:
-        raise ValueError(
-            f"--quantize {args.quantize!r}: {str(Path(args.hf_path) / 'config.json')!r} has a quantization_config "
-            "already; check a quantized checkpoint with --hf-path alone"
-        )
-
-
-def packed_batch(seq_lens, vocab_size: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, vocab_size, (n,), generator=g) for n in seq_lens]
-    tokens = torch.cat(seqs)
-    positions = torch.cat([torch.arange(n) for n in seq_lens])
-    cu_seqlens = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
-    return seqs, tokens, positions, cu_seqlens
-
-
-def label_logprobs(logits: torch.Tensor, seqs: list[torch.Tensor]) -> torch.Tensor:
-    """Log-prob of each next token within each sequence, packed: [sum(len-1)]."""
-    out, start = [], 0
-    for seq in seqs:
-        n = len(seq)
-        lp = torch.log_softmax(logits[start : start + n - 1].double(), dim=-1)
-        out.append(lp.gather(-1, seq[1:, None])[:, 0])
-        start += n
-    return torch.cat(out)
-
-
-def _compare_logits(a: torch.Tensor, h: torch.Tensor) -> tuple[float, float]:
-    log_p_hf = torch.log_softmax(h.double(), -1)
-    log_p_archon = torch.log_softmax(a.double(), -1)
-    kl = (log_p_hf.exp() * (log_p_hf - log_p_archon)).sum(-1).mean().item()
-    return (a - h).abs().max().item(), max(kl, 0.0)
-
-
-def _hf_forward(hf_model, seqs):
-    return torch.cat([hf_model(seq[None]).logits[0] for seq in seqs])
-
-
-def label_positions(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [M], labels [M]) of the packed batch: each position but a sequence's last, and the next
-    token, in the order of `label_logprobs`."""
-    rows, labels, start = [], [], 0
-    for seq in seqs:
-        n = len(seq)
-        rows.append(torch.arange(start, start + n - 1))
-        labels.append(seq[1:])
-        start += n
-    return torch.cat(rows), torch.cat(labels)
 
 
 def training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs) -> torch.Tensor:
@@ -263,16 +180,53 @@ def run_alignment(args: AlignArgs) -> dict[str, Any]:
     return _run_alignment(args)
 
 
+# While `reuse_hf_references()` is active: the HF side of each gate run (the checkpoints, HF's model and
+# its logits), by the config and dtype it was made for; None otherwise.
+_REUSED: dict[Any, Any] | None = None
+
+
+@contextlib.contextmanager
+def reuse_hf_references():
+    """Within the block, gate runs of a config already checked reuse its checkpoints and HF's logits
+    instead of making them again: runs that differ only on archon's side (a mutation suite) cost
+    archon's side only. The checkpoints live in a temporary directory until the block ends."""
+    global _REUSED
+    with tempfile.TemporaryDirectory() as tmp:
+        _REUSED = {"dir": Path(tmp)}
+        try:
+            yield
+        finally:
+            _REUSED = None
+
+
+def _reused(key, make):
+    if _REUSED is None:
+        return make()
+    if key not in _REUSED:
+        _REUSED[key] = make()
+    return _REUSED[key]
+
+
+def _reuse_dir(tmp: Path, key: str) -> Path:
+    """Where a run makes its checkpoints: its own temporary directory, or the reuse block's."""
+    if _REUSED is None:
+        return tmp
+    return _REUSED["dir"] / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def _run_alignment(args: AlignArgs) -> dict[str, Any]:
     model_type = resolve_model_type(args)
     check_quantize_option(args)
+    if args.dtype == "bfloat16" and args.lora_rank is not None:
+        raise ValueError("--dtype bfloat16 compares the base model; compare LoRA in float32 or float64")
     dtype = DTYPES[args.dtype]
     tolerances = TOLERANCES[args.dtype]
     overrides = {**args.config_overrides, **parse_config_assignments(args.set)}
     torch.manual_seed(args.seed)
+    key = json.dumps([model_type, overrides, args.seed, args.hf_path, args.quantize], sort_keys=True, default=str)
     with tempfile.TemporaryDirectory() as tmp:
-        hf_path, hf_reference_path, quant_format, quantized_tensors = _checkpoints(
-            args, model_type, overrides, Path(tmp)
+        hf_path, hf_reference_path, quant_format, quantized_tensors = _reused(
+            ("checkpoints", key), lambda: checkpoints(args, model_type, overrides, _reuse_dir(Path(tmp), key))
         )
         hf_config = load_hf_config(hf_path)
         hf_class = hf_model_class(hf_config)
@@ -285,16 +239,21 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
                 hf_reference_path, dtype=dtype, attn_implementation="eager", **experts
             ).eval()
 
-        hf_model = load_hf()
+        batch = packed_batch(args.seq_lens, hf_config.get_text_config().vocab_size, args.seed)
+        seqs, tokens, positions, cu_seqlens = batch
+        max_seqlen = max(args.seq_lens)
+
+        def hf_side():
+            hf_model = load_hf()
+            with torch.no_grad():
+                return hf_model, _hf_forward(hf_model, seqs)
+
+        hf_model, hf_logits = _reused(("hf", key, args.dtype, args.seq_lens), hf_side)
         loaded = build_model(hf_path, dtype=dtype)
         model = loaded.model.to(dtype).eval()
         kept_quantized = len(quantized_weights(model))
-        batch = packed_batch(args.seq_lens, hf_model.config.get_text_config().vocab_size, args.seed)
-        seqs, tokens, positions, cu_seqlens = batch
-        max_seqlen = max(args.seq_lens)
         with torch.no_grad():
             archon_logits = model(tokens, positions, cu_seqlens, max_seqlen)
-            hf_logits = _hf_forward(hf_model, seqs)
             hf_logprobs = label_logprobs(hf_logits, seqs)
             train_logprobs = training_path_logprobs(model, tokens, positions, cu_seqlens, max_seqlen, seqs)
         max_diff, mean_kl = _compare_logits(archon_logits, hf_logits)
@@ -324,6 +283,7 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
             ("mean_kl", tolerances["mean_kl"]),
             ("max_abs_train_logprob_diff", logits_tol),
         ]
+        checks += _generation_and_bf16_checks(args, report, model, hf_model, loaded.converter, seqs)
         del model, loaded
 
         if args.lora_rank is not None:
@@ -336,29 +296,17 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
     return _verdict(args, report, checks, unread)
 
 
-def _checkpoints(args: AlignArgs, model_type: str, overrides: dict[str, Any], tmp: Path):
-    """(the checkpoint archon loads, the plain one HF loads, its quantization format or None, how many
-    weights it stores quantized): the tiny model or --hf-path, quantized by --quantize, and when
-    quantized, HF's copy dequantized by the reference recipe."""
-    if args.hf_path is None:
-        hf_path = make_tiny_hf_checkpoint(model_type, tmp / "hf", args.seed, **overrides)
-    else:
-        hf_path = Path(args.hf_path)
-    if args.quantize is not None:
-        fmt = quantize_option_format(args.quantize)
-        hf_path = quantize_checkpoint(hf_path, tmp / "quantized", fmt)
-
-    # HF runs on a plain copy of a quantized checkpoint, dequantized by the reference recipe.
-    quant_format = quant_format_from_config(_checkpoint_quantization_config(hf_path), str(hf_path / "config.json"))
-    hf_reference_path, quantized_tensors = hf_path, 0
-    if quant_format is not None:
-        hf_reference_path, quantized_tensors = write_dequantized_reference(hf_path, tmp / "reference")
-    if args.quantize is not None and quantized_tensors == 0:
-        raise ValueError(
-            f"--quantize {args.quantize!r}: no weight of the {model_type} checkpoint is one {quant_format.method} "
-            f"stores (HF names matching {QUANTIZED_WEIGHTS[quant_format.method]!r})"
-        )
-    return hf_path, hf_reference_path, quant_format, quantized_tensors
+def _generation_and_bf16_checks(args: AlignArgs, report, model, hf_model, converter, seqs) -> list[tuple[str, float]]:
+    """With args.generation (float32 / float64): the generation cache against the full forward. In
+    bfloat16: every norm module against HF's. Their figures go into `report`; returns their checks."""
+    checks = []
+    if args.generation and args.dtype in CACHE_TOLERANCES:
+        report.update(generation_cache_check(model, seqs))
+        checks += [("cache_max_abs_logprob_diff", CACHE_TOLERANCES[args.dtype]), ("cache_greedy_mismatches", 0)]
+    if args.dtype == "bfloat16":
+        report.update(bf16_norm_check(model, hf_model, converter, args.seed))
+        checks.append(("bf16_norm_max_abs_diff", BF16_NORM_TOLERANCE))
+    return checks
 
 
 def _config_checks(args: AlignArgs, model_type: str, hf_config) -> tuple[list[str], list[str]]:
@@ -407,7 +355,9 @@ def _compare_lora(args: AlignArgs, hf_path: Path, dtype: torch.dtype, load_hf, b
     )
     (-train_logprobs.sum()).backward()
     (-peft_logprobs.sum()).backward()
-    report["lora_grad_max_rel_err"] = _grad_rel_err(model, loaded.converter, peft_model)
+    report["lora_grad_max_rel_err"], report["lora_params_without_grad"] = lora_grad_errors(
+        model, loaded.converter, peft_model
+    )
     return report
 
 
@@ -423,6 +373,8 @@ def _verdict(args: AlignArgs, report: dict[str, Any], checks: list[tuple[str, fl
             failures.append("peft_keys")
         if not report["lora_effect_max_abs"] > 1e-3:
             failures.append("lora_effect_max_abs")  # the adapter must change the outputs
+        if report["lora_params_without_grad"]:
+            failures.append("lora_params_without_grad")  # a LoRA module the training path never reaches
     report["tolerances"] = {name: tol for name, tol in checks}
     report["failures"] = failures
     report["pass"] = not failures
@@ -443,22 +395,61 @@ def _load_peft(hf_model, adapter_dir: Path):
     }
 
 
-def _grad_rel_err(model, converter, peft_model) -> float:
-    peft_grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if "lora_" in n}
-    worst = 0.0
-    for name, param in lora_parameters(model).items():
-        for peft_key, grad in converter.lora_to_peft(name, param.grad):
-            ref = peft_grads[peft_key]
-            if ref is None:
-                ref = torch.zeros_like(grad)
-            scale = ref.abs().max().item()
-            err = (grad - ref).abs().max().item()
-            if scale == 0.0:
-                rel = 0.0 if err == 0.0 else math.inf
-            else:
-                rel = err / scale
-            worst = max(worst, rel)
-    return worst
+def run_gate(args: AlignArgs) -> dict[str, Any]:
+    """Gate v2: the tiny config (LoRA as asked) in args.dtype and in each of args.extra_dtypes (bfloat16
+    without LoRA), each config variant (archon.tools.align_variants) in args.dtype, the generation
+    cache, and TP x2. Every failed check is one line of `failures`, `CONFIG/DTYPE METRIC: VALUE > TOLERANCE`,
+    and a run that raised is one too, `CONFIG/DTYPE error: TYPE: MESSAGE`."""
+    if args.all:
+        args = dataclasses.replace(args, variants=True, generation=True, extra_dtypes=("float64", "bfloat16"), tp=2)
+    model_type = resolve_model_type(args)
+    overrides = {**args.config_overrides, **parse_config_assignments(args.set)}
+    base = dataclasses.replace(args, model_type=model_type, config_overrides=overrides, set=(), all=False)
+    runs = [("tiny", base)]
+    for extra in dict.fromkeys(d for d in args.extra_dtypes if d != args.dtype):
+        bf16 = extra == "bfloat16"
+        runs.append(("tiny", dataclasses.replace(base, dtype=extra, lora_rank=None if bf16 else base.lora_rank)))
+    refused: dict[str, str] = {}
+    if args.variants and args.hf_path is None:
+        variants, refused = config_variants(model_type, overrides)
+        runs += [(n, dataclasses.replace(base, config_overrides=o, generation=False)) for n, o in variants.items()][1:]
+    reports, failures = [], []
+    for name, run_args in runs:
+        where = f"{name}/{run_args.dtype}"
+        try:
+            report = run_alignment(run_args)
+        except Exception as e:  # a port that cannot load or run fails the gate by name, with the reason
+            failures.append(f"{where} error: {type(e).__name__}: {e}")
+            continue
+        reports.append({**report, "config": name})
+        failures += [f"{where} {line}" for line in failure_lines(report)]
+    tp: dict[str, Any] = {}
+    if args.tp > 1:
+        tp, tp_failures = _tp_gate(base, model_type, overrides)
+        failures += tp_failures
+    return {"model_type": model_type, "reports": reports, "refused_variants": refused, "tp": tp,
+            "failures": failures, "pass": not failures}  # fmt: skip
+
+
+def _tp_gate(args: AlignArgs, model_type: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """TP x2 against one process in float64 (its tolerance: archon.tools.align_tp.TP_TOLERANCES)."""
+    tol = TP_TOLERANCES["float64"]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = args.hf_path or make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **overrides)
+            figures = tp_check(path, "float64")
+        except Exception as e:
+            return {}, [f"tp2/float64 error: {type(e).__name__}: {e}"]
+    failures = [
+        f"tp2/float64 {k}: {v:.3e} > {tol:.0e}"
+        for k, v in figures.items()
+        if k != "tp2_lora_params_without_grad" and not v <= tol
+    ]
+    if figures["tp2_lora_params_without_grad"]:
+        failures.append(
+            f"tp2/float64 LoRA parameters with a gradient on one side only: {figures['tp2_lora_params_without_grad']}"
+        )
+    return figures, failures  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,7 +462,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = run_alignment(args)
+    if args.all or args.variants or args.extra_dtypes or args.tp > 1:
+        result = run_gate(args)
+        print(format_gate(result))
+        print(json.dumps(result))
+        return 0 if result["pass"] else 1
+    try:
+        report = run_alignment(args)
+    except Exception as e:  # a named FAIL line, not a traceback
+        report = {"model_type": args.model_type, "failures": [f"error: {type(e).__name__}: {e}"], "pass": False}
+        print(f"FAIL {args.dtype} error: {type(e).__name__}: {e}")
+        print(json.dumps(report))
+        return 1
     print(format_report(report))
     print(json.dumps(report))
     return 0 if report["pass"] else 1
