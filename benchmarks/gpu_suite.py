@@ -39,6 +39,9 @@ Checks (each runs on its own: a failure is recorded and the next check still run
                  layer), sampled tokens' log-probs equal the trainer's; acceptance and tok/s reported
                  partial: two adapter versions published during a generation of the built-in engine,
                  each token tagged with the version that sampled it, at that version's log-prob
+    tinker       (opt-in, --only tinker) the Tinker-compatible server (archon.serve) on the device,
+                 driven by the tinker SDK: forward_backward / optim_step lower the loss, and sampled
+                 log-probs equal compute_logprobs (LOGPROB_ATOL); untested on hardware
 Context parallelism needs two devices and is not checked here (the suite runs on one); its CPU
 tests run CP against one process with gloo, and benchmarks/long_context.py measures it.
 
@@ -93,6 +96,10 @@ CHECKS = (
     "quantized",
     "rollout_systems",
 )
+OPT_IN_CHECKS = ("tinker",)
+"""Checks run only when --only names them: tinker  one round of the Tinker-compatible server (archon.serve)
+driven by the tinker SDK: forward_backward, optim_step, save_weights_and_get_sampling_client and
+sample on the device, the sampled log-probs against compute_logprobs (untested on hardware)."""
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3), so a bf16 model is judged against the
 # error that HF itself makes in bf16, both measured against HF in fp32 on the same inputs. archon
@@ -1619,6 +1626,48 @@ def _partial_part(ctx: Context) -> dict[str, Any]:
     }
 
 
+def check_tinker(ctx: Context) -> dict[str, Any]:
+    """A Qwen3 served by archon.serve on the device, driven through the tinker SDK over loopback."""
+    import tinker
+
+    from archon.serve.config import ServeConfig
+    from archon.serve.server import start_server
+
+    path = _tiny_checkpoint(ctx, "qwen3", "tinker_base")
+    config = ServeConfig(base_model=str(path), port=0, api_key="tml-gpu-suite", device=str(ctx.device))
+    config.checkpoint_dir = str(ctx.workdir / "tinker_checkpoints")
+    server = start_server(config)
+    try:
+        service = tinker.ServiceClient(base_url=server.url, api_key="tml-gpu-suite")
+        client = service.create_lora_training_client(base_model=str(path), rank=8, seed=ctx.seed).result()
+        tokens = torch.randint(_vocab(path), (33,), generator=torch.Generator().manual_seed(ctx.seed)).tolist()
+        datum = tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 32},
+        )
+        losses = []
+        for _ in range(3):
+            step = client.forward_backward([datum], "cross_entropy")
+            client.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+            losses.append(step.result().metrics["loss:sum"])
+        sampler = client.save_weights_and_get_sampling_client().result()
+        prompt = tinker.types.ModelInput.from_ints(tokens[:8])
+        sample = sampler.sample(prompt, 2, tinker.types.SamplingParams(max_tokens=8, seed=ctx.seed)).result()
+        gap = 0.0
+        for sequence in sample.sequences:
+            scored = sampler.compute_logprobs(tinker.types.ModelInput.from_ints(tokens[:8] + sequence.tokens)).result()
+            gap = max(gap, max(abs(a - b) for a, b in zip(sequence.logprobs, scored[8:])))
+        service.close("success").result()
+    finally:
+        server.shutdown()
+        server.server_close()
+    return {
+        "pass": losses[-1] < losses[0] and gap <= LOGPROB_ATOL and all(len(s.tokens) == 8 for s in sample.sequences),
+        "losses": losses,
+        "max_sampled_logprob_diff": gap,
+    }
+
+
 # ---- driver ------------------------------------------------------------------------------------------
 
 CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -1632,6 +1681,7 @@ CHECK_FNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "prefill": check_prefill,
     "quantized": check_quantized,
     "rollout_systems": check_rollout_systems,
+    "tinker": check_tinker,
 }
 
 
@@ -1668,9 +1718,11 @@ def environment(ctx: Context) -> dict[str, Any]:
 
 
 def run_suite(args: SuiteArgs) -> dict[str, Any]:
-    unknown = [name for name in args.only if name not in CHECKS]
+    unknown = [name for name in args.only if name not in CHECKS + OPT_IN_CHECKS]
     if unknown:
-        raise ValueError(f"--only names unknown check(s) {', '.join(unknown)}; expected some of {', '.join(CHECKS)}")
+        raise ValueError(
+            f"--only names unknown check(s) {', '.join(unknown)}; expected some of {', '.join(CHECKS + OPT_IN_CHECKS)}"
+        )
     if args.tiny:
         device, sizes = torch.device("cpu"), TINY
     else:
