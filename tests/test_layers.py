@@ -65,6 +65,8 @@ FLOORS = {
     "archon.agents.openai_server": 7,
     "archon.agents.openai_engine": 7,
     "archon.agents.openai_agents": 7,
+    "archon.agents.agent_episodes": 7,
+    "archon.agents.environment_worker": 7,
     # 8. the RL run
     "archon.rl": 8,
     # 9. what puts it all together

@@ -18,13 +18,14 @@ sampled turn that would cross the budget is cut to it. An environment that raise
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from archon.agents.environment import Environment, EnvStep, StopReason
+from archon.agents.environment_worker import EnvironmentProcess, InProcessEnvironment, checked_reward, step_failure
 from archon.agents.renderer import AssistantTurn, Message, Renderer
 from archon.agents.tools import ToolCall, ToolResult
 from archon.agents.trajectory import Trajectory
@@ -50,8 +51,9 @@ class EpisodeLimits:
 
 
 class _Episode:
-    def __init__(self, key, env: Environment, row: dict, group: int) -> None:
+    def __init__(self, key, env, row: dict, group: int) -> None:
         self.key, self.env, self.row, self.group = key, env, row, group
+        """env: where the environment runs (archon.agents.environment_worker)."""
         self.trajectory: Trajectory | None = None
 
     @property
@@ -64,19 +66,21 @@ class _Episode:
 
 
 class EpisodeRunner:
-    """Runs groups of episodes. make_env(): a fresh Environment (one per episode); run_tools(calls):
-    their results in order (archon.agents.tools.ToolRunner.call_many); tool_schemas: what the
-    prompt offers."""
+    """Runs groups of episodes. make_env(): a fresh Environment, or an EnvironmentProcess (one per
+    episode); run_tools(calls): their results in order (archon.agents.tools.ToolRunner.call_many);
+    tool_schemas: what the prompt offers. `context_tokens`: the model's context (set by the run;
+    None: unbounded): a trajectory never grows past it."""
 
     _keys = itertools.count()
 
     def __init__(
         self,
         renderer: Renderer,
-        make_env: Callable[[], Environment],
+        make_env: Callable[[], Environment | EnvironmentProcess],
         run_tools: Callable[[list[ToolCall]], list[ToolResult]],
         tool_schemas: list[dict] | None,
         limits: EpisodeLimits,
+        context_tokens: int | None = None,
     ) -> None:
         self.renderer, self.make_env, self.run_tools = renderer, make_env, run_tools
         self.tool_schemas = tool_schemas or None
@@ -84,29 +88,25 @@ class EpisodeRunner:
             if getattr(limits, name) < 1:
                 raise ValueError(f"EpisodeLimits.{name} must be at least 1, got {getattr(limits, name)}")
         self.limits = limits
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="archon-env")
+        self.context_tokens = context_tokens
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing outlives an episode (its environment's process or calls end with it)."""
 
     def framing_tokens(self, system_prompt: str | None = None) -> int:
-        """The ids a first prompt has beyond its messages' text: the format's framing, the tool
-        schemas and the system prompt (for sizing a server's context)."""
-        messages = [{"role": "user", "content": ""}]
-        if system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        return len(self.renderer.render_prompt(messages, self.tool_schemas))
+        """The ids a first prompt has beyond its messages' text (for sizing a server's context)."""
+        return framing_tokens(self.renderer, self.tool_schemas, system_prompt)
 
-    def _call_env(self, episode: _Episode, fn, *args):
-        """fn(*args) with the step timeout; (result, None) or (None, (reason, error))."""
-        future = self._pool.submit(fn, *args)
-        try:
-            return future.result(timeout=self.limits.step_timeout_s), None
-        except concurrent.futures.TimeoutError:
-            # the thread cannot be stopped; the episode no longer waits for it
-            return None, (StopReason.TIMEOUT, f"the environment took more than {self.limits.step_timeout_s} s")
-        except Exception as exc:  # noqa: BLE001 - an environment's failure ends its episode, not the run
-            return None, (StopReason.ENV_ERROR, describe_exception(exc))
+    def _environment(self):
+        env = self.make_env()
+        return InProcessEnvironment(env, self.limits.step_timeout_s) if isinstance(env, Environment) else env
+
+    def _call_all(self, calls: list[tuple[_Episode, str, tuple]]) -> list[tuple]:
+        """Each (episode, method, args) called at once on its environment; (result, None) or
+        (None, (reason, error)) each, all within one step timeout."""
+        pending = [episode.env.submit(method, *args) for episode, method, args in calls]
+        deadline = time.monotonic() + self.limits.step_timeout_s
+        return [call.result(deadline) for call in pending]
 
     def run(
         self,
@@ -124,10 +124,10 @@ class EpisodeRunner:
         freed by end_sessions(keys) at the end. any_running(this process has episodes running) ->
         whether any process in lockstep with it does: while one does, every one generates (nothing,
         once its own are over), so that all run the same forwards."""
-        episodes = [
-            _Episode(next(self._keys), self.make_env(), row, g) for g, row in enumerate(rows) for _ in range(group_size)
-        ]
+        episodes: list[_Episode] = []
         try:
+            for g, row in enumerate(rows):
+                episodes += [_Episode(next(self._keys), self._environment(), row, g) for _ in range(group_size)]
             self._start(episodes)
             for turn in range(self.limits.max_turns):
                 running = [e for e in episodes if e.running]
@@ -147,29 +147,28 @@ class EpisodeRunner:
             if keeps_sessions and end_sessions is not None:
                 end_sessions([e.key for e in episodes])
             for episode in episodes:
-                try:
-                    episode.env.close()
-                except Exception:  # noqa: BLE001 - closing is best effort; the trajectory is kept
-                    pass
+                episode.env.close()
         trajectories = [e.trajectory for e in episodes]
         for g in range(len(rows)):
-            group = trajectories[g * group_size : (g + 1) * group_size]
-            replaced = type(episodes[g * group_size].env).group_rewards(group)
-            if replaced is not None:
-                if len(replaced) != len(group):
-                    raise ValueError(f"group_rewards returned {len(replaced)} rewards for a group of {len(group)}")
-                for trajectory, reward in zip(group, replaced):
-                    trajectory.reward = float(reward)
+            environment_class = episodes[g * group_size].env.environment_class
+            group_rewards(environment_class, trajectories[g * group_size : (g + 1) * group_size])
         return trajectories
 
     def _start(self, episodes: list[_Episode]) -> None:
-        for episode in episodes:
-            messages, failure = self._call_env(episode, episode.env.reset, episode.row)
+        outcomes = self._call_all([(episode, "reset", (episode.row,)) for episode in episodes])
+        for episode, (messages, failure) in zip(episodes, outcomes):
+            prompt_ids = None
             if failure is None:
                 try:
                     prompt_ids = self.renderer.render_prompt(list(messages), self.tool_schemas)
                 except Exception as exc:  # noqa: BLE001 - messages the format cannot render
                     failure = (StopReason.ENV_ERROR, f"rendering the first messages failed: {describe_exception(exc)}")
+            if failure is None and self.context_tokens is not None and len(prompt_ids) >= self.context_tokens:
+                failure = (
+                    StopReason.PROMPT_TOO_LONG,
+                    f"the environment's first messages render to {len(prompt_ids)} tokens, and the model's "
+                    f"context is {self.context_tokens}",
+                )
             if failure is not None:
                 # an empty trajectory: it trains nothing, and keeps its group whole
                 episode.trajectory = Trajectory(
@@ -179,11 +178,32 @@ class EpisodeRunner:
                 continue
             episode.trajectory = Trajectory(prompt_ids=prompt_ids, messages=list(messages))
 
+    def _room(self, trajectory: Trajectory) -> int:
+        """The ids the trajectory may still grow by: the run's limit and the model's context."""
+        room = self.limits.max_tokens - len(trajectory.completion_ids)
+        if self.context_tokens is not None:
+            room = min(room, self.context_tokens - len(trajectory.trajectory_ids))
+        return room
+
     def _turn(
         self, running: list[_Episode], turn: int, sampling: SamplingParams, generate: Generate, keeps_sessions: bool
     ) -> None:
         limits = self.limits
-        budget = min(limits.max_turn_tokens, max(limits.max_tokens - len(e.trajectory.completion_ids) for e in running))
+        budget = min(limits.max_turn_tokens, max(self._room(e.trajectory) for e in running))
+        if self.context_tokens is not None:
+            # one call, one max_new_tokens: an episode whose context cannot hold it ends here
+            for episode in running:
+                left = self.context_tokens - len(episode.trajectory.trajectory_ids)
+                if left < budget:
+                    episode.stop(
+                        StopReason.TOKEN_BUDGET,
+                        f"the model's context ({self.context_tokens}) has room for {left} more tokens, "
+                        f"the turn asks for {budget}",
+                    )
+            running = [e for e in running if e.running]
+            if not running:
+                generate([], dataclasses.replace(sampling, n=1), [] if keeps_sessions else None)
+                return
         turn_sampling = dataclasses.replace(
             sampling, n=1, max_new_tokens=budget, stop_token_ids=tuple(self.renderer.stop_token_ids)
         )
@@ -197,8 +217,7 @@ class EpisodeRunner:
             trajectory = episode.trajectory
             if turn == 0:
                 trajectory.start_version = sample.version
-            left = limits.max_tokens - len(trajectory.completion_ids)
-            ids = sample.completion_ids[:left]
+            ids = sample.completion_ids[: self._room(trajectory)]
             trajectory.add_sampled(ids, sample.logprobs[: len(ids)], sample.token_versions[: len(ids)])
             trajectory.num_turns += 1
             parsed = self.renderer.parse_turn(ids)
@@ -218,11 +237,12 @@ class EpisodeRunner:
                 pending.append((episode, parsed))
         calls = [call for _, parsed in pending for call in parsed.tool_calls]
         results = self.run_tools(calls) if calls else []
-        start = 0
+        steps, start = [], 0
         for episode, parsed in pending:
-            own = results[start : start + len(parsed.tool_calls)]
+            steps.append((episode, "step", (parsed, results[start : start + len(parsed.tool_calls)])))
             start += len(parsed.tool_calls)
-            self._step(episode, parsed, own, last_turn=turn == limits.max_turns - 1)
+        for (episode, _, (parsed, _)), outcome in zip(steps, self._call_all(steps)):
+            self._step(episode, outcome, last_turn=turn == limits.max_turns - 1)
 
     def _first_turn(
         self, running: list[_Episode], sampling: SamplingParams, generate: Generate, keeps_sessions: bool
@@ -245,16 +265,21 @@ class EpisodeRunner:
             [e.trajectory.prompt_ids for e in running], sampling, [e.key for e in running] if keeps_sessions else None
         )
 
-    def _step(self, episode: _Episode, parsed: AssistantTurn, results: list[ToolResult], last_turn: bool) -> None:
+    def _step(self, episode: _Episode, outcome: tuple, last_turn: bool) -> None:
+        """The environment's answer to a turn, (EnvStep or its fields as a dict, None) or (None, failure)."""
         trajectory = episode.trajectory
-        step, failure = self._call_env(episode, episode.env.step, parsed, results)
-        if failure is None and not isinstance(step, EnvStep):
-            failure = (StopReason.ENV_ERROR, f"step returned {type(step).__name__}, expected an EnvStep")
+        step, failure = outcome
+        if failure is None:
+            if isinstance(step, dict):  # from a worker process, checked there
+                step = EnvStep(**step)
+            elif (error := step_failure(step, episode.env.environment_class.__name__)) is not None:
+                failure = (StopReason.ENV_ERROR, error)
         if failure is not None:
             episode.stop(*failure)
             return
-        trajectory.step_rewards.append(float(step.reward))
-        trajectory.reward += float(step.reward)
+        reward = float(step.reward)
+        trajectory.step_rewards.append(reward)
+        trajectory.reward += reward
         if step.answer is not None:
             trajectory.answer = step.answer
         if step.done:
@@ -271,11 +296,46 @@ class EpisodeRunner:
                 StopReason.ENV_ERROR, f"rendering the environment's messages failed: {describe_exception(exc)}"
             )
             return
-        if len(trajectory.completion_ids) + len(added) >= self.limits.max_tokens:
+        if len(added) >= self._room(trajectory):
             episode.stop(StopReason.TOKEN_BUDGET)
             return
         trajectory.add_environment(added)
         trajectory.messages.extend(messages)
+
+
+def group_rewards(environment_class: type[Environment], group: list[Trajectory]) -> None:
+    """Replace the group's rewards by the environment's group_rewards, when it gives them. When it
+    raises or gives a wrong count or a reward that is not a finite number, the group ends
+    (env_error, naming the environment) with reward 0 everywhere: it trains nothing."""
+    name = environment_class.__name__
+    try:
+        replaced = environment_class.group_rewards(group)
+        if replaced is None:
+            return
+        if len(replaced) != len(group):
+            raise ValueError(f"it returned {len(replaced)} rewards for a group of {len(group)}")
+        rewards = []
+        for reward in replaced:
+            value, error = checked_reward(reward, f"{name}.group_rewards")
+            if error is not None:
+                raise ValueError(error)
+            rewards.append(value)
+    except Exception as exc:  # noqa: BLE001 - a group's failure ends the group, not the run
+        why = f"{name}.group_rewards failed: {describe_exception(exc)}"
+        for trajectory in group:
+            trajectory.reward, trajectory.stop_reason, trajectory.error = 0.0, StopReason.ENV_ERROR, why
+        return
+    for trajectory, reward in zip(group, rewards):
+        trajectory.reward = reward
+
+
+def framing_tokens(renderer: Renderer, tool_schemas: list[dict] | None, system_prompt: str | None) -> int:
+    """The ids a first prompt has beyond its messages' text: the format's framing, the tool schemas
+    and the system prompt."""
+    messages = [{"role": "user", "content": ""}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return len(renderer.render_prompt(messages, tool_schemas))
 
 
 def last_turn_ids(trajectory: Trajectory) -> list[int]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from archon.agents.agent_episodes import AgentEpisodes
 from archon.agents.environment import Environment, ToolUseEnvironment
+from archon.agents.environment_worker import EnvironmentProcess
 from archon.agents.episodes import EpisodeLimits, EpisodeRunner
 from archon.agents.renderer import default_renderer_name, get_renderer
 from archon.agents.sandbox import resolve_tool
@@ -51,7 +53,9 @@ class EnvironmentConfig:
 
 
 def environment_factory(config: EnvironmentConfig, prompt_field: str):
-    """(make_env, tools) for the configured environment."""
+    """(make_env, tools) for the configured environment: the built-in one runs in this process; a
+    "module:Class" runs in a worker process per episode (EnvironmentProcess), which a call past
+    limits.step_timeout_s kills."""
     if config.name == TOOL_USE:
         tools = [resolve_tool(spec) for spec in config.tools]
         return (lambda: ToolUseEnvironment(tools, config.system_prompt, prompt_field)), tools
@@ -63,7 +67,8 @@ def environment_factory(config: EnvironmentConfig, prompt_field: str):
     cls = import_function(module_name, attr, f"environment.name {config.name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment.name {config.name!r} is not an archon.agents.environment.Environment subclass")
-    return cls, list(cls.tools)
+    timeout_s = config.limits.step_timeout_s
+    return (lambda: EnvironmentProcess(config.name, cls, timeout_s)), list(cls.tools)
 
 
 def renderer_options(config: EnvironmentConfig) -> dict:
@@ -75,11 +80,9 @@ def build_episode_runner(config: EnvironmentConfig, tokenizer, model_type: str, 
     close the ToolRunner when the run ends."""
     renderer = get_renderer(config.renderer or default_renderer_name(model_type), tokenizer, **renderer_options(config))
     if config.agent is not None:
-        from archon.agents.openai_agents import AgentEpisodes
-
         module_name, _, attr = config.agent.partition(":")
         agent_fn = import_function(module_name, attr, f"environment.agent {config.agent!r}")
-        return AgentEpisodes(agent_fn, renderer, config.limits.max_turn_tokens, config.agent_timeout_s), None
+        return AgentEpisodes(agent_fn, renderer, config.limits, config.agent_timeout_s), None
     make_env, tools = environment_factory(config, prompt_field)
     tool_runner = ToolRunner(
         tools,

@@ -39,7 +39,9 @@ class StopReason(str, enum.Enum):
     TIMEOUT = "timeout"
     """The environment's reset or step took longer than allowed."""
     ENV_ERROR = "env_error"
-    """The environment raised."""
+    """The environment raised, or gave a reward that is not a finite number."""
+    PROMPT_TOO_LONG = "prompt_too_long"
+    """The environment's first messages do not fit the model's context."""
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Trajectory:
     num_turns: int = 0
     num_tool_calls: int = 0
     start_version: int = 0
+    cut: bool = False
+    """Its completion was cut to the run's or the model's limit after the episode (`cut_to`)."""
 
     def add_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
         if not len(ids) == len(logprobs) == len(versions):
@@ -78,6 +82,19 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids)
         self.token_versions += [version] * len(ids)
 
+    def cut_to(self, completion_tokens: int) -> bool:
+        """Keep the first `completion_tokens` completion ids (and their masks, log-probs and
+        versions); whether anything was cut (then `cut` is set)."""
+        if len(self.completion_ids) <= completion_tokens:
+            return False
+        keep = max(completion_tokens, 0)
+        self.completion_ids = self.completion_ids[:keep]
+        self.sampled_mask = self.sampled_mask[:keep]
+        self.logprobs = self.logprobs[:keep]
+        self.token_versions = self.token_versions[:keep]
+        self.cut = True
+        return True
+
     @property
     def num_sampled(self) -> int:
         return sum(self.sampled_mask)
@@ -93,7 +110,7 @@ class Trajectory:
             prompt_ids=list(self.prompt_ids),
             completion_ids=list(self.completion_ids),
             logprobs=list(self.logprobs),
-            finish_reason="stop" if self.stop_reason == StopReason.DONE else "length",
+            finish_reason="stop" if self.stop_reason == StopReason.DONE and not self.cut else "length",
             version=self.start_version,
             token_versions=list(self.token_versions),
             completion_mask=list(self.sampled_mask),

@@ -57,8 +57,12 @@ def _longest_request(config, tasks, longest_prompt, eval_new_tokens: int) -> tup
         if task.episodes is not None:  # whole trajectories: the first prompt, then turns and additions
             framing = task.episodes.framing_tokens(task.config.environment.system_prompt)
             examples = task.train_set.examples + (task.eval_set.examples if task.eval_set is not None else [])
-            limits = task.config.environment.limits
-            requests.append((longest_prompt(task, examples) + framing, limits.max_tokens))
+            prompt_tokens = longest_prompt(task, examples) + framing
+            new_tokens = task.config.environment.limits.max_tokens
+            context = task.episodes.context_tokens
+            if context is not None:  # a trajectory never grows past the model's context
+                new_tokens = max(min(new_tokens, context - prompt_tokens), 1)
+            requests.append((prompt_tokens, new_tokens))
             continue
         requests.append((longest_prompt(task, task.train_set.examples), config.rollout.max_new_tokens))
         if task.eval_set is not None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from archon.agents.agent_episodes import AgentEpisodes
 from archon.agents.environment import StopReason
-from archon.agents.openai_agents import AgentEpisodes
 from archon.agents.trajectory import Trajectory
 from archon.distributed import true_on_any_rank
 from archon.rl.run.step_metrics import Scores
@@ -92,6 +92,7 @@ def score_episodes(task, examples, samples: list[Sample]) -> Scores:
         "tool_calls_mean": float(sum(t.num_tool_calls for t in trajectories)),
         "sampled_tokens_mean": float(sum(t.num_sampled for t in trajectories)),
         "environment_tokens_mean": float(sum(len(t.completion_ids) - t.num_sampled for t in trajectories)),
+        "cut_trajectories": float(sum(t.cut for t in trajectories)),
     }
     for reason in StopReason:
         sums[f"stop_{reason.value}"] = float(sum(t.stop_reason == reason for t in trajectories))

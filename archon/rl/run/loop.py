@@ -158,6 +158,8 @@ class RLRun:
             )
         for task in self.tasks:  # processes and servers last, so that a failure above leaves none running
             task.start_workers(self.tokenizer, hf_config.model_type)
+            if task.episodes is not None:  # trajectories and environment prompts stay inside the context
+                task.episodes.context_tokens = hf_config.max_position_embeddings
         self._start_engines(run_dir, replay)
         dims = self.trainer.dims
         share = config.rollout.engine == "vllm" and dims.same_data_size > 1
