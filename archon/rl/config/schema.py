@@ -89,6 +89,14 @@ class FidelityConfig:
     after each publish and scored by the trainer."""
 
 
+MIN_TEMPERATURE = 1e-2
+"""The lowest rollout.temperature: vLLM's sampler raises a lower one to this (against NaN and inf in
+its tensors), so a run's log-probs would be taken at another temperature than its samples."""
+MIN_TOP_P = 2.0**-126
+"""The lowest rollout.top_p: float32's smallest normal number (1.18e-38); below it the sampler's
+float32 threshold is 0 (or subnormal), which drops every token."""
+
+
 @dataclass
 class RolloutConfig:
     engine: Literal["native", "vllm"] = "native"
@@ -144,13 +152,19 @@ def rollout_problems(rollout: RolloutConfig) -> Problems:
         rollout.max_new_tokens >= 1, "rollout.max_new_tokens", rollout.max_new_tokens, "must be at least 1"
     )
     problems.require(
-        rollout.temperature > 0,
+        rollout.temperature >= MIN_TEMPERATURE,
         "rollout.temperature",
         rollout.temperature,
-        "training rollouts sample at this temperature and their log-probs are taken at it, so it must be > 0 "
-        "(held-out evaluation is greedy regardless)",
+        f"training rollouts sample at this temperature and their log-probs are taken at it, so it must be at "
+        f"least {MIN_TEMPERATURE} (vLLM raises a smaller one to {MIN_TEMPERATURE}, and logits divided by less "
+        "overflow; held-out evaluation is greedy regardless)",
     )
-    problems.require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
+    problems.require(
+        MIN_TOP_P <= rollout.top_p <= 1,
+        "rollout.top_p",
+        rollout.top_p,
+        f"must be in [{MIN_TOP_P:.4g}, 1]: a smaller one is 0 in float32, which keeps no token",
+    )
     problems.require(rollout.top_k >= 0, "rollout.top_k", rollout.top_k, "must be >= 0 (0 disables top-k)")
     problems.require(
         rollout.engine != "native" or rollout.group_size <= rollout.max_batch_sequences,
@@ -271,6 +285,12 @@ def logging_problems(logging: LoggingConfig) -> Problems:
     """Trackers named right, the deprecated logging.tensorboard not contradicting logging.backends,
     the sample tables' cadence and size."""
     problems = Problems()
+    problems.require(
+        bool(logging.run_dir.strip()),
+        "logging.run_dir",
+        logging.run_dir,
+        "must name a directory (an empty one would put the run's files in the current directory)",
+    )
     problems += [unknown_tracker(name) for name in logging.backends if name not in TRACKERS]
     if not logging.tensorboard and "tensorboard" in logging.backends and tuple(logging.backends) != ("tensorboard",):
         conflict = both_spellings_error("logging.tensorboard", False, "logging.backends", list(logging.backends))
