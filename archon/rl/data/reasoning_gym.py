@@ -31,6 +31,11 @@ from urllib.parse import parse_qsl
 SOURCE_PREFIX = "reasoning_gym:"
 DEFAULT_SIZE = 1000
 DEFAULT_SEED = 0
+MAX_SIZE = 1_000_000
+"""The most entries one source makes: they are generated, rendered and tokenized in memory when the
+run starts (about a kilobyte each), so a million is a gigabyte; 100 million ran out of memory. A
+run of 10,000 steps of 32 prompts draws 320,000."""
+MAX_SEED = 2**63 - 1
 REFERENCE_KEY = "reasoning_gym"
 """The reference's key holding the task name and the settings the entry was made with."""
 
@@ -77,9 +82,11 @@ def parse_source(path: str) -> ReasoningGymSource:
             raise ValueError(f"setting {key!r} is given twice")
         settings[key] = _value(text)
     size, seed = settings.pop("size", DEFAULT_SIZE), settings.pop("seed", DEFAULT_SEED)
-    for name, value, low in (("size", size, 1), ("seed", seed, 0)):
+    for name, value, low, high in (("size", size, 1, MAX_SIZE), ("seed", seed, 0, MAX_SEED - MAX_SIZE)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if value > high:
+            raise ValueError(f"{name}={value!r} must be at most {high}")
     return ReasoningGymSource(task, size, seed, settings)
 
 
