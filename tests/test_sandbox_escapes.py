@@ -241,6 +241,27 @@ def test_no_process_started_by_a_call_outlives_it(runner, how):
     assert not survivors, output
 
 
+def test_a_fork_bomb_stops_at_the_process_limit():
+    code = """
+        import ctypes, os, time
+        libc = ctypes.CDLL(None, use_errno=True)
+        started = 0
+        for _ in range(200):
+            pid = libc.fork()  # libc's, which no audit hook sees
+            if pid == 0:
+                time.sleep(3)
+                os._exit(0)
+            if pid < 0:
+                print("refused", os.strerror(ctypes.get_errno()))
+                break
+            started += 1
+        print("started", started)
+    """
+    output = run_python(textwrap.dedent(code), SandboxLimits(max_processes=16))
+    assert "refused Resource temporarily unavailable" in output, output
+    assert int(output.split("started ")[1].split()[0]) < 16, output
+
+
 def ctypes_socket_code(port: int, listen: bool) -> str:
     """A connect() or a listen() on 127.0.0.1:`port`, made through libc so that no audit hook sees it."""
     return textwrap.dedent(f"""

@@ -1,9 +1,6 @@
 """How the python tool's sandbox is chosen: its limits from a tool spec, and a clear refusal where
 the OS cannot isolate it, unless the weaker sandbox is asked for."""
 
-import os
-import stat
-
 import pytest
 
 from archon.agents import sandbox
@@ -32,13 +29,13 @@ def test_a_bad_tool_spec_names_its_key(spec, culprit):
         resolve_tool(spec)
 
 
+REFUSED = "OSError: [Errno 1] unshare(CLONE_NEWUSER | ...): Operation not permitted"
+
+
 @pytest.fixture
-def no_namespaces(tmp_path, monkeypatch):
-    """An `unshare` that fails as it does where user namespaces are disabled."""
-    fake = tmp_path / "unshare"
-    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+def no_namespaces(monkeypatch):
+    """A sandbox whose first process fails as unshare(2) does where user namespaces are refused."""
+    monkeypatch.setattr(sandbox, "_INIT_SOURCE", f"import sys\nsys.exit({REFUSED!r})")
     sandbox._namespaces_problem.cache_clear()
     yield
     sandbox._namespaces_problem.cache_clear()
@@ -49,7 +46,7 @@ def test_without_namespaces_the_python_tool_refuses_to_start(no_namespaces):
         with pytest.raises(SandboxUnavailable) as caught:
             make()
         message = str(caught.value)
-        assert "unshare: unshare failed: Operation not permitted" in message
+        assert REFUSED in message
         assert "isolation='process'" in message and "docs/agents.md" in message
 
 

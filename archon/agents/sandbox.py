@@ -2,7 +2,8 @@
 
 `python(code)` runs the code in a fresh interpreter that the operating system isolates (isolation
 "namespaces", the default; see archon.agents.sandbox_init for how): its own user, mount, PID,
-network, IPC and UTS namespaces, made with util-linux `unshare`. The program sees a read-only file
+network, IPC and UTS namespaces (unshare(2)), where root is an unprivileged user outside (nobody when
+the trainer is root). The program sees a read-only file
 system holding the system's libraries and the interpreter, a private tmpfs scratch of `scratch_mb`
 (its working directory, $HOME and $TMPDIR; gone when the call ends), no network but a loopback
 that is down, and no other process; it has no capabilities and inherits no descriptor but its
@@ -13,7 +14,7 @@ process it started is killed with it. An audit hook also answers network access 
 programs with a clear PermissionError, before the kernel would refuse them.
 
 The sandbox talks to the process that starts it in JSON only (one request line, one reply line).
-Where the namespaces cannot be made (`unshare` missing, user namespaces disabled), the tool refuses
+Where the namespaces cannot be made (user namespaces disabled or refused), the tool refuses
 to start, unless its limits say isolation="process": the program then runs as a plain child
 process in a scratch directory on disk, under the RLIMITs and the audit hook only, which code that
 makes raw system calls gets around.
@@ -29,7 +30,6 @@ import functools
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -69,7 +69,8 @@ SANDBOX_EXIT_S = 1.0
 STARTUP_GRACE_S = 5.0
 """How long past its wall-clock limit the sandbox may take to answer before it is killed from outside."""
 
-UNSHARE_ARGS = ("--user", "--map-root-user", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child")
+SANDBOX_UID = 65534
+"""The user (and group) outside that is root inside the sandbox, when the trainer runs as root: nobody."""
 
 _INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text(encoding="utf-8")
 
@@ -181,20 +182,23 @@ def _stop_reason(run: _Run, limits: SandboxLimits, wall_s: float) -> str | None:
     return None
 
 
-def _unshare() -> str | None:
-    return shutil.which("unshare") or shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin")
-
-
 def _visible_paths() -> list[str]:
     """The interpreter's installation, bound read-only into the sandbox at its own path."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     return sorted(os.path.realpath(path) for path in paths) + sorted(paths)
 
 
+def _map_user(pid: int) -> None:
+    """Map root of the user namespace that process `pid` made to SANDBOX_UID (when this process is
+    root) or to this process's own user and group."""
+    uid = SANDBOX_UID if os.geteuid() == 0 else os.geteuid()
+    gid = SANDBOX_UID if os.geteuid() == 0 else os.getegid()
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1\n"), ("gid_map", f"0 {gid} 1\n")):
+        with open(f"/proc/{pid}/{name}", "w", encoding="ascii") as file:
+            file.write(text)
+
+
 def _run_in_namespaces(code: str, limits: SandboxLimits, deadline: float) -> _Run:
-    unshare = _unshare()
-    if unshare is None:
-        raise SandboxUnavailable("util-linux `unshare` was not found on PATH")
     request = {
         "code": code,
         "deadline": deadline,
@@ -209,7 +213,7 @@ def _run_in_namespaces(code: str, limits: SandboxLimits, deadline: float) -> _Ru
     }
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen(
-            [unshare, *UNSHARE_ARGS, sys.executable, "-I", "-S", "-c", _INIT_SOURCE],
+            [sys.executable, "-I", "-S", "-c", _INIT_SOURCE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=errors,
@@ -221,7 +225,11 @@ def _run_in_namespaces(code: str, limits: SandboxLimits, deadline: float) -> _Ru
             # stdin stays open until the reply: the sandbox ends its program when it closes
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
-            line = _read_line(proc.stdout.fileno(), deadline + STARTUP_GRACE_S)
+            if _read_line(proc.stdout.fileno(), deadline + STARTUP_GRACE_S) is not None:  # it has unshared
+                _map_user(proc.pid)
+                proc.stdin.write(b"mapped\n")
+                proc.stdin.flush()
+                line = _read_line(proc.stdout.fileno(), deadline + STARTUP_GRACE_S)
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
@@ -341,8 +349,8 @@ def check_sandbox(limits: SandboxLimits = SandboxLimits()) -> None:
     problem = _namespaces_problem()
     if problem is not None:
         raise SandboxUnavailable(
-            f"the python tool's sandbox needs user, mount, PID and network namespaces made by util-linux "
-            f"`unshare`, and they cannot be made here: {problem}. Allow unprivileged user namespaces "
+            f"the python tool's sandbox needs user, mount, PID and network namespaces, and they cannot be "
+            f"made here: {problem}. Allow user namespaces "
             "(sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, or the container's "
             "seccomp profile), or opt into the weaker sandbox with SandboxLimits(isolation='process') "
             "(see docs/agents.md)"

@@ -1,8 +1,11 @@
-"""The sandbox's first process: PID 1 of fresh user, mount, PID, network, IPC and UTS namespaces.
+"""The sandbox's first process: it makes fresh user, mount, PID, network, IPC and UTS namespaces.
 
-`archon.agents.sandbox` starts it as `unshare --user --map-root-user --mount --pid --net --ipc --uts
---fork --kill-child python -I -S -c <this file's text>`, so it is root of its own user namespace
-(uid 0 there is the caller's uid outside) and can build a file system of its own:
+`archon.agents.sandbox` starts it as `python -I -S -c <this file's text>`. It opens what the
+sandbox will show of the host, unshares the namespaces (unshare(2) through ctypes) and waits while
+the process that started it maps its user: root inside is an unprivileged user outside (nobody,
+65534, when the trainer is root; the trainer's own user otherwise), so that RLIMIT_NPROC binds and
+no file of the trainer's user is the sandbox's. It then forks PID 1 of the new PID namespace, which
+builds a file system of its own:
 
     /                    a read-only tmpfs holding only what is listed below
     /usr /bin /lib ...   the host's, bound read-only (symlinks stay symlinks)
@@ -18,8 +21,9 @@ set emptied, no_new_privs set), so it cannot undo a mount, and under the RLIMITs
 itself non-dumpable, so the program cannot open its descriptors or trace it through /proc.
 
 It reads one JSON request line on stdin ({"code", "deadline", "cpu_s", "memory", "file_size",
-"processes", "scratch_mb", "max_bytes", "paths", "blocked"}) and writes one JSON reply line on
-stdout ({"returncode", "stopped", "cpu_s", "stdout", "stdout_chars", "stderr", "stderr_chars"}). When it
+"processes", "scratch_mb", "max_bytes", "paths", "blocked"}), writes {"unshared": true} once the
+namespaces exist, reads "mapped" once its user is mapped, and writes one JSON reply line on stdout
+({"returncode", "stopped", "cpu_s", "stdout", "stdout_chars", "stderr", "stderr_chars"}). When it
 ends, so does every process left in its PID namespace, and its tmpfs with them. It ends when the
 program does, at the wall-clock limit, or when its stdin closes (the process that started it died).
 
@@ -32,6 +36,7 @@ import os
 import resource
 import select
 import signal
+import stat
 import sys
 import time
 
@@ -47,6 +52,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
 )
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -71,9 +78,9 @@ def mount(source, target: str, fstype, flags: int, data=None) -> None:
     check(libc.mount(encode(source), target.encode(), encode(fstype), flags, encode(data)), f"mount {target}")
 
 
-def locked_flags(path: str) -> int:
-    """The mount flags of `path`'s mount that a bind in a user namespace must keep."""
-    flags = os.statvfs(path).f_flag
+def locked_flags(fd: int) -> int:
+    """The mount flags of the mount holding `fd` that a bind in a user namespace must keep."""
+    flags = os.statvfs(fd).f_flag
     kept = 0
     for statvfs_flag, mount_flag in ((8, MS_NOEXEC), (1024, MS_NOATIME), (2048, MS_NODIRATIME), (4096, MS_RELATIME)):
         if flags & statvfs_flag:
@@ -81,26 +88,37 @@ def locked_flags(path: str) -> int:
     return kept
 
 
-def bind_read_only(source: str, root: str, devices: bool = False) -> None:
-    """`source` visible at the same path under `root`, read-only (and with its device nodes unusable
-    unless `devices`); a symlink is copied as a symlink."""
-    target = root + source
-    if os.path.islink(source):
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+def open_sources(paths: list) -> dict:
+    """What the sandbox shows of the host, opened while this process still has the trainer's user
+    (the sandbox's own user may not reach them: /root is 0700): each path -> an O_PATH descriptor,
+    or the target of a symlink."""
+    sources = {}
+    wanted = (*HOST_DIRS, *paths, *("/etc/" + name for name in ETC_FILES), *("/dev/" + name for name in DEVICES))
+    for path in wanted:
+        if os.path.islink(path):
+            sources[path] = os.readlink(path)
+        elif os.path.exists(path):
+            sources[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    return sources
+
+
+def bind_read_only(path: str, source, root: str, devices: bool = False) -> None:
+    """`path` visible at the same path under `root` (`source`: see open_sources), read-only and with
+    its device nodes unusable unless `devices`; a symlink is copied as a symlink."""
+    target = root + path
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if isinstance(source, str):
         if not os.path.lexists(target):
-            os.symlink(os.readlink(source), target)
+            os.symlink(source, target)
         return
-    if os.path.isdir(source):
+    if stat.S_ISDIR(os.fstat(source).st_mode):
         os.makedirs(target, exist_ok=True)
-    elif os.path.exists(source):
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        open(target, "a").close()
     else:
-        return
+        open(target, "a").close()
     try:
-        mount(source, target, None, MS_BIND)
+        mount(f"/proc/self/fd/{source}", target, None, MS_BIND)
     except OSError:  # a mount with mounts of its own over it binds only with them
-        mount(source, target, None, MS_BIND | MS_REC)
+        mount(f"/proc/self/fd/{source}", target, None, MS_BIND | MS_REC)
     flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | (0 if devices else MS_NODEV) | locked_flags(source)
     mount(None, target, None, flags)
 
@@ -120,24 +138,22 @@ def open_captures(root: str, file_size: int) -> list:
     return captures
 
 
-def build_root(root: str, paths: list, scratch_mb: int, file_size: int) -> list:
+def build_root(root: str, sources: dict, scratch_mb: int, file_size: int) -> list:
     """The sandbox's file system (see the module doc), built at `root` and then made `/`; the
     descriptors of the program's two capture files (see open_captures)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
     captures = open_captures(root, file_size)
-    for path in (*HOST_DIRS, *paths):
-        bind_read_only(path, root)
     os.makedirs(root + "/etc")
-    for name in ETC_FILES:
-        bind_read_only("/etc/" + name, root)
+    os.makedirs(root + "/dev")
+    for path, source in sources.items():
+        bind_read_only(path, source, root, devices=path.startswith("/dev/"))
+        if not isinstance(source, str):
+            os.close(source)
     with open(root + "/etc/passwd", "w") as file:
         file.write(f"root:x:0:0:sandbox:{SCRATCH}:/bin/sh\n")
     with open(root + "/etc/group", "w") as file:
         file.write("root:x:0:\n")
-    os.makedirs(root + "/dev")
-    for name in DEVICES:
-        bind_read_only("/dev/" + name, root, devices=True)
     os.symlink(SCRATCH, root + "/dev/shm")
     os.makedirs(root + SCRATCH)
     mount("tmpfs", root + SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_mb}m,mode=0777")
@@ -260,11 +276,32 @@ def supervise(pid: int, deadline: float) -> tuple:
             return status, usage.ru_utime + usage.ru_stime, stopped
 
 
+def enter_namespaces(paths: list) -> dict:
+    """Unshare the namespaces, open what the sandbox shows of the host (see open_sources), have the
+    process that started this one map the user (it answers "mapped" on stdin), and fork: the child
+    goes on as PID 1 of the new PID namespace, root of the new user namespace, with the sources;
+    this process waits for it and exits as it did."""
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    check(libc.unshare(flags), "unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | ...)")
+    sources = open_sources(paths)  # in the new mount namespace (a bind takes only its own mounts)
+    os.write(1, b'{"unshared": true}\n')
+    if sys.stdin.readline().strip() != "mapped":
+        os._exit(1)
+    pid = os.fork()
+    if pid:
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 0xFF)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    return sources
+
+
 def main() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     request = json.loads(sys.stdin.readline())
+    sources = enter_namespaces(request["paths"])
     reply = os.dup(1)
-    captures = build_root("/tmp", request["paths"], request["scratch_mb"], request["file_size"])
+    captures = build_root("/tmp", sources, request["scratch_mb"], request["file_size"])
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     with open("main.py", "w", encoding="utf-8") as file:
         file.write(request["code"])
