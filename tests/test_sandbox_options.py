@@ -1,10 +1,14 @@
 """How the python tool's sandbox is chosen: its limits from a tool spec, and a clear refusal where
 the OS cannot isolate it, unless the weaker sandbox is asked for."""
 
+import os
+import tempfile
+
 import pytest
 
 from archon.agents import sandbox
 from archon.agents.sandbox import SandboxLimits, SandboxUnavailable, builtin_tool, resolve_tool, run_python
+from archon.agents.tools import ToolCall, ToolRunner
 
 
 def test_a_tool_spec_sets_the_sandbox_limits():
@@ -59,3 +63,12 @@ def test_the_namespace_sandbox_runs_here():
     sandbox._namespaces_problem.cache_clear()
     builtin_tool("python")  # does not raise on this machine
     assert run_python("import os\nprint(os.getpid(), os.getcwd())") == "2 /scratch\n"
+
+
+def test_the_weaker_sandbox_also_stops_a_call_before_the_runner_and_removes_its_scratch():
+    before = set(os.listdir(tempfile.gettempdir()))
+    code = "open('big', 'wb').write(b'x' * 2**20 * 8)\nimport time\ntime.sleep(60)"
+    with ToolRunner([resolve_tool("python?isolation=process")], timeout_s=3.0, num_workers=1) as runner:
+        result = runner.call(ToolCall("python", {"code": code}))
+    assert result.status == "ok" and result.content == "[stopped: over the wall-clock limit of 2.0 s]", result
+    assert not {name for name in set(os.listdir(tempfile.gettempdir())) - before if name.startswith("archon-sandbox-")}
