@@ -136,12 +136,19 @@ def _files_holding(root: Path, secrets: list[str]) -> dict[str, list[str]]:
     return found
 
 
-def test_a_run_writes_no_planted_secret_anywhere(tiny_setup, tmp_path):  # noqa: F811
-    """A recipe run with an API key on the command line, a reward-server URL with a password in its
-    YAML file and a key read from the environment, logging to TensorBoard, wandb (offline) and
-    MLflow, exporting adapters (model cards) and sample tables: no file under the run directory or
-    wandb's directory, and nothing it prints, holds any of them. The reward server is down, so its
-    URL is in the run's warnings."""
+LAUNCHERS = {
+    "python": [sys.executable],
+    "torchrun-2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_a_run_writes_no_planted_secret_anywhere(launcher, tiny_setup, tmp_path):  # noqa: F811
+    """A recipe run (one process, or two under torchrun) with an API key on the command line, a
+    reward-server URL with a password in its YAML file and a key read from the environment, logging
+    to TensorBoard, wandb (offline) and MLflow, exporting adapters (model cards) and sample tables:
+    no file under the run directory or wandb's directory, and nothing it prints, holds any of them.
+    The reward server is down, so its URL is in the run's warnings."""
     run_dir, wandb_dir = tmp_path / "run", tmp_path / "wandb_elsewhere"
     wandb_dir.mkdir()
     config_file = tmp_path / "run.yaml"
@@ -165,7 +172,8 @@ def test_a_run_writes_no_planted_secret_anywhere(tiny_setup, tmp_path):  # noqa:
     )
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
         WANDB_MODE="offline",
         WANDB_SILENT="true",
         WANDB_DIR=str(wandb_dir),
@@ -173,7 +181,7 @@ def test_a_run_writes_no_planted_secret_anywhere(tiny_setup, tmp_path):  # noqa:
     )
     env.pop("MLFLOW_TRACKING_URI", None)
     command = [
-        sys.executable,
+        *LAUNCHERS[launcher],
         str(REPO / "recipes" / "grpo_lora.py"),
         "--config",
         str(config_file),
@@ -188,13 +196,14 @@ def test_a_run_writes_no_planted_secret_anywhere(tiny_setup, tmp_path):  # noqa:
         "4",
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     secrets = [CLI_KEY, URL_PASSWORD, ENV_TOKEN]
     output = result.stdout + result.stderr
-    assert "127.0.0.1" in output and "***@127.0.0.1" in output, "the reward server's failures should be logged"
+    assert "***@127.0.0.1" in output, "the reward server's failures should be logged, without its password"
     assert [s for s in secrets if s in output] == []
-    assert (run_dir / "adapter" / "README.md").exists() and list((run_dir / "adapters").glob("step_*/README.md"))
-    assert "--rollout.vllm.api-key ***" in (run_dir / "adapter" / "README.md").read_text()
+    card = (run_dir / "adapter" / "README.md").read_text()
+    assert list((run_dir / "adapters").glob("step_*/README.md"))
+    assert "--rollout.vllm.api-key ***" in card and (launcher == "python" or "--nproc_per_node 2" in card), card
     assert list(wandb_dir.rglob("*.wandb")) and (run_dir / "mlruns").is_dir() and (run_dir / "tensorboard").is_dir()
     assert not (run_dir / "wandb").exists(), "WANDB_DIR is honoured"
     assert _files_holding(run_dir, secrets) == {}
