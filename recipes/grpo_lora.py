@@ -112,6 +112,16 @@ def _exit_with_error(error: BaseException, every_rank: bool) -> None:
     raise SystemExit(1) from None
 
 
+def _print_redacted_traceback(kind, error, traceback_) -> None:
+    """sys.excepthook: the traceback as Python prints it, with the config's secrets redacted."""
+    import traceback
+
+    from archon.secrets import redact
+
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, error, traceback_))))
+    sys.stderr.flush()
+
+
 def recipe_argv(argv: list[str]) -> list[str]:
     """The recipe's arguments as parse_config takes them: with neither --config nor --model.path
     (nor --help), the built-in demo's config comes first."""
@@ -132,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = recipe_argv(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     redact_logs()  # the secrets of the config (archon.secrets), once it is parsed, never reach a log line
+    sys.excepthook = _print_redacted_traceback  # nor the traceback of an unexpected error
     try:
         config = parse_config(argv)
     except (ValueError, FileNotFoundError) as e:

@@ -225,3 +225,16 @@ def test_a_tracker_that_fails_names_its_uri_without_its_credentials(tmp_path, mo
     with pytest.raises(TrackerError) as raised:
         open_trackers(config.logging, tmp_path / "run", dataclasses.asdict(config))
     assert "http://***@127.0.0.1" in str(raised.value) and URL_PASSWORD not in str(raised.value)
+
+
+def test_an_unexpected_error_is_printed_with_its_secrets_redacted(capsys):
+    import archon.recipes.grpo_lora as recipe
+
+    register_secrets({CLI_KEY})
+    try:
+        raise RuntimeError(f"server refused key {CLI_KEY} at http://alice:{URL_PASSWORD}@host/v1")
+    except RuntimeError as error:
+        recipe._print_redacted_traceback(type(error), error, error.__traceback__)
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "RuntimeError: server refused key *** at http://***@host/v1" in err
+    assert CLI_KEY not in err and URL_PASSWORD not in err
