@@ -42,6 +42,7 @@ from archon.rl.run.context import RunContext, eval_new_tokens, prompt_ids
 from archon.rl.run.engines import native_engine, rollout_servers, speculative_acceptance, stop_token_ids, task_servers
 from archon.rl.run.evaluate import evaluate
 from archon.rl.run.fidelity import fidelity_guards
+from archon.rl.run.launcher_watch import watch_launcher
 from archon.rl.run.prepare import prepare as prepare_phase
 from archon.rl.run.producer import Rollouts
 from archon.rl.run.run_dir import TASKS_DIR, PreparedRunDir, prepare_run_dir
@@ -89,6 +90,7 @@ class RLRun:
         the demo model); by default the check is made here, before anything is built, and `close`
         releases the directory."""
         validate(config)
+        watch_launcher()  # under torchrun: this rank stops when its launcher is gone
         self.config = config
         check_model_dir(config.model.path, "model.path")
         self.owns_run_dir = run_dir is None
