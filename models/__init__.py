@@ -10,6 +10,7 @@ from archon.models import (
     kimi_linear,  # noqa: F401
     llama,  # noqa: F401
     minimax_m2,  # noqa: F401
+    nemotron_h,  # noqa: F401
     olmo3,  # noqa: F401
     qwen2,  # noqa: F401
     qwen3,  # noqa: F401

@@ -1,0 +1,211 @@
+"""Nemotron-H (nemotron_h) against HF transformers and PEFT: Mamba2 mixers (chunked scan, grouped B/C,
+conv with bias, step-size clamp, grouped gated norm), attention without positions and relu^2 MLP blocks
+mixed by layers_block_type, LoRA on every target PEFT accepts, packed sequences longer than a scan
+chunk, the chunked scan against the recurrence, the generation cache, and the refused config values."""
+
+import pytest
+import torch
+from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
+from helpers import assert_no_state_leaks_across_packed_sequences, randomise_lora
+from safetensors.torch import load_file, save_file
+
+from archon.build import build_model
+from archon.lora import LoRAConfig, lora_parameters
+from archon.models.nemotron_h.args import NemotronHArgs
+from archon.models.nemotron_h.model import SSD_CHUNK_SIZE, chunked_ssd
+
+MODEL_TYPE = "nemotron_h"
+# One sequence longer than a chunk of the scan, one of a single token.
+SEQ_LENS = (7, 1, 13, SSD_CHUNK_SIZE + 6)
+
+CASES = {
+    # The registered tiny config: Mamba2, attention, Mamba2, MLP; 2 groups of B/C; conv bias on.
+    "registered": {},
+    # Attention first, the MLP between two Mamba2 blocks; one group (B/C shared by all heads), a conv of
+    # 3 taps without bias, biased in_proj/out_proj (use_bias) and MLP (mlp_bias), a wider state,
+    # another norm eps, no binding clamp.
+    "attention-first-biases": dict(
+        layers_block_type=["full_attention", "linear_attention", "mlp", "linear_attention"],
+        n_groups=1,
+        conv_kernel=3,
+        use_conv_bias=False,
+        use_bias=True,
+        mlp_bias=True,
+        ssm_state_size=16,
+        layer_norm_epsilon=1e-6,
+        time_step_min=0.001,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_lora_and_peft_export(case):
+    assert_aligned(MODEL_TYPE, CASES[case], lora_rank=8, seq_lens=SEQ_LENS)
+
+
+def test_parity_in_float64():
+    """In fp64 the port agrees with HF to rounding (about 1e-14), far inside what fp32 allows."""
+    assert_aligned(MODEL_TYPE, {}, lora_rank=8, seq_lens=SEQ_LENS, dtype="float64")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_state_dict_round_trip(case, tiny_checkpoint):
+    assert_state_dict_round_trip(tiny_checkpoint(MODEL_TYPE, **CASES[case]))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_meta_weights_complete(case):
+    assert_meta_weights_complete(MODEL_TYPE, CASES[case])
+
+
+def _recurrent_ssd(x, dt, A, B, C, state):
+    """The recurrence written out, token by token: S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t."""
+    ys = []
+    for t in range(x.shape[1]):
+        decay = (dt[:, t] * A).exp()[:, :, None, None]  # [N, H, 1, 1]
+        state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("nhpd,nhd->nhp", state, C[:, t]))
+    return torch.stack(ys, dim=1), state
+
+
+@pytest.mark.parametrize("length", [1, SSD_CHUNK_SIZE - 1, SSD_CHUNK_SIZE, SSD_CHUNK_SIZE + 1, 2 * SSD_CHUNK_SIZE + 5])
+@pytest.mark.parametrize("max_dt", [0.1, 8.0])
+def test_chunked_ssd_equals_the_recurrence(length, max_dt):
+    """In float64, from a non-zero initial state: lengths below, at and above a chunk; large steps
+    (max_dt 8 with A up to -4: decays of exp(-32) per token) must not over- or underflow."""
+    g = torch.Generator().manual_seed(length)
+    n, heads, head_dim, size = 2, 3, 5, 4
+    x = torch.randn(n, length, heads, head_dim, generator=g, dtype=torch.float64)
+    dt = torch.rand(n, length, heads, generator=g, dtype=torch.float64) * max_dt
+    A = -torch.rand(heads, generator=g, dtype=torch.float64) * 4
+    B, C = (torch.randn(n, length, heads, size, generator=g, dtype=torch.float64) for _ in range(2))
+    state = torch.randn(n, heads, head_dim, size, generator=g, dtype=torch.float64)
+    y, final = chunked_ssd(x, dt, A, B, C, state)
+    y_ref, final_ref = _recurrent_ssd(x, dt, A, B, C, state)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(final, final_ref, rtol=0, atol=1e-10)
+
+
+def test_zero_steps_leave_the_state_unchanged():
+    """Padding has dt = 0: the state after it is the state before it, and its outputs read that state."""
+    g = torch.Generator().manual_seed(0)
+    x, B, C = (torch.randn(1, 5, 2, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    dt = torch.zeros(1, 5, 2, dtype=torch.float64)
+    state = torch.randn(1, 2, 3, 3, generator=g, dtype=torch.float64)
+    _, final = chunked_ssd(x, dt, -torch.ones(2, dtype=torch.float64), B, C, state)
+    torch.testing.assert_close(final, state, rtol=0, atol=0)
+
+
+def test_no_state_leaks_across_packed_sequences(tiny_checkpoint):
+    """A sequence's logits and LoRA gradients are the same alone and packed after another one (of a
+    different content each time): the conv windows and the Mamba2 state restart at each boundary."""
+    model = build_model(tiny_checkpoint(MODEL_TYPE), lora=LoRAConfig(rank=4, alpha=8)).model
+    g = torch.Generator().manual_seed(0)
+    randomise_lora(lora_parameters(model), 0.1, g)
+    assert_no_state_leaks_across_packed_sequences(model, SSD_CHUNK_SIZE + 9, (3, SSD_CHUNK_SIZE + 20))
+
+
+def _config(**overrides):
+    from transformers import AutoConfig
+
+    from archon.spec import get_spec
+
+    return AutoConfig.for_model(MODEL_TYPE, **{**get_spec(MODEL_TYPE).tiny_hf_config[MODEL_TYPE], **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(layers_block_type=["linear_attention", "moe"]), r"layers_block_type\[1\]='moe'"),
+        (dict(mamba_hidden_act="gelu"), "mamba_hidden_act"),
+        (dict(mlp_hidden_act="silu"), "mlp_hidden_act"),
+        (dict(mamba_num_heads=3), "n_groups"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+    ],
+)
+def test_unsupported_config_is_refused(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        NemotronHArgs.from_hf_config(_config(**overrides))
+
+
+def test_a_checkpoint_under_in_memory_names_loads_the_same(tiny_checkpoint, tmp_path):
+    """Checkpoints put the decoder under `backbone.` (what save_pretrained writes), HF's in-memory model
+    under `model.`: either loads into the same weights."""
+    import shutil
+
+    src = tiny_checkpoint(MODEL_TYPE)
+    dst = tmp_path / "in_memory_names"
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    assert any(k.startswith("backbone.") for k in tensors)
+    save_file({k.replace("backbone.", "model.", 1): v for k, v in tensors.items()}, dst / "model.safetensors")
+    a, b = build_model(src).model.state_dict(), build_model(dst).model.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_peft_keys_follow_in_memory_names(tiny_checkpoint):
+    """Adapter keys name HF's in-memory modules (`model.`, not the checkpoint's `backbone.`), and no
+    LoRA sits on the Mamba2 out_proj or conv1d, which PEFT refuses."""
+    loaded = build_model(tiny_checkpoint(MODEL_TYPE), lora=LoRAConfig(rank=4, alpha=8))
+    keys = loaded.converter.lora_state_dict_to_peft(lora_parameters(loaded.model))
+    assert "base_model.model.model.layers.0.mixer.in_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.1.mixer.q_proj.lora_B.weight" in keys
+    assert not any("backbone" in k or "out_proj" in k or "conv1d" in k for k in keys)
+
+
+def test_mamba_mixer_refuses_context_parallelism(tiny_checkpoint):
+    model = build_model(tiny_checkpoint(MODEL_TYPE)).model
+    x = torch.zeros(3, model.args.hidden_size)
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        model.layers[0].mixer(x, None, None, torch.tensor([0, 3]), 3, None, object())
+
+
+def _hf_greedy_by_forward(hf_model, prompt, steps):
+    """HF's greedy tokens by full forwards on the growing sequence (HF's own generate skips the
+    step-size clamp in its one-token step, so its tokens are not its forward's)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf_model(torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_native_greedy_equals_hf_forward(tiny_checkpoint):
+    """Greedy decoding through the per-sequence cache (attention keys and values; Mamba2 conv windows and
+    states) gives the tokens of HF's full forward, for a prompt longer than a scan chunk too."""
+    from transformers import AutoModelForCausalLM
+
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+
+    path = tiny_checkpoint(MODEL_TYPE)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = NativeRolloutEngine(build_model(path).model)
+    prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + SSD_CHUNK_SIZE + 5))]
+    samples = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))
+    for prompt, sample in zip(prompts, samples):
+        assert sample.completion_ids == _hf_greedy_by_forward(hf_model, prompt, 8)
+
+
+def test_native_logprobs_equal_the_trainers(tiny_checkpoint):
+    """Rollout log-probs (Mamba2 state and conv windows, attention keys and values in the cache) equal
+    Trainer.logprobs on the same tokens (sampled, with LoRA), a prompt longer than a chunk too."""
+    from archon.batch import PackedBatch
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.native import NativeRolloutEngine
+    from archon.trainer import Trainer, TrainerConfig
+
+    trainer = Trainer(TrainerConfig(model_path=str(tiny_checkpoint(MODEL_TYPE)), lora=LoRAConfig(rank=4, alpha=8)))
+    randomise_lora(lora_parameters(trainer.model), 0.1)
+    rollout = NativeRolloutEngine(trainer.model)
+    prompts = [[3, 17, 42, 9, 250], [7], list(range(100, 100 + SSD_CHUNK_SIZE + 5))]
+    samples = rollout.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.8, n=2, seed=3))
+    batch = PackedBatch.from_sequences(
+        [s.prompt_ids + s.completion_ids for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples]
+    )
+    expected = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
+    rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
+    torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
