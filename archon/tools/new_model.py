@@ -1,11 +1,12 @@
 """Scaffold a model family from an existing one, so the add-model guide starts from working code.
 
-    python -m archon.tools.new_model NAME --like FAMILY [--model-type HF_TYPE] [--like-type HF_TYPE]
+    python -m archon.tools.new_model NAME --like FAMILY [--model-type HF_TYPE] [--like-type HF_TYPE] [--generic-test]
 
 Copies models/FAMILY/ to models/NAME/ with its classes renamed (`LlamaArgs` -> `MistralArgs`,
 `archon.models.llama` -> `archon.models.mistral`), makes the ModelSpec serve HF_TYPE (default NAME) with the
-tiny config of the like-family's type, appends the registration line to models/__init__.py and
-writes tests/models/test_NAME.py from the like-family's test. Nothing is overwritten: an
+tiny config of the like-family's type (less the fields HF_TYPE's config class does not define, which HF
+would keep without a word), appends the registration line to models/__init__.py and writes
+tests/models/test_NAME.py from the like-family's test (--generic-test: the generic one). Nothing is overwritten: an
 existing folder or test file is an error. When HF_TYPE is architecturally the like-family's
 type, the scaffold passes `python -m archon.tools.align --model-type HF_TYPE` as written.
 """
@@ -13,6 +14,7 @@ type, the scaffold passes `python -m archon.tools.align --model-type HF_TYPE` as
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import re
@@ -40,6 +42,9 @@ class NewModelArgs:
     """Which of the like-family's HF model types to start from (its tiny config); default its first."""
     root: Path | None = None
     """Repository root holding models/ and tests/; default: the current directory, which must be one."""
+    generic_test: bool = False
+    """Write the generic family test (parity, state-dict round trip, meta completeness) instead of a copy
+    of the like-family's test, whose cases name the like-family's features."""
 
 
 @dataclass
@@ -54,6 +59,10 @@ class Scaffold:
     """`file:line: new text  (was: old text)` for every line the scaffold changed from the like-family's
     files: renamed classes and imports, the ModelSpec, the test's model type. Renames also reach
     comments and strings, so each one is for review."""
+    dropped_tiny_fields: list[str] = dataclasses.field(default_factory=list)
+    """Fields of the like-family's tiny config that the new type's HF config class does not define, left
+    out of the new tiny config: HF config classes keep unknown keys without a word, so a copied
+    `use_sliding_window` would look like a setting while nothing reads it."""
 
 
 def is_checkout(path: Path) -> bool:
@@ -179,15 +188,22 @@ def fill_slots(text: str, name: str, model_type: str) -> str:
 
 def _per_type_entry(source: str, field: ast.Dict, like_type: str, field_name: str, spec_file: Path) -> str:
     """The dict literal `field` reduced to its `like_type` entry, keyed by the new type."""
+    lines = source.splitlines()
+    previous_end = field.lineno  # the line the previous entry (or the opening brace) ends on
     for key, value in zip(field.keys, field.values):
         if isinstance(key, ast.Constant) and key.value == like_type:
             # Keep the entry's own indentation so its multi-line value stays aligned.
-            lines = source.splitlines()
             entry_indent = " " * key.col_offset
             closing_indent = re.match(r"\s*", lines[field.end_lineno - 1]).group(0)
             if field.lineno == field.end_lineno:
                 return f'{{"{TYPE_SLOT}": {ast.get_source_segment(source, value)}}}'
-            return f'{{\n{entry_indent}"{TYPE_SLOT}": {ast.get_source_segment(source, value)},\n{closing_indent}}}'
+            # the comment lines right above the entry describe it: they come along
+            above = lines[previous_end : key.lineno - 1]
+            comments = "".join(f"{line}\n" for line in above if line.strip().startswith("#"))
+            value_text = ast.get_source_segment(source, value)
+            return f'{{\n{comments}{entry_indent}"{TYPE_SLOT}": {value_text},\n{closing_indent}}}'
+        if value is not None:
+            previous_end = value.end_lineno
     if field_name == "tiny_hf_config":
         raise ValueError(f"tiny_hf_config in {spec_file} has no entry for {like_type!r}")
     return "{}"
@@ -212,6 +228,36 @@ def adapt_spec(source: str, spec_file: Path, name: str, model_type: str, like_ty
             raise ValueError(f"{keyword.arg} in {spec_file} must be a dict literal keyed by model_type")
         edits.append((keyword.value, _per_type_entry(source, keyword.value, like_type, keyword.arg, spec_file)))
     return _replace_segments(source, edits)
+
+
+def hf_config_fields(model_type: str) -> set[str] | None:
+    """The fields transformers' config class of `model_type` defines (None when transformers has no
+    such type)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except (KeyError, ValueError):
+        return None
+    return set(config.to_dict()) | set(getattr(type(config), "attribute_map", {}))
+
+
+def drop_unknown_tiny_fields(spec_source: str, spec_file: Path, known: set[str]) -> tuple[str, list[str]]:
+    """The spec with the keyword arguments of its tiny config (a `dict(BASE, key=value, ...)` entry of
+    tiny_hf_config) that are not in `known` left out, and the names left out."""
+    call = _model_spec_call(ast.parse(spec_source), spec_file)
+    table = _keyword(call, "tiny_hf_config", spec_file)
+    edits, dropped = [], []
+    for value in table.values if isinstance(table, ast.Dict) else []:
+        if not (isinstance(value, ast.Call) and getattr(value.func, "id", None) == "dict"):
+            continue
+        kept = [k for k in value.keywords if k.arg is None or k.arg in known]
+        dropped += [k.arg for k in value.keywords if k not in kept]
+        if len(kept) < len(value.keywords):
+            parts = [ast.get_source_segment(spec_source, a) for a in value.args]
+            parts += [ast.get_source_segment(spec_source, k) for k in kept]
+            edits.append((value, f"dict({', '.join(parts)})"))
+    return _replace_segments(spec_source, edits), dropped
 
 
 def is_renderer_module(path: Path) -> bool:
@@ -344,8 +390,13 @@ def scaffold(args: NewModelArgs) -> Scaffold:
             outputs[dest] = fill_slots(rename(text), args.name, model_type)
         else:
             outputs[dest] = src.read_bytes()
+    dropped: list[str] = []
+    known = hf_config_fields(model_type)
+    spec_dest = family_dir / "spec.py"
+    if known is not None and spec_dest in outputs:
+        outputs[spec_dest], dropped = drop_unknown_tiny_fields(outputs[spec_dest], spec_dest, known)
     like_test = root / "tests" / "models" / f"test_{args.like}.py"
-    if like_test.is_file():
+    if like_test.is_file() and not args.generic_test:
         originals[test_file] = like_test.read_text()
         outputs[test_file] = fill_slots(rename(adapt_test(originals[test_file], like_type)), args.name, model_type)
     else:
@@ -367,7 +418,8 @@ def scaffold(args: NewModelArgs) -> Scaffold:
     registry = registry_file.read_text()
     registry_file.write_text(registered(registry, args.name))
     changed = [line for dest, original in originals.items() for line in _changed_lines(dest, original, outputs[dest])]
-    return Scaffold(family_dir, test_file, registry_file, model_type, _mentions(written, args.like, rename), changed)
+    mentions = _mentions(written, args.like, rename)
+    return Scaffold(family_dir, test_file, registry_file, model_type, mentions, changed, dropped)
 
 
 def _changed_lines(path: Path, before: str, after: str) -> list[str]:
@@ -410,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lines changed from {args.like!r} (review each: renames reach comments and strings too):")
     for change in result.changed_lines:
         print(f"  {change}")
+    if result.dropped_tiny_fields:
+        print(
+            f"left out of the tiny config (the {result.model_type} config class does not define them, and HF "
+            f"keeps unknown keys silently): {', '.join(result.dropped_tiny_fields)}"
+        )
     if result.like_mentions:
         print(f"lines that still name {args.like!r} (rewrite or confirm):")
         for mention in result.like_mentions:

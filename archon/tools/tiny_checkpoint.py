@@ -66,16 +66,16 @@ def _drop_special_tokens_outside_vocab(config) -> None:
 def single_kind_patterns(config, one_kind_by_definition: tuple[str, ...] = ()) -> list[str]:
     """The per-layer patterns of `config` whose every layer is of one kind. A tiny config like that
     lets a port pass that treats the kinds alike (RoPE on NoPE layers, a window on every layer).
-    Patterns are `no_rope_layers` and every list field named `*_types` with an entry per layer
-    (`layer_types`, `mlp_layer_types`, `indexer_types`), but those the family declares to have one
-    kind by definition (`ModelSpec.one_kind_layer_patterns`)."""
+    Patterns are `no_rope_layers` and every list field named `*_types` or `layers_block_type` (Nemotron-H,
+    Falcon-H1) with an entry per layer (`layer_types`, `mlp_layer_types`, `indexer_types`), but those
+    the family declares to have one kind by definition (`ModelSpec.one_kind_layer_patterns`)."""
     text = config.get_text_config()
     n_layers = text.num_hidden_layers
     found = []
     per_layer = [
         name
         for name, value in sorted(text.to_dict().items())
-        if name.endswith("_types") and isinstance(value, list) and len(value) == n_layers
+        if name.endswith(("_types", "layers_block_type")) and isinstance(value, list) and len(value) == n_layers
     ]
     for name in ("no_rope_layers", *per_layer):
         pattern = getattr(text, name, None)
