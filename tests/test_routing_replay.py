@@ -99,7 +99,19 @@ def test_router_rejects_replayed_ids_of_another_shape():
 
 
 OVERRIDES = {"qwen3_moe": dict(mlp_only_layers=[])}
-DENSE_TYPES = {"gemma3", "gemma3_text", "glm4", "llama", "olmo2", "olmo3", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text"}
+DENSE_TYPES = {
+    "gemma3",
+    "gemma3_text",
+    "glm4",
+    "llama",
+    "nemotron_h",
+    "olmo2",
+    "olmo3",
+    "qwen2",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_text",
+}
 
 
 @pytest.mark.parametrize("model_type", supported_model_types())
