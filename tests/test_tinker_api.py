@@ -4,6 +4,8 @@ and against each other."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from test_tinker_fixtures import (  # noqa: F401 - fixtures
@@ -170,3 +172,28 @@ def test_server_binds_loopback_by_default():
     from archon.serve.config import ServeConfig
 
     assert ServeConfig(base_model="x").host == "127.0.0.1"
+
+
+def test_queued_sample_requests_share_a_generation(service_client, tiny_base, tinker_server):
+    """Sample requests of one sampler and settings that wait in the queue together run as one
+    generation; each still gets its own samples, at the model's log-probs. Seeded ones run alone."""
+    _, tokenizer = tiny_base
+    _, sampler = _trained_sampler(service_client, tiny_base, steps=1)
+    backend = tinker_server.backend
+    before = len(backend.generation_sizes)
+    tinker_server.futures.submit(lambda: time.sleep(2.0))  # holds the worker while the requests queue up
+    prompts = [tokenizer.encode(text) for text in ("1+", "22+", "3+3", "40+")]
+    params = types.SamplingParams(max_tokens=5, stop=[])
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 2, params) for p in prompts]
+    seeded = sampler.sample(types.ModelInput.from_ints(prompts[0]), 2, types.SamplingParams(max_tokens=5, seed=3))
+    responses = [f.result() for f in futures]
+    seeded.result()
+    sizes = backend.generation_sizes[before:]
+    assert max(sizes) > 1 and sum(sizes) == 5 and 1 in sizes
+    for prompt, response in zip(prompts, responses):
+        assert len(response.sequences) == 2
+        for sequence in response.sequences:
+            assert len(sequence.tokens) == 5
+            scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + sequence.tokens)).result()
+            # one fp32 model, two computations: measured ~1e-6
+            np.testing.assert_allclose(sequence.logprobs, scored[len(prompt) :], atol=1e-5, rtol=0)

@@ -25,7 +25,7 @@ from archon.serve import adapters as ckpt
 from archon.serve.adapters import TrainingModel, UserError
 from archon.serve.config import ServeConfig
 from archon.serve.losses import FLOAT_INPUTS, LOSS_INPUTS, check_config, datum_loss
-from archon.serve.sampling import SampleCall, run_sample
+from archon.serve.sampling import SampleCall, run_samples
 from archon.serve.scoring import packed_logprobs
 from archon.serve.wire import ForwardBackwardCall, SampledOut, WireTensor
 
@@ -74,6 +74,8 @@ class Backend:
         """One model per LoRA shape that samplers of that shape load their factors into, with its
         engine and the id of the sampler whose factors it holds."""
         self._base_engine = NativeRolloutEngine(self.base.model, device=config.device)
+        self.generation_sizes: list[int] = []
+        """How many sample requests each generation served (the last 1000)."""
         self._tokenizer = None
 
     # ---- sessions -------------------------------------------------------------------------------
@@ -334,8 +336,8 @@ class Backend:
                 raise UserError(f"stop strings need the base model's tokenizer, which does not load: {e}") from None
         return self._tokenizer
 
-    def sample(self, call: SampleCall) -> tuple[list[SampledOut], dict]:
-        sampler = self.sampler(call.sampling_session_id)
+    def _checked_max_tokens(self, call: SampleCall) -> int:
+        self.sampler(call.sampling_session_id)
         self.check_tokens("prompt", call.prompt)
         max_tokens = call.max_tokens or self.config.default_max_tokens
         if len(call.prompt) + max_tokens > self.context_length:
@@ -346,5 +348,17 @@ class Backend:
         for token in call.stop_token_ids or ():
             if not 0 <= token < self.vocab_size:
                 raise UserError(f"stop token id {token} is outside the vocabulary [0, {self.vocab_size})")
-        tokenizer = self.tokenizer if call.stop_strings else None
-        return run_sample(self.engine_for(sampler), call, max_tokens, self.eos_token_ids, tokenizer)
+        return max_tokens
+
+    def sample_many(self, calls: list[SampleCall]) -> list[tuple[list[SampledOut], dict]]:
+        """Requests of one sampling.batch_key (or a single request) in one generation; a bad request
+        among them raises UserError (the caller then runs them one by one)."""
+        max_tokens = [self._checked_max_tokens(call) for call in calls][0]
+        tokenizer = self.tokenizer if calls[0].stop_strings else None
+        engine = self.engine_for(self.sampler(calls[0].sampling_session_id))
+        results = run_samples(engine, calls, max_tokens, self.eos_token_ids, tokenizer)
+        self.generation_sizes = [*self.generation_sizes[-999:], len(calls)]
+        return results
+
+    def sample(self, call: SampleCall) -> tuple[list[SampledOut], dict]:
+        return self.sample_many([call])[0]

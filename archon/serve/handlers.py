@@ -11,19 +11,14 @@ from typing import Any
 from tinker import types
 
 from archon.serve.adapters import UserError
-from archon.serve.sampling import SampleCall, parse_stop
+from archon.serve.futures import Batch, HTTPError
+from archon.serve.sampling import SampleCall, batch_key, parse_stop
 from archon.serve.wire import (
     PROTO_CONTENT_TYPE,
     decode_forward_backward,
     encode_forward_backward_output,
     encode_sample_response,
 )
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def client_config() -> dict:
@@ -251,18 +246,24 @@ def asample(server, path, body, content_type) -> dict:
         topk_sample_logprobs=request.topk_sample_logprobs,
     )
 
-    def work() -> bytes:
-        sequences, scores = server.backend.sample(call)
-        return encode_sample_response(
-            sequences,
-            scores.get("prompt_logprobs"),
-            scores.get("topk_prompt"),
-            call.topk_prompt_logprobs,
-            call.topk_sample_logprobs,
-        )
+    def encoded(calls: list[SampleCall]) -> list[bytes]:
+        results = server.backend.sample_many(calls)
+        return [
+            encode_sample_response(
+                sequences,
+                scores.get("prompt_logprobs"),
+                scores.get("topk_prompt"),
+                c.topk_prompt_logprobs,
+                c.topk_sample_logprobs,
+            )
+            for c, (sequences, scores) in zip(calls, results)
+        ]
 
+    key = batch_key(call)
+    batch = None if key is None else Batch(key, call, encoded)
     ids = [f"{request.sampling_session_id}:{request.seq_id}:{i}" for i in range(request.num_samples)]
-    return _future(server, work, sample_sequence_ids=ids)
+    request_id = server.futures.submit(lambda: encoded([call])[0], batch)
+    return {"request_id": request_id, "model_id": None, "sample_sequence_ids": ids}
 
 
 def retrieve_future(server, path, body, content_type) -> Any:

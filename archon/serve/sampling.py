@@ -55,25 +55,55 @@ def _cut_at_stop_string(tokens: list[int], tokenizer, stops: tuple[str, ...]) ->
     return None
 
 
-def run_sample(
-    engine: NativeRolloutEngine, call: SampleCall, max_tokens: int, eos_token_ids: tuple[int, ...], tokenizer
-) -> tuple[list[SampledOut], dict]:
-    """(the num_samples sequences, the prompt's scores {"prompt_logprobs", "topk_prompt"})."""
-    stop_ids = call.stop_token_ids
+def batch_key(call: SampleCall) -> tuple | None:
+    """Requests with the same key can share one generation (the same sampler and settings, and no
+    seed: a seeded request's samples must not depend on the other requests); None: alone."""
+    if call.seed is not None:
+        return None
+    stop = None if call.stop_token_ids is None else tuple(call.stop_token_ids)
+    return (
+        call.sampling_session_id,
+        call.num_samples,
+        call.max_tokens,
+        call.temperature,
+        call.top_p,
+        call.top_k,
+        stop,
+        call.stop_strings,
+    )
+
+
+def run_samples(
+    engine: NativeRolloutEngine,
+    calls: list[SampleCall],
+    max_tokens: int,
+    eos_token_ids: tuple[int, ...],
+    tokenizer,
+) -> list[tuple[list[SampledOut], dict]]:
+    """Requests of one batch_key (or one request) in one generation: per request, (its num_samples
+    sequences, its prompt's scores {"prompt_logprobs", "topk_prompt"})."""
+    first = calls[0]
+    stop_ids = first.stop_token_ids
     if stop_ids is None:
-        stop_ids = () if call.stop_strings else eos_token_ids
+        stop_ids = () if first.stop_strings else eos_token_ids
     params = SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=call.temperature,
-        top_p=call.top_p,
-        top_k=max(call.top_k, 0),
-        n=call.num_samples,
+        temperature=first.temperature,
+        top_p=first.top_p,
+        top_k=max(first.top_k, 0),
+        n=first.num_samples,
         stop_token_ids=tuple(stop_ids),
-        seed=call.seed,
+        seed=first.seed,
     )
-    # one request is one prompt's n samples: a cache of n rows (the engine's cost grows with its rows)
-    engine.max_batch_sequences = call.num_samples
-    samples = engine.generate([call.prompt], params)
+    # the cache holds the requests' rows, n per prompt (the engine's cost grows with its rows)
+    engine.max_batch_sequences = first.num_samples * len(calls)
+    samples = engine.generate([call.prompt for call in calls], params)
+    n = first.num_samples
+    return [_finish(engine, call, samples[i * n : (i + 1) * n], tokenizer) for i, call in enumerate(calls)]
+
+
+def _finish(engine: NativeRolloutEngine, call: SampleCall, samples, tokenizer) -> tuple[list[SampledOut], dict]:
+    """One request's sequences (cut at its stop strings) and the log-probs it asked for."""
     sequences = []
     for sample in samples:
         tokens, logprobs, reason = list(sample.completion_ids), list(sample.logprobs), sample.finish_reason

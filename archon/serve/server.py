@@ -13,97 +13,18 @@ or wrong API key 401.
 from __future__ import annotations
 
 import json
-import queue
 import threading
-import time
 import traceback
-import uuid
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import pydantic
 
-from archon.serve.adapters import UserError
 from archon.serve.backend import Backend
 from archon.serve.config import ServeConfig
-from archon.serve.handlers import ROUTES, HTTPError, client_config
+from archon.serve.futures import Futures, HTTPError
+from archon.serve.handlers import ROUTES, client_config
 from archon.serve.wire import PROTO_CONTENT_TYPE, WireError
-
-FUTURE_WAIT_SECONDS = 5.0
-"""How long retrieve_future waits for a result before answering try_again."""
-KEEP_RETRIEVED_SECONDS = 300.0
-"""How long a retrieved result is kept for a client that retries its retrieve."""
-
-
-@dataclass
-class _Future:
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    """A dict (JSON) or bytes (protobuf) once done."""
-    error: tuple[str, str] | None = None
-    """(message, category "user" or "server") of a failed request."""
-    retrieved_at: float | None = None
-
-
-class Futures:
-    """The requests queued to the worker thread, and their results by request id."""
-
-    def __init__(self) -> None:
-        self._items: dict[str, _Future] = {}
-        self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="archon-serve-worker", daemon=True)
-        self._worker.start()
-
-    def submit(self, work: Callable[[], Any]) -> str:
-        request_id = f"req-{uuid.uuid4().hex}"
-        with self._lock:
-            now = time.monotonic()
-            stale = [
-                k for k, f in self._items.items() if f.retrieved_at and now - f.retrieved_at > KEEP_RETRIEVED_SECONDS
-            ]
-            for key in stale:
-                del self._items[key]
-            self._items[request_id] = _Future()
-        self._queue.put((request_id, work))
-        return request_id
-
-    def run_now(self, work: Callable[[], Any]) -> Any:
-        """Run `work` on the worker thread and wait for it; a refusal raises HTTPError(400)."""
-        request_id = self.submit(work)
-        future = self._items[request_id]
-        future.done.wait()
-        with self._lock:
-            del self._items[request_id]
-        if future.error is not None:
-            raise HTTPError(400 if future.error[1] == "user" else 500, future.error[0])
-        return future.result
-
-    def _work(self) -> None:
-        while True:
-            request_id, work = self._queue.get()
-            future = self._items[request_id]
-            try:
-                future.result = work()
-            except (UserError, WireError, pydantic.ValidationError) as e:
-                future.error = (str(e), "user")
-            except Exception as e:  # noqa: BLE001 - a failed request must not stop the worker
-                traceback.print_exc()
-                future.error = (f"{type(e).__name__}: {e}", "server")
-            future.done.set()
-
-    def retrieve(self, request_id: str) -> Any:
-        with self._lock:
-            future = self._items.get(request_id)
-        if future is None:
-            raise HTTPError(404, f"unknown request id {request_id!r}")
-        if not future.done.wait(FUTURE_WAIT_SECONDS):
-            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
-        future.retrieved_at = future.retrieved_at or time.monotonic()
-        if future.error is not None:
-            return {"error": future.error[0], "category": future.error[1]}
-        return future.result
 
 
 class _Handler(BaseHTTPRequestHandler):
