@@ -62,10 +62,14 @@ class Echo(Environment):
 
 
 class Stuck(Environment):
-    """Writes its process id to row["pid_file"], then never answers its first step."""
+    """Adds its process id to row["pid_file"] (a line), then never answers its first step (or its
+    reset, when row["stuck_in"] is "reset")."""
 
     def reset(self, row):
-        Path(row["pid_file"]).write_text(str(os.getpid()))
+        with Path(row["pid_file"]).open("a") as pids:
+            pids.write(f"{os.getpid()}\n")
+        if row.get("stuck_in") == "reset":
+            time.sleep(3600)
         return [{"role": "user", "content": row["prompt"]}]
 
     def step(self, turn, tool_results):

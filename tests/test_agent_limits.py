@@ -158,7 +158,7 @@ def test_a_stuck_environment_process_is_killed(renderer, tmp_path):
     (t,), _ = run(renderer, make_env, [{"prompt": "hi", "pid_file": str(pid_file)}], step_timeout_s=2.0)
     assert time.monotonic() - start < 30
     assert t.stop_reason == StopReason.TIMEOUT and "killed" in t.error
-    pid = int(pid_file.read_text())
+    (pid,) = map(int, pid_file.read_text().split())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
@@ -228,3 +228,54 @@ def test_agents_keep_the_runs_turn_limit_and_the_models_context(renderer, small_
         assert len(t.completion_ids) <= 100 and len(t.trajectory_ids) <= 256
     assert any(t.cut for t in trajectories)
     assert all(t.to_sample(0).finish_reason == "length" for t in trajectories if t.cut)
+
+
+def test_a_run_with_a_stuck_environment_ends_and_leaves_no_process(tmp_path):
+    """A training run whose environment never answers its reset: each episode is abandoned after
+    step_timeout_s, the run trains its steps and exits, and no environment process is left."""
+    import json
+
+    from archon.tools.align import make_tiny_hf_checkpoint
+
+    tokenizer = qwen3_tokenizer()
+    model_dir = make_tiny_hf_checkpoint(
+        "qwen3",
+        tmp_path / "model",
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    tokenizer.save_pretrained(model_dir)
+    pid_file = tmp_path / "pids"
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}?", "answer": "1", "pid_file": str(pid_file), "stuck_in": "reset"}) + "\n"
+            for i in range(4)
+        )
+    )
+    args = [
+        "--model.path", str(model_dir), "--data.path", str(data), "--data.answer-field", "answer",
+        "--reward.function", "exact", "--reward.num-workers", "0", "--steps", "2", "--eval.every", "0",
+        "--checkpoint.every", "0", "--rollout.group-size", "2", "--rollout.prompts-per-step", "2",
+        "--environment.name", "tests.agent_environments:Stuck", "--environment.enable-thinking", "False",
+        "--environment.limits.step-timeout-s", "2", "--environment.limits.max-turn-tokens", "4",
+        "--logging.run-dir", str(tmp_path / "run"), "--logging.no-progress", "--logging.backends",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "grpo_lora.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert time.monotonic() - start < 400
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stop_timeout"] for r in records if "stop_timeout" in r] == [1.0, 1.0]
+    pids = [int(pid) for pid in pid_file.read_text().split()]
+    assert len(pids) == 8  # one process per episode: 2 steps x 2 prompts x 2 episodes
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
