@@ -238,3 +238,15 @@ def test_an_unexpected_error_is_printed_with_its_secrets_redacted(capsys):
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and "RuntimeError: server refused key *** at http://***@host/v1" in err
     assert CLI_KEY not in err and URL_PASSWORD not in err
+
+
+def test_a_short_numeric_secret_leaves_the_metrics_numbers_alone(tmp_path):
+    """Redaction applies to the strings of a record, so a secret that looks like a number does not
+    corrupt metrics.jsonl."""
+    from archon.rl.logging.metrics import MetricsLogger, read_metrics
+
+    register_secrets({"1234"})
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"loss": 0.1234, "note": "key 1234"})
+    logger.close()
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 0.1234, "note": "key ***"}]

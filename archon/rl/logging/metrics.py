@@ -13,7 +13,7 @@ from typing import Any
 from archon.checkpoint.atomic import atomic_file
 from archon.rl.logging.samples import drop_tables_after, tracker_table, write_table
 from archon.rl.logging.trackers import TensorBoardTracker, close_trackers
-from archon.secrets import redact, redact_value
+from archon.secrets import redact_value
 
 METRICS_FILE = "metrics.jsonl"
 logger = logging.getLogger("archon.rl")
@@ -51,7 +51,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(redact(json.dumps(record)) + "\n")
+        self._file.write(json.dumps(redact_value(record)) + "\n")  # strings only: a number stays a number
         self._file.flush()
         scalars = {
             k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
