@@ -5,14 +5,20 @@ chunk, the chunked scan against the recurrence, the generation cache, and the re
 
 import pytest
 import torch
-from family_checks import assert_aligned, assert_meta_weights_complete, assert_state_dict_round_trip
+import torch.nn.functional as F
+from family_checks import (
+    assert_aligned,
+    assert_gate_fails,
+    assert_meta_weights_complete,
+    assert_state_dict_round_trip,
+)
 from helpers import assert_no_state_leaks_across_packed_sequences, randomise_lora
 from safetensors.torch import load_file, save_file
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.models.nemotron_h.args import NemotronHArgs
-from archon.models.nemotron_h.model import SSD_CHUNK_SIZE, chunked_ssd
+from archon.models.nemotron_h.model import SSD_CHUNK_SIZE, Mamba2Mixer, NemotronHMLP, chunked_ssd
 
 MODEL_TYPE = "nemotron_h"
 # One sequence longer than a chunk of the scan, one of a single token.
@@ -209,3 +215,61 @@ def test_native_logprobs_equal_the_trainers(tiny_checkpoint):
     expected = trainer.logprobs(batch, temperature=0.8).logprobs[batch.loss_mask]
     rollout_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
     torch.testing.assert_close(rollout_lp, expected, rtol=0, atol=1e-5)
+
+
+def _each_mamba_mixer(model):
+    return [layer.mixer for layer in model.layers if isinstance(layer.mixer, Mamba2Mixer)]
+
+
+def _no_step_clamp(model, monkeypatch):
+    for mixer in _each_mamba_mixer(model):
+        mixer.time_step_min = 0.0
+
+
+def _no_d_skip(model, monkeypatch):
+    with torch.no_grad():
+        for mixer in _each_mamba_mixer(model):
+            mixer.D.zero_()
+
+
+def _no_conv_bias(model, monkeypatch):
+    with torch.no_grad():
+        for mixer in _each_mamba_mixer(model):
+            mixer.conv1d.bias.zero_()
+
+
+def _norm_over_all_channels(model, monkeypatch):
+    for mixer in _each_mamba_mixer(model):
+        mixer.norm.group_size = mixer.width
+
+
+def _mlp_relu_not_squared(model, monkeypatch):
+    for layer in model.layers:
+        if isinstance(layer.mixer, NemotronHMLP):
+            monkeypatch.setattr(layer.mixer, "forward", lambda x, m=layer.mixer: m.down_proj(F.relu(m.up_proj(x))))
+
+
+MUTATIONS = {
+    "no-step-clamp": _no_step_clamp,
+    "no-d-skip": _no_d_skip,
+    "no-conv-bias": _no_conv_bias,
+    "norm-over-all-channels": _norm_over_all_channels,
+    "mlp-relu-not-squared": _mlp_relu_not_squared,
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_gate_fails_with_a_feature_switched_off(mutation, monkeypatch):
+    """The registered tiny config reaches each feature: with it switched off in the archon model, the
+    gate fails (the step-size clamp binds on some tokens, the norm's groups differ from one group)."""
+    from archon.tools import align
+
+    build_model_ = align.build_model
+
+    def build_and_switch_off(*args, **kwargs):
+        loaded = build_model_(*args, **kwargs)
+        MUTATIONS[mutation](loaded.model, monkeypatch)
+        return loaded
+
+    monkeypatch.setattr(align, "build_model", build_and_switch_off)
+    assert_gate_fails(MODEL_TYPE, {}, seq_lens=SEQ_LENS)
