@@ -273,3 +273,40 @@ def test_gate_fails_with_a_feature_switched_off(mutation, monkeypatch):
 
     monkeypatch.setattr(align, "build_model", build_and_switch_off)
     assert_gate_fails(MODEL_TYPE, {}, seq_lens=SEQ_LENS)
+
+
+def test_tp2_in_float64_matches_one_process(tiny_checkpoint):
+    """TP x2 (two gloo processes; attention heads and MLP width sharded, the Mamba2 mixers whole on each
+    rank) gives the single process's hidden states, log-probs and LoRA gradients to fp64 rounding."""
+    from archon.tools.align_tp import TP_TOLERANCES, tp_check
+
+    figures = tp_check(tiny_checkpoint(MODEL_TYPE, **CASES["attention-first-biases"]), "float64")
+    assert figures["tp2_hidden_max_abs"] <= TP_TOLERANCES["float64"], figures
+    assert figures["tp2_logprob_max_abs"] <= TP_TOLERANCES["float64"], figures
+    assert figures["tp2_grad_max_rel"] <= TP_TOLERANCES["float64"], figures
+    assert not figures["tp2_lora_params_without_grad"], figures
+
+
+def test_tp2_and_fsdp2_match_one_process(tiny_checkpoint, tmp_path):
+    """TP x2 and FSDP2 x2 (the dense families' worker, float32) against one process."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hf_dir = str(tiny_checkpoint(MODEL_TYPE))
+    out = tmp_path / "results.json"
+    worker = Path(__file__).with_name("dense_parallel_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    cmd += [str(worker), str(out), f"{hf_dir}@tp2,fsdp2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())[hf_dir]
+    for layout in ("tp2", "fsdp2"):
+        # float32 rounding of sharded matmuls and reductions (the dense families' bound, 1e-5)
+        assert max(results[layout].values()) <= 1e-5, (layout, results[layout])
