@@ -145,6 +145,9 @@ def test_a_damaged_checkpoint_is_printed_as_an_error_without_a_traceback(tiny_se
 
 
 def test_a_head_dim_vllm_cpu_cannot_serve_is_refused_at_launch_naming_it():
+    from helpers import require_vllm
+
+    require_vllm()
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from archon.rollout.vllm_config import VLLMConfig
