@@ -250,3 +250,18 @@ def test_a_short_numeric_secret_leaves_the_metrics_numbers_alone(tmp_path):
     logger.log(1, {"loss": 0.1234, "note": "key 1234"})
     logger.close()
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 0.1234, "note": "key ***"}]
+
+
+def test_a_stopped_tasks_record_holds_no_secret(tmp_path):
+    """stopped.json keeps why a task stopped, an error's message that may quote a URL or a key."""
+    import json
+    import types
+
+    from archon.rl.run.task import STOPPED_FILE, Task
+
+    register_secrets({CLI_KEY})
+    task = types.SimpleNamespace(dir=tmp_path / "task", producer=None, stopped=None)
+    Task.stop(task, 3, f"reward server http://rm:{URL_PASSWORD}@host failed with key {CLI_KEY}", writes_record=True)
+    record = json.loads((tmp_path / "task" / STOPPED_FILE).read_text())
+    assert record == {"step": 3, "reason": "reward server http://***@host failed with key ***"}
+    assert task.stopped == record["reason"]
