@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import shutil
 import sys
 import tempfile
 import warnings
@@ -74,8 +75,9 @@ from archon.tools.align_inputs import (  # noqa: F401 - parse_config_assignments
     quantize_option_format,
     resolve_model_type,
 )
+from archon.tools.align_mtp import has_mtp, mtp_check
 from archon.tools.align_report import failure_lines, format_gate, format_report
-from archon.tools.align_tp import TP_TOLERANCES, tp_check
+from archon.tools.align_tp import tp_gate
 from archon.tools.align_variants import config_variants
 from archon.tools.dequantized_reference import (  # noqa: F401 - reference_dequantize_*: at their old path
     reference_dequantize_fp8,
@@ -87,6 +89,7 @@ from archon.tools.tiny_checkpoint import (  # noqa: F401 - tiny_config_kwargs: a
     make_tiny_hf_checkpoint,
     single_kind_patterns,
     tiny_config_kwargs,
+    tiny_hf_config,
 )
 
 MAX_ABS_LOGITS_DIFF = 1e-4
@@ -152,9 +155,14 @@ class AlignArgs:
     extra_dtypes: tuple[Literal["float64", "bfloat16"], ...] = ()
     """Gate v2: the tiny config again in these dtypes (bfloat16 without LoRA: the end-to-end comparison
     within the measured bf16 floor and every norm module against HF's)."""
+    mtp: bool = False
+    """Gate v2: for a family with MTP layers, one random MTP layer against the published formula
+    (archon.tools.align_mtp), float32 / float64."""
     tp: int = 1
     """Gate v2: with 2, hidden states, log-probs and LoRA gradients of the tiny model under TP x2 (two
     gloo processes) against one process (archon.tools.align_tp)."""
+    stop_at_first_failure: bool = False
+    """Gate v2: stop at the first run that fails (the verdict is the same, sooner)."""
     all: bool = False
     """Gate v2 in full: --variants --generation --extra-dtypes float64 bfloat16 --tp 2."""
     quantize: str | None = None
@@ -283,7 +291,7 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
             ("mean_kl", tolerances["mean_kl"]),
             ("max_abs_train_logprob_diff", logits_tol),
         ]
-        checks += _generation_and_bf16_checks(args, report, model, hf_model, loaded.converter, seqs)
+        checks += _extra_checks(args, model_type, report, model, hf_model, loaded.converter, batch, hf_path, tmp)
         del model, loaded
 
         if args.lora_rank is not None:
@@ -296,16 +304,21 @@ def _run_alignment(args: AlignArgs) -> dict[str, Any]:
     return _verdict(args, report, checks, unread)
 
 
-def _generation_and_bf16_checks(args: AlignArgs, report, model, hf_model, converter, seqs) -> list[tuple[str, float]]:
+def _extra_checks(args: AlignArgs, model_type, report, model, hf_model, converter, batch, hf_path, tmp):
     """With args.generation (float32 / float64): the generation cache against the full forward. In
-    bfloat16: every norm module against HF's. Their figures go into `report`; returns their checks."""
+    bfloat16: every norm module against HF's. With args.mtp, for a family with MTP layers: one random
+    MTP layer against the formula. Their figures go into `report`; returns their checks."""
     checks = []
     if args.generation and args.dtype in CACHE_TOLERANCES:
-        report.update(generation_cache_check(model, seqs))
+        report.update(generation_cache_check(model, batch[0]))
         checks += [("cache_max_abs_logprob_diff", CACHE_TOLERANCES[args.dtype]), ("cache_greedy_mismatches", 0)]
     if args.dtype == "bfloat16":
         report.update(bf16_norm_check(model, hf_model, converter, args.seed))
         checks.append(("bf16_norm_max_abs_diff", BF16_NORM_TOLERANCE))
+    if args.mtp and args.dtype in CACHE_TOLERANCES and has_mtp(model_type) and args.hf_path is None:
+        copy = shutil.copytree(hf_path, Path(tmp) / "mtp")
+        report["mtp_max_abs_logits_diff"] = mtp_check(copy, DTYPES[args.dtype], batch, args.seed, build_model)
+        checks.append(("mtp_max_abs_logits_diff", TOLERANCES[args.dtype]["max_abs_logits_diff"]))
     return checks
 
 
@@ -401,7 +414,9 @@ def run_gate(args: AlignArgs) -> dict[str, Any]:
     cache, and TP x2. Every failed check is one line of `failures`, `CONFIG/DTYPE METRIC: VALUE > TOLERANCE`,
     and a run that raised is one too, `CONFIG/DTYPE error: TYPE: MESSAGE`."""
     if args.all:
-        args = dataclasses.replace(args, variants=True, generation=True, extra_dtypes=("float64", "bfloat16"), tp=2)
+        args = dataclasses.replace(
+            args, variants=True, generation=True, mtp=True, extra_dtypes=("float64", "bfloat16"), tp=2
+        )
     model_type = resolve_model_type(args)
     overrides = {**args.config_overrides, **parse_config_assignments(args.set)}
     base = dataclasses.replace(args, model_type=model_type, config_overrides=overrides, set=(), all=False)
@@ -412,7 +427,9 @@ def run_gate(args: AlignArgs) -> dict[str, Any]:
     refused: dict[str, str] = {}
     if args.variants and args.hf_path is None:
         variants, refused = config_variants(model_type, overrides)
-        runs += [(n, dataclasses.replace(base, config_overrides=o, generation=False)) for n, o in variants.items()][1:]
+        runs += [
+            (n, dataclasses.replace(base, config_overrides=o, generation=False, mtp=False)) for n, o in variants.items()
+        ][1:]
     reports, failures = [], []
     for name, run_args in runs:
         where = f"{name}/{run_args.dtype}"
@@ -420,36 +437,19 @@ def run_gate(args: AlignArgs) -> dict[str, Any]:
             report = run_alignment(run_args)
         except Exception as e:  # a port that cannot load or run fails the gate by name, with the reason
             failures.append(f"{where} error: {type(e).__name__}: {e}")
+            if args.stop_at_first_failure:
+                break
             continue
         reports.append({**report, "config": name})
         failures += [f"{where} {line}" for line in failure_lines(report)]
+        if failures and args.stop_at_first_failure:
+            break
     tp: dict[str, Any] = {}
-    if args.tp > 1:
-        tp, tp_failures = _tp_gate(base, model_type, overrides)
+    if args.tp > 1 and not (failures and args.stop_at_first_failure):
+        tp, tp_failures = tp_gate(base, model_type, overrides)
         failures += tp_failures
     return {"model_type": model_type, "reports": reports, "refused_variants": refused, "tp": tp,
             "failures": failures, "pass": not failures}  # fmt: skip
-
-
-def _tp_gate(args: AlignArgs, model_type: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """TP x2 against one process in float64 (its tolerance: archon.tools.align_tp.TP_TOLERANCES)."""
-    tol = TP_TOLERANCES["float64"]
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = args.hf_path or make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **overrides)
-            figures = tp_check(path, "float64")
-        except Exception as e:
-            return {}, [f"tp2/float64 error: {type(e).__name__}: {e}"]
-    failures = [
-        f"tp2/float64 {k}: {v:.3e} > {tol:.0e}"
-        for k, v in figures.items()
-        if k != "tp2_lora_params_without_grad" and not v <= tol
-    ]
-    if figures["tp2_lora_params_without_grad"]:
-        failures.append(
-            f"tp2/float64 LoRA parameters with a gradient on one side only: {figures['tp2_lora_params_without_grad']}"
-        )
-    return figures, failures  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,16 @@ def _takes_one_input(module: nn.Module) -> bool:
     return len(parameters) == 1
 
 
+def _hf_module(hf_model: nn.Module, checkpoint_path: str, archon_name: str) -> nn.Module | None:
+    """HF's module at the checkpoint's path, or, where transformers renames keys on load (Nemotron-H's
+    checkpoints say `backbone.`, its modules `model.`), the one module whose path ends in archon's name."""
+    try:
+        return hf_model.get_submodule(checkpoint_path)
+    except AttributeError:
+        found = [m for n, m in hf_model.named_modules() if n.endswith(f".{archon_name}")]
+        return found[0] if len(found) == 1 else None
+
+
 def bf16_norm_check(model: nn.Module, hf_model: nn.Module, converter, seed: int) -> dict[str, float | int]:
     """Each norm of archon's bf16 model (a module whose class name ends in `Norm`, with a weight and
     one input) against the HF module its weight loads from, on the same random bf16 input [5, dim].
@@ -62,10 +72,8 @@ def bf16_norm_check(model: nn.Module, hf_model: nn.Module, converter, seed: int)
             weight = getattr(module, "weight", None)
             if not type(module).__name__.endswith("Norm") or weight is None or not _takes_one_input(module):
                 continue
-            hf_weight_name = converter.hf_name(f"{name}.weight")
-            try:
-                hf_module = hf_model.get_submodule(hf_weight_name.removesuffix(".weight"))
-            except AttributeError:
+            hf_module = _hf_module(hf_model, converter.hf_name(f"{name}.weight").removesuffix(".weight"), name)
+            if hf_module is None:
                 continue  # stored under another layout (fused, stacked): not one HF module
             x = (torch.randn(5, weight.shape[-1], generator=g) * 3).to(weight.dtype)
             ours, theirs = module(x), hf_module(x)

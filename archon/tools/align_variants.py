@@ -43,23 +43,25 @@ def config_variants(model_type: str, overrides: dict[str, Any]) -> tuple[dict[st
     config = tiny_hf_config(model_type, **overrides)
     text = config.get_text_config()
     skipped = set(GENERIC_INERT_FIELDS) | set(spec.inert_hf_config_fields)
-    variants, refused = {"tiny": dict(overrides)}, {}
-    for name in sorted(fields_read(spec.args_cls, config) - skipped):
-        for value in _flipped_values(name, getattr(text, name, None)):
-            key = f"{name}={value}"
-            candidate = {**overrides, name: value}
-            try:
-                spec.args_cls.from_hf_config(tiny_hf_config(model_type, **candidate))
-            except (ValueError, TypeError) as e:
-                refused[key] = f"{type(e).__name__}: {e}"
-                continue
-            variants[key] = candidate
+    candidates = {
+        f"{name}={value}": {**overrides, name: value}
+        for name in sorted(fields_read(spec.args_cls, config) - skipped)
+        for value in _flipped_values(name, getattr(text, name, None))
+    }
     rope = getattr(text, "rope_parameters", None)
     if "partial_rotary_factor" in {f.name for f in dataclasses.fields(spec.args_cls)} and rope and "rope_theta" in rope:
         # a float, not a flag, but a port that hard-codes the tiny config's value passes without it
         factor = 1.0 if rope.get("partial_rotary_factor", 1.0) != 1.0 else 0.5
-        variants[f"partial_rotary_factor={factor}"] = {
+        candidates[f"partial_rotary_factor={factor}"] = {
             **overrides,
             "rope_parameters": {**rope, "partial_rotary_factor": factor},
         }
+    variants, refused = {"tiny": dict(overrides)}, {}
+    for key, candidate in candidates.items():
+        try:
+            spec.args_cls.from_hf_config(tiny_hf_config(model_type, **candidate))
+        except (ValueError, TypeError) as e:
+            refused[key] = f"{type(e).__name__}: {e}"
+            continue
+        variants[key] = candidate
     return variants, refused
