@@ -41,6 +41,15 @@ def test_parity_float64():
     assert_aligned(MODEL_TYPE, {}, lora_rank=8, dtype="float64")
 
 
+def test_parity_bfloat16_and_norms_bit_for_bit():
+    """bf16 against HF in bf16 (the base model): within the measured floor, every norm equal to HF's."""
+    from archon.tools.align import AlignArgs, run_alignment
+
+    report = run_alignment(AlignArgs(model_type=MODEL_TYPE, dtype="bfloat16"))
+    assert report["pass"], report["failures"]
+    assert report["bf16_norms_compared"] == 9 and report["bf16_norm_max_abs_diff"] == 0.0
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_state_dict_round_trip(case, tiny_checkpoint):
     assert_state_dict_round_trip(tiny_checkpoint(MODEL_TYPE, **CASES[case]))
