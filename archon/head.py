@@ -247,6 +247,11 @@ def model_label_logprobs(
     in the model's forward), then the chunked head on the positions `rows` [N] with `labels` [N].
     Returns (log-probs [N], entropies [N] or None). Whatever a family puts between its last norm
     and the unembedding must therefore be inside `return_hidden=True`'s output or the output weight,
-    not only in its logits."""
+    not only in its logits.
+
+    With context parallelism each rank scores its own slice of the rows, `chunk_size` / cp at a time,
+    so the group holds `chunk_size` rows of logits at once, as one process does."""
+    if context_parallel is not None:
+        chunk_size = max(chunk_size // context_parallel.size, 1)
     hidden = model(tokens, positions, cu_seqlens, max_seqlen, return_hidden=True, context_parallel=context_parallel)
     return label_logprobs(hidden[rows], model.output_weight, labels, temperature, chunk_size, with_entropy)

@@ -18,7 +18,8 @@ the order reversed every other round):
     offload  one process whose blocks copy what autograd saves into separate host buffers and back
              (the CPU has no device memory to free, so the copies are forced: what this measures is
              the bookkeeping's cost and how many saved-activation bytes stay with the compute)
-Figures per run: the step's peak RSS growth per rank (sampled every 5 ms, loading excluded), the
+Figures per run: the step's peak RSS growth per rank (sampled every 5 ms, loading excluded; every
+run has glibc's mmap threshold fixed at 128 KiB, so a freed activation buffer leaves the RSS), the
 step time, tokens/s per rank, and the peak bytes of saved activations resident with the compute
 (counted by the offload hooks, in counting-only mode for single and cp2), each the median over the
 rounds; the ratios between runs are the medians of the rounds' ratios, with their min and max.
@@ -82,6 +83,9 @@ PROMPT_TOKENS = 256
 WARMUP_TOKENS = 512
 LORA_RANK = 16
 MEMORY_BUDGET_MB = 8192
+MMAP_THRESHOLD = 128 * 1024
+"""glibc's malloc threshold for mmap, fixed for every run: left dynamic it rises to the largest
+freed block, so freed activation buffers then stay in the heap and count in the peak RSS."""
 RUNS = ("single", "cp2", "offload")
 RATIOS = (
     Ratio("cp2_vs_single_peak", "cp2", "single", "peak_mb"),
@@ -184,7 +188,7 @@ def _measure(run: str, checkpoint: Path, length: int, threads: int, out: Path) -
     else:
         cmd = [sys.executable, script, *common]
         per_rank = threads
-    env = {**os.environ, "OMP_NUM_THREADS": str(per_rank)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(per_rank), "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{run} at T={length} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
