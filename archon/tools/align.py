@@ -448,8 +448,14 @@ def run_gate(args: AlignArgs) -> dict[str, Any]:
     if args.tp > 1 and not (failures and args.stop_at_first_failure):
         tp, tp_failures = tp_gate(base, model_type, overrides)
         failures += tp_failures
-    return {"model_type": model_type, "reports": reports, "refused_variants": refused, "tp": tp,
-            "failures": failures, "pass": not failures}  # fmt: skip
+    return {
+        "model_type": model_type,
+        "reports": reports,
+        "refused_variants": refused,
+        "tp": tp,
+        "failures": failures,
+        "pass": not failures,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from archon.head import label_logprobs
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import full_tensor
 from archon.parallel import ParallelConfig, reduce_partial_grads
+from archon.tools.tiny_checkpoint import make_tiny_hf_checkpoint
 
 SEQ_LENS = (7, 1, 13, 33)
 # TP x2 against one process, by dtype: fp32 rounding of the sharded matmuls and reductions (measured
@@ -113,6 +115,28 @@ def tp_check(hf_dir: str | Path, dtype: str = "float32", timeout_s: int = 300) -
             errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
             raise RuntimeError(f"TP x2 workers exited with {proc.returncode}: {(errors or ['(no error line)'])[-1]}")
         return json.loads(out.read_text())
+
+
+def tp_gate(args, model_type: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Gate v2's TP x2 against one process in float64 (TP_TOLERANCES), on args.hf_path or the tiny
+    checkpoint: (the figures, a named line per failed check or the error that stopped it)."""
+    tol = TP_TOLERANCES["float64"]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = args.hf_path or make_tiny_hf_checkpoint(model_type, Path(tmp) / "hf", args.seed, **overrides)
+            figures = tp_check(path, "float64")
+        except Exception as e:
+            return {}, [f"tp2/float64 error: {type(e).__name__}: {e}"]
+    failures = [
+        f"tp2/float64 {k}: {v:.3e} > {tol:.0e}"
+        for k, v in figures.items()
+        if k != "tp2_lora_params_without_grad" and not v <= tol
+    ]
+    if figures["tp2_lora_params_without_grad"]:
+        failures.append(
+            f"tp2/float64 LoRA parameters with a gradient on one side only: {figures['tp2_lora_params_without_grad']}"
+        )
+    return figures, failures
 
 
 if __name__ == "__main__":
