@@ -629,7 +629,10 @@ def test_a_request_in_flight_continues_on_each_published_version(setup, mode):
             f"{mode} version {version}: {int(at.sum())} tokens, "
             f"vLLM-trainer log-prob gap mean {gap.mean():.2e} max {gap.max():.2e}"
         )
-        assert gap.mean() <= 1e-3
+        # fp32 on both sides, measured (2026-12-06) at most 1.1e-6 mean and 1.2e-5 max per version;
+        # the largest gap too, so that one token tagged with a wrong version (> 0.05 off, as the
+        # line below shows for every other version) cannot pass
+        assert gap.mean() <= 1e-5 and gap.max() <= 1e-4
         for other in {v, v + 1, v + 2} - {version}:
             assert (scored[other] - batch.rollout_logprobs).abs()[at].mean() > 0.05
     randomise_served_adapter(trainer.model, seed=10)
