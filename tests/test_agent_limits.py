@@ -164,8 +164,8 @@ def test_a_stuck_environment_process_is_killed(renderer, tmp_path):
 
 
 def test_a_process_whose_in_process_environment_is_stuck_exits(tmp_path):
-    """An Environment object run in this process: its stuck call is abandoned, and the process exits
-    when its work is done, without waiting for it."""
+    """An Environment object run in this process: its stuck step and close are abandoned, and the
+    process exits when its work is done, without waiting for them."""
     script = textwrap.dedent(
         f"""
         import sys
@@ -176,7 +176,13 @@ def test_a_process_whose_in_process_environment_is_stuck_exits(tmp_path):
         from tests.test_renderers_qwen_llama import qwen3_tokenizer
 
         renderer = get_renderer("qwen3", qwen3_tokenizer(), enable_thinking=False)
-        (t,), _ = run(renderer, Stuck, [{{"prompt": "hi", "pid_file": {str(tmp_path / "pid")!r}}}], step_timeout_s=1.0)
+        class StuckToTheEnd(Stuck):
+            def close(self):
+                import time
+                time.sleep(3600)
+
+        rows = [{{"prompt": "hi", "pid_file": {str(tmp_path / "pid")!r}}}]
+        (t,), _ = run(renderer, StuckToTheEnd, rows, step_timeout_s=1.0)
         print(t.stop_reason.value)
         """
     )

@@ -33,7 +33,7 @@ from archon.agents.trajectory import StopReason
 from archon.workers import WorkerProcess, describe_exception, import_function, serve
 
 CLOSE_WAIT_S = 1.0
-"""How long a worker gets to run its environment's `close` before it is killed."""
+"""How long an environment's `close` is waited for (a worker's process is killed after it)."""
 
 
 def checked_reward(reward: Any, where: str) -> tuple[float | None, str | None]:
@@ -97,10 +97,8 @@ class InProcessEnvironment:
         return _ThreadCall(getattr(self.env, method), args, self.timeout_s)
 
     def close(self) -> None:
-        try:
-            self.env.close()
-        except Exception:  # noqa: BLE001 - closing is best effort; the trajectory is kept
-            pass
+        """The environment's `close`, waited for CLOSE_WAIT_S at most (best effort: its failure is ignored)."""
+        _ThreadCall(self.env.close, (), CLOSE_WAIT_S).result(time.monotonic() + CLOSE_WAIT_S)
 
 
 class _WorkerCall(Pending):
