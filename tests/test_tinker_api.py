@@ -168,10 +168,19 @@ def test_wrong_api_key_is_refused(tinker_server):
         tinker.RestClient(base_url=tinker_server.url, api_key="tml-wrong").get_server_capabilities().result()
 
 
-def test_server_binds_loopback_by_default():
+def test_command_line_and_loopback_default():
+    import subprocess
+    import sys
+
     from archon.serve.config import ServeConfig
 
     assert ServeConfig(base_model="x").host == "127.0.0.1"
+    run = subprocess.run([sys.executable, "-m", "archon.serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for flag in ("--base-model", "--port", "--host", "--api-key", "--max-lora-rank"):
+        assert flag in run.stdout
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        ServeConfig(base_model="x", max_lora_rank=0)
 
 
 def test_queued_sample_requests_share_a_generation(service_client, tiny_base, tinker_server):
