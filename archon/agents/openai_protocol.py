@@ -2,7 +2,8 @@
 messages converted to the form chat templates take (`parse_request`, `ChatRequest`), the error a
 refused request gets (`OpenAIError`), a body decoded with its nesting bounded (`decode_body`), a
 sampled turn as an OpenAI assistant message (`assistant_message`) and back (`template_form`), and
-what two messages must share to be the same turn of a conversation (`canonical`). The endpoint that serves it is archon.agents.openai_server.
+what two messages must share to be the same turn of a conversation (`canonical`).
+The endpoint that serves it is archon.agents.openai_server.
 """
 
 from __future__ import annotations
