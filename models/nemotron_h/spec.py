@@ -71,7 +71,6 @@ spec = register(
             "topk_group": _MOE_ONLY,
             "norm_topk_prob": _MOE_ONLY,
             "routed_scaling_factor": _MOE_ONLY,
-            "output_router_logits": _MOE_ONLY,
         },
     )
 )
