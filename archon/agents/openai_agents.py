@@ -119,35 +119,3 @@ def _run_group(server, agent_fn, row, group_size, timeout_s) -> list[Trajectory]
             trajectory.stop_reason, trajectory.reward = StopReason.DONE, float(value)
         trajectories.append(trajectory)
     return trajectories
-
-
-class AgentEpisodes:
-    """A task's episodes run by an agent function (environment.agent) on an endpoint served from
-    the rollout engine for the duration of each `run`: every row's G agents at once, their
-    requests batched into the engine's calls. Requests that set no sampling parameters sample as
-    the run does (its temperature, top-p and top-k; `max_turn_tokens` per request)."""
-
-    def __init__(self, agent_fn: AgentFn, renderer, max_turn_tokens: int, timeout_s: float) -> None:
-        self.agent_fn, self.renderer = agent_fn, renderer
-        self.max_turn_tokens, self.timeout_s = max_turn_tokens, timeout_s
-
-    def run(self, rows: list[dict], group_size: int, sampling, engine) -> list[Trajectory]:
-        from dataclasses import replace
-
-        default = replace(sampling, n=1, max_new_tokens=self.max_turn_tokens)
-        results: list[list[Trajectory] | None] = [None] * len(rows)
-        with ChatCompletionsServer(engine, self.renderer, "archon", default) as server:
-
-            def run_row(i: int) -> None:
-                results[i] = run_agent_group(server, self.agent_fn, rows[i], group_size, self.timeout_s)
-
-            threads = [threading.Thread(target=run_row, args=(i,), name=f"agent-row-{i}") for i in range(len(rows))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-        trajectories = [trajectory for group in results for trajectory in group]
-        for trajectory in trajectories:
-            if not trajectory.prompt_ids:  # an agent that made no request: an empty trajectory that trains nothing
-                trajectory.prompt_ids = self.renderer.render_prompt([{"role": "user", "content": ""}])
-        return trajectories
