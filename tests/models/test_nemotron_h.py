@@ -310,3 +310,30 @@ def test_tp2_and_fsdp2_match_one_process(tiny_checkpoint, tmp_path):
     for layout in ("tp2", "fsdp2"):
         # float32 rounding of sharded matmuls and reductions (the dense families' bound, 1e-5)
         assert max(results[layout].values()) <= 1e-5, (layout, results[layout])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("attention_bias", True),
+        ("sliding_window", 4),
+        ("time_step_limit", [0.0, 0.5]),
+        ("tie_word_embeddings", True),
+        ("residual_in_fp32", True),
+        ("hidden_dropout", 0.5),
+        ("mamba_proj_bias", True),
+        ("expand", 7),
+    ],
+)
+def test_fields_declared_inert_do_not_move_hf(field, value):
+    """The fields the ModelSpec declares inert because HF ignores them: flipped in HF, the same weights
+    load (no parameter added or dropped) and give the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(_config()).eval()
+    flipped = AutoModelForCausalLM.from_config(_config(**{field: value})).eval()
+    flipped.load_state_dict(reference.state_dict(), strict=True)
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(flipped(tokens).logits, reference(tokens).logits, rtol=0, atol=0)
