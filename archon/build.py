@@ -37,6 +37,7 @@ from archon.lora import (
 from archon.lora.peft import peft_adapter_config
 from archon.parallel import ParallelConfig, ParallelDims
 from archon.quant import QuantFormat, QuantizedCheckpoint, quant_format_from_config, quantize_base_weights
+from archon.quant.formats import quant_format_of_config_file
 from archon.spec import ModelSpec, get_spec
 
 __all__ = ["LoadedModel", "build_model", "init_lora_weights", "load_hf_config"]
@@ -67,6 +68,7 @@ def load_hf_config(path: str | os.PathLike, option: str | None = None):
 
     path = Path(path)
     check_model_dir(path, option)
+    quant_format_of_config_file(path / "config.json")  # before transformers, which fails unnamed on a bad one
     try:
         return AutoConfig.from_pretrained(path)
     except (ValueError, OSError) as e:

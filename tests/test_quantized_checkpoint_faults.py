@@ -114,3 +114,16 @@ def test_a_quantization_config_that_is_a_string_is_refused_naming_config_json(qu
             ]
         )
     assert f"model.path: {path / 'config.json'}: quantization_config='fp8'; expected an object" in str(raised.value)
+
+
+def test_build_model_refuses_a_quantization_config_that_is_a_string_naming_config_json(quantized, tmp_path):
+    """Outside the recipe (no config validation), building from such a checkpoint names the file too,
+    instead of transformers' AttributeError."""
+    from archon.build import load_hf_config
+
+    path = shutil.copytree(quantized("qwen3", FP8), tmp_path / "checkpoint")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = "fp8"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config='fp8'; expected an object"):
+        load_hf_config(path)

@@ -1,7 +1,13 @@
 """Low-precision bases: FP8 block-scaled and MXFP4 checkpoints, kept quantized under LoRA."""
 
 from archon.quant.checkpoint import QuantizedCheckpoint
-from archon.quant.formats import QuantFormat, dequantize, quant_format_from_config, quantize_to_checkpoint
+from archon.quant.formats import (
+    QuantFormat,
+    dequantize,
+    quant_format_from_config,
+    quant_format_of_config_file,
+    quantize_to_checkpoint,
+)
 from archon.quant.modules import (
     QuantizedWeights,
     dense_base_tensors,
@@ -16,6 +22,7 @@ __all__ = [
     "dense_base_tensors",
     "dequantize",
     "quant_format_from_config",
+    "quant_format_of_config_file",
     "quantize_base_weights",
     "quantize_to_checkpoint",
     "quantized_weights",

@@ -18,8 +18,10 @@ FSDP's row shards) even when the rows are not a multiple of the block.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -122,6 +124,21 @@ class QuantFormat:
         # fp8 scales are fp32 kept as their int32 bits: FSDP2's mixed-precision cast leaves
         # non-floating parameters alone, and a bf16-rounded scale would move every weight of its block.
         return torch.int32 if self.method == "fp8" else torch.uint8
+
+
+def quant_format_of_config_file(config_file: Path) -> QuantFormat | None:
+    """The format named by the `quantization_config` of an HF `config.json`, checked as
+    quant_format_from_config checks it (None for a file that is not a JSON object: the config
+    loader names that)."""
+    try:
+        config = json.loads(Path(config_file).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return (
+        quant_format_from_config(config.get("quantization_config"), str(config_file))
+        if isinstance(config, dict)
+        else None
+    )
 
 
 def quant_format_from_config(quantization_config: dict | None, where: str = "config.json") -> QuantFormat | None:
