@@ -44,14 +44,7 @@ def _family_types() -> dict[str, str]:
 FAMILY_TYPES = _family_types()
 SEQ_LENS = (7, 1, 13)
 # (model type, bug kind): why gate v2 does not catch it. docs/models.md lists the same.
-EXPECTED_MISSES: dict[tuple[str, str], str] = {
-    ("gpt_oss", "norm weight dtype order"): (
-        "the unmutated port already fails the bf16 norm check (HF's GptOssRMSNorm scales in fp32 before "
-        "the cast back, archon's casts first), so its row runs without bf16"
-    ),
-}
-# Families whose unmutated port fails the bf16 check; their rows run without it (the reason is the miss above).
-WITHOUT_BF16 = {"gpt_oss"}
+EXPECTED_MISSES: dict[tuple[str, str], str] = {}
 CATCH_RATE = 0.95
 
 
@@ -210,7 +203,7 @@ def test_gate_catches_the_bugs_of_each_family(family, reused_references):
         variants=True,
         generation=True,
         mtp=True,
-        extra_dtypes=() if family in WITHOUT_BF16 else ("bfloat16",),
+        extra_dtypes=("bfloat16",),
         stop_at_first_failure=True,
     )
     clean = run_gate(args)

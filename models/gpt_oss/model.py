@@ -14,6 +14,7 @@ from archon.lora import LoRAConfig
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM, PreNormDecoderLayer
 from archon.models.common.moe import ClampedSwiGLUExperts, TopKSoftmaxRouter
+from archon.models.common.norms import RMSNorm
 from archon.models.common.rope import RotaryEmbedding
 from archon.models.gpt_oss.args import GptOssArgs
 
@@ -50,6 +51,8 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
             sliding_window=args.layer_sliding_window(layer_idx),
         )
         super().__init__(args.hidden_size, args.rms_norm_eps, self_attn, GptOssMoE(args, lora))
+        # HF's GptOssRMSNorm scales in fp32 and casts back after (the order shows in bf16).
+        self.input_layernorm.scale_in_fp32 = self.post_attention_layernorm.scale_in_fp32 = True
 
 
 class GptOssModel(PackedDecoderLM):
@@ -59,4 +62,5 @@ class GptOssModel(PackedDecoderLM):
             args,
             RotaryEmbedding(args.rope_parameters, args.head_dim, args.max_position_embeddings),
             (GptOssDecoderLayer(args, i, lora) for i in range(args.num_hidden_layers)),
+            norm=RMSNorm(args.hidden_size, args.rms_norm_eps, scale_in_fp32=True),
         )
