@@ -285,3 +285,22 @@ def test_a_run_with_a_stuck_environment_ends_and_leaves_no_process(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_episodes_that_end_env_error_are_logged_with_their_reason(renderer, caplog):
+    """stop_env_error counts them; the log says why (an endpoint that refuses every request, say,
+    would otherwise fail every episode without a word)."""
+    from types import SimpleNamespace
+
+    from archon.rl.run.episodes import score_episodes
+
+    trajectories, _ = run(renderer, rewarding(math.nan), [{}, {}])
+    samples = [t.to_sample(i) for i, t in enumerate(trajectories)]
+    no_answers = SimpleNamespace(metrics={}, rewards=torch.zeros(0), sums={})
+    task = SimpleNamespace(name="agents", scorer=SimpleNamespace(score_batch=lambda *columns: no_answers))
+    examples = [SimpleNamespace(prompt="", reference=None, data_source="", extra_info={}) for _ in samples]
+    with caplog.at_level("WARNING", logger="archon.rl.run.episodes"):
+        scores = score_episodes(task, examples, samples)
+    assert scores.episode_sums["stop_env_error"] == 2.0
+    assert "task 'agents': 2 of 2 episodes ended env_error; the first:" in caplog.text
+    assert "Rewarding.step" in caplog.text

@@ -10,6 +10,8 @@ per token across turns.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from archon.agents.agent_episodes import AgentEpisodes
@@ -19,6 +21,8 @@ from archon.distributed import true_on_any_rank
 from archon.rl.run.step_metrics import Scores
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.native import NativeRolloutEngine
+
+logger = logging.getLogger(__name__)
 
 
 def _any_rank(running: bool, group, device) -> bool:
@@ -72,6 +76,16 @@ def score_episodes(task, examples, samples: list[Sample]) -> Scores:
     """Each trajectory's reward: its environment's, plus the task's reward function on its final
     answer where the environment handed one over; the step's episode counts."""
     trajectories: list[Trajectory] = [s.extra["trajectory"] for s in samples]
+    errors = [t.error for t in trajectories if t.stop_reason == StopReason.ENV_ERROR]
+    if errors:  # counted in stop_env_error; the why is only here
+        first = next((error for error in errors if error), "no message")
+        logger.warning(
+            "task %r: %d of %d episodes ended env_error; the first: %s",
+            task.name,
+            len(errors),
+            len(trajectories),
+            first,
+        )
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     answered = [i for i, t in enumerate(trajectories) if t.answer is not None]
     rows = [examples[samples[i].prompt_index] for i in answered]
