@@ -484,3 +484,28 @@ def test_kept_engine_sessions_prefill_only_the_new_ids(random_model, tokenizer):
     assert engine.stats.prefill_tokens == len(trajectory.prompt_ids) + sum(1 + n for n in bridged)
     assert len(bridged) == 2 and engine.session_tokens == 0
     assert_sampled_logprobs_match_the_model(random_model, trajectory)
+
+
+def test_a_turn_cut_by_the_engine_leaves_the_rest_of_the_session_budget(random_model, tokenizer):
+    """A request for more than the session has left is cut to what is left; when the engine then
+    stops the turn sooner (the run's turn limit), the budget is not spent and the session goes on."""
+    from archon.agents.agent_episodes import TurnLimitedEngine
+
+    renderer = HermesCharRenderer(tokenizer)
+    prompt_len = len(renderer.render_prompt([{"role": "user", "content": "hi"}]))
+    engine = TurnLimitedEngine(NativeRolloutEngine(random_model), max_turn_tokens=2)
+    budget = prompt_len + 40
+    with ChatCompletionsServer(
+        engine, renderer, MODEL, SamplingParams(max_new_tokens=50, temperature=0), max_session_tokens=budget
+    ) as server:
+        session = server.open_session()
+        client = client_for(session.base_url)
+        messages = [{"role": "user", "content": "hi"}]
+        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100)
+        assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 2
+        messages += [
+            {"role": "assistant", "content": response.choices[0].message.content},
+            {"role": "user", "content": "x"},
+        ]
+        second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100)
+        assert second.usage.completion_tokens == 2

@@ -190,8 +190,8 @@ class Session:
         trajectory.num_tool_calls += len(turn.tool_calls)
         self._conversation.append(canonical(recorded))
         self._last_turn = sample
-        if cut and sample.finish_reason == "length":
-            self._budget_spent = True
+        if cut and prompt_tokens + len(sample.completion_ids) >= server.max_session_tokens:
+            self._budget_spent = True  # the turn filled what was left (not a shorter engine limit)
         return server._completion(request_id, message, sample, prompt_tokens)
 
 
