@@ -4,6 +4,7 @@ them bit for bit on the same machine and arithmetic.
 
     .ci/golden_runs.py record .cache/golden.json     # before the change
     .ci/golden_runs.py check .cache/golden.json      # after each commit
+    .ci/golden_runs.py check-old .cache/golden.json  # a change that adds metrics: the old ones unchanged
 
 Four runs through `torchrun recipes/grpo_lora.py` on two ranks of one thread each: the demo
 shortened to 6 steps, a two-task run on the demo base, the code-tool demo shortened to 3 steps, and
@@ -115,11 +116,20 @@ def collect() -> dict:
         return results
 
 
-def _first_difference(want: dict, got: dict) -> str | None:
+def _first_difference(want: dict, got: dict, new_keys_allowed: bool = False) -> str | None:
     for name in want:
         if name not in got:
             return f"{name}: missing"
         w, g = want[name], got[name]
+        if new_keys_allowed:
+            added = set(g["keys"]) - set(w["keys"])
+            if added:
+                print(f"{name}: new metric keys (not compared): {sorted(added)}")
+            g = {
+                **g,
+                "keys": w["keys"],
+                "records": [{k: v for k, v in r.items() if k not in added} for r in g["records"]],
+            }
         if w["keys"] != g["keys"]:
             return (
                 f"{name}: metric keys differ: only before {sorted(set(w['keys']) - set(g['keys']))}, "
@@ -140,7 +150,7 @@ def _first_difference(want: dict, got: dict) -> str | None:
 
 
 def main() -> None:
-    if len(sys.argv) != 3 or sys.argv[1] not in ("record", "check"):
+    if len(sys.argv) != 3 or sys.argv[1] not in ("record", "check", "check-old"):
         raise SystemExit(__doc__)
     path = Path(sys.argv[2])
     results = collect()
@@ -149,7 +159,7 @@ def main() -> None:
         path.write_text(json.dumps(results, indent=1))
         print(f"recorded {sum(len(r['records']) for r in results.values())} records of {len(results)} runs in {path}")
         return
-    difference = _first_difference(json.loads(path.read_text()), results)
+    difference = _first_difference(json.loads(path.read_text()), results, sys.argv[1] == "check-old")
     if difference:
         raise SystemExit(f"golden runs differ: {difference}")
     print(f"golden runs: all {len(results)} bit-identical to {path}")
