@@ -154,6 +154,21 @@ def main(argv: list[str] | None = None) -> None:
         _exit_with_error(e, every_rank=True)
     except (RunDirInUseError, CheckpointError, TrackerError, FileExistsError, NotADirectoryError, PermissionError) as e:
         _exit_with_error(e, every_rank=True)  # each names the run directory, checkpoint or setting at fault
+    except Exception as e:  # anything else goes on to @record, which writes its message to torchrun's error file
+        _redact_exception_messages(e)
+        raise
+
+
+def _redact_exception_messages(error: BaseException) -> None:
+    """Redact the config's secrets from the string arguments of `error` and the errors it chains,
+    in place, keeping their types and tracebacks."""
+    from archon.secrets import redact
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in error.args)
+        error = error.__cause__ or error.__context__
 
 
 def _end_launched_process() -> None:

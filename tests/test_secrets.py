@@ -265,3 +265,28 @@ def test_a_stopped_tasks_record_holds_no_secret(tmp_path):
     record = json.loads((tmp_path / "task" / STOPPED_FILE).read_text())
     assert record == {"step": 3, "reason": "reward server http://***@host failed with key ***"}
     assert task.stopped == record["reason"]
+
+
+def test_an_unexpected_error_reaches_torchruns_error_file_with_its_secrets_redacted(tmp_path, monkeypatch):
+    """@record writes an unexpected error's message to TORCHELASTIC_ERROR_FILE, which torchrun prints
+    in its failure summary; the recipe redacts it (and the errors it chains) first."""
+    import archon.recipes.grpo_lora as recipe
+
+    register_secrets({CLI_KEY})
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setattr("archon.rl.config.parse_config", lambda argv: None)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # main sets its own
+
+    def run(config):
+        try:
+            raise OSError(f"refused http://alice:{URL_PASSWORD}@host/v1")
+        except OSError as cause:
+            raise RuntimeError(f"server refused key {CLI_KEY}") from cause
+
+    monkeypatch.setattr(recipe, "run", run)
+    with pytest.raises(RuntimeError) as raised:
+        recipe.main(["--model.path", str(tmp_path)])
+    written = error_file.read_text()
+    assert "server refused key ***" in written and "http://***@host/v1" in str(raised.value.__cause__)
+    assert CLI_KEY not in written and URL_PASSWORD not in written
