@@ -193,7 +193,7 @@ def _give_up_ptrace() -> None:
 
 
 def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> None:
-    """A worker's main loop. ("init", payload, sys_path) puts sys_path first on sys.path and keeps
+    """A worker's main loop. ("init", payload, sys_path) puts sys_path, in its order, first on sys.path and keeps
     `state = load(payload)`, answering ("ready", None), or ("init_error", message) when load raises;
     every other request is answered with `handle(state, request)`."""
     if len(sys.argv) > 1:
@@ -209,9 +209,9 @@ def serve(load: Callable[[Any], Any], handle: Callable[[Any, tuple], Any]) -> No
     while (message := read_message(requests)) is not None:
         if message[0] == "init":
             _, payload, sys_path = message
-            for entry in reversed(sys_path):
-                if entry not in sys.path:
-                    sys.path.insert(0, entry)
+            # the parent's order, which keeps late additions last (setuptools appends its vendored
+            # packages, an old typing_extensions among them, once imported), then the worker's own
+            sys.path[:] = list(sys_path) + [entry for entry in sys.path if entry not in sys_path]
             try:
                 state = load(payload)
             except Exception as exc:  # noqa: BLE001 - reported to the parent

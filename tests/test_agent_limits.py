@@ -84,6 +84,17 @@ def test_a_reward_from_an_environment_process_is_checked_too(renderer):
     assert good.stop_reason == StopReason.DONE and good.reward == 0.5 and good.step_rewards == [0.25, 0.25]
 
 
+def test_an_environment_process_loads_after_the_trainer_imported_setuptools(renderer):
+    """Importing setuptools appends its vendored packages (an old typing_extensions) to sys.path; a
+    worker keeps the trainer's order, so they stay behind site-packages and the environment loads."""
+    import setuptools  # noqa: F401
+
+    assert any(entry.endswith("_vendor") for entry in sys.path)
+    make_env = lambda: EnvironmentProcess("tests.agent_environments:Echo", Echo, 30.0)  # noqa: E731
+    (done,), _ = run(renderer, make_env, [{"prompt": "a", "reward": 0.25, "steps": 1}])
+    assert done.stop_reason == StopReason.DONE, done.error
+
+
 class GroupRewards(Environment):
     """group_rewards by row: raises, gives a wrong count, a NaN, or ranks the group."""
 
