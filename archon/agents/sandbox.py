@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
+from archon.agents.sandbox_init import BOOTSTRAP as PROGRAM_BOOTSTRAP
 from archon.agents.tools import Tool, call_deadline, truncated
 
 BLOCKED_EVENTS = (
@@ -75,12 +76,13 @@ SANDBOX_UID = 65534
 _INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text(encoding="utf-8")
 
 # The isolation="process" sandbox (no namespaces): runs first in the sandboxed interpreter, dies with
-# the process that started it, sets the limits, installs the audit hook and runs main.py, showing a
-# traceback without its own frame.
-_PROCESS_BOOTSTRAP = r"""
-import ctypes, os, resource, signal, sys, traceback
+# the process that started it and sets the limits, then runs the namespaced program's own bootstrap
+# (the audit hook, main.py, a traceback without its own frame) with the blocked events as argv[1].
+_PROCESS_BOOTSTRAP = (
+    r"""
+import ctypes, os, resource, signal, sys
 parent, cpu_s, memory, file_size, processes = (int(arg) for arg in sys.argv[1:6])
-blocked = frozenset(sys.argv[6].split(","))
+del sys.argv[1:6]
 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 if os.getppid() != parent:
     os._exit(1)
@@ -88,22 +90,9 @@ resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
 resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-
-def refuse(event, args):
-    if event in blocked:
-        raise PermissionError(f"{event} is refused: the sandbox allows no network access and starts no programs")
-
-sys.addaudithook(refuse)
-try:
-    with open("main.py", encoding="utf-8") as file:
-        code = compile(file.read(), "main.py", "exec")
-    exec(code, {"__name__": "__main__"})
-except SystemExit:
-    raise
-except BaseException as exc:
-    traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-    sys.exit(1)
 """
+    + PROGRAM_BOOTSTRAP
+)
 
 
 class SandboxUnavailable(RuntimeError):
