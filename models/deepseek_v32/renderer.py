@@ -30,14 +30,13 @@ from archon.models.common.chat_format import (
     THINK_CLOSE,
     THINK_OPEN,
     message_reasoning,
-    message_role,
     message_text,
     message_tool_calls,
     reasoning_and_content,
     template_json,
     turn_text,
 )
-from archon.models.glm4_moe.renderer import TOOLS_PREAMBLE, Glm45Renderer
+from archon.models.glm4_moe.renderer import Glm45Renderer
 
 TOOLS_INSTRUCTIONS = (
     "</tools>\n\nFor each function call, output the function name and arguments within the following XML format:\n"
@@ -49,6 +48,7 @@ TOOLS_INSTRUCTIONS = (
 @register_renderer
 class Glm5Renderer(Glm45Renderer):
     name = "glm5"
+    tools_instructions = TOOLS_INSTRUCTIONS
 
     def generation_prompt(self) -> str:
         return "<|assistant|>" + (THINK_OPEN if self.enable_thinking else THINK_CLOSE)
@@ -77,38 +77,8 @@ class Glm5Renderer(Glm45Renderer):
             text += "</tool_call>"
         return text
 
-    def messages_text(self, messages: list[Message], previous_role: str | None, last_user_index: int) -> str:
-        text = ""
-        for index, message in enumerate(messages):
-            role = message_role(message, index)
-            if role == "user":
-                text += self.user_text(message, index)
-            elif role == "assistant":
-                text += self.assistant_text(message, index, keeps_reasoning=index > last_user_index)
-            elif role == "tool":
-                text += self.tool_text(message, index, opens_group=previous_role != "tool")
-            elif role == "system":
-                text += f"<|system|>{message_text(message, index)}"
-            else:
-                raise ValueError(f"message {index}: role {role!r} is not one the glm5 format renders")
-            previous_role = role
-        return text
-
-    def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
-        text = "[gMASK]<sop>"
-        self._parameter_types = {}
-        if tools:
-            text += TOOLS_PREAMBLE + "".join(template_json(tool) + "\n" for tool in tools) + TOOLS_INSTRUCTIONS
-            for tool in tools:
-                function = tool.get("function", {}) if isinstance(tool, dict) else {}
-                properties = (function.get("parameters") or {}).get("properties") or {}
-                self._parameter_types[function.get("name")] = {
-                    key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)
-                }
-        last_user = max(
-            (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1
-        )
-        return self.encode(text + self.messages_text(messages, None, last_user) + self.generation_prompt())
+    def system_text(self, message: Message, index: int) -> str:
+        return f"<|system|>{message_text(message, index)}"
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
         text = turn_text(self, sampled_ids)

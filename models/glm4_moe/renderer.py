@@ -63,6 +63,7 @@ _ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_val
 @register_renderer
 class Glm45Renderer(Renderer):
     name = "glm4_5"
+    tools_instructions = TOOLS_INSTRUCTIONS
 
     def __init__(self, tokenizer, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)
@@ -123,17 +124,20 @@ class Glm45Renderer(Renderer):
             elif role == "tool":
                 text += self.tool_text(message, index, opens_group=previous_role != "tool")
             elif role == "system":
-                text += f"<|system|>\n{message_text(message, index)}"
+                text += self.system_text(message, index)
             else:
-                raise ValueError(f"message {index}: role {role!r} is not one the glm4_5 format renders")
+                raise ValueError(f"message {index}: role {role!r} is not one the {self.name} format renders")
             previous_role = role
         return text
+
+    def system_text(self, message: Message, index: int) -> str:
+        return f"<|system|>\n{message_text(message, index)}"
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         text = "[gMASK]<sop>"
         self._parameter_types = {}
         if tools:
-            text += TOOLS_PREAMBLE + "".join(template_json(tool) + "\n" for tool in tools) + TOOLS_INSTRUCTIONS
+            text += TOOLS_PREAMBLE + "".join(template_json(tool) + "\n" for tool in tools) + self.tools_instructions
             for tool in tools:
                 function = tool.get("function", {}) if isinstance(tool, dict) else {}
                 properties = (function.get("parameters") or {}).get("properties") or {}
