@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from archon.lora import lora_parameters
-from archon.rl.config import parse_config
+from archon.rl.config import parse_config, validate
 from archon.rl.producer import RolloutProducer, Rollouts
 from archon.rl.versions import AdapterHistory, stale_groups
 
@@ -81,9 +81,10 @@ def test_adapter_history_swaps_a_recorded_version_in_and_back_out(tiny_checkpoin
     assert 1 not in history and 2 in history and 3 in history
 
 
-def test_async_mode_needs_rollout_servers_and_the_proximal_policy(tmp_path):
-    with pytest.raises(ValueError, match=r"rollout.engine='native':.*max_staleness=1.*engine=vllm"):
-        parse_config(["--rollout.max-staleness", "1", "--logging.run-dir", str(tmp_path / "r")])
+def test_async_mode_on_the_built_in_engine_needs_one_process_and_the_proximal_policy(tmp_path):
+    parse_config(["--rollout.max-staleness", "1", "--logging.run-dir", str(tmp_path / "r")])  # one process
+    with pytest.raises(ValueError, match=r"rollout.engine='native': with max_staleness=1 .* on 2 process"):
+        validate(parse_config(["--logging.run-dir", str(tmp_path / "r"), "--rollout.max-staleness", "1"]), 2)
     with pytest.raises(ValueError, match=r"rollout.max_staleness=-1: must be 0 or more"):
         parse_config(["--rollout.max-staleness", "-1", "--logging.run-dir", str(tmp_path / "r")])
     with pytest.raises(ValueError, match=r"algorithm.recompute_old_logprobs=False:.*proximal policy"):
@@ -106,10 +107,26 @@ def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tm
     from test_grpo_recipe import _args, write_tiny_setup
 
     from archon.rl.loop import RLRun
+    from archon.rl.run import collect, loop
+
+    def producers_at_staleness_0(ctx, tasks, steps):
+        for task in tasks:
+            task.producer = RolloutProducer(
+                lambda step, task=task: collect.begin_rollouts(ctx, task, step),
+                task.version,
+                task.version + steps,
+                0,
+                version=task.version,
+            )
 
     class ProducerRun(RLRun):
-        def _start_producer(self, first):
-            return RolloutProducer(self.generate_rollouts, first, self.config.steps, 0, version=self.version)
+        def run(self):
+            start = loop.start_producers
+            loop.start_producers = producers_at_staleness_0
+            try:
+                return super().run()
+            finally:
+                loop.start_producers = start
 
     root = write_tiny_setup(tmp_path / "setup")
     results = []
@@ -123,6 +140,7 @@ def test_the_producer_at_staleness_0_trains_on_what_the_synchronous_loop_does(tm
             for r in records
         ]
         results.append((untimed, {k: p.detach().clone() for k, p in lora_parameters(run.trainer.model).items()}))
+        assert (run.tasks[0].producer is not None) == (name == "producer")
     (sync_metrics, sync_lora), (producer_metrics, producer_lora) = results
     assert producer_metrics == sync_metrics
     assert all(torch.equal(sync_lora[k], producer_lora[k]) for k in sync_lora)

@@ -362,10 +362,6 @@ VALIDATION_CASES = {
         "algorithm.loss.clip_ratio_c=3.0: dual clip bounds the PPO clipped objective",
     ),
     "staleness-negative": ({"rollout.max_staleness": -1}, "rollout.max_staleness=-1: must be 0 or more"),
-    "staleness-with-the-native-engine": (
-        {"rollout.max_staleness": 1},
-        "rollout.engine='native': rollout.max_staleness=1 generates while the trainer",
-    ),
     "staleness-unbounded": (
         {"rollout.engine": "vllm", "rollout.max_staleness": 10**9},
         "rollout.max_staleness=1000000000: must be at most 64: the producer runs up to N steps ahead",
@@ -575,10 +571,6 @@ TASK_SETTING_CASES = {
         "{task}algorithm.max_skipped_steps=0: must be at least 1",
     ),
     "staleness-unbounded": ({"max_staleness": 10**9}, "{max_staleness}=1000000000: must be at most 64"),
-    "staleness-with-the-native-engine": (
-        {"max_staleness": 1},
-        "rollout.engine='native': {max_staleness}=1 generates while the trainer trains",
-    ),
     "staleness-without-recompute": (
         {"max_staleness": 1, "algorithm.recompute_old_logprobs": False},
         "{task}algorithm.recompute_old_logprobs=False: {max_staleness}=1 trains on samples of older adapter versions",

@@ -14,7 +14,8 @@ prefilled again, and every started sample's tokens so far are fed again, so that
 the update is drawn from the new version's full forward over its whole context, as the trainer
 scores it. A sample that starts from a prompt prefilled before the update draws its first token
 from the prompt's logits as prefilled again, under the new version. With a sync group (FSDP/TP
-ranks in lockstep) the update waits for the end of the generation.
+ranks in lockstep), or under the update policy 'finish', the update waits for the end of the
+generation.
 
 How it generates (archon/rollout/kv_cache.py holds the cache):
 - Group-shared prefixes. The prompt of a group of `n` samples is prefilled once into a prefix slot
@@ -152,7 +153,11 @@ class NativeRolloutEngine:
     drafter: speculative decoding (archon/rollout/speculative.py): each decode round the drafter
     proposes `drafter.num_tokens` tokens per row and one forward of the model verifies them. One
     process only, no routing record, no recurrent (linear-attention) layers; decodes eagerly (no
-    CUDA graph). None: one token per decode step."""
+    CUDA graph). None: one token per decode step.
+    update_policy: what an `update_adapter` during a generation does (rollout.update_policy):
+    'continue' applies it at the generation's next step boundary (partial rollouts, see the module
+    docstring); 'finish' keeps it until the generation ends, so that every token of a generation
+    comes from the version it started with."""
 
     def __init__(
         self,
@@ -167,12 +172,16 @@ class NativeRolloutEngine:
         prefill_chunk_tokens: int | None = None,
         record_routing: bool = False,
         drafter: DraftModelDrafter | MTPDrafter | None = None,
+        update_policy: str = "continue",
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
                 f"max_batch_sequences ({max_batch_sequences}) and "
                 f"stop_check_interval ({stop_check_interval}) must be >= 1"
             )
+        if update_policy not in ("finish", "continue"):
+            raise ValueError(f"update_policy must be 'finish' or 'continue', got {update_policy!r}")
+        self.update_policy = update_policy
         if max_session_tokens is not None and max_session_tokens < 0:
             raise ValueError(f"max_session_tokens must be >= 0 or None, got {max_session_tokens}")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
@@ -256,9 +265,16 @@ class NativeRolloutEngine:
             self._pending_update = (version, factors)
             generating = self._generating
         if not generating:
-            self._apply_pending_update()
+            self._apply_update_now()
 
     def _apply_pending_update(self) -> int | None:
+        """At a step boundary of a generation (archon/rollout/generation.py): under the update
+        policy 'continue', apply the update waiting (if any) and return its version; else None."""
+        if self.update_policy != "continue":
+            return None
+        return self._apply_update_now()
+
+    def _apply_update_now(self) -> int | None:
         """Apply the update waiting (if any) and publish its version; returns that version or None.
         The copy runs under the lock, so a generation starting meanwhile waits for it to end."""
         with self._update_lock:
@@ -314,7 +330,7 @@ class NativeRolloutEngine:
         with self._update_lock:
             self._generating = True
         try:
-            self._apply_pending_update()
+            self._apply_update_now()
             with self.policy.lease() as (_, version), factors, recording:
                 if sessions is not None:
                     # an MTP drafter's entries come from the target's prefill of the whole prompt: with
@@ -330,7 +346,7 @@ class NativeRolloutEngine:
         finally:
             with self._update_lock:
                 self._generating = False
-            self._apply_pending_update()
+            self._apply_update_now()
 
     def _check_request(
         self,

@@ -100,15 +100,20 @@ def _staleness_problems(max_staleness: int, name: str, config: RLConfig) -> list
             f"{name}={max_staleness}: must be below steps={config.steps}: the producer runs at most steps-1 steps "
             "ahead, so a larger bound has no effect"
         )
-    if max_staleness > 0:
-        problems.require(
-            rollout.engine == "vllm",
-            "rollout.engine",
-            rollout.engine,
-            f"{name}={max_staleness} generates while the trainer trains, which needs rollout servers "
-            "(engine=vllm); the native engine runs on the training model and is synchronous",
-        )
     return problems
+
+
+def async_native_problems(config: RLConfig, world_size: int) -> list[str]:
+    """Asynchronous rollouts on the built-in engine generate on copies of the one training model's
+    adapter, on threads beside the trainer's: one process, one adapter."""
+    staleness = max(task.max_staleness for task in config.task_configs())
+    if config.rollout.engine != "native" or staleness == 0 or (world_size == 1 and not config.tasks):
+        return []
+    return [
+        f"rollout.engine='native': with max_staleness={staleness} the built-in engine generates beside the "
+        f"trainer on one process for a run without tasks (this one has {len(config.tasks)} task(s) on "
+        f"{world_size} process(es)); use rollout.engine=vllm, or max_staleness 0"
+    ]
 
 
 def _algorithm_problems(
@@ -305,5 +310,11 @@ def speculative_problems(config: RLConfig) -> list[str]:
         "rollout.speculative.draft_model_path",
         speculative.draft_model_path,
         f"is needed with rollout.speculative.method=draft_model and only then (method={speculative.method!r})",
+    )
+    problems.require(
+        (speculative.method == "draft_head") == (speculative.draft_head_path is not None),
+        "rollout.speculative.draft_head_path",
+        speculative.draft_head_path,
+        f"is needed with rollout.speculative.method=draft_head and only then (method={speculative.method!r})",
     )
     return problems

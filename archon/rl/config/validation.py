@@ -20,6 +20,7 @@ from archon.rl.config.cross_section import (  # noqa: F401 - the limits, at thei
     TASK_NAME,
     TASK_NAME_MAX_CHARS,
     agent_problems,
+    async_native_problems,
     multi_task_problems,
     speculative_problems,
     task_problems,
@@ -81,6 +82,7 @@ def _problems(config: RLConfig, world_size: int) -> list[str]:
     problems += mtp_problems(config)
     problems += speculative_problems(config)
     problems += agent_problems(config, world_size)
+    problems += async_native_problems(config, world_size)
     problems += logging_problems(config.logging)
     return problems
 

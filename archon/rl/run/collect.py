@@ -1,6 +1,6 @@
 """The collect phase of an RL step: every active task's rollouts for the step, made now
-(synchronously) or ahead by the task's producer (max_staleness >= 1), with the staleness bound
-enforced, and shared with the ranks that do not generate.
+(synchronously) or ahead by the task's producer (max_staleness >= 1, steps overlapping: see
+.producer), with the staleness bound enforced, and shared with the ranks that do not generate.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import torch.distributed as dist
 
 from archon.distributed import true_on_any_rank
 from archon.rl.run.context import RunContext
-from archon.rl.run.producer import Rollouts
+from archon.rl.run.engines import RolloutLanes
+from archon.rl.run.episodes import episode_samples
+from archon.rl.run.producer import RolloutProducer, Rollouts
 from archon.rl.run.task import Task
 from archon.rl.run.versions import stale_groups
+from archon.rollout.native import NativeRolloutEngine
 
 
 def collect(ctx: RunContext, step: int, make: Callable[[], dict[str, Rollouts]]) -> dict[str, Rollouts]:
@@ -67,24 +70,54 @@ def own_rollouts(ctx: RunContext, tasks: list[Task], step: int) -> dict[str, Rol
 
 def generate_rollouts(ctx: RunContext, task: Task, task_step: int) -> Rollouts:
     """The task's next prompt batch (this rank's share) and its samples, from its adapter version
-    in service now (`task_step`: the task's own step count, which its versions follow). Runs on
-    the task's producer thread in the asynchronous mode."""
-    start = time.perf_counter()
+    in service now (`task_step`: the task's own step count, which its versions follow)."""
+    return begin_rollouts(ctx, task, task_step)()
+
+
+def begin_rollouts(
+    ctx: RunContext, task: Task, task_step: int, engine: NativeRolloutEngine | None = None
+) -> Callable[[], Rollouts]:
+    """Draw the task's next prompt batch (this rank's share) now; returns the function that
+    generates its samples (on a producer's thread in the asynchronous mode). `engine`: a lane of
+    the built-in engine's asynchronous rollouts; None: the run's engine."""
     examples = next(task.iterator)[ctx.dp_rank :: ctx.dp]
     iterator_state = task.iterator.state_dict()
-    samples = ctx.generate(task, examples, ctx.sampling(task, task_step))
-    return Rollouts(task_step, examples, samples, iterator_state, generate_s=time.perf_counter() - start)
+    sampling = ctx.sampling(task, task_step)
+
+    def generate() -> Rollouts:
+        start = time.perf_counter()
+        if engine is None:
+            samples = ctx.generate(task, examples, sampling)
+        elif task.episodes is not None:
+            samples = episode_samples(task, examples, sampling, engine, None)
+        else:
+            samples = engine.generate(ctx.prompt_ids(task, examples), sampling)
+        return Rollouts(task_step, examples, samples, iterator_state, generate_s=time.perf_counter() - start)
+
+    return generate
 
 
 def start_producers(ctx: RunContext, tasks: list[Task], steps: int) -> None:
     """A background producer for each task of `tasks` with max_staleness >= 1 (on the ranks that
     generate): it makes the task's next `steps` steps while the current one trains, at most
-    max_staleness ahead."""
+    max_staleness ahead, each step's generation beside the previous ones'. The built-in engine
+    generates on lanes of its own (RolloutLanes), which each publish hands the new adapter to."""
     if not ctx.generates_rollouts:
         return
     for task in tasks:
-        if task.config.max_staleness > 0:
-            task.start_producer(lambda task_step, task=task: generate_rollouts(ctx, task, task_step), steps)
+        if task.config.max_staleness == 0:
+            continue
+        lanes, on_publish = None, None
+        if ctx.native is not None:
+            lanes = RolloutLanes(ctx.config, ctx.trainer, ctx.native.record_routing, task.version)
+            on_publish = lanes.publish
+
+        def begin(task_step: int, task=task, lanes=lanes) -> Callable[[], Rollouts]:
+            return begin_rollouts(ctx, task, task_step, None if lanes is None else lanes.engine(task_step))
+
+        task.producer = RolloutProducer(
+            begin, task.version, task.version + steps, task.config.max_staleness, task.version, on_publish
+        )
 
 
 def replace_stale_groups(rollouts: Rollouts, group_size: int, version: int, max_staleness: int, generate) -> None:

@@ -1,5 +1,6 @@
-"""The rollout engines of a run: the built-in engine on the training model, or the vLLM servers
-that serve every task's adapters side by side; and the token ids that end a completion.
+"""The rollout engines of a run: the built-in engine on the training model (and, for
+asynchronous rollouts, its lanes beside the trainer), or the vLLM servers that serve every task's
+adapters side by side; and the token ids that end a completion.
 """
 
 from __future__ import annotations
@@ -8,7 +9,11 @@ import copy
 import dataclasses
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from archon.distributed import first_rank_then_broadcast
+from archon.lora import lora_parameters
 from archon.rl.config import RLConfig
 from archon.rollout.native import NativeRolloutEngine
 from archon.rollout.policy import ServedPolicy
@@ -28,17 +33,66 @@ def stop_token_ids(tokenizer, hf_config) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def native_engine(config: RLConfig, trainer: Trainer, record_routing: bool) -> NativeRolloutEngine:
-    """The built-in engine on the training model; a multi-task model generates every task's prompts
-    in one batch. `record_routing`: record the experts each token was routed to (routing replay)."""
+def native_engine(
+    config: RLConfig, trainer: Trainer, record_routing: bool, model: nn.Module | None = None
+) -> NativeRolloutEngine:
+    """The built-in engine on the training model (or `model`, a lane_model of it); a multi-task
+    model generates every task's prompts in one batch. `record_routing`: record the experts each
+    token was routed to (routing replay)."""
+    model = trainer.model if model is None else model
     return NativeRolloutEngine(
-        trainer.model,
+        model,
         trainer.device,
         max_batch_sequences=config.rollout.max_batch_sequences,
         prefill_chunk_tokens=config.rollout.prefill_chunk_tokens,
         record_routing=record_routing,
-        drafter=build_drafter(config.rollout.speculative, trainer.model, trainer.device),
+        drafter=build_drafter(config.rollout.speculative, model, trainer.device),
+        update_policy=config.rollout.update_policy,
     )
+
+
+def lane_model(model: nn.Module) -> nn.Module:
+    """A copy of `model` that generates beside the trainer: the same base weights, parameters and
+    buffers (shared, not copied) and LoRA factors of its own, which the trainer's updates leave
+    alone until they are handed over."""
+    own = {id(p) for p in lora_parameters(model).values()}
+    shared = {}
+    for module in model.modules():
+        attributes = (v for v in vars(module).values() if isinstance(v, torch.Tensor))
+        for tensor in (*module._parameters.values(), *module._buffers.values(), *attributes):
+            if tensor is not None and id(tensor) not in own:
+                shared[id(tensor)] = tensor
+    copied = copy.deepcopy(model, shared)
+    for factor in lora_parameters(copied).values():
+        factor.requires_grad_(False)
+    return copied
+
+
+class RolloutLanes:
+    """The built-in engine's asynchronous rollouts (max_staleness >= 1; one process, one adapter):
+    one engine for each step that may generate at once (max_staleness + 1), each on a lane_model of
+    the training model, so that steps generate while the trainer trains and beside each other. Step
+    k generates on lane k mod lanes: the producer starts step k once step k - lanes is trained, so
+    its lane is free. `publish(version)` hands the trainer's factors to every lane
+    (NativeRolloutEngine.update_adapter): an idle lane takes them at once; a generating one at its
+    next step boundary under rollout.update_policy 'continue' (the cached context computed again
+    under them), at its end under 'finish'."""
+
+    def __init__(self, config: RLConfig, trainer: Trainer, record_routing: bool, version: int) -> None:
+        self.trainer = trainer
+        lanes = config.rollout.max_staleness + 1
+        self.engines = [native_engine(config, trainer, record_routing, lane_model(trainer.model)) for _ in range(lanes)]
+        self.publish(version)
+
+    def engine(self, step: int) -> NativeRolloutEngine:
+        return self.engines[step % len(self.engines)]
+
+    def publish(self, version: int) -> None:
+        """Serve the trainer's adapter as it is now as `version` (on the trainer's thread, between
+        its updates)."""
+        factors = {name: p.detach().clone() for name, p in lora_parameters(self.trainer.model).items()}
+        for engine in self.engines:
+            engine.update_adapter(version, factors)
 
 
 def task_servers(servers):
