@@ -79,6 +79,7 @@ FLOORS = {
     "archon.recipes": 9,
     # the Tinker-compatible service: an application on the trainer, LoRA and the built-in engine
     "archon.serve": 9,
+    "archon.serve.ranks": 9,
 }
 FLOOR_OF_RENDERER_CONTRACT = 2
 

@@ -92,11 +92,14 @@ class TrainingModel:
 
 
 def build_adapter_model(
-    base: LoadedModel, path: str, lora: LoRAConfig, dtype: torch.dtype, device: str, seed: int
+    base: LoadedModel, path: str, lora: LoRAConfig, dtype: torch.dtype, device: str, seed: int, **layout
 ) -> LoadedModel:
-    """A LoRA model of the base checkpoint at `path` whose frozen tensors are the base's."""
-    loaded = build_model(path, lora=lora, dtype=dtype, device=device, seed=seed)
-    share_frozen_base(loaded.model, base.model)
+    """A LoRA model of the base checkpoint at `path` whose frozen tensors are the base's. With a
+    layout (build_model's dims and parallel) it is sharded, and holds its own shard of the base:
+    FSDP2 lays out each model's parameters itself."""
+    loaded = build_model(path, lora=lora, dtype=dtype, device=device, seed=seed, **layout)
+    if not layout:
+        share_frozen_base(loaded.model, base.model)
     return loaded
 
 
@@ -133,13 +136,25 @@ def checkpoint_dir(root: Path, path: str) -> Path:
 
 
 def save_checkpoint(
-    root: Path, trained: TrainingModel, kind: str, name: str, base_name: str, with_optimizer: bool, overwrite: bool
+    root: Path,
+    trained: TrainingModel,
+    kind: str,
+    name: str,
+    base_name: str,
+    with_optimizer: bool,
+    overwrite: bool,
+    write: bool = True,
 ) -> str:
-    """Write the adapter (and with_optimizer, its AdamW state) atomically; returns its tinker:// path."""
+    """Write the adapter (and with_optimizer, its AdamW state) atomically; returns its tinker:// path.
+    Under FSDP2 every rank calls this and gathers the adapter; only the `write` rank writes. (Every
+    rank sees the directory as it was: the writer renames it into place after the gather.)"""
     path = tinker_path(trained.model_id, kind, checkpoint_name(name))
     directory = root / trained.model_id / kind / name
     if directory.exists() and not overwrite:
         raise UserError(f"checkpoint {path!r} exists already; save with overwrite=True to replace it")
+    if not write:
+        save_peft_adapter(trained.model, trained.loaded.converter, trained.lora, directory, base_name, write=False)
+        return path
     with atomic_directory(directory) as tmp:
         save_peft_adapter(trained.model, trained.loaded.converter, trained.lora, tmp / "adapter", base_name)
         if with_optimizer:

@@ -9,6 +9,7 @@ wrong and changes nothing.
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ import torch
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
+from archon.parallel import ParallelConfig, ParallelDims
+from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES
 from archon.rollout.native import NativeRolloutEngine
 from archon.serve import adapters as ckpt
@@ -53,10 +56,23 @@ def _lora_key(lora: LoRAConfig) -> tuple:
 
 
 class Backend:
-    def __init__(self, config: ServeConfig) -> None:
+    """dims: the FSDP2 layout under torchrun (archon/serve/ranks.py), None in one process; rank: this
+    process's rank (rank 0 writes the checkpoints). id_seed: the seed of the ids it hands out, the
+    same on every rank (default: a random one)."""
+
+    def __init__(
+        self, config: ServeConfig, dims: ParallelDims | None = None, rank: int = 0, id_seed: int | None = None
+    ) -> None:
         self.config = config
         self.dtype = DTYPES[config.dtype]
-        self.base = build_model(config.base_model, lora=None, dtype=self.dtype, device=config.device)
+        self.dims = dims if dims is not None and dims.distributed else None
+        self.layout = {} if self.dims is None else {"dims": self.dims, "parallel": ParallelConfig()}
+        self.data_parallel = 1 if self.dims is None else self.dims.dp
+        """Every data-parallel rank runs the whole batch and FSDP2 sums their gradients: each rank's
+        loss is scaled by 1 / this before its backward."""
+        self.writes = rank == 0
+        self._ids = random.Random(uuid.uuid4().int if id_seed is None else id_seed)
+        self.base = build_model(config.base_model, lora=None, dtype=self.dtype, device=config.device, **self.layout)
         for param in self.base.model.parameters():
             param.requires_grad_(False)
         self.base.model.eval()
@@ -78,9 +94,12 @@ class Backend:
         """How many sample requests each generation served (the last 1000)."""
         self._tokenizer = None
 
+    def new_id(self, digits: int) -> str:
+        return f"{self._ids.getrandbits(4 * digits):0{digits}x}"
+
     # ---- sessions -------------------------------------------------------------------------------
     def create_session(self) -> str:
-        session_id = f"session-{uuid.uuid4().hex[:12]}"
+        session_id = f"session-{self.new_id(12)}"
         self.sessions[session_id] = Session(session_id)
         return session_id
 
@@ -129,7 +148,9 @@ class Backend:
             raise UserError(
                 f"LoRA rank {lora.max_rank} is above the server's --max-lora-rank {self.config.max_lora_rank}"
             )
-        loaded = ckpt.build_adapter_model(self.base, self.config.base_model, lora, self.dtype, self.config.device, seed)
+        loaded = ckpt.build_adapter_model(
+            self.base, self.config.base_model, lora, self.dtype, self.config.device, seed, **self.layout
+        )
         self.models[model_id] = TrainingModel(model_id, session_id, loaded, lora, ckpt.new_optimizer(loaded.model))
         self.sessions[session_id].model_seq_ids.add(model_seq_id)
         return model_id
@@ -224,7 +245,7 @@ class Backend:
                 outputs.append(out)
             total = torch.stack(losses).sum()
             if not call.forward_only:
-                total.backward()
+                (total / self.data_parallel).backward()
         return outputs, {"loss:sum": float(total.detach())}
 
     def optim_step(self, model_id: str, params: dict) -> dict:
@@ -237,10 +258,7 @@ class Backend:
             raise UserError(
                 f"adam_params out of range: learning_rate={lr}, beta1/2={betas}, eps={eps}, weight_decay={wd}"
             )
-        grads = [p for p in trained.optimizer.param_groups[0]["params"] if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.zeros(())
-        if clip > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)
+        norm = clip_grad_norm(trained.optimizer.param_groups[0]["params"], clip)
         for group in trained.optimizer.param_groups:
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=wd)
         trained.optimizer.step()
@@ -252,13 +270,22 @@ class Backend:
     def save(self, model_id: str, name: str | None, kind: str, overwrite: bool) -> str:
         """kind "weights" (save_state: adapter and optimizer) or "sampler_weights" (the adapter)."""
         trained = self.model(model_id)
-        name = name or f"step-{trained.steps:06d}-{uuid.uuid4().hex[:6]}"
+        name = name or f"step-{trained.steps:06d}-{self.new_id(6)}"
+        self._check_optimizer_state(kind == "weights", "save_state")
         return ckpt.save_checkpoint(
-            self.checkpoint_root, trained, kind, name, self.config.base_model, kind == "weights", overwrite
+            self.checkpoint_root, trained, kind, name, self.config.base_model, kind == "weights", overwrite, self.writes
         )
+
+    def _check_optimizer_state(self, with_optimizer: bool, what: str) -> None:
+        if with_optimizer and self.dims is not None:
+            raise UserError(
+                f"{what}: optimizer state checkpoints are not served under torchrun yet (the adapter alone is: "
+                "save_weights_for_sampler, load_state without the optimizer)"
+            )
 
     def load(self, model_id: str | None, path: str, optimizer: bool, session_id: str | None, model_seq_id) -> str:
         directory = ckpt.checkpoint_dir(self.checkpoint_root, path)
+        self._check_optimizer_state(optimizer, "load_state_with_optimizer")
         if model_id is None:  # create-via-load: the checkpoint's LoRA config makes the model
             if session_id is None or model_seq_id is None:
                 raise UserError("load_weights needs model_id, or session_id with model_seq_id")
@@ -288,7 +315,7 @@ class Backend:
         return self._add_sampler(session_id, model_path, lora, tensors)
 
     def _add_sampler(self, session_id, model_path, lora, tensors) -> str:
-        sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:8]}"
+        sampler_id = f"{session_id}:sample:{self.new_id(8)}"
         self.samplers[sampler_id] = Sampler(sampler_id, session_id, model_path, lora, tensors)
         return sampler_id
 
@@ -305,7 +332,7 @@ class Backend:
         key = _lora_key(lora)
         if key not in self._sampling_models:
             loaded = ckpt.build_adapter_model(
-                self.base, self.config.base_model, lora, self.dtype, self.config.device, self.config.seed
+                self.base, self.config.base_model, lora, self.dtype, self.config.device, self.config.seed, **self.layout
             )
             self._sampling_converter = loaded.converter
             engine = NativeRolloutEngine(loaded.model, device=self.config.device)

@@ -1,6 +1,9 @@
 """The Tinker-compatible server's settings, one dataclass exposed on the command line with tyro:
 
 python -m archon.serve --base-model DIR [--port N] [--host 127.0.0.1] [--api-key K] [--max-lora-rank R]
+
+Under `torchrun --nproc-per-node N -m archon.serve ...` the model is sharded with FSDP2 over the N
+ranks and rank 0 serves (archon/serve/ranks.py).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ class ServeConfig:
     name or the path is accepted."""
     device: str = "cpu"
     """The device the model runs on ("cpu", "cuda", "cuda:1", "npu")."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """The base weights' dtype (LoRA factors are float32)."""
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    """The base weights' dtype (LoRA factors are float32, float64 under a float64 base). float64 is for
+    equality checks: the server then keeps fp32 islands in fp64 (archon.precision.fp32_islands_in_fp64)."""
     max_context_length: int | None = None
     """The longest sequence (prompt plus sampled tokens, or a training datum) served; default: the
     checkpoint's max_position_embeddings."""

@@ -1,0 +1,119 @@
+"""The server under torchrun: the model is sharded with FSDP2 over every rank, requests enter on
+rank 0, and each call that computes or changes state is broadcast (over the default process group,
+gloo on CPU) to every rank, which runs the same Backend method on its shard.
+
+    torchrun --nproc-per-node 2 -m archon.serve --base-model DIR --port 8000
+
+Rank 0 serves HTTP and wraps its Backend in `Broadcasting`; the other ranks run `follow`, which
+receives each call and runs it. Every rank runs the calls in one order (a lock on rank 0 keeps the
+HTTP threads' calls from interleaving with the worker's), on one state, so a check that refuses a
+request refuses it on every rank, before any collective. Rank 0 draws a seed for each call, which
+every rank applies to torch's global generator: unseeded sampling draws the same tokens on every
+rank, so the ranks run the same forwards.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from archon import device as devices
+from archon.parallel import ParallelDims
+from archon.serve.adapters import UserError
+
+BROADCAST_CALLS = frozenset(
+    {
+        "create_session",
+        "end_session",
+        "create_model",
+        "forward_backward",
+        "optim_step",
+        "save",
+        "load",
+        "sampler_from_model",
+        "create_sampler",
+        "sample_many",
+        "sample",
+    }
+)
+"""The Backend methods that change state or compute on the model: every rank runs them. The others
+(model, sampler, info, check_base_model, ...) read state every rank holds alike, on rank 0 alone."""
+STOP = "stop"
+IDLE_TIMEOUT = timedelta(days=365)
+"""The process group's timeout: the other ranks wait in a broadcast for as long as the server idles."""
+
+
+def init_ranks(device: str) -> tuple[ParallelDims | None, int]:
+    """Under torchrun (WORLD_SIZE > 1): start the process group and return (FSDP2 over every rank,
+    this rank); otherwise (None, 0)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return None, 0
+    device_type = torch.device(device).type
+    if not dist.is_initialized():
+        dist.init_process_group(backend=devices.collective_backend(device_type), timeout=IDLE_TIMEOUT)
+    if device_type != "cpu":
+        devices.set_local_device(devices.local_device(device_type))
+    return ParallelDims(world_size=world_size, dp_shard=-1, device_type=device_type), dist.get_rank()
+
+
+def shared_seed(rank: int) -> int:
+    """A seed rank 0 draws and every rank receives (the Backend's id generator)."""
+    message = [random.SystemRandom().getrandbits(63) if rank == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    return int(message[0])
+
+
+def _run(backend, name: str, args: tuple, kwargs: dict, seed: int):
+    torch.manual_seed(seed)
+    return getattr(backend, name)(*args, **kwargs)
+
+
+class Broadcasting:
+    """Rank 0's view of its Backend: a call in BROADCAST_CALLS is sent to every rank, then run here;
+    anything else is the Backend's own."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        value = getattr(self._backend, name)
+        if name not in BROADCAST_CALLS:
+            return value
+
+        def broadcast_call(*args, **kwargs):
+            with self._lock:
+                seed = random.SystemRandom().getrandbits(63)
+                dist.broadcast_object_list([(name, args, kwargs, seed)], src=0)
+                return _run(self._backend, name, args, kwargs, seed)
+
+        return broadcast_call
+
+    def stop(self) -> None:
+        """Tell the other ranks to leave `follow`."""
+        with self._lock:
+            dist.broadcast_object_list([(STOP, (), {}, 0)], src=0)
+
+
+def follow(backend) -> None:
+    """A rank other than 0: run each call rank 0 broadcasts, until it stops. A refusal is rank 0's
+    to answer (every rank refuses alike); any other failure is printed."""
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        name, args, kwargs, seed = message[0]
+        if name == STOP:
+            return
+        try:
+            _run(backend, name, args, kwargs, seed)
+        except UserError:
+            pass
+        except Exception:  # noqa: BLE001 - rank 0 answers the request; this rank keeps following
+            traceback.print_exc()
