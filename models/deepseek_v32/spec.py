@@ -36,8 +36,7 @@ spec = register(
             "glm_moe_dsa": dict(_TINY_DSA, indexer_types=["full", "shared", "full"], rms_norm_eps=1e-5),
         },
         vllm_modes={"deepseek_v32": "merged", "glm_moe_dsa": "merged"},
-        # DeepSeek-V3.2 ships no chat template of the kind the renderers are checked against.
-        renderers={"glm_moe_dsa": "glm5"},
+        renderers={"deepseek_v32": "deepseek_v32", "glm_moe_dsa": "glm5"},
         # HF marks every layer 'indexed_attention' (it picks the cache class); what varies per layer is
         # mlp_layer_types and GLM-5's indexer_types, which the tiny configs mix.
         one_kind_layer_patterns=("layer_types",),
