@@ -6,6 +6,7 @@ engine (a wrong adapter id, a stale factor cache) that stop the run within one s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -18,12 +19,13 @@ from test_multi_lora_run import _config, _task_yaml
 
 import archon.rl.run.collect as collect_module
 import archon.rollout.native as native_module
+from archon.lora.layers import LoRALinear
 from archon.lora.multi_task import FactorCache
 from archon.lora.utils import multi_task_layers
 from archon.rl.config import parse_config
 from archon.rl.config.schema import FidelityConfig
 from archon.rl.loop import RLRun
-from archon.rl.run.fidelity import FidelityError, FidelityGuard
+from archon.rl.run.fidelity import FidelityError, FidelityGuard, gap_grows_unexplained, trainer_move, unexplained_rise
 from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
 
@@ -49,7 +51,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _one_rank_ctx():
-    return SimpleNamespace(dp_sum=lambda *values: list(values), dp_max=lambda value: value)
+    return SimpleNamespace(dp=1, dp_sum=lambda *values: list(values), dp_max=lambda value: value)
 
 
 def _step(version: int, gaps: list[float], lags: list[int]):
@@ -87,6 +89,59 @@ def test_warn_mode_logs_the_fault_and_goes_on(caplog):
     metrics = guard.check_step(_one_rank_ctx(), _step(1, [0.5], [0]))
     assert metrics["fidelity_gap_mean"] == 0.5 and "does not serve the policy" in caplog.text
     assert FidelityGuard(FidelityConfig(mode="off"), "", False, "", "").check_step(None, None) == {}
+
+
+def test_the_growth_rule_on_hand_built_sequences():
+    floor, kl_flat = 1e-4, [2e-5] * 3  # trainer_move(2e-5) = 0.0063 nats per update
+    assert trainer_move(2e-5) == pytest.approx((2 * 2e-5) ** 0.5)
+    grows = [1e-4, 2e-4, 3.5e-4, 5e-4]  # under the bound of 10 floors, 4 floors up in all
+    assert unexplained_rise(grows, kl_flat) == pytest.approx(4e-4)
+    assert gap_grows_unexplained(grows, kl_flat, floor, min_rise=3.0)
+    # the trainer's moves grow with it: from 0.0063 to 0.0068 nats, more than the gap's rise of 0.0004
+    assert not gap_grows_unexplained(grows, [2e-5, 2.1e-5, 2.3e-5], floor, min_rise=3.0)
+    # the moves grow, but by less than the gap: 0.00035 of the 0.0004 explained
+    moves = [0.02, 0.021, 0.02035]
+    assert unexplained_rise(grows, [m * m / 2 for m in moves]) == pytest.approx(5e-5)
+    assert not gap_grows_unexplained(grows, [m * m / 2 for m in moves], floor, min_rise=3.0)
+    # shrinking moves explain nothing
+    assert gap_grows_unexplained(grows, [2e-5, 1e-5, 0.0], floor, min_rise=3.0)
+    # not at every version, or by too little
+    assert not gap_grows_unexplained([1e-4, 3e-4, 2.9e-4, 5e-4], kl_flat, floor, min_rise=3.0)
+    assert not gap_grows_unexplained([1e-4, 1e-4, 3e-4, 5e-4], kl_flat, floor, min_rise=3.0)
+    assert not gap_grows_unexplained([1e-4, 2e-4, 3e-4, 3.9e-4], kl_flat, floor, min_rise=3.0)
+    with pytest.raises(ValueError, match="4 gaps and 4 KLs"):
+        unexplained_rise(grows, kl_flat + [0.0])
+
+
+def _published(kl: float):
+    return SimpleNamespace(task=None, updates=[{"approx_kl": kl, "skipped": 0.0}, {"approx_kl": 9.0, "skipped": 1.0}])
+
+
+def test_the_guard_stops_a_gap_that_grows_each_version_while_the_trainers_kl_does_not():
+    config = FidelityConfig(floor_factor=10, min_floor=1e-4, growth_window=4, growth_factor=3)
+    guard, ctx = FidelityGuard(config, "built-in engine", False, "", ""), _one_rank_ctx()
+    gaps = [1e-6, 1e-4, 2.5e-4, 4.5e-4]
+    for version, gap in enumerate(gaps[:3]):
+        metrics = guard.check_step(ctx, _step(version, [gap], [0]))
+        assert metrics["fidelity_rise"] == 0.0  # the window is not full yet
+        guard.after_publish(ctx, _published(1e-6))  # skipped updates do not count
+    with pytest.raises(FidelityError) as caught:
+        guard.check_step(ctx, _step(3, [gaps[3]], [0]))
+    message = str(caught.value)
+    for named in ("last 4 adapter versions", "from 1e-06 nats at version 0 to 0.00045 at version 3", "0.001414",
+                  "4.49 x the noise floor 0.0001", "built-in engine", "Likely causes"):  # fmt: skip
+        assert named in message, (named, message)
+    # the same gaps while the trainer's KL per update grows from 1e-6 to 1e-5 (moves 0.0014 to 0.0045)
+    guard = FidelityGuard(config, "built-in engine", False, "", "")
+    for version, (gap, kl) in enumerate(zip(gaps, [1e-6, 3e-6, 1e-5, 0.0])):
+        metrics = guard.check_step(ctx, _step(version, [gap], [0]))
+        guard.after_publish(ctx, _published(kl))
+    assert metrics["fidelity_rise"] < 3.0
+    # growth_window=0: no growth rule
+    guard = FidelityGuard(dataclasses.replace(config, growth_window=0), "built-in engine", False, "", "")
+    for version, gap in enumerate(gaps):
+        guard.check_step(ctx, _step(version, [gap], [0]))
+        guard.after_publish(ctx, _published(0.0))
 
 
 # ---- clean runs ---------------------------------------------------------------------------------
@@ -180,3 +235,54 @@ def test_a_native_engine_fault_stops_the_run_at_the_first_version_it_serves_wron
     # caught within one step: version 1 serves from step 2 on (canary: right after its publish, in step 1)
     steps_logged = _records(tmp_path / "run") if (tmp_path / "run" / "metrics.jsonl").exists() else []
     assert len(steps_logged) == (1 if recompute else 0)
+
+
+def _drifting_scaling(monkeypatch, rate: float):
+    """The engine applies the LoRA scaling times (1 + rate x the version it serves): a drift that
+    grows with each version (as an in-place reload that rounds each update does), its gap under
+    the bound on the mean for the first versions."""
+    real = native_module.NativeRolloutEngine.generate
+
+    def generate(engine, *args, **kwargs):
+        layers = [module for module in engine.model.modules() if isinstance(module, LoRALinear)]
+        kept = [layer.scaling for layer in layers]
+        for layer in layers:
+            layer.scaling *= 1 + rate * engine.policy.version
+        try:
+            return real(engine, *args, **kwargs)
+        finally:
+            for layer, scaling in zip(layers, kept):
+                layer.scaling = scaling
+
+    monkeypatch.setattr(native_module.NativeRolloutEngine, "generate", generate)
+
+
+def test_a_drift_whose_mean_stays_under_the_bound_is_stopped_by_the_growth_rule(setup, tmp_path, monkeypatch):
+    """A scaling that drifts by 0.3 % per version: mean gaps of 1.6e-7, 2e-4, 4.3e-4 and 7.1e-4 nats at
+    versions 0 to 3, all under the bound of 1e-3 (10 x the floor 1e-4), rising at each version by 7
+    floors in all while the trainer's KL per update (one minibatch: approx_kl 0) does not grow."""
+    _drifting_scaling(monkeypatch, rate=0.003)
+    args = _args(setup, tmp_path / "run", steps=5) + ["--eval.every", "0", "--optim.lr", "5e-2"]
+    with pytest.raises(FidelityError) as caught:
+        RLRun(parse_config(args)).run()
+    message = str(caught.value)
+    assert re.search(
+        r"grew at each of the last 4 adapter versions, from \S+ nats at version 0 to \S+ at version 3", message
+    )
+    assert "noise floor 0.0001" in message and "built-in engine" in message and "Likely causes" in message
+    records = _records(tmp_path / "run")
+    assert len(records) == 3  # versions 0 to 2 trained on; version 3's step stopped before its update
+    gaps = [record["fidelity_gap_mean"] for record in records]
+    assert gaps == sorted(gaps) and gaps[-1] < 1e-3 and all(record["fidelity_rise"] == 0.0 for record in records)
+
+
+@pytest.mark.parametrize(
+    "flags, culprit",
+    [
+        (["--rollout.fidelity.growth-window", "2"], r"rollout.fidelity.growth_window=2: must be 0 \(no growth rule\)"),
+        (["--rollout.fidelity.growth-factor", "10"], r"rollout.fidelity.growth_factor=10.0: .*under .*floor_factor=10"),
+    ],
+)
+def test_a_growth_rule_setting_out_of_range_is_refused(setup, tmp_path, flags, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        parse_config(_args(setup, tmp_path / "run", steps=3) + flags)

@@ -272,7 +272,7 @@ class RLRun:
         for task_step in task_steps:
             task_step.updates = updates.get(task_step.task.name, [])
             task_step.sync = self.publish(task_step.task, task_step.task.version + 1)
-            fidelity[task_step.task.name].update(self.guards[task_step.task.name].after_publish(ctx, task_step.task))
+            fidelity[task_step.task.name].update(self.guards[task_step.task.name].after_publish(ctx, task_step))
         timings = {
             "rollout_s": rollout_s,
             "score_s": score_s,
