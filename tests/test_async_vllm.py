@@ -90,18 +90,59 @@ def _recording_collect(run: RLRun, trained: list) -> None:
     run.collect = recorded
 
 
-def _generations_held_until_superseded(run: RLRun, monkeypatch) -> None:
-    """Every generation of the producer but its first (the trainer waits for that one) holds its
-    stream, once each sample has a token, until a newer version is published: the trainer's
-    publish then lands in it, on any machine."""
+def _step_of_request(run: RLRun, steps: int):
+    """The RL step whose training request (its body) this is, from the sampling seed of the step
+    (continuations of one sample have seeds of their own and n=1: None)."""
+    (task,) = run.tasks
+    seeds = {run.ctx.sampling(task, step).seed: step for step in range(steps)}
+    return lambda body: seeds.get(body.get("seed")) if body.get("n", 1) > 1 else None
+
+
+def _request_timeline(run: RLRun, steps: int, monkeypatch) -> dict:
+    """step -> [start, end] of its generation's training requests, as the server saw them (first
+    sent, last answered)."""
     from archon.rollout.vllm_server import VLLMServers
 
-    stream, calls = VLLMServers.stream, [0]
+    step_of, timeline = _step_of_request(run, steps), {}
+    request, stream = VLLMServers.request, VLLMServers.stream
+
+    def mark(body, at: int) -> None:
+        step = step_of(body) if isinstance(body, dict) else None
+        if step is not None:
+            times = timeline.setdefault(step, [time.perf_counter(), None])
+            times[at] = time.perf_counter() if at else times[0]
+
+    def timed_request(self, server, method, path, body=None, timeout=None):
+        mark(body, 0)
+        try:
+            return request(self, server, method, path, body, timeout)
+        finally:
+            mark(body, 1)
+
+    def timed_stream(self, target, path, body, timeout=None):
+        mark(body, 0)
+        try:
+            yield from stream(self, target, path, body, timeout)
+        finally:
+            mark(body, 1)
+
+    monkeypatch.setattr(VLLMServers, "request", timed_request)
+    monkeypatch.setattr(VLLMServers, "stream", timed_stream)
+    return timeline
+
+
+def _generations_held_until_superseded(run: RLRun, steps: int, monkeypatch) -> None:
+    """Every training generation that began on a version behind its step holds its stream, once
+    each sample has a token, until a newer version is published: the trainer's publish (which
+    does not wait for this generation) then lands in it, on any machine."""
+    from archon.rollout.vllm_server import VLLMServers
+
+    stream, step_of = VLLMServers.stream, _step_of_request(run, steps)
 
     def held_stream(self, target, path, body, timeout=None):
-        calls[0] += body["n"] > 1
-        holds = body["n"] > 1 and calls[0] > 1
         policy = run.tasks[0].rollout.policy
+        step = step_of(body)
+        holds = step is not None and policy.version < step
         seen = [0] * (len(body["prompt"]) * body["n"])
         for event in stream(self, target, path, body, timeout):
             yield event
@@ -120,7 +161,8 @@ def test_the_staleness_bound_holds_for_every_trained_sample(
     demo_cache, server, tmp_path, max_staleness, update_policy, monkeypatch
 ):
     """Every token of every trained sample (also of samples that a publish switched to a newer
-    version midway, update_policy 'continue') was sampled within max_staleness versions."""
+    version midway, update_policy 'continue') was sampled within max_staleness versions, and the
+    producer overlaps steps: step 1's requests reach the server while step 0's still generate."""
     steps = 5 if update_policy == "finish" else 4
     args = _args(
         demo_cache, server, tmp_path / "run", steps, max_staleness, *SMALL, "--rollout.update-policy", update_policy
@@ -129,8 +171,12 @@ def test_the_staleness_bound_holds_for_every_trained_sample(
     trained: list = []
     _recording_collect(run, trained)
     if update_policy == "continue":
-        _generations_held_until_superseded(run, monkeypatch)
+        _generations_held_until_superseded(run, steps, monkeypatch)
+    timeline = _request_timeline(run, steps, monkeypatch)
     run.run()
+    # step 1 may start at version 0, at once: its requests are sent within milliseconds of step 0's,
+    # which take the server far longer than that to answer
+    assert timeline[1][0] < timeline[0][1], timeline
     assert [step for step, *_ in trained] == list(range(steps))
     for step, trainer_version, versions, _ in trained:
         assert trainer_version == step
