@@ -80,6 +80,7 @@ FLOORS = {
     # the Tinker-compatible service: an application on the trainer, LoRA and the built-in engine
     "archon.serve": 9,
     "archon.serve.ranks": 9,
+    "archon.serve.training": 9,
 }
 FLOOR_OF_RENDERER_CONTRACT = 2
 

@@ -27,9 +27,9 @@ from archon.rollout.native import NativeRolloutEngine
 from archon.serve import adapters as ckpt
 from archon.serve.adapters import TrainingModel, UserError
 from archon.serve.config import ServeConfig
-from archon.serve.losses import FLOAT_INPUTS, LOSS_INPUTS, check_config, datum_loss
+from archon.serve.losses import FLOAT_INPUTS, LOSS_INPUTS, check_config
 from archon.serve.sampling import SampleCall, run_samples
-from archon.serve.scoring import packed_logprobs
+from archon.serve.training import CheckedCall, ClientBatcher, Result, run_alone
 from archon.serve.wire import ForwardBackwardCall, SampledOut, WireTensor
 
 
@@ -90,6 +90,9 @@ class Backend:
         """One model per LoRA shape that samplers of that shape load their factors into, with its
         engine and the id of the sampler whose factors it holds."""
         self._base_engine = NativeRolloutEngine(self.base.model, device=config.device)
+        self._batcher = ClientBatcher(self.base, config.base_model, self.dtype, config.device)
+        self.training_batch_sizes: list[int] = []
+        """How many clients' requests each training forward served (the last 1000)."""
         self.generation_sizes: list[int] = []
         """How many sample requests each generation served (the last 1000)."""
         self._tokenizer = None
@@ -213,7 +216,7 @@ class Backend:
         if len(tokens) > self.context_length:
             raise UserError(f"{what} has {len(tokens)} tokens, over the context limit of {self.context_length}")
 
-    def forward_backward(self, call: ForwardBackwardCall) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    def _checked(self, call: ForwardBackwardCall) -> CheckedCall:
         trained = self.model(call.model_id)
         if call.loss_fn not in LOSS_INPUTS:
             raise UserError(
@@ -227,26 +230,25 @@ class Backend:
         except ValueError as e:
             raise UserError(str(e)) from None
         datums = [self._datum_tensors(i, d.tokens, d.inputs, call.loss_fn) for i, d in enumerate(call.data)]
-        config = {k: v for k, v in call.loss_fn_config.items()}
-        trained.model.train()
-        with torch.set_grad_enabled(not call.forward_only):
-            logprobs = packed_logprobs(
-                trained.model, [t for t, _ in datums], [x["target_tokens"] for _, x in datums], self.config.device
-            )
-            losses, outputs = [], []
-            for lp, (_, inputs) in zip(logprobs, datums):
-                inputs = {k: v.to(lp.device, lp.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
-                loss = datum_loss(call.loss_fn, lp, inputs, config)
-                losses.append(loss)
-                out = {"logprobs": lp.detach().float().cpu().numpy()}
-                if call.loss_fn == "cross_entropy":
-                    weights = inputs.get("weights", torch.ones_like(lp))
-                    out["elementwise_loss"] = (-lp.detach() * weights).float().cpu().numpy()
-                outputs.append(out)
-            total = torch.stack(losses).sum()
-            if not call.forward_only:
-                (total / self.data_parallel).backward()
-        return outputs, {"loss:sum": float(total.detach())}
+        return CheckedCall(trained, call, datums, dict(call.loss_fn_config))
+
+    def forward_backward_many(self, calls: list[ForwardBackwardCall]) -> list[Result]:
+        """Requests of distinct clients, all forward or all forward_backward, in one forward (a single
+        request: through its client's own model); a bad request among them raises UserError (the
+        caller then runs them one by one)."""
+        checked = [self._checked(call) for call in calls]
+        if len(checked) == 1:
+            results = [run_alone(checked[0], self.config.device, self.data_parallel)]
+        else:
+            clients, passes = {c.call.model_id for c in checked}, {c.call.forward_only for c in checked}
+            if len(clients) < len(checked) or len(passes) > 1:
+                raise ValueError("a batch of forward_backward requests needs distinct clients and one kind of pass")
+            results = self._batcher.run(checked)
+        self.training_batch_sizes = [*self.training_batch_sizes[-999:], len(calls)]
+        return results
+
+    def forward_backward(self, call: ForwardBackwardCall) -> Result:
+        return self.forward_backward_many([call])[0]
 
     def optim_step(self, model_id: str, params: dict) -> dict:
         trained = self.model(model_id)

@@ -45,11 +45,16 @@ class _Future:
 class Batch:
     """A request that may run together with others of the same `key`: `run_many(items)` gives each
     item's result, in order. Requests of one key must not depend on the order they run in (sample
-    requests of one sampler do not: a sampler's adapter is a snapshot)."""
+    requests of one sampler do not: a sampler's adapter is a snapshot).
+
+    A batch with an `owner` (a training client's model id) is taken only ahead of requests of other
+    owners: scanning the queue in order, it stops at a request without owner, and passes over a
+    request whose owner has a request before it (each client's requests keep their order)."""
 
     key: Hashable
     item: Any
     run_many: Callable[[list[Any]], list[Any]]
+    owner: str | None = None
 
 
 class Futures:
@@ -59,12 +64,14 @@ class Futures:
         self._items: dict[str, _Future] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self.batch_sizes: list[tuple[Hashable, int]] = []
+        """(batch key, how many requests ran together) of each batch run (the last 1000)."""
         self._worker = threading.Thread(target=self._work, name="archon-serve-worker", daemon=True)
         self._worker.start()
 
-    def submit(self, work: Callable[[], Any], batch: Batch | None = None) -> str:
+    def submit(self, work: Callable[[], Any], batch: Batch | None = None, owner: str | None = None) -> str:
         """Queue `work`; with `batch`, the worker runs it together with the other queued requests of
-        the same batch key (see Batch)."""
+        the same batch key (see Batch). `owner`: the model id the request acts on, if any."""
         request_id = f"req-{uuid.uuid4().hex}"
         with self._lock:
             now = time.monotonic()
@@ -74,7 +81,7 @@ class Futures:
             for key in stale:
                 del self._items[key]
             self._items[request_id] = _Future()
-        self._queue.put((request_id, work, batch))
+        self._queue.put((request_id, work, batch, batch.owner if batch is not None else owner))
         return request_id
 
     def run_now(self, work: Callable[[], Any]) -> Any:
@@ -90,18 +97,20 @@ class Futures:
 
     def _work(self) -> None:
         while True:
-            request_id, work, batch = self._queue.get()
+            request_id, work, batch, owner = self._queue.get()
             if batch is None:
                 self._run(request_id, work)
                 continue
-            jobs = [(request_id, work, batch), *self._take_queued(batch.key)]
+            taken = self._take_queued(batch.key) if owner is None else self._take_owned(batch.key, owner)
+            jobs = [(request_id, work, batch, owner), *taken]
             try:
-                results = batch.run_many([b.item for _, _, b in jobs])
+                results = batch.run_many([job[2].item for job in jobs])
             except Exception:  # noqa: BLE001 - one bad request: each runs alone and gets its own answer
-                for job_id, job_work, _ in jobs:
+                for job_id, job_work, _, _ in jobs:
                     self._run(job_id, job_work)
                 continue
-            for (job_id, _, _), result in zip(jobs, results):
+            self.batch_sizes = [*self.batch_sizes[-999:], (batch.key, len(jobs))]
+            for (job_id, _, _, _), result in zip(jobs, results):
                 self._items[job_id].result = result
                 self._items[job_id].done.set()
 
@@ -110,6 +119,25 @@ class Futures:
         with self._queue.mutex:
             taken = [job for job in self._queue.queue if job[2] is not None and job[2].key == key]
             kept = [job for job in self._queue.queue if job[2] is None or job[2].key != key]
+            self._queue.queue.clear()
+            self._queue.queue.extend(kept)
+        return taken
+
+    def _take_owned(self, key, first_owner: str) -> list[tuple]:
+        """Remove from the queue the requests of batch `key` that each owner's earlier requests do not
+        precede, one per owner, scanning up to the first request without owner (see Batch)."""
+        seen = {first_owner}
+        taken_ids = set()
+        with self._queue.mutex:
+            for job in self._queue.queue:
+                owner = job[3]
+                if owner is None:
+                    break
+                if job[2] is not None and job[2].key == key and owner not in seen:
+                    taken_ids.add(job[0])
+                seen.add(owner)
+            taken = [job for job in self._queue.queue if job[0] in taken_ids]
+            kept = [job for job in self._queue.queue if job[0] not in taken_ids]
             self._queue.queue.clear()
             self._queue.queue.extend(kept)
         return taken

@@ -46,8 +46,9 @@ def _direct(server, work) -> Any:
     return server.futures.run_now(work)
 
 
-def _future(server, work, model_id: str | None = None, **extra) -> dict:
-    return {"request_id": server.futures.submit(work), "model_id": model_id, **extra}
+def _future(server, work, model_id: str | None = None, batch: Batch | None = None, **extra) -> dict:
+    """Queue `work` (acting on training client `model_id`, if any)."""
+    return {"request_id": server.futures.submit(work, batch, owner=model_id), "model_id": model_id, **extra}
 
 
 # ---- sessions and service ------------------------------------------------------------------------
@@ -129,11 +130,14 @@ def forward_backward(server, path, body, content_type) -> dict:
         raise HTTPError(400, f"forward_backward takes {PROTO_CONTENT_TYPE!r} bodies, got Content-Type {content_type!r}")
     call = decode_forward_backward(body)
 
-    def work() -> bytes:
-        outputs, metrics = server.backend.forward_backward(call)
-        return encode_forward_backward_output(outputs, metrics)
+    def encoded(calls: list) -> list[bytes]:
+        return [encode_forward_backward_output(*result) for result in server.backend.forward_backward_many(calls)]
 
-    return _future(server, work, call.model_id)
+    # several clients' requests queued together run in one forward (one process only)
+    batch = None
+    if server.backend.dims is None:
+        batch = Batch(("forward_backward", call.forward_only), call, encoded, owner=call.model_id)
+    return _future(server, lambda: encoded([call])[0], call.model_id, batch)
 
 
 def optim_step(server, path, body, content_type) -> dict:

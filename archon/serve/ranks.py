@@ -33,6 +33,7 @@ BROADCAST_CALLS = frozenset(
         "end_session",
         "create_model",
         "forward_backward",
+        "forward_backward_many",
         "optim_step",
         "save",
         "load",
