@@ -286,3 +286,28 @@ def test_a_drift_whose_mean_stays_under_the_bound_is_stopped_by_the_growth_rule(
 def test_a_growth_rule_setting_out_of_range_is_refused(setup, tmp_path, flags, culprit):
     with pytest.raises(ValueError, match=culprit):
         parse_config(_args(setup, tmp_path / "run", steps=3) + flags)
+
+
+def test_the_guard_adds_no_forward_pass_per_token(setup, tmp_path):
+    """Per token (the default) the guard reads the gaps the trainer's scoring computed anyway: a run
+    with it on makes exactly the module calls of the same run with it off (same seed, same samples)."""
+
+    def module_calls(mode: str) -> int:
+        calls = 0
+
+        def count(module, args, output):
+            nonlocal calls
+            calls += 1
+
+        args = _args(setup, tmp_path / mode, steps=2) + ["--eval.every", "0", "--rollout.fidelity.mode", mode]
+        hook = torch.nn.modules.module.register_module_forward_hook(count)
+        try:
+            RLRun(parse_config(args)).run()
+        finally:
+            hook.remove()
+        return calls
+
+    on, off = module_calls("stop"), module_calls("off")
+    assert on == off and on > 0
+    assert "fidelity_gap_mean" in _records(tmp_path / "stop")[-1]
+    assert "fidelity_gap_mean" not in _records(tmp_path / "off")[-1]
