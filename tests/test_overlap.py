@@ -75,13 +75,23 @@ def test_an_overlapping_step_that_fails_reaches_the_trainer_naming_its_step():
 def _held_overlapping_generations(monkeypatch, run: RLRun, timeline: dict) -> None:
     """Each step's generation, at its first decode step, holds until the next step's prompts are
     drawn (so steps overlap on any machine) and, if it began behind its step (version < step),
-    until its lane holds the next version (so the trainer's publish lands in it). `timeline`:
-    step -> [begin, end] times of its generation."""
+    until its lane holds the next version, which the trainer publishes only once the generation
+    holds (so the publish lands in it). `timeline`: step -> [begin, end] times of its generation."""
     begin_rollouts, hold = collect_module.begin_rollouts, threading.local()
-    drawn = {}
+    drawn, holding = {}, {}
+
+    def event(events: dict, step: int) -> threading.Event:
+        return events.setdefault(step, threading.Event())
+
+    publish = RolloutLanes.publish
+
+    def publish_once_held(self, version):
+        if 0 < version < run.config.steps:  # step `version` began a version behind
+            assert event(holding, version).wait(60)
+        publish(self, version)
 
     def begin(ctx, task, task_step, engine=None):
-        drawn.setdefault(task_step, threading.Event()).set()
+        event(drawn, task_step).set()
         behind = task.version < task_step
         generate = begin_rollouts(ctx, task, task_step, engine)
 
@@ -101,15 +111,19 @@ def _held_overlapping_generations(monkeypatch, run: RLRun, timeline: dict) -> No
         step = getattr(hold, "step", None)
         if step is not None and self.engine is hold.engine:
             hold.step = None
-            if step + 1 < run.config.steps:
-                assert drawn.setdefault(step + 1, threading.Event()).wait(60)
-            deadline = time.monotonic() + 60
-            while hold.behind and hold.engine._pending_update is None and time.monotonic() < deadline:
-                time.sleep(0.002)
+            if hold.behind:
+                event(holding, step).set()
+            if step + 1 < run.config.steps:  # drawn once the version this one began behind is published
+                assert event(drawn, step + 1).wait(60)
+            if hold.behind:
+                deadline = time.monotonic() + 60
+                while hold.engine._pending_update is None and time.monotonic() < deadline:
+                    time.sleep(0.002)
         decode(self, busy)
 
     monkeypatch.setattr(collect_module, "begin_rollouts", begin)
     monkeypatch.setattr(_Generation, "_decode", held_decode)
+    monkeypatch.setattr(RolloutLanes, "publish", publish_once_held)
 
 
 @pytest.mark.parametrize("update_policy", ["finish", "continue"])
