@@ -1,5 +1,4 @@
-"""The chat format of NVIDIA-Nemotron-Nano-9B-v2 / 12B-v2 (model_type nemotron_h), as its chat template
-writes it.
+"""The chat format of NVIDIA-Nemotron-Nano-9B-v2 (model_type nemotron_h), as its chat template writes it.
 
     <SPECIAL_10>System
     SYSTEM
