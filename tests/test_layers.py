@@ -81,6 +81,7 @@ FLOORS = {
     "archon.serve": 9,
     "archon.serve.ranks": 9,
     "archon.serve.training": 9,
+    "archon.serve.vllm_sampler": 9,
 }
 FLOOR_OF_RENDERER_CONTRACT = 2
 

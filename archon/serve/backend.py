@@ -9,6 +9,7 @@ wrong and changes nothing.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 import uuid
@@ -30,6 +31,7 @@ from archon.serve.config import ServeConfig
 from archon.serve.losses import FLOAT_INPUTS, LOSS_INPUTS, check_config
 from archon.serve.sampling import SampleCall, run_samples
 from archon.serve.training import CheckedCall, ClientBatcher, Result, run_alone
+from archon.serve.vllm_sampler import VLLMSampler
 from archon.serve.wire import ForwardBackwardCall, SampledOut, WireTensor
 
 
@@ -96,6 +98,11 @@ class Backend:
         self.generation_sizes: list[int] = []
         """How many sample requests each generation served (the last 1000)."""
         self._tokenizer = None
+        self.vllm = None
+        if config.sampler == "vllm":
+            if self.dims is not None:
+                raise ValueError("--sampler vllm is not served under torchrun yet: start one process")
+            self.vllm = VLLMSampler(config, self.context_length, self.checkpoint_root)
 
     def new_id(self, digits: int) -> str:
         return f"{self._ids.getrandbits(4 * digits):0{digits}x}"
@@ -123,6 +130,8 @@ class Backend:
             del self.models[model_id]
         for sampler_id in [s for s, v in self.samplers.items() if v.session_id == session_id]:
             del self.samplers[sampler_id]
+            if self.vllm is not None:
+                self.vllm.unload(sampler_id)
 
     def check_base_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, self.config.base_model):
@@ -299,7 +308,10 @@ class Backend:
     # ---- samplers -------------------------------------------------------------------------------
     def sampler_from_model(self, model_id: str, session_id: str) -> str:
         trained = self.model(model_id)
-        return self._add_sampler(session_id, None, trained.lora, trained.lora_tensors())
+        sampler_id = self._add_sampler(session_id, None, trained.lora, trained.lora_tensors())
+        if self.vllm is not None:
+            self.vllm.load_trained(sampler_id, trained)
+        return sampler_id
 
     def create_sampler(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
         self.session(session_id)
@@ -314,7 +326,10 @@ class Backend:
         ckpt.load_peft_adapter(engine.model, self._sampling_converter, directory / "adapter")
         self._sampling_models[_lora_key(lora)][1][0] = None
         tensors = {name: p.detach().clone() for name, p in lora_parameters(engine.model).items()}
-        return self._add_sampler(session_id, model_path, lora, tensors)
+        sampler_id = self._add_sampler(session_id, model_path, lora, tensors)
+        if self.vllm is not None:
+            self.vllm.load_checkpoint(sampler_id, directory / "adapter")
+        return sampler_id
 
     def _add_sampler(self, session_id, model_path, lora, tensors) -> str:
         sampler_id = f"{session_id}:sample:{self.new_id(8)}"
@@ -384,10 +399,20 @@ class Backend:
         among them raises UserError (the caller then runs them one by one)."""
         max_tokens = [self._checked_max_tokens(call) for call in calls][0]
         tokenizer = self.tokenizer if calls[0].stop_strings else None
-        engine = self.engine_for(self.sampler(calls[0].sampling_session_id))
-        results = run_samples(engine, calls, max_tokens, self.eos_token_ids, tokenizer)
+        sampler = self.sampler(calls[0].sampling_session_id)
+        engine = self.engine_for(sampler)
+        generate = None
+        if self.vllm is not None:
+            adapter = None if sampler.lora is None else sampler.sampling_session_id
+            generate = functools.partial(self.vllm.generate, adapter)
+        results = run_samples(engine, calls, max_tokens, self.eos_token_ids, tokenizer, generate)
         self.generation_sizes = [*self.generation_sizes[-999:], len(calls)]
         return results
 
     def sample(self, call: SampleCall) -> tuple[list[SampledOut], dict]:
         return self.sample_many([call])[0]
+
+    def close(self) -> None:
+        """Stop the vLLM servers of --sampler vllm (if any)."""
+        if self.vllm is not None:
+            self.vllm.close()

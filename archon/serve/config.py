@@ -8,8 +8,10 @@ ranks and rank 0 serves (archon/serve/ranks.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from archon.rollout.vllm_config import VLLMConfig
 
 
 @dataclass
@@ -46,6 +48,13 @@ class ServeConfig:
     """max_tokens of a sample request that leaves it unset."""
     seed: int = 0
     """Seeds a LoRA adapter's initialisation when the client gives no seed."""
+    sampler: Literal["native", "vllm"] = "native"
+    """What generates samples: archon's built-in engine, or vLLM servers the server launches at
+    start (with `--vllm.*`; each sampler's adapter is loaded on them under its own name). Prompt
+    log-probs are the trainer's model's either way."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM servers of --sampler vllm (rollout.vllm's settings; served in adapter mode, with
+    max_model_len the context limit unless set). Their max_lora_rank must hold --max-lora-rank."""
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:

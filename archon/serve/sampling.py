@@ -79,9 +79,11 @@ def run_samples(
     max_tokens: int,
     eos_token_ids: tuple[int, ...],
     tokenizer,
+    generate=None,
 ) -> list[tuple[list[SampledOut], dict]]:
     """Requests of one batch_key (or one request) in one generation: per request, (its num_samples
-    sequences, its prompt's scores {"prompt_logprobs", "topk_prompt"})."""
+    sequences, its prompt's scores {"prompt_logprobs", "topk_prompt"}). `generate(prompts, params)`:
+    what generates (default: `engine`, whose model scores prompts and top-k either way)."""
     first = calls[0]
     stop_ids = first.stop_token_ids
     if stop_ids is None:
@@ -97,7 +99,7 @@ def run_samples(
     )
     # the cache holds the requests' rows, n per prompt (the engine's cost grows with its rows)
     engine.max_batch_sequences = first.num_samples * len(calls)
-    samples = engine.generate([call.prompt for call in calls], params)
+    samples = (generate or engine.generate)([call.prompt for call in calls], params)
     n = first.num_samples
     return [_finish(engine, call, samples[i * n : (i + 1) * n], tokenizer) for i, call in enumerate(calls)]
 

@@ -80,6 +80,10 @@ class TinkerHTTPServer(ThreadingHTTPServer):
         self.verbose = verbose
         super().__init__((config.host, config.port), _Handler)
 
+    def server_close(self) -> None:
+        super().server_close()
+        self.backend.close()
+
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
