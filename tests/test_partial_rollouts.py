@@ -51,7 +51,8 @@ def _generate_across_publishes(
 ):
     """Generate in another thread; after decode steps (speculative rounds with a drafter)
     `publish_after` the generation waits while this thread publishes versions 1 and 2 (events, not a
-    clock), then goes on."""
+    clock), then goes on. Under update_policy 'finish' the version stays 0 until the end."""
+    started_on = engine.policy.version
     reached = [threading.Event() for _ in publish_after]
     published = [threading.Event() for _ in publish_after]
     decode, steps = _Generation._decode, [0]
@@ -71,7 +72,8 @@ def _generate_across_publishes(
     for k, version in enumerate((1, 2)):
         assert reached[k].wait(120)
         engine.update_adapter(version, versions[version])
-        assert engine.policy.version == version - 1, "applied while a decode step could run"
+        expected = version - 1 if engine.update_policy == "continue" else started_on
+        assert engine.policy.version == expected, "applied while a decode step could run"
         published[k].set()
     thread.join(120)
     assert engine.policy.version == 2
@@ -92,6 +94,22 @@ def test_a_publish_during_generation_applies_between_decode_steps_with_exact_log
         assert sample.token_versions == [0] * a + [1] * b + [2] * (NEW_TOKENS - a - b)
         assert sample.version == 0
     _assert_logprobs_of_each_tokens_version(engine, trainer, samples, versions)
+
+
+def test_under_finish_a_publish_during_generation_waits_for_its_end(trainer, monkeypatch):
+    """update_policy='finish' (the built-in engine's asynchronous lanes under rollout.update_policy
+    finish): the generation ends on the version it started with, and the last publish applies
+    once it has ended."""
+    engine = NativeRolloutEngine(trainer.model, update_policy="finish")
+    versions = _versions(trainer.model)
+    engine.update_adapter(0, versions[0])
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=2, seed=3)
+    samples = _generate_across_publishes(engine, versions, sampling, monkeypatch)
+    assert all(s.token_versions == [0] * NEW_TOKENS for s in samples)
+    torch.testing.assert_close(dict(lora_parameters(trainer.model)), versions[2], rtol=0, atol=0)
+    _assert_logprobs_of_each_tokens_version(engine, trainer, samples, {0: versions[0]})
+    with pytest.raises(ValueError, match="update_policy must be 'finish' or 'continue', got 'later'"):
+        NativeRolloutEngine(trainer.model, update_policy="later")
 
 
 def _assert_logprobs_of_each_tokens_version(engine, trainer, samples, versions) -> None:
