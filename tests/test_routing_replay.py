@@ -104,7 +104,6 @@ DENSE_TYPES = {
     "gemma3_text",
     "glm4",
     "llama",
-    "nemotron_h",
     "olmo2",
     "olmo3",
     "qwen2",

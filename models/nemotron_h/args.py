@@ -8,7 +8,7 @@ MAMBA = "linear_attention"  # HF's name for a Mamba2 block in layers_block_type
 ATTENTION = "full_attention"
 MLP = "mlp"
 MOE = "moe"
-BLOCK_TYPES = (MAMBA, ATTENTION, MLP)
+BLOCK_TYPES = (MAMBA, ATTENTION, MLP, MOE)
 
 
 @dataclass
@@ -17,8 +17,12 @@ class NemotronHArgs(DecoderArgs):
 
     layers_block_type: per layer, one mixer behind one pre-norm: "linear_attention" (a Mamba2 mixer),
         "full_attention" (GQA without positions: HF's Nemotron-H applies no RoPE), "mlp" (a
-        non-gated MLP, up_proj -> relu^2 -> down_proj). "moe" (Nemotron 3 Nano's routed non-gated
-        experts) is refused: archon's stacked experts are gated (gate_up_proj) only.
+        non-gated MLP, up_proj -> relu^2 -> down_proj) or "moe" (Nemotron 3 Nano's routed experts).
+    MoE: n_routed_experts non-gated relu^2 experts of moe_intermediate_size, num_experts_per_tok per
+        token by sigmoid scores with e_score_correction_bias over the topk_group best of n_group
+        groups (renormalised when norm_topk_prob, times routed_scaling_factor), plus one non-gated
+        shared MLP of moe_shared_expert_intermediate_size. With moe_latent_size the routed experts run
+        in a latent space of that width (fc1_latent_proj in, fc2_latent_proj out, biases when mlp_bias).
     Mamba2: mamba_num_heads heads of mamba_head_dim channels, a state of ssm_state_size per channel,
         B and C shared by the heads of each of n_groups groups, a depthwise causal conv of conv_kernel
         taps (with a bias when use_conv_bias) over [x | B | C]; in_proj and out_proj have a bias when
@@ -37,6 +41,15 @@ class NemotronHArgs(DecoderArgs):
     use_conv_bias: bool = True
     use_bias: bool = False
     time_step_min: float = 0.0
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
 
     @property
     def layer_types(self) -> list[str]:
@@ -44,7 +57,8 @@ class NemotronHArgs(DecoderArgs):
 
     @property
     def num_experts(self) -> int:
-        return 0
+        """The routed experts of each 'moe' block (0 without one)."""
+        return self.n_routed_experts if MOE in self.layers_block_type else 0
 
     @property
     def mamba_width(self) -> int:
@@ -57,7 +71,7 @@ class NemotronHArgs(DecoderArgs):
         return self.mamba_width + 2 * self.n_groups * self.ssm_state_size
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return False
+        return self.layers_block_type[layer_idx] == MOE
 
     @classmethod
     def from_hf_config(cls, config) -> "NemotronHArgs":
@@ -93,17 +107,21 @@ class NemotronHArgs(DecoderArgs):
             use_conv_bias=bool(config.use_conv_bias),
             use_bias=bool(config.use_bias),
             time_step_min=float(config.time_step_min),
+            n_routed_experts=config.n_routed_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.moe_intermediate_size,
+            moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+            moe_latent_size=config.moe_latent_size,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            norm_topk_prob=bool(config.norm_topk_prob),
+            routed_scaling_factor=float(config.routed_scaling_factor),
         )
         args.validate()
         return args
 
     def validate(self) -> None:
         for i, kind in enumerate(self.layers_block_type):
-            if kind == MOE:
-                raise ValueError(
-                    f"config.layers_block_type[{i}]='moe' is not supported: Nemotron-H's routed experts are "
-                    "non-gated (up_proj -> relu^2 -> down_proj), and archon's stacked experts are gated only"
-                )
             if kind not in BLOCK_TYPES:
                 raise ValueError(
                     f"config.layers_block_type[{i}]={kind!r} is not supported; expected one of {BLOCK_TYPES}"
@@ -117,6 +135,12 @@ class NemotronHArgs(DecoderArgs):
                     f"config.mamba_num_heads={self.mamba_num_heads} is not a multiple of "
                     f"config.n_groups={self.n_groups}"
                 )
+        if MOE in self.layers_block_type:
+            for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"config.{name}={getattr(self, name)} must be at least 1 with 'moe' blocks")
+            if self.moe_latent_size is not None and self.moe_latent_size < 1:
+                raise ValueError(f"config.moe_latent_size={self.moe_latent_size} must be at least 1 (or None)")
         if ATTENTION in self.layers_block_type and self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config.num_attention_heads={self.num_attention_heads} is not a multiple of "

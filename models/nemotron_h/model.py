@@ -1,6 +1,6 @@
 """Nemotron-H on packed sequences: a hybrid whose every layer is one pre-norm block around one mixer,
-a Mamba2 mixer, attention without positions or a non-gated MLP, as `layers_block_type` says (HF names
-each block's mixer `mixer` and its norm `norm`).
+a Mamba2 mixer, attention without positions, a non-gated MLP or routed non-gated experts (Nemotron 3
+Nano's MoE), as `layers_block_type` says (HF names each block's mixer `mixer` and its norm `norm`).
 
 Mamba2 (state-space duality), per head h with state S [P, N] (P = mamba_head_dim, N = ssm_state_size)
 and for each token t:
@@ -24,8 +24,9 @@ from archon.lora import LoRAConfig, linear
 from archon.models.common.attention import Attention
 from archon.models.common.decoder import PackedDecoderLM
 from archon.models.common.linear_attention import PaddedSequences
+from archon.models.common.moe import NonGatedExperts, SigmoidGroupTopKRouter
 from archon.models.common.norms import RMSNorm
-from archon.models.nemotron_h.args import ATTENTION, MAMBA, MLP, NemotronHArgs
+from archon.models.nemotron_h.args import ATTENTION, MAMBA, MLP, MOE, NemotronHArgs
 from archon.recurrent import RecurrentTokenMixer
 
 # Tokens per chunk of the chunked scan: within a chunk the outputs come from one masked product,
@@ -184,6 +185,10 @@ class Mamba2Mixer(RecurrentTokenMixer):
         return self.out_proj(y.to(x.dtype))
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
 class NemotronHMLP(nn.Module):
     """down_proj(relu(up_proj(x))^2), HF `NemotronHMLP`; biases when mlp_bias."""
 
@@ -193,7 +198,47 @@ class NemotronHMLP(nn.Module):
         self.down_proj = linear(hidden_dim, dim, bias, "down_proj", lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        return self.down_proj(relu_squared(self.up_proj(x)))
+
+
+class NemotronHMoE(nn.Module):
+    """Nemotron 3 Nano's MoE block (HF `NemotronHMoE`): group-limited sigmoid routing (`gate`) over
+    non-gated relu^2 experts (`experts`: up_proj [E, I, D'], down_proj [E, D', I]) plus a non-gated
+    shared MLP (`shared_experts`) on every token. With moe_latent_size the routed experts see the
+    tokens through fc1_latent_proj (D -> D') and give back through fc2_latent_proj (D' -> D); the
+    router and the shared MLP see the block's input."""
+
+    def __init__(self, args: NemotronHArgs, lora: LoRAConfig | None) -> None:
+        super().__init__()
+        dim, latent = args.hidden_size, args.moe_latent_size
+        self.gate = SigmoidGroupTopKRouter(
+            dim,
+            args.n_routed_experts,
+            args.num_experts_per_tok,
+            args.n_group,
+            args.topk_group,
+            args.norm_topk_prob,
+            args.routed_scaling_factor,
+        )
+        expert_dim = dim if latent is None else latent
+        self.experts = NonGatedExperts(
+            args.n_routed_experts, expert_dim, args.moe_intermediate_size, relu_squared, lora
+        )
+        self.shared_experts = NemotronHMLP(dim, args.moe_shared_expert_intermediate_size, args.mlp_bias, lora)
+        if latent is None:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+        else:
+            self.fc1_latent_proj = linear(dim, latent, args.mlp_bias, "fc1_latent_proj", lora)
+            self.fc2_latent_proj = linear(latent, dim, args.mlp_bias, "fc2_latent_proj", lora)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, D]."""
+        top_weights, top_indices = self.gate(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        h = self.experts(h, top_weights, top_indices)
+        if self.fc2_latent_proj is not None:
+            h = self.fc2_latent_proj(h)
+        return h + self.shared_experts(x)
 
 
 class NemotronHBlock(nn.Module):
@@ -209,12 +254,14 @@ class NemotronHBlock(nn.Module):
         elif self.layer_type == ATTENTION:
             # HF's Nemotron-H attention has no bias whatever config.attention_bias says, and no RoPE.
             self.mixer = Attention.from_args(args, lora, qkv_bias=False, o_bias=False, rotary=False)
+        elif self.layer_type == MOE:
+            self.mixer = NemotronHMoE(args, lora)
         else:
             self.mixer = NemotronHMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, lora)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, cache=None, context_parallel=None):
         h = self.norm(x)
-        if self.layer_type == MLP:
+        if self.layer_type in (MLP, MOE):
             return x + self.mixer(h)
         return x + self.mixer(h, cos, sin, cu_seqlens, max_seqlen, cache, context_parallel)
 

@@ -5,13 +5,14 @@ from archon.models.nemotron_h.parallelize import parallelize_nemotron_h
 from archon.models.nemotron_h.state_dict_converter import NemotronHStateDictConverter
 from archon.spec import ModelSpec, register
 
-# Mamba2 blocks before and after an attention block, and an MLP block. Mamba2: 4 heads of 16 in 2
-# groups (so B and C are shared by 2 heads each), a state of 8, a conv of 4 taps with bias;
+# Mamba2 blocks before and after an attention block, an MoE block and an MLP block. Mamba2: 4 heads
+# of 16 in 2 groups (so B and C are shared by 2 heads each), a state of 8, a conv of 4 taps with bias;
 # time_step_min 1.0 so that the step-size clamp binds on some tokens. Attention: 4 query heads of 16
-# over 2 key/value heads.
+# over 2 key/value heads. MoE: 8 experts of 32 in 2 groups, one group allowed per token, 2 experts per
+# token, renormalised and scaled by 1.5, a shared MLP of 48.
 _TINY = dict(
     {k: v for k, v in TINY_DECODER_CONFIG.items() if k != "num_hidden_layers"},
-    layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
+    layers_block_type=["linear_attention", "full_attention", "linear_attention", "moe", "mlp"],
     head_dim=16,
     mamba_num_heads=4,
     mamba_head_dim=16,
@@ -19,14 +20,32 @@ _TINY = dict(
     n_groups=2,
     conv_kernel=4,
     time_step_min=1.0,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
 )
 
-# Attention's q/k/v/o, the Mamba2 in_proj and the MLP's up/down. PEFT (0.21.2) refuses LoRA on the
-# Mamba2 mixer's out_proj and conv1d, so an adapter on them could not be exported; full fine-tuning
-# trains them.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj")
+# Attention's q/k/v/o, the Mamba2 in_proj, the MLP's and the shared experts' up/down, the MoE latent
+# projections and the stacked routed experts. PEFT (0.21.2) refuses LoRA on the Mamba2 mixer's out_proj
+# and conv1d, so an adapter on them could not be exported; full fine-tuning trains them.
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj",
+    "up_proj",
+    "down_proj",
+    "fc1_latent_proj",
+    "fc2_latent_proj",
+    "experts",
+)
 
-_MOE_ONLY = "read only by 'moe' blocks, which from_hf_config refuses"
 _INIT_ONLY = "used only to initialise weights, which a checkpoint replaces"
 
 spec = register(
@@ -62,16 +81,7 @@ spec = register(
             "time_step_max": _INIT_ONLY,
             "time_step_floor": _INIT_ONLY,
             "rescale_prenorm_residual": _INIT_ONLY,
-            "n_routed_experts": _MOE_ONLY,
-            "num_experts_per_tok": _MOE_ONLY,
-            "moe_intermediate_size": _MOE_ONLY,
-            "moe_shared_expert_intermediate_size": _MOE_ONLY,
-            "moe_latent_size": _MOE_ONLY,
-            "n_shared_experts": _MOE_ONLY,
-            "n_group": _MOE_ONLY,
-            "topk_group": _MOE_ONLY,
-            "norm_topk_prob": _MOE_ONLY,
-            "routed_scaling_factor": _MOE_ONLY,
+            "n_shared_experts": "HF sizes the shared MLP by moe_shared_expert_intermediate_size, which is read",
         },
     )
 )

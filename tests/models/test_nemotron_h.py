@@ -1,5 +1,6 @@
 """Nemotron-H (nemotron_h) against HF transformers and PEFT: Mamba2 mixers (chunked scan, grouped B/C,
-conv with bias, step-size clamp, grouped gated norm), attention without positions and relu^2 MLP blocks
+conv with bias, step-size clamp, grouped gated norm), attention without positions, relu^2 MLP blocks and
+Nemotron 3 Nano's MoE blocks (group-limited sigmoid routing over non-gated relu^2 experts, a shared MLP)
 mixed by layers_block_type, LoRA on every target PEFT accepts, packed sequences longer than a scan
 chunk, the chunked scan against the recurrence, the generation cache, and the refused config values."""
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
 from archon.models.nemotron_h.args import NemotronHArgs
-from archon.models.nemotron_h.model import SSD_CHUNK_SIZE, Mamba2Mixer, NemotronHMLP, chunked_ssd
+from archon.models.nemotron_h.model import SSD_CHUNK_SIZE, Mamba2Mixer, NemotronHMLP, NemotronHMoE, chunked_ssd
 
 MODEL_TYPE = "nemotron_h"
 # One sequence longer than a chunk of the scan, one of a single token.
@@ -40,6 +41,19 @@ CASES = {
         ssm_state_size=16,
         layer_norm_epsilon=1e-6,
         time_step_min=0.001,
+    ),
+    # MoE blocks in a latent space (fc1/fc2_latent_proj, biased by mlp_bias) with one group of experts
+    # (no group limit), 3 experts per token, weights not renormalised, no scaling; MoE first and last
+    # (HF's cache needs an attention block, even in a forward without generation).
+    "moe-latent-one-group": dict(
+        layers_block_type=["moe", "linear_attention", "full_attention", "moe"],
+        moe_latent_size=24,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        mlp_bias=True,
     ),
 }
 
@@ -122,7 +136,8 @@ def _config(**overrides):
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        (dict(layers_block_type=["linear_attention", "moe"]), r"layers_block_type\[1\]='moe'"),
+        (dict(num_experts_per_tok=0), "num_experts_per_tok"),
+        (dict(moe_latent_size=0), "moe_latent_size"),
         (dict(mamba_hidden_act="gelu"), "mamba_hidden_act"),
         (dict(mlp_hidden_act="silu"), "mlp_hidden_act"),
         (dict(mamba_num_heads=3), "n_groups"),
@@ -149,6 +164,44 @@ def test_a_checkpoint_under_in_memory_names_loads_the_same(tiny_checkpoint, tmp_
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_hf_in_memory_state_dict_loads_the_same(tiny_checkpoint, tmp_path):
+    """HF's in-memory state dict (`model.` prefix, each MoE block's experts stacked as
+    `mixer.experts.up_proj` [E, I, D]) saved as the checkpoint loads into the same weights as the
+    checkpoint save_pretrained wrote (`backbone.`, one tensor per expert)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_checkpoint(MODEL_TYPE)
+    dst = tmp_path / "hf_in_memory"
+    shutil.copytree(src, dst)
+    hf_state = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    assert hf_state["model.layers.3.mixer.experts.up_proj"].shape == (8, 32, 64)
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, dst / "model.safetensors")
+    a, b = build_model(src).model.state_dict(), build_model(dst).model.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_expert_lora_is_exported_as_peft_target_parameters(tiny_checkpoint):
+    """LoRA on the stacked experts goes to PEFT as target_parameters, up_proj's factors on the inner
+    wrapper (`experts.base_layer`), down_proj's on the outer one, [E*r, in] and [out, r*E]."""
+    from archon.lora.peft import peft_adapter_config
+
+    lora = LoRAConfig(rank=4, alpha=8)
+    loaded = build_model(tiny_checkpoint(MODEL_TYPE), lora=lora)
+    keys = loaded.converter.lora_state_dict_to_peft(lora_parameters(loaded.model))
+    prefix = "base_model.model.model.layers.3.mixer.experts"
+    assert keys[f"{prefix}.base_layer.lora_A.weight"].shape == (8 * 4, 64)
+    assert keys[f"{prefix}.base_layer.lora_B.weight"].shape == (32, 4 * 8)
+    assert keys[f"{prefix}.lora_A.weight"].shape == (8 * 4, 32)
+    assert keys[f"{prefix}.lora_B.weight"].shape == (64, 4 * 8)
+    config = peft_adapter_config(loaded.model, loaded.converter, lora, "tiny")
+    assert config["target_parameters"] == ["mixer.experts.up_proj", "mixer.experts.down_proj"]
+    assert "shared_experts" not in str(config["target_modules"])  # a leaf name ("up_proj") covers them
 
 
 def test_peft_keys_follow_in_memory_names(tiny_checkpoint):
@@ -249,7 +302,42 @@ def _mlp_relu_not_squared(model, monkeypatch):
             monkeypatch.setattr(layer.mixer, "forward", lambda x, m=layer.mixer: m.down_proj(F.relu(m.up_proj(x))))
 
 
+def _each_moe(model):
+    return [layer.mixer for layer in model.layers if isinstance(layer.mixer, NemotronHMoE)]
+
+
+def _no_correction_bias(model, monkeypatch):
+    with torch.no_grad():
+        for moe in _each_moe(model):
+            moe.gate.e_score_correction_bias.zero_()
+
+
+def _no_routed_scaling(model, monkeypatch):
+    for moe in _each_moe(model):
+        moe.gate.routed_scaling_factor = 1.0
+
+
+def _no_group_limit(model, monkeypatch):
+    for moe in _each_moe(model):
+        moe.gate.n_group = moe.gate.topk_group = 1
+
+
+def _no_shared_experts(model, monkeypatch):
+    for moe in _each_moe(model):
+        monkeypatch.setattr(moe.shared_experts, "forward", torch.zeros_like)
+
+
+def _experts_relu_not_squared(model, monkeypatch):
+    for moe in _each_moe(model):
+        moe.experts.activation = F.relu
+
+
 MUTATIONS = {
+    "moe-no-correction-bias": _no_correction_bias,
+    "moe-no-routed-scaling": _no_routed_scaling,
+    "moe-no-group-limit": _no_group_limit,
+    "moe-no-shared-experts": _no_shared_experts,
+    "moe-experts-relu-not-squared": _experts_relu_not_squared,
     "no-step-clamp": _no_step_clamp,
     "no-d-skip": _no_d_skip,
     "no-conv-bias": _no_conv_bias,
@@ -287,8 +375,9 @@ def test_tp2_in_float64_matches_one_process(tiny_checkpoint):
     assert not figures["tp2_lora_params_without_grad"], figures
 
 
-def test_tp2_and_fsdp2_match_one_process(tiny_checkpoint, tmp_path):
-    """TP x2 and FSDP2 x2 (the dense families' worker, float32) against one process."""
+def test_tp2_fsdp2_and_ep2_match_one_process(tiny_checkpoint, tmp_path):
+    """TP x2, FSDP2 x2 and EP x2 (the MoE block's routed experts split over the ranks) against one
+    process, float32 (the dense families' worker with an ep2 layout), one launch for the three."""
     import json
     import os
     import socket
@@ -301,13 +390,14 @@ def test_tp2_and_fsdp2_match_one_process(tiny_checkpoint, tmp_path):
         port = s.getsockname()[1]
     hf_dir = str(tiny_checkpoint(MODEL_TYPE))
     out = tmp_path / "results.json"
-    worker = Path(__file__).with_name("dense_parallel_worker.py")
+    worker = Path(__file__).with_name("nemotron_h_parallel_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    cmd += [str(worker), str(out), f"{hf_dir}@tp2,fsdp2"]
+    cmd += [str(worker), str(out), f"{hf_dir}@tp2,fsdp2,ep2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())[hf_dir]
-    for layout in ("tp2", "fsdp2"):
+    assert sorted(results) == ["ep2", "fsdp2", "tp2"], results
+    for layout in ("tp2", "fsdp2", "ep2"):
         # float32 rounding of sharded matmuls and reductions (the dense families' bound, 1e-5)
         assert max(results[layout].values()) <= 1e-5, (layout, results[layout])
 
@@ -323,6 +413,8 @@ def test_tp2_and_fsdp2_match_one_process(tiny_checkpoint, tmp_path):
         ("hidden_dropout", 0.5),
         ("mamba_proj_bias", True),
         ("expand", 7),
+        ("n_shared_experts", 3),
+        ("moe_shared_expert_overlap", False),
     ],
 )
 def test_fields_declared_inert_do_not_move_hf(field, value):
