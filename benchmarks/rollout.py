@@ -62,6 +62,7 @@ from arms import (  # noqa: E402
     MIN_REPEATS,
     Ratio,
     check_repeats,
+    cpu_model,
     describe,
     environment_record,
     load_now,
@@ -508,6 +509,11 @@ def main(args: BenchArgs) -> dict:
         f"{peak_gflops:.0f} at the peak; weights {dims['weight_bytes'] / 1e6:.0f} MB",
         flush=True,
     )
+    print(
+        f"CPU {cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads; "
+        f"load average (1, 5, 15 min) {before['load_average']} at the start",
+        flush=True,
+    )
 
     model = build_model(str(model_dir)).model.eval()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() if "hf" in args.engines else None
@@ -595,6 +601,8 @@ def main(args: BenchArgs) -> dict:
     finally:
         if server is not None:
             server.close()
+    after = load_now()
+    print(f"load average (1, 5, 15 min) {after['load_average']} at the end", flush=True)
     report = {
         "model": f"qwen3 {dims['weight_bytes'] / 4e6:.1f}M params fp32, hidden {config['hidden_size']}",
         "threads": args.threads,
@@ -605,7 +613,7 @@ def main(args: BenchArgs) -> dict:
         "load_1min": os.getloadavg()[0],
         "repeats": args.repeats,
         "quick": args.quick,
-        "environment": environment_record(args.threads, before, load_now()),
+        "environment": environment_record(args.threads, before, after),
         "comparisons": comparisons,
         "rows": rows,
     }
