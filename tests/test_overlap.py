@@ -190,6 +190,7 @@ def test_a_publish_lands_in_a_lanes_generation_with_each_tokens_trainer_logprob(
     shared = [(n, p) for n, p in trainer.model.named_parameters() if n not in trainer_lora]
     lane_params = dict(lane.model.named_parameters())
     assert all(lane_params[n] is p for n, p in shared), "the base weights are copied, not shared"
+    assert not lane.cuda_graphs  # no capture beside the trainer's work on the device
 
     publish_after, reached, published = (30, 65), [threading.Event(), threading.Event()], []
     decode, steps = _Generation._decode, [0]

@@ -76,12 +76,16 @@ class RolloutLanes:
     its lane is free. `publish(version)` hands the trainer's factors to every lane
     (NativeRolloutEngine.update_adapter): an idle lane takes them at once; a generating one at its
     next step boundary under rollout.update_policy 'continue' (the cached context computed again
-    under them), at its end under 'finish'."""
+    under them), at its end under 'finish'. The lanes decode eagerly (no CUDA graphs); on CUDA
+    untested on hardware."""
 
     def __init__(self, config: RLConfig, trainer: Trainer, record_routing: bool, version: int) -> None:
         self.trainer = trainer
         lanes = config.rollout.max_staleness + 1
         self.engines = [native_engine(config, trainer, record_routing, lane_model(trainer.model)) for _ in range(lanes)]
+        for engine in self.engines:
+            # no CUDA graph capture while the trainer's thread runs its own work on the device
+            engine.cuda_graphs = False
         self.publish(version)
 
     def engine(self, step: int) -> NativeRolloutEngine:
