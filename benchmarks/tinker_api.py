@@ -1,6 +1,6 @@
 """The Tinker API's overhead: the same work through the server and the SDK, and called in process.
 
-    python benchmarks/tinker_api.py [--base-model DIR] [--steps 5] [--batch 8] [--seq-len 128] [--device cpu]
+    python benchmarks/tinker_api.py [--base-model DIR] [--repeats 5] [--batch 8] [--seq-len 128] [--quick]
 
 Training: forward_backward + optim_step (cross_entropy on `batch` random sequences of `seq-len`
 tokens) through `tinker.ServiceClient` against `archon.serve` on loopback, against the server's own
@@ -8,13 +8,18 @@ backend methods on the same batch with no HTTP, protobuf or futures (the same mo
 AdamW step). Sampling: `sample` of `batch` sequences of `seq-len // 2` new tokens from a prompt
 through the SDK, against the built-in engine's `generate` with the same settings.
 Without --base-model a tiny random Qwen3 is made in a temporary directory (its figures say little
-about a real model). The two arms alternate, `steps` times each after one warm-up; the medians are
-reported, with the overhead (1 - SDK tokens/s / in-process tokens/s). The last line is JSON.
+about a real model). The four arms alternate (benchmarks/arms.py: one measurement of each per round,
+the order reversed every other round), `repeats` rounds after one warm-up. Each ratio (SDK seconds /
+in-process seconds) is taken within a round and reported as the median with its min and max; the
+training ratio's verdict against the goal (at most 1.1, an API overhead of at most 10 %) is printed
+only where the rounds agree. `--quick` (one round) checks the script and measures nothing. The last
+line is JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -24,9 +29,14 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import tyro  # noqa: E402
+from arms import Ratio, describe, goal_verdict, run_arms, verdict_line  # noqa: E402
+
+TRAIN_GOAL = 1.1
+"""SDK seconds / in-process seconds of forward_backward + optim_step: an API overhead of at most 10 %."""
 
 API_KEY = "tml-benchmark"
 
@@ -35,17 +45,23 @@ API_KEY = "tml-benchmark"
 class Args:
     base_model: str | None = None
     """An HF checkpoint directory (default: a tiny random Qwen3)."""
-    steps: int = 5
+    repeats: int = 5
+    """Measured rounds (at least 5, benchmarks/arms.MIN_REPEATS, unless --quick)."""
+    quick: bool = False
+    """One round: checks the script, measures nothing."""
     batch: int = 8
     seq_len: int = 128
     device: str = "cpu"
     rank: int = 16
 
 
-def _timed(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+def _timed(run):
+    def arm() -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+
+    return arm
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -120,32 +136,31 @@ def main(argv: list[str] | None = None) -> dict:
 
             server.futures.run_now(run)
 
-        times: dict[str, list[float]] = {"train_sdk": [], "train_in_process": [], "sample_sdk": [], "sample_engine": []}
-        for i in range(args.steps + 1):
-            for name, run in (
-                ("train_sdk", through_sdk),
-                ("train_in_process", in_process),
-                ("sample_sdk", sample_sdk),
-                ("sample_engine", sample_engine),
-            ):
-                seconds = _timed(run)
-                if i > 0:  # the first round warms up
-                    times[name].append(seconds)
+        arms = {
+            "train_sdk": _timed(through_sdk),
+            "train_in_process": _timed(in_process),
+            "sample_sdk": _timed(sample_sdk),
+            "sample_engine": _timed(sample_engine),
+        }
+        ratios = [Ratio("train", "train_sdk", "train_in_process"), Ratio("sample", "sample_sdk", "sample_engine")]
+        threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+        repeats = 1 if args.quick else args.repeats
+        result = run_arms(arms, ratios, repeats=repeats, warmup=1, quick=args.quick, threads=threads)
         service.close("success").result()
         server.shutdown()
         server.server_close()
-    train_tokens, sample_tokens = args.batch * args.seq_len, args.batch * new_tokens
+    tokens = {"train": args.batch * args.seq_len, "sample": args.batch * new_tokens}
     rates = {
-        "train_sdk_tokens_per_s": train_tokens / statistics.median(times["train_sdk"]),
-        "train_in_process_tokens_per_s": train_tokens / statistics.median(times["train_in_process"]),
-        "sample_sdk_tokens_per_s": sample_tokens / statistics.median(times["sample_sdk"]),
-        "sample_engine_tokens_per_s": sample_tokens / statistics.median(times["sample_engine"]),
+        f"{arm}_tokens_per_s": tokens[arm.split("_")[0]] / statistics.median(samples)
+        for arm, samples in result.samples.items()
     }
-    rates["train_overhead"] = 1 - rates["train_sdk_tokens_per_s"] / rates["train_in_process_tokens_per_s"]
-    rates["sample_overhead"] = 1 - rates["sample_sdk_tokens_per_s"] / rates["sample_engine_tokens_per_s"]
-    result = {"args": vars(args), "device": args.device, **rates}
-    print(json.dumps(result), flush=True)
-    return result
+    train, sample = result.ratios["train"], result.ratios["sample"]
+    print(describe(train, "train: SDK seconds / in-process seconds"), flush=True)
+    print(verdict_line(train, goal_verdict(train, TRAIN_GOAL), "train overhead"), flush=True)
+    print(describe(sample, "sample: SDK seconds / engine seconds"), flush=True)
+    report = {"args": vars(args), "device": args.device, **rates, "comparison": result.to_json()}
+    print(json.dumps(report), flush=True)
+    return report
 
 
 if __name__ == "__main__":
