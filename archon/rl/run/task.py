@@ -24,7 +24,7 @@ from archon.rl.algorithms import get_algorithm, teacher_setting
 from archon.rl.config import AlgorithmConfig, RLConfig, RolloutConfig, TaskConfig
 from archon.rl.data import PromptBatchIterator, PromptExample, load_prompt_dataset
 from archon.rl.rewards import RewardScorer, UnroutedSourceError, unrouted_message
-from archon.rl.run.producer import RolloutProducer, Rollouts
+from archon.rl.run.producer import RolloutProducer
 from archon.rl.run.run_dir import TASKS_DIR
 from archon.rl.run.step_metrics import TaskStep
 from archon.rl.run.versions import AdapterHistory
@@ -201,13 +201,6 @@ class Task:
         self.rollout = rollout
         self.sync = build_weight_sync(
             rollout_config, rollout, lora=self.config.lora, sync_dir=sync_dir, task=self.name or None, channel=channel
-        )
-
-    def start_producer(self, generate: Callable[[int], Rollouts], steps: int) -> None:
-        """Make the task's next `steps` steps' rollouts ahead on a thread (`generate(task_step)`), at
-        most max_staleness steps ahead of its adapter version."""
-        self.producer = RolloutProducer(
-            generate, self.version, self.version + steps, self.config.max_staleness, version=self.version
         )
 
     def stop(self, step: int, reason: str, writes_record: bool) -> None:
