@@ -185,6 +185,12 @@ def test_command_line_and_loopback_default(capsys):
         ServeConfig(base_model="x", max_lora_rank=0)
 
 
+def _wait_until_queued(server, count: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.futures.queued() < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_queued_sample_requests_share_a_generation(service_client, tiny_base, tinker_server):
     """Sample requests of one sampler and settings that wait in the queue together run as one
     generation; each still gets its own samples, at the model's log-probs. Seeded ones run alone."""
@@ -192,7 +198,7 @@ def test_queued_sample_requests_share_a_generation(service_client, tiny_base, ti
     _, sampler = _trained_sampler(service_client, tiny_base, steps=1)
     backend = tinker_server.backend
     before = len(backend.generation_sizes)
-    tinker_server.futures.submit(lambda: time.sleep(2.0))  # holds the worker while the requests queue up
+    tinker_server.futures.submit(lambda: _wait_until_queued(tinker_server, 5))  # holds the worker while they queue
     prompts = [tokenizer.encode(text) for text in ("1+", "22+", "3+3", "40+")]
     params = types.SamplingParams(max_tokens=5, stop=[])
     futures = [sampler.sample(types.ModelInput.from_ints(p), 2, params) for p in prompts]

@@ -35,6 +35,12 @@ def _is_datum(tokenizer, text: str) -> types.Datum:
     )
 
 
+def _wait_until_queued(server, count: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.futures.queued() < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def _state(server, client) -> dict[str, dict[str, torch.Tensor]]:
     params = lora_parameters(server.backend.models[client.model_id].model)
     return {
@@ -70,7 +76,7 @@ def test_two_clients_queued_together_run_in_one_forward_with_their_own_numbers(t
             data_b = [_is_datum(tokenizer, "5+5=10")]
             adam = types.AdamParams(learning_rate=2e-2)
             before = len(server.backend.training_batch_sizes)
-            server.futures.submit(lambda: time.sleep(2.0))  # holds the worker while the requests queue up
+            server.futures.submit(lambda: _wait_until_queued(server, 3))  # holds the worker while they queue up
             batched_a = a.forward_backward(data_a, "cross_entropy")
             step_a = a.optim_step(adam)  # a's step waits for a's forward_backward; b's joins it
             batched_b = b.forward_backward(data_b, "importance_sampling")

@@ -84,6 +84,10 @@ class Futures:
         self._queue.put((request_id, work, batch, batch.owner if batch is not None else owner))
         return request_id
 
+    def queued(self) -> int:
+        """How many requests wait for the worker (not counting the one it runs)."""
+        return self._queue.qsize()
+
     def run_now(self, work: Callable[[], Any]) -> Any:
         """Run `work` on the worker thread and wait for it; a refusal raises HTTPError(400)."""
         request_id = self.submit(work)
