@@ -34,6 +34,10 @@ def drive(url: str, base: Path, tokenizer, checkpoints: Path) -> dict:
     client = service.create_lora_training_client(base_model=str(base), rank=4, seed=3).result()
     data = [sft_datum(tokenizer, "12+34=46", prompt_chars=6), sft_datum(tokenizer, "7+8=15", prompt_chars=4)]
     out: dict = {"loss": [], "grad_norm": [], "logprobs": []}
+    # a refused request is refused on every rank alike, and every rank goes on serving in step
+    bad = types.Datum(model_input=types.ModelInput.from_ints([10**6]), loss_fn_inputs={"target_tokens": [1]})
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+        client.forward_backward([bad], "cross_entropy").result()
     for _ in range(2):
         fb = client.forward_backward(data, "cross_entropy")
         step = client.optim_step(types.AdamParams(learning_rate=2e-2, grad_clip_norm=1.0)).result()
@@ -95,7 +99,12 @@ def fsdp2_run(tiny_base, tmp_path_factory):
     lines: list[str] = []
     try:
         url = _serving_url(proc, lines)
-        yield drive(url, path, tokenizer, checkpoints)
+        out = drive(url, path, tokenizer, checkpoints)
+        service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+        client = service.create_lora_training_client(base_model=str(path), rank=4).result()
+        with pytest.raises(tinker.RequestFailedError, match="not served under torchrun"):
+            client.save_state("with-optimizer").result()
+        yield out
     finally:
         proc.terminate()
         try:
