@@ -1,6 +1,8 @@
 """What the Tinker-compatible server computes: training clients (one LoRA adapter each on the shared
-frozen base) with forward, forward_backward and optim_step; their checkpoints; and samplers (a
-snapshot of an adapter, or the base) served by the built-in engine.
+frozen base) with forward, forward_backward (several clients' requests in one forward, see
+training.py) and optim_step; their checkpoints; and samplers (a snapshot of an adapter, or the base)
+served by the built-in engine or by vLLM (vllm_sampler.py). Under torchrun every rank holds one
+Backend, its models sharded with FSDP2, and runs the calls rank 0 broadcasts (ranks.py).
 
 Every method runs on the server's one worker thread (archon/serve/server.py), so the models see one
 request at a time, in the order they arrived. A refused request raises UserError naming what is
