@@ -451,6 +451,10 @@ VALIDATION_CASES = {
         {"rollout.speculative.method": "draft_model"},
         "rollout.speculative.draft_model_path=None: is needed",
     ),
+    "speculative-draft-head-without-path": (
+        {"rollout.speculative.method": "draft_head"},
+        "rollout.speculative.draft_head_path=None: is needed",
+    ),
     "speculative-zero-tokens": (
         {"rollout.speculative.method": "mtp", "rollout.speculative.num_tokens": 0},
         "rollout.speculative.num_tokens=0",

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from archon.head import full_vocab_logits
+from archon.rollout.recurrent_cache import RecurrentRollback
 from archon.rollout.sampling import processed_logprobs, sample_next_tokens
 from archon.rollout.speculative import accept_greedy, accept_sampled
 from archon.routing_replay import take_recorded
@@ -99,15 +100,17 @@ class DecodeSteps:
         fed = torch.cat([self.tokens[rows, last][:, None], drafts], dim=1)
         self.cache.begin_decode(R, S, positions, prompt_lens, prefix_span, suffix_span, live_rows=live)
         wants_hidden = drafter.needs_target_hidden
-        verified = self._forward(
-            None if row_tasks is None else row_tasks.repeat_interleave(k + 1),
-            fed.reshape(-1),
-            (prompt_lens[:, None] + positions).reshape(-1),
-            torch.arange(0, R * (k + 1) + 1, k + 1, device=dev),
-            k + 1,
-            cache=self.cache,
-            return_hidden=wants_hidden,
-        )  # [R * (k + 1), V] logits, or [R * (k + 1), D] final hidden states for the drafter
+        rollback = RecurrentRollback(self.model)  # recurrent states back to each row's kept tokens
+        with rollback.capture():
+            verified = self._forward(
+                None if row_tasks is None else row_tasks.repeat_interleave(k + 1),
+                fed.reshape(-1),
+                (prompt_lens[:, None] + positions).reshape(-1),
+                torch.arange(0, R * (k + 1) + 1, k + 1, device=dev),
+                k + 1,
+                cache=self.cache,
+                return_hidden=wants_hidden,
+            )  # [R * (k + 1), V] logits, or [R * (k + 1), D] final hidden states for the drafter
         logits = full_vocab_logits(verified, self.model.output_weight) if wants_hidden else verified
         target_logprobs = processed_logprobs(logits.view(R, k + 1, -1), sampling)
         if greedy:
@@ -128,6 +131,7 @@ class DecodeSteps:
         self.token_versions[row_index, columns] = torch.where(
             emit, self.version_now, self.token_versions[row_index, columns]
         )
+        rollback.rewind(emit.sum(dim=1))
         if wants_hidden:
             drafter.verified(verified.view(R, k + 1, -1), out, ngen.clone(), emit.sum(dim=1), live)
         ngen += emit.sum(dim=1)  # in place: views of the engine's per-row state

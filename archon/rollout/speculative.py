@@ -23,9 +23,13 @@ Drafters:
   layer's hidden states, are overwritten); a draft of k > 1 tokens chains the layer on its own
   hidden state and draft token, one position further each time (one layer serves every depth).
 
+- `DraftHeadDrafter` (archon/rollout/drafter.py): a small MLP on the target's final hidden states,
+  distilled for one base; no attention, no cache of its own.
+
 The engine's round (draft, verify, accept, emit) is one of its decode steps (archon/rollout/decode.py);
-`check_speculative_engine` refuses the engines it cannot run in (several processes, routing replay,
-recurrent layers: archon.recurrent).
+`check_speculative_engine` refuses the engines it cannot run in (several processes, routing replay).
+A target with recurrent layers (archon.recurrent) has their states rolled back to each row's kept
+tokens after the verify forward (archon/rollout/recurrent_cache.py: `RecurrentRollback`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from archon.head import full_vocab_logits
 from archon.lora import adapter_routing, task_names
 from archon.recurrent import recurrent_mixers
 from archon.rollout.base import SamplingParams
+from archon.rollout.drafter import DraftHeadDrafter, load_draft_head
 from archon.rollout.kv_cache import KVCache
 from archon.rollout.prefill import prompt_chunks
 from archon.rollout.sampling import draw_from, processed_logprobs
@@ -50,14 +55,18 @@ from archon.rollout.sampling import draw_from, processed_logprobs
 class SpeculativeConfig:
     """Speculative decoding in the built-in engine (rollout.engine=native; docs/rollouts.md)."""
 
-    method: Literal["off", "mtp", "draft_model"] = "off"
+    method: Literal["off", "mtp", "draft_model", "draft_head"] = "off"
     """off: one token per decode step. draft_model: a smaller model with the policy's tokenizer
     (draft_model_path) proposes the tokens. mtp: the policy's own multi-token-prediction layer (a
-    checkpoint that ships one: DeepSeek-V3, Qwen3.5) proposes them."""
+    checkpoint that ships one: DeepSeek-V3, Qwen3.5) proposes them. draft_head: a draft head
+    distilled for the policy's base (draft_head_path; archon/rollout/drafter.py)."""
     num_tokens: int = 3
     """Draft tokens proposed per row and decode round (k); a round emits 1 to k + 1 tokens."""
     draft_model_path: str | None = None
     """method=draft_model: the draft model's HF checkpoint directory (same tokenizer as the policy)."""
+    draft_head_path: str | None = None
+    """method=draft_head: the draft head's safetensors file, made for the policy's base (the demo's:
+    `python -m archon.demos.drafter` writes it under archon/demos/drafters)."""
 
 
 def accept_greedy(
@@ -130,6 +139,13 @@ class DraftModelDrafter:
     def __init__(self, model: nn.Module, num_tokens: int) -> None:
         if num_tokens < 1:
             raise ValueError(f"speculative decoding needs num_tokens >= 1 draft tokens per round, got {num_tokens}")
+        recurrent = recurrent_mixers(model)
+        if recurrent:
+            raise ValueError(
+                f"a draft model with recurrent (linear-attention) layers ({recurrent[0]}, ...) cannot draft: it is "
+                "fed a row's last token again at each round, which its state would take twice; draft with a model "
+                "of attention layers (the target may have recurrent layers)"
+            )
         self.model = model
         self.num_tokens = num_tokens
         self.cache: KVCache | None = None
@@ -412,7 +428,9 @@ class MTPDrafter:
         return torch.stack(drafts, dim=1), (None if greedy else torch.stack(probs, dim=1))
 
 
-def build_drafter(config: SpeculativeConfig, model: nn.Module, device) -> DraftModelDrafter | MTPDrafter | None:
+def build_drafter(
+    config: SpeculativeConfig, model: nn.Module, device
+) -> DraftModelDrafter | MTPDrafter | DraftHeadDrafter | None:
     """The drafter `config` (rollout.speculative) asks for, for the policy `model`; None when off."""
     if config.method == "off":
         return None
@@ -421,7 +439,11 @@ def build_drafter(config: SpeculativeConfig, model: nn.Module, device) -> DraftM
     if config.method == "draft_model":
         draft = build_model(config.draft_model_path, device=device, path_option="rollout.speculative.draft_model_path")
         return DraftModelDrafter(draft.model.eval().requires_grad_(False), config.num_tokens)
-    raise ValueError(f"rollout.speculative.method={config.method!r}: expected off, mtp or draft_model")
+    if config.method == "draft_head":
+        if config.draft_head_path is None:
+            raise ValueError("rollout.speculative.method=draft_head needs rollout.speculative.draft_head_path")
+        return DraftHeadDrafter(model, load_draft_head(config.draft_head_path, model), config.num_tokens)
+    raise ValueError(f"rollout.speculative.method={config.method!r}: expected off, mtp, draft_model or draft_head")
 
 
 def check_speculative_engine(model: nn.Module, sync_group, record_routing: bool) -> None:
@@ -433,12 +455,6 @@ def check_speculative_engine(model: nn.Module, sync_group, record_routing: bool)
         )
     if record_routing:
         raise ValueError("speculative decoding does not record MoE routing (routing replay): turn one of them off")
-    recurrent = recurrent_mixers(model)
-    if recurrent:
-        raise ValueError(
-            f"speculative decoding does not support models with recurrent (linear-attention) layers ({recurrent[0]}, "
-            "...): their state cannot be rolled back to the accepted tokens"
-        )
 
 
 def _to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
