@@ -199,7 +199,7 @@ class DecodeSteps:
             1,
             cache=self.cache,
         )
-        token, logprob = sample_next_tokens(logits, self.sampling, self.generator, self._sample_race(logits))
+        token, logprob = sample_next_tokens(logits, self.sampling, self.generator, self._sample_uniforms(R))
         rows = torch.arange(R, device=self.device)
         if self.moe:  # the fed token is completion token suffix_pos of each live row
             chosen = take_recorded(self.moe).to(torch.int16)  # [R, L, k]
@@ -211,14 +211,15 @@ class DecodeSteps:
         ngen += live  # in place: views of the engine's per-row state
         done |= live & (torch.isin(token, self.stop_ids) | (ngen >= self.max_new))
 
-    def _sample_race(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The Exp(1) sampling draws [R, V] of a decode step, each busy row's drawn from its sample's
-        own generator (free rows: ones), or None when samples do not draw on their own."""
+    def _sample_uniforms(self, rows: int) -> torch.Tensor | None:
+        """The U[0, 1) draws [rows, 2] of a decode step's sampling (sampling.draw_tokens), each busy
+        row's drawn from its sample's own generator (free rows: zeros), or None when samples do not
+        draw on their own."""
         if not self.sample_noise:
             return None
-        race = torch.ones_like(logits, dtype=torch.float32)
-        for row, sample in enumerate(self.row_sample[: logits.shape[0]]):
+        uniforms = torch.zeros(rows, 2, dtype=torch.float64, device=self.device)
+        for row, sample in enumerate(self.row_sample[:rows]):
             if sample is not None:
                 slot, place = sample
-                race[row].exponential_(generator=self.sample_generators[self.slot_group[slot], place])
-        return race
+                uniforms[row].uniform_(generator=self.sample_generators[self.slot_group[slot], place])
+        return uniforms

@@ -301,17 +301,17 @@ class Generation(PrefillSteps, DecodeSteps):
         if self.multi_task:
             self.row_adapter[rows_t] = torch.tensor([g.adapter for g in groups], device=dev)
         logits = self.slot_logits[torch.tensor(slots, device=dev)]
-        race = None
+        uniforms = None
         if self.sample_noise:
-            race = torch.cat(
+            uniforms = torch.stack(
                 [
-                    torch.empty(1, logits.shape[-1], device=dev).exponential_(
+                    torch.empty(2, dtype=torch.float64, device=dev).uniform_(
                         generator=self.sample_generators[self.slot_group[slot], place]
                     )
                     for slot, place in zip(slots, places)
                 ]
             )
-        first, first_lp = sample_next_tokens(logits, self.sampling, self.generator, race)
+        first, first_lp = sample_next_tokens(logits, self.sampling, self.generator, uniforms)
         if self.drafter is not None:
             self.drafter.start_rows(rows, slots, places, first)
         self.tokens[rows_t, 0], self.logprobs[rows_t, 0] = first, first_lp

@@ -9,13 +9,19 @@ weight pi_old / mu of the loss corrects for when importance sampling is on
 (archon/rl/algorithms.py; on by default only for asynchronous rollouts). Greedy decoding reports
 log_softmax(logits).
 
-A draw is an exponential race: the argmax of log p - log E over the vocabulary, E ~ Exp(1) per
-token, which is exactly a draw from p, and needs no host sync.
+A decode step draws by inverting the cumulative distribution, in two stages (`draw_tokens`): a
+block of about sqrt(V) consecutive tokens with the probability of its mass, then a token of the
+block with the probability of its share of that mass: two uniform draws per row, and sums formed in
+float64, instead of one Exp(1) draw and two logarithms per vocabulary entry (an exponential race,
+which speculative decoding still uses: `draw_from`). No host sync either way.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from archon.rollout.base import SamplingParams
 
@@ -24,7 +30,7 @@ def truncated_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.
     """logits [B, V] -> log-probs [B, V] of the distribution sampled from: softmax of logits /
     temperature, cut to the top_k largest, then to the smallest set of largest tokens whose mass
     reaches top_p, renormalised (-inf outside the kept set)."""
-    scaled = logits.float() / sampling.temperature
+    scaled = logits.float() if sampling.temperature == 1 else logits.float() / sampling.temperature
     if sampling.top_k and sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -42,24 +48,50 @@ def sample_next_tokens(
     logits: torch.Tensor,
     sampling: SamplingParams,
     generator: torch.Generator | None,
-    race: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B], logprobs [B]), on the logits' device, without a host sync.
 
     Sampled: the log-prob under the truncated, renormalised distribution (`truncated_logprobs`),
-    drawn by an exponential race (argmax of log p - log E, E ~ Exp(1) per token: exactly a draw
-    from p). Greedy: the argmax, with its log_softmax(logits) log-prob.
-    race: the Exp(1) draws [B, V] to use instead of drawing them from `generator`.
+    drawn from it by `draw_tokens`. Greedy: the argmax, with its log_softmax(logits) log-prob.
+    uniforms: the U[0, 1) draws [B, 2] to use (float64) instead of drawing them from `generator`.
     """
     if sampling.temperature == 0:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         tokens = logprobs.argmax(dim=-1)
     else:
         logprobs = truncated_logprobs(logits, sampling)
-        if race is None:
-            race = torch.empty_like(logprobs).exponential_(generator=generator)
-        tokens = (logprobs - race.log()).argmax(dim=-1)
+        if uniforms is None:
+            uniforms = torch.rand(logits.shape[0], 2, generator=generator, dtype=torch.float64, device=logits.device)
+        tokens = draw_tokens(logprobs.exp(), uniforms)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def draw_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (each row's probabilities, up to a factor), uniforms [B, 2] U[0, 1) -> tokens [B],
+    token v of row b with probability probs[b, v] / probs[b].sum(). The vocabulary is cut into blocks
+    of about sqrt(V) tokens; uniforms[:, 0] picks a block by inverting the cumulative sum of the
+    blocks' masses, uniforms[:, 1] a token within it by inverting the block's cumulative sum (both
+    sums in float64): two small cumulative sums per row, so the draw costs about one pass over
+    probs. A token of probability 0 is never drawn."""
+    B, V = probs.shape
+    block = math.isqrt(V - 1) + 1
+    num_blocks = -(-V // block)
+    if num_blocks * block != V:
+        probs = F.pad(probs, (0, num_blocks * block - V))
+    blocks = probs.view(B, num_blocks, block)
+    chosen = _invert_cdf(blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1), uniforms[:, 0])  # [B]
+    within = blocks[torch.arange(B, device=probs.device), chosen].to(torch.float64).cumsum(dim=-1)  # [B, block]
+    return chosen * block + _invert_cdf(within, uniforms[:, 1])
+
+
+def _invert_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """cdf [B, N] non-decreasing cumulative sums, u [B] in [0, 1) -> [B] the first index whose sum
+    exceeds u times the row's total: an index of mass 0 is never returned (the upper cut keeps a
+    rounding of u * total up to the total on the row's last index of positive mass)."""
+    total = cdf[:, -1:]
+    index = torch.searchsorted(cdf, u[:, None].to(cdf.dtype) * total, right=True)[:, 0]
+    return torch.minimum(index, (cdf < total).sum(dim=-1))
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
