@@ -41,6 +41,14 @@ final norm and head, copied) to predict the next token. Cases: batch 1 and 8 pro
 alternated as above): tokens/s, the speed-up over the same engine without speculative decoding
 (the median of the rounds' ratios, with min and max), and the acceptance rate (accepted over
 proposed draft tokens); greedy tokens must equal the engine's without speculative decoding.
+
+The demo's drafter (`--cases speculative_demo`, alone): the demo base (the shipped warm start) with
+and without its shipped draft head (archon/demos/drafter.py, `spec_tokens` drafts a round), on the
+demo's held-out problems (not in the head's training prompts), at the demo's completion limit
+(max_new_tokens 5, stop at the end token): greedy and sampled (temperature 1), one call per prompt
+(b1) and the batches of a demo step (32 prompts; 32 x 8 samples). Per case: tokens/s with and
+without, the speed-up (median of the alternated rounds' ratios, with min and max; goals 1.5x greedy,
+1.3x sampled), the acceptance per draft position; greedy tokens must equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from arms import (  # noqa: E402
     cpu_model,
     describe,
     environment_record,
+    goal_verdict,
     load_now,
     run_arms,
     speed_verdict,
@@ -464,6 +473,105 @@ def speculative_main(args: BenchArgs, comparisons: dict) -> list[dict]:
     return rows
 
 
+DEMO_SPEC_CASES = (  # name, prompts, samples per prompt, temperature, one call per prompt
+    ("greedy_b1", 16, 1, 0.0, True),
+    ("greedy_b32", 32, 1, 0.0, False),
+    ("sampled_b1", 16, 1, 1.0, True),
+    ("sampled_32x8", 32, 8, 1.0, False),
+)
+DEMO_SPEC_GOALS = {0.0: 1.5, 1.0: 1.3}
+"""The speed-up goals of the demo drafter's cases, greedy and sampled."""
+
+
+def speculative_demo_main(args: BenchArgs) -> dict:
+    """The demo drafter's cases (see the module docstring): one JSON row per case."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from archon.build import build_model
+    from archon.demos import DEMO_CONFIG
+    from archon.demos.drafter import packaged_drafter
+    from archon.demos.warm_start import prepare_demo
+    from archon.rl.config import load_config_file
+    from archon.rollout.base import SamplingParams
+    from archon.rollout.drafter import DraftHeadDrafter, load_draft_head
+    from archon.rollout.native import NativeRolloutEngine
+
+    before = load_now()
+    print(
+        f"CPU {cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads; "
+        f"load average (1, 5, 15 min) {before['load_average']} at the start",
+        flush=True,
+    )
+    config = load_config_file(DEMO_CONFIG)
+    demo = dataclasses.replace(config.demo, cache_dir=tempfile.mkdtemp(prefix="archon_speculative_demo_"))
+    files = prepare_demo(demo, config.parallel, config.seed, rank=0)
+    model = build_model(str(files.model_dir)).model.eval().requires_grad_(False)
+    head = load_draft_head(packaged_drafter(config.demo, config.seed), model)
+    tokenizer = AutoTokenizer.from_pretrained(files.model_dir)
+    held_out = [json.loads(line)["prompt"] for line in files.held_out_path.read_text().splitlines()]
+    held_out = [tokenizer.encode(p, add_special_tokens=False) for p in held_out]
+    comparisons, rows = {}, []
+    for index, (name, count, n, temperature, per_prompt) in enumerate(DEMO_SPEC_CASES):
+        prompts = held_out[index * 32 :][: 4 if args.quick else count]
+        sampling = SamplingParams(
+            max_new_tokens=config.rollout.max_new_tokens,
+            temperature=temperature,
+            n=n,
+            stop_token_ids=(tokenizer.eos_token_id,),
+            seed=index,
+        )
+        drafter = DraftHeadDrafter(model, head, args.spec_tokens)
+        engines = {"off": NativeRolloutEngine(model), "draft_head": NativeRolloutEngine(model, drafter=drafter)}
+
+        def generate(engine):
+            calls = [[p] for p in prompts] if per_prompt else [prompts]
+            return [s.completion_ids for call in calls for s in engine.generate(call, sampling)]
+
+        tokens: dict[str, list[list[int]]] = {}
+        arms = {arm: _timed_arm(lambda e=engine: generate(e), tokens, arm) for arm, engine in engines.items()}
+        ratio = Ratio("draft_head_speedup", "off", "draft_head")
+        result = run_arms(
+            arms, [ratio], repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=args.threads
+        )
+        comparisons[f"speculative_demo_{name}"] = result.to_json()
+        if temperature == 0 and tokens["draft_head"] != tokens["off"]:
+            raise RuntimeError(f"the demo drafter changed the greedy tokens in case {name}")
+        speedup = result.ratios["draft_head_speedup"]
+        new_tokens = {arm: sum(len(c) for c in completion) for arm, completion in tokens.items()}
+        row = {
+            "case": f"speculative_demo_{name}",
+            "prompts": len(prompts),
+            "samples_per_prompt": n,
+            "tokens_per_s_off": round(new_tokens["off"] / result.median("off"), 1),
+            "tokens_per_s_draft_head": round(new_tokens["draft_head"] / result.median("draft_head"), 1),
+            "speedup": round(speedup.median, 2),
+            "speedup_min": round(speedup.min, 2),
+            "speedup_max": round(speedup.max, 2),
+            "acceptance_by_position": [None if a is None else round(a, 3) for a in drafter.acceptance_by_position()],
+            "draft_tokens": args.spec_tokens,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        label = f"speculative_demo_{name}, draft head over off (tokens/s)"
+        _print_comparison(speedup, label)
+        print(verdict_line(speedup, goal_verdict(speedup, DEMO_SPEC_GOALS[temperature], at_most=False), label))
+    after = load_now()
+    print(f"load average (1, 5, 15 min) {after['load_average']} at the end", flush=True)
+    report = {
+        "model": "the demo base (shipped warm start) and its shipped draft head",
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "environment": environment_record(args.threads, before, after),
+        "comparisons": comparisons,
+        "rows": rows,
+    }
+    print(json.dumps(report))
+    return report
+
+
 def main(args: BenchArgs) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -474,6 +582,10 @@ def main(args: BenchArgs) -> dict:
 
     check_repeats(args.repeats, args.quick)
     torch.set_num_threads(args.threads)
+    if "speculative_demo" in args.cases:
+        if args.cases != ("speculative_demo",):
+            raise SystemExit("--cases speculative_demo runs alone")
+        return speculative_demo_main(args)
     if "speculative" in args.cases and args.cases != ("speculative",):  # the standard cases, then these
         report = main(dataclasses.replace(args, cases=tuple(c for c in args.cases if c != "speculative")))
         speculative = main(dataclasses.replace(args, cases=("speculative",)))
