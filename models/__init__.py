@@ -3,6 +3,7 @@
 from archon.models import (
     deepseek_v3,  # noqa: F401
     deepseek_v32,  # noqa: F401
+    falcon_h1,  # noqa: F401
     gemma3,  # noqa: F401
     glm4,  # noqa: F401
     glm4_moe,  # noqa: F401

@@ -100,6 +100,7 @@ def test_router_rejects_replayed_ids_of_another_shape():
 
 OVERRIDES = {"qwen3_moe": dict(mlp_only_layers=[])}
 DENSE_TYPES = {
+    "falcon_h1",
     "gemma3",
     "gemma3_text",
     "glm4",

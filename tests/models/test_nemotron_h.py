@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
+from archon.models.common.mamba2 import SSD_CHUNK_SIZE, Mamba2Mixer, chunked_ssd
 from archon.models.nemotron_h.args import NemotronHArgs
-from archon.models.nemotron_h.model import SSD_CHUNK_SIZE, Mamba2Mixer, NemotronHMLP, NemotronHMoE, chunked_ssd
+from archon.models.nemotron_h.model import NemotronHMLP, NemotronHMoE
 
 MODEL_TYPE = "nemotron_h"
 # One sequence longer than a chunk of the scan, one of a single token.
