@@ -28,8 +28,9 @@ from torch import nn
 
 from archon.checkpoint.atomic import atomic_file
 from archon.head import full_vocab_logits
+from archon.rollout.base import SamplingParams
 from archon.rollout.kv_cache import KVCache
-from archon.rollout.sampling import SamplingParams, draw_from, processed_logprobs
+from archon.rollout.sampling import draw_from, processed_logprobs
 
 
 class DraftHead(nn.Module):
@@ -180,7 +181,10 @@ class DraftHeadDrafter:
         position = torch.arange(1, self.num_tokens + 1, device=tokens.device)[None, :]
         reached = (accepted[:, None] >= position - 1) & (emitted[:, None] >= position) & live[:, None]
         passed = reached & (accepted[:, None] >= position)
-        self.position_counts += torch.stack([reached.sum(dim=0), passed.sum(dim=0)]).cpu()
+        counts = torch.stack([reached.sum(dim=0), passed.sum(dim=0)])
+        if self.position_counts.device != counts.device:  # kept where the rows are: no sync per round
+            self.position_counts = self.position_counts.to(counts.device)
+        self.position_counts += counts
 
     def propose(
         self,
@@ -205,11 +209,13 @@ class DraftHeadDrafter:
         for i in range(self.num_tokens):
             hidden = self.head(hidden, token, self.model.embed_tokens)
             logits = self.head.logits(hidden, self.model.output_weight)[:, :vocab_size]
-            logprobs = processed_logprobs(logits, sampling)
-            token = draw_from(logprobs, None if greedy else noise[:, i], greedy)
-            drafts.append(token)
-            if not greedy:
+            if greedy:  # the argmax of the logits is that of their log_softmax
+                token = logits.argmax(dim=-1)
+            else:
+                logprobs = processed_logprobs(logits, sampling)
+                token = draw_from(logprobs, noise[:, i], greedy)
                 probs.append(logprobs.exp())
+            drafts.append(token)
         self._drafts = torch.stack(drafts, dim=1)
         return self._drafts, (None if greedy else torch.stack(probs, dim=1))
 
