@@ -3,8 +3,8 @@
 A model family marks such a layer by deriving it from `RecurrentTokenMixer`; archon learns from it
 that the model has one, without naming the family. In generation, the layer keeps a conv window and
 a recurrent state per sequence in its cache (archon/rollout/kv_cache.py: `recurrent_state`,
-`store_recurrent_state`) instead of keys and values, and such a state cannot be rolled back to an
-earlier token: speculative decoding (archon/rollout/speculative.py) refuses models with one.
+`store_recurrent_state`) instead of keys and values. Speculative decoding rolls such states back to
+the tokens it keeps (archon/rollout/recurrent_cache.py: `RecurrentRollback`).
 """
 
 from __future__ import annotations

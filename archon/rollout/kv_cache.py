@@ -191,7 +191,8 @@ class KVCache:
             at the same position, written twice). Rows continue the cache like a chunked prefill
             continues a prompt; keys stored past the row's accepted tokens are never read (the masks
             stop at each query's position) and are overwritten by the row's next tokens.
-            A recurrent layer cannot take several tokens per row (its state cannot be rolled back).
+            A recurrent layer's state then holds every token fed; speculative decoding rolls it back
+            to the kept ones (recurrent_cache.RecurrentRollback).
         row_prompt_lens [num_rows]: the length of the row's prompt.
         prefix_span, suffix_span: how many prefix / suffix keys the step reads, at least the longest
             prompt of the slots in the step and the largest suffix position + 1.
