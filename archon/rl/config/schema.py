@@ -143,8 +143,8 @@ class RolloutConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM servers, transport (disk, collective) and mode (adapter, merged); used with engine=vllm."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    """Speculative decoding in the native engine: method (off, mtp, draft_model), num_tokens,
-    draft_model_path."""
+    """Speculative decoding in the native engine: method (off, mtp, draft_model, draft_head),
+    num_tokens, draft_model_path, draft_head_path."""
     fidelity: FidelityConfig = field(default_factory=FidelityConfig)
     """The fidelity guard: engine vs trainer log-probs per token under its version (on by default)."""
 
