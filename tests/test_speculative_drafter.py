@@ -58,20 +58,17 @@ def test_draft_head_greedy_equals_plain_greedy(tiny_checkpoint):
     stop = plain[4].completion_ids[4]
     stopping = dataclasses.replace(sampling, stop_token_ids=(stop,))
     plain_stopping = NativeRolloutEngine(target).generate(PROMPTS, stopping)
-    assert any(s.finish_reason == "stop" for s in plain_stopping)
+    assert {s.finish_reason for s in plain_stopping} == {"stop", "length"}
     torch.manual_seed(0)
     head = DraftHead(target.embed_tokens.weight.shape[-1], 64).double().eval().requires_grad_(False)
-    for k in (1, 3):
+    for k in (1, 3):  # samples that end at the stop token and samples that run to the length limit
         engine = NativeRolloutEngine(target, drafter=DraftHeadDrafter(target, head, k))
-        for got, expected in (
-            (engine.generate(PROMPTS, sampling), plain),
-            (engine.generate(PROMPTS, stopping), plain_stopping),
-        ):
-            assert [(s.completion_ids, s.finish_reason) for s in got] == [
-                (s.completion_ids, s.finish_reason) for s in expected
-            ]
-            for a, b in zip(got, expected):
-                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-10  # measured < 1e-14
+        got = engine.generate(PROMPTS, stopping)
+        assert [(s.completion_ids, s.finish_reason) for s in got] == [
+            (s.completion_ids, s.finish_reason) for s in plain_stopping
+        ]
+        for a, b in zip(got, plain_stopping):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-10  # measured at most 2.2e-15
         assert 0 < engine.stats.speculative_accepted < engine.stats.speculative_proposed
 
 
@@ -87,7 +84,7 @@ def test_shipped_demo_drafter_greedy(demo_base):
     got = engine.generate(prompts, sampling)
     assert [s.completion_ids for s in got] == [s.completion_ids for s in plain]
     by_position = drafter.acceptance_by_position()
-    assert by_position[0] > 0.7, by_position  # measured 0.84 (float32)
+    assert by_position[0] > 0.7, by_position  # measured 0.84 (float64 and float32 alike)
     assert engine.stats.decode_steps < plain_engine.stats.decode_steps
 
 

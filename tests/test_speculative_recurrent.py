@@ -66,7 +66,7 @@ def test_greedy_equals_plain_greedy_on_recurrent_layers(tiny_checkpoint, model_t
         got = engine.generate(PROMPTS, sampling)
         assert [s.completion_ids for s in got] == [s.completion_ids for s in plain]
         for a, b in zip(got, plain):
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-10  # measured 0 to 1e-14
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-10  # measured at most 2.9e-14
         stats = engine.stats
         assert 0 < stats.speculative_accepted < stats.speculative_proposed
 
