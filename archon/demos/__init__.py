@@ -6,6 +6,8 @@
     code_tool       the code-tool demo: its BPE tokenizer, its warm start's conversations with the
                     python sandbox, its held-out success in the episode loop
     reasoning_gym   the reasoning-gym demo's warm-start rows
+    drafter         the demo base's draft head for speculative decoding (drafters/: shipped for
+                    the demo's settings; `python -m archon.demos.drafter` writes it)
 
 Their settings (the `demo` section) and the rules that keep a run's other settings those a warm
 start was made for are archon.rl.config.demo's. DEMO_CONFIG is the demo's settings file, which the
