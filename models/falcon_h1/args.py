@@ -48,11 +48,6 @@ class FalconH1Args(DecoderArgs):
     ssm_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)
 
-    @property
-    def mamba_width(self) -> int:
-        """The channels of x (and of the gate): mamba_n_heads * mamba_d_head."""
-        return self.mamba_n_heads * self.mamba_d_head
-
     @classmethod
     def from_hf_config(cls, config) -> "FalconH1Args":
         if config.hidden_act != "silu":

@@ -60,16 +60,6 @@ class NemotronHArgs(DecoderArgs):
         """The routed experts of each 'moe' block (0 without one)."""
         return self.n_routed_experts if MOE in self.layers_block_type else 0
 
-    @property
-    def mamba_width(self) -> int:
-        """The channels of x (and of the gate): mamba_num_heads * mamba_head_dim."""
-        return self.mamba_num_heads * self.mamba_head_dim
-
-    @property
-    def mamba_conv_channels(self) -> int:
-        """The conv's channels: x, then B and C (n_groups * ssm_state_size each)."""
-        return self.mamba_width + 2 * self.n_groups * self.ssm_state_size
-
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.layers_block_type[layer_idx] == MOE
 
