@@ -5,6 +5,8 @@ tests/test_multi_lora_run.py (not collected by pytest).
     python tests/multi_task_worker.py record ROLLOUTS RECIPE_ARGS...
     # any layout: the same run, each rank training on its share of the recorded rollouts
     python -m torch.distributed.run --nproc_per_node 2 tests/multi_task_worker.py replay ROLLOUTS RECIPE_ARGS...
+    # several runs, one after the other in the same processes (which then start and import once)
+    ... tests/multi_task_worker.py replay ROLLOUTS RECIPE_ARGS... --then replay ROLLOUTS2 RECIPE_ARGS2...
 
 Generation is the one part of a step whose result may depend on the layout (each data-parallel rank
 samples its own prompts with its own seed); replaying the recorded samples leaves every other
@@ -24,10 +26,23 @@ from archon.precision import fp32_islands_in_fp64
 from archon.rl.config import parse_config
 from archon.rl.loop import RLRun
 
+JOB_SEPARATOR = "--then"
+OWN_ROLLOUTS = RLRun._own_rollouts
+
 
 def main() -> None:
-    mode, path, recipe_args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-    own_rollouts = RLRun._own_rollouts
+    jobs = [[]]
+    for arg in sys.argv[1:]:
+        if arg == JOB_SEPARATOR:
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    for job in jobs:
+        run_job(job[0], Path(job[1]), job[2:])
+
+
+def run_job(mode: str, path: Path, recipe_args: list[str]) -> None:
+    own_rollouts = OWN_ROLLOUTS
     if mode == "record":
         recorded = []
 

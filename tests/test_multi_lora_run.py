@@ -406,12 +406,64 @@ def test_each_task_has_its_own_teacher_and_kl_reference(setup, tmp_path, monkeyp
     assert torch.isfinite(torch.tensor([record["distill/loss"], record["kl/loss"]])).all()
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [(), ("--parallel.tp", "2"), ("--parallel.ep", "2"), ("--parallel.cp", "2")],
-    ids=["fsdp", "tp", "ep", "cp"],
-)
-def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path, layout):
+LAYOUTS = {"fsdp": (), "tp": ("--parallel.tp", "2"), "ep": ("--parallel.ep", "2"), "cp": ("--parallel.cp", "2")}
+
+
+def _layout_job(setup: Path, run_dir: Path, rollouts: Path, mode: str, layout: tuple[str, ...] = ()) -> list[str]:
+    """tests/multi_task_worker.py's arguments for the layout test's two-task run on the model and
+    data of `setup`: `mode` "record" (one process, its rollouts saved to `rollouts`) or "replay" (on
+    two ranks with the `layout` flags)."""
+    # learning rates of a real run; both runs compute in float64 (multi_task_worker.py), so the
+    # layouts' reordered sums leave float64 rounding only
+    tasks = (
+        _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward="layout_reward:reward", lr=1e-3)
+        + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward="exact", rank=2, lr=5e-4)
+    ).replace("minibatches: 2", "minibatches: 1")
+    config = _config_file(setup, run_dir, 2, tasks)
+    return [mode, str(rollouts), "--config", str(config), "--eval.every", "0", "--model.dtype", "float64", *layout]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(setup, tmp_path_factory) -> dict:
+    """The layout test's runs: in one process, the run recorded on the dense model (whose rollouts
+    the fsdp, tp and cp layouts replay) and on a tiny MoE model (4 experts, 2 a token, for ep), one
+    after the other; then every layout's two-rank replay, in one torchrun launch. Returns {layout:
+    (the one-process run directory, the two-rank one)}."""
+    from helpers import tiny_char_checkpoint
+
+    root = tmp_path_factory.mktemp("layouts")
+    rewards = root / "rewards"
+    rewards.mkdir()
+    (rewards / "layout_reward.py").write_text(VARYING_REWARD)
+    moe = root / "moe"  # the same data on the MoE model
+    tiny_char_checkpoint("qwen3_moe", moe / "model", num_experts=4, num_experts_per_tok=2)
+    for name in ("train.jsonl", "held_out.jsonl", "sub_train.jsonl", "sub_held_out.jsonl"):
+        (moe / name).write_bytes((setup / name).read_bytes())
+    data = {"dense": setup, "moe": moe}
+    model_of = {layout: "moe" if layout == "ep" else "dense" for layout in LAYOUTS}
+    worker = Path(__file__).with_name("multi_task_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(rewards), str(worker.parent)])}
+
+    def run(launcher: list[str], jobs: list[list[str]]) -> None:
+        args = [arg for index, job in enumerate(jobs) for arg in (["--then"] if index else []) + job]
+        cmd = [sys.executable, *launcher, str(worker), *args]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600 * len(jobs))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+    run([], [_layout_job(data[m], root / f"one-{m}", root / f"{m}.pkl", "record") for m in data])
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run(
+        torchrun,
+        [
+            _layout_job(data[model_of[n]], root / f"two-{n}", root / f"{model_of[n]}.pkl", "replay", LAYOUTS[n])
+            for n in LAYOUTS
+        ],
+    )
+    return {n: (root / f"one-{model_of[n]}", root / f"two-{n}") for n in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(layout_runs, layout):
     """Two tasks (their own LoRA ranks, learning rates and rewards) for two RL steps on two ranks,
     FSDP (each rank a share of every task's prompts), TP (both ranks the whole batch), CP (both ranks
     the whole batch, each half of every micro-batch's tokens) or, on a MoE model with LoRA on its
@@ -419,51 +471,9 @@ def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path,
     the per-task losses, gradient norms and final adapters equal the one-process run's. Both runs
     train on the same recorded rollouts (tests/multi_task_worker.py), the part of a step that
     depends on the layout by design."""
-    from helpers import tiny_char_checkpoint
     from safetensors.torch import load_file
 
-    if "--parallel.ep" in layout:  # the same data on a tiny MoE model (4 experts, 2 a token)
-        moe = tmp_path / "moe"
-        tiny_char_checkpoint("qwen3_moe", moe / "model", num_experts=4, num_experts_per_tok=2)
-        for name in ("train.jsonl", "held_out.jsonl", "sub_train.jsonl", "sub_held_out.jsonl"):
-            (moe / name).write_bytes((setup / name).read_bytes())
-        setup = moe
-
-    rewards = tmp_path / "rewards"
-    rewards.mkdir()
-    (rewards / "layout_reward.py").write_text(VARYING_REWARD)
-    # learning rates of a real run; both runs compute in float64 (multi_task_worker.py), so the
-    # layouts' reordered sums leave float64 rounding only
-    tasks = (
-        _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl", reward="layout_reward:reward", lr=1e-3)
-        + _task_yaml("sub", setup / "sub_train.jsonl", setup / "sub_held_out.jsonl", reward="exact", rank=2, lr=5e-4)
-    ).replace("minibatches: 2", "minibatches: 1")
-    worker = Path(__file__).with_name("multi_task_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(rewards), str(worker.parent)])}
-    runs = {}
-    for name, launcher, mode in (
-        ("one", [], "record"),
-        ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], "replay"),
-    ):
-        run_dir = tmp_path / name
-        config = _config_file(setup, run_dir, 2, tasks)
-        cmd = [
-            sys.executable,
-            *launcher,
-            str(worker),
-            mode,
-            str(tmp_path / "rollouts.pkl"),
-            "--config",
-            str(config),
-            "--eval.every",
-            "0",
-            "--model.dtype",
-            "float64",
-            *(layout if name == "two" else ()),
-        ]
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-        runs[name] = run_dir
+    runs = dict(zip(("one", "two"), layout_runs[layout]))
     one, two = ({r["step"]: r for r in _records(runs[name])} for name in ("one", "two"))
     for step in (1, 2):
         for key in ("loss", "grad_norm", "reward_mean", "groups_kept", "policy_loss"):
@@ -472,7 +482,7 @@ def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path,
                     two[step][f"{task}/{key}"],
                     one[step][f"{task}/{key}"],
                     FLOAT64_TOL,
-                    f"{layout or 'fsdp'} step {step} {task}/{key}",
+                    f"{layout} step {step} {task}/{key}",
                 )
     # the varying reward gives the add task something to learn (its first loss is 0 by construction:
     # one update of a policy equal to its old one, with advantages that sum to 0 in each group)
@@ -483,7 +493,7 @@ def test_a_two_task_run_on_two_ranks_equals_the_one_process_run(setup, tmp_path,
         assert expected.keys() == got.keys()
         for key in expected:
             assert got[key].dtype == torch.float64, f"{task} adapter {key}: {got[key].dtype}, not the run's float64"
-            assert_close_reporting(got[key], expected[key], FLOAT64_TOL, f"{layout or 'fsdp'} {task} adapter {key}")
+            assert_close_reporting(got[key], expected[key], FLOAT64_TOL, f"{layout} {task} adapter {key}")
 
 
 def test_a_multi_task_run_resumes_every_task_from_the_step_of_a_checkpoint_path(setup, tmp_path, importable_module):
