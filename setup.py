@@ -15,6 +15,6 @@ setup(
     package_dir=NESTED,
     package_data={
         "archon.recipes": ["configs/*.yaml"],
-        "archon.demos": ["warm_starts/*.safetensors", "warm_starts/*.tokenizer.json"],
+        "archon.demos": ["warm_starts/*.safetensors", "warm_starts/*.tokenizer.json", "drafters/*.safetensors"],
     },
 )
