@@ -1,11 +1,12 @@
 """torchrun worker (not collected by pytest): MTP training under a parallel layout.
 
-    python -m torch.distributed.run --nproc_per_node N tests/mtp_parallel_worker.py HF_DIR TP OUT_JSON
+    python -m torch.distributed.run --nproc_per_node N tests/mtp_parallel_worker.py HF_DIR TP[,TP...] OUT_JSON
 
 Trains the MTP layer of HF_DIR (LoRA, `mtp_loss_weight` 1, no policy loss) for three steps on fixed
 samples with parallel.tp=TP (the other ranks shard the parameters with FSDP), in float64 inside
-fp32_islands_in_fp64; rank 0 writes each step's mtp_loss and mtp_accuracy to OUT_JSON, to be
-compared with one process's (`mtp_training_steps` with tp=1, run in the test's process).
+fp32_islands_in_fp64, once for each TP listed (one after the other in the same processes); rank 0
+writes {TP: each step's mtp_loss and mtp_accuracy} to OUT_JSON, to be compared with one process's
+(`mtp_training_steps` with tp=1, run in the test's process).
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ def mtp_training_steps(model_dir: str, tp: int) -> list[dict]:
     return [{k: m[k] for k in ("mtp_loss", "mtp_accuracy")} for m in steps]
 
 
-def main(model_dir: str, tp: int, out_path: str) -> None:
-    with fp32_islands_in_fp64():
-        steps = mtp_training_steps(model_dir, tp)
+def main(model_dir: str, tps: list[int], out_path: str) -> None:
+    steps = {}
+    for tp in tps:
+        with fp32_islands_in_fp64():
+            steps[str(tp)] = mtp_training_steps(model_dir, tp)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(steps, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], [int(tp) for tp in sys.argv[2].split(",")], sys.argv[3])

@@ -462,31 +462,40 @@ def mtp_steps_in_one_process(deepseek_mtp):
         return mtp_training_steps(deepseek_mtp, tp=1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc,tp", [(2, 1), (2, 2)], ids=["fsdp2", "tp2"])
-def test_mtp_training_is_the_same_under_fsdp_and_tensor_parallelism(
-    deepseek_mtp, mtp_steps_in_one_process, tmp_path, nproc, tp
-):
-    """The MTP layer sits outside the decoder blocks: it stays whole under tensor parallelism and
-    joins the root FSDP unit; three training steps give one process's losses (both in float64)."""
-    from helpers import assert_close_reporting
-
-    out = tmp_path / "steps.json"
+@pytest.fixture(scope="module")
+def mtp_steps_on_two_ranks(deepseek_mtp, tmp_path_factory):
+    """mtp_parallel_worker's three steps on 2 ranks under tp=1 (FSDP) and tp=2, one launch for both:
+    {tp: steps}."""
+    out = tmp_path_factory.mktemp("mtp_parallel") / "steps.json"
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
-        str(nproc),
+        "2",
         str(TESTS / "mtp_parallel_worker.py"),
         str(deepseek_mtp),
-        str(tp),
+        "1,2",
         str(out),
     ]
-    result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1200
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    alone, parallel = mtp_steps_in_one_process, json.loads(out.read_text())
+    return {int(tp): steps for tp, steps in json.loads(out.read_text()).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,tp", [(2, 1), (2, 2)], ids=["fsdp2", "tp2"])
+def test_mtp_training_is_the_same_under_fsdp_and_tensor_parallelism(
+    mtp_steps_in_one_process, mtp_steps_on_two_ranks, nproc, tp
+):
+    """The MTP layer sits outside the decoder blocks: it stays whole under tensor parallelism and
+    joins the root FSDP unit; three training steps give one process's losses (both in float64)."""
+    from helpers import assert_close_reporting
+
+    alone, parallel = mtp_steps_in_one_process, mtp_steps_on_two_ranks[tp]
     assert alone[-1]["mtp_loss"] < alone[0]["mtp_loss"], f"the MTP loss did not fall: {alone}"
     where = f"deepseek_v3 MTP training, {'tp' if tp > 1 else 'fsdp'}{nproc}"
     tol = 1e-10  # float64 against float64
