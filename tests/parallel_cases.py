@@ -373,13 +373,23 @@ def run_full_finetune(
     return [trainer.train_step(batch, loss_fn, with_entropy=True)["loss"] for _ in range(steps + 1)]
 
 
+JOB_SEPARATOR = "--then"  # between the scenarios of one launch (tests/parallel_worker.py)
+
+
 def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:
     """Run tests/parallel_worker.py under torchrun (standalone rendezvous on a free port)."""
+    launch_jobs(nproc, [list(worker_args)], timeout=timeout)
+
+
+def launch_jobs(nproc: int, jobs: list[list[str]], timeout_per_job: int = 420, timeout: int | None = None) -> None:
+    """Run several scenarios of tests/parallel_worker.py one after the other in one torchrun launch
+    (each job: the arguments of one scenario), so the processes start and import once."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    worker_args = [arg for index, job in enumerate(jobs) for arg in ([JOB_SEPARATOR] if index else []) + list(job)]
     worker = Path(__file__).with_name("parallel_worker.py")
     cmd = [
         sys.executable,
@@ -392,6 +402,7 @@ def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:
     ]
     # PYTHONFAULTHANDLER: a worker that crashes prints where it was
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
+    timeout = timeout if timeout is not None else timeout_per_job * len(jobs)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -399,19 +410,25 @@ def launch(nproc: int, *worker_args: str, timeout: int = 420) -> None:
         )
 
 
-def resumed_across_layouts(tmp_path, name: str, path, first: str, second: str, tol: float, reshard_batch) -> dict:
-    """Runs `name` (the checkpoint at `path`) under layouts `first` and `second` with checkpoints,
-    resumes each checkpoint under the other layout (tests/parallel_worker.py `reshard`) and the
-    `first` one in this process (steps 2 and 3 on `reshard_batch(trainer, vocab, step)`), all in
-    EQUALITY_DTYPE; checks that every resumed run continues with the uninterrupted `first` run's
-    losses and gradient norms (to `tol`), and that a fresh model's do not. Returns the results by
-    (name, layout[, resumed layout])."""
+def reshard_job(out_dir, name: str, path, first: str, second: str) -> list[str]:
+    """The worker arguments (a job of launch_jobs, on 2 ranks) that run `name` (the checkpoint at
+    `path`) under layouts `first` and `second` with checkpoints in `out_dir` and resume each
+    checkpoint under the other layout (tests/parallel_worker.py `reshard`); check it with
+    check_resumed_across_layouts."""
+    return ["reshard", "--out", str(out_dir), "--layouts", first, second, "--ckpt", f"{name}={path}"]
+
+
+def check_resumed_across_layouts(out_dir, name: str, path, first: str, second: str, tol: float, reshard_batch) -> dict:
+    """What reshard_job(out_dir, name, path, first, second) ran, then the `first` layout's checkpoint
+    resumed in this process (steps 2 and 3 on `reshard_batch(trainer, vocab, step)`), all in
+    EQUALITY_DTYPE: every resumed run continues with the uninterrupted `first` run's losses and
+    gradient norms (to `tol`), and a fresh model's do not. Returns the results by (name, layout[,
+    resumed layout])."""
     from archon.checkpoint.hf import HFCheckpoint
     from archon.checkpoint.resume import CheckpointManager
     from archon.precision import fp32_islands_in_fp64
 
-    launch(2, "reshard", "--out", str(tmp_path), "--layouts", first, second, "--ckpt", f"{name}={path}")
-    results = torch.load(tmp_path / "reshard.pt")
+    results = torch.load(out_dir / "reshard.pt")
     uninterrupted = results[(name, first)]
 
     def check(got, where):  # [(loss, grad norm)] per step
@@ -423,7 +440,7 @@ def resumed_across_layouts(tmp_path, name: str, path, first: str, second: str, t
     vocab = HFCheckpoint(path).shape("model.embed_tokens.weight")[0]
     with fp32_islands_in_fp64():
         resumed = Trainer(engine_config(path, dtype=EQUALITY_DTYPE))
-        resumed.load_checkpoint(CheckpointManager(tmp_path / f"{name}-{first}", keep_last=1))
+        resumed.load_checkpoint(CheckpointManager(out_dir / f"{name}-{first}", keep_last=1))
         steps = [resumed.train_step(reshard_batch(resumed, vocab, step), loss_fn, with_entropy=True) for step in (2, 3)]
         check([(m["loss"], m["grad_norm"]) for m in steps], f"{first} checkpoint resumed in one process")
         # Without the checkpoint the same steps give other gradients: the comparison has teeth.

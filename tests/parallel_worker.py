@@ -8,6 +8,7 @@
     ... tests/parallel_worker.py reshard --out OUT --ckpt qwen3_moe=DIR gpt_oss=DIR --layouts ep2 fsdp2
     ... tests/parallel_worker.py multi_task --out OUT --ckpt qwen3=DIR qwen3_moe=DIR --layouts fsdp2 tp2 ep2
     ... tests/parallel_worker.py quantized --out OUT --ckpt fp8=DIR mxfp4=DIR --layouts fp8:fsdp2 mxfp4:ep2
+    ... tests/parallel_worker.py parity --out OUT ... --then skip --out OUT2 ...   (one after the other)
 
 Rank 0 writes its results with torch.save to OUT (a file for parity, a directory for resume).
 
@@ -300,24 +301,35 @@ def resume_batch(trainer: Trainer, vocab: int, step: int):
 
 
 def main() -> None:
+    """One scenario, or several run one after the other (their arguments separated by
+    cases.JOB_SEPARATOR) in the same processes, which then start and import once."""
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["parity", "resume", "skip", "reshard", "multi_task", "quantized"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", nargs="+", required=True)
     parser.add_argument("--layouts", nargs="*", default=[])
     parser.add_argument("--phase", choices=["first", "second"], default="first")
-    args = parser.parse_args()
+    jobs = [[]]
+    for arg in sys.argv[1:]:
+        if arg == cases.JOB_SEPARATOR:
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    jobs = [parser.parse_args(job) for job in jobs]
+    if len(jobs) > 1 and any(job.scenario == "resume" for job in jobs):
+        parser.error("resume ends its processes (a kill) and runs alone, not among other scenarios")
     torch.set_num_threads(1)
-    scenario = {
+    scenarios = {
         "parity": parity,
         "skip": skip,
         "reshard": reshard,
         "multi_task": multi_task,
         "quantized": quantized,
         "resume": resume,
-    }[args.scenario]
-    with fp32_islands_in_fp64():
-        scenario(args)
+    }
+    for args in jobs:
+        with fp32_islands_in_fp64():
+            scenarios[args.scenario](args)
     exit_when_every_rank_is_done()
 
 

@@ -55,8 +55,21 @@ def _run(checkpoints, tmp_path_factory, nproc, layouts, model_types):
 
 
 @pytest.fixture(scope="module")
-def two_process(checkpoints, tmp_path_factory):
-    return _run(checkpoints, tmp_path_factory, 2, ["cp2"], MODEL_TYPES)
+def two_rank_runs(checkpoints, tmp_path_factory) -> dict:
+    """The 2-rank scenarios in one torchrun launch, one after the other: cp2 under every model, then
+    qwen3's checkpoints moved between cp2 and fsdp2 (cases.reshard_job). Returns their outputs."""
+    root = tmp_path_factory.mktemp("cp_world2")
+    out = {"parity": root / "results.pt", "reshard": root / "reshard"}
+    out["reshard"].mkdir()
+    parity = ["parity", "--out", str(out["parity"]), "--layouts", "cp2", "--ckpt"]
+    parity += [f"{t}={checkpoints[t]}" for t in MODEL_TYPES]
+    cases.launch_jobs(2, [parity, cases.reshard_job(out["reshard"], "qwen3", checkpoints["qwen3"], "cp2", "fsdp2")])
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process(two_rank_runs):
+    return torch.load(two_rank_runs["parity"], weights_only=False)
 
 
 FOUR_PROCESS_CASES = [("qwen3_5_text", "cp2_fsdp2"), ("qwen3", "cp2_tp2"), (EXPERT_PARALLEL_MODEL, "cp2_ep2")]
@@ -136,10 +149,10 @@ def test_cp_must_split_whole_heads():
 
 
 @pytest.mark.slow
-def test_checkpoints_move_between_context_parallel_and_other_layouts(checkpoints, tmp_path):
+def test_checkpoints_move_between_context_parallel_and_other_layouts(checkpoints, two_rank_runs):
     """A CP=2 checkpoint resumes under FSDP and in one process, and an FSDP checkpoint under CP=2,
     each continuing with the losses and gradient norms of the uninterrupted run."""
     from test_parallel import _reshard_batch
 
     path = checkpoints["qwen3"]
-    cases.resumed_across_layouts(tmp_path, "qwen3", path, "cp2", "fsdp2", TOL, _reshard_batch)
+    cases.check_resumed_across_layouts(two_rank_runs["reshard"], "qwen3", path, "cp2", "fsdp2", TOL, _reshard_batch)

@@ -59,21 +59,65 @@ def single_process(checkpoints, tmp_path_factory):
     return out
 
 
-def _run_layouts(checkpoints, tmp_path_factory, nproc, layouts):
-    out = tmp_path_factory.mktemp(f"world{nproc}") / "results.pt"
-    ckpts = [f"{t}={p}" for t, p in checkpoints.items()]
-    cases.launch(nproc, "parity", "--out", str(out), "--layouts", *layouts, "--ckpt", *ckpts)
-    return torch.load(out, weights_only=False)
+def _ckpt_args(checkpoints, model_types=None) -> list[str]:
+    return [f"{t}={p}" for t, p in checkpoints.items() if model_types is None or t in model_types]
+
+
+RESHARD_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
 
 
 @pytest.fixture(scope="module")
-def two_process(checkpoints, tmp_path_factory):
-    return _run_layouts(checkpoints, tmp_path_factory, 2, ["fsdp2", "tp2"])
+def two_rank_runs(checkpoints, ep_checkpoints, tmp_path_factory) -> dict:
+    """Every 2-rank scenario of this module, run one after the other in one torchrun launch: the
+    parity layouts (dense and MoE, then expert parallelism), the two-task model, the skipped
+    non-finite step and the checkpoints moved between layouts. Returns each scenario's output path."""
+    root = tmp_path_factory.mktemp("world2")
+    out = {name: root / name for name in ("parity", "expert_parallel", "multi_task", "reshard")}
+    for directory in out.values():
+        directory.mkdir()
+    out["skip"] = root / "skip.pt"
+    jobs = [
+        ["parity", "--out", str(out["parity"] / "results.pt"), "--layouts", "fsdp2", "tp2"],
+        ["parity", "--out", str(out["expert_parallel"] / "results.pt"), "--layouts", "ep2"],
+        ["multi_task", "--out", str(out["multi_task"] / "results.pt"), "--layouts", *cases.MULTI_TASK_LAYOUTS],
+        ["skip", "--out", str(out["skip"]), "--layouts", "fsdp2", "tp2"],
+        ["reshard", "--out", str(out["reshard"]), "--layouts", "ep2", "fsdp2"],
+    ]
+    ckpts = [
+        _ckpt_args(checkpoints),
+        _ckpt_args(ep_checkpoints),
+        _ckpt_args(checkpoints),
+        _ckpt_args(checkpoints, ("qwen3",)),
+        _ckpt_args(ep_checkpoints, RESHARD_MODEL_TYPES),
+    ]
+    cases.launch_jobs(2, [[*job, "--ckpt", *ckpt] for job, ckpt in zip(jobs, ckpts)])
+    return out
 
 
 @pytest.fixture(scope="module")
-def four_process(checkpoints, tmp_path_factory):
-    return _run_layouts(checkpoints, tmp_path_factory, 4, ["fsdp2_tp2", "hsdp2x2"])
+def four_rank_runs(checkpoints, ep_checkpoints, tmp_path_factory) -> dict:
+    """The 4-rank parity layouts, dense and MoE then expert-parallel, in one torchrun launch."""
+    root = tmp_path_factory.mktemp("world4")
+    out = {"parity": root / "parity", "expert_parallel": root / "expert_parallel"}
+    for directory in out.values():
+        directory.mkdir()
+    jobs = [
+        ["parity", "--out", str(out["parity"] / "results.pt"), "--layouts", "fsdp2_tp2", "hsdp2x2"],
+        ["parity", "--out", str(out["expert_parallel"] / "results.pt"), "--layouts", "ep2_fsdp2", "ep2_tp2"],
+    ]
+    ckpts = [_ckpt_args(checkpoints), _ckpt_args(ep_checkpoints)]
+    cases.launch_jobs(4, [[*job, "--ckpt", *ckpt] for job, ckpt in zip(jobs, ckpts)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process(two_rank_runs):
+    return torch.load(two_rank_runs["parity"] / "results.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def four_process(four_rank_runs):
+    return torch.load(four_rank_runs["parity"] / "results.pt", weights_only=False)
 
 
 def check_first_step(result, reference, where: str, tol: float = TOL):
@@ -210,13 +254,13 @@ def ep_single_process(ep_checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ep_two_process(ep_checkpoints, tmp_path_factory):
-    return _run_layouts(ep_checkpoints, tmp_path_factory, 2, ["ep2"])
+def ep_two_process(two_rank_runs):
+    return torch.load(two_rank_runs["expert_parallel"] / "results.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def ep_four_process(ep_checkpoints, tmp_path_factory):
-    return _run_layouts(ep_checkpoints, tmp_path_factory, 4, ["ep2_fsdp2", "ep2_tp2"])
+def ep_four_process(four_rank_runs):
+    return torch.load(four_rank_runs["expert_parallel"] / "results.pt", weights_only=False)
 
 
 def _check_merged_payload(result, reference, where: str):
@@ -266,26 +310,15 @@ def test_expert_parallel_matches_single_process(
 
 
 @pytest.mark.slow
-def test_checkpoints_move_between_expert_parallel_and_other_layouts(ep_checkpoints, tmp_path):
+def test_checkpoints_move_between_expert_parallel_and_other_layouts(ep_checkpoints, two_rank_runs):
     """An EP=2 checkpoint resumes under FSDP (EP=1) and in one process, and an EP=1 checkpoint under
     EP=2, each continuing with the losses and gradient norms of the uninterrupted run."""
     from archon.checkpoint.resume import CheckpointManager
 
-    model_types = ("qwen3_moe", "gpt_oss")
-    cases.launch(
-        2,
-        "reshard",
-        "--out",
-        str(tmp_path),
-        "--layouts",
-        "ep2",
-        "fsdp2",
-        "--ckpt",
-        *[f"{t}={ep_checkpoints[t]}" for t in model_types],
-    )
-    results = torch.load(tmp_path / "reshard.pt")
+    out = two_rank_runs["reshard"]  # the worker's reshard scenario on RESHARD_MODEL_TYPES, ep2 and fsdp2
+    results = torch.load(out / "reshard.pt")
 
-    for model_type in model_types:
+    for model_type in RESHARD_MODEL_TYPES:
         uninterrupted = results[(model_type, "ep2")]
 
         def check(got, where):
@@ -308,7 +341,7 @@ def test_checkpoints_move_between_expert_parallel_and_other_layouts(ep_checkpoin
 
         with fp32_islands_in_fp64():
             resumed = Trainer(cases.engine_config(path, dtype=cases.EQUALITY_DTYPE))
-            resumed.load_checkpoint(CheckpointManager(tmp_path / f"{model_type}-ep2", keep_last=1))
+            resumed.load_checkpoint(CheckpointManager(out / f"{model_type}-ep2", keep_last=1))
             check(last_two_steps(resumed), "ep2 checkpoint resumed in one process")
             # Without the checkpoint the same steps give other gradients: the comparisons have teeth.
             fresh = last_two_steps(Trainer(cases.engine_config(path, dtype=cases.EQUALITY_DTYPE)))
@@ -341,11 +374,8 @@ def multi_task_single_process(checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def multi_task_two_process(checkpoints, tmp_path_factory):
-    out = tmp_path_factory.mktemp("multi_task") / "results.pt"
-    ckpts = [f"{t}={p}" for t, p in checkpoints.items()]
-    cases.launch(2, "multi_task", "--out", str(out), "--layouts", *cases.MULTI_TASK_LAYOUTS, "--ckpt", *ckpts)
-    return torch.load(out, weights_only=False)
+def multi_task_two_process(two_rank_runs):
+    return torch.load(two_rank_runs["multi_task"] / "results.pt", weights_only=False)
 
 
 MULTI_TASK_CASES = [
@@ -417,10 +447,8 @@ def test_multi_task_model_refuses_compile_and_dropout_under_tp(checkpoints):
 
 
 @pytest.mark.slow
-def test_a_non_finite_loss_on_one_rank_is_skipped_on_every_rank(checkpoints, tmp_path):
-    out = tmp_path / "skip.pt"
-    cases.launch(2, "skip", "--out", str(out), "--ckpt", f"qwen3={checkpoints['qwen3']}", "--layouts", "fsdp2", "tp2")
-    results = torch.load(out)
+def test_a_non_finite_loss_on_one_rank_is_skipped_on_every_rank(two_rank_runs):
+    results = torch.load(two_rank_runs["skip"])  # the worker's skip scenario on qwen3, fsdp2 and tp2
     for layout in ("fsdp2", "tp2"):
         for rank, result in enumerate(results[layout]):
             assert result == {"skipped": [1.0, 0.0], "unchanged": True, "optimizer_steps": 2}, (layout, rank)

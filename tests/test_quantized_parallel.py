@@ -85,11 +85,9 @@ def single_process(checkpoints, tmp_path_factory):
     return out
 
 
-def _run(checkpoints, tmp_path_factory, nproc, pairs):
-    out = tmp_path_factory.mktemp(f"quantized_world{nproc}") / "results.pt"
+def _quantized_job(checkpoints, out, pairs) -> list[str]:
     names = sorted({name for name, _ in pairs})
-    cases.launch(
-        nproc,
+    return [
         "quantized",
         "--out",
         str(out),
@@ -97,16 +95,25 @@ def _run(checkpoints, tmp_path_factory, nproc, pairs):
         *[f"{n}={checkpoints[n]}" for n in names],
         "--layouts",
         *[f"{n}:{layout}" for n, layout in pairs],
-    )
-    return torch.load(out, weights_only=False)
+    ]
 
 
 @pytest.fixture(scope="module")
-def parallel_results(checkpoints, tmp_path_factory):
-    return {
-        **_run(checkpoints, tmp_path_factory, 2, TWO_RANK_CASES),
-        **_run(checkpoints, tmp_path_factory, 4, FOUR_RANK_CASES),
-    }
+def reshard_dir(tmp_path_factory):
+    """Where the 2-rank launch of parallel_results moves the fp8 run's checkpoints between ep2 and
+    fsdp2 (cases.reshard_job)."""
+    return tmp_path_factory.mktemp("quantized_reshard")
+
+
+@pytest.fixture(scope="module")
+def parallel_results(checkpoints, reshard_dir, tmp_path_factory):
+    """TWO_RANK_CASES, then the fp8 checkpoints moved between layouts, in one 2-rank launch;
+    FOUR_RANK_CASES in a 4-rank one."""
+    two, four = (tmp_path_factory.mktemp(f"quantized_world{n}") / "results.pt" for n in (2, 4))
+    reshard = cases.reshard_job(reshard_dir, "fp8", checkpoints["fp8"], "ep2", "fsdp2")
+    cases.launch_jobs(2, [_quantized_job(checkpoints, two, TWO_RANK_CASES), reshard])
+    cases.launch(4, *_quantized_job(checkpoints, four, FOUR_RANK_CASES))
+    return {**torch.load(two, weights_only=False), **torch.load(four, weights_only=False)}
 
 
 @pytest.mark.slow
@@ -250,7 +257,7 @@ def test_tensor_parallel_refuses_a_quantized_base_it_would_split_inside_a_block(
 
 
 @pytest.mark.slow
-def test_quantized_run_checkpoints_move_between_layouts(checkpoints, tmp_path):
+def test_quantized_run_checkpoints_move_between_layouts(checkpoints, parallel_results, reshard_dir):
     """An EP=2 checkpoint of a run on a quantized base resumes under FSDP and in one process, and an
     FSDP one under EP=2, each continuing with the losses of the uninterrupted run; the checkpoints
     hold the LoRA factors and their optimizer state, no quantized storage."""
@@ -260,8 +267,8 @@ def test_quantized_run_checkpoints_move_between_layouts(checkpoints, tmp_path):
     from archon.checkpoint.resume import CheckpointManager
 
     path = checkpoints["fp8"]
-    cases.resumed_across_layouts(tmp_path, "fp8", path, "ep2", "fsdp2", TOL, _reshard_batch)
-    manager = CheckpointManager(tmp_path / "fp8-ep2", keep_last=1)
+    cases.check_resumed_across_layouts(reshard_dir, "fp8", path, "ep2", "fsdp2", TOL, _reshard_batch)
+    manager = CheckpointManager(reshard_dir / "fp8-ep2", keep_last=1)
     stored = FileSystemReader(manager.latest()).read_metadata().state_dict_metadata
     model_keys = [k.removeprefix("model.") for k in stored if k.startswith("model.")]
     assert model_keys and all("lora" in k for k in model_keys), model_keys
