@@ -83,7 +83,7 @@ def test_adapter_history_swaps_a_recorded_version_in_and_back_out(tiny_checkpoin
 
 def test_async_mode_on_the_built_in_engine_needs_one_process_and_the_proximal_policy(tmp_path):
     parse_config(["--rollout.max-staleness", "1", "--logging.run-dir", str(tmp_path / "r")])  # one process
-    with pytest.raises(ValueError, match=r"rollout.engine='native': with max_staleness=1 .* on 2 process"):
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=1: with rollout.engine='native' .* on 2 process"):
         validate(parse_config(["--logging.run-dir", str(tmp_path / "r"), "--rollout.max-staleness", "1"]), 2)
     with pytest.raises(ValueError, match=r"rollout.max_staleness=-1: must be 0 or more"):
         parse_config(["--rollout.max-staleness", "-1", "--logging.run-dir", str(tmp_path / "r")])

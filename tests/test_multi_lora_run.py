@@ -111,7 +111,8 @@ def test_task_settings_are_checked_per_task(setup, tmp_path):
     assert "rollout.vllm.mode='merged': merged weights serve one adapter, not one per task" in message
     assert "rollout.max_staleness=1: with tasks, each task has its own bound" in message
     asynchronous = _task_yaml("add", setup / "train.jsonl", setup / "held_out.jsonl") + "    max_staleness: 1\n"
-    with pytest.raises(ValueError, match="tasks\\[0\\].*max_staleness=1 generates while the trainer trains"):
+    native_async = "tasks\\[0\\].max_staleness=1: with rollout.engine='native' asynchronous rollouts run on one process"
+    with pytest.raises(ValueError, match=native_async):
         _config(setup, tmp_path / "run", 1, asynchronous)
 
 

@@ -106,13 +106,14 @@ def _staleness_problems(max_staleness: int, name: str, config: RLConfig) -> list
 def async_native_problems(config: RLConfig, world_size: int) -> list[str]:
     """Asynchronous rollouts on the built-in engine generate on copies of the one training model's
     adapter, on threads beside the trainer's: one process, one adapter."""
-    staleness = max(task.max_staleness for task in config.task_configs())
-    if config.rollout.engine != "native" or staleness == 0 or (world_size == 1 and not config.tasks):
+    if config.rollout.engine != "native" or (world_size == 1 and not config.tasks):
         return []
     return [
-        f"rollout.engine='native': with max_staleness={staleness} the built-in engine generates beside the "
-        f"trainer on one process for a run without tasks (this one has {len(config.tasks)} task(s) on "
-        f"{world_size} process(es)); use rollout.engine=vllm, or max_staleness 0"
+        f"{fields.max_staleness}={task.max_staleness}: with rollout.engine='native' asynchronous rollouts run on one "
+        f"process for a run without tasks (this one has {len(config.tasks)} task(s) on {world_size} process(es)); "
+        "use rollout.engine=vllm, or max_staleness 0"
+        for task, fields in tasks_and_fields(config)
+        if task.max_staleness > 0
     ]
 
 
