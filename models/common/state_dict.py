@@ -27,6 +27,28 @@ _EXPERT_LORA = re.compile(_EXPERTS + r"\.(gate_up_proj|down_proj)_lora\.lora_([a
 _PEFT_WRAPPER = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
+def stacked_lora_to_peft(factor: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An expert LoRA factor ("a" or "b") from archon's stacked layout to PEFT's: lora_a [E, r, in] ->
+    [E*r, in]; lora_b [E, out, r] -> [out, r*E], column rank_index * E + expert."""
+    if factor == "a":
+        return tensor.reshape(-1, tensor.shape[-1])
+    return tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
+
+
+def stacked_lora_from_peft(archon_key: str, factor: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The inverse of `stacked_lora_to_peft` for the archon parameter `archon_key` of `shape` [E, ...]."""
+    n_experts = shape[0]
+    if tensor.numel() != torch.Size(shape).numel():
+        raise ValueError(
+            f"adapter tensor for {archon_key!r} has shape {tuple(tensor.shape)}, which does not hold "
+            f"{n_experts} experts of {tuple(shape[1:])}"
+        )
+    if factor == "a":
+        return tensor.reshape(shape)
+    out_features, rank = shape[1], shape[2]
+    return tensor.reshape(out_features, rank, n_experts).permute(2, 0, 1).contiguous()
+
+
 class StackedExpertLoRAAdapter(StateDictConverter):
     """LoRA on stacked experts <-> PEFT `target_parameters`; base weights keep the default mapping."""
 
@@ -37,26 +59,14 @@ class StackedExpertLoRAAdapter(StateDictConverter):
         prefix, which, factor = match.groups()
         layer = self.hf_name(prefix.rsplit(".experts", 1)[0])
         key = f"{PEFT_PREFIX}{layer}.{_PEFT_WRAPPER[which]}.lora_{factor.upper()}.weight"
-        if factor == "a":  # [E, r, in] -> [E*r, in]
-            return [(key, tensor.reshape(-1, tensor.shape[-1]))]
-        # [E, out, r] -> [out, r*E], column index = rank_index * E + expert
-        return [(key, tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1))]
+        return [(key, stacked_lora_to_peft(factor, tensor))]
 
     def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
         match = _EXPERT_LORA.fullmatch(archon_key)
         if match is None:
             return super().lora_from_peft(archon_key, tensors, shape)
         (tensor,) = tensors
-        n_experts = shape[0]
-        if tensor.numel() != torch.Size(shape).numel():
-            raise ValueError(
-                f"adapter tensor for {archon_key!r} has shape {tuple(tensor.shape)}, which does not hold "
-                f"{n_experts} experts of {tuple(shape[1:])}"
-            )
-        if match.group(3) == "a":
-            return tensor.reshape(shape)
-        out_features, rank = shape[1], shape[2]
-        return tensor.reshape(out_features, rank, n_experts).permute(2, 0, 1).contiguous()
+        return stacked_lora_from_peft(archon_key, match.group(3), tensor, shape)
 
     def peft_target_parameters(self, lora_keys) -> list[str]:
         if any(_EXPERT_LORA.fullmatch(k) for k in lora_keys):

@@ -21,6 +21,7 @@ import re
 import torch
 
 from archon.checkpoint.state_dict_converter import PEFT_PREFIX, StateDictConverter
+from archon.models.common.state_dict import stacked_lora_from_peft, stacked_lora_to_peft
 
 _RENAMES = {"embed_tokens.": "embeddings.", "norm.": "norm_f."}
 CHECKPOINT_PREFIX = "backbone."
@@ -92,26 +93,14 @@ class NemotronHStateDictConverter(StateDictConverter):
         experts, which, factor = match.groups()
         block = self.in_memory_name(experts.rsplit(".experts", 1)[0])
         key = f"{PEFT_PREFIX}{block}.{_PEFT_WRAPPER[which]}.lora_{factor.upper()}.weight"
-        if factor == "a":  # [E, r, in] -> [E*r, in]
-            return [(key, tensor.reshape(-1, tensor.shape[-1]))]
-        # [E, out, r] -> [out, r*E], column index = rank_index * E + expert
-        return [(key, tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1))]
+        return [(key, stacked_lora_to_peft(factor, tensor))]
 
     def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
         match = _EXPERT_LORA.fullmatch(archon_key)
         if match is None:
             return super().lora_from_peft(archon_key, tensors, shape)
         (tensor,) = tensors
-        n_experts = shape[0]
-        if tensor.numel() != torch.Size(shape).numel():
-            raise ValueError(
-                f"adapter tensor for {archon_key!r} has shape {tuple(tensor.shape)}, which does not hold "
-                f"{n_experts} experts of {tuple(shape[1:])}"
-            )
-        if match.group(3) == "a":
-            return tensor.reshape(shape)
-        out_features, rank = shape[1], shape[2]
-        return tensor.reshape(out_features, rank, n_experts).permute(2, 0, 1).contiguous()
+        return stacked_lora_from_peft(archon_key, match.group(3), tensor, shape)
 
     def peft_target_parameters(self, lora_keys) -> list[str]:
         if any(_EXPERT_LORA.fullmatch(k) for k in lora_keys):
