@@ -2,7 +2,7 @@
 context parallelism over two ranks, and with activation offload.
 
     python benchmarks/long_context.py [--lengths 4096 8192 16384 32768] [--families qwen3 qwen3_5]
-                                      [--threads 2] [--repeats 5]
+                                      [--threads 2] [--repeats 5] [--runs single cp2 offload]
 
 Models (random weights, fp32, LoRA r=16 on every linear layer, untied head):
     qwen3    hidden 256, 4 layers, 4 heads and 2 KV heads of 64, MLP 768, vocabulary 4096, full attention
@@ -29,8 +29,9 @@ option, the longest T that fits in 8 GB per rank, from the line through the two 
 paper, Qwen3.6-27B at 64K tokens with CP 1, 2, 4, 8 from the saved bytes per token measured on
 the small Qwen3.5 (large_model_estimate). Peak RSS understates long steps on a host whose kernel
 reclaims cold pages while they run (the saved-activation counts do not depend on it).
-The CPU, its instruction set and the load averages before and after are reported. The last line
-printed is JSON.
+After each (family, T), stderr gets each ratio's median with its min-max over the rounds, whether
+CP=2's peak per rank is at most 0.55x the one process's in every round, the load averages before
+and after, and the CPU model. The last line printed (stdout) is JSON, with the same environment.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ from arms import (  # noqa: E402
     MIN_REPEATS,
     Ratio,
     check_repeats,
+    describe,
     environment_record,
+    goal_verdict,
     load_now,
     median_figures,
     run_arms,
+    verdict_line,
 )
 from train_step import PeakRSS  # noqa: E402
 
@@ -87,6 +91,8 @@ MMAP_THRESHOLD = 128 * 1024
 """glibc's malloc threshold for mmap, fixed for every run: left dynamic it rises to the largest
 freed block, so freed activation buffers then stay in the heap and count in the peak RSS."""
 RUNS = ("single", "cp2", "offload")
+CP_PEAK_GOAL = 0.55
+"""CP=2 peak RSS growth per rank / one process's, at most (the goal for every length and model)."""
 RATIOS = (
     Ratio("cp2_vs_single_peak", "cp2", "single", "peak_mb"),
     Ratio("cp2_vs_single_saved_peak", "cp2", "single", "saved_peak_bytes"),
@@ -109,6 +115,8 @@ class Args:
     """Measured rounds of the alternated runs per (family, T) (at least 5)."""
     warmup: int = 1
     """Rounds run first and not counted."""
+    runs: tuple[str, ...] = RUNS
+    """Which runs alternate: single and cp2, and offload unless left out (its step takes as long as single's)."""
     worker: str = ""
     """Internal: run one measurement (single, cp2 or offload) and write its JSON to --out."""
     checkpoint: str = ""
@@ -249,10 +257,33 @@ def derived_figures(runs: dict, comparisons: dict) -> dict:
     return out
 
 
+def _ratios(runs: tuple[str, ...]) -> list[Ratio]:
+    unknown = set(runs) - set(RUNS)
+    if unknown or not {"single", "cp2"} <= set(runs):
+        raise ValueError(f"--runs {' '.join(runs)}: need single and cp2, optionally offload (from {RUNS})")
+    return [r for r in RATIOS if r.numerator in runs and r.denominator in runs]
+
+
+def summary_lines(family: str, length: int, comparison) -> str:
+    """Per model and length: each ratio's median with min-max over the rounds, the CP peak goal's
+    verdict, the load averages before and after, and the CPU model."""
+    env = comparison.environment
+    lines = [
+        f"{family} T={length}: {env['cpu_model']} ({env['cpu_capability']}), load average "
+        f"{env['load_average_before']} before, {env['load_average_after']} after"
+    ]
+    for name, summary in comparison.ratios.items():
+        lines.append("  " + describe(summary))
+        if name == "cp2_vs_single_peak":
+            lines.append("  " + verdict_line(summary, goal_verdict(summary, CP_PEAK_GOAL)))
+    return "\n".join(lines)
+
+
 def main(args: Args) -> dict:
     from archon.tools.align import make_tiny_hf_checkpoint
 
     check_repeats(args.repeats, quick=False)
+    ratios = _ratios(args.runs)
     load_start = os.getloadavg()[0]
     before = load_now()
     figures: dict = {}
@@ -260,19 +291,20 @@ def main(args: Args) -> dict:
         for family in args.families:
             model_type, sizes = MODEL_TYPES[family]
             checkpoint = make_tiny_hf_checkpoint(model_type, Path(tmp) / family, seed=0, **sizes)
-            runs: dict = {run: {} for run in RUNS}
+            runs: dict = {run: {} for run in args.runs}
             comparisons = {}
             for length in args.lengths:
                 arms = {
                     run: (lambda run=run: _measure(run, checkpoint, length, args.threads, Path(tmp) / "out.json"))
-                    for run in RUNS
+                    for run in args.runs
                 }
                 print(f"{family} T={length}:", file=sys.stderr, flush=True)
                 comparisons[length] = run_arms(
-                    arms, RATIOS, repeats=args.repeats, warmup=args.warmup, threads=args.threads
+                    arms, ratios, repeats=args.repeats, warmup=args.warmup, threads=args.threads
                 )
-                for run in RUNS:
+                for run in args.runs:
                     runs[run][length] = median_figures(comparisons[length].samples[run])
+                print(summary_lines(family, length, comparisons[length]), file=sys.stderr, flush=True)
             figures[family] = derived_figures(runs, comparisons)
             if family == "qwen3_5" and len(args.lengths) >= 2:
                 figures["qwen3_6_27b_64k_gb_per_device"] = large_model_estimate(
