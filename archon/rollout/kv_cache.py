@@ -93,6 +93,10 @@ class KVCache:
         self.row_slot = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.row_place = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.slot_rows = torch.full((num_slots, group_size), num_rows, dtype=torch.long, device=device)
+        self.row_slot_on_host: list[int | None] = [None] * num_rows
+        """row_slot as the host knows it (None: a free row), without reading the device."""
+        self.rows_read_own_slots = False
+        """Whether in this decode step every row r reads slot r, alone (see begin_decode)."""
         # prefill: each packed token's slot and position, each packed prompt's slot
         self.token_slots: torch.Tensor | None = None
         self.token_positions: torch.Tensor | None = None
@@ -115,6 +119,7 @@ class KVCache:
         self.query_rows: torch.Tensor | None = None
         self.query_suffix_positions: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._hidden: dict[int | None, torch.Tensor] = {}
 
     def layer(self, index: int) -> "LayerKVCache":
         return self._layers[index]
@@ -154,6 +159,8 @@ class KVCache:
         rows_t, slots_t, places_t = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, slots, places))
         self.row_slot[rows_t], self.row_place[rows_t] = slots_t, places_t
         self.slot_rows[slots_t, places_t] = rows_t
+        for row, slot in zip(rows, slots):
+            self.row_slot_on_host[row] = slot
         for layer in self._layers:
             layer.start_rows(rows_t, slots_t)
 
@@ -164,6 +171,8 @@ class KVCache:
         self.slot_rows[torch.tensor(slots, device=dev), torch.tensor(places, device=dev)] = self.num_rows_total
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         self.row_slot[rows_t], self.row_place[rows_t] = 0, 0
+        for row in rows:
+            self.row_slot_on_host[row] = None
 
     def row_state(self, row: int, slot: int, prompt_len: int, generated: int) -> list[KeptLayerState]:
         """Each layer's state of `row` after its slot's prompt (prompt_len tokens) and its first
@@ -212,7 +221,14 @@ class KVCache:
         self.num_rows, self.num_step_slots = num_rows, num_slots
         self.prefix_span, self.suffix_span = prefix_span, suffix_span
         self.live_rows = live_rows
-        self._masks = {}
+        self._masks, self._hidden = {}, {}
+        # one sample per prompt, row r on slot r: the step reads each row's prefix without gathering
+        # queries to slots and scores back to rows (a free row r reads slot r's prefix, unused)
+        self.rows_read_own_slots = (
+            self.group_size == 1
+            and num_slots == num_rows
+            and all(slot in (None, row) for row, slot in enumerate(self.row_slot_on_host[:num_rows]))
+        )
         if suffix_positions.dim() == 2:
             self.tokens_per_row = suffix_positions.shape[1]
             self.query_rows = torch.arange(num_rows, device=self.device).repeat_interleave(self.tokens_per_row)
@@ -238,6 +254,12 @@ class KVCache:
                 suffix_seen &= prompt_lens + suffix > query - sliding_window
             self._masks[sliding_window] = torch.cat([prefix_seen, suffix_seen], dim=1)
         return self._masks[sliding_window]
+
+    def hidden_keys(self, sliding_window: int | None) -> torch.Tensor:
+        """~visible_keys(sliding_window), made once per step and window size."""
+        if sliding_window not in self._hidden:
+            self._hidden[sliding_window] = ~self.visible_keys(sliding_window)
+        return self._hidden[sliding_window]
 
 
 class LayerKVCache(RecurrentLayerCache):
@@ -430,37 +452,49 @@ class LayerKVCache(RecurrentLayerCache):
 
         The prefix is read once per slot: the queries of a slot's rows (up to group_size, at their
         sample places, zero where a place has no row) multiply its keys in one product, and each
-        row takes its scores back from its place; the probabilities go the same way for the values."""
+        row takes its scores back from its place; the probabilities go the same way for the values.
+        When every row r reads slot r alone (`rows_read_own_slots`) the products run on the rows as
+        they are, the same products without the gathers."""
         c = self.cache
         R, H, Dk = q.shape
-        G, S = c.group_size, c.num_step_slots
+        S = c.num_step_slots
         hkv = self.prefix_k.shape[1]
         rep = H // hkv  # query head h reads kv head h // rep
         Lp, Ls = c.prefix_span, c.suffix_span
         prefix_k, prefix_v = self.prefix_k[:S, :, :Lp], self.prefix_v[:S, :, :Lp]  # [S, Hkv, Lp, D]
         suffix_k, suffix_v = self.suffix_k[:R, :, :Ls], self.suffix_v[:R, :, :Ls]  # [R, Hkv, Ls, D]
         q = q.to(prefix_k.dtype)
-        places = c.slot_rows[:S].clamp(max=R)  # [S, G]: row R is a zero row (a place without a row)
-        row_slot, row_place = c.row_slot[:R], c.row_place[:R]
-        q_places = torch.cat([q, q.new_zeros(1, H, Dk)])[places]  # [S, G, H, Dk]
-        q_slots = q_places.view(S, G, hkv, rep, Dk).transpose(1, 2).reshape(S, hkv, G * rep, Dk)
-        prefix_scores = (q_slots @ prefix_k.transpose(-1, -2)).view(S, hkv, G, rep, Lp).transpose(1, 2)
-        prefix_scores = prefix_scores[row_slot, row_place]  # [R, Hkv, rep, Lp]
+        if c.rows_read_own_slots:
+            prefix_scores = q.view(R, hkv, rep, Dk) @ prefix_k.transpose(-1, -2)  # [R, Hkv, rep, Lp]
+        else:
+            prefix_scores = self._slot_products(q.view(R, hkv, rep, Dk), prefix_k.transpose(-1, -2))
         suffix_scores = q.view(R, hkv, rep, Dk) @ suffix_k.transpose(-1, -2)  # [R, Hkv, rep, Ls]
-        scores = torch.cat([prefix_scores, suffix_scores], dim=-1).float() * scale
-        visible = c.visible_keys(sliding_window) if selected is None else c.visible_keys(sliding_window) & selected
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        scores = torch.cat([prefix_scores, suffix_scores], dim=-1).float()  # a new tensor: scaled in place
+        scores.mul_(scale)
+        hidden = c.hidden_keys(sliding_window) if selected is None else ~(c.visible_keys(sliding_window) & selected)
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         if sinks is not None:
             sink_logits = sinks.float().view(1, hkv, rep, 1).expand(R, hkv, rep, 1)
             probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)
         probs = probs.to(prefix_v.dtype)
-        prefix_probs = torch.cat([probs[..., :Lp], probs.new_zeros(1, hkv, rep, Lp)])[places]  # [S, G, Hkv, rep, Lp]
-        prefix_probs = prefix_probs.transpose(1, 2).reshape(S, hkv, G * rep, Lp)
-        Dv = prefix_v.shape[-1]
-        out = (
-            (prefix_probs @ prefix_v).view(S, hkv, G, rep, Dv).transpose(1, 2)[row_slot, row_place]
-        )  # [R, Hkv, rep, Dv]
-        out = out + probs[..., Lp:] @ suffix_v
-        return out.reshape(R, H, Dv)
+        if c.rows_read_own_slots:
+            out = probs[..., :Lp] @ prefix_v  # [R, Hkv, rep, Dv]
+        else:
+            out = self._slot_products(probs[..., :Lp], prefix_v)
+        out += probs[..., Lp:] @ suffix_v
+        return out.reshape(R, H, -1)
+
+    def _slot_products(self, per_row: torch.Tensor, per_slot: torch.Tensor) -> torch.Tensor:
+        """per_row [R, Hkv, rep, K] (each row's), per_slot [S, Hkv, K, N] (each slot's) -> [R, Hkv, rep, N]:
+        each row's product with its slot's matrix, one product per slot for the rows at its sample
+        places (zero rows where a place has no row), each row's taken back from its place."""
+        c = self.cache
+        R, hkv, rep, K = per_row.shape
+        S, G, N = per_slot.shape[0], c.group_size, per_slot.shape[-1]
+        places = c.slot_rows[:S].clamp(max=R)  # [S, G]: row R is a zero row (a place without a row)
+        at_places = torch.cat([per_row, per_row.new_zeros(1, hkv, rep, K)])[places]  # [S, G, Hkv, rep, K]
+        by_slot = at_places.transpose(1, 2).reshape(S, hkv, G * rep, K)
+        products = (by_slot @ per_slot).view(S, hkv, G, rep, N).transpose(1, 2)  # [S, G, Hkv, rep, N]
+        return products[c.row_slot[:R], c.row_place[:R]]
