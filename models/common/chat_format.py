@@ -75,6 +75,19 @@ def message_reasoning(message: Message) -> str | None:
     return reasoning if isinstance(reasoning, str) else None
 
 
+REASONING_NOT_CLOSED = f"the reasoning is never closed by {THINK_CLOSE}"
+
+
+def split_reasoning(text: str) -> tuple[str, str, str | None]:
+    """A sampled turn's text that starts with its reasoning, split at the first `</think>`:
+    (reasoning, the text after `</think>`, None); with no `</think>`, all of it is reasoning:
+    (text, "", REASONING_NOT_CLOSED)."""
+    reasoning, closed, rest = text.partition(THINK_CLOSE)
+    if not closed:
+        return text, "", REASONING_NOT_CLOSED
+    return reasoning, rest, None
+
+
 def reasoning_and_content(reasoning: str | None, content: str) -> tuple[str, str]:
     """An assistant message's reasoning and content as the templates that write `<think>` read them:
     the message's own reasoning, else the reasoning its content opens with (`...</think>`, which

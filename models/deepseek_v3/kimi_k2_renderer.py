@@ -34,6 +34,7 @@ from archon.models.common.chat_format import (
     message_tool_calls,
     parse_arguments,
     require_stop,
+    split_reasoning,
     split_stop,
     template_json,
 )
@@ -160,8 +161,8 @@ class KimiK2Renderer(Renderer):
         errors: list[str] = []
         reasoning = None
         if text.startswith("<think>"):
-            reasoning, closed, rest = text[len("<think>") :].partition("</think>")
-            if closed:
+            reasoning, rest, error = split_reasoning(text[len("<think>") :])
+            if error is None:
                 text = rest
             else:
                 errors.append("<think> is not closed by </think>")

@@ -71,6 +71,7 @@ from archon.models.common.chat_format import (
     message_tool_calls,
     reasoning_and_content,
     require_stop,
+    split_reasoning,
     template_json,
     turn_text,
 )
@@ -122,11 +123,9 @@ class Glm5Renderer(Glm45Renderer):
         text = turn_text(self, sampled_ids)
         reasoning = None
         if self.enable_thinking:
-            if THINK_CLOSE not in text:
-                return AssistantTurn(
-                    content="", reasoning=text, parse_error=f"the reasoning is never closed by {THINK_CLOSE}"
-                )
-            reasoning, text = text.split(THINK_CLOSE, 1)
+            reasoning, text, error = split_reasoning(text)
+            if error:
+                return AssistantTurn(content="", reasoning=reasoning, parse_error=error)
         content, opened, calls_text = text.partition("<tool_call>")
         calls: list[ToolCall] = []
         errors: list[str] = []
@@ -358,11 +357,9 @@ class DeepseekV32Renderer(Renderer):
         text = turn_text(self, sampled_ids)
         reasoning = None
         if self.thinking:
-            if THINK_CLOSE not in text:
-                return AssistantTurn(
-                    content="", reasoning=text, parse_error=f"the reasoning is never closed by {THINK_CLOSE}"
-                )
-            reasoning, _, text = text.partition(THINK_CLOSE)
+            reasoning, text, error = split_reasoning(text)
+            if error:
+                return AssistantTurn(content="", reasoning=reasoning, parse_error=error)
         content, opened, section = text.partition(CALLS_OPEN)
         errors: list[str] = []
         calls: list[ToolCall] = []

@@ -44,6 +44,7 @@ from archon.models.common.chat_format import (
     message_tool_calls,
     reasoning_and_content,
     require_stop,
+    split_reasoning,
     template_json,
     turn_text,
 )
@@ -210,8 +211,8 @@ class Glm45Renderer(Renderer):
         reasoning = None
         stripped = text.lstrip("\n")
         if stripped.startswith("<think>"):
-            inner, closed, rest = stripped[len("<think>") :].partition("</think>")
-            if not closed:
+            inner, rest, error = split_reasoning(stripped[len("<think>") :])
+            if error:
                 errors.append("<think> is not closed by </think>")
                 return AssistantTurn(content="", reasoning=inner, parse_error=errors[0])
             reasoning, text = inner or None, rest

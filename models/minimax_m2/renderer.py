@@ -52,6 +52,7 @@ from archon.models.common.chat_format import (
     check_messages,
     message_tool_calls,
     require_stop,
+    split_reasoning,
     template_json,
     tool_parameter_schemas,
     turn_text,
@@ -168,12 +169,9 @@ class MinimaxM2Renderer(Renderer):
 
     # ---- reading a turn back ------------------------------------------------------------------------
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
-        text = turn_text(self, sampled_ids)
-        if THINK_CLOSE not in text:
-            return AssistantTurn(
-                content="", reasoning=text, parse_error=f"the reasoning is never closed by {THINK_CLOSE}"
-            )
-        reasoning, text = text.split(THINK_CLOSE, 1)
+        reasoning, text, error = split_reasoning(turn_text(self, sampled_ids))
+        if error:
+            return AssistantTurn(content="", reasoning=reasoning, parse_error=error)
         reasoning, text = reasoning.removesuffix("\n"), text.removeprefix("\n\n")
         content, opened, section = text.partition(CALLS_OPEN)
         if not opened:

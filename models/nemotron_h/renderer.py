@@ -52,6 +52,7 @@ from archon.models.common.chat_format import (
     message_role,
     message_text,
     require_stop,
+    split_reasoning,
     template_json,
     turn_text,
 )
@@ -206,11 +207,9 @@ class NemotronNanoV2Renderer(Renderer):
         text = turn_text(self, sampled_ids)
         reasoning = None
         if self.thinking:
-            if THINK_CLOSE not in text:
-                return AssistantTurn(
-                    content="", reasoning=text, parse_error=f"the reasoning is never closed by {THINK_CLOSE}"
-                )
-            reasoning, _, text = text.partition(THINK_CLOSE)
+            reasoning, text, error = split_reasoning(text)
+            if error:
+                return AssistantTurn(content="", reasoning=reasoning, parse_error=error)
         content, opened, calls_part = text.partition(CALLS_OPEN)
         calls: list[ToolCall] = []
         errors: list[str] = []

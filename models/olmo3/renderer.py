@@ -23,7 +23,7 @@ template's rendering of the whole conversation.
 from __future__ import annotations
 
 from archon.agents.renderer import AssistantTurn, Message, Renderer, register_renderer
-from archon.models.common.chat_format import check_messages, require_stop, turn_text
+from archon.models.common.chat_format import check_messages, require_stop, split_reasoning, turn_text
 
 ENDOFTEXT = "<|endoftext|>"
 GENERATION_PROMPT = "<|assistant|>\n"
@@ -131,11 +131,8 @@ class Olmo3ThinkRenderer(Renderer):
         return self.encode("\n" + self._messages_text(messages) + THINK_GENERATION_PROMPT)
 
     def parse_turn(self, sampled_ids: list[int]) -> AssistantTurn:
-        text = turn_text(self, sampled_ids)
-        reasoning, closed, content = text.partition("</think>")
-        if not closed:
-            return AssistantTurn(content="", reasoning=text, parse_error="the reasoning is never closed by </think>")
-        return AssistantTurn(content=content, reasoning=reasoning)
+        reasoning, content, error = split_reasoning(turn_text(self, sampled_ids))
+        return AssistantTurn(content=content, reasoning=reasoning, parse_error=error)
 
     def _check(self, messages: list[Message], roles: tuple[str, ...]) -> None:
         check_messages(self.name, messages, roles=roles)

@@ -58,6 +58,7 @@ from archon.models.common.chat_format import (
     check_messages,
     message_tool_calls,
     reasoning_and_content,
+    split_reasoning,
     turn_text,
 )
 from archon.models.common.chatml import (
@@ -91,15 +92,10 @@ class Qwen3Renderer(ChatMLRenderer):
         text = turn_text(self, sampled_ids)
         reasoning, error = None, None
         if text.startswith(THINK_OPEN) or THINK_CLOSE in text:
-            if THINK_CLOSE not in text:
-                return AssistantTurn(
-                    content="",
-                    reasoning=text[len(THINK_OPEN) :].strip("\n"),
-                    parse_error=f"the reasoning is never closed by {THINK_CLOSE}",
-                )
-            reasoning, text = text.split(THINK_CLOSE, 1)
-            reasoning = reasoning.removeprefix(THINK_OPEN).strip("\n")
-            text = text.lstrip("\n")
+            reasoning, text, error = split_reasoning(text.removeprefix(THINK_OPEN))
+            if error:
+                return AssistantTurn(content="", reasoning=reasoning.strip("\n"), parse_error=error)
+            reasoning, text = reasoning.strip("\n"), text.lstrip("\n")
         content, calls, error = parse_hermes_turn(text)
         return AssistantTurn(content=content, reasoning=reasoning, tool_calls=calls, parse_error=error)
 

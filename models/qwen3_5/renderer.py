@@ -68,6 +68,7 @@ from archon.models.common.chat_format import (
     check_messages,
     message_tool_calls,
     reasoning_and_content,
+    split_reasoning,
     template_json,
     tool_parameter_schemas,
     turn_text,
@@ -125,14 +126,10 @@ class Qwen3_5Renderer(ChatMLRenderer):
         text = turn_text(self, sampled_ids)
         reasoning = None
         if self.enable_thinking or THINK_CLOSE in text:
-            if THINK_CLOSE not in text:
-                return AssistantTurn(
-                    content="",
-                    reasoning=text.removeprefix(THINK_OPEN).strip(),
-                    parse_error=f"the reasoning is never closed by {THINK_CLOSE}",
-                )
-            reasoning, text = text.split(THINK_CLOSE, 1)
-            reasoning = reasoning.removeprefix(THINK_OPEN).strip()
+            reasoning, text, error = split_reasoning(text.removeprefix(THINK_OPEN))
+            if error:
+                return AssistantTurn(content="", reasoning=reasoning.strip(), parse_error=error)
+            reasoning = reasoning.strip()
         head, calls, error = parse_tool_call_blocks(text, self._parse_call)
         return AssistantTurn(content=head.strip(), reasoning=reasoning, tool_calls=calls, parse_error=error)
 
