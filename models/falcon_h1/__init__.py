@@ -1,1 +1,1 @@
-from archon.models.falcon_h1 import spec  # noqa: F401  (registers the family)
+from archon.models.falcon_h1 import renderer, spec  # noqa: F401  (registers the family and its renderer)

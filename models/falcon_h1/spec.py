@@ -46,6 +46,7 @@ spec = register(
         parallelize_fn=parallelize_falcon_h1,
         lora_targets=LORA_TARGETS,
         tiny_hf_config={"falcon_h1": _TINY},
+        renderers={"falcon_h1": "falcon_h1"},
         inert_hf_config_fields={
             "mamba_chunk_size": "the tiling of HF's chunked scan, which does not change the math",
             "num_logits_to_keep": "a generation setting of HF's generate",
