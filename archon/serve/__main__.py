@@ -1,10 +1,12 @@
 """python -m archon.serve --base-model DIR [--port N] [--host 127.0.0.1] [--api-key K] [--max-lora-rank R]
 
-or, sharded with FSDP2 over N ranks (rank 0 serves): torchrun --nproc-per-node N -m archon.serve ..."""
+or, laid out over N ranks (rank 0 serves; FSDP2 unless --parallel.tp / --parallel.ep say otherwise):
+torchrun --nproc-per-node N -m archon.serve ... [--parallel.tp 2 | --parallel.ep 2]"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import tyro
 
@@ -26,13 +28,14 @@ def serve(config: ServeConfig, backend) -> None:
         server.server_close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = tyro.cli(ServeConfig, args=argv)
+def run(config: ServeConfig, serve_on_rank0: Callable[[ServeConfig, object], None] = serve) -> None:
+    """Build the Backend on every rank; rank 0 (or the one process) hands it to `serve_on_rank0`, the
+    other ranks follow rank 0's calls until it returns."""
     islands = fp32_islands_in_fp64() if config.dtype == "float64" else contextlib.nullcontext()
     with islands:
-        dims, rank = init_ranks(config.device)
+        dims, rank = init_ranks(config)
         if dims is None:
-            serve(config, Backend(config))
+            serve_on_rank0(config, Backend(config))
             return
         backend = Backend(config, dims, rank, shared_seed(rank))
         if rank != 0:
@@ -40,9 +43,17 @@ def main(argv: list[str] | None = None) -> None:
             return
         broadcasting = Broadcasting(backend)
         try:
-            serve(config, broadcasting)
+            serve_on_rank0(config, broadcasting)
         finally:
             broadcasting.stop()
+
+
+def parse(argv: list[str] | None = None) -> ServeConfig:
+    return tyro.cli(ServeConfig, args=argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse(argv))
 
 
 if __name__ == "__main__":

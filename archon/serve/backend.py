@@ -2,7 +2,8 @@
 frozen base) with forward, forward_backward (several clients' requests in one forward, see
 training.py) and optim_step; their checkpoints; and samplers (a snapshot of an adapter, or the base)
 served by the built-in engine or by vLLM (vllm_sampler.py). Under torchrun every rank holds one
-Backend, its models sharded with FSDP2, and runs the calls rank 0 broadcasts (ranks.py).
+Backend, its models laid out by config.parallel (FSDP2, TP, EP), and runs the calls rank 0
+broadcasts (ranks.py).
 
 Every method runs on the server's one worker thread (archon/serve/server.py), so the models see one
 request at a time, in the order they arrived. A refused request raises UserError naming what is
@@ -23,7 +24,7 @@ import torch
 
 from archon.build import build_model
 from archon.lora import LoRAConfig, lora_parameters
-from archon.parallel import ParallelConfig, ParallelDims
+from archon.parallel import ParallelDims, reduce_partial_grads
 from archon.parallel.grad import clip_grad_norm
 from archon.parallel.parallelize import DTYPES
 from archon.rollout.native import NativeRolloutEngine
@@ -60,7 +61,7 @@ def _lora_key(lora: LoRAConfig) -> tuple:
 
 
 class Backend:
-    """dims: the FSDP2 layout under torchrun (archon/serve/ranks.py), None in one process; rank: this
+    """dims: the layout under torchrun (config.parallel's, archon/serve/ranks.py), None in one process; rank: this
     process's rank (rank 0 writes the checkpoints). id_seed: the seed of the ids it hands out, the
     same on every rank (default: a random one)."""
 
@@ -70,10 +71,11 @@ class Backend:
         self.config = config
         self.dtype = DTYPES[config.dtype]
         self.dims = dims if dims is not None and dims.distributed else None
-        self.layout = {} if self.dims is None else {"dims": self.dims, "parallel": ParallelConfig()}
+        self.layout = {} if self.dims is None else {"dims": self.dims, "parallel": config.parallel}
         self.data_parallel = 1 if self.dims is None else self.dims.dp
-        """Every data-parallel rank runs the whole batch and FSDP2 sums their gradients: each rank's
-        loss is scaled by 1 / this before its backward."""
+        """Every data-parallel rank runs the whole batch and FSDP2 (and EP's all-to-all) sums their
+        gradients: each rank's loss is scaled by 1 / this before its backward. Tensor-parallel ranks
+        are one data-parallel rank."""
         self.writes = rank == 0
         self._ids = random.Random(uuid.uuid4().int if id_seed is None else id_seed)
         self.base = build_model(config.base_model, lora=None, dtype=self.dtype, device=config.device, **self.layout)
@@ -271,6 +273,7 @@ class Backend:
             raise UserError(
                 f"adam_params out of range: learning_rate={lr}, beta1/2={betas}, eps={eps}, weight_decay={wd}"
             )
+        reduce_partial_grads(trained.model)  # TP/EP: factors acting on sharded activations hold partial sums
         norm = clip_grad_norm(trained.optimizer.param_groups[0]["params"], clip)
         for group in trained.optimizer.param_groups:
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=wd)

@@ -2,8 +2,9 @@
 
 python -m archon.serve --base-model DIR [--port N] [--host 127.0.0.1] [--api-key K] [--max-lora-rank R]
 
-Under `torchrun --nproc-per-node N -m archon.serve ...` the model is sharded with FSDP2 over the N
-ranks and rank 0 serves (archon/serve/ranks.py).
+Under `torchrun --nproc-per-node N -m archon.serve ...` the model is laid out over the N ranks by
+--parallel.* (the RL recipe's ParallelConfig: FSDP2 by default, --parallel.tp, --parallel.ep) and
+rank 0 serves (archon/serve/ranks.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from archon.parallel import ParallelConfig
 from archon.rollout.vllm_config import VLLMConfig
 
 
@@ -55,6 +57,10 @@ class ServeConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The vLLM servers of --sampler vllm (rollout.vllm's settings; served in adapter mode, with
     max_model_len the context limit unless set). Their max_lora_rank must hold --max-lora-rank."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How every model is laid out over the ranks under torchrun (the RL recipe's `parallel` section):
+    FSDP2 over all ranks by default, tensor parallelism with --parallel.tp, expert parallelism for an
+    MoE base with --parallel.ep. Context parallelism (--parallel.cp) is refused."""
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
@@ -63,3 +69,10 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
         if self.max_context_length is not None and self.max_context_length < 2:
             raise ValueError(f"ServeConfig.max_context_length must be >= 2, got {self.max_context_length}")
+        if self.parallel.cp != 1:
+            raise ValueError(
+                f"ServeConfig.parallel.cp={self.parallel.cp}: context parallelism is not served: the server's "
+                "forwards (training, prompt scoring, the built-in engine's sampling) run every sequence whole on "
+                "each rank and do not split its tokens over context-parallel ranks; use --parallel.tp to spread "
+                "a model over more ranks"
+            )

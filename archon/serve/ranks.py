@@ -1,8 +1,9 @@
-"""The server under torchrun: the model is sharded with FSDP2 over every rank, requests enter on
-rank 0, and each call that computes or changes state is broadcast (over the default process group,
-gloo on CPU) to every rank, which runs the same Backend method on its shard.
+"""The server under torchrun: every model is laid out over the ranks by the config's `parallel`
+section (FSDP2 over every rank by default; tensor parallelism, or expert parallelism for an MoE base),
+requests enter on rank 0, and each call that computes or changes state is broadcast (over the default
+process group, gloo on CPU) to every rank, which runs the same Backend method on its shard.
 
-    torchrun --nproc-per-node 2 -m archon.serve --base-model DIR --port 8000
+    torchrun --nproc-per-node 2 -m archon.serve --base-model DIR --port 8000 [--parallel.tp 2 | --parallel.ep 2]
 
 Rank 0 serves HTTP and wraps its Backend in `Broadcasting`; the other ranks run `follow`, which
 receives each call and runs it. Every rank runs the calls in one order (a lock on rank 0 keeps the
@@ -24,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from archon import device as devices
-from archon.parallel import ParallelDims
+from archon.parallel import ParallelConfig, ParallelDims
 from archon.serve.adapters import UserError
+from archon.serve.config import ServeConfig
 
 BROADCAST_CALLS = frozenset(
     {
@@ -50,18 +52,32 @@ IDLE_TIMEOUT = timedelta(days=365)
 """The process group's timeout: the other ranks wait in a broadcast for as long as the server idles."""
 
 
-def init_ranks(device: str) -> tuple[ParallelDims | None, int]:
-    """Under torchrun (WORLD_SIZE > 1): start the process group and return (FSDP2 over every rank,
-    this rank); otherwise (None, 0)."""
+def layout_dims(parallel: ParallelConfig, world_size: int, device_type: str) -> ParallelDims:
+    """The degrees `parallel` asks for over `world_size` ranks; a layout that does not fit them is
+    refused naming the --parallel.* flags."""
+    try:
+        return parallel.dims(world_size, device_type)
+    except ValueError as e:
+        degrees = ", ".join(f"{name}={getattr(parallel, name)}" for name in ("dp_replicate", "dp_shard", "tp", "ep"))
+        raise ValueError(
+            f"--parallel.* asks for {degrees} over {world_size} rank(s): {e} (a layout over N ranks is served "
+            "under torchrun --nproc-per-node N)"
+        ) from None
+
+
+def init_ranks(config: ServeConfig) -> tuple[ParallelDims | None, int]:
+    """Under torchrun (WORLD_SIZE > 1): start the process group and return (the layout config.parallel
+    asks for, this rank); otherwise (None, 0), after checking that config.parallel asks for one rank."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device_type = torch.device(config.device).type
+    dims = layout_dims(config.parallel, world_size, device_type)
     if world_size == 1:
         return None, 0
-    device_type = torch.device(device).type
     if not dist.is_initialized():
         dist.init_process_group(backend=devices.collective_backend(device_type), timeout=IDLE_TIMEOUT)
     if device_type != "cpu":
         devices.set_local_device(devices.local_device(device_type))
-    return ParallelDims(world_size=world_size, dp_shard=-1, device_type=device_type), dist.get_rank()
+    return dims, dist.get_rank()
 
 
 def shared_seed(rank: int) -> int:
