@@ -169,8 +169,8 @@ def test_wrong_api_key_is_refused(tinker_server):
 
 
 def test_command_line_and_loopback_default(capsys):
-    """The command line of `python -m archon.serve` (its entry point runs as a command under torchrun
-    in tests/test_tinker_parallel.py)."""
+    """The command line of `python -m archon.serve` (tests/test_tinker_parallel.py runs the start-up
+    it calls, archon.serve.__main__.run, under torchrun on command lines it parses)."""
     from archon.serve.__main__ import main
     from archon.serve.config import ServeConfig
 
