@@ -1,10 +1,10 @@
 """State-dict mapping for stacked MoE experts (`GroupedExperts`), shared by the MoE families.
 
-Expert LoRA is exported in PEFT's `target_parameters` layout (`StackedExpertLoRAAdapter`): with both
-stacked weights targeted, PEFT nests the wrappers, so gate_up_proj's factors live at
-`experts.base_layer.lora_*` and down_proj's at `experts.lora_*`; lora_A is [E*r, in] (expert-major
-rows) and lora_B is [out, r*E] (expert-minor columns). `in`/`out` are the projection's input and
-output sizes whichever way the base weight is stored.
+Expert LoRA is exported in PEFT's `target_parameters` layout (`StackedExpertLoRAAdapter`, which a
+family points at its experts' names): with both stacked weights targeted, PEFT nests the wrappers, so
+gate_up_proj's factors live at `experts.base_layer.lora_*` and down_proj's at `experts.lora_*`;
+lora_A is [E*r, in] (expert-major rows) and lora_B is [out, r*E] (expert-minor columns). `in`/`out`
+are the projection's input and output sizes whichever way the base weight is stored.
 
 Some HF checkpoints store experts one by one (`mlp.experts.<e>.gate_proj.weight`, ...) while archon
 and HF's in-memory model stack them (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`
@@ -19,12 +19,6 @@ import torch
 
 from archon.checkpoint.state_dict_converter import PEFT_PREFIX, StateDictConverter
 from archon.models.common.mtp import mtp_hf_name
-
-# a decoder layer's experts, or those of an MTP layer's block (models/common/mtp.py)
-_EXPERTS = r"((?:layers\.\d+|mtp\.\d+\.block)\.mlp\.experts)"
-_EXPERT_WEIGHT = re.compile(_EXPERTS + r"\.(gate_up_proj|down_proj)")
-_EXPERT_LORA = re.compile(_EXPERTS + r"\.(gate_up_proj|down_proj)_lora\.lora_([ab])")
-_PEFT_WRAPPER = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
 def stacked_lora_to_peft(factor: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -50,27 +44,56 @@ def stacked_lora_from_peft(archon_key: str, factor: str, tensor: torch.Tensor, s
 
 
 class StackedExpertLoRAAdapter(StateDictConverter):
-    """LoRA on stacked experts <-> PEFT `target_parameters`; base weights keep the default mapping."""
+    """LoRA on stacked experts <-> PEFT `target_parameters`; base weights keep the default mapping.
+
+    A family says where its experts are: `expert_layers` (a pattern of the archon module paths that
+    hold them), `expert_module` (the experts' path below such a module) and `expert_weights` (the
+    stacked weights, in the order of PEFT's `target_parameters`)."""
+
+    # a decoder layer, or an MTP layer's block (models/common/mtp.py)
+    expert_layers = r"(?:layers\.\d+|mtp\.\d+\.block)"
+    expert_module = "mlp.experts"
+    expert_weights = ("gate_up_proj", "down_proj")
+
+    def _experts_pattern(self) -> str:
+        weights = "|".join(re.escape(name) for name in self.expert_weights)
+        return rf"({self.expert_layers}\.{re.escape(self.expert_module)})\.({weights})"
+
+    def expert_weight_match(self, archon_key: str) -> re.Match | None:
+        """(experts module, stacked weight) of a stacked expert weight's archon key, else None."""
+        return re.fullmatch(self._experts_pattern(), archon_key)
+
+    def expert_lora_match(self, archon_key: str) -> re.Match | None:
+        """(experts module, stacked weight, factor "a"/"b") of an expert LoRA factor's key, else None."""
+        return re.fullmatch(self._experts_pattern() + r"_lora\.lora_([ab])", archon_key)
+
+    def peft_wrapper(self, weight: str) -> str:
+        """Where PEFT keeps the factors of stacked weight `weight`, below the experts' parent module.
+        PEFT wraps the experts once per targeted weight, the first innermost: with (gate_up_proj,
+        down_proj) gate_up_proj's factors are at `experts.base_layer.lora_*`, down_proj's at
+        `experts.lora_*`."""
+        depth = len(self.expert_weights) - 1 - self.expert_weights.index(weight)
+        return ".".join([self.expert_module.rsplit(".", 1)[-1], *["base_layer"] * depth])
 
     def lora_to_peft(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        match = _EXPERT_LORA.fullmatch(archon_key)
+        match = self.expert_lora_match(archon_key)
         if match is None:
             return super().lora_to_peft(archon_key, tensor)
-        prefix, which, factor = match.groups()
-        layer = self.hf_name(prefix.rsplit(".experts", 1)[0])
-        key = f"{PEFT_PREFIX}{layer}.{_PEFT_WRAPPER[which]}.lora_{factor.upper()}.weight"
+        experts, which, factor = match.groups()
+        parent = self.hf_name(experts.rsplit(".", 1)[0])
+        key = f"{PEFT_PREFIX}{parent}.{self.peft_wrapper(which)}.lora_{factor.upper()}.weight"
         return [(key, stacked_lora_to_peft(factor, tensor))]
 
     def lora_from_peft(self, archon_key: str, tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-        match = _EXPERT_LORA.fullmatch(archon_key)
+        match = self.expert_lora_match(archon_key)
         if match is None:
             return super().lora_from_peft(archon_key, tensors, shape)
         (tensor,) = tensors
         return stacked_lora_from_peft(archon_key, match.group(3), tensor, shape)
 
     def peft_target_parameters(self, lora_keys) -> list[str]:
-        if any(_EXPERT_LORA.fullmatch(k) for k in lora_keys):
-            return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if any(self.expert_lora_match(k) for k in lora_keys):
+            return [f"{self.expert_module}.{name}" for name in self.expert_weights]
         return []
 
 
@@ -103,7 +126,7 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
         return kept, target_parameters + [f"{name}.weight" for name in reserved]
 
     def hf_sources(self, archon_key: str, hf_keys: set[str]) -> list[str]:
-        match = _EXPERT_WEIGHT.fullmatch(archon_key)
+        match = self.expert_weight_match(archon_key)
         if match is None:
             return super().hf_sources(archon_key, hf_keys)
         stacked = self.hf_name(archon_key)
@@ -117,7 +140,7 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
         ]
 
     def combine(self, archon_key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        match = _EXPERT_WEIGHT.fullmatch(archon_key)
+        match = self.expert_weight_match(archon_key)
         if match is None or len(tensors) == 1:
             return super().combine(archon_key, tensors)
         n_parts = len(self.hf_expert_parts[match.group(2)])
@@ -129,7 +152,7 @@ class StackedExpertsAdapter(StackedExpertLoRAAdapter):
         )
 
     def to_hf(self, archon_key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        match = _EXPERT_WEIGHT.fullmatch(archon_key)
+        match = self.expert_weight_match(archon_key)
         if match is None:
             return super().to_hf(archon_key, tensor)
         prefix, which = match.groups()
