@@ -1,5 +1,6 @@
 """The GRPO-LoRA recipe end to end on a tiny model: in-process, and under torchrun with 2 processes."""
 
+import functools
 import json
 import os
 import subprocess
@@ -525,6 +526,7 @@ def test_shortened_demo_improves_held_out_accuracy(tmp_path, demo_cache):
     _assert_held_out_accuracy_rose(tmp_path / "run")
 
 
+@functools.cache  # one probe a capability: each starts a Python that imports torch
 def _cpu_capability_under(capability: str) -> str:
     """The capability a process started with ATEN_CPU_CAPABILITY=`capability` computes with (the
     variable lowers it, never raises it above what the CPU offers)."""
