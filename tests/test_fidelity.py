@@ -251,16 +251,45 @@ def _drifting_temperature(monkeypatch, rate: float):
     monkeypatch.setattr(native_module.NativeRolloutEngine, "generate", generate)
 
 
+class _Killed(Exception):
+    pass
+
+
 def test_a_drift_whose_mean_stays_under_the_bound_is_stopped_by_the_growth_rule(setup, tmp_path, monkeypatch):
     """A logit scale drifting by 7e-4 x v^2: mean gaps of ~2e-7, 7e-5, 2.6e-4 and 5.9e-4 nats at versions
     0 to 3 (seeds 0 to 2 within 15 %), all under the bound of 1e-3 (10 x the floor 1e-4), rising at
     each version by ~6 floors in all while the trainer's KL per update (one minibatch: approx_kl 0)
-    does not grow. Without the growth rule the run trains on until version 4's mean passes the bound."""
+    does not grow. Without the growth rule the run trains on until version 4's mean passes the bound.
+    The same run killed after its checkpoint at step 2 and resumed goes on with the floor and the
+    growth rule's window it saved, and stops at version 3 with the same error."""
     _drifting_temperature(monkeypatch, rate=7e-4)
-    args = _args(setup, tmp_path / "run", steps=5) + ["--eval.every", "0"]
+
+    def args(run_dir, *extra):
+        return parse_config(_args(setup, run_dir, steps=5) + ["--eval.every", "0", "--checkpoint.every", "2", *extra])
+
     with pytest.raises(FidelityError) as caught:
-        RLRun(parse_config(args)).run()
+        RLRun(args(tmp_path / "run")).run()
     message = str(caught.value)
+    real_step = RLRun.step
+
+    def step_then_kill(run, step):
+        if step == 2:
+            raise _Killed()
+        return real_step(run, step)
+
+    with monkeypatch.context() as killing:
+        killing.setattr(RLRun, "step", step_then_kill)
+        with pytest.raises(_Killed):
+            RLRun(args(tmp_path / "split")).run()
+    saved = json.loads((tmp_path / "split" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert [version for version, _, _ in saved["data"]["fidelity"]["history"]] == [0, 1]
+    with pytest.raises(FidelityError) as resumed:
+        RLRun(args(tmp_path / "split", "--resume")).run()
+    assert str(resumed.value) == message  # the same gaps, floor and window: bit for bit as uninterrupted
+    whole, split = _records(tmp_path / "run"), _records(tmp_path / "split")
+    assert [(r["step"], r["fidelity_gap_mean"], r["fidelity_floor"]) for r in split] == [
+        (r["step"], r["fidelity_gap_mean"], r["fidelity_floor"]) for r in whole
+    ]
     assert re.search(
         r"grew at each of the last 4 adapter versions, from \S+ nats at version 0 to \S+ at version 3", message
     )

@@ -13,8 +13,9 @@ from archon.rl.run.run_dir import TASKS_DIR, prune_adapter_exports
 from archon.rl.run.task import Task, resume_named_tasks
 
 
-def save(ctx: RunContext, tasks: list[Task], step: int, final: bool = False) -> None:
-    """Each task's resume checkpoint for RL step `step` and its PEFT adapter with its model card
+def save(ctx: RunContext, tasks: list[Task], step: int, guards: dict, final: bool = False) -> None:
+    """Each task's resume checkpoint for RL step `step` (with the state of its fidelity guard, of
+    `guards` by task name) and its PEFT adapter with its model card
     (README.md, archon.rl.model_card): TASK_DIR/adapter at the end, TASK_DIR/adapters/step_NNNNNN
     before it (the newest checkpoint.keep_last_adapters kept), where TASK_DIR is the run directory
     for a run without tasks and RUN_DIR/tasks/<name> for a named task.
@@ -23,7 +24,8 @@ def save(ctx: RunContext, tasks: list[Task], step: int, final: bool = False) -> 
     are not saved, and a resumed run samples their prompts again (nothing lost, nothing trained
     twice)."""
     for task in tasks:
-        ctx.trainer.save_checkpoint(task.checkpoints, step, task.state(), task=task.name)
+        state = {**task.state(), "fidelity": guards[task.name].state_dict()}
+        ctx.trainer.save_checkpoint(task.checkpoints, step, state, task=task.name)
         out = task_export_dir(task, step, final)
         card = model_card(ctx, task, step, final) if ctx.rank == 0 else None
         ctx.trainer.export_peft(out, base_model_name_or_path=ctx.config.model.path, task=task.name, model_card=card)

@@ -5,7 +5,8 @@ part, is otherwise found only from a flat reward curve).
 Per sampled token the engine's log-prob is compared with the trainer's under the token's own
 adapter version (prepare already scores them: `numerics`, the gap with the version lag taken out).
 The noise floor is the mean gap of the first step's tokens, at the version the run starts from,
-never below rollout.fidelity.min_floor; a floor above max_floor is itself a fault (the engine
+never below rollout.fidelity.min_floor (a resumed run goes on with the floor and the growth rule's
+window its checkpoint saved: FidelityGuard.state_dict); a floor above max_floor is itself a fault (the engine
 disagrees before any update). From then on a version whose mean gap exceeds floor_factor x floor
 stops the run (or warns), and so does a gap that grows with each version faster than the trainer's
 own moves between versions do (gap_grows_unexplained: an engine falling further behind, or a
@@ -91,10 +92,30 @@ class FidelityGuard:
         checked, the last growth_window at most; the KL is nan until that update is made."""
         self.pending_kl = 0.0
         """This rank's KL of the last update, summed over the data-parallel ranks with the next check."""
+        self.canary_due = uses_canary
+        """The canary of the version in service is due at the next check_step (the first one's)."""
 
     @property
     def bound(self) -> float:
         return self.config.floor_factor * self.floor
+
+    def state_dict(self) -> dict:
+        """What a run's checkpoint keeps of the guard (JSON): the floor, the growth rule's window and
+        the KL of the last update, so that a resumed run goes on with the floor and window of the
+        run it resumes (a floor measured again at the resumed version would be measured on an engine
+        that may already drift)."""
+        history = [[version, gap, None if math.isnan(kl) else kl] for version, gap, kl in self.history]
+        return {"engine": self.engine, "floor": self.floor, "history": history, "pending_kl": self.pending_kl}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """The guard as `state_dict` saved it. None (a checkpoint saved without it), or one of another
+        engine, whose floor may differ: the floor is measured again and the window starts empty."""
+        if state is None or state["engine"] != self.engine:
+            saved = "no guard state" if state is None else f"the guard state of the {state['engine']}"
+            logger.info("fidelity guard: the checkpoint has %s; the floor is measured again", saved)
+            return
+        self.floor, self.pending_kl = state["floor"], state["pending_kl"]
+        self.history = [(version, gap, math.nan if kl is None else kl) for version, gap, kl in state["history"]]
 
     def check_step(self, ctx: RunContext, task_step: TaskStep) -> dict[str, float]:
         """The step's gaps per token under each token's version (or, with the canary, its first one
@@ -102,8 +123,9 @@ class FidelityGuard:
         if self.config.mode == "off":
             return {}
         task = task_step.task
-        if self.uses_canary:
-            return self.canary(ctx, task) if self.floor is None else {}
+        if self.uses_canary:  # at the first check: the version the run starts from (0, or the resumed one)
+            canary_due, self.canary_due = self.canary_due, False
+            return self.canary(ctx, task) if canary_due else {}
         gaps, lags = task_step.prepared.gaps["numerics"], task_step.prepared.lag.long()
         if task.adapter_history is None:  # lagging tokens' gaps include the version lag: only lag 0
             gaps, lags = gaps[lags == 0], lags[lags == 0]
@@ -132,7 +154,7 @@ class FidelityGuard:
             of_lag = gaps[lags == lag]
             per_lag += [float(of_lag.sum()), float(of_lag.numel())]
         *totals, kl_sum = ctx.dp_sum(*per_lag, self.pending_kl)
-        self._record_kl(kl_sum / ctx.dp)
+        self._record_kl(version, kl_sum / ctx.dp)
         largest = ctx.dp_max(float(gaps.max()) if gaps.numel() else 0.0)
         count = sum(totals[1::2])
         if count == 0:
@@ -154,9 +176,10 @@ class FidelityGuard:
         metrics["rise"] = self._check_growth(version, mean)
         return {f"{self.prefix}fidelity_{key}": value for key, value in metrics.items()}
 
-    def _record_kl(self, kl: float) -> None:
-        """The KL of the update made since the last check: that of the last version checked."""
-        if self.history and math.isnan(self.history[-1][2]):
+    def _record_kl(self, version: int, kl: float) -> None:
+        """The KL of the update made since the last check: that of the last version checked, if it
+        is older than `version`."""
+        if self.history and self.history[-1][0] < version and math.isnan(self.history[-1][2]):
             self.history[-1] = (*self.history[-1][:2], kl)
 
     def _check_growth(self, version: int, mean: float) -> float:
@@ -165,7 +188,9 @@ class FidelityGuard:
         window = self.config.growth_window
         if window == 0:
             return 0.0
-        self.history = [*self.history, (version, mean, math.nan)][-window:]
+        # a version checked again (a resumed run's canary of the version it serves) has its new gap
+        older = [entry for entry in self.history if entry[0] < version]
+        self.history = [*older, (version, mean, math.nan)][-window:]
         if len(self.history) < window:
             return 0.0
         versions, gaps, kls = zip(*self.history)

@@ -354,6 +354,8 @@ class RLRun:
         """Load each task's checkpoint (archon.rl.run.checkpoints.load_checkpoints) and serve its
         adapter. Returns the RL step to go on from."""
         first = load_checkpoints(self.ctx, self.tasks, self.resume_from)
+        for task in self.tasks:
+            self.guards[task.name].load_state_dict(task.resumed_fidelity)
         self.metrics.drop_after(first)  # steps the killed run logged past its checkpoint are run again
         for task in self.tasks:
             self.publish(task, task.version)
@@ -413,4 +415,4 @@ class RLRun:
     def save(self, step: int, final: bool = False) -> None:
         """Each active task's resume checkpoint and adapter for RL step `step`
         (archon.rl.run.checkpoints.save); a stopped task keeps its last ones."""
-        save_checkpoints(self.ctx, self.active(), step, final)
+        save_checkpoints(self.ctx, self.active(), step, self.guards, final)

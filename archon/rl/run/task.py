@@ -156,6 +156,8 @@ class Task:
         """RL steps in a row (the latest last) with an update skipped for a non-finite loss or gradient."""
         self.reward_failure_streak: list[int] = []
         """RL steps in a row on which the reward function failed on every sample."""
+        self.resumed_fidelity: dict | None = None
+        """The fidelity guard's state in the checkpoint a resumed run loaded (archon.rl.run.fidelity)."""
         self.skipped_steps = 0
         """RL steps so far with a skipped update (the `skipped_steps` metric)."""
         self.trained_iterator_state: dict | None = None
@@ -243,6 +245,7 @@ class Task:
         self.skipped_steps = data.get("skipped_steps", 0)
         self.skipped_streak = data.get("skipped_streak", [])
         self.reward_failure_streak = data.get("reward_failure_streak", [])
+        self.resumed_fidelity = data.get("fidelity")
 
     def record_step(self, step: int, outcome: TaskStep, metrics: dict[str, float]) -> Exception | None:
         """Count RL step `step` (`outcome`: the task's step; `metrics`: the run's, this task's under
