@@ -143,6 +143,32 @@ def test_the_guard_stops_a_gap_that_grows_each_version_while_the_trainers_kl_doe
         guard.after_publish(ctx, _published(0.0))
 
 
+def test_the_guard_state_goes_through_json_and_goes_on_only_on_the_same_engine():
+    """A checkpoint keeps the floor, the window (a version's KL not yet known: null) and the last
+    update's KL; a guard that loads them stops at the version the saved one would. Checked again at
+    the version it resumes (the canary of the version in service), that version's gap is replaced,
+    not added. Another engine's state is not taken: its floor is measured again."""
+    config = FidelityConfig(floor_factor=10, min_floor=1e-4, growth_window=4, growth_factor=3)
+    ctx, gaps = _one_rank_ctx(), [1e-6, 1e-4, 2.5e-4, 4.5e-4]
+    saved = FidelityGuard(config, "built-in engine", False, "", "")
+    for version, gap in enumerate(gaps[:3]):
+        saved.check_step(ctx, _step(version, [gap], [0]))
+        saved.after_publish(ctx, _published(1e-6))
+    state = json.loads(json.dumps(saved.state_dict(), allow_nan=False))
+    assert state["history"][-1] == [2, pytest.approx(2.5e-4), None] and state["pending_kl"] == 1e-6
+    resumed = FidelityGuard(config, "built-in engine", False, "", "")
+    resumed.load_state_dict(state)
+    resumed.check_step(ctx, _step(2, [gaps[2]], [0]))
+    assert [version for version, _, _ in resumed.history] == [0, 1, 2]
+    with pytest.raises(FidelityError, match=r"from 1e-06 nats at version 0 to 0\.00045 at version 3"):
+        resumed.check_step(ctx, _step(3, [gaps[3]], [0]))
+    other = FidelityGuard(config, "vLLM engine", False, "", "")
+    other.load_state_dict(state)
+    assert other.floor is None and other.history == []
+    other.load_state_dict(None)  # a checkpoint saved without it
+    assert other.floor is None
+
+
 # ---- clean runs ---------------------------------------------------------------------------------
 
 
