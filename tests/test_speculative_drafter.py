@@ -18,7 +18,7 @@ from archon.demos.warm_start import prepare_demo
 from archon.rl.config import load_config_file
 from archon.rollout import speculative
 from archon.rollout.base import SamplingParams
-from archon.rollout.drafter import DraftHead, DraftHeadDrafter, load_draft_head, save_draft_head
+from archon.rollout.drafter import DraftHead, DraftHeadDrafter, distill_draft_head, load_draft_head, save_draft_head
 from archon.rollout.native import NativeRolloutEngine
 
 pytestmark = pytest.mark.usefixtures("float64_math")  # the equalities compare in float64
@@ -70,6 +70,44 @@ def test_draft_head_greedy_equals_plain_greedy(tiny_checkpoint):
         for a, b in zip(got, plain_stopping):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-10  # measured at most 2.2e-15
         assert 0 < engine.stats.speculative_accepted < engine.stats.speculative_proposed
+
+
+def _rejection_rate(target, head, sequences) -> float:
+    """The mean over the completion positions of 1 - sum_x min(p(x), q(x)): the probability that a
+    sampled first draft is rejected, q the head's distribution from the target's hidden state at
+    t - 1 and token t, p the target's at t + 1 (temperature 1)."""
+    rates = []
+    for ids, prompt_len in sequences:
+        tokens, n = torch.tensor(ids), len(ids)
+        args = (tokens, torch.arange(n), torch.tensor([0, n]), n)
+        with torch.no_grad():
+            hidden, p = target(*args, return_hidden=True), torch.softmax(target(*args), dim=-1)  # row j: token j + 1
+            for j in range(prompt_len - 1, n - 2):
+                out = head(hidden[j : j + 1], tokens[j + 1 : j + 2], target.embed_tokens)
+                q = torch.softmax(head.logits(out, target.output_weight), dim=-1)[0]
+                rates.append(1 - float(torch.minimum(p[j + 1], q).sum()))
+    return sum(rates) / len(rates)
+
+
+def test_total_variation_phase_fits_the_rejection_rate(tiny_checkpoint):
+    """distill_draft_head's second phase: its loss is the probability that a sampled draft is
+    rejected, 1 - sum_x min(p, q) (computed here from the target's logits and the head), and its
+    steps lower it from where the KL phase left the head (one batch of every entry, depth 1)."""
+    target = build_model(tiny_checkpoint("qwen3", seed=0, vocab_size=64), dtype=torch.float64).model.eval()
+    target.requires_grad_(False)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, seed=0)
+    samples = NativeRolloutEngine(target).generate(PROMPTS, sampling)
+    sequences = [(s.prompt_ids + s.completion_ids, len(s.prompt_ids)) for s in samples]
+    heads, losses = [], []
+    for tv_steps in (0, 1, 20):
+        torch.manual_seed(0)
+        heads.append(DraftHead(target.embed_tokens.weight.shape[-1], 64).double())
+        losses.append(
+            distill_draft_head(target, sequences, heads[-1], 1, 20, 4096, 3e-3, 0, tv_steps, 3e-3, log=lambda *_: None)
+        )
+    after_kl = _rejection_rate(target, heads[0], sequences)
+    assert abs(losses[1] - after_kl) < 1e-10  # the TV phase's first loss, before its first step
+    assert _rejection_rate(target, heads[2], sequences) < after_kl - 0.01, after_kl
 
 
 def test_shipped_demo_drafter_greedy(demo_base):
@@ -148,9 +186,9 @@ def test_the_command_writes_a_head_that_loads(demo, tmp_path):
     """python -m archon.demos.drafter on a few prompts and steps: the head lands under its settings'
     digest, with them in its metadata, and drafts for the demo base."""
     settings, seed, files = demo
-    args = ["--head.num-prompts", "64", "--head.steps", "5", "--head.batch-size", "32", "--out-dir", str(tmp_path)]
-    path = demo_drafter.main(args)
-    head_settings = demo_drafter.DraftHeadSettings(num_prompts=64, steps=5, batch_size=32)
+    args = ["--head.num-prompts", "64", "--head.steps", "5", "--head.tv-steps", "3", "--head.batch-size", "32"]
+    path = demo_drafter.main([*args, "--held-out-samples", "1", "--out-dir", str(tmp_path)])
+    head_settings = demo_drafter.DraftHeadSettings(num_prompts=64, steps=5, tv_steps=3, batch_size=32)
     assert path == tmp_path / f"{demo_drafter.drafter_key(settings, seed, head_settings)}.safetensors"
     from safetensors import safe_open
 

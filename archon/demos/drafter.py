@@ -31,7 +31,7 @@ from archon.demos import DEMO_CONFIG
 from archon.demos.warm_start import DemoFiles, _cache_key, prepare_demo
 from archon.rl.config import DemoConfig, load_config_file
 from archon.rollout.base import SamplingParams
-from archon.rollout.drafter import DraftHead, distill_draft_head, save_draft_head
+from archon.rollout.drafter import DraftHead, DraftHeadDrafter, distill_draft_head, save_draft_head
 from archon.rollout.native import NativeRolloutEngine
 
 PACKAGED_DRAFTERS = Path(__file__).resolve().parent / "drafters"
@@ -52,8 +52,13 @@ class DraftHeadSettings:
     num_prompts: int = 0
     """Training prompts used, the first ones of the demo's training split (0: all)."""
     steps: int = 4000
+    """Adam steps of the first phase, the KL divergence to the base's distributions (constant lr)."""
     batch_size: int = 512
     lr: float = 3e-3
+    tv_steps: int = 800
+    """Adam steps of the second phase, the total variation distance to the base's distributions (what
+    a sampled draft's rejection probability is), the lr decaying from tv_lr to 0."""
+    tv_lr: float = 1e-3
 
 
 @dataclasses.dataclass
@@ -65,6 +70,9 @@ class DrafterCommand:
     head: DraftHeadSettings = dataclasses.field(default_factory=DraftHeadSettings)
     out_dir: str | None = None
     """Where to write the head (default: where archon ships it, archon/demos/drafters)."""
+    held_out_samples: int = 8
+    """Sampled completions (temperature 1) per held-out problem with which the written head's
+    acceptance is measured (0: not measured)."""
 
 
 def drafter_key(demo, seed: int, head: DraftHeadSettings) -> str:
@@ -118,10 +126,50 @@ def make_draft_head(files: DemoFiles, head: DraftHeadSettings, seed: int, log=pr
         sequences = base_outputs(model, tokenizer, prompts, head, seed)
         log(f"drafter: {len(sequences)} base outputs over {len(prompts)} training prompts")
         draft = DraftHead(model.embed_tokens.weight.shape[-1], head.hidden_dim)
-        distill_draft_head(model, sequences, draft, head.depth, head.steps, head.batch_size, head.lr, seed, log)
+        distill_draft_head(
+            model,
+            sequences,
+            draft,
+            head.depth,
+            head.steps,
+            head.batch_size,
+            head.lr,
+            seed,
+            head.tv_steps,
+            head.tv_lr,
+            log,
+        )
     finally:
         torch.set_num_threads(threads)
     return draft
+
+
+def held_out_acceptance(
+    files: DemoFiles, draft: DraftHead, head: DraftHeadSettings, samples: int, seed: int
+) -> dict[str, list[float | None]]:
+    """The acceptance per draft position (`DraftHeadDrafter.acceptance_by_position`, `head.depth`
+    drafts a round) of the demo base with `draft` on the demo's held-out problems, which the head
+    was not distilled on: greedy (one completion each) and sampled (temperature 1, `samples` each)."""
+    from transformers import AutoTokenizer
+
+    model = build_model(str(files.model_dir), lora=None).model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(files.model_dir)
+    rows = [json.loads(line) for line in files.held_out_path.read_text().splitlines()]
+    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows]
+    acceptance = {}
+    for name, temperature, n in (("greedy", 0.0, 1), ("sampled", 1.0, samples)):
+        drafter = DraftHeadDrafter(model, draft, head.depth)
+        engine = NativeRolloutEngine(model, max_batch_sequences=len(prompts) * n, drafter=drafter)
+        sampling = SamplingParams(
+            max_new_tokens=head.max_new_tokens,
+            temperature=temperature,
+            n=n,
+            stop_token_ids=(tokenizer.eos_token_id,),
+            seed=seed,
+        )
+        engine.generate(prompts, sampling)
+        acceptance[name] = drafter.acceptance_by_position()
+    return acceptance
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -133,16 +181,19 @@ def main(argv: list[str] | None = None) -> Path:
     command = tyro.cli(
         DrafterCommand, default=DrafterCommand(config.demo, config.seed), args=sys.argv[1:] if argv is None else argv
     )
+    key = drafter_key(command.demo, command.seed, command.head)
+    target = (Path(command.out_dir) if command.out_dir else PACKAGED_DRAFTERS) / f"{key}.safetensors"
+    settings = {"warm_start": _cache_key(command.demo, command.seed), "head": dataclasses.asdict(command.head)}
     with tempfile.TemporaryDirectory() as cache_dir:
         demo = dataclasses.replace(command.demo, cache_dir=cache_dir)
         files = prepare_demo(demo, config.parallel, command.seed, rank=0)
         draft = make_draft_head(files, command.head, command.seed)
-    key = drafter_key(command.demo, command.seed, command.head)
-    target = (Path(command.out_dir) if command.out_dir else PACKAGED_DRAFTERS) / f"{key}.safetensors"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"warm_start": _cache_key(command.demo, command.seed), "head": dataclasses.asdict(command.head)}
-    save_draft_head(draft, target, settings)
-    print(f"wrote {target}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_draft_head(draft, target, settings)
+        print(f"wrote {target}")
+        if command.held_out_samples > 0:
+            acceptance = held_out_acceptance(files, draft, command.head, command.held_out_samples, command.seed)
+            print(f"held-out acceptance by draft position: {json.dumps(acceptance)}")
     return target
 
 

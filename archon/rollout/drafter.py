@@ -22,6 +22,7 @@ target it was distilled for: it has no embedding or output head of its own.
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -232,21 +233,42 @@ def distill_draft_head(
     batch_size: int,
     lr: float,
     seed: int,
+    tv_steps: int = 0,
+    tv_lr: float = 0.0,
     log=print,
 ) -> float:
     """Fit `head` to `model`'s own distributions: `sequences` are (token ids, prompt length) pairs,
     the target's outputs after their prompts. At each completion position t - 1 (from the prompt's
     last token) and each draft depth i < `depth`, the head chained i + 1 times from the target's
     hidden state at t - 1 over the tokens t .. t + i (teacher forcing: the target's own tokens, as
-    accepted drafts are) is scored against the target's distribution at t + i (soft targets: the
-    KL divergence). Adam, `steps` steps of `batch_size` sequences. Returns the last step's loss."""
-    hidden, target_logprobs, tokens, entries, room = _distillation_data(model, sequences)
-    rng = random.Random(seed)
+    accepted drafts are) is scored against the target's distribution at t + i (soft targets).
+
+    Two phases of Adam on `batch_size` entries a step: `steps` steps at `lr` of the KL divergence
+    KL(p || q), then `tv_steps` steps of the total variation distance TV(p, q) = 1 - sum_x min(p(x),
+    q(x)), the lr decaying from `tv_lr` to 0 (cosine). A sampled draft drawn from q is accepted with
+    probability sum_x min(p(x), q(x)), so the second phase minimises exactly what a rejection costs;
+    the KL phase gets there from a random start (the TV's gradient vanishes where q has no mass on
+    p's tokens). Returns the last step's loss."""
+    data = _distillation_data(model, sequences)
     head.train()
+    loss = _fit(head, model, data, "KL", depth, steps, batch_size, lr, seed, log, decay=False)
+    if tv_steps > 0:
+        loss = _fit(head, model, data, "TV", depth, tv_steps, batch_size, tv_lr, seed + 1, log, decay=True)
+    head.eval()
+    return loss
+
+
+def _fit(head, model, data, objective: str, depth, steps, batch_size, lr, seed, log, decay: bool) -> float:
+    """`steps` Adam steps of `objective` (KL or TV, see distill_draft_head) over `data`
+    (_distillation_data's); with `decay` the lr follows a cosine from `lr` to 0."""
+    hidden, target_logprobs, tokens, entries, room = data
+    rng = random.Random(seed)
     optimizer = torch.optim.Adam(head.parameters(), lr=lr)
     order = list(range(len(entries)))
     loss = torch.zeros(())
     for step in range(steps):
+        if decay:
+            optimizer.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         chosen = torch.tensor(rng.sample(order, min(batch_size, len(order))))
         start, depths = entries[chosen], room[chosen].clamp(max=depth)  # [B] positions t - 1, depths to score
         optimizer.zero_grad()
@@ -258,13 +280,16 @@ def distill_draft_head(
             out, start, depths = out[scored], start[scored], depths[scored]
             out = head(out, tokens[start + 1 + i], model.embed_tokens)
             logprobs = F.log_softmax(head.logits(out, model.output_weight).float(), dim=-1)
-            kl = F.kl_div(logprobs, target_logprobs[start + 1 + i], log_target=True, reduction="batchmean")
-            loss = loss + kl / depth
+            target = target_logprobs[start + 1 + i]
+            if objective == "KL":
+                divergence = F.kl_div(logprobs, target, log_target=True, reduction="batchmean")
+            else:
+                divergence = 0.5 * (target.exp() - logprobs.exp()).abs().sum(dim=-1).mean()
+            loss = loss + divergence / depth
         loss.backward()
         optimizer.step()
         if (step + 1) % max(steps // 5, 1) == 0 or step + 1 == steps:
-            log(f"draft head step {step + 1}/{steps}: KL {float(loss.detach()):.4f}")
-    head.eval()
+            log(f"draft head step {step + 1}/{steps}: {objective} {float(loss.detach()):.4f}")
     return float(loss.detach())
 
 
