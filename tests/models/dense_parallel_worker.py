@@ -6,7 +6,8 @@
 Layouts are the keys of LAYOUTS; a checkpoint without `@` runs under tp2 only. Every rank runs the
 same packed batch; rank 0 writes, per checkpoint and layout, the largest |Δ hidden state|, the
 largest |Δ label log-prob| (the unembedding, vocab-sharded under TP) and the largest relative
-LoRA-gradient error against the unparallelized model.
+LoRA-gradient error against the unparallelized model. Both sides run in float64 inside
+fp32_islands_in_fp64, so the figures are float64 rounding (~1e-15) on any CPU's arithmetic.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from archon.head import label_logprobs
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import full_tensor
 from archon.parallel import ParallelConfig, reduce_partial_grads
+from archon.precision import fp32_islands_in_fp64
 from archon.tools.align import packed_batch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/
@@ -40,7 +42,7 @@ def hidden_logprobs_and_lora_grads(model, tokens, positions, cu_seqlens):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in sorted(lora_parameters(model).items()):
-            full = torch.randn(param.shape, generator=g) * 0.1
+            full = torch.randn(param.shape, generator=g, dtype=param.dtype) * 0.1
             region = local_region(param)
             copy_local_into(param, full if region is None else full[region], name)
     hidden = model(tokens, positions, cu_seqlens, max(SEQ_LENS), return_hidden=True)
@@ -56,13 +58,15 @@ def hidden_logprobs_and_lora_grads(model, tokens, positions, cu_seqlens):
 def compare_layouts(hf_dir: str, layouts: list[str], world: int) -> dict:
     lora = LoRAConfig(rank=4, alpha=8.0)
     _, tokens, positions, cu_seqlens = packed_batch(SEQ_LENS, 256, seed=0)
-    reference = build_model(hf_dir, lora=lora).model
+    reference = build_model(hf_dir, lora=lora, dtype=torch.float64).model
     ref_hidden, ref_logprobs, ref_grads = hidden_logprobs_and_lora_grads(reference, tokens, positions, cu_seqlens)
     results = {}
     for layout in layouts:
         degrees = LAYOUTS[layout]
         config = ParallelConfig(**degrees)
-        model = build_model(hf_dir, lora=lora, parallel=config, dims=config.dims(world, "cpu")).model
+        model = build_model(
+            hf_dir, lora=lora, dtype=torch.float64, parallel=config, dims=config.dims(world, "cpu")
+        ).model
         hidden, logprobs, grads = hidden_logprobs_and_lora_grads(model, tokens, positions, cu_seqlens)
         # FSDP2 (dp_shard > 1) sums gradients over data-parallel ranks, and every rank ran the same batch.
         scale = degrees["dp_shard"]
@@ -83,9 +87,10 @@ def main(out: str, checkpoints: list[str]) -> None:
     results = {}
     for checkpoint in checkpoints:
         hf_dir, _, layouts = checkpoint.partition("@")
-        results[hf_dir] = compare_layouts(
-            hf_dir, layouts.split(",") if layouts else list(DEFAULT_LAYOUTS), dist.get_world_size()
-        )
+        with fp32_islands_in_fp64():
+            results[hf_dir] = compare_layouts(
+                hf_dir, layouts.split(",") if layouts else list(DEFAULT_LAYOUTS), dist.get_world_size()
+            )
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -220,6 +220,7 @@ def test_parallel_layouts_match_one_process(tiny_checkpoint, tmp_path):
     for case, hf_dir in dirs.items():
         for layout in ("tp2", "fsdp2"):
             figures = results[hf_dir][layout]
-            assert figures["hidden_max_abs"] <= 1e-5, (case, layout, figures)
-            assert figures["logprob_max_abs"] <= 1e-5, (case, layout, figures)
-            assert figures["grad_max_rel"] <= 1e-5, (case, layout, figures)
+            # float64 against float64 (the worker runs inside fp32_islands_in_fp64)
+            assert figures["hidden_max_abs"] <= 1e-10, (case, layout, figures)
+            assert figures["logprob_max_abs"] <= 1e-10, (case, layout, figures)
+            assert figures["grad_max_rel"] <= 1e-10, (case, layout, figures)
