@@ -26,11 +26,18 @@ import torch.nn.functional as F
 from archon.rollout.base import SamplingParams
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits up to float32; float32 and float64 (a float64 run's) as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def truncated_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """logits [B, V] -> log-probs [B, V] of the distribution sampled from: softmax of logits /
     temperature, cut to the top_k largest, then to the smallest set of largest tokens whose mass
     reaches top_p, renormalised (-inf outside the kept set)."""
-    scaled = logits.float() if sampling.temperature == 1 else logits.float() / sampling.temperature
+    scaled = at_least_float32(logits)
+    if sampling.temperature != 1:
+        scaled = scaled / sampling.temperature
     if sampling.top_k and sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -57,7 +64,7 @@ def sample_next_tokens(
     uniforms: the U[0, 1) draws [B, 2] to use (float64) instead of drawing them from `generator`.
     """
     if sampling.temperature == 0:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = torch.log_softmax(at_least_float32(logits), dim=-1)
         tokens = logprobs.argmax(dim=-1)
     else:
         logprobs = truncated_logprobs(logits, sampling)
@@ -101,7 +108,7 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.
     shape = logits.shape
     flat = logits.reshape(-1, shape[-1])
     if sampling.temperature == 0:
-        return torch.log_softmax(flat.float(), dim=-1).view(shape)
+        return torch.log_softmax(at_least_float32(flat), dim=-1).view(shape)
     return truncated_logprobs(flat, sampling).view(shape)
 
 
