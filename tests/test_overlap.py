@@ -73,8 +73,8 @@ def test_an_overlapping_step_that_fails_reaches_the_trainer_naming_its_step():
 
 
 def _held_overlapping_generations(monkeypatch, run: RLRun, timeline: dict) -> None:
-    """Each step's generation, at its first decode step, holds until the next step's prompts are
-    drawn (so steps overlap on any machine) and, if it began behind its step (version < step),
+    """Each step's generation, at its first decode step, holds until the next step's generation has
+    begun (so steps overlap on any machine) and, if it began behind its step (version < step),
     until its lane holds the next version, which the trainer publishes only once the generation
     holds (so the publish lands in it). `timeline`: step -> [begin, end] times of its generation."""
     begin_rollouts, hold = collect_module.begin_rollouts, threading.local()
@@ -91,12 +91,14 @@ def _held_overlapping_generations(monkeypatch, run: RLRun, timeline: dict) -> No
         publish(self, version)
 
     def begin(ctx, task, task_step, engine=None):
-        event(drawn, task_step).set()
         behind = task.version < task_step
         generate = begin_rollouts(ctx, task, task_step, engine)
 
         def held() -> Rollouts:
             timeline[task_step] = [time.perf_counter(), None]
+            # released here, not when the prompts are drawn: the previous step holds until this
+            # generation has begun, whatever the scheduler does with this thread
+            event(drawn, task_step).set()
             hold.step, hold.behind, hold.engine = task_step, behind, engine
             try:
                 return generate()
@@ -113,7 +115,7 @@ def _held_overlapping_generations(monkeypatch, run: RLRun, timeline: dict) -> No
             hold.step = None
             if hold.behind:
                 event(holding, step).set()
-            if step + 1 < run.config.steps:  # drawn once the version this one began behind is published
+            if step + 1 < run.config.steps:  # begins once the version this one began behind is published
                 assert event(drawn, step + 1).wait(60)
             if hold.behind:
                 deadline = time.monotonic() + 60
