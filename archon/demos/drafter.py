@@ -88,6 +88,17 @@ def packaged_drafter(demo, seed: int, head: DraftHeadSettings | None = None) -> 
     return PACKAGED_DRAFTERS / f"{drafter_key(demo, seed, head or DraftHeadSettings())}.safetensors"
 
 
+def _demo_sampling(head: DraftHeadSettings, tokenizer, temperature: float, n: int, seed: int) -> SamplingParams:
+    """The demo's completions as the head is distilled and scored on: up to the end token."""
+    return SamplingParams(
+        max_new_tokens=head.max_new_tokens,
+        temperature=temperature,
+        n=n,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        seed=seed,
+    )
+
+
 def base_outputs(
     model, tokenizer, prompts: list[str], head: DraftHeadSettings, seed: int
 ) -> list[tuple[list[int], int]]:
@@ -98,13 +109,7 @@ def base_outputs(
     for temperature, n in ((0.0, 1), (1.0, head.sampled_per_prompt)):
         if n == 0:
             continue
-        sampling = SamplingParams(
-            max_new_tokens=head.max_new_tokens,
-            temperature=temperature,
-            n=n,
-            stop_token_ids=(tokenizer.eos_token_id,),
-            seed=seed,
-        )
+        sampling = _demo_sampling(head, tokenizer, temperature, n, seed)
         for sample in engine.generate(ids, sampling):
             sequences.append((sample.prompt_ids + sample.completion_ids, len(sample.prompt_ids)))
     return sequences
@@ -160,13 +165,7 @@ def held_out_acceptance(
     for name, temperature, n in (("greedy", 0.0, 1), ("sampled", 1.0, samples)):
         drafter = DraftHeadDrafter(model, draft, head.depth)
         engine = NativeRolloutEngine(model, max_batch_sequences=len(prompts) * n, drafter=drafter)
-        sampling = SamplingParams(
-            max_new_tokens=head.max_new_tokens,
-            temperature=temperature,
-            n=n,
-            stop_token_ids=(tokenizer.eos_token_id,),
-            seed=seed,
-        )
+        sampling = _demo_sampling(head, tokenizer, temperature, n, seed)
         engine.generate(prompts, sampling)
         acceptance[name] = drafter.acceptance_by_position()
     return acceptance
