@@ -1,4 +1,7 @@
 import dataclasses
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +12,27 @@ from archon.tools.align import make_tiny_hf_checkpoint
 # Tiny models gain nothing from a second intra-op thread, and on a busy machine the threads spin
 # waiting for each other (steps up to 100x slower).
 torch.set_num_threads(1)
+
+# vLLM's CPU worker binds its OpenMP threads to the first core of the machine by default
+# (VLLM_CPU_OMP_THREADS_BIND=auto), so the servers of both xdist workers, and any two servers one
+# test starts, share one core while the other waits. Unbound, four families' serving tests ran on
+# two workers in 84-85 s against 108-114 s bound (two alternated pairs, 2026-12-06). Servers that
+# tests launch inherit the environment.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+TEST_DURATIONS = Path(__file__).resolve().parent.parent / ".ci" / "test_durations.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (seconds per file from a recent CI run, .ci/test_durations.py), the
+    order within a file kept: `--dist loadfile --no-loadscope-reorder` then hands a worker the
+    next file in this order whenever it is free, and no long file starts last. Files not in the
+    table come last, in collection order."""
+    if not TEST_DURATIONS.is_file():
+        return
+    seconds = json.loads(TEST_DURATIONS.read_text(encoding="utf-8"))
+    root = Path(str(config.rootpath))
+    items.sort(key=lambda item: -seconds.get(Path(str(item.path)).relative_to(root).as_posix(), -1))
 
 
 @pytest.fixture
