@@ -26,8 +26,10 @@ def _sharded_mesh_dims(grad: DTensor) -> tuple[int, ...]:
 
 @torch.no_grad()
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The global L2 norm of all gradients (fp32, 0-dim), summing squares across the shards of
-    every DTensor gradient; replicated placements are counted once."""
+    """The global L2 norm of all gradients (0-dim; float32, or float64 when the gradients are),
+    summing squares across the shards of every DTensor gradient; replicated placements are counted
+    once. Squares are summed in at least float32, so bf16 gradients do not round the sum and
+    float64 gradients keep their precision."""
     device = None
     plain_sq = None
     sharded: dict[tuple, list] = {}
@@ -39,12 +41,13 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             mesh_dims = _sharded_mesh_dims(grad)
             local = grad.to_local()
             key = (id(grad.device_mesh), mesh_dims)
-            total_sq = torch.zeros((), dtype=torch.promote_types(local.dtype, torch.float32), device=local.device)
+            sum_dtype = torch.promote_types(local.dtype, torch.float32)
+            total_sq = torch.zeros((), dtype=sum_dtype, device=local.device)
             entry = sharded.setdefault(key, [grad.device_mesh, mesh_dims, total_sq])
-            entry[2] += local.float().pow(2).sum()
+            entry[2] = entry[2] + local.to(sum_dtype).pow(2).sum()
             device = local.device
         else:
-            sq = grad.float().pow(2).sum()
+            sq = grad.to(torch.promote_types(grad.dtype, torch.float32)).pow(2).sum()
             plain_sq = sq if plain_sq is None else plain_sq + sq
             device = grad.device
     if device is None:
