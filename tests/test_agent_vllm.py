@@ -16,6 +16,7 @@ from tests.helpers import require_vllm
 
 require_vllm()
 
+from archon.rollout.vllm_network import free_port  # noqa: E402
 from tests.helpers import vllm_test_server  # noqa: E402
 from tests.test_renderers_qwen_llama import qwen3_tokenizer  # noqa: E402
 
@@ -79,12 +80,12 @@ def train_two_ranks(checkpoint, run_dir: Path, *vllm_args: str) -> list[dict]:
 
 
 def test_an_agent_function_trains_on_servers_the_run_launches(checkpoint, tmp_path):
-    train_two_ranks(checkpoint, tmp_path / "run", "--rollout.vllm.port", "8179")
+    train_two_ranks(checkpoint, tmp_path / "run", "--rollout.vllm.port", str(free_port("127.0.0.1")))
 
 
 def test_an_agent_function_trains_on_a_server_given_by_url(checkpoint, tmp_path):
     model_dir, _ = checkpoint
-    with vllm_test_server(model_dir, 8178, tmp_path / "server") as server:
+    with vllm_test_server(model_dir, tmp_path / "server") as server:
         train_two_ranks(
             checkpoint,
             tmp_path / "run",

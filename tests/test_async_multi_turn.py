@@ -35,7 +35,7 @@ def demo_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(demo_files, tmp_path_factory):
-    with vllm_test_server(demo_files.model_dir, 8161, tmp_path_factory.mktemp("async_multi_turn")) as engine:
+    with vllm_test_server(demo_files.model_dir, tmp_path_factory.mktemp("async_multi_turn")) as engine:
         yield engine
 
 

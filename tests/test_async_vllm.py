@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 @pytest.fixture(scope="module")
 def server(demo_cache, tmp_path_factory):
     _, files = demo_cache
-    with vllm_test_server(files.model_dir, 8151, tmp_path_factory.mktemp("async_vllm")) as engine:
+    with vllm_test_server(files.model_dir, tmp_path_factory.mktemp("async_vllm")) as engine:
         yield engine
 
 

@@ -29,7 +29,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def server(demo_cache, tmp_path_factory):
     _, files = demo_cache
-    with vllm_test_server(files.model_dir, 8179, tmp_path_factory.mktemp("fidelity_clean")) as engine:
+    with vllm_test_server(files.model_dir, tmp_path_factory.mktemp("fidelity_clean")) as engine:
         yield engine
 
 

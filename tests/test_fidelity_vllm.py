@@ -24,7 +24,6 @@ from archon.rl.tasks import ArithmeticTaskConfig, arithmetic_splits, write_jsonl
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-PORT = 8173
 
 
 def _checkpoint(directory: Path, seed: int) -> Path:
@@ -40,7 +39,7 @@ def setup(tmp_path_factory):
     other_dir = _checkpoint(root / "other", seed=1)
     train, _ = arithmetic_splits(ArithmeticTaskConfig(operations=("+",), num_train=16, num_held_out=2))
     write_jsonl(train, root / "train.jsonl")
-    with vllm_test_server(model_dir, PORT, root) as server:
+    with vllm_test_server(model_dir, root) as server:
         yield {"root": root, "model_dir": model_dir, "other_dir": other_dir, "server": server}
 
 

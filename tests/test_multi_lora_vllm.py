@@ -17,6 +17,7 @@ from archon.rl.rollouts import task_servers  # noqa: E402
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.native import NativeRolloutEngine  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
+from archon.rollout.vllm_network import free_port  # noqa: E402
 from archon.sync.vllm import WorkerChannel  # noqa: E402
 from archon.sync.weight_sync import build_weight_sync  # noqa: E402
 from archon.trainer import Trainer, TrainerConfig, TrainerTask  # noqa: E402
@@ -39,7 +40,7 @@ def setup(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     for task in TASKS:
         randomise_lora(task_parameters(trainer.model, task.name), 0.5, g, lora_b_scale=0.3)
-    config = VLLMConfig(max_lora_rank=8, max_loras=4, port=8152, transport="collective")
+    config = VLLMConfig(max_lora_rank=8, max_loras=4, port=free_port("127.0.0.1"), transport="collective")
     server = VLLMRolloutEngine(
         config, model_path=str(model_dir), lora_rank=8, log_dir=root, longest_prompt_tokens=32, max_new_tokens=16
     )

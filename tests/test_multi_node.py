@@ -12,7 +12,6 @@ shards of a checkpoint into it. See docs/multi_node.md."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from archon.rollout.vllm_network import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "grpo_lora.py"
 STEPS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +101,7 @@ def run_two_nodes(workdirs: tuple[Path, Path], args: list[str], env: dict, timeo
     address (--local-addr) and runs in its own working directory. The rendezvous, not --node-rank,
     decides which launcher gets rank 0. Returns each launcher's output (stdout and stderr) once both
     have exited 0."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     launchers = []
     try:
         for node, workdir in enumerate(workdirs):
@@ -248,7 +243,7 @@ def rollout_server(tiny_setup, tmp_path_factory):
     from archon.rollout.vllm_launch import WORKER_EXTENSION
     from archon.rollout.vllm_worker import WORKER_SECRET_ENV
 
-    port, secret = _free_port(), "multi-node-test-secret"
+    port, secret = free_port("127.0.0.1"), "multi-node-test-secret"
     log_path = tmp_path_factory.mktemp("rollout_machine") / "server.log"
     cmd = [
         sys.executable,

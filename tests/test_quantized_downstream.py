@@ -587,7 +587,7 @@ def test_vllm_serving_the_dequantized_export_takes_a_kept_quantized_bases_adapte
     def native() -> list[list[int]]:
         return [s.completion_ids for s in NativeRolloutEngine(trainer.model).generate(prompts, sampling)]
 
-    with vllm_test_server(served, 8171, root) as server:
+    with vllm_test_server(served, root) as server:
         base_tokens = [s.completion_ids for s in server.generate(prompts, sampling)]
         assert base_tokens == native()  # the adapter starts at zero
         randomise_served_adapter(trainer.model, seed=1)

@@ -15,6 +15,7 @@ require_vllm()
 from archon.rl.reward_http import JudgeConfig  # noqa: E402
 from archon.rl.rewards import RewardConfig, RewardScorer, RewardTermConfig  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
+from archon.rollout.vllm_network import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -29,7 +30,7 @@ PROMPTS, COMPLETIONS, REFERENCES = ["2+2", "3*3", "7-5"], ["4", "6", "2"], ["4",
 def judge_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("judge")
     model_dir, _ = tiny_char_checkpoint("qwen3", root / "model", head_dim=32, use_sliding_window=False)
-    config = VLLMConfig(port=8177, transport="disk")
+    config = VLLMConfig(port=free_port("127.0.0.1"), transport="disk")
     with VLLMRolloutEngine(
         config, model_path=str(model_dir), log_dir=root, longest_prompt_tokens=160, max_new_tokens=32
     ) as engine:

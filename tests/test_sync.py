@@ -19,6 +19,7 @@ from archon.lora import LoRAConfig
 from archon.precision import fp32_islands_in_fp64
 from archon.rollout.base import SamplingParams
 from archon.rollout.policy import ServedPolicy
+from archon.rollout.vllm_network import free_port
 from archon.rollout.vllm_server import RequestThreads, Server, VLLMServerError, VLLMServers
 from archon.sync import (
     StatelessGroup,
@@ -32,17 +33,9 @@ from archon.sync import (
 FLOAT64_TOL = 1e-10
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _broadcast(named_tensors, bucket_bytes: int) -> tuple[dict, list]:
     """Rank 0 sends in one thread, rank 1 receives in another; returns (send stats, received)."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     received, errors = [], []
 
     def receiver() -> None:

@@ -23,6 +23,7 @@ require_vllm()
 
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
+from archon.rollout.vllm_network import free_port  # noqa: E402
 from archon.rollout.vllm_server import VLLMServerError  # noqa: E402
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV  # noqa: E402
 from archon.sync.vllm import (  # noqa: E402
@@ -53,7 +54,7 @@ def setup(tmp_path_factory):
         use_sliding_window=False,  # vLLM serves no mix of sliding-window and full layers
     )
     trainer = Trainer(TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
-    config = VLLMConfig(max_lora_rank=8, port=8131, transport="collective", api_key=API_KEY)
+    config = VLLMConfig(max_lora_rank=8, port=free_port("127.0.0.1"), transport="collective", api_key=API_KEY)
     server = VLLMRolloutEngine(
         config,
         model_path=str(model_dir),
@@ -185,7 +186,7 @@ def test_server_that_dies_at_start_reports_vllms_reason_then_its_log(setup, tmp_
     """A max_model_len set above the model's context is vLLM's to judge (RoPE scaling may allow it);
     here it ends the server at start, and the error shows vLLM's reason, not the traceback frames
     around it."""
-    config = VLLMConfig(max_lora_rank=8, port=8132, max_model_len=100000)
+    config = VLLMConfig(max_lora_rank=8, port=free_port("127.0.0.1"), max_model_len=100000)
     with pytest.raises(VLLMServerError) as failure:
         VLLMRolloutEngine(config, model_path=str(setup["model_dir"]), lora_rank=8, log_dir=tmp_path)
     message = str(failure.value)

@@ -37,6 +37,7 @@ require_vllm()
 from archon.rl.config import RolloutConfig  # noqa: E402
 from archon.rollout.base import SamplingParams  # noqa: E402
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine  # noqa: E402
+from archon.rollout.vllm_network import free_port  # noqa: E402
 from archon.spec import get_spec  # noqa: E402
 from archon.sync import build_weight_sync, full_payload  # noqa: E402
 
@@ -66,7 +67,6 @@ MLA_FAMILIES = {"deepseek_v3"}
 SERVED_CASES = [
     (model_type, amx) for model_type in FAMILIES for amx in ((True, False) if model_type in MLA_FAMILIES else (None,))
 ]
-BASE_PORT = 8140  # case i is served on BASE_PORT + i
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...; the families' tiny configs use 16 or 24.
 # Its CPU MLA kernel only takes a latent of kv_lora_rank + qk_rope_head_dim = 512 + 64 (DeepSeek-V3's).
 CPU_HEAD_SIZE_OVERRIDES = {
@@ -152,7 +152,7 @@ def test_vllm_serves_the_native_adapter_tokens_in_the_familys_mode(model_type, a
     config = VLLMConfig(
         max_lora_rank=LORA_RANK,
         max_model_len=256,
-        port=BASE_PORT + SERVED_CASES.index((model_type, amx)),
+        port=free_port("127.0.0.1"),
         transport="collective",
     )
     mla = model_type in MLA_FAMILIES

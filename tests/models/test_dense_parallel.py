@@ -5,12 +5,13 @@ FSDP2 is the families' shared pipeline and is tested with it."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from archon.rollout.vllm_network import free_port
 
 WORKER = Path(__file__).with_name("dense_parallel_worker.py")
 TOLERANCE = 1e-10  # float64 against float64 (the worker runs inside fp32_islands_in_fp64)
@@ -25,12 +26,6 @@ CASES = {
 LAYOUTS = {"olmo3": ("tp2", "fsdp2"), "gemma3_text": ("tp2", "fsdp2")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_tp2_matches_one_process(tiny_checkpoint, tmp_path):
     dirs = {model_type: str(tiny_checkpoint(model_type, **overrides)) for model_type, overrides in CASES.items()}
@@ -42,7 +37,7 @@ def test_tp2_matches_one_process(tiny_checkpoint, tmp_path):
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port("127.0.0.1")),
         str(WORKER),
         str(out),
         *(f"{hf_dir}@{','.join(LAYOUTS.get(model_type, ('tp2',)))}" for model_type, hf_dir in dirs.items()),
