@@ -1,7 +1,5 @@
 import dataclasses
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,20 +17,6 @@ torch.set_num_threads(1)
 # two workers in 84-85 s against 108-114 s bound (two alternated pairs, 2026-12-06). Servers that
 # tests launch inherit the environment.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
-TEST_DURATIONS = Path(__file__).resolve().parent.parent / ".ci" / "test_durations.json"
-
-
-def pytest_collection_modifyitems(config, items):
-    """Longest files first (seconds per file from a recent CI run, .ci/test_durations.py), the
-    order within a file kept: `--dist loadfile --no-loadscope-reorder` then hands a worker the
-    next file in this order whenever it is free, and no long file starts last. Files not in the
-    table come last, in collection order."""
-    if not TEST_DURATIONS.is_file():
-        return
-    seconds = json.loads(TEST_DURATIONS.read_text(encoding="utf-8"))
-    root = Path(str(config.rootpath))
-    items.sort(key=lambda item: -seconds.get(Path(str(item.path)).relative_to(root).as_posix(), -1))
 
 
 @pytest.fixture
