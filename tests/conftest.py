@@ -1,5 +1,4 @@
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -10,13 +9,6 @@ from archon.tools.align import make_tiny_hf_checkpoint
 # Tiny models gain nothing from a second intra-op thread, and on a busy machine the threads spin
 # waiting for each other (steps up to 100x slower).
 torch.set_num_threads(1)
-
-# vLLM's CPU worker binds its OpenMP threads to the first core of the machine by default
-# (VLLM_CPU_OMP_THREADS_BIND=auto), so the servers of both xdist workers, and any two servers one
-# test starts, share one core while the other waits. Unbound, four families' serving tests ran on
-# two workers in 84-85 s against 108-114 s bound (two alternated pairs, 2026-12-06). Servers that
-# tests launch inherit the environment.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 @pytest.fixture
