@@ -186,11 +186,12 @@ def test_server_that_dies_at_start_reports_vllms_reason_then_its_log(setup, tmp_
     """A max_model_len set above the model's context is vLLM's to judge (RoPE scaling may allow it);
     here it ends the server at start, and the error shows vLLM's reason, not the traceback frames
     around it."""
-    config = VLLMConfig(max_lora_rank=8, port=free_port("127.0.0.1"), max_model_len=100000)
+    port = free_port("127.0.0.1")
+    config = VLLMConfig(max_lora_rank=8, port=port, max_model_len=100000)
     with pytest.raises(VLLMServerError) as failure:
         VLLMRolloutEngine(config, model_path=str(setup["model_dir"]), lora_rank=8, log_dir=tmp_path)
     message = str(failure.value)
-    assert message.startswith("vLLM server failed to start: vLLM server http://127.0.0.1:8132 exited with code 1: ")
+    assert message.startswith(f"vLLM server failed to start: vLLM server http://127.0.0.1:{port} exited with code 1: ")
     assert "\n  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len" in message
     assert 'File "' not in message  # no traceback frames
     assert message.endswith(f"\nFull server log: {(tmp_path / 'vllm_logs' / 'server_0.log').resolve()}")
