@@ -1,14 +1,20 @@
 import dataclasses
+import os
 
 import pytest
 import torch
 from helpers import randomised_lora_model
 
+from archon.rollout.vllm_launch import separate_inductor_cache
 from archon.tools.align import make_tiny_hf_checkpoint
 
 # Tiny models gain nothing from a second intra-op thread, and on a busy machine the threads spin
 # waiting for each other (steps up to 100x slower).
 torch.set_num_threads(1)
+
+# A suite run under ATEN_CPU_CAPABILITY compiles into a cache of its own (the tests' processes and
+# the vLLM workers they start inherit it): inductor's cache does not tell capabilities apart.
+separate_inductor_cache(os.environ)
 
 
 @pytest.fixture

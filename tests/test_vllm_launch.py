@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import require_vllm
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from archon.rollout import vllm_server
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
@@ -62,6 +63,8 @@ DEEPSEEK_CONFIG = {
     "max_position_embeddings": 512,
 }
 QWEN3_CONFIG = {"model_type": "qwen3", "head_dim": 32, "max_position_embeddings": 128}
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- max_model_len ------------------------------------------------------------------------------
@@ -373,6 +376,60 @@ def test_secret_and_api_key_reach_the_server_in_its_environment_only(tmp_path, m
         assert env[WORKER_SECRET_ENV] not in args and "key-123" not in args and "--api-key" not in args
     assert secrets[0] != secrets[1]  # one per run
     assert WORKER_SECRET_ENV not in os.environ  # the trainer's own environment (its children) is left alone
+
+
+@pytest.mark.parametrize("given", [None, "/somewhere/else", "/somewhere/else-aten-default"])
+def test_a_server_under_another_cpu_capability_compiles_into_a_cache_of_its_own(given, tmp_path, monkeypatch):
+    model = _model_dir(tmp_path, QWEN3_CONFIG)
+    launches = _fake_launches(monkeypatch, "")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    if given is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", given)
+    with pytest.raises(VLLMServerError):
+        VLLMRolloutEngine(VLLMConfig(max_model_len=64), model_path=str(model), log_dir=tmp_path)
+    expected = given if given and given.endswith("-aten-default") else f"{given or default_cache_dir()}-aten-default"
+    assert launches[-1]["env"]["TORCHINDUCTOR_CACHE_DIR"] == expected
+
+
+COMPILED_COUNT = """
+import os, sys
+import torch
+from archon.rollout.vllm_launch import separate_inductor_cache
+if sys.argv[1] == "separate":
+    separate_inductor_cache(os.environ)
+@torch.compile(dynamic=True)
+def count_at_least(x, v):
+    return (x >= v).sum(-1)
+x = torch.arange(64, dtype=torch.float32).reshape(2, 32)
+print(torch.backends.cpu.get_cpu_capability(), count_at_least(x, x[:, 5:6]).tolist())
+"""
+
+
+@pytest.mark.parametrize("cache", ["shared", "separate"])
+def test_inductor_kernels_cached_under_the_cpus_own_capability_fail_under_default_unless_separated(cache, tmp_path):
+    """The defect separate_inductor_cache works around, shown with torch alone: a reduction compiled
+    under the CPU's own capability and then under ATEN_CPU_CAPABILITY=default from the same cache
+    fails to build; from a cache of its own it builds and counts. (On a CPU whose own capability is
+    `default` both pass.)"""
+    import subprocess
+    import sys
+
+    base = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
+    base.pop("ATEN_CPU_CAPABILITY", None)
+    own = subprocess.run(
+        [sys.executable, "-c", COMPILED_COUNT, "shared"], env=base, capture_output=True, text=True, timeout=300
+    )
+    assert own.returncode == 0 and own.stdout.strip().endswith("[27, 27]"), own.stdout + own.stderr[-2000:]
+    other = {**base, "ATEN_CPU_CAPABILITY": "default"}
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILED_COUNT, cache], env=other, capture_output=True, text=True, timeout=300
+    )
+    if cache == "separate" or own.stdout.startswith("DEFAULT"):
+        assert run.returncode == 0 and run.stdout.strip() == "DEFAULT [27, 27]", run.stdout + run.stderr[-2000:]
+    else:
+        assert run.returncode != 0 and "CppCompileError" in run.stderr, run.stdout + run.stderr[-2000:]
 
 
 def test_collective_sync_to_given_servers_needs_the_secret_in_the_environment(monkeypatch):

@@ -11,7 +11,10 @@ import importlib.metadata
 import json
 import os
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
+
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from archon.rollout.vllm_config import VLLMConfig
 from archon.rollout.vllm_worker import WORKER_SECRET_ENV
@@ -249,6 +252,22 @@ def server_command(
     return args
 
 
+def separate_inductor_cache(env: MutableMapping[str, str]) -> None:
+    """Under ATEN_CPU_CAPABILITY: the inductor cache directory (TORCHINDUCTOR_CACHE_DIR, or torch's
+    default) with `-aten-<capability>` appended, a cache of that capability's own. Inductor's cache
+    keys its C++ kernels without the capability, so a kernel cached under AVX-512 is rebuilt under
+    `default` with AVX-512 vector code and without its headers ("'at::vec' has not been declared").
+    vLLM compiles its sampler's rank count with inductor even with enforce_eager, so a server asked
+    for log-probs died on its first such request."""
+    capability = env.get("ATEN_CPU_CAPABILITY")
+    if not capability:
+        return
+    cache = (env.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).rstrip("/")
+    suffix = f"-aten-{capability.lower()}"
+    if not cache.endswith(suffix):
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache + suffix
+
+
 def server_environment(config: VLLMConfig, index: int, *, worker_secret: str, api_key: str | None) -> dict[str, str]:
     """The environment of server `index`: this process's, plus what the server needs of archon."""
     env = dict(os.environ)
@@ -259,6 +278,7 @@ def server_environment(config: VLLMConfig, index: int, *, worker_secret: str, ap
     if api_key:  # in the environment: a command line is visible to every local user
         env["VLLM_API_KEY"] = api_key
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(config.cpu_kv_cache_gb))))
+    separate_inductor_cache(env)
     # the launched server must import this package (the worker extension) as the trainer does
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
