@@ -18,8 +18,10 @@ the order reversed every other round):
     offload  one process whose blocks copy what autograd saves into separate host buffers and back
              (the CPU has no device memory to free, so the copies are forced: what this measures is
              the bookkeeping's cost and how many saved-activation bytes stay with the compute)
-Figures per run: the step's peak RSS growth per rank (sampled every 5 ms, loading excluded; every
-run has glibc's mmap threshold fixed at 128 KiB, so a freed activation buffer leaves the RSS), the
+Figures per run: the step's peak growth of anonymous resident memory per rank (RssAnon, sampled
+every 5 ms, loading excluded: the heap and the tensors, not the file-backed pages that the kernel
+evicts under memory pressure; every run has glibc's mmap threshold fixed at 128 KiB, so a freed
+activation buffer leaves the RSS), the
 step time, tokens/s per rank, and the peak bytes of saved activations resident with the compute
 (counted by the offload hooks, in counting-only mode for single and cp2), each the median over the
 rounds; the ratios between runs are the medians of the rounds' ratios, with their min and max.
@@ -27,8 +29,7 @@ Then per family and
 option, the longest T that fits in 8 GB per rank, from the line through the two shortest lengths
 (memory grows linearly in T here: attention runs the fused kernel, the head is chunked), and, on
 paper, Qwen3.6-27B at 64K tokens with CP 1, 2, 4, 8 from the saved bytes per token measured on
-the small Qwen3.5 (large_model_estimate). Peak RSS understates long steps on a host whose kernel
-reclaims cold pages while they run (the saved-activation counts do not depend on it).
+the small Qwen3.5 (large_model_estimate).
 After each (family, T), stderr gets each ratio's median with its min-max over the rounds, whether
 CP=2's peak per rank is at most 0.55x the one process's in every round, the load averages before
 and after, and the CPU model. The last line printed (stdout) is JSON, with the same environment.
@@ -161,7 +162,7 @@ def worker(args: Args) -> None:
     trainer.train_step(_batch(vocab, WARMUP_TOKENS, seed=1), _pg_loss)
     batch = _batch(vocab, args.length, seed=2)
     hooks.reset_stats()
-    with PeakRSS() as rss:
+    with PeakRSS(anonymous=True) as rss:
         start = time.perf_counter()
         metrics = trainer.train_step(batch, _pg_loss)
         step_s = time.perf_counter() - start

@@ -115,6 +115,16 @@ def _rss_mb() -> float:
         return psutil.Process().memory_info().rss / 2**20
 
 
+def anon_rss_mb() -> float:
+    """Anonymous resident memory (heap, stacks, tensors) of this process: the resident set less its
+    file-backed and shared pages (/proc/self/statm), the RssAnon of /proc/self/status. Under memory
+    pressure the kernel evicts file-backed pages (shared libraries, mmap'd checkpoints) from the
+    resident set at any time; without swap, anonymous memory stays, so this does not move with
+    the machine's other jobs."""
+    _, resident, shared = (int(v) for v in Path("/proc/self/statm").read_text().split()[:3])
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _lifetime_peak_rss_mb() -> float:
     """Peak RSS of this process image (VmHWM is per address space, so it starts afresh at exec;
     ru_maxrss would include the parent's peak from before the exec)."""
@@ -130,9 +140,14 @@ def _lifetime_peak_rss_mb() -> float:
 class PeakRSS:
     """Peak RSS while a block runs, sampled every 5 ms from a thread (the kernel's own
     high-water mark is only updated lazily, so it can miss a peak that has been freed again).
+    `anonymous`: count anonymous memory only (`anon_rss_mb`, Linux), which the eviction of
+    file-backed pages under memory pressure does not move.
 
     Heap memory freed before the block (e.g. while loading, whose checkpoint reads go through mmap)
     is first handed back to the OS, so the block is measured on its own."""
+
+    def __init__(self, anonymous: bool = False) -> None:
+        self._measure = anon_rss_mb if anonymous else _rss_mb
 
     def __enter__(self) -> "PeakRSS":
         import ctypes
@@ -144,12 +159,12 @@ class PeakRSS:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except OSError:
             pass
-        self.start_mb = self.peak_mb = _rss_mb()
+        self.start_mb = self.peak_mb = self._measure()
         self._stop = threading.Event()
 
         def sample() -> None:
             while not self._stop.wait(0.005):
-                self.peak_mb = max(self.peak_mb, _rss_mb())
+                self.peak_mb = max(self.peak_mb, self._measure())
 
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
@@ -158,7 +173,7 @@ class PeakRSS:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_mb = max(self.peak_mb, _rss_mb())
+        self.peak_mb = max(self.peak_mb, self._measure())
 
 
 def sequence_lengths(seed: int) -> list[int]:
