@@ -12,7 +12,7 @@ import pytest
 from archon.agents.renderer import default_renderer_name, renderer_names
 from archon.spec import get_spec, supported_model_types
 
-WITHOUT_RENDERER = ("kimi_linear", "olmo3")
+WITHOUT_RENDERER = ("kimi_linear",)
 """The model_types with no default renderer: no public copy of their released chat template was found."""
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "renderers.md"
 

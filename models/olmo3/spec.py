@@ -51,6 +51,6 @@ spec = register(
         # HF config fields the math does not depend on: none beyond the generic ones (token ids, use_cache,
         # initializer_range); from_hf_config reads every other field of Olmo3Config and Olmo2Config.
         vllm_modes={"olmo3": "adapter", "olmo2": "adapter"},
-        renderers={"olmo2": "olmo2"},
+        renderers={"olmo3": "olmo3_instruct", "olmo2": "olmo2"},
     )
 )
