@@ -16,15 +16,6 @@ torch.set_num_threads(1)
 # the vLLM workers they start inherit it): inductor's cache does not tell capabilities apart.
 separate_inductor_cache(os.environ)
 
-# vLLM binds a server's worker to a core chosen without regard to other servers on the machine (on a
-# 2-core machine: core 0), so two xdist workers serving at once would share one core and leave the
-# other to their waiting clients. Each worker's servers (and in-process engines) get a core of their
-# own instead; a binding set by the caller wins.
-_xdist_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _xdist_worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-    _cores = sorted(os.sched_getaffinity(0))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_xdist_worker[2:]) % len(_cores)])
-
 
 @pytest.fixture
 def float64_math():
