@@ -185,6 +185,37 @@ def test_command_line_and_loopback_default(capsys):
         ServeConfig(base_model="x", max_lora_rank=0)
 
 
+def test_the_api_key_and_the_vllm_servers_secrets_are_redacted_from_the_servers_logs(monkeypatch):
+    """`python -m archon.serve` registers its config's secrets (archon.secrets) before it serves and
+    redacts the records of the root logger's handlers."""
+    import logging
+
+    import archon.serve.__main__ as serve_main
+    from archon.secrets import REDACTED, forget_secrets, redact
+
+    served = []
+    monkeypatch.setattr(serve_main, "run", served.append)
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    root.addHandler(handler)
+    filters_before = {h: list(h.filters) for h in root.handlers}
+    forget_secrets()
+    try:
+        key, vllm_key = "tml-serve-key-8d1f", "vllm-key-77c2"
+        serve_main.main(["--base-model", "x", "--api-key", key, "--vllm.api-key", vllm_key])
+        (config,) = served
+        assert config.api_key == key and config.vllm.api_key == vllm_key
+        assert redact(f"key {key}, vLLM key {vllm_key}") == f"key {REDACTED}, vLLM key {REDACTED}"
+        record = logging.LogRecord("archon", logging.WARNING, __file__, 1, "request with %s", (key,), None)
+        assert handler.filter(record)
+        assert handler.format(record) == f"request with {REDACTED}"
+    finally:
+        for h, filters in filters_before.items():
+            h.filters[:] = filters
+        root.removeHandler(handler)
+        forget_secrets()
+
+
 def _wait_until_queued(server, count: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while server.futures.queued() < count and time.monotonic() < deadline:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import tyro
 
 from archon.precision import fp32_islands_in_fp64
+from archon.secrets import redact_logs, register_secrets
 from archon.serve.backend import Backend
 from archon.serve.config import ServeConfig
 from archon.serve.ranks import Broadcasting, follow, init_ranks, shared_seed
@@ -53,7 +54,11 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse(argv))
+    config = parse(argv)
+    # the key and the vLLM servers' secrets (archon.secrets) never reach a log line of this process
+    register_secrets(config)
+    redact_logs()
+    run(config)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Literal
 
 from archon.parallel import ParallelConfig
 from archon.rollout.vllm_config import VLLMConfig
+from archon.secrets import secret_field
 
 
 @dataclass
@@ -25,8 +26,9 @@ class ServeConfig:
     """The address to listen on; the loopback interface unless told otherwise."""
     port: int = 8000
     """The port to listen on (0: any free port, printed at start)."""
-    api_key: str | None = None
-    """When set, every request must carry it in its X-API-Key header (the SDK's TINKER_API_KEY)."""
+    api_key: str | None = secret_field(None)
+    """When set, every request must carry it in its X-API-Key header (the SDK's TINKER_API_KEY).
+    A secret (archon.secrets): `python -m archon.serve` redacts it from its log records."""
     max_lora_rank: int = 64
     """The largest LoRA rank a training client may ask for."""
     lora_alpha: float = 32.0
