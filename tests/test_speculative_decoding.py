@@ -191,6 +191,26 @@ def test_tasks_sessions_and_chunked_prefill(tiny_checkpoint):
     _assert_same(engine.generate(PROMPTS, sampled, adapters=[0, 1, 1]), once)
 
 
+def test_generations_above_max_rows_decode_one_token_per_step(tiny_checkpoint):
+    """speculative_max_rows: a generation of more rows than it (prompts times samples) runs plain
+    decode steps, no drafts proposed; one of at most that many speculates; the tokens and log-probs
+    are plain decoding's either way."""
+    from archon.rollout.speculative import SpeculativeConfig
+
+    target = _model(tiny_checkpoint("qwen3", seed=0))
+    sampling = SamplingParams(max_new_tokens=6, temperature=0, n=2)
+    plain = NativeRolloutEngine(target).generate(PROMPTS, sampling)
+    engine = NativeRolloutEngine(target, drafter=DraftModelDrafter(target, 2), speculative_max_rows=4)
+    _assert_same(engine.generate(PROMPTS, sampling), plain)  # 3 prompts x 2 samples: 6 rows
+    assert engine.stats.speculative_proposed == 0 and engine.stats.decode_steps == 5
+    _assert_same(engine.generate(PROMPTS[:2], sampling), [s for s in plain if s.prompt_index < 2])  # 4 rows
+    assert engine.stats.speculative_proposed > 0
+    with pytest.raises(ValueError, match="speculative_max_rows must be >= 1"):
+        NativeRolloutEngine(target, drafter=DraftModelDrafter(target, 2), speculative_max_rows=0)
+    with pytest.raises(ValueError, match="rollout.speculative.max_rows must be >= 1"):
+        SpeculativeConfig(method="draft_model", max_rows=0)
+
+
 def test_refused_where_it_cannot_run(tiny_checkpoint):
     model = _model(tiny_checkpoint("qwen3_moe"))
     with pytest.raises(ValueError, match="routing"):

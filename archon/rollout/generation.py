@@ -79,7 +79,8 @@ class Generation(PrefillSteps, DecodeSteps):
         # group's longest sample runs start the samples of
         num_slots = max(1, min(len(groups), 2 * -(-rows // G)))
         max_prompt = max((len(g.prompt) for g in groups), default=1)
-        self.drafter = engine.drafter
+        limit = engine.speculative_max_rows
+        self.drafter = engine.drafter if limit is None or rows <= limit else None
         # speculative decoding verifies up to k tokens past a row's last one: k more suffix places
         draft_tokens = 0 if self.drafter is None else self.drafter.num_tokens
         self.cache = KVCache(

@@ -154,6 +154,8 @@ class NativeRolloutEngine:
     proposes `drafter.num_tokens` tokens per row and one forward of the model verifies them. One
     process only, no routing record, no recurrent (linear-attention) layers; decodes eagerly (no
     CUDA graph). None: one token per decode step.
+    speculative_max_rows: with a drafter, speculate only in generations of at most this many rows
+    (prompts times samples, capped by max_batch_sequences); larger ones decode one token per step.
     update_policy: what an `update_adapter` during a generation does (rollout.update_policy):
     'continue' applies it at the generation's next step boundary (partial rollouts, see the module
     docstring); 'finish' keeps it until the generation ends, so that every token of a generation
@@ -173,6 +175,7 @@ class NativeRolloutEngine:
         record_routing: bool = False,
         drafter: DraftModelDrafter | MTPDrafter | None = None,
         update_policy: str = "continue",
+        speculative_max_rows: int | None = None,
     ) -> None:
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
@@ -206,6 +209,9 @@ class NativeRolloutEngine:
         if drafter is not None:
             check_speculative_engine(model, self.sync_group, record_routing)
         self.drafter = drafter
+        if speculative_max_rows is not None and speculative_max_rows < 1:
+            raise ValueError(f"speculative_max_rows must be >= 1 or None, got {speculative_max_rows}")
+        self.speculative_max_rows = speculative_max_rows
         self.kept_sessions = SessionStore(max_session_tokens)
         """Kept sessions by key (`generate(..., sessions=)`)."""
         self.stats = RolloutStats()

@@ -67,6 +67,18 @@ class SpeculativeConfig:
     draft_head_path: str | None = None
     """method=draft_head: the draft head's safetensors file, made for the policy's base (the demo's:
     `python -m archon.demos.drafter` writes it under archon/demos/drafters)."""
+    max_rows: int | None = None
+    """Speculate only in generations of at most this many rows (a `generate` call's batch: its
+    prompts times samples per prompt, capped by rollout.max_batch_sequences); a larger one decodes
+    one token per step. None: every generation. Where a decode step is bound by compute (a CPU),
+    verifying k + 1 tokens of every row costs nearly k + 1 steps, and a large batch runs slower with
+    speculative decoding than without (docs/performance.md, "The demo's draft head")."""
+
+    def __post_init__(self) -> None:
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(
+                f"rollout.speculative.max_rows must be >= 1 or None (every generation), got {self.max_rows}"
+            )
 
 
 def accept_greedy(

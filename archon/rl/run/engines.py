@@ -48,6 +48,7 @@ def native_engine(
         record_routing=record_routing,
         drafter=build_drafter(config.rollout.speculative, model, trainer.device),
         update_policy=config.rollout.update_policy,
+        speculative_max_rows=config.rollout.speculative.max_rows,
     )
 
 
