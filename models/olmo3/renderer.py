@@ -97,8 +97,22 @@ NO_FUNCTIONS = " You do not currently have access to any functions. <functions><
 THINK_GENERATION_PROMPT = f"{IM_START}assistant\n<think>"
 
 
+class _ChatMLRenderer(Renderer):
+    """OLMo 3's ChatML turns: a turn stops with `<|im_end|>`, or with `<|endoftext|>` (the end of a
+    conversation's last turn)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self._stops = (self.token_id(IM_END), self.token_id(ENDOFTEXT))
+        self.token_id(IM_START)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stops
+
+
 @register_renderer
-class Olmo3ThinkRenderer(Renderer):
+class Olmo3ThinkRenderer(_ChatMLRenderer):
     """Olmo-3-32B-Think's chat format, as Ai2's post-training code states it was released: ChatML turns,
     a default system turn when the conversation has no system message, `NO_FUNCTIONS` after a system
     message's text, and the generation prompt `<|im_start|>assistant\\n<think>`. The model samples
@@ -114,15 +128,6 @@ class Olmo3ThinkRenderer(Renderer):
     """
 
     name = "olmo3_think"
-
-    def __init__(self, tokenizer) -> None:
-        super().__init__(tokenizer)
-        self._stops = (self.token_id(IM_END), self.token_id(ENDOFTEXT))
-        self.token_id(IM_START)
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self._stops
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         if tools:
@@ -180,7 +185,7 @@ INSTRUCT_ROLES = ("system", "user", "assistant", "tool", "environment")
 
 
 @register_renderer
-class Olmo3InstructRenderer(Renderer):
+class Olmo3InstructRenderer(_ChatMLRenderer):
     """Olmo 3.1 Instruct's chat format (allenai/Olmo-3.1-32B-Instruct), as its chat template writes it:
 
         <|im_start|>system
@@ -212,15 +217,6 @@ class Olmo3InstructRenderer(Renderer):
 
     name = "olmo3_instruct"
     plain_text_roles = ("tool", "environment")
-
-    def __init__(self, tokenizer) -> None:
-        super().__init__(tokenizer)
-        self._stops = (self.token_id(IM_END), self.token_id(ENDOFTEXT))
-        self.token_id(IM_START)
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self._stops
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         self._check(messages, INSTRUCT_ROLES)
