@@ -211,6 +211,23 @@ def test_generations_above_max_rows_decode_one_token_per_step(tiny_checkpoint):
         SpeculativeConfig(method="draft_model", max_rows=0)
 
 
+def test_sessions_continue_in_generations_the_mtp_drafter_sits_out(deepseek_mtp):
+    """An MTP drafter's entries come from the prefill of whole prompts, so a generation that drafts
+    continues no kept session; one past speculative_max_rows decodes plainly and continues them."""
+    from archon.rollout.speculative import MTPDrafter
+
+    model = _model(deepseek_mtp, mtp=True)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    keys = ["a", "b", "c"]
+    for limit, reused in ((3, False), (2, True)):  # the 3 prompts are 3 rows
+        engine = NativeRolloutEngine(model, drafter=MTPDrafter(model, 2), speculative_max_rows=limit)
+        first = engine.generate(PROMPTS, greedy, sessions=keys)
+        follow_ups = [p + s.completion_ids + [5] for p, s in zip(PROMPTS, first)]
+        engine.generate(follow_ups, greedy, sessions=keys)
+        assert (engine.stats.reused_tokens > 0) == reused, (limit, engine.stats.reused_tokens)
+        assert (engine.stats.speculative_proposed > 0) == (not reused)
+
+
 def test_refused_where_it_cannot_run(tiny_checkpoint):
     model = _model(tiny_checkpoint("qwen3_moe"))
     with pytest.raises(ValueError, match="routing"):
@@ -247,6 +264,14 @@ def test_rl_run_with_a_draft_model(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rates = [r["speculative_acceptance"] for r in records[1:]]
     assert rates[0] == 1.0 and all(0 <= rate <= 1 for rate in rates)
+
+    # rollout.speculative.max_rows below the step's batch: plain decoding, no acceptance logged
+    limited = _args(root, tmp_path / "limited", steps=1) + args[-6:] + ["--rollout.speculative.max-rows", "1"]
+    run = RLRun(parse_config(limited))
+    assert run.native.speculative_max_rows == 1
+    run.run()
+    records = [json.loads(line) for line in (tmp_path / "limited" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) > 1 and not any("speculative_acceptance" in r for r in records)
 
 
 @pytest.fixture(scope="module")

@@ -341,15 +341,18 @@ class NativeRolloutEngine:
         try:
             self._apply_update_now()
             with self.policy.lease() as (_, version), factors, recording:
-                if sessions is not None:
-                    # an MTP drafter's entries come from the target's prefill of the whole prompt: with
-                    # one, no state is continued
-                    continues = not (self.drafter is not None and self.drafter.needs_target_hidden)
-                    self.kept_sessions.take_kept_states(groups, version, continues)
                 try:
-                    return _Generation(
+                    generation = _Generation(
                         self, groups, sampling, generator, multi_task=adapters is not None, version=version
-                    ).run()
+                    )
+                    if sessions is not None:
+                        # a drafter on the target's hidden states (MTP, draft head) takes its entries from
+                        # the prefill of the whole prompt: with one drafting (not past speculative_max_rows),
+                        # no state is continued
+                        drafter = generation.drafter
+                        continues = not (drafter is not None and drafter.needs_target_hidden)
+                        self.kept_sessions.take_kept_states(groups, version, continues)
+                    return generation.run()
                 finally:
                     if switched:
                         self.model.train(was_training)

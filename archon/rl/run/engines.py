@@ -163,10 +163,11 @@ def rollout_servers(config, tasks, longest_prompt, eval_new_tokens: int, rank: i
     return VLLMRolloutEngine(dataclasses.replace(vllm_config, urls=tuple(urls)), rank=rank, **kwargs)
 
 
-def speculative_acceptance(native: NativeRolloutEngine) -> float:
+def speculative_acceptance(native: NativeRolloutEngine) -> float | None:
     """The share of the draft tokens proposed since the last call that the built-in engine
-    accepted (its counts start again)."""
+    accepted (its counts start again); None when it proposed none (every generation past
+    rollout.speculative.max_rows)."""
     stats = native.stats
     proposed, accepted = stats.speculative_proposed, stats.speculative_accepted
     stats.speculative_proposed = stats.speculative_accepted = 0
-    return accepted / proposed if proposed else 0.0
+    return accepted / proposed if proposed else None

@@ -284,8 +284,10 @@ class RLRun:
         metrics = step_metrics(task_steps, timings, group_size, ctx.dp_sum, ctx.dp_max, several_tasks=several)
         for task_metrics in fidelity.values():
             metrics.update(task_metrics)
-        if self.native is not None and self.native.drafter is not None:  # this step's draft tokens
-            metrics["speculative_acceptance"] = speculative_acceptance(self.native)
+        if self.native is not None and self.native.drafter is not None:  # this step's draft tokens, if any
+            acceptance = speculative_acceptance(self.native)
+            if acceptance is not None:
+                metrics["speculative_acceptance"] = acceptance
         return metrics, task_steps
 
     def collect(self, step: int) -> dict[str, Rollouts]:
