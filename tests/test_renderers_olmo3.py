@@ -234,7 +234,7 @@ def test_instruct_render_prompt_is_the_template(tools, system):
         assert ids == instruct_encode(text)
     assert text.startswith("<|im_start|>system\n")
     # the tools' list ends each system message when tools are passed (even an empty list), the default turn otherwise
-    assert text.count("</functions><|im_end|>") == (2 if tools is not None else 0) if system else 1
+    assert text.count("</functions><|im_end|>") == ((2 if tools is not None else 0) if system else 1)
 
 
 def test_instruct_prompt_by_hand():
@@ -393,3 +393,22 @@ def test_olmo3_names_the_instruct_renderer():
     assert default_renderer_name("olmo3") == "olmo3_instruct"
     assert default_renderer_name("olmo2") == "olmo2"
     assert get_renderer("olmo3_think", instruct_tokenizer()).name == "olmo3_think"  # still chosen by name
+
+
+def test_instruct_refuses_the_olmo3_checkpoints_whose_template_differs():
+    """model_type olmo3 names olmo3_instruct: a Think checkpoint's tokenizer (its template writes
+    <think>) and an Olmo 3 (not 3.1) Instruct one (its default system sentence) are refused by name."""
+    tokenizer = instruct_tokenizer()
+    original = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = read_template("olmo3_think")
+        with pytest.raises(ValueError, match="set the environment's renderer to 'olmo3_think'"):
+            get_renderer("olmo3_instruct", tokenizer)
+        tokenizer.chat_template = original.replace(
+            "You are Olmo, a helpful AI assistant built by Ai2.", "You are a helpful function-calling AI assistant."
+        )
+        with pytest.raises(ValueError, match="Olmo 3 Instruct's"):
+            get_renderer("olmo3_instruct", tokenizer)
+    finally:
+        tokenizer.chat_template = original
+    assert get_renderer("olmo3_instruct", tokenizer).name == "olmo3_instruct"

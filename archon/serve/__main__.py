@@ -6,6 +6,7 @@ torchrun --nproc-per-node N -m archon.serve ... [--parallel.tp 2 | --parallel.ep
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import tyro
@@ -56,6 +57,7 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
 def main(argv: list[str] | None = None) -> None:
     config = parse(argv)
     # the key and the vLLM servers' secrets (archon.secrets) never reach a log line of this process
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     register_secrets(config)
     redact_logs()
     run(config)

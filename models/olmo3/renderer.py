@@ -180,6 +180,8 @@ FUNCTIONS_OFFERED = (
     "</function_calls> XML tags. Do not make assumptions about what values to plug into functions."
 )
 FUNCTION_CALLS_OPEN, FUNCTION_CALLS_CLOSE = "<function_calls>", "</function_calls>"
+OLMO3_DEFAULT_SYSTEM = "You are a helpful function-calling AI assistant."
+"""Olmo 3 (not 3.1) Instruct's default system sentence, which its template writes instead of Olmo's identity."""
 INSTRUCT_GENERATION_PROMPT = f"{IM_START}assistant\n"
 INSTRUCT_ROLES = ("system", "user", "assistant", "tool", "environment")
 
@@ -217,6 +219,22 @@ class Olmo3InstructRenderer(_ChatMLRenderer):
 
     name = "olmo3_instruct"
     plain_text_roles = ("tool", "environment")
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        # model_type olmo3 names this renderer; refuse the olmo3 checkpoints whose own template differs
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, str) and "<think>" in template:
+            raise ValueError(
+                f"renderer {self.name!r}: this tokenizer's chat template writes <think> (an OLMo 3 Think "
+                "checkpoint): set the environment's renderer to 'olmo3_think'"
+            )
+        if isinstance(template, str) and OLMO3_DEFAULT_SYSTEM in template:
+            raise ValueError(
+                f"renderer {self.name!r}: this tokenizer's chat template is Olmo 3 Instruct's (its default system "
+                f"turn {OLMO3_DEFAULT_SYSTEM!r}), not Olmo 3.1 Instruct's, which this renderer writes; no renderer "
+                "here writes it"
+            )
 
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         self._check(messages, INSTRUCT_ROLES)
