@@ -459,6 +459,10 @@ VALIDATION_CASES = {
         {"rollout.speculative.method": "mtp", "rollout.speculative.num_tokens": 0},
         "rollout.speculative.num_tokens=0",
     ),
+    "speculative-max-rows-while-off": (
+        {"rollout.speculative.max_rows": 8},
+        "rollout.speculative.max_rows=8: limits speculative decoding, which is off",
+    ),
     "speculative-with-routing-replay": (
         {"rollout.speculative.method": "mtp", "algorithm.routing_replay": "rollout"},
         "rollout.speculative.method='mtp': cannot be combined with algorithm.routing_replay=rollout",

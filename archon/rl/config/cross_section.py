@@ -318,4 +318,10 @@ def speculative_problems(config: RLConfig) -> list[str]:
         speculative.draft_head_path,
         f"is needed with rollout.speculative.method=draft_head and only then (method={speculative.method!r})",
     )
+    problems.require(
+        speculative.max_rows is None or speculative.method != "off",
+        "rollout.speculative.max_rows",
+        speculative.max_rows,
+        "limits speculative decoding, which is off (rollout.speculative.method=off): set a method or leave it unset",
+    )
     return problems
