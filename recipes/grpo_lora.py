@@ -137,8 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     from archon.rl.interrupt import terminate_as_interrupt
     from archon.rl.logging.trackers import TrackerError
     from archon.rl.run.run_dir import RunDirInUseError
+    from archon.rollout.vllm_launch import separate_inductor_cache
     from archon.secrets import redact_logs
 
+    # under ATEN_CPU_CAPABILITY, compiled blocks build into an inductor cache of that capability's own
+    separate_inductor_cache(os.environ)
     argv = recipe_argv(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     redact_logs()  # the secrets of the config (archon.secrets), once it is parsed, never reach a log line

@@ -5,6 +5,7 @@ are not finite in the final summary; run-directory and checkpoint errors printed
 
 import json
 import math
+import os
 import pickle
 from pathlib import Path
 
@@ -111,6 +112,20 @@ def test_non_finite_metrics_show_as_n_a_in_the_final_summary():
     last = {"step": 3, "reward_mean": None, "accuracy": float("nan"), "a/eval_accuracy": 0.123456, "loss": None}
     assert summary(last) == {"reward_mean": "n/a", "accuracy": "n/a", "a/eval_accuracy": 0.1235}
     assert summary({"reward_mean": torch.tensor(math.inf)}) == {"reward_mean": "n/a"}
+
+
+def test_the_recipe_compiles_into_an_inductor_cache_of_the_capability_it_runs_under(tmp_path, monkeypatch):
+    """Under ATEN_CPU_CAPABILITY the recipe's processes (each torchrun rank runs main) compile into
+    an inductor cache of that capability's own (archon.rollout.vllm_launch.separate_inductor_cache):
+    inductor's cache does not tell capabilities apart."""
+    from archon.recipes.grpo_lora import main
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    with pytest.raises(SystemExit) as raised:  # a missing config: main stops right after parsing
+        main(["--config", str(tmp_path / "missing.yaml")])
+    assert raised.value.code == 1
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor-aten-avx2")
 
 
 def _main_error(argv: list[str], capsys) -> str:
