@@ -68,7 +68,7 @@ from arms import (  # noqa: E402  (benchmarks/ is the script's own folder)
     run_arms,
     verdict_line,
 )
-from train_step import PROMPT_LEN, sequence_lengths  # noqa: E402
+from train_step import PROMPT_LEN, anon_rss_mb, sequence_lengths  # noqa: E402
 
 COMMON_SIZES = dict(
     vocab_size=4096,
@@ -145,15 +145,6 @@ def _quant_format(name: str):
 # ---- memory ------------------------------------------------------------------------------------------
 
 
-def _anon_rss_mb() -> float:
-    """Anonymous resident memory of this process (/proc: RssAnon; the checkpoint's mmap pages are
-    file-backed and not counted)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024.0
-    raise RuntimeError("/proc/self/status has no RssAnon line (Linux only)")
-
-
 def _release_heap() -> None:
     import ctypes
     import gc
@@ -213,12 +204,12 @@ def run_memory(args: Args) -> dict:
 
     torch.set_num_threads(args.threads)
     _release_heap()
-    before = _anon_rss_mb()
+    before = anon_rss_mb()
     start = time.perf_counter()
     loaded = build_model(args.checkpoint, dtype=torch.bfloat16, quantized_base=args.base)
     build_s = time.perf_counter() - start
     _release_heap()
-    grown = _anon_rss_mb() - before
+    grown = anon_rss_mb() - before
     return {"base": args.base, "rss_anon_growth_mb": grown, "build_s": build_s, **base_bytes(loaded)}
 
 
