@@ -23,6 +23,9 @@ from archon.rollout import vllm_server
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
 from archon.rollout.vllm_network import VLLMServerError, check_port_free, free_port, probe_health
 
+# the servers start as a run's do (tests/conftest.py: the other modules' run the model in the engine core)
+pytestmark = pytest.mark.usefixtures("vllm_production_layout")
+
 REPO = Path(__file__).resolve().parents[1]
 FAKE_SERVER = REPO / "tests" / "fake_vllm_server.py"
 
