@@ -1,6 +1,5 @@
 import dataclasses
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,55 +31,6 @@ def vllm_production_layout():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         yield
-
-
-# The files that take longest, longest first (each file's test time in a whole-suite run, 2026-12-07);
-# the others follow in pytest's order. With `-n 2 --dist loadfile` pytest-xdist hands a worker one
-# file at a time as it runs out; a long file handed out last keeps one worker busy after the other
-# has finished. xdist's own reordering (the files with the most tests first) is turned off.
-LONGEST_FILES = [
-    "test_vllm_families.py",
-    "test_multi_lora_run.py",
-    "test_async_vllm.py",
-    "test_parallel.py",
-    "test_mtp.py",
-    "test_grpo_recipe.py",
-    "test_agent_vllm.py",
-    "test_vllm.py",
-    "test_multi_node.py",
-    "test_context_parallel.py",
-    "test_quantized_parallel.py",
-    "test_vllm_launch.py",
-    "test_native_rollout.py",
-    "test_fidelity_clean.py",
-    "test_renderers_oss_glm_deepseek.py",
-    "test_code_tool_demo.py",
-    "test_multi_lora_vllm.py",
-    "test_async_multi_turn.py",
-    "test_bad_input_config.py",
-    "test_fidelity_vllm.py",
-    "test_checkpoint_faults.py",
-    "test_quantized_downstream.py",
-    "test_reward_judge_vllm.py",
-    "test_tinker_vllm.py",
-    "test_secrets.py",
-    "models/test_feature_sensitivity.py",
-    "test_docs.py",
-    "test_gpu_suite.py",
-    "test_renderers_qwen_llama.py",
-    "test_agent_limits.py",
-]
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    tests = Path(__file__).parent
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
 
 
 @pytest.fixture
