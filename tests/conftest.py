@@ -17,8 +17,8 @@ torch.set_num_threads(1)
 separate_inductor_cache(os.environ)
 
 # vLLM servers the tests start run their model in the engine-core process (vLLM's uniprocess
-# executor) instead of a worker process of its own: one Python process fewer to start (36 s
-# against 64-72 s for a tiny server on 2 busy cores; about thirty start in a whole-suite run). The
+# executor) instead of a worker process of its own: one Python process fewer to start (29 s
+# against 39 s for a tiny server on 2 idle cores, docs/testing.md; about thirty start in a run). The
 # worker extension, the collective transport and the generation code are the same in both; a run's
 # servers keep vLLM's CPU default (a worker process, OpenMP threads bound to its cores), which the
 # modules that use the `vllm_production_layout` fixture test. Set VLLM_ENABLE_V1_MULTIPROCESSING=1
