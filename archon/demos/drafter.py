@@ -104,7 +104,9 @@ def base_outputs(
 ) -> list[tuple[list[int], int]]:
     """The base's greedy and sampled completions of `prompts`: (prompt + completion ids, prompt length)."""
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    engine = NativeRolloutEngine(model)
+    # The schedule the shipped head's completions were sampled with: with more samples than rows,
+    # which sample takes which draw depends on when ended rows are seen (one generator per call).
+    engine = NativeRolloutEngine(model, stop_check_interval=8)
     sequences = []
     for temperature, n in ((0.0, 1), (1.0, head.sampled_per_prompt)):
         if n == 0:

@@ -34,7 +34,8 @@ How it generates (archon/rollout/kv_cache.py holds the cache):
   its prompts from the cache. The head runs on the last position of each sequence only.
 - Decode (archon/rollout/decode.py): tokens, log-probs and each row's done flag stay on the device;
   the host reads the done flags once every `stop_check_interval` decode steps (only when there are
-  stop tokens) and the finished rows' tokens once. On CUDA (one process, one task), the decode step
+  stop tokens; every step on the CPU, where reading them costs next to nothing) and the finished
+  rows' tokens once. On CUDA (one process, one task), the decode step
   is captured once per `generate` in a CUDA graph and replayed (`cuda_graphs`).
 
 Speculative decoding (`drafter=`, archon/rollout/speculative.py): each decode round a drafter (a
@@ -139,6 +140,9 @@ class NativeRolloutEngine:
     the same number of forwards. Default: the whole default process group when one is running.
     share_prompt_prefix: prefill each prompt once for its `n` samples (False: once per sample).
     stop_check_interval: decode steps between two reads of the done flags (with stop tokens).
+    Default: 1 on the CPU, where the flags lie in host memory and a read costs microseconds against
+    milliseconds for a step (a row that ended frees its place at once, and a call whose samples all
+    ended stops); 8 on an accelerator, where each read synchronises the host with the device.
     cuda_graphs: on a CUDA device, replay the decode step from a CUDA graph (captured once per
     `generate`, over the whole table and the longest spans, so that every step has one shape); a
     model whose step cannot be captured (host syncs in MoE routing or in recurrent layers) decodes
@@ -168,7 +172,7 @@ class NativeRolloutEngine:
         max_batch_sequences: int = 256,
         sync_group=None,
         share_prompt_prefix: bool = True,
-        stop_check_interval: int = 8,
+        stop_check_interval: int | None = None,
         cuda_graphs: bool = True,
         max_session_tokens: int | None = None,
         prefill_chunk_tokens: int | None = None,
@@ -177,6 +181,9 @@ class NativeRolloutEngine:
         update_policy: str = "continue",
         speculative_max_rows: int | None = None,
     ) -> None:
+        self.device = torch.device(device)
+        if stop_check_interval is None:
+            stop_check_interval = 1 if self.device.type == "cpu" else 8
         if max_batch_sequences < 1 or stop_check_interval < 1:
             raise ValueError(
                 f"max_batch_sequences ({max_batch_sequences}) and "
@@ -192,7 +199,6 @@ class NativeRolloutEngine:
                 f"prefill_chunk_tokens must be >= 1 or None (one forward per prefill), got {prefill_chunk_tokens}"
             )
         self.model = model
-        self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
         self.share_prompt_prefix = share_prompt_prefix
         self.stop_check_interval = stop_check_interval
