@@ -258,6 +258,24 @@ def test_continuous_batching_refills_finished_blocks(tiny_checkpoint):
     assert len(decode_rows) < fixed_batches, (len(decode_rows), fixed_batches)
 
 
+def test_on_the_cpu_a_call_stops_when_its_samples_end(tiny_checkpoint):
+    """On the CPU the done flags are read after every decode step (the default interval): a call
+    whose samples all end at a stop token takes as many decode steps as its longest sample needs,
+    where reading them every 8 steps runs to the length limit; the same tokens either way."""
+    model = _lora_model(tiny_checkpoint("qwen3"))
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    plain = NativeRolloutEngine(model).generate(PROMPTS[:1], greedy)[0].completion_ids
+    end = next(i for i in range(2, 8) if plain[i] not in plain[:i])  # a token the sample first emits there
+    sampling = dataclasses.replace(greedy, stop_token_ids=(plain[end],))
+    every_step, every_8 = NativeRolloutEngine(model), NativeRolloutEngine(model, stop_check_interval=8)
+    assert every_step.stop_check_interval == 1
+    got = every_step.generate(PROMPTS[:1], sampling)
+    assert got[0].finish_reason == "stop" and got[0].completion_ids == plain[: end + 1], (got[0], plain)
+    assert every_step.stats.decode_steps == end  # the first token comes from the prefill
+    _assert_same_samples(every_8.generate(PROMPTS[:1], sampling), got)
+    assert every_8.stats.decode_steps == 8
+
+
 def test_sinks_and_sliding_windows_decode_equals_full_forward(tiny_checkpoint):
     """GPT-OSS: sink logits and a window of 3 (shorter than the prompts), over a shared prompt
     prefix and each sample's own tokens, give the full forward's greedy tokens and log-probs."""
