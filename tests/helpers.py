@@ -230,5 +230,8 @@ def report_amx_to_vllm(directory: Path, monkeypatch, present: bool) -> None:
     select by itself changes: AMX_MLA with AMX, CPU_MLA without."""
     site = directory / ("report_amx" if present else "report_no_amx")
     site.mkdir(parents=True)
-    (site / "sitecustomize.py").write_text(f"import torch\n\ntorch.cpu._is_amx_tile_supported = lambda: {present}\n")
+    # this sitecustomize hides tests/vllm_site's (the first on the path is the one Python imports)
+    source = "import torch\nimport vllm_engine_core_fork  # noqa: F401\n\n"
+    source += f"torch.cpu._is_amx_tile_supported = lambda: {present}\n"
+    (site / "sitecustomize.py").write_text(source)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))

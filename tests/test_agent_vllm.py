@@ -64,7 +64,7 @@ def train_two_ranks(checkpoint, run_dir: Path, *vllm_args: str) -> list[dict]:
         *vllm_args,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])}
     result = subprocess.run(
         [*cmd, str(REPO / "recipes" / "grpo_lora.py"), *args], env=env, capture_output=True, text=True, timeout=1500
     )

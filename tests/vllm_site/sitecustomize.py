@@ -1,0 +1,1 @@
+import vllm_engine_core_fork  # noqa: F401
