@@ -705,8 +705,9 @@ def main(args: BenchArgs) -> dict:
                     row[f"vs_{peer}"] = round(versus.median, 2) if versus else (1.0 if engine == peer else None)
                     if versus:
                         row[f"vs_{peer}_min"], row[f"vs_{peer}_max"] = round(versus.min, 2), round(versus.max, 2)
-                row["of_bandwidth_limit"] = round(tokens_per_s / bound["bandwidth_limit_tokens_per_s"], 3)
-                row["of_compute_limit"] = round(tokens_per_s / bound["compute_limit_tokens_per_s"], 3)
+                # 3 significant digits: a slow arm (HF generate under load) stays above 0
+                row["of_bandwidth_limit"] = float(f"{tokens_per_s / bound['bandwidth_limit_tokens_per_s']:.3g}")
+                row["of_compute_limit"] = float(f"{tokens_per_s / bound['compute_limit_tokens_per_s']:.3g}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for peer in ("vllm", "hf"):
