@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from archon import packed_linear
+
 DEFAULT_CHUNK_SIZE = 1024
 
 
@@ -198,7 +200,7 @@ def full_vocab_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     vocabulary shards when `weight` is sharded (tensor parallelism). No gradient flows through the
     gather: training scores labels with `label_logprobs` instead."""
     local_weight, _, group = vocab_shard(weight)
-    logits = F.linear(hidden, local_weight)
+    logits = packed_linear.linear(hidden, local_weight)
     if group is None:
         return logits
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]

@@ -631,7 +631,7 @@ def main(args: BenchArgs) -> dict:
         flush=True,
     )
 
-    model = build_model(str(model_dir)).model.eval()
+    model = build_model(str(model_dir)).model.eval().requires_grad_(False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() if "hf" in args.engines else None
     server = None
     if "vllm" in args.engines:

@@ -29,6 +29,7 @@ FLOORS = {
     "archon.batch": 0,
     "archon.causal_attention": 0,
     "archon.grouped_mm": 0,
+    "archon.packed_linear": 0,
     "archon.head": 0,
     "archon.load_balance": 0,
     "archon.routing_replay": 0,

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from archon import packed_linear
 from archon.grouped_mm import ExpertGroups, expert_matmul
 from archon.lora.config import LoRAConfig
 
@@ -125,11 +125,11 @@ class LoRALinear(nn.Linear, LoRAModule):
     def forward_with_base(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The forward on base weights given by the caller (a task view's owner passes its own)."""
         if not self.lora_enabled or self.merged:
-            return F.linear(x, weight, bias)
+            return packed_linear.linear(x, weight, bias)
         frozen_base = not weight.requires_grad and (bias is None or not bias.requires_grad)
         if frozen_base and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
             return _FrozenBaseLoRALinear.apply(x, weight, bias, self.lora_a.weight, self.lora_b.weight, self.scaling)
-        out = F.linear(x, weight, bias)
+        out = packed_linear.linear(x, weight, bias)
         x = self.lora_dropout(x.to(self.lora_a.weight.dtype))
         return out + (self.lora_b(self.lora_a(x)) * self.scaling).to(out.dtype)
 
@@ -180,7 +180,7 @@ class _FrozenBaseLoRALinear(torch.autograd.Function):
 def frozen_base_lora_forward(x2, weight, bias, lora_a, lora_b, scaling):
     """x2 [N, in] -> (x2 W^T + b + s (x2 A^T) B^T [N, out], h = x2 A^T [N, r]): the low-rank term
     folded into the GEMMs (`_FrozenBaseLoRALinear`)."""
-    out = F.linear(x2, weight, bias)  # [N, out]
+    out = packed_linear.linear(x2, weight, bias)  # [N, out]
     h = x2.to(lora_a.dtype) @ lora_a.t()  # [N, r]
     # Not in place: selective activation checkpointing keeps F.linear's output as it was made.
     if out.dtype == h.dtype:
@@ -213,10 +213,10 @@ def frozen_base_lora_backward(grad_out, x2, weight_fn, lora_a, lora_b, h, scalin
 
 
 def linear(in_features: int, out_features: int, bias: bool, name: str, lora: LoRAConfig | None) -> nn.Linear:
-    """An nn.Linear, or a LoRALinear when `lora` targets the HF module name `name`."""
+    """A Linear (archon.packed_linear), or a LoRALinear when `lora` targets the HF module name `name`."""
     if lora is not None and lora.targets(name):
         return LoRALinear(in_features, out_features, bias, lora)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return packed_linear.Linear(in_features, out_features, bias=bias)
 
 
 class ExpertLoRA(nn.Module):

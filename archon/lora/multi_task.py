@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from archon import packed_linear
 from archon.grouped_mm import ExpertGroups, expert_matmul, grouped_mm_unavailable, local_part
 from archon.lora.config import LoRAConfig
 from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule, init_lora_factors
@@ -228,7 +229,7 @@ class MultiLoRALinear(nn.Linear, LoRAModule):
         (FSDP2 gathers them for the forward; this module's TP hooks lay out the input and output)."""
         if isinstance(task_view, LoRALinear):
             return task_view.forward_with_base(x, self.weight, self.bias)
-        out = F.linear(x, self.weight, self.bias)
+        out = packed_linear.linear(x, self.weight, self.bias)
         if not self.lora_enabled or task_view is not None:
             return out
         if self.routing is None:

@@ -13,6 +13,7 @@ from archon.checkpoint.state_dict_converter import is_lora_param
 from archon.lora.config import LoRAConfig
 from archon.lora.layers import ExpertLoRA, LoRALinear, LoRAModule
 from archon.lora.multi_task import AdapterRouting, FactorCache, MultiExpertLoRA, MultiLoRALinear
+from archon.packed_linear import Linear
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAModule]]:
@@ -88,7 +89,7 @@ def configure_lora_modules(model: nn.Module, lora: LoRAConfig, hf_module_name: C
             settings = lora.module_settings(hf_path)
             if settings is None:
                 parent_name, _, child = name.rpartition(".")
-                plain = nn.Linear(
+                plain = Linear(
                     module.in_features,
                     module.out_features,
                     bias=module.bias is not None,
@@ -170,7 +171,7 @@ def configure_task_adapters(
                         dtype=child.weight.dtype,
                     )
                 else:
-                    replacement = nn.Linear(
+                    replacement = Linear(
                         child.in_features,
                         child.out_features,
                         bias=child.bias is not None,

@@ -93,6 +93,7 @@ import torch.distributed as dist
 from torch import nn
 
 from archon.lora import cached_task_factors, lora_parameters, task_names
+from archon.packed_linear import PackedWeights, packing_supported
 from archon.parallel.tensor_parallel import local_tensor
 from archon.rollout.base import Sample, SamplingParams
 from archon.rollout.generation import ROUTED_EXPERTS  # noqa: F401 - at its old path for one release
@@ -163,7 +164,10 @@ class NativeRolloutEngine:
     update_policy: what an `update_adapter` during a generation does (rollout.update_policy):
     'continue' applies it at the generation's next step boundary (partial rollouts, see the module
     docstring); 'finish' keeps it until the generation ends, so that every token of a generation
-    comes from the version it started with."""
+    comes from the version it started with.
+    prepack_linears: on the CPU, compute the linears of frozen fp32 weights (a LoRA run's base, an
+    inference model) with oneDNN on copies of the weights packed once (archon/packed_linear.py):
+    faster at a decode step's few rows, for a second copy of those weights. Ignored off the CPU."""
 
     def __init__(
         self,
@@ -180,6 +184,7 @@ class NativeRolloutEngine:
         drafter: DraftModelDrafter | MTPDrafter | None = None,
         update_policy: str = "continue",
         speculative_max_rows: int | None = None,
+        prepack_linears: bool = True,
     ) -> None:
         self.device = torch.device(device)
         if stop_check_interval is None:
@@ -220,6 +225,9 @@ class NativeRolloutEngine:
         self.speculative_max_rows = speculative_max_rows
         self.kept_sessions = SessionStore(max_session_tokens)
         """Kept sessions by key (`generate(..., sessions=)`)."""
+        self.packed_weights = PackedWeights() if prepack_linears and packing_supported(self.device) else None
+        """On the CPU: oneDNN-prepacked copies of the frozen fp32 weights, which the generation's
+        linears compute with (archon.packed_linear); None where they compute with F.linear."""
         self.stats = RolloutStats()
         self._update_lock = threading.Lock()
         self._pending_update: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -342,11 +350,12 @@ class NativeRolloutEngine:
         # the adapters do not change during a generation: every layer stacks its tasks' factors once
         factors = cached_task_factors(self.model) if multi_task_model else contextlib.nullcontext()
         recording = recorded_routing(self.model) if self.record_routing else contextlib.nullcontext()
+        packed = self.packed_weights.active() if self.packed_weights is not None else contextlib.nullcontext()
         with self._update_lock:
             self._generating = True
         try:
             self._apply_update_now()
-            with self.policy.lease() as (_, version), factors, recording:
+            with self.policy.lease() as (_, version), factors, recording, packed:
                 try:
                     generation = _Generation(
                         self, groups, sampling, generator, multi_task=adapters is not None, version=version

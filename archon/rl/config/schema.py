@@ -124,6 +124,10 @@ class RolloutConfig:
     as successive forwards of at most this many tokens (a long prompt split across them, short ones
     sharing one), which bounds the prefill's activation memory, with the one-shot prefill's results.
     None: every prefill in one forward."""
+    prepack_linears: bool = True
+    """The native engine on the CPU computes the linears of the frozen fp32 weights (the LoRA base)
+    with oneDNN on copies of those weights packed once: faster decode steps, for a second copy of
+    the base's linear weights in memory."""
     max_staleness: int = 0
     """Asynchronous RL: with N >= 1 the rollouts of later steps are generated (vLLM, or the native
     engine on one process) while the current step trains, each step's generation overlapping the

@@ -45,6 +45,7 @@ def native_engine(
         trainer.device,
         max_batch_sequences=config.rollout.max_batch_sequences,
         prefill_chunk_tokens=config.rollout.prefill_chunk_tokens,
+        prepack_linears=config.rollout.prepack_linears,
         record_routing=record_routing,
         drafter=build_drafter(config.rollout.speculative, model, trainer.device),
         update_policy=config.rollout.update_policy,
