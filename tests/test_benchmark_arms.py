@@ -163,3 +163,30 @@ def test_median_figures(arms):
         {"tok_s": 2.0, "ok": False, "losses": [3.0]},
     ]
     assert arms.median_figures(samples) == {"tok_s": 2.0, "ok": False, "losses": [3.0]}
+
+
+def test_settle_runs_before_every_measurement(arms):
+    calls: list[str] = []
+    run = _recording_arms({"a": [1.0] * 6, "b": [2.0] * 6}, calls)
+    arms.run_arms(
+        run, [arms.Ratio("r", "a", "b")], repeats=5, warmup=1, progress=False, settle=lambda: calls.append("settle")
+    )
+    assert calls == [x for name in calls if name != "settle" for x in ("settle", name)]
+
+
+def test_waiting_for_a_busy_child_to_go_idle(arms):
+    """A child that computes for a second is waited for; with none busy the wait is one window."""
+    import subprocess
+    import time
+
+    assert arms.children_cpu_seconds() is not None, "this test needs Linux /proc"
+    busy = "import time\nend = time.perf_counter() + 1.0\nwhile time.perf_counter() < end: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(0.3)  # its interpreter has started and is computing
+        waited = arms.wait_for_idle_children(window_s=0.2, limit_s=10.0)
+        assert 0.4 <= waited < 10.0, waited  # waited for the rest of its second, not the limit
+        assert arms.wait_for_idle_children(window_s=0.2) < 0.6  # it sleeps now: one window
+    finally:
+        child.kill()
+        child.wait()
