@@ -13,6 +13,11 @@ server's OMP threads bound to the first `threads` cores). Cases:
     long       4 prompts of 512 tokens x G = 8 samples, 64 new tokens, temperature 1; the native
                engine with its group-shared prefix and without it (each sample prefills its prompt)
 
+`--engines ... native_unpacked` adds the native engine with its linears on F.linear instead of
+oneDNN-prepacked weights (`prepack_linears=False`, archon/packed_linear.py), and the ratio of the two.
+A vLLM server keeps computing for about a second after it answers; each measurement waits until the
+benchmark's child processes are idle (arms.wait_for_idle_children).
+
 The engines of a case run alternately (benchmarks/arms.py): after `warmup` rounds, `repeats`
 rounds of one generation call per engine, the order reversed every other round. Per engine and
 case: tokens/s (new tokens over the wall time of the whole generation call, prefill included; the
@@ -132,7 +137,8 @@ class BenchArgs:
     threads: int = 2
     """Intra-op threads of every engine."""
     engines: tuple[str, ...] = ("native", "hf", "vllm")
-    """Engines to measure (native is always measured: the others are checked against it)."""
+    """Engines to measure (native is always measured: the others are checked against it); native_unpacked:
+    the native engine on F.linear, without prepacked weights."""
     cases: tuple[str, ...] = ("greedy", "sampled", "long")
     """Cases to run (names of CASES)."""
     repeats: int = MIN_REPEATS
@@ -650,13 +656,15 @@ def main(args: BenchArgs) -> dict:
             new_tokens = case.prompts * case.samples * case.new_tokens
             tokens: dict[str, list[list[int]]] = {}
 
-            def native(share: bool):
-                engine = NativeRolloutEngine(model, share_prompt_prefix=share)
+            def native(share: bool, prepack: bool = True):
+                engine = NativeRolloutEngine(model, share_prompt_prefix=share, prepack_linears=prepack)
                 return lambda: [s.completion_ids for s in engine.generate(prompts, sampling)]
 
             arms = {"native": _timed_arm(native(True), tokens, "native")}
             if case.samples > 1:
                 arms["native_unshared"] = _timed_arm(native(False), tokens, "native_unshared")
+            if "native_unpacked" in args.engines:
+                arms["native_unpacked"] = _timed_arm(native(True, prepack=False), tokens, "native_unpacked")
             if hf is not None:
                 arms["hf"] = _timed_arm(lambda: _hf_generate(hf, prompts, case, index), tokens, "hf")
             if server is not None:
@@ -676,6 +684,8 @@ def main(args: BenchArgs) -> dict:
             ]
             if "native_unshared" in arms:
                 ratios.append(Ratio("prefix_sharing_speedup", "native_unshared", "native"))
+            if "native_unpacked" in arms:
+                ratios.append(Ratio("prepacking_speedup", "native_unpacked", "native"))
             result = run_arms(
                 arms,
                 ratios,
@@ -722,6 +732,8 @@ def main(args: BenchArgs) -> dict:
                     _print_comparison(result.ratios[f"native_vs_{peer}"], f"{case.name}: native / {peer} (tokens/s)")
             if "prefix_sharing_speedup" in result.ratios:
                 _print_comparison(result.ratios["prefix_sharing_speedup"], f"{case.name}: prefix sharing speed-up")
+            if "prepacking_speedup" in result.ratios:
+                _print_comparison(result.ratios["prepacking_speedup"], f"{case.name}: prepacked linears speed-up")
     finally:
         if server is not None:
             server.close()

@@ -350,7 +350,8 @@ def test_static_decode_shapes_equal_the_eager_step(tiny_checkpoint):
 
 def test_rollout_benchmark_quick_mode(monkeypatch):
     """benchmarks/rollout.py on a tiny model: it runs, HF's greedy tokens equal the native engine's
-    (the script fails otherwise), and it reports every case and the shared/unshared pair."""
+    (the script fails otherwise), and it reports every case, the shared/unshared pair and the engine
+    without prepacked linears."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -362,14 +363,16 @@ def test_rollout_benchmark_quick_mode(monkeypatch):
     spec.loader.exec_module(bench)
     threads = torch.get_num_threads()
     try:
-        report = bench.main(bench.BenchArgs(quick=True, engines=("native", "hf"), repeats=1, threads=1))
+        engines = ("native", "hf", "native_unpacked")
+        report = bench.main(bench.BenchArgs(quick=True, engines=engines, repeats=1, threads=1))
     finally:
         torch.set_num_threads(threads)
     rows = {(r["case"], r["engine"]) for r in report["rows"]}
-    assert rows == {(c, e) for c in ("greedy", "sampled", "long") for e in ("native", "hf")} | {
+    assert rows == {(c, e) for c in ("greedy", "sampled", "long") for e in engines} | {
         ("sampled", "native_unshared"),
         ("long", "native_unshared"),
     }
+    assert all("prepacking_speedup" in comparison["ratios"] for comparison in report["comparisons"].values())
     assert all(r["tokens_per_s"] > 0 and r["of_bandwidth_limit"] > 0 for r in report["rows"])
 
 
