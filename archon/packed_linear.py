@@ -1,9 +1,10 @@
 """fp32 linears on oneDNN-prepacked weights, for generation on the CPU.
 
 At the few rows of a decode step (one per sequence), PyTorch's fp32 `F.linear` on the CPU is
-slower than oneDNN's linear on a weight reordered once into oneDNN's blocked layout: on a 2-core
-AMD EPYC, 1.2-2x for 2 to 128 rows of a [1536, 512] weight, 2x for a [4096, 512] head at 32 rows,
-and a little slower at one row (docs/performance.md, "Prepacked linears").
+slower than oneDNN's linear on a weight reordered once into oneDNN's blocked layout, and about as
+fast at one row, where `linear` keeps F.linear. The built-in engine on packed weights against the
+same engine on F.linear: docs/performance.md, "Prepacked linears" (`benchmarks/rollout.py
+--engines native native_unpacked`).
 
 `PackedWeights` holds the packed copies of a model's weights. Inside `packs.active()`, on that
 thread only, `linear` computes with them: every linear of archon's models (`Linear`,
