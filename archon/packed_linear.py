@@ -1,17 +1,20 @@
 """fp32 linears on oneDNN-prepacked weights, for generation on the CPU.
 
 At the few rows of a decode step (one per sequence), PyTorch's fp32 `F.linear` on the CPU is
-slower than oneDNN's linear on a weight reordered once into oneDNN's blocked layout, and about as
-fast at one row, where `linear` keeps F.linear. The built-in engine on packed weights against the
+slower than oneDNN's linear on a weight reordered once into oneDNN's blocked layout (at one row
+it is not, and `linear` keeps F.linear there). The built-in engine on packed weights against the
 same engine on F.linear: docs/performance.md, "Prepacked linears" (`benchmarks/rollout.py
 --engines native native_unpacked`).
 
 `PackedWeights` holds the packed copies of a model's weights. Inside `packs.active()`, on that
-thread only, `linear` computes with them: every linear of archon's models (`Linear`,
-`LoRALinear`'s base, the output head) goes through it. A weight is packed on its first use and the
-copy is used while the weight is unchanged: the same tensor, storage and version counter (an
-in-place write, such as a LoRA merge or a `copy_` under no_grad, moves the counter; a write
-through `.data` does not: call `clear()` after one). Only frozen weights are packed
+thread only, `linear` computes with them. The linears that go through it: `Linear` (what
+`archon.lora.linear` builds where LoRA does not reach), the base of `LoRALinear` and
+`MultiLoRALinear`, and the output head; a few plain nn.Linear layers (Mamba2's out_proj, the MTP
+projection, DeepSeek-V3.2's indexer) compute with F.linear.
+
+A weight is packed on its first use and the copy is used while the weight is unchanged: the same
+tensor, storage and version counter (an in-place write, such as a LoRA merge or a `copy_` under
+no_grad, moves the counter; a write through `.data` does not: call `clear()` after one). Only frozen weights are packed
 (`requires_grad` False: the base of a LoRA run, an inference model), and only plain fp32 CPU
 tensors: a DTensor shard, a float64 equality run, bf16 or a quantized weight computes with
 `F.linear` as before, as does every other thread (a trainer's forward while a producer generates).
