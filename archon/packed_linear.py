@@ -14,9 +14,10 @@ projection, DeepSeek-V3.2's indexer) compute with F.linear.
 
 A weight is packed on its first use and the copy is used while the weight is unchanged: the same
 tensor, storage and version counter (an in-place write, such as a LoRA merge or a `copy_` under
-no_grad, moves the counter; a write through `.data` does not: call `clear()` after one). Only frozen weights are packed
-(`requires_grad` False: the base of a LoRA run, an inference model), and only plain fp32 CPU
-tensors: a DTensor shard, a float64 equality run, bf16 or a quantized weight computes with
+no_grad, moves the counter; a write through `.data` does not: call `clear()` after one). Only
+frozen weights are packed (`requires_grad` False: the base of a LoRA run, an inference model), of
+at least MIN_PACKED_ELEMENTS elements, and only plain fp32 CPU tensors: a smaller weight (all of
+the demo's), a DTensor shard, a float64 equality run, bf16 or a quantized weight computes with
 `F.linear` as before, as does every other thread (a trainer's forward while a producer generates).
 
 The copies cost a second copy of the weights they pack.
@@ -48,10 +49,20 @@ def packing_supported(device: torch.device | str) -> bool:
     )
 
 
-class PackedWeights:
-    """Packed copies of the frozen fp32 CPU weights that `linear` meets inside `active()`."""
+MIN_PACKED_ELEMENTS = 1 << 17
+"""The smallest weight packed. oneDNN's call costs more than F.linear's (35-50 us against 10-30 at
+[128, 128] to [384, 128], 2 threads): for smaller weights that overhead outweighs the faster
+product. Measured 2026-12-07 on a 2-core AMD EPYC at 2 to 256 rows: packed / F.linear 0.23-0.8x
+at 16K-49K elements (the demo's model), 0.52-1.0x at 64K, 0.84-1.2x at 128K-196K, 1.06-1.9x at
+256K and up."""
 
-    def __init__(self) -> None:
+
+class PackedWeights:
+    """Packed copies of the frozen fp32 CPU weights of at least `min_elements` elements that
+    `linear` meets inside `active()`."""
+
+    def __init__(self, min_elements: int = MIN_PACKED_ELEMENTS) -> None:
+        self.min_elements = min_elements
         # id(weight) -> (weakref to it, its data_ptr, its version counter, the packed copy)
         self._packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
@@ -86,9 +97,10 @@ class PackedWeights:
         return packed
 
 
-def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_elements: int) -> bool:
     return (
         type(weight) in _PLAIN
+        and weight.numel() >= min_elements
         and type(x) in _PLAIN
         and not weight.requires_grad
         and not weight.is_inference()  # no version counter to tell a write by
@@ -108,7 +120,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `PackedWeights.active()` block on this thread, on the weight's packed copy when it has one
     (see the module docstring)."""
     packs = getattr(_scope, "packs", None)
-    if packs is None or not _packable(x, weight, bias):
+    if packs is None or not _packable(x, weight, bias, packs.min_elements):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])  # [N, in]
     out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packs.packed(weight), bias, "none", [], "")

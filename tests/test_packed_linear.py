@@ -52,7 +52,10 @@ def test_what_is_not_packed_computes_with_f_linear():
     """Outside the scope, on another thread, for a trainable weight, in float64, at one row: F.linear
     itself, bit for bit, and nothing packed."""
     weight, x = _frozen(64, 32), _frozen(8, 32, seed=1)
-    packs = PackedWeights()
+    with PackedWeights().active() as default_packs:  # below MIN_PACKED_ELEMENTS: F.linear is faster
+        assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert len(default_packs) == 0
+    packs = PackedWeights(min_elements=0)
     assert torch.equal(linear(x, weight), F.linear(x, weight))
     with packs.active():
         other_thread = []
@@ -77,7 +80,7 @@ def test_what_is_not_packed_computes_with_f_linear():
 
 def test_a_weight_written_in_place_is_packed_again_and_a_freed_one_frees_its_copy():
     weight, x = _frozen(64, 32), _frozen(8, 32, seed=1)
-    packs = PackedWeights()
+    packs = PackedWeights(min_elements=0)
     with packs.active(), torch.no_grad():
         before = linear(x, weight)
         weight.mul_(-2.0)  # a merge or a load writes the weight in place
@@ -89,8 +92,9 @@ def test_a_weight_written_in_place_is_packed_again_and_a_freed_one_frees_its_cop
 
 
 def test_the_engine_generates_on_packed_weights_to_float32_rounding(tiny_checkpoint):
-    """A LoRA model (frozen base) generates with every linear of the base and the head packed; the
-    log-probs of its samples are those of the same tokens scored in float64."""
+    """A LoRA model (frozen base) generates with every linear of the base and the head packed (the
+    size threshold set to 0 for this tiny model); the log-probs of its samples are those of the
+    same tokens scored in float64."""
     path = tiny_checkpoint("qwen3")
     lora = LoRAConfig(rank=4, alpha=8)
     model = build_model(path, lora=lora).model.eval()
@@ -98,6 +102,8 @@ def test_the_engine_generates_on_packed_weights_to_float32_rounding(tiny_checkpo
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     engine = NativeRolloutEngine(model)
+    assert engine.packed_weights is not None
+    engine.packed_weights = PackedWeights(min_elements=0)  # the tiny model's weights are below the default
     prompts = [[3, 17, 42, 9, 250], [100, 101, 102, 103, 104, 105]]
     samples = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, n=3, seed=1))
     linears = [m for m in model.modules() if isinstance(m, (Linear, LoRALinear))]

@@ -126,8 +126,8 @@ class RolloutConfig:
     None: every prefill in one forward."""
     prepack_linears: bool = True
     """The native engine on the CPU computes the linears of the frozen fp32 weights (the LoRA base)
-    with oneDNN on copies of those weights packed once: faster decode steps, for a second copy of
-    the base's linear weights in memory."""
+    of at least 131,072 elements with oneDNN on copies of those weights packed once: faster decode
+    steps, for a second copy of those weights in memory."""
     max_staleness: int = 0
     """Asynchronous RL: with N >= 1 the rollouts of later steps are generated (vLLM, or the native
     engine on one process) while the current step trains, each step's generation overlapping the
