@@ -109,7 +109,7 @@ def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         and weight.dim() == 2
         and weight.device.type == "cpu"
         and x.device.type == "cpu"
-        and x.numel() >= 2 * x.shape[-1]  # at one row F.linear is as fast
+        and x.numel() >= 2 * x.shape[-1]  # at one row F.linear is faster
         and (bias is None or (type(bias) in _PLAIN and bias.dtype == torch.float32 and not bias.requires_grad))
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
