@@ -167,8 +167,8 @@ class NativeRolloutEngine:
     comes from the version it started with.
     prepack_linears: on the CPU, compute the linears of frozen fp32 weights (a LoRA run's base, an
     inference model) of at least packed_linear.MIN_PACKED_ELEMENTS elements with oneDNN on copies
-    of the weights packed once (archon/packed_linear.py):
-    faster at a decode step's few rows, for a second copy of those weights. Ignored off the CPU."""
+    of the weights packed once (archon/packed_linear.py): faster at a decode step's few rows, for a
+    second copy of those weights. Ignored off the CPU."""
 
     def __init__(
         self,
