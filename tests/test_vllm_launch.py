@@ -131,6 +131,59 @@ def test_a_port_in_use_is_refused_before_the_launch(tmp_path, monkeypatch):
     assert launches == []
 
 
+def test_free_ports_lie_below_the_kernels_ephemeral_range_and_are_free():
+    """A port probed with bind(0) goes back to the ephemeral range when the probe closes, where any
+    process's next connection may take it before the server binds it (a CI run lost a vLLM server
+    to "Address already in use" that way); free_port's ports are never handed out by the kernel."""
+    import socket
+
+    from archon.rollout.vllm_network import FIRST_CHOSEN_PORT, ephemeral_port_range, free_port
+
+    low, high = ephemeral_port_range()
+    assert 0 < low <= high <= 65535
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert len(ports) > 1  # chosen at random, not the same one each time
+    for port in ports:
+        assert FIRST_CHOSEN_PORT <= port < low
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+    kernel_ports = []
+    for _ in range(200):  # what the kernel hands out never meets them
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            kernel_ports.append(s.getsockname()[1])
+    assert all(low <= p <= high for p in kernel_ports)
+
+
+def test_free_port_takes_the_kernels_pick_where_no_room_lies_below_the_range(tmp_path, monkeypatch):
+    from archon.rollout import vllm_network
+
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text("1024\t65535\n")
+    monkeypatch.setattr(vllm_network, "EPHEMERAL_RANGE_FILE", range_file)
+    assert vllm_network.ephemeral_port_range() == (1024, 65535)
+    assert 1024 <= vllm_network.free_port("127.0.0.1") <= 65535
+    range_file.write_text("not a range")
+    assert vllm_network.ephemeral_port_range() == (49152, 65535)
+
+
+def test_a_port_that_is_taken_is_never_chosen(monkeypatch):
+    import socket
+
+    from archon.rollout import vllm_network
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(vllm_network, "FIRST_CHOSEN_PORT", port)
+        monkeypatch.setattr(vllm_network, "ephemeral_port_range", lambda: (port + 1001, 65535))
+        chosen = {vllm_network.free_port("127.0.0.1") for _ in range(50)}
+    assert port not in chosen and all(port < p <= port + 1000 for p in chosen)
+
+
 def test_a_run_sizes_its_servers_from_the_longest_request_it_keeps(tmp_path, monkeypatch):
     """RLRun sizes the servers from its data (longest prompt) and max_new_tokens; a prompt that
     cannot fit the model's context with them is skipped by the loader, so the size always fits."""

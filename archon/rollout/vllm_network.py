@@ -8,39 +8,77 @@ import concurrent.futures
 import errno
 import http.client
 import ipaddress
+import random
 import socket
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 
 class VLLMServerError(RuntimeError):
     """A vLLM server cannot be launched, reached or used."""
 
 
-def free_port(host: str) -> int:
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_CHOSEN_PORT = 10000
+"""free_port chooses among ports from here up to the kernel's ephemeral range."""
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out for bind(port 0) and outgoing connections (Linux's setting;
+    elsewhere the IANA range, which macOS and Windows use)."""
+    try:
+        low, high = (int(part) for part in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 49152, 65535
+    return low, high
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """What binding `port` on `host` as a server does (with SO_REUSEADDR, so a port whose earlier
+    connections linger in TIME_WAIT, a minute after a server stops, counts as free) raises; None
+    when it binds."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
+
+def free_port(host: str) -> int:
+    """A port on `host` that nothing is bound to, for a process started next to listen on.
+
+    It is chosen at random below the kernel's ephemeral range. A port the kernel handed out (bind
+    to port 0) returns to that range when the probe closes, and any process's next outgoing
+    connection or bind(0) may take it in the seconds before the new process binds it (a vLLM
+    server binds its port a few seconds after its start); a port below the range is never handed
+    out that way."""
+    low, _ = ephemeral_port_range()
+    if low > FIRST_CHOSEN_PORT + 1000:
+        chooser = random.SystemRandom()
+        for _ in range(100):
+            port = chooser.randrange(FIRST_CHOSEN_PORT, low)
+            if bind_error(host, port) is None:
+                return port
+    with socket.socket() as s:  # no room below the range, or all taken: one the kernel picks
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def check_port_free(host: str, port: int) -> None:
     """Refuse to launch on a port something already listens on: the new server would fail to bind,
-    and its health checks would reach the other process instead. The check binds as the server
-    does, with SO_REUSEADDR, so a port whose earlier connections linger in TIME_WAIT (a minute
-    after a server stops) counts as free."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:  # e.g. an address of another machine: vLLM reports it
-                return
-            raise VLLMServerError(
-                f"cannot launch a vLLM server on {host}:{port}: the port is in use ({e.strerror}), perhaps by a "
-                f"server of an earlier run; stop that process or set rollout.vllm.port"
-            ) from None
+    and its health checks would reach the other process instead."""
+    error = bind_error(host, port)
+    if error is None or error.errno != errno.EADDRINUSE:  # e.g. an address of another machine: vLLM reports it
+        return
+    raise VLLMServerError(
+        f"cannot launch a vLLM server on {host}:{port}: the port is in use ({error.strerror}), perhaps by a "
+        f"server of an earlier run; stop that process or set rollout.vllm.port"
+    )
 
 
 def is_loopback_host(host: str) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from archon.head import label_logprobs
 from archon.lora import LoRAConfig, lora_parameters
 from archon.lora.peft import full_tensor
 from archon.parallel import ParallelConfig, reduce_partial_grads
+from archon.rollout.vllm_network import free_port
 from archon.tools.tiny_checkpoint import make_tiny_hf_checkpoint
 
 SEQ_LENS = (7, 1, 13, 33)
@@ -85,12 +85,6 @@ def _worker(hf_dir: str, out: str, dtype_name: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tp_check(hf_dir: str | Path, dtype: str = "float32", timeout_s: int = 300) -> dict:
     """The TP x2 figures of the checkpoint at `hf_dir`; RuntimeError with the workers' output when they fail."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +96,7 @@ def tp_check(hf_dir: str | Path, dtype: str = "float32", timeout_s: int = 300) -
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_free_port()),
+            str(free_port("127.0.0.1")),
             "-m",
             "archon.tools.align_tp",
             str(hf_dir),

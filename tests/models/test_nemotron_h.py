@@ -371,14 +371,13 @@ def test_tp2_fsdp2_and_ep2_match_one_process(tiny_checkpoint, tmp_path):
     the gate's `--all`, archon.tools.align_tp.)"""
     import json
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from archon.rollout.vllm_network import free_port
+
+    port = free_port("127.0.0.1")
     hf_dir = str(tiny_checkpoint(MODEL_TYPE))
     biases_dir = str(tiny_checkpoint(MODEL_TYPE, **CASES["attention-first-biases"]))
     out = tmp_path / "results.json"
