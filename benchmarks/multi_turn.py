@@ -27,10 +27,12 @@ last line printed is JSON.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -128,6 +130,7 @@ def main(args: BenchArgs) -> dict:
     config = QUICK_MODEL_CONFIG if args.quick else MODEL_CONFIG
     vocab = config["vocab_size"]
     root = Path(tempfile.mkdtemp(prefix="archon_multi_turn_bench_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     model_dir = rollout_benchmark._build_model_dir(root, config)
     trainer = Trainer(TrainerConfig(model_path=str(model_dir), lora=LoRAConfig(rank=8, alpha=16.0), device="cpu"))
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed)

@@ -58,9 +58,11 @@ without, the speed-up (median of the alternated rounds' ratios, with min and max
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -425,6 +427,7 @@ def speculative_main(args: BenchArgs, comparisons: dict) -> list[dict]:
 
     config = QUICK_SPEC_MODEL_CONFIG if args.quick else SPEC_MODEL_CONFIG
     root = Path(tempfile.mkdtemp(prefix="archon_speculative_bench_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     model_dir = add_mtp_weights(
         make_tiny_hf_checkpoint("deepseek_v3", root / "model", **config), "num_nextn_predict_layers"
     )
@@ -515,7 +518,9 @@ def speculative_demo_main(args: BenchArgs) -> dict:
         flush=True,
     )
     config = load_config_file(DEMO_CONFIG)
-    demo = dataclasses.replace(config.demo, cache_dir=tempfile.mkdtemp(prefix="archon_speculative_demo_"))
+    cache_dir = tempfile.mkdtemp(prefix="archon_speculative_demo_")
+    atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
+    demo = dataclasses.replace(config.demo, cache_dir=cache_dir)
     files = prepare_demo(demo, config.parallel, config.seed, rank=0)
     model = build_model(str(files.model_dir)).model.eval().requires_grad_(False)
     head = load_draft_head(packaged_drafter(config.demo, config.seed), model)
@@ -622,6 +627,7 @@ def main(args: BenchArgs) -> dict:
     config = QUICK_MODEL_CONFIG if args.quick else MODEL_CONFIG
     cases = QUICK_CASES if args.quick else CASES
     root = Path(tempfile.mkdtemp(prefix="archon_rollout_bench_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     model_dir = _build_model_dir(root, config)
     dims = _model_dims(config)
     bandwidth = measure_bandwidth_gbs()
