@@ -68,6 +68,44 @@ def windowed_attention(q, k, v, scale: float, sinks: torch.Tensor | None, slidin
     return torch.cat(outputs, dim=1)
 
 
+# Many short sequences run as one padded batch: one attention call instead of one per sequence,
+# whose per-call cost dominates at RL lengths (tens of tokens), and only where the padding costs
+# little. On a 2-core CPU (fp32, forward and backward, 4 query and 2 key/value heads of 32) the one
+# call was 1.9-3.1x as fast at 16 tokens, 1.2-1.4x at 64, 1.05x at 128, and 0.75x for 16 sequences
+# of 100-300 tokens.
+MAX_PADDED_LENGTH = 128
+MAX_PADDING_FACTOR = 2.0
+
+
+def _pads_cheaply(lengths: list[int]) -> bool:
+    longest = max(lengths, default=0)
+    padded = len(lengths) * longest
+    return len(lengths) > 1 and longest <= MAX_PADDED_LENGTH and padded <= MAX_PADDING_FACTOR * sum(lengths)
+
+
+def _right_padded_attention(q, k, v, cu_seqlens, lengths: list[int], scale: float) -> torch.Tensor:
+    """packed_attention without sinks or a window, as one causal call over the sequences padded on
+    the right to the longest: q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, Dv] -> [T, H, Dv].
+
+    Under the causal mask a real query sees only keys before it, never the padding after its
+    sequence, so no other mask is needed; the padded queries' outputs are dropped, and with them
+    their gradients (zero), so the real tokens' values and gradients are those of per-sequence calls."""
+    T, longest = q.shape[0], max(lengths)
+    lengths_t = torch.tensor(lengths, device=q.device)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths_t, output_size=T)
+    position = torch.arange(T, device=q.device) - cu_seqlens[:-1].to(q.device)[sequence]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [N, h, L, d]
+        out = x.new_zeros(len(lengths), longest, *x.shape[1:])
+        out = out.index_put((sequence, position), x)
+        return out.transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )  # [N, H, L, Dv]
+    return out.transpose(1, 2)[sequence, position]
+
+
 def packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -108,6 +146,8 @@ def packed_attention(
         window_size = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
         return _flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window_size)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if sliding_window is None and sinks is None and _pads_cheaply(lengths):
+        return _right_padded_attention(q, k, v, cu_seqlens, lengths, scale)
     outputs = []
     # split (not per-sequence slicing): its backward is one concatenation rather than a
     # zero-filled [T, ...] gradient per sequence.
