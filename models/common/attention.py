@@ -91,9 +91,11 @@ def _right_padded_attention(q, k, v, cu_seqlens, lengths: list[int], scale: floa
     sequence, so no other mask is needed; the padded queries' outputs are dropped, and with them
     their gradients (zero), so the real tokens' values and gradients are those of per-sequence calls."""
     T, longest = q.shape[0], max(lengths)
-    lengths_t = torch.tensor(lengths, device=q.device)
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths_t, output_size=T)
-    position = torch.arange(T, device=q.device) - cu_seqlens[:-1].to(q.device)[sequence]
+    cu_seqlens = cu_seqlens.to(q.device)
+    sequence = torch.repeat_interleave(  # no host-to-device copy: the lengths come from cu_seqlens
+        torch.arange(len(lengths), device=q.device), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T
+    )
+    position = torch.arange(T, device=q.device) - cu_seqlens[:-1][sequence]
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [N, h, L, d]
         out = x.new_zeros(len(lengths), longest, *x.shape[1:])
